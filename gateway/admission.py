@@ -1,0 +1,46 @@
+"""Admission: the concurrency slots every route shares, and the clock of a request.
+
+There is no queue: a request that finds every slot taken is refused at once, so
+clients back off (and a load balancer can try another gateway) instead of
+piling up behind a deadline they will miss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gateway.errors import Busy
+
+
+class Slots:
+    """A fixed number of slots; `hold()` takes one for the body of a `with`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Takes a slot or raises `Busy`; the slot comes back on every exit path."""
+        if self.in_use >= self.limit:
+            raise Busy(f"The server is at its limit of {self.limit} concurrent requests.")
+        self.in_use += 1
+        try:
+            yield
+        finally:
+            self.in_use -= 1
+
+
+class Deadline:
+    """A point in time a whole answer must be done by."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        """Seconds left, never below zero."""
+        return max(0.0, self.at - time.monotonic())

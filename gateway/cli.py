@@ -1,0 +1,69 @@
+"""The `furnace-gateway` command: serve, worker, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import Config, ConfigError, load_config, parse_config
+from gateway.server import run, serve_demo, serve_gateway, serve_worker
+from gateway.worker.demo import DEMO_MODEL, DemoEngine
+
+ENGINES = ("demo",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="furnace-gateway",
+        description="An OpenAI-compatible gateway in front of gRPC engine workers.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="the YAML config file")
+
+    worker = commands.add_parser("worker", help="run an engine as a gRPC worker")
+    worker.add_argument("--engine", choices=ENGINES, default="demo")
+    worker.add_argument("--host", default="0.0.0.0")
+    worker.add_argument("--port", type=int, default=50051)
+    worker.add_argument("--model", default=DEMO_MODEL)
+    _demo_options(worker)
+
+    demo = commands.add_parser("demo", help="run the gateway with an embedded demo worker")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000)
+    _demo_options(demo)
+    return parser
+
+
+def _demo_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-delay", type=float, default=0.0, help="seconds between tokens (a GPU's pace)"
+    )
+    parser.add_argument("--max-context", type=int, default=4096, help="tokens the model holds")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parses the command line and runs the command until interrupted."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        if args.command == "serve":
+            config = load_config(args.config)
+            logging.getLogger().setLevel(config.log_level.upper())
+            run(serve_gateway(config))
+        elif args.command == "worker":
+            engine = DemoEngine(args.model, args.max_context, args.token_delay)
+            run(serve_worker(engine, args.host, args.port))
+        else:
+            config = parse_config({"host": args.host, "port": args.port})
+            engine = DemoEngine(DEMO_MODEL, args.max_context, args.token_delay)
+            run(serve_demo(config, engine))
+    except ConfigError as error:
+        sys.exit(f"furnace-gateway: invalid config: {error}")
+    except KeyboardInterrupt:
+        pass
+
+
+__all__ = ["Config", "main"]

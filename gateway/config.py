@@ -1,0 +1,150 @@
+"""The gateway's configuration: one YAML file, environment overrides, checked at
+start with an error that names the field.
+
+Every field has a safe, finite default. An environment variable
+`FURNACE_<FIELD>` (upper case) overrides a top-level scalar field, and
+`FURNACE_MODELS` may hold the whole `models` list as YAML.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "FURNACE_"
+MODEL_KINDS = ("llm", "tensor")
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model and the workers that serve it."""
+
+    name: str
+    kind: str = "llm"
+    workers: tuple[str, ...] = ()
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `furnace-gateway serve` reads."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    #: Requests served at once, all routes together; one more gets 503 at once.
+    max_concurrent_requests: int = 256
+    #: Seconds for a whole non-streamed answer, and for each event of a stream.
+    request_timeout: float = 600.0
+    #: Seconds a whole stream may last; its gRPC deadline.
+    stream_timeout: float = 3600.0
+    #: Seconds of quiet in a stream before an SSE comment keeps proxies from cutting it.
+    keepalive_interval: float = 15.0
+    #: Largest request body read, in bytes; a larger one gets 413.
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Seconds sent in Retry-After with a 503.
+    retry_after: int = 1
+    log_level: str = "info"
+    models: tuple[ModelConfig, ...] = field(default_factory=tuple)
+
+
+_NUMBERS: dict[str, tuple[type, float]] = {
+    "port": (int, 0),
+    "max_concurrent_requests": (int, 1),
+    "request_timeout": (float, 0.001),
+    "stream_timeout": (float, 0.001),
+    "keepalive_interval": (float, 0.001),
+    "max_body_bytes": (int, 1),
+    "retry_after": (int, 0),
+}
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if kind is int and isinstance(value, float) and value != number:
+        raise ConfigError(f"{name}: expected a whole number, got {value!r}")
+    if number < minimum:
+        raise ConfigError(f"{name}: must be at least {minimum}, got {value!r}")
+    return number
+
+
+def _model(where: str, raw: Any) -> ModelConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with a name")
+    unknown = set(raw) - {f.name for f in fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name: expected a non-empty string")
+    kind = raw.get("kind", "llm")
+    if kind not in MODEL_KINDS:
+        raise ConfigError(f"{where}.kind: expected one of {', '.join(MODEL_KINDS)}, got {kind!r}")
+    workers = raw.get("workers", [])
+    if not isinstance(workers, list) or not all(isinstance(w, str) and w for w in workers):
+        raise ConfigError(f"{where}.workers: expected a list of addresses")
+    if kind == "llm" and not workers:
+        raise ConfigError(f"{where}.workers: an llm model needs at least one worker")
+    max_len = raw.get("max_model_len")
+    if max_len is not None:
+        max_len = _number(f"{where}.max_model_len", max_len, int, 1)
+    return ModelConfig(name=name, kind=kind, workers=tuple(workers), max_model_len=max_len)
+
+
+def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
+    """Builds a checked `Config` from a YAML mapping and environment overrides."""
+    env = os.environ if env is None else env
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config: expected a mapping at the top level")
+    values = dict(raw)
+    known = {f.name for f in fields(Config)}
+    for name in known:
+        override = env.get(ENV_PREFIX + name.upper())
+        if override is not None:
+            values[name] = yaml.safe_load(override) if name == "models" else override
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown field")
+    for name, (kind, minimum) in _NUMBERS.items():
+        if name in values:
+            values[name] = _number(name, values[name], kind, minimum)
+    if not isinstance(values.get("host", ""), str):
+        raise ConfigError("host: expected a string")
+    level = str(values.get("log_level", "info")).lower()
+    if level not in _LOG_LEVELS:
+        raise ConfigError(f"log_level: expected one of {', '.join(_LOG_LEVELS)}")
+    values["log_level"] = level
+    models = values.get("models") or []
+    if not isinstance(models, list):
+        raise ConfigError("models: expected a list")
+    values["models"] = tuple(_model(f"models[{i}]", m) for i, m in enumerate(models))
+    names = [m.name for m in values["models"]]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"models[{i}].name: {name!r} is listed twice")
+    return Config(**values)
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    """Reads and checks a YAML config file."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
+    return parse_config(raw, env)

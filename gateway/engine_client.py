@@ -1,0 +1,156 @@
+"""The gateway's side of the worker protocol: one long-lived grpc.aio channel per
+worker, our requests to protobuf, protobuf events back to ours, and every gRPC
+failure turned into an `EngineError` through the one table in `grpc_errors`.
+
+Everything above this module sees only `gateway.types` and `gateway.errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway import errors
+from gateway._proto import engine_pb2 as pb
+from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.grpc_errors import error_from_status
+from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+
+_FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+}
+
+# Loopback and in-cluster links: keep connections warm, allow big prompts.
+_CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """One model a worker says it serves."""
+
+    name: str
+    max_context: int
+
+
+def to_proto(request: GenerateRequest) -> pb.GenerateRequest:
+    """Our request as the protocol's message."""
+    s = request.sampling
+    sampling = pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+    )
+    message = pb.GenerateRequest(
+        request_id=request.request_id,
+        model=request.model,
+        sampling=sampling,
+        stop=request.stop,
+    )
+    if request.messages is not None:
+        message.chat.messages.extend(
+            pb.ChatMessage(role=m.role, content=m.content) for m in request.messages
+        )
+    else:
+        message.text = request.prompt or ""
+    return message
+
+
+def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error_from_status(error.code(), error.details(), error.trailing_metadata())
+    return errors.Unavailable(f"engine worker call failed: {error}")
+
+
+class EngineStream:
+    """One Generate call: iterate for our events; `cancel()` stops the worker."""
+
+    __slots__ = ("_call", "_on_close", "_closed")
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, on_close: Callable[[], None]) -> None:
+        self._call = call
+        self._on_close = on_close
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as error:
+            self.close()
+            raise _from_rpc_error(error) from None
+        if message is grpc.aio.EOF:
+            self.close()
+            raise StopAsyncIteration
+        kind = message.WhichOneof("event")
+        if kind == "text":
+            text = message.text
+            return Text(text.text, text.tokens)
+        if kind == "started":
+            return Started(message.started.prompt_tokens)
+        if kind == "finished":
+            finished = message.finished
+            reason = _FINISH_REASONS.get(finished.reason, FinishReason.STOP)
+            return Finished(reason, finished.completion_tokens)
+        self.cancel()
+        raise errors.Failed(f"engine worker sent an unknown event {kind!r}")
+
+    def cancel(self) -> None:
+        """Cancels the call (the worker sees CANCELLED and aborts)."""
+        self._call.cancel()
+        self.close()
+
+    def close(self) -> None:
+        """Marks the call over; runs the owner's callback exactly once."""
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+
+class EngineClient:
+    """A worker at one address, over one channel created on the running loop."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.EngineStub(self._channel)
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_close: Callable[[], None] = lambda: None,
+    ) -> EngineStream:
+        """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
+        call = self._stub.Generate(to_proto(request), timeout=timeout, metadata=metadata)
+        return EngineStream(call, on_close)
+
+    async def describe(self, timeout: float) -> list[ModelDescription]:
+        """The models the worker serves, or an `EngineError` when it can't say."""
+        try:
+            reply = await self._stub.Describe(pb.DescribeRequest(), timeout=timeout)
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        return [ModelDescription(m.name, m.max_context) for m in reply.models]
+
+    async def close(self) -> None:
+        """Closes the channel, cancelling calls still on it."""
+        await self._channel.close()

@@ -1,0 +1,119 @@
+"""Runs one request against its worker in a task of its own, so the edge can wait
+for events with an idle timeout and keep-alive ticks, stop at once when its
+client leaves, and write every event that is ready in one send.
+
+Reading in the edge's own task would not do: cancelling a pending gRPC read
+cancels the call, so a read cannot be interrupted for a keep-alive. Here the
+reader never waits on anything but the worker, and the edge waits on a future
+that the reader, a timer or `cancel()` completes. Per event the cost is one list
+append and, when the edge is waiting, one future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from collections.abc import Coroutine
+from typing import Any
+
+from gateway import errors
+from gateway.engine_client import EngineStream
+from gateway.types import Event, Finished, Started
+
+
+class EventPump:
+    """The events of one request, in batches of what is ready.
+
+    `start` is the fleet's start of the call: it resolves to the `Started`
+    event and the stream of the rest, or raises the refusal.
+    """
+
+    def __init__(self, start: Coroutine[Any, Any, tuple[Started, EngineStream]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start = start
+        self._stream: EngineStream | None = None
+        self._ready: list[Event] = []
+        self._error: errors.EngineError | None = None
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._last_event = self._loop.time()
+        self._reader = self._loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            first, self._stream = await self._start
+            self._ready.append(first)
+            self._last_event = self._loop.time()
+            self._wake()
+            async for event in self._stream:
+                self._ready.append(event)
+                self._last_event = self._loop.time()
+                self._wake()
+                if type(event) is Finished:
+                    self._stream.close()
+                    return
+            self._error = errors.Failed("The engine worker ended the stream without finishing.")
+        except errors.EngineError as error:
+            self._error = error
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
+        """The events ready now, waiting for at least one.
+
+        Returns [] when `tick` seconds pass without one (time for a keep-alive),
+        and [] at the end of the stream once everything was returned. Raises the
+        stream's error once the events before it are returned, or `Timeout`
+        after `idle_timeout` seconds without an event (and cancels the call).
+        """
+        while not self._ready and not self._ended:
+            now = self._loop.time()
+            idle_at = self._last_event + idle_timeout
+            if now >= idle_at:
+                self.cancel()
+                raise errors.Timeout(
+                    f"The engine worker sent nothing for {idle_timeout:g} seconds."
+                )
+            wake_at = idle_at if tick is None else min(idle_at, now + tick)
+            waiter = self._waiter = self._loop.create_future()
+            timer = self._loop.call_at(wake_at, self._wake)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if tick is not None and not self._ready and self._loop.time() < idle_at:
+                return []
+        if self._ready:
+            batch, self._ready = self._ready, []
+            return batch
+        if self._error is not None:
+            raise self._error
+        return []
+
+    def cancel(self) -> None:
+        """Cancels the worker's call; waiting in `next_batch` then ends."""
+        if not self._ended:
+            if self._stream is not None:
+                self._stream.cancel()
+            self._reader.cancel()
+            self._ended = True
+            self._error = errors.Unavailable("The request was cancelled.")
+        self._wake()
+
+    async def aclose(self) -> None:
+        """Cancels the call if still running and waits for the reader to finish."""
+        self.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            if not self._reader.cancelled():
+                raise
+        finally:
+            self._start.close()  # never started if cancelled at once; else a no-op

@@ -1,0 +1,233 @@
+"""The generation routes, as raw ASGI endpoints: read and check the body, take a
+slot, start the request on the fleet, and answer with JSON or SSE.
+
+A stream's status waits for the worker's first event, so refusals arrive as real
+4xx/5xx; after that an error is one SSE error payload and `[DONE]`. A client
+that goes away cancels the worker's call at once, and the slot comes back on
+every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway import errors
+from gateway.admission import Deadline, Slots
+from gateway.config import Config
+from gateway.event_pump import EventPump
+from gateway.fleet import Fleet, ModelPool
+from gateway.openai.body import Scope, read_json
+from gateway.openai.encoding import DONE, KEEPALIVE, Encoder, sse
+from gateway.openai.errors import SERVER, APIError, from_engine_error
+from gateway.openai.validation import ParsedRequest
+from gateway.types import Event, Finished, Started, Text
+
+log = logging.getLogger("furnace.edge")
+
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass
+class GatewayState:
+    """What every route shares; the fleet is set by the app's lifespan."""
+
+    config: Config
+    slots: Slots
+    fleet: Fleet | None = None
+    ready: bool = False
+    started_at: int = 0
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """A whole JSON response."""
+    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS + headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: APIError, request_id: bytes) -> None:
+    """An OpenAI-shaped error response."""
+    await send_json(send, error.status, error.body(), [(b"x-request-id", request_id), *error.headers()])
+
+
+def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+    """The request's id (the client's x-request-id, or a new one) and the
+    metadata passed on to the worker."""
+    request_id = b""
+    metadata: list[tuple[str, str]] = []
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and value:
+            request_id = value[:128]
+        elif name == b"traceparent":
+            metadata.append(("traceparent", value.decode("latin-1")))
+    if not request_id:
+        request_id = secrets.token_hex(16).encode()
+    metadata.append(("x-request-id", request_id.decode("latin-1")))
+    return request_id, tuple(metadata)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class _Answer:
+    """What a stream has told us so far."""
+
+    prompt_tokens: int = 0
+    finished: Finished | None = None
+    texts: list[str] = field(default_factory=list)
+
+    def take(self, batch: list[Event]) -> str:
+        """Records a batch; returns the text it carries, joined."""
+        pieces = []
+        for event in batch:
+            kind = type(event)
+            if kind is Text:
+                pieces.append(event.text)
+            elif kind is Started:
+                self.prompt_tokens = event.prompt_tokens
+            elif kind is Finished:
+                self.finished = event
+        return "".join(pieces)
+
+
+class GenerationRoute:
+    """/v1/chat/completions or /v1/completions, by its parser and encoder."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        parse: Callable[[Any], ParsedRequest],
+        encoder_type: type[Encoder],
+    ) -> None:
+        self.state = state
+        self.parse = parse
+        self.encoder_type = encoder_type
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serves one request; every error leaves as an OpenAI-shaped body."""
+        state = self.state
+        config = state.config
+        request_id, metadata = _request_id(scope)
+        try:
+            parsed = self.parse(await read_json(scope, receive, config.max_body_bytes))
+            assert state.fleet is not None
+            pool = state.fleet.get(parsed.model)
+            with state.slots.hold():
+                await self._serve(parsed, pool, request_id, metadata, receive, send)
+        except APIError as error:
+            await send_error(send, error, request_id)
+        except errors.EngineError as error:
+            await send_error(send, from_engine_error(error, config.retry_after), request_id)
+
+    async def _serve(
+        self,
+        parsed: ParsedRequest,
+        pool: ModelPool,
+        request_id: bytes,
+        metadata: tuple[tuple[str, str], ...],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        config = self.state.config
+        assert self.state.fleet is not None
+        request = replace(parsed.generate, model=pool.name, request_id=request_id.decode("latin-1"))
+        timeout = config.stream_timeout if parsed.stream else config.request_timeout
+        pump = EventPump(self.state.fleet.start(pool, request, Deadline(timeout), metadata))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(lambda _: pump.cancel())
+        encoder = self.encoder_type(pool.name, parsed.include_usage)
+        try:
+            if parsed.stream:
+                await self._stream(pump, encoder, request_id, send, watcher)
+            else:
+                await self._answer(pump, encoder, request_id, send)
+        except errors.EngineError:
+            if not watcher.done():
+                raise
+            log.info("client went away; request %s cancelled", request_id.decode("latin-1"))
+        finally:
+            watcher.cancel()
+            await pump.aclose()
+
+    async def _answer(
+        self, pump: EventPump, encoder: Encoder, request_id: bytes, send: Send
+    ) -> None:
+        timeout = self.state.config.request_timeout
+        answer = _Answer()
+        try:
+            async with asyncio.timeout(timeout):
+                while answer.finished is None:
+                    batch = await pump.next_batch(timeout)
+                    if not batch:
+                        raise errors.Failed("The engine worker ended the stream without finishing.")
+                    answer.texts.append(answer.take(batch))
+        except TimeoutError:
+            raise errors.Timeout(f"The answer took longer than {timeout:g} seconds.") from None
+        finished = answer.finished
+        body = encoder.response(
+            "".join(answer.texts), finished.reason, answer.prompt_tokens, finished.completion_tokens
+        )
+        await send_json(send, 200, body, [(b"x-request-id", request_id)])
+
+    async def _stream(
+        self,
+        pump: EventPump,
+        encoder: Encoder,
+        request_id: bytes,
+        send: Send,
+        watcher: asyncio.Future[None],
+    ) -> None:
+        config = self.state.config
+        answer = _Answer()
+        first = await pump.next_batch(config.request_timeout)
+        text = answer.take(first)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE_HEADERS, (b"x-request-id", request_id)],
+            }
+        )
+        body = encoder.opening() + (encoder.delta(text) if text else b"")
+        while answer.finished is None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            try:
+                batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
+            except errors.EngineError as error:
+                if watcher.done():
+                    return
+                api_error = from_engine_error(error, config.retry_after)
+                payload = sse({"error": api_error.fields()}) + DONE
+                await send({"type": "http.response.body", "body": payload})
+                return
+            if not batch:
+                body = KEEPALIVE
+                continue
+            text = answer.take(batch)
+            body = encoder.delta(text) if text else b""
+        finished = answer.finished
+        body += encoder.closing(finished.reason, answer.prompt_tokens, finished.completion_tokens)
+        await send({"type": "http.response.body", "body": body})
+
+
+def internal_error() -> APIError:
+    """What a client sees when the gateway itself fails."""
+    return APIError(500, "The gateway failed to serve the request.", type=SERVER, code="internal_error")
+

@@ -1,0 +1,71 @@
+"""Running things: the gateway under uvicorn, a worker, and the two together for
+the demo, each on one event loop (uvloop where it is installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import Config, ModelConfig
+from gateway.worker.engine import Engine
+from gateway.worker.server import WorkerServer
+
+log = logging.getLogger("furnace")
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Runs `main` on uvloop when available, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+def uvicorn_server(config: Config) -> uvicorn.Server:
+    """A uvicorn server for the gateway app, with httptools and no access log
+    (requests are logged by the gateway itself)."""
+    app = create_app(config)
+    settings = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http="httptools",
+        lifespan="on",
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(config.request_timeout),
+    )
+    return uvicorn.Server(settings)
+
+
+async def serve_gateway(config: Config) -> None:
+    """The gateway until SIGINT or SIGTERM."""
+    await uvicorn_server(config).serve()
+
+
+async def serve_worker(engine: Engine, host: str, port: int) -> None:
+    """A worker until cancelled or interrupted."""
+    worker = WorkerServer(engine, host, port)
+    await worker.start()
+    try:
+        await worker.wait()
+    finally:
+        await worker.stop()
+
+
+async def serve_demo(config: Config, engine: Engine) -> None:
+    """The gateway with an embedded demo worker on a loopback port."""
+    worker = WorkerServer(engine, "127.0.0.1", 0)
+    await worker.start()
+    model = ModelConfig(name=engine.model, workers=(worker.address,))
+    try:
+        await serve_gateway(Config(**{**config.__dict__, "models": (model,)}))
+    finally:
+        await worker.stop(grace=1.0)

@@ -1,0 +1,63 @@
+"""A gRPC server for one engine: the Engine service and the standard health service."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.worker.engine import Engine
+from gateway.worker.servicer import EngineService
+
+log = logging.getLogger("furnace.worker")
+
+SERVICE_NAME = "furnace.engine.v1.Engine"
+_SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+)
+
+
+class WorkerServer:
+    """Serves `engine` on `host:port` (port 0 picks a free one; see `.port`)."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine
+        self.service = EngineService(engine)
+        self._server = grpc.aio.server(options=_SERVER_OPTIONS)
+        pb_grpc.add_EngineServicer_to_server(self.service, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def start(self) -> None:
+        """Starts serving and reports SERVING."""
+        await self._server.start()
+        await self._set_health(True)
+        log.info("worker for %s listening on %s", self.engine.model, self.address)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels them."""
+        await self._set_health(False)
+        await self._server.stop(grace)
+
+    async def wait(self) -> None:
+        """Returns when the server has stopped."""
+        await self._server.wait_for_termination()

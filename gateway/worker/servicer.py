@@ -1,0 +1,207 @@
+"""The gRPC Engine service over any `Engine`.
+
+The engine's generator runs in a task of its own and fills a buffer; the RPC
+sends what the buffer holds as one `Text` whenever the stream can take a
+message, so an engine that runs ahead of the network costs one message per
+send, not one per token. Cancellation of the call (by the client or its
+deadline) cancels that task, which closes the engine's generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway import errors
+from gateway._proto import engine_pb2 as pb
+from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.grpc_errors import status_from_error
+from gateway.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Message,
+    SamplingParams,
+    Started,
+    Text,
+)
+from gateway.worker.engine import Engine
+from gateway.worker.stop import StopMatcher
+
+log = logging.getLogger("furnace.worker")
+
+_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+
+
+def from_proto(message: pb.GenerateRequest) -> GenerateRequest:
+    """The protocol's request as ours."""
+    s = message.sampling
+
+    def opt(name: str) -> float | int | None:
+        return getattr(s, name) if s.HasField(name) else None
+
+    sampling = SamplingParams(
+        temperature=opt("temperature"),
+        top_p=opt("top_p"),
+        top_k=opt("top_k"),
+        presence_penalty=opt("presence_penalty"),
+        frequency_penalty=opt("frequency_penalty"),
+        seed=opt("seed"),
+        max_tokens=opt("max_tokens"),
+    )
+    chat = None
+    if message.WhichOneof("prompt") == "chat":
+        chat = tuple(Message(m.role, m.content) for m in message.chat.messages)
+    return GenerateRequest(
+        model=message.model,
+        prompt=message.text if chat is None else None,
+        messages=chat,
+        sampling=sampling,
+        stop=tuple(message.stop),
+        request_id=message.request_id,
+    )
+
+
+class _ReadAhead:
+    """Runs an engine's generator in a task; hands out what is ready as lists."""
+
+    def __init__(self, events: AsyncIterator[Event]) -> None:
+        self._events = events
+        self._ready: list[Event] = []
+        self._error: BaseException | None = None
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for event in self._events:
+                self._ready.append(event)
+                waiter = self._waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+        except Exception as error:
+            self._error = error
+        finally:
+            self._ended = True
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+
+    async def batch(self) -> list[Event]:
+        """The events ready now (at least one), [] at the end; raises the engine's error."""
+        while not self._ready and not self._ended:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+            self._waiter = None
+        if self._ready:
+            batch, self._ready = self._ready, []
+            return batch
+        if self._error is not None:
+            raise self._error
+        return []
+
+    async def aclose(self) -> None:
+        """Stops the engine (its generator is closed) and waits until it has."""
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        await self._events.aclose()  # type: ignore[attr-defined]
+
+
+class EngineService(pb_grpc.EngineServicer):
+    """Serves one engine over the worker protocol."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.active = 0
+
+    async def Generate(  # noqa: N802 (the rpc's name)
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """One answer; see engine.proto for the contract."""
+        engine = self.engine
+        if request.model and request.model != engine.model:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
+            )
+        if self.active >= engine.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
+        self.active += 1
+        events = _ReadAhead(engine.generate(from_proto(request)))
+        try:
+            async for message in self._messages(events, StopMatcher(tuple(request.stop))):
+                yield message
+        except errors.EngineError as error:
+            code, trailing = status_from_error(error)
+            context.set_trailing_metadata(trailing)
+            await context.abort(code, error.message)
+        except asyncio.CancelledError:
+            log.debug("request %s cancelled", request.request_id)
+            raise
+        except Exception:
+            log.exception("engine failed on request %s", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "The engine failed.")
+        finally:
+            self.active -= 1
+            await events.aclose()
+
+    async def _messages(
+        self, events: _ReadAhead, stop: StopMatcher
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        started = False
+        tokens = 0  # generated so far
+        unsent = 0  # of those, not yet in a sent Text
+        while batch := await events.batch():
+            pieces: list[str] = []
+            finished: Finished | None = None
+            for event in batch:
+                kind = type(event)
+                if kind is Text:
+                    tokens += event.tokens
+                    unsent += event.tokens
+                    released, stopped = stop.feed(event.text)
+                    pieces.append(released)
+                    if stopped:
+                        finished = Finished(FinishReason.STOP, tokens)
+                        break
+                elif kind is Started and not started:
+                    started = True
+                    yield pb.GenerateEvent(started=pb.Started(prompt_tokens=event.prompt_tokens))
+                elif kind is Finished:
+                    pieces.append(stop.flush())
+                    finished = event
+                    break
+                else:
+                    raise errors.Failed(f"The engine sent {kind.__name__} out of order.")
+            text = "".join(pieces)
+            if text:
+                yield pb.GenerateEvent(text=pb.Text(text=text, tokens=unsent))
+                unsent = 0
+            if finished is not None:
+                yield pb.GenerateEvent(
+                    finished=pb.Finished(
+                        reason=_REASONS[finished.reason],
+                        completion_tokens=finished.completion_tokens,
+                    )
+                )
+                return
+            if not started:
+                raise errors.Failed("The engine did not start the answer with Started.")
+        raise errors.Failed("The engine ended the answer without Finished.")
+
+    async def Describe(  # noqa: N802 (the rpc's name)
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        """The engine's model, capacity and load."""
+        engine = self.engine
+        return pb.DescribeResponse(
+            models=[pb.ModelInfo(name=engine.model, max_context=engine.max_context)],
+            capacity=engine.capacity,
+            load=self.active,
+        )

@@ -1,0 +1,52 @@
+"""Generates the Python stubs of the worker protocol into gateway/_proto/.
+
+One script, so the stubs in the tree always come from the .proto the same way;
+`tests/test_proto_stubs.py` runs it into a temporary folder and fails when the
+committed stubs differ. Run: `python protos/generate.py [OUT_DIR]`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_DIR = ROOT / "protos"
+PROTO = "furnace/engine/v1/engine.proto"
+STUB_DIR = ROOT / "gateway" / "_proto"
+STUBS = ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py")
+
+
+def generate(out_dir: Path) -> None:
+    """Runs protoc, then flattens the stubs into `out_dir` with imports that
+    name our package, so they import without touching sys.path."""
+    with tempfile.TemporaryDirectory() as raw:
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={raw}",
+            f"--pyi_out={raw}",
+            f"--grpc_python_out={raw}",
+            PROTO,
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit("protoc failed")
+        generated = Path(raw) / "furnace" / "engine" / "v1"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in STUBS:
+            text = (generated / name).read_text()
+            text = re.sub(
+                r"^from furnace\.engine\.v1 import ",
+                "from gateway._proto import ",
+                text,
+                flags=re.MULTILINE,
+            )
+            (out_dir / name).write_text(text)
+
+
+if __name__ == "__main__":
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else STUB_DIR)
