@@ -80,7 +80,7 @@ def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
 class EngineStream:
     """One Generate call: iterate for our events; `cancel()` stops the worker."""
 
-    __slots__ = ("_call", "_on_close", "_closed")
+    __slots__ = ("_call", "_closed", "_on_close")
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, on_close: Callable[[], None]) -> None:
         self._call = call
@@ -143,10 +143,10 @@ class EngineClient:
         call = self._stub.Generate(to_proto(request), timeout=timeout, metadata=metadata)
         return EngineStream(call, on_close)
 
-    async def describe(self, timeout: float) -> list[ModelDescription]:
-        """The models the worker serves, or an `EngineError` when it can't say."""
+    async def describe(self, deadline: float) -> list[ModelDescription]:
+        """The models the worker serves (within `deadline` seconds), or an `EngineError`."""
         try:
-            reply = await self._stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            reply = await self._stub.Describe(pb.DescribeRequest(), timeout=deadline)
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
         return [ModelDescription(m.name, m.max_context) for m in reply.models]

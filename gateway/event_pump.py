@@ -12,7 +12,6 @@ append and, when the edge is waiting, one future.
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import Coroutine
 from typing import Any
 
@@ -88,7 +87,8 @@ class EventPump:
             finally:
                 timer.cancel()
                 self._waiter = None
-            if tick is not None and not self._ready and self._loop.time() < idle_at:
+            woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
+            if tick is not None and woken_by_tick:
                 return []
         if self._ready:
             batch, self._ready = self._ready, []

@@ -52,12 +52,12 @@ def error_from_status(
     return error_type(message, param=param or None)
 
 
-def status_from_error(error: errors.EngineError) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
+def status_from_error(
+    error: errors.EngineError,
+) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
     """The status (and trailing metadata) a worker sends for an engine's error."""
     code = ERROR_TO_STATUS.get(type(error))
     if code is None:
-        code = next(
-            (c for t, c in ERROR_TO_STATUS.items() if isinstance(error, t)), C.INTERNAL
-        )
+        code = next((c for t, c in ERROR_TO_STATUS.items() if isinstance(error, t)), C.INTERNAL)
     trailing = ((PARAM_KEY, error.param),) if error.param else ()
     return code, trailing

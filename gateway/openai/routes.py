@@ -55,13 +55,17 @@ async def send_json(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
     """A whole JSON response."""
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS + headers})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": _JSON_HEADERS + headers}
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 async def send_error(send: Send, error: APIError, request_id: bytes) -> None:
     """An OpenAI-shaped error response."""
-    await send_json(send, error.status, error.body(), [(b"x-request-id", request_id), *error.headers()])
+    await send_json(
+        send, error.status, error.body(), [(b"x-request-id", request_id), *error.headers()]
+    )
 
 
 def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
@@ -229,5 +233,6 @@ class GenerationRoute:
 
 def internal_error() -> APIError:
     """What a client sees when the gateway itself fails."""
-    return APIError(500, "The gateway failed to serve the request.", type=SERVER, code="internal_error")
-
+    return APIError(
+        500, "The gateway failed to serve the request.", type=SERVER, code="internal_error"
+    )

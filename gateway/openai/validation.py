@@ -76,7 +76,9 @@ def _only_one(body: Mapping[str, Any], name: str) -> None:
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     value = _int(body, name)
     if value is not None and value < 1:
         raise invalid(name, f"Invalid value for '{name}': must be at least 1.")

@@ -10,6 +10,7 @@ deadline) cancels that task, which closes the engine's generator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -107,10 +108,8 @@ class _ReadAhead:
     async def aclose(self) -> None:
         """Stops the engine (its generator is closed) and waits until it has."""
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        except asyncio.CancelledError:
-            pass
         await self._events.aclose()  # type: ignore[attr-defined]
 
 
@@ -121,7 +120,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.engine = engine
         self.active = 0
 
-    async def Generate(  # noqa: N802 (the rpc's name)
+    async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
         """One answer; see engine.proto for the contract."""
@@ -195,7 +194,7 @@ class EngineService(pb_grpc.EngineServicer):
                 raise errors.Failed("The engine did not start the answer with Started.")
         raise errors.Failed("The engine ended the answer without Finished.")
 
-    async def Describe(  # noqa: N802 (the rpc's name)
+    async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
         """The engine's model, capacity and load."""

@@ -1,0 +1,121 @@
+"""A raw gRPC worker whose behaviour each request scripts, for the fault tests.
+
+It implements the protocol directly (not through our worker SDK), so tests
+can make it answer any gRPC status, before or after the first event, hang, or
+stream slowly. The script is the prompt (or the last chat message), as JSON:
+
+    {"status": "UNAVAILABLE"}                     refuse before Started
+    {"status": "INVALID_ARGUMENT", "param": "x"}  ... naming a parameter
+    {"texts": 2, "status": "INTERNAL"}            fail after Started and 2 Texts
+    {"hang": "before"}                            never start
+    {"texts": 1, "hang": "after"}                 start, send 1 Text, then hang
+    {"texts": 5, "delay": 0.05}                   5 Texts, 50 ms apart, then finish
+    {"texts": 1, "end": "eof"}                    end the stream without Finished
+
+It records, by request id, the calls it saw and the calls that were cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway._proto import engine_pb2 as pb
+from gateway._proto import engine_pb2_grpc as pb_grpc
+
+SCRIPTED_MODEL = "scripted"
+
+
+def script(**behaviour: object) -> str:
+    """The prompt that scripts a request."""
+    return json.dumps(behaviour)
+
+
+class ScriptedWorker(pb_grpc.EngineServicer):
+    """The servicer; start it with `start()` on a loopback port."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.cancelled: list[str] = []
+        self.metadata: dict[str, dict[str, str]] = {}
+        self.active = 0
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        """Serves on 127.0.0.1 with a free port."""
+        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        pb_grpc.add_EngineServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        await self.server.start()
+
+    async def stop(self) -> None:
+        """Stops at once."""
+        assert self.server is not None
+        await self.server.stop(0)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        rid = request.request_id
+        self.calls.append(rid)
+        self.metadata[rid] = {k: v for k, v in context.invocation_metadata()}
+        if request.WhichOneof("prompt") == "chat":
+            text = request.chat.messages[-1].content
+        else:
+            text = request.text
+        try:
+            plan = json.loads(text)
+        except ValueError:
+            plan = {"texts": 3}
+        self.active += 1
+        try:
+            async for event in self._play(plan, context):
+                yield event
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.active -= 1
+
+    async def _play(
+        self, plan: dict, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        texts = int(plan.get("texts", 0))
+        status = plan.get("status")
+        if plan.get("hang") == "before":
+            await asyncio.sleep(3600)
+        if status and not texts and not plan.get("started"):
+            await self._abort(context, status, plan.get("param"))
+        yield pb.GenerateEvent(started=pb.Started(prompt_tokens=7))
+        for i in range(texts):
+            if plan.get("delay"):
+                await asyncio.sleep(float(plan["delay"]))
+            yield pb.GenerateEvent(text=pb.Text(text=f"t{i} ", tokens=1))
+        if status:
+            await self._abort(context, status, plan.get("param"))
+        if plan.get("hang") == "after":
+            await asyncio.sleep(3600)
+        if plan.get("end") == "eof":
+            return
+        yield pb.GenerateEvent(
+            finished=pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=texts)
+        )
+
+    async def _abort(self, context: grpc.aio.ServicerContext, status: str, param: object) -> None:
+        if param:
+            context.set_trailing_metadata((("furnace-param", str(param)),))
+        await context.abort(grpc.StatusCode[status], f"scripted {status}")
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        return pb.DescribeResponse(
+            models=[pb.ModelInfo(name=SCRIPTED_MODEL, max_context=100)],
+            capacity=64,
+            load=self.active,
+        )
