@@ -60,12 +60,12 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _flag(body: Mapping[str, Any], name: str) -> bool:
+def _flag(body: Mapping[str, Any], name: str, where: str = "") -> bool:
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"Invalid type for '{name}': expected a boolean.")
+        raise invalid(where + name, f"Invalid type for '{where}{name}': expected a boolean.")
     return value
 
 
@@ -127,7 +127,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true.")
-    return _flag(options, "include_usage")
+    return _flag(options, "include_usage", "stream_options.")
 
 
 def _common(body: Any) -> tuple[str | None, bool, bool, SamplingParams, tuple[str, ...]]:

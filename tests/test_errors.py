@@ -1,0 +1,115 @@
+"""Every row of the error table, before and after the worker's first event,
+streamed and not, against the scripted gRPC worker."""
+
+import pytest
+
+from gateway.config import ModelConfig
+from tests.scripted_worker import script
+from tests.test_responses import sse_events
+
+TABLE = [
+    # (gRPC status, HTTP status, type, code)
+    ("INVALID_ARGUMENT", 400, "invalid_request_error", None),
+    ("FAILED_PRECONDITION", 400, "invalid_request_error", None),
+    ("UNIMPLEMENTED", 400, "invalid_request_error", None),
+    ("OUT_OF_RANGE", 400, "invalid_request_error", "context_length_exceeded"),
+    ("NOT_FOUND", 404, "invalid_request_error", "model_not_found"),
+    ("RESOURCE_EXHAUSTED", 503, "server_error", "server_busy"),
+    ("UNAVAILABLE", 503, "server_error", "engine_unavailable"),
+    ("ABORTED", 503, "server_error", "engine_unavailable"),
+    ("CANCELLED", 503, "server_error", "engine_unavailable"),
+    ("DEADLINE_EXCEEDED", 504, "server_error", "timeout"),
+    ("UNAUTHENTICATED", 502, "server_error", "engine_auth_failed"),
+    ("PERMISSION_DENIED", 502, "server_error", "engine_auth_failed"),
+    ("INTERNAL", 500, "server_error", "engine_error"),
+    ("UNKNOWN", 500, "server_error", "engine_error"),
+    ("DATA_LOSS", 500, "server_error", "engine_error"),
+]
+
+
+def check_error(response, status, type_, code):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == type_
+    assert error["code"] == code
+    assert error["message"]
+    if status == 503:
+        assert response.headers["retry-after"] == "1"
+    else:
+        assert "retry-after" not in response.headers
+
+
+@pytest.mark.parametrize(("grpc_status", "status", "type_", "code"), TABLE)
+@pytest.mark.parametrize("stream", [False, True])
+def test_refusal_before_the_first_event(client, grpc_status, status, type_, code, stream):
+    prompt = script(status=grpc_status)
+    response = client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": prompt, "stream": stream}
+    )
+    check_error(response, status, type_, code)
+
+
+@pytest.mark.parametrize(("grpc_status", "status", "type_", "code"), TABLE)
+def test_failure_after_the_first_event_not_streamed(client, grpc_status, status, type_, code):
+    prompt = script(texts=2, status=grpc_status)
+    response = client.post("/v1/completions", json={"model": "scripted", "prompt": prompt})
+    check_error(response, status, type_, code)
+
+
+@pytest.mark.parametrize(("grpc_status", "status", "type_", "code"), TABLE)
+def test_failure_after_the_first_event_streamed(client, grpc_status, status, type_, code):
+    messages = [{"role": "user", "content": script(texts=2, status=grpc_status)}]
+    response = client.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": messages, "stream": True}
+    )
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert (error["type"], error["code"]) == (type_, code)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert text == "t0 t1 "  # what came before the failure was delivered
+
+
+def test_invalid_argument_names_the_workers_parameter(client):
+    prompt = script(status="INVALID_ARGUMENT", param="top_k")
+    for stream in (False, True):
+        response = client.post(
+            "/v1/completions", json={"model": "scripted", "prompt": prompt, "stream": stream}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "top_k"
+
+
+def test_stream_that_ends_without_finishing(client):
+    prompt = script(texts=1, end="eof")
+    response = client.post("/v1/completions", json={"model": "scripted", "prompt": prompt})
+    check_error(response, 500, "server_error", "engine_error")
+    response = client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": prompt, "stream": True}
+    )
+    events = sse_events(response.text)
+    assert events[-2]["error"]["code"] == "engine_error"
+    assert events[-1] == "[DONE]"
+
+
+def test_unreachable_worker_is_503_at_once(gateway_with):
+    dead = ModelConfig("dead", workers=("127.0.0.1:1",))
+    gw = gateway_with(models=(dead,))
+    import httpx
+
+    for stream in (False, True):
+        response = httpx.post(
+            gw.url + "/v1/completions",
+            json={"model": "dead", "prompt": "x", "stream": stream},
+            timeout=30,
+        )
+        check_error(response, 503, "server_error", "engine_unavailable")
+
+
+def test_context_length_from_the_demo_engine(client):
+    response = client.post("/v1/completions", json={"prompt": "w " * 64})
+    check_error(response, 400, "invalid_request_error", "context_length_exceeded")
+    assert "maximum context length is 64" in response.json()["error"]["message"]
+    response = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 63})
+    check_error(response, 400, "invalid_request_error", "context_length_exceeded")
