@@ -4,6 +4,7 @@ the demo, each on one event loop (uvloop where it is installed)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -40,7 +41,7 @@ def uvicorn_server(config: Config) -> uvicorn.Server:
         lifespan="on",
         log_level=config.log_level,
         access_log=False,
-        timeout_graceful_shutdown=int(config.request_timeout),
+        timeout_graceful_shutdown=math.ceil(config.request_timeout),
     )
     return uvicorn.Server(settings)
 

@@ -12,7 +12,8 @@ stream slowly. The script is the prompt (or the last chat message), as JSON:
     {"texts": 5, "delay": 0.05}                   5 Texts, 50 ms apart, then finish
     {"texts": 1, "end": "eof"}                    end the stream without Finished
 
-It records, by request id, the calls it saw and the calls that were cancelled.
+It records, by request id, the calls it saw, their metadata and time left, and
+the calls that were cancelled.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.calls: list[str] = []
         self.cancelled: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
+        self.deadlines: dict[str, float | None] = {}
         self.active = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -64,6 +66,7 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         rid = request.request_id
         self.calls.append(rid)
         self.metadata[rid] = {k: v for k, v in context.invocation_metadata()}
+        self.deadlines[rid] = context.time_remaining()
         if request.WhichOneof("prompt") == "chat":
             text = request.chat.messages[-1].content
         else:
