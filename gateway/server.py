@@ -4,8 +4,8 @@ the demo, each on one event loop (uvloop where it is installed)."""
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 from collections.abc import Coroutine
 from typing import Any
 

@@ -85,11 +85,9 @@ INVALID = [
 
 @pytest.mark.parametrize(("route", "body", "param"), INVALID)
 def test_invalid_parameter_is_a_400_naming_it(client, route, body, param):
+    fixed = "stream" in body or "stream_options" in body
     for stream in (False, True):
-        if "stream" in body or "stream_options" in body:
-            sent = body
-        else:
-            sent = {**body, "stream": stream}
+        sent = body if fixed else {**body, "stream": stream}
         response = client.post(route, json=sent)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
