@@ -24,19 +24,17 @@ _SERVER_OPTIONS = (
 
 
 class WorkerServer:
-    """Serves `engine` on `host:port` (port 0 picks a free one; see `.port`)."""
+    """Serves `engine` on `host:port`; port 0 picks a free one (`.port` and
+    `.address` tell which once started)."""
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
         self.engine = engine
         self.service = EngineService(engine)
-        self._server = grpc.aio.server(options=_SERVER_OPTIONS)
-        pb_grpc.add_EngineServicer_to_server(self.service, self._server)
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
         self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
-        self.address = f"{host}:{self.port}"
+        self._server: grpc.aio.Server | None = None
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -48,16 +46,25 @@ class WorkerServer:
             await self._health.set(name, status)
 
     async def start(self) -> None:
-        """Starts serving and reports SERVING."""
-        await self._server.start()
+        """Listens (on the running loop), serves, and reports SERVING."""
+        server = self._server = grpc.aio.server(options=_SERVER_OPTIONS)
+        pb_grpc.add_EngineServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.address}")
+        self.address = f"{self.host}:{self.port}"
+        await server.start()
         await self._set_health(True)
         log.info("worker for %s listening on %s", self.engine.model, self.address)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels them."""
         await self._set_health(False)
-        await self._server.stop(grace)
+        if self._server is not None:
+            await self._server.stop(grace)
 
     async def wait(self) -> None:
         """Returns when the server has stopped."""
-        await self._server.wait_for_termination()
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,255 @@
+"""The worker SDK over real gRPC: stop strings, coalescing, cancellation and
+deadlines reaching the engine, refusals as statuses, Describe and health."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway import errors
+from gateway._proto import engine_pb2 as pb
+from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.worker import Engine, WorkerServer
+from gateway.worker.demo import DemoEngine
+from gateway.worker.stop import StopMatcher
+from tests.conftest import wait_until
+
+
+class ScriptEngine(Engine):
+    """Yields the events (or raises the errors) a test hands it."""
+
+    model = "script-engine"
+    max_context = 100
+
+    def __init__(self, events: list, capacity: int = 256) -> None:
+        self.events = events
+        self.capacity = capacity
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        for event in self.events:
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+
+async def collect(address: str, **fields) -> tuple[list, grpc.aio.AioRpcError | None]:
+    """All events of one Generate call, and the error that ended it, if any."""
+    fields.setdefault("text", "x")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        events = []
+        try:
+            async for event in stub.Generate(pb.GenerateRequest(**fields), timeout=30):
+                events.append(event)
+        except grpc.aio.AioRpcError as error:
+            return events, error
+        return events, None
+
+
+@pytest.fixture
+def start_worker(server_loop):
+    started = []
+
+    def start(engine: Engine) -> WorkerServer:
+        worker = WorkerServer(engine)
+        server_loop.call(worker.start())
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        server_loop.call(worker.stop(0))
+
+
+# -- stop strings ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "released", "stopped"),
+    [
+        (["hello", " world"], ("STOP",), "hello world", False),
+        (["a b ", "STOP", " c"], ("STOP",), "a b ", True),
+        (["a b S", "TO", "P c"], ("STOP",), "a b ", True),  # straddles three pieces
+        (["ab", "c"], ("bcd",), "abc", False),  # a prefix that never completes
+        (["x END y"], ("zzz", "END"), "x ", True),
+        (["x"], (), "x", False),
+    ],
+)
+def test_stop_matcher(pieces, stops, released, stopped):
+    matcher = StopMatcher(stops)
+    out, hit = [], False
+    for piece in pieces:
+        text, hit = matcher.feed(piece)
+        out.append(text)
+        if hit:
+            break
+    if not hit:
+        out.append(matcher.flush())
+    assert "".join(out) == released
+    assert hit == stopped
+
+
+def test_stop_strings_through_the_gateway(client, workers):
+    body = {"model": "furnace-demo", "prompt": "one two STOP three", "stop": ["STOP"]}
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={**body, "stream": stream})
+        if stream:
+            assert '"finish_reason":"stop"' in response.text
+            assert "three" not in response.text and "STOP" not in response.text
+        else:
+            choice = response.json()["choices"][0]
+            assert choice["text"] == "one two "
+            assert choice["finish_reason"] == "stop"
+            assert response.json()["usage"]["completion_tokens"] == 3
+    body = {"model": "furnace-slow", "prompt": "alpha beta gamma delta", "stop": "a gam"}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "alpha bet"
+
+
+# -- coalescing, cancellation, deadlines ------------------------------------
+
+
+def test_ready_tokens_are_coalesced(server_loop, start_worker):
+    worker = start_worker(DemoEngine("big", max_context=10_000))
+    words = " ".join(f"w{i}" for i in range(500))
+    events, error = server_loop.call(collect(worker.address, text=words))
+    assert error is None
+    texts = [e.text for e in events if e.WhichOneof("event") == "text"]
+    assert sum(t.tokens for t in texts) == 500
+    assert "".join(t.text for t in texts) == words
+    assert len(texts) < 100  # far fewer messages than tokens
+    assert events[-1].finished.completion_tokens == 500
+
+
+def test_paced_tokens_go_one_by_one(server_loop, workers):
+    events, _ = server_loop.call(collect(workers.slow.address, text="a b c d"))
+    texts = [e.text for e in events if e.WhichOneof("event") == "text"]
+    assert [t.text for t in texts] == ["a", " b", " c", " d"]
+
+
+def test_deadline_stops_the_engine(server_loop, workers):
+    engine = workers.slow_engine
+    aborted = engine.aborted
+
+    async def call() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(workers.slow.address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            try:
+                async for _ in stub.Generate(pb.GenerateRequest(text="w " * 500), timeout=0.3):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    assert server_loop.call(call()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: engine.aborted == aborted + 1, "the engine to stop")
+    wait_until(lambda: engine.running == 0, "the engine to be idle")
+
+
+def test_cancel_stops_the_engine(server_loop, workers):
+    engine = workers.slow_engine
+    aborted = engine.aborted
+
+    async def call() -> None:
+        async with grpc.aio.insecure_channel(workers.slow.address) as channel:
+            stream = pb_grpc.EngineStub(channel).Generate(pb.GenerateRequest(text="w " * 500))
+            await stream.read()
+            await stream.read()
+            stream.cancel()
+
+    server_loop.call(call())
+    wait_until(lambda: engine.aborted == aborted + 1, "the engine to stop")
+    wait_until(lambda: workers.slow.service.active == 0, "the worker to be idle")
+
+
+# -- refusals and failures ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (errors.TooLong("too long"), grpc.StatusCode.OUT_OF_RANGE),
+        (errors.Invalid("bad", param="top_k"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.Busy("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.Unavailable("down"), grpc.StatusCode.UNAVAILABLE),
+        (errors.Failed("broken"), grpc.StatusCode.INTERNAL),
+        (RuntimeError("a bug"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_engine_errors_become_statuses(server_loop, start_worker, error, code):
+    for events in ([error], [Started(1), Text("a", 1), error]):
+        worker = start_worker(ScriptEngine(events))
+        received, failure = server_loop.call(collect(worker.address))
+        assert failure is not None
+        assert failure.code() == code
+        if isinstance(error, errors.Invalid):
+            assert ("furnace-param", "top_k") in tuple(failure.trailing_metadata())
+        if isinstance(error, RuntimeError):
+            assert "a bug" not in failure.details()  # internals stay inside the worker
+        assert len(received) == (0 if len(events) == 1 else 2)
+
+
+def test_engine_that_breaks_the_protocol(server_loop, start_worker):
+    for events in ([Text("a", 1)], [Started(1), Text("a", 1)]):
+        worker = start_worker(ScriptEngine(events))
+        _, failure = server_loop.call(collect(worker.address))
+        assert failure is not None and failure.code() == grpc.StatusCode.INTERNAL
+
+
+def test_other_model_is_not_found(server_loop, workers):
+    _, failure = server_loop.call(collect(workers.demo.address, model="other"))
+    assert failure.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_capacity_is_enforced(server_loop, start_worker):
+    worker = start_worker(DemoEngine("tiny", token_delay=0.05, capacity=1))
+
+    async def two_at_once() -> list:
+        return await asyncio.gather(
+            collect(worker.address, text="w " * 10), collect(worker.address, text="w")
+        )
+
+    (first, first_error), (_, second_error) = server_loop.call(two_at_once())
+    assert first_error is None and first[-1].finished.completion_tokens == 10
+    assert second_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_finish_reasons_and_counts(server_loop, start_worker):
+    worker = start_worker(
+        ScriptEngine([Started(4), Text("ab", 2), Finished(FinishReason.LENGTH, 2)])
+    )
+    events, error = server_loop.call(collect(worker.address))
+    assert error is None
+    assert events[0].started.prompt_tokens == 4
+    assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    assert events[-1].finished.completion_tokens == 2
+
+
+# -- Describe and health -----------------------------------------------------
+
+
+def test_describe(server_loop, workers):
+    async def describe() -> pb.DescribeResponse:
+        async with grpc.aio.insecure_channel(workers.demo.address) as channel:
+            return await pb_grpc.EngineStub(channel).Describe(pb.DescribeRequest(), timeout=5)
+
+    reply = server_loop.call(describe())
+    assert [(m.name, m.max_context) for m in reply.models] == [("furnace-demo", 64)]
+    assert reply.capacity == 256
+    assert reply.load == 0
+
+
+def test_health(server_loop, start_worker):
+    worker = start_worker(DemoEngine("h"))
+
+    async def check(service: str) -> int:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            return reply.status
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert server_loop.call(check("")) == serving
+    assert server_loop.call(check("furnace.engine.v1.Engine")) == serving
