@@ -65,10 +65,11 @@ class Fleet:
             pool = ModelPool(model.name, model.kind, max_context=model.max_model_len)
             pool.workers = [Worker(EngineClient(address)) for address in model.workers]
             self.models[model.name] = pool
-        self.default_model = models[0].name if models else None
+        llms = [m.name for m in models if m.kind == "llm"]
+        self.default_model = llms[0] if llms else None
 
     def get(self, name: str | None) -> ModelPool:
-        """The LLM pool a request names (the first model when it names none)."""
+        """The LLM pool a request names (the first LLM when it names none)."""
         pool = self.models.get(name if name is not None else self.default_model or "")
         if pool is None:
             raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 from collections.abc import Coroutine
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -29,6 +31,30 @@ def run(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, but a shutdown asked for by SIGTERM or SIGINT ends the
+    process with status 0 once drained (uvicorn re-raises the signal, which
+    Kubernetes and shells read as a crash)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Starts the graceful shutdown without re-raising the signal after it."""
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+async def wait_for_stop_signal() -> None:
+    """Returns on the first SIGTERM or SIGINT (main thread only)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
 def uvicorn_server(config: Config) -> uvicorn.Server:
     """A uvicorn server for the gateway app, with httptools and no access log
     (requests are logged by the gateway itself)."""
@@ -43,7 +69,7 @@ def uvicorn_server(config: Config) -> uvicorn.Server:
         access_log=False,
         timeout_graceful_shutdown=math.ceil(config.request_timeout),
     )
-    return uvicorn.Server(settings)
+    return GatewayServer(settings)
 
 
 async def serve_gateway(config: Config) -> None:
@@ -52,11 +78,11 @@ async def serve_gateway(config: Config) -> None:
 
 
 async def serve_worker(engine: Engine, host: str, port: int) -> None:
-    """A worker until cancelled or interrupted."""
+    """A worker until SIGTERM or SIGINT; then calls in flight get a grace period."""
     worker = WorkerServer(engine, host, port)
     await worker.start()
     try:
-        await worker.wait()
+        await wait_for_stop_signal()
     finally:
         await worker.stop()
 

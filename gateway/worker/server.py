@@ -63,8 +63,3 @@ class WorkerServer:
         await self._set_health(False)
         if self._server is not None:
             await self._server.stop(grace)
-
-    async def wait(self) -> None:
-        """Returns when the server has stopped."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
