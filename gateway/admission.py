@@ -7,6 +7,7 @@ piling up behind a deadline they will miss.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ class Slots:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_use = 0
+        self._idle: asyncio.Event | None = None
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -31,6 +33,14 @@ class Slots:
             yield
         finally:
             self.in_use -= 1
+            if self.in_use == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Returns once no slot is taken."""
+        if self.in_use:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 class Deadline:

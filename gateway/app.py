@@ -20,8 +20,9 @@ from gateway.config import Config
 from gateway.fleet import Fleet
 from gateway.openai.encoding import ChatEncoder, CompletionEncoder
 from gateway.openai.errors import APIError
-from gateway.openai.routes import GatewayState, GenerationRoute, internal_error
+from gateway.openai.routes import GenerationRoute, internal_error
 from gateway.openai.validation import parse_chat, parse_completion
+from gateway.state import GatewayState
 
 log = logging.getLogger("furnace.app")
 
@@ -41,9 +42,9 @@ def create_app(config: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state.fleet = Fleet(list(config.models))
+        state.fleet = Fleet(config)
         state.started_at = int(time.time())
-        await state.fleet.describe_all()
+        await state.fleet.start()
         state.ready = True
         try:
             yield
@@ -65,6 +66,10 @@ def create_app(config: Config) -> Starlette:
                 entry["max_model_len"] = pool.max_context
             data.append(entry)
         return _json({"object": "list", "data": data})
+
+    async def workers(request: Request) -> Response:
+        assert state.fleet is not None
+        return _json({**state.fleet.snapshot(), "draining": state.draining})
 
     async def health(request: Request) -> Response:
         return _json({"status": "ok"})
@@ -95,6 +100,7 @@ def create_app(config: Config) -> Starlette:
             methods=["POST"],
         ),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/admin/workers", workers, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
     ]

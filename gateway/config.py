@@ -18,6 +18,7 @@ import yaml
 
 ENV_PREFIX = "FURNACE_"
 MODEL_KINDS = ("llm", "tensor")
+BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 
 
 class ConfigError(ValueError):
@@ -30,8 +31,14 @@ class ModelConfig:
 
     name: str
     kind: str = "llm"
+    #: `host:port` addresses, or `dns:///name:port` (`dns://server:port/name:port`
+    #: asks that name server) for a Kubernetes headless Service.
     workers: tuple[str, ...] = ()
     max_model_len: int | None = None
+    #: `least_outstanding` (power of two choices) or `prefix_affinity`.
+    balance: str = "least_outstanding"
+    #: Relative weights by worker entry (as listed in `workers`); default 1.
+    weights: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,29 @@ class Config:
     #: Seconds sent in Retry-After with a 503.
     retry_after: int = 1
     log_level: str = "info"
+    #: Seconds after SIGTERM for requests in flight to finish before they are cancelled.
+    drain_timeout: float = 30.0
+    #: Seconds between DNS lookups of `dns:` worker names.
+    discovery_interval: float = 10.0
+    #: Seconds between health checks of workers that cannot be watched.
+    health_check_interval: float = 5.0
+    #: Seconds a worker may take to start an answer before another worker is tried.
+    start_timeout: float = 10.0
+    #: Consecutive transport failures that eject a worker.
+    eject_after_failures: int = 3
+    #: Seconds of a first ejection; each further one doubles, up to `eject_max`.
+    eject_base: float = 1.0
+    eject_max: float = 60.0
+    #: Tries per request, the first included; only before the worker's first event.
+    retry_attempts: int = 3
+    #: Retries allowed, as a fraction of requests over the last 10 seconds.
+    retry_budget: float = 0.2
+    #: Seconds: the scale of the jittered exponential back-off between tries.
+    retry_backoff: float = 0.025
+    #: Characters of the prompt that `prefix_affinity` hashes.
+    affinity_prefix_chars: int = 256
+    #: With `prefix_affinity`, no worker takes more than this times the average load.
+    affinity_load_factor: float = 1.25
     models: tuple[ModelConfig, ...] = field(default_factory=tuple)
 
 
@@ -64,6 +94,18 @@ _NUMBERS: dict[str, tuple[type, float]] = {
     "keepalive_interval": (float, 0.001),
     "max_body_bytes": (int, 1),
     "retry_after": (int, 0),
+    "drain_timeout": (float, 0),
+    "discovery_interval": (float, 0.01),
+    "health_check_interval": (float, 0.01),
+    "start_timeout": (float, 0.001),
+    "eject_after_failures": (int, 1),
+    "eject_base": (float, 0),
+    "eject_max": (float, 0),
+    "retry_attempts": (int, 1),
+    "retry_budget": (float, 0),
+    "retry_backoff": (float, 0),
+    "affinity_prefix_chars": (int, 1),
+    "affinity_load_factor": (float, 1),
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -102,7 +144,26 @@ def _model(where: str, raw: Any) -> ModelConfig:
     max_len = raw.get("max_model_len")
     if max_len is not None:
         max_len = _number(f"{where}.max_model_len", max_len, int, 1)
-    return ModelConfig(name=name, kind=kind, workers=tuple(workers), max_model_len=max_len)
+    balance = raw.get("balance", "least_outstanding")
+    if balance not in BALANCE_POLICIES:
+        raise ConfigError(
+            f"{where}.balance: expected one of {', '.join(BALANCE_POLICIES)}, got {balance!r}"
+        )
+    weights = raw.get("weights") or {}
+    if not isinstance(weights, Mapping):
+        raise ConfigError(f"{where}.weights: expected a mapping of worker to weight")
+    for entry, weight in weights.items():
+        if entry not in workers:
+            raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
+        _number(f"{where}.weights.{entry}", weight, float, 0.001)
+    return ModelConfig(
+        name=name,
+        kind=kind,
+        workers=tuple(workers),
+        max_model_len=max_len,
+        balance=balance,
+        weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
+    )
 
 
 def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:

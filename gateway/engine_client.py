@@ -7,10 +7,12 @@ Everything above this module sees only `gateway.types` and `gateway.errors`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import errors
 from gateway._proto import engine_pb2 as pb
@@ -34,6 +36,15 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5_000),
 )
+
+
+#: The service whose health a worker reports (see gateway.worker.server).
+HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+
+#: How a call ended, for the owner's bookkeeping: None (finished), the error, or
+#: CANCELLED when we cancelled it (which says nothing about the worker).
+CANCELLED = "cancelled"
+Outcome = errors.EngineError | str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +105,9 @@ class EngineStream:
         try:
             message = await self._call.read()
         except grpc.RpcError as error:
-            self.close()
-            raise _from_rpc_error(error) from None
+            failure = _from_rpc_error(error)
+            self.close(failure)
+            raise failure from None
         if message is grpc.aio.EOF:
             self.close()
             raise StopAsyncIteration
@@ -109,19 +121,21 @@ class EngineStream:
             finished = message.finished
             reason = _FINISH_REASONS.get(finished.reason, FinishReason.STOP)
             return Finished(reason, finished.completion_tokens)
-        self.cancel()
-        raise errors.Failed(f"engine worker sent an unknown event {kind!r}")
+        failure = errors.Failed(f"engine worker sent an unknown event {kind!r}")
+        self.cancel(failure)
+        raise failure
 
-    def cancel(self) -> None:
-        """Cancels the call (the worker sees CANCELLED and aborts)."""
+    def cancel(self, outcome: Outcome = CANCELLED) -> None:
+        """Cancels the call (the worker sees CANCELLED and aborts); `outcome`
+        is what the owner hears: our own cancellation, or a failure we saw."""
         self._call.cancel()
-        self.close()
+        self.close(outcome)
 
-    def close(self) -> None:
-        """Marks the call over; runs the owner's callback exactly once."""
+    def close(self, outcome: Outcome = None) -> None:
+        """Marks the call over; tells the owner how, exactly once."""
         if not self._closed:
             self._closed = True
-            self._on_close()
+            self._on_close(outcome)
 
 
 class EngineClient:
@@ -131,13 +145,14 @@ class EngineClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def generate(
         self,
         request: GenerateRequest,
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
-        on_close: Callable[[], None] = lambda: None,
+        on_close: Callable[[Outcome], None] = lambda outcome: None,
     ) -> EngineStream:
         """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
         call = self._stub.Generate(to_proto(request), timeout=timeout, metadata=metadata)
@@ -150,6 +165,30 @@ class EngineClient:
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
         return [ModelDescription(m.name, m.max_context) for m in reply.models]
+
+    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+        """Whether the worker is serving, each time that changes: the health
+        Watch stream where the worker has it, else a Check every `poll_interval`
+        (a worker without the health service counts as serving). Ends with an
+        `EngineError` when the worker cannot be reached."""
+        request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for reply in self._health.Watch(request):
+                yield reply.status == serving
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _from_rpc_error(error) from None
+        while True:
+            try:
+                reply = await self._health.Check(request, timeout=poll_interval)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise _from_rpc_error(error) from None
+                yield True  # no health service: passive ejection alone judges it
+            else:
+                yield reply.status == serving
+            await asyncio.sleep(poll_interval)
 
     async def close(self) -> None:
         """Closes the channel, cancelling calls still on it."""

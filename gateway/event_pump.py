@@ -97,14 +97,14 @@ class EventPump:
             raise self._error
         return []
 
-    def cancel(self) -> None:
-        """Cancels the worker's call; waiting in `next_batch` then ends."""
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
         if not self._ended:
             if self._stream is not None:
                 self._stream.cancel()
             self._reader.cancel()
             self._ended = True
-            self._error = errors.Unavailable("The request was cancelled.")
+            self._error = reason or errors.Unavailable("The request was cancelled.")
         self._wake()
 
     async def aclose(self) -> None:

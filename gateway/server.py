@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
+import socket
 from collections.abc import Coroutine
 from types import FrameType
 from typing import Any
@@ -15,6 +15,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import Config, ModelConfig
+from gateway.state import GatewayState
 from gateway.worker.engine import Engine
 from gateway.worker.server import WorkerServer
 
@@ -32,14 +33,37 @@ def run(main: Coroutine[Any, Any, None]) -> None:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn's server, but a shutdown asked for by SIGTERM or SIGINT ends the
-    process with status 0 once drained (uvicorn re-raises the signal, which
-    Kubernetes and shells read as a crash)."""
+    """uvicorn's server with a drain in front of its shutdown: on SIGTERM or
+    SIGINT, /ready turns false and new requests are refused while those in
+    flight finish (up to `drain_timeout`); then uvicorn stops, and the process
+    exits 0 (uvicorn would re-raise the signal, which reads as a crash).
+    A second signal skips the rest of the drain."""
+
+    def __init__(self, settings: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(settings)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serves until drained and shut down."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Starts the graceful shutdown without re-raising the signal after it."""
-        super().handle_exit(sig, frame)
+        """Starts the drain; a second signal shuts down at once."""
+        if self._drain is not None or self._loop is None:
+            super().handle_exit(sig, frame)
+        else:
+            self._loop.call_soon_threadsafe(self._start_drain)
         self._captured_signals.clear()
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await self.state.drain(self.state.config.drain_timeout)
+        self.should_exit = True
 
 
 async def wait_for_stop_signal() -> None:
@@ -67,9 +91,9 @@ def uvicorn_server(config: Config) -> uvicorn.Server:
         lifespan="on",
         log_level=config.log_level,
         access_log=False,
-        timeout_graceful_shutdown=math.ceil(config.request_timeout),
+        timeout_graceful_shutdown=5,
     )
-    return GatewayServer(settings)
+    return GatewayServer(settings, app.state.gateway)
 
 
 async def serve_gateway(config: Config) -> None:

@@ -20,8 +20,8 @@ import pytest
 import uvloop
 
 from gateway.config import Config, ModelConfig
-from gateway.openai.routes import GatewayState
 from gateway.server import uvicorn_server
+from gateway.state import GatewayState
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 from tests.scripted_worker import SCRIPTED_MODEL, ScriptedWorker
@@ -99,7 +99,14 @@ def make_config(workers: Workers, **overrides: Any) -> Config:
         ModelConfig(SCRIPTED_MODEL, workers=(workers.scripted.address,)),
         ModelConfig("resnet-50", kind="tensor"),
     )
-    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "log_level": "warning"}
+    settings: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "log_level": "warning",
+        # the fault tests fail one worker on purpose, again and again: no ejection
+        # here (tests/test_fleet.py covers it with gateways of their own)
+        "eject_after_failures": 1_000_000,
+    }
     settings.update(overrides)
     settings.setdefault("models", models)
     return Config(**settings)
@@ -124,20 +131,7 @@ def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
         server.should_exit = True
         await task
 
-    state = (
-        server.config.loaded_app.app.state.gateway
-        if hasattr(server.config.loaded_app, "app")
-        else None
-    )
-    if state is None:
-        state = _find_state(server.config.loaded_app)
-    return Gateway(f"http://127.0.0.1:{port}", state, lambda: server_loop.call(stop()))
-
-
-def _find_state(app: Any) -> GatewayState:
-    while not hasattr(app, "state"):
-        app = app.app
-    return app.state.gateway
+    return Gateway(f"http://127.0.0.1:{port}", server.state, lambda: server_loop.call(stop()))
 
 
 @pytest.fixture(scope="session")
@@ -182,10 +176,11 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
     """Every slot free, no call outstanding on any worker, no generation running."""
     wait_until(lambda: gw.state.slots.in_use == 0, "all slots to be free")
+    wait_until(lambda: not gw.state.inflight, "no request in flight")
     assert gw.state.fleet is not None
     pools = gw.state.fleet.models.values()
     wait_until(
-        lambda: all(w.outstanding == 0 for p in pools for w in p.workers),
+        lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),
         "no outstanding worker calls",
     )
     if workers is not None:

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway import errors
-from gateway.admission import Deadline, Slots
-from gateway.config import Config
+from gateway.admission import Deadline
 from gateway.event_pump import EventPump
-from gateway.fleet import Fleet, ModelPool
+from gateway.fleet import ModelPool
 from gateway.openai.body import Scope, read_json
 from gateway.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.openai.errors import SERVER, APIError, from_engine_error
 from gateway.openai.validation import ParsedRequest
+from gateway.state import GatewayState
 from gateway.types import Event, Finished, Started, Text
 
 log = logging.getLogger("furnace.edge")
@@ -38,17 +38,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-@dataclass
-class GatewayState:
-    """What every route shares; the fleet is set by the app's lifespan."""
-
-    config: Config
-    slots: Slots
-    fleet: Fleet | None = None
-    ready: bool = False
-    started_at: int = 0
 
 
 async def send_json(
@@ -131,6 +120,8 @@ class GenerationRoute:
         request_id, metadata = _request_id(scope)
         try:
             parsed = self.parse(await read_json(scope, receive, config.max_body_bytes))
+            if state.draining:
+                raise errors.Unavailable("The gateway is shutting down; try again.")
             assert state.fleet is not None
             pool = state.fleet.get(parsed.model)
             with state.slots.hold():
@@ -153,7 +144,8 @@ class GenerationRoute:
         assert self.state.fleet is not None
         request = replace(parsed.generate, model=pool.name, request_id=request_id.decode("latin-1"))
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
-        pump = EventPump(self.state.fleet.start(pool, request, Deadline(timeout), metadata))
+        pump = EventPump(self.state.fleet.generate(pool, request, Deadline(timeout), metadata))
+        self.state.inflight.add(pump)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda _: pump.cancel())
         encoder = self.encoder_type(pool.name, parsed.include_usage)
@@ -168,6 +160,7 @@ class GenerationRoute:
             log.info("client went away; request %s cancelled", request_id.decode("latin-1"))
         finally:
             watcher.cancel()
+            self.state.inflight.discard(pump)
             await pump.aclose()
 
     async def _answer(

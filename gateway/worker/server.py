@@ -7,13 +7,14 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway._proto import engine_pb2
 from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.worker.engine import Engine
 from gateway.worker.servicer import EngineService
 
 log = logging.getLogger("furnace.worker")
 
-SERVICE_NAME = "furnace.engine.v1.Engine"
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 _SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),

@@ -1,0 +1,263 @@
+"""The fleet: models, the workers that serve each, and which worker takes a request.
+
+    Fleet
+    ├── ModelPool (one per model)   pool.py        workers, balancer
+    │   └── Worker                  worker.py      in flight, health, ejection
+    ├── discovery                   discovery.py   host:port and dns: entries
+    ├── balancing                   balancing.py   power of two choices, prefix affinity
+    └── RetryBudget                 retry.py       retries as a fraction of requests
+
+A request goes to a worker its model's balancer picks among the available ones
+(serving, not ejected, not leaving). A retryable refusal before the worker's
+first event (busy, unreachable, not started in time) is tried again on another
+worker, with jittered back-off, while attempts, time and the retry budget last.
+After the first event nothing is retried: the client may hold part of the answer.
+Background tasks keep membership (DNS) and health (the gRPC health service) fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_random_exponential
+
+from gateway import errors
+from gateway.admission import Deadline
+from gateway.config import Config
+from gateway.engine_client import EngineStream
+from gateway.fleet.discovery import Target, resolve
+from gateway.fleet.pool import ModelPool
+from gateway.fleet.retry import RetryBudget
+from gateway.fleet.worker import Worker
+from gateway.types import GenerateRequest, Started
+
+__all__ = ["Fleet", "ModelPool", "Worker"]
+
+log = logging.getLogger("furnace.fleet")
+
+DESCRIBE_TIMEOUT = 2.0
+
+
+class Fleet:
+    """Every model of the config; create and start it on the serving loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.models: dict[str, ModelPool] = {m.name: ModelPool(m, config) for m in config.models}
+        llms = [m.name for m in config.models if m.kind == "llm"]
+        self.default_model = llms[0] if llms else None
+        self.budget = RetryBudget(config.retry_budget)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, wait: float = 2.0) -> None:
+        """Resolves every entry, starts watching workers, and waits up to `wait`
+        seconds for each to report its health once."""
+        for pool in self.models.values():
+            for target in pool.targets:
+                await self._discover(pool, target)
+                if target.is_dns:
+                    self._spawn(self._rediscover(pool, target))
+        end = time.monotonic() + wait
+        workers = [w for pool in self.models.values() for w in pool.workers.values()]
+        # a short wait at start, for /ready to mean "the workers answered"
+        while time.monotonic() < end and any(w.serving is None for w in workers):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        """Stops the background tasks and closes every channel."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(
+            *(w.client.close() for pool in self.models.values() for w in pool.workers.values())
+        )
+
+    async def _discover(self, pool: ModelPool, target: Target) -> None:
+        try:
+            addresses = await resolve(target)
+        except OSError as error:
+            log.warning("model %s: cannot resolve %s: %s", pool.name, target.entry, error)
+            return
+        pool.update(target, addresses, lambda w: self._spawn(self._watch(pool, w)))
+        for worker in pool.idle_leavers():
+            log.info("model %s: worker %s closed", pool.name, worker.address)
+            self._spawn(worker.client.close())
+
+    async def _rediscover(self, pool: ModelPool, target: Target) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval)
+            await self._discover(pool, target)
+
+    async def _watch(self, pool: ModelPool, worker: Worker) -> None:
+        """Follows a worker's health until it leaves; describes it when it serves."""
+        interval = self.config.health_check_interval
+        delay = 0.05
+        described = False
+        while not worker.leaving:
+            try:
+                async for serving in worker.client.watch_health(interval):
+                    if serving and not described:
+                        described = await self._describe(pool, worker)
+                    if serving != worker.serving:
+                        log.info(
+                            "worker %s: %s", worker.address, "serving" if serving else "not serving"
+                        )
+                    worker.serving = serving
+                    delay = 0.05
+            except errors.EngineError as error:
+                if worker.serving is not False:
+                    log.warning("worker %s unreachable: %s", worker.address, error.message)
+                worker.serving = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, interval)
+
+    async def _describe(self, pool: ModelPool, worker: Worker) -> bool:
+        try:
+            models = await worker.client.describe(DESCRIBE_TIMEOUT)
+        except errors.EngineError as error:
+            log.warning("worker %s did not describe itself: %s", worker.address, error.message)
+            return False
+        served = {m.name: m.max_context for m in models}
+        worker.wrong_model = pool.name not in served
+        if worker.wrong_model:
+            log.error(
+                "worker %s serves %s, not %s: kept out of the rotation",
+                worker.address,
+                ", ".join(sorted(served)) or "nothing",
+                pool.name,
+            )
+        elif pool.max_context is None:
+            pool.max_context = served[pool.name]
+        return True
+
+    # -- requests -----------------------------------------------------------
+
+    def get(self, name: str | None) -> ModelPool:
+        """The LLM pool a request names (the first LLM when it names none)."""
+        pool = self.models.get(name if name is not None else self.default_model or "")
+        if pool is None:
+            raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        if pool.kind != "llm":
+            raise errors.NotAnLLM(
+                f"The model `{name}` is not a language model and is not served by this route.",
+                param="model",
+            )
+        return pool
+
+    async def generate(
+        self,
+        pool: ModelPool,
+        request: GenerateRequest,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> tuple[Started, EngineStream]:
+        """Starts the request on a worker and waits for its `Started`, retrying
+        retryable refusals on other workers; returns that event and the stream."""
+        self.budget.record_request()
+        tried: set[Worker] = set()
+
+        def should_retry(state: RetryCallState) -> bool:
+            error = state.outcome.exception() if state.outcome else None
+            retry = (
+                isinstance(error, errors.EngineError)
+                and error.retryable
+                and deadline.remaining() > 0
+                and bool(pool.available(tried))
+                and self.budget.try_spend()
+            )
+            if retry:
+                pool.retries_total += 1
+                log.info("model %s: retrying after %s", pool.name, type(error).__name__)
+            return retry
+
+        backoff = self.config.retry_backoff
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.retry_attempts),
+            wait=wait_random_exponential(multiplier=backoff, max=backoff * 16),
+            retry=should_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._try(pool, request, deadline, metadata, tried)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _try(
+        self,
+        pool: ModelPool,
+        request: GenerateRequest,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        tried: set[Worker],
+    ) -> tuple[Started, EngineStream]:
+        worker = pool.pick(request, tried)
+        if worker is None:
+            raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+        tried.add(worker)
+        worker.outstanding += 1
+        stream = worker.client.generate(
+            request, deadline.remaining(), metadata, on_close=worker.release
+        )
+        start_timeout = self.config.start_timeout
+        bounded_by_deadline = deadline.remaining() <= start_timeout
+        try:
+            async with asyncio.timeout(min(start_timeout, deadline.remaining())):
+                first = await anext(stream, None)
+        except TimeoutError:
+            if bounded_by_deadline:
+                stream.cancel()
+                raise errors.Timeout(
+                    "The engine worker did not start the answer in time."
+                ) from None
+            failure = errors.Unavailable(
+                f"The engine worker did not start the answer within {start_timeout:g} seconds."
+            )
+            stream.cancel(failure)
+            raise failure from None
+        except errors.EngineError:
+            raise
+        except BaseException:
+            stream.cancel()
+            raise
+        if not isinstance(first, Started):
+            failure = errors.Failed("The engine worker did not start the answer properly.")
+            stream.cancel(failure)
+            raise failure
+        return first, stream
+
+    def snapshot(self) -> dict[str, object]:
+        """Every model's workers and their state, for operators."""
+        now = time.monotonic()
+        return {
+            "models": [
+                {
+                    "name": pool.name,
+                    "kind": pool.kind,
+                    "max_context": pool.max_context,
+                    "balance": type(pool.balancer).__name__,
+                    "retries_total": pool.retries_total,
+                    "workers": [
+                        {
+                            "address": w.address,
+                            "state": w.state,
+                            "outstanding": w.outstanding,
+                            "weight": w.weight,
+                            "consecutive_failures": w.consecutive_failures,
+                            "ejections_total": w.ejections_total,
+                            "ejected_for": round(max(0.0, w.ejected_until - now), 3),
+                        }
+                        for w in pool.workers.values()
+                    ],
+                }
+                for pool in self.models.values()
+            ]
+        }

@@ -1,0 +1,104 @@
+"""Which available worker takes a request.
+
+`LeastOutstanding` picks the less loaded of two random workers (power of two
+choices): nearly as good as scanning all, without every gateway herding onto
+the same least-loaded worker. `PrefixAffinity` sends prompts that share a
+prefix to the same worker, so its KV cache is reused, by consistent hashing
+with bounded loads: a worker already above `load_factor` times the average
+passes the request on along the ring.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from typing import Protocol
+
+from gateway.fleet.worker import Worker
+from gateway.types import GenerateRequest
+
+VIRTUAL_NODES = 64  # ring points per unit of weight
+
+
+class Balancer(Protocol):
+    """Picks one of the candidates (never empty) for a request."""
+
+    def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
+        """The worker to try."""
+        ...
+
+
+class LeastOutstanding:
+    """Power of two choices on outstanding calls per unit of weight."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
+        """The less loaded of two weighted random candidates."""
+        if len(candidates) == 1:
+            return candidates[0]
+        if all(w.weight == candidates[0].weight for w in candidates):
+            a, b = self._rng.sample(candidates, 2)
+        else:
+            a, b = self._rng.choices(candidates, weights=[w.weight for w in candidates], k=2)
+        return a if a.outstanding / a.weight <= b.outstanding / b.weight else b
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+def prefix_key(request: GenerateRequest, chars: int) -> str:
+    """The start of the prompt as the worker will see it (roles included)."""
+    if request.messages is None:
+        return (request.prompt or "")[:chars]
+    parts: list[str] = []
+    size = 0
+    for message in request.messages:
+        parts.append(f"{message.role}\x00{message.content}\x00")
+        size += len(parts[-1])
+        if size >= chars:
+            break
+    return "".join(parts)[:chars]
+
+
+class PrefixAffinity:
+    """Consistent hashing of the prompt's prefix, with bounded loads."""
+
+    def __init__(self, prefix_chars: int = 256, load_factor: float = 1.25) -> None:
+        self.prefix_chars = prefix_chars
+        self.load_factor = load_factor
+        self._members: tuple[Worker, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[Worker] = []
+
+    def _ring(self, candidates: list[Worker]) -> None:
+        members = tuple(candidates)
+        if members == self._members:
+            return
+        ring = sorted(
+            (_hash(f"{w.address}#{i}"), w)
+            for w in members
+            for i in range(max(1, round(VIRTUAL_NODES * w.weight)))
+        )
+        self._members = members
+        self._points = [point for point, _ in ring]
+        self._owners = [owner for _, owner in ring]
+
+    def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
+        """The prefix's worker on the ring, or the next one under the load bound."""
+        if len(candidates) == 1:
+            return candidates[0]
+        self._ring(candidates)
+        total = sum(w.outstanding for w in candidates) + 1
+        bound = math.ceil(self.load_factor * total / len(candidates))
+        start = bisect.bisect(self._points, _hash(prefix_key(request, self.prefix_chars)))
+        n = len(self._owners)
+        for i in range(n):
+            owner = self._owners[(start + i) % n]
+            if owner.outstanding + 1 <= bound:
+                return owner
+        return min(candidates, key=lambda w: w.outstanding)

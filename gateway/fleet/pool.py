@@ -1,0 +1,89 @@
+"""A model as the gateway serves it: its workers, found from the config's
+entries, and the balancer that picks among those available."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from gateway.config import Config, ModelConfig
+from gateway.engine_client import EngineClient
+from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
+from gateway.fleet.discovery import Target, parse_target
+from gateway.fleet.worker import EjectionPolicy, Worker
+from gateway.types import GenerateRequest
+
+log = logging.getLogger("furnace.fleet")
+
+
+def make_balancer(model: ModelConfig, config: Config) -> Balancer:
+    """The model's balancing policy."""
+    if model.balance == "prefix_affinity":
+        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
+    return LeastOutstanding()
+
+
+class ModelPool:
+    """The workers of one model; membership changes as discovery answers."""
+
+    def __init__(self, model: ModelConfig, config: Config) -> None:
+        self.name = model.name
+        self.kind = model.kind
+        self.max_context = model.max_model_len
+        self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
+        self.balancer = make_balancer(model, config)
+        self.policy = EjectionPolicy(
+            config.eject_after_failures, config.eject_base, config.eject_max
+        )
+        self.workers: dict[str, Worker] = {}
+        self.retries_total = 0
+        self._weights = dict(model.weights)
+        self._found: dict[str, set[str]] = {}  # entry -> addresses it gave
+        self._weight_of: dict[str, float] = {}
+
+    def available(self, exclude: set[Worker]) -> list[Worker]:
+        """Workers that may take a new request now."""
+        now = time.monotonic()
+        return [w for w in self.workers.values() if w not in exclude and w.available(now)]
+
+    def pick(self, request: GenerateRequest, exclude: set[Worker]) -> Worker | None:
+        """The worker for a request among those not yet tried, or None."""
+        candidates = self.available(exclude)
+        if not candidates:
+            return None
+        return self.balancer.pick(candidates, request)
+
+    def update(
+        self,
+        target: Target,
+        addresses: list[str],
+        on_join: Callable[[Worker], None],
+    ) -> None:
+        """Sets what one entry resolves to: new addresses join (`on_join` starts
+        watching them); addresses no entry gives any more leave once idle."""
+        self._found[target.entry] = set(addresses)
+        weight = self._weights.get(target.entry, 1.0)
+        for address in addresses:
+            self._weight_of[address] = weight
+            worker = self.workers.get(address)
+            if worker is None:
+                worker = Worker(address, EngineClient(address), self.policy, weight)
+                self.workers[address] = worker
+                log.info("model %s: worker %s joins", self.name, address)
+                on_join(worker)
+            elif worker.leaving:
+                worker.leaving = False
+                log.info("model %s: worker %s is back", self.name, address)
+        wanted = set().union(*self._found.values())
+        for address, worker in self.workers.items():
+            if address not in wanted and not worker.leaving:
+                worker.leaving = True
+                log.info("model %s: worker %s leaves after its calls end", self.name, address)
+
+    def idle_leavers(self) -> list[Worker]:
+        """Workers that left and have no call in flight: ready to be closed."""
+        gone = [w for w in self.workers.values() if w.leaving and w.outstanding == 0]
+        for worker in gone:
+            del self.workers[worker.address]
+        return gone

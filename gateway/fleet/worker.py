@@ -1,0 +1,93 @@
+"""One worker as the fleet sees it: its calls in flight, its health, and passive
+ejection when it keeps failing.
+
+Only transport failures count against a worker (unreachable, internal errors,
+deadlines): a client's mistake (a bad parameter, a prompt too long) says
+nothing about the worker, and a full worker is busy, not broken.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway import errors
+from gateway.engine_client import CANCELLED, EngineClient, Outcome
+
+#: Errors that count against a worker.
+TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
+
+
+@dataclass(frozen=True)
+class EjectionPolicy:
+    """When a worker leaves the rotation after failures, and for how long."""
+
+    after_failures: int = 3
+    base: float = 1.0
+    longest: float = 60.0
+
+
+@dataclass(eq=False)
+class Worker:
+    """A worker of one model."""
+
+    address: str
+    client: EngineClient
+    policy: EjectionPolicy
+    weight: float = 1.0
+    #: Calls in flight through this gateway.
+    outstanding: int = 0
+    #: From the health service; None until it has answered.
+    serving: bool | None = None
+    #: Removed from discovery; finishing its calls, taking no new ones.
+    leaving: bool = False
+    #: Describe said it does not serve the model it is listed for.
+    wrong_model: bool = False
+    consecutive_failures: int = 0
+    #: Ejections in a row (the back-off grows with them); 0 once it succeeds.
+    ejection_streak: int = 0
+    #: Every ejection since start, for metrics.
+    ejections_total: int = 0
+    ejected_until: float = 0.0
+
+    def available(self, now: float) -> bool:
+        """Whether it may take a new request now (unknown health counts as serving)."""
+        return (
+            self.serving is not False
+            and not self.leaving
+            and not self.wrong_model
+            and now >= self.ejected_until
+        )
+
+    @property
+    def state(self) -> str:
+        """One word for operators and metrics."""
+        if self.wrong_model:
+            return "wrong_model"
+        if self.leaving:
+            return "leaving"
+        if time.monotonic() < self.ejected_until:
+            return "ejected"
+        if self.serving is False:
+            return "not_serving"
+        return "healthy" if self.serving else "unknown"
+
+    def release(self, outcome: Outcome) -> None:
+        """Called once when one of its calls ends, however it ends."""
+        self.outstanding -= 1
+        if outcome is None:
+            self.consecutive_failures = 0
+            self.ejection_streak = 0
+        elif outcome is not CANCELLED and isinstance(outcome, TRANSPORT_FAILURES):
+            self.record_failure()
+
+    def record_failure(self) -> None:
+        """A transport failure; enough in a row eject the worker for a while."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures < self.policy.after_failures:
+            return
+        self.consecutive_failures = 0
+        self.ejection_streak += 1
+        self.ejections_total += 1
+        seconds = min(self.policy.longest, self.policy.base * 2 ** (self.ejection_streak - 1))
+        self.ejected_until = time.monotonic() + seconds
