@@ -1,0 +1,335 @@
+"""The Helm chart, checked with the real helm: lint, render with the default values and a
+GPU fleet's, validate every object against the Kubernetes schemas, and read the rendered
+objects: the gateway's own loader accepts the config, every pool has the headless Service
+the config points at, the probes hit real routes, the grace period covers pause and drain,
+the schema refuses wrong types, and a config change rolls the pods."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from starlette.routing import Route
+
+from gateway.app import create_app
+from gateway.config import Config, load_config, parse_config
+from tests.conftest import Gateway
+from tests.k8s_tools import (
+    KUBERNETES_VERSIONS,
+    ROOT,
+    Manifest,
+    check_restricted,
+    check_worker_pools,
+    load_manifests,
+    of_kind,
+    one,
+    prestop_sleep,
+    run,
+    schema_problems,
+    selects,
+    tool,
+)
+
+CHART = ROOT / "helm" / "furnace-gateway"
+GPU_FLEET = CHART / "ci" / "gpu-fleet-values.yaml"
+NAMESPACE = "inference"
+RELEASE = "llm"
+FULLNAME = f"{RELEASE}-furnace-gateway"
+VALUES = {"default": (), "gpu-fleet": ("--values", str(GPU_FLEET))}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Runs the installed helm."""
+    return run([tool("helm"), *args], check=check)
+
+
+@functools.cache
+def render(*args: str) -> tuple[Manifest, ...]:
+    """The chart's objects as `helm template` renders them with these arguments."""
+    output = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args).stdout
+    return tuple(load_manifests(output))
+
+
+def values(*args: str) -> dict[str, Any]:
+    """The chart's values merged with the values files among `args` (one level deep is
+    enough for what the tests read)."""
+    merged = yaml.safe_load((CHART / "values.yaml").read_text())
+    files = [args[i + 1] for i, arg in enumerate(args) if arg == "--values"]
+    for path in files:
+        for key, value in yaml.safe_load(Path(path).read_text()).items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def gateway_config(manifests: tuple[Manifest, ...]) -> dict[str, Any]:
+    """The gateway's config file as the chart renders it, as YAML data."""
+    configmap = one(manifests, "ConfigMap", FULLNAME)
+    return yaml.safe_load(configmap["data"]["config.yaml"])
+
+
+def gateway_pod(manifests: tuple[Manifest, ...]) -> Manifest:
+    """The gateway Deployment's pod template."""
+    return one(manifests, "Deployment", FULLNAME)["spec"]["template"]
+
+
+def checksum(*args: str) -> str:
+    """The config checksum annotation of the gateway's pods."""
+    return gateway_pod(render(*args))["metadata"]["annotations"]["checksum/config"]
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_lint_strict(name: str):
+    result = helm("lint", "--strict", str(CHART), *VALUES[name])
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", VALUES)
+def test_manifests_match_the_kubernetes_schemas(name: str, version: str, tmp_path: Path):
+    manifests = list(render(*VALUES[name]))
+    assert schema_problems(manifests, version, tmp_path) == []
+
+
+def test_the_gpu_fleet_renders_every_optional_object():
+    kinds = {m["kind"] for m in render(*VALUES["gpu-fleet"])}
+    assert {"Ingress", "HTTPRoute", "ServiceMonitor", "StatefulSet"} <= kinds
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"} <= kinds
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_gateway_loader_accepts_the_rendered_config(name: str, tmp_path: Path):
+    raw = gateway_config(render(*VALUES[name]))
+    config = parse_config(raw, env={})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_config(path, env={}) == config
+    assert [m.name for m in config.models] == [m["name"] for m in values(*VALUES[name])["models"]]
+    assert "drain_timeout" not in raw  # the chart keeps it in its values (the grace period)
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_pool_has_the_headless_service_the_config_points_at(name: str):
+    manifests = list(render(*VALUES[name]))
+    addresses = check_worker_pools(manifests, NAMESPACE)
+    models = gateway_config(render(*VALUES[name]))["models"]
+    configured = {w for m in models for w in m.get("workers", [])}
+    assert addresses
+    assert addresses == {w for w in configured if w.startswith("dns:///")}
+
+
+def test_models_reach_their_own_pools_and_outside_workers():
+    models = {m["name"]: m for m in gateway_config(render(*VALUES["gpu-fleet"]))["models"]}
+    pool = f"dns:///{FULLNAME}-worker-qwen-2-72b.{NAMESPACE}.svc.cluster.local:50052"
+    assert models["qwen-2-72b"]["workers"] == [pool, "10.20.0.7:50051", "10.20.0.8:50051"]
+    assert models["llama-3-8b"]["max_model_len"] == 8192
+    assert models["resnet-50"]["kind"] == "tensor"
+    assert "demo" not in str(models)
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_probes_point_at_real_routes_of_the_gateway(name: str):
+    manifests = render(*VALUES[name])
+    config: Config = parse_config(gateway_config(manifests), env={})
+    routes = {
+        route.path: route.methods or set()
+        for route in create_app(config).routes
+        if isinstance(route, Route)
+    }
+    container = gateway_pod(manifests)["spec"]["containers"][0]
+    (port,) = container["ports"]
+    assert port == {"name": "http", "containerPort": config.port, "protocol": "TCP"}
+    liveness = container["livenessProbe"]["httpGet"]
+    readiness = container["readinessProbe"]["httpGet"]
+    assert liveness == {"path": "/health", "port": "http"}  # alive: never asks the workers
+    assert readiness == {"path": "/ready", "port": "http"}
+    for probe in (liveness, readiness):
+        assert "GET" in routes[probe["path"]]
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_grace_period_outlasts_the_pause_and_the_drain(name: str):
+    pod = gateway_pod(render(*VALUES[name]))["spec"]
+    drain = values(*VALUES[name])["gateway"]["drainTimeout"]
+    pause = prestop_sleep(pod["containers"][0])
+    assert pod["terminationGracePeriodSeconds"] > pause + drain
+
+
+def test_the_grace_period_follows_the_drain_timeout():
+    pod = gateway_pod(render("--set", "gateway.drainTimeout=300"))["spec"]
+    assert pod["terminationGracePeriodSeconds"] > prestop_sleep(pod["containers"][0]) + 300
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--set", "gateway.replicaCount=two"),
+        ("--set", "gateway.drainTimeout=soon"),
+        ("--set-string", "gateway.config.max_concurrent_requests=64"),
+        ("--set", "gateway.config.log_level=loud"),
+        ("--set", "gateway.config.drain_timeout=30"),  # not a field the loader knows yet
+        ("--set", "workerPools.demo.gpu.count=one"),
+        ("--set", "workerPools.demo.kind=DaemonSet"),
+        ("--set-json", 'models=[{"name": "furnace-demo", "kind": "vision", "pools": ["demo"]}]'),
+        ("--set", "autoscaling.enabled=yes"),
+    ],
+)
+def test_the_values_schema_refuses_wrong_values(args: tuple[str, str]):
+    result = helm("template", RELEASE, str(CHART), *args, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+
+
+def test_a_model_naming_a_missing_pool_fails_to_render():
+    models = '[{"name": "furnace-demo", "pools": ["gone"]}]'
+    result = helm("template", RELEASE, str(CHART), "--set-json", f"models={models}", check=False)
+    assert result.returncode != 0
+    assert 'models[0].pools: "gone" is not a key of workerPools' in result.stderr
+
+
+def test_the_config_checksum_rolls_the_pods_on_a_config_change():
+    base = checksum()
+    shown = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--show-only",
+        "templates/configmap.yaml",
+    ).stdout
+    configmap = shown.split("\n", 2)[2]  # after "---" and "# Source: ..."
+    assert base == hashlib.sha256(configmap.encode()).hexdigest()  # the ConfigMap's own hash
+    assert checksum("--set", "gateway.config.max_concurrent_requests=64") != base
+    assert checksum("--set", "workerPools.demo.port=50052") != base
+    models = '[{"name": "furnace-demo", "pools": ["demo"], "maxModelLen": 2048}]'
+    assert checksum("--set-json", f"models={models}") != base
+    assert checksum("--set", "service.port=8080") == base  # not in the config
+
+
+def test_every_pod_is_restricted():
+    check_restricted(list(render()))
+
+
+def test_gpu_pools_get_gpus_nodes_and_tolerations():
+    manifests = list(render(*VALUES["gpu-fleet"]))
+    llama = one(manifests, "StatefulSet", f"{FULLNAME}-worker-llama-3-8b")
+    qwen = one(manifests, "Deployment", f"{FULLNAME}-worker-qwen-2-72b")
+    for workload, gpus in ((llama, 1), (qwen, 4)):
+        spec = workload["spec"]["template"]["spec"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+    assert llama["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"] == {
+        "storage": "200Gi"
+    }
+    assert qwen["spec"]["template"]["spec"]["containers"][0]["command"][0] == "/usr/bin/tini"
+
+
+def test_worker_probes_use_the_grpc_health_service():
+    (worker,) = (
+        d for d in of_kind(render(), "Deployment") if d["metadata"]["name"].endswith("-worker-demo")
+    )
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50051}
+    args = container["args"]
+    assert args[args.index("--port") + 1] == "50051"
+
+
+def test_autoscaler_and_disruption_budget_target_the_gateway():
+    manifests = list(render(*VALUES["gpu-fleet"]))
+    hpa = one(manifests, "HorizontalPodAutoscaler", FULLNAME)
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": FULLNAME,
+    }
+    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    assert metrics["Resource"]["resource"]["name"] == "cpu"
+    assert metrics["Pods"]["pods"]["metric"]["name"] == "furnace_gateway_requests_in_flight"
+    assert "replicas" not in one(manifests, "Deployment", FULLNAME)["spec"]  # the HPA's
+    pdb = one(manifests, "PodDisruptionBudget", FULLNAME)
+    pod_labels = gateway_pod(render())["metadata"]["labels"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+    fixed = one(render("--set", "autoscaling.enabled=false"), "Deployment", FULLNAME)
+    assert fixed["spec"]["replicas"] == 2
+
+
+def test_ingress_route_and_monitor_reach_the_gateway_service():
+    manifests = list(render(*VALUES["gpu-fleet"]))
+    service = one(manifests, "Service", FULLNAME)
+    (port,) = service["spec"]["ports"]
+    assert selects(service["spec"]["selector"], gateway_pod(tuple(manifests))["metadata"]["labels"])
+    ingress = one(manifests, "Ingress", FULLNAME)
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": FULLNAME, "port": {"name": port["name"]}}
+    route = one(manifests, "HTTPRoute", FULLNAME)
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"][0]["name"] == "public"
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": FULLNAME, "port": port["port"]}]
+    monitor = one(manifests, "ServiceMonitor", FULLNAME)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+def test_notes_give_the_first_request():
+    result = helm("install", "--dry-run=client", RELEASE, str(CHART), "--namespace", NAMESPACE)
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward service/{FULLNAME} 8000:80" in notes
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
+    assert '"model": "furnace-demo"' in notes
+    assert f"helm test {RELEASE}" in notes
+
+
+def _helm_test_pod() -> tuple[str, dict[str, str]]:
+    (pod,) = of_kind(render(), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = pod["spec"]["containers"]
+    assert container["args"][:2] == ["python", "-c"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    return container["args"][2], env
+
+
+def _run_helm_test(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_helm_test_pod_sends_a_chat_completion_through_the_service(gateway: Gateway):
+    script, env = _helm_test_pod()
+    assert env["FURNACE_URL"] == f"http://{FULLNAME}:80"  # the gateway's Service
+    assert env["FURNACE_MODEL"] == "furnace-demo"
+    # The same script, against a real gateway and demo worker on loopback.
+    result = _run_helm_test(script, {**env, "FURNACE_URL": gateway.url})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "OK"
+    assert '"hello from the fleet"' in result.stdout
+
+
+def test_the_helm_test_pod_fails_on_a_wrong_answer(gateway: Gateway):
+    script, env = _helm_test_pod()
+    result = _run_helm_test(
+        script, {**env, "FURNACE_URL": gateway.url, "FURNACE_MODEL": "resnet-50"}
+    )
+    assert result.returncode != 0
+    assert "FAIL" in result.stderr and "model_not_supported" in result.stderr
