@@ -38,8 +38,6 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 KUSTOMIZE = ROOT / "deploy" / "kustomize" / "base"
 CHART_VALUES = ROOT / "helm" / "furnace-gateway" / "values.yaml"
 CONFIG_PATH = "/etc/furnace/config.yaml"
-#: The gateway's drain after SIGTERM when its config does not set one.
-DEFAULT_DRAIN = 30.0
 
 Stage = list[tuple[str, str]]
 
@@ -234,8 +232,8 @@ def test_the_kustomize_base_runs_a_gateway_and_its_demo_pool():
     probes = [container[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe")]
     assert probes == ["/health", "/ready"]
     assert set(probes) <= paths
-    drain = getattr(config, "drain_timeout", DEFAULT_DRAIN)
-    assert pod["terminationGracePeriodSeconds"] > prestop_sleep(container) + drain
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace > prestop_sleep(container) + config.drain_timeout
 
 
 def test_install_tools_is_fast_once_installed():

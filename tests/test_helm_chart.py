@@ -114,7 +114,7 @@ def test_the_gateway_loader_accepts_the_rendered_config(name: str, tmp_path: Pat
     path.write_text(yaml.safe_dump(raw))
     assert load_config(path, env={}) == config
     assert [m.name for m in config.models] == [m["name"] for m in values(*VALUES[name])["models"]]
-    assert "drain_timeout" not in raw  # the chart keeps it in its values (the grace period)
+    assert config.drain_timeout == values(*VALUES[name])["gateway"]["drainTimeout"]
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -132,6 +132,7 @@ def test_models_reach_their_own_pools_and_outside_workers():
     pool = f"dns:///{FULLNAME}-worker-qwen-2-72b.{NAMESPACE}.svc.cluster.local:50052"
     assert models["qwen-2-72b"]["workers"] == [pool, "10.20.0.7:50051", "10.20.0.8:50051"]
     assert models["llama-3-8b"]["max_model_len"] == 8192
+    assert models["llama-3-8b"]["balance"] == "prefix_affinity"
     assert models["resnet-50"]["kind"] == "tensor"
     assert "demo" not in str(models)
 
@@ -165,7 +166,9 @@ def test_the_grace_period_outlasts_the_pause_and_the_drain(name: str):
 
 
 def test_the_grace_period_follows_the_drain_timeout():
-    pod = gateway_pod(render("--set", "gateway.drainTimeout=300"))["spec"]
+    manifests = render("--set", "gateway.drainTimeout=300")
+    pod = gateway_pod(manifests)["spec"]
+    assert parse_config(gateway_config(manifests), env={}).drain_timeout == 300
     assert pod["terminationGracePeriodSeconds"] > prestop_sleep(pod["containers"][0]) + 300
 
 
@@ -176,7 +179,9 @@ def test_the_grace_period_follows_the_drain_timeout():
         ("--set", "gateway.drainTimeout=soon"),
         ("--set-string", "gateway.config.max_concurrent_requests=64"),
         ("--set", "gateway.config.log_level=loud"),
-        ("--set", "gateway.config.drain_timeout=30"),  # not a field the loader knows yet
+        ("--set", "gateway.config.drain_timeout=30"),  # gateway.drainTimeout sets it
+        ("--set", "gateway.config.no_such_field=1"),
+        ("--set", "gateway.config.discovery_interval=often"),
         ("--set", "workerPools.demo.gpu.count=one"),
         ("--set", "workerPools.demo.kind=DaemonSet"),
         ("--set-json", 'models=[{"name": "furnace-demo", "kind": "vision", "pools": ["demo"]}]'),

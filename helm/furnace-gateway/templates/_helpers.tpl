@@ -106,11 +106,15 @@ fall back to the chart's image. */}}
 {{- if $model.maxModelLen }}
 {{- $_ := set $entry "max_model_len" (int $model.maxModelLen) }}
 {{- end }}
+{{- with $model.balance }}
+{{- $_ := set $entry "balance" . }}
+{{- end }}
 {{- $models = append $models $entry }}
 {{- end }}
 {{- $config := deepCopy .Values.gateway.config }}
 {{- $_ := set $config "host" "0.0.0.0" }}
 {{- $_ := set $config "port" (int .Values.gateway.port) }}
+{{- $_ := set $config "drain_timeout" (int .Values.gateway.drainTimeout) }}
 {{- $_ := set $config "models" $models }}
 {{- toYaml $config }}
 {{- end }}
