@@ -34,6 +34,7 @@ class DemoEngine(Engine):
         self.max_context = max_context
         self.token_delay = token_delay
         self.capacity = capacity
+        self.served = 0  # requests accepted
         self.running = 0  # generations in progress; tests watch it fall back to 0
         self.aborted = 0  # generations stopped before their end
 
@@ -56,6 +57,7 @@ class DemoEngine(Engine):
                 param="messages" if request.messages is not None else "prompt",
             )
         budget = min(max_tokens or self.max_context, self.max_context - prompt_tokens)
+        self.served += 1
         self.running += 1
         done = False
         try:

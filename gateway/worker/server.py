@@ -37,7 +37,8 @@ class WorkerServer:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
 
-    async def _set_health(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool) -> None:
+        """What the health service reports: SERVING or NOT_SERVING."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -56,11 +57,11 @@ class WorkerServer:
             raise OSError(f"cannot listen on {self.address}")
         self.address = f"{self.host}:{self.port}"
         await server.start()
-        await self._set_health(True)
+        await self.set_serving(True)
         log.info("worker for %s listening on %s", self.engine.model, self.address)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels them."""
-        await self._set_health(False)
+        await self.set_serving(False)
         if self._server is not None:
             await self._server.stop(grace)

@@ -1,0 +1,428 @@
+"""The fleet with several real workers: kills, hangs, health, DNS, balance,
+retry budget and the drain on SIGTERM. Counted, never timed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import dns.message
+import dns.rrset
+import httpx
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.types import Event, GenerateRequest
+from gateway.worker import Engine, WorkerServer
+from gateway.worker.demo import DemoEngine
+from tests.conftest import HANG_GUARD, ServerLoop, assert_nothing_left, wait_until
+from tests.scripted_worker import SCRIPTED_MODEL, ScriptedWorker, script
+from tests.test_cli import free_port, running, wait_ready
+from tests.test_responses import sse_events
+
+
+def free_port_on(*hosts: str) -> int:
+    """A port free on every one of `hosts`."""
+    while True:
+        port = free_port()
+        try:
+            for host in hosts:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return port
+
+
+@contextmanager
+def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
+    """A demo worker in a process of its own."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "worker", "--host", "127.0.0.1", "--port", str(port)]
+        + list(args),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: _listening(port), "the worker to listen", HANG_GUARD)
+        yield process
+    finally:
+        process.kill()
+        process.wait(HANG_GUARD)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def admin_workers(url: str, model: str) -> dict[str, dict]:
+    body = httpx.get(url + "/admin/workers", timeout=HANG_GUARD).json()
+    pool = next(m for m in body["models"] if m["name"] == model)
+    return {w["address"]: w for w in pool["workers"]}
+
+
+async def stream_text(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None):
+    """Streams one completion; returns (text, last payload before [DONE], saw [DONE])."""
+    text, last, done = "", None, False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if started is not None:
+                started.set()
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                break
+            payload = sse_events(line)[0]
+            last = payload
+            if "choices" in payload:
+                text += payload["choices"][0]["text"]
+    return text, last, done
+
+
+def test_killed_worker_fails_its_streams_only_and_comes_back(gateway_with):
+    ports = [free_port() for _ in range(3)]
+    with (
+        worker_process(ports[0], "--token-delay", "0.02", "--model", "m") as victim,
+        worker_process(ports[1], "--token-delay", "0.02", "--model", "m"),
+        worker_process(ports[2], "--token-delay", "0.02", "--model", "m"),
+    ):
+        addresses = tuple(f"127.0.0.1:{p}" for p in ports)
+        gw = gateway_with(
+            models=(ModelConfig("m", workers=addresses),), eject_base=0.5, health_check_interval=0.2
+        )
+        prompt = " ".join(["w"] * 100)  # two seconds of tokens
+
+        async def load() -> list:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=HANG_GUARD) as client:
+                body = {"prompt": prompt, "stream": True, "max_tokens": 100}
+                starts = [asyncio.Event() for _ in range(12)]
+                tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
+                for started in starts:
+                    await started.wait()
+                on_victim = admin_workers(gw.url, "m")[addresses[0]]["outstanding"]
+                victim.kill()
+                results = await asyncio.gather(*tasks)
+                return [on_victim, results]
+
+        on_victim, results = asyncio.run(load())
+        failed = [r for r in results if r[1] and "error" in r[1]]
+        assert all(done for _, _, done in results)  # every stream ends with [DONE]
+        assert len(failed) == on_victim > 0
+        assert all(r[1]["error"]["code"] == "engine_unavailable" for r in failed)
+        assert all(r[0] == prompt for r in results if r not in failed)
+        # out of rotation, and new requests succeed on the others
+        wait_until(
+            lambda: admin_workers(gw.url, "m")[addresses[0]]["state"] != "healthy", "the kill seen"
+        )
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+            for _ in range(10):
+                response = client.post("/v1/completions", json={"prompt": "a b"})
+                assert response.json()["choices"][0]["text"] == "a b"
+        # restarted, it is back
+        with worker_process(ports[0], "--model", "m"):
+            wait_until(
+                lambda: admin_workers(gw.url, "m")[addresses[0]]["state"] == "healthy",
+                "the restarted worker to be healthy",
+                HANG_GUARD,
+            )
+
+
+class HangingEngine(Engine):
+    """Accepts calls and never starts them."""
+
+    model = "m"
+    max_context = 100
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+
+@pytest.fixture
+def serve_engines(server_loop: ServerLoop):
+    """Starts in-process workers (real gRPC servers); stops them after the test."""
+    started: list[WorkerServer] = []
+
+    def serve(*engines: Engine, host: str = "127.0.0.1", port: int = 0) -> list[WorkerServer]:
+        servers = [WorkerServer(engine, host, port) for engine in engines]
+        for server in servers:
+            server_loop.call(server.start())
+        started.extend(servers)
+        return servers
+
+    yield serve
+    for server in started:
+        server_loop.call(server.stop(0))
+
+
+def test_hanging_worker_is_retried_elsewhere_and_ejected_longer_each_time(
+    gateway_with, serve_engines
+):
+    hanging, healthy = serve_engines(HangingEngine(), DemoEngine("m"))
+    gw = gateway_with(
+        models=(ModelConfig("m", workers=(hanging.address, healthy.address)),),
+        start_timeout=0.2,
+        eject_after_failures=2,
+        eject_base=0.5,
+        request_timeout=5,
+        retry_budget=1.0,
+    )
+    worker = gw.state.fleet.models["m"].workers[hanging.address]
+    streaks = []
+    client = httpx.Client(base_url=gw.url, timeout=HANG_GUARD)
+    for _ in range(2):
+        while worker.ejected_until <= time.monotonic():
+            response = client.post("/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200  # retried on the healthy worker in time
+        streaks.append((worker.ejection_streak, worker.ejected_until - time.monotonic()))
+        wait_until(lambda: worker.ejected_until <= time.monotonic(), "the ejection to end")
+    client.close()
+    assert [s for s, _ in streaks] == [1, 2]
+    assert streaks[1][1] > streaks[0][1] + 0.2  # the second ejection is about twice as long
+    assert gw.state.fleet.models["m"].retries_total >= 4
+
+
+def test_not_serving_worker_leaves_and_returns(gateway_with, serve_engines, server_loop):
+    engines = [DemoEngine("m"), DemoEngine("m")]
+    a, b = serve_engines(*engines)
+    gw = gateway_with(models=(ModelConfig("m", workers=(a.address, b.address)),))
+    server_loop.call(a.set_serving(False))
+    wait_until(
+        lambda: admin_workers(gw.url, "m")[a.address]["state"] == "not_serving", "NOT_SERVING"
+    )
+    before = engines[0].served
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        for _ in range(20):
+            client.post("/v1/completions", json={"prompt": "x"})
+        assert engines[0].served == before
+        server_loop.call(a.set_serving(True))
+        wait_until(lambda: admin_workers(gw.url, "m")[a.address]["state"] == "healthy", "SERVING")
+        for _ in range(20):
+            client.post("/v1/completions", json={"prompt": "x"})
+    assert engines[0].served > before
+
+
+def test_no_healthy_worker_is_503_at_once(gateway_with, serve_engines, server_loop):
+    (a,) = serve_engines(DemoEngine("m"))
+    gw = gateway_with(models=(ModelConfig("m", workers=(a.address,)),))
+    server_loop.call(a.set_serving(False))
+    wait_until(
+        lambda: admin_workers(gw.url, "m")[a.address]["state"] == "not_serving", "NOT_SERVING"
+    )
+    for stream in (False, True):
+        response = httpx.post(
+            gw.url + "/v1/completions", json={"prompt": "x", "stream": stream}, timeout=30
+        )
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_worker_of_another_model_is_kept_out(gateway_with, serve_engines):
+    right, wrong = serve_engines(DemoEngine("m"), DemoEngine("other"))
+    gw = gateway_with(models=(ModelConfig("m", workers=(right.address, wrong.address)),))
+    assert admin_workers(gw.url, "m")[wrong.address]["state"] == "wrong_model"
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        for _ in range(10):
+            assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+class DnsServer(asyncio.DatagramProtocol):
+    """A name server on loopback whose A records the test sets."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        query = dns.message.from_wire(data)
+        reply = dns.message.make_response(query)
+        name = query.question[0].name.to_text()
+        ips = self.records.get(name, [])
+        if ips:
+            reply.answer.append(dns.rrset.from_text_list(name, 1, "IN", "A", ips))
+        else:
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+        assert self.transport is not None
+        self.transport.sendto(reply.to_wire(), addr)
+
+
+def test_dns_answers_add_and_remove_workers(gateway_with, serve_engines, server_loop):
+    port = free_port_on("127.0.0.2", "127.0.0.3")
+    serve_engines(DemoEngine("m"), host="127.0.0.2", port=port)
+    serve_engines(DemoEngine("m"), host="127.0.0.3", port=port)
+    dns_server = DnsServer()
+
+    async def start_dns() -> tuple[asyncio.DatagramTransport, int]:
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: dns_server, local_addr=("127.0.0.1", 0)
+        )
+        return transport, transport.get_extra_info("sockname")[1]
+
+    transport, dns_port = server_loop.call(start_dns())
+    try:
+        dns_server.records["workers.test."] = ["127.0.0.2"]
+        entry = f"dns://127.0.0.1:{dns_port}/workers.test:{port}"
+        gw = gateway_with(models=(ModelConfig("m", workers=(entry,)),), discovery_interval=0.05)
+
+        def members() -> set[str]:
+            return {a for a, w in admin_workers(gw.url, "m").items() if w["state"] == "healthy"}
+
+        assert members() == {f"127.0.0.2:{port}"}
+        dns_server.records["workers.test."] = ["127.0.0.2", "127.0.0.3"]
+        wait_until(lambda: members() == {f"127.0.0.2:{port}", f"127.0.0.3:{port}"}, "a join")
+        dns_server.records["workers.test."] = ["127.0.0.3"]
+        wait_until(lambda: set(admin_workers(gw.url, "m")) == {f"127.0.0.3:{port}"}, "a leave")
+        response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert response.status_code == 200
+    finally:
+        server_loop.loop.call_soon_threadsafe(transport.close)
+
+
+def test_equal_workers_get_equal_shares(gateway_with, serve_engines):
+    engines = [DemoEngine("m") for _ in range(3)]
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(ModelConfig("m", workers=tuple(s.address for s in servers)),))
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=HANG_GUARD) as client:
+            for _ in range(10):
+                await asyncio.gather(
+                    *(client.post("/v1/completions", json={"prompt": "x"}) for _ in range(30))
+                )
+
+    asyncio.run(load())
+    shares = [e.served for e in engines]
+    assert sum(shares) == 300
+    assert all(70 <= s <= 130 for s in shares), shares
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_worker_within_the_load_bound(
+    gateway_with, serve_engines
+):
+    engines = [DemoEngine("m", token_delay=0.02) for _ in range(3)]
+    servers = serve_engines(*engines)
+    gw = gateway_with(
+        models=(
+            ModelConfig("m", workers=tuple(s.address for s in servers), balance="prefix_affinity"),
+        ),
+        affinity_load_factor=1.25,
+    )
+    shared = "You are a helpful assistant. " * 20
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        for i in range(10):
+            client.post("/v1/completions", json={"prompt": f"{shared}{i}", "max_tokens": 1})
+    assert sorted(e.served for e in engines) == [0, 0, 10]  # one worker took them all
+
+    async def burst() -> int:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=HANG_GUARD) as client:
+            body = {"prompt": shared + "w " * 30, "max_tokens": 25, "stream": True}
+            starts = [asyncio.Event() for _ in range(12)]
+            tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
+            for started in starts:
+                await started.wait()
+            busiest = max(w["outstanding"] for w in admin_workers(gw.url, "m").values())
+            await asyncio.gather(*tasks)
+            return busiest
+
+    assert asyncio.run(burst()) <= 5  # ceil(1.25 * 12 / 3)
+
+
+def test_retry_budget_holds_when_every_worker_fails(gateway_with, server_loop):
+    failing = [ScriptedWorker() for _ in range(3)]
+    for worker in failing:
+        server_loop.call(worker.start())
+    try:
+        gw = gateway_with(
+            models=(ModelConfig(SCRIPTED_MODEL, workers=tuple(w.address for w in failing)),),
+            retry_budget=0.2,
+            retry_backoff=0,
+        )
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+            for _ in range(100):
+                response = client.post(
+                    "/v1/completions", json={"prompt": script(status="UNAVAILABLE")}
+                )
+                assert response.status_code == 503
+        calls = sum(len(w.calls) for w in failing)
+        assert 100 < calls <= 100 + 0.2 * 100 + 3
+    finally:
+        for worker in failing:
+            server_loop.call(worker.stop())
+
+
+def test_sigterm_lets_50_streams_finish_refuses_new_ones_and_exits_0(tmp_path):
+    worker_port, port = free_port(), free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\ndrain_timeout: 20\n"
+        f"models:\n  - name: m\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    url = f"http://127.0.0.1:{port}"
+    with (
+        worker_process(worker_port, "--token-delay", "0.05", "--model", "m"),
+        running("serve", "--config", str(config)) as gateway,
+    ):
+        wait_ready(url, gateway)
+
+        async def scenario() -> tuple[list, list[int]]:
+            limits = httpx.Limits(max_connections=100)
+            async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD, limits=limits) as client:
+                body = {"prompt": "w " * 30, "stream": True}
+                starts = [asyncio.Event() for _ in range(50)]
+                tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
+                for started in starts:
+                    await started.wait()
+                gateway.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD) as fresh:
+                    statuses = [
+                        (await fresh.get("/health")).status_code,
+                        (await fresh.get("/ready")).status_code,
+                        (await fresh.post("/v1/completions", json={"prompt": "x"})).status_code,
+                    ]
+                return list(await asyncio.gather(*tasks)), statuses
+
+        results, statuses = asyncio.run(scenario())
+        assert statuses == [200, 503, 503]
+        assert len(results) == 50
+        for text, last, done in results:
+            assert done and text == "w " * 29 + "w"
+            assert last["choices"][0]["finish_reason"] == "stop"
+        assert gateway.wait(HANG_GUARD) == 0
+
+
+def test_drain_timeout_cancels_the_rest(gateway_with, serve_engines, server_loop):
+    engine = DemoEngine("m", token_delay=0.05)
+    (server,) = serve_engines(engine)
+    gw = gateway_with(models=(ModelConfig("m", workers=(server.address,)),))
+
+    async def scenario() -> list:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=HANG_GUARD) as client:
+            starts = [asyncio.Event() for _ in range(5)]
+            body = {"prompt": "w " * 200, "stream": True}
+            tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
+            for started in starts:
+                await started.wait()
+            asyncio.run_coroutine_threadsafe(gw.state.drain(0.2), server_loop.loop)
+            return list(await asyncio.gather(*tasks))
+
+    aborted = engine.aborted
+    results = asyncio.run(scenario())
+    assert all(done and last["error"]["code"] == "engine_unavailable" for _, last, done in results)
+    wait_until(lambda: engine.aborted == aborted + 5, "the worker to see the cancellations")
+    assert_nothing_left(gw, None)
+    assert httpx.get(gw.url + "/ready").status_code == 503
