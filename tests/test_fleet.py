@@ -44,8 +44,17 @@ def free_port_on(*hosts: str) -> int:
 def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
     """A demo worker in a process of its own."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "worker", "--host", "127.0.0.1", "--port", str(port)]
-        + list(args),
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
