@@ -9,8 +9,9 @@ import sys
 from gateway.config import Config, ConfigError, load_config, parse_config
 from gateway.server import run, serve_demo, serve_gateway, serve_worker
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
+from gateway.worker.engine import Engine
 
-ENGINES = ("demo",)
+ENGINES = ("demo", "transformers")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,8 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--engine", choices=ENGINES, default="demo")
     worker.add_argument("--host", default="0.0.0.0")
     worker.add_argument("--port", type=int, default=50051)
-    worker.add_argument("--model", default=DEMO_MODEL)
+    worker.add_argument("--model", help=f"the model name (demo: {DEMO_MODEL}; else the folder's)")
     _demo_options(worker)
+    # The transformers engine (needs the `transformers` extra: torch and transformers).
+    worker.add_argument("--model-path", help="transformers: a local model folder (not downloaded)")
+    worker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    worker.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
+    )
 
     demo = commands.add_parser("demo", help="run the gateway with an embedded demo worker")
     demo.add_argument("--host", default="127.0.0.1")
@@ -41,7 +48,26 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-delay", type=float, default=0.0, help="seconds between tokens (a GPU's pace)"
     )
-    parser.add_argument("--max-context", type=int, default=4096, help="tokens the model holds")
+    parser.add_argument(
+        "--max-context", type=int, help="tokens the model holds (demo: 4096; else the model's)"
+    )
+
+
+def _worker_engine(args: argparse.Namespace) -> Engine:
+    if args.engine == "demo":
+        return DemoEngine(args.model or DEMO_MODEL, args.max_context or 4096, args.token_delay)
+    if not args.model_path:
+        sys.exit("furnace-gateway: --engine transformers needs --model-path")
+    # Imported here so the gateway and the demo run without torch installed.
+    from gateway.worker.transformers_engine import TransformersEngine
+
+    return TransformersEngine(
+        args.model_path,
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,11 +80,10 @@ def main(argv: list[str] | None = None) -> None:
             logging.getLogger().setLevel(config.log_level.upper())
             run(serve_gateway(config))
         elif args.command == "worker":
-            engine = DemoEngine(args.model, args.max_context, args.token_delay)
-            run(serve_worker(engine, args.host, args.port))
+            run(serve_worker(_worker_engine(args), args.host, args.port))
         else:
             config = parse_config({"host": args.host, "port": args.port})
-            engine = DemoEngine(DEMO_MODEL, args.max_context, args.token_delay)
+            engine = DemoEngine(DEMO_MODEL, args.max_context or 4096, args.token_delay)
             run(serve_demo(config, engine))
     except ConfigError as error:
         sys.exit(f"furnace-gateway: invalid config: {error}")

@@ -1,0 +1,370 @@
+"""The transformers worker end to end: a tiny Llama with random weights and a
+byte-level BPE tokenizer made on the spot (nothing is fetched), served by a real
+`WorkerServer`, driven through the real gateway with the openai SDK.
+
+Two models share one tokenizer. `tiny-random` has random weights: its greedy
+answer is checked against transformers' own `generate`. `tiny-ordered` has its
+output layer zeroed, so every logit is equal: greedy decoding repeats token 0
+("a"), and with a presence or frequency penalty it walks the vocabulary in id
+order. The tokenizer puts the bytes of "aé中😀" first, so that walk spells
+multi-byte characters one byte token at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from gateway.config import ModelConfig
+from gateway.worker.server import WorkerServer
+from gateway.worker.transformers_engine import TransformersEngine
+from tests.conftest import (
+    HANG_GUARD,
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+    wait_until,
+)
+from tests.test_cli import free_port, running
+
+RANDOM = "tiny-random"
+ORDERED = "tiny-ordered"
+CONTEXT = 4096
+FIRST = "aé中😀"  # the first vocabulary entries are its bytes, in order
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello from the fleet of workers",
+    "a gateway in front of engines, streaming tokens",
+    "café, naïve, 日本語, emoji 🔥 too",
+]
+SPECIALS = ["<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{{ raise_exception('This model knows no tools.') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hello from the fleet"},
+]
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = dict(zip(printable, printable, strict=True))
+    extra = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = 256 + extra
+            extra += 1
+    return {byte: chr(code) for byte, code in chars.items()}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few sentences (any text round-trips), its ids
+    reordered so the bytes of FIRST come first and the special tokens last."""
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(SENTENCES, trainer)
+    bpe = json.loads(trained.to_str())["model"]
+    byte_chars = _byte_chars()
+    first = [byte_chars[b] for b in FIRST.encode()]
+    merged = sorted((t for t in bpe["vocab"] if len(t) > 1), key=bpe["vocab"].get)
+    rest = [c for c in byte_chars.values() if c not in first]
+    vocab = {token: i for i, token in enumerate([*first, *rest, *merged, *SPECIALS])}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in bpe["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|end|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(path: Path, *, ordered: bool = False) -> Path:
+    """Saves a 2-layer Llama (hidden size 32, random weights) and the tokenizer to `path`."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    if ordered:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@dataclass
+class Tiny:
+    """The two tiny models behind one gateway."""
+
+    gateway: Gateway
+    random: TransformersEngine
+    ordered: TransformersEngine
+    tokenizer: PreTrainedTokenizerFast
+    sdk: openai.OpenAI
+    ordered_path: Path
+
+
+@pytest.fixture(scope="module")
+def tiny(
+    server_loop: ServerLoop, workers: Workers, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tiny]:
+    root = tmp_path_factory.mktemp("models")
+    random_path = build_tiny_model(root / RANDOM)
+    ordered_path = build_tiny_model(root / ORDERED, ordered=True)
+    engines = (
+        TransformersEngine(random_path, device="cpu"),
+        TransformersEngine(ordered_path, device="cpu"),
+    )
+    servers = [WorkerServer(engine) for engine in engines]
+    for server in servers:
+        server_loop.call(server.start())
+    models = tuple(ModelConfig(s.engine.model, workers=(s.address,)) for s in servers)
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    sdk = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+    yield Tiny(gw, *engines, engines[0].tokenizer, sdk, ordered_path)
+    sdk.close()
+    gw.stop()
+    for server in servers:
+        server_loop.call(server.stop())
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(tiny: Tiny) -> Iterator[None]:
+    yield
+    assert_nothing_left(tiny.gateway, None)
+    for engine in (tiny.random, tiny.ordered):
+        wait_until(lambda e=engine: e.running == 0, f"{engine.model} to be idle")
+
+
+def _chat_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+def test_models_report_the_model_context(tiny: Tiny):
+    listed = {m.id: m for m in tiny.sdk.models.list().data}
+    assert listed[RANDOM].model_extra["max_model_len"] == CONTEXT
+    assert listed[ORDERED].model_extra["max_model_len"] == CONTEXT
+
+
+def test_chat_applies_the_template_and_matches_transformers_greedy(tiny: Tiny):
+    prompt = _chat_ids(tiny.tokenizer)
+    reference = tiny.random.hf_model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=12
+    )[0, len(prompt) :].tolist()
+    assert tiny.tokenizer.eos_token_id not in reference  # so the answer runs to max_tokens
+
+    reply = tiny.sdk.chat.completions.create(
+        model=RANDOM, messages=MESSAGES, temperature=0, max_tokens=12
+    )
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == len(prompt) + 12
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == tiny.tokenizer.decode(
+        reference, skip_special_tokens=True
+    )
+
+
+def test_stream_matches_the_full_answer(tiny: Tiny):
+    full = tiny.sdk.completions.create(
+        model=RANDOM, prompt="the quick", temperature=0, max_tokens=9
+    )
+    chunks = list(
+        tiny.sdk.completions.create(
+            model=RANDOM,
+            prompt="the quick",
+            temperature=0,
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage == full.usage
+    assert full.usage.prompt_tokens == len(tiny.tokenizer("the quick").input_ids)
+    assert full.usage.completion_tokens == 9
+
+
+def test_multibyte_characters_are_never_split(tiny: Tiny):
+    stream = tiny.sdk.chat.completions.create(
+        model=ORDERED,
+        messages=MESSAGES,
+        temperature=0,
+        frequency_penalty=2,
+        max_tokens=len(FIRST.encode()),
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(deltas) == FIRST
+    assert not any("\ufffd" in d for d in deltas)
+    assert chunks[-1].usage.completion_tokens == len(FIRST.encode())
+
+
+def test_end_of_sequence_finishes_with_stop(tiny: Tiny):
+    # A presence penalty walks the ids in order; the first special one is the EOS token.
+    eos = tiny.tokenizer.eos_token_id
+    reply = tiny.sdk.completions.create(
+        model=ORDERED, prompt="hi", temperature=0, presence_penalty=2, max_tokens=1000
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == eos + 1  # the EOS token counts, as in vLLM
+    expected = tiny.tokenizer.decode(list(range(eos + 1)), skip_special_tokens=True)
+    assert reply.choices[0].text == expected
+    assert reply.choices[0].text.startswith(FIRST)
+
+
+def test_seed_reproduces_a_sampled_answer(tiny: Tiny):
+    def sample(**options: object) -> str:
+        reply = tiny.sdk.completions.create(model=RANDOM, prompt="hello", max_tokens=16, **options)
+        assert reply.usage.completion_tokens == 16
+        return reply.choices[0].text
+
+    first = sample(temperature=1.0, seed=7)
+    assert sample(temperature=1.0, seed=7) == first
+    assert sample(temperature=1.0, seed=8) != first
+    greedy = sample(temperature=0)
+    assert sample(temperature=1.5, extra_body={"top_k": 1}, seed=1) == greedy
+    assert sample(temperature=1.5, top_p=1e-6, seed=2) == greedy
+
+
+def test_prompt_beyond_the_context_is_refused(tiny: Tiny):
+    with pytest.raises(openai.BadRequestError) as by_max_tokens:
+        tiny.sdk.chat.completions.create(model=RANDOM, messages=MESSAGES, max_tokens=CONTEXT)
+    assert by_max_tokens.value.code == "context_length_exceeded"
+    long_prompt = "é" * CONTEXT  # two byte tokens each
+    with pytest.raises(openai.BadRequestError) as by_prompt:
+        tiny.sdk.completions.create(model=RANDOM, prompt=long_prompt, stream=True)
+    assert by_prompt.value.code == "context_length_exceeded"
+    assert tiny.random.running == 0
+
+
+def test_messages_the_chat_template_refuses_are_a_bad_request(tiny: Tiny):
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny.sdk.chat.completions.create(
+            model=RANDOM,
+            messages=[*MESSAGES, {"role": "tool", "content": "42", "tool_call_id": "call_1"}],
+        )
+    assert "This model knows no tools." in refused.value.message
+    assert refused.value.param == "messages"
+
+
+def test_closing_a_stream_stops_the_generation(tiny: Tiny):
+    engine = tiny.ordered
+    steps, aborted = engine.steps, engine.aborted
+    stream = tiny.sdk.completions.create(
+        model=ORDERED, prompt="hi", temperature=0, max_tokens=4000, stream=True
+    )
+    received = ""
+    for chunk in stream:
+        received += chunk.choices[0].text
+        if len(received) >= 3:
+            break
+    stream.close()
+    assert received.startswith("aaa")
+    wait_until(lambda: engine.running == 0, "the generation to end")
+    assert engine.aborted == aborted + 1
+    stopped_at = engine.steps
+    time.sleep(0.3)
+    assert engine.steps == stopped_at, "decode steps went on after the stream was closed"
+    assert stopped_at - steps < 4000
+
+
+def test_requests_run_at_once_without_blocking_the_loop(tiny: Tiny):
+    engine = tiny.ordered
+    long = tiny.sdk.completions.create(
+        model=ORDERED, prompt="hi", temperature=0, max_tokens=600, stream=True
+    )
+    pieces = iter(long)
+    first = next(pieces).choices[0].text
+    # While the long answer is generating, short ones on the same engine and on the
+    # other complete (the worker and gateway share the tests' event loop).
+    short = tiny.sdk.completions.create(model=ORDERED, prompt="yo", temperature=0, max_tokens=5)
+    other = tiny.sdk.completions.create(model=RANDOM, prompt="yo", temperature=0, max_tokens=5)
+    assert engine.running == 1, "the long answer should still be generating"
+    assert short.choices[0].text == "aaaaa"
+    assert other.usage.completion_tokens == 5
+    rest = "".join(c.choices[0].text for c in pieces)
+    assert first + rest == "a" * 600
+
+
+def test_cli_runs_the_transformers_worker(tiny: Tiny, server_loop: ServerLoop, workers: Workers):
+    port = free_port()
+    args = ["worker", "--engine", "transformers", "--model-path", str(tiny.ordered_path)]
+    with running(*args, "--model", "cli-tiny", "--device", "cpu", "--port", str(port)) as process:
+        end = time.monotonic() + HANG_GUARD
+        while not _listening(port):
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < end, "the worker never listened"
+            time.sleep(0.1)
+        model = ModelConfig("cli-tiny", workers=(f"127.0.0.1:{port}",))
+        gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+        try:
+            reply = httpx.post(
+                gw.url + "/v1/completions",
+                json={"model": "cli-tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0},
+                timeout=HANG_GUARD,
+            ).json()
+            assert reply["choices"][0]["text"] == "aaaa"
+            assert reply["usage"]["prompt_tokens"] == len(tiny.tokenizer("hi").input_ids)
+        finally:
+            assert_nothing_left(gw, None)
+            gw.stop()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
