@@ -1,0 +1,1111 @@
+"""Benchmark: what the gateway adds on top of calling the worker directly.
+
+One run measures the same work two ways: through the gateway (HTTP streaming POST
+/v1/chat/completions) and with a raw grpc.aio client calling the same worker's Generate
+(the baseline: the best a gateway could do is add nothing):
+
+- time to first token (TTFT), p50 and p99, one request at a time and 32 at once;
+- streamed tokens per second, one stream and 32 streams, in three worker modes, since
+  what a token costs depends on how many share a gRPC message:
+  "coalesced": the demo engine as shipped; every token is ready at once, so the worker
+  SDK sends a whole answer in one `Text`;
+  "yielding": the demo engine yielding to the loop after each token; the SDK sends
+  what piled up while the previous message went out (a few to a few dozen tokens);
+  "1 token/message": an echo servicer without the SDK, one `Text` per token, sent as
+  fast as gRPC takes them; here the per-message cost of every layer shows;
+- where the CPU goes: CPU per request or per token of the gateway, the worker and this
+  client, and how busy other processes kept the machine meanwhile (noise);
+- that nothing is lost: for every finished request, the tokens delivered (the words of
+  the deltas, and `usage.completion_tokens`) equal the tokens the engine emitted.
+
+Three processes share the machine, as on a small node: the workers (this script re-run
+with `--worker-process`: one gRPC server per mode, on one loop), the gateway (`python
+-m gateway serve`, with uvloop and httptools as in production), and this process, the
+load client (uvloop too). The client's CPU counts against both paths alike and is
+printed. The default HTTP client is a small asyncio protocol over httptools that parses
+SSE inside the transport's callback; httpx costs several times more CPU per chunk,
+which on two cores would be measured as gateway slowness (`--client httpx` compares).
+
+Run: `python tests/bench_gateway.py [--quick] [--json PATH] [--client raw|httpx]`
+(`make bench`); about 90 s, or 20 s with --quick. Not collected by pytest: its name
+does not start with `test_`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import grpc
+import httptools
+import httpx
+import orjson
+import uvloop
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway._proto import engine_pb2 as pb
+from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.types import Event, GenerateRequest, Text
+from gateway.worker.demo import DEMO_MODEL, DemoEngine
+from gateway.worker.server import WorkerServer
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+# The three worker modes, by the model name each is served as.
+COALESCED = DEMO_MODEL  # the demo engine as shipped: every token ready at once
+YIELDING = "furnace-yielding"  # the demo engine, one loop turn per token
+ONE_BY_ONE = "furnace-one-by-one"  # no SDK: one gRPC message per token
+MODES = {COALESCED: "coalesced", YIELDING: "yielding", ONE_BY_ONE: "1 token/message"}
+CALL_TIMEOUT = 120.0  # seconds; a guard against hanging, never reached in a healthy run
+STARTUP_TIMEOUT = 30.0
+WORDS = (
+    *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"),
+    *("tired", "engineers", "measure", "every", "microsecond", "between", "the", "socket"),
+    *("and", "the", "token", "stream", "of", "our", "small", "fleet"),
+)
+
+
+# --- settings -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much of each measurement to do; the default run takes about 90 s."""
+
+    ttft_requests: int  # sequential requests per path, at concurrency 1
+    ttft_per_stream: int  # requests per stream, at concurrency `streams`
+    warmup_s: float  # of each throughput run, not counted
+    window_s: float  # of each throughput run, counted
+    streams: int = 32
+    ttft_words: int = 16  # a short answer: TTFT is about the path, not the length
+    min_words: int = 500  # answers of the throughput runs
+    max_words: int = 2000
+
+
+DEFAULT = Settings(ttft_requests=400, ttft_per_stream=40, warmup_s=1.0, window_s=4.0)
+QUICK = Settings(ttft_requests=150, ttft_per_stream=10, warmup_s=0.3, window_s=1.0)
+
+
+# --- the worker process ----------------------------------------------------------------
+
+
+class YieldingEngine(DemoEngine):
+    """The demo engine, yielding to the event loop after every token.
+
+    The worker SDK sends, whenever the stream can take a message, the tokens ready by
+    then as one `Text`. This engine makes one token per loop turn, so a message
+    carries as many tokens as the loop turned while the previous one was being sent:
+    a worker that runs ahead of the network a little, as a fast GPU would.
+    """
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The demo's events, one loop turn apart."""
+        async with contextlib.aclosing(super().generate(request)) as events:
+            async for event in events:
+                yield event
+                if type(event) is Text:
+                    await asyncio.sleep(0)
+
+
+class OneByOneService(pb_grpc.EngineServicer):
+    """An echo worker without the SDK: every token is its own `Text`, sent as soon as
+    gRPC has sent the one before. No coalescing, at the worker's full speed: the mode
+    where the per-message cost of every layer (gRPC, the gateway, SSE) shows."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """Started, one Text per word of the last message, Finished."""
+        messages = request.chat.messages
+        words = messages[-1].content.split() if messages else request.text.split()
+        prompt_tokens = sum(len(m.content.split()) for m in messages) or len(words)
+        yield pb.GenerateEvent(started=pb.Started(prompt_tokens=prompt_tokens))
+        for i, word in enumerate(words):
+            yield pb.GenerateEvent(text=pb.Text(text=word if i == 0 else " " + word, tokens=1))
+        finished = pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=len(words))
+        yield pb.GenerateEvent(finished=finished)
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        """The model, as the SDK would describe it."""
+        return pb.DescribeResponse(
+            models=[pb.ModelInfo(name=self.model, max_context=4096)], capacity=256
+        )
+
+
+async def serve_one_by_one(model: str, port: int) -> grpc.aio.Server:
+    """`OneByOneService` with the standard health service, as a worker serves it."""
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServicer_to_server(OneByOneService(model), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{HOST}:{port}")
+    await server.start()
+    for name in ("", "furnace.engine.v1.Engine"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+async def serve_workers(ports: dict[str, int]) -> None:
+    """A worker for each mode, all on one loop (only one is busy at a time), until
+    the process is terminated."""
+    sdk_workers = [
+        WorkerServer(DemoEngine(COALESCED), HOST, ports[COALESCED]),
+        WorkerServer(YieldingEngine(YIELDING), HOST, ports[YIELDING]),
+    ]
+    for worker in sdk_workers:
+        await worker.start()
+    server = await serve_one_by_one(ONE_BY_ONE, ports[ONE_BY_ONE])
+    await server.wait_for_termination()  # SIGTERM ends the process; nothing to save
+
+
+# --- the gateway and worker processes --------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In a child: ask Linux to SIGTERM us when the bench dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now on loopback (all held at once, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((HOST, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _wait_until(check: Callable[[], bool], what: str, process: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + STARTUP_TIMEOUT
+    while not check():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode} while starting")
+        if time.monotonic() > end:
+            raise RuntimeError(f"{what} did not start within {STARTUP_TIMEOUT:g} s")
+        time.sleep(0.05)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((HOST, port)) == 0
+
+
+def _gateway_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/ready", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Servers:
+    """The worker and gateway processes under test, and where they listen."""
+
+    worker: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    worker_ports: dict[str, int]
+    gateway_port: int
+
+
+def _spawn(args: Sequence[str]) -> subprocess.Popen[bytes]:
+    preexec = _die_with_parent if sys.platform == "linux" else None
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, preexec_fn=preexec)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it lingers (a graceful shutdown may wait on streams)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def start_servers() -> Iterator[Servers]:
+    """Starts the workers, then the gateway pointing at them; stops both on any exit."""
+    *worker_ports, gateway_port = free_ports(len(MODES) + 1)
+    ports = dict(zip(MODES, worker_ports, strict=True))
+    with contextlib.ExitStack() as stack:
+        worker = _spawn(
+            [__file__, "--worker-process", ",".join(f"{m}={p}" for m, p in ports.items())]
+        )
+        stack.callback(_stop, worker)
+        _wait_until(lambda: all(map(_port_open, ports.values())), "the worker", worker)
+
+        config_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="furnace-bench-"))
+        config_path = Path(config_dir) / "gateway.yaml"
+        config = {
+            "host": HOST,
+            "port": gateway_port,
+            "log_level": "warning",
+            "models": [{"name": m, "workers": [f"{HOST}:{p}"]} for m, p in ports.items()],
+        }
+        config_path.write_text(yaml.safe_dump(config))
+        gateway = _spawn(["-m", "gateway", "serve", "--config", str(config_path)])
+        stack.callback(_stop, gateway)  # runs before the worker's: the gateway goes first
+        _wait_until(lambda: _gateway_ready(gateway_port), "the gateway", gateway)
+        yield Servers(worker, gateway, ports, gateway_port)
+
+
+# --- CPU accounting --------------------------------------------------------------------
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds a process has used, all its threads, at nanosecond resolution
+    (/proc/PID/task/*/schedstat); None where /proc does not tell."""
+    try:
+        tasks = list(os.scandir(f"/proc/{pid}/task"))
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"{task.path}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile (its time is lost: microseconds)
+        except (OSError, ValueError, IndexError):
+            return None
+    return total / 1e9
+
+
+def machine_busy() -> float | None:
+    """CPU seconds the whole machine has been busy (/proc/stat), None where unknown."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+OURS = ("gateway", "worker", "client")
+
+
+@dataclass
+class CpuClock:
+    """CPU seconds of the gateway, the worker, this client and the whole machine (to
+    see what other processes took from the measurement), read together."""
+
+    gateway_pid: int
+    worker_pid: int
+
+    def read(self) -> dict[str, float | None]:
+        """The counters now."""
+        return {
+            "gateway": process_cpu(self.gateway_pid),
+            "worker": process_cpu(self.worker_pid),
+            "client": time.process_time(),
+            "machine": machine_busy(),
+        }
+
+    async def settle(self, limit: float = 5.0) -> None:
+        """Waits until the servers are idle (cancelled streams wound down), so one
+        measurement's tail does not eat into the next one's CPU."""
+        end = time.monotonic() + limit
+        before = self.read()
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            now = self.read()
+            busy = sum((now[k] or 0.0) - (before[k] or 0.0) for k in ("gateway", "worker"))
+            if busy < 0.005:  # under 5 % of a core
+                return
+            before = now
+
+
+def cpu_used(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float]:
+    """CPU seconds used between two readings (where both are known)."""
+    return {
+        k: after[k] - before[k]  # type: ignore[operator]
+        for k in before
+        if before[k] is not None and after[k] is not None
+    }
+
+
+def per_unit(cpu: dict[str, float], units: int) -> dict[str, float]:
+    """Our processes' CPU in microseconds per request or per token."""
+    return {k: cpu[k] / units * 1e6 for k in OURS if k in cpu} if units else {}
+
+
+def other_load(cpu: dict[str, float], elapsed: float) -> float | None:
+    """Cores that other processes of the machine kept busy meanwhile: noise, if not 0."""
+    if "machine" not in cpu or not all(k in cpu for k in OURS):
+        return None
+    return max(0.0, cpu["machine"] - sum(cpu[k] for k in OURS)) / elapsed
+
+
+# --- what one request tells ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Tally:
+    """Running totals of everything received; a throughput window reads it twice."""
+
+    tokens: int = 0  # counted from the text received
+    messages: int = 0  # text-carrying gRPC messages, or SSE chunks
+    requests: int = 0  # finished
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request, encoded once for both paths, and what its answer must be."""
+
+    model: str
+    text: str
+    words: int
+    http_body: bytes
+    grpc_request: pb.GenerateRequest
+
+
+def make_prompt(model: str, words: int, rng: random.Random) -> Prompt:
+    """A chat request whose last message has `words` words (the demo echoes them)."""
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    body = orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    request = pb.GenerateRequest(
+        request_id="bench",
+        model=model,
+        chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=text)]),
+        sampling=pb.SamplingParams(),
+    )
+    return Prompt(model, text, words, body, request)
+
+
+@dataclass(slots=True)
+class Sample:
+    """One finished request as the client saw it."""
+
+    ttft: float  # seconds from sending the request to the first text
+    tokens: int  # counted from the text: SSE delta words, or the sum of Text.tokens
+    reported: int  # the answer's own count: usage.completion_tokens, or Finished's
+    text: str
+
+
+class BenchError(RuntimeError):
+    """A request failed: the bench measures only healthy runs."""
+
+
+class SseReader:
+    """Reads one streamed chat answer as bytes arrive: stamps the first content,
+    counts tokens as the words of the deltas, keeps `usage.completion_tokens`."""
+
+    __slots__ = ("_buffer", "_tally", "error", "first", "pieces", "reported", "sent", "status")
+    __slots__ += ("tokens",)
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally = tally
+        self._buffer = b""
+        self.sent = time.perf_counter()
+        self.status = 0
+        self.first: float | None = None
+        self.tokens = 0
+        self.reported = -1
+        self.pieces: list[str] = []
+        self.error: Any = None
+
+    def feed(self, data: bytes) -> None:
+        """Takes one piece of the response body."""
+        if self.status != 200:
+            self._buffer += data  # an error body, read whole in `sample`
+            return
+        now = time.perf_counter()
+        *events, self._buffer = (self._buffer + data).split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: {"):
+                continue  # data: [DONE], or a keep-alive comment
+            chunk = orjson.loads(event[6:])
+            if "error" in chunk:
+                self.error = chunk["error"]
+                continue
+            if chunk.get("usage"):
+                self.reported = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                text = choice["delta"].get("content")
+                if text:
+                    if self.first is None:
+                        self.first = now
+                    tokens = len(text.split())  # the demo's tokens are words
+                    self.tokens += tokens
+                    self._tally.tokens += tokens
+                    self._tally.messages += 1
+                    self.pieces.append(text)
+
+    def sample(self) -> Sample:
+        """The finished request, or a BenchError if it failed."""
+        if self.status != 200:
+            raise BenchError(f"HTTP {self.status}: {self._buffer[:300]!r}")
+        if self.error is not None or self.first is None:
+            raise BenchError(f"stream failed: {self.error!r}")
+        self._tally.requests += 1
+        text = "".join(self.pieces)
+        return Sample(self.first - self.sent, self.tokens, self.reported, text)
+
+
+# --- the three clients -----------------------------------------------------------------
+
+
+class Client(Protocol):
+    """One way to run a request: through the gateway, or straight to the worker."""
+
+    name: str
+
+    async def open(self, streams: int) -> None:
+        """Prepares `streams` concurrent streams (connections, channels)."""
+
+    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+        """Runs one request on stream `stream` to its end."""
+
+    async def close(self) -> None:
+        """Releases everything."""
+
+
+class HttpConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection. The response is parsed by httptools inside
+    the transport's callback and fed straight to the request's SseReader: no task
+    switch, queue or copy per chunk, so the client costs little next to the gateway."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._reader: SseReader | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> HttpConnection:
+        """A new connection."""
+        loop = asyncio.get_running_loop()
+        _, connection = await loop.create_connection(cls, host, port)
+        return connection
+
+    @property
+    def usable(self) -> bool:
+        """Open, and not in the middle of a response."""
+        transport = self._transport
+        return transport is not None and not transport.is_closing() and self._done is None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except Exception as error:  # a bad response, or a bug of ours: fail the request
+            self._fail(error)
+
+    def on_headers_complete(self) -> None:
+        assert self._reader is not None
+        self._reader.status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        assert self._reader is not None
+        self._reader.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("the gateway closed the connection"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(error)
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def post(self, head: bytes, body: bytes, reader: SseReader) -> None:
+        """Sends one request and waits for the whole response; a cancelled wait
+        drops the connection, so the gateway sees the client leave."""
+        assert self._transport is not None
+        self._reader = reader
+        self._done = asyncio.get_running_loop().create_future()
+        reader.sent = time.perf_counter()
+        self._transport.write(head + body)
+        try:
+            await self._done
+        except BaseException:
+            self._transport.abort()
+            raise
+        finally:
+            self._reader = None
+            self._done = None
+
+    def close(self) -> None:
+        """Drops the connection."""
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class GatewayClient:
+    """The gateway, through `HttpConnection`s: one connection per stream."""
+
+    name = "gateway"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._connections: dict[int, HttpConnection] = {}
+        self._heads: dict[int, bytes] = {}
+
+    async def open(self, streams: int) -> None:
+        pass  # connections are opened on first use, and again after a cancellation
+
+    def _head(self, length: int) -> bytes:
+        head = self._heads.get(length)
+        if head is None:
+            head = self._heads[length] = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            ).encode()
+        return head
+
+    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+        connection = self._connections.get(stream)
+        if connection is None or not connection.usable:
+            connection = self._connections[stream] = await HttpConnection.connect(HOST, self.port)
+        reader = SseReader(tally)
+        await connection.post(self._head(len(prompt.http_body)), prompt.http_body, reader)
+        return reader.sample()
+
+    async def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
+
+
+class HttpxGatewayClient:
+    """The gateway, through one httpx.AsyncClient with a pool for every stream."""
+
+    name = "gateway"
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://{HOST}:{port}/v1/chat/completions"
+        self._client: httpx.AsyncClient | None = None
+
+    async def open(self, streams: int) -> None:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams)
+            self._client = httpx.AsyncClient(limits=limits, timeout=CALL_TIMEOUT)
+
+    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+        assert self._client is not None
+        reader = SseReader(tally)
+        headers = {"content-type": "application/json"}
+        reader.sent = time.perf_counter()
+        async with self._client.stream(
+            "POST", self.url, content=prompt.http_body, headers=headers
+        ) as response:
+            reader.status = response.status_code
+            async for data in response.aiter_raw():
+                reader.feed(data)
+        return reader.sample()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class GrpcClient:
+    """The worker itself, through one grpc.aio channel (as the gateway holds one)
+    read with `call.read()` (as the gateway reads it): the baseline."""
+
+    name = "raw gRPC"
+
+    def __init__(self, port: int) -> None:
+        self.address = f"{HOST}:{port}"
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.EngineStub | None = None
+
+    async def open(self, streams: int) -> None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+            await asyncio.wait_for(self._channel.channel_ready(), STARTUP_TIMEOUT)
+            self._stub = pb_grpc.EngineStub(self._channel)
+
+    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+        assert self._stub is not None
+        sent = time.perf_counter()
+        call = self._stub.Generate(prompt.grpc_request, timeout=CALL_TIMEOUT)
+        first: float | None = None
+        tokens = 0
+        reported = -1
+        pieces: list[str] = []
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                kind = message.WhichOneof("event")
+                if kind == "text":
+                    if first is None:
+                        first = time.perf_counter()
+                    text = message.text
+                    tokens += text.tokens
+                    tally.tokens += text.tokens
+                    tally.messages += 1
+                    pieces.append(text.text)
+                elif kind == "finished":
+                    reported = message.finished.completion_tokens
+        except BaseException:
+            call.cancel()
+            raise
+        if first is None:
+            raise BenchError("the worker sent no text")
+        tally.requests += 1
+        return Sample(first - sent, tokens, reported, "".join(pieces))
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+
+# --- checks and statistics -------------------------------------------------------------
+
+
+@dataclass
+class Delivery:
+    """Delivered against emitted, over every finished request of a run."""
+
+    requests: int = 0
+    emitted: int = 0  # tokens the engine emitted (the demo echoes every word)
+    reported: int = 0  # usage.completion_tokens, or Finished.completion_tokens
+    counted: int = 0  # words of the deltas, or the sum of Text.tokens
+    wrong: int = 0  # requests whose text or counts differ from what was emitted
+
+    def add(self, prompt: Prompt, sample: Sample) -> None:
+        """Checks one finished request."""
+        self.requests += 1
+        self.emitted += prompt.words
+        self.reported += sample.reported
+        self.counted += sample.tokens
+        if not (sample.tokens == sample.reported == prompt.words and sample.text == prompt.text):
+            self.wrong += 1
+
+    def merge(self, other: Delivery) -> None:
+        """Adds another run's requests."""
+        self.requests += other.requests
+        self.emitted += other.emitted
+        self.reported += other.reported
+        self.counted += other.counted
+        self.wrong += other.wrong
+
+    @property
+    def ok(self) -> bool:
+        """Every finished request whole: delivered == emitted."""
+        return self.wrong == 0
+
+    def verdict(self) -> str:
+        """For the report."""
+        if not self.requests:
+            return "none finished"
+        counts = f"{self.counted}/{self.reported}/{self.emitted} tokens"
+        return (
+            f"{self.requests}: "
+            + ("yes" if self.ok else f"NO ({self.wrong} wrong)")
+            + f", {counts}"
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile, q in (0, 100]."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class Timings:
+    """Raw TTFTs of one path at one concurrency, with the time and CPU they took."""
+
+    ttfts: list[float] = field(default_factory=list)
+    elapsed: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)
+    delivery: Delivery = field(default_factory=Delivery)
+
+    def merge(self, other: Timings) -> None:
+        """Adds another block of the same measurement."""
+        self.ttfts += other.ttfts
+        self.elapsed += other.elapsed
+        for name, seconds in other.cpu.items():
+            self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+        self.delivery.merge(other.delivery)
+
+
+@dataclass
+class LatencyRun:
+    """TTFT of one path at one concurrency, summarised."""
+
+    path: str
+    concurrency: int
+    requests: int
+    p50_ms: float
+    p99_ms: float
+    requests_per_s: float
+    cpu_us_per_request: dict[str, float]
+    other_load: float | None
+    delivery: Delivery
+
+    @classmethod
+    def of(cls, path: str, concurrency: int, timings: Timings) -> LatencyRun:
+        """The summary of `timings`."""
+        count = len(timings.ttfts)
+        return cls(
+            path=path,
+            concurrency=concurrency,
+            requests=count,
+            p50_ms=percentile(timings.ttfts, 50) * 1e3,
+            p99_ms=percentile(timings.ttfts, 99) * 1e3,
+            requests_per_s=count / timings.elapsed,
+            cpu_us_per_request=per_unit(timings.cpu, count),
+            other_load=other_load(timings.cpu, timings.elapsed),
+            delivery=timings.delivery,
+        )
+
+
+@dataclass
+class FlowRun:
+    """Streamed tokens per second of one path, in one worker mode, at one concurrency."""
+
+    path: str
+    mode: str
+    streams: int
+    tokens_per_s: float
+    tokens_per_message: float  # per gRPC Text (raw gRPC) or per SSE chunk (gateway)
+    cpu_us_per_token: dict[str, float]
+    other_load: float | None
+    delivery: Delivery
+
+
+# --- the measurements ------------------------------------------------------------------
+
+
+async def _watch(tasks: Sequence[asyncio.Task[Any]], seconds: float) -> None:
+    """Sleeps `seconds`, but raises at once if one of `tasks` fails."""
+    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        task.result()
+
+
+async def _cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def measure_ttft(
+    client: Client, prompt: Prompt, concurrency: int, per_stream: int, clock: CpuClock
+) -> Timings:
+    """TTFT of `per_stream` requests on each of `concurrency` streams, timed from the
+    moment every stream has done a few unmeasured requests (connections, caches)."""
+    await client.open(concurrency)
+    tally = Tally()
+    timings = Timings()
+    warmup = max(3, per_stream // 10)
+    ready = asyncio.Barrier(concurrency + 1)
+
+    async def stream(index: int) -> None:
+        for _ in range(warmup):
+            await client.request(index, prompt, tally)
+        await ready.wait()
+        for _ in range(per_stream):
+            sample = await client.request(index, prompt, tally)
+            timings.ttfts.append(sample.ttft)
+            timings.delivery.add(prompt, sample)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(concurrency)]
+    all_ready = asyncio.ensure_future(ready.wait())
+    try:
+        await asyncio.wait([all_ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                task.result()  # a warm-up request failed: raise its error
+        cpu_before, t0 = clock.read(), time.perf_counter()
+        await asyncio.gather(*tasks)
+        timings.elapsed = time.perf_counter() - t0
+        timings.cpu = cpu_used(cpu_before, clock.read())
+    finally:
+        await _cancel([*tasks, all_ready])
+    return timings
+
+
+async def measure_flow(
+    client: Client,
+    prompts: Sequence[Prompt],
+    mode: str,
+    streams: int,
+    settings: Settings,
+    clock: CpuClock,
+) -> FlowRun:
+    """Tokens per second received over a window in steady state: `streams` streams run
+    long answers back to back, and what arrives inside the window counts, whichever
+    request it belongs to. The streams are then cut (the gateway and the worker see
+    the client leave) and the servers left to go idle before the next run.
+
+    Stream i opens with a shorter answer, (i + 1) / streams of an average one, so the
+    streams do not start and finish in lockstep and some answers finish (and are
+    checked) even where one answer takes longer than the window."""
+    await client.open(streams)
+    tally = Tally()
+    delivery = Delivery()
+    average = sum(p.words for p in prompts) // len(prompts)
+    rng = random.Random(streams)
+    openers = [
+        make_prompt(prompts[0].model, max(1, average * (i + 1) // streams), rng)
+        for i in range(streams)
+    ]
+
+    async def stream(index: int) -> None:
+        rest = itertools.islice(itertools.cycle(prompts), index, None)
+        for prompt in itertools.chain([openers[index]], rest):
+            delivery.add(prompt, await client.request(index, prompt, tally))
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
+    try:
+        await _watch(tasks, settings.warmup_s)
+        before, cpu_before, t0 = replace(tally), clock.read(), time.perf_counter()
+        await _watch(tasks, settings.window_s)
+        after, cpu_after, t1 = replace(tally), clock.read(), time.perf_counter()
+    finally:
+        await _cancel(tasks)
+        await client.close()
+        await clock.settle()
+    tokens = after.tokens - before.tokens
+    messages = after.messages - before.messages
+    cpu = cpu_used(cpu_before, cpu_after)
+    return FlowRun(
+        path=client.name,
+        mode=mode,
+        streams=streams,
+        tokens_per_s=tokens / (t1 - t0),
+        tokens_per_message=tokens / messages if messages else 0.0,
+        cpu_us_per_token=per_unit(cpu, tokens),
+        other_load=other_load(cpu, t1 - t0),
+        delivery=delivery,
+    )
+
+
+@dataclass
+class Results:
+    """Everything one run measured."""
+
+    settings: dict[str, Any]
+    environment: dict[str, Any]
+    latency: list[LatencyRun] = field(default_factory=list)
+    flow: list[FlowRun] = field(default_factory=list)
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+async def run_bench(servers: Servers, settings: Settings, client_kind: str) -> Results:
+    """Every measurement, each on both paths, against the running servers."""
+    clock = CpuClock(servers.gateway.pid, servers.worker.pid)
+    gateway_type = GatewayClient if client_kind == "raw" else HttpxGatewayClient
+    gateway: Client = gateway_type(servers.gateway_port)
+    direct: dict[str, Client] = {m: GrpcClient(p) for m, p in servers.worker_ports.items()}
+    results = Results(
+        settings=asdict(settings),
+        environment={
+            "http_client": "asyncio+httptools" if client_kind == "raw" else "httpx",
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "grpcio": grpc.__version__,
+        },
+    )
+    rng = random.Random(7)
+    try:
+        # 1. TTFT. At concurrency 1 the two paths take turns in blocks, so a slow
+        # patch of the machine (another process, a timer) hits both alike.
+        short = make_prompt(COALESCED, settings.ttft_words, rng)
+        pair = (gateway, direct[COALESCED])
+        sequential = {client.name: Timings() for client in pair}
+        for _ in range(max(1, settings.ttft_requests // 50)):
+            for client in pair:
+                sequential[client.name].merge(await measure_ttft(client, short, 1, 50, clock))
+        results.latency += [LatencyRun.of(name, 1, t) for name, t in sequential.items()]
+        _progress("TTFT, 1 stream: done")
+        for client in pair:
+            await client.close()
+            await clock.settle()
+            streams, per_stream = settings.streams, settings.ttft_per_stream
+            timings = await measure_ttft(client, short, streams, per_stream, clock)
+            results.latency.append(LatencyRun.of(client.name, streams, timings))
+        _progress(f"TTFT, {settings.streams} streams: done")
+
+        # 2. Streamed tokens per second: long answers, in each worker mode.
+        for model, mode in MODES.items():
+            prompts = [
+                make_prompt(model, rng.randint(settings.min_words, settings.max_words), rng)
+                for _ in range(24)
+            ]
+            for streams in (1, settings.streams):
+                for client in (gateway, direct[model]):
+                    run = await measure_flow(client, prompts, mode, streams, settings, clock)
+                    results.flow.append(run)
+                _progress(f"tokens/s, {mode}, {streams} stream(s): done")
+    finally:
+        await gateway.close()
+        for client in direct.values():
+            await client.close()
+    return results
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)])
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream" + ("s" if n > 1 else "")
+
+
+def _cpu_cells(values: dict[str, float], other: float | None) -> list[str]:
+    cells = [f"{values[k]:.1f}" if k in values else "?" for k in OURS]
+    return [*cells, "?" if other is None else f"{other:.2f}"]
+
+
+def render(results: Results) -> str:
+    """The markdown report: the comparison, then where the CPU went."""
+    latency = {(r.path, r.concurrency): r for r in results.latency}
+    flow = {(r.path, r.mode, r.streams): r for r in results.flow}
+    rows: list[list[str]] = []
+    for concurrency in sorted({c for _, c in latency}):
+        gw, raw = latency["gateway", concurrency], latency["raw gRPC", concurrency]
+        for q in ("p50", "p99"):
+            g, r = getattr(gw, f"{q}_ms"), getattr(raw, f"{q}_ms")
+            rows.append([f"TTFT {q}, {_streams(concurrency)} (ms)", f"{g:.2f}", f"{r:.2f}"])
+            rows[-1].append(f"{g - r:+.2f} ms")
+        g, r = gw.requests_per_s, raw.requests_per_s
+        rows.append(
+            [f"requests/s, {_streams(concurrency)}", f"{g:.0f}", f"{r:.0f}", f"x{g / r:.2f}"]
+        )
+    for mode in dict.fromkeys(r.mode for r in results.flow):
+        for streams in sorted({r.streams for r in results.flow}):
+            g = flow["gateway", mode, streams].tokens_per_s
+            r = flow["raw gRPC", mode, streams].tokens_per_s
+            label = f"tokens/s, {mode}, {_streams(streams)}"
+            rows.append([label, f"{g:,.0f}", f"{r:,.0f}", f"x{g / r:.2f}"])
+    summary = _table(["metric", "gateway", "raw gRPC", "gateway vs raw"], rows)
+
+    detail: list[list[str]] = []
+    for lat in results.latency:
+        label = f"TTFT, {_streams(lat.concurrency)}"
+        cells = _cpu_cells(lat.cpu_us_per_request, lat.other_load)
+        detail.append([label, lat.path, "", *cells, "us/request", lat.delivery.verdict()])
+    for run in results.flow:
+        label = f"tokens/s, {run.mode}, {_streams(run.streams)}"
+        cells = [f"{run.tokens_per_message:.2f}", *_cpu_cells(run.cpu_us_per_token, run.other_load)]
+        detail.append([label, run.path, *cells, "us/token", run.delivery.verdict()])
+    header = ["run", "path", "tokens/message", "gateway CPU", "worker CPU", "client CPU"]
+    header += ["other load", "CPU unit", "finished requests: delivered == emitted"]
+    env = results.environment
+    notes = (
+        f"HTTP client: {env['http_client']}. {env['cpus']} CPUs shared by the worker, the "
+        f"gateway and the client; Python {env['python']}, grpcio {env['grpcio']}.\n"
+        "TTFT: from writing the request to the first content chunk (gateway) or the first "
+        "Text message (raw gRPC); answers of "
+        f"{results.settings['ttft_words']} tokens.\n"
+        "tokens/message: tokens per gRPC Text message (raw gRPC) or per SSE content chunk "
+        "(gateway), inside the window.\n"
+        "other load: cores kept busy by other processes meanwhile; above ~0.1 the numbers "
+        "of that run are disturbed.\n"
+        "delivered == emitted: for every finished request, the delta text equals the echoed "
+        "prompt and the counts agree (delta words / usage.completion_tokens / words emitted; "
+        "raw gRPC: sum of Text.tokens / Finished.completion_tokens / words emitted)."
+    )
+    return f"{summary}\n\nWhere the CPU went\n\n{_table(header, detail)}\n\n{notes}"
+
+
+# --- the command -----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Measure what furnace-gateway adds over calling the worker directly."
+    )
+    parser.add_argument("--quick", action="store_true", help="a ~25 s run instead of ~90 s")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="HTTP client: asyncio+httptools (default, cheap) or httpx (to compare)",
+    )
+    parser.add_argument("--worker-process", metavar="MODEL=PORT,...", help=argparse.SUPPRESS)
+    return parser
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the cleanup of the servers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark (or, with --worker-process, the bench's worker)."""
+    args = _parser().parse_args(argv)
+    if args.worker_process:
+        ports = dict(item.split("=") for item in args.worker_process.split(","))
+        uvloop.run(serve_workers({m: int(p) for m, p in ports.items()}))  # as production does
+        return 0
+    signal.signal(signal.SIGTERM, _terminate)
+    settings = QUICK if args.quick else DEFAULT
+    started = time.monotonic()
+    _progress("starting the worker and the gateway")
+    with start_servers() as servers:
+        results = uvloop.run(run_bench(servers, settings, args.client))
+    print(render(results))
+    print(f"\n(run took {time.monotonic() - started:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(
+            orjson.dumps(asdict(results), option=orjson.OPT_INDENT_2).decode()
+        )
+    failed = any(not r.delivery.ok for r in [*results.latency, *results.flow])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
