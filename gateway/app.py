@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,6 +24,7 @@ from gateway.openai.errors import APIError
 from gateway.openai.routes import GenerationRoute, internal_error
 from gateway.openai.validation import parse_chat, parse_completion
 from gateway.state import GatewayState
+from gateway.telemetry import model_summary
 
 log = logging.getLogger("furnace.app")
 
@@ -71,6 +73,17 @@ def create_app(config: Config) -> Starlette:
         assert state.fleet is not None
         return _json({**state.fleet.snapshot(), "draining": state.draining})
 
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(state.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_json(request: Request) -> Response:
+        return _json(
+            {
+                "models": model_summary(state.telemetry),
+                "slots": {"total": state.slots.limit, "in_use": state.slots.in_use},
+            }
+        )
+
     async def health(request: Request) -> Response:
         return _json({"status": "ok"})
 
@@ -101,6 +114,8 @@ def create_app(config: Config) -> Starlette:
         ),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/admin/workers", workers, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics/json", metrics_json, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
     ]

@@ -60,6 +60,8 @@ class Config:
     #: Seconds sent in Retry-After with a 503.
     retry_after: int = 1
     log_level: str = "info"
+    #: Put prompts in the access log (never completions or keys). Off by default.
+    log_prompts: bool = False
     #: Seconds after SIGTERM for requests in flight to finish before they are cancelled.
     drain_timeout: float = 30.0
     #: Seconds between DNS lookups of `dns:` worker names.
@@ -124,6 +126,14 @@ def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
     return number
 
 
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
 def _model(where: str, raw: Any) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping with a name")
@@ -185,6 +195,7 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             values[name] = _number(name, values[name], kind, minimum)
     if not isinstance(values.get("host", ""), str):
         raise ConfigError("host: expected a string")
+    values["log_prompts"] = _flag("log_prompts", values.get("log_prompts", False))
     level = str(values.get("log_level", "info")).lower()
     if level not in _LOG_LEVELS:
         raise ConfigError(f"log_level: expected one of {', '.join(_LOG_LEVELS)}")

@@ -91,9 +91,12 @@ def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
 class EngineStream:
     """One Generate call: iterate for our events; `cancel()` stops the worker."""
 
-    __slots__ = ("_call", "_closed", "_on_close")
+    __slots__ = ("_call", "_closed", "_on_close", "worker")
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, worker: str, on_close: Callable[[Outcome], None]
+    ) -> None:
+        self.worker = worker
         self._call = call
         self._on_close = on_close
         self._closed = False
@@ -156,7 +159,7 @@ class EngineClient:
     ) -> EngineStream:
         """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
         call = self._stub.Generate(to_proto(request), timeout=timeout, metadata=metadata)
-        return EngineStream(call, on_close)
+        return EngineStream(call, self.address, on_close)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models the worker serves (within `deadline` seconds), or an `EngineError`."""

@@ -12,12 +12,15 @@ append and, when the edge is waiting, one future.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from gateway import errors
 from gateway.engine_client import EngineStream
 from gateway.types import Event, Finished, Started
+
+log = logging.getLogger("furnace.edge")
 
 
 class EventPump:
@@ -54,6 +57,9 @@ class EventPump:
             self._error = errors.Failed("The engine worker ended the stream without finishing.")
         except errors.EngineError as error:
             self._error = error
+        except Exception:
+            log.exception("reading from the engine worker failed")
+            self._error = errors.Failed("The gateway failed while reading the worker's answer.")
         finally:
             self._ended = True
             self._wake()
@@ -66,10 +72,10 @@ class EventPump:
     async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
         """The events ready now, waiting for at least one.
 
-        Returns [] when `tick` seconds pass without one (time for a keep-alive),
-        and [] at the end of the stream once everything was returned. Raises the
-        stream's error once the events before it are returned, or `Timeout`
-        after `idle_timeout` seconds without an event (and cancels the call).
+        Returns [] only when `tick` seconds pass without one (time for a
+        keep-alive). Raises the stream's error once the events before it are
+        returned (or if called again after `Finished`), or `Timeout` after
+        `idle_timeout` seconds without an event (and cancels the call).
         """
         while not self._ready and not self._ended:
             now = self._loop.time()
@@ -93,9 +99,12 @@ class EventPump:
         if self._ready:
             batch, self._ready = self._ready, []
             return batch
-        if self._error is not None:
-            raise self._error
-        return []
+        raise self._error or errors.Failed("The engine worker's stream is over.")
+
+    @property
+    def worker(self) -> str:
+        """The address of the worker that took the request, once one did."""
+        return self._stream.worker if self._stream is not None else ""
 
     def cancel(self, reason: errors.EngineError | None = None) -> None:
         """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""

@@ -13,6 +13,7 @@ from gateway.admission import Slots
 from gateway.config import Config
 from gateway.event_pump import EventPump
 from gateway.fleet import Fleet
+from gateway.telemetry import Telemetry
 
 log = logging.getLogger("furnace.drain")
 
@@ -30,6 +31,10 @@ class GatewayState:
     draining: bool = False
     started_at: int = 0
     inflight: set[EventPump] = field(default_factory=set)
+    telemetry: Telemetry = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.telemetry = Telemetry(self)
 
     async def drain(self, grace: float) -> None:
         """Shuts the door and empties the room: /ready turns false and new

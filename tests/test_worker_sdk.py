@@ -1,7 +1,6 @@
 """The worker SDK over real gRPC: stop strings, coalescing, cancellation and
 deadlines reaching the engine, refusals as statuses, Describe and health."""
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -206,13 +205,18 @@ def test_other_model_is_not_found(server_loop, workers):
 def test_capacity_is_enforced(server_loop, start_worker):
     worker = start_worker(DemoEngine("tiny", token_delay=0.05, capacity=1))
 
-    async def two_at_once() -> list:
-        return await asyncio.gather(
-            collect(worker.address, text="w " * 10), collect(worker.address, text="w")
-        )
+    async def one_then_another() -> tuple:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            first = pb_grpc.EngineStub(channel).Generate(pb.GenerateRequest(text="w " * 10))
+            await first.read()  # the first holds the only place
+            second = await collect(worker.address, text="w")
+            rest = []
+            while (event := await first.read()) is not grpc.aio.EOF:
+                rest.append(event)
+            return rest, second
 
-    (first, first_error), (_, second_error) = server_loop.call(two_at_once())
-    assert first_error is None and first[-1].finished.completion_tokens == 10
+    rest, (_, second_error) = server_loop.call(one_then_another())
+    assert rest[-1].finished.completion_tokens == 10
     assert second_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

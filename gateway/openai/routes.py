@@ -13,7 +13,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from gateway import errors
@@ -25,7 +25,7 @@ from gateway.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.openai.errors import SERVER, APIError, from_engine_error
 from gateway.openai.validation import ParsedRequest
 from gateway.state import GatewayState
-from gateway.types import Event, Finished, Started, Text
+from gateway.telemetry import RequestRecord, outcome_of
 
 log = logging.getLogger("furnace.edge")
 
@@ -78,28 +78,6 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-@dataclass
-class _Answer:
-    """What a stream has told us so far."""
-
-    prompt_tokens: int = 0
-    finished: Finished | None = None
-    texts: list[str] = field(default_factory=list)
-
-    def take(self, batch: list[Event]) -> str:
-        """Records a batch; returns the text it carries, joined."""
-        pieces = []
-        for event in batch:
-            kind = type(event)
-            if kind is Text:
-                pieces.append(event.text)
-            elif kind is Started:
-                self.prompt_tokens = event.prompt_tokens
-            elif kind is Finished:
-                self.finished = event
-        return "".join(pieces)
-
-
 class GenerationRoute:
     """/v1/chat/completions or /v1/completions, by its parser and encoder."""
 
@@ -114,35 +92,66 @@ class GenerationRoute:
         self.encoder_type = encoder_type
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serves one request; every error leaves as an OpenAI-shaped body."""
-        state = self.state
-        config = state.config
+        """Serves one request; every error leaves as an OpenAI-shaped body, and
+        every request leaves one record in the metrics and the access log."""
         request_id, metadata = _request_id(scope)
+        record = RequestRecord(request_id.decode("latin-1"))
         try:
-            parsed = self.parse(await read_json(scope, receive, config.max_body_bytes))
-            if state.draining:
-                raise errors.Unavailable("The gateway is shutting down; try again.")
-            assert state.fleet is not None
-            pool = state.fleet.get(parsed.model)
-            with state.slots.hold():
-                await self._serve(parsed, pool, request_id, metadata, receive, send)
+            await self._admit(scope, receive, send, record, metadata)
         except APIError as error:
-            await send_error(send, error, request_id)
+            await self._refuse(send, record, error)
         except errors.EngineError as error:
-            await send_error(send, from_engine_error(error, config.retry_after), request_id)
+            if isinstance(error, errors.Busy) and not record.reason:
+                record.reason = "worker_busy"
+            await self._refuse(
+                send, record, from_engine_error(error, self.state.config.retry_after)
+            )
+        finally:
+            self.state.telemetry.finish(record)
+
+    async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
+        record.status = error.status
+        record.outcome = outcome_of(error.status, error.code)
+        await send_error(send, error, record.request_id.encode("latin-1"))
+
+    async def _admit(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> None:
+        state = self.state
+        parsed = self.parse(await read_json(scope, receive, state.config.max_body_bytes))
+        record.stream = parsed.stream
+        if state.telemetry.log_prompts:
+            generate = parsed.generate
+            record.prompt = generate.prompt if generate.messages is None else generate.messages
+        assert state.fleet is not None
+        pool = state.fleet.get(parsed.model)
+        record.model = pool.name
+        if state.draining:
+            record.reason = "draining"
+            raise errors.Unavailable("The gateway is shutting down; send the request again.")
+        if state.slots.in_use >= state.slots.limit:
+            record.reason = "slots_full"
+        with state.slots.hold():
+            state.telemetry.begin(record, pool.name)
+            await self._serve(parsed, pool, record, metadata, receive, send)
 
     async def _serve(
         self,
         parsed: ParsedRequest,
         pool: ModelPool,
-        request_id: bytes,
+        record: RequestRecord,
         metadata: tuple[tuple[str, str], ...],
         receive: Receive,
         send: Send,
     ) -> None:
         config = self.state.config
         assert self.state.fleet is not None
-        request = replace(parsed.generate, model=pool.name, request_id=request_id.decode("latin-1"))
+        request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         pump = EventPump(self.state.fleet.generate(pool, request, Deadline(timeout), metadata))
         self.state.inflight.add(pump)
@@ -151,50 +160,51 @@ class GenerationRoute:
         encoder = self.encoder_type(pool.name, parsed.include_usage)
         try:
             if parsed.stream:
-                await self._stream(pump, encoder, request_id, send, watcher)
+                await self._stream(pump, encoder, record, send, watcher)
             else:
-                await self._answer(pump, encoder, request_id, send)
+                await self._answer(pump, encoder, record, send)
         except errors.EngineError:
             if not watcher.done():
                 raise
-            log.info("client went away; request %s cancelled", request_id.decode("latin-1"))
+            record.status = record.status or 499  # nginx's "client closed request"
+            record.outcome = "client_gone"
+            log.info("client went away; request %s cancelled", record.request_id)
         finally:
             watcher.cancel()
+            record.worker = pump.worker
             self.state.inflight.discard(pump)
             await pump.aclose()
 
     async def _answer(
-        self, pump: EventPump, encoder: Encoder, request_id: bytes, send: Send
+        self, pump: EventPump, encoder: Encoder, record: RequestRecord, send: Send
     ) -> None:
         timeout = self.state.config.request_timeout
-        answer = _Answer()
+        texts = []
         try:
             async with asyncio.timeout(timeout):
-                while answer.finished is None:
-                    batch = await pump.next_batch(timeout)
-                    if not batch:
-                        raise errors.Failed("The engine worker ended the stream without finishing.")
-                    answer.texts.append(answer.take(batch))
+                while record.finished is None:
+                    texts.append(record.take(await pump.next_batch(timeout)))
         except TimeoutError:
             raise errors.Timeout(f"The answer took longer than {timeout:g} seconds.") from None
-        finished = answer.finished
+        finished = record.finished
         body = encoder.response(
-            "".join(answer.texts), finished.reason, answer.prompt_tokens, finished.completion_tokens
+            "".join(texts), finished.reason, record.prompt_tokens, finished.completion_tokens
         )
-        await send_json(send, 200, body, [(b"x-request-id", request_id)])
+        record.status, record.outcome = 200, "completed"
+        await send_json(send, 200, body, [(b"x-request-id", record.request_id.encode("latin-1"))])
 
     async def _stream(
         self,
         pump: EventPump,
         encoder: Encoder,
-        request_id: bytes,
+        record: RequestRecord,
         send: Send,
         watcher: asyncio.Future[None],
     ) -> None:
         config = self.state.config
-        answer = _Answer()
         first = await pump.next_batch(config.request_timeout)
-        text = answer.take(first)
+        text = record.take(first)
+        request_id = record.request_id.encode("latin-1")
         await send(
             {
                 "type": "http.response.start",
@@ -202,25 +212,28 @@ class GenerationRoute:
                 "headers": [*_SSE_HEADERS, (b"x-request-id", request_id)],
             }
         )
+        record.status = 200
         body = encoder.opening() + (encoder.delta(text) if text else b"")
-        while answer.finished is None:
+        while record.finished is None:
             await send({"type": "http.response.body", "body": body, "more_body": True})
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
             except errors.EngineError as error:
                 if watcher.done():
-                    return
+                    raise
                 api_error = from_engine_error(error, config.retry_after)
+                record.outcome = outcome_of(api_error.status, api_error.code)
                 payload = sse({"error": api_error.fields()}) + DONE
                 await send({"type": "http.response.body", "body": payload})
                 return
             if not batch:
                 body = KEEPALIVE
                 continue
-            text = answer.take(batch)
+            text = record.take(batch)
             body = encoder.delta(text) if text else b""
-        finished = answer.finished
-        body += encoder.closing(finished.reason, answer.prompt_tokens, finished.completion_tokens)
+        finished = record.finished
+        body += encoder.closing(finished.reason, record.prompt_tokens, finished.completion_tokens)
+        record.outcome = "completed"
         await send({"type": "http.response.body", "body": body})
 
 

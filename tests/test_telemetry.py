@@ -1,0 +1,153 @@
+"""/metrics and the access log after real requests of every outcome, read with
+prometheus-client's own parser."""
+
+import json
+import logging
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import HANG_GUARD, wait_until
+from tests.scripted_worker import script
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample as {(name, sorted labels): value}."""
+    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    gw = gateway_with(max_concurrent_requests=2, request_timeout=0.5)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        # completed: 2 plain, 1 streamed (3 + 3 + 2 completion tokens)
+        client.post("/v1/completions", json={"prompt": "a b c"})
+        client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x y z"}]}
+        )
+        client.post("/v1/completions", json={"prompt": "a b", "stream": True})
+        # invalid
+        client.post("/v1/completions", json={"prompt": "x", "temperature": 9})
+        client.post("/v1/completions", json={"prompt": "w " * 70})  # context too long
+        # engine error and timeout, on the scripted worker
+        client.post(
+            "/v1/completions", json={"model": "scripted", "prompt": script(status="INTERNAL")}
+        )
+        client.post("/v1/completions", json={"model": "scripted", "prompt": script(hang="before")})
+        # rejected: both slots held by streams, a third request
+        hold = {"model": "scripted", "prompt": script(texts=1, hang="after"), "stream": True}
+        with (
+            client.stream("POST", "/v1/completions", json=hold) as one,
+            client.stream("POST", "/v1/completions", json=hold) as two,
+        ):
+            held = [one.iter_lines(), two.iter_lines()]
+            for lines in held:
+                next(lines)
+            assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+            samples = scrape(gw.url)
+            assert value(samples, "furnace_gateway_slots", state="free") == 0
+            assert value(samples, "furnace_gateway_inflight_requests", model="scripted") == 2
+            del held  # the clients of both streams go away
+    wait_until(lambda: gw.state.slots.in_use == 0, "slots to be free")
+
+    samples = scrape(gw.url)
+    counted = {
+        (labels["model"], labels["outcome"], labels["status"]): int(v)
+        for (name, label_items), v in samples.items()
+        if name == "furnace_gateway_requests_total"
+        for labels in [dict(label_items)]
+    }
+    assert counted == {
+        ("furnace-demo", "completed", "200"): 3,
+        ("", "invalid", "400"): 1,
+        ("furnace-demo", "invalid", "400"): 1,
+        ("scripted", "engine_error", "500"): 1,
+        ("scripted", "timeout", "504"): 1,
+        ("furnace-demo", "rejected", "503"): 1,
+        ("scripted", "client_gone", "200"): 2,
+    }
+    assert (
+        value(
+            samples, "furnace_gateway_rejections_total", model="furnace-demo", reason="slots_full"
+        )
+        == 1
+    )
+    assert value(samples, "furnace_gateway_prompt_tokens_total", model="furnace-demo") == 8
+    assert value(samples, "furnace_gateway_completion_tokens_total", model="furnace-demo") == 8
+    assert (
+        value(samples, "furnace_gateway_time_to_first_token_seconds_count", model="furnace-demo")
+        == 3
+    )
+    assert (
+        value(samples, "furnace_gateway_e2e_request_latency_seconds_count", model="furnace-demo")
+        == 3
+    )
+    assert value(samples, "furnace_gateway_inflight_requests", model="scripted") == 0
+    assert value(samples, "furnace_gateway_slots", state="total") == 2
+    assert value(samples, "furnace_gateway_slots", state="free") == 2
+    demo_worker = workers.demo.address
+    assert (
+        value(
+            samples,
+            "furnace_gateway_worker_inflight_requests",
+            model="furnace-demo",
+            worker=demo_worker,
+        )
+        == 0
+    )
+    assert (
+        value(
+            samples,
+            "furnace_gateway_worker_healthy",
+            model="furnace-demo",
+            worker=demo_worker,
+            state="healthy",
+        )
+        == 1
+    )
+    assert (
+        "furnace_gateway_worker_ejections_total",
+        (("model", "furnace-demo"), ("worker", demo_worker)),
+    ) in samples
+    assert ("furnace_gateway_retries_total", (("model", "furnace-demo"),)) in samples
+
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+    assert len(lines) == 10
+    streamed = next(line for line in lines if line["stream"] and line["outcome"] == "completed")
+    assert streamed["model"] == "furnace-demo"
+    assert streamed["worker"] == demo_worker
+    assert streamed["status"] == 200
+    assert streamed["prompt_tokens"] == 2 and streamed["completion_tokens"] == 2
+    assert streamed["ttft_ms"] > 0 and streamed["duration_ms"] >= streamed["ttft_ms"]
+    assert len(streamed["request_id"]) == 32
+    assert all("prompt" not in line for line in lines)  # prompts stay out by default
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "a b c" not in text and "x y z" not in text
+
+
+def test_prompt_logging_when_turned_on(gateway_with, caplog):
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    gw = gateway_with(log_prompts=True)
+    httpx.post(gw.url + "/v1/completions", json={"prompt": "secret words"}, timeout=HANG_GUARD)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+    assert lines[-1]["prompt"] == "secret words"
+    assert "completion" not in lines[-1]
+
+
+def test_json_view(client):
+    client.post("/v1/completions", json={"prompt": "a b"})
+    body = client.get("/metrics/json").json()
+    demo = body["models"]["furnace-demo"]
+    assert demo["requests"]["completed"] >= 1
+    assert demo["completion_tokens"] >= 2
+    assert demo["e2e_request_latency_mean_ms"] > 0
+    assert body["slots"]["total"] == 256
