@@ -599,7 +599,8 @@ class GatewayClient:
         if connection is None or not connection.usable:
             connection = self._connections[stream] = await HttpConnection.connect(HOST, self.port)
         reader = SseReader(tally)
-        await connection.post(self._head(len(prompt.http_body)), prompt.http_body, reader)
+        async with asyncio.timeout(CALL_TIMEOUT):
+            await connection.post(self._head(len(prompt.http_body)), prompt.http_body, reader)
         return reader.sample()
 
     async def close(self) -> None:
