@@ -928,6 +928,19 @@ class Results:
     flow: list[FlowRun] = field(default_factory=list)
 
 
+def _commit() -> str:
+    """The checkout's commit (with a + if it has changes), to tell runs apart."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True)
+        dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "gateway"]).returncode
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.decode().strip() + ("+" if dirty == 1 else "")
+
+
 def _progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
@@ -945,6 +958,7 @@ async def run_bench(servers: Servers, settings: Settings, client_kind: str) -> R
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "grpcio": grpc.__version__,
+            "commit": _commit(),
         },
     )
     rng = random.Random(7)
@@ -1044,7 +1058,8 @@ def render(results: Results) -> str:
     env = results.environment
     notes = (
         f"HTTP client: {env['http_client']}. {env['cpus']} CPUs shared by the worker, the "
-        f"gateway and the client; Python {env['python']}, grpcio {env['grpcio']}.\n"
+        f"gateway and the client; Python {env['python']}, grpcio {env['grpcio']}; "
+        f"commit {env['commit']} (+: gateway/ has uncommitted changes).\n"
         "TTFT: from writing the request to the first content chunk (gateway) or the first "
         "Text message (raw gRPC); answers of "
         f"{results.settings['ttft_words']} tokens.\n"
