@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from starlette.routing import Route
@@ -262,13 +263,23 @@ def test_autoscaler_and_disruption_budget_target_the_gateway():
     }
     metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
     assert metrics["Resource"]["resource"]["name"] == "cpu"
-    assert metrics["Pods"]["pods"]["metric"]["name"] == "furnace_gateway_requests_in_flight"
+    assert metrics["Pods"]["pods"]["metric"]["name"] == "furnace_gateway_inflight_requests"
     assert "replicas" not in one(manifests, "Deployment", FULLNAME)["spec"]  # the HPA's
     pdb = one(manifests, "PodDisruptionBudget", FULLNAME)
     pod_labels = gateway_pod(render())["metadata"]["labels"]
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
     fixed = one(render("--set", "autoscaling.enabled=false"), "Deployment", FULLNAME)
     assert fixed["spec"]["replicas"] == 2
+
+
+def test_the_autoscaler_metric_and_the_monitor_path_are_served(gateway: Gateway):
+    manifests = list(render(*VALUES["gpu-fleet"]))
+    hpa = one(manifests, "HorizontalPodAutoscaler", FULLNAME)
+    (pods,) = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    (endpoint,) = one(manifests, "ServiceMonitor", FULLNAME)["spec"]["endpoints"]
+    exposition = httpx.get(gateway.url + endpoint["path"], timeout=10)
+    assert exposition.status_code == 200
+    assert f"# TYPE {pods['metric']['name']} gauge" in exposition.text
 
 
 def test_ingress_route_and_monitor_reach_the_gateway_service():
