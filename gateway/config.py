@@ -19,6 +19,7 @@ import yaml
 ENV_PREFIX = "FURNACE_"
 MODEL_KINDS = ("llm", "tensor")
 BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
+UPSTREAMS = ("grpc", "openai")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,9 @@ class ModelConfig:
     balance: str = "least_outstanding"
     #: Relative weights by worker entry (as listed in `workers`); default 1.
     weights: tuple[tuple[str, float], ...] = ()
+    #: `grpc` (our worker protocol) or `openai`: workers are base URLs
+    #: (`http://host:port/v1`) of OpenAI-compatible servers.
+    upstream: str = "grpc"
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,14 @@ def _model(where: str, raw: Any) -> ModelConfig:
     max_len = raw.get("max_model_len")
     if max_len is not None:
         max_len = _number(f"{where}.max_model_len", max_len, int, 1)
+    upstream = raw.get("upstream", "grpc")
+    if upstream not in UPSTREAMS:
+        raise ConfigError(f"{where}.upstream: expected one of {', '.join(UPSTREAMS)}")
+    for i, entry in enumerate(workers):
+        is_url = entry.startswith(("http://", "https://"))
+        if is_url != (upstream == "openai"):
+            expected = "an http(s):// base URL" if upstream == "openai" else "host:port or dns:"
+            raise ConfigError(f"{where}.workers[{i}]: expected {expected}, got {entry!r}")
     balance = raw.get("balance", "least_outstanding")
     if balance not in BALANCE_POLICIES:
         raise ConfigError(
@@ -172,6 +184,7 @@ def _model(where: str, raw: Any) -> ModelConfig:
         workers=tuple(workers),
         max_model_len=max_len,
         balance=balance,
+        upstream=upstream,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
     )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +18,7 @@ from gateway._proto import engine_pb2 as pb
 from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.grpc_errors import error_from_status
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.worker_client import CANCELLED, ModelDescription, Outcome
 
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -40,19 +40,6 @@ _CHANNEL_OPTIONS = (
 
 #: The service whose health a worker reports (see gateway.worker.server).
 HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
-
-#: How a call ended, for the owner's bookkeeping: None (finished), the error, or
-#: CANCELLED when we cancelled it (which says nothing about the worker).
-CANCELLED = "cancelled"
-Outcome = errors.EngineError | str | None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDescription:
-    """One model a worker says it serves."""
-
-    name: str
-    max_context: int
 
 
 def to_proto(request: GenerateRequest) -> pb.GenerateRequest:

@@ -17,8 +17,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from gateway import errors
-from gateway.engine_client import EngineStream
 from gateway.types import Event, Finished, Started
+from gateway.worker_client import WorkerStream
 
 log = logging.getLogger("furnace.edge")
 
@@ -30,10 +30,10 @@ class EventPump:
     event and the stream of the rest, or raises the refusal.
     """
 
-    def __init__(self, start: Coroutine[Any, Any, tuple[Started, EngineStream]]) -> None:
+    def __init__(self, start: Coroutine[Any, Any, tuple[Started, WorkerStream]]) -> None:
         self._loop = asyncio.get_running_loop()
         self._start = start
-        self._stream: EngineStream | None = None
+        self._stream: WorkerStream | None = None
         self._ready: list[Event] = []
         self._error: errors.EngineError | None = None
         self._ended = False

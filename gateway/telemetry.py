@@ -118,6 +118,8 @@ class RequestRecord:
             elif kind is Finished:
                 self.finished = event
                 self.completion_tokens = event.completion_tokens
+                if event.prompt_tokens is not None:
+                    self.prompt_tokens = event.prompt_tokens
         if tokens:
             now = time.perf_counter()
             if self.first_token_at is None:

@@ -67,10 +67,12 @@ class Text(NamedTuple):
 
 
 class Finished(NamedTuple):
-    """Last event: why the answer ended and how many tokens it took."""
+    """Last event: why the answer ended and how many tokens it took; the prompt's
+    tokens too when the worker could not say them in `Started` (HTTP upstreams)."""
 
     reason: FinishReason
     completion_tokens: int
+    prompt_tokens: int | None = None
 
 
 Event = Started | Text | Finished

@@ -20,18 +20,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
+import httpx
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_random_exponential
 
 from gateway import errors
 from gateway.admission import Deadline
-from gateway.config import Config
-from gateway.engine_client import EngineStream
+from gateway.config import Config, ModelConfig
+from gateway.engine_client import EngineClient
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
+from gateway.http_upstream import OpenAIUpstream
 from gateway.types import GenerateRequest, Started
+from gateway.worker_client import WorkerClient, WorkerStream
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
 
@@ -45,13 +49,30 @@ class Fleet:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.models: dict[str, ModelPool] = {m.name: ModelPool(m, config) for m in config.models}
+        self._http: httpx.AsyncClient | None = None
+        self.models: dict[str, ModelPool] = {
+            m.name: ModelPool(m, config, self._client_factory(m)) for m in config.models
+        }
         llms = [m.name for m in config.models if m.kind == "llm"]
         self.default_model = llms[0] if llms else None
         self.budget = RetryBudget(config.retry_budget)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ----------------------------------------------------------
+
+    def _client_factory(self, model: ModelConfig) -> Callable[[str], WorkerClient]:
+        """How the model's workers are reached: our gRPC protocol, or HTTP."""
+        if model.upstream != "openai":
+            return EngineClient
+
+        def upstream(base_url: str) -> WorkerClient:
+            if self._http is None:  # one pool for every upstream, made on the loop
+                self._http = httpx.AsyncClient(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+                )
+            return OpenAIUpstream(base_url, self._http)
+
+        return upstream
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -80,6 +101,8 @@ class Fleet:
         await asyncio.gather(
             *(w.client.close() for pool in self.models.values() for w in pool.workers.values())
         )
+        if self._http is not None:
+            await self._http.aclose()
 
     async def _discover(self, pool: ModelPool, target: Target) -> None:
         try:
@@ -159,7 +182,7 @@ class Fleet:
         request: GenerateRequest,
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...] = (),
-    ) -> tuple[Started, EngineStream]:
+    ) -> tuple[Started, WorkerStream]:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the stream."""
         self.budget.record_request()
@@ -198,7 +221,7 @@ class Fleet:
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
         tried: set[Worker],
-    ) -> tuple[Started, EngineStream]:
+    ) -> tuple[Started, WorkerStream]:
         worker = pool.pick(request, tried)
         if worker is None:
             raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")

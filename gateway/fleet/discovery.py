@@ -1,5 +1,6 @@
-"""Worker addresses from the config: fixed `host:port`, or DNS names that a
-Kubernetes headless Service answers with one address per ready pod.
+"""Worker addresses from the config: fixed `host:port` (or base URLs of HTTP
+upstreams), or DNS names that a Kubernetes headless Service answers with one
+address per ready pod.
 
 The names follow gRPC's target syntax: `dns:///name:port` asks the system
 resolver; `dns://server:port/name:port` asks that name server.
@@ -25,6 +26,7 @@ class Target:
     port: int
     nameserver: tuple[str, int] | None = None
     is_dns: bool = False
+    is_url: bool = False
 
 
 class DiscoveryError(ValueError):
@@ -40,6 +42,8 @@ def _host_port(text: str, entry: str) -> tuple[str, int]:
 
 def parse_target(entry: str) -> Target:
     """Reads one `workers` entry."""
+    if entry.startswith(("http://", "https://")):
+        return Target(entry, "", 0, is_url=True)
     if not entry.startswith("dns:"):
         host, port = _host_port(entry, entry)
         return Target(entry, host, port)
@@ -57,6 +61,8 @@ def parse_target(entry: str) -> Target:
 
 async def resolve(target: Target, within: float = 5.0) -> list[str]:
     """The `ip:port` addresses a target stands for now, sorted."""
+    if target.is_url:
+        return [target.entry]
     if not target.is_dns:
         return [f"{target.host}:{target.port}"]
     if target.nameserver is None:

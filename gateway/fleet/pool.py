@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 
 from gateway.config import Config, ModelConfig
-from gateway.engine_client import EngineClient
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.types import GenerateRequest
+from gateway.worker_client import WorkerClient
 
 log = logging.getLogger("furnace.fleet")
 
@@ -27,8 +27,11 @@ def make_balancer(model: ModelConfig, config: Config) -> Balancer:
 class ModelPool:
     """The workers of one model; membership changes as discovery answers."""
 
-    def __init__(self, model: ModelConfig, config: Config) -> None:
+    def __init__(
+        self, model: ModelConfig, config: Config, make_client: Callable[[str], WorkerClient]
+    ) -> None:
         self.name = model.name
+        self.make_client = make_client
         self.kind = model.kind
         self.max_context = model.max_model_len
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
@@ -68,7 +71,7 @@ class ModelPool:
             self._weight_of[address] = weight
             worker = self.workers.get(address)
             if worker is None:
-                worker = Worker(address, EngineClient(address), self.policy, weight)
+                worker = Worker(address, self.make_client(address), self.policy, weight)
                 self.workers[address] = worker
                 log.info("model %s: worker %s joins", self.name, address)
                 on_join(worker)

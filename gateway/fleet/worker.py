@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from gateway import errors
-from gateway.engine_client import CANCELLED, EngineClient, Outcome
+from gateway.worker_client import CANCELLED, Outcome, WorkerClient
 
 #: Errors that count against a worker.
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
@@ -32,7 +32,7 @@ class Worker:
     """A worker of one model."""
 
     address: str
-    client: EngineClient
+    client: WorkerClient
     policy: EjectionPolicy
     weight: float = 1.0
     #: Calls in flight through this gateway.
