@@ -14,6 +14,7 @@ from gateway.config import Config
 from gateway.event_pump import EventPump
 from gateway.fleet import Fleet
 from gateway.telemetry import Telemetry
+from gateway.tracing import Tracing
 
 log = logging.getLogger("furnace.drain")
 
@@ -32,9 +33,11 @@ class GatewayState:
     started_at: int = 0
     inflight: set[EventPump] = field(default_factory=set)
     telemetry: Telemetry = field(init=False)
+    tracing: Tracing = field(init=False)
 
     def __post_init__(self) -> None:
         self.telemetry = Telemetry(self)
+        self.tracing = Tracing(self.config.tracing)
 
     async def drain(self, grace: float) -> None:
         """Shuts the door and empties the room: /ready turns false and new

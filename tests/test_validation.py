@@ -79,6 +79,11 @@ INVALID = [
         "stream_options.include_usage",
     ),
     (CHAT, chat(top_k=-2), "top_k"),
+    (CHAT, chat(top_k=2**32), "top_k"),
+    (CHAT, chat(max_tokens=2**32), "max_tokens"),
+    (COMPLETIONS, completion(max_completion_tokens=10**30), "max_completion_tokens"),
+    (CHAT, chat(seed=2**63), "seed"),
+    (CHAT, chat(n=10**30), "n"),
     (CHAT, chat(seed="x"), "seed"),
 ]
 

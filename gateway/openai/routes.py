@@ -26,6 +26,7 @@ from gateway.openai.errors import SERVER, APIError, from_engine_error
 from gateway.openai.validation import ParsedRequest
 from gateway.state import GatewayState
 from gateway.telemetry import RequestRecord, outcome_of
+from gateway.tracing import annotate
 
 log = logging.getLogger("furnace.edge")
 
@@ -96,18 +97,30 @@ class GenerationRoute:
         every request leaves one record in the metrics and the access log."""
         request_id, metadata = _request_id(scope)
         record = RequestRecord(request_id.decode("latin-1"))
-        try:
-            await self._admit(scope, receive, send, record, metadata)
-        except APIError as error:
-            await self._refuse(send, record, error)
-        except errors.EngineError as error:
-            if isinstance(error, errors.Busy) and not record.reason:
-                record.reason = "worker_busy"
-            await self._refuse(
-                send, record, from_engine_error(error, self.state.config.retry_after)
-            )
-        finally:
-            self.state.telemetry.finish(record)
+        traceparent = dict(metadata).get("traceparent")
+        with self.state.tracing.request(f"POST {scope['path']}", traceparent) as span:
+            try:
+                await self._admit(scope, receive, send, record, metadata)
+            except APIError as error:
+                await self._refuse(send, record, error)
+            except errors.EngineError as error:
+                if isinstance(error, errors.Busy) and not record.reason:
+                    record.reason = "worker_busy"
+                retry_after = self.state.config.retry_after
+                await self._refuse(send, record, from_engine_error(error, retry_after))
+            finally:
+                self.state.telemetry.finish(record)
+                annotate(
+                    span,
+                    {
+                        "http.response.status_code": record.status,
+                        "gen_ai.request.model": record.model or None,
+                        "gen_ai.usage.input_tokens": record.prompt_tokens,
+                        "gen_ai.usage.output_tokens": record.completion_tokens,
+                        "furnace.outcome": record.outcome,
+                        "furnace.request_id": record.request_id,
+                    },
+                )
 
     async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
         record.status = error.status
@@ -153,7 +166,22 @@ class GenerationRoute:
         assert self.state.fleet is not None
         request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
-        pump = EventPump(self.state.fleet.generate(pool, request, Deadline(timeout), metadata))
+        with self.state.tracing.engine_call(pool.name, metadata) as (span, metadata):
+            pump = EventPump(self.state.fleet.generate(pool, request, Deadline(timeout), metadata))
+            try:
+                await self._relay(pump, parsed, pool, record, receive, send)
+            finally:
+                annotate(span, {"furnace.worker": record.worker or None})
+
+    async def _relay(
+        self,
+        pump: EventPump,
+        parsed: ParsedRequest,
+        pool: ModelPool,
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         self.state.inflight.add(pump)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda _: pump.cancel())

@@ -16,6 +16,7 @@ from gateway.openai.errors import invalid
 from gateway.types import GenerateRequest, Message, SamplingParams
 
 MAX_STOP = 4
+UINT32_MAX = 2**32 - 1  # the worker protocol's counts are uint32
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -51,12 +52,16 @@ def _number(
     return float(value)
 
 
-def _int(body: Mapping[str, Any], name: str) -> int | None:
+def _int(
+    body: Mapping[str, Any], name: str, low: int = -(2**63), high: int = 2**63 - 1
+) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if not _is_int(value):
         raise invalid(name, f"Invalid type for '{name}': expected an integer.")
+    if not low <= value <= high:
+        raise invalid(name, f"Invalid value for '{name}': must be in [{low}, {high}].")
     return value
 
 
@@ -79,14 +84,11 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    value = _int(body, name)
-    if value is not None and value < 1:
-        raise invalid(name, f"Invalid value for '{name}': must be at least 1.")
-    return value
+    return _int(body, name, 1, UINT32_MAX)
 
 
 def _top_k(body: Mapping[str, Any]) -> int | None:
-    value = _int(body, "top_k")
+    value = _int(body, "top_k", high=UINT32_MAX)
     if value is None or value in (0, -1):
         return None
     if value < -1:

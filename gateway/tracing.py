@@ -1,0 +1,91 @@
+"""OpenTelemetry spans for a request and its engine call, when turned on.
+
+Off by default, and then free: no OpenTelemetry import, and every hook is a
+check of one boolean. With `tracing: true` (and the `otel` extra installed)
+the gateway continues the client's W3C trace, records a SERVER span for the
+request and a CLIENT span for the worker call, and sends the worker that
+span's `traceparent`. Spans go to the tracer provider the process has; if it
+has none, to an OTLP exporter configured by the standard OTEL_* variables.
+Without tracing, a client's `traceparent` is still passed to the worker as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger("furnace.tracing")
+
+
+class Tracing:
+    """The gateway's tracer, or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._tracer: Any = None
+        if enabled:
+            self._tracer = _tracer()
+
+    @contextmanager
+    def request(self, name: str, traceparent: str | None) -> Iterator[Any]:
+        """A SERVER span for one request, child of the client's trace if any."""
+        if not self.enabled:
+            yield None
+            return
+        from opentelemetry.propagate import extract
+        from opentelemetry.trace import SpanKind
+
+        parent = extract({"traceparent": traceparent}) if traceparent else None
+        with self._tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
+            yield span
+
+    @contextmanager
+    def engine_call(
+        self, model: str, metadata: tuple[tuple[str, str], ...]
+    ) -> Iterator[tuple[Any, tuple[tuple[str, str], ...]]]:
+        """A CLIENT span for the worker call; yields it and the metadata that
+        carries it to the worker."""
+        if not self.enabled:
+            yield None, metadata
+            return
+        from opentelemetry.propagate import inject
+        from opentelemetry.trace import SpanKind
+
+        with self._tracer.start_as_current_span(
+            "furnace.engine/Generate",
+            kind=SpanKind.CLIENT,
+            attributes={"gen_ai.request.model": model},
+        ) as span:
+            carrier: dict[str, str] = {}
+            inject(carrier)
+            passed = tuple((k, v) for k, v in metadata if k != "traceparent")
+            yield span, passed + tuple(carrier.items())
+
+
+def annotate(span: Any, attributes: dict[str, Any]) -> None:
+    """Sets a span's attributes at its end (no-op without a span)."""
+    if span is not None:
+        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def _tracer() -> Any:
+    try:
+        from opentelemetry import trace
+    except ImportError as error:
+        raise RuntimeError(
+            "tracing is on but OpenTelemetry is not installed: pip install 'furnace-gateway[otel]'"
+        ) from error
+    provider = trace.get_tracer_provider()
+    if type(provider).__name__ in ("ProxyTracerProvider", "NoOpTracerProvider"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider(resource=Resource.create({"service.name": "furnace-gateway"}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+        log.info("tracing to OTLP (OTEL_EXPORTER_OTLP_* settings)")
+    return trace.get_tracer("furnace-gateway")

@@ -1,0 +1,62 @@
+"""Tracing: the client's trace continues through the gateway to the worker; off,
+OpenTelemetry is not even imported."""
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from tests.conftest import HANG_GUARD, wait_until
+from tests.scripted_worker import script
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+def test_request_and_engine_spans_continue_the_clients_trace(gateway_with, workers, spans):
+    gw = gateway_with(tracing=True)
+    response = httpx.post(
+        gw.url + "/v1/completions",
+        json={"model": "scripted", "prompt": script(texts=2)},
+        headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "x-request-id": "traced-1"},
+        timeout=HANG_GUARD,
+    )
+    assert response.status_code == 200
+    wait_until(lambda: len(spans.get_finished_spans()) >= 2, "both spans")
+    by_kind = {s.kind: s for s in spans.get_finished_spans()}
+    server, client = by_kind[SpanKind.SERVER], by_kind[SpanKind.CLIENT]
+    assert format(server.context.trace_id, "032x") == TRACE_ID
+    assert format(server.parent.span_id, "016x") == CLIENT_SPAN
+    assert client.parent.span_id == server.context.span_id
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["gen_ai.usage.output_tokens"] == 2
+    assert server.attributes["furnace.request_id"] == "traced-1"
+    assert client.attributes["furnace.worker"] == workers.scripted.address
+    sent = workers.scripted.metadata["traced-1"]["traceparent"]
+    assert sent == f"00-{TRACE_ID}-{format(client.context.span_id, '016x')}-01"
+
+
+def test_off_means_not_imported():
+    code = (
+        "import sys; from gateway.app import create_app; from gateway.config import Config;"
+        "create_app(Config()); print('opentelemetry' in ' '.join(sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
