@@ -18,7 +18,7 @@ from gateway._proto import engine_pb2 as pb
 from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.grpc_errors import error_from_status
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
-from gateway.worker_client import CANCELLED, ModelDescription, Outcome
+from gateway.worker_client import CANCELLED, ModelDescription, Outcome, StreamBookkeeping
 
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -75,18 +75,16 @@ def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
     return errors.Unavailable(f"engine worker call failed: {error}")
 
 
-class EngineStream:
+class EngineStream(StreamBookkeeping):
     """One Generate call: iterate for our events; `cancel()` stops the worker."""
 
-    __slots__ = ("_call", "_closed", "_on_close", "worker")
+    __slots__ = ("_call",)
 
     def __init__(
         self, call: grpc.aio.UnaryStreamCall, worker: str, on_close: Callable[[Outcome], None]
     ) -> None:
-        self.worker = worker
+        super().__init__(worker, on_close)
         self._call = call
-        self._on_close = on_close
-        self._closed = False
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -120,12 +118,6 @@ class EngineStream:
         is what the owner hears: our own cancellation, or a failure we saw."""
         self._call.cancel()
         self.close(outcome)
-
-    def close(self, outcome: Outcome = None) -> None:
-        """Marks the call over; tells the owner how, exactly once."""
-        if not self._closed:
-            self._closed = True
-            self._on_close(outcome)
 
 
 class EngineClient:

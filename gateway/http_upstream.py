@@ -23,7 +23,7 @@ import orjson
 
 from gateway import errors
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
-from gateway.worker_client import CANCELLED, ModelDescription, Outcome
+from gateway.worker_client import CANCELLED, ModelDescription, Outcome, StreamBookkeeping
 
 #: Their HTTP status → our error; 400s are refined by the error body's code.
 HTTP_ERRORS: dict[int, type[errors.EngineError]] = {
@@ -106,7 +106,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     return body
 
 
-class UpstreamStream:
+class UpstreamStream(StreamBookkeeping):
     """One streamed call to an upstream, read as our events."""
 
     def __init__(
@@ -117,12 +117,10 @@ class UpstreamStream:
         worker: str,
         on_close: Callable[[Outcome], None],
     ) -> None:
-        self.worker = worker
+        super().__init__(worker, on_close)
         self._http = http
         self._request = request
         self._chat = chat
-        self._on_close = on_close
-        self._closed = False
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._reason = FinishReason.STOP
@@ -212,12 +210,6 @@ class UpstreamStream:
         if self._response is not None:
             asyncio.get_running_loop().create_task(self._response.aclose())
         self.close(outcome)
-
-    def close(self, outcome: Outcome = None) -> None:
-        """Tells the owner how the call ended, exactly once."""
-        if not self._closed:
-            self._closed = True
-            self._on_close(outcome)
 
 
 class OpenAIUpstream:

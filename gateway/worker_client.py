@@ -24,6 +24,24 @@ class ModelDescription:
     max_context: int
 
 
+class StreamBookkeeping:
+    """What every worker stream does alike: it knows its worker, and it tells
+    its owner how the call ended, exactly once, whatever ends it."""
+
+    __slots__ = ("_closed", "_on_close", "worker")
+
+    def __init__(self, worker: str, on_close: Callable[[Outcome], None]) -> None:
+        self.worker = worker
+        self._on_close = on_close
+        self._closed = False
+
+    def close(self, outcome: Outcome = None) -> None:
+        """Marks the call over; tells the owner how, exactly once."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(outcome)
+
+
 class WorkerStream(Protocol):
     """One call: our events in order; ends by `Finished` or an `EngineError`."""
 

@@ -195,3 +195,20 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "gateway" in request.fixturenames:
         assert_nothing_left(request.getfixturevalue("gateway"), request.getfixturevalue("workers"))
+
+
+@pytest.fixture
+def serve_engines(server_loop: ServerLoop) -> Iterator[Callable[..., list[WorkerServer]]]:
+    """Starts workers for engines (real gRPC servers); stops them after the test."""
+    started: list[WorkerServer] = []
+
+    def serve(*engines: Any, host: str = "127.0.0.1", port: int = 0) -> list[WorkerServer]:
+        servers = [WorkerServer(engine, host, port) for engine in engines]
+        for server in servers:
+            server_loop.call(server.start())
+        started.extend(servers)
+        return servers
+
+    yield serve
+    for server in started:
+        server_loop.call(server.stop(0))

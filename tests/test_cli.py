@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 
-from tests.conftest import HANG_GUARD
+from tests.conftest import HANG_GUARD, wait_until
 
 
 def free_port() -> int:
@@ -36,6 +36,47 @@ def running(*args: str) -> Iterator[subprocess.Popen]:
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=HANG_GUARD)[0]
     assert process.returncode == 0, output
+
+
+def config_file(tmp_path, port: int, model: str, worker_port: int, extra: str = "") -> str:
+    """A gateway config serving `model` from one worker on loopback."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\n{extra}"
+        f"models:\n  - name: {model}\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    return str(path)
+
+
+@contextmanager
+def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
+    """A demo worker in a process of its own."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: _listening(port), "the worker to listen", HANG_GUARD)
+        yield process
+    finally:
+        process.kill()
+        process.wait(HANG_GUARD)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_ready(url: str, process: subprocess.Popen) -> None:
@@ -84,15 +125,11 @@ def test_demo_serves_curl_style_requests_and_the_openai_sdk():
 
 def test_worker_and_serve_with_a_config_file(tmp_path):
     worker_port, port = free_port(), free_port()
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\nmodels:\n"
-        f"  - name: echo\n    workers: ['127.0.0.1:{worker_port}']\n"
-    )
+    config = config_file(tmp_path, port, "echo", worker_port)
     url = f"http://127.0.0.1:{port}"
     with (
-        running("worker", "--engine", "demo", "--port", str(worker_port), "--model", "echo"),
-        running("serve", "--config", str(config)) as gateway,
+        worker_process(worker_port, "--engine", "demo", "--model", "echo"),
+        running("serve", "--config", config) as gateway,
     ):
         wait_ready(url, gateway)
         reply = httpx.post(url + "/v1/completions", json={"prompt": "x y"}, timeout=10).json()

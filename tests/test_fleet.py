@@ -6,24 +6,20 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 
 import dns.message
 import dns.rrset
 import httpx
-import pytest
 
 from gateway.config import ModelConfig
 from gateway.types import Event, GenerateRequest
-from gateway.worker import Engine, WorkerServer
+from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
-from tests.conftest import HANG_GUARD, ServerLoop, assert_nothing_left, wait_until
+from tests.conftest import HANG_GUARD, assert_nothing_left, wait_until
 from tests.scripted_worker import SCRIPTED_MODEL, ScriptedWorker, script
-from tests.test_cli import free_port, running, wait_ready
+from tests.test_cli import config_file, free_port, running, wait_ready, worker_process
 from tests.test_responses import sse_events
 
 
@@ -38,37 +34,6 @@ def free_port_on(*hosts: str) -> int:
         except OSError:
             continue
         return port
-
-
-@contextmanager
-def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
-    """A demo worker in a process of its own."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "worker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until(lambda: _listening(port), "the worker to listen", HANG_GUARD)
-        yield process
-    finally:
-        process.kill()
-        process.wait(HANG_GUARD)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def admin_workers(url: str, model: str) -> dict[str, dict]:
@@ -155,23 +120,6 @@ class HangingEngine(Engine):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         await asyncio.sleep(3600)
         yield  # pragma: no cover
-
-
-@pytest.fixture
-def serve_engines(server_loop: ServerLoop):
-    """Starts in-process workers (real gRPC servers); stops them after the test."""
-    started: list[WorkerServer] = []
-
-    def serve(*engines: Engine, host: str = "127.0.0.1", port: int = 0) -> list[WorkerServer]:
-        servers = [WorkerServer(engine, host, port) for engine in engines]
-        for server in servers:
-            server_loop.call(server.start())
-        started.extend(servers)
-        return servers
-
-    yield serve
-    for server in started:
-        server_loop.call(server.stop(0))
 
 
 def test_hanging_worker_is_retried_elsewhere_and_ejected_longer_each_time(
@@ -375,15 +323,11 @@ def test_retry_budget_holds_when_every_worker_fails(gateway_with, server_loop):
 
 def test_sigterm_lets_50_streams_finish_refuses_new_ones_and_exits_0(tmp_path):
     worker_port, port = free_port(), free_port()
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\ndrain_timeout: 20\n"
-        f"models:\n  - name: m\n    workers: ['127.0.0.1:{worker_port}']\n"
-    )
+    config = config_file(tmp_path, port, "m", worker_port, "drain_timeout: 20\n")
     url = f"http://127.0.0.1:{port}"
     with (
         worker_process(worker_port, "--token-delay", "0.05", "--model", "m"),
-        running("serve", "--config", str(config)) as gateway,
+        running("serve", "--config", config) as gateway,
     ):
         wait_ready(url, gateway)
 

@@ -11,7 +11,7 @@ from gateway import errors
 from gateway._proto import engine_pb2 as pb
 from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
-from gateway.worker import Engine, WorkerServer
+from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
 from gateway.worker.stop import StopMatcher
 from tests.conftest import wait_until
@@ -46,21 +46,6 @@ async def collect(address: str, **fields) -> tuple[list, grpc.aio.AioRpcError | 
         except grpc.aio.AioRpcError as error:
             return events, error
         return events, None
-
-
-@pytest.fixture
-def start_worker(server_loop):
-    started = []
-
-    def start(engine: Engine) -> WorkerServer:
-        worker = WorkerServer(engine)
-        server_loop.call(worker.start())
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        server_loop.call(worker.stop(0))
 
 
 # -- stop strings ----------------------------------------------------------
@@ -110,8 +95,8 @@ def test_stop_strings_through_the_gateway(client, workers):
 # -- coalescing, cancellation, deadlines ------------------------------------
 
 
-def test_ready_tokens_are_coalesced(server_loop, start_worker):
-    worker = start_worker(DemoEngine("big", max_context=10_000))
+def test_ready_tokens_are_coalesced(server_loop, serve_engines):
+    worker = serve_engines(DemoEngine("big", max_context=10_000))[0]
     words = " ".join(f"w{i}" for i in range(500))
     events, error = server_loop.call(collect(worker.address, text=words))
     assert error is None
@@ -177,9 +162,9 @@ def test_cancel_stops_the_engine(server_loop, workers):
         (RuntimeError("a bug"), grpc.StatusCode.INTERNAL),
     ],
 )
-def test_engine_errors_become_statuses(server_loop, start_worker, error, code):
+def test_engine_errors_become_statuses(server_loop, serve_engines, error, code):
     for events in ([error], [Started(1), Text("a", 1), error]):
-        worker = start_worker(ScriptEngine(events))
+        worker = serve_engines(ScriptEngine(events))[0]
         received, failure = server_loop.call(collect(worker.address))
         assert failure is not None
         assert failure.code() == code
@@ -190,9 +175,9 @@ def test_engine_errors_become_statuses(server_loop, start_worker, error, code):
         assert len(received) == (0 if len(events) == 1 else 2)
 
 
-def test_engine_that_breaks_the_protocol(server_loop, start_worker):
+def test_engine_that_breaks_the_protocol(server_loop, serve_engines):
     for events in ([Text("a", 1)], [Started(1), Text("a", 1)]):
-        worker = start_worker(ScriptEngine(events))
+        worker = serve_engines(ScriptEngine(events))[0]
         _, failure = server_loop.call(collect(worker.address))
         assert failure is not None and failure.code() == grpc.StatusCode.INTERNAL
 
@@ -202,8 +187,8 @@ def test_other_model_is_not_found(server_loop, workers):
     assert failure.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_capacity_is_enforced(server_loop, start_worker):
-    worker = start_worker(DemoEngine("tiny", token_delay=0.05, capacity=1))
+def test_capacity_is_enforced(server_loop, serve_engines):
+    worker = serve_engines(DemoEngine("tiny", token_delay=0.05, capacity=1))[0]
 
     async def one_then_another() -> tuple:
         async with grpc.aio.insecure_channel(worker.address) as channel:
@@ -220,8 +205,8 @@ def test_capacity_is_enforced(server_loop, start_worker):
     assert second_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_finish_reasons_and_counts(server_loop, start_worker):
-    worker = start_worker(
+def test_finish_reasons_and_counts(server_loop, serve_engines):
+    (worker,) = serve_engines(
         ScriptEngine([Started(4), Text("ab", 2), Finished(FinishReason.LENGTH, 2)])
     )
     events, error = server_loop.call(collect(worker.address))
@@ -245,8 +230,8 @@ def test_describe(server_loop, workers):
     assert reply.load == 0
 
 
-def test_health(server_loop, start_worker):
-    worker = start_worker(DemoEngine("h"))
+def test_health(server_loop, serve_engines):
+    worker = serve_engines(DemoEngine("h"))[0]
 
     async def check(service: str) -> int:
         async with grpc.aio.insecure_channel(worker.address) as channel:

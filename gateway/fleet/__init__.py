@@ -141,7 +141,7 @@ class Fleet:
                     log.warning("worker %s unreachable: %s", worker.address, error.message)
                 worker.serving = False
             await asyncio.sleep(delay)
-            delay = min(delay * 2, interval)
+            delay = min(delay * 2, interval, 1.0)  # a worker that comes back is seen soon
 
     async def _describe(self, pool: ModelPool, worker: Worker) -> bool:
         try:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.errors import TooLong
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
-from gateway.worker.engine import Engine
+from gateway.worker.engine import Engine, check_context
 
 DEMO_MODEL = "furnace-demo"
 
@@ -46,17 +45,7 @@ class DemoEngine(Engine):
         else:
             words = (request.prompt or "").split()
             prompt_tokens = len(words)
-        max_tokens = request.sampling.max_tokens
-        wanted = prompt_tokens + (max_tokens or 0)
-        if prompt_tokens >= self.max_context or wanted > self.max_context:
-            raise TooLong(
-                f"This model's maximum context length is {self.max_context} tokens. However, "
-                f"you requested {wanted} tokens ({prompt_tokens} in the messages, "
-                f"{max_tokens or 0} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="messages" if request.messages is not None else "prompt",
-            )
-        budget = min(max_tokens or self.max_context, self.max_context - prompt_tokens)
+        budget = check_context(request, prompt_tokens, self.max_context)
         self.served += 1
         self.running += 1
         done = False

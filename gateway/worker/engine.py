@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
+from gateway.errors import TooLong
 from gateway.types import Event, GenerateRequest
 
 
@@ -29,3 +30,20 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The events of one answer."""
+
+
+def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int) -> int:
+    """Refuses a prompt (plus max_tokens) that does not fit, in vLLM's words, as
+    `TooLong`; returns how many tokens the answer may take."""
+    max_tokens = request.sampling.max_tokens
+    wanted = prompt_tokens + (max_tokens or 0)
+    if prompt_tokens >= max_context or wanted > max_context:
+        raise TooLong(
+            f"This model's maximum context length is {max_context} tokens. However, "
+            f"you requested {wanted} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens or 0} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param="messages" if request.messages is not None else "prompt",
+        )
+    budget = max_context - prompt_tokens
+    return budget if max_tokens is None else min(budget, max_tokens)

@@ -43,7 +43,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from gateway.errors import Invalid, TooLong
+from gateway.errors import Invalid
 from gateway.types import (
     Event,
     Finished,
@@ -53,7 +53,7 @@ from gateway.types import (
     Started,
     Text,
 )
-from gateway.worker.engine import Engine
+from gateway.worker.engine import Engine, check_context
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -339,18 +339,7 @@ class TransformersEngine(Engine):
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise Invalid("max_tokens must be at least 1.", param="max_tokens")
-        wanted = prompt_tokens + (max_tokens or 0)
-        if prompt_tokens >= self.max_context or wanted > self.max_context:
-            raise TooLong(
-                f"This model's maximum context length is {self.max_context} tokens. However, "
-                f"you requested {wanted} tokens ({prompt_tokens} in the messages, "
-                f"{max_tokens or 0} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param=param,
-            )
-        budget = self.max_context - prompt_tokens
-        if max_tokens is not None:
-            budget = min(budget, max_tokens)
+        budget = check_context(request, prompt_tokens, self.max_context)
         sequence = _Sequence(self, prompt, request.sampling, budget)
         self.running += 1
         done = False
