@@ -256,3 +256,21 @@ def test_openai_sdk_async(gateway):
                     group.start_soon(one, i)
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-request-id": "bad id with spaces", "traceparent": "not-a-trace"},
+        {"x-request-id": "x" * 200},
+        [("x-request-id", b"caf\xc3\xa9"), ("traceparent", b"00-\xff")],
+    ],
+)
+def test_odd_request_ids_and_traceparents_are_replaced_not_fatal(client, workers, headers):
+    response = client.post(
+        "/v1/completions", json={"model": "scripted", "prompt": "x"}, headers=headers
+    )
+    assert response.status_code == 200
+    rid = response.headers["x-request-id"]
+    assert len(rid) == 32 and rid in workers.scripted.calls
+    assert "traceparent" not in workers.scripted.metadata[rid]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import replace
@@ -58,19 +59,24 @@ async def send_error(send: Send, error: APIError, request_id: bytes) -> None:
     )
 
 
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
 def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
     """The request's id (the client's x-request-id, or a new one) and the
-    metadata passed on to the worker."""
+    metadata passed on to the worker; values that could not travel as gRPC
+    metadata (or are not W3C trace contexts) are replaced or dropped."""
     request_id = b""
     metadata: list[tuple[str, str]] = []
     for name, value in scope["headers"]:
-        if name == b"x-request-id" and value:
-            request_id = value[:128]
-        elif name == b"traceparent":
-            metadata.append(("traceparent", value.decode("latin-1")))
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            request_id = value
+        elif name == b"traceparent" and _TRACEPARENT.fullmatch(value):
+            metadata.append(("traceparent", value.decode("ascii")))
     if not request_id:
         request_id = secrets.token_hex(16).encode()
-    metadata.append(("x-request-id", request_id.decode("latin-1")))
+    metadata.append(("x-request-id", request_id.decode("ascii")))
     return request_id, tuple(metadata)
 
 
