@@ -1,4 +1,4 @@
-"""The `furnace-gateway` command: serve, worker, demo."""
+"""The `furnace-gateway` command: serve, worker, demo, bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from gateway.bench.command import add_arguments as add_bench_arguments
+from gateway.bench.command import main as bench_main
 from gateway.config import Config, ConfigError, load_config, parse_config
 from gateway.server import run, serve_demo, serve_gateway, serve_worker
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=8000)
     _demo_options(demo)
+
+    bench = commands.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
             config = load_config(args.config)
             logging.getLogger().setLevel(config.log_level.upper())
             run(serve_gateway(config))
+        elif args.command == "bench":
+            sys.exit(run(bench_main(args)))
         elif args.command == "worker":
             run(serve_worker(_worker_engine(args), args.host, args.port))
         else:

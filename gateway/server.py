@@ -9,7 +9,7 @@ import signal
 import socket
 from collections.abc import Coroutine
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -22,14 +22,16 @@ from gateway.worker.server import WorkerServer
 log = logging.getLogger("furnace")
 
 
-def run(main: Coroutine[Any, Any, None]) -> None:
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
     """Runs `main` on uvloop when available, else on asyncio's own loop."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 class GatewayServer(uvicorn.Server):
