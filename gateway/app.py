@@ -12,6 +12,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -21,9 +22,11 @@ from gateway.config import Config
 from gateway.fleet import Fleet
 from gateway.openai.encoding import ChatEncoder, CompletionEncoder
 from gateway.openai.errors import APIError
+from gateway.openai.gates import HeaderLimit, KeyGate
 from gateway.openai.routes import GenerationRoute, internal_error
 from gateway.openai.validation import parse_chat, parse_completion
 from gateway.state import GatewayState
+from gateway.teams import team_of
 from gateway.telemetry import model_summary
 
 log = logging.getLogger("furnace.app")
@@ -47,17 +50,22 @@ def create_app(config: Config) -> Starlette:
         state.fleet = Fleet(config)
         state.started_at = int(time.time())
         await state.fleet.start()
+        await state.teams.start()
         state.ready = True
         try:
             yield
         finally:
             state.ready = False
             await state.fleet.close()
+            await state.teams.close()
 
     async def list_models(request: Request) -> Response:
         assert state.fleet is not None
         data = []
+        team = team_of(request.scope)
         for pool in state.fleet.models.values():
+            if not state.teams.sees(team, pool.name):
+                continue
             entry: dict[str, object] = {
                 "id": pool.name,
                 "object": "model",
@@ -122,6 +130,10 @@ def create_app(config: Config) -> Starlette:
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[
+            Middleware(HeaderLimit, limit=config.max_header_bytes),
+            Middleware(KeyGate, teams=state.teams),
+        ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.gateway = state

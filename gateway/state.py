@@ -13,6 +13,8 @@ from gateway.admission import Slots
 from gateway.config import Config
 from gateway.event_pump import EventPump
 from gateway.fleet import Fleet
+from gateway.openai.input_limits import InputLimits
+from gateway.teams import Teams
 from gateway.telemetry import Telemetry
 from gateway.tracing import Tracing
 
@@ -34,10 +36,15 @@ class GatewayState:
     inflight: set[EventPump] = field(default_factory=set)
     telemetry: Telemetry = field(init=False)
     tracing: Tracing = field(init=False)
+    #: API keys, team limits and fair share (open, with plain slots, when no keys).
+    teams: Teams = field(init=False)
+    input_limits: InputLimits = field(init=False)
 
     def __post_init__(self) -> None:
         self.telemetry = Telemetry(self)
         self.tracing = Tracing(self.config.tracing)
+        self.teams = Teams(self.config, self.slots, self.telemetry.registry)
+        self.input_limits = InputLimits(self.config)
 
     async def drain(self, grace: float) -> None:
         """Shuts the door and empties the room: /ready turns false and new

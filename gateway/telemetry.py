@@ -57,7 +57,7 @@ OUTCOMES = ("completed", "client_gone", "timeout", "engine_error", "rejected", "
 
 def outcome_of(status: int, code: str | None) -> str:
     """The outcome an error response stands for."""
-    if code in ("server_busy", "draining"):
+    if code in ("server_busy", "draining", "rate_limit_exceeded"):
         return "rejected"
     if status == 504:
         return "timeout"
@@ -84,6 +84,7 @@ class RequestRecord:
         "started_at",
         "status",
         "stream",
+        "tokens_sent",
         "worker",
     )
 
@@ -98,6 +99,7 @@ class RequestRecord:
         self.reason = ""
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.tokens_sent = 0  # completion tokens written so far (a team's limits read it)
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
         self.finished: Finished | None = None
@@ -121,6 +123,7 @@ class RequestRecord:
                 if event.prompt_tokens is not None:
                     self.prompt_tokens = event.prompt_tokens
         if tokens:
+            self.tokens_sent += tokens
             now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now

@@ -26,6 +26,7 @@ from gateway.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.openai.errors import SERVER, APIError, from_engine_error
 from gateway.openai.validation import ParsedRequest
 from gateway.state import GatewayState
+from gateway.teams import team_of
 from gateway.telemetry import RequestRecord, outcome_of
 from gateway.tracing import annotate
 
@@ -150,12 +151,13 @@ class GenerationRoute:
         assert state.fleet is not None
         pool = state.fleet.get(parsed.model)
         record.model = pool.name
+        parsed = state.input_limits.check(parsed, pool.name)
         if state.draining:
             record.reason = "draining"
             raise errors.Unavailable("The gateway is shutting down; send the request again.")
         if state.slots.in_use >= state.slots.limit:
             record.reason = "slots_full"
-        with state.slots.hold():
+        async with state.teams.admit(team_of(scope), pool.name, parsed.generate, record):
             state.telemetry.begin(record, pool.name)
             await self._serve(parsed, pool, record, metadata, receive, send)
 

@@ -1,0 +1,94 @@
+"""API keys: `Authorization: Bearer <key>` against keys known by their SHA-256.
+
+The gateway never holds a key, only the digests of the config's `keys` and of
+`keys_file` (a file mounted from a Kubernetes Secret, read again when it
+changes, so keys rotate without a restart). A presented key is hashed as sent,
+never lower-cased or trimmed inside, and its digest compared with every known
+digest by `hmac.compare_digest`, without stopping at a match, so the time taken
+says nothing about which digests are near. A missing, malformed or unknown key
+all read the same: None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+from gateway.config import Config, ConfigError, KeyConfig, load_keys_file
+from gateway.teams.team import Team
+
+log = logging.getLogger("furnace.keys")
+
+_BEARER = b"bearer"
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of `Authorization: Bearer <token>` (the scheme in any case), or None."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip(b" \t")
+            if scheme.lower() == _BEARER and token:
+                return token
+            return None
+    return None
+
+
+class KeyRing:
+    """Digests of the known keys, each with its team."""
+
+    def __init__(self, config: Config, teams: Mapping[str, Team]) -> None:
+        self._teams = teams
+        self._inline = config.keys
+        self._file = config.keys_file
+        self._file_stamp: tuple[int, int, int] | None = None
+        self._entries: tuple[tuple[bytes, Team], ...] = ()
+        self._load(self._read_file() if self._file else ())
+
+    @property
+    def count(self) -> int:
+        """How many keys are known."""
+        return len(self._entries)
+
+    def _load(self, from_file: tuple[KeyConfig, ...]) -> None:
+        entries = {k.sha256: self._teams[k.team] for k in (*self._inline, *from_file)}
+        self._entries = tuple(entries.items())
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        assert self._file is not None
+        try:
+            stat = os.stat(self._file)  # follows the Secret volume's symlinks
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def _read_file(self) -> tuple[KeyConfig, ...]:
+        assert self._file is not None
+        self._file_stamp = self._stamp()
+        return load_keys_file(self._file, set(self._teams))
+
+    def reload_if_changed(self) -> None:
+        """Reads `keys_file` again if it changed; a bad file keeps the keys known."""
+        if self._file is None or self._stamp() == self._file_stamp:
+            return
+        try:
+            self._load(self._read_file())
+        except ConfigError as error:
+            log.error("keys file not reloaded, keeping %d keys: %s", self.count, error)
+            return
+        log.info("keys file reloaded: %d keys", self.count)
+
+    def team_of(self, headers: Iterable[tuple[bytes, bytes]]) -> Team | None:
+        """The team of the request's key, or None for no key or an unknown one."""
+        token = bearer_token(headers)
+        if token is None:
+            return None
+        digest = hashlib.sha256(token).digest()
+        found = None
+        for known, team in self._entries:
+            if hmac.compare_digest(known, digest):
+                found = team
+        return found

@@ -1,0 +1,310 @@
+"""Per-team limits at admission: requests per minute, tokens per minute and
+concurrent requests, held in this gateway's memory or, with `redis_url`, in
+Redis for every replica together.
+
+Tokens are counted twice over a request's life. At admission its prompt is
+estimated (a quarter of its characters; `estimate_tokens`) and must fit in what
+is left of the minute. While it runs, a tick every `TICK` seconds charges what
+it has really used since: the worker's prompt count once known, and the
+completion tokens written so far. The end settles the rest (a request the
+worker refused gives its estimate back). The token path itself pays nothing.
+
+Local buckets mirror Redis: every answer from Redis sets them to the shared
+usage. If Redis fails (a timeout, a refused connection), this gateway goes on
+with the local buckets, which start from the last shared usage it saw, logs it,
+and shows `furnace_gateway_limits_store_up 0`; a probe every second brings it
+back to Redis once Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from gateway.config import Config
+from gateway.openai.errors import APIError
+from gateway.teams.team import Team
+from gateway.telemetry import RequestRecord
+from gateway.types import GenerateRequest
+
+if TYPE_CHECKING:
+    from gateway.teams.redis_store import RedisStore
+
+log = logging.getLogger("furnace.limits")
+
+#: Seconds between charges of the tokens of requests in flight.
+TICK = 0.5
+#: Seconds between checks that Redis answers.
+PROBE_INTERVAL = 1.0
+#: Seconds between renewals of the Redis leases of requests in flight (a third
+#: of their life, `redis_store.LEASE_TTL`).
+RENEW_INTERVAL = 10.0
+#: How the store fails: `StoreDown` is a ConnectionError, so an OSError.
+STORE_FAILURES = (OSError, TimeoutError)
+_LIMIT_NAMES = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "concurrent requests",
+}
+
+
+def estimate_tokens(request: GenerateRequest) -> int:
+    """A prompt's tokens before the worker counts them: ~4 characters a token."""
+    if request.messages is None:
+        chars, parts = len(request.prompt or ""), 0
+    else:
+        chars, parts = sum(len(m.content) for m in request.messages), len(request.messages)
+    return math.ceil(chars / 4) + parts
+
+
+class Lease:
+    """One admitted request: what it was charged, and what it must give back."""
+
+    __slots__ = ("charged", "estimate", "member", "record", "served", "team")
+
+    def __init__(self, team: Team, estimate: int, record: RequestRecord, member: str) -> None:
+        self.team = team
+        self.estimate = estimate
+        self.record = record
+        self.member = member
+        self.charged = estimate  # tokens charged so far
+        #: It took a slot; if not (the gateway was busy), its request is refunded.
+        self.served = False
+
+    def used(self, final: bool) -> int:
+        """Tokens the request has used: the prompt (estimated until the worker
+        counts it) and the completion written so far."""
+        record = self.record
+        if final:  # a request the worker never started used nothing
+            return record.prompt_tokens + record.tokens_sent
+        return (record.prompt_tokens or self.estimate) + record.tokens_sent
+
+
+class Limiter:
+    """Admits and settles requests against their team's limits."""
+
+    def __init__(self, config: Config, teams: Iterable[Team]) -> None:
+        self.config = config
+        self.teams = list(teams)
+        self.redis: RedisStore | None = None
+        if config.redis_url is not None:
+            from gateway.teams.redis_store import RedisStore
+
+            self.redis = RedisStore(config.redis_url, config.redis_timeout, config.redis_key_prefix)
+        #: Whether Redis answered last time (None: not asked yet).
+        self.redis_up: bool | None = None
+        self.leases: set[Lease] = set()
+        self._releasing = 0
+        self._gateway = secrets.token_hex(6)  # names this gateway's leases
+        self._count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Checks Redis (if any) once, and starts the tick."""
+        if self.redis is not None:
+            await self._probe()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Stops the tick and closes Redis."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.close()
+
+    async def _run(self) -> None:
+        probed = renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.monotonic()
+            try:
+                await self._settle_running()
+                if self.redis is not None and now - probed >= PROBE_INTERVAL:
+                    probed = now
+                    await self._probe()
+                if now - renewed >= RENEW_INTERVAL:
+                    renewed = now
+                    await self._renew()
+            except Exception:  # the tick must outlive any surprise
+                log.exception("the limits tick failed")
+
+    # -- Redis health -----------------------------------------------------------
+
+    def _redis_failed(self, error: BaseException) -> None:
+        if self.redis_up is not False:
+            log.warning(
+                "limits store (Redis) failed (%s: %s): serving with this gateway's local limits",
+                type(error).__name__,
+                error,
+            )
+        self.redis_up = False
+
+    async def _probe(self) -> None:
+        assert self.redis is not None
+        try:
+            await self.redis.ping()
+        except STORE_FAILURES as error:
+            self._redis_failed(error)
+            return
+        if not self.redis_up:
+            log.info("limits store (Redis) answers: limits are shared by every replica")
+        self.redis_up = True
+
+    def _shared(self) -> RedisStore | None:
+        return self.redis if self.redis_up else None
+
+    async def _renew(self) -> None:
+        store = self._shared()
+        held = [
+            (lease.team, lease.member)
+            for lease in self.leases
+            if lease.team.config.max_concurrent_requests
+        ]
+        if store is None or not held:
+            return
+        try:
+            await store.renew(held)
+        except STORE_FAILURES as error:
+            self._redis_failed(error)
+
+    # -- requests ---------------------------------------------------------------
+
+    async def admit(self, team: Team, request: GenerateRequest, record: RequestRecord) -> Lease:
+        """Charges one request and its estimated prompt to `team`, or raises a 429."""
+        estimate = estimate_tokens(request)
+        self._count += 1
+        lease = Lease(team, estimate, record, f"{self._gateway}:{self._count}")
+        refused = await self._admit_shared(lease)
+        if refused is None:
+            refused = self._admit_local(lease)
+        if refused:
+            team.refused[refused] += 1
+            record.reason = f"team_{refused}"
+            raise self._too_many(team, refused, estimate)
+        team.inflight += 1
+        team.tokens_charged += estimate
+        self.leases.add(lease)
+        return lease
+
+    async def _admit_shared(self, lease: Lease) -> str | None:
+        """Redis's verdict ('' admitted, or the limit), or None to decide locally."""
+        store = self._shared()
+        if store is None:
+            return None
+        team = lease.team
+        try:
+            answer = await store.admit(team, lease.estimate, lease.member)
+        except STORE_FAILURES as error:
+            self._redis_failed(error)
+            return None
+        now = time.monotonic()
+        if team.requests is not None:
+            team.requests.set(answer.requests_used, now)
+        if team.tokens is not None:
+            team.tokens.set(answer.tokens_used, now)
+        return answer.refused
+
+    def _admit_local(self, lease: Lease) -> str:
+        team, now = lease.team, time.monotonic()
+        if team.requests is not None and team.requests.wait(1, now):
+            return "requests"
+        if team.tokens is not None and team.tokens.wait(lease.estimate, now):
+            return "tokens"
+        limit = team.config.max_concurrent_requests
+        if limit is not None and team.inflight >= limit:
+            return "concurrency"
+        if team.requests is not None:
+            team.requests.charge(1, now)
+        if team.tokens is not None:
+            team.tokens.charge(lease.estimate, now)
+        return ""
+
+    def _too_many(self, team: Team, refused: str, estimate: int) -> APIError:
+        config, now = team.config, time.monotonic()
+        if refused == "requests" and team.requests is not None:
+            limit, wait = config.requests_per_minute, math.ceil(team.requests.wait(1, now))
+        elif refused == "tokens" and team.tokens is not None:
+            limit, wait = config.tokens_per_minute, math.ceil(team.tokens.wait(estimate, now))
+        else:  # concurrency: a slot of its own comes back when a request ends
+            limit, wait = config.max_concurrent_requests, self.config.retry_after
+        wait = max(wait, 1)
+        return APIError(
+            429,
+            f"Rate limit reached for team `{team.name}` on {_LIMIT_NAMES[refused]} "
+            f"(limit {limit}). Please try again in {wait}s.",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            retry_after=wait,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """No request admitted and not yet settled."""
+        return not self.leases and not self._releasing
+
+    async def release(self, lease: Lease) -> None:
+        """Settles the request's tokens, ends its lease, and refunds the request
+        itself if it never got a slot. (The answer's last byte is already out,
+        so a client's next request may come a moment before this is done.)"""
+        self.leases.discard(lease)  # out of the tick's sight before any wait
+        self._releasing += 1
+        team = lease.team
+        team.inflight -= 1
+        try:
+            await self._settle(lease, final=True)
+            if not lease.served and team.requests is not None:
+                await self._charge(team, "requests", -1)
+            store = self._shared()
+            if store is not None and team.config.max_concurrent_requests:
+                await store.release(team, lease.member)
+        except STORE_FAILURES as error:
+            self._redis_failed(error)
+        finally:
+            self._releasing -= 1
+
+    @staticmethod
+    def _take_delta(lease: Lease, final: bool) -> int:
+        """Tokens `lease` used since its last charge, marked charged at once (so a
+        tick and the end, each waiting on Redis, never charge them both)."""
+        delta = lease.used(final) - lease.charged
+        lease.charged += delta
+        lease.team.tokens_charged += delta
+        return delta
+
+    async def _settle(self, lease: Lease, final: bool) -> None:
+        delta = self._take_delta(lease, final)
+        if delta and lease.team.tokens is not None:
+            await self._charge(lease.team, "tokens", delta)
+
+    async def _settle_running(self) -> None:
+        """One charge per team for the tokens its requests in flight used lately."""
+        deltas: dict[Team, int] = {}
+        for lease in self.leases:
+            delta = self._take_delta(lease, final=False)
+            if delta and lease.team.tokens is not None:
+                deltas[lease.team] = deltas.get(lease.team, 0) + delta
+        for team, delta in deltas.items():
+            if delta:
+                await self._charge(team, "tokens", delta)
+
+    async def _charge(self, team: Team, what: str, amount: float) -> None:
+        bucket = team.requests if what == "requests" else team.tokens
+        assert bucket is not None
+        store = self._shared()
+        if store is not None:
+            try:
+                used = await store.charge(team, what, bucket.limit, amount)
+            except STORE_FAILURES as error:
+                self._redis_failed(error)
+            else:
+                bucket.set(used, time.monotonic())
+                return
+        bucket.charge(amount, time.monotonic())

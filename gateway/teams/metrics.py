@@ -1,0 +1,66 @@
+"""The teams' figures for /metrics, read from the live objects at scrape time.
+Labels are team names from the config, never anything a client sends; no key
+or digest ever appears."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gateway.telemetry import PREFIX
+
+if TYPE_CHECKING:
+    from gateway.teams import Teams
+
+
+class TeamsCollector:
+    """Per-team in-flight, refusals and tokens; the limits store's health."""
+
+    def __init__(self, teams: Teams) -> None:
+        self.teams = teams
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        teams = self.teams
+        limiter = teams.limiter
+        store = GaugeMetricFamily(
+            f"{PREFIX}_limits_store_up",
+            "1 while the teams' limits are held in the shared store (Redis); 0 while this "
+            "gateway falls back to its local limits. Memory alone is always up.",
+            labels=["store"],
+        )
+        if limiter.redis is None:
+            store.add_metric(["memory"], 1)
+        else:
+            store.add_metric(["redis"], 1 if limiter.redis_up else 0)
+        yield store
+        failures = CounterMetricFamily(
+            f"{PREFIX}_auth_failures", "Requests refused for a missing or unknown API key."
+        )
+        failures.add_metric([], teams.auth_failures)
+        yield failures
+        inflight = GaugeMetricFamily(
+            f"{PREFIX}_team_inflight_requests",
+            "Requests of each team being served.",
+            labels=["team"],
+        )
+        refused = CounterMetricFamily(
+            f"{PREFIX}_team_refusals",
+            "Requests of each team refused by its limits (429) or its fair share (503).",
+            labels=["team", "limit"],
+        )
+        tokens = CounterMetricFamily(
+            f"{PREFIX}_team_tokens",
+            "Tokens (prompt and completion) charged to each team.",
+            labels=["team"],
+        )
+        for team in teams.by_name.values():
+            inflight.add_metric([team.name], team.inflight)
+            for limit, count in team.refused.items():
+                refused.add_metric([team.name, limit], count)
+            tokens.add_metric([team.name], team.tokens_charged)
+        yield from (inflight, refused, tokens)

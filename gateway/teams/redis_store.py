@@ -1,0 +1,191 @@
+"""Teams' limits in Redis, so every gateway replica enforces one limit together.
+
+Schema (`P` is `redis_key_prefix`; `{team}` is a hash tag, so one team's keys
+share a Redis Cluster slot and one script may touch them all):
+
+    P:limits:{team}:requests   hash {u: usage, t: ms}   requests-per-minute bucket
+    P:limits:{team}:tokens     hash {u: usage, t: ms}   tokens-per-minute bucket
+    P:limits:{team}:inflight   sorted set               concurrent requests:
+                               member gateway:request, score = lease expiry (ms)
+
+Buckets are the leaky buckets of `bucket.py`: usage drains at limit/60000 per ms
+of Redis's own clock (TIME), so the replicas' clocks never matter. Admission is
+one Lua script (atomic): drain, check requests, tokens and concurrency, and
+only if all fit, charge them and add the lease. Tokens charged later (as the
+answer streams) and refunds are one script each. Keys expire once drained.
+A lease is renewed by its gateway while the request lasts, so a gateway that
+dies stops holding its team's concurrency once its leases expire.
+
+Every call has a short timeout and no retries: the limiter falls back to local
+limits instead of waiting. Failures leave as `StoreDown` (an OSError) or
+`TimeoutError`. The limiter imports this module only when `redis_url` is set
+(the redis package pulls in OpenTelemetry when it finds it installed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.teams.team import Team
+
+#: Seconds a concurrency lease lives without renewal (renewed every 10 s).
+LEASE_TTL = 30.0
+
+_DRAIN = """
+local now_t = redis.call('TIME')
+local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
+local function level(key, limit)
+  if limit <= 0 then return 0 end
+  local v = redis.call('HMGET', key, 'u', 't')
+  local u = (tonumber(v[1]) or 0) - (now - (tonumber(v[2]) or now)) * limit / 60000
+  if u < 0 then return 0 end
+  return u
+end
+local function keep(key, limit, u)
+  if limit <= 0 then return end
+  redis.call('HSET', key, 'u', tostring(u), 't', now)
+  redis.call('PEXPIRE', key, math.ceil(u * 60000 / limit) + 1000)
+end
+"""
+
+# KEYS: requests, tokens, inflight; ARGV: rpm, tpm, token cost, max concurrent,
+# lease member, lease ms (0 for a limit: none). Returns {refused limit or '', u_req, u_tok}.
+_ADMIT = (
+    _DRAIN
+    + """
+local rpm, tpm, cost, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
+  tonumber(ARGV[4])
+local ur, ut = level(KEYS[1], rpm), level(KEYS[2], tpm)
+local refused = ''
+if rpm > 0 and ur + 1 > rpm then
+  refused = 'requests'
+elseif tpm > 0 and ut + cost > tpm then
+  refused = 'tokens'
+else
+  if conc > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+    if redis.call('ZCARD', KEYS[3]) >= conc then refused = 'concurrency' end
+  end
+  if refused == '' then
+    ur, ut = ur + 1, ut + cost
+    keep(KEYS[1], rpm, ur)
+    keep(KEYS[2], tpm, ut)
+    if conc > 0 then
+      redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
+      redis.call('PEXPIRE', KEYS[3], ARGV[6])
+    end
+  end
+end
+return {refused, tostring(ur), tostring(ut)}
+"""
+)
+
+# KEYS: a bucket; ARGV: its limit, the amount (negative: a refund). Returns usage.
+_CHARGE = (
+    _DRAIN
+    + """
+local u = level(KEYS[1], tonumber(ARGV[1])) + tonumber(ARGV[2])
+if u < 0 then u = 0 end
+keep(KEYS[1], tonumber(ARGV[1]), u)
+return tostring(u)
+"""
+)
+
+
+class StoreDown(ConnectionError):
+    """Redis failed to answer (refused, dropped, out of memory, ...)."""
+
+
+@asynccontextmanager
+async def _bounded(seconds: float) -> AsyncIterator[None]:
+    """One call: at most `seconds`, and Redis's errors as `StoreDown`."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except RedisError as error:
+        raise StoreDown(f"{type(error).__name__}: {error}") from error
+
+
+class Admission:
+    """What Redis answered: the limit that refused (or ''), and usage after."""
+
+    __slots__ = ("refused", "requests_used", "tokens_used")
+
+    def __init__(self, reply: list[bytes]) -> None:
+        self.refused = reply[0].decode()
+        self.requests_used = float(reply[1])
+        self.tokens_used = float(reply[2])
+
+
+class RedisStore:
+    """The shared store; every method raises `StoreDown` or `TimeoutError` on failure."""
+
+    def __init__(self, url: str, timeout: float, prefix: str) -> None:
+        self.timeout = timeout
+        self.prefix = prefix
+        self.client = Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._admit = self.client.register_script(_ADMIT)
+        self._charge = self.client.register_script(_CHARGE)
+
+    def _key(self, team: Team, what: str) -> str:
+        return f"{self.prefix}:limits:{{{team.name}}}:{what}"
+
+    async def ping(self) -> None:
+        """Raises unless Redis answers."""
+        async with _bounded(self.timeout):
+            await self.client.ping()
+
+    async def admit(self, team: Team, cost: int, member: str) -> Admission:
+        """Checks and charges one request of `team` (atomically)."""
+        config = team.config
+        keys = [self._key(team, k) for k in ("requests", "tokens", "inflight")]
+        args = [
+            config.requests_per_minute or 0,
+            config.tokens_per_minute or 0,
+            cost,
+            config.max_concurrent_requests or 0,
+            member,
+            int(LEASE_TTL * 1000),
+        ]
+        async with _bounded(self.timeout):
+            return Admission(await self._admit(keys=keys, args=args))
+
+    async def charge(self, team: Team, what: str, limit: int, amount: float) -> float:
+        """Adds `amount` to one bucket of `team`; returns its usage after."""
+        async with _bounded(self.timeout):
+            reply = await self._charge(keys=[self._key(team, what)], args=[limit, amount])
+        return float(reply)
+
+    async def release(self, team: Team, member: str) -> None:
+        """Ends a concurrency lease."""
+        async with _bounded(self.timeout):
+            await self.client.zrem(self._key(team, "inflight"), member)
+
+    async def renew(self, leases: Iterable[tuple[Team, str]]) -> None:
+        """Pushes back the expiry of the leases still held, in one round trip."""
+        async with _bounded(self.timeout):
+            now_ms = int((await self.client.time())[0]) * 1000
+            expiry = now_ms + int(LEASE_TTL * 1000)
+            pipe = self.client.pipeline(transaction=False)
+            for team, member in leases:
+                key = self._key(team, "inflight")
+                pipe.zadd(key, {member: expiry}, xx=True)
+                pipe.pexpire(key, int(LEASE_TTL * 1000))
+            await pipe.execute()
+
+    async def close(self) -> None:
+        """Closes the connections."""
+        await self.client.aclose()

@@ -1,0 +1,185 @@
+"""Teams' limits in a real Redis, shared by gateway replicas (real `serve`
+processes), and what happens when Redis goes away and comes back."""
+
+import logging
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import HANG_GUARD, wait_until
+from tests.scripted_worker import SCRIPTED_MODEL, script
+from tests.test_admission import opened
+from tests.test_cli import free_port, running, wait_ready
+from tests.test_keys import bearer, keyed, new_key, sha256
+from tests.test_limits import ask, assert_rate_limited
+
+
+class RedisServer:
+    """A throwaway `redis-server` on a loopback port, with nothing saved."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no"),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, "redis-server to answer", timeout=HANG_GUARD)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16) == b"+PONG\r\n"
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.wait(HANG_GUARD)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    server = RedisServer()
+    server.start()
+    yield server
+    if server.process is not None and server.process.poll() is None:
+        server.stop()
+
+
+def store_up(url: str) -> float | None:
+    for line in httpx.get(url + "/metrics", timeout=HANG_GUARD).text.splitlines():
+        if line.startswith('furnace_gateway_limits_store_up{store="redis"}'):
+            return float(line.split()[-1])
+    return None
+
+
+def test_two_gateway_processes_enforce_one_limit_through_redis(
+    redis_server, workers, tmp_path: Path
+):
+    shared, other = new_key("shared"), new_key("other")
+    teams = {"shared": {"requests_per_minute": 4}, "other": {}}
+    config = {
+        "host": "127.0.0.1",
+        "log_level": "warning",
+        "redis_url": redis_server.url,
+        "models": [{"name": "furnace-demo", "workers": [workers.demo.address]}],
+        "teams": teams,
+        "keys": [
+            {"sha256": sha256(shared), "team": "shared"},
+            {"sha256": sha256(other), "team": "other"},
+        ],
+    }
+    urls, paths = [], []
+    for name in ("one", "two"):
+        port = free_port()
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**config, "port": port}))
+        urls.append(f"http://127.0.0.1:{port}")
+        paths.append(path)
+    with (
+        running("serve", "--config", str(paths[0])) as one,
+        running("serve", "--config", str(paths[1])) as two,
+        httpx.Client(timeout=HANG_GUARD) as client,
+    ):
+        wait_ready(urls[0], one)
+        wait_ready(urls[1], two)
+        assert [store_up(url) for url in urls] == [1.0, 1.0]
+
+        def ask_at(url: str, key: str) -> httpx.Response:
+            return client.post(url + "/v1/completions", json={"prompt": "a b"}, headers=bearer(key))
+
+        # one limit of 4 for both: each gateway sees the other's requests
+        remaining = []
+        for url in (*urls, *urls):
+            response = ask_at(url, shared)
+            assert response.status_code == 200
+            remaining.append(response.headers["x-ratelimit-remaining-requests"])
+        assert remaining == ["3", "2", "1", "0"]
+        for url in urls:
+            assert_rate_limited(ask_at(url, shared), "requests per minute")
+            assert ask_at(url, other).status_code == 200
+
+        # Redis goes away: both keep serving on their local limits, and say so
+        redis_server.stop()
+        for url in urls:
+            assert ask_at(url, other).status_code == 200
+            assert ask_at(url, shared).status_code == 429  # the last shared usage, kept
+        for url in urls:
+            wait_until(lambda url=url: store_up(url) == 0.0, "the metric to say Redis is down")
+
+        # Redis comes back (empty): the gateways go back to it, and share again
+        redis_server.start()
+        for url in urls:
+            wait_until(lambda url=url: store_up(url) == 1.0, "the metric to say Redis is back")
+        statuses = [ask_at(url, shared).status_code for url in (*urls, *urls, *urls)]
+        assert statuses == [200, 200, 200, 200, 429, 429]
+
+
+def test_tokens_and_concurrency_are_shared_and_a_lost_redis_is_logged(
+    gateway_with, redis_server, caplog
+):
+    caplog.set_level(logging.INFO, logger="furnace.limits")
+    key = new_key("search")
+    teams = {"search": {"tokens_per_minute": 60}}
+    settings = keyed(teams, {key: "search"}, redis_url=redis_server.url, redis_timeout=0.5)
+    one, two = gateway_with(**settings), gateway_with(**settings)
+    ten_words = "a b c d e f g h i j"  # 20 tokens in all on the demo engine
+    with httpx.Client(timeout=HANG_GUARD) as client:
+        for gw in (one, two, one):
+            response = client.post(
+                gw.url + "/v1/completions", json={"prompt": ten_words}, headers=bearer(key)
+            )
+            assert response.status_code == 200
+            wait_until(lambda gw=gw: gw.state.teams.limiter.idle, "tokens settled")
+        refused = client.post(
+            two.url + "/v1/completions", json={"prompt": ten_words}, headers=bearer(key)
+        )
+        assert_rate_limited(refused, "tokens per minute")
+        assert refused.headers["x-ratelimit-limit-tokens"] == "60"
+
+    # one concurrent request for the team, on either gateway
+    wide = keyed(
+        {"search": {"max_concurrent_requests": 1}}, {key: "search"}, redis_url=redis_server.url
+    )
+    three, four = gateway_with(**wide), gateway_with(**wide)
+    hold = {"model": SCRIPTED_MODEL, "prompt": script(texts=1, hang="after"), "stream": True}
+    with (
+        httpx.Client(timeout=HANG_GUARD) as client,
+        client.stream(
+            "POST", three.url + "/v1/completions", json=hold, headers=bearer(key)
+        ) as held_stream,
+    ):
+        held = opened(held_stream)
+        with httpx.Client(base_url=four.url, timeout=HANG_GUARD) as other:
+            assert_rate_limited(ask(other, key), "concurrent requests")
+        del held
+    wait_until(lambda: three.state.slots.in_use == 0, "the slot to come back")
+    with httpx.Client(base_url=four.url, timeout=HANG_GUARD) as client:
+        wait_until(
+            lambda: ask(client, key).status_code == 200, "the lease to be released", timeout=5
+        )
+
+        redis_server.stop()
+        assert ask(client, key).status_code == 200
+        assert "serving with this gateway's local limits" in caplog.text
+        assert four.state.teams.limiter.redis_up is False
+        redis_server.start()
+        wait_until(lambda: four.state.teams.limiter.redis_up, "Redis to be back")
+        assert "limits are shared by every replica" in caplog.text
