@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from gateway.bench.command import add_arguments as add_bench_arguments
 from gateway.bench.command import main as bench_main
 from gateway.config import Config, ConfigError, load_config, parse_config
+from gateway.grpc_tls import ServerTLS
 from gateway.server import run, serve_demo, serve_gateway, serve_worker
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
@@ -37,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     worker.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
+    )
+    worker.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
+    worker.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    worker.add_argument(
+        "--tls-client-ca", help="mutual TLS: accept only clients with a certificate this CA signed"
     )
 
     demo = commands.add_parser("demo", help="run the gateway with an embedded demo worker")
@@ -75,6 +82,20 @@ def _worker_engine(args: argparse.Namespace) -> Engine:
     )
 
 
+def _worker_tls(args: argparse.Namespace) -> ServerTLS | None:
+    """The worker's TLS from --tls-cert, --tls-key and --tls-client-ca."""
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            sys.exit("furnace-gateway: --tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        sys.exit("furnace-gateway: --tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key, args.tls_client_ca):
+        if path is not None and not os.access(path, os.R_OK):
+            sys.exit(f"furnace-gateway: cannot read {path}")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the command until interrupted."""
     args = _parser().parse_args(argv)
@@ -87,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "bench":
             sys.exit(run(bench_main(args)))
         elif args.command == "worker":
-            run(serve_worker(_worker_engine(args), args.host, args.port))
+            tls = _worker_tls(args)  # before a model loads
+            run(serve_worker(_worker_engine(args), args.host, args.port, tls))
         else:
             config = parse_config({"host": args.host, "port": args.port})
             engine = DemoEngine(DEMO_MODEL, args.max_context or 4096, args.token_delay)

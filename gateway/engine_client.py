@@ -17,6 +17,7 @@ from gateway import errors
 from gateway._proto import engine_pb2 as pb
 from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.grpc_errors import error_from_status
+from gateway.grpc_tls import WorkerCredentials
 from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
 from gateway.worker_client import CANCELLED, ModelDescription, Outcome, StreamBookkeeping
 
@@ -123,9 +124,13 @@ class EngineStream(StreamBookkeeping):
 class EngineClient:
     """A worker at one address, over one channel created on the running loop."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, credentials: WorkerCredentials | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:  # TLS, mutual when the credentials hold a client certificate
+            options = _CHANNEL_OPTIONS + credentials.options
+            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -15,6 +15,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import Config, ModelConfig
+from gateway.grpc_tls import ServerTLS
 from gateway.state import GatewayState
 from gateway.worker.engine import Engine
 from gateway.worker.server import WorkerServer
@@ -103,9 +104,9 @@ async def serve_gateway(config: Config) -> None:
     await uvicorn_server(config).serve()
 
 
-async def serve_worker(engine: Engine, host: str, port: int) -> None:
+async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | None = None) -> None:
     """A worker until SIGTERM or SIGINT; then calls in flight get a grace period."""
-    worker = WorkerServer(engine, host, port)
+    worker = WorkerServer(engine, host, port, tls)
     await worker.start()
     try:
         await wait_for_stop_signal()

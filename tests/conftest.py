@@ -20,6 +20,7 @@ import pytest
 import uvloop
 
 from gateway.config import Config, ModelConfig
+from gateway.grpc_tls import ServerTLS
 from gateway.server import uvicorn_server
 from gateway.state import GatewayState
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
@@ -202,8 +203,10 @@ def serve_engines(server_loop: ServerLoop) -> Iterator[Callable[..., list[Worker
     """Starts workers for engines (real gRPC servers); stops them after the test."""
     started: list[WorkerServer] = []
 
-    def serve(*engines: Any, host: str = "127.0.0.1", port: int = 0) -> list[WorkerServer]:
-        servers = [WorkerServer(engine, host, port) for engine in engines]
+    def serve(
+        *engines: Any, host: str = "127.0.0.1", port: int = 0, tls: ServerTLS | None = None
+    ) -> list[WorkerServer]:
+        servers = [WorkerServer(engine, host, port, tls) for engine in engines]
         for server in servers:
             server_loop.call(server.start())
         started.extend(servers)

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_random_exponential
@@ -33,6 +34,7 @@ from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
+from gateway.grpc_tls import worker_credentials
 from gateway.http_upstream import OpenAIUpstream
 from gateway.types import GenerateRequest, Started
 from gateway.worker_client import WorkerClient, WorkerStream
@@ -63,7 +65,7 @@ class Fleet:
     def _client_factory(self, model: ModelConfig) -> Callable[[str], WorkerClient]:
         """How the model's workers are reached: our gRPC protocol, or HTTP."""
         if model.upstream != "openai":
-            return EngineClient
+            return partial(EngineClient, credentials=worker_credentials(self.config.worker_tls))
 
         def upstream(base_url: str) -> WorkerClient:
             if self._http is None:  # one pool for every upstream, made on the loop

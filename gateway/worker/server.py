@@ -9,6 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway._proto import engine_pb2
 from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.grpc_tls import ServerTLS, server_credentials
 from gateway.worker.engine import Engine
 from gateway.worker.servicer import EngineService
 
@@ -28,8 +29,12 @@ class WorkerServer:
     """Serves `engine` on `host:port`; port 0 picks a free one (`.port` and
     `.address` tell which once started)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, tls: ServerTLS | None = None
+    ) -> None:
         self.engine = engine
+        #: TLS (mutual with a client CA); None: plaintext.
+        self.tls = tls
         self.service = EngineService(engine)
         self.host = host
         self.port = port
@@ -52,7 +57,11 @@ class WorkerServer:
         server = self._server = grpc.aio.server(options=_SERVER_OPTIONS)
         pb_grpc.add_EngineServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        listen = f"{self.host}:{self.port}"
+        if self.tls is None:
+            self.port = server.add_insecure_port(listen)
+        else:
+            self.port = server.add_secure_port(listen, server_credentials(self.tls))
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self.address = f"{self.host}:{self.port}"
