@@ -2,32 +2,33 @@
 
 One run measures the same work two ways: through the gateway (HTTP streaming POST
 /v1/chat/completions) and with a raw grpc.aio client calling the same worker's Generate
-(the baseline: the best a gateway could do is add nothing):
+(the baseline: the best a gateway could do is add nothing), and checks the results
+against the targets:
 
-- time to first token (TTFT), p50 and p99, one request at a time and 32 at once;
-- streamed tokens per second, one stream and 32 streams, in three worker modes, since
-  what a token costs depends on how many share a gRPC message:
-  "coalesced": the demo engine as shipped; every token is ready at once, so the worker
-  SDK sends a whole answer in one `Text`;
-  "yielding": the demo engine yielding to the loop after each token; the SDK sends
-  what piled up while the previous message went out (a few to a few dozen tokens);
-  "1 token/message": an echo servicer without the SDK, one `Text` per token, sent as
-  fast as gRPC takes them; here the per-message cost of every layer shows;
-- where the CPU goes: CPU per request or per token of the gateway, the worker and this
-  client, and how busy other processes kept the machine meanwhile (noise);
+- time to first token (TTFT), p50 and p99, one request at a time and 32 at once, on
+  the demo engine as shipped; the gateway's overhead is its percentile minus the raw
+  client's (targets: p50 +1 ms, p99 +3 ms at most);
+- streamed tokens per second, one stream and 32 streams, from an echo servicer
+  without the SDK that sends 1 token per gRPC message (the mode where the per-message
+  cost of every layer shows; target: 0.75 of the raw client's at least) or 8;
+- the gateway's CPU seconds per thousand tokens streamed, in those runs;
+- the gateway's memory per open stream: the growth of its resident set (VmRSS) while
+  1,000 streams wait on a slow worker (a token every few seconds), over 1,000
+  (target: 64 KiB at most);
 - that nothing is lost: for every finished request, the tokens delivered (the words of
   the deltas, and `usage.completion_tokens`) equal the tokens the engine emitted.
 
 Three processes share the machine, as on a small node: the workers (this script re-run
-with `--worker-process`: one gRPC server per mode, on one loop), the gateway (`python
+with `--worker-process`: one gRPC server per model, on one loop), the gateway (`python
 -m gateway serve`, with uvloop and httptools as in production), and this process, the
 load client (uvloop too). The client's CPU counts against both paths alike and is
-printed. The default HTTP client is a small asyncio protocol over httptools that parses
-SSE inside the transport's callback; httpx costs several times more CPU per chunk,
-which on two cores would be measured as gateway slowness (`--client httpx` compares).
+printed. The HTTP client is the load generator's (`gateway.bench`: a small asyncio
+protocol over httptools that parses SSE inside the transport's callback); httpx costs
+several times more CPU per chunk, which on two cores would be measured as gateway
+slowness (`--client httpx` compares).
 
 Run: `python tests/bench_gateway.py [--quick] [--json PATH] [--client raw|httpx]`
-(`make bench`); about 90 s, or 20 s with --quick. Not collected by pytest: its name
+(`make bench`); about 60 s, or 20 s with --quick. Not collected by pytest: its name
 does not start with `test_`.
 """
 
@@ -52,10 +53,9 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import grpc
-import httptools
 import httpx
 import orjson
 import uvloop
@@ -64,24 +64,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway._proto import engine_pb2 as pb
 from gateway._proto import engine_pb2_grpc as pb_grpc
-from gateway.types import Event, GenerateRequest, Text
+from gateway.bench.client import OpenAIClient, Recorder, Result, Tally
+from gateway.bench.stats import percentile
+from gateway.bench.workload import ENDPOINTS, VOCABULARY, WorkloadSpec, body
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-# The three worker modes, by the model name each is served as.
-COALESCED = DEMO_MODEL  # the demo engine as shipped: every token ready at once
-YIELDING = "furnace-yielding"  # the demo engine, one loop turn per token
-ONE_BY_ONE = "furnace-one-by-one"  # no SDK: one gRPC message per token
-MODES = {COALESCED: "coalesced", YIELDING: "yielding", ONE_BY_ONE: "1 token/message"}
+# The workers, by the model name each is served as.
+COALESCED = DEMO_MODEL  # the demo engine as shipped (every token ready at once): TTFT
+ECHO = {1: "furnace-echo-1", 8: "furnace-echo-8"}  # no SDK: N tokens per gRPC message
+SLOW = "furnace-slow"  # the demo engine at a token every few seconds: streams held open
+MODES = {model: f"{n} token{'s' * (n > 1)}/message" for n, model in ECHO.items()}
+SLOW_TOKEN_DELAY = 10.0  # seconds
+MEMORY_STREAMS = 1000
 CALL_TIMEOUT = 120.0  # seconds; a guard against hanging, never reached in a healthy run
 STARTUP_TIMEOUT = 30.0
-WORDS = (
-    *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"),
-    *("tired", "engineers", "measure", "every", "microsecond", "between", "the", "socket"),
-    *("and", "the", "token", "stream", "of", "our", "small", "fleet"),
-)
+PATH = ENDPOINTS["chat"]
 
 
 # --- settings -------------------------------------------------------------------------
@@ -89,7 +89,7 @@ WORDS = (
 
 @dataclass(frozen=True)
 class Settings:
-    """How much of each measurement to do; the default run takes about 90 s."""
+    """How much of each measurement to do; the default run takes about 60 s."""
 
     ttft_requests: int  # sequential requests per path, at concurrency 1
     ttft_per_stream: int  # requests per stream, at concurrency `streams`
@@ -99,6 +99,7 @@ class Settings:
     ttft_words: int = 16  # a short answer: TTFT is about the path, not the length
     min_words: int = 500  # answers of the throughput runs
     max_words: int = 2000
+    memory_streams: int = MEMORY_STREAMS
 
 
 DEFAULT = Settings(ttft_requests=400, ttft_per_stream=40, warmup_s=1.0, window_s=4.0)
@@ -108,42 +109,29 @@ QUICK = Settings(ttft_requests=150, ttft_per_stream=10, warmup_s=0.3, window_s=1
 # --- the worker process ----------------------------------------------------------------
 
 
-class YieldingEngine(DemoEngine):
-    """The demo engine, yielding to the event loop after every token.
+class EchoService(pb_grpc.EngineServicer):
+    """An echo worker without the SDK: every `per_message` tokens are one `Text`, sent
+    as soon as gRPC has sent the one before. No coalescing, at the worker's full
+    speed: the mode where the per-message cost of every layer (gRPC, the gateway, SSE)
+    shows."""
 
-    The worker SDK sends, whenever the stream can take a message, the tokens ready by
-    then as one `Text`. This engine makes one token per loop turn, so a message
-    carries as many tokens as the loop turned while the previous one was being sent:
-    a worker that runs ahead of the network a little, as a fast GPU would.
-    """
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """The demo's events, one loop turn apart."""
-        async with contextlib.aclosing(super().generate(request)) as events:
-            async for event in events:
-                yield event
-                if type(event) is Text:
-                    await asyncio.sleep(0)
-
-
-class OneByOneService(pb_grpc.EngineServicer):
-    """An echo worker without the SDK: every token is its own `Text`, sent as soon as
-    gRPC has sent the one before. No coalescing, at the worker's full speed: the mode
-    where the per-message cost of every layer (gRPC, the gateway, SSE) shows."""
-
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, per_message: int) -> None:
         self.model = model
+        self.per_message = per_message
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        """Started, one Text per word of the last message, Finished."""
+        """Started, the words of the last message `per_message` at a time, Finished."""
         messages = request.chat.messages
         words = messages[-1].content.split() if messages else request.text.split()
         prompt_tokens = sum(len(m.content.split()) for m in messages) or len(words)
         yield pb.GenerateEvent(started=pb.Started(prompt_tokens=prompt_tokens))
-        for i, word in enumerate(words):
-            yield pb.GenerateEvent(text=pb.Text(text=word if i == 0 else " " + word, tokens=1))
+        n = self.per_message
+        for i in range(0, len(words), n):
+            text = " ".join(words[i : i + n])
+            text = text if i == 0 else " " + text
+            yield pb.GenerateEvent(text=pb.Text(text=text, tokens=len(words[i : i + n])))
         finished = pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=len(words))
         yield pb.GenerateEvent(finished=finished)
 
@@ -156,10 +144,10 @@ class OneByOneService(pb_grpc.EngineServicer):
         )
 
 
-async def serve_one_by_one(model: str, port: int) -> grpc.aio.Server:
-    """`OneByOneService` with the standard health service, as a worker serves it."""
+async def serve_echo(model: str, per_message: int, port: int) -> grpc.aio.Server:
+    """`EchoService` with the standard health service, as a worker serves it."""
     server = grpc.aio.server()
-    pb_grpc.add_EngineServicer_to_server(OneByOneService(model), server)
+    pb_grpc.add_EngineServicer_to_server(EchoService(model, per_message), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{HOST}:{port}")
@@ -170,16 +158,20 @@ async def serve_one_by_one(model: str, port: int) -> grpc.aio.Server:
 
 
 async def serve_workers(ports: dict[str, int]) -> None:
-    """A worker for each mode, all on one loop (only one is busy at a time), until
+    """A worker for each model, all on one loop (only one is busy at a time), until
     the process is terminated."""
     sdk_workers = [
         WorkerServer(DemoEngine(COALESCED), HOST, ports[COALESCED]),
-        WorkerServer(YieldingEngine(YIELDING), HOST, ports[YIELDING]),
+        WorkerServer(
+            DemoEngine(SLOW, token_delay=SLOW_TOKEN_DELAY, capacity=4 * MEMORY_STREAMS),
+            HOST,
+            ports[SLOW],
+        ),
     ]
     for worker in sdk_workers:
         await worker.start()
-    server = await serve_one_by_one(ONE_BY_ONE, ports[ONE_BY_ONE])
-    await server.wait_for_termination()  # SIGTERM ends the process; nothing to save
+    servers = [await serve_echo(model, n, ports[model]) for n, model in ECHO.items()]
+    await servers[0].wait_for_termination()  # SIGTERM ends the process; nothing to save
 
 
 # --- the gateway and worker processes --------------------------------------------------
@@ -252,8 +244,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def start_servers() -> Iterator[Servers]:
     """Starts the workers, then the gateway pointing at them; stops both on any exit."""
-    *worker_ports, gateway_port = free_ports(len(MODES) + 1)
-    ports = dict(zip(MODES, worker_ports, strict=True))
+    models = [COALESCED, *ECHO.values(), SLOW]
+    *worker_ports, gateway_port = free_ports(len(models) + 1)
+    ports = dict(zip(models, worker_ports, strict=True))
     with contextlib.ExitStack() as stack:
         worker = _spawn(
             [__file__, "--worker-process", ",".join(f"{m}={p}" for m, p in ports.items())]
@@ -267,6 +260,7 @@ def start_servers() -> Iterator[Servers]:
             "host": HOST,
             "port": gateway_port,
             "log_level": "warning",
+            "max_concurrent_requests": 2 * MEMORY_STREAMS,  # the memory run holds 1,000
             "models": [{"name": m, "workers": [f"{HOST}:{p}"]} for m, p in ports.items()],
         }
         config_path.write_text(yaml.safe_dump(config))
@@ -276,7 +270,7 @@ def start_servers() -> Iterator[Servers]:
         yield Servers(worker, gateway, ports, gateway_port)
 
 
-# --- CPU accounting --------------------------------------------------------------------
+# --- CPU and memory accounting ---------------------------------------------------------
 
 
 def process_cpu(pid: int) -> float | None:
@@ -307,6 +301,18 @@ def machine_busy() -> float | None:
     except (OSError, ValueError):
         return None
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def resident_kib(pid: int) -> int | None:
+    """A process's resident set in KiB (VmRSS of /proc/PID/status), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 OURS = ("gateway", "worker", "client")
@@ -364,16 +370,7 @@ def other_load(cpu: dict[str, float], elapsed: float) -> float | None:
     return max(0.0, cpu["machine"] - sum(cpu[k] for k in OURS)) / elapsed
 
 
-# --- what one request tells ------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Tally:
-    """Running totals of everything received; a throughput window reads it twice."""
-
-    tokens: int = 0  # counted from the text received
-    messages: int = 0  # text-carrying gRPC messages, or SSE chunks
-    requests: int = 0  # finished
+# --- the requests ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -388,93 +385,33 @@ class Prompt:
 
 
 def make_prompt(model: str, words: int, rng: random.Random) -> Prompt:
-    """A chat request whose last message has `words` words (the demo echoes them)."""
-    text = " ".join(rng.choice(WORDS) for _ in range(words))
-    body = orjson.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": text}],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+    """A chat request whose last message has `words` words (the demo echoes them all:
+    max_tokens is the word count)."""
+    text = " ".join(rng.choice(VOCABULARY) for _ in range(words))
+    http_body = body(WorkloadSpec(model=model, endpoint="chat"), text, max_tokens=words)
     request = pb.GenerateRequest(
         request_id="bench",
         model=model,
         chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=text)]),
-        sampling=pb.SamplingParams(),
+        sampling=pb.SamplingParams(max_tokens=words),
     )
-    return Prompt(model, text, words, body, request)
+    return Prompt(model, text, words, http_body, request)
 
 
-@dataclass(slots=True)
-class Sample:
-    """One finished request as the client saw it."""
-
-    ttft: float  # seconds from sending the request to the first text
-    tokens: int  # counted from the text: SSE delta words, or the sum of Text.tokens
-    reported: int  # the answer's own count: usage.completion_tokens, or Finished's
-    text: str
+def words_in(text: str) -> int:
+    """The demo's tokens are words."""
+    return len(text.split())
 
 
 class BenchError(RuntimeError):
     """A request failed: the bench measures only healthy runs."""
 
 
-class SseReader:
-    """Reads one streamed chat answer as bytes arrive: stamps the first content,
-    counts tokens as the words of the deltas, keeps `usage.completion_tokens`."""
-
-    __slots__ = ("_buffer", "_tally", "error", "first", "pieces", "reported", "sent", "status")
-    __slots__ += ("tokens",)
-
-    def __init__(self, tally: Tally) -> None:
-        self._tally = tally
-        self._buffer = b""
-        self.sent = time.perf_counter()
-        self.status = 0
-        self.first: float | None = None
-        self.tokens = 0
-        self.reported = -1
-        self.pieces: list[str] = []
-        self.error: Any = None
-
-    def feed(self, data: bytes) -> None:
-        """Takes one piece of the response body."""
-        if self.status != 200:
-            self._buffer += data  # an error body, read whole in `sample`
-            return
-        now = time.perf_counter()
-        *events, self._buffer = (self._buffer + data).split(b"\n\n")
-        for event in events:
-            if not event.startswith(b"data: {"):
-                continue  # data: [DONE], or a keep-alive comment
-            chunk = orjson.loads(event[6:])
-            if "error" in chunk:
-                self.error = chunk["error"]
-                continue
-            if chunk.get("usage"):
-                self.reported = chunk["usage"]["completion_tokens"]
-            for choice in chunk["choices"]:
-                text = choice["delta"].get("content")
-                if text:
-                    if self.first is None:
-                        self.first = now
-                    tokens = len(text.split())  # the demo's tokens are words
-                    self.tokens += tokens
-                    self._tally.tokens += tokens
-                    self._tally.messages += 1
-                    self.pieces.append(text)
-
-    def sample(self) -> Sample:
-        """The finished request, or a BenchError if it failed."""
-        if self.status != 200:
-            raise BenchError(f"HTTP {self.status}: {self._buffer[:300]!r}")
-        if self.error is not None or self.first is None:
-            raise BenchError(f"stream failed: {self.error!r}")
-        self._tally.requests += 1
-        text = "".join(self.pieces)
-        return Sample(self.first - self.sent, self.tokens, self.reported, text)
+def checked(result: Result) -> Result:
+    """`result`, if it succeeded."""
+    if not result.ok or result.ttft is None:
+        raise BenchError(f"a request failed: {result.error or 'no content'}")
+    return result
 
 
 # --- the three clients -----------------------------------------------------------------
@@ -488,125 +425,36 @@ class Client(Protocol):
     async def open(self, streams: int) -> None:
         """Prepares `streams` concurrent streams (connections, channels)."""
 
-    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
-        """Runs one request on stream `stream` to its end."""
+    async def request(self, prompt: Prompt, tally: Tally) -> Result:
+        """Runs one request to its end; raises `BenchError` if it fails."""
 
     async def close(self) -> None:
         """Releases everything."""
 
 
-class HttpConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection. The response is parsed by httptools inside
-    the transport's callback and fed straight to the request's SseReader: no task
-    switch, queue or copy per chunk, so the client costs little next to the gateway."""
-
-    def __init__(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._reader: SseReader | None = None
-        self._done: asyncio.Future[None] | None = None
-
-    @classmethod
-    async def connect(cls, host: str, port: int) -> HttpConnection:
-        """A new connection."""
-        loop = asyncio.get_running_loop()
-        _, connection = await loop.create_connection(cls, host, port)
-        return connection
-
-    @property
-    def usable(self) -> bool:
-        """Open, and not in the middle of a response."""
-        transport = self._transport
-        return transport is not None and not transport.is_closing() and self._done is None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except Exception as error:  # a bad response, or a bug of ours: fail the request
-            self._fail(error)
-
-    def on_headers_complete(self) -> None:
-        assert self._reader is not None
-        self._reader.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        assert self._reader is not None
-        self._reader.feed(body)
-
-    def on_message_complete(self) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("the gateway closed the connection"))
-
-    def _fail(self, error: BaseException) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(error)
-        if self._transport is not None:
-            self._transport.abort()
-
-    async def post(self, head: bytes, body: bytes, reader: SseReader) -> None:
-        """Sends one request and waits for the whole response; a cancelled wait
-        drops the connection, so the gateway sees the client leave."""
-        assert self._transport is not None
-        self._reader = reader
-        self._done = asyncio.get_running_loop().create_future()
-        reader.sent = time.perf_counter()
-        self._transport.write(head + body)
-        try:
-            await self._done
-        except BaseException:
-            self._transport.abort()
-            raise
-        finally:
-            self._reader = None
-            self._done = None
-
-    def close(self) -> None:
-        """Drops the connection."""
-        if self._transport is not None:
-            self._transport.abort()
-
-
 class GatewayClient:
-    """The gateway, through `HttpConnection`s: one connection per stream."""
+    """The gateway, through the load generator's client: a kept-alive connection per
+    stream, responses parsed as they arrive."""
 
     name = "gateway"
 
     def __init__(self, port: int) -> None:
-        self.port = port
-        self._connections: dict[int, HttpConnection] = {}
-        self._heads: dict[int, bytes] = {}
+        self.url = f"http://{HOST}:{port}/v1"
+        self._client: OpenAIClient | None = None
 
     async def open(self, streams: int) -> None:
-        pass  # connections are opened on first use, and again after a cancellation
+        if self._client is None:
+            self._client = OpenAIClient(self.url, timeout=CALL_TIMEOUT)
 
-    def _head(self, length: int) -> bytes:
-        head = self._heads.get(length)
-        if head is None:
-            head = self._heads[length] = (
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
-            ).encode()
-        return head
-
-    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
-        connection = self._connections.get(stream)
-        if connection is None or not connection.usable:
-            connection = self._connections[stream] = await HttpConnection.connect(HOST, self.port)
-        reader = SseReader(tally)
-        async with asyncio.timeout(CALL_TIMEOUT):
-            await connection.post(self._head(len(prompt.http_body)), prompt.http_body, reader)
-        return reader.sample()
+    async def request(self, prompt: Prompt, tally: Tally) -> Result:
+        assert self._client is not None
+        recorder = Recorder(stream=True, tally=tally, tokens_in=words_in)
+        return checked(await self._client.post(PATH, prompt.http_body, recorder))
 
     async def close(self) -> None:
-        for connection in self._connections.values():
-            connection.close()
-        self._connections.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 class HttpxGatewayClient:
@@ -615,7 +463,7 @@ class HttpxGatewayClient:
     name = "gateway"
 
     def __init__(self, port: int) -> None:
-        self.url = f"http://{HOST}:{port}/v1/chat/completions"
+        self.url = f"http://{HOST}:{port}/v1{PATH}"
         self._client: httpx.AsyncClient | None = None
 
     async def open(self, streams: int) -> None:
@@ -623,18 +471,18 @@ class HttpxGatewayClient:
             limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams)
             self._client = httpx.AsyncClient(limits=limits, timeout=CALL_TIMEOUT)
 
-    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+    async def request(self, prompt: Prompt, tally: Tally) -> Result:
         assert self._client is not None
-        reader = SseReader(tally)
+        recorder = Recorder(stream=True, tally=tally, tokens_in=words_in)
         headers = {"content-type": "application/json"}
-        reader.sent = time.perf_counter()
+        recorder.sent = time.perf_counter()
         async with self._client.stream(
             "POST", self.url, content=prompt.http_body, headers=headers
         ) as response:
-            reader.status = response.status_code
+            recorder.start(response.status_code)
             async for data in response.aiter_raw():
-                reader.feed(data)
-        return reader.sample()
+                recorder.feed(data)
+        return checked(recorder.result())
 
     async def close(self) -> None:
         if self._client is not None:
@@ -659,34 +507,41 @@ class GrpcClient:
             await asyncio.wait_for(self._channel.channel_ready(), STARTUP_TIMEOUT)
             self._stub = pb_grpc.EngineStub(self._channel)
 
-    async def request(self, stream: int, prompt: Prompt, tally: Tally) -> Sample:
+    async def request(self, prompt: Prompt, tally: Tally) -> Result:
         assert self._stub is not None
-        sent = time.perf_counter()
+        sent = last = time.perf_counter()
         call = self._stub.Generate(prompt.grpc_request, timeout=CALL_TIMEOUT)
         first: float | None = None
-        tokens = 0
-        reported = -1
+        itl: list[float] = []
+        messages = tokens = 0
+        reported: int | None = None
         pieces: list[str] = []
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
                 kind = message.WhichOneof("event")
                 if kind == "text":
+                    now = time.perf_counter()
                     if first is None:
-                        first = time.perf_counter()
+                        first = now
+                    else:
+                        itl.append(now - last)
+                    last = now
                     text = message.text
+                    messages += 1
                     tokens += text.tokens
+                    tally.chunks += 1
                     tally.tokens += text.tokens
-                    tally.messages += 1
                     pieces.append(text.text)
                 elif kind == "finished":
                     reported = message.finished.completion_tokens
         except BaseException:
             call.cancel()
             raise
-        if first is None:
-            raise BenchError("the worker sent no text")
-        tally.requests += 1
-        return Sample(first - sent, tokens, reported, "".join(pieces))
+        tally.done += 1
+        ttft = None if first is None else first - sent
+        text = "".join(pieces)
+        end = time.perf_counter()
+        return checked(Result(sent, end, ttft, itl, messages, tokens, None, reported, text))
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -707,13 +562,15 @@ class Delivery:
     counted: int = 0  # words of the deltas, or the sum of Text.tokens
     wrong: int = 0  # requests whose text or counts differ from what was emitted
 
-    def add(self, prompt: Prompt, sample: Sample) -> None:
+    def add(self, prompt: Prompt, result: Result) -> None:
         """Checks one finished request."""
         self.requests += 1
         self.emitted += prompt.words
-        self.reported += sample.reported
-        self.counted += sample.tokens
-        if not (sample.tokens == sample.reported == prompt.words and sample.text == prompt.text):
+        reported = -1 if result.completion_tokens is None else result.completion_tokens
+        self.reported += reported
+        self.counted += result.counted
+        whole = result.counted == reported == prompt.words
+        if not (whole and result.text == prompt.text):
             self.wrong += 1
 
     def merge(self, other: Delivery) -> None:
@@ -739,12 +596,6 @@ class Delivery:
             + ("yes" if self.ok else f"NO ({self.wrong} wrong)")
             + f", {counts}"
         )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank percentile, q in (0, 100]."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 @dataclass
@@ -810,6 +661,20 @@ class FlowRun:
     delivery: Delivery
 
 
+@dataclass
+class MemoryRun:
+    """The gateway's resident set before and while `streams` streams are open."""
+
+    streams: int
+    before_kib: int
+    during_kib: int
+
+    @property
+    def kib_per_stream(self) -> float:
+        """The growth, per stream."""
+        return (self.during_kib - self.before_kib) / self.streams
+
+
 # --- the measurements ------------------------------------------------------------------
 
 
@@ -837,16 +702,17 @@ async def measure_ttft(
     warmup = max(3, per_stream // 10)
     ready = asyncio.Barrier(concurrency + 1)
 
-    async def stream(index: int) -> None:
+    async def stream() -> None:
         for _ in range(warmup):
-            await client.request(index, prompt, tally)
+            await client.request(prompt, tally)
         await ready.wait()
         for _ in range(per_stream):
-            sample = await client.request(index, prompt, tally)
-            timings.ttfts.append(sample.ttft)
-            timings.delivery.add(prompt, sample)
+            result = await client.request(prompt, tally)
+            assert result.ttft is not None
+            timings.ttfts.append(result.ttft)
+            timings.delivery.add(prompt, result)
 
-    tasks = [asyncio.create_task(stream(i)) for i in range(concurrency)]
+    tasks = [asyncio.create_task(stream()) for _ in range(concurrency)]
     all_ready = asyncio.ensure_future(ready.wait())
     try:
         await asyncio.wait([all_ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -891,7 +757,7 @@ async def measure_flow(
     async def stream(index: int) -> None:
         rest = itertools.islice(itertools.cycle(prompts), index, None)
         for prompt in itertools.chain([openers[index]], rest):
-            delivery.add(prompt, await client.request(index, prompt, tally))
+            delivery.add(prompt, await client.request(prompt, tally))
 
     tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
     try:
@@ -904,7 +770,7 @@ async def measure_flow(
         await client.close()
         await clock.settle()
     tokens = after.tokens - before.tokens
-    messages = after.messages - before.messages
+    messages = after.chunks - before.chunks
     cpu = cpu_used(cpu_before, cpu_after)
     return FlowRun(
         path=client.name,
@@ -918,6 +784,50 @@ async def measure_flow(
     )
 
 
+@contextlib.asynccontextmanager
+async def open_streams(client: OpenAIClient, prompt: Prompt, count: int) -> AsyncIterator[None]:
+    """`count` streams, open once each has its status (the gateway sends it with the
+    worker's first event) until the block ends; then they are dropped."""
+    recorders = [Recorder(stream=True) for _ in range(count)]
+    tasks = [asyncio.create_task(client.post(PATH, prompt.http_body, r)) for r in recorders]
+    try:
+        end = time.monotonic() + STARTUP_TIMEOUT
+        while not all(r.status for r in recorders):
+            if any(task.done() for task in tasks) or time.monotonic() > end:
+                failed = [task.result().error for task in tasks if task.done()]
+                raise BenchError(f"streams did not all open: {failed[:3]}")
+            await asyncio.sleep(0.05)
+        if any(r.status != 200 for r in recorders):
+            raise BenchError(f"streams refused: {sorted({r.status for r in recorders})}")
+        yield
+    finally:
+        await _cancel(tasks)
+        client.close()
+
+
+async def measure_memory(port: int, pid: int, streams: int, clock: CpuClock) -> MemoryRun:
+    """The gateway's resident set before and while `streams` streams wait on the slow
+    worker. A few streams are opened and dropped first, so code and caches that the
+    first requests load do not count as per-stream memory."""
+    client = OpenAIClient(f"http://{HOST}:{port}/v1", timeout=CALL_TIMEOUT)
+    prompt = make_prompt(SLOW, 4, random.Random(1))
+    async with open_streams(client, prompt, 32):
+        pass
+    await clock.settle()
+    await asyncio.sleep(0.5)
+    before = resident_kib(pid)
+    async with open_streams(client, prompt, streams):
+        await asyncio.sleep(0.5)  # whatever the gateway does after the status, done
+        during = resident_kib(pid)
+    await clock.settle()
+    if before is None or during is None:
+        raise BenchError("/proc does not tell the gateway's resident set")
+    return MemoryRun(streams, before, during)
+
+
+# --- a run -----------------------------------------------------------------------------
+
+
 @dataclass
 class Results:
     """Everything one run measured."""
@@ -926,6 +836,7 @@ class Results:
     environment: dict[str, Any]
     latency: list[LatencyRun] = field(default_factory=list)
     flow: list[FlowRun] = field(default_factory=list)
+    memory: MemoryRun | None = None
 
 
 def _commit() -> str:
@@ -963,7 +874,12 @@ async def run_bench(servers: Servers, settings: Settings, client_kind: str) -> R
     )
     rng = random.Random(7)
     try:
-        # 1. TTFT. At concurrency 1 the two paths take turns in blocks, so a slow
+        # 1. Memory first, while the gateway's heap holds nothing of earlier runs.
+        pid, streams = servers.gateway.pid, settings.memory_streams
+        results.memory = await measure_memory(servers.gateway_port, pid, streams, clock)
+        _progress(f"memory, {streams} open streams: done")
+
+        # 2. TTFT. At concurrency 1 the two paths take turns in blocks, so a slow
         # patch of the machine (another process, a timer) hits both alike.
         short = make_prompt(COALESCED, settings.ttft_words, rng)
         pair = (gateway, direct[COALESCED])
@@ -981,7 +897,7 @@ async def run_bench(servers: Servers, settings: Settings, client_kind: str) -> R
             results.latency.append(LatencyRun.of(client.name, streams, timings))
         _progress(f"TTFT, {settings.streams} streams: done")
 
-        # 2. Streamed tokens per second: long answers, in each worker mode.
+        # 3. Streamed tokens per second: long answers, in each worker mode.
         for model, mode in MODES.items():
             prompts = [
                 make_prompt(model, rng.randint(settings.min_words, settings.max_words), rng)
@@ -1013,7 +929,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _streams(n: int) -> str:
-    return f"{n} stream" + ("s" if n > 1 else "")
+    return f"{n:,} stream" + ("s" if n > 1 else "")
 
 
 def _cpu_cells(values: dict[str, float], other: float | None) -> list[str]:
@@ -1021,39 +937,80 @@ def _cpu_cells(values: dict[str, float], other: float | None) -> list[str]:
     return [*cells, "?" if other is None else f"{other:.2f}"]
 
 
-def render(results: Results) -> str:
-    """The markdown report: the comparison, then where the CPU went."""
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("pass" if ok else "FAIL")
+
+
+# The targets: TTFT overhead (ms) at most, tokens/s ratio at least, KiB per stream.
+TTFT_TARGETS = {"p50": 1.0, "p99": 3.0}
+RATIO_TARGET = 0.75
+RATIO_MODE = MODES[ECHO[1]]
+MEMORY_TARGET_KIB = 64.0
+
+
+def target_rows(results: Results) -> list[list[str]]:
+    """The comparison, one row per figure: gateway, raw gRPC, the figure, the target,
+    and whether it is met."""
     latency = {(r.path, r.concurrency): r for r in results.latency}
     flow = {(r.path, r.mode, r.streams): r for r in results.flow}
     rows: list[list[str]] = []
     for concurrency in sorted({c for _, c in latency}):
         gw, raw = latency["gateway", concurrency], latency["raw gRPC", concurrency]
-        for q in ("p50", "p99"):
+        for q, limit in TTFT_TARGETS.items():
             g, r = getattr(gw, f"{q}_ms"), getattr(raw, f"{q}_ms")
-            rows.append([f"TTFT {q}, {_streams(concurrency)} (ms)", f"{g:.2f}", f"{r:.2f}"])
-            rows[-1].append(f"{g - r:+.2f} ms")
-        g, r = gw.requests_per_s, raw.requests_per_s
-        rows.append(
-            [f"requests/s, {_streams(concurrency)}", f"{g:.0f}", f"{r:.0f}", f"x{g / r:.2f}"]
-        )
+            label = f"TTFT {q}, {_streams(concurrency)} (ms)"
+            cells = [f"{g:.2f}", f"{r:.2f}", f"{g - r:+.2f} ms", f"≤ +{limit:g} ms"]
+            rows.append([label, *cells, _verdict(g - r <= limit)])
     for mode in dict.fromkeys(r.mode for r in results.flow):
         for streams in sorted({r.streams for r in results.flow}):
             g = flow["gateway", mode, streams].tokens_per_s
             r = flow["raw gRPC", mode, streams].tokens_per_s
+            ratio = g / r
             label = f"tokens/s, {mode}, {_streams(streams)}"
-            rows.append([label, f"{g:,.0f}", f"{r:,.0f}", f"x{g / r:.2f}"])
-    summary = _table(["metric", "gateway", "raw gRPC", "gateway vs raw"], rows)
+            target, ok = "-", None
+            if mode == RATIO_MODE:
+                target, ok = f"≥ x{RATIO_TARGET:g}", ratio >= RATIO_TARGET
+            rows.append([label, f"{g:,.0f}", f"{r:,.0f}", f"x{ratio:.2f}", target, _verdict(ok)])
+    for mode in dict.fromkeys(r.mode for r in results.flow):
+        run = flow["gateway", mode, max(r.streams for r in results.flow)]
+        seconds = run.cpu_us_per_token.get("gateway", math.nan) / 1e3  # us/token -> s/1k
+        label = f"gateway CPU s per 1,000 tokens, {mode}, {_streams(run.streams)}"
+        rows.append([label, f"{seconds:.3f}", "", "", "-", "-"])
+    if results.memory is not None:
+        memory = results.memory
+        label = f"gateway memory per open stream, {_streams(memory.streams)} (KiB)"
+        per = memory.kib_per_stream
+        cells = [f"{per:.1f}", "", f"{memory.before_kib:,} → {memory.during_kib:,} KiB RSS"]
+        rows.append([label, *cells, f"≤ {MEMORY_TARGET_KIB:g}", _verdict(per <= MEMORY_TARGET_KIB)])
+    for path in ("gateway", "raw gRPC"):
+        total = Delivery()
+        for run in [*results.latency, *results.flow]:
+            if run.path == path:
+                total.merge(run.delivery)
+        ratio = total.counted / total.emitted if total.emitted else math.nan
+        label = f"tokens delivered ÷ emitted, {path}"
+        cells = [f"{ratio:.6f}", "", f"{total.counted:,} / {total.emitted:,} tokens"]
+        rows.append([label, *cells, "= 1", _verdict(total.ok and ratio == 1)])
+    return rows
+
+
+def render(results: Results) -> str:
+    """The markdown report: the comparison against the targets, then where the CPU went."""
+    header = ["measure", "gateway", "raw gRPC", "gateway vs raw", "target", "result"]
+    summary = _table(header, target_rows(results))
 
     detail: list[list[str]] = []
     for lat in results.latency:
         label = f"TTFT, {_streams(lat.concurrency)}"
         cells = _cpu_cells(lat.cpu_us_per_request, lat.other_load)
-        detail.append([label, lat.path, "", *cells, "us/request", lat.delivery.verdict()])
+        rate = f"{lat.requests_per_s:,.0f} req/s"
+        detail.append([label, lat.path, rate, *cells, "us/request", lat.delivery.verdict()])
     for run in results.flow:
         label = f"tokens/s, {run.mode}, {_streams(run.streams)}"
-        cells = [f"{run.tokens_per_message:.2f}", *_cpu_cells(run.cpu_us_per_token, run.other_load)]
+        per_message = f"{run.tokens_per_message:.2f} tokens/message"
+        cells = [per_message, *_cpu_cells(run.cpu_us_per_token, run.other_load)]
         detail.append([label, run.path, *cells, "us/token", run.delivery.verdict()])
-    header = ["run", "path", "tokens/message", "gateway CPU", "worker CPU", "client CPU"]
+    header = ["run", "path", "rate or size", "gateway CPU", "worker CPU", "client CPU"]
     header += ["other load", "CPU unit", "finished requests: delivered == emitted"]
     env = results.environment
     notes = (
@@ -1062,9 +1019,12 @@ def render(results: Results) -> str:
         f"commit {env['commit']} (+: gateway/ has uncommitted changes).\n"
         "TTFT: from writing the request to the first content chunk (gateway) or the first "
         "Text message (raw gRPC); answers of "
-        f"{results.settings['ttft_words']} tokens.\n"
+        f"{results.settings['ttft_words']} tokens; overhead = gateway percentile - raw "
+        "percentile.\n"
         "tokens/message: tokens per gRPC Text message (raw gRPC) or per SSE content chunk "
         "(gateway), inside the window.\n"
+        "memory: the gateway's VmRSS before and while the streams wait on a worker that "
+        f"sends a token every {SLOW_TOKEN_DELAY:g} s.\n"
         "other load: cores kept busy by other processes meanwhile; above ~0.1 the numbers "
         "of that run are disturbed.\n"
         "delivered == emitted: for every finished request, the delta text equals the echoed "
@@ -1081,7 +1041,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Measure what furnace-gateway adds over calling the worker directly."
     )
-    parser.add_argument("--quick", action="store_true", help="a ~25 s run instead of ~90 s")
+    parser.add_argument("--quick", action="store_true", help="a ~20 s run instead of ~60 s")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     parser.add_argument(
         "--client",
