@@ -81,7 +81,9 @@ def test_tokens_per_minute_count_prompt_and_completion(gateway_with):
     teams = {"search": {"tokens_per_minute": 60}, "ads": {"tokens_per_minute": 10_000}}
     gw = gateway_with(**keyed(teams, {search: "search", ads: "ads"}))
     limiter = gw.state.teams.limiter
-    ten_words = "a b c d e f g h i j"  # 10 prompt + 10 completion tokens on the demo engine
+    # 10 prompt + 10 completion tokens on the demo engine, estimated at 15 up front:
+    # a fourth request fits again only once 15 tokens have drained (15 s)
+    ten_words = "alpha beta gamma delta epsilon zeta theta iota kappa lambda"
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
         for _ in range(3):
             response = ask(client, search, ten_words)

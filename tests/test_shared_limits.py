@@ -140,7 +140,7 @@ def test_tokens_and_concurrency_are_shared_and_a_lost_redis_is_logged(
     teams = {"search": {"tokens_per_minute": 60}}
     settings = keyed(teams, {key: "search"}, redis_url=redis_server.url, redis_timeout=0.5)
     one, two = gateway_with(**settings), gateway_with(**settings)
-    ten_words = "a b c d e f g h i j"  # 20 tokens in all on the demo engine
+    ten_words = "alpha beta gamma delta epsilon zeta theta iota kappa lambda"  # 20 tokens
     with httpx.Client(timeout=HANG_GUARD) as client:
         for gw in (one, two, one):
             response = client.post(

@@ -103,16 +103,6 @@ class StoreDown(ConnectionError):
     """Redis failed to answer (refused, dropped, out of memory, ...)."""
 
 
-@asynccontextmanager
-async def _bounded(seconds: float) -> AsyncIterator[None]:
-    """One call: at most `seconds`, and Redis's errors as `StoreDown`."""
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except RedisError as error:
-        raise StoreDown(f"{type(error).__name__}: {error}") from error
-
-
 class Admission:
     """What Redis answered: the limit that refused (or ''), and usage after."""
 
@@ -140,12 +130,27 @@ class RedisStore:
         self._admit = self.client.register_script(_ADMIT)
         self._charge = self.client.register_script(_CHARGE)
 
+    @asynccontextmanager
+    async def _bounded(self) -> AsyncIterator[None]:
+        """One call: at most `timeout` seconds, and Redis's errors as `StoreDown`.
+        A failure drops the idle connections too: after a restart of Redis they
+        are all dead, and each would fail once more."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except RedisError as error:
+            await self.client.connection_pool.disconnect(inuse_connections=False)
+            raise StoreDown(f"{type(error).__name__}: {error}") from error
+        except TimeoutError:
+            await self.client.connection_pool.disconnect(inuse_connections=False)
+            raise
+
     def _key(self, team: Team, what: str) -> str:
         return f"{self.prefix}:limits:{{{team.name}}}:{what}"
 
     async def ping(self) -> None:
         """Raises unless Redis answers."""
-        async with _bounded(self.timeout):
+        async with self._bounded():
             await self.client.ping()
 
     async def admit(self, team: Team, cost: int, member: str) -> Admission:
@@ -160,23 +165,23 @@ class RedisStore:
             member,
             int(LEASE_TTL * 1000),
         ]
-        async with _bounded(self.timeout):
+        async with self._bounded():
             return Admission(await self._admit(keys=keys, args=args))
 
     async def charge(self, team: Team, what: str, limit: int, amount: float) -> float:
         """Adds `amount` to one bucket of `team`; returns its usage after."""
-        async with _bounded(self.timeout):
+        async with self._bounded():
             reply = await self._charge(keys=[self._key(team, what)], args=[limit, amount])
         return float(reply)
 
     async def release(self, team: Team, member: str) -> None:
         """Ends a concurrency lease."""
-        async with _bounded(self.timeout):
+        async with self._bounded():
             await self.client.zrem(self._key(team, "inflight"), member)
 
     async def renew(self, leases: Iterable[tuple[Team, str]]) -> None:
         """Pushes back the expiry of the leases still held, in one round trip."""
-        async with _bounded(self.timeout):
+        async with self._bounded():
             now_ms = int((await self.client.time())[0]) * 1000
             expiry = now_ms + int(LEASE_TTL * 1000)
             pipe = self.client.pipeline(transaction=False)
