@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format protos bench
+.PHONY: demo test lint format protos bench bench-fleet
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,3 +24,6 @@ protos:
 
 bench:
 	$(PY) tests/bench_gateway.py
+
+bench-fleet:
+	$(PY) -m tests.bench_fleet

@@ -63,11 +63,16 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-context", type=int, help="tokens the model holds (demo: 4096; else the model's)"
     )
+    parser.add_argument(
+        "--capacity", type=int, default=256, help="requests at once; more get RESOURCE_EXHAUSTED"
+    )
 
 
 def _worker_engine(args: argparse.Namespace) -> Engine:
     if args.engine == "demo":
-        return DemoEngine(args.model or DEMO_MODEL, args.max_context or 4096, args.token_delay)
+        return DemoEngine(
+            args.model or DEMO_MODEL, args.max_context or 4096, args.token_delay, args.capacity
+        )
     if not args.model_path:
         sys.exit("furnace-gateway: --engine transformers needs --model-path")
     # Imported here so the gateway and the demo run without torch installed.
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
             run(serve_worker(_worker_engine(args), args.host, args.port, tls))
         else:
             config = parse_config({"host": args.host, "port": args.port})
-            engine = DemoEngine(DEMO_MODEL, args.max_context or 4096, args.token_delay)
+            engine = DemoEngine(
+                DEMO_MODEL, args.max_context or 4096, args.token_delay, args.capacity
+            )
             run(serve_demo(config, engine))
     except ConfigError as error:
         sys.exit(f"furnace-gateway: invalid config: {error}")
