@@ -7,12 +7,18 @@ cancels the call, so a read cannot be interrupted for a keep-alive. Here the
 reader never waits on anything but the worker, and the edge waits on a future
 that the reader, a timer or `cancel()` completes. Per event the cost is one list
 append and, when the edge is waiting, one future.
+
+The timer outlives the waits: each wait only moves the deadline (a later one
+every time, as events keep coming), and the timer, when it fires early for an
+earlier deadline, sets itself again for the current one. So a stream costs one
+timer every keep-alive interval instead of one per token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Coroutine
 from typing import Any
 
@@ -39,6 +45,9 @@ class EventPump:
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
+        self._wake_at = math.inf  # when the current wait ends without an event
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf  # when `_timer` fires
         self._reader = self._loop.create_task(self._read())
 
     async def _read(self) -> None:
@@ -69,6 +78,21 @@ class EventPump:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        fired_for, self._timer, self._timer_at = self._timer_at, None, math.inf
+        if self._waiter is None:
+            return  # the edge is busy; its next wait sets the timer again
+        if fired_for >= self._wake_at:
+            self._wake()
+        else:  # set for an earlier wait; this one ends later
+            self._arm(self._wake_at)
+
     async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
         """The events ready now, waiting for at least one.
 
@@ -85,13 +109,13 @@ class EventPump:
                 raise errors.Timeout(
                     f"The engine worker sent nothing for {idle_timeout:g} seconds."
                 )
-            wake_at = idle_at if tick is None else min(idle_at, now + tick)
+            wake_at = self._wake_at = idle_at if tick is None else min(idle_at, now + tick)
+            if self._timer_at > wake_at:
+                self._arm(wake_at)
             waiter = self._waiter = self._loop.create_future()
-            timer = self._loop.call_at(wake_at, self._wake)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
             woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
             if tick is not None and woken_by_tick:
@@ -119,6 +143,9 @@ class EventPump:
     async def aclose(self) -> None:
         """Cancels the call if still running and waits for the reader to finish."""
         self.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
             await self._reader
         except asyncio.CancelledError:

@@ -1,0 +1,91 @@
+"""The event pump's waits against a fake worker stream: keep-alive ticks and idle
+timeouts keep their timing when events come faster than the tick (the pump keeps
+one timer across waits instead of one per wait)."""
+
+import asyncio
+import time
+
+import pytest
+import uvloop
+
+from gateway import errors
+from gateway.event_pump import EventPump
+from gateway.types import Event, Started, Text
+
+
+class FakeStream:
+    """A worker stream whose events the test puts in a queue."""
+
+    worker = "fake"
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def __aiter__(self) -> "FakeStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        return await self.events.get()
+
+    def cancel(self, outcome: object = None) -> None:
+        pass
+
+    def close(self, outcome: object = None) -> None:
+        pass
+
+
+def pump_over(stream: FakeStream) -> EventPump:
+    async def start() -> tuple[Started, FakeStream]:
+        return Started(1), stream
+
+    return EventPump(start())
+
+
+def test_no_early_tick_while_events_come_and_one_after_they_stop():
+    tick = 0.2
+
+    async def main() -> tuple[list[int], float]:
+        stream = FakeStream()
+        pump = pump_over(stream)
+
+        async def produce() -> None:  # for two ticks, an event every tenth of one
+            for i in range(20):
+                await asyncio.sleep(tick / 10)
+                stream.events.put_nowait(Text(str(i), 1))
+
+        producer = asyncio.create_task(produce())
+        sizes = []
+        try:
+            assert await pump.next_batch(5.0) == [Started(1)]
+            while sum(sizes) < 20:
+                sizes.append(len(await pump.next_batch(5.0, tick)))
+            began = time.monotonic()
+            assert await pump.next_batch(5.0, tick) == []  # quiet now: the tick
+            return sizes, time.monotonic() - began
+        finally:
+            await producer
+            await pump.aclose()
+
+    sizes, waited = uvloop.run(main())
+    assert 0 not in sizes  # the timer set for an early wait woke none of the later ones
+    assert tick * 0.9 <= waited < tick * 2
+
+
+def test_the_idle_timeout_still_ends_a_stream_that_ticks():
+    async def main() -> int:
+        stream = FakeStream()
+        pump = pump_over(stream)
+        ticks = 0
+        try:
+            await pump.next_batch(5.0)
+            stream.events.put_nowait(Text("a", 1))
+            await pump.next_batch(0.5, 0.1)
+            with pytest.raises(errors.Timeout):
+                while True:
+                    assert await pump.next_batch(0.5, 0.1) == []
+                    ticks += 1
+        finally:
+            await pump.aclose()
+        return ticks
+
+    assert 3 <= uvloop.run(main()) <= 5
