@@ -274,3 +274,14 @@ def test_odd_request_ids_and_traceparents_are_replaced_not_fatal(client, workers
     rid = response.headers["x-request-id"]
     assert len(rid) == 32 and rid in workers.scripted.calls
     assert "traceparent" not in workers.scripted.metadata[rid]
+
+
+def test_a_chat_stream_sends_its_role_chunk_with_the_first_token(client):
+    # nothing is written between the headers and the first token: one write, not two
+    from tests.scripted_worker import script
+
+    body = {"model": "scripted", "messages": user(script(texts=2, delay=0.3)), "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        first = next(response.iter_raw())
+    assert b'"delta":{"role":"assistant","content":""}' in first
+    assert b'"delta":{"content":"t0 "}' in first

@@ -249,9 +249,18 @@ class GenerationRoute:
             }
         )
         record.status = 200
-        body = encoder.opening() + (encoder.delta(text) if text else b"")
-        while record.finished is None:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+        # The role-opening chunk goes out with the first text (or the end), as
+        # vLLM's server sends it: the first token costs one write, not two.
+        opening = encoder.opening()
+        body = b""
+        while True:
+            if text:
+                body += opening + encoder.delta(text)
+                opening = b""
+            if record.finished is not None:
+                break
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
             except errors.EngineError as error:
@@ -262,12 +271,10 @@ class GenerationRoute:
                 payload = sse({"error": api_error.fields()}) + DONE
                 await send({"type": "http.response.body", "body": payload})
                 return
-            if not batch:
-                body = KEEPALIVE
-                continue
+            body = b"" if batch else KEEPALIVE
             text = record.take(batch)
-            body = encoder.delta(text) if text else b""
         finished = record.finished
+        body += opening
         body += encoder.closing(finished.reason, record.prompt_tokens, finished.completion_tokens)
         record.outcome = "completed"
         await send({"type": "http.response.body", "body": body})
