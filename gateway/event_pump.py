@@ -141,7 +141,12 @@ class EventPump:
         self._wake()
 
     async def aclose(self) -> None:
-        """Cancels the call if still running and waits for the reader to finish."""
+        """Cancels the call if still running and waits for the reader to finish.
+
+        Then drops the stream's error: raised through `next_batch`, its traceback
+        holds this pump (and the edge's frames), so keeping it would leave the
+        whole request (tasks, transport, gRPC call) to the cyclic garbage
+        collector, whose pauses stall every stream."""
         self.cancel()
         if self._timer is not None:
             self._timer.cancel()
@@ -153,3 +158,4 @@ class EventPump:
                 raise
         finally:
             self._start.close()  # never started if cancelled at once; else a no-op
+            self._error = None

@@ -1,9 +1,12 @@
-"""The event pump's waits against a fake worker stream: keep-alive ticks and idle
-timeouts keep their timing when events come faster than the tick (the pump keeps
-one timer across waits instead of one per wait)."""
+"""The event pump against a fake worker stream: keep-alive ticks and idle timeouts
+keep their timing when events come faster than the tick (the pump keeps one timer
+across waits instead of one per wait), and a closed pump leaves no reference
+cycle behind."""
 
 import asyncio
+import gc
 import time
+import weakref
 
 import pytest
 import uvloop
@@ -89,3 +92,27 @@ def test_the_idle_timeout_still_ends_a_stream_that_ticks():
         return ticks
 
     assert 3 <= uvloop.run(main()) <= 5
+
+
+def test_a_cancelled_pump_is_freed_without_the_cycle_collector():
+    # the error it raised holds its frames: kept, it would make a cycle
+    async def main() -> weakref.ref:
+        pump = pump_over(FakeStream())
+        await pump.next_batch(5.0)
+
+        async def edge() -> None:  # waits as the route does, in its own frame
+            with pytest.raises(errors.Unavailable):
+                await pump.next_batch(5.0, 1.0)
+            await pump.aclose()
+
+        waiting = asyncio.ensure_future(edge())
+        await asyncio.sleep(0)
+        pump.cancel()  # the client went away
+        await waiting
+        return weakref.ref(pump)
+
+    gc.disable()
+    try:
+        assert uvloop.run(main())() is None
+    finally:
+        gc.enable()
