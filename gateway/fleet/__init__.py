@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from functools import partial
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
 
 from gateway import errors
 from gateway.admission import Deadline
@@ -190,8 +191,7 @@ class Fleet:
         self.budget.record_request()
         tried: set[Worker] = set()
 
-        def should_retry(state: RetryCallState) -> bool:
-            error = state.outcome.exception() if state.outcome else None
+        def retryable(error: BaseException | None) -> bool:
             retry = (
                 isinstance(error, errors.EngineError)
                 and error.retryable
@@ -204,11 +204,19 @@ class Fleet:
                 log.info("model %s: retrying after %s", pool.name, type(error).__name__)
             return retry
 
+        # The first try goes without tenacity: most requests need no retry, and
+        # a retrying object per request is garbage the cycle collector must chase.
+        try:
+            return await self._try(pool, request, deadline, metadata, tried)
+        except errors.EngineError as error:
+            if self.config.retry_attempts < 2 or not retryable(error):
+                raise
         backoff = self.config.retry_backoff
+        await asyncio.sleep(random.uniform(0, backoff))
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.config.retry_attempts),
+            stop=stop_after_attempt(self.config.retry_attempts - 1),
             wait=wait_random_exponential(multiplier=backoff, max=backoff * 16),
-            retry=should_retry,
+            retry=lambda state: retryable(state.outcome.exception() if state.outcome else None),
             reraise=True,
         )
         async for attempt in retrying:
