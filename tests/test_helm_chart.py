@@ -2,10 +2,12 @@
 GPU fleet's, validate every object against the Kubernetes schemas, and read the rendered
 objects: the gateway's own loader accepts the config, every pool has the headless Service
 the config points at, the probes hit real routes, the grace period covers pause and drain,
-the schema refuses wrong types, and a config change rolls the pods."""
+the schema refuses wrong types, a config change rolls the pods, and the product teams' keys,
+Redis URL and TLS files come from Secrets, never the ConfigMap."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -40,10 +42,16 @@ from tests.k8s_tools import (
 
 CHART = ROOT / "helm" / "furnace-gateway"
 GPU_FLEET = CHART / "ci" / "gpu-fleet-values.yaml"
+TEAMS = CHART / "ci" / "teams-values.yaml"
 NAMESPACE = "inference"
 RELEASE = "llm"
 FULLNAME = f"{RELEASE}-furnace-gateway"
-VALUES = {"default": (), "gpu-fleet": ("--values", str(GPU_FLEET))}
+VALUES = {
+    "default": (),
+    "gpu-fleet": ("--values", str(GPU_FLEET)),
+    "teams": ("--values", str(TEAMS)),
+}
+REDIS_URL = "rediss://:s3cret-password@redis.furnace.svc:6380/0"
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -78,6 +86,49 @@ def gateway_config(manifests: tuple[Manifest, ...]) -> dict[str, Any]:
     return yaml.safe_load(configmap["data"]["config.yaml"])
 
 
+def with_mounted_files(raw: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The rendered config with the files its pod mounts from Secrets (the keys file, the
+    worker TLS files) made under `root` and the paths moved there: what the gateway reads at
+    start. The keys file holds one key of the first team."""
+    raw = copy.deepcopy(raw)
+
+    def place(path: str, text: str) -> str:
+        local = root / path.lstrip("/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+        return str(local)
+
+    if "keys_file" in raw:
+        key = {"sha256": hashlib.sha256(b"sk-test").hexdigest(), "team": next(iter(raw["teams"]))}
+        raw["keys_file"] = place(raw["keys_file"], yaml.safe_dump([key]))
+    tls = raw.get("worker_tls") or {}
+    for name in ("ca_file", "cert_file", "key_file"):
+        if name in tls:
+            tls[name] = place(tls[name], "-----BEGIN PLACEHOLDER-----\n")
+    return raw
+
+
+def loaded_config(
+    manifests: tuple[Manifest, ...], root: Path, env: dict[str, str] | None = None
+) -> Config:
+    """The rendered config as the gateway's loader reads it in the pod."""
+    return parse_config(with_mounted_files(gateway_config(manifests), root), env=env or {})
+
+
+def secret_behind(spec: Manifest, container: Manifest, path: str) -> tuple[str, str]:
+    """The Secret and its key that a file of a container comes from, through a read-only
+    mount of a secret volume."""
+    for mount in container["volumeMounts"]:
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(folder):
+            assert mount.get("readOnly") is True, mount
+            (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+            items = volume["secret"]["items"]
+            (key,) = [i["key"] for i in items if i["path"] == path[len(folder) :]]
+            return volume["secret"]["secretName"], key
+    raise AssertionError(f"{path} is on no mount of {container['name']}")
+
+
 def gateway_pod(manifests: tuple[Manifest, ...]) -> Manifest:
     """The gateway Deployment's pod template."""
     return one(manifests, "Deployment", FULLNAME)["spec"]["template"]
@@ -109,7 +160,7 @@ def test_the_gpu_fleet_renders_every_optional_object():
 
 @pytest.mark.parametrize("name", VALUES)
 def test_the_gateway_loader_accepts_the_rendered_config(name: str, tmp_path: Path):
-    raw = gateway_config(render(*VALUES[name]))
+    raw = with_mounted_files(gateway_config(render(*VALUES[name])), tmp_path)
     config = parse_config(raw, env={})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -139,9 +190,9 @@ def test_models_reach_their_own_pools_and_outside_workers():
 
 
 @pytest.mark.parametrize("name", VALUES)
-def test_probes_point_at_real_routes_of_the_gateway(name: str):
+def test_probes_point_at_real_routes_of_the_gateway(name: str, tmp_path: Path):
     manifests = render(*VALUES[name])
-    config: Config = parse_config(gateway_config(manifests), env={})
+    config: Config = loaded_config(manifests, tmp_path)
     routes = {
         route.path: route.methods or set()
         for route in create_app(config).routes
@@ -187,6 +238,13 @@ def test_the_grace_period_follows_the_drain_timeout():
         ("--set", "workerPools.demo.kind=DaemonSet"),
         ("--set-json", 'models=[{"name": "furnace-demo", "kind": "vision", "pools": ["demo"]}]'),
         ("--set", "autoscaling.enabled=yes"),
+        ("--set", "gateway.teams.search.requests_per_minute=many"),
+        ("--set", "gateway.teams.search.budget=1"),
+        ("--set", "gateway.keys.existingSecret=true"),
+        ("--set", "gateway.redis.url=http://redis:6379"),
+        ("--set", "workerPools.demo.tls.verifyClients=yes"),
+        ("--set-json", 'models=[{"name": "m", "upstream": "http", "workers": ["x:1"]}]'),
+        ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "maxTokensLimit": "lots"}]'),
     ],
 )
 def test_the_values_schema_refuses_wrong_values(args: tuple[str, str]):
@@ -349,3 +407,78 @@ def test_the_helm_test_pod_fails_on_a_wrong_answer(gateway: Gateway):
     )
     assert result.returncode != 0
     assert "FAIL" in result.stderr and "model_not_supported" in result.stderr
+
+
+def test_teams_keys_redis_and_tls_reach_the_gateway(tmp_path: Path):
+    manifests = render(*VALUES["teams"])
+    assert "redis_url" not in gateway_config(manifests)  # only in the pod's environment
+    config = loaded_config(manifests, tmp_path, env={"FURNACE_REDIS_URL": REDIS_URL})
+    assert config.redis_url == REDIS_URL
+    assert (config.redis_timeout, config.redis_key_prefix) == (0.5, "furnace-prod")
+    teams = {t.name: t for t in config.teams}
+    assert teams["search"].weight == 3 and teams["search"].requests_per_minute == 600
+    assert teams["search"].models == ("furnace-demo",)
+    assert teams["batch-eval"].tokens_per_minute == 50000
+    assert config.keys_file is not None
+    assert config.worker_tls is not None
+    assert config.worker_tls.server_name == "worker.furnace.internal"
+    models = {m.name: m for m in config.models}
+    assert models["furnace-demo"].max_tokens_limit == 1024
+    hosted = models["hosted-llm"]
+    assert hosted.upstream == "openai" and hosted.weights == (("http://10.30.0.5:8000/v1", 2.0),)
+
+
+def test_keys_and_worker_tls_are_read_only_secret_mounts_the_config_points_at():
+    manifests = render(*VALUES["teams"])
+    raw = gateway_config(manifests)
+    spec = gateway_pod(manifests)["spec"]
+    (container,) = spec["containers"]
+    assert secret_behind(spec, container, raw["keys_file"]) == ("furnace-keys", "keys.yaml")
+    tls = raw["worker_tls"]
+    for field, key in (("ca_file", "ca.crt"), ("cert_file", "tls.crt"), ("key_file", "tls.key")):
+        assert secret_behind(spec, container, tls[field]) == ("furnace-gateway-tls", key)
+
+
+def test_a_tls_worker_pool_serves_its_secret_and_is_probed_on_its_port():
+    manifests = render(*VALUES["teams"])
+    pool = one(manifests, "Deployment", f"{FULLNAME}-worker-demo")["spec"]["template"]["spec"]
+    (container,) = pool["containers"]
+    args = container["args"]
+    for flag, key in (
+        ("--tls-cert", "tls.crt"),
+        ("--tls-key", "tls.key"),
+        ("--tls-client-ca", "ca.crt"),
+    ):
+        assert secret_behind(pool, container, args[args.index(flag) + 1]) == (
+            "furnace-worker-tls",
+            key,
+        )
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["tcpSocket"] == {"port": 50051}  # the kubelet speaks no TLS
+
+
+def redis_env(manifests: tuple[Manifest, ...]) -> Manifest:
+    """The gateway container's FURNACE_REDIS_URL variable."""
+    env = gateway_pod(manifests)["spec"]["containers"][0]["env"]
+    (variable,) = [e for e in env if e["name"] == "FURNACE_REDIS_URL"]
+    assert set(variable) == {"name", "valueFrom"}  # never a literal value
+    return variable
+
+
+def test_the_redis_url_reaches_the_gateway_only_from_a_secret(tmp_path: Path):
+    reference = redis_env(render(*VALUES["teams"]))["valueFrom"]
+    assert reference == {"secretKeyRef": {"name": "furnace-redis", "key": "url"}}
+    manifests = render("--set", f"gateway.redis.url={REDIS_URL}")
+    (secret,) = of_kind(manifests, "Secret")
+    holding = [m for m in manifests if REDIS_URL in yaml.safe_dump(m)]
+    assert holding == [secret]  # not the ConfigMap, not the Deployment
+    name = secret["metadata"]["name"]
+    assert secret["stringData"] == {"redis-url": REDIS_URL}
+    ref = {"secretKeyRef": {"name": name, "key": "redis-url"}}
+    assert redis_env(manifests)["valueFrom"] == ref
+    assert "checksum/redis" in gateway_pod(manifests)["metadata"]["annotations"]
+    assert schema_problems(list(manifests), KUBERNETES_VERSIONS[-1], tmp_path) == []
+    both = ("--set", f"gateway.redis.url={REDIS_URL}", "--set", "gateway.redis.existingSecret=r")
+    result = helm("template", RELEASE, str(CHART), *both, check=False)
+    assert result.returncode != 0 and "set url or existingSecret, not both" in result.stderr
+    assert "FURNACE_REDIS_URL" not in str(gateway_pod(render())["spec"])  # off by default

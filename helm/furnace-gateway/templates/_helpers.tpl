@@ -94,6 +94,10 @@ fall back to the chart's image. */}}
 {{- end }}
 {{- $workers = append $workers (include "furnace-gateway.poolAddress" (dict "root" $root "name" $name "pool" $pool)) }}
 {{- end }}
+{{- $upstream := $model.upstream | default "grpc" }}
+{{- if and (eq $upstream "openai") $workers }}
+{{- fail (printf "models[%d] (%s): an openai upstream takes base URLs in workers, not pools" $i $model.name) }}
+{{- end }}
 {{- $workers = concat $workers ($model.workers | default list) }}
 {{- $kind := $model.kind | default "llm" }}
 {{- if and (eq $kind "llm") (not $workers) }}
@@ -109,6 +113,20 @@ fall back to the chart's image. */}}
 {{- with $model.balance }}
 {{- $_ := set $entry "balance" . }}
 {{- end }}
+{{- if ne $upstream "grpc" }}
+{{- $_ := set $entry "upstream" $upstream }}
+{{- end }}
+{{- if $model.maxTokensLimit }}
+{{- $_ := set $entry "max_tokens_limit" (int $model.maxTokensLimit) }}
+{{- end }}
+{{- with $model.weights }}
+{{- range $worker, $weight := . }}
+{{- if not (has $worker $workers) }}
+{{- fail (printf "models[%d].weights: %q is not one of the model's workers" $i $worker) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $entry "weights" . }}
+{{- end }}
 {{- $models = append $models $entry }}
 {{- end }}
 {{- $config := deepCopy .Values.gateway.config }}
@@ -116,5 +134,57 @@ fall back to the chart's image. */}}
 {{- $_ := set $config "port" (int .Values.gateway.port) }}
 {{- $_ := set $config "drain_timeout" (int .Values.gateway.drainTimeout) }}
 {{- $_ := set $config "models" $models }}
+{{- $names := list }}
+{{- range $models }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- with .Values.gateway.teams }}
+{{- range $team, $settings := . }}
+{{- range $j, $model := ($settings | default dict).models | default list }}
+{{- if not (has $model $names) }}
+{{- fail (printf "gateway.teams.%s.models[%d]: %q is not a model of models" $team $j $model) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $_ := set $config "teams" . }}
+{{- end }}
+{{- if .Values.gateway.keys.existingSecret }}
+{{- $_ := set $config "keys_file" (printf "%s/keys.yaml" (include "furnace-gateway.keysDir" .)) }}
+{{- end }}
+{{- with .Values.gateway.workerTLS }}
+{{- if .existingSecret }}
+{{- $dir := include "furnace-gateway.workerTLSDir" $root }}
+{{- $tls := dict "ca_file" (printf "%s/ca.crt" $dir) "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) }}
+{{- with .serverName }}
+{{- $_ := set $tls "server_name" . }}
+{{- end }}
+{{- $_ := set $config "worker_tls" $tls }}
+{{- end }}
+{{- end }}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* Where the gateway finds the Secrets it mounts: the API keys and the worker TLS files
+(outside /etc/furnace, the read-only ConfigMap, which cannot hold mount points). */}}
+{{- define "furnace-gateway.keysDir" -}}/etc/furnace-keys{{- end }}
+{{- define "furnace-gateway.workerTLSDir" -}}/etc/furnace-worker-tls{{- end }}
+{{- define "furnace-gateway.poolTLSDir" -}}/etc/furnace-tls{{- end }}
+
+{{/* The Secret the chart creates for `gateway.redis.url`. */}}
+{{- define "furnace-gateway.redisSecretName" -}}
+{{- printf "%s-redis" (include "furnace-gateway.fullname" .) }}
+{{- end }}
+
+{{/* The Secret and key that hold the Redis URL, as (dict "name" "key"); empty when Redis
+is off. */}}
+{{- define "furnace-gateway.redisSecretRef" -}}
+{{- $redis := .Values.gateway.redis }}
+{{- if and $redis.url $redis.existingSecret }}
+{{- fail "gateway.redis: set url or existingSecret, not both" }}
+{{- end }}
+{{- if $redis.url }}
+{{- toYaml (dict "name" (include "furnace-gateway.redisSecretName" .) "key" "redis-url") }}
+{{- else if $redis.existingSecret }}
+{{- toYaml (dict "name" $redis.existingSecret "key" $redis.key) }}
+{{- end }}
 {{- end }}
