@@ -260,6 +260,29 @@ def test_a_model_naming_a_missing_pool_fails_to_render():
     assert 'models[0].pools: "gone" is not a key of workerPools' in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--set-json", 'models=[{"name": "m", "upstream": "openai", "pools": ["demo"]}]'),
+            "an openai upstream takes base URLs in workers, not pools",
+        ),
+        (
+            ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "weights": {"x:1": 2}}]'),
+            'models[0].weights: "x:1" is not one of the model\'s workers',
+        ),
+        (
+            ("--set-json", 'gateway.teams={"search": {"models": ["gone"]}}'),
+            'gateway.teams.search.models[0]: "gone" is not a model of models',
+        ),
+    ],
+)
+def test_team_and_model_mistakes_fail_to_render(args: tuple[str, str], message: str):
+    result = helm("template", RELEASE, str(CHART), *args, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
 def test_the_config_checksum_rolls_the_pods_on_a_config_change():
     base = checksum()
     shown = helm(
