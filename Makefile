@@ -11,7 +11,7 @@ demo: $(PY)
 	$(VENV)/bin/pip install -q -e . && $(VENV)/bin/furnace-gateway demo
 
 test: $(PY)
-	$(VENV)/bin/pip install -q -e '.[dev]' && $(PY) -m pytest
+	bash deploy/install-tools.sh && $(VENV)/bin/pip install -q -e '.[dev]' && $(PY) -m pytest
 
 lint:
 	$(VENV)/bin/ruff check gateway tests protos && $(VENV)/bin/ruff format --check gateway tests protos

