@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -236,11 +235,10 @@ def test_the_kustomize_base_runs_a_gateway_and_its_demo_pool():
     assert grace > prestop_sleep(container) + config.drain_timeout
 
 
-def test_install_tools_is_fast_once_installed():
+def test_install_tools_leaves_installed_tools_alone():
     tool("helm")
     tool("kubectl")
     tool("kubernetes-validate")
-    start = time.monotonic()
     result = run(["bash", "deploy/install-tools.sh"])
-    assert time.monotonic() - start < 5
-    assert result.stderr.count("already installed") == 2, result.stderr
+    # helm and kubectl, kubernetes-validate, redis-server: nothing fetched again
+    assert result.stderr.count("already installed") == 3, result.stderr
