@@ -49,6 +49,7 @@ ERROR_CODES: dict[str, type[errors.EngineError]] = {
     "engine_auth_failed": errors.AuthFailed,
 }
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_CLOSING: set[asyncio.Task[None]] = set()  # upstream responses being closed after a cancel
 
 
 def _error_fields(payload: Any) -> dict[str, Any]:
@@ -208,7 +209,9 @@ class UpstreamStream(StreamBookkeeping):
     def cancel(self, outcome: Outcome = CANCELLED) -> None:
         """Closes the upstream connection (the upstream sees the client leave)."""
         if self._response is not None:
-            asyncio.get_running_loop().create_task(self._response.aclose())
+            closing = asyncio.get_running_loop().create_task(self._response.aclose())
+            _CLOSING.add(closing)  # the loop keeps only a weak reference to a task
+            closing.add_done_callback(_CLOSING.discard)
         self.close(outcome)
 
 
