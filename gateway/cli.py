@@ -10,8 +10,8 @@ import sys
 from gateway.bench.command import add_arguments as add_bench_arguments
 from gateway.bench.command import main as bench_main
 from gateway.config import Config, ConfigError, load_config, parse_config
-from gateway.grpc_tls import ServerTLS
-from gateway.server import run, serve_demo, serve_gateway, serve_worker
+from gateway.lifecycle import run, serve_demo, serve_gateway, serve_worker
+from gateway.protocol.tls import ServerTLS
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
 

@@ -1,4 +1,4 @@
-"""Generates the Python stubs of the worker protocol into gateway/_proto/.
+"""Generates the Python stubs of the worker protocol into gateway/protocol/v1/.
 
 One script, so the stubs in the tree always come from the .proto the same way;
 `tests/test_proto_stubs.py` runs it into a temporary folder and fails when the
@@ -17,7 +17,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 PROTO = "furnace/engine/v1/engine.proto"
-STUB_DIR = ROOT / "gateway" / "_proto"
+STUB_DIR = ROOT / "gateway" / "protocol" / "v1"
 STUBS = ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py")
 
 
@@ -41,7 +41,7 @@ def generate(out_dir: Path) -> None:
             text = (generated / name).read_text()
             text = re.sub(
                 r"^from furnace\.engine\.v1 import ",
-                "from gateway._proto import ",
+                "from gateway.protocol.v1 import ",
                 text,
                 flags=re.MULTILINE,
             )

@@ -62,11 +62,11 @@ import uvloop
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway._proto import engine_pb2 as pb
-from gateway._proto import engine_pb2_grpc as pb_grpc
 from gateway.bench.client import OpenAIClient, Recorder, Result, Tally
 from gateway.bench.stats import percentile
 from gateway.bench.workload import ENDPOINTS, VOCABULARY, WorkloadSpec, body
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 

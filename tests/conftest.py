@@ -20,9 +20,9 @@ import pytest
 import uvloop
 
 from gateway.config import Config, ModelConfig
-from gateway.grpc_tls import ServerTLS
-from gateway.server import uvicorn_server
-from gateway.state import GatewayState
+from gateway.lifecycle import Gateway as GatewayParts
+from gateway.lifecycle import GatewayServer
+from gateway.protocol.tls import ServerTLS
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 from tests.scripted_worker import SCRIPTED_MODEL, ScriptedWorker
@@ -64,7 +64,7 @@ class Gateway:
     """A running gateway: its base URL and its state, for leak checks."""
 
     url: str
-    state: GatewayState
+    state: GatewayParts
     stop: Callable[[], None]
 
 
@@ -115,24 +115,10 @@ def make_config(workers: Workers, **overrides: Any) -> Config:
 
 def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
     """Starts the gateway under uvicorn on the server loop."""
-    server = uvicorn_server(config)
-
-    async def start() -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        return task
-
-    task = server_loop.call(start())
-    port = server.servers[0].sockets[0].getsockname()[1]
-
-    async def stop() -> None:
-        server.should_exit = True
-        await task
-
-    return Gateway(f"http://127.0.0.1:{port}", server.state, lambda: server_loop.call(stop()))
+    server = GatewayServer(config)
+    server_loop.call(server.start())
+    url = f"http://127.0.0.1:{server.port}"
+    return Gateway(url, server.gateway, lambda: server_loop.call(server.stop()))
 
 
 @pytest.fixture(scope="session")
@@ -177,8 +163,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
     """Every slot free, no call outstanding on any worker, no generation running."""
     wait_until(lambda: gw.state.slots.in_use == 0, "all slots to be free")
-    wait_until(lambda: not gw.state.inflight, "no request in flight")
-    assert gw.state.fleet is not None
+    wait_until(lambda: not gw.state.inflight.running, "no request in flight")
     pools = gw.state.fleet.models.values()
     wait_until(
         lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),

@@ -20,8 +20,8 @@ import openai
 import torch
 
 from gateway.config import Config, ModelConfig
-from gateway.server import uvicorn_server
-from gateway.types import Finished, GenerateRequest, SamplingParams, Started
+from gateway.lifecycle import GatewayServer
+from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, Started
 from gateway.worker.server import WorkerServer
 from gateway.worker.transformers_engine import TransformersEngine
 from tests.test_transformers_worker import build_tiny_model
@@ -66,13 +66,9 @@ async def gateway_rates(engine: TransformersEngine, tokens: int, streams: int) -
     worker = WorkerServer(engine)
     await worker.start()
     model = ModelConfig(engine.model, workers=(worker.address,))
-    server = uvicorn_server(Config(host="127.0.0.1", port=0, log_level="warning", models=(model,)))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        if serving.done():
-            serving.result()  # it failed to start: raise why
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server = GatewayServer(Config(host="127.0.0.1", port=0, log_level="warning", models=(model,)))
+    await server.start()
+    port = server.port
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
     async def stream(seed: int) -> int:
@@ -99,8 +95,7 @@ async def gateway_rates(engine: TransformersEngine, tokens: int, streams: int) -
             print(f"gateway {count:3d} stream(s): {total / seconds:9.1f} tokens/s in all")
     finally:
         await client.close()
-        server.should_exit = True
-        await serving
+        await server.stop()
         await worker.stop(grace=1.0)
 
 

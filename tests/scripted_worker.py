@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway._proto import engine_pb2 as pb
-from gateway._proto import engine_pb2_grpc as pb_grpc
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 
 SCRIPTED_MODEL = "scripted"
 

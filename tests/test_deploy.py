@@ -16,7 +16,7 @@ import pytest
 import yaml
 from starlette.routing import Route
 
-from gateway.app import create_app
+from gateway import lifecycle
 from gateway.config import load_config, parse_config
 from tests.k8s_tools import (
     KUBERNETES_VERSIONS,
@@ -227,7 +227,7 @@ def test_the_kustomize_base_runs_a_gateway_and_its_demo_pool():
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
     container = pod["containers"][0]
     assert container["ports"][0]["containerPort"] == config.port
-    paths = {r.path for r in create_app(config).routes if isinstance(r, Route)}
+    paths = {r.path for r in lifecycle.Gateway(config).app.routes if isinstance(r, Route)}
     probes = [container[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe")]
     assert probes == ["/health", "/ready"]
     assert set(probes) <= paths

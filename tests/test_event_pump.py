@@ -11,9 +11,9 @@ import weakref
 import pytest
 import uvloop
 
-from gateway import errors
-from gateway.event_pump import EventPump
-from gateway.types import Event, Started, Text
+from gateway.admission.pump import EventPump
+from gateway.protocol import errors
+from gateway.protocol.types import Event, Started, Text
 
 
 class FakeStream:

@@ -14,7 +14,7 @@ import dns.rrset
 import httpx
 
 from gateway.config import ModelConfig
-from gateway.types import Event, GenerateRequest
+from gateway.protocol.types import Event, GenerateRequest
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
 from tests.conftest import HANG_GUARD, assert_nothing_left, wait_until
@@ -370,7 +370,7 @@ def test_drain_timeout_cancels_the_rest(gateway_with, serve_engines, server_loop
             tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
             for started in starts:
                 await started.wait()
-            asyncio.run_coroutine_threadsafe(gw.state.drain(0.2), server_loop.loop)
+            asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.2), server_loop.loop)
             return list(await asyncio.gather(*tasks))
 
     aborted = engine.aborted

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from starlette.routing import Route
 
-from gateway.app import create_app
+from gateway import lifecycle
 from gateway.config import Config, load_config, parse_config
 from tests.conftest import Gateway
 from tests.k8s_tools import (
@@ -195,7 +195,7 @@ def test_probes_point_at_real_routes_of_the_gateway(name: str, tmp_path: Path):
     config: Config = loaded_config(manifests, tmp_path)
     routes = {
         route.path: route.methods or set()
-        for route in create_app(config).routes
+        for route in lifecycle.Gateway(config).app.routes
         if isinstance(route, Route)
     }
     container = gateway_pod(manifests)["spec"]["containers"][0]

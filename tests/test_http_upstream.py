@@ -8,10 +8,17 @@ import httpx
 import pytest
 import respx
 
-from gateway import errors
-from gateway.http_upstream import OpenAIUpstream
-from gateway.types import Finished, FinishReason, GenerateRequest, Message, SamplingParams, Started
-from gateway.worker_client import CANCELLED
+from gateway.protocol import errors
+from gateway.protocol.types import (
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Message,
+    SamplingParams,
+    Started,
+)
+from gateway.upstreams.base import CANCELLED
+from gateway.upstreams.openai_http import OpenAIUpstream
 
 BASE = "http://upstream.test/v1"
 

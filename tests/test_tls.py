@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway import errors
 from gateway.config import ModelConfig, WorkerTLS
-from gateway.engine_client import EngineClient
-from gateway.grpc_tls import ServerTLS, worker_credentials
+from gateway.protocol import errors
+from gateway.protocol.tls import ServerTLS, client_credentials
+from gateway.upstreams.furnace_grpc import EngineClient
 from gateway.worker.demo import DemoEngine
 from tests.certs import CertificateAuthority, Issued
 from tests.conftest import HANG_GUARD
@@ -115,7 +115,12 @@ def test_what_grpc_says_when_the_handshake_fails(server_loop, serve_engines, pki
     (worker,) = serve_engines(DemoEngine(MODEL), tls=pki.mutual())
 
     async def describe(tls: WorkerTLS | None) -> object:
-        client = EngineClient(worker.address, worker_credentials(tls))
+        credentials = None
+        if tls is not None:
+            credentials = client_credentials(
+                tls.ca_file, tls.cert_file, tls.key_file, tls.server_name
+            )
+        client = EngineClient(worker.address, credentials)
         try:
             return await client.describe(2.0)
         except errors.EngineError as error:

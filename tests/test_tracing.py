@@ -53,8 +53,8 @@ def test_request_and_engine_spans_continue_the_clients_trace(gateway_with, worke
 
 def test_off_means_not_imported():
     code = (
-        "import sys; from gateway.app import create_app; from gateway.config import Config;"
-        "create_app(Config()); print('opentelemetry' in ' '.join(sys.modules))"
+        "import sys; from gateway.lifecycle import Gateway; from gateway.config import Config;"
+        "Gateway(Config()); print('opentelemetry' in ' '.join(sys.modules))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -7,10 +7,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway import errors
-from gateway._proto import engine_pb2 as pb
-from gateway._proto import engine_pb2_grpc as pb_grpc
-from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol import errors
+from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
 from gateway.worker.stop import StopMatcher

@@ -27,18 +27,18 @@ from functools import partial
 import httpx
 from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
 
-from gateway import errors
-from gateway.admission import Deadline
+from gateway.admission.deadline import Deadline
 from gateway.config import Config, ModelConfig
-from gateway.engine_client import EngineClient
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
-from gateway.grpc_tls import worker_credentials
-from gateway.http_upstream import OpenAIUpstream
-from gateway.types import GenerateRequest, Started
-from gateway.worker_client import WorkerClient, WorkerStream
+from gateway.protocol import errors
+from gateway.protocol.tls import WorkerCredentials, client_credentials
+from gateway.protocol.types import GenerateRequest, Started
+from gateway.upstreams.base import WorkerClient, WorkerStream
+from gateway.upstreams.furnace_grpc import EngineClient
+from gateway.upstreams.openai_http import OpenAIUpstream
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
 
@@ -66,7 +66,7 @@ class Fleet:
     def _client_factory(self, model: ModelConfig) -> Callable[[str], WorkerClient]:
         """How the model's workers are reached: our gRPC protocol, or HTTP."""
         if model.upstream != "openai":
-            return partial(EngineClient, credentials=worker_credentials(self.config.worker_tls))
+            return partial(EngineClient, credentials=self._credentials())
 
         def upstream(base_url: str) -> WorkerClient:
             if self._http is None:  # one pool for every upstream, made on the loop
@@ -76,6 +76,12 @@ class Fleet:
             return OpenAIUpstream(base_url, self._http)
 
         return upstream
+
+    def _credentials(self) -> WorkerCredentials | None:
+        tls = self.config.worker_tls
+        if tls is None:
+            return None
+        return client_credentials(tls.ca_file, tls.cert_file, tls.key_file, tls.server_name)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ import random
 from typing import Protocol
 
 from gateway.fleet.worker import Worker
-from gateway.types import GenerateRequest
+from gateway.protocol.types import GenerateRequest
 
 VIRTUAL_NODES = 64  # ring points per unit of weight
 

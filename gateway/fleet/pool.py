@@ -11,8 +11,8 @@ from gateway.config import Config, ModelConfig
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.worker import EjectionPolicy, Worker
-from gateway.types import GenerateRequest
-from gateway.worker_client import WorkerClient
+from gateway.protocol.types import GenerateRequest
+from gateway.upstreams.base import WorkerClient
 
 log = logging.getLogger("furnace.fleet")
 

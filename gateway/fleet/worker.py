@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway import errors
-from gateway.worker_client import CANCELLED, Outcome, WorkerClient
+from gateway.protocol import errors
+from gateway.upstreams.base import CANCELLED, CallEnd, WorkerClient
 
 #: Errors that count against a worker.
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
@@ -72,7 +72,7 @@ class Worker:
             return "not_serving"
         return "healthy" if self.serving else "unknown"
 
-    def release(self, outcome: Outcome) -> None:
+    def release(self, outcome: CallEnd) -> None:
         """Called once when one of its calls ends, however it ends."""
         self.outstanding -= 1
         if outcome is None:

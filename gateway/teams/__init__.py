@@ -9,7 +9,7 @@ the gateway's slots when slots are scarce.
     ├── Team, Bucket     team.py, bucket.py
     └── headers, metrics                x-ratelimit-* headers; /metrics families
 
-A request of a keyed gateway goes: key (401, in `gateway.openai.gates`) →
+A request of a keyed gateway goes: key (401, in `gateway.edge.middleware`) →
 model allowed for its team (404, as for a model that does not exist) → the
 team's limits (429) → a slot by fair share (503). With no keys configured the
 gateway is open: no teams, no limits, and plain slots.
@@ -25,17 +25,17 @@ from contextlib import asynccontextmanager
 
 from prometheus_client import CollectorRegistry
 
-from gateway import errors
-from gateway.admission import Slots
+from gateway.admission.slots import Slots
 from gateway.config import Config
-from gateway.teams.fair_share import FairShare, OverShare
+from gateway.protocol import errors
+from gateway.protocol.types import GenerateRequest
+from gateway.teams.fair_share import FairShare
 from gateway.teams.headers import rate_limit_headers
 from gateway.teams.keys import KeyRing
 from gateway.teams.limiter import Limiter
 from gateway.teams.metrics import TeamsCollector
 from gateway.teams.team import Team
-from gateway.telemetry import RequestRecord
-from gateway.types import GenerateRequest
+from gateway.telemetry.record import RequestRecord
 
 __all__ = ["Team", "Teams", "rate_limit_headers"]
 
@@ -115,7 +115,7 @@ class Teams:
         self, team: Team | None, model: str, request: GenerateRequest, record: RequestRecord
     ) -> AsyncIterator[None]:
         """Holds what a request needs for the body of an `async with`: its team's
-        limits and a slot. Raises ModelNotFound (404), an APIError (429) or Busy (503)."""
+        limits and a slot. Raises ModelNotFound, RateLimited or Busy."""
         if team is None:
             with self.slots.hold():
                 yield
@@ -127,8 +127,5 @@ class Teams:
             with self.fair_share.hold(team):
                 lease.served = True
                 yield
-        except OverShare:
-            record.reason = "fair_share"
-            raise
         finally:
             await self.limiter.release(lease)

@@ -28,8 +28,8 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from gateway.admission import Slots
-from gateway.errors import Busy
+from gateway.admission.slots import Slots
+from gateway.protocol.errors import Busy
 from gateway.teams.team import Team
 
 
@@ -69,7 +69,8 @@ class FairShare:
                 team.refused["fair_share"] += 1
                 raise OverShare(
                     f"Team `{team.name}` holds its share of the gateway's "
-                    f"{self.slots.limit} concurrent requests; others are waiting."
+                    f"{self.slots.limit} concurrent requests; others are waiting.",
+                    reason="fair_share",
                 )
         with self.slots.hold():
             team.slots += 1

@@ -27,10 +27,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from gateway.config import Config
-from gateway.openai.errors import APIError
+from gateway.protocol.errors import RateLimited
+from gateway.protocol.types import GenerateRequest
 from gateway.teams.team import Team
-from gateway.telemetry import RequestRecord
-from gateway.types import GenerateRequest
+from gateway.telemetry.record import RequestRecord
 
 if TYPE_CHECKING:
     from gateway.teams.redis_store import RedisStore
@@ -187,7 +187,6 @@ class Limiter:
             refused = self._admit_local(lease)
         if refused:
             team.refused[refused] += 1
-            record.reason = f"team_{refused}"
             raise self._too_many(team, refused, estimate)
         team.inflight += 1
         team.tokens_charged += estimate
@@ -227,7 +226,7 @@ class Limiter:
             team.tokens.charge(lease.estimate, now)
         return ""
 
-    def _too_many(self, team: Team, refused: str, estimate: int) -> APIError:
+    def _too_many(self, team: Team, refused: str, estimate: int) -> RateLimited:
         config, now = team.config, time.monotonic()
         if refused == "requests" and team.requests is not None:
             limit, wait = config.requests_per_minute, math.ceil(team.requests.wait(1, now))
@@ -236,13 +235,11 @@ class Limiter:
         else:  # concurrency: a slot of its own comes back when a request ends
             limit, wait = config.max_concurrent_requests, self.config.retry_after
         wait = max(wait, 1)
-        return APIError(
-            429,
+        return RateLimited(
             f"Rate limit reached for team `{team.name}` on {_LIMIT_NAMES[refused]} "
             f"(limit {limit}). Please try again in {wait}s.",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
             retry_after=wait,
+            reason=f"team_{refused}",
         )
 
     @property

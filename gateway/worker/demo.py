@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
 from gateway.worker.engine import Engine, check_context
 
 DEMO_MODEL = "furnace-demo"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from gateway.errors import TooLong
-from gateway.types import Event, GenerateRequest
+from gateway.protocol.errors import TooLong
+from gateway.protocol.types import Event, GenerateRequest
 
 
 class Engine(ABC):

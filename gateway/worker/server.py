@@ -7,9 +7,9 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway._proto import engine_pb2
-from gateway._proto import engine_pb2_grpc as pb_grpc
-from gateway.grpc_tls import ServerTLS, server_credentials
+from gateway.protocol.tls import ServerTLS, server_credentials
+from gateway.protocol.v1 import engine_pb2
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.engine import Engine
 from gateway.worker.servicer import EngineService
 

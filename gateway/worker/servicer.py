@@ -16,55 +16,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway import errors
-from gateway._proto import engine_pb2 as pb
-from gateway._proto import engine_pb2_grpc as pb_grpc
-from gateway.grpc_errors import status_from_error
-from gateway.types import (
-    Event,
-    Finished,
-    FinishReason,
-    GenerateRequest,
-    Message,
-    SamplingParams,
-    Started,
-    Text,
-)
+from gateway.protocol import errors
+from gateway.protocol.convert import event_to_proto, request_from_proto
+from gateway.protocol.status import status_from_error
+from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.engine import Engine
 from gateway.worker.stop import StopMatcher
 
 log = logging.getLogger("furnace.worker")
-
-_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-
-
-def from_proto(message: pb.GenerateRequest) -> GenerateRequest:
-    """The protocol's request as ours."""
-    s = message.sampling
-
-    def opt(name: str) -> float | int | None:
-        return getattr(s, name) if s.HasField(name) else None
-
-    sampling = SamplingParams(
-        temperature=opt("temperature"),
-        top_p=opt("top_p"),
-        top_k=opt("top_k"),
-        presence_penalty=opt("presence_penalty"),
-        frequency_penalty=opt("frequency_penalty"),
-        seed=opt("seed"),
-        max_tokens=opt("max_tokens"),
-    )
-    chat = None
-    if message.WhichOneof("prompt") == "chat":
-        chat = tuple(Message(m.role, m.content) for m in message.chat.messages)
-    return GenerateRequest(
-        model=message.model,
-        prompt=message.text if chat is None else None,
-        messages=chat,
-        sampling=sampling,
-        stop=tuple(message.stop),
-        request_id=message.request_id,
-    )
 
 
 class _ReadAhead:
@@ -132,7 +93,7 @@ class EngineService(pb_grpc.EngineServicer):
         if self.active >= engine.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
         self.active += 1
-        events = _ReadAhead(engine.generate(from_proto(request)))
+        events = _ReadAhead(engine.generate(request_from_proto(request)))
         try:
             async for message in self._messages(events, StopMatcher(tuple(request.stop))):
                 yield message
@@ -171,7 +132,7 @@ class EngineService(pb_grpc.EngineServicer):
                         break
                 elif kind is Started and not started:
                     started = True
-                    yield pb.GenerateEvent(started=pb.Started(prompt_tokens=event.prompt_tokens))
+                    yield event_to_proto(event)
                 elif kind is Finished:
                     pieces.append(stop.flush())
                     finished = event
@@ -180,15 +141,10 @@ class EngineService(pb_grpc.EngineServicer):
                     raise errors.Failed(f"The engine sent {kind.__name__} out of order.")
             text = "".join(pieces)
             if text:
-                yield pb.GenerateEvent(text=pb.Text(text=text, tokens=unsent))
+                yield event_to_proto(Text(text, unsent))
                 unsent = 0
             if finished is not None:
-                yield pb.GenerateEvent(
-                    finished=pb.Finished(
-                        reason=_REASONS[finished.reason],
-                        completion_tokens=finished.completion_tokens,
-                    )
-                )
+                yield event_to_proto(finished)
                 return
             if not started:
                 raise errors.Failed("The engine did not start the answer with Started.")

@@ -43,8 +43,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from gateway.errors import Invalid
-from gateway.types import (
+from gateway.protocol.errors import Invalid
+from gateway.protocol.types import (
     Event,
     Finished,
     FinishReason,

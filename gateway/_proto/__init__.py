@@ -1,1 +1,0 @@
-"""Generated stubs of protos/furnace/engine/v1/engine.proto; regenerate with protos/generate.py."""

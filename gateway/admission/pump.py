@@ -1,0 +1,166 @@
+"""Runs one request against its worker in a task of its own, so the edge can wait
+for events with an idle timeout and keep-alive ticks, stop at once when its
+client leaves, and write every event that is ready in one send.
+
+Reading in the edge's own task would not do: cancelling a pending gRPC read
+cancels the call, so a read cannot be interrupted for a keep-alive. Here the
+reader never waits on anything but the worker, and the edge waits on a future
+that the reader, a timer or `cancel()` completes. Per event the cost is one list
+append and, when the edge is waiting, one future.
+
+The timer outlives the waits: each wait only moves the deadline (a later one
+every time, as events keep coming), and the timer, when it fires early for an
+earlier deadline, sets itself again for the current one. So a stream costs one
+timer every keep-alive interval instead of one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Coroutine
+from typing import Any
+
+from gateway.protocol import errors
+from gateway.protocol.types import Event, Finished, Started
+from gateway.upstreams.base import WorkerStream
+
+log = logging.getLogger("furnace.edge")
+
+
+class EventPump:
+    """The events of one request, in batches of what is ready.
+
+    `start` is the fleet's start of the call: it resolves to the `Started`
+    event and the stream of the rest, or raises the refusal.
+    """
+
+    def __init__(self, start: Coroutine[Any, Any, tuple[Started, WorkerStream]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start = start
+        self._stream: WorkerStream | None = None
+        self._ready: list[Event] = []
+        self._error: errors.EngineError | None = None
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._last_event = self._loop.time()
+        self._wake_at = math.inf  # when the current wait ends without an event
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf  # when `_timer` fires
+        self._reader = self._loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            first, self._stream = await self._start
+            self._ready.append(first)
+            self._last_event = self._loop.time()
+            self._wake()
+            async for event in self._stream:
+                self._ready.append(event)
+                self._last_event = self._loop.time()
+                self._wake()
+                if type(event) is Finished:
+                    self._stream.close()
+                    return
+            self._error = errors.Failed("The engine worker ended the stream without finishing.")
+        except errors.EngineError as error:
+            self._error = error
+        except Exception:
+            log.exception("reading from the engine worker failed")
+            self._error = errors.Failed("The gateway failed while reading the worker's answer.")
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        fired_for, self._timer, self._timer_at = self._timer_at, None, math.inf
+        if self._waiter is None:
+            return  # the edge is busy; its next wait sets the timer again
+        if fired_for >= self._wake_at:
+            self._wake()
+        else:  # set for an earlier wait; this one ends later
+            self._arm(self._wake_at)
+
+    async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
+        """The events ready now, waiting for at least one.
+
+        Returns [] only when `tick` seconds pass without one (time for a
+        keep-alive). Raises the stream's error once the events before it are
+        returned (or if called again after `Finished`), or `Timeout` after
+        `idle_timeout` seconds without an event (and cancels the call).
+        """
+        while not self._ready and not self._ended:
+            now = self._loop.time()
+            idle_at = self._last_event + idle_timeout
+            if now >= idle_at:
+                self.cancel()
+                raise errors.Timeout(
+                    f"The engine worker sent nothing for {idle_timeout:g} seconds."
+                )
+            wake_at = self._wake_at = idle_at if tick is None else min(idle_at, now + tick)
+            if self._timer_at > wake_at:
+                self._arm(wake_at)
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+            woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
+            if tick is not None and woken_by_tick:
+                return []
+            if self._ready and not self._ended:
+                # One more turn of the loop lets the reader add what the worker has
+                # already sent, so the edge writes it in one send: under load, 1.0 ->
+                # ~1.7 tokens per SSE chunk at 1 token per gRPC message (make bench).
+                await asyncio.sleep(0)
+        if self._ready:
+            batch, self._ready = self._ready, []
+            return batch
+        raise self._error or errors.Failed("The engine worker's stream is over.")
+
+    @property
+    def worker(self) -> str:
+        """The address of the worker that took the request, once one did."""
+        return self._stream.worker if self._stream is not None else ""
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
+        if not self._ended:
+            if self._stream is not None:
+                self._stream.cancel()
+            self._reader.cancel()
+            self._ended = True
+            self._error = reason or errors.Unavailable("The request was cancelled.")
+        self._wake()
+
+    async def aclose(self) -> None:
+        """Cancels the call if still running and waits for the reader to finish.
+
+        Then drops the stream's error: raised through `next_batch`, its traceback
+        holds this pump (and the edge's frames), so keeping it would leave the
+        whole request (tasks, transport, gRPC call) to the cyclic garbage
+        collector, whose pauses stall every stream."""
+        self.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            if not self._reader.cancelled():
+                raise
+        finally:
+            self._start.close()  # never started if cancelled at once; else a no-op
+            self._error = None

@@ -1,0 +1,71 @@
+"""The requests in flight, so a shutdown can drain them: refuse new ones, give
+those running a grace period, then cancel the rest (their workers see it).
+
+What is registered is anything with a `cancel(reason)`, the edge's event pumps
+in practice, so admission knows nothing of how a request is relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from gateway.admission.slots import Slots
+from gateway.protocol import errors
+
+log = logging.getLogger("furnace.drain")
+
+#: Seconds the cancelled requests get to write their last bytes.
+CANCEL_GRACE = 5.0
+
+
+class Cancellable(Protocol):
+    """A running request: cancelling it stops its worker's call."""
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None: ...
+
+
+class InFlight:
+    """The gateway's slots and the requests holding them, open or draining."""
+
+    def __init__(self, slots: Slots) -> None:
+        self.slots = slots
+        #: SIGTERM came: new requests are refused while those in flight finish.
+        self.draining = False
+        self.running: set[Cancellable] = set()
+
+    def check_open(self) -> None:
+        """Raises `Draining` once the gateway is shutting down."""
+        if self.draining:
+            raise errors.Draining("The gateway is shutting down; send the request again.")
+
+    @contextmanager
+    def track(self, request: Cancellable) -> Iterator[None]:
+        """Registers a running request for the body of a `with`."""
+        self.running.add(request)
+        try:
+            yield
+        finally:
+            self.running.discard(request)
+
+    async def drain(self, grace: float) -> None:
+        """Shuts the door and empties the room: new requests are refused; those
+        in flight get `grace` seconds to finish; the rest are cancelled and end
+        with an error."""
+        self.draining = True
+        log.info("draining %d requests for up to %gs", self.slots.in_use, grace)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await self.slots.wait_idle()
+        if self.running:
+            log.warning("cancelling %d requests still in flight", len(self.running))
+            reason = errors.Unavailable("The gateway shut down before the answer was complete.")
+            for request in list(self.running):
+                request.cancel(reason)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CANCEL_GRACE):
+                await self.slots.wait_idle()

@@ -1,0 +1,94 @@
+"""The Starlette application of the edge: every HTTP route (the OpenAI API and
+the operators' routes), the pure-ASGI middleware in front of them, and
+OpenAI-shaped errors for everything, from the parts the lifecycle built.
+
+The app holds no state of its own and starts nothing: the lifecycle starts the
+fleet and the teams before it binds, and closes them after it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.admission import InFlight
+from gateway.config import Config
+from gateway.edge.errors import APIError, internal_error
+from gateway.edge.middleware import HeaderLimit, KeyGate
+from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder
+from gateway.edge.openai.generation import GenerationRoute
+from gateway.edge.openai.input_limits import InputLimits
+from gateway.edge.openai.models import list_models
+from gateway.edge.openai.validation import parse_chat, parse_completion
+from gateway.edge.ops import ops_routes
+from gateway.fleet import Fleet
+from gateway.teams import Teams
+from gateway.telemetry import Telemetry
+from gateway.telemetry.tracing import Tracing
+
+log = logging.getLogger("furnace.app")
+
+
+def _error_response(error: APIError) -> Response:
+    headers = {k.decode(): v.decode() for k, v in error.headers()}
+    return Response(error.body(), error.status, headers, media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return _error_response(internal_error())
+
+
+def create_app(
+    config: Config,
+    *,
+    fleet: Fleet,
+    inflight: InFlight,
+    teams: Teams,
+    telemetry: Telemetry,
+    tracing: Tracing,
+    is_ready: Callable[[], bool],
+    started_at: int,
+) -> Starlette:
+    """The gateway's HTTP application over its parts."""
+
+    def generation(parse: Callable, encoder: type) -> GenerationRoute:  # type: ignore[type-arg]
+        return GenerationRoute(
+            parse,
+            encoder,
+            config=config,
+            fleet=fleet,
+            inflight=inflight,
+            teams=teams,
+            telemetry=telemetry,
+            tracing=tracing,
+            limits=InputLimits(config),
+        )
+
+    routes = [
+        Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
+        Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
+        Route("/v1/models", list_models(fleet, teams, started_at), methods=["GET"]),
+        *ops_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry, is_ready=is_ready),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(HeaderLimit, limit=config.max_header_bytes),
+            Middleware(KeyGate, teams=teams),
+        ],
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )

@@ -1,0 +1,33 @@
+"""The few raw-ASGI pieces every route and middleware of the edge shares: the
+callables' types and whole-JSON responses (errors in OpenAI's shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.edge.errors import APIError
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """A whole JSON response."""
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: APIError, request_id: bytes | None = None) -> None:
+    """An OpenAI-shaped error response, with the request's id when it has one."""
+    headers = error.headers()
+    if request_id is not None:
+        headers = [(b"x-request-id", request_id), *headers]
+    await send_json(send, error.status, error.body(), headers)

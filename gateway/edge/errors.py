@@ -1,0 +1,105 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
+and the one table from our engine errors to HTTP."""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.protocol import errors
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+#: Our error → HTTP status, OpenAI `type`, OpenAI `code` (DESIGN.md's table).
+ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] = {
+    errors.Invalid: (400, INVALID, None),
+    errors.TooLong: (400, INVALID, "context_length_exceeded"),
+    errors.ModelNotFound: (404, INVALID, "model_not_found"),
+    errors.NotAnLLM: (400, INVALID, "model_not_supported"),
+    errors.Busy: (503, SERVER, "server_busy"),
+    errors.Draining: (503, SERVER, "engine_unavailable"),
+    errors.RateLimited: (429, "rate_limit_error", "rate_limit_exceeded"),
+    errors.Unavailable: (503, SERVER, "engine_unavailable"),
+    errors.Timeout: (504, SERVER, "timeout"),
+    errors.AuthFailed: (502, SERVER, "engine_auth_failed"),
+    errors.Failed: (500, SERVER, "engine_error"),
+}
+
+
+class APIError(Exception):
+    """An error response the edge sends as is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+        outcome: errors.Outcome = errors.Outcome.INVALID,
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        #: What the request counts as in the metrics, and why it was refused.
+        self.outcome = outcome
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def fields(self) -> dict[str, str | None]:
+        """The inside of `{"error": ...}`."""
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+    def body(self) -> bytes:
+        """The JSON body OpenAI's clients parse."""
+        return orjson.dumps({"error": self.fields()})
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers: Retry-After on a 503."""
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", str(self.retry_after).encode())]
+
+
+def invalid(param: str | None, message: str) -> APIError:
+    """A 400 naming the parameter at fault."""
+    return APIError(400, message, param=param)
+
+
+def from_engine_error(error: errors.EngineError, retry_after: int | None) -> APIError:
+    """The HTTP error our error stands for."""
+    status, type_, code = next(
+        (row for kind, row in ENGINE_ERROR_TABLE.items() if isinstance(error, kind)),
+        (500, SERVER, "engine_error"),
+    )
+    if isinstance(error, errors.RateLimited):
+        retry_after = error.retry_after
+    elif status != 503:
+        retry_after = None
+    return APIError(
+        status,
+        error.message,
+        type=type_,
+        param=error.param,
+        code=code,
+        retry_after=retry_after,
+        outcome=error.outcome,
+        reason=error.reason,
+    )
+
+
+def internal_error() -> APIError:
+    """What a client sees when the gateway itself fails."""
+    return APIError(
+        500,
+        "The gateway failed to serve the request.",
+        type=SERVER,
+        code="internal_error",
+        outcome=errors.Outcome.ENGINE_ERROR,
+    )

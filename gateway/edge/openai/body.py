@@ -1,0 +1,53 @@
+"""Reads a request body as JSON, bounded in size, and refuses bad ones with 4xx.
+
+A body over the limit is refused from its Content-Length before any of it is
+read, or as soon as a chunked body passes the limit. orjson rejects invalid
+UTF-8 and nesting deeper than it can parse, so those become 400s here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.edge.asgi import Receive, Scope
+from gateway.edge.errors import APIError, invalid
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body is larger than {limit} bytes.", code="request_too_large"
+    )
+
+
+async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
+    """The parsed body, or an `APIError` (413 too large, 400 not JSON)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise invalid(None, "The Content-Length header is not a number.") from None
+            if declared > limit:
+                raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "The client closed the connection before sending the body.")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    if not body:
+        raise invalid(None, "The request body is empty; expected a JSON object.")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise invalid(None, f"The request body is not valid JSON: {error}.") from None

@@ -1,0 +1,275 @@
+"""The generation routes, as raw ASGI endpoints: read and check the body, take a
+slot, start the request on the fleet, and answer with JSON or SSE.
+
+A stream's status waits for the worker's first event, so refusals arrive as real
+4xx/5xx; after that an error is one SSE error payload and `[DONE]`. A client
+that goes away cancels the worker's call at once, and the slot comes back on
+every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from gateway.admission import Deadline, EventPump, InFlight
+from gateway.config import Config
+from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
+from gateway.edge.errors import APIError, from_engine_error
+from gateway.edge.openai.body import read_json
+from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
+from gateway.edge.openai.input_limits import InputLimits
+from gateway.edge.openai.validation import ParsedRequest
+from gateway.fleet import Fleet, ModelPool
+from gateway.protocol import errors
+from gateway.protocol.errors import Outcome
+from gateway.teams import Teams, team_of
+from gateway.telemetry import RequestRecord, Telemetry
+from gateway.telemetry.tracing import Tracing, annotate
+
+log = logging.getLogger("furnace.edge")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+    """The request's id (the client's x-request-id, or a new one) and the
+    metadata passed on to the worker; values that could not travel as gRPC
+    metadata (or are not W3C trace contexts) are replaced or dropped."""
+    request_id = b""
+    metadata: list[tuple[str, str]] = []
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            request_id = value
+        elif name == b"traceparent" and _TRACEPARENT.fullmatch(value):
+            metadata.append(("traceparent", value.decode("ascii")))
+    if not request_id:
+        request_id = secrets.token_hex(16).encode()
+    metadata.append(("x-request-id", request_id.decode("ascii")))
+    return request_id, tuple(metadata)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class GenerationRoute:
+    """/v1/chat/completions or /v1/completions, by its parser and encoder."""
+
+    def __init__(
+        self,
+        parse: Callable[[Any], ParsedRequest],
+        encoder_type: type[Encoder],
+        *,
+        config: Config,
+        fleet: Fleet,
+        inflight: InFlight,
+        teams: Teams,
+        telemetry: Telemetry,
+        tracing: Tracing,
+        limits: InputLimits,
+    ) -> None:
+        self.parse = parse
+        self.encoder_type = encoder_type
+        self.config = config
+        self.fleet = fleet
+        self.inflight = inflight
+        self.teams = teams
+        self.telemetry = telemetry
+        self.tracing = tracing
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serves one request; every error leaves as an OpenAI-shaped body, and
+        every request leaves one record in the metrics and the access log."""
+        request_id, metadata = _request_id(scope)
+        record = RequestRecord(request_id.decode("latin-1"))
+        traceparent = dict(metadata).get("traceparent")
+        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
+            try:
+                await self._admit(scope, receive, send, record, metadata)
+            except APIError as error:
+                await self._refuse(send, record, error)
+            except errors.EngineError as error:
+                await self._refuse(send, record, from_engine_error(error, self.config.retry_after))
+            finally:
+                self.telemetry.finish(record)
+                annotate(
+                    span,
+                    {
+                        "http.response.status_code": record.status,
+                        "gen_ai.request.model": record.model or None,
+                        "gen_ai.usage.input_tokens": record.prompt_tokens,
+                        "gen_ai.usage.output_tokens": record.completion_tokens,
+                        "furnace.outcome": record.outcome,
+                        "furnace.request_id": record.request_id,
+                    },
+                )
+
+    async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
+        record.status = error.status
+        record.outcome = error.outcome
+        record.reason = error.reason
+        await send_error(send, error, record.request_id.encode("latin-1"))
+
+    async def _admit(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> None:
+        parsed = self.parse(await read_json(scope, receive, self.config.max_body_bytes))
+        record.stream = parsed.stream
+        if self.telemetry.log_prompts:
+            generate = parsed.generate
+            record.prompt = generate.prompt if generate.messages is None else generate.messages
+        pool = self.fleet.get(parsed.model)
+        record.model = pool.name
+        parsed = self.limits.check(parsed, pool.name)
+        self.inflight.check_open()
+        async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
+            self.telemetry.begin(record, pool.name)
+            await self._serve(parsed, pool, record, metadata, receive, send)
+
+    async def _serve(
+        self,
+        parsed: ParsedRequest,
+        pool: ModelPool,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        config = self.config
+        request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
+        timeout = config.stream_timeout if parsed.stream else config.request_timeout
+        with self.tracing.engine_call(pool.name, metadata) as (span, metadata):
+            pump = EventPump(self.fleet.generate(pool, request, Deadline(timeout), metadata))
+            try:
+                await self._relay(pump, parsed, pool, record, receive, send)
+            finally:
+                annotate(span, {"furnace.worker": record.worker or None})
+
+    async def _relay(
+        self,
+        pump: EventPump,
+        parsed: ParsedRequest,
+        pool: ModelPool,
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(lambda _: pump.cancel())
+        encoder = self.encoder_type(pool.name, parsed.include_usage)
+        try:
+            with self.inflight.track(pump):
+                await self._relay_events(pump, encoder, parsed.stream, record, send, watcher)
+        except errors.EngineError:
+            if not watcher.done():
+                raise
+            record.status = record.status or 499  # nginx's "client closed request"
+            record.outcome = Outcome.CLIENT_GONE
+            log.info("client went away; request %s cancelled", record.request_id)
+        finally:
+            watcher.cancel()
+            record.worker = pump.worker
+            await pump.aclose()
+
+    async def _relay_events(
+        self,
+        pump: EventPump,
+        encoder: Encoder,
+        stream: bool,
+        record: RequestRecord,
+        send: Send,
+        watcher: asyncio.Future[None],
+    ) -> None:
+        if stream:
+            await self._stream(pump, encoder, record, send, watcher)
+        else:
+            await self._answer(pump, encoder, record, send)
+
+    async def _answer(
+        self, pump: EventPump, encoder: Encoder, record: RequestRecord, send: Send
+    ) -> None:
+        timeout = self.config.request_timeout
+        texts = []
+        try:
+            async with asyncio.timeout(timeout):
+                while record.finished is None:
+                    texts.append(record.take(await pump.next_batch(timeout)))
+        except TimeoutError:
+            raise errors.Timeout(f"The answer took longer than {timeout:g} seconds.") from None
+        finished = record.finished
+        body = encoder.response(
+            "".join(texts), finished.reason, record.prompt_tokens, finished.completion_tokens
+        )
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        await send_json(send, 200, body, [(b"x-request-id", record.request_id.encode("latin-1"))])
+
+    async def _stream(
+        self,
+        pump: EventPump,
+        encoder: Encoder,
+        record: RequestRecord,
+        send: Send,
+        watcher: asyncio.Future[None],
+    ) -> None:
+        config = self.config
+        first = await pump.next_batch(config.request_timeout)
+        text = record.take(first)
+        request_id = record.request_id.encode("latin-1")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE_HEADERS, (b"x-request-id", request_id)],
+            }
+        )
+        record.status = 200
+        # The role-opening chunk goes out with the first text (or the end), as
+        # vLLM's server sends it: the first token costs one write, not two.
+        opening = encoder.opening()
+        body = b""
+        while True:
+            if text:
+                body += opening + encoder.delta(text)
+                opening = b""
+            if record.finished is not None:
+                break
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            try:
+                batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
+            except errors.EngineError as error:
+                if watcher.done():
+                    raise
+                api_error = from_engine_error(error, config.retry_after)
+                record.outcome = api_error.outcome
+                payload = sse({"error": api_error.fields()}) + DONE
+                await send({"type": "http.response.body", "body": payload})
+                return
+            body = b"" if batch else KEEPALIVE
+            text = record.take(batch)
+        finished = record.finished
+        body += opening
+        body += encoder.closing(finished.reason, record.prompt_tokens, finished.completion_tokens)
+        record.outcome = Outcome.COMPLETED
+        await send({"type": "http.response.body", "body": body})

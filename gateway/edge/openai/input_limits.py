@@ -1,0 +1,37 @@
+"""Bounds on what one request may ask, past what validation checks: how many
+chat messages, and a model's cap on `max_tokens` (also its default, so leaving
+`max_tokens` out cannot get around it). Each is a 400 naming the parameter."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gateway.config import Config
+from gateway.edge.errors import invalid
+from gateway.edge.openai.validation import ParsedRequest
+
+
+class InputLimits:
+    """The config's bounds, by model."""
+
+    def __init__(self, config: Config) -> None:
+        self.max_messages = config.max_messages
+        self.max_tokens = {m.name: m.max_tokens_limit for m in config.models}
+
+    def check(self, parsed: ParsedRequest, model: str) -> ParsedRequest:
+        """`parsed`, with the model's `max_tokens` cap applied, or a 400."""
+        generate = parsed.generate
+        if generate.messages is not None and len(generate.messages) > self.max_messages:
+            raise invalid("messages", f"Invalid 'messages': at most {self.max_messages} messages.")
+        cap = self.max_tokens.get(model)
+        if cap is None:
+            return parsed
+        asked = generate.sampling.max_tokens
+        if asked is not None and asked > cap:
+            raise invalid(
+                "max_tokens", f"Invalid 'max_tokens': the model `{model}` allows at most {cap}."
+            )
+        if asked is None:
+            sampling = replace(generate.sampling, max_tokens=cap)
+            parsed = replace(parsed, generate=replace(generate, sampling=sampling))
+        return parsed

@@ -1,0 +1,62 @@
+"""The operators' routes: liveness, readiness, metrics (Prometheus text and a
+JSON summary) and the fleet's workers. None of them takes a slot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.admission import InFlight
+from gateway.fleet import Fleet
+from gateway.telemetry.summary import model_summary
+
+
+def json_response(payload: object, status: int = 200) -> Response:
+    """A JSON response from any orjson-serializable value."""
+    return Response(orjson.dumps(payload), status, media_type="application/json")
+
+
+def ops_routes(
+    *,
+    fleet: Fleet,
+    inflight: InFlight,
+    registry: CollectorRegistry,
+    is_ready: Callable[[], bool],
+) -> list[Route]:
+    """`/health`, `/ready`, `/metrics`, `/metrics/json` and `/admin/workers`."""
+
+    async def health(request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if is_ready():
+            return json_response({"status": "ready"})
+        return json_response({"status": "not ready"}, 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_json(request: Request) -> Response:
+        slots = inflight.slots
+        return json_response(
+            {
+                "models": model_summary(registry),
+                "slots": {"total": slots.limit, "in_use": slots.in_use},
+            }
+        )
+
+    async def workers(request: Request) -> Response:
+        return json_response({**fleet.snapshot(), "draining": inflight.draining})
+
+    return [
+        Route("/admin/workers", workers, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics/json", metrics_json, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+    ]

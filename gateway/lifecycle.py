@@ -1,0 +1,231 @@
+"""Start and stop, each as one ordered sequence: the gateway under uvicorn, a
+worker, and the two together for the demo, each on one event loop (uvloop
+where it is installed).
+
+The gateway's sequence (`GatewayServer`):
+
+    start   build the parts on the serving loop (channels belong to the loop that
+            uses them) → start the fleet (resolve workers, watch their health)
+            → start the teams (keys file, Redis) → bind → ready
+    stop    unready (/ready says 503, load balancers stop sending) → drain (new
+            requests get 503, those in flight get `drain_timeout`, the rest are
+            cancelled; their workers see it) → stop uvicorn (close the listener
+            and the connections) → close the fleet (channels) → close the teams
+            (Redis) → exit 0
+
+A start that fails closes what it had opened, in the same reverse order. The
+signals (SIGTERM, SIGINT) are ours, not uvicorn's: the first starts the stop,
+a second cuts the drain short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import uvicorn
+from starlette.applications import Starlette
+from uvicorn.lifespan.off import LifespanOff
+
+from gateway.admission import InFlight, Slots
+from gateway.admission.metrics import AdmissionCollector
+from gateway.config import Config, ModelConfig
+from gateway.edge.app import create_app
+from gateway.fleet import Fleet
+from gateway.fleet.metrics import FleetCollector
+from gateway.protocol.tls import ServerTLS
+from gateway.teams import Teams
+from gateway.telemetry import Telemetry
+from gateway.telemetry.tracing import Tracing
+from gateway.worker.engine import Engine
+from gateway.worker.server import WorkerServer
+
+log = logging.getLogger("furnace")
+
+T = TypeVar("T")
+
+#: Seconds uvicorn gives open connections to finish once the drain is over.
+CLOSE_GRACE = 5.0
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Runs `main` on uvloop when available, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+class Gateway:
+    """The parts of one gateway, each given what it needs and nothing more."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ready = False
+        self.slots = Slots(config.max_concurrent_requests)
+        self.inflight = InFlight(self.slots)
+        self.telemetry = Telemetry(config.log_prompts)
+        self.tracing = Tracing(config.tracing)
+        self.fleet = Fleet(config)
+        self.teams = Teams(config, self.slots, self.telemetry.registry)
+        registry = self.telemetry.registry
+        registry.register(AdmissionCollector(self.inflight))
+        registry.register(FleetCollector(self.fleet))
+        self.app: Starlette = create_app(
+            config,
+            fleet=self.fleet,
+            inflight=self.inflight,
+            teams=self.teams,
+            telemetry=self.telemetry,
+            tracing=self.tracing,
+            is_ready=lambda: self.ready and not self.inflight.draining,
+            started_at=int(time.time()),
+        )
+
+
+class GatewayServer:
+    """One gateway process: `start`, then `stop` (or `serve` for both around
+    the signals). Create it on the loop that will serve."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.gateway = Gateway(config)
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                self.gateway.app,
+                host=config.host,
+                port=config.port,
+                http="httptools",
+                lifespan="off",  # the parts are started and closed here, in order
+                log_level=config.log_level,
+                access_log=False,  # the gateway logs each request itself
+                timeout_graceful_shutdown=CLOSE_GRACE,
+            )
+        )
+        self._opened: list[str] = []
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one picked, when the config says 0)."""
+        return int(self.uvicorn.servers[0].sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        """Opens everything, in order, and turns ready; a failure closes what
+        was opened and raises."""
+        gateway = self.gateway
+        try:
+            # 1. The fleet: resolve workers and wait briefly for their first health report.
+            self._opened.append("fleet")
+            await gateway.fleet.start()
+            # 2. The teams: the keys file's reloads, and Redis.
+            self._opened.append("teams")
+            await gateway.teams.start()
+            # 3. Bind. uvicorn exits (SystemExit) when the port is taken.
+            settings = self.uvicorn.config
+            settings.load()
+            self.uvicorn.lifespan = LifespanOff(settings)
+            await self.uvicorn.startup()
+            self._opened.append("http")
+        except BaseException:
+            await self._close()
+            raise
+        # 4. Ready for traffic.
+        gateway.ready = True
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains and closes, in order; `grace` (default `drain_timeout`)
+        bounds the drain."""
+        gateway = self.gateway
+        # 1. Unready: /ready answers 503, so load balancers stop sending.
+        gateway.ready = False
+        # 2. Drain: refuse new requests, let those in flight finish, cancel the rest.
+        await gateway.inflight.drain(self.config.drain_timeout if grace is None else grace)
+        # 3-5. Stop serving HTTP, then close the fleet and the teams.
+        await self._close()
+
+    async def _close(self) -> None:
+        if "http" in self._opened:
+            await self.uvicorn.shutdown()
+        if "teams" in self._opened:
+            await self.gateway.teams.close()
+        if "fleet" in self._opened:
+            await self.gateway.fleet.close()
+        self._opened.clear()
+
+    async def serve(self) -> None:
+        """Serves until SIGTERM or SIGINT, then stops; a second signal cuts the
+        drain short."""
+        await self.start()
+        async with _StopSignals() as signals:
+            await signals.next()
+            log.info("stopping: draining for up to %gs", self.config.drain_timeout)
+            drain = asyncio.ensure_future(self.gateway.inflight.drain(self.config.drain_timeout))
+            self.gateway.ready = False
+            second = asyncio.ensure_future(signals.next())
+            await asyncio.wait((drain, second), return_when=asyncio.FIRST_COMPLETED)
+            second.cancel()
+            if not drain.done():
+                log.warning("second signal: the drain is cut short")
+                drain.cancel()
+                for request in list(self.gateway.inflight.running):
+                    request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
+        await self._close()
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT as events on the running loop, for the `async with`."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[int] = asyncio.Queue()
+
+    async def __aenter__(self) -> _StopSignals:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._queue.put_nowait, sig)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    async def next(self) -> int:
+        """The next signal received."""
+        return await self._queue.get()
+
+
+async def serve_gateway(config: Config) -> None:
+    """The gateway until SIGINT or SIGTERM."""
+    await GatewayServer(config).serve()
+
+
+async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | None = None) -> None:
+    """A worker until SIGTERM or SIGINT; then calls in flight get a grace period."""
+    worker = WorkerServer(engine, host, port, tls)
+    await worker.start()
+    try:
+        async with _StopSignals() as signals:
+            await signals.next()
+    finally:
+        await worker.stop()
+
+
+async def serve_demo(config: Config, engine: Engine) -> None:
+    """The gateway with an embedded demo worker on a loopback port."""
+    worker = WorkerServer(engine, "127.0.0.1", 0)
+    await worker.start()
+    model = ModelConfig(name=engine.model, workers=(worker.address,))
+    try:
+        await serve_gateway(Config(**{**config.__dict__, "models": (model,)}))
+    finally:
+        await worker.stop(grace=1.0)

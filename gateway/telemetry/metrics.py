@@ -1,0 +1,116 @@
+"""The request metrics: Prometheus families in the gateway's own registry, filled
+once per request from its `RequestRecord` (and per written batch, the
+inter-token histogram through the label child the record holds).
+
+Label values come from the config (model names) and from the error tree
+(outcomes, refusal reasons), never from what a client sends, so a client cannot
+blow up the series count.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.protocol.errors import Outcome
+from gateway.telemetry.record import RequestRecord
+
+PREFIX = "furnace_gateway"
+# From a millisecond to minutes: a cached short prompt to a long queue.
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800, 3600)
+
+
+class RequestMetrics:
+    """The per-request metric families, registered in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Requests by model, outcome and HTTP status.",
+            ["model", "outcome", "status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            f"{PREFIX}_rejections",
+            "Requests refused before reaching a worker, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            f"{PREFIX}_inflight_requests", "Requests being served.", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From arrival to the first token written.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between tokens written, per token.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "From arrival to the last byte.",
+            ["model"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of answered requests.", ["model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            f"{PREFIX}_completion_tokens",
+            "Completion tokens sent, streams included.",
+            ["model"],
+            registry=r,
+        )
+
+    def begin(self, record: RequestRecord, model: str) -> None:
+        """The request has a model and a slot."""
+        record.model = model
+        record.itl = self.itl.labels(model)
+        self.inflight.labels(model).inc()
+
+    def finish(self, record: RequestRecord, end: float) -> float | None:
+        """Records the request's figures; returns its time to first token."""
+        model = record.model
+        outcome = record.outcome or Outcome.ENGINE_ERROR
+        if record.itl is not None:  # begun: it held a slot
+            self.inflight.labels(model).dec()
+        self.requests.labels(model, outcome, str(record.status)).inc()
+        if outcome is Outcome.REJECTED:
+            self.rejections.labels(model, record.reason).inc()
+        ttft = None
+        if record.first_token_at is not None:
+            ttft = record.first_token_at - record.started_at
+            self.ttft.labels(model).observe(ttft)
+        if model and record.status == 200:
+            self.e2e.labels(model).observe(end - record.started_at)
+            self.prompt_tokens.labels(model).inc(record.prompt_tokens)
+            self.completion_tokens.labels(model).inc(record.completion_tokens)
+        return ttft

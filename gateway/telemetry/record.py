@@ -1,0 +1,82 @@
+"""The running tally of one request: what the edge has written so far (tokens,
+timings, the worker's counts), read once at the end by the metrics and the
+access log, and while it runs by a team's token billing.
+
+`take` is on the token path: one call per written batch, no allocation beyond
+the joined text, and at most one histogram observation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.protocol.errors import Outcome
+from gateway.protocol.types import Event, Finished, Started, Text
+
+
+class RequestRecord:
+    """One request as it goes: filled by the edge, read once at the end."""
+
+    __slots__ = (
+        "completion_tokens",
+        "finished",
+        "first_token_at",
+        "itl",
+        "last_token_at",
+        "model",
+        "outcome",
+        "prompt",
+        "prompt_tokens",
+        "reason",
+        "request_id",
+        "started_at",
+        "status",
+        "stream",
+        "tokens_sent",
+        "worker",
+    )
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.started_at = time.perf_counter()
+        self.model = ""
+        self.stream = False
+        self.worker = ""
+        self.status = 0
+        self.outcome: Outcome | None = None
+        self.reason = ""
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.tokens_sent = 0  # completion tokens written so far (a team's limits read it)
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.finished: Finished | None = None
+        self.prompt: Any = None
+        self.itl: Any = None  # the model's inter-token-latency histogram child
+
+    def take(self, batch: list[Event]) -> str:
+        """Records a batch of events as it is written; returns its text, joined."""
+        pieces = []
+        tokens = 0
+        for event in batch:
+            kind = type(event)
+            if kind is Text:
+                pieces.append(event.text)
+                tokens += event.tokens
+            elif kind is Started:
+                self.prompt_tokens = event.prompt_tokens
+            elif kind is Finished:
+                self.finished = event
+                self.completion_tokens = event.completion_tokens
+                if event.prompt_tokens is not None:
+                    self.prompt_tokens = event.prompt_tokens
+        if tokens:
+            self.tokens_sent += tokens
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.itl is not None:
+                self.itl.observe((now - self.last_token_at) / tokens)
+            self.last_token_at = now
+        return "".join(pieces)

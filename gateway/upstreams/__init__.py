@@ -1,0 +1,9 @@
+"""The ways of reaching a worker, one module each behind one interface (`base`):
+
+    base.py          WorkerClient and WorkerStream: what the fleet needs of any worker
+    furnace_grpc.py  our worker protocol over one grpc.aio channel per worker
+    openai_http.py   OpenAI-compatible HTTP servers (vLLM, SGLang, ...) over httpx
+
+Each translates its foreign failures into the error tree through one table,
+and knows nothing of OpenAI's wire shapes or the edge.
+"""

@@ -1,0 +1,82 @@
+"""What the fleet needs of a worker, whatever it speaks: our gRPC protocol
+(`engine_client`) or an OpenAI-compatible HTTP API (`http_upstream`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.protocol import errors
+from gateway.protocol.types import Event, GenerateRequest
+
+#: How a call ended, for the owner's bookkeeping: None (finished), the error, or
+#: CANCELLED when we cancelled it (which says nothing about the worker).
+CANCELLED = "cancelled"
+CallEnd = errors.EngineError | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """One model a worker says it serves."""
+
+    name: str
+    max_context: int
+
+
+class StreamBookkeeping:
+    """What every worker stream does alike: it knows its worker, and it tells
+    its owner how the call ended, exactly once, whatever ends it."""
+
+    __slots__ = ("_closed", "_on_close", "worker")
+
+    def __init__(self, worker: str, on_close: Callable[[CallEnd], None]) -> None:
+        self.worker = worker
+        self._on_close = on_close
+        self._closed = False
+
+    def close(self, outcome: CallEnd = None) -> None:
+        """Marks the call over; tells the owner how, exactly once."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(outcome)
+
+
+class WorkerStream(Protocol):
+    """One call: our events in order; ends by `Finished` or an `EngineError`."""
+
+    worker: str
+
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    async def __anext__(self) -> Event: ...
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Stops the call; the worker sees it."""
+
+    def close(self, outcome: CallEnd = None) -> None:
+        """Marks the call over, telling the owner `outcome` once."""
+
+
+class WorkerClient(Protocol):
+    """One worker at one address."""
+
+    address: str
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_close: Callable[[CallEnd], None] = ...,
+    ) -> WorkerStream:
+        """Starts a call; `timeout` seconds is its deadline."""
+
+    async def describe(self, deadline: float) -> list[ModelDescription]:
+        """The models it serves."""
+
+    def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+        """Whether it serves, as that changes; raises `EngineError` when unreachable."""
+
+    async def close(self) -> None:
+        """Releases its connections."""

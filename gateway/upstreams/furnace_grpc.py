@@ -1,0 +1,143 @@
+"""The gateway's side of the worker protocol: one long-lived grpc.aio channel per
+worker, our requests to protobuf, protobuf events back to ours, and every gRPC
+failure turned into an `EngineError` through the one table in `grpc_errors`.
+
+Everything above this module sees only `gateway.protocol.types` and `gateway.protocol.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.protocol import errors
+from gateway.protocol.convert import event_from_proto, request_to_proto
+from gateway.protocol.status import error_from_status
+from gateway.protocol.tls import WorkerCredentials
+from gateway.protocol.types import Event, GenerateRequest
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
+
+# Loopback and in-cluster links: keep connections warm, allow big prompts.
+_CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+
+
+#: The service whose health a worker reports (see gateway.worker.server).
+HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error_from_status(error.code(), error.details(), error.trailing_metadata())
+    return errors.Unavailable(f"engine worker call failed: {error}")
+
+
+class EngineStream(StreamBookkeeping):
+    """One Generate call: iterate for our events; `cancel()` stops the worker."""
+
+    __slots__ = ("_call",)
+
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, worker: str, on_close: Callable[[CallEnd], None]
+    ) -> None:
+        super().__init__(worker, on_close)
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as error:
+            failure = _from_rpc_error(error)
+            self.close(failure)
+            raise failure from None
+        if message is grpc.aio.EOF:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            return event_from_proto(message)
+        except errors.Failed as failure:
+            self.cancel(failure)
+            raise
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Cancels the call (the worker sees CANCELLED and aborts); `outcome`
+        is what the owner hears: our own cancellation, or a failure we saw."""
+        self._call.cancel()
+        self.close(outcome)
+
+
+class EngineClient:
+    """A worker at one address, over one channel created on the running loop."""
+
+    def __init__(self, address: str, credentials: WorkerCredentials | None = None) -> None:
+        self.address = address
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:  # TLS, mutual when the credentials hold a client certificate
+            options = _CHANNEL_OPTIONS + credentials.options
+            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
+        self._stub = pb_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_close: Callable[[CallEnd], None] = lambda outcome: None,
+    ) -> EngineStream:
+        """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
+        call = self._stub.Generate(request_to_proto(request), timeout=timeout, metadata=metadata)
+        return EngineStream(call, self.address, on_close)
+
+    async def describe(self, deadline: float) -> list[ModelDescription]:
+        """The models the worker serves (within `deadline` seconds), or an `EngineError`."""
+        try:
+            reply = await self._stub.Describe(pb.DescribeRequest(), timeout=deadline)
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        return [ModelDescription(m.name, m.max_context) for m in reply.models]
+
+    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+        """Whether the worker is serving, each time that changes: the health
+        Watch stream where the worker has it, else a Check every `poll_interval`
+        (a worker without the health service counts as serving). Ends with an
+        `EngineError` when the worker cannot be reached."""
+        request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for reply in self._health.Watch(request):
+                yield reply.status == serving
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _from_rpc_error(error) from None
+        while True:
+            try:
+                reply = await self._health.Check(request, timeout=poll_interval)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise _from_rpc_error(error) from None
+                yield True  # no health service: passive ejection alone judges it
+            else:
+                yield reply.status == serving
+            await asyncio.sleep(poll_interval)
+
+    async def close(self) -> None:
+        """Closes the channel, cancelling calls still on it."""
+        await self._channel.close()
