@@ -2,16 +2,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format protos bench bench-fleet
+.PHONY: demo test lint format protos bench bench-fleet constraints
 
 $(PY):
 	python3 -m venv $(VENV)
 
 demo: $(PY)
-	$(VENV)/bin/pip install -q -e . && $(VENV)/bin/furnace-gateway demo
+	$(VENV)/bin/pip install -q -c constraints.txt -e . && $(VENV)/bin/furnace-gateway demo
 
 test: $(PY)
-	bash deploy/install-tools.sh && $(VENV)/bin/pip install -q -e '.[dev]' && $(PY) -m pytest
+	bash deploy/install-tools.sh && $(VENV)/bin/pip install -q -c constraints.txt -e '.[dev]' && $(PY) -m pytest
 
 lint:
 	$(VENV)/bin/ruff check gateway tests protos && $(VENV)/bin/ruff format --check gateway tests protos
@@ -27,3 +27,7 @@ bench:
 
 bench-fleet:
 	$(PY) -m tests.bench_fleet
+
+# The pinned versions CI and the image install; run after changing a dependency.
+constraints: $(PY)
+	{ sed -n '1,3p' constraints.txt; $(VENV)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -v '^furnace'; } > constraints.new && mv constraints.new constraints.txt

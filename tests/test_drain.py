@@ -1,0 +1,60 @@
+"""A draining gateway refuses new requests as rejections with reason `draining`
+(they were miscounted as engine errors), while the requests it holds finish."""
+
+import asyncio
+import threading
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+GUARD = 30.0
+
+
+def _samples(url: str) -> dict[tuple, float]:
+    text = httpx.get(url + "/metrics", timeout=GUARD).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_request_refused_while_draining_counts_as_a_draining_rejection(
+    gateway_with, server_loop
+):
+    gw = gateway_with()
+    body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
+    first_line = threading.Event()
+    lines: list[str] = []
+
+    def hold_a_stream() -> None:
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=GUARD) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first_line.set()
+
+    holder = threading.Thread(target=hold_a_stream)
+    holder.start()
+    assert first_line.wait(GUARD)
+    drain = asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(GUARD), server_loop.loop)
+
+    refused = httpx.post(
+        gw.url + "/v1/completions", json={"model": "furnace-demo", "prompt": "hi"}, timeout=GUARD
+    )
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert httpx.get(gw.url + "/ready", timeout=GUARD).status_code == 503
+
+    holder.join(GUARD)
+    drain.result(GUARD)
+    lines = [line for line in lines if line]
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    samples = _samples(gw.url)
+    labels = (("model", "furnace-demo"), ("reason", "draining"))
+    assert samples[("furnace_gateway_rejections_total", labels)] == 1
+    outcome = (("model", "furnace-demo"), ("outcome", "rejected"), ("status", "503"))
+    assert samples[("furnace_gateway_requests_total", outcome)] == 1
+    assert not any(
+        name == "furnace_gateway_requests_total" and dict(labels).get("outcome") == "engine_error"
+        for name, labels in samples
+    )
