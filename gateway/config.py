@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, get_type_hints
 
 import yaml
 
@@ -23,10 +23,53 @@ BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 #: Team names go into metric labels and Redis keys: keep them plain.
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 UPSTREAMS = ("grpc", "openai")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
     """The config is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A config field's bounds and meaning, declared once on the field: the loader checks
+    them, and deploy/config_schema.py writes them into the chart's values schema and the
+    README's table."""
+
+    #: One line: what the field does, for the README and the values schema.
+    help: str
+    #: The least value a number may take (inclusive).
+    minimum: int | float | None = None
+    #: The largest value a number may take (inclusive); None: no bound.
+    maximum: int | float | None = None
+    #: The values a string may take (the loader lowercases it first).
+    choices: tuple[str, ...] = ()
+    #: The shortest a string may be.
+    min_length: int = 0
+
+
+def setting(
+    default: _T,
+    help: str,
+    *,
+    minimum: int | float | None = None,
+    maximum: int | float | None = None,
+    choices: tuple[str, ...] = (),
+    min_length: int = 0,
+) -> _T:
+    """A dataclass field with its default and its `Spec`."""
+    spec = Spec(help, minimum, maximum, choices, min_length)
+    return field(default=default, metadata={"spec": spec})
+
+
+def spec_of(declared: Field[Any]) -> Spec:
+    """The `Spec` a field was declared with."""
+    spec = declared.metadata.get("spec")
+    if not isinstance(spec, Spec):
+        raise TypeError(f"{declared.name}: declared without setting()")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -87,100 +130,146 @@ class WorkerTLS:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything `furnace-gateway serve` reads."""
+    """Everything `furnace-gateway serve` reads. Each field is declared once, here: its
+    type, default, bounds and meaning (`setting`)."""
 
-    host: str = "0.0.0.0"
-    port: int = 8000
-    #: Requests served at once, all routes together; one more gets 503 at once.
-    max_concurrent_requests: int = 256
-    #: Seconds for a whole non-streamed answer, and for each event of a stream.
-    request_timeout: float = 600.0
-    #: Seconds a whole stream may last; its gRPC deadline.
-    stream_timeout: float = 3600.0
-    #: Seconds of quiet in a stream before an SSE comment keeps proxies from cutting it.
-    keepalive_interval: float = 15.0
-    #: Largest request body read, in bytes; a larger one gets 413.
-    max_body_bytes: int = 4 * 1024 * 1024
-    #: Seconds sent in Retry-After with a 503.
-    retry_after: int = 1
-    log_level: str = "info"
-    #: Put prompts in the access log (never completions or keys). Off by default.
-    log_prompts: bool = False
-    #: OpenTelemetry spans for requests and worker calls (the `otel` extra).
-    tracing: bool = False
-    #: Seconds after SIGTERM for requests in flight to finish before they are cancelled.
-    drain_timeout: float = 30.0
-    #: Seconds between DNS lookups of `dns:` worker names.
-    discovery_interval: float = 10.0
-    #: Seconds between health checks of workers that cannot be watched.
-    health_check_interval: float = 5.0
-    #: Seconds a worker may take to start an answer before another worker is tried.
-    start_timeout: float = 10.0
-    #: Consecutive transport failures that eject a worker.
-    eject_after_failures: int = 3
-    #: Seconds of a first ejection; each further one doubles, up to `eject_max`.
-    eject_base: float = 1.0
-    eject_max: float = 60.0
-    #: Tries per request, the first included; only before the worker's first event.
-    retry_attempts: int = 3
-    #: Retries allowed, as a fraction of requests over the last 10 seconds.
-    retry_budget: float = 0.2
-    #: Seconds: the scale of the jittered exponential back-off between tries.
-    retry_backoff: float = 0.025
-    #: Characters of the prompt that `prefix_affinity` hashes.
-    affinity_prefix_chars: int = 256
-    #: With `prefix_affinity`, no worker takes more than this times the average load.
-    affinity_load_factor: float = 1.25
-    #: Most messages in one chat request; more get 400.
-    max_messages: int = 2048
-    #: Largest total size of a request's headers, in bytes; larger get 431.
-    max_header_bytes: int = 32 * 1024
-    #: API keys by their SHA-256, each naming its team. No keys (and no
-    #: `keys_file`): the gateway is open to anyone who reaches it.
-    keys: tuple[KeyConfig, ...] = ()
-    #: A YAML file of more keys (a list shaped like `keys`), e.g. from a Kubernetes Secret.
-    keys_file: str | None = None
-    teams: tuple[TeamConfig, ...] = ()
-    #: Redis holding the teams' limits for every replica; None: each gateway's memory.
-    redis_url: str | None = None
-    #: Seconds for each Redis call; past it the gateway serves with its local limits.
-    redis_timeout: float = 0.25
-    #: Prefix of the Redis keys, so gateways of several deployments can share a Redis.
-    redis_key_prefix: str = "furnace"
-    worker_tls: WorkerTLS | None = None
-    models: tuple[ModelConfig, ...] = field(default_factory=tuple)
+    host: str = setting("0.0.0.0", "the address the gateway listens on")
+    port: int = setting(8000, "the port the gateway listens on", minimum=0, maximum=65535)
+    max_concurrent_requests: int = setting(
+        256, "requests served at once, all routes together; one more gets 503 at once", minimum=1
+    )
+    request_timeout: float = setting(
+        600.0,
+        "seconds for a whole non-streamed answer (then 504 `timeout`), and for the wait for "
+        "each streamed event (then an error payload and `[DONE]`)",
+        minimum=0.001,
+    )
+    stream_timeout: float = setting(
+        3600.0,
+        "seconds a whole stream may last, passed to the worker as the gRPC deadline",
+        minimum=0.001,
+    )
+    keepalive_interval: float = setting(
+        15.0,
+        "seconds of quiet in a stream (a long prefill) before a `: keep-alive` comment keeps "
+        "proxies from cutting it",
+        minimum=0.001,
+    )
+    max_body_bytes: int = setting(
+        4 * 1024 * 1024,
+        "the largest request body, in bytes; a larger one gets 413 before it is read",
+        minimum=1,
+    )
+    retry_after: int = setting(1, "seconds sent in the `Retry-After` of a 503", minimum=0)
+    log_level: str = setting("info", "how much the gateway logs", choices=LOG_LEVELS)
+    log_prompts: bool = setting(False, "put prompts in the access log (never completions or keys)")
+    tracing: bool = setting(
+        False, "OpenTelemetry spans for requests and worker calls (the `otel` extra)"
+    )
+    drain_timeout: float = setting(
+        30.0,
+        "seconds after SIGTERM for requests in flight to finish; the rest are then cancelled",
+        minimum=0,
+    )
+    discovery_interval: float = setting(
+        10.0, "seconds between DNS lookups of `dns:` worker names", minimum=0.01
+    )
+    health_check_interval: float = setting(
+        5.0,
+        "seconds between health checks of workers that cannot be watched (and the most a "
+        "reconnect waits)",
+        minimum=0.01,
+    )
+    start_timeout: float = setting(
+        10.0,
+        "seconds a worker may take to start an answer (its first event) before another worker "
+        "is tried",
+        minimum=0.001,
+    )
+    eject_after_failures: int = setting(
+        3,
+        "consecutive transport failures (unreachable, internal error, deadline) that eject a "
+        "worker",
+        minimum=1,
+    )
+    eject_base: float = setting(
+        1.0,
+        "seconds of a first ejection; each further one in a row doubles it, up to `eject_max`",
+        minimum=0,
+    )
+    eject_max: float = setting(60.0, "the most seconds an ejection lasts", minimum=0)
+    retry_attempts: int = setting(
+        3, "tries per request, the first included; only before the worker's first event", minimum=1
+    )
+    retry_budget: float = setting(
+        0.2, "retries allowed, as a fraction of requests over the last 10 s (plus 3)", minimum=0
+    )
+    retry_backoff: float = setting(
+        0.025,
+        "seconds: the scale of the jittered exponential back-off between tries",
+        minimum=0,
+    )
+    affinity_prefix_chars: int = setting(
+        256, "characters of the prompt that `prefix_affinity` hashes", minimum=1
+    )
+    affinity_load_factor: float = setting(
+        1.25,
+        "with `prefix_affinity`, no worker takes more than this times the average load",
+        minimum=1,
+    )
+    max_messages: int = setting(2048, "most messages in one chat request; more get 400", minimum=1)
+    max_header_bytes: int = setting(
+        32 * 1024,
+        "the largest total size of a request's headers, in bytes; larger get 431",
+        minimum=1024,
+    )
+    keys: tuple[KeyConfig, ...] = setting(
+        (),
+        "API keys by their SHA-256 (`[{sha256, team}]`); no keys (and no `keys_file`): the "
+        "gateway is open to anyone who reaches it",
+    )
+    keys_file: str | None = setting(
+        None,
+        "a YAML file of more keys (a list shaped like `keys`), e.g. from a Kubernetes Secret; "
+        "read again when it changes",
+    )
+    teams: tuple[TeamConfig, ...] = setting(
+        (), "product teams by name: their share of the slots, their limits, their models"
+    )
+    redis_url: str | None = setting(
+        None,
+        "Redis (`redis://`, `rediss://`, `unix://`) holding the teams' limits for every "
+        "replica; none: each gateway's memory",
+    )
+    redis_timeout: float = setting(
+        0.25,
+        "seconds for each Redis call; past it the gateway serves with its local limits",
+        minimum=0.001,
+    )
+    redis_key_prefix: str = setting(
+        "furnace",
+        "prefix of the Redis keys, so gateways of several deployments can share a Redis",
+        min_length=1,
+    )
+    # (a frozen dataclass: immutable, though ruff cannot tell)
+    worker_tls: WorkerTLS | None = setting(  # noqa: RUF009
+        None,
+        "TLS to gRPC workers: `ca_file`, `cert_file` and `key_file` (mutual), `server_name`",
+    )
+    models: tuple[ModelConfig, ...] = setting(
+        (), "the models served, in order (the first LLM is the default): see `models[]` below"
+    )
 
 
-_NUMBERS: dict[str, tuple[type, float]] = {
-    "port": (int, 0),
-    "max_concurrent_requests": (int, 1),
-    "request_timeout": (float, 0.001),
-    "stream_timeout": (float, 0.001),
-    "keepalive_interval": (float, 0.001),
-    "max_body_bytes": (int, 1),
-    "retry_after": (int, 0),
-    "drain_timeout": (float, 0),
-    "discovery_interval": (float, 0.01),
-    "health_check_interval": (float, 0.01),
-    "start_timeout": (float, 0.001),
-    "eject_after_failures": (int, 1),
-    "eject_base": (float, 0),
-    "eject_max": (float, 0),
-    "retry_attempts": (int, 1),
-    "retry_budget": (float, 0),
-    "retry_backoff": (float, 0),
-    "affinity_prefix_chars": (int, 1),
-    "affinity_load_factor": (float, 1),
-    "max_messages": (int, 1),
-    "max_header_bytes": (int, 1024),
-    "redis_timeout": (float, 0.001),
-}
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: Each top-level field's declaration, by name, in declaration order.
+SPECS: dict[str, Spec] = {declared.name: spec_of(declared) for declared in fields(Config)}
+#: Each top-level field's type (`int`, `float`, `str`, ...), by name.
+TYPES: dict[str, Any] = get_type_hints(Config)
 #: Fields whose environment override is YAML (a list or a mapping).
 _STRUCTURED = ("models", "teams", "keys", "worker_tls")
 
 
-def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
+def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | None = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     try:
@@ -191,7 +280,34 @@ def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
         raise ConfigError(f"{name}: expected a whole number, got {value!r}")
     if number < minimum:
         raise ConfigError(f"{name}: must be at least {minimum}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name}: must be at most {maximum}, got {value!r}")
     return number
+
+
+def _text(name: str, value: Any, spec: Spec) -> str:
+    if spec.choices:
+        text = str(value).lower()
+        if text not in spec.choices:
+            raise ConfigError(f"{name}: expected one of {', '.join(spec.choices)}")
+        return text
+    if not isinstance(value, str) or len(value) < spec.min_length:
+        wanted = "a non-empty string" if spec.min_length else "a string"
+        raise ConfigError(f"{name}: expected {wanted}")
+    return value
+
+
+def _scalars(values: dict[str, Any]) -> None:
+    """Checks, in place, the top-level numbers, strings and flags against their `Spec`."""
+    for name, spec in SPECS.items():
+        if name in values and TYPES[name] in (int, float):
+            minimum = 0 if spec.minimum is None else spec.minimum
+            values[name] = _number(name, values[name], TYPES[name], minimum, spec.maximum)
+    for name, spec in SPECS.items():
+        if name in values and TYPES[name] is str:
+            values[name] = _text(name, values[name], spec)
+        elif name in values and TYPES[name] is bool:
+            values[name] = _flag(name, values[name])
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -346,7 +462,7 @@ def _worker_tls(raw: Any) -> WorkerTLS | None:
 
 
 def _teams_and_keys(values: dict[str, Any]) -> None:
-    """Checks `teams`, `keys`, `keys_file`, `redis_*` and `worker_tls` in place."""
+    """Checks `teams`, `keys`, `keys_file`, `redis_url` and `worker_tls` in place."""
     teams = values.get("teams") or {}
     if not isinstance(teams, Mapping):
         raise ConfigError("teams: expected a mapping of team name to its settings")
@@ -361,8 +477,6 @@ def _teams_and_keys(values: dict[str, Any]) -> None:
     # never echo the URL: it may hold a password
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("redis_url: expected a redis://, rediss:// or unix:// URL")
-    prefix = _optional_text("redis_key_prefix", values.get("redis_key_prefix", "furnace"))
-    values["redis_key_prefix"] = prefix
     values["worker_tls"] = _worker_tls(values.get("worker_tls"))
 
 
@@ -380,17 +494,7 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     unknown = set(values) - known
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown field")
-    for name, (kind, minimum) in _NUMBERS.items():
-        if name in values:
-            values[name] = _number(name, values[name], kind, minimum)
-    if not isinstance(values.get("host", ""), str):
-        raise ConfigError("host: expected a string")
-    for name in ("log_prompts", "tracing"):
-        values[name] = _flag(name, values.get(name, False))
-    level = str(values.get("log_level", "info")).lower()
-    if level not in _LOG_LEVELS:
-        raise ConfigError(f"log_level: expected one of {', '.join(_LOG_LEVELS)}")
-    values["log_level"] = level
+    _scalars(values)
     models = values.get("models") or []
     if not isinstance(models, list):
         raise ConfigError("models: expected a list")

@@ -1,0 +1,152 @@
+"""Writes the gateway's config fields, declared once in gateway/config.py (`setting`), where
+the chart and the README repeat them: the JSON schema of `gateway.config` in the chart's
+values.schema.json, and the rows of top-level fields in the README's configuration table.
+
+    .venv/bin/python deploy/config_schema.py          # rewrites both files
+    .venv/bin/python deploy/config_schema.py --check  # exits 1 when either is stale
+
+(A script, not a module of the `gateway` package: it writes files of the repository, which
+the installed package does not ship.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.config import SPECS, TYPES, Config, Spec
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = ROOT / "helm" / "furnace-gateway" / "values.schema.json"
+README = ROOT / "README.md"
+#: The line above the README's table; the rows below it, up to the first `models[]` row
+#: (written by hand), are generated.
+README_MARKER = (
+    "<!-- The table's header and its rows of top-level fields are generated from "
+    "gateway/config.py: python deploy/config_schema.py -->"
+)
+#: Top-level fields the chart's `gateway.config` may not hold: the chart writes them from
+#: its own values (`gateway.port`, `gateway.drainTimeout`, `models`, `gateway.teams`, the
+#: Secrets of `gateway.keys` and `gateway.workerTLS`), or passes them outside the ConfigMap
+#: (`redis_url`, from a Secret as FURNACE_REDIS_URL; `keys`, only through `keys_file`).
+SET_BY_THE_CHART = (
+    "host",
+    "port",
+    "drain_timeout",
+    "models",
+    "teams",
+    "keys",
+    "keys_file",
+    "redis_url",
+    "worker_tls",
+)
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+
+
+def field_schema(name: str) -> dict[str, Any]:
+    """The JSON schema of one top-level scalar field, from its declaration."""
+    spec = SPECS[name]
+    schema: dict[str, Any] = {"type": _JSON_TYPES[TYPES[name]]}
+    if spec.choices:
+        schema["enum"] = list(spec.choices)
+    if spec.min_length:
+        schema["minLength"] = spec.min_length
+    if spec.minimum is not None:
+        schema["minimum"] = spec.minimum
+    if spec.maximum is not None:
+        schema["maximum"] = spec.maximum
+    schema["description"] = spec.help[0].upper() + spec.help[1:] + "."
+    return schema
+
+
+def chart_config_schema() -> dict[str, Any]:
+    """`properties` of `gateway.config` in the values schema: every field the chart leaves to
+    its values, in declaration order."""
+    return {name: field_schema(name) for name in SPECS if name not in SET_BY_THE_CHART}
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _default(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, int) and name.endswith("_bytes"):
+        for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value >= size and value % size == 0:
+                return f"{value // size} {unit}"
+    return _number(value)
+
+
+def _bounds(spec: Spec) -> str:
+    if spec.choices:
+        return "one of " + ", ".join(f"`{choice}`" for choice in spec.choices)
+    if spec.minimum is not None and spec.maximum is not None:
+        return f"from {_number(spec.minimum)} to {_number(spec.maximum)}"
+    if spec.minimum is not None:
+        return f"at least {_number(spec.minimum)}"
+    if spec.min_length:
+        return "not empty"
+    return ""
+
+
+def readme_rows() -> list[str]:
+    """The README table's header and a row for each top-level field."""
+    defaults = Config()
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    for name, spec in SPECS.items():
+        bounds = _bounds(spec)
+        meaning = f"{spec.help} ({bounds})" if bounds else spec.help
+        rows.append(f"| `{name}` | {_default(name, getattr(defaults, name))} | {meaning} |")
+    return rows
+
+
+def render_schema(text: str) -> str:
+    """The values schema `text` with its `gateway.config` properties regenerated."""
+    schema = json.loads(text)
+    config = schema["properties"]["gateway"]["properties"]["config"]
+    config["properties"] = chart_config_schema()
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def render_readme(text: str) -> str:
+    """The README `text` with its table's generated rows regenerated."""
+    lines = text.split("\n")
+    start = lines.index(README_MARKER) + 1
+    end = start
+    while (
+        end < len(lines) and lines[end].startswith("|") and not lines[end].startswith("| `models[")
+    ):
+        end += 1
+    if end == start:
+        raise ValueError(f"README.md: no table under {README_MARKER!r}")
+    return "\n".join([*lines[:start], *readme_rows(), *lines[end:]])
+
+
+def main(argv: list[str]) -> int:
+    check = argv == ["--check"]
+    if argv and not check:
+        print(__doc__, file=sys.stderr)
+        return 2
+    stale = []
+    for path, render in ((SCHEMA, render_schema), (README, render_readme)):
+        text = path.read_text()
+        fresh = render(text)
+        if fresh != text:
+            stale.append(path.relative_to(ROOT))
+            if not check:
+                path.write_text(fresh)
+    for path in stale:
+        print(f"{path}: {'stale' if check else 'regenerated'}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
