@@ -14,19 +14,19 @@ test: $(PY)
 	bash deploy/install-tools.sh && $(VENV)/bin/pip install -q -c constraints.txt -e '.[dev]' && $(PY) -m pytest
 
 lint:
-	$(VENV)/bin/ruff check gateway tests protos && $(VENV)/bin/ruff format --check gateway tests protos
+	$(VENV)/bin/ruff check gateway tests benchmarks protos && $(VENV)/bin/ruff format --check gateway tests benchmarks protos
 
 format:
-	$(VENV)/bin/ruff check --fix gateway tests protos && $(VENV)/bin/ruff format gateway tests protos
+	$(VENV)/bin/ruff check --fix gateway tests benchmarks protos && $(VENV)/bin/ruff format gateway tests benchmarks protos
 
 protos:
 	$(PY) protos/generate.py
 
 bench:
-	$(PY) tests/bench_gateway.py
+	$(PY) benchmarks/bench_gateway.py
 
 bench-fleet:
-	$(PY) -m tests.bench_fleet
+	$(PY) -m benchmarks.bench_fleet
 
 # The pinned versions CI and the image install; run after changing a dependency.
 constraints: $(PY)

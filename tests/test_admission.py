@@ -3,14 +3,13 @@ and a worker that hangs where a test tells it to."""
 
 import socket
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.conftest import HANG_GUARD, wait_until
-from tests.scripted_worker import script
-from tests.test_responses import sse_events
+from tests.support.requests import opened, sse_events
+from tests.support.scripted_worker import script
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 def scripted(prompt: str, stream: bool, rid: str | None = None):
@@ -18,14 +17,6 @@ def scripted(prompt: str, stream: bool, rid: str | None = None):
         "json": {"model": "scripted", "prompt": prompt, "stream": stream},
         "headers": {"x-request-id": rid or uuid.uuid4().hex},
     }
-
-
-def opened(response: httpx.Response) -> Iterator[str]:
-    """The stream's lines, after checking the first arrived. Keep the iterator
-    until done: dropping it closes the connection (the client going away)."""
-    lines = response.iter_lines()
-    assert next(lines).startswith("data: ")
-    return lines
 
 
 def test_one_request_too_many_gets_503_at_once(gateway_with, workers):
@@ -119,14 +110,14 @@ def test_stream_idle_timeout_is_an_error_payload(gateway_with, workers):
 
 
 def test_keepalives_while_quiet_never_count_as_events(gateway_with):
-    gw = gateway_with(request_timeout=0.6, keepalive_interval=0.1)
-    slow = script(texts=3, delay=0.4)  # each gap under the timeout: completes
+    gw = gateway_with(request_timeout=1.0, keepalive_interval=0.1)
+    slow = script(texts=3, delay=0.3)  # each gap well under the timeout: completes
     response = httpx.post(gw.url + "/v1/completions", **scripted(slow, True), timeout=30)
     assert ": keep-alive" in response.text
     events = sse_events(response.text)
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
-    too_slow = script(texts=2, delay=0.9)  # keep-alives flow, yet the event wait times out
+    too_slow = script(texts=2, delay=3.0)  # keep-alives flow, yet the event wait times out
     response = httpx.post(gw.url + "/v1/completions", **scripted(too_slow, True), timeout=30)
     assert ": keep-alive" in response.text
     assert sse_events(response.text)[-2]["error"]["code"] == "timeout"

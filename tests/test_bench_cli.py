@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.bench.workload import arrival_times
-from tests.conftest import HANG_GUARD
-from tests.test_cli import free_port, running, wait_ready
+from tests.support.processes import free_port, running, wait_ready
+from tests.support.waiting import HANG_GUARD
 
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tests.conftest import HANG_GUARD
+from tests.support.waiting import HANG_GUARD
 
 ROUTES = ["/v1/chat/completions", "/v1/completions"]
 

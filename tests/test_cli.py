@@ -1,95 +1,14 @@
 """The commands as a newcomer runs them: real processes, real clients."""
 
 import asyncio
-import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import openai
 
-from tests.conftest import HANG_GUARD, wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def running(*args: str) -> Iterator[subprocess.Popen]:
-    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit 0."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        output = process.communicate(timeout=HANG_GUARD)[0]
-    assert process.returncode == 0, output
-
-
-def config_file(tmp_path, port: int, model: str, worker_port: int, extra: str = "") -> str:
-    """A gateway config serving `model` from one worker on loopback."""
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\n{extra}"
-        f"models:\n  - name: {model}\n    workers: ['127.0.0.1:{worker_port}']\n"
-    )
-    return str(path)
-
-
-@contextmanager
-def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
-    """A demo worker in a process of its own."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "worker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until(lambda: _listening(port), "the worker to listen", HANG_GUARD)
-        yield process
-    finally:
-        process.kill()
-        process.wait(HANG_GUARD)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_ready(url: str, process: subprocess.Popen) -> None:
-    end = time.monotonic() + HANG_GUARD
-    while time.monotonic() < end:
-        assert process.poll() is None, process.communicate()[0]
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the gateway never became ready")
+from tests.support.processes import config_file, free_port, running, wait_ready, worker_process
+from tests.support.waiting import HANG_GUARD
 
 
 def test_demo_serves_curl_style_requests_and_the_openai_sdk():

@@ -9,15 +9,9 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
-from tests.conftest import (
-    HANG_GUARD,
-    Gateway,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-    wait_until,
-)
-from tests.test_responses import sse_events
+from tests.support.requests import sse_events
+from tests.support.servers import Gateway, assert_nothing_left, make_config, start_gateway
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 @pytest.fixture(scope="session")

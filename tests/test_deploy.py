@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from gateway import lifecycle
 from gateway.config import load_config, parse_config
-from tests.k8s_tools import (
+from tests.support.k8s_tools import (
     KUBERNETES_VERSIONS,
     ROOT,
     Manifest,

@@ -4,8 +4,8 @@ streamed and not, against the scripted gRPC worker."""
 import pytest
 
 from gateway.config import ModelConfig
-from tests.scripted_worker import script
-from tests.test_responses import sse_events
+from tests.support.requests import sse_events
+from tests.support.scripted_worker import script
 
 TABLE = [
     # (gRPC status, HTTP status, type, code)

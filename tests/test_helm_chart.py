@@ -23,8 +23,7 @@ from starlette.routing import Route
 
 from gateway import lifecycle
 from gateway.config import Config, load_config, parse_config
-from tests.conftest import Gateway
-from tests.k8s_tools import (
+from tests.support.k8s_tools import (
     KUBERNETES_VERSIONS,
     ROOT,
     Manifest,
@@ -39,6 +38,7 @@ from tests.k8s_tools import (
     selects,
     tool,
 )
+from tests.support.servers import Gateway
 
 CHART = ROOT / "helm" / "furnace-gateway"
 GPU_FLEET = CHART / "ci" / "gpu-fleet-values.yaml"

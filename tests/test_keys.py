@@ -3,54 +3,16 @@ team's models, the keys file and its reload, and no key in logs or metrics."""
 
 import hashlib
 import logging
-import secrets
-from typing import Any
 
 import httpx
 import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.worker.demo import DEMO_MODEL
-from tests.conftest import HANG_GUARD
-from tests.scripted_worker import SCRIPTED_MODEL
-from tests.test_responses import user
-
-#: The test gateway's models, as YAML would list them (for the teams' allow-lists).
-MODELS = [
-    *({"name": name, "workers": ["127.0.0.1:1"]} for name in (DEMO_MODEL, "furnace-slow")),
-    {"name": SCRIPTED_MODEL, "workers": ["127.0.0.1:1"]},
-    {"name": "resnet-50", "kind": "tensor"},
-]
-
-
-def new_key(team: str) -> str:
-    """A key with letters of both cases, so a case change makes another key."""
-    return f"sk-{team}-Aa{secrets.token_urlsafe(24)}"
-
-
-def sha256(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def keyed(teams: dict[str, Any], keys: dict[str, str], **raw: Any) -> dict[str, Any]:
-    """`gateway_with` overrides for `teams` (as in YAML) and `keys` ({key: team}),
-    checked by the config loader as a config file would be."""
-    config = parse_config(
-        {
-            "models": MODELS,
-            "teams": teams,
-            "keys": [{"sha256": sha256(key), "team": team} for key, team in keys.items()],
-            **raw,
-        },
-        env={},
-    )
-    fields = ("teams", "keys", *raw)
-    return {name: getattr(config, name) for name in fields}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
+from tests.support.keys import MODELS, bearer, keyed, new_key, sha256
+from tests.support.requests import user
+from tests.support.scripted_worker import SCRIPTED_MODEL
+from tests.support.waiting import HANG_GUARD
 
 CHAT = {"model": DEMO_MODEL, "messages": user("hello there")}
 

@@ -9,25 +9,12 @@ import pytest
 
 from gateway.teams.headers import duration
 from gateway.worker.demo import DEMO_MODEL
-from tests.conftest import HANG_GUARD, wait_until
-from tests.scripted_worker import SCRIPTED_MODEL, script
-from tests.test_admission import opened
-from tests.test_keys import bearer, keyed, new_key
-from tests.test_responses import user
+from tests.support.keys import ask, assert_rate_limited, bearer, keyed, new_key
+from tests.support.requests import opened, user
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.waiting import HANG_GUARD, wait_until
 
 RATE_HEADERS = ("limit", "remaining", "reset")
-
-
-def ask(client: httpx.Client, key: str, prompt: str = "a b", **body: object) -> httpx.Response:
-    return client.post("/v1/completions", json={"prompt": prompt, **body}, headers=bearer(key))
-
-
-def assert_rate_limited(response: httpx.Response, limit_name: str) -> None:
-    assert response.status_code == 429, response.text
-    error = response.json()["error"]
-    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
-    assert limit_name in error["message"]
-    assert int(response.headers["retry-after"]) >= 1
 
 
 def test_requests_per_minute_429_with_openai_headers_while_another_team_is_served(

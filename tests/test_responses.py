@@ -1,26 +1,11 @@
 """Answers in OpenAI's shape, streamed and not, through httpx and the openai SDK."""
 
-import json
-
 import anyio
 import openai
 import pytest
 
-from tests.conftest import HANG_GUARD
-
-
-def sse_events(text: str) -> list:
-    """The data payloads of an SSE body, [DONE] as a string."""
-    events = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def user(text: str) -> list:
-    return [{"role": "user", "content": text}]
+from tests.support.requests import sse_events, user
+from tests.support.waiting import HANG_GUARD
 
 
 def test_chat_completion_shape(client):
@@ -173,7 +158,7 @@ def test_unknown_route_and_method_are_openai_shaped(client):
 
 
 def test_request_id_is_returned_and_passed_to_the_worker(client, workers):
-    from tests.scripted_worker import script
+    from tests.support.scripted_worker import script
 
     response = client.post(
         "/v1/completions",
@@ -278,7 +263,7 @@ def test_odd_request_ids_and_traceparents_are_replaced_not_fatal(client, workers
 
 def test_a_chat_stream_sends_its_role_chunk_with_the_first_token(client):
     # nothing is written between the headers and the first token: one write, not two
-    from tests.scripted_worker import script
+    from tests.support.scripted_worker import script
 
     body = {"model": "scripted", "messages": user(script(texts=2, delay=0.3)), "stream": True}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:

@@ -12,12 +12,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import HANG_GUARD, wait_until
-from tests.scripted_worker import SCRIPTED_MODEL, script
-from tests.test_admission import opened
-from tests.test_cli import free_port, running, wait_ready
-from tests.test_keys import bearer, keyed, new_key, sha256
-from tests.test_limits import ask, assert_rate_limited
+from tests.support.keys import ask, assert_rate_limited, bearer, keyed, new_key, sha256
+from tests.support.processes import free_port, running, wait_ready
+from tests.support.requests import opened
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 class RedisServer:

@@ -7,8 +7,8 @@ import logging
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import HANG_GUARD, wait_until
-from tests.scripted_worker import script
+from tests.support.scripted_worker import script
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 def scrape(url: str) -> dict[tuple, float]:

@@ -13,10 +13,10 @@ from gateway.protocol import errors
 from gateway.protocol.tls import ServerTLS, client_credentials
 from gateway.upstreams.furnace_grpc import EngineClient
 from gateway.worker.demo import DemoEngine
-from tests.certs import CertificateAuthority, Issued
-from tests.conftest import HANG_GUARD
-from tests.test_cli import free_port, worker_process
-from tests.test_responses import user
+from tests.support.certs import CertificateAuthority, Issued
+from tests.support.processes import free_port, worker_process
+from tests.support.requests import user
+from tests.support.waiting import HANG_GUARD, wait_until
 
 MODEL = "tls-demo"
 
@@ -94,10 +94,15 @@ def test_a_worker_without_the_right_certificate_is_refused(gateway_with, serve_e
     (worker,) = serve_engines(DemoEngine(MODEL), tls=stranger)
     gw = tls_gateway(gateway_with, worker.address, pki.client(pki.gateway))
     assert_unavailable(chat(gw))
-    (state,) = httpx.get(gw.url + "/admin/workers", timeout=HANG_GUARD).json()["models"][0][
-        "workers"
-    ]
-    assert state["state"] != "serving"
+
+    def state() -> str:
+        (worker,) = httpx.get(gw.url + "/admin/workers", timeout=HANG_GUARD).json()["models"][0][
+            "workers"
+        ]
+        return worker["state"]
+
+    # its health checks fail the handshake too: the gateway marks it not serving
+    wait_until(lambda: state() == "not_serving", "the worker to be marked not serving")
 
 
 @pytest.mark.parametrize("client_cert", ["none", "stranger's"])

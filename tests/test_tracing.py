@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from tests.conftest import HANG_GUARD, wait_until
-from tests.scripted_worker import script
+from tests.support.scripted_worker import script
+from tests.support.waiting import HANG_GUARD, wait_until
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

@@ -14,7 +14,7 @@ from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
 from gateway.worker.stop import StopMatcher
-from tests.conftest import wait_until
+from tests.support.waiting import wait_until
 
 
 class ScriptEngine(Engine):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".tools" / "bin"
 #: The oldest Kubernetes the chart supports (Chart.yaml's kubeVersion) and kubectl's.
 KUBERNETES_VERSIONS = ("1.27.0", "1.35.0")

@@ -1,6 +1,6 @@
 """The fleet benchmark: what a second worker adds, and what more workers cost.
 
-Run: `.venv/bin/python -m tests.bench_fleet [--quick]` (`make bench-fleet`).
+Run: `.venv/bin/python -m benchmarks.bench_fleet [--quick]` (`make bench-fleet`).
 
 1. Streamed tokens per second with two workers against one, in the same run.
    Each demo worker stands in for a GPU: a fixed pace per token and a fixed
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.test_cli import free_port, running, wait_ready, worker_process
+from tests.support.processes import free_port, running, wait_ready, worker_process
 
 PACE = 0.01  # seconds per token: 100 tokens/s per sequence
 CAPACITY = 8  # sequences per worker at once

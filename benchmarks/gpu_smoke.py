@@ -4,7 +4,7 @@ tests' tiny random Llama built on the spot), checks that greedy decoding on the
 device matches transformers' own `generate`, then measures tokens per second,
 first the engine alone and then through a real worker and gateway on loopback.
 
-    python -m tests.gpu_smoke --device cuda [--model-path DIR] [--dtype bfloat16]
+    python -m benchmarks.gpu_smoke --device cuda [--model-path DIR] [--dtype bfloat16]
         [--tokens 256] [--streams 8]
 """
 
@@ -24,7 +24,7 @@ from gateway.lifecycle import GatewayServer
 from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, Started
 from gateway.worker.server import WorkerServer
 from gateway.worker.transformers_engine import TransformersEngine
-from tests.test_transformers_worker import build_tiny_model
+from tests.support.tiny_model import build_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

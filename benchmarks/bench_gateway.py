@@ -27,9 +27,9 @@ protocol over httptools that parses SSE inside the transport's callback); httpx 
 several times more CPU per chunk, which on two cores would be measured as gateway
 slowness (`--client httpx` compares).
 
-Run: `python tests/bench_gateway.py [--quick] [--json PATH] [--client raw|httpx]`
-(`make bench`); about 60 s, or 20 s with --quick. Not collected by pytest: its name
-does not start with `test_`.
+Run: `python benchmarks/bench_gateway.py [--quick] [--json PATH] [--client raw|httpx]`
+(`make bench`); about 60 s, or 20 s with --quick. Not collected by pytest: it lives
+outside tests/.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmarks and the GPU smoke check, run by hand; pytest does not collect them."""

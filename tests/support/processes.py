@@ -1,0 +1,105 @@
+"""The gateway's commands as real processes on free loopback ports, and waits for them to listen."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running(*args: str) -> Iterator[subprocess.Popen]:
+    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit 0."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=HANG_GUARD)[0]
+    assert process.returncode == 0, output
+
+
+def config_file(tmp_path: Path, port: int, model: str, worker_port: int, extra: str = "") -> str:
+    """A gateway config serving `model` from one worker on loopback."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"host: 127.0.0.1\nport: {port}\nlog_level: warning\n{extra}"
+        f"models:\n  - name: {model}\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    return str(path)
+
+
+@contextmanager
+def worker_process(port: int, *args: str) -> Iterator[subprocess.Popen]:
+    """A demo worker in a process of its own."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: listening(port), "the worker to listen")
+        yield process
+    finally:
+        process.kill()
+        process.wait(HANG_GUARD)
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on the loopback port."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_listening(port: int, process: subprocess.Popen) -> None:
+    """Waits until `process` listens on `port`; fails at once if it exits."""
+    end = time.monotonic() + HANG_GUARD
+    while not listening(port):
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < end, "the process never listened"
+        time.sleep(0.05)
+
+
+def wait_ready(url: str, process: subprocess.Popen) -> None:
+    """Waits until the gateway at `url` answers /ready with 200; fails at once if it exits."""
+    end = time.monotonic() + HANG_GUARD
+    while time.monotonic() < end:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the gateway never became ready")

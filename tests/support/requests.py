@@ -1,0 +1,31 @@
+"""Building OpenAI-shaped requests and reading their answers (SSE streams, errors)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+
+
+def user(text: str) -> list:
+    """A chat of one user message."""
+    return [{"role": "user", "content": text}]
+
+
+def sse_events(text: str) -> list:
+    """The data payloads of an SSE body, [DONE] as a string."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def opened(response: httpx.Response) -> Iterator[str]:
+    """The stream's lines, after checking the first arrived. Keep the iterator
+    until done: dropping it closes the connection (the client going away)."""
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: ")
+    return lines

@@ -1,0 +1,113 @@
+"""Real servers for the tests: gRPC workers and the gateway under uvicorn, on
+loopback ports, on one uvloop event loop in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import uvloop
+
+from gateway.config import Config, ModelConfig
+from gateway.lifecycle import Gateway as GatewayParts
+from gateway.lifecycle import GatewayServer
+from gateway.worker.demo import DEMO_MODEL, DemoEngine
+from gateway.worker.server import WorkerServer
+from tests.support.scripted_worker import SCRIPTED_MODEL, ScriptedWorker
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+class ServerLoop:
+    """An event loop in a thread; `call` runs a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = HANG_GUARD) -> Any:
+        """Runs `coro` on the loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        """Stops the loop and its thread."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(HANG_GUARD)
+
+
+@dataclass
+class Workers:
+    """The workers every gateway of a test session points at."""
+
+    demo: WorkerServer
+    demo_engine: DemoEngine
+    slow: WorkerServer
+    slow_engine: DemoEngine
+    scripted: ScriptedWorker
+
+
+@dataclass
+class Gateway:
+    """A running gateway: its base URL and its state, for leak checks."""
+
+    url: str
+    state: GatewayParts
+    stop: Callable[[], None]
+
+
+async def start_workers() -> Workers:
+    """Starts the session's workers (run it on the server loop)."""
+    demo_engine = DemoEngine(max_context=64)
+    slow_engine = DemoEngine("furnace-slow", max_context=4096, token_delay=0.05)
+    demo, slow = WorkerServer(demo_engine), WorkerServer(slow_engine)
+    scripted = ScriptedWorker()
+    for server in (demo, slow, scripted):
+        await server.start()
+    return Workers(demo, demo_engine, slow, slow_engine, scripted)
+
+
+def make_config(workers: Workers, **overrides: Any) -> Config:
+    """A config serving the test workers on a free port."""
+    models = (
+        ModelConfig(DEMO_MODEL, workers=(workers.demo.address,)),
+        ModelConfig("furnace-slow", workers=(workers.slow.address,)),
+        ModelConfig(SCRIPTED_MODEL, workers=(workers.scripted.address,)),
+        ModelConfig("resnet-50", kind="tensor"),
+    )
+    settings: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "log_level": "warning",
+        # the fault tests fail one worker on purpose, again and again: no ejection
+        # here (tests/test_fleet.py covers it with gateways of their own)
+        "eject_after_failures": 1_000_000,
+    }
+    settings.update(overrides)
+    settings.setdefault("models", models)
+    return Config(**settings)
+
+
+def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
+    """Starts the gateway under uvicorn on the server loop."""
+    server = GatewayServer(config)
+    server_loop.call(server.start())
+    url = f"http://127.0.0.1:{server.port}"
+    return Gateway(url, server.gateway, lambda: server_loop.call(server.stop()))
+
+
+def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
+    """Every slot free, no call outstanding on any worker, no generation running."""
+    wait_until(lambda: gw.state.slots.in_use == 0, "all slots to be free")
+    wait_until(lambda: not gw.state.inflight.running, "no request in flight")
+    pools = gw.state.fleet.models.values()
+    wait_until(
+        lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),
+        "no outstanding worker calls",
+    )
+    if workers is not None:
+        wait_until(lambda: workers.scripted.active == 0, "the scripted worker to be idle")
+        wait_until(lambda: workers.demo_engine.running == 0, "the demo engine to be idle")
+        wait_until(lambda: workers.slow_engine.running == 0, "the slow engine to be idle")

@@ -1,0 +1,91 @@
+"""A tiny Llama (random weights) and a byte-level BPE tokenizer, made on the spot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CONTEXT = 4096
+FIRST = "aé中😀"  # the first vocabulary entries are its bytes, in order
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello from the fleet of workers",
+    "a gateway in front of engines, streaming tokens",
+    "café, naïve, 日本語, emoji 🔥 too",
+]
+SPECIALS = ["<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{{ raise_exception('This model knows no tools.') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = dict(zip(printable, printable, strict=True))
+    extra = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = 256 + extra
+            extra += 1
+    return {byte: chr(code) for byte, code in chars.items()}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few sentences (any text round-trips), its ids
+    reordered so the bytes of FIRST come first and the special tokens last."""
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(SENTENCES, trainer)
+    bpe = json.loads(trained.to_str())["model"]
+    byte_chars = _byte_chars()
+    first = [byte_chars[b] for b in FIRST.encode()]
+    merged = sorted((t for t in bpe["vocab"] if len(t) > 1), key=bpe["vocab"].get)
+    rest = [c for c in byte_chars.values() if c not in first]
+    vocab = {token: i for i, token in enumerate([*first, *rest, *merged, *SPECIALS])}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in bpe["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|end|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(path: Path, *, ordered: bool = False) -> Path:
+    """Saves a 2-layer Llama (hidden size 32, random weights) and the tokenizer to `path`."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    if ordered:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
