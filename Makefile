@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format protos bench bench-fleet constraints
+.PHONY: demo test lint typecheck format protos bench bench-fleet constraints
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,8 +13,12 @@ demo: $(PY)
 test: $(PY)
 	bash deploy/install-tools.sh && $(VENV)/bin/pip install -q -c constraints.txt -e '.[dev]' && $(PY) -m pytest
 
-lint:
+lint: typecheck
 	$(VENV)/bin/ruff check gateway tests benchmarks protos && $(VENV)/bin/ruff format --check gateway tests benchmarks protos
+
+# The type check: pyproject.toml's [tool.mypy] (strict, over gateway/).
+typecheck:
+	$(VENV)/bin/mypy
 
 format:
 	$(VENV)/bin/ruff check --fix gateway tests benchmarks protos && $(VENV)/bin/ruff format gateway tests benchmarks protos

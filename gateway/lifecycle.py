@@ -50,7 +50,7 @@ log = logging.getLogger("furnace")
 T = TypeVar("T")
 
 #: Seconds uvicorn gives open connections to finish once the drain is over.
-CLOSE_GRACE = 5.0
+CLOSE_GRACE = 5
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

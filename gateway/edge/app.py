@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,11 +23,11 @@ from gateway.admission import InFlight
 from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.middleware import HeaderLimit, KeyGate
-from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder
+from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models
-from gateway.edge.openai.validation import parse_chat, parse_completion
+from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import ops_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams
@@ -65,7 +66,9 @@ def create_app(
 ) -> Starlette:
     """The gateway's HTTP application over its parts."""
 
-    def generation(parse: Callable, encoder: type) -> GenerationRoute:  # type: ignore[type-arg]
+    def generation(
+        parse: Callable[[Any], ParsedRequest], encoder: type[Encoder]
+    ) -> GenerationRoute:
         return GenerationRoute(
             parse,
             encoder,

@@ -21,8 +21,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
+from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
@@ -83,8 +84,8 @@ class Fleet:
             return None
         return client_credentials(tls.ca_file, tls.cert_file, tls.key_file, tls.server_name)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -257,7 +258,7 @@ class Fleet:
                 raise errors.Timeout(
                     "The engine worker did not start the answer in time."
                 ) from None
-            failure = errors.Unavailable(
+            failure: errors.EngineError = errors.Unavailable(
                 f"The engine worker did not start the answer within {start_timeout:g} seconds."
             )
             stream.cancel(failure)

@@ -72,7 +72,8 @@ async def resolve(target: Target, within: float = 5.0) -> list[str]:
             ),
             within,
         )
-        ips = {info[4][0] for info in infos}
+        # an AF_INET/AF_INET6 address's host is a str (typeshed allows AF_UNIX's int too)
+        ips = {str(info[4][0]) for info in infos}
     else:
         resolver = dns.asyncresolver.Resolver(configure=False)
         resolver.nameservers = [target.nameserver[0]]

@@ -60,18 +60,15 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
 def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
     """The protocol's request as ours."""
     s = message.sampling
-
-    def opt(name: str) -> float | int | None:
-        return getattr(s, name) if s.HasField(name) else None  # type: ignore[no-any-return]
-
+    # proto3 `optional` fields: None where the client left one unset
     sampling = SamplingParams(
-        temperature=opt("temperature"),
-        top_p=opt("top_p"),
-        top_k=opt("top_k"),  # type: ignore[arg-type]
-        presence_penalty=opt("presence_penalty"),
-        frequency_penalty=opt("frequency_penalty"),
-        seed=opt("seed"),  # type: ignore[arg-type]
-        max_tokens=opt("max_tokens"),  # type: ignore[arg-type]
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
     )
     chat = None
     if message.WhichOneof("prompt") == "chat":

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -47,7 +48,7 @@ SCOPE_KEY = "furnace.team"
 KEYS_RELOAD_INTERVAL = 10.0
 
 
-def team_of(scope: dict) -> Team | None:
+def team_of(scope: Mapping[str, Any]) -> Team | None:
     """The team the request's key names, or None on an open gateway."""
     return scope.get(SCOPE_KEY)
 

@@ -157,7 +157,7 @@ class RedisStore:
         """Checks and charges one request of `team` (atomically)."""
         config = team.config
         keys = [self._key(team, k) for k in ("requests", "tokens", "inflight")]
-        args = [
+        args: list[int | str] = [
             config.requests_per_minute or 0,
             config.tokens_per_minute or 0,
             cost,

@@ -60,13 +60,12 @@ class RequestRecord:
         pieces = []
         tokens = 0
         for event in batch:
-            kind = type(event)
-            if kind is Text:
+            if isinstance(event, Text):
                 pieces.append(event.text)
                 tokens += event.tokens
-            elif kind is Started:
+            elif isinstance(event, Started):
                 self.prompt_tokens = event.prompt_tokens
-            elif kind is Finished:
+            elif isinstance(event, Finished):
                 self.finished = event
                 self.completion_tokens = event.completion_tokens
                 if event.prompt_tokens is not None:

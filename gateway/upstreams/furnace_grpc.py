@@ -51,7 +51,10 @@ class EngineStream(StreamBookkeeping):
     __slots__ = ("_call",)
 
     def __init__(
-        self, call: grpc.aio.UnaryStreamCall, worker: str, on_close: Callable[[CallEnd], None]
+        self,
+        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateEvent],
+        worker: str,
+        on_close: Callable[[CallEnd], None],
     ) -> None:
         super().__init__(worker, on_close)
         self._call = call
@@ -70,7 +73,8 @@ class EngineStream(StreamBookkeeping):
             self.close()
             raise StopAsyncIteration
         try:
-            return event_from_proto(message)
+            # grpc's stubs type read() as `object | GenerateEvent` (their EOF type is `object`)
+            return event_from_proto(message)  # type: ignore[arg-type]
         except errors.Failed as failure:
             self.cancel(failure)
             raise
@@ -122,14 +126,17 @@ class EngineClient:
         request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
         serving = health_pb2.HealthCheckResponse.SERVING
         try:
-            async for reply in self._health.Watch(request):
+            # the health stubs declare HealthStub without its methods
+            async for reply in self._health.Watch(request):  # type: ignore[attr-defined]
                 yield reply.status == serving
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise _from_rpc_error(error) from None
         while True:
             try:
-                reply = await self._health.Check(request, timeout=poll_interval)
+                reply = await self._health.Check(  # type: ignore[attr-defined]
+                    request, timeout=poll_interval
+                )
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise _from_rpc_error(error) from None

@@ -139,11 +139,11 @@ class UpstreamStream(StreamBookkeeping):
             if self._response is None:
                 return await self._open()
             return await self._next_event()
-        except errors.EngineError as failure:
-            await self._finish(failure)
+        except errors.EngineError as error:
+            await self._finish(error)
             raise
         except httpx.TimeoutException as error:
-            failure = errors.Timeout(f"upstream timed out: {error}")
+            failure: errors.EngineError = errors.Timeout(f"upstream timed out: {error}")
         except httpx.TransportError as error:
             failure = errors.Unavailable(f"upstream unreachable: {error}")
         await self._finish(failure)

@@ -82,7 +82,9 @@ class EngineService(pb_grpc.EngineServicer):
         self.active = 0
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
         """One answer; see engine.proto for the contract."""
         engine = self.engine
@@ -121,8 +123,7 @@ class EngineService(pb_grpc.EngineServicer):
             pieces: list[str] = []
             finished: Finished | None = None
             for event in batch:
-                kind = type(event)
-                if kind is Text:
+                if isinstance(event, Text):
                     tokens += event.tokens
                     unsent += event.tokens
                     released, stopped = stop.feed(event.text)
@@ -130,15 +131,15 @@ class EngineService(pb_grpc.EngineServicer):
                     if stopped:
                         finished = Finished(FinishReason.STOP, tokens)
                         break
-                elif kind is Started and not started:
+                elif isinstance(event, Started) and not started:
                     started = True
                     yield event_to_proto(event)
-                elif kind is Finished:
+                elif isinstance(event, Finished):
                     pieces.append(stop.flush())
                     finished = event
                     break
                 else:
-                    raise errors.Failed(f"The engine sent {kind.__name__} out of order.")
+                    raise errors.Failed(f"The engine sent {type(event).__name__} out of order.")
             text = "".join(pieces)
             if text:
                 yield event_to_proto(Text(text, unsent))
@@ -151,7 +152,9 @@ class EngineService(pb_grpc.EngineServicer):
         raise errors.Failed("The engine ended the answer without Finished.")
 
     async def Describe(
-        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.DescribeRequest,
+        context: grpc.aio.ServicerContext[pb.DescribeRequest, pb.DescribeResponse],
     ) -> pb.DescribeResponse:
         """The engine's model, capacity and load."""
         engine = self.engine

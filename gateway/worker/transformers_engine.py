@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype == "auto":
         return "auto" if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    named: torch.dtype = getattr(torch, dtype)
+    return named
 
 
 def context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -112,7 +113,9 @@ class PresenceFrequencyPenalty(LogitsProcessor):
         counts = torch.zeros_like(scores).scatter_add_(
             1, generated, torch.ones_like(generated, dtype=scores.dtype)
         )
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+        # transformers types processors with the legacy FloatTensor, which no tensor op returns
+        penalized = scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+        return penalized  # type: ignore[return-value]
 
 
 def logits_processors(sampling: SamplingParams, prompt_tokens: int) -> LogitsProcessorList:
@@ -150,8 +153,9 @@ class IncrementalDetokenizer:
         self._read = 0  # end of what has been released
         self._unsent = 0  # tokens not yet in a released delta
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(
+    def _decode(self, ids: list[int]) -> str:
+        # one sequence of ids decodes to one str (transformers types it `str | list[str]`)
+        return self.tokenizer.decode(  # type: ignore[return-value]
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
@@ -225,7 +229,8 @@ class _Sequence:
             output = engine.hf_model(input_ids=inputs, use_cache=True, **kwargs)
             self.cache = output[engine.cache_arg]
             scores = output.logits[:, -1, :].float()
-            scores = self.processors(self.ids[:, : self.length], scores)
+            # transformers wants the legacy LongTensor type; `ids` is a torch.long tensor
+            scores = self.processors(self.ids[:, : self.length], scores)  # type: ignore[arg-type]
             if self.greedy:
                 token = int(scores.argmax(dim=-1))
             else:
@@ -281,7 +286,8 @@ class TransformersEngine(Engine):
         loaded = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=pick_dtype(dtype, self.device)
         )
-        self.hf_model: PreTrainedModel = loaded.to(self.device).eval()
+        # transformers' decorator on `to` hides its signature from type checkers
+        self.hf_model: PreTrainedModel = loaded.to(self.device).eval()  # type: ignore[arg-type]
         own = context_length(self.hf_model, self.tokenizer)
         self.max_context = own if max_context is None else min(max_context, own)
         self.capacity = capacity
