@@ -18,7 +18,7 @@ from gateway.protocol.types import (
     Started,
 )
 from gateway.upstreams.base import CANCELLED
-from gateway.upstreams.openai_http import OpenAIUpstream
+from gateway.upstreams.openai_http import OpenAIHttpUpstream
 
 BASE = "http://upstream.test/v1"
 
@@ -46,7 +46,7 @@ async def run(request: GenerateRequest) -> tuple[list, object, list]:
     """Every event of one call, the error that ended it, and the outcomes reported."""
     outcomes = []
     async with httpx.AsyncClient() as http:
-        stream = OpenAIUpstream(BASE, http).generate(request, 5.0, on_close=outcomes.append)
+        stream = OpenAIHttpUpstream(BASE, http).generate(request, 5.0, on_close=outcomes.append)
         events, failure = [], None
         try:
             async for event in stream:
@@ -184,7 +184,7 @@ def test_cancel_reports_our_cancellation():
     async def cancel_after_start() -> list:
         outcomes = []
         async with httpx.AsyncClient() as http:
-            stream = OpenAIUpstream(BASE, http).generate(CHAT, 5.0, on_close=outcomes.append)
+            stream = OpenAIHttpUpstream(BASE, http).generate(CHAT, 5.0, on_close=outcomes.append)
             assert await anext(stream) == Started(0)
             stream.cancel()
             stream.cancel()
@@ -202,7 +202,7 @@ def test_describe_and_health():
 
     async def probe() -> tuple:
         async with httpx.AsyncClient() as http:
-            upstream = OpenAIUpstream(BASE + "/", http)
+            upstream = OpenAIHttpUpstream(BASE + "/", http)
             models = await upstream.describe(1.0)
             health = upstream.watch_health(0.01)
             serving = await anext(health)

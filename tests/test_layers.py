@@ -131,10 +131,7 @@ def test_no_layer_imports_a_higher_one():
             there = _layer(target)
             if there in (here, "gateway"):
                 continue
-            if here in ALONE:
-                allowed = there in ALONE[here]
-            else:
-                allowed = RANK[there] < RANK[here]
+            allowed = there in ALONE[here] if here in ALONE else RANK[there] < RANK[here]
             if not allowed:
                 wrong.append(f"{module} ({here}) imports {target} ({there})")
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))

@@ -11,7 +11,7 @@ import pytest
 from gateway.config import ModelConfig, WorkerTLS
 from gateway.protocol import errors
 from gateway.protocol.tls import ServerTLS, client_credentials
-from gateway.upstreams.furnace_grpc import EngineClient
+from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.worker.demo import DemoEngine
 from tests.support.certs import CertificateAuthority, Issued
 from tests.support.processes import free_port, worker_process
@@ -125,7 +125,7 @@ def test_what_grpc_says_when_the_handshake_fails(server_loop, serve_engines, pki
             credentials = client_credentials(
                 tls.ca_file, tls.cert_file, tls.key_file, tls.server_name
             )
-        client = EngineClient(worker.address, credentials)
+        client = FurnaceGrpcUpstream(worker.address, credentials)
         try:
             return await client.describe(2.0)
         except errors.EngineError as error:

@@ -24,7 +24,7 @@ from typing import Any
 
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, Started
-from gateway.upstreams.base import WorkerStream
+from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.edge")
 
@@ -36,10 +36,10 @@ class EventPump:
     event and the stream of the rest, or raises the refusal.
     """
 
-    def __init__(self, start: Coroutine[Any, Any, tuple[Started, WorkerStream]]) -> None:
+    def __init__(self, start: Coroutine[Any, Any, tuple[Started, UpstreamCall]]) -> None:
         self._loop = asyncio.get_running_loop()
         self._start = start
-        self._stream: WorkerStream | None = None
+        self._stream: UpstreamCall | None = None
         self._ready: list[Event] = []
         self._error: errors.EngineError | None = None
         self._ended = False
@@ -57,6 +57,10 @@ class EventPump:
             self._last_event = self._loop.time()
             self._wake()
             async for event in self._stream:
+                if type(event) is Started:
+                    failure = errors.Failed("The engine worker started the answer twice.")
+                    self._stream.cancel(failure)
+                    raise failure
                 self._ready.append(event)
                 self._last_event = self._loop.time()
                 self._wake()

@@ -37,9 +37,9 @@ from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.tls import WorkerCredentials, client_credentials
 from gateway.protocol.types import GenerateRequest, Started
-from gateway.upstreams.base import WorkerClient, WorkerStream
-from gateway.upstreams.furnace_grpc import EngineClient
-from gateway.upstreams.openai_http import OpenAIUpstream
+from gateway.upstreams.base import Upstream, UpstreamCall
+from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
+from gateway.upstreams.openai_http import OpenAIHttpUpstream
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
 
@@ -64,17 +64,17 @@ class Fleet:
 
     # -- lifecycle ----------------------------------------------------------
 
-    def _client_factory(self, model: ModelConfig) -> Callable[[str], WorkerClient]:
+    def _client_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
         """How the model's workers are reached: our gRPC protocol, or HTTP."""
         if model.upstream != "openai":
-            return partial(EngineClient, credentials=self._credentials())
+            return partial(FurnaceGrpcUpstream, credentials=self._credentials())
 
-        def upstream(base_url: str) -> WorkerClient:
+        def upstream(base_url: str) -> Upstream:
             if self._http is None:  # one pool for every upstream, made on the loop
                 self._http = httpx.AsyncClient(
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
                 )
-            return OpenAIUpstream(base_url, self._http)
+            return OpenAIHttpUpstream(base_url, self._http)
 
         return upstream
 
@@ -88,6 +88,11 @@ class Fleet:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def background_tasks(self) -> int:
+        """Tasks watching membership and health; 0 once closed."""
+        return len(self._tasks)
 
     async def start(self, wait: float = 2.0) -> None:
         """Resolves every entry, starts watching workers, and waits up to `wait`
@@ -192,7 +197,7 @@ class Fleet:
         request: GenerateRequest,
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...] = (),
-    ) -> tuple[Started, WorkerStream]:
+    ) -> tuple[Started, UpstreamCall]:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the stream."""
         self.budget.record_request()
@@ -238,7 +243,7 @@ class Fleet:
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
         tried: set[Worker],
-    ) -> tuple[Started, WorkerStream]:
+    ) -> tuple[Started, UpstreamCall]:
         worker = pool.pick(request, tried)
         if worker is None:
             raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")

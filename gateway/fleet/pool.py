@@ -12,7 +12,7 @@ from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.protocol.types import GenerateRequest
-from gateway.upstreams.base import WorkerClient
+from gateway.upstreams.base import Upstream
 
 log = logging.getLogger("furnace.fleet")
 
@@ -28,7 +28,7 @@ class ModelPool:
     """The workers of one model; membership changes as discovery answers."""
 
     def __init__(
-        self, model: ModelConfig, config: Config, make_client: Callable[[str], WorkerClient]
+        self, model: ModelConfig, config: Config, make_client: Callable[[str], Upstream]
     ) -> None:
         self.name = model.name
         self.make_client = make_client

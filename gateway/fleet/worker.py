@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.protocol import errors
-from gateway.upstreams.base import CANCELLED, CallEnd, WorkerClient
+from gateway.upstreams.base import CANCELLED, CallEnd, Upstream
 
 #: Errors that count against a worker.
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
@@ -32,7 +32,7 @@ class Worker:
     """A worker of one model."""
 
     address: str
-    client: WorkerClient
+    client: Upstream
     policy: EjectionPolicy
     weight: float = 1.0
     #: Calls in flight through this gateway.

@@ -107,6 +107,8 @@ def event_from_proto(message: pb.GenerateEvent) -> Event:
         return Started(message.started.prompt_tokens)
     if kind == "finished":
         finished = message.finished
-        reason = PROTO_TO_REASON.get(finished.reason, FinishReason.STOP)
+        reason = PROTO_TO_REASON.get(finished.reason)
+        if reason is None:  # UNSPECIFIED, or a value this version does not know
+            raise errors.Failed(f"engine worker finished with an unknown reason {finished.reason}")
         return Finished(reason, finished.completion_tokens)
     raise errors.Failed(f"engine worker sent an unknown event {kind!r}")

@@ -1,6 +1,6 @@
 """The ways of reaching a worker, one module each behind one interface (`base`):
 
-    base.py          WorkerClient and WorkerStream: what the fleet needs of any worker
+    base.py          Upstream and UpstreamCall: what the fleet needs of any worker
     furnace_grpc.py  our worker protocol over one grpc.aio channel per worker
     openai_http.py   OpenAI-compatible HTTP servers (vLLM, SGLang, ...) over httpx
 

@@ -1,5 +1,7 @@
-"""What the fleet needs of a worker, whatever it speaks: our gRPC protocol
-(`engine_client`) or an OpenAI-compatible HTTP API (`http_upstream`)."""
+"""What the fleet needs of a worker, whatever it speaks: an `Upstream` (one
+worker at one address) and the `UpstreamCall` of one request on it. Our gRPC
+protocol (`furnace_grpc`) and OpenAI-compatible HTTP (`openai_http`) implement
+them; a new way of reaching workers is one more module beside those."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class StreamBookkeeping:
             self._on_close(outcome)
 
 
-class WorkerStream(Protocol):
+class UpstreamCall(Protocol):
     """One call: our events in order; ends by `Finished` or an `EngineError`."""
 
     worker: str
@@ -58,7 +60,7 @@ class WorkerStream(Protocol):
         """Marks the call over, telling the owner `outcome` once."""
 
 
-class WorkerClient(Protocol):
+class Upstream(Protocol):
     """One worker at one address."""
 
     address: str
@@ -69,7 +71,7 @@ class WorkerClient(Protocol):
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = ...,
-    ) -> WorkerStream:
+    ) -> UpstreamCall:
         """Starts a call; `timeout` seconds is its deadline."""
 
     async def describe(self, deadline: float) -> list[ModelDescription]:

@@ -1,6 +1,6 @@
 """The gateway's side of the worker protocol: one long-lived grpc.aio channel per
 worker, our requests to protobuf, protobuf events back to ours, and every gRPC
-failure turned into an `EngineError` through the one table in `grpc_errors`.
+failure turned into an `EngineError` through the one table in `gateway.protocol.status`.
 
 Everything above this module sees only `gateway.protocol.types` and `gateway.protocol.errors`.
 """
@@ -35,17 +35,25 @@ _CHANNEL_OPTIONS = (
 )
 
 
+#: What grpc says when a message passes `grpc.max_receive_message_length`.
+_TOO_LARGE = "Received message larger than max"
+
 #: The service whose health a worker reports (see gateway.worker.server).
 HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
 def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
     if isinstance(error, grpc.aio.AioRpcError):
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (
+            error.details() or ""
+        ):
+            # our own receive cap, not a busy worker: a retry would fail the same way
+            return errors.Failed("The engine worker sent a message larger than the gateway takes.")
         return error_from_status(error.code(), error.details(), error.trailing_metadata())
     return errors.Unavailable(f"engine worker call failed: {error}")
 
 
-class EngineStream(StreamBookkeeping):
+class FurnaceGrpcCall(StreamBookkeeping):
     """One Generate call: iterate for our events; `cancel()` stops the worker."""
 
     __slots__ = ("_call",)
@@ -86,7 +94,7 @@ class EngineStream(StreamBookkeeping):
         self.close(outcome)
 
 
-class EngineClient:
+class FurnaceGrpcUpstream:
     """A worker at one address, over one channel created on the running loop."""
 
     def __init__(self, address: str, credentials: WorkerCredentials | None = None) -> None:
@@ -105,10 +113,10 @@ class EngineClient:
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = lambda outcome: None,
-    ) -> EngineStream:
+    ) -> FurnaceGrpcCall:
         """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
         call = self._stub.Generate(request_to_proto(request), timeout=timeout, metadata=metadata)
-        return EngineStream(call, self.address, on_close)
+        return FurnaceGrpcCall(call, self.address, on_close)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models the worker serves (within `deadline` seconds), or an `EngineError`."""

@@ -107,7 +107,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     return body
 
 
-class UpstreamStream(StreamBookkeeping):
+class OpenAIHttpCall(StreamBookkeeping):
     """One streamed call to an upstream, read as our events."""
 
     def __init__(
@@ -215,7 +215,7 @@ class UpstreamStream(StreamBookkeeping):
         self.close(outcome)
 
 
-class OpenAIUpstream:
+class OpenAIHttpUpstream:
     """An OpenAI-compatible server at a base URL (…/v1), as a worker."""
 
     def __init__(self, base_url: str, http: httpx.AsyncClient) -> None:
@@ -230,7 +230,7 @@ class OpenAIUpstream:
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = lambda outcome: None,
-    ) -> UpstreamStream:
+    ) -> OpenAIHttpCall:
         """Starts their streamed completion; `timeout` bounds each read."""
         chat = request.messages is not None
         url = f"{self.address}/{'chat/completions' if chat else 'completions'}"
@@ -241,7 +241,7 @@ class OpenAIUpstream:
             headers={"content-type": "application/json", **dict(metadata)},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
-        return UpstreamStream(self._http, http_request, chat, self.address, on_close)
+        return OpenAIHttpCall(self._http, http_request, chat, self.address, on_close)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """Their /models, with `max_model_len` where they give it (vLLM does)."""

@@ -20,7 +20,7 @@ from typing import Any
 from gateway.admission import Deadline, EventPump, InFlight
 from gateway.config import Config
 from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
-from gateway.edge.errors import APIError, from_engine_error
+from gateway.edge.errors import APIError, from_engine_error, internal_error
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
@@ -106,6 +106,12 @@ class GenerationRoute:
                 await self._refuse(send, record, error)
             except errors.EngineError as error:
                 await self._refuse(send, record, from_engine_error(error, self.config.retry_after))
+            except Exception:
+                log.exception("request %s failed in the gateway", record.request_id)
+                if record.status:  # the answer had begun: the connection is closed
+                    record.outcome = Outcome.ENGINE_ERROR
+                    raise
+                await self._refuse(send, record, internal_error())
             finally:
                 self.telemetry.finish(record)
                 annotate(

@@ -16,6 +16,8 @@ from gateway.edge.errors import invalid
 from gateway.protocol.types import GenerateRequest, Message, SamplingParams
 
 MAX_STOP = 4
+#: The longest stop string, in characters: a worker holds back that much text.
+MAX_STOP_CHARS = 1024
 UINT32_MAX = 2**32 - 1  # the worker protocol's counts are uint32
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -106,6 +108,10 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise invalid("stop", "Invalid type for 'stop': expected a string or a list of strings.")
     if len(value) > MAX_STOP:
         raise invalid("stop", f"Invalid value for 'stop': at most {MAX_STOP} stop strings.")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise invalid(
+            "stop", f"Invalid value for 'stop': at most {MAX_STOP_CHARS} characters each."
+        )
     return tuple(s for s in value if s)
 
 
@@ -178,7 +184,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         if not isinstance(message, Mapping):
             raise invalid(f"messages[{i}]", "Invalid type: expected an object.")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise invalid(
                 f"messages[{i}].role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
             )

@@ -1,11 +1,17 @@
-"""A draining gateway refuses new requests as rejections with reason `draining`
-(they were miscounted as engine errors), while the requests it holds finish."""
+"""The gateway's start and stop: a start that fails closes what it opened; a
+draining gateway refuses new requests as rejections with reason `draining`
+(they were once miscounted as engine errors), while the requests it holds finish."""
 
 import asyncio
+import socket
 import threading
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import Config, ModelConfig
+from gateway.lifecycle import GatewayServer
 
 GUARD = 30.0
 
@@ -19,9 +25,7 @@ def _samples(url: str) -> dict[tuple, float]:
     }
 
 
-def test_a_request_refused_while_draining_counts_as_a_draining_rejection(
-    gateway_with, server_loop
-):
+def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway_with, server_loop):
     gw = gateway_with()
     body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
     first_line = threading.Event()
@@ -58,3 +62,27 @@ def test_a_request_refused_while_draining_counts_as_a_draining_rejection(
         name == "furnace_gateway_requests_total" and dict(labels).get("outcome") == "engine_error"
         for name, labels in samples
     )
+
+
+def test_a_start_that_fails_to_bind_closes_what_it_opened(server_loop, workers):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    model = ModelConfig("furnace-demo", workers=(workers.demo.address,))
+    config = Config(host="127.0.0.1", port=port, log_level="critical", models=(model,))
+
+    async def start_on_a_taken_port() -> tuple[int, int, bool]:
+        server = GatewayServer(config)
+        with pytest.raises(SystemExit):
+            await server.start()
+        watching = server.gateway.fleet.models["furnace-demo"].workers
+        return len(watching), server.gateway.fleet.background_tasks, server.gateway.ready
+
+    try:
+        workers_seen, tasks_left, ready = server_loop.call(start_on_a_taken_port())
+    finally:
+        taken.close()
+    assert workers_seen == 1  # the fleet had started: it found its worker
+    assert tasks_left == 0, "the fleet's watchers were left running"
+    assert not ready
