@@ -180,3 +180,21 @@ def test_the_worker_sdk_and_the_protocol_load_nothing_of_the_server(modules):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout.strip()
     assert loaded == "", f"importing {modules} loaded {loaded}"
+
+
+def test_the_readme_map_names_every_layer_of_the_tree():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            named.update(part.strip(" `/") for part in first.split(","))
+    tree = {
+        path.stem if path.is_file() else path.name
+        for path in PACKAGE.iterdir()
+        if not path.name.startswith("_") or path.name == "__main__.py"
+        if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())
+    }
+    named = {name.removesuffix(".py") for name in named}
+    assert named == tree, f"README map vs tree: missing {tree - named}, stale {named - tree}"
