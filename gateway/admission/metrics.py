@@ -8,17 +8,14 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.admission.requests import InFlight
-from gateway.telemetry import PREFIX
+from gateway.telemetry import PREFIX, LiveCollector
 
 
-class AdmissionCollector:
+class AdmissionCollector(LiveCollector):
     """Slots and draining, read when Prometheus scrapes."""
 
     def __init__(self, inflight: InFlight) -> None:
         self.inflight = inflight
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         slots = self.inflight.slots

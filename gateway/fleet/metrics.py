@@ -10,20 +10,17 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.telemetry import PREFIX
+from gateway.telemetry import PREFIX, LiveCollector
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
 
 
-class FleetCollector:
+class FleetCollector(LiveCollector):
     """Retries and per-worker figures, read when Prometheus scrapes."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         retries = CounterMetricFamily(

@@ -9,20 +9,17 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.telemetry import PREFIX
+from gateway.telemetry import PREFIX, LiveCollector
 
 if TYPE_CHECKING:
     from gateway.teams import Teams
 
 
-class TeamsCollector:
+class TeamsCollector(LiveCollector):
     """Per-team in-flight, refusals and tokens; the limits store's health."""
 
     def __init__(self, teams: Teams) -> None:
         self.teams = teams
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         teams = self.teams

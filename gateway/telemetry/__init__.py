@@ -17,12 +17,22 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from gateway.telemetry.access_log import AccessLog
 from gateway.telemetry.metrics import PREFIX, RequestMetrics
 from gateway.telemetry.record import RequestRecord
 
-__all__ = ["PREFIX", "RequestRecord", "Telemetry"]
+__all__ = ["PREFIX", "LiveCollector", "RequestRecord", "Telemetry"]
+
+
+class LiveCollector(Collector):
+    """A collector that reads live objects when Prometheus scrapes: it describes
+    nothing up front, so registering it costs no collection."""
+
+    def describe(self) -> list[Metric]:
+        return []
 
 
 class Telemetry:
