@@ -212,3 +212,31 @@ def test_describe_and_health():
     models, serving = anyio.run(probe)
     assert [(m.name, m.max_context) for m in models] == [("m", 4096), ("n", 0)]
     assert serving is True
+
+
+@respx.mock
+def test_an_event_line_past_the_bound_fails_the_stream_without_reading_on():
+    from gateway.upstreams.openai_http import MAX_EVENT_BYTES
+
+    huge = b"data: " + b"x" * (MAX_EVENT_BYTES * 4)
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(chunk("ok")) + huge,
+        headers={"content-type": "text/event-stream"},
+    )
+    events, failure, outcomes = anyio.run(run, CHAT)
+    assert events[0] == Started(0)
+    assert isinstance(failure, errors.Failed) and "larger" in failure.message
+    assert outcomes == [failure]
+
+
+@respx.mock
+def test_an_error_body_is_read_only_up_to_its_bound():
+    from gateway.upstreams.openai_http import MAX_ERROR_BYTES
+
+    body = json.dumps({"error": {"message": "m" * (MAX_ERROR_BYTES * 4)}}).encode()
+    respx.post(f"{BASE}/chat/completions").respond(500, content=body)
+    _, failure, _ = anyio.run(run, CHAT)
+    # cut at the bound, the body is no longer JSON: the status alone speaks
+    assert isinstance(failure, errors.Failed)
+    assert len(failure.message) <= MAX_ERROR_BYTES

@@ -49,6 +49,10 @@ ERROR_CODES: dict[str, type[errors.EngineError]] = {
     "engine_auth_failed": errors.AuthFailed,
 }
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+#: The largest SSE line (one event) and error body read from an upstream: past them the
+#: upstream is failing, and reading on would only grow the gateway's memory.
+MAX_EVENT_BYTES = 1024 * 1024
+MAX_ERROR_BYTES = 64 * 1024
 _CLOSING: set[asyncio.Task[None]] = set()  # upstream responses being closed after a cancel
 
 
@@ -59,6 +63,39 @@ def _error_fields(payload: Any) -> dict[str, Any]:
     if isinstance(payload, dict) and payload.get("object") == "error":  # vLLM's older shape
         return payload
     return {}
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes:
+    """At most `limit` bytes of a streamed response's body."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
+
+
+async def sse_lines(response: httpx.Response, limit: int) -> AsyncIterator[bytes]:
+    """The lines of an event stream, read in the chunks the network gives; a line
+    longer than `limit` bytes fails the stream."""
+    too_large = "The upstream sent an event larger than the gateway takes."
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        if b"\n" in chunk:
+            *lines, rest = (pending + chunk).split(b"\n")
+            for line in lines:
+                if len(line) > limit:
+                    raise errors.Failed(too_large)
+                yield line
+            pending = rest
+        else:
+            pending += chunk
+        if len(pending) > limit:
+            raise errors.Failed(too_large)
+    if pending:
+        yield pending
 
 
 def error_from_response(status: int, body: bytes) -> errors.EngineError:
@@ -123,7 +160,7 @@ class OpenAIHttpCall(StreamBookkeeping):
         self._request = request
         self._chat = chat
         self._response: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._lines: AsyncIterator[bytes] | None = None
         self._reason = FinishReason.STOP
         self._prompt_tokens: int | None = None
         self._completion_tokens: int | None = None
@@ -153,17 +190,18 @@ class OpenAIHttpCall(StreamBookkeeping):
         response = await self._http.send(self._request, stream=True)
         self._response = response
         if response.status_code != 200:
-            raise error_from_response(response.status_code, await response.aread())
-        self._lines = response.aiter_lines()
+            body = await read_capped(response, MAX_ERROR_BYTES)
+            raise error_from_response(response.status_code, body)
+        self._lines = sse_lines(response, MAX_EVENT_BYTES)
         return Started(0)
 
     async def _next_event(self) -> Event:
         assert self._lines is not None
         async for line in self._lines:
-            if not line.startswith("data:"):
+            if not line.startswith(b"data:"):
                 continue  # comments (keep-alives), event names, blank separators
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 completion = self._completion_tokens
                 await self._finish(None)
                 return Finished(
@@ -175,7 +213,7 @@ class OpenAIHttpCall(StreamBookkeeping):
                 return event
         raise errors.Failed("The upstream ended its stream without [DONE].")
 
-    def _event(self, data: str) -> Event | None:
+    def _event(self, data: bytes) -> Event | None:
         try:
             payload = orjson.loads(data)
         except orjson.JSONDecodeError:
