@@ -32,6 +32,10 @@ class ConfigError(ValueError):
     """The config is invalid; the message names the field."""
 
 
+class KeysFileUnreadable(ConfigError):
+    """`keys_file` cannot be read (deleted, no permission): its keys are gone."""
+
+
 @dataclass(frozen=True)
 class Spec:
     """A config field's bounds and meaning, declared once on the field: the loader checks
@@ -429,12 +433,22 @@ def load_keys_file(path: str, teams: set[str]) -> tuple[KeyConfig, ...]:
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as error:
-        raise ConfigError(f"keys_file: cannot read {path}: {error.strerror}") from None
+        raise KeysFileUnreadable(f"keys_file: cannot read {path}: {error.strerror}") from None
     except yaml.YAMLError:
         raise ConfigError(f"keys_file: {path} is not valid YAML") from None
     if isinstance(raw, Mapping) and set(raw) == {"keys"}:
         raw = raw["keys"]
     return parse_keys("keys_file", raw or [], teams)
+
+
+def merge_keys(inline: tuple[KeyConfig, ...], from_file: tuple[KeyConfig, ...]) -> dict[bytes, str]:
+    """Every key's team, from `keys` and `keys_file`; a key in both with two teams
+    is an error (neither may silently win)."""
+    teams = {k.sha256: k.team for k in inline}
+    for i, key in enumerate(from_file):
+        if teams.setdefault(key.sha256, key.team) != key.team:
+            raise ConfigError(f"keys_file[{i}].sha256: listed in `keys` with another team")
+    return teams
 
 
 def _optional_text(name: str, value: Any) -> str | None:
@@ -472,7 +486,7 @@ def _teams_and_keys(values: dict[str, Any]) -> None:
     values["keys"] = parse_keys("keys", values.get("keys") or [], names)
     keys_file = values["keys_file"] = _optional_text("keys_file", values.get("keys_file"))
     if keys_file is not None:
-        load_keys_file(keys_file, names)
+        merge_keys(values["keys"], load_keys_file(keys_file, names))
     url = values["redis_url"] = _optional_text("redis_url", values.get("redis_url"))
     # never echo the URL: it may hold a password
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):

@@ -8,6 +8,7 @@ call and engine generation is free again. The helpers live in tests.support.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from gateway.protocol.tls import ServerTLS
 from gateway.worker.server import WorkerServer
+from tests.support.redis_server import RedisServer
 from tests.support.servers import (
     Gateway,
     ServerLoop,
@@ -98,3 +100,15 @@ def serve_engines(server_loop: ServerLoop) -> Iterator[Callable[..., list[Worker
     yield serve
     for server in started:
         server_loop.call(server.stop(0))
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real `redis-server` of this test's own (skipped where none is installed)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    server = RedisServer()
+    server.start()
+    yield server
+    if server.process is not None and server.process.poll() is None:
+        server.stop()

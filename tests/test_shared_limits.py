@@ -2,14 +2,9 @@
 processes), and what happens when Redis goes away and comes back."""
 
 import logging
-import shutil
-import socket
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from tests.support.keys import ask, assert_rate_limited, bearer, keyed, new_key, sha256
@@ -17,49 +12,6 @@ from tests.support.processes import free_port, running, wait_ready
 from tests.support.requests import opened
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-class RedisServer:
-    """A throwaway `redis-server` on a loopback port, with nothing saved."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no"),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        wait_until(self._answers, "redis-server to answer", timeout=HANG_GUARD)
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16) == b"+PONG\r\n"
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        assert self.process is not None
-        self.process.terminate()
-        self.process.wait(HANG_GUARD)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    server = RedisServer()
-    server.start()
-    yield server
-    if server.process is not None and server.process.poll() is None:
-        server.stop()
 
 
 def store_up(url: str) -> float | None:

@@ -2,11 +2,14 @@
 
 The gateway never holds a key, only the digests of the config's `keys` and of
 `keys_file` (a file mounted from a Kubernetes Secret, read again when it
-changes, so keys rotate without a restart). A presented key is hashed as sent,
-never lower-cased or trimmed inside, and its digest compared with every known
-digest by `hmac.compare_digest`, without stopping at a match, so the time taken
-says nothing about which digests are near. A missing, malformed or unknown key
-all read the same: None.
+changes, so keys rotate without a restart). A key in both with two teams is an
+error: at start the config is refused; on a reload the new file is refused (an
+error logged) and the keys known stay. A file that can no longer be read
+(deleted, no permission) fails closed: its keys are dropped, an error logged. A
+presented key is hashed as sent, never lower-cased or trimmed inside, and its
+digest compared with every known digest by `hmac.compare_digest`, without
+stopping at a match, so the time taken says nothing about which digests are
+near. A missing, malformed or unknown key all read the same: None.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
-from gateway.config import Config, ConfigError, KeyConfig, load_keys_file
+from gateway.config import (
+    Config,
+    ConfigError,
+    KeyConfig,
+    KeysFileUnreadable,
+    load_keys_file,
+    merge_keys,
+)
 from gateway.teams.team import Team
 
 log = logging.getLogger("furnace.keys")
@@ -54,8 +64,8 @@ class KeyRing:
         return len(self._entries)
 
     def _load(self, from_file: tuple[KeyConfig, ...]) -> None:
-        entries = {k.sha256: self._teams[k.team] for k in (*self._inline, *from_file)}
-        self._entries = tuple(entries.items())
+        teams = merge_keys(self._inline, from_file)
+        self._entries = tuple((digest, self._teams[team]) for digest, team in teams.items())
 
     def _stamp(self) -> tuple[int, int, int] | None:
         assert self._file is not None
@@ -71,11 +81,16 @@ class KeyRing:
         return load_keys_file(self._file, set(self._teams))
 
     def reload_if_changed(self) -> None:
-        """Reads `keys_file` again if it changed; a bad file keeps the keys known."""
+        """Reads `keys_file` again if it changed; a bad file keeps the keys known,
+        a file gone (or unreadable) drops its keys."""
         if self._file is None or self._stamp() == self._file_stamp:
             return
         try:
             self._load(self._read_file())
+        except KeysFileUnreadable as error:
+            self._load(())
+            log.error("keys file dropped, keeping the %d keys of `keys`: %s", self.count, error)
+            return
         except ConfigError as error:
             log.error("keys file not reloaded, keeping %d keys: %s", self.count, error)
             return

@@ -2,18 +2,32 @@
 concurrent requests, held in this gateway's memory or, with `redis_url`, in
 Redis for every replica together.
 
-Tokens are counted twice over a request's life. At admission its prompt is
-estimated (a quarter of its characters; `estimate_tokens`) and must fit in what
-is left of the minute. While it runs, a tick every `TICK` seconds charges what
-it has really used since: the worker's prompt count once known, and the
-completion tokens written so far. The end settles the rest (a request the
-worker refused gives its estimate back). The token path itself pays nothing.
+Tokens are counted twice over a request's life. At admission the request
+reserves all it may cost, as OpenAI does: its prompt, estimated (a quarter of
+its characters; `estimate_tokens`), plus its `max_tokens` (the model's
+`max_tokens_limit` when the request leaves it out: the edge sets it), and that
+must fit in what is left of the minute. A request with no bound at all (no
+`max_tokens`, a model with no cap: the worker's default is the context left,
+as vLLM's) reserves all that is left of the minute once its prompt fits, so
+unbounded requests of a team run one at a time rather than each overrunning
+the limit. While it runs, a tick every `TICK` seconds charges what it has
+really used past its reservation: the worker's prompt count once known, and
+the completion tokens written so far. The end settles the rest and refunds
+what it reserved and did not use (a request the worker refused gives it all
+back). The token path itself pays nothing.
 
 Local buckets mirror Redis: every answer from Redis sets them to the shared
 usage. If Redis fails (a timeout, a refused connection), this gateway goes on
 with the local buckets, which start from the last shared usage it saw, logs it,
 and shows `furnace_gateway_limits_store_up 0`; a probe every second brings it
 back to Redis once Redis answers.
+
+A call to Redis that times out may still run when a stalled Redis resumes. An
+admission that timed out (or a release that failed) leaves its lease's member
+"uncertain": the next probes that find Redis up remove it from the team's
+leases (ZREM, twice, so an admit script that runs late is undone too). Leases
+are short-lived besides (`redis_store.LEASE_TTL`, renewed while the request
+runs), but 30 s of a phantom lease is a team refused for 30 s.
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ PROBE_INTERVAL = 1.0
 #: Seconds between renewals of the Redis leases of requests in flight (a third
 #: of their life, `redis_store.LEASE_TTL`).
 RENEW_INTERVAL = 10.0
+#: Successful probes that remove an uncertain lease member (see above).
+UNCERTAIN_SWEEPS = 2
 #: How the store fails: `StoreDown` is a ConnectionError, so an OSError.
 STORE_FAILURES = (OSError, TimeoutError)
 _LIMIT_NAMES = {
@@ -65,24 +81,49 @@ def estimate_tokens(request: GenerateRequest) -> int:
 class Lease:
     """One admitted request: what it was charged, and what it must give back."""
 
-    __slots__ = ("charged", "estimate", "member", "record", "served", "team")
+    __slots__ = (
+        "charged",
+        "counted",
+        "estimate",
+        "member",
+        "record",
+        "reserve",
+        "served",
+        "team",
+    )
 
-    def __init__(self, team: Team, estimate: int, record: RequestRecord, member: str) -> None:
+    def __init__(
+        self, team: Team, estimate: int, reserve: int | None, record: RequestRecord, member: str
+    ) -> None:
         self.team = team
         self.estimate = estimate
+        #: Completion tokens reserved: `max_tokens`, or None (no bound) until
+        #: admission sets it to what was left of the minute.
+        self.reserve = reserve
         self.record = record
         self.member = member
-        self.charged = estimate  # tokens charged so far
+        self.charged = 0  # tokens charged to the bucket so far (the reservation, or more)
+        self.counted = estimate  # tokens counted as used so far (`Team.tokens_charged`)
         #: It took a slot; if not (the gateway was busy), its request is refunded.
         self.served = False
 
-    def used(self, final: bool) -> int:
+    @property
+    def cost(self) -> int:
+        """What admission must fit: the prompt and the reserved completion."""
+        return self.estimate + (self.reserve or 0)
+
+    def usage(self, final: bool) -> int:
         """Tokens the request has used: the prompt (estimated until the worker
         counts it) and the completion written so far."""
         record = self.record
         if final:  # a request the worker never started used nothing
             return record.prompt_tokens + record.tokens_sent
         return (record.prompt_tokens or self.estimate) + record.tokens_sent
+
+    def used(self, final: bool) -> int:
+        """Tokens to have charged to the bucket: while it runs, its reservation,
+        or its usage once past it; at the end, its usage alone."""
+        return self.usage(final) if final else max(self.cost, self.usage(final))
 
 
 class Limiter:
@@ -99,6 +140,9 @@ class Limiter:
         #: Whether Redis answered last time (None: not asked yet).
         self.redis_up: bool | None = None
         self.leases: set[Lease] = set()
+        #: Lease members Redis may hold unbeknown (a call timed out): member →
+        #: (team, sweeps left).
+        self.uncertain: dict[str, tuple[Team, int]] = {}
         self._releasing = 0
         self._gateway = secrets.token_hex(6)  # names this gateway's leases
         self._count = 0
@@ -157,6 +201,27 @@ class Limiter:
         if not self.redis_up:
             log.info("limits store (Redis) answers: limits are shared by every replica")
         self.redis_up = True
+        if self.uncertain:
+            await self._sweep_uncertain()
+
+    def _maybe_held(self, lease: Lease) -> None:
+        """A call about `lease` failed: Redis may hold (or come to hold) its member."""
+        if lease.team.config.max_concurrent_requests:
+            self.uncertain[lease.member] = (lease.team, UNCERTAIN_SWEEPS)
+
+    async def _sweep_uncertain(self) -> None:
+        assert self.redis is not None
+        members = dict(self.uncertain)
+        try:
+            await self.redis.release_many((team, member) for member, (team, _) in members.items())
+        except STORE_FAILURES as error:
+            self._redis_failed(error)
+            return
+        for member, (team, left) in members.items():
+            if left > 1:
+                self.uncertain[member] = (team, left - 1)
+            else:
+                self.uncertain.pop(member, None)
 
     def _shared(self) -> RedisStore | None:
         return self.redis if self.redis_up else None
@@ -178,17 +243,20 @@ class Limiter:
     # -- requests ---------------------------------------------------------------
 
     async def admit(self, team: Team, request: GenerateRequest, record: RequestRecord) -> Lease:
-        """Charges one request and its estimated prompt to `team`, or raises a 429."""
+        """Charges one request, its estimated prompt and its reserved completion
+        to `team`, or raises a 429."""
         estimate = estimate_tokens(request)
+        reserve = request.sampling.max_tokens if team.tokens is not None else 0
         self._count += 1
-        lease = Lease(team, estimate, record, f"{self._gateway}:{self._count}")
+        lease = Lease(team, estimate, reserve, record, f"{self._gateway}:{self._count}")
         refused = await self._admit_shared(lease)
         if refused is None:
             refused = self._admit_local(lease)
         if refused:
             team.refused[refused] += 1
-            raise self._too_many(team, refused, estimate)
+            raise self._too_many(team, refused, lease.cost)
         team.inflight += 1
+        lease.charged = lease.cost
         team.tokens_charged += estimate
         self.leases.add(lease)
         return lease
@@ -200,10 +268,13 @@ class Limiter:
             return None
         team = lease.team
         try:
-            answer = await store.admit(team, lease.estimate, lease.member)
+            answer = await store.admit(team, lease.estimate, lease.reserve, lease.member)
         except STORE_FAILURES as error:
+            self._maybe_held(lease)  # it may run yet, once Redis resumes
             self._redis_failed(error)
             return None
+        if not answer.refused:
+            lease.reserve = answer.reserved
         now = time.monotonic()
         if team.requests is not None:
             team.requests.set(answer.requests_used, now)
@@ -215,7 +286,7 @@ class Limiter:
         team, now = lease.team, time.monotonic()
         if team.requests is not None and team.requests.wait(1, now):
             return "requests"
-        if team.tokens is not None and team.tokens.wait(lease.estimate, now):
+        if team.tokens is not None and team.tokens.wait(lease.cost, now):
             return "tokens"
         limit = team.config.max_concurrent_requests
         if limit is not None and team.inflight >= limit:
@@ -223,15 +294,18 @@ class Limiter:
         if team.requests is not None:
             team.requests.charge(1, now)
         if team.tokens is not None:
-            team.tokens.charge(lease.estimate, now)
+            if lease.reserve is None:  # no bound: all that is left of the minute
+                left = team.tokens.limit - team.tokens.level(now) - lease.estimate
+                lease.reserve = max(0, math.floor(left))
+            team.tokens.charge(lease.cost, now)
         return ""
 
-    def _too_many(self, team: Team, refused: str, estimate: int) -> RateLimited:
+    def _too_many(self, team: Team, refused: str, cost: int) -> RateLimited:
         config, now = team.config, time.monotonic()
         if refused == "requests" and team.requests is not None:
             limit, wait = config.requests_per_minute, math.ceil(team.requests.wait(1, now))
         elif refused == "tokens" and team.tokens is not None:
-            limit, wait = config.tokens_per_minute, math.ceil(team.tokens.wait(estimate, now))
+            limit, wait = config.tokens_per_minute, math.ceil(team.tokens.wait(cost, now))
         else:  # concurrency: a slot of its own comes back when a request ends
             limit, wait = config.max_concurrent_requests, self.config.retry_after
         wait = max(wait, 1)
@@ -260,20 +334,27 @@ class Limiter:
             if not lease.served and team.requests is not None:
                 await self._charge(team, "requests", -1)
             store = self._shared()
-            if store is not None and team.config.max_concurrent_requests:
-                await store.release(team, lease.member)
+            if self.redis is not None and team.config.max_concurrent_requests:
+                if store is None:  # Redis may hold it: gone once Redis answers
+                    self._maybe_held(lease)
+                else:
+                    await store.release(team, lease.member)
         except STORE_FAILURES as error:
+            self._maybe_held(lease)
             self._redis_failed(error)
         finally:
             self._releasing -= 1
 
     @staticmethod
     def _take_delta(lease: Lease, final: bool) -> int:
-        """Tokens `lease` used since its last charge, marked charged at once (so a
-        tick and the end, each waiting on Redis, never charge them both)."""
+        """Tokens `lease` owes its bucket since its last charge (negative: a
+        refund), marked charged at once (so a tick and the end, each waiting on
+        Redis, never charge them both). Counts its usage meanwhile."""
+        usage = lease.usage(final)
+        lease.team.tokens_charged += usage - lease.counted
+        lease.counted = usage
         delta = lease.used(final) - lease.charged
         lease.charged += delta
-        lease.team.tokens_charged += delta
         return delta
 
     async def _settle(self, lease: Lease, final: bool) -> None:

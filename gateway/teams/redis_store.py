@@ -8,13 +8,15 @@ share a Redis Cluster slot and one script may touch them all):
     P:limits:{team}:inflight   sorted set               concurrent requests:
                                member gateway:request, score = lease expiry (ms)
 
-Buckets are the leaky buckets of `bucket.py`: usage drains at limit/60000 per ms
-of Redis's own clock (TIME), so the replicas' clocks never matter. Admission is
-one Lua script (atomic): drain, check requests, tokens and concurrency, and
-only if all fit, charge them and add the lease. Tokens charged later (as the
-answer streams) and refunds are one script each. Keys expire once drained.
-A lease is renewed by its gateway while the request lasts, so a gateway that
-dies stops holding its team's concurrency once its leases expire.
+Buckets are the leaky buckets of `bucket.py`: usage drains at limit/60000 per
+ms of Redis's own clock (TIME), so the replicas' clocks never matter. Admission
+is one Lua script (atomic): drain, check requests, tokens (the prompt's
+estimate and the completion reserved: `max_tokens`, or with none all that is
+left of the minute) and concurrency, and only if all fit, charge them and add
+the lease. Tokens charged later (as the answer streams) and refunds are one
+script each. Keys expire once drained. A lease is renewed by its gateway while
+the request lasts, so a gateway that dies stops holding its team's concurrency
+once its leases expire.
 
 Every call has a short timeout and no retries: the limiter falls back to local
 limits instead of waiting. Failures leave as `StoreDown` (an OSError) or
@@ -55,18 +57,20 @@ local function keep(key, limit, u)
 end
 """
 
-# KEYS: requests, tokens, inflight; ARGV: rpm, tpm, token cost, max concurrent,
-# lease member, lease ms (0 for a limit: none). Returns {refused limit or '', u_req, u_tok}.
+# KEYS: requests, tokens, inflight; ARGV: rpm, tpm, prompt tokens, max concurrent,
+# lease member, lease ms, completion tokens to reserve (-1: all that is left) (0 for
+# a limit: none). Returns {refused limit or '', u_req, u_tok, completion reserved}.
 _ADMIT = (
     _DRAIN
     + """
 local rpm, tpm, cost, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
   tonumber(ARGV[4])
+local reserve = tonumber(ARGV[7])
 local ur, ut = level(KEYS[1], rpm), level(KEYS[2], tpm)
 local refused = ''
 if rpm > 0 and ur + 1 > rpm then
   refused = 'requests'
-elseif tpm > 0 and ut + cost > tpm then
+elseif tpm > 0 and ut + cost + math.max(reserve, 0) > tpm then
   refused = 'tokens'
 else
   if conc > 0 then
@@ -74,7 +78,12 @@ else
     if redis.call('ZCARD', KEYS[3]) >= conc then refused = 'concurrency' end
   end
   if refused == '' then
-    ur, ut = ur + 1, ut + cost
+    if tpm <= 0 then
+      reserve = 0
+    elseif reserve < 0 then
+      reserve = math.max(0, math.floor(tpm - ut - cost))
+    end
+    ur, ut = ur + 1, ut + cost + reserve
     keep(KEYS[1], rpm, ur)
     keep(KEYS[2], tpm, ut)
     if conc > 0 then
@@ -83,7 +92,7 @@ else
     end
   end
 end
-return {refused, tostring(ur), tostring(ut)}
+return {refused, tostring(ur), tostring(ut), tostring(math.max(reserve, 0))}
 """
 )
 
@@ -104,14 +113,16 @@ class StoreDown(ConnectionError):
 
 
 class Admission:
-    """What Redis answered: the limit that refused (or ''), and usage after."""
+    """What Redis answered: the limit that refused (or ''), usage after, and the
+    completion tokens reserved."""
 
-    __slots__ = ("refused", "requests_used", "tokens_used")
+    __slots__ = ("refused", "requests_used", "reserved", "tokens_used")
 
     def __init__(self, reply: list[bytes]) -> None:
         self.refused = reply[0].decode()
         self.requests_used = float(reply[1])
         self.tokens_used = float(reply[2])
+        self.reserved = int(reply[3])
 
 
 class RedisStore:
@@ -153,8 +164,9 @@ class RedisStore:
         async with self._bounded():
             await self.client.ping()
 
-    async def admit(self, team: Team, cost: int, member: str) -> Admission:
-        """Checks and charges one request of `team` (atomically)."""
+    async def admit(self, team: Team, cost: int, reserve: int | None, member: str) -> Admission:
+        """Checks and charges one request of `team` (atomically): its prompt's
+        `cost` and `reserve` completion tokens (None: all that is left)."""
         config = team.config
         keys = [self._key(team, k) for k in ("requests", "tokens", "inflight")]
         args: list[int | str] = [
@@ -164,6 +176,7 @@ class RedisStore:
             config.max_concurrent_requests or 0,
             member,
             int(LEASE_TTL * 1000),
+            -1 if reserve is None else reserve,
         ]
         async with self._bounded():
             return Admission(await self._admit(keys=keys, args=args))
@@ -178,6 +191,14 @@ class RedisStore:
         """Ends a concurrency lease."""
         async with self._bounded():
             await self.client.zrem(self._key(team, "inflight"), member)
+
+    async def release_many(self, leases: Iterable[tuple[Team, str]]) -> None:
+        """Ends leases that may or may not be held, in one round trip."""
+        async with self._bounded():
+            pipe = self.client.pipeline(transaction=False)
+            for team, member in leases:
+                pipe.zrem(self._key(team, "inflight"), member)
+            await pipe.execute()
 
     async def renew(self, leases: Iterable[tuple[Team, str]]) -> None:
         """Pushes back the expiry of the leases still held, in one round trip."""
