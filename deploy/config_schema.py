@@ -48,7 +48,10 @@ _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 def field_schema(name: str) -> dict[str, Any]:
     """The JSON schema of one top-level scalar field, from its declaration."""
     spec = SPECS[name]
-    schema: dict[str, Any] = {"type": _JSON_TYPES[TYPES[name]]}
+    if TYPES[name] == tuple[str, ...]:
+        schema: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+    else:
+        schema = {"type": _JSON_TYPES[TYPES[name]]}
     if spec.choices:
         schema["enum"] = list(spec.choices)
     if spec.min_length:

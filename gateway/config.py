@@ -139,6 +139,11 @@ class Config:
 
     host: str = setting("0.0.0.0", "the address the gateway listens on")
     port: int = setting(8000, "the port the gateway listens on", minimum=0, maximum=65535)
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "host names the `Host` header may hold (others get 421; probes and metrics exempt); "
+        "none: any, but only loopback names when `host` is a loopback address",
+    )
     max_concurrent_requests: int = setting(
         256, "requests served at once, all routes together; one more gets 503 at once", minimum=1
     )
@@ -270,7 +275,7 @@ SPECS: dict[str, Spec] = {declared.name: spec_of(declared) for declared in field
 #: Each top-level field's type (`int`, `float`, `str`, ...), by name.
 TYPES: dict[str, Any] = get_type_hints(Config)
 #: Fields whose environment override is YAML (a list or a mapping).
-_STRUCTURED = ("models", "teams", "keys", "worker_tls")
+_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts")
 
 
 def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | None = None) -> Any:
@@ -312,6 +317,17 @@ def _scalars(values: dict[str, Any]) -> None:
             values[name] = _text(name, values[name], spec)
         elif name in values and TYPES[name] is bool:
             values[name] = _flag(name, values[name])
+
+
+def _host_names(raw: Any) -> tuple[str, ...]:
+    """`allowed_hosts`: a list of names (or one string of comma-separated names)."""
+    if isinstance(raw, str):
+        raw = raw.split(",")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple) or not all(isinstance(h, str) and h.strip() for h in raw):
+        raise ConfigError("allowed_hosts: expected a list of host names")
+    return tuple(h.strip().strip("[]").rstrip(".").lower() for h in raw)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -434,8 +450,8 @@ def load_keys_file(path: str, teams: set[str]) -> tuple[KeyConfig, ...]:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as error:
         raise KeysFileUnreadable(f"keys_file: cannot read {path}: {error.strerror}") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"keys_file: {path} is not valid YAML") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"keys_file: {path} is not valid YAML{_yaml_where(error)}") from None
     if isinstance(raw, Mapping) and set(raw) == {"keys"}:
         raw = raw["keys"]
     return parse_keys("keys_file", raw or [], teams)
@@ -509,6 +525,7 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown field")
     _scalars(values)
+    values["allowed_hosts"] = _host_names(values.get("allowed_hosts"))
     models = values.get("models") or []
     if not isinstance(models, list):
         raise ConfigError("models: expected a list")
@@ -521,6 +538,15 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     return Config(**values)
 
 
+def _yaml_where(error: yaml.YAMLError) -> str:
+    """Where a YAML error is and what it is, without the text around it (its
+    snippet would print the line, secrets included)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {problem}" if problem else where
+
+
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
     """Reads and checks a YAML config file."""
     try:
@@ -528,5 +554,5 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     except OSError as error:
         raise ConfigError(f"config: cannot read {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
+        raise ConfigError(f"config: {path} is not valid YAML{_yaml_where(error)}") from None
     return parse_config(raw, env)

@@ -62,7 +62,9 @@ def test_slots_come_back_after_errors(gateway_with):
                     client.post("/v1/completions", **scripted(prompt, stream))
                     assert gw.state.slots.in_use == 0
         client.post("/v1/completions", json={"prompt": "not json at all"})
-        client.post("/v1/completions", content=b"{bad")
+        client.post(
+            "/v1/completions", content=b"{bad", headers={"content-type": "application/json"}
+        )
         assert client.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
 
 
@@ -148,7 +150,8 @@ def test_client_leaving_a_plain_request_cancels_the_worker(gateway, workers, whe
     host, port = gateway.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=HANG_GUARD) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n"
             + f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )

@@ -7,6 +7,7 @@ import pytest
 from tests.support.waiting import HANG_GUARD
 
 ROUTES = ["/v1/chat/completions", "/v1/completions"]
+JSON = {"content-type": "application/json"}
 
 
 def check_400(response, param=None):
@@ -40,7 +41,7 @@ def test_bad_bodies_are_400(client, route, content):
 
 def test_deep_nesting_inside_a_valid_field_is_400(client):
     deep = b'{"prompt": "x", "extra": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}"
-    check_400(client.post("/v1/completions", content=deep))
+    check_400(client.post("/v1/completions", content=deep, headers=JSON))
 
 
 def test_body_over_the_limit_is_413(gateway_with):
@@ -58,7 +59,9 @@ def test_body_over_the_limit_is_413(gateway_with):
             yield b"x" * 200
         yield b'"}'
 
-    response = httpx.post(gw.url + "/v1/completions", content=chunks(), timeout=HANG_GUARD)
+    response = httpx.post(
+        gw.url + "/v1/completions", content=chunks(), headers=JSON, timeout=HANG_GUARD
+    )
     assert response.status_code == 413
     assert httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
 
@@ -69,7 +72,8 @@ def test_413_comes_before_the_body_is_read(gateway):
     host, port = gateway.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=HANG_GUARD) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n"
             b'content-length: 1000000000\r\n\r\n{"prompt": "'
         )
         reply = sock.recv(65536)

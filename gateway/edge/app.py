@@ -22,7 +22,7 @@ from starlette.routing import Route
 from gateway.admission import InFlight
 from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
-from gateway.edge.middleware import HeaderLimit, KeyGate
+from gateway.edge.middleware import HeaderLimit, HostCheck, JsonOnly, KeyGate, is_loopback
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -87,11 +87,17 @@ def create_app(
         Route("/v1/models", list_models(fleet, teams, started_at), methods=["GET"]),
         *ops_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry, is_ready=is_ready),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
             Middleware(HeaderLimit, limit=config.max_header_bytes),
+            Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(config.host)),
             Middleware(KeyGate, teams=teams),
+            Middleware(JsonOnly),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
+    # A trailing slash is a plain 404: a redirect would echo the client's Host
+    # into Location.
+    app.router.redirect_slashes = False
+    return app

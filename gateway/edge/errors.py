@@ -1,5 +1,12 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
-and the one table from our engine errors to HTTP."""
+and the one table from our engine errors to HTTP.
+
+A failure on the server's side (a worker or upstream unavailable, refusing the
+gateway, failing, or too slow) reaches the client as a fixed message of its row:
+what a worker or an upstream says may hold internal addresses, even passwords,
+so it goes to the log (with the request id), never to the client. A refusal of
+the client's own input keeps its message, bounded to MAX_MESSAGE characters.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,9 @@ from gateway.protocol import errors
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
+
+#: The longest message of a refusal a client sees; longer ones are cut.
+MAX_MESSAGE = 512
 
 #: Our error → HTTP status, OpenAI `type`, OpenAI `code` (DESIGN.md's table).
 ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] = {
@@ -24,6 +34,33 @@ ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] 
     errors.AuthFailed: (502, SERVER, "engine_auth_failed"),
     errors.Failed: (500, SERVER, "engine_error"),
 }
+
+#: The fixed message the client sees for a server-side failure; the original is logged.
+PUBLIC_MESSAGES: dict[type[errors.EngineError], str] = {
+    errors.Unavailable: "The model's engine is unavailable; try again later.",
+    errors.Timeout: "The model's engine did not answer in time.",
+    errors.AuthFailed: "The gateway could not authenticate to the model's engine.",
+    errors.Failed: "The model's engine failed to serve the request.",
+}
+_FAILED = PUBLIC_MESSAGES[errors.Failed]
+
+
+def public_message(error: errors.EngineError) -> str:
+    """What the client may read of `error`: a fixed message for a failure on the
+    server's side (and anything not in the table), else its own, bounded."""
+    for kind, message in PUBLIC_MESSAGES.items():
+        if isinstance(error, kind):
+            return message
+    if not any(isinstance(error, kind) for kind in ENGINE_ERROR_TABLE):
+        return _FAILED
+    if len(error.message) > MAX_MESSAGE:
+        return error.message[: MAX_MESSAGE - 3] + "..."
+    return error.message
+
+
+def is_hidden(error: errors.EngineError) -> bool:
+    """Whether the client sees a fixed message instead of `error`'s own."""
+    return public_message(error) != error.message
 
 
 class APIError(Exception):
@@ -84,7 +121,7 @@ def from_engine_error(error: errors.EngineError, retry_after: int | None) -> API
         retry_after = None
     return APIError(
         status,
-        error.message,
+        public_message(error),
         type=type_,
         param=error.param,
         code=code,

@@ -9,10 +9,23 @@ route reads a byte of the body.
 A refused key gets one body whatever was wrong (no key, another scheme, an
 unknown key), so the answer tells nothing about how close a guess came. Keys
 are never logged: the gateway only ever holds their SHA-256.
+
+A browser page may send a "simple" cross-origin POST (text/plain, no preflight)
+to a developer's local gateway, and DNS rebinding lets it read the answer under
+a name of its own. So POST bodies on /v1/* must be declared JSON (415 before a
+byte is read; a missing Content-Type too: OpenAI's SDKs always send it), and the
+Host must be one the gateway serves (`allowed_hosts`; listening on loopback,
+loopback names only). A wrong Host gets 421 Misdirected Request: the request
+reached a server that will not answer for that authority (RFC 9110 15.5.20),
+and unlike a 400 it tells the operator it is about the name, not the body. The
+probes and the metrics are exempt: kubelet and Prometheus address pods by IP.
+The cost: one pass over the headers per request.
 """
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Iterable
 from typing import Any
 
 from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error
@@ -24,6 +37,93 @@ INVALID_KEY = APIError(
     "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
     code="invalid_api_key",
 )
+
+
+UNSUPPORTED_MEDIA_TYPE = APIError(
+    415,
+    "The request body must be JSON: send 'Content-Type: application/json'.",
+    code="unsupported_media_type",
+)
+MISDIRECTED = APIError(
+    421, "The request's Host is not one this gateway serves.", code="misdirected_request"
+)
+#: Paths any Host may reach: probes and scrapes that address the pod by its IP.
+HOST_EXEMPT = frozenset({"/health", "/ready", "/metrics", "/metrics/json"})
+#: The names a gateway listening on loopback answers to (besides loopback IPs).
+LOOPBACK_NAMES = frozenset({"localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, without port) is the loopback."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: bytes) -> str:
+    """The name in a Host header, lowercased, without port or final dot."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):  # [::1]:8000
+        return text[1 : text.find("]")] if "]" in text else ""
+    return text.rpartition(":")[0].rstrip(".") if ":" in text else text.rstrip(".")
+
+
+class JsonOnly:
+    """Answers 415 to a POST on /v1/* whose body is not declared JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"].startswith("/v1/")
+            and not _declares_json(scope["headers"])
+        ):
+            await send_error(send, UNSUPPORTED_MEDIA_TYPE)
+            return
+        await self.app(scope, receive, send)
+
+
+def _declares_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    types = [value for name, value in headers if name == b"content-type"]
+    return bool(types) and all(
+        t.partition(b";")[0].strip().lower() == b"application/json" for t in types
+    )
+
+
+class HostCheck:
+    """Answers 421 when the Host is not among `allowed` (names), or, with
+    `loopback` and no names, when it is not a loopback name."""
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str], loopback: bool) -> None:
+        self.app = app
+        self.allowed = frozenset(h.strip("[]").rstrip(".").lower() for h in allowed)
+        self.loopback = loopback and not self.allowed
+
+    def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        """Whether the Host header (exactly one) names this gateway."""
+        hosts = [value for name, value in headers if name == b"host"]
+        if len(hosts) != 1:
+            return False
+        name = host_name(hosts[0])
+        return is_loopback(name) if self.loopback else name in self.allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and (self.allowed or self.loopback)
+            and scope["path"] not in HOST_EXEMPT
+            and not self.accepts(scope["headers"])
+        ):
+            await send_error(send, MISDIRECTED)
+            return
+        await self.app(scope, receive, send)
 
 
 class HeaderLimit:

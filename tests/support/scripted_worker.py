@@ -11,6 +11,7 @@ stream slowly. The script is the prompt (or the last chat message), as JSON:
     {"texts": 1, "hang": "after"}                 start, send 1 Text, then hang
     {"texts": 5, "delay": 0.05}                   5 Texts, 50 ms apart, then finish
     {"texts": 1, "end": "eof"}                    end the stream without Finished
+    {"status": "INTERNAL", "message": "..."}      fail with that status message
 
 It records, by request id, the calls it saw, their metadata and time left, and
 the calls that were cancelled.
@@ -93,14 +94,14 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         if plan.get("hang") == "before":
             await asyncio.sleep(3600)
         if status and not texts and not plan.get("started"):
-            await self._abort(context, status, plan.get("param"))
+            await self._abort(context, status, plan.get("param"), plan.get("message"))
         yield pb.GenerateEvent(started=pb.Started(prompt_tokens=7))
         for i in range(texts):
             if plan.get("delay"):
                 await asyncio.sleep(float(plan["delay"]))
             yield pb.GenerateEvent(text=pb.Text(text=f"t{i} ", tokens=1))
         if status:
-            await self._abort(context, status, plan.get("param"))
+            await self._abort(context, status, plan.get("param"), plan.get("message"))
         if plan.get("hang") == "after":
             await asyncio.sleep(3600)
         if plan.get("end") == "eof":
@@ -109,10 +110,16 @@ class ScriptedWorker(pb_grpc.EngineServicer):
             finished=pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=texts)
         )
 
-    async def _abort(self, context: grpc.aio.ServicerContext, status: str, param: object) -> None:
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext,
+        status: str,
+        param: object,
+        message: object = None,
+    ) -> None:
         if param:
             context.set_trailing_metadata((("furnace-param", str(param)),))
-        await context.abort(grpc.StatusCode[status], f"scripted {status}")
+        await context.abort(grpc.StatusCode[status], str(message or f"scripted {status}"))
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext

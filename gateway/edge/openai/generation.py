@@ -28,7 +28,7 @@ from gateway.edge.openai.validation import ParsedRequest
 from gateway.fleet import Fleet, ModelPool
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
-from gateway.teams import Teams, team_of
+from gateway.teams import Team, Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
 from gateway.telemetry.tracing import Tracing, annotate
 
@@ -105,7 +105,7 @@ class GenerationRoute:
             except APIError as error:
                 await self._refuse(send, record, error)
             except errors.EngineError as error:
-                await self._refuse(send, record, from_engine_error(error, self.config.retry_after))
+                await self._refuse(send, record, self._engine_error(error, record))
             except Exception:
                 log.exception("request %s failed in the gateway", record.request_id)
                 if record.status:  # the answer had begun: the connection is closed
@@ -126,6 +126,15 @@ class GenerationRoute:
                     },
                 )
 
+    def _engine_error(self, error: errors.EngineError, record: RequestRecord) -> APIError:
+        """The client's error for `error`; what the client does not see is logged."""
+        api_error = from_engine_error(error, self.config.retry_after)
+        if api_error.message != error.message:
+            log.warning(
+                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+            )
+        return api_error
+
     async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
         record.status = error.status
         record.outcome = error.outcome
@@ -145,13 +154,29 @@ class GenerationRoute:
         if self.telemetry.log_prompts:
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
-        pool = self.fleet.get(parsed.model)
+        pool = self.fleet.get(self._visible_model(team_of(scope), parsed.model))
         record.model = pool.name
         parsed = self.limits.check(parsed, pool.name)
         self.inflight.check_open()
         async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
             self.telemetry.begin(record, pool.name)
             await self._serve(parsed, pool, record, metadata, receive, send)
+
+    def _visible_model(self, team: Team | None, name: str | None) -> str | None:
+        """The model a request names, or its team's first LLM when it names none;
+        a model outside the team's allow-list is as missing as an unknown one."""
+        if team is None:
+            return name
+        if name is None:
+            llms = (p.name for p in self.fleet.models.values() if p.kind == "llm")
+            name = next((m for m in llms if Teams.sees(team, m)), None)
+            if name is None:
+                raise errors.ModelNotFound(
+                    "No model is named, and none is served to this key.", param="model"
+                )
+        if not Teams.sees(team, name):
+            raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        return name
 
     async def _serve(
         self,
@@ -267,7 +292,7 @@ class GenerationRoute:
             except errors.EngineError as error:
                 if watcher.done():
                     raise
-                api_error = from_engine_error(error, config.retry_after)
+                api_error = self._engine_error(error, record)
                 record.outcome = api_error.outcome
                 payload = sse({"error": api_error.fields()}) + DONE
                 await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,223 @@
+"""The edge holds the line: JSON-only bodies, no slash redirects, Host checks,
+fixed messages for server-side failures, one 404 for unseen and unknown models,
+and config errors that never print the offending line."""
+
+import logging
+import secrets
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+from gateway.worker.demo import DEMO_MODEL
+from tests.support.keys import bearer, keyed, new_key
+from tests.support.requests import sse_events
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.waiting import HANG_GUARD
+
+SECRET = "postgres://admin:hunter2@db.internal:5432/furnace"
+
+
+def _port(url: str) -> str:
+    return url.rsplit(":", 1)[1]
+
+
+# -- JSON-only bodies ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "text/json"]
+)
+def test_a_body_not_declared_json_is_415_and_reaches_no_worker(client, workers, content_type):
+    request_id = secrets.token_hex(8)
+    headers = {"x-request-id": request_id}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    body = b'{"model": "scripted", "prompt": "x"}'
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = client.post(path, content=body, headers=headers)
+        assert response.status_code == 415, response.text
+        assert response.json() == {
+            "error": {
+                "message": response.json()["error"]["message"],
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "unsupported_media_type",
+            }
+        }
+    assert request_id not in workers.scripted.calls
+
+
+def test_json_with_parameters_is_served(client):
+    response = client.post(
+        "/v1/completions",
+        content=b'{"model": "scripted", "prompt": "x"}',
+        headers={"content-type": "Application/JSON; charset=utf-8"},
+    )
+    assert response.status_code == 200, response.text
+
+
+# -- no slash redirects -------------------------------------------------------
+
+
+def test_a_trailing_slash_is_a_plain_404(client):
+    for response in (
+        client.post("/v1/completions/", json={"prompt": "x"}, headers={"host": "evil.example"}),
+        client.post("/v1/completions/", json={"prompt": "x"}),
+        client.get("/v1/models/"),
+    ):
+        assert response.status_code in (404, 421)
+        assert "location" not in response.headers
+    assert client.get("/v1/models/").status_code == 404
+
+
+# -- Host checks --------------------------------------------------------------
+
+
+def test_on_loopback_only_loopback_names_are_served(gateway, client):
+    port = _port(gateway.url)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST."):
+        assert client.get("/v1/models", headers={"host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "attacker.test", f"10.0.0.1:{port}"):
+        response = client.get("/v1/models", headers={"host": host})
+        assert response.status_code == 421, host
+        assert response.json()["error"]["code"] == "misdirected_request"
+        assert host not in response.text
+    # the probes and the metrics answer any Host (kubelet and Prometheus use the IP)
+    for path in ("/health", "/metrics"):
+        assert client.get(path, headers={"host": "10.1.2.3:8000"}).status_code == 200
+
+
+def test_allowed_hosts_are_the_only_names_served(gateway_with):
+    gw = gateway_with(allowed_hosts=("api.example.com",))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        ok = http.get("/v1/models", headers={"host": "API.example.com:443"})
+        assert ok.status_code == 200
+        for host in ("localhost", f"127.0.0.1:{_port(gw.url)}", "example.com"):
+            assert http.get("/v1/models", headers={"host": host}).status_code == 421
+
+
+def test_allowed_hosts_from_yaml_and_the_environment():
+    assert parse_config({"allowed_hosts": ["A.example.", "[::1]"]}, env={}).allowed_hosts == (
+        "a.example",
+        "::1",
+    )
+    env = {"FURNACE_ALLOWED_HOSTS": "a.example, b.example"}
+    assert parse_config({}, env=env).allowed_hosts == ("a.example", "b.example")
+    with pytest.raises(ConfigError, match="allowed_hosts"):
+        parse_config({"allowed_hosts": [""]}, env={})
+
+
+# -- fixed messages for server-side failures ----------------------------------
+
+SERVER_SIDE = [
+    ("INTERNAL", 500, "engine_error"),
+    ("UNAVAILABLE", 503, "engine_unavailable"),
+    ("UNAUTHENTICATED", 502, "engine_auth_failed"),
+    ("DEADLINE_EXCEEDED", 504, "timeout"),
+]
+
+
+@pytest.mark.parametrize(("grpc_status", "status", "code"), SERVER_SIDE)
+def test_a_workers_message_reaches_the_log_not_the_client(
+    client, caplog, grpc_status, status, code
+):
+    caplog.set_level(logging.WARNING, logger="furnace.edge")
+    request_id = secrets.token_hex(8)
+    response = client.post(
+        "/v1/completions",
+        json={"model": SCRIPTED_MODEL, "prompt": script(status=grpc_status, message=SECRET)},
+        headers={"x-request-id": request_id},
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert "hunter2" not in response.text
+    assert error["message"].startswith("The ")
+    logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert any("hunter2" in line for line in logged), logged
+
+
+def test_a_failure_mid_stream_sends_the_fixed_message(client, caplog):
+    caplog.set_level(logging.WARNING, logger="furnace.edge")
+    messages = [{"role": "user", "content": script(texts=1, status="INTERNAL", message=SECRET)}]
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": SCRIPTED_MODEL, "messages": messages, "stream": True},
+    )
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "engine_error"
+    assert "hunter2" not in response.text
+    assert any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refusal_of_the_clients_input_keeps_its_message_bounded(client):
+    response = client.post(
+        "/v1/completions",
+        json={"model": SCRIPTED_MODEL, "prompt": script(status="INVALID_ARGUMENT", param="top_k")},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "scripted INVALID_ARGUMENT"
+    long = "x" * 5000
+    response = client.post(
+        "/v1/completions",
+        json={
+            "model": SCRIPTED_MODEL,
+            "prompt": script(status="INVALID_ARGUMENT", param="top_k", message=long),
+        },
+    )
+    assert response.status_code == 400
+    assert len(response.json()["error"]["message"]) == 512
+
+
+# -- one 404 for unseen and unknown models ------------------------------------
+
+
+def test_a_hidden_model_reads_as_a_missing_one(gateway_with):
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {"models": [DEMO_MODEL]}}, {key: "search"}))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as http:
+        missing = http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404
+        # a tensor model (was 400 model_not_supported) and an LLM past a cap of its own
+        for model, extra in (("resnet-50", {}), ("furnace-slow", {"max_tokens": 10**9})):
+            hidden = http.post("/v1/completions", json={"model": model, "prompt": "x", **extra})
+            assert hidden.status_code == 404, hidden.text
+            assert hidden.json() == {
+                "error": {
+                    **missing.json()["error"],
+                    "message": f"The model `{model}` does not exist.",
+                }
+            }
+
+
+def test_a_request_without_model_takes_the_teams_first_model(gateway_with):
+    scripted, tensor = new_key("scripted"), new_key("tensor")
+    teams = {"scripted": {"models": [SCRIPTED_MODEL]}, "tensor": {"models": ["resnet-50"]}}
+    gw = gateway_with(**keyed(teams, {scripted: "scripted", tensor: "tensor"}))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        ok = http.post("/v1/completions", json={"prompt": "x y"}, headers=bearer(scripted))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["model"] == SCRIPTED_MODEL
+        none = http.post("/v1/completions", json={"prompt": "x y"}, headers=bearer(tensor))
+        assert none.status_code == 404
+        assert none.json()["error"]["code"] == "model_not_found"
+        for name in (DEMO_MODEL, "furnace-slow", SCRIPTED_MODEL):
+            assert name not in none.text
+
+
+# -- config errors ------------------------------------------------------------
+
+
+def test_a_yaml_error_names_the_place_not_the_line(tmp_path):
+    bad = tmp_path / "config.yaml"
+    bad.write_text("port: 8000\nredis_url: redis://:hunter2@redis:6379 [\n  - x: : y\n")
+    with pytest.raises(ConfigError, match="line") as raised:
+        load_config(bad, env={})
+    assert "hunter2" not in str(raised.value)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("- sha256: hunter2hunter2\n  team: [a\n")
+    with pytest.raises(ConfigError, match="keys_file") as raised:
+        parse_config({"teams": {"a": {}}, "keys_file": str(keys)}, env={})
+    assert "hunter2" not in str(raised.value)
