@@ -232,6 +232,26 @@ class Config:
         "the largest total size of a request's headers, in bytes; larger get 431",
         minimum=1024,
     )
+    max_headers: int = setting(
+        100, "most headers in one request; more get 431 (Envoy's default)", minimum=1
+    )
+    header_timeout: float = setting(
+        30.0,
+        "seconds for a request's whole request line and headers, from the connection's start "
+        "or the previous response's end; then 408 and close (silent connections: close)",
+        minimum=0.001,
+    )
+    body_timeout: float = setting(
+        60.0,
+        "seconds for a request's whole body, from the end of its headers; then 408 and the "
+        "request is dropped",
+        minimum=0.001,
+    )
+    max_connections: int = setting(
+        4096,
+        "open client connections at once; one more gets 503 and is closed",
+        minimum=1,
+    )
     keys: tuple[KeyConfig, ...] = setting(
         (),
         "API keys by their SHA-256 (`[{sha256, team}]`); no keys (and no `keys_file`): the "

@@ -36,6 +36,7 @@ from gateway.admission import InFlight, Slots
 from gateway.admission.metrics import AdmissionCollector
 from gateway.config import Config, ModelConfig
 from gateway.edge.app import create_app
+from gateway.edge.http_protocol import HttpLimits, protocol_for
 from gateway.fleet import Fleet
 from gateway.fleet.metrics import FleetCollector
 from gateway.protocol.tls import ServerTLS
@@ -51,6 +52,8 @@ T = TypeVar("T")
 
 #: Seconds uvicorn gives open connections to finish once the drain is over.
 CLOSE_GRACE = 5
+#: Seconds an idle keep-alive connection stays open (uvicorn closes it).
+KEEP_ALIVE = 5
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -101,7 +104,17 @@ class GatewayServer:
                 self.gateway.app,
                 host=config.host,
                 port=config.port,
-                http="httptools",
+                http=protocol_for(
+                    HttpLimits(
+                        max_header_bytes=config.max_header_bytes,
+                        max_headers=config.max_headers,
+                        header_timeout=config.header_timeout,
+                        body_timeout=config.body_timeout,
+                        max_connections=config.max_connections,
+                        retry_after=config.retry_after,
+                    )
+                ),
+                timeout_keep_alive=KEEP_ALIVE,
                 lifespan="off",  # the parts are started and closed here, in order
                 log_level=config.log_level,
                 access_log=False,  # the gateway logs each request itself

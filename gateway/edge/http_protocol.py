@@ -1,0 +1,269 @@
+"""Bounds on HTTP/1.1 before a request reaches the app: the head's size and
+header count, a deadline for the head and one for the body, and a cap on open
+connections (the remedies of Envoy and NGINX: `max_request_headers_kb`,
+`max_headers_count`, `client_header_timeout`, `client_body_timeout`,
+`max_connections`).
+
+uvicorn's httptools protocol buffers a header until its end, has no deadline
+for the head or the body, and only closes idle keep-alive connections. Here:
+
+- the head (request line + headers) is counted as it is fed to the parser: the
+  bytes of each read while the head is unfinished, and each header as the
+  parser delivers it; past `max_header_bytes` or `max_headers` the answer is a
+  431 in OpenAI's shape and the connection closes, so at most one read (uvloop
+  reads up to 256 KiB) more than the limit is ever held;
+- one timer per connection (`loop.call_at`), armed for `header_timeout` when
+  the connection opens and when a keep-alive response completes, re-armed for
+  `body_timeout` when the head is complete, cancelled when the body is: a
+  deadline for the whole head or body, not per read, so a client dribbling a
+  byte at a time is cut at the deadline. A late head gets 408 (nothing at all:
+  just closed); a late body gets 408 and its request sees a disconnect (the
+  route refuses it before taking a slot);
+- `max_connections` is counted here, on the connection, not with uvicorn's
+  `limit_concurrency`, which also counts running requests (the slots'
+  business, `max_concurrent_requests`) and answers a plain-text 503 after
+  reading the head; one connection over gets a 503 in OpenAI's shape and is
+  closed at once.
+
+A refused connection says so, half-closes (FIN), then reads and drops what the
+client still sends for `LINGER` seconds before closing, so the client reads the
+answer instead of a reset (NGINX's lingering close, shorter).
+
+The cost: a length addition per read and per header, one timer per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.edge.errors import SERVER, APIError
+
+#: Seconds a refused connection keeps reading (and dropping) before it closes.
+LINGER = 1.0
+
+_HEAD, _BODY = "head", "body"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What `GuardedHttpProtocol` enforces; from the gateway's config."""
+
+    max_header_bytes: int
+    max_headers: int
+    header_timeout: float
+    body_timeout: float
+    max_connections: int
+    retry_after: int
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing: the head is over a limit."""
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds above; `protocol_for` binds
+    the limits."""
+
+    limits: ClassVar[HttpLimits]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: What the parser reads now: the head (also between requests) or a body.
+        self._phase = _HEAD
+        #: Bytes fed while the head is unfinished; the head's bytes and headers so far.
+        self._fed = 0
+        self._head_bytes = 0
+        self._header_count = 0
+        #: Whether any byte of the current head arrived (a silent timeout gets no 408).
+        self._started = False
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # The connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limits = self.limits
+        if len(self.connections) > limits.max_connections:
+            self._refused = True
+            error = APIError(
+                503,
+                "The gateway has too many open connections; retry shortly.",
+                type=SERVER,
+                code="server_busy",
+                retry_after=limits.retry_after,
+            )
+            self._write_error(error)
+            transport.close()
+            return
+        self._arm(limits.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering: read and drop
+        self._unset_keepalive_if_required()
+        heading = self._phase == _HEAD
+        if heading:
+            self._started = True
+            self._fed += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as error:
+            if isinstance(error.__context__, _Refused):
+                self._refuse(self._too_large())
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        if heading and self._phase == _HEAD and self._fed > self.limits.max_header_bytes:
+            self._refuse(self._too_large())
+
+    # Parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._header_count = 0
+        if self._deadline is None:  # pipelined behind a response still being sent
+            self._arm(self.limits.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self.limits.max_header_bytes:
+            raise _Refused
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        self._header_count += 1
+        limits = self.limits
+        if self._head_bytes > limits.max_header_bytes or self._header_count > limits.max_headers:
+            raise _Refused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._phase = _BODY
+        self._fed = 0
+        self._started = False
+        self._arm(self.limits.body_timeout)
+        super().on_headers_complete()
+        if self.pipeline:  # queued behind a response, reading paused: its turn starts the clock
+            self._disarm()
+
+    def on_message_complete(self) -> None:
+        self._phase = _HEAD
+        self._disarm()  # the app has the request: `request_timeout` governs it now
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._deadline is not None or self.transport.is_closing():
+            return
+        if self._phase == _BODY:
+            if not self.pipeline:  # the queued request whose body is due just started
+                self._arm(self.limits.body_timeout)
+        elif self.cycle is None or self.cycle.response_complete:  # nothing left running
+            self._arm(self.limits.header_timeout)
+
+    # The timer
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_at(self.loop.time() + seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._phase == _BODY:
+            seconds, what = self.limits.body_timeout, "body"
+            # Another response is (or will be) on the wire: no room for a 408.
+            busy = cycle is None or cycle.response_started or bool(self.pipeline)
+            if cycle is not None and not cycle.response_complete:
+                # The route waiting on the body sees a disconnect, and refuses.
+                cycle.disconnected = True
+                cycle.message_event.set()
+        else:
+            seconds, what = self.limits.header_timeout, "headers"
+            busy = cycle is not None and not cycle.response_complete
+            if not self._started:  # nothing of a request arrived: just close
+                busy = True
+        if busy:
+            self.transport.close()
+            return
+        self._refuse(
+            APIError(
+                408,
+                f"The request's {what} did not arrive within {seconds:g} seconds.",
+                code="request_timeout",
+            )
+        )
+
+    # Refusing
+
+    def _too_large(self) -> APIError:
+        limits = self.limits
+        return APIError(
+            431,
+            f"The request's headers are larger than {limits.max_header_bytes} bytes "
+            f"or more than {limits.max_headers}.",
+            code="request_headers_too_large",
+        )
+
+    def _refuse(self, error: APIError) -> None:
+        """Answers `error`, half-closes, drops what still comes for `LINGER` s, closes."""
+        self._refused = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        self._write_error(error)
+        transport = self.transport
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.flow.resume_reading()
+        self._deadline = self.loop.call_at(self.loop.time() + LINGER, transport.close)
+
+    def _write_error(self, error: APIError) -> None:
+        body = error.body()
+        head = [STATUS_LINE[error.status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        for name, value in error.headers():
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+        self.transport.write(b"".join(head))
+
+
+def protocol_for(limits: HttpLimits) -> type[GuardedHttpProtocol]:
+    """The protocol class for uvicorn's `http=`, bound to `limits`."""
+
+    class BoundHttpProtocol(GuardedHttpProtocol):
+        pass
+
+    BoundHttpProtocol.limits = limits
+    return BoundHttpProtocol

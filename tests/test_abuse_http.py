@@ -1,0 +1,175 @@
+"""Specs: the HTTP bounds before the app (gateway/edge/http_protocol.py): the head's
+size and header count, the head's and the body's deadlines, the connection cap."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+def connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), HANG_GUARD)
+    sock.settimeout(HANG_GUARD)
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """Everything until the gateway closes (a reset counts as closed)."""
+    chunks = []
+    for _ in range(10_000):
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_and_error(answer: bytes) -> tuple[int, dict[str, str]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_a_huge_header_is_refused_early(gateway_with):
+    gw = gateway_with(max_header_bytes=4096)
+    with connect(gw.url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: ")
+        try:
+            for _ in range(64):  # 1 MiB, unless the gateway answers first
+                sock.sendall(b"a" * 16384)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = read_to_end(sock)
+    status, error = status_and_error(answer)
+    assert status == 431
+    assert error["code"] == "request_headers_too_large"
+
+
+def test_too_many_headers(gateway_with):
+    gw = gateway_with()
+    headers = {f"x-h{i}": "v" for i in range(200)}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        answer = client.get("/health", headers=headers)
+        assert answer.status_code == 431
+        assert answer.json()["error"]["code"] == "request_headers_too_large"
+        assert client.get("/health", headers={f"x-h{i}": "v" for i in range(50)}).is_success
+
+
+def test_a_slow_loris_is_cut_at_the_deadline(gateway_with):
+    gw = gateway_with(header_timeout=1)
+    request = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n" + b"x-a: b\r\n" * 100
+    with connect(gw.url) as sock:
+        closed = False
+        for byte in request:  # far longer than the deadline
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.2)
+            sock.setblocking(False)
+            try:
+                if sock.recv(65536, socket.MSG_PEEK):
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                closed = True
+                break
+            finally:
+                sock.setblocking(True)
+                sock.settimeout(HANG_GUARD)
+        assert closed
+        answer = read_to_end(sock)
+    if answer:
+        status, error = status_and_error(answer)
+        assert status == 408
+        assert error["code"] == "request_timeout"
+
+
+def test_a_silent_connection_is_closed(gateway_with):
+    gw = gateway_with(header_timeout=0.5)
+    with connect(gw.url) as sock:
+        assert read_to_end(sock) == b""
+
+
+def test_an_unfinished_body_is_dropped_without_a_slot(gateway_with):
+    gw = gateway_with(body_timeout=1)
+    with connect(gw.url) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n" + b'{"prompt": "'
+        )
+        answer = read_to_end(sock)
+    status, error = status_and_error(answer)
+    assert status == 408
+    assert error["code"] == "request_timeout"
+    assert gw.state.slots.in_use == 0
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        assert client.post("/v1/completions", json={"prompt": "a b"}).is_success
+
+
+def test_half_request_lines_are_all_closed(gateway_with):
+    gw = gateway_with(header_timeout=1)
+    socks = [connect(gw.url) for _ in range(300)]
+    try:
+        for sock in socks:
+            sock.sendall(b"GET /heal")
+        results: list[bytes] = []
+
+        def drain() -> None:
+            for sock in socks:
+                results.append(read_to_end(sock))
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        reader.join(HANG_GUARD)
+        assert len(results) == 300
+        assert all(answer.startswith(b"HTTP/1.1 408") or not answer for answer in results)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_connections_over_the_cap_are_refused(gateway_with):
+    gw = gateway_with(max_connections=2)
+    held = [connect(gw.url) for _ in range(2)]
+    try:
+        with connect(gw.url) as extra:
+            status, error = status_and_error(read_to_end(extra))
+        assert status == 503
+        assert error["code"] == "server_busy"
+    finally:
+        for sock in held:
+            sock.close()
+
+    def served() -> bool:
+        try:
+            return httpx.get(f"{gw.url}/health", timeout=HANG_GUARD).is_success
+        except httpx.TransportError:
+            return False
+
+    wait_until(served, "a connection to be free")
+
+
+def test_the_deadlines_spare_a_request_the_app_is_serving(gateway_with):
+    # the slow model takes ~1 s for 20 tokens, longer than both deadlines
+    gw = gateway_with(header_timeout=0.3, body_timeout=0.3)
+    body = {"model": "furnace-slow", "prompt": "w " * 40, "max_tokens": 20}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        first = client.post("/v1/completions", json=body)
+        assert first.is_success
+        assert first.json()["usage"]["completion_tokens"] == 20
+        # the same keep-alive connection serves the next request
+        assert client.get("/health").is_success
