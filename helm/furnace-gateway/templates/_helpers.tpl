@@ -60,7 +60,13 @@ fall back to the chart's image. */}}
 {{- $image := .image | default dict }}
 {{- $repository := $image.repository | default .root.Values.image.repository }}
 {{- $tag := $image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion }}
+{{- /* A digest pins the image itself; the chart's digest only goes with the chart's repository. */}}
+{{- $digest := $image.digest | default (ternary .root.Values.image.digest "" (empty $image.repository)) }}
+{{- if $digest }}
+{{- printf "%s@%s" $repository $digest }}
+{{- else }}
 {{- printf "%s:%s" $repository (toString $tag) }}
+{{- end }}
 {{- end }}
 
 {{/* The resource name of a worker pool (its workload and its headless Service). */}}
@@ -161,7 +167,37 @@ fall back to the chart's image. */}}
 {{- $_ := set $config "worker_tls" $tls }}
 {{- end }}
 {{- end }}
+{{- include "furnace-gateway.failClosed" . }}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* Fail-closed: a public route or product teams with no API keys is refused, unless
+`gateway.allowUnauthenticated` says so out loud. */}}
+{{- define "furnace-gateway.failClosed" -}}
+{{- if and (not .Values.gateway.keys.existingSecret) (not .Values.gateway.allowUnauthenticated) }}
+{{- if or .Values.ingress.enabled .Values.httpRoute.enabled }}
+{{- fail "ingress.enabled or httpRoute.enabled exposes the gateway with no API keys: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true to serve anyone who reaches it" }}
+{{- end }}
+{{- if .Values.gateway.teams }}
+{{- fail "gateway.teams is set with no API keys to name the teams: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The path prefixes the Ingress and the HTTPRoute route to the gateway. */}}
+{{- define "furnace-gateway.exposedPathPrefixes" -}}
+{{- $prefixes := .Values.exposedPathPrefixes | default list }}
+{{- if not $prefixes }}
+{{- fail "exposedPathPrefixes is empty: an Ingress or HTTPRoute would route nothing" }}
+{{- end }}
+{{- toYaml $prefixes }}
+{{- end }}
+
+{{/* The emptyDir of /tmp, with its size limit; argument: the limit. */}}
+{{- define "furnace-gateway.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ . }}
 {{- end }}
 
 {{/* Where the gateway finds the Secrets it mounts: the API keys and the worker TLS files
