@@ -164,6 +164,18 @@ class Config:
         "proxies from cutting it",
         minimum=0.001,
     )
+    write_timeout: float = setting(
+        30.0,
+        "seconds one write of an answer may wait on a client that stops reading; then the "
+        "worker's call is cancelled, the slot freed and the connection closed",
+        minimum=0.001,
+    )
+    stream_buffer_bytes: int = setting(
+        1024 * 1024,
+        "characters of answer text held per request for a client not yet taking them; past "
+        "it the gateway stops reading from the worker, which gRPC flow control slows down",
+        minimum=1,
+    )
     max_body_bytes: int = setting(
         4 * 1024 * 1024,
         "the largest request body, in bytes; a larger one gets 413 before it is read",

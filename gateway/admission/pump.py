@@ -12,6 +12,14 @@ The timer outlives the waits: each wait only moves the deadline (a later one
 every time, as events keep coming), and the timer, when it fires early for an
 earlier deadline, sets itself again for the current one. So a stream costs one
 timer every keep-alive interval instead of one per token.
+
+What is ready but not yet taken is bounded (`buffer_chars`, the characters of
+its text): past the bound the reader stops reading from the worker's call until
+the edge takes a batch, so a client that stops reading pushes back, through
+gRPC's HTTP/2 flow control, on the worker (its sends wait) instead of growing
+the gateway's memory by the whole answer.
+Per event that costs one length addition and one comparison; a pause costs one
+future.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from gateway.protocol import errors
-from gateway.protocol.types import Event, Finished, Started
+from gateway.protocol.types import Event, Finished, Started, Text
 from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.edge")
@@ -36,11 +44,18 @@ class EventPump:
     event and the stream of the rest, or raises the refusal.
     """
 
-    def __init__(self, start: Coroutine[Any, Any, tuple[Started, UpstreamCall]]) -> None:
+    def __init__(
+        self,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        buffer_chars: int = 1 << 20,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._start = start
         self._stream: UpstreamCall | None = None
         self._ready: list[Event] = []
+        self.buffered = 0  # characters of text in `_ready`
+        self._buffer_chars = buffer_chars
+        self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
         self._error: errors.EngineError | None = None
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
@@ -64,7 +79,13 @@ class EventPump:
                 self._ready.append(event)
                 self._last_event = self._loop.time()
                 self._wake()
-                if type(event) is Finished:
+                if type(event) is Text:
+                    self.buffered += len(event.text)
+                    if self.buffered > self._buffer_chars:
+                        # Full: read no more until the edge takes a batch.
+                        taken = self._taken = self._loop.create_future()
+                        await taken
+                elif type(event) is Finished:
                     self._stream.close()
                     return
             self._error = errors.Failed("The engine worker ended the stream without finishing.")
@@ -131,6 +152,11 @@ class EventPump:
                 await asyncio.sleep(0)
         if self._ready:
             batch, self._ready = self._ready, []
+            self.buffered = 0
+            taken = self._taken
+            if taken is not None and not taken.done():
+                self._taken = None
+                taken.set_result(None)
             return batch
         raise self._error or errors.Failed("The engine worker's stream is over.")
 

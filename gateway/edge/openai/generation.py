@@ -3,8 +3,9 @@ slot, start the request on the fleet, and answer with JSON or SSE.
 
 A stream's status waits for the worker's first event, so refusals arrive as real
 4xx/5xx; after that an error is one SSE error payload and `[DONE]`. A client
-that goes away cancels the worker's call at once, and the slot comes back on
-every path.
+that goes away cancels the worker's call at once, one that stops reading does
+after `write_timeout` (see write_guard.py), and the slot comes back on every
+path.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
+from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet, ModelPool
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
@@ -99,6 +101,7 @@ class GenerationRoute:
         request_id, metadata = _request_id(scope)
         record = RequestRecord(request_id.decode("latin-1"))
         traceparent = dict(metadata).get("traceparent")
+        send = guard = WriteGuard(send, self.config.write_timeout)
         with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
             try:
                 await self._admit(scope, receive, send, record, metadata)
@@ -113,6 +116,7 @@ class GenerationRoute:
                     raise
                 await self._refuse(send, record, internal_error())
             finally:
+                guard.close()
                 self.telemetry.finish(record)
                 annotate(
                     span,
@@ -191,7 +195,10 @@ class GenerationRoute:
         request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         with self.tracing.engine_call(pool.name, metadata) as (span, metadata):
-            pump = EventPump(self.fleet.generate(pool, request, Deadline(timeout), metadata))
+            pump = EventPump(
+                self.fleet.generate(pool, request, Deadline(timeout), metadata),
+                config.stream_buffer_bytes,
+            )
             try:
                 await self._relay(pump, parsed, pool, record, receive, send)
             finally:
@@ -218,6 +225,11 @@ class GenerationRoute:
             record.status = record.status or 499  # nginx's "client closed request"
             record.outcome = Outcome.CLIENT_GONE
             log.info("client went away; request %s cancelled", record.request_id)
+        except WriteTimedOut as error:
+            # The response is left unfinished: uvicorn closes the connection.
+            record.status = record.status or 499
+            record.outcome = Outcome.CLIENT_GONE
+            log.info("%s Request %s cancelled.", error, record.request_id)
         finally:
             watcher.cancel()
             record.worker = pump.worker

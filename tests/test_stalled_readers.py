@@ -1,0 +1,126 @@
+"""A client that stops reading: the worker is pushed back (the gateway holds at
+most `stream_buffer_bytes` of its answer), and after `write_timeout` the call is
+cancelled, the slot comes back and the request counts as `client_gone`."""
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from gateway.config import ModelConfig
+from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.worker.engine import Engine
+from tests.support.requests import sse_events
+from tests.support.waiting import HANG_GUARD, wait_until
+
+PIECE = "x" * 63 + " "  # one token
+ANSWER_TOKENS = 10_000_000  # 640 MB of text: it never gets that far
+BUFFER = 4096
+
+
+class LongEngine(Engine):
+    """Answers `max_tokens` pieces (else ANSWER_TOKENS), one per turn of the
+    event loop, counting what it produced."""
+
+    model = "long"
+    max_context = 1 << 30
+
+    def __init__(self) -> None:
+        self.produced = 0
+        self.running = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        tokens = request.sampling.max_tokens or ANSWER_TOKENS
+        self.running += 1
+        try:
+            yield Started(1)
+            for _ in range(tokens):
+                self.produced += 1
+                yield Text(PIECE, 1)
+                await asyncio.sleep(0)
+            yield Finished(FinishReason.LENGTH, tokens)
+        finally:
+            self.running -= 1
+
+
+def _stalled_stream(url: str) -> socket.socket:
+    """Sends a streaming request for a long answer and then reads nothing."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(HANG_GUARD)
+    sock.connect((host, int(port)))
+    body = json.dumps({"model": "long", "prompt": "go", "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (f"{host}:{port}".encode(), len(body), body)
+    )
+    return sock
+
+
+def _requests_by_outcome(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
+    counted: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("furnace_gateway_requests_total{") and 'model="long"' in line:
+            labels, value = line.rsplit(" ", 1)
+            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+            counted[outcome] = counted.get(outcome, 0) + float(value)
+    return counted
+
+
+def test_a_stalled_reader_pushes_back_then_is_cut_off(gateway_with, serve_engines, caplog):
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    engine = LongEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(
+        models=(ModelConfig("long", workers=(worker.address,)),),
+        write_timeout=1.0,
+        stream_buffer_bytes=BUFFER,
+    )
+    held = 0  # the most text the gateway held for the edge
+    over = 0  # the most held before the piece that crossed the bound
+    with _stalled_stream(gw.url):
+        wait_until(lambda: engine.running == 1, "the answer to start")
+        give_up = time.monotonic() + HANG_GUARD
+        while engine.running and time.monotonic() < give_up:
+            for pump in list(gw.state.inflight.running):
+                lengths = [len(e.text) for e in list(pump._ready) if type(e) is Text]
+                held = max(held, sum(lengths))
+                over = max(over, sum(lengths[:-1]))
+            time.sleep(0.001)
+        wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
+        print(f"\nstalled: engine produced {engine.produced} tokens; gateway held <= {held} chars")
+    assert engine.running == 0 and 0 < engine.produced < ANSWER_TOKENS  # cancelled
+    # The reader stops once past the bound: all but the last piece fit in it.
+    assert over <= BUFFER
+    assert _requests_by_outcome(gw.url) == {"client_gone": 1}
+    wait_until(lambda: any(r.name == "furnace.access" for r in caplog.records), "the access log")
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+    assert line["outcome"] == "client_gone" and line["status"] == 200
+    assert line["completion_tokens"] == 0  # no Finished reached the edge
+
+
+def test_a_reader_that_keeps_up_gets_every_token(gateway_with, serve_engines):
+    engine = LongEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(
+        models=(ModelConfig("long", workers=(worker.address,)),),
+        write_timeout=1.0,
+        stream_buffer_bytes=BUFFER,
+    )
+    tokens = 20_000
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        response = client.post(
+            "/v1/completions",
+            json={"model": "long", "prompt": "go", "stream": True, "max_tokens": tokens},
+        )
+    events = sse_events(response.text)
+    text = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]" and e["choices"])
+    assert text == PIECE * tokens
+    assert engine.produced == tokens
+    assert _requests_by_outcome(gw.url) == {"completed": 1}
