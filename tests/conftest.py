@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,12 @@ from tests.support.servers import (
     make_config,
     start_gateway,
     start_workers,
+)
+from tests.support.vllm import (
+    VllmProcess,
+    build_vllm_model,
+    start_grpc_server,
+    start_http_server,
 )
 from tests.support.waiting import HANG_GUARD
 
@@ -112,3 +119,25 @@ def redis_server() -> Iterator[RedisServer]:
     yield server
     if server.process is not None and server.process.poll() is None:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model in a folder, as vLLM and the gateway's tokenizer read it."""
+    return build_vllm_model(tmp_path_factory.mktemp("tiny-vllm"))
+
+
+@pytest.fixture(scope="session")
+def vllm_http(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    """vLLM's OpenAI HTTP server, started once per session when first asked for."""
+    server = start_http_server(vllm_model, tmp_path_factory.mktemp("vllm-http-logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_grpc(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    """vLLM's own gRPC server, started once per session when first asked for."""
+    server = start_grpc_server(vllm_model, tmp_path_factory.mktemp("vllm-grpc-logs"))
+    yield server
+    server.stop()

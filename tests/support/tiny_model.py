@@ -65,14 +65,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(path: Path, *, ordered: bool = False) -> Path:
-    """Saves a 2-layer Llama (hidden size 32, random weights) and the tokenizer to `path`."""
+def build_tiny_model(path: Path, *, ordered: bool = False, for_vllm: bool = False) -> Path:
+    """Saves a 2-layer Llama (random weights) and the tokenizer to `path`: hidden size 32,
+    or, `for_vllm`, the shapes vLLM's CPU kernels take (head size 64, bfloat16)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=256 if for_vllm else 32,
+        intermediate_size=512 if for_vllm else 64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -82,7 +83,11 @@ def build_tiny_model(path: Path, *, ordered: bool = False) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if for_vllm:
+        config.dtype = torch.bfloat16
     model = LlamaForCausalLM(config)
+    if for_vllm:
+        model = model.to(torch.bfloat16)
     if ordered:
         with torch.no_grad():
             model.lm_head.weight.zero_()
