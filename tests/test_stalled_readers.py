@@ -124,3 +124,32 @@ def test_a_reader_that_keeps_up_gets_every_token(gateway_with, serve_engines):
     assert text == PIECE * tokens
     assert engine.produced == tokens
     assert _requests_by_outcome(gw.url) == {"completed": 1}
+
+
+def test_a_stalled_reader_stops_the_engine_itself(gateway_with, serve_engines):
+    """End to end: the gateway stops reading, gRPC's flow control holds the worker's
+    sends, and the worker SDK stops pulling from its engine, which then makes no
+    more tokens (without that, it would run until the write timeout, and memory with it)."""
+    engine = LongEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(
+        models=(ModelConfig("long", workers=(worker.address,)),),
+        write_timeout=HANG_GUARD,
+        stream_buffer_bytes=BUFFER,
+    )
+    with _stalled_stream(gw.url):
+        wait_until(lambda: engine.running == 1, "the answer to start")
+        seen = [-1]
+
+        def stopped() -> bool:
+            before, seen[0] = seen[0], engine.produced
+            time.sleep(0.2)
+            return engine.produced == before == seen[0]
+
+        wait_until(stopped, "the engine to be held back", timeout=HANG_GUARD)
+        assert engine.running == 1
+        held_back_at = engine.produced
+    wait_until(lambda: engine.running == 0, "the engine to stop when the client leaves")
+    wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
+    # what the buffers on the way hold (read-ahead, HTTP/2 windows, sockets): megabytes at most
+    assert held_back_at * len(PIECE) < 32 * 1024 * 1024

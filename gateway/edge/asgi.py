@@ -15,6 +15,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+#: The scope extension under which the gateway's HTTP protocol leaves a callable that
+#: aborts the connection (no flush of what is buffered for a client that stopped reading).
+ABORT_EXTENSION = "furnace.abort"
 
 
 async def send_json(

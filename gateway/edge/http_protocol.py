@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.edge.asgi import ABORT_EXTENSION
 from gateway.edge.errors import SERVER, APIError
 
 #: Seconds a refused connection keeps reading (and dropping) before it closes.
@@ -157,6 +158,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        extensions = self.scope.setdefault("extensions", {})
+        extensions[ABORT_EXTENSION] = self.transport.abort  # type: ignore[index]
         self._phase = _BODY
         self._fed = 0
         self._started = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 from gateway.edge.asgi import Message, Send
 
@@ -30,15 +31,26 @@ class WriteGuard:
     """`send`, where a write that waits more than `timeout` seconds raises
     `WriteTimedOut` in the task that called it (the request's task)."""
 
-    __slots__ = ("_loop", "_send", "_since", "_task", "_timeout", "_timer", "timed_out")
+    __slots__ = (
+        "_abort",
+        "_loop",
+        "_send",
+        "_since",
+        "_task",
+        "_timeout",
+        "_timer",
+        "timed_out",
+    )
 
-    def __init__(self, send: Send, timeout: float) -> None:
+    def __init__(self, send: Send, timeout: float, abort: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._send = send
         self._timeout = timeout
+        #: Drops the connection at once: closing it would wait for the unread bytes.
+        self._abort = abort
         self._since = math.inf  # when the write in progress began; inf when none
         self._timer: asyncio.TimerHandle | None = None
         self.timed_out = False
@@ -65,6 +77,8 @@ class WriteGuard:
         due = self._since + self._timeout
         if self._loop.time() >= due:
             self.timed_out = True
+            if self._abort is not None:
+                self._abort()
             self._task.cancel()
         else:  # a later write than the one the timer was set for
             self._timer = self._loop.call_at(due, self._check)

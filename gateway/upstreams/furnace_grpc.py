@@ -32,6 +32,9 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5_000),
+    # A fixed receive window (no BDP probing, which grows it to megabytes): a stream whose
+    # client stops reading pushes back on its worker after 64 KiB, not after many MB.
+    ("grpc.http2.bdp_probe", 0),
 )
 
 

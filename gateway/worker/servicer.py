@@ -27,16 +27,25 @@ from gateway.worker.stop import StopMatcher
 
 log = logging.getLogger("furnace.worker")
 
+#: Text an engine may run ahead of the RPC, in characters (also the largest `Text`).
+READ_AHEAD_CHARS = 64 * 1024
+
 
 class _ReadAhead:
-    """Runs an engine's generator in a task; hands out what is ready as lists."""
+    """Runs an engine's generator in a task; hands out what is ready as lists.
+
+    It reads ahead at most `READ_AHEAD_CHARS` of text: past that it waits for the
+    RPC to take a batch, so a gateway that stops reading (HTTP/2 flow control
+    holds the RPC's sends) stops the engine too, and no message grows past it."""
 
     def __init__(self, events: AsyncIterator[Event]) -> None:
         self._events = events
         self._ready: list[Event] = []
+        self._buffered = 0  # characters of text in `_ready`
         self._error: BaseException | None = None
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -46,6 +55,11 @@ class _ReadAhead:
                 waiter = self._waiter
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
+                if isinstance(event, Text):
+                    self._buffered += len(event.text)
+                    if self._buffered >= READ_AHEAD_CHARS:
+                        self._room = asyncio.get_running_loop().create_future()
+                        await self._room
         except Exception as error:
             self._error = error
         finally:
@@ -60,7 +74,10 @@ class _ReadAhead:
             await self._waiter
             self._waiter = None
         if self._ready:
-            batch, self._ready = self._ready, []
+            batch, self._ready, self._buffered = self._ready, [], 0
+            room = self._room
+            if room is not None and not room.done():
+                room.set_result(None)
             return batch
         if self._error is not None:
             raise self._error

@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway.admission import Deadline, EventPump, InFlight
 from gateway.config import Config
-from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
+from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError, from_engine_error, internal_error
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
@@ -101,7 +101,8 @@ class GenerationRoute:
         request_id, metadata = _request_id(scope)
         record = RequestRecord(request_id.decode("latin-1"))
         traceparent = dict(metadata).get("traceparent")
-        send = guard = WriteGuard(send, self.config.write_timeout)
+        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+        send = guard = WriteGuard(send, self.config.write_timeout, abort)
         with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
             try:
                 await self._admit(scope, receive, send, record, metadata)
@@ -226,7 +227,7 @@ class GenerationRoute:
             record.outcome = Outcome.CLIENT_GONE
             log.info("client went away; request %s cancelled", record.request_id)
         except WriteTimedOut as error:
-            # The response is left unfinished: uvicorn closes the connection.
+            # The connection is aborted (the guard did it): nothing more can be written.
             record.status = record.status or 499
             record.outcome = Outcome.CLIENT_GONE
             log.info("%s Request %s cancelled.", error, record.request_id)
