@@ -6,6 +6,10 @@ Tokens are words: the prompt counts the words of every message. A prompt that
 does not fit `max_context` (with `max_tokens`, when given) is refused with
 `TooLong`, as vLLM refuses it. `token_delay` seconds between tokens stand in
 for a GPU's pace.
+
+Its counters are for tests and the soak benchmark (a few integer adds a call):
+every call it saw ends one way, so once `running` is 0,
+`calls == finished + aborted + refused`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class DemoEngine(Engine):
         self.max_context = max_context
         self.token_delay = token_delay
         self.capacity = capacity
+        self.calls = 0  # generate calls started
+        self.refused = 0  # calls refused before Started (too long)
+        self.finished = 0  # generations that reached Finished
         self.served = 0  # requests accepted
         self.running = 0  # generations in progress; tests watch it fall back to 0
         self.aborted = 0  # generations stopped before their end
@@ -45,7 +52,12 @@ class DemoEngine(Engine):
         else:
             words = (request.prompt or "").split()
             prompt_tokens = len(words)
-        budget = check_context(request, prompt_tokens, self.max_context)
+        self.calls += 1
+        try:
+            budget = check_context(request, prompt_tokens, self.max_context)
+        except BaseException:
+            self.refused += 1
+            raise
         self.served += 1
         self.running += 1
         done = False
@@ -63,5 +75,7 @@ class DemoEngine(Engine):
             yield Finished(FinishReason.STOP, len(words))
         finally:
             self.running -= 1
-            if not done:
+            if done:
+                self.finished += 1
+            else:
                 self.aborted += 1

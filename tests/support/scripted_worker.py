@@ -12,6 +12,10 @@ stream slowly. The script is the prompt (or the last chat message), as JSON:
     {"texts": 5, "delay": 0.05}                   5 Texts, 50 ms apart, then finish
     {"texts": 1, "end": "eof"}                    end the stream without Finished
     {"status": "INTERNAL", "message": "..."}      fail with that status message
+    {"texts": 1, "reason": 99}                    finish with that raw reason value
+    {"texts": 1, "restart": true}                 send a second Started mid-stream
+    {"texts": 1, "unknown": true}                 send an event of no known kind
+    {"huge": 67108865}                            first send one Text that many bytes long
 
 It records, by request id, the calls it saw, their metadata and time left, and
 the calls that were cancelled.
@@ -95,11 +99,17 @@ class ScriptedWorker(pb_grpc.EngineServicer):
             await asyncio.sleep(3600)
         if status and not texts and not plan.get("started"):
             await self._abort(context, status, plan.get("param"), plan.get("message"))
+        if plan.get("huge"):
+            yield pb.GenerateEvent(text=pb.Text(text="x" * int(plan["huge"]), tokens=1))
         yield pb.GenerateEvent(started=pb.Started(prompt_tokens=7))
         for i in range(texts):
             if plan.get("delay"):
                 await asyncio.sleep(float(plan["delay"]))
             yield pb.GenerateEvent(text=pb.Text(text=f"t{i} ", tokens=1))
+        if plan.get("restart"):
+            yield pb.GenerateEvent(started=pb.Started(prompt_tokens=7))
+        if plan.get("unknown"):
+            yield pb.GenerateEvent()  # no member of the `event` oneof set
         if status:
             await self._abort(context, status, plan.get("param"), plan.get("message"))
         if plan.get("hang") == "after":
@@ -107,7 +117,10 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         if plan.get("end") == "eof":
             return
         yield pb.GenerateEvent(
-            finished=pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=texts)
+            finished=pb.Finished(
+                reason=int(plan.get("reason", pb.FINISH_REASON_STOP)),  # type: ignore[arg-type]
+                completion_tokens=texts,
+            )
         )
 
     async def _abort(

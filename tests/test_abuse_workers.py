@@ -1,0 +1,325 @@
+"""Holding the line against broken workers and hostile clients, end to end:
+a worker that breaks the protocol, hostile stop strings, a disconnect storm of
+200 streams, and a fuzz of bad bodies. After each, the shared leak check (the
+`no_leaks` fixture) sees every slot, in-flight request and worker call free.
+
+Kills, hangs and restarts of workers are in tests/test_fleet.py; slow and
+silent clients, huge headers and bodies in tests/test_abuse_http.py; stalled
+readers in tests/test_stalled_readers.py; a Redis stall in tests/test_limits_hold.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.worker.demo import DEMO_MODEL
+from tests.support.process_usage import Usage
+from tests.support.requests import sse_events, user
+from tests.support.scripted_worker import SCRIPTED_MODEL, ScriptedWorker, script
+from tests.support.waiting import HANG_GUARD, wait_until
+
+MIB = 1024 * 1024
+
+
+def assert_openai_error(response: httpx.Response) -> dict[str, Any]:
+    """The body is an error in OpenAI's shape; returns its `error` object."""
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert "param" in error and "code" in error
+    return error  # type: ignore[no-any-return]
+
+
+# -- a worker that breaks the protocol ------------------------------------------
+
+BROKEN = {
+    "unspecified finish reason": {"texts": 1, "reason": 0},
+    "unknown finish reason": {"texts": 1, "reason": 99},
+    "second Started": {"texts": 1, "restart": True},
+    "event of no known kind": {"texts": 1, "unknown": True},
+}
+
+
+@pytest.mark.parametrize("plan", BROKEN.values(), ids=BROKEN.keys())
+def test_a_protocol_break_is_an_engine_error_not_a_success(client, plan):
+    response = client.post(
+        "/v1/completions", json={"model": SCRIPTED_MODEL, "prompt": script(**plan)}
+    )
+    assert response.status_code == 500
+    assert assert_openai_error(response)["code"] == "engine_error"
+
+
+@pytest.mark.parametrize("plan", BROKEN.values(), ids=BROKEN.keys())
+def test_a_protocol_break_mid_stream_ends_with_an_error_and_done(client, plan):
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": SCRIPTED_MODEL, "messages": user(script(**plan)), "stream": True},
+    )
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "engine_error"
+    finishes = [c["finish_reason"] for e in events[:-2] for c in e.get("choices", [])]
+    assert not any(finishes), "a broken answer must not read as finished"
+
+
+@pytest.fixture
+def second_scripted(server_loop) -> Iterator[ScriptedWorker]:
+    worker = ScriptedWorker()
+    server_loop.call(worker.start())
+    yield worker
+    server_loop.call(worker.stop())
+
+
+def test_a_message_over_the_receive_cap_is_not_retried(gateway_with, workers, second_scripted):
+    both = (workers.scripted.address, second_scripted.address)
+    gw = gateway_with(models=(ModelConfig(SCRIPTED_MODEL, workers=both),))
+    seen = len(workers.scripted.calls) + len(second_scripted.calls)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        response = http.post(
+            "/v1/completions",
+            json={"model": SCRIPTED_MODEL, "prompt": script(huge=64 * MIB + 1)},
+        )
+    assert response.status_code == 500
+    assert assert_openai_error(response)["code"] == "engine_error"
+    assert len(workers.scripted.calls) + len(second_scripted.calls) == seen + 1
+    wait_until(lambda: second_scripted.active == 0, "the second scripted worker to be idle")
+
+
+# -- hostile stop strings ---------------------------------------------------------
+
+WORD = "a" * 8000  # one token of the demo engine
+
+
+def test_four_stop_strings_of_the_longest_length_complete(client):
+    stops = ["a" * 1023 + end for end in "bcde"]  # near misses at every position
+    prompt = " ".join([WORD] * 40)
+    response = client.post(
+        "/v1/completions", json={"model": DEMO_MODEL, "prompt": prompt, "stop": stops}
+    )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert set(choice["text"]) <= {"a", " "} and len(choice["text"]) >= len(WORD)
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": DEMO_MODEL, "messages": user(prompt), "stop": stops, "stream": True},
+    )
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events[:-1])
+
+
+def test_a_stop_string_one_character_too_long_is_a_400_naming_stop(client, workers):
+    calls = workers.demo_engine.calls
+    response = client.post(
+        "/v1/completions", json={"model": DEMO_MODEL, "prompt": "hi", "stop": ["a" * 1025]}
+    )
+    assert response.status_code == 400
+    assert assert_openai_error(response)["param"] == "stop"
+    assert workers.demo_engine.calls == calls
+
+
+# -- a disconnect storm -------------------------------------------------------------
+
+STORM = 200
+
+
+async def _storm(url: str) -> None:
+    """Opens STORM streams on the slow model, waits for each to start, then
+    closes them all at once."""
+    prompt = " ".join(["word"] * 400)  # 20 s of tokens at the slow model's pace
+    limits = httpx.Limits(max_connections=STORM, max_keepalive_connections=0)
+    http = httpx.AsyncClient(base_url=url, timeout=HANG_GUARD, limits=limits)
+    async with http, AsyncExitStack() as streams:
+
+        async def open_one() -> None:
+            response = await streams.enter_async_context(
+                http.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={"model": "furnace-slow", "messages": user(prompt), "stream": True},
+                )
+            )
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+
+        await asyncio.gather(*(open_one() for _ in range(STORM)))
+    # leaving the stack closed every stream's connection
+
+
+def test_a_disconnect_storm_leaves_nothing_behind(gateway, client, workers):
+    engine = workers.slow_engine
+    warm = client.post(
+        "/v1/chat/completions",
+        json={"model": "furnace-slow", "messages": user("warm up"), "stream": True},
+    )
+    assert sse_events(warm.text)[-1] == "[DONE]"
+    wait_until(lambda: engine.running == 0, "the slow engine to be idle")
+    before = Usage.now()
+    calls, ended = engine.calls, engine.finished + engine.aborted + engine.refused
+    aborted = engine.aborted
+    asyncio.run(asyncio.wait_for(_storm(gateway.url), HANG_GUARD * 2))
+    wait_until(lambda: gateway.state.slots.in_use == 0, "all slots to be free")
+    wait_until(lambda: not gateway.state.inflight.running, "no request in flight")
+    wait_until(lambda: engine.running == 0, "the slow engine to be idle")
+    assert engine.calls - calls == STORM
+    assert engine.finished + engine.aborted + engine.refused - ended == STORM
+    assert engine.aborted > aborted, "the closed streams' generations were not cancelled"
+    before.assert_back_near(fd_slack=16, rss_slack=256 * MIB)
+
+
+# -- a fuzz of bad bodies -------------------------------------------------------------
+
+SEED = 20261130
+NOT_NUMBERS = ["NaN", "Infinity", "-Infinity", "1", "", "\u202e1", [], [1], {}, {"a": 1}, True]
+HUGE = [10**40, -(10**40), 1e308, -1e308, 2**64, -(2**64)]
+NOT_INTS = [*NOT_NUMBERS, 1.5, 0.5]
+NOT_FLAGS = ["true", 1, 0, [], {}, [True], "\x00", {"": None}]
+NOT_STRINGS = [1, 1.5, True, [], ["x"], {}, {"x": "y"}]
+
+#: For each field the gateway checks: values that must be refused (for both
+#: routes unless named in ONLY).
+BAD: dict[str, list[Any]] = {
+    "model": NOT_STRINGS,
+    "temperature": [*NOT_NUMBERS, *HUGE, -0.1, 2.0001],
+    "top_p": [*NOT_NUMBERS, *HUGE, 0, -1, 1.01],
+    "presence_penalty": [*NOT_NUMBERS, *HUGE, -2.5, 2.5],
+    "frequency_penalty": [*NOT_NUMBERS, *HUGE, -2.5, 2.5],
+    "top_k": [*NOT_INTS, 2**40, -2, -(10**40)],
+    "seed": [*NOT_INTS, 2**63, -(2**63) - 1, 10**40],
+    "max_tokens": [*NOT_INTS, 0, -1, 2**32, 10**40],
+    "max_completion_tokens": [*NOT_INTS, 0, -1, 2**32],
+    "n": [*NOT_INTS, 2, 0, -1, 10**40],
+    "stream": NOT_FLAGS,
+    "stream_options": ["x", 1, [], [{}], True],
+    "response_format": ["json", 1, [], {"type": "json_object"}, {"type": ["text"]}],
+    "stop": [
+        1,
+        {},
+        [1],
+        [[]],
+        [{"a": "b"}],
+        ["a"] * 5,
+        "x" * 1025,
+        ["\U0001f600" * 1025],
+        [None],
+        True,
+    ],
+    "messages": [
+        "hi",
+        {},
+        [],
+        [1],
+        [[]],
+        [None],
+        [{"role": "robot", "content": "x"}],
+        [{"role": 5, "content": "x"}],
+        [{"content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": {"text": "x"}}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "user", "content": ["x"]}],
+        [{"role": "user\u0000", "content": "x"}],
+    ],
+    "logprobs": [True, 5, "yes", [1], {"a": 1}],
+    "top_logprobs": [1, 5, "yes", [1]],
+    "tools": [[{"type": "function"}], {"a": 1}, "x", 1],
+    "prompt": [5, [], ["a", "b"], {}, [["a"]], [5], None, True, 1.5],
+    "best_of": [2, "1", [], 1.5],
+    "echo": [True, "yes", 1, []],
+    "suffix": ["x", 1, [1], {"a": 1}],
+}
+ONLY = {
+    "messages": "/v1/chat/completions",
+    "top_logprobs": "/v1/chat/completions",
+    "tools": "/v1/chat/completions",
+    "prompt": "/v1/completions",
+    "best_of": "/v1/completions",
+    "echo": "/v1/completions",
+    "suffix": "/v1/completions",
+}
+UNICODE = ["\U0001f525", "e\u0301", "\u202etxet", "\ufeff", "\u0000", "\uffff", "\U0010ffff"]
+#: Bodies that are not JSON objects at all, or not JSON (NaN literals, lone surrogates).
+RAW = [
+    b"[]",
+    b'"hi"',
+    b"5",
+    b"null",
+    b'{"model": "furnace-demo", "temperature": NaN, "prompt": "x"}',
+    b'{"model": "furnace-demo", "temperature": Infinity, "prompt": "x"}',
+    b'{"model": "furnace-demo", "prompt": "\\ud800",'
+    b' "messages": [{"role": "user", "content": "\\udfff"}]}',
+    b'{"model": "furnace-demo", "prompt": "x", "prompt": ',
+    b"\xff\xfe{}",
+    b'{"model": "furnace-demo", "messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}",
+]
+
+
+def _valid(route: str, rng: random.Random) -> dict[str, Any]:
+    text = "hello " + rng.choice(UNICODE)
+    if route == "/v1/chat/completions":
+        return {"model": DEMO_MODEL, "messages": user(text)}
+    return {"model": DEMO_MODEL, "prompt": text}
+
+
+def _cases() -> list[tuple[str, str | None, Any]]:
+    """(route, the field at fault or None, the body): every bad value of every
+    field, plus seeded mixes of several bad fields and wrapped values."""
+    rng = random.Random(SEED)
+    cases: list[tuple[str, str | None, Any]] = []
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        for field, values in BAD.items():
+            if ONLY.get(field, route) != route:
+                continue
+            for value in values:
+                body = _valid(route, rng)
+                body[field] = value
+                if field == "stream_options" and isinstance(value, dict):
+                    body["stream"] = False
+                cases.append((route, field, body))
+        for _ in range(60):  # several bad fields at once: some param is named
+            body = _valid(route, rng)
+            for field in rng.sample([f for f in BAD if ONLY.get(f, route) == route], 3):
+                value = rng.choice(BAD[field])
+                body[field] = [value] if rng.random() < 0.2 and field != "stop" else value
+            cases.append((route, "", body))
+        for raw in RAW:
+            cases.append((route, None, raw))
+    return cases
+
+
+def test_a_fuzz_of_bad_bodies_gets_4xx_in_openai_shape_and_reaches_no_worker(client, workers):
+    cases = _cases()
+    assert len(cases) >= 300
+    calls = (workers.demo_engine.calls, len(workers.scripted.calls), workers.slow_engine.calls)
+    for route, field, body in cases:
+        if isinstance(body, bytes):
+            response = client.post(
+                route, content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            response = client.post(route, json=body)
+        shown = body[:80] if isinstance(body, bytes) else json.dumps(body, default=repr)[:200]
+        where = f"{route} {shown!r}"
+        assert 400 <= response.status_code < 500, f"{response.status_code} for {where}"
+        error = assert_openai_error(response)
+        if field:
+            assert error["param"] is not None and error["param"].startswith(field), (
+                f"{error} for {where}"
+            )
+        elif field == "":
+            assert error["param"], f"{error} for {where}"
+    now = (workers.demo_engine.calls, len(workers.scripted.calls), workers.slow_engine.calls)
+    assert now == calls, "a bad body reached a worker"
