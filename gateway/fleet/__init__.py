@@ -12,7 +12,9 @@ A request goes to a worker its model's balancer picks among the available ones
 first event (busy, unreachable, not started in time) is tried again on another
 worker, with jittered back-off, while attempts, time and the retry budget last.
 After the first event nothing is retried: the client may hold part of the answer.
-Background tasks keep membership (DNS) and health (the gRPC health service) fresh.
+Background tasks keep membership (DNS) and health (the gRPC health service) fresh,
+and follow rotations of `worker_tls`'s files: new credentials, new channels for
+new calls, the old channels closed once their calls end.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
-from gateway.protocol.tls import WorkerCredentials, client_credentials
+from gateway.protocol.tls import FilesStamp, WorkerCredentials, client_credentials, files_stamp
 from gateway.protocol.types import GenerateRequest, Started
 from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
@@ -46,6 +48,8 @@ __all__ = ["Fleet", "ModelPool", "Worker"]
 log = logging.getLogger("furnace.fleet")
 
 DESCRIBE_TIMEOUT = 2.0
+#: How often the `worker_tls` files are checked for a rotation (at most).
+TLS_CHECK_INTERVAL = 5.0
 
 
 class Fleet:
@@ -78,11 +82,40 @@ class Fleet:
 
         return upstream
 
+    def _tls_stamp(self) -> FilesStamp:
+        tls = self.config.worker_tls
+        return () if tls is None else files_stamp(tls.ca_file, tls.cert_file, tls.key_file)
+
     def _credentials(self) -> WorkerCredentials | None:
         tls = self.config.worker_tls
         if tls is None:
             return None
         return client_credentials(tls.ca_file, tls.cert_file, tls.key_file, tls.server_name)
+
+    async def _follow_tls(self) -> None:
+        """Checks the `worker_tls` files; when they change, every gRPC worker gets
+        a channel with the new credentials (calls in flight end on the old one)."""
+        stamp = self._tls_stamp()
+        interval = min(self.config.health_check_interval, TLS_CHECK_INTERVAL)
+        while True:
+            await asyncio.sleep(interval)
+            for pool in self.models.values():
+                for worker in pool.idle_leavers():
+                    self._spawn(worker.client.close())
+            if self._tls_stamp() == stamp:
+                continue
+            try:
+                self._credentials()  # readable, before any channel changes
+            except OSError as error:
+                log.warning("worker TLS: cannot read the rotated files yet: %s", error)
+                continue
+            stamp = self._tls_stamp()
+            log.info("worker TLS: files changed; new channels to the workers use them")
+            for model in self.config.models:
+                if model.upstream != "openai":  # gRPC channels carry the credentials
+                    pool = self.models[model.name]
+                    for worker in pool.replace_clients(self._client_factory(model)):
+                        self._spawn(self._watch(pool, worker))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -102,6 +135,8 @@ class Fleet:
                 await self._discover(pool, target)
                 if target.is_dns:
                     self._spawn(self._rediscover(pool, target))
+        if self.config.worker_tls is not None:
+            self._spawn(self._follow_tls())
         end = time.monotonic() + wait
         workers = [w for pool in self.models.values() for w in pool.workers.values()]
         # a short wait at start, for /ready to mean "the workers answered"
@@ -114,7 +149,8 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(
-            *(w.client.close() for pool in self.models.values() for w in pool.workers.values())
+            *(w.client.close() for pool in self.models.values() for w in pool.workers.values()),
+            *(w.client.close() for pool in self.models.values() for w in pool.retired),
         )
         if self._http is not None:
             await self._http.aclose()
@@ -152,6 +188,8 @@ class Fleet:
                     worker.serving = serving
                     delay = 0.05
             except errors.EngineError as error:
+                if worker.leaving:
+                    break  # its channel was closed behind it
                 if worker.serving is not False:
                     log.warning("worker %s unreachable: %s", worker.address, error.message)
                 worker.serving = False

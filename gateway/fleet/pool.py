@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
@@ -44,6 +45,8 @@ class ModelPool:
         self._weights = dict(model.weights)
         self._found: dict[str, set[str]] = {}  # entry -> addresses it gave
         self._weight_of: dict[str, float] = {}
+        #: Workers whose client was replaced, finishing their calls on the old one.
+        self.retired: list[Worker] = []
 
     def available(self, exclude: set[Worker]) -> list[Worker]:
         """Workers that may take a new request now."""
@@ -84,9 +87,28 @@ class ModelPool:
                 worker.leaving = True
                 log.info("model %s: worker %s leaves after its calls end", self.name, address)
 
+    def replace_clients(self, make_client: Callable[[str], Upstream]) -> list[Worker]:
+        """Every worker gets a new client (new TLS credentials) and keeps its state:
+        new calls go to the new client, calls in flight end on the old one, which
+        `idle_leavers` gives back once idle. Returns the new workers."""
+        self.make_client = make_client
+        fresh: list[Worker] = []
+        for address, old in list(self.workers.items()):
+            if old.leaving:
+                continue  # it goes anyway, on its old client
+            new = replace(old, client=make_client(address), outstanding=0)
+            old.leaving = True
+            self.workers[address] = new
+            self.retired.append(old)
+            fresh.append(new)
+        return fresh
+
     def idle_leavers(self) -> list[Worker]:
-        """Workers that left and have no call in flight: ready to be closed."""
+        """Workers that left (or whose client was replaced) and have no call in
+        flight: ready to be closed."""
         gone = [w for w in self.workers.values() if w.leaving and w.outstanding == 0]
         for worker in gone:
             del self.workers[worker.address]
-        return gone
+        retired = [w for w in self.retired if w.outstanding == 0]
+        self.retired = [w for w in self.retired if w.outstanding > 0]
+        return gone + retired

@@ -13,14 +13,29 @@ the connection, not a call: gRPC reports it as UNAVAILABLE, so the gateway
 answers 503 `engine_unavailable` and the fleet marks the worker unreachable,
 logging the handshake error. 502 `engine_auth_failed` stays for workers that
 answer UNAUTHENTICATED or PERMISSION_DENIED themselves.
+
+Certificates rotate without a restart (cert-manager renews them in place). A
+worker's credentials ask `ReloadingServerTLS` on each handshake, which stats
+the files (a few microseconds) and reads them again only when one changed. A
+client's channel credentials are fixed per channel in gRPC, so the gateway's
+fleet stats its files (`files_stamp`) and, on a change, builds new credentials
+and new channels (gateway/fleet/__init__.py).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+log = logging.getLogger("furnace.tls")
+
+#: What says a file changed: its inode (a Kubernetes Secret's symlink swap),
+#: modification time and size; None for a file missing.
+FilesStamp = tuple[tuple[int, int, int] | None, ...]
 
 
 @dataclass(frozen=True)
@@ -64,10 +79,58 @@ def client_credentials(
     return WorkerCredentials(credentials, options)
 
 
-def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials:
-    """A worker's server credentials; mutual TLS when a client CA is given."""
-    return grpc.ssl_server_credentials(
+def files_stamp(*paths: str | None) -> FilesStamp:
+    """A cheap fingerprint of files (one stat each): it changes when one is rewritten."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:
+            st = None
+        stamps.append(None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(stamps)
+
+
+def _server_configuration(tls: ServerTLS) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration(
         [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
         root_certificates=_read(tls.client_ca_file),
-        require_client_auth=tls.client_ca_file is not None,
+    )
+
+
+class ReloadingServerTLS:
+    """gRPC's certificate fetcher for a worker: called on each handshake, it
+    returns a new configuration when the files changed, None to keep the last.
+    A file caught half-written is tried again on the next handshake."""
+
+    def __init__(self, tls: ServerTLS) -> None:
+        self.tls = tls
+        self._stamp = self._files()
+        self.initial = _server_configuration(tls)
+
+    def _files(self) -> FilesStamp:
+        return files_stamp(self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        stamp = self._files()
+        if stamp == self._stamp:
+            return None
+        try:
+            configuration = _server_configuration(self.tls)
+        except OSError as error:
+            log.warning("worker TLS: cannot read the rotated certificate yet: %s", error)
+            return None
+        self._stamp = stamp
+        log.info("worker TLS: certificate files changed; new handshakes use them")
+        return configuration
+
+
+def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials:
+    """A worker's server credentials, reloaded when the files change; mutual TLS
+    when a client CA is given."""
+    fetcher = ReloadingServerTLS(tls)
+    return grpc.dynamic_ssl_server_credentials(
+        fetcher.initial,
+        fetcher,  # type: ignore[arg-type]  # the stubs omit that None keeps the last
+        require_client_authentication=tls.client_ca_file is not None,
     )
