@@ -28,12 +28,15 @@ README_MARKER = (
     "gateway/config.py: python deploy/config_schema.py -->"
 )
 #: Top-level fields the chart's `gateway.config` may not hold: the chart writes them from
-#: its own values (`gateway.port`, `gateway.drainTimeout`, `models`, `gateway.teams`, the
+#: its own values (`gateway.port`, `gateway.adminPort` and its `admin_host`, the same as
+#: `host`, `gateway.drainTimeout`, `models`, `gateway.teams`, the
 #: Secrets of `gateway.keys` and `gateway.workerTLS`), or passes them outside the ConfigMap
 #: (`redis_url`, from a Secret as FURNACE_REDIS_URL; `keys`, only through `keys_file`).
 SET_BY_THE_CHART = (
     "host",
     "port",
+    "admin_port",
+    "admin_host",
     "drain_timeout",
     "models",
     "teams",

@@ -139,6 +139,17 @@ class Config:
 
     host: str = setting("0.0.0.0", "the address the gateway listens on")
     port: int = setting(8000, "the port the gateway listens on", minimum=0, maximum=65535)
+    admin_port: int | None = setting(
+        None,
+        "the port of the admin listener (`/metrics`, `/metrics/json`, `/admin/workers`, and the "
+        "probes), as Envoy's admin port; none: no admin listener, and a keyed gateway serves "
+        "those routes nowhere",
+        minimum=0,
+        maximum=65535,
+    )
+    admin_host: str | None = setting(
+        None, "the address the admin listener listens on; none: the same as `host`"
+    )
     allowed_hosts: tuple[str, ...] = setting(
         (),
         "host names the `Host` header may hold (others get 421; probes and metrics exempt); "
@@ -542,6 +553,16 @@ def _teams_and_keys(values: dict[str, Any]) -> None:
     values["worker_tls"] = _worker_tls(values.get("worker_tls"))
 
 
+def _admin_listener(values: dict[str, Any]) -> None:
+    """Checks `admin_port` (none, or a port other than `port`) and `admin_host` in place."""
+    admin_port = values.get("admin_port")
+    if admin_port is not None:
+        admin_port = values["admin_port"] = _number("admin_port", admin_port, int, 0, 65535)
+        if admin_port != 0 and admin_port == values.get("port", Config.port):
+            raise ConfigError("admin_port: must differ from port")
+    values["admin_host"] = _optional_text("admin_host", values.get("admin_host"))
+
+
 def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
     """Builds a checked `Config` from a YAML mapping and environment overrides."""
     env = os.environ if env is None else env
@@ -557,6 +578,7 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown field")
     _scalars(values)
+    _admin_listener(values)
     values["allowed_hosts"] = _host_names(values.get("allowed_hosts"))
     models = values.get("models") or []
     if not isinstance(models, list):

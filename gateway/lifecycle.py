@@ -6,12 +6,13 @@ The gateway's sequence (`GatewayServer`):
 
     start   build the parts on the serving loop (channels belong to the loop that
             uses them) → start the fleet (resolve workers, watch their health)
-            → start the teams (keys file, Redis) → bind → ready
+            → start the teams (keys file, Redis) → bind (the public listener, then
+            the admin one where `admin_port` is set) → ready
     stop    unready (/ready says 503, load balancers stop sending) → drain (new
             requests get 503, those in flight get `drain_timeout`, the rest are
             cancelled; their workers see it) → stop uvicorn (close the listener
-            and the connections) → close the fleet (channels) → close the teams
-            (Redis) → exit 0
+            and the connections; then the admin listener's) → close the fleet
+            (channels) → close the teams (Redis) → exit 0
 
 A start that fails closes what it had opened, in the same reverse order. The
 signals (SIGTERM, SIGINT) are ours, not uvicorn's: the first starts the stop,
@@ -35,7 +36,7 @@ from uvicorn.lifespan.off import LifespanOff
 from gateway.admission import InFlight, Slots
 from gateway.admission.metrics import AdmissionCollector
 from gateway.config import Config, ModelConfig
-from gateway.edge.app import create_app
+from gateway.edge.app import admin_on_public, create_admin_app, create_app
 from gateway.edge.http_protocol import HttpLimits, protocol_for
 from gateway.fleet import Fleet
 from gateway.fleet.metrics import FleetCollector
@@ -80,6 +81,10 @@ class Gateway:
         registry = self.telemetry.registry
         registry.register(AdmissionCollector(self.inflight))
         registry.register(FleetCollector(self.fleet))
+
+        def is_ready() -> bool:
+            return self.ready and not self.inflight.draining
+
         self.app: Starlette = create_app(
             config,
             fleet=self.fleet,
@@ -87,9 +92,19 @@ class Gateway:
             teams=self.teams,
             telemetry=self.telemetry,
             tracing=self.tracing,
-            is_ready=lambda: self.ready and not self.inflight.draining,
+            is_ready=is_ready,
             started_at=int(time.time()),
         )
+        #: The admin listener's app (`admin_port`), or None.
+        self.admin_app: Starlette | None = None
+        if config.admin_port is not None:
+            self.admin_app = create_admin_app(
+                config,
+                fleet=self.fleet,
+                inflight=self.inflight,
+                telemetry=self.telemetry,
+                is_ready=is_ready,
+            )
 
 
 class GatewayServer:
@@ -99,11 +114,21 @@ class GatewayServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.gateway = Gateway(config)
-        self.uvicorn = uvicorn.Server(
+        self.uvicorn = self._server(self.gateway.app, config.host, config.port)
+        #: The admin listener (`admin_port`), with the same protocol and limits.
+        self.admin: uvicorn.Server | None = None
+        if self.gateway.admin_app is not None and config.admin_port is not None:
+            host = config.admin_host or config.host
+            self.admin = self._server(self.gateway.admin_app, host, config.admin_port)
+        self._opened: list[str] = []
+
+    def _server(self, app: Starlette, host: str, port: int) -> uvicorn.Server:
+        config = self.config
+        return uvicorn.Server(
             uvicorn.Config(
-                self.gateway.app,
-                host=config.host,
-                port=config.port,
+                app,
+                host=host,
+                port=port,
                 http=protocol_for(
                     HttpLimits(
                         max_header_bytes=config.max_header_bytes,
@@ -121,12 +146,19 @@ class GatewayServer:
                 timeout_graceful_shutdown=CLOSE_GRACE,
             )
         )
-        self._opened: list[str] = []
 
     @property
     def port(self) -> int:
         """The port it listens on (the one picked, when the config says 0)."""
         return int(self.uvicorn.servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def admin_port(self) -> int | None:
+        """The admin listener's port (the one picked, when the config says 0),
+        or None without `admin_port`."""
+        if self.admin is None:
+            return None
+        return int(self.admin.servers[0].sockets[0].getsockname()[1])
 
     async def start(self) -> None:
         """Opens everything, in order, and turns ready; a failure closes what
@@ -139,12 +171,18 @@ class GatewayServer:
             # 2. The teams: the keys file's reloads, and Redis.
             self._opened.append("teams")
             await gateway.teams.start()
-            # 3. Bind. uvicorn exits (SystemExit) when the port is taken.
-            settings = self.uvicorn.config
-            settings.load()
-            self.uvicorn.lifespan = LifespanOff(settings)
-            await self.uvicorn.startup()
+            # 3. Bind, the public listener then the admin one. uvicorn exits
+            #    (SystemExit) when a port is taken.
+            if not admin_on_public(self.config) and self.admin is None:
+                log.warning(
+                    "keys are on and admin_port is not set: /metrics, /metrics/json and "
+                    "/admin/workers are served nowhere (set admin_port to serve them)"
+                )
+            await _bind(self.uvicorn)
             self._opened.append("http")
+            if self.admin is not None:
+                await _bind(self.admin)
+                self._opened.append("admin")
         except BaseException:
             await self._close()
             raise
@@ -165,6 +203,8 @@ class GatewayServer:
     async def _close(self) -> None:
         if "http" in self._opened:
             await self.uvicorn.shutdown()
+        if "admin" in self._opened and self.admin is not None:
+            await self.admin.shutdown()
         if "teams" in self._opened:
             await self.gateway.teams.close()
         if "fleet" in self._opened:
@@ -191,6 +231,14 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await drain
         await self._close()
+
+
+async def _bind(server: uvicorn.Server) -> None:
+    """Binds `server`'s listener (the parts are started here, not by a lifespan)."""
+    settings = server.config
+    settings.load()
+    server.lifespan = LifespanOff(settings)
+    await server.startup()
 
 
 class _StopSignals:

@@ -94,9 +94,21 @@ def test_by_default_only_the_gateway_reaches_the_workers_grpc_ports():
     gateway = policies[FULLNAME]["spec"]
     assert selects(gateway["podSelector"]["matchLabels"], gateway_labels)
     assert not selects(gateway["podSelector"]["matchLabels"], worker_labels)
-    (rule,) = gateway["ingress"]
-    assert rule == {"ports": [{"port": "http", "protocol": "TCP"}]}  # from anywhere
+    api, admin = gateway["ingress"]
+    assert api == {"ports": [{"port": "http", "protocol": "TCP"}]}  # from anywhere
+    # metrics and the fleet's workers: the release's namespace only
+    assert admin == {"ports": [{"port": "admin", "protocol": "TCP"}], "from": [{"podSelector": {}}]}
     assert len(policies) == 2
+
+
+def test_the_admin_port_takes_admin_from_only():
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+    manifests = render("--set-json", f"networkPolicy.adminFrom=[{json.dumps(monitoring)}]")
+    _, admin = one(manifests, "NetworkPolicy", FULLNAME)["spec"]["ingress"]
+    assert admin["from"] == [monitoring]
+    closed = render("--set-json", "networkPolicy.adminFrom=[]")
+    (api,) = one(closed, "NetworkPolicy", FULLNAME)["spec"]["ingress"]  # no pod reaches it
+    assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
 
 
 def test_extra_peers_and_a_restricted_gateway_source():
@@ -128,10 +140,10 @@ def test_the_ingress_and_route_expose_only_the_api():
     assert [(p["path"], p["pathType"]) for p in paths] == [("/v1", "Prefix")]
     (rule,) = one(manifests, "HTTPRoute", FULLNAME)["spec"]["rules"]
     assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
-    # /metrics stays in the cluster: the ServiceMonitor scrapes the Service directly
+    # /metrics stays in the cluster: the ServiceMonitor scrapes the Service's admin port
     monitored = render(*ROUTES, *KEYS, "--set", "serviceMonitor.enabled=true")
     (endpoint,) = one(monitored, "ServiceMonitor", FULLNAME)["spec"]["endpoints"]
-    assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
+    assert endpoint["path"] == "/metrics" and endpoint["port"] == "admin"
 
 
 def test_the_exposed_prefixes_are_a_value():

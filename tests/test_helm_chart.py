@@ -199,8 +199,9 @@ def test_probes_point_at_real_routes_of_the_gateway(name: str, tmp_path: Path):
         if isinstance(route, Route)
     }
     container = gateway_pod(manifests)["spec"]["containers"][0]
-    (port,) = container["ports"]
-    assert port == {"name": "http", "containerPort": config.port, "protocol": "TCP"}
+    http, admin = container["ports"]
+    assert http == {"name": "http", "containerPort": config.port, "protocol": "TCP"}
+    assert admin == {"name": "admin", "containerPort": config.admin_port, "protocol": "TCP"}
     liveness = container["livenessProbe"]["httpGet"]
     readiness = container["readinessProbe"]["httpGet"]
     assert liveness == {"path": "/health", "port": "http"}  # alive: never asks the workers
@@ -366,7 +367,8 @@ def test_the_autoscaler_metric_and_the_monitor_path_are_served(gateway: Gateway)
 def test_ingress_route_and_monitor_reach_the_gateway_service():
     manifests = list(render(*VALUES["gpu-fleet"]))
     service = one(manifests, "Service", FULLNAME)
-    (port,) = service["spec"]["ports"]
+    port, admin = service["spec"]["ports"]
+    assert (port["name"], admin["name"], admin["targetPort"]) == ("http", "admin", "admin")
     assert selects(service["spec"]["selector"], gateway_pod(tuple(manifests))["metadata"]["labels"])
     ingress = one(manifests, "Ingress", FULLNAME)
     backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
@@ -380,7 +382,7 @@ def test_ingress_route_and_monitor_reach_the_gateway_service():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert endpoint["port"] == admin["name"] and endpoint["path"] == "/metrics"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
 

@@ -50,9 +50,10 @@ def test_every_wrong_key_gets_the_same_401(gateway_with):
             None,
         )
         assert key not in response.text
-        # the probes and the metrics stay open
-        for path in ("/health", "/ready", "/metrics"):
+        # the probes stay open; the metrics are on no public port (tests/test_admin_port.py)
+        for path in ("/health", "/ready"):
             assert client.get(path).status_code == 200
+        assert client.get("/metrics").status_code == 404
         # the right key, whatever the case of the scheme
         for scheme in ("Bearer", "bearer"):
             headers = {"Authorization": f"{scheme} {key}"}
@@ -146,7 +147,9 @@ def test_keys_never_reach_logs_or_metrics(gateway_with, caplog):
     caplog.set_level(logging.DEBUG)
     key = new_key("search")
     gw = gateway_with(
-        **keyed({"search": {"requests_per_minute": 100}}, {key: "search"}), log_prompts=True
+        **keyed({"search": {"requests_per_minute": 100}}, {key: "search"}),
+        log_prompts=True,
+        admin_port=0,
     )
     sent = [key, key.upper(), key[:-1], new_key("search")]
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
@@ -156,8 +159,8 @@ def test_keys_never_reach_logs_or_metrics(gateway_with, caplog):
             client.post("/v1/completions", json={"prompt": "a", "stream": True}, headers=headers)
             client.post("/v1/completions", json={"model": "nope", "prompt": "a"}, headers=headers)
             client.get("/v1/models", headers=headers)
-        metrics = client.get("/metrics").text
-        json_metrics = client.get("/metrics/json").text
+        metrics = client.get(f"{gw.admin_url}/metrics").text
+        json_metrics = client.get(f"{gw.admin_url}/metrics/json").text
     assert "furnace_gateway_auth_failures_total 12.0" in metrics
     for attempt in sent:
         for secret in (attempt, attempt[8:], sha256(attempt)):

@@ -22,7 +22,7 @@ def test_requests_per_minute_429_with_openai_headers_while_another_team_is_serve
 ):
     search, ads = new_key("search"), new_key("ads")
     teams = {"search": {"requests_per_minute": 3}, "ads": {"requests_per_minute": 1000}}
-    gw = gateway_with(**keyed(teams, {search: "search", ads: "ads"}))
+    gw = gateway_with(**keyed(teams, {search: "search", ads: "ads"}), admin_port=0)
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
         remaining = []
         first = ask(client, search)
@@ -56,7 +56,7 @@ def test_requests_per_minute_429_with_openai_headers_while_another_team_is_serve
             assert served.status_code == 200
         assert served.headers["x-ratelimit-limit-requests"] == "1000"
         assert int(served.headers["x-ratelimit-remaining-requests"]) >= 994
-    samples = httpx.get(gw.url + "/metrics", timeout=HANG_GUARD).text
+    samples = httpx.get(f"{gw.admin_url}/metrics", timeout=HANG_GUARD).text
     assert 'furnace_gateway_team_refusals_total{limit="requests",team="search"} 1.0' in samples
     assert 'furnace_gateway_rejections_total{model="furnace-demo",reason="team_requests"}' in (
         samples

@@ -14,8 +14,8 @@ from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.waiting import HANG_GUARD, wait_until
 
 
-def store_up(url: str) -> float | None:
-    for line in httpx.get(url + "/metrics", timeout=HANG_GUARD).text.splitlines():
+def store_up(admin_url: str) -> float | None:
+    for line in httpx.get(admin_url + "/metrics", timeout=HANG_GUARD).text.splitlines():
         if line.startswith('furnace_gateway_limits_store_up{store="redis"}'):
             return float(line.split()[-1])
     return None
@@ -37,12 +37,14 @@ def test_two_gateway_processes_enforce_one_limit_through_redis(
             {"sha256": sha256(other), "team": "other"},
         ],
     }
-    urls, paths = [], []
+    urls, admins, paths = [], [], []
     for name in ("one", "two"):
         port = free_port()
         path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({**config, "port": port}))
+        admin_port = free_port()
+        path.write_text(yaml.safe_dump({**config, "port": port, "admin_port": admin_port}))
         urls.append(f"http://127.0.0.1:{port}")
+        admins.append(f"http://127.0.0.1:{admin_port}")
         paths.append(path)
     with (
         running("serve", "--config", str(paths[0])) as one,
@@ -51,7 +53,7 @@ def test_two_gateway_processes_enforce_one_limit_through_redis(
     ):
         wait_ready(urls[0], one)
         wait_ready(urls[1], two)
-        assert [store_up(url) for url in urls] == [1.0, 1.0]
+        assert [store_up(admin) for admin in admins] == [1.0, 1.0]
 
         def ask_at(url: str, key: str) -> httpx.Response:
             return client.post(url + "/v1/completions", json={"prompt": "a b"}, headers=bearer(key))
@@ -72,13 +74,13 @@ def test_two_gateway_processes_enforce_one_limit_through_redis(
         for url in urls:
             assert ask_at(url, other).status_code == 200
             assert ask_at(url, shared).status_code == 429  # the last shared usage, kept
-        for url in urls:
-            wait_until(lambda url=url: store_up(url) == 0.0, "the metric to say Redis is down")
+        for admin in admins:
+            wait_until(lambda a=admin: store_up(a) == 0.0, "the metric to say Redis is down")
 
         # Redis comes back (empty): the gateways go back to it, and share again
         redis_server.start()
-        for url in urls:
-            wait_until(lambda url=url: store_up(url) == 1.0, "the metric to say Redis is back")
+        for admin in admins:
+            wait_until(lambda a=admin: store_up(a) == 1.0, "the metric to say Redis is back")
         statuses = [ask_at(url, shared).status_code for url in (*urls, *urls, *urls)]
         assert statuses == [200, 200, 200, 200, 429, 429]
 

@@ -1,6 +1,12 @@
-"""The Starlette application of the edge: every HTTP route (the OpenAI API and
-the operators' routes), the pure-ASGI middleware in front of them, and
+"""The Starlette applications of the edge, one per listener: the public one (the
+OpenAI API and the probes) and the admin one (the probes, the metrics and the
+fleet's workers), each with the pure-ASGI middleware in front of its routes and
 OpenAI-shaped errors for everything, from the parts the lifecycle built.
+
+Where the admin routes go: with `admin_port`, on the admin listener only; without
+it, on the public listener of an open gateway (the demo), and nowhere on a keyed
+one: they name every model, worker and team, so a key must not be the only
+thing between them and the Internet (the cost: no scrape without `admin_port`).
 
 The app holds no state of its own and starts nothing: the lifecycle starts the
 fleet and the teams before it binds, and closes them after it stops.
@@ -28,7 +34,7 @@ from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
-from gateway.edge.ops import ops_routes
+from gateway.edge.ops import admin_routes, probe_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams
 from gateway.telemetry import Telemetry
@@ -53,6 +59,49 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _error_response(internal_error())
 
 
+def admin_on_public(config: Config) -> bool:
+    """Whether the public listener serves the admin routes: only on an open
+    gateway without `admin_port`."""
+    keyed = bool(config.keys) or config.keys_file is not None
+    return config.admin_port is None and not keyed
+
+
+def _starlette(routes: list[Route], middleware: list[Middleware]) -> Starlette:
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    # A trailing slash is a plain 404: a redirect would echo the client's Host
+    # into Location.
+    app.router.redirect_slashes = False
+    return app
+
+
+def create_admin_app(
+    config: Config,
+    *,
+    fleet: Fleet,
+    inflight: InFlight,
+    telemetry: Telemetry,
+    is_ready: Callable[[], bool],
+) -> Starlette:
+    """The admin listener's application: the probes and the admin routes, behind
+    the public app's middleware less the key gate."""
+    host = config.admin_host or config.host
+    return _starlette(
+        [
+            *admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry),
+            *probe_routes(is_ready),
+        ],
+        [
+            Middleware(HeaderLimit, limit=config.max_header_bytes),
+            Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(host)),
+            Middleware(JsonOnly),
+        ],
+    )
+
+
 def create_app(
     config: Config,
     *,
@@ -64,7 +113,7 @@ def create_app(
     is_ready: Callable[[], bool],
     started_at: int,
 ) -> Starlette:
-    """The gateway's HTTP application over its parts."""
+    """The gateway's public HTTP application over its parts."""
 
     def generation(
         parse: Callable[[Any], ParsedRequest], encoder: type[Encoder]
@@ -85,19 +134,16 @@ def create_app(
         Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
         Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
         Route("/v1/models", list_models(fleet, teams, started_at), methods=["GET"]),
-        *ops_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry, is_ready=is_ready),
+        *probe_routes(is_ready),
     ]
-    app = Starlette(
-        routes=routes,
-        middleware=[
+    if admin_on_public(config):
+        routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)
+    return _starlette(
+        routes,
+        [
             Middleware(HeaderLimit, limit=config.max_header_bytes),
             Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(config.host)),
             Middleware(KeyGate, teams=teams),
             Middleware(JsonOnly),
         ],
-        exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
-    # A trailing slash is a plain 404: a redirect would echo the client's Host
-    # into Location.
-    app.router.redirect_slashes = False
-    return app

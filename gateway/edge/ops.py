@@ -1,5 +1,11 @@
-"""The operators' routes: liveness, readiness, metrics (Prometheus text and a
-JSON summary) and the fleet's workers. None of them takes a slot."""
+"""The operators' routes: liveness and readiness (the probes), and the admin
+routes: metrics (Prometheus text and a JSON summary) and the fleet's workers.
+None of them takes a slot.
+
+The admin routes name every model, every worker's address and every team, so
+they belong on the admin listener (`admin_port`), as Envoy's admin port; the
+probes are on both listeners, since kubelet may probe either.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +27,12 @@ def json_response(payload: object, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status, media_type="application/json")
 
 
-def ops_routes(
-    *,
-    fleet: Fleet,
-    inflight: InFlight,
-    registry: CollectorRegistry,
-    is_ready: Callable[[], bool],
-) -> list[Route]:
-    """`/health`, `/ready`, `/metrics`, `/metrics/json` and `/admin/workers`."""
+#: The admin routes' paths (what the public listener of a keyed gateway hides).
+ADMIN_PATHS = ("/admin/workers", "/metrics", "/metrics/json")
+
+
+def probe_routes(is_ready: Callable[[], bool]) -> list[Route]:
+    """`/health` and `/ready`."""
 
     async def health(request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -37,6 +41,20 @@ def ops_routes(
         if is_ready():
             return json_response({"status": "ready"})
         return json_response({"status": "not ready"}, 503)
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+    ]
+
+
+def admin_routes(
+    *,
+    fleet: Fleet,
+    inflight: InFlight,
+    registry: CollectorRegistry,
+) -> list[Route]:
+    """`/metrics`, `/metrics/json` and `/admin/workers` (`ADMIN_PATHS`)."""
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -57,6 +75,4 @@ def ops_routes(
         Route("/admin/workers", workers, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/metrics/json", metrics_json, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
     ]

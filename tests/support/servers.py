@@ -51,11 +51,13 @@ class Workers:
 
 @dataclass
 class Gateway:
-    """A running gateway: its base URL and its state, for leak checks."""
+    """A running gateway: its base URL (and its admin listener's, with
+    `admin_port`) and its state, for leak checks."""
 
     url: str
     state: GatewayParts
     stop: Callable[[], None]
+    admin_url: str | None = None
 
 
 async def start_workers() -> Workers:
@@ -95,7 +97,8 @@ def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
     server = GatewayServer(config)
     server_loop.call(server.start())
     url = f"http://127.0.0.1:{server.port}"
-    return Gateway(url, server.gateway, lambda: server_loop.call(server.stop()))
+    admin = None if server.admin_port is None else f"http://127.0.0.1:{server.admin_port}"
+    return Gateway(url, server.gateway, lambda: server_loop.call(server.stop()), admin)
 
 
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:

@@ -138,6 +138,7 @@ fall back to the chart's image. */}}
 {{- $config := deepCopy .Values.gateway.config }}
 {{- $_ := set $config "host" "0.0.0.0" }}
 {{- $_ := set $config "port" (int .Values.gateway.port) }}
+{{- $_ := set $config "admin_port" (int .Values.gateway.adminPort) }}
 {{- $_ := set $config "drain_timeout" (int .Values.gateway.drainTimeout) }}
 {{- $_ := set $config "models" $models }}
 {{- $names := list }}
