@@ -97,4 +97,8 @@ else
   "$TOOLS/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
   echo "$VLLM_WANTED" >"$vllm_stamp"
 fi
-"$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps -e "$ROOT"
+project_stamp="$TOOLS/.vllm-project"
+if [[ "$(cat "$project_stamp" 2>/dev/null)" != "$ROOT" ]]; then
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps -e "$ROOT"
+  echo "$ROOT" >"$project_stamp"
+fi

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -158,8 +158,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        extensions = self.scope.setdefault("extensions", {})
-        extensions[ABORT_EXTENSION] = self.transport.abort  # type: ignore[index]
+        scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions narrowly
+        scope.setdefault("extensions", {})[ABORT_EXTENSION] = self.transport.abort
         self._phase = _BODY
         self._fed = 0
         self._started = False
