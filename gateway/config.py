@@ -95,6 +95,11 @@ class ModelConfig:
     upstream: str = "grpc"
     #: The largest `max_tokens` a request may ask for (also its default); None: no cap.
     max_tokens_limit: int | None = None
+    #: `openai` upstreams: the NAME of the environment variable holding their bearer
+    #: key (sent as `Authorization: Bearer`); never the key itself.
+    api_key_env: str | None = None
+    #: `openai` upstreams: a PEM bundle that verifies their TLS; None: the system's roots.
+    ca_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -424,6 +429,7 @@ def _model(where: str, raw: Any) -> ModelConfig:
         if entry not in workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
         _number(f"{where}.weights.{entry}", weight, float, 0.001)
+    api_key_env, ca_file = _upstream_credentials(where, raw, upstream)
     return ModelConfig(
         name=name,
         kind=kind,
@@ -433,7 +439,29 @@ def _model(where: str, raw: Any) -> ModelConfig:
         upstream=upstream,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
         max_tokens_limit=max_tokens_limit,
+        api_key_env=api_key_env,
+        ca_file=ca_file,
     )
+
+
+def _upstream_credentials(where: str, raw: Mapping[str, Any], upstream: str) -> tuple[Any, Any]:
+    """`api_key_env` names a variable that is set; `ca_file` is readable; both for `openai`."""
+    api_key_env, ca_file = raw.get("api_key_env"), raw.get("ca_file")
+    for name, value in (("api_key_env", api_key_env), ("ca_file", ca_file)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}.{name}: expected a non-empty string")
+        if upstream != "openai":
+            raise ConfigError(f"{where}.{name}: only for `upstream: openai`")
+    if api_key_env is not None and not os.environ.get(api_key_env):
+        raise ConfigError(f"{where}.api_key_env: the environment variable {api_key_env} is not set")
+    if ca_file is not None:
+        try:
+            Path(ca_file).read_bytes()
+        except OSError as error:
+            raise ConfigError(f"{where}.ca_file: cannot read {ca_file}: {error.strerror}") from None
+    return api_key_env, ca_file
 
 
 def _team(name: Any, raw: Any, models: set[str]) -> TeamConfig:

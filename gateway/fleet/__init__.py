@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -57,7 +59,8 @@ class Fleet:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._http: httpx.AsyncClient | None = None
+        #: Pooled HTTP clients for `openai` upstreams, by `ca_file` (None: the system's roots).
+        self._http: dict[str | None, httpx.AsyncClient] = {}
         self.models: dict[str, ModelPool] = {
             m.name: ModelPool(m, config, self._client_factory(m)) for m in config.models
         }
@@ -73,14 +76,25 @@ class Fleet:
         if model.upstream != "openai":
             return partial(FurnaceGrpcUpstream, credentials=self._credentials())
 
+        api_key = os.environ[model.api_key_env] if model.api_key_env is not None else None
+
         def upstream(base_url: str) -> Upstream:
-            if self._http is None:  # one pool for every upstream, made on the loop
-                self._http = httpx.AsyncClient(
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
-                )
-            return OpenAIHttpUpstream(base_url, self._http)
+            return OpenAIHttpUpstream(base_url, self._http_client(model.ca_file), api_key)
 
         return upstream
+
+    def _http_client(self, ca_file: str | None) -> httpx.AsyncClient:
+        """One pool for every upstream that trusts the same CA, made on the loop."""
+        client = self._http.get(ca_file)
+        if client is None:
+            verify: ssl.SSLContext | bool = True
+            if ca_file is not None:
+                verify = ssl.create_default_context(cafile=ca_file)
+            client = self._http[ca_file] = httpx.AsyncClient(
+                verify=verify,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        return client
 
     def _tls_stamp(self) -> FilesStamp:
         tls = self.config.worker_tls
@@ -152,8 +166,8 @@ class Fleet:
             *(w.client.close() for pool in self.models.values() for w in pool.workers.values()),
             *(w.client.close() for pool in self.models.values() for w in pool.retired),
         )
-        if self._http is not None:
-            await self._http.aclose()
+        for client in self._http.values():
+            await client.aclose()
 
     async def _discover(self, pool: ModelPool, target: Target) -> None:
         try:

@@ -4,8 +4,10 @@ another furnace-gateway, behind the same fleet as gRPC workers.
 Our request becomes their `/chat/completions` or `/completions` call with
 `stream: true` and usage included; their server-sent events become our events;
 their errors map into our error tree (`HTTP_ERRORS`), so the edge answers them
-as it answers a gRPC worker's. All upstreams share one pooled
-`httpx.AsyncClient`. A client that leaves closes the upstream stream.
+as it answers a gRPC worker's. Upstreams share one pooled `httpx.AsyncClient`
+(one per private CA, `ca_file`); a model's `api_key_env` key goes as
+`Authorization: Bearer` on each of its calls, and only there (never in a log or
+an error). A client that leaves closes the upstream stream.
 
 Their stream has no `Started` with the prompt's size: `Started(0)` goes out
 when their headers arrive, and the prompt tokens ride on `Finished` from their
@@ -256,9 +258,10 @@ class OpenAIHttpCall(StreamBookkeeping):
 class OpenAIHttpUpstream:
     """An OpenAI-compatible server at a base URL (…/v1), as a worker."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient) -> None:
+    def __init__(self, base_url: str, http: httpx.AsyncClient, api_key: str | None = None) -> None:
         self.address = base_url.rstrip("/")
         self._http = http
+        self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
         root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
 
@@ -276,7 +279,7 @@ class OpenAIHttpUpstream:
             "POST",
             url,
             content=orjson.dumps(request_body(request)),
-            headers={"content-type": "application/json", **dict(metadata)},
+            headers={"content-type": "application/json", **dict(metadata), **self._auth},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
         return OpenAIHttpCall(self._http, http_request, chat, self.address, on_close)
@@ -284,7 +287,9 @@ class OpenAIHttpUpstream:
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """Their /models, with `max_model_len` where they give it (vLLM does)."""
         try:
-            response = await self._http.get(f"{self.address}/models", timeout=deadline)
+            response = await self._http.get(
+                f"{self.address}/models", headers=self._auth, timeout=deadline
+            )
         except httpx.HTTPError as error:
             raise errors.Unavailable(f"upstream unreachable: {error}") from None
         if response.status_code != 200:
@@ -296,7 +301,9 @@ class OpenAIHttpUpstream:
         """Their /health every `poll_interval`: 200 is serving."""
         while True:
             try:
-                response = await self._http.get(self._health_url, timeout=poll_interval)
+                response = await self._http.get(
+                    self._health_url, headers=self._auth, timeout=poll_interval
+                )
             except httpx.HTTPError as error:
                 raise errors.Unavailable(f"upstream unreachable: {error}") from None
             yield response.status_code == 200

@@ -1,0 +1,85 @@
+"""A tiny OpenAI-compatible HTTP server over TLS that asks for a bearer key: an
+upstream of the kind `upstream: openai` reaches with `api_key_env` and `ca_file`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.support.certs import Issued
+from tests.support.processes import free_port
+from tests.support.waiting import HANG_GUARD
+
+
+class OpenAIServer:
+    """Serves `model` on https://127.0.0.1:port/v1 to clients with `key`; it
+    answers every chat with `reply`, and counts the calls it refused."""
+
+    def __init__(self, model: str, key: str, cert: Issued, reply: str = "hello") -> None:
+        self.model, self.key, self.reply = model, key, reply
+        self.refused = 0
+        self.port = free_port()
+        self.url = f"https://127.0.0.1:{self.port}/v1"
+        app = Starlette(
+            routes=[
+                Route("/health", self._health),
+                Route("/v1/models", self._models),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            ]
+        )
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            ssl_certfile=cert.cert_file,
+            ssl_keyfile=cert.key_file,
+            log_level="warning",
+            lifespan="off",
+        )
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    def _refusal(self, request: Request) -> Response | None:
+        if request.headers.get("authorization") == f"Bearer {self.key}":
+            return None
+        self.refused += 1
+        error = {"message": "Invalid API key.", "code": "invalid_api_key"}
+        return JSONResponse({"error": error}, status_code=401)
+
+    async def _health(self, request: Request) -> Response:
+        return self._refusal(request) or Response(status_code=200)
+
+    async def _models(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        return refusal or JSONResponse({"data": [{"id": self.model, "max_model_len": 4096}]})
+
+    async def _chat(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        chunks = [
+            {"choices": [{"delta": {"content": self.reply}, "finish_reason": None}]},
+            {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+        ]
+        lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    async def start(self) -> None:
+        """Listens, on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        async with asyncio.timeout(HANG_GUARD):
+            while not self._server.started:  # noqa: ASYNC110 (uvicorn offers only a flag)
+                await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stops listening and waits for the server to end."""
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
