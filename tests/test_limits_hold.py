@@ -96,7 +96,8 @@ def test_a_redis_that_stalls_past_the_timeout_leaves_no_lease_behind(
         try:
             # the admit script times out (and will run late): served locally
             assert ask(client, key).status_code == 200
-            assert len(limiter.uncertain) == 1
+            # this admit, and the first request's release if it was still on its way
+            assert 1 <= len(limiter.uncertain) <= 2
         finally:
             redis_server.resume()
         wait_until(lambda: limiter.redis_up and not limiter.uncertain, "the lease to be swept")
