@@ -50,6 +50,11 @@ ERROR_CODES: dict[str, type[errors.EngineError]] = {
     "timeout": errors.Timeout,
     "engine_auth_failed": errors.AuthFailed,
 }
+#: Servers that give no such code (vLLM answers `"code": 400`): what their message or
+#: `param` says. vLLM: "This model's maximum context length is 1024 tokens. However,
+#: your prompt contains at least 1025 input tokens ...", `"param": "input_tokens"`.
+TOO_LONG_MESSAGES = ("maximum context length",)
+TOO_LONG_PARAMS = ("input_tokens",)
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 #: The largest SSE line (one event) and error body read from an upstream: past them the
 #: upstream is failing, and reading on would only grow the gateway's memory.
@@ -108,10 +113,17 @@ def error_from_response(status: int, body: bytes) -> errors.EngineError:
         fields = {}
     message = str(fields.get("message") or f"upstream answered HTTP {status}")
     error_type = ERROR_CODES.get(str(fields.get("code")))
+    param = fields.get("param")
+    if error_type is None and status == 400 and _too_long(message, param):
+        return errors.TooLong(message)
     if error_type is None:
         error_type = HTTP_ERRORS.get(status, errors.Failed if status >= 500 else errors.Invalid)
-    param = fields.get("param")
     return error_type(message, param=param if isinstance(param, str) else None)
+
+
+def _too_long(message: str, param: Any) -> bool:
+    """Whether a 400 without our code is a prompt beyond the context, as vLLM words it."""
+    return param in TOO_LONG_PARAMS or any(m in message for m in TOO_LONG_MESSAGES)
 
 
 def error_from_event(payload: dict[str, Any]) -> errors.EngineError:

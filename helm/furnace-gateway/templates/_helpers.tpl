@@ -79,6 +79,39 @@ fall back to the chart's image. */}}
 {{- if or (not (hasKey .pool "enabled")) .pool.enabled }}true{{ end }}
 {{- end }}
 
+{{/* What a pool runs: `furnace` (our worker: args from values) or `vllm-grpc` (stock
+vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the pool. */}}
+{{- define "furnace-gateway.poolEngine" -}}
+{{- .engine | default "furnace" }}
+{{- end }}
+
+{{/* Where the gateway's pod mounts a model's tokenizer files; argument: the model's name. */}}
+{{- define "furnace-gateway.tokenizerDir" -}}
+{{- printf "/etc/furnace-tokenizers/%s" . }}
+{{- end }}
+
+{{/* The gateway's volumes (with `volumes`) or mounts (without) of models' tokenizers. */}}
+{{- define "furnace-gateway.tokenizerVolumes" -}}
+{{- $volumes := .volumes }}
+{{- range $i, $model := .root.Values.models }}
+{{- with $model.tokenizer }}
+{{- if $volumes }}
+- name: tokenizer-{{ $i }}
+  {{- if .configMap }}
+  configMap:
+    name: {{ .configMap }}
+  {{- else }}
+  {{- toYaml .volume | nindent 2 }}
+  {{- end }}
+{{- else }}
+- name: tokenizer-{{ $i }}
+  mountPath: {{ include "furnace-gateway.tokenizerDir" $model.name }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The address the gateway resolves to reach every ready pod of a pool. */}}
 {{- define "furnace-gateway.poolAddress" -}}
 {{- printf "dns:///%s.%s.svc.%s:%d" (include "furnace-gateway.poolFullname" .) .root.Release.Namespace .root.Values.clusterDomain (int (.pool.port | default 50051)) }}
@@ -90,6 +123,7 @@ fall back to the chart's image. */}}
 {{- $models := list }}
 {{- range $i, $model := .Values.models }}
 {{- $workers := list }}
+{{- $engines := list }}
 {{- range $name := $model.pools | default list }}
 {{- if not (hasKey $root.Values.workerPools $name) }}
 {{- fail (printf "models[%d].pools: %q is not a key of workerPools" $i $name) }}
@@ -99,8 +133,28 @@ fall back to the chart's image. */}}
 {{- fail (printf "models[%d].pools: the worker pool %q is disabled" $i $name) }}
 {{- end }}
 {{- $workers = append $workers (include "furnace-gateway.poolAddress" (dict "root" $root "name" $name "pool" $pool)) }}
+{{- $engines = append $engines (include "furnace-gateway.poolEngine" $pool) | uniq }}
 {{- end }}
-{{- $upstream := $model.upstream | default "grpc" }}
+{{- if gt (len $engines) 1 }}
+{{- fail (printf "models[%d] (%s): its pools run different engines (%s)" $i $model.name (join ", " $engines)) }}
+{{- end }}
+{{- /* A pool of stock vLLM gRPC servers is reached with upstream vllm-grpc. */}}
+{{- $poolUpstream := ternary "vllm-grpc" "grpc" (has "vllm-grpc" $engines) }}
+{{- $upstream := $model.upstream | default $poolUpstream }}
+{{- if and $engines (ne $upstream $poolUpstream) (ne $upstream "openai") }}
+{{- fail (printf "models[%d] (%s): upstream %s, but its pools run %s" $i $model.name $upstream (first $engines)) }}
+{{- end }}
+{{- with $model.tokenizer }}
+{{- if ne $upstream "vllm-grpc" }}
+{{- fail (printf "models[%d] (%s): tokenizer is for upstream vllm-grpc (the gateway tokenizes)" $i $model.name) }}
+{{- end }}
+{{- if eq (len (compact (list .configMap .volume))) 1 | not }}
+{{- fail (printf "models[%d].tokenizer: name exactly one of configMap and volume" $i) }}
+{{- end }}
+{{- end }}
+{{- if and (eq $upstream "vllm-grpc") (not $model.tokenizer) }}
+{{- fail (printf "models[%d] (%s): upstream vllm-grpc needs tokenizer (a configMap or a volume with the model's tokenizer files: the gateway tokenizes)" $i $model.name) }}
+{{- end }}
 {{- if and (eq $upstream "openai") $workers }}
 {{- fail (printf "models[%d] (%s): an openai upstream takes base URLs in workers, not pools" $i $model.name) }}
 {{- end }}
@@ -121,6 +175,9 @@ fall back to the chart's image. */}}
 {{- end }}
 {{- if ne $upstream "grpc" }}
 {{- $_ := set $entry "upstream" $upstream }}
+{{- end }}
+{{- if $model.tokenizer }}
+{{- $_ := set $entry "tokenizer" (include "furnace-gateway.tokenizerDir" $model.name) }}
 {{- end }}
 {{- if $model.maxTokensLimit }}
 {{- $_ := set $entry "max_tokens_limit" (int $model.maxTokensLimit) }}

@@ -1,0 +1,169 @@
+"""The worker kinds the conformance suite (tests/test_conformance.py) runs against.
+
+Each kind is one entry of `KINDS`: a factory that, given the test session's fixture
+request, starts or finds its engine and returns an `Engine`: the gateway's model
+entries for it (the suite starts its own gateways in front), the models a test asks
+for, how to read the engine's running requests and see it stop one early, and what differs
+between kinds (the demo echoes its prompt; a real model's text is junk). Adding a
+kind is one entry here plus the session fixture that starts its engine (conftest).
+vLLM's kinds are marked `vllm`: each starts a vLLM server (15-20 s, 1.3-2.4 GiB).
+
+Cost: one gateway per kind for the session, started on the shared server loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import Config, ModelConfig
+from tests.support.servers import Gateway, ServerLoop, start_gateway
+from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
+from tests.support.vllm_worker import MODEL as VLLM_WORKER_MODEL
+from tests.support.vllm_worker import VllmWorker
+from tests.support.waiting import HANG_GUARD
+
+
+@dataclass
+class Engine:
+    """An engine behind the gateway, as the suite sees it."""
+
+    #: The gateway's model entries that serve it.
+    models: tuple[ModelConfig, ...]
+    #: A model answering short requests, and one whose long answers take seconds
+    #: (for cancellation and timeouts; the same model for a real engine).
+    model: str
+    slow_model: str
+    #: The engine's context length (/v1/models `max_model_len`).
+    max_context: int
+    #: Requests the engine is generating right now.
+    running: Callable[[], int]
+    #: A reading of the engine's progress, and whether, since that reading, it stopped
+    #: one request of `long_request` before its end (the demo counts aborts; vLLM counts
+    #: no aborts in its metrics, but its generated tokens fall short of `max_tokens`).
+    progress: Callable[[], float]
+    stopped_early: Callable[[float], bool]
+    #: Body fields of a request whose answer takes seconds on `slow_model`.
+    long_request: dict[str, Any]
+    #: The answer is the prompt's words (the demo engine); else text is not checked.
+    echoes: bool = False
+    #: Fields a test adds to every generation (temperature 0 for a real model).
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+Factory = Callable[[pytest.FixtureRequest], Engine]
+
+
+def _demo(request: pytest.FixtureRequest) -> Engine:
+    workers = request.getfixturevalue("workers")
+    engines = (workers.demo_engine, workers.slow_engine)
+    return Engine(
+        models=(
+            ModelConfig("furnace-demo", workers=(workers.demo.address,)),
+            ModelConfig("furnace-slow", workers=(workers.slow.address,)),
+        ),
+        model="furnace-demo",
+        slow_model="furnace-slow",
+        max_context=64,
+        running=lambda: sum(e.running for e in engines),
+        progress=lambda: sum(e.aborted for e in engines),
+        stopped_early=lambda before: sum(e.aborted for e in engines) == before + 1,
+        long_request={"prompt": "w " * 200},
+        echoes=True,
+    )
+
+
+def _openai_fake(request: pytest.FixtureRequest) -> Engine:
+    """The demo workers behind the shared gateway, reached as an OpenAI HTTP server."""
+    engine = _demo(request)
+    upstream = request.getfixturevalue("gateway").url + "/v1"
+    engine.models = tuple(
+        ModelConfig(m.name, workers=(upstream,), upstream="openai") for m in engine.models
+    )
+    return engine
+
+
+def vllm_metric(port: int, name: str, labels: str = "") -> float:
+    """The sum of a vLLM server's Prometheus samples `name{...labels...}`."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=HANG_GUARD).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _vllm_http(request: pytest.FixtureRequest) -> Engine:
+    server: VllmProcess = request.getfixturevalue("vllm_http")
+    url = f"http://127.0.0.1:{server.port}/v1"
+    max_tokens = MAX_MODEL_LEN - 64  # seconds of junk on CPU (the tiny model hits no EOS)
+
+    def generated() -> float:
+        return vllm_metric(server.port, "vllm:generation_tokens_total")
+
+    return Engine(
+        models=(ModelConfig("tiny-vllm", workers=(url,), upstream="openai"),),
+        model="tiny-vllm",
+        slow_model="tiny-vllm",
+        max_context=MAX_MODEL_LEN,
+        running=lambda: int(vllm_metric(server.port, "vllm:num_requests_running")),
+        progress=generated,
+        stopped_early=lambda before: 0 < generated() - before < max_tokens,
+        long_request={"prompt": "one two three", "max_tokens": max_tokens},
+        defaults={"temperature": 0},
+    )
+
+
+def _vllm_engine(request: pytest.FixtureRequest) -> Engine:
+    """Our worker with `--engine vllm` (vLLM's AsyncLLM in-process)."""
+    worker: VllmWorker = request.getfixturevalue("vllm_worker")
+    return Engine(
+        models=(ModelConfig(VLLM_WORKER_MODEL, workers=(f"127.0.0.1:{worker.port}",)),),
+        model=VLLM_WORKER_MODEL,
+        slow_model=VLLM_WORKER_MODEL,
+        max_context=MAX_MODEL_LEN,
+        running=worker.load,
+        aborted=worker.aborted,
+        long_request={"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64},
+        defaults={"temperature": 0},
+    )
+
+
+@dataclass(frozen=True)
+class Kind:
+    factory: Factory
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+
+
+#: Worker kind → how to reach it. The vLLM kind still to come: "vllm-grpc"
+#: (`upstream: vllm-grpc`).
+KINDS: dict[str, Kind] = {
+    "grpc-demo": Kind(_demo),
+    "openai-fake": Kind(_openai_fake),
+    "vllm-http": Kind(_vllm_http, (pytest.mark.vllm,)),
+    "vllm-engine": Kind(_vllm_engine, (pytest.mark.vllm,)),
+}
+
+
+def params() -> list[Any]:
+    """The kinds as pytest params, with their marks."""
+    return [pytest.param(name, marks=kind.marks, id=name) for name, kind in KINDS.items()]
+
+
+def start_gateway_for(server_loop: ServerLoop, engine: Engine, **overrides: Any) -> Gateway:
+    """A gateway serving only `engine`'s models, on a free loopback port."""
+    settings: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "log_level": "warning",
+        "models": engine.models,
+    }
+    settings.update(overrides)
+    return start_gateway(server_loop, Config(**settings))
+
+
+__all__ = ["KINDS", "Engine", "Kind", "params", "start_gateway_for", "vllm_metric"]
