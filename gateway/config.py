@@ -22,7 +22,7 @@ MODEL_KINDS = ("llm", "tensor")
 BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 #: Team names go into metric labels and Redis keys: keep them plain.
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-UPSTREAMS = ("grpc", "openai")
+UPSTREAMS = ("grpc", "openai", "vllm-grpc")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _T = TypeVar("_T")
@@ -90,9 +90,13 @@ class ModelConfig:
     balance: str = "least_outstanding"
     #: Relative weights by worker entry (as listed in `workers`); default 1.
     weights: tuple[tuple[str, float], ...] = ()
-    #: `grpc` (our worker protocol) or `openai`: workers are base URLs
-    #: (`http://host:port/v1`) of OpenAI-compatible servers.
+    #: `grpc` (our worker protocol), `openai`: workers are base URLs
+    #: (`http://host:port/v1`) of OpenAI-compatible servers, or `vllm-grpc`:
+    #: vLLM's own gRPC server, which takes token ids (see `tokenizer`).
     upstream: str = "grpc"
+    #: A directory holding the model's tokenizer.json, tokenizer_config.json and
+    #: chat template, for `vllm-grpc` (the gateway tokenizes); unused otherwise.
+    tokenizer: str | None = None
     #: The largest `max_tokens` a request may ask for (also its default); None: no cap.
     max_tokens_limit: int | None = None
     #: `openai` upstreams: the NAME of the environment variable holding their bearer
@@ -386,6 +390,20 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _tokenizer_dir(where: str, value: Any, upstream: str) -> str | None:
+    """`tokenizer`: required with `vllm-grpc`, a directory whose tokenizer files can be read."""
+    if value is None:
+        if upstream == "vllm-grpc":
+            raise ConfigError(f"{where}.tokenizer: required with upstream: vllm-grpc")
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}.tokenizer: expected a directory")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not os.access(Path(value, name), os.R_OK):
+            raise ConfigError(f"{where}.tokenizer: cannot read {name} in {value}")
+    return value
+
+
 def _model(where: str, raw: Any) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping with a name")
@@ -412,6 +430,7 @@ def _model(where: str, raw: Any) -> ModelConfig:
     upstream = raw.get("upstream", "grpc")
     if upstream not in UPSTREAMS:
         raise ConfigError(f"{where}.upstream: expected one of {', '.join(UPSTREAMS)}")
+    tokenizer = _tokenizer_dir(where, raw.get("tokenizer"), upstream)
     for i, entry in enumerate(workers):
         is_url = entry.startswith(("http://", "https://"))
         if is_url != (upstream == "openai"):
@@ -437,6 +456,7 @@ def _model(where: str, raw: Any) -> ModelConfig:
         max_model_len=max_len,
         balance=balance,
         upstream=upstream,
+        tokenizer=tokenizer,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
         max_tokens_limit=max_tokens_limit,
         api_key_env=api_key_env,

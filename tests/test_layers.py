@@ -24,6 +24,7 @@ RANK = {
     "config": 0,
     "protocol": 0,
     "telemetry": 1,
+    "tokenization": 1,
     "upstreams": 2,
     "admission": 3,
     "fleet": 4,
@@ -41,6 +42,7 @@ ALONE = {
     "config": set(),
     "protocol": set(),
     "worker": {"protocol"},
+    "tokenization": {"protocol"},
     "bench": set(),
 }
 #: What importing the worker SDK or the protocol must not load.

@@ -8,12 +8,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.protocol import errors
+from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
-from gateway.worker.stop import StopMatcher
 from tests.support.waiting import wait_until
 
 

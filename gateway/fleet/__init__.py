@@ -44,6 +44,7 @@ from gateway.protocol.types import GenerateRequest, Started
 from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
 
@@ -72,7 +73,15 @@ class Fleet:
     # -- lifecycle ----------------------------------------------------------
 
     def _client_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
-        """How the model's workers are reached: our gRPC protocol, or HTTP."""
+        """How the model's workers are reached: our gRPC protocol, vLLM's, or HTTP."""
+        if model.upstream == "vllm-grpc":
+            assert model.tokenizer is not None  # the config requires it
+            return partial(
+                VllmGrpcUpstream,
+                model=model.name,
+                tokenizer=model.tokenizer,
+                credentials=self._credentials(),
+            )
         if model.upstream != "openai":
             return partial(FurnaceGrpcUpstream, credentials=self._credentials())
 

@@ -3,6 +3,7 @@
     base.py          Upstream and UpstreamCall: what the fleet needs of any worker
     furnace_grpc.py  our worker protocol over one grpc.aio channel per worker
     openai_http.py   OpenAI-compatible HTTP servers (vLLM, SGLang, ...) over httpx
+    vllm_grpc.py     vLLM's own gRPC server (token ids; the gateway tokenizes)
 
 Each translates its foreign failures into the error tree through one table,
 and knows nothing of OpenAI's wire shapes or the edge.

@@ -19,11 +19,11 @@ import grpc
 from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto, request_from_proto
 from gateway.protocol.status import status_from_error
+from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.engine import Engine
-from gateway.worker.stop import StopMatcher
 
 log = logging.getLogger("furnace.worker")
 

@@ -1,0 +1,137 @@
+"""A model's tokenizer directory, as a Hugging Face model directory holds it:
+`tokenizer.json` (read by `tokenizers`, the Rust library transformers wraps),
+`tokenizer_config.json` (special tokens, and the chat template unless
+`chat_template.jinja` holds it), loaded once per directory and shared.
+
+The chat template is the model's own Jinja, rendered as transformers renders it
+(`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`)
+in Jinja's immutable sandbox: a template is code from the model's publisher, and
+the sandbox keeps it from reaching Python. transformers itself is not needed for
+this (and would bring torch-sized weight); `tokenizers` is one Rust wheel.
+
+Cost: the load reads and parses the files once (milliseconds for a 150k vocabulary:
+`tokenizer.json` is the bulk); encoding and decoding run in Rust.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from gateway.protocol import errors
+from gateway.protocol.types import Message
+
+#: The files a tokenizer directory must hold.
+REQUIRED = ("tokenizer.json", "tokenizer_config.json")
+
+
+class TokenizerError(ValueError):
+    """The directory does not hold a usable tokenizer; the message says why."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    # templates refuse what the model cannot take (tools, roles) this way
+    raise errors.Invalid(f"The model's chat template refused the messages: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _template(config: dict[str, Any], directory: Path) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class ModelTokenizer:
+    """One model's tokenizer and chat template; thread-safe, shared."""
+
+    def __init__(self, directory: Path) -> None:
+        missing = [name for name in REQUIRED if not (directory / name).is_file()]
+        if missing:
+            raise TokenizerError(f"{directory}: missing {', '.join(missing)}")
+        try:
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+            self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as error:  # tokenizers raises plain Exceptions
+            raise TokenizerError(f"{directory}: cannot load the tokenizer: {error}") from None
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        source = _template(config, directory)
+        self._template: jinja2.Template | None = None
+        if source is not None:
+            # transformers' settings, so a template renders here as it does there
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(source)
+            except jinja2.TemplateError as error:
+                raise TokenizerError(f"{directory}: the chat template: {error}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        """The prompt the chat template makes of `messages`, ready for the answer."""
+        if self._template is None:
+            raise errors.Invalid(
+                "This model has no chat template; use /v1/completions.", param="messages"
+            )
+        try:
+            return self._template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except errors.EngineError:
+            raise
+        except jinja2.TemplateError as error:  # the sandbox's refusals are TemplateErrors
+            raise errors.Invalid(f"The model's chat template failed: {error}") from None
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The ids of `text`; `add_special_tokens` adds the BOS its post-processor adds
+        (for raw prompts; a rendered chat template already holds its own)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens left out (as vLLM's default)."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def prompt_ids(self, prompt: str | None, messages: Sequence[Message] | None) -> list[int]:
+        """The ids of a request's prompt: its text, or its messages through the template."""
+        if messages is not None:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(prompt or "", add_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=64)
+def load_tokenizer(directory: str) -> ModelTokenizer:
+    """The tokenizer of `directory`, loaded once per directory (per process)."""
+    return ModelTokenizer(Path(directory))

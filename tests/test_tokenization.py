@@ -1,0 +1,116 @@
+"""The gateway's own tokenization (gateway/tokenization), for engines that take token
+ids: the tiny model's tokenizer directory, its chat template in the sandbox, and
+streamed detokenization that never splits a character. No vLLM needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.protocol import errors
+from gateway.protocol.types import Message
+from gateway.tokenization import IncrementalDetokenizer, load_tokenizer
+from gateway.tokenization.tokenizer import ModelTokenizer, TokenizerError
+from tests.support.tiny_model import FIRST, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def stream(tokenizer: ModelTokenizer, ids: list[int], step: int = 1) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    pieces = [detok.feed(ids[i : i + step]) for i in range(0, len(ids), step)]
+    return [*pieces, detok.flush()]
+
+
+def test_multi_byte_characters_split_across_tokens_are_never_split_in_text(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    # the tiny vocabulary's first ids are the bytes of "aé中😀": one token per byte
+    ids = list(range(len(FIRST.encode())))
+    assert [tokenizer.decode([i]) for i in ids[1:3]] == ["\ufffd", "\ufffd"]
+    pieces = stream(tokenizer, ids)
+    assert "".join(pieces) == FIRST
+    assert [p for p in pieces if p] == ["a", "é", "中", "😀"]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_streamed_text_equals_the_whole_decode(tokenizer_dir, step):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    text = "café, naïve, 日本語, emoji 🔥 too — the quick brown fox"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream(tokenizer, ids, step)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_an_answer_cut_inside_a_character_ends_as_the_whole_decode_does(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    ids = [0, 6, 7]  # "a", then half of 😀
+    pieces = stream(tokenizer, ids)
+    assert pieces[:3] == ["a", "", ""]
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_special_tokens_are_left_out_of_the_text(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    ids = tokenizer.encode("hi<|end|>", add_special_tokens=False)
+    assert "".join(stream(tokenizer, ids)) == "hi"
+
+
+def test_the_chat_template_renders_in_the_sandbox_with_a_generation_prompt(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    messages = (Message("system", "be brief"), Message("user", "hé"))
+    prompt = tokenizer.render_chat(messages)
+    assert prompt == "<|system|>be brief<|end|><|user|>hé<|end|><|assistant|>"
+    ids = tokenizer.prompt_ids(None, messages)
+    assert tokenizer.decode(ids) == "be briefhé"  # the specials are single tokens
+    assert len(ids) == len(tokenizer.encode("be briefhé", add_special_tokens=False)) + 5
+
+
+def test_a_template_that_raises_refuses_the_request_as_invalid(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    with pytest.raises(errors.Invalid, match="knows no tools"):
+        tokenizer.render_chat((Message("tool", "{}"),))
+
+
+def test_the_sandbox_keeps_a_template_from_python(tmp_path, tokenizer_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    )
+    with pytest.raises(errors.Invalid, match="template"):
+        ModelTokenizer(tmp_path).render_chat((Message("user", "x"),))
+
+
+def test_the_template_inside_tokenizer_config_and_the_cache(tmp_path, tokenizer_dir):
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.render_chat((Message("user", "x"),)) == "<|bos|>x"
+    assert load_tokenizer(str(tmp_path)) is tokenizer
+
+
+def test_a_directory_without_a_tokenizer_is_refused(tmp_path):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        ModelTokenizer(tmp_path)
+
+
+def test_vllm_grpc_models_need_a_readable_tokenizer_directory(tmp_path, tokenizer_dir):
+    from gateway.config import ConfigError, parse_config
+
+    model = {"name": "m", "upstream": "vllm-grpc", "workers": ["127.0.0.1:1"]}
+    with pytest.raises(ConfigError, match=r"models\[0\].tokenizer: required"):
+        parse_config({"models": [model]}, env={})
+    with pytest.raises(ConfigError, match=r"cannot read tokenizer\.json"):
+        parse_config({"models": [{**model, "tokenizer": str(tmp_path)}]}, env={})
+    config = parse_config({"models": [{**model, "tokenizer": str(tokenizer_dir)}]}, env={})
+    assert config.models[0].tokenizer == str(tokenizer_dir)

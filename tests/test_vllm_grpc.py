@@ -1,0 +1,208 @@
+"""vLLM's own gRPC server behind the gateway (`upstream: vllm-grpc`): stock vLLM,
+the gateway tokenizing with the model's tokenizer directory and detokenizing the
+engine's token ids. The tiny model's text is junk: these check structure, counts
+and behaviours, and text only for determinism at temperature 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+from tokenizers import Tokenizer
+
+from gateway.config import ModelConfig
+from gateway.protocol import errors
+from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, Started
+from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
+from tests.support.requests import sse_events, user
+from tests.support.servers import Gateway
+from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
+from tests.support.waiting import HANG_GUARD, wait_until
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-vllm-grpc"
+
+
+@pytest.fixture
+def front(gateway_with, vllm_grpc: VllmProcess, vllm_model: Path) -> Gateway:
+    model = ModelConfig(
+        MODEL,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=(f"127.0.0.1:{vllm_grpc.port}",),
+    )
+    return gateway_with(models=(model,))
+
+
+@pytest.fixture
+def http(front: Gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=front.url, timeout=HANG_GUARD) as client:
+        yield client
+
+
+@pytest.fixture
+def engine(vllm_grpc: VllmProcess) -> Iterator[Any]:
+    with grpc.insecure_channel(f"127.0.0.1:{vllm_grpc.port}") as channel:
+        yield pb_grpc.VllmEngineStub(channel)
+
+
+def chat(http: httpx.Client, text: str, **fields: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": user(text), "temperature": 0, **fields}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed_chat(http: httpx.Client, text: str, **fields: Any) -> tuple[str, list[Any]]:
+    body = {
+        "model": MODEL,
+        "messages": user(text),
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **fields,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    text_out = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    return text_out, events[:-1]
+
+
+def test_chat_and_completions_answer_with_usage(http):
+    answer = chat(http, "hello there", max_tokens=12)
+    usage = answer["usage"]
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 7, "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    completion = response.json()
+    assert completion["object"] == "text_completion"
+    assert 0 < completion["usage"]["completion_tokens"] <= 7
+    assert completion["usage"]["prompt_tokens"] > 0
+
+
+def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine, vllm_model: Path):
+    whole = chat(http, "hello from the fleet", max_tokens=40)
+    text, events = streamed_chat(http, "hello from the fleet", max_tokens=40)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert events[-1]["usage"] == whole["usage"]
+    # vLLM's own answer for the same ids, decoded by the model's tokenizer
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    prompt = "<|user|>hello from the fleet<|end|><|assistant|>"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert len(ids) == whole["usage"]["prompt_tokens"]
+    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
+    request = pb.GenerateRequest(
+        request_id="direct-decode",
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(
+            temperature=0, max_tokens=40, stop_token_ids=list(info.eos_token_ids)
+        ),
+        stream=False,
+    )
+    (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
+    assert reply.complete.completion_tokens == whole["usage"]["completion_tokens"]
+    own = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
+    assert own == text
+
+
+def test_max_tokens_cuts_with_length(http):
+    answer = chat(http, "one two three", max_tokens=3, stop=None)
+    if answer["choices"][0]["finish_reason"] == "stop":  # EOS first: junk model
+        assert answer["usage"]["completion_tokens"] <= 3
+        return
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 3
+
+
+def test_a_stop_string_from_a_first_answer_cuts_the_second(http):
+    first = chat(http, "the quick brown fox", max_tokens=60)["choices"][0]["message"]["content"]
+    assert len(first) >= 8, f"the greedy answer is too short to pick a stop from: {first!r}"
+    stop = first[len(first) // 2 : len(first) // 2 + 2]
+    second = chat(http, "the quick brown fox", max_tokens=60, stop=[stop])
+    assert second["choices"][0]["finish_reason"] == "stop"
+    assert second["choices"][0]["message"]["content"] == first[: first.index(stop)]
+    streamed, _ = streamed_chat(http, "the quick brown fox", max_tokens=60, stop=[stop])
+    assert streamed == first[: first.index(stop)]
+
+
+def test_a_prompt_beyond_the_context_is_a_400_context_length_exceeded(http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": user("fox " * (MAX_MODEL_LEN + 10)), "max_tokens": 4},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_client_leaving_cancels_the_call_and_frees_everything(front: Gateway, http):
+    body = {
+        "model": MODEL,
+        "prompt": "one two three",
+        "max_tokens": MAX_MODEL_LEN - 64,
+        "temperature": 0,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=front.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        next(response.iter_lines())
+    pools = front.state.fleet.models.values()
+    wait_until(
+        lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),
+        "the gateway to end the call",
+    )
+    assert chat(http, "still there?", max_tokens=4)["usage"]["completion_tokens"] > 0
+
+
+def test_an_abort_reaches_the_engine_and_its_abort_reason_is_an_error(
+    server_loop, vllm_grpc: VllmProcess, vllm_model: Path
+):
+    """`Abort` of a call's request id stops it on the engine, which ends the answer
+    with its `abort` finish reason: through the table, a retryable Unavailable."""
+
+    async def scenario() -> tuple[Any, str]:
+        upstream = VllmGrpcUpstream(
+            f"127.0.0.1:{vllm_grpc.port}", model=MODEL, tokenizer=str(vllm_model)
+        )
+        sampling = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 64)
+        request = GenerateRequest(model=MODEL, prompt="one two three", sampling=sampling)
+        call = upstream.generate(request, timeout=HANG_GUARD)
+        first = await call.__anext__()
+        upstream.abort(call.request_id)
+        try:
+            async for event in call:
+                assert not isinstance(event, Finished), "the answer ended before the abort"
+        except errors.EngineError as error:
+            return first, error
+        finally:
+            await upstream.close()
+        raise AssertionError("the call ended without the engine's abort")
+
+    first, error = server_loop.call(scenario())
+    assert isinstance(first, Started) and first.prompt_tokens > 0
+    assert isinstance(error, errors.Unavailable) and "abort" in error.message
+    assert error.retryable
+
+
+def test_models_show_the_engines_context_length(http):
+    wait_until(
+        lambda: http.get("/v1/models").json()["data"][0].get("max_model_len") == MAX_MODEL_LEN,
+        "the worker to describe itself",
+    )
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
