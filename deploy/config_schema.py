@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.config import SPECS, TYPES, Config, Spec
+from gateway.config import SPECS, TYPES, Config, QueueConfig, Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "helm" / "furnace-gateway" / "values.schema.json"
@@ -53,6 +53,17 @@ def field_schema(name: str) -> dict[str, Any]:
     spec = SPECS[name]
     if TYPES[name] == tuple[str, ...]:
         schema: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+    elif TYPES[name] == QueueConfig | None:
+        schema = {
+            "type": ["object", "null"],
+            "properties": {
+                "max_wait": {"type": "number", "exclusiveMinimum": 0},
+                "max_depth": {"type": "integer", "minimum": 1},
+                "max_starvation": {"type": "number", "exclusiveMinimum": 0},
+            },
+            "required": ["max_wait"],
+            "additionalProperties": False,
+        }
     else:
         schema = {"type": _JSON_TYPES[TYPES[name]]}
     if spec.choices:

@@ -104,6 +104,20 @@ class ModelConfig:
     api_key_env: str | None = None
     #: `openai` upstreams: a PEM bundle that verifies their TLS; None: the system's roots.
     ca_file: str | None = None
+    #: Its queue (the top-level `queue` with these fields overridden); None: no queue.
+    queue: QueueConfig | None = None
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """A bounded wait for a slot (`queue:`, top level or per model)."""
+
+    #: Seconds a request may wait for a slot; one that cannot have it by then gets 503.
+    max_wait: float
+    #: Requests that may wait at once, per model; one more gets 503 at once.
+    max_depth: int = 1024
+    #: Seconds after which a waiter of any priority is served next.
+    max_starvation: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,8 @@ class TeamConfig:
     tokens_per_minute: int | None = None
     #: The models its keys may use and see; empty: every model.
     models: tuple[str, ...] = ()
+    #: Its requests' priority in the queue (higher first); `x-furnace-priority` may lower it.
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -313,6 +329,13 @@ class Config:
         min_length=1,
     )
     # (a frozen dataclass: immutable, though ruff cannot tell)
+    queue: QueueConfig | None = setting(  # noqa: RUF009
+        None,
+        "a bounded wait for a slot, `{max_wait, max_depth, max_starvation}` (seconds, "
+        "requests per model, seconds); each model may override it; none: a full gateway "
+        "refuses at once",
+    )
+    # (a frozen dataclass: immutable, though ruff cannot tell)
     worker_tls: WorkerTLS | None = setting(  # noqa: RUF009
         None,
         "TLS to gRPC workers: `ca_file`, `cert_file` and `key_file` (mutual), `server_name`",
@@ -327,7 +350,7 @@ SPECS: dict[str, Spec] = {declared.name: spec_of(declared) for declared in field
 #: Each top-level field's type (`int`, `float`, `str`, ...), by name.
 TYPES: dict[str, Any] = get_type_hints(Config)
 #: Fields whose environment override is YAML (a list or a mapping).
-_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts")
+_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts", "queue")
 
 
 def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | None = None) -> Any:
@@ -404,7 +427,29 @@ def _tokenizer_dir(where: str, value: Any, upstream: str) -> str | None:
     return value
 
 
-def _model(where: str, raw: Any) -> ModelConfig:
+def _queue(where: str, raw: Any, base: QueueConfig | None) -> QueueConfig | None:
+    """`queue`: a mapping of `max_wait`, `max_depth`, `max_starvation` over `base`."""
+    if raw is None:
+        return base
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping (max_wait, max_depth, max_starvation)")
+    unknown = set(raw) - {f.name for f in fields(QueueConfig)}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
+    if base is None and "max_wait" not in raw:
+        raise ConfigError(f"{where}.max_wait: required")
+    values = {} if base is None else {f.name: getattr(base, f.name) for f in fields(QueueConfig)}
+    for name, kind, minimum in (
+        ("max_wait", float, 0.001),
+        ("max_depth", int, 1),
+        ("max_starvation", float, 0.001),
+    ):
+        if name in raw:
+            values[name] = _number(f"{where}.{name}", raw[name], kind, minimum)
+    return QueueConfig(**values)
+
+
+def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping with a name")
     unknown = set(raw) - {f.name for f in fields(ModelConfig)}
@@ -459,6 +504,7 @@ def _model(where: str, raw: Any) -> ModelConfig:
         tokenizer=tokenizer,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
         max_tokens_limit=max_tokens_limit,
+        queue=_queue(f"{where}.queue", raw.get("queue"), queue),
         api_key_env=api_key_env,
         ca_file=ca_file,
     )
@@ -506,7 +552,8 @@ def _team(name: Any, raw: Any, models: set[str]) -> TeamConfig:
         if model not in models:
             raise ConfigError(f"{where}.models[{i}]: {model!r} is not a configured model")
     weight = _number(f"{where}.weight", raw.get("weight", 1.0), float, 0.001)
-    return TeamConfig(name, weight, models=tuple(allowed), **limits)
+    priority = _number(f"{where}.priority", raw.get("priority", 0), int, -1000, 1000)
+    return TeamConfig(name, weight, models=tuple(allowed), priority=priority, **limits)
 
 
 def parse_keys(where: str, raw: Any, teams: set[str]) -> tuple[KeyConfig, ...]:
@@ -631,7 +678,8 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     models = values.get("models") or []
     if not isinstance(models, list):
         raise ConfigError("models: expected a list")
-    values["models"] = tuple(_model(f"models[{i}]", m) for i, m in enumerate(models))
+    queue = values["queue"] = _queue("queue", values.get("queue"), None)
+    values["models"] = tuple(_model(f"models[{i}]", m, queue) for i, m in enumerate(models))
     names = [m.name for m in values["models"]]
     for i, name in enumerate(names):
         if name in names[:i]:

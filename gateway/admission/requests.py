@@ -57,6 +57,13 @@ class InFlight:
         in flight get `grace` seconds to finish; the rest are cancelled and end
         with an error."""
         self.draining = True
+        if self.slots.queue is not None:
+            waiting = self.slots.queue.waiting()
+            if waiting:
+                log.info("refusing %d queued requests", waiting)
+            self.slots.queue.refuse_all(
+                errors.Draining("The gateway is shutting down; send the request again.")
+            )
         log.info("draining %d requests for up to %gs", self.slots.in_use, grace)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace):

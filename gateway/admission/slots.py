@@ -1,8 +1,9 @@
 """The concurrency slots every route shares.
 
-There is no queue: a request that finds every slot taken is refused at once, so
-clients back off (and a load balancer can try another gateway) instead of
-piling up behind a deadline they will miss.
+By default there is no queue: a request that finds every slot taken is refused
+at once, so clients back off (and a load balancer can try another gateway)
+instead of piling up behind a deadline they will miss. With `queue` configured
+(queue.py), a slot that comes back goes to the head of the queue.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from gateway.protocol.errors import Busy
+
+if TYPE_CHECKING:
+    from gateway.admission.queue import Queue
 
 
 class Slots:
@@ -21,6 +26,8 @@ class Slots:
         self.limit = limit
         self.in_use = 0
         self._idle: asyncio.Event | None = None
+        #: The requests waiting for a slot, when a queue is configured.
+        self.queue: Queue | None = None
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -34,9 +41,15 @@ class Slots:
         try:
             yield
         finally:
-            self.in_use -= 1
-            if self.in_use == 0 and self._idle is not None:
-                self._idle.set()
+            self.release()
+
+    def release(self) -> None:
+        """Gives a slot back: to the queue's head if one waits."""
+        self.in_use -= 1
+        if self.queue is not None:
+            self.queue.dispatch()
+        if self.in_use == 0 and self._idle is not None:
+            self._idle.set()
 
     async def wait_idle(self) -> None:
         """Returns once no slot is taken."""

@@ -12,7 +12,10 @@ the gateway's slots when slots are scarce.
 A request of a keyed gateway goes: key (401, in `gateway.edge.middleware`) →
 model allowed for its team (404, as for a model that does not exist) → the
 team's limits (429) → a slot by fair share (503). With no keys configured the
-gateway is open: no teams, no limits, and plain slots.
+gateway is open: no teams, no limits, and plain slots. A model with a `queue`
+takes its slot through the queue instead (gateway.admission.queue): by
+priority (the team's, or lower by `x-furnace-priority`), then by the teams'
+weights, within `max_wait`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from gateway.admission.metrics import QueueCollector
+from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.slots import Slots
 from gateway.config import Config
 from gateway.protocol import errors
@@ -68,6 +73,15 @@ class Teams:
         self._reload: asyncio.Task[None] | None = None
         self._has_keys_file = config.keys_file is not None
         registry.register(TeamsCollector(self))
+        #: Each queued model's settings; no entry: refused at once when full.
+        self.queues = {
+            m.name: QueueSettings(m.queue.max_wait, m.queue.max_depth, m.queue.max_starvation)
+            for m in config.models
+            if m.queue is not None
+        }
+        self.queue = Queue(slots) if self.queues else None
+        if self.queue is not None:
+            registry.register(QueueCollector(self.queue))
 
     async def start(self) -> None:
         """Says whether the gateway is open; starts the limits (and Redis)."""
@@ -113,10 +127,22 @@ class Teams:
 
     @asynccontextmanager
     async def admit(
-        self, team: Team | None, model: str, request: GenerateRequest, record: RequestRecord
+        self,
+        team: Team | None,
+        model: str,
+        request: GenerateRequest,
+        record: RequestRecord,
+        priority: int | None = None,
+        gone: asyncio.Future[None] | None = None,
     ) -> AsyncIterator[None]:
         """Holds what a request needs for the body of an `async with`: its team's
-        limits and a slot. Raises ModelNotFound, RateLimited or Busy."""
+        limits and a slot (waiting in the model's queue, if it has one, until
+        `gone` is done). Raises ModelNotFound, RateLimited or Busy."""
+        settings = self.queues.get(model)
+        if settings is not None and self.queue is not None:
+            async with self._queued(team, model, request, record, settings, priority, gone):
+                yield
+            return
         if team is None:
             with self.slots.hold():
                 yield
@@ -128,5 +154,40 @@ class Teams:
             with self.fair_share.hold(team):
                 lease.served = True
                 yield
+        finally:
+            await self.limiter.release(lease)
+
+    @asynccontextmanager
+    async def _queued(
+        self,
+        team: Team | None,
+        model: str,
+        request: GenerateRequest,
+        record: RequestRecord,
+        settings: QueueSettings,
+        priority: int | None,
+        gone: asyncio.Future[None] | None,
+    ) -> AsyncIterator[None]:
+        """A slot through the queue: the team's priority (a request may ask for a
+        lower one) and weight order the wait; the fair share's door rule is the
+        queue's order instead."""
+        assert self.queue is not None
+        if team is None:
+            async with self.queue.hold(model, settings, priority or 0, gone=gone):
+                yield
+            return
+        if not team.sees(model):
+            raise errors.ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        own = team.config.priority
+        asked = own if priority is None else min(priority, own)
+        lease = await self.limiter.admit(team, request, record)
+        try:
+            async with self.queue.hold(model, settings, asked, team.name, team.weight, gone):
+                team.slots += 1
+                lease.served = True
+                try:
+                    yield
+                finally:
+                    team.slots -= 1
         finally:
             await self.limiter.release(lease)

@@ -127,8 +127,7 @@ def _vllm_engine(request: pytest.FixtureRequest) -> Engine:
         slow_model=VLLM_WORKER_MODEL,
         max_context=MAX_MODEL_LEN,
         running=worker.load,
-        progress=worker.aborted,
-        stopped_early=lambda before: worker.aborted() == before + 1,
+        aborted=worker.aborted,
         long_request={"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64},
         defaults={"temperature": 0},
     )

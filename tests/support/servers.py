@@ -102,9 +102,12 @@ def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
 
 
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
-    """Every slot free, no call outstanding on any worker, no generation running."""
+    """Every slot free, nothing queued, no call outstanding on any worker, no
+    generation running."""
     wait_until(lambda: gw.state.slots.in_use == 0, "all slots to be free")
     wait_until(lambda: not gw.state.inflight.running, "no request in flight")
+    queue = gw.state.slots.queue
+    wait_until(lambda: queue is None or queue.waiting() == 0, "no request queued")
     pools = gw.state.fleet.models.values()
     wait_until(
         lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),

@@ -64,6 +64,22 @@ def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
     return request_id, tuple(metadata)
 
 
+_PRIORITY = re.compile(rb"-?[0-9]{1,4}")
+
+
+def _priority(scope: Scope) -> int | None:
+    """The request's `x-furnace-priority` (an integer; its team's caps it), or None."""
+    for name, value in scope["headers"]:
+        if name == b"x-furnace-priority":
+            if not _PRIORITY.fullmatch(value.strip()):
+                raise errors.Invalid(
+                    "x-furnace-priority: expected an integer from -1000 to 1000.",
+                    param="x-furnace-priority",
+                )
+            return max(-1000, min(1000, int(value)))
+    return None
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -163,9 +179,28 @@ class GenerationRoute:
         record.model = pool.name
         parsed = self.limits.check(parsed, pool.name)
         self.inflight.check_open()
-        async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
-            self.telemetry.begin(record, pool.name)
-            await self._serve(parsed, pool, record, metadata, receive, send)
+        priority = _priority(scope)
+        if pool.name not in self.teams.queues:
+            async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
+                self.telemetry.begin(record, pool.name)
+                await self._serve(parsed, pool, record, metadata, receive, send)
+            return
+        # queued: a client that goes away while waiting leaves the queue at once
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            async with self.teams.admit(
+                team_of(scope), pool.name, parsed.generate, record, priority, watcher
+            ):
+                self.telemetry.begin(record, pool.name)
+                await self._serve(parsed, pool, record, metadata, receive, send, watcher)
+        except errors.Busy:
+            if not watcher.done():
+                raise
+            record.status = 499
+            record.outcome = Outcome.CLIENT_GONE
+            log.info("client went away while queued; request %s dropped", record.request_id)
+        finally:
+            watcher.cancel()
 
     def _visible_model(self, team: Team | None, name: str | None) -> str | None:
         """The model a request names, or its team's first LLM when it names none;
@@ -191,6 +226,7 @@ class GenerationRoute:
         metadata: tuple[tuple[str, str], ...],
         receive: Receive,
         send: Send,
+        watcher: asyncio.Future[None] | None = None,
     ) -> None:
         config = self.config
         request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
@@ -201,7 +237,7 @@ class GenerationRoute:
                 config.stream_buffer_bytes,
             )
             try:
-                await self._relay(pump, parsed, pool, record, receive, send)
+                await self._relay(pump, parsed, pool, record, receive, send, watcher)
             finally:
                 annotate(span, {"furnace.worker": record.worker or None})
 
@@ -213,8 +249,10 @@ class GenerationRoute:
         record: RequestRecord,
         receive: Receive,
         send: Send,
+        watcher: asyncio.Future[None] | None = None,
     ) -> None:
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        if watcher is None:
+            watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda _: pump.cancel())
         encoder = self.encoder_type(pool.name, parsed.include_usage)
         try:

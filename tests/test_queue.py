@@ -1,0 +1,310 @@
+"""The bounded queue: bursts wait instead of being refused, overload is refused
+early, priorities and weights order the wait, a client that leaves while queued
+leaves the queue, and a drain refuses the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, QueueConfig, parse_config
+from tests.support.keys import bearer, keyed, new_key
+from tests.support.requests import opened
+from tests.support.scripted_worker import script
+from tests.support.servers import make_config
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+def queued(workers, queue: QueueConfig, **overrides: Any) -> dict[str, Any]:
+    """`gateway_with` overrides: every model of the test gateway queues with `queue`."""
+    config = make_config(workers)
+    models = tuple(replace(m, queue=queue) for m in config.models)
+    return {"queue": queue, "models": models, **overrides}
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value; 0 when it is absent."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def hold_slot(client: httpx.Client, headers: dict[str, str] | None = None):
+    """A stream that holds a slot until it is closed."""
+    body = {"model": "scripted", "prompt": script(texts=1, hang="after"), "stream": True}
+    return client.stream("POST", "/v1/completions", json=body, headers=headers or {})
+
+
+class Sender:
+    """Requests on threads, and the order their answers came in."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.done: list[tuple[str, int, str]] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def send(self, name: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        def run() -> None:
+            response = httpx.post(
+                self.url + "/v1/completions", json=body, headers=headers, timeout=HANG_GUARD
+            )
+            with self.lock:
+                self.done.append((name, response.status_code, response.text))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> list[tuple[str, int, str]]:
+        for thread in self.threads:
+            thread.join(HANG_GUARD)
+        return self.done
+
+
+def test_a_burst_of_twice_the_slots_waits_and_is_served(gateway_with, workers):
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=4))
+    sender = Sender(gw.url)
+    for i in range(8):
+        sender.send(str(i), {"model": "furnace-slow", "prompt": "a b c d e", "max_tokens": 5})
+    done = sender.join()
+    assert [status for _, status, _ in done] == [200] * 8
+    samples = scrape(gw.url)
+    count = sample(
+        samples, "furnace_gateway_queue_wait_seconds_count", model="furnace-slow", priority="0"
+    )
+    assert count >= 1  # some waited
+    assert (
+        sample(
+            samples, "furnace_gateway_queue_wait_seconds_sum", model="furnace-slow", priority="0"
+        )
+        <= 30.0 * count
+    )
+    immediate = sample(
+        samples,
+        "furnace_gateway_queue_admissions_total",
+        model="furnace-slow",
+        priority="0",
+        how="immediate",
+    )
+    waited = sample(
+        samples,
+        "furnace_gateway_queue_admissions_total",
+        model="furnace-slow",
+        priority="0",
+        how="queued",
+    )
+    assert immediate + waited == 8
+
+
+def test_sustained_overload_is_refused_at_once_not_after_max_wait(gateway_with, workers):
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=1.2), max_concurrent_requests=2))
+    body = {"model": "furnace-slow", "prompt": "a b c d e f g h i j", "max_tokens": 10}
+    for _ in range(2):  # the queue learns how long a slot is held (about 0.5 s)
+        assert httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD).is_success
+    sender = Sender(gw.url)
+    for i in range(12):
+        sender.send(str(i), body)
+    done = sender.join()
+    statuses = [status for _, status, _ in done]
+    assert 200 in statuses and 503 in statuses
+    early = [i for i, (_, status, text) in enumerate(done) if "expected wait" in text]
+    assert early, done
+    first_served = statuses.index(200)
+    # every request refused for its expected wait had its answer before any was served
+    assert max(early) < first_served
+    for _, status, text in done:
+        if status == 503:
+            assert json.loads(text)["error"]["code"] == "server_busy"
+    samples = scrape(gw.url)
+    refusals = sample(
+        samples,
+        "furnace_gateway_queue_refusals_total",
+        model="furnace-slow",
+        priority="0",
+        reason="queue_wait",
+    )
+    assert refusals == len(early)
+
+
+def test_high_priority_is_admitted_before_queued_low_priority(gateway_with, workers):
+    batch, product = new_key("batch"), new_key("product")
+    teams = {"batch": {"priority": 0}, "product": {"priority": 10}}
+    keys = keyed(teams, {batch: "batch", product: "product"})
+    gw = gateway_with(
+        **queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1, **keys)
+    )
+    queue = gw.state.teams.queue
+    sender = Sender(gw.url)
+    body = {"model": "furnace-slow", "prompt": "a b"}  # 0.1 s each: answers in order
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        hold_slot(client, bearer(batch)) as held,
+    ):
+        held_lines = opened(held)
+        # a batch request asks for more than its team's priority: capped at 0
+        sender.send("batch", body, {**bearer(batch), "x-furnace-priority": "100"})
+        wait_until(lambda: queue.waiting() == 1, "the batch request to queue")
+        sender.send("product", body, bearer(product))
+        wait_until(lambda: queue.waiting() == 2, "the product request to queue")
+        assert dict(queue.depth) == {("furnace-slow", 0): 1, ("furnace-slow", 10): 1}
+        del held_lines  # the held stream ends: its slot goes to the head of the queue
+    done = sender.join()
+    assert [(name, status) for name, status, _ in done] == [("product", 200), ("batch", 200)]
+
+
+def test_weights_share_the_queue_within_a_priority(gateway_with, workers):
+    heavy, light = new_key("heavy"), new_key("light")
+    keys = keyed({"heavy": {"weight": 3}, "light": {"weight": 1}}, {heavy: "heavy", light: "light"})
+    gw = gateway_with(
+        **queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1, **keys)
+    )
+    queue = gw.state.teams.queue
+    sender = Sender(gw.url)
+    body = {"model": "furnace-slow", "prompt": "a b"}  # 0.1 s each: answers in order
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        hold_slot(client, bearer(light)) as held,
+    ):
+        held_lines = opened(held)
+        for n in range(8):
+            name, key = ("light", light) if n % 2 == 0 else ("heavy", heavy)
+            sender.send(name, body, bearer(key))
+            wait_until(lambda n=n: queue.waiting() == n + 1, "a waiter")
+        del held_lines
+    done = sender.join()
+    order = [name for name, _, _ in done]
+    assert order[:4].count("heavy") == 3, order
+    assert sorted(order) == ["heavy"] * 4 + ["light"] * 4
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue(gateway_with, workers):
+    gw = gateway_with(
+        **queued(workers, QueueConfig(max_wait=30.0, max_depth=1), max_concurrent_requests=1)
+    )
+    queue = gw.state.teams.queue
+    port = int(gw.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "furnace-demo", "prompt": "a"}).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        with hold_slot(client) as held:
+            held_lines = opened(held)
+            for _ in range(3):
+                with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD) as sock:
+                    sock.sendall(request)
+                    wait_until(lambda: queue.waiting() == 1, "the request to queue")
+                    # the queue is full: one more is refused at once
+                    full = client.post(
+                        "/v1/completions", json={"model": "furnace-demo", "prompt": "a"}
+                    )
+                    assert full.status_code == 503
+                    assert full.headers["retry-after"] == "1"
+                wait_until(lambda: queue.waiting() == 0, "the queue to empty")
+            del held_lines
+        samples = scrape(gw.url)
+        assert (
+            sample(
+                samples,
+                "furnace_gateway_queue_refusals_total",
+                model="furnace-demo",
+                priority="0",
+                reason="client_gone",
+            )
+            == 3
+        )
+        assert (
+            sample(
+                samples,
+                "furnace_gateway_queue_refusals_total",
+                model="furnace-demo",
+                priority="0",
+                reason="queue_full",
+            )
+            == 3
+        )
+        assert not any(name == "furnace_gateway_queue_depth" for name, _ in samples)
+        assert client.post(
+            "/v1/completions", json={"model": "furnace-demo", "prompt": "a"}
+        ).is_success
+
+
+def test_drain_refuses_the_queued_and_serves_the_running(gateway_with, workers, server_loop):
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1))
+    queue = gw.state.teams.queue
+    sender = Sender(gw.url)
+    words = " ".join(["w"] * 40)  # 2 s on the slow worker: time to queue three behind it
+    body = {"model": "furnace-slow", "prompt": words, "stream": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body) as running,
+    ):
+        lines = opened(running)
+        for i in range(3):
+            sender.send(f"queued{i}", {"model": "furnace-demo", "prompt": "a"})
+            wait_until(lambda i=i: queue.waiting() == i + 1, "a request to queue")
+        drain = asyncio.run_coroutine_threadsafe(
+            gw.state.inflight.drain(HANG_GUARD), server_loop.loop
+        )
+        done = sender.join()
+        assert [status for _, status, _ in done] == [503] * 3
+        assert queue.waiting() == 0
+        text = "\n".join(lines)
+    drain.result(HANG_GUARD)
+    assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    samples = scrape(gw.url)
+    refused = sample(
+        samples,
+        "furnace_gateway_queue_refusals_total",
+        model="furnace-demo",
+        priority="0",
+        reason="draining",
+    )
+    assert refused == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"queue": {"max_depth": 3}}, "queue.max_wait: required"),
+        ({"queue": {"max_wait": 0}}, "queue.max_wait: must be at least"),
+        ({"queue": {"max_wait": 1, "depth": 3}}, "queue.depth: unknown field"),
+        ({"teams": {"a": {"priority": 5000}}}, "teams.a.priority: must be at most"),
+    ],
+)
+def test_queue_config_is_checked(raw, message):
+    models = [{"name": "m", "workers": ["127.0.0.1:1"]}]
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"models": models, **raw}, env={})
+
+
+def test_a_model_overrides_the_queue():
+    models = [
+        {"name": "a", "workers": ["127.0.0.1:1"]},
+        {"name": "b", "workers": ["127.0.0.1:1"], "queue": {"max_wait": 9}},
+        {"name": "c", "workers": ["127.0.0.1:1"], "queue": {"max_wait": 2}},
+    ]
+    config = parse_config({"models": models[:2], "queue": {"max_wait": 1, "max_depth": 7}}, env={})
+    assert config.models[0].queue == QueueConfig(max_wait=1.0, max_depth=7)
+    assert config.models[1].queue == QueueConfig(max_wait=9.0, max_depth=7)
+    alone = parse_config({"models": [models[0], models[2]]}, env={})
+    assert alone.queue is None and alone.models[0].queue is None
+    assert alone.models[1].queue == QueueConfig(max_wait=2.0)
