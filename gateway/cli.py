@@ -1,4 +1,9 @@
-"""The `furnace-gateway` command: serve, worker, demo, bench."""
+"""The `furnace-gateway` command: serve, worker, demo, bench.
+
+Each command imports what it needs when it runs: the `worker` command loads the
+worker SDK and the protocol only, so it runs in an engine's own environment
+(vLLM's) where the gateway server's dependencies are not installed.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,16 @@ import logging
 import os
 import sys
 
-from gateway.bench.command import add_arguments as add_bench_arguments
-from gateway.bench.command import main as bench_main
-from gateway.config import Config, ConfigError, load_config, parse_config
-from gateway.lifecycle import run, serve_demo, serve_gateway, serve_worker
 from gateway.protocol.tls import ServerTLS
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
 
-ENGINES = ("demo", "transformers")
+ENGINES = ("demo", "transformers", "vllm")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; `bench`'s options only when it is the command (they load
+    the load generator)."""
     parser = argparse.ArgumentParser(
         prog="furnace-gateway",
         description="An OpenAI-compatible gateway in front of gRPC engine workers.",
@@ -28,14 +31,23 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", required=True, help="the YAML config file")
 
-    worker = commands.add_parser("worker", help="run an engine as a gRPC worker")
+    # No abbreviations: a vLLM option must never be taken for a prefix of ours.
+    worker = commands.add_parser(
+        "worker",
+        help="run an engine as a gRPC worker",
+        allow_abbrev=False,
+        epilog="--engine vllm: any other option is vLLM's own engine option "
+        "(--enforce-eager, --max-num-seqs N, --kv-cache-memory-bytes 4G, ...)",
+    )
     worker.add_argument("--engine", choices=ENGINES, default="demo")
     worker.add_argument("--host", default="0.0.0.0")
     worker.add_argument("--port", type=int, default=50051)
     worker.add_argument("--model", help=f"the model name (demo: {DEMO_MODEL}; else the folder's)")
     _demo_options(worker)
-    # The transformers engine (needs the `transformers` extra: torch and transformers).
-    worker.add_argument("--model-path", help="transformers: a local model folder (not downloaded)")
+    # The transformers engine (the `transformers` extra) and vLLM (installed on its own).
+    worker.add_argument(
+        "--model-path", help="transformers, vllm: a local model folder (not downloaded)"
+    )
     worker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     worker.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
@@ -52,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     _demo_options(demo)
 
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
-    add_bench_arguments(bench)
+    if command == "bench":
+        from gateway.bench.command import add_arguments
+
+        add_arguments(bench)
     return parser
 
 
@@ -61,20 +76,33 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
         "--token-delay", type=float, default=0.0, help="seconds between tokens (a GPU's pace)"
     )
     parser.add_argument(
-        "--max-context", type=int, help="tokens the model holds (demo: 4096; else the model's)"
+        "--max-context",
+        type=int,
+        help="tokens the model holds (demo: 4096; else the model's; vllm: --max-model-len)",
     )
     parser.add_argument(
         "--capacity", type=int, default=256, help="requests at once; more get RESOURCE_EXHAUSTED"
     )
 
 
-def _worker_engine(args: argparse.Namespace) -> Engine:
+def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
     if args.engine == "demo":
         return DemoEngine(
             args.model or DEMO_MODEL, args.max_context or 4096, args.token_delay, args.capacity
         )
     if not args.model_path:
-        sys.exit("furnace-gateway: --engine transformers needs --model-path")
+        sys.exit(f"furnace-gateway: --engine {args.engine} needs --model-path")
+    if args.engine == "vllm":
+        # vLLM sizes its own batch (--max-num-seqs is the capacity) and device.
+        from gateway.worker.vllm_engine import VllmEngine, engine_args
+
+        if args.dtype != "auto":
+            options = ["--dtype", args.dtype, *options]
+        try:
+            vllm_args = engine_args(args.model_path, options, max_context=args.max_context)
+        except FileNotFoundError as error:
+            sys.exit(f"furnace-gateway: {error}")
+        return VllmEngine(vllm_args, args.model)
     # Imported here so the gateway and the demo run without torch installed.
     from gateway.worker.transformers_engine import TransformersEngine
 
@@ -103,18 +131,38 @@ def _worker_tls(args: argparse.Namespace) -> ServerTLS | None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the command until interrupted."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser(argv[0] if argv else None)
+    args, options = parser.parse_known_args(argv)
+    if options and not (args.command == "worker" and args.engine == "vllm"):
+        parser.error(f"unrecognized arguments: {' '.join(options)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        if args.command == "worker":
+            from gateway.worker.serve import run_worker, serve_worker
+
+            tls = _worker_tls(args)  # before a model loads
+            run_worker(serve_worker(_worker_engine(args, options), args.host, args.port, tls))
+        else:
+            _gateway_command(args)
+    except KeyboardInterrupt:
+        pass
+
+
+def _gateway_command(args: argparse.Namespace) -> None:
+    """serve, demo and bench: the gateway's own environment."""
+    from gateway.config import ConfigError, load_config, parse_config
+    from gateway.lifecycle import run, serve_demo, serve_gateway
+
     try:
         if args.command == "serve":
             config = load_config(args.config)
             logging.getLogger().setLevel(config.log_level.upper())
             run(serve_gateway(config))
         elif args.command == "bench":
+            from gateway.bench.command import main as bench_main
+
             sys.exit(run(bench_main(args)))
-        elif args.command == "worker":
-            tls = _worker_tls(args)  # before a model loads
-            run(serve_worker(_worker_engine(args), args.host, args.port, tls))
         else:
             config = parse_config({"host": args.host, "port": args.port})
             engine = DemoEngine(
@@ -123,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
             run(serve_demo(config, engine))
     except ConfigError as error:
         sys.exit(f"furnace-gateway: invalid config: {error}")
-    except KeyboardInterrupt:
-        pass
 
 
-__all__ = ["Config", "main"]
+__all__ = ["main"]

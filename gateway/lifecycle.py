@@ -40,7 +40,6 @@ from gateway.edge.app import admin_on_public, create_admin_app, create_app
 from gateway.edge.http_protocol import HttpLimits, protocol_for
 from gateway.fleet import Fleet
 from gateway.fleet.metrics import FleetCollector
-from gateway.protocol.tls import ServerTLS
 from gateway.teams import Teams
 from gateway.telemetry import Telemetry
 from gateway.telemetry.tracing import Tracing
@@ -268,17 +267,6 @@ class _StopSignals:
 async def serve_gateway(config: Config) -> None:
     """The gateway until SIGINT or SIGTERM."""
     await GatewayServer(config).serve()
-
-
-async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | None = None) -> None:
-    """A worker until SIGTERM or SIGINT; then calls in flight get a grace period."""
-    worker = WorkerServer(engine, host, port, tls)
-    await worker.start()
-    try:
-        async with _StopSignals() as signals:
-            await signals.next()
-    finally:
-        await worker.stop()
 
 
 async def serve_demo(config: Config, engine: Engine) -> None:

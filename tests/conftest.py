@@ -34,6 +34,7 @@ from tests.support.vllm import (
     start_grpc_server,
     start_http_server,
 )
+from tests.support.vllm_worker import VllmWorker, start_vllm_worker
 from tests.support.waiting import HANG_GUARD
 
 
@@ -141,3 +142,11 @@ def vllm_grpc(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server = start_grpc_server(vllm_model, tmp_path_factory.mktemp("vllm-grpc-logs"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_worker(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmWorker]:
+    """Our worker with `--engine vllm`, started once per session when first asked for."""
+    worker = start_vllm_worker(vllm_model, tmp_path_factory.mktemp("vllm-worker-logs"))
+    yield worker
+    worker.stop()

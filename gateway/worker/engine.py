@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,27 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The events of one answer."""
+
+    # The life of an engine that comes up after its worker listens (vLLM loads for
+    # seconds to minutes): the worker reports NOT_SERVING until `start` returns and
+    # once `wait_dead` does. Engines that are up when constructed keep the defaults.
+
+    async def start(self) -> None:
+        """Brings the engine up; by default it is up already."""
+        return
+
+    async def wait_dead(self) -> None:
+        """Returns when the engine has died for good; by default never."""
+        await asyncio.get_running_loop().create_future()
+
+    async def shutdown(self) -> None:
+        """Frees the engine once its worker has stopped; by default nothing."""
+        return
+
+    def load(self) -> int | None:
+        """Requests running in the engine by its own count, for `Describe`; None:
+        the worker counts the calls it is serving."""
+        return None
 
 
 def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int) -> int:

@@ -1,7 +1,14 @@
-"""A gRPC server for one engine: the Engine service and the standard health service."""
+"""A gRPC server for one engine: the Engine service and the standard health service.
+
+It listens before the engine is up and says NOT_SERVING until it is, so an engine
+that loads for minutes (vLLM) is visible, probed and not routed to meanwhile; an
+engine that dies turns it NOT_SERVING for good (a watcher task, one per worker).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -41,6 +48,9 @@ class WorkerServer:
         self.address = f"{host}:{port}"
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
+        #: The engine died: the worker stays NOT_SERVING.
+        self.engine_dead = False
 
     async def set_serving(self, serving: bool) -> None:
         """What the health service reports: SERVING or NOT_SERVING."""
@@ -53,7 +63,8 @@ class WorkerServer:
             await self._health.set(name, status)
 
     async def start(self) -> None:
-        """Listens (on the running loop), serves, and reports SERVING."""
+        """Listens (on the running loop), serves, reports NOT_SERVING while the engine
+        starts, then SERVING. An engine that fails to start stops the server."""
         server = self._server = grpc.aio.server(options=_SERVER_OPTIONS)
         pb_grpc.add_EngineServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -66,11 +77,33 @@ class WorkerServer:
             raise OSError(f"cannot listen on {self.address}")
         self.address = f"{self.host}:{self.port}"
         await server.start()
+        await self.set_serving(False)
+        try:
+            await self.engine.start()
+        except BaseException:
+            await server.stop(0)
+            raise
+        self._watch = asyncio.get_running_loop().create_task(self._watch_engine())
         await self.set_serving(True)
-        log.info("worker for %s listening on %s", self.engine.model, self.address)
+        log.info("worker for %s serving on %s", self.engine.model, self.address)
+
+    async def _watch_engine(self) -> None:
+        try:
+            await self.engine.wait_dead()
+        except Exception:
+            log.exception("watching the engine of %s failed", self.engine.model)
+        self.engine_dead = True
+        log.error("the engine of %s died: reporting NOT_SERVING", self.engine.model)
+        await self.set_serving(False)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels them."""
+        """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels
+        them, then shuts the engine down."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         await self.set_serving(False)
         if self._server is not None:
             await self._server.stop(grace)
+        await self.engine.shutdown()

@@ -173,10 +173,11 @@ class EngineService(pb_grpc.EngineServicer):
         request: pb.DescribeRequest,
         context: grpc.aio.ServicerContext[pb.DescribeRequest, pb.DescribeResponse],
     ) -> pb.DescribeResponse:
-        """The engine's model, capacity and load."""
+        """The engine's model, capacity and load (by the engine's count where it keeps one)."""
         engine = self.engine
+        load = engine.load()
         return pb.DescribeResponse(
             models=[pb.ModelInfo(name=engine.model, max_context=engine.max_context)],
             capacity=engine.capacity,
-            load=self.active,
+            load=self.active if load is None else load,
         )

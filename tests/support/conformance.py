@@ -127,7 +127,8 @@ def _vllm_engine(request: pytest.FixtureRequest) -> Engine:
         slow_model=VLLM_WORKER_MODEL,
         max_context=MAX_MODEL_LEN,
         running=worker.load,
-        aborted=worker.aborted,
+        progress=worker.aborted,
+        stopped_early=lambda before: worker.aborted() == before + 1,
         long_request={"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64},
         defaults={"temperature": 0},
     )

@@ -1,0 +1,214 @@
+"""Our worker with `--engine vllm` (vLLM's AsyncLLM in the worker's process) behind
+the gateway, end to end: started from vLLM's own virtualenv as the command line
+runs it, on the tiny model (random weights: its text is junk, so the tests check
+counts, finish reasons and behaviours, and text only for determinism at
+temperature 0).
+
+It reports NOT_SERVING while the engine starts; `Describe` says the engine's
+`max_model_len` and `max_num_seqs`, and its load is vLLM's count of the requests it
+holds, which shows 8 concurrent streams in the engine at once and requests whose
+clients left gone from it (aborted, as the worker's log says).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.requests import opened, user
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import MAX_MODEL_LEN, START_GUARD
+from tests.support.vllm_worker import MAX_NUM_SEQS, MODEL, VllmWorker
+from tests.support.waiting import HANG_GUARD, wait_until
+
+#: The first test also waits for the worker to start (importing vLLM, then its engine).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(START_GUARD + 60)]
+
+MESSAGES = user("hello from the fleet")
+#: A prompt whose greedy answer runs on for hundreds of tokens (no end of sequence).
+LONG = {"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64, "temperature": 0}
+
+
+@dataclass
+class Front:
+    """The worker, a gateway in front of it, and clients."""
+
+    worker: VllmWorker
+    gateway: Gateway
+    sdk: openai.OpenAI
+    http: httpx.Client
+    tokenizer: Any
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop, workers: Workers, vllm_worker: VllmWorker, vllm_model: Path
+) -> Iterator[Front]:
+    from transformers import AutoTokenizer
+
+    model = ModelConfig(MODEL, workers=(f"127.0.0.1:{vllm_worker.port}",))
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    sdk = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+    http = httpx.Client(base_url=gw.url, timeout=HANG_GUARD)
+    wait_until(
+        lambda: MODEL in {m.id for m in sdk.models.list().data}, "the gateway to list the worker"
+    )
+    yield Front(vllm_worker, gw, sdk, http, AutoTokenizer.from_pretrained(vllm_model))
+    http.close()
+    sdk.close()
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(front: Front) -> Iterator[None]:
+    yield
+    assert_nothing_left(front.gateway, None)
+    wait_until(lambda: front.worker.load() == 0, "the engine to hold no request")
+
+
+def _chat_tokens(tokenizer: Any) -> int:
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_health_is_not_serving_until_the_engine_is_up(front: Front):
+    assert front.worker.health[0] == "NOT_SERVING"
+    assert front.worker.health[-1] == "SERVING"
+
+
+def test_describe_reports_the_engines_own_numbers(front: Front):
+    described = front.worker.describe()
+    assert [(m.name, m.max_context) for m in described.models] == [(MODEL, MAX_MODEL_LEN)]
+    assert described.capacity == MAX_NUM_SEQS
+    assert described.load == 0
+    listed = {m.id: m for m in front.sdk.models.list().data}
+    assert listed[MODEL].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_chat_reports_usage_and_streams_the_same_answer(front: Front):
+    reply = front.sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16
+    )
+    assert reply.usage.prompt_tokens == _chat_tokens(front.tokenizer)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 16
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 16
+
+    chunks = list(
+        front.sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content  # temperature 0 is deterministic
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage == reply.usage
+
+
+def test_completions_count_the_prompt_with_the_models_tokenizer(front: Front):
+    reply = front.sdk.completions.create(
+        model=MODEL, prompt="the quick brown fox", temperature=0, max_tokens=5
+    )
+    assert reply.usage.prompt_tokens == len(front.tokenizer("the quick brown fox").input_ids)
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 5)
+    again = front.sdk.completions.create(
+        model=MODEL, prompt="the quick brown fox", temperature=0, max_tokens=5
+    )
+    assert again.choices[0].text == reply.choices[0].text
+
+
+def test_a_stop_string_from_a_greedy_answer_cuts_the_next(front: Front):
+    first = front.sdk.completions.create(
+        model=MODEL, prompt="one two three", temperature=0, max_tokens=24
+    ).choices[0]
+    text = first.text
+    assert len(text) >= 8, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    second = front.sdk.completions.create(
+        model=MODEL, prompt="one two three", temperature=0, max_tokens=24, stop=[stop]
+    ).choices[0]
+    assert second.text == text[: text.index(stop)]
+    assert second.finish_reason == "stop"
+
+
+def test_eight_streams_run_in_the_engine_at_once(front: Front):
+    aborted = front.worker.aborted()
+    with contextlib.ExitStack() as stack:
+        streams = []  # kept: dropping a stream's lines closes its connection
+        for _ in range(8):
+            response = stack.enter_context(
+                front.http.stream(
+                    "POST", "/v1/completions", json={"model": MODEL, **LONG, "stream": True}
+                )
+            )
+            assert response.status_code == 200
+            streams.append(opened(response))
+        # All eight are in vLLM's batch together (its own count), not taking turns.
+        wait_until(lambda: front.worker.load() == 8, "all 8 requests in the engine at once")
+    # Their clients left: the engine aborted all eight.
+    wait_until(lambda: front.worker.aborted() == aborted + 8, "the engine to abort all 8")
+
+
+def test_eight_concurrent_answers_all_finish(front: Front):
+    def ask(_: int) -> Any:
+        return front.sdk.completions.create(
+            model=MODEL, prompt="one two three", temperature=0, max_tokens=32
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(8)))
+    assert {(r.choices[0].finish_reason, r.usage.completion_tokens) for r in replies} == {
+        ("length", 32)
+    }
+    assert len({r.choices[0].text for r in replies}) == 1  # the same greedy answer, batched
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_too_long_a_prompt_is_context_length_exceeded(front: Front, route: str):
+    words = "one two three four " * 400
+    assert len(front.tokenizer(words).input_ids) > MAX_MODEL_LEN
+    if route == "chat":
+        body: dict[str, Any] = {"model": MODEL, "messages": user(words)}
+        url = "/v1/chat/completions"
+    else:
+        body, url = {"model": MODEL, "prompt": words}, "/v1/completions"
+    response = front.http.post(url, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
+
+
+def test_a_client_that_leaves_aborts_the_request_in_the_engine(front: Front):
+    aborted = front.worker.aborted()
+    with front.http.stream(
+        "POST", "/v1/completions", json={"model": MODEL, **LONG, "stream": True}
+    ) as response:
+        lines = opened(response)
+        next(lines)
+        wait_until(lambda: front.worker.load() == 1, "the request in the engine")
+    del lines  # the connection closes: the client is gone
+    wait_until(lambda: front.worker.aborted() == aborted + 1, "the engine to abort the request")
+    wait_until(lambda: front.worker.load() == 0, "the engine to hold no request")
