@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from typing import Any
@@ -308,3 +310,28 @@ def test_a_model_overrides_the_queue():
     alone = parse_config({"models": [models[0], models[2]]}, env={})
     assert alone.queue is None and alone.models[0].queue is None
     assert alone.models[1].queue == QueueConfig(max_wait=2.0)
+
+
+def test_bench_sends_mixed_priorities_and_reports_each(gateway_with, workers, tmp_path):
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=2))
+    path = tmp_path / "report.json"
+    args = [
+        *("--base-url", gw.url, "--model", "furnace-slow", "--json", str(path)),
+        *("--request-rate", "inf", "--num-requests", "30", "--priorities", "10:1,0:2"),
+        *("--input-len", "4", "--output-len", "4", "--no-progress"),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "By priority" in done.stdout
+    report = json.loads(path.read_text())
+    assert report["completed"] == 30 and report["failed"] == 0  # all waited, none refused
+    high, low = report["by_priority"]["10"], report["by_priority"]["0"]
+    assert high["completed"] + low["completed"] == 30
+    assert high["completed"] and low["completed"]
+    # sent all at once: the high priority is served first, while the low one waits
+    assert high["e2e_ms"]["p50"] < low["e2e_ms"]["p50"]

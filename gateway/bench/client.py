@@ -275,10 +275,14 @@ class OpenAIClient:
             raise RuntimeError(f"GET /models answered {status}: {body[:200]!r}")
         return [model["id"] for model in orjson.loads(body)["data"]]
 
-    async def post(self, path: str, body: bytes, recorder: Recorder) -> Result:
-        """POSTs `body` to `path` (`/chat/completions`), read by `recorder`; every
-        failure ends up in the result."""
-        request = self.http.head("POST", path, len(body)) + body
+    async def post(
+        self, path: str, body: bytes, recorder: Recorder, priority: int | None = None
+    ) -> Result:
+        """POSTs `body` to `path` (`/chat/completions`), read by `recorder`, with an
+        `x-furnace-priority` header when `priority` is given; every failure ends up in
+        the result."""
+        extra = "" if priority is None else f"x-furnace-priority: {priority}\r\n"
+        request = self.http.head("POST", path, len(body), extra) + body
         recorder.sent = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):

@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="send vLLM's ignore_eos: max_tokens every time"
     )
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--priorities",
+        metavar="P:SHARE,...",
+        help="mixed priorities: each request's x-furnace-priority drawn by share (e.g. "
+        "10:1,0:3); the report adds figures per priority",
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="also write the report as JSON")
@@ -77,6 +83,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--num-requests, --input-len and --output-len must be at least 1"
     if not 0 <= args.range_ratio < 1:
         return "--range-ratio must be in [0, 1)"
+    if args.priorities is not None:
+        try:
+            workload.parse_priorities(args.priorities)
+        except ValueError:
+            return "--priorities: expected PRIORITY:SHARE pairs, e.g. 10:1,0:3"
     return None
 
 
@@ -115,6 +126,7 @@ async def main(args: argparse.Namespace) -> int:
             stream=args.stream,
             ignore_eos=args.ignore_eos,
             seed=args.seed,
+            priorities=workload.parse_priorities(args.priorities) if args.priorities else (),
         )
         requests = workload.requests(spec)
         arrivals = workload.arrival_times(len(requests), rate, args.seed)
@@ -136,9 +148,10 @@ async def main(args: argparse.Namespace) -> int:
         client.close()
     settings = _settings(args, model, rate, cap, load)
     summary = stats.summarize(requests, results)
-    print(report.render(summary, settings))
+    by_priority = stats.by_priority(requests, results)
+    print(report.render(summary, settings, by_priority))
     if args.json:
-        report.write_json(args.json, summary, settings)
+        report.write_json(args.json, summary, settings, by_priority)
     return 0
 
 
@@ -166,4 +179,5 @@ def _settings(
         "range_ratio": args.range_ratio,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
+        "priorities": args.priorities,
     }

@@ -164,10 +164,12 @@ class HttpClient:
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
 
-    def head(self, method: str, path: str, length: int | None = None) -> bytes:
-        """The request line and headers for `path` under the base URL."""
+    def head(self, method: str, path: str, length: int | None = None, extra: str = "") -> bytes:
+        """The request line and headers for `path` under the base URL; `extra`: more
+        header lines, each ending in CRLF."""
         body = "" if length is None else f"Content-Length: {length}\r\n"
-        return f"{method} {self.path}{path} HTTP/1.1\r\n{self._headers}{body}\r\n".encode()
+        head = f"{method} {self.path}{path} HTTP/1.1\r\n{self._headers}{extra}{body}\r\n"
+        return head.encode()
 
     async def _connection(self) -> Connection:
         while self._idle:

@@ -31,8 +31,27 @@ def _latency_table(summary: Summary) -> list[str]:
     return lines
 
 
-def render(summary: Summary, settings: dict[str, Any]) -> str:
-    """The report as text."""
+def _ms(dist: Distribution | None, q: str) -> str:
+    return "n/a" if dist is None else f"{getattr(dist, q):.0f}"
+
+
+def _priority_table(by_priority: dict[int, Summary]) -> list[str]:
+    lines = [
+        " By priority ".center(WIDTH, "-"),
+        f"{'prio':<6}{'ok':>6}{'failed':>7}{'TTFT p50':>10}{'p99':>7}{'E2E p50':>9}{'p99':>7}",
+    ]
+    for level, s in by_priority.items():
+        lines.append(
+            f"{level:<6}{s.completed:>6}{s.failed:>7}{_ms(s.ttft_ms, 'p50'):>10}"
+            f"{_ms(s.ttft_ms, 'p99'):>7}{_ms(s.e2e_ms, 'p50'):>9}{_ms(s.e2e_ms, 'p99'):>7}"
+        )
+    return lines
+
+
+def render(
+    summary: Summary, settings: dict[str, Any], by_priority: dict[int, Summary] | None = None
+) -> str:
+    """The report as text (latencies by priority in ms, when the run mixed them)."""
     s = summary
     target = f"{settings['base_url']} {settings['endpoint']} model {settings['model']}"
     lines = [
@@ -49,6 +68,8 @@ def render(summary: Summary, settings: dict[str, Any]) -> str:
         " Latency ".center(WIDTH, "-"),
         *_latency_table(s),
     ]
+    if by_priority:
+        lines += _priority_table(by_priority)
     if s.errors:
         lines.append(" Errors ".center(WIDTH, "-"))
         lines += [f"{count:>8}  {kind}" for kind, count in s.errors.items()]
@@ -56,11 +77,22 @@ def render(summary: Summary, settings: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def as_json(summary: Summary, settings: dict[str, Any]) -> bytes:
-    """The settings and the summary as JSON (latencies in ms, null when not measured)."""
-    return orjson.dumps({"settings": settings, **asdict(summary)}, option=orjson.OPT_INDENT_2)
+def as_json(
+    summary: Summary, settings: dict[str, Any], by_priority: dict[int, Summary] | None = None
+) -> bytes:
+    """The settings and the summary as JSON (latencies in ms, null when not measured),
+    with `by_priority` (each priority's summary, keyed by the priority) when given."""
+    document: dict[str, Any] = {"settings": settings, **asdict(summary)}
+    if by_priority:
+        document["by_priority"] = {str(k): asdict(v) for k, v in by_priority.items()}
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2)
 
 
-def write_json(path: str | Path, summary: Summary, settings: dict[str, Any]) -> None:
+def write_json(
+    path: str | Path,
+    summary: Summary,
+    settings: dict[str, Any],
+    by_priority: dict[int, Summary] | None = None,
+) -> None:
     """Writes `as_json` to `path`."""
-    Path(path).write_bytes(as_json(summary, settings))
+    Path(path).write_bytes(as_json(summary, settings, by_priority))

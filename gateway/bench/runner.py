@@ -32,7 +32,8 @@ async def run(
     async def one(index: int) -> None:
         try:
             recorder = Recorder(stream, tally)
-            results[index] = await client.post(path, requests[index].body, recorder)
+            request = requests[index]
+            results[index] = await client.post(path, request.body, recorder, request.priority)
         finally:
             slots.release()
 

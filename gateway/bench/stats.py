@@ -107,3 +107,13 @@ def summarize(requests: Sequence[Request], results: Sequence[Result]) -> Summary
         tpot_ms=Distribution.of([t for r in answered if (t := r.tpot) is not None]),
         e2e_ms=Distribution.of([r.latency for r in answered]),
     )
+
+
+def by_priority(requests: Sequence[Request], results: Sequence[Result]) -> dict[int, Summary]:
+    """`summarize` for the requests of each priority, highest first (empty without any)."""
+    levels = sorted({r.priority for r in requests if r.priority is not None}, reverse=True)
+    out = {}
+    for level in levels:
+        pairs = [(q, r) for q, r in zip(requests, results, strict=True) if q.priority == level]
+        out[level] = summarize([q for q, _ in pairs], [r for _, r in pairs])
+    return out

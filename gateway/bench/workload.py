@@ -4,7 +4,9 @@ once before the clock starts, and arrival times.
 Lengths follow vLLM's random dataset: with a range ratio r, each request's input
 and output lengths are drawn uniformly from [len * (1 - r), len * (1 + r)].
 Arrivals are a Poisson process at the request rate (exponential gaps), or all at
-once for an infinite rate; the same seed gives the same run.
+once for an infinite rate; the same seed gives the same run. With priorities
+(`--priorities 10:1,0:3`), each request draws one by the shares given, sent as
+`x-furnace-priority`; the prompts are those of the same run without.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class WorkloadSpec:
     stream: bool = True
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the text
     seed: int = 0
+    #: (priority, share) pairs: each request's x-furnace-priority is drawn by share.
+    priorities: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,7 @@ class Request:
     body: bytes
     input_words: int
     max_tokens: int
+    priority: int | None = None
 
 
 def lengths(count: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
@@ -81,11 +86,27 @@ def requests(spec: WorkloadSpec) -> list[Request]:
     rng = random.Random(spec.seed)
     inputs = lengths(spec.num_requests, spec.input_len, spec.range_ratio, rng)
     outputs = lengths(spec.num_requests, spec.output_len, spec.range_ratio, rng)
+    drawn: list[int | None] = [None] * spec.num_requests
+    if spec.priorities:
+        levels, shares = zip(*spec.priorities, strict=True)
+        pick = random.Random(f"priorities-{spec.seed}")
+        drawn = list(pick.choices(levels, weights=shares, k=spec.num_requests))
     out = []
-    for words, max_tokens in zip(inputs, outputs, strict=True):
+    for words, max_tokens, priority in zip(inputs, outputs, drawn, strict=True):
         prompt = " ".join(rng.choices(VOCABULARY, k=words))
-        out.append(Request(body(spec, prompt, max_tokens), words, max_tokens))
+        out.append(Request(body(spec, prompt, max_tokens), words, max_tokens, priority))
     return out
+
+
+def parse_priorities(text: str) -> tuple[tuple[int, float], ...]:
+    """`10:1,0:3` (priority:share, the share 1 when left out) as pairs; raises ValueError."""
+    pairs = []
+    for item in text.split(","):
+        level, _, share = item.strip().partition(":")
+        pairs.append((int(level), float(share) if share else 1.0))
+    if not pairs or any(share <= 0 for _, share in pairs):
+        raise ValueError("--priorities: shares must be positive")
+    return tuple(pairs)
 
 
 def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
