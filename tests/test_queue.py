@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import ConfigError, QueueConfig, parse_config
+from gateway.config import ConfigError, ModelConfig, QueueConfig, parse_config
+from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import opened
 from tests.support.scripted_worker import script
@@ -335,3 +336,44 @@ def test_bench_sends_mixed_priorities_and_reports_each(gateway_with, workers, tm
     assert high["completed"] and low["completed"]
     # sent all at once: the high priority is served first, while the low one waits
     assert high["e2e_ms"]["p50"] < low["e2e_ms"]["p50"]
+
+
+def test_a_model_whose_workers_are_at_their_capacity_is_shed_before_the_slots(
+    gateway_with, serve_engines
+):
+    engine = DemoEngine("capped", max_context=4096, token_delay=0.05, capacity=2)
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(
+        models=(ModelConfig("capped", workers=(worker.address,)),), max_concurrent_requests=64
+    )
+    pool = gw.state.fleet.models["capped"]
+    wait_until(lambda: [w.capacity for w in pool.workers.values()] == [2], "the worker's Describe")
+    body = {"model": "capped", "prompt": " ".join(["w"] * 40), "stream": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body) as one,
+        client.stream("POST", "/v1/completions", json=body) as two,
+    ):
+        held = opened(one), opened(two)
+        shed = client.post("/v1/completions", json={"model": "capped", "prompt": "a"})
+        assert shed.status_code == 503
+        assert shed.headers["retry-after"] == "1"
+        assert shed.json()["error"]["code"] == "server_busy"
+        assert "as many requests as it says it can" in shed.json()["error"]["message"]
+        assert engine.calls == 2  # the worker never saw the third
+        samples = scrape(gw.url)
+        assert (
+            sample(
+                samples,
+                "furnace_gateway_rejections_total",
+                model="capped",
+                reason="workers_saturated",
+            )
+            == 1
+        )
+        del held
+    wait_until(lambda: not pool.saturated(), "the worker's calls to end")
+    answered = httpx.post(
+        gw.url + "/v1/completions", json={"model": "capped", "prompt": "a"}, timeout=HANG_GUARD
+    )
+    assert answered.status_code == 200

@@ -226,6 +226,7 @@ class Fleet:
             log.warning("worker %s did not describe itself: %s", worker.address, error.message)
             return False
         served = {m.name: m.max_context for m in models}
+        worker.capacity = next((m.capacity for m in models if m.name == pool.name), None)
         worker.wrong_model = pool.name not in served
         if worker.wrong_model:
             log.error(

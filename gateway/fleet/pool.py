@@ -53,6 +53,14 @@ class ModelPool:
         now = time.monotonic()
         return [w for w in self.workers.values() if w not in exclude and w.available(now)]
 
+    def saturated(self) -> bool:
+        """Whether every worker that may take a request holds as many of this gateway's
+        calls as the capacity it reports (so it would refuse one more); False while any
+        of them does not report one. O(workers)."""
+        now = time.monotonic()
+        up = [w for w in self.workers.values() if w.available(now)]
+        return bool(up) and all(w.capacity is not None and w.outstanding >= w.capacity for w in up)
+
     def pick(self, request: GenerateRequest, exclude: set[Worker]) -> Worker | None:
         """The worker for a request among those not yet tried, or None."""
         candidates = self.available(exclude)

@@ -43,6 +43,8 @@ class Worker:
     leaving: bool = False
     #: Describe said it does not serve the model it is listed for.
     wrong_model: bool = False
+    #: Requests it says it can run at once (Describe); None: it does not say.
+    capacity: int | None = None
     consecutive_failures: int = 0
     #: Ejections in a row (the back-off grows with them); 0 once it succeeds.
     ejection_streak: int = 0

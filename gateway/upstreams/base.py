@@ -24,6 +24,8 @@ class ModelDescription:
 
     name: str
     max_context: int
+    #: Requests the worker says it can run at once; None: it does not say.
+    capacity: int | None = None
 
 
 class StreamBookkeeping:

@@ -127,7 +127,8 @@ class FurnaceGrpcUpstream:
             reply = await self._stub.Describe(pb.DescribeRequest(), timeout=deadline)
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
-        return [ModelDescription(m.name, m.max_context) for m in reply.models]
+        capacity = reply.capacity or None
+        return [ModelDescription(m.name, m.max_context, capacity) for m in reply.models]
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Whether the worker is serving, each time that changes: the health

@@ -179,6 +179,11 @@ class GenerationRoute:
         record.model = pool.name
         parsed = self.limits.check(parsed, pool.name)
         self.inflight.check_open()
+        if pool.saturated():
+            raise errors.Busy(
+                f"Every worker of `{pool.name}` runs as many requests as it says it can.",
+                reason="workers_saturated",
+            )
         priority = _priority(scope)
         if pool.name not in self.teams.queues:
             async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
