@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -377,3 +378,27 @@ def test_a_model_whose_workers_are_at_their_capacity_is_shed_before_the_slots(
         gw.url + "/v1/completions", json={"model": "capped", "prompt": "a"}, timeout=HANG_GUARD
     )
     assert answered.status_code == 200
+
+
+def test_a_low_priority_waiter_past_max_starvation_is_served_next(gateway_with, workers):
+    batch, product = new_key("batch"), new_key("product")
+    teams = {"batch": {"priority": 0}, "product": {"priority": 10}}
+    keys = keyed(teams, {batch: "batch", product: "product"})
+    queue_config = QueueConfig(max_wait=30.0, max_starvation=0.2)
+    gw = gateway_with(**queued(workers, queue_config, max_concurrent_requests=1, **keys))
+    queue = gw.state.teams.queue
+    sender = Sender(gw.url)
+    body = {"model": "furnace-slow", "prompt": "a b"}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        hold_slot(client, bearer(batch)) as held,
+    ):
+        held_lines = opened(held)
+        sender.send("batch", body, bearer(batch))
+        wait_until(lambda: queue.waiting() == 1, "the batch request to queue")
+        time.sleep(0.3)  # at least max_starvation: the batch request has starved
+        sender.send("product", body, bearer(product))
+        wait_until(lambda: queue.waiting() == 2, "the product request to queue")
+        del held_lines
+    done = sender.join()
+    assert [(name, status) for name, status, _ in done] == [("batch", 200), ("product", 200)]
