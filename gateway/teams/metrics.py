@@ -55,9 +55,16 @@ class TeamsCollector(LiveCollector):
             "Tokens (prompt and completion) charged to each team.",
             labels=["team"],
         )
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_team_slots",
+            "Slots each team holds now on this gateway: the share it receives (fair share "
+            "or the queue's weights).",
+            labels=["team"],
+        )
         for team in teams.by_name.values():
             inflight.add_metric([team.name], team.inflight)
             for limit, count in team.refused.items():
                 refused.add_metric([team.name, limit], count)
             tokens.add_metric([team.name], team.tokens_charged)
-        yield from (inflight, refused, tokens)
+            slots.add_metric([team.name], team.slots)
+        yield from (inflight, refused, tokens, slots)
