@@ -102,3 +102,19 @@ if [[ "$(cat "$project_stamp" 2>/dev/null)" != "$ROOT" ]]; then
   "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps -e "$ROOT"
   echo "$ROOT" >"$project_stamp"
 fi
+
+# --- KServe's Python model server in a virtualenv of its own: .tools/kserve -----------------
+# The tensor tests start it as a real third-party KServe v2 gRPC server (tests/support/
+# kserve_model.py); its protobuf definitions clash with other v2 stubs in one process, and it
+# brings its own pins, so it never shares the gateway's environment. About 55 s.
+KSERVE_WANTED="kserve==0.21.0"
+kserve_stamp="$TOOLS/.kserve-version"
+if [[ -x "$TOOLS/kserve/bin/python" && "$(cat "$kserve_stamp" 2>/dev/null)" == "$KSERVE_WANTED" ]]; then
+  say "$KSERVE_WANTED already installed"
+else
+  say "installing $KSERVE_WANTED into .tools/kserve (about 55 s)"
+  rm -rf "$TOOLS/kserve"
+  python3 -m venv "$TOOLS/kserve"
+  "$TOOLS/kserve/bin/pip" install -q --disable-pip-version-check "$KSERVE_WANTED"
+  echo "$KSERVE_WANTED" >"$kserve_stamp"
+fi

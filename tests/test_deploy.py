@@ -240,5 +240,5 @@ def test_install_tools_leaves_installed_tools_alone():
     tool("kubectl")
     tool("kubernetes-validate")
     result = run(["bash", "deploy/install-tools.sh"])
-    # helm and kubectl, kubernetes-validate, redis-server, vLLM: nothing fetched again
-    assert result.stderr.count("already installed") == 4, result.stderr
+    # helm and kubectl, kubernetes-validate, redis-server, vLLM, KServe: nothing fetched again
+    assert result.stderr.count("already installed") == 5, result.stderr

@@ -1,0 +1,277 @@
+"""Tensor workers: KServe v2 gRPC servers (`inference.GRPCInferenceService`, which Triton,
+KServe's model servers and our own tensor worker speak), one grpc.aio channel per worker.
+
+Our tensors (`gateway.protocol.tensors`) become a ModelInfer request with raw little-endian
+contents (one bytes field per input: no per-value protobuf cost) and come back from raw or
+typed contents, whichever the server sends. A model's metadata is read once and cached per
+worker. Health is ServerReady and ModelReady, polled. Every gRPC failure becomes an
+`EngineError` through the one table in `gateway.protocol.status`. Above this module nothing
+sees grpc or protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gateway.protocol import errors
+from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
+from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
+from gateway.protocol.status import error_from_status
+from gateway.protocol.tensors import Tensor, from_raw, to_raw
+from gateway.protocol.tls import WorkerCredentials
+from gateway.protocol.types import GenerateRequest
+from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
+from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
+
+#: The typed contents field of each datatype (FP16 travels raw only).
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output a model declares; -1 in `shape` is a variable dimension."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetadata:
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": list(self.versions),
+            "platform": self.platform,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One inference, checked: inputs flat and typed, the outputs asked for (empty: all)."""
+
+    model: str
+    version: str
+    inputs: list[Tensor]
+    outputs: list[str] = field(default_factory=list)
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferResult:
+    model: str
+    version: str
+    id: str
+    outputs: list[Tensor]
+    parameters: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_name": self.model}
+        if self.version:
+            out["model_version"] = self.version
+        if self.id:
+            out["id"] = self.id
+        if self.parameters:
+            out["parameters"] = self.parameters
+        out["outputs"] = [t.to_json() for t in self.outputs]
+        return out
+
+
+def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error_from_status(error.code(), error.details(), error.trailing_metadata())
+    return errors.Unavailable(f"tensor worker call failed: {error}")
+
+
+def _parameter(value: Any) -> pb.InferParameter:
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        if value >= 2**63:
+            return pb.InferParameter(uint64_param=value)
+        return pb.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
+    return pb.InferParameter(string_param=str(value))
+
+
+def _parameters(into: Any, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        into[key].CopyFrom(_parameter(value))
+
+
+def _read_parameters(values: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        choice = value.WhichOneof("parameter_choice")
+        if choice is not None:
+            out[key] = getattr(value, choice)
+    return out
+
+
+def request_to_proto(request: InferRequest) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(
+        model_name=request.model, model_version=request.version, id=request.id
+    )
+    _parameters(message.parameters, request.parameters)
+    for tensor in request.inputs:
+        item = message.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+        _parameters(item.parameters, tensor.parameters)
+        message.raw_input_contents.append(to_raw(tensor))
+    for name in request.outputs:
+        message.outputs.add(name=name)
+    return message
+
+
+def result_from_proto(reply: pb.ModelInferResponse) -> InferResult:
+    outputs = []
+    raw = reply.raw_output_contents
+    if raw and len(raw) != len(reply.outputs):
+        raise errors.Failed("The tensor worker sent raw contents that do not match its outputs.")
+    for i, out in enumerate(reply.outputs):
+        shape = tuple(out.shape)
+        if raw:
+            data = from_raw(out.datatype, shape, raw[i])
+        else:
+            name = _CONTENTS.get(out.datatype)
+            if name is None:
+                raise errors.Failed(f"The tensor worker sent {out.datatype} without raw contents.")
+            data = list(getattr(out.contents, name))
+        outputs.append(
+            Tensor(out.name, out.datatype, shape, data, _read_parameters(out.parameters))
+        )
+    return InferResult(
+        reply.model_name, reply.model_version, reply.id, outputs, _read_parameters(reply.parameters)
+    )
+
+
+class KServeGrpcUpstream:
+    """A tensor worker at one address serving `model`, over one channel made on the loop."""
+
+    def __init__(
+        self, address: str, model: str, credentials: WorkerCredentials | None = None
+    ) -> None:
+        self.address = address
+        self.model = model
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            options = _CHANNEL_OPTIONS + credentials.options
+            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._metadata: dict[str, ModelMetadata] = {}
+
+    async def infer(
+        self, request: InferRequest, deadline: float, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> InferResult:
+        """One ModelInfer with `deadline` seconds as its deadline. An `Unavailable` whose
+        `never_started` is true is one the worker never saw (safe to try elsewhere)."""
+        was_ready = self._channel.get_state() == grpc.ChannelConnectivity.READY
+        try:
+            reply = await self._stub.ModelInfer(
+                request_to_proto(request), timeout=deadline, metadata=metadata
+            )
+        except grpc.RpcError as error:
+            failure = _from_rpc_error(error)
+            code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+            if code == grpc.StatusCode.UNAVAILABLE and not was_ready:
+                failure.never_started = True  # type: ignore[attr-defined]
+            raise failure from None
+        return result_from_proto(reply)
+
+    async def model_metadata(self, version: str, deadline: float) -> ModelMetadata:
+        """The model's inputs and outputs, read once per version and cached."""
+        cached = self._metadata.get(version)
+        if cached is not None:
+            return cached
+        try:
+            reply = await self._stub.ModelMetadata(
+                pb.ModelMetadataRequest(name=self.model, version=version), timeout=deadline
+            )
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+
+        def specs(items: Any) -> tuple[TensorSpec, ...]:
+            return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in items)
+
+        found = ModelMetadata(
+            reply.name,
+            tuple(reply.versions),
+            reply.platform,
+            specs(reply.inputs),
+            specs(reply.outputs),
+        )
+        self._metadata[version] = found
+        return found
+
+    async def ready(self, deadline: float, version: str = "") -> bool:
+        """ServerReady and then ModelReady; an `EngineError` when unreachable."""
+        try:
+            server = await self._stub.ServerReady(pb.ServerReadyRequest(), timeout=deadline)
+            if not server.ready:
+                return False
+            model = await self._stub.ModelReady(
+                pb.ModelReadyRequest(name=self.model, version=version), timeout=deadline
+            )
+        except grpc.RpcError as error:
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.NOT_FOUND
+            ):
+                return False
+            raise _from_rpc_error(error) from None
+        return bool(model.ready)
+
+    # -- what the fleet asks of every upstream -----------------------------------
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_close: Callable[[CallEnd], None] = lambda outcome: None,
+    ) -> UpstreamCall:
+        raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
+
+    async def describe(self, deadline: float) -> list[ModelDescription]:
+        """The model, when the worker has it ready; no context length for tensors."""
+        return [ModelDescription(self.model, 0)] if await self.ready(deadline) else []
+
+    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+        """ServerReady and ModelReady every `poll_interval`; an `EngineError` when unreachable."""
+        while True:
+            yield await self.ready(poll_interval)
+            await asyncio.sleep(poll_interval)
+
+    async def close(self) -> None:
+        await self._channel.close()
