@@ -22,7 +22,7 @@ MODEL_KINDS = ("llm", "tensor")
 BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 #: Team names go into metric labels and Redis keys: keep them plain.
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-UPSTREAMS = ("grpc", "openai", "vllm-grpc")
+UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _T = TypeVar("_T")
@@ -92,7 +92,9 @@ class ModelConfig:
     weights: tuple[tuple[str, float], ...] = ()
     #: `grpc` (our worker protocol), `openai`: workers are base URLs
     #: (`http://host:port/v1`) of OpenAI-compatible servers, or `vllm-grpc`:
-    #: vLLM's own gRPC server, which takes token ids (see `tokenizer`).
+    #: vLLM's own gRPC server, which takes token ids (see `tokenizer`), or
+    #: `kserve-grpc`: KServe v2 gRPC servers (Triton, KServe), the default and only
+    #: upstream of `kind: tensor` models.
     upstream: str = "grpc"
     #: A directory holding the model's tokenizer.json, tokenizer_config.json and
     #: chat template, for `vllm-grpc` (the gateway tokenizes); unused otherwise.
@@ -472,9 +474,11 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
     max_tokens_limit = raw.get("max_tokens_limit")
     if max_tokens_limit is not None:
         max_tokens_limit = _number(f"{where}.max_tokens_limit", max_tokens_limit, int, 1)
-    upstream = raw.get("upstream", "grpc")
+    upstream = raw.get("upstream", "kserve-grpc" if kind == "tensor" else "grpc")
     if upstream not in UPSTREAMS:
         raise ConfigError(f"{where}.upstream: expected one of {', '.join(UPSTREAMS)}")
+    if (kind == "tensor") != (upstream == "kserve-grpc"):
+        raise ConfigError(f"{where}.upstream: kserve-grpc is for kind: tensor models, and only it")
     tokenizer = _tokenizer_dir(where, raw.get("tokenizer"), upstream)
     for i, entry in enumerate(workers):
         is_url = entry.startswith(("http://", "https://"))

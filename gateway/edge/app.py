@@ -28,6 +28,7 @@ from starlette.routing import Route
 from gateway.admission import InFlight
 from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
+from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import HeaderLimit, HostCheck, JsonOnly, KeyGate, is_loopback
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
@@ -135,6 +136,14 @@ def create_app(
         Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
         Route("/v1/models", list_models(fleet, teams, started_at), methods=["GET"]),
         *probe_routes(is_ready),
+        *KServeRoutes(
+            config=config,
+            fleet=fleet,
+            inflight=inflight,
+            teams=teams,
+            telemetry=telemetry,
+            is_ready=is_ready,
+        ).routes(),
     ]
     if admin_on_public(config):
         routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)

@@ -147,16 +147,24 @@ class HeaderLimit:
         await self.app(scope, receive, send)
 
 
+def _keyed_path(path: str) -> bool:
+    """The OpenAI routes and the KServe v2 routes but their health probes."""
+    if path.startswith("/v1/"):
+        return True
+    return (path == "/v2" or path.startswith("/v2/")) and not path.startswith("/v2/health/")
+
+
 class KeyGate:
-    """On /v1/* of a keyed gateway: 401 without a known key; else the team goes
-    into the scope and its x-ratelimit-* headers onto the response."""
+    """On /v1/* and /v2/* (not /v2/health/*) of a keyed gateway: 401 without a
+    known key; else the team goes into the scope and its x-ratelimit-* headers
+    onto the response."""
 
     def __init__(self, app: ASGIApp, teams: Teams) -> None:
         self.app = app
         self.teams = teams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.teams.keyed or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not self.teams.keyed or not _keyed_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         team = self.teams.authenticate(scope["headers"])

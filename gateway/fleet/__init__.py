@@ -43,6 +43,7 @@ from gateway.protocol.tls import FilesStamp, WorkerCredentials, client_credentia
 from gateway.protocol.types import GenerateRequest, Started
 from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
+from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 
@@ -82,6 +83,8 @@ class Fleet:
                 tokenizer=model.tokenizer,
                 credentials=self._credentials(),
             )
+        if model.upstream == "kserve-grpc":
+            return partial(KServeGrpcUpstream, model=model.name, credentials=self._credentials())
         if model.upstream != "openai":
             return partial(FurnaceGrpcUpstream, credentials=self._credentials())
 
@@ -248,7 +251,8 @@ class Fleet:
             raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")
         if pool.kind != "llm":
             raise errors.NotAnLLM(
-                f"The model `{name}` is not a language model and is not served by this route.",
+                f"The model `{name}` is a tensor model: send it to "
+                f"POST /v2/models/{name}/infer (the KServe v2 inference protocol).",
                 param="model",
             )
         return pool

@@ -1,0 +1,280 @@
+"""The KServe v2 (Open Inference Protocol) REST routes for `kind: tensor` models.
+
+`POST /v2/models/{m}[/versions/{v}]/infer` reads JSON tensors, checks them (datatype, shape
+against data length, value types and ranges, and against the model's metadata: unknown or
+missing inputs, datatypes, shapes) and answers 400 before any worker is called; then it goes
+the way of an LLM request: the key's allow-list, the drain, the team's limits and a slot, the
+fleet's balancing and ejection, `request_timeout` as the worker's deadline, a client that
+leaves cancels the worker's call, one record in the metrics and the access log. Errors are
+`{"error": "..."}` with the status of the one error table (`edge/errors.py`). No grpc here:
+the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from starlette.routing import Route
+
+from gateway import __version__
+from gateway.admission import Deadline, InFlight
+from gateway.config import Config
+from gateway.edge.asgi import Receive, Scope, Send, send_json
+from gateway.edge.errors import APIError, from_engine_error, internal_error
+from gateway.edge.openai.body import read_json
+from gateway.edge.openai.generation import _request_id, _wait_disconnect
+from gateway.fleet import Fleet, ModelPool
+from gateway.fleet.inference import infer, model_metadata
+from gateway.protocol import errors
+from gateway.protocol.errors import Outcome
+from gateway.protocol.tensors import tensor_from_json
+from gateway.protocol.types import GenerateRequest
+from gateway.teams import Teams, team_of
+from gateway.telemetry import RequestRecord, Telemetry
+from gateway.upstreams.kserve_grpc import InferRequest, ModelMetadata
+
+log = logging.getLogger("furnace.edge")
+
+
+class _Gone(Exception):
+    """The client went away."""
+
+
+async def _send(send: Send, status: int, body: Any, request_id: bytes = b"") -> None:
+    headers = [(b"x-request-id", request_id)] if request_id else []
+    await send_json(send, status, orjson.dumps(body), headers)
+
+
+def _invalid(message: str) -> errors.Invalid:
+    return errors.Invalid(message)
+
+
+def _shape_fits(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
+    if not declared:
+        return True
+    return len(shape) == len(declared) and all(
+        d in (-1, s) for s, d in zip(shape, declared, strict=True)
+    )
+
+
+def _parse(body: Any, model: str, version: str, meta: ModelMetadata | None) -> InferRequest:
+    if not isinstance(body, dict):
+        raise _invalid("The request body must be a JSON object.")
+    raw_inputs = body.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise _invalid("inputs: expected a non-empty list of tensors")
+    inputs = [tensor_from_json(raw, f"inputs[{i}]") for i, raw in enumerate(raw_inputs)]
+    raw_outputs = body.get("outputs") or []
+    if not isinstance(raw_outputs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in raw_outputs
+    ):
+        raise _invalid("outputs: expected a list of objects with a name")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise _invalid("parameters: expected an object")
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise _invalid("id: expected a string")
+    names = [t.name for t in inputs]
+    if len(set(names)) != len(names):
+        raise _invalid("inputs: a name appears twice")
+    if meta is not None:
+        declared = {t.name: t for t in meta.inputs}
+        for tensor in inputs:
+            spec = declared.get(tensor.name)
+            if spec is None:
+                raise _invalid(f"inputs: the model `{model}` has no input `{tensor.name}`")
+            if spec.datatype != tensor.datatype:
+                raise _invalid(f"inputs: `{tensor.name}` is {spec.datatype}, got {tensor.datatype}")
+            if not _shape_fits(tensor.shape, spec.shape):
+                raise _invalid(
+                    f"inputs: `{tensor.name}` has shape {list(tensor.shape)}, "
+                    f"the model takes {list(spec.shape)}"
+                )
+        missing = [name for name in declared if name not in set(names)]
+        if missing:
+            raise _invalid(f"inputs: missing {', '.join(missing)}")
+        outputs = {t.name for t in meta.outputs}
+        for out in raw_outputs:
+            if outputs and out["name"] not in outputs:
+                raise _invalid(f"outputs: the model `{model}` has no output `{out['name']}`")
+    return InferRequest(
+        model, version, inputs, [o["name"] for o in raw_outputs], request_id, parameters
+    )
+
+
+class KServeRoutes:
+    """The /v2 routes over the gateway's parts."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        fleet: Fleet,
+        inflight: InFlight,
+        teams: Teams,
+        telemetry: Telemetry,
+        is_ready: Any,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.inflight = inflight
+        self.teams = teams
+        self.telemetry = telemetry
+        self.is_ready = is_ready
+
+    def routes(self) -> list[Route]:
+        model = "/v2/models/{model}"
+        versioned = "/v2/models/{model}/versions/{version}"
+        out = [
+            Route("/v2/health/live", self._asgi(self.live), methods=["GET"]),
+            Route("/v2/health/ready", self._asgi(self.ready), methods=["GET"]),
+            Route("/v2", self._asgi(self.server), methods=["GET"]),
+        ]
+        for path in (model, versioned):
+            out += [
+                Route(path, self._asgi(self.metadata), methods=["GET"]),
+                Route(path + "/ready", self._asgi(self.model_ready), methods=["GET"]),
+                Route(path + "/infer", _Endpoint(self.infer), methods=["POST"]),
+            ]
+        return out
+
+    def _asgi(self, handler: Any) -> _Endpoint:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                status, body = await handler(scope)
+            except errors.EngineError as error:
+                api = from_engine_error(error, self.config.retry_after)
+                status, body = api.status, {"error": api.message}
+            await _send(send, status, body)
+
+        return _Endpoint(app)
+
+    # -- health and metadata ----------------------------------------------------
+
+    async def live(self, scope: Scope) -> tuple[int, Any]:
+        return 200, {"live": True}
+
+    async def ready(self, scope: Scope) -> tuple[int, Any]:
+        ready = bool(self.is_ready())
+        return (200 if ready else 503), {"ready": ready}
+
+    async def server(self, scope: Scope) -> tuple[int, Any]:
+        return 200, {"name": "furnace-gateway", "version": __version__, "extensions": []}
+
+    def _pool(self, scope: Scope) -> tuple[ModelPool, str]:
+        params = scope.get("path_params", {})
+        name = params.get("model", "")
+        team = team_of(scope)
+        pool = self.fleet.models.get(name)
+        if (
+            pool is None
+            or pool.kind != "tensor"
+            or (team is not None and not Teams.sees(team, name))
+        ):
+            raise errors.ModelNotFound(f"The tensor model `{name}` does not exist.")
+        return pool, params.get("version", "")
+
+    async def metadata(self, scope: Scope) -> tuple[int, Any]:
+        pool, version = self._pool(scope)
+        return 200, (await model_metadata(pool, version)).to_json()
+
+    async def model_ready(self, scope: Scope) -> tuple[int, Any]:
+        pool, _ = self._pool(scope)
+        ready = bool(pool.available(set()))
+        return (200 if ready else 503), {"name": pool.name, "ready": ready}
+
+    # -- inference --------------------------------------------------------------
+
+    async def infer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One inference; every request leaves one record in the metrics and the access log."""
+        request_id, metadata = _request_id(scope)
+        record = RequestRecord(request_id.decode("latin-1"))
+        try:
+            await self._infer(scope, receive, send, record, metadata, request_id)
+        except (APIError, errors.EngineError) as error:
+            api = (
+                error
+                if isinstance(error, APIError)
+                else from_engine_error(error, self.config.retry_after)
+            )
+            if isinstance(error, errors.EngineError) and api.message != error.message:
+                log.warning(
+                    "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+                )
+            record.status, record.outcome, record.reason = api.status, api.outcome, api.reason
+            await _send(send, api.status, {"error": api.message}, request_id)
+        except _Gone:
+            record.status, record.outcome = 499, Outcome.CLIENT_GONE
+            log.info("client went away; request %s cancelled", record.request_id)
+        except Exception:
+            log.exception("request %s failed in the gateway", record.request_id)
+            api = internal_error()
+            record.status, record.outcome = api.status, api.outcome
+            await _send(send, api.status, {"error": api.message}, request_id)
+        finally:
+            self.telemetry.finish(record)
+
+    async def _infer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+        request_id: bytes,
+    ) -> None:
+        body = await read_json(scope, receive, self.config.max_body_bytes)
+        pool, version = self._pool(scope)
+        record.model = pool.name
+        _parse(body, pool.name, version, None)  # the tensors themselves, before any worker
+        meta = await model_metadata(pool, version)
+        request = _parse(body, pool.name, version, meta)
+        self.inflight.check_open()
+        slot_request = GenerateRequest(model=pool.name, prompt="", request_id=record.request_id)
+        async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
+            self.telemetry.begin(record, pool.name)
+            deadline = Deadline(self.config.request_timeout)
+            call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
+            gone = asyncio.ensure_future(_wait_disconnect(receive))
+            tracked = _Cancellable(call)
+            try:
+                with self.inflight.track(tracked):
+                    await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not call.done():
+                    call.cancel()
+                    await asyncio.gather(call, return_exceptions=True)
+                    if tracked.reason is None:
+                        raise _Gone
+            if tracked.reason is not None:
+                raise tracked.reason
+            result = call.result()
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        await _send(send, 200, result.to_json(), request_id)
+
+
+class _Endpoint:
+    """A raw ASGI endpoint (Starlette calls functions and methods with a Request)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+class _Cancellable:
+    """An inference the drain may cancel with a reason."""
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self.task = task
+        self.reason: errors.EngineError | None = None
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        self.reason = reason or errors.Unavailable("The request was cancelled.")
+        self.task.cancel()

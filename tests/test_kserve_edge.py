@@ -1,0 +1,151 @@
+"""Tensor models end to end: the KServe v2 REST routes of the gateway in front of a real
+third-party KServe v2 gRPC server (KServe's own model server, tests/support/kserve_model.py)."""
+
+import threading
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.kserve import EDGE_VALUES, KServeServer
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+@pytest.fixture(scope="module")
+def kserve(tmp_path_factory):
+    server = KServeServer(tmp_path_factory.mktemp("kserve") / "server.log")
+    yield server
+    server.stop()
+
+
+def _models(address: str) -> tuple[ModelConfig, ...]:
+    return (
+        ModelConfig("echo", kind="tensor", workers=(address,), upstream="kserve-grpc"),
+        ModelConfig("slow", kind="tensor", workers=(address,), upstream="kserve-grpc"),
+    )
+
+
+@pytest.fixture
+def tensor_gw(gateway_with, kserve):
+    gw = gateway_with(models=_models(kserve.address))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        wait_until(lambda: http.get("/v2/models/echo/ready").status_code == 200, "echo ready")
+        yield gw, http
+
+
+def _echo_body():
+    return {
+        "id": "r-1",
+        "inputs": [
+            {"name": f"in_{d.lower()}", "datatype": d, "shape": [3], "data": v}
+            for d, v in EDGE_VALUES.items()
+        ],
+    }
+
+
+def test_every_datatype_round_trips_exactly(tensor_gw):
+    _, http = tensor_gw
+    response = http.post("/v2/models/echo/infer", json=_echo_body())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model_name"] == "echo"
+    assert body["id"] == "r-1"
+    outputs = {o["name"]: o for o in body["outputs"]}
+    for datatype, values in EDGE_VALUES.items():
+        out = outputs[f"in_{datatype.lower()}"]
+        assert (out["datatype"], out["shape"], out["data"]) == (datatype, [3], values)
+    # INT64 beyond 2^53 stays an integer in the JSON text itself
+    assert str(2**63 - 1) in response.text
+
+
+def test_nested_data_is_row_major(tensor_gw):
+    _, http = tensor_gw
+    x = {"name": "x", "datatype": "FP32", "shape": [4], "data": [[0.0, 1.0], [2.0, 3.0]]}
+    response = http.post("/v2/models/slow/versions/1/infer", json={"inputs": [x]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_health_server_and_model_metadata(tensor_gw):
+    _, http = tensor_gw
+    assert http.get("/v2/health/live").json() == {"live": True}
+    assert http.get("/v2/health/ready").status_code == 200
+    assert http.get("/v2").json()["name"] == "furnace-gateway"
+    meta = http.get("/v2/models/slow").json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1]}]
+    assert http.get("/v2/models/slow/ready").json() == {"name": "slow", "ready": True}
+    for path in ("/v2/models/nope", "/v2/models/nope/ready"):
+        missing = http.get(path)
+        assert missing.status_code == 404
+        assert set(missing.json()) == {"error"}
+    unknown = http.post("/v2/models/nope/infer", json=_echo_body())
+    assert unknown.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"name": "x", "datatype": "FP32", "shape": [3], "data": [1.0, 2.0]},  # length vs shape
+        {"name": "x", "datatype": "FP33", "shape": [1], "data": [1.0]},  # unknown datatype
+        {"name": "x", "datatype": "INT32", "shape": [1], "data": [1]},  # not the model's
+        {"name": "x", "datatype": "FP32", "shape": [1], "data": ["one"]},  # not a number
+        {"name": "y", "datatype": "FP32", "shape": [1], "data": [1.0]},  # unknown input
+        {"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]},  # rank
+    ],
+)
+def test_bad_tensors_are_400_before_any_worker(tensor_gw, tensor):
+    gw, http = tensor_gw
+    worker = next(iter(gw.state.fleet.models["slow"].workers.values()))
+    response = http.post("/v2/models/slow/infer", json={"inputs": [tensor]})
+    assert response.status_code == 400, response.text
+    assert isinstance(response.json()["error"], str)
+    assert worker.outstanding == 0
+
+
+def test_a_missing_input_is_400(tensor_gw):
+    _, http = tensor_gw
+    body = _echo_body()
+    body["inputs"] = body["inputs"][1:]
+    response = http.post("/v2/models/echo/infer", json=body)
+    assert response.status_code == 400
+    assert "missing in_bool" in response.json()["error"]
+
+
+def test_the_llm_routes_name_the_v2_route(tensor_gw):
+    _, http = tensor_gw
+    response = http.post("/v1/completions", json={"model": "echo", "prompt": "x"})
+    assert response.status_code == 400
+    assert "/v2/models/echo/infer" in response.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_cancels_the_call(tensor_gw):
+    gw, http = tensor_gw
+    worker = next(iter(gw.state.fleet.models["slow"].workers.values()))
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [20.0]}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v2/models/slow/infer", json={"inputs": [x]}, timeout=1.0)
+    wait_until(lambda: worker.outstanding == 0, "the call to be cancelled")
+
+
+def test_a_worker_killed_mid_request_is_503(gateway_with, tmp_path):
+    server = KServeServer(tmp_path / "server.log")
+    try:
+        gw = gateway_with(models=_models(server.address))
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+            wait_until(lambda: http.get("/v2/models/slow/ready").status_code == 200, "ready")
+            worker = next(iter(gw.state.fleet.models["slow"].workers.values()))
+            x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [20.0]}
+            answer = {}
+
+            def call():
+                answer["r"] = http.post("/v2/models/slow/infer", json={"inputs": [x]})
+
+            thread = threading.Thread(target=call)
+            thread.start()
+            wait_until(lambda: worker.outstanding == 1, "the call to reach the worker")
+            server.process.kill()
+            thread.join(HANG_GUARD)
+            assert answer["r"].status_code == 503, answer["r"].text
+            assert set(answer["r"].json()) == {"error"}
+    finally:
+        server.stop()
