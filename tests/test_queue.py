@@ -402,3 +402,38 @@ def test_a_low_priority_waiter_past_max_starvation_is_served_next(gateway_with, 
         del held_lines
     done = sender.join()
     assert [(name, status) for name, status, _ in done] == [("batch", 200), ("product", 200)]
+
+
+def test_shedding_counts_what_other_gateways_send_the_worker(gateway_with, serve_engines):
+    """Two replicas share a worker of capacity 2: the second sheds from the load the
+    worker reports (Describe, refreshed every health interval), not only its own calls."""
+    engine = DemoEngine("shared", max_context=4096, token_delay=0.05, capacity=2)
+    (worker,) = serve_engines(engine)
+    models = (ModelConfig("shared", workers=(worker.address,)),)
+    one = gateway_with(models=models)
+    two = gateway_with(models=models, health_check_interval=0.05)
+    seen = two.state.fleet.models["shared"].workers
+    body = {"model": "shared", "prompt": " ".join(["w"] * 40), "stream": True}
+    with (
+        httpx.Client(base_url=one.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body) as first,
+        client.stream("POST", "/v1/completions", json=body) as second,
+    ):
+        held = opened(first), opened(second)
+        wait_until(
+            lambda: [w.reported_load for w in seen.values()] == [2], "the worker's report of 2"
+        )
+        shed = httpx.post(
+            two.url + "/v1/completions", json={"model": "shared", "prompt": "a"}, timeout=HANG_GUARD
+        )
+        assert shed.status_code == 503
+        assert shed.json()["error"]["code"] == "server_busy"
+        assert engine.calls == 2  # the worker never saw the third
+        snapshot = httpx.get(two.url + "/admin/workers", timeout=HANG_GUARD).json()
+        assert snapshot["models"][0]["workers"][0]["reported_load"] == 2
+        del held
+    wait_until(lambda: [w.reported_load for w in seen.values()] == [0], "the report of 0")
+    answered = httpx.post(
+        two.url + "/v1/completions", json={"model": "shared", "prompt": "a"}, timeout=HANG_GUARD
+    )
+    assert answered.status_code == 200

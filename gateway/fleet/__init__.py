@@ -202,6 +202,7 @@ class Fleet:
         interval = self.config.health_check_interval
         delay = 0.05
         described = False
+        self._spawn(self._follow_load(pool, worker))
         while not worker.leaving:
             try:
                 async for serving in worker.client.watch_health(interval):
@@ -222,16 +223,29 @@ class Fleet:
             await asyncio.sleep(delay)
             delay = min(delay * 2, interval, 1.0)  # a worker that comes back is seen soon
 
-    async def _describe(self, pool: ModelPool, worker: Worker) -> bool:
+    async def _follow_load(self, pool: ModelPool, worker: Worker) -> None:
+        """Describes a serving worker again every health interval, for the load and
+        fullness it reports (what other gateways send it, a vLLM engine's queue)."""
+        interval = self.config.health_check_interval
+        while not worker.leaving:
+            await asyncio.sleep(interval)
+            if worker.serving:
+                await self._describe(pool, worker, quiet=True)
+
+    async def _describe(self, pool: ModelPool, worker: Worker, quiet: bool = False) -> bool:
         try:
             models = await worker.client.describe(DESCRIBE_TIMEOUT)
         except errors.EngineError as error:
-            log.warning("worker %s did not describe itself: %s", worker.address, error.message)
+            if not quiet:
+                log.warning("worker %s did not describe itself: %s", worker.address, error.message)
             return False
         served = {m.name: m.max_context for m in models}
-        worker.capacity = next((m.capacity for m in models if m.name == pool.name), None)
-        worker.wrong_model = pool.name not in served
-        if worker.wrong_model:
+        mine = next((m for m in models if m.name == pool.name), None)
+        if mine is not None:
+            worker.capacity, worker.full = mine.capacity, mine.full
+            worker.reported_load = mine.load or 0
+        wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
+        if worker.wrong_model and not (quiet and wrong_before):
             log.error(
                 "worker %s serves %s, not %s: kept out of the rotation",
                 worker.address,
@@ -361,6 +375,8 @@ class Fleet:
                             "address": w.address,
                             "state": w.state,
                             "outstanding": w.outstanding,
+                            "reported_load": w.reported_load,
+                            "full": w.full,
                             "weight": w.weight,
                             "consecutive_failures": w.consecutive_failures,
                             "ejections_total": w.ejections_total,

@@ -54,12 +54,16 @@ class ModelPool:
         return [w for w in self.workers.values() if w not in exclude and w.available(now)]
 
     def saturated(self) -> bool:
-        """Whether every worker that may take a request holds as many of this gateway's
-        calls as the capacity it reports (so it would refuse one more); False while any
-        of them does not report one. O(workers)."""
+        """Whether every worker that may take a request is full: it says so (a vLLM engine
+        queueing), or it runs as many requests as the capacity it reports, counting this
+        gateway's calls now and every client's at its last report (other replicas');
+        False while any of them does not report. O(workers)."""
         now = time.monotonic()
         up = [w for w in self.workers.values() if w.available(now)]
-        return bool(up) and all(w.capacity is not None and w.outstanding >= w.capacity for w in up)
+        return bool(up) and all(
+            w.full or (w.capacity is not None and max(w.outstanding, w.reported_load) >= w.capacity)
+            for w in up
+        )
 
     def pick(self, request: GenerateRequest, exclude: set[Worker]) -> Worker | None:
         """The worker for a request among those not yet tried, or None."""

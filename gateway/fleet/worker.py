@@ -45,6 +45,10 @@ class Worker:
     wrong_model: bool = False
     #: Requests it says it can run at once (Describe); None: it does not say.
     capacity: int | None = None
+    #: Its own count of the requests it runs, every client's (Describe, refreshed every
+    #: health interval), and whether it says it is full.
+    reported_load: int = 0
+    full: bool = False
     consecutive_failures: int = 0
     #: Ejections in a row (the back-off grows with them); 0 once it succeeds.
     ejection_streak: int = 0

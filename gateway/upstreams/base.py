@@ -26,6 +26,11 @@ class ModelDescription:
     max_context: int
     #: Requests the worker says it can run at once; None: it does not say.
     capacity: int | None = None
+    #: Requests it runs now, from every client (None: it does not say).
+    load: int | None = None
+    #: It says it takes no more without queueing them (e.g. vLLM with requests waiting
+    #: or its KV cache full).
+    full: bool = False
 
 
 class StreamBookkeeping:

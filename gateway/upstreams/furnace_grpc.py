@@ -128,7 +128,11 @@ class FurnaceGrpcUpstream:
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
         capacity = reply.capacity or None
-        return [ModelDescription(m.name, m.max_context, capacity) for m in reply.models]
+        full = capacity is not None and reply.load >= capacity
+        return [
+            ModelDescription(m.name, m.max_context, capacity, reply.load, full)
+            for m in reply.models
+        ]
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Whether the worker is serving, each time that changes: the health

@@ -238,6 +238,22 @@ class VllmGrpcCall(StreamBookkeeping):
         self.close(outcome)
 
 
+#: KV-cache use at which a vLLM engine counts as full (it would preempt or queue).
+KV_FULL = 0.98
+
+
+def engine_load(loads: Iterable[pb.SchedulerLoad]) -> tuple[int, bool]:
+    """Requests a vLLM engine runs (summed over its data-parallel ranks), and whether it
+    is full: requests waiting in its scheduler, or its KV cache all but used up."""
+    running = waiting = 0
+    full = False
+    for load in loads:
+        running += load.num_running_reqs
+        waiting += load.num_waiting_reqs
+        full = full or load.token_usage >= KV_FULL
+    return running, full or waiting > 0
+
+
 class VllmGrpcUpstream:
     """One vLLM gRPC server, over one channel created on the running loop; the
     model's tokenizer is shared by every worker of the model."""
@@ -287,18 +303,12 @@ class VllmGrpcUpstream:
         """The model this worker serves for the gateway (it has no name of its own
         beyond a path), with the engine's context length."""
         info = await self.model_info(deadline)
-        return [ModelDescription(self.model, info.max_context_length)]
-
-    async def loads(self, deadline: float) -> dict[str, int]:
-        """The engine's scheduler load (GetLoads), summed over its ranks."""
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
-        return {
-            "running": sum(load.num_running_reqs for load in reply.loads),
-            "waiting": sum(load.num_waiting_reqs for load in reply.loads),
-        }
+        running, full = engine_load(reply.loads)
+        return [ModelDescription(self.model, info.max_context_length, None, running, full)]
 
     def abort(self, request_id: str) -> None:
         """Aborts a request on the engine, in the background (best effort)."""
