@@ -305,8 +305,8 @@ class VllmGrpcUpstream:
         info = await self.model_info(deadline)
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
-        except grpc.RpcError as error:
-            raise _from_rpc_error(error) from None
+        except grpc.RpcError:  # an engine without load reports is served all the same
+            return [ModelDescription(self.model, info.max_context_length)]
         running, full = engine_load(reply.loads)
         return [ModelDescription(self.model, info.max_context_length, None, running, full)]
 
