@@ -16,7 +16,7 @@ from gateway.protocol.tls import ServerTLS
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
 
-ENGINES = ("demo", "transformers", "vllm")
+ENGINES = ("demo", "transformers", "vllm", "onnx")
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -46,7 +46,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     _demo_options(worker)
     # The transformers engine (the `transformers` extra) and vLLM (installed on its own).
     worker.add_argument(
-        "--model-path", help="transformers, vllm: a local model folder (not downloaded)"
+        "--model-path",
+        help="transformers, vllm: a local model folder (not downloaded); onnx: an .onnx file",
     )
     worker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     worker.add_argument(
@@ -115,6 +116,22 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
     )
 
 
+def _tensor_worker(args: argparse.Namespace, tls: ServerTLS | None) -> None:
+    """`--engine onnx`: a KServe v2 gRPC tensor worker over onnxruntime (the `tensor` extra)."""
+    if not args.model_path:
+        sys.exit("furnace-gateway: --engine onnx needs --model-path (an .onnx file)")
+    if tls is not None:
+        sys.exit("furnace-gateway: --engine onnx serves without TLS for now")
+    try:
+        from gateway.worker.tensor.onnx_engine import OnnxEngine
+        from gateway.worker.tensor.server import serve_tensor_worker
+    except ImportError as error:
+        sys.exit(f"furnace-gateway: --engine onnx needs the tensor extra ({error})")
+    from gateway.worker.serve import run_worker
+
+    run_worker(serve_tensor_worker(OnnxEngine(args.model_path, args.model), args.host, args.port))
+
+
 def _worker_tls(args: argparse.Namespace) -> ServerTLS | None:
     """The worker's TLS from --tls-cert, --tls-key and --tls-client-ca."""
     if args.tls_cert is None and args.tls_key is None:
@@ -142,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
             from gateway.worker.serve import run_worker, serve_worker
 
             tls = _worker_tls(args)  # before a model loads
+            if args.engine == "onnx":
+                _tensor_worker(args, tls)
+                return
             run_worker(serve_worker(_worker_engine(args, options), args.host, args.port, tls))
         else:
             _gateway_command(args)
