@@ -45,6 +45,8 @@ from gateway.telemetry import Telemetry
 from gateway.telemetry.tracing import Tracing
 from gateway.worker.engine import Engine
 from gateway.worker.server import WorkerServer
+from gateway.worker.tensor.demo import DEMO_TENSOR_MODEL, DemoTensorEngine
+from gateway.worker.tensor.server import start_tensor_server
 
 log = logging.getLogger("furnace")
 
@@ -270,11 +272,20 @@ async def serve_gateway(config: Config) -> None:
 
 
 async def serve_demo(config: Config, engine: Engine) -> None:
-    """The gateway with an embedded demo worker on a loopback port."""
+    """The gateway with an embedded demo worker on a loopback port, and a tensor worker
+    serving the pure-Python demo tensor model (KServe v2 gRPC) on another."""
     worker = WorkerServer(engine, "127.0.0.1", 0)
     await worker.start()
+    tensors, tensor_port = await start_tensor_server(DemoTensorEngine(), "127.0.0.1", 0)
     model = ModelConfig(name=engine.model, workers=(worker.address,))
+    tensor_model = ModelConfig(
+        name=DEMO_TENSOR_MODEL,
+        kind="tensor",
+        workers=(f"127.0.0.1:{tensor_port}",),
+        upstream="kserve-grpc",
+    )
     try:
-        await serve_gateway(Config(**{**config.__dict__, "models": (model,)}))
+        await serve_gateway(Config(**{**config.__dict__, "models": (model, tensor_model)}))
     finally:
+        await tensors.stop(1.0)
         await worker.stop(grace=1.0)

@@ -7,7 +7,7 @@ import pytest
 from gateway.config import ModelConfig
 from tests.support.kserve import EDGE_VALUES
 from tests.support.onnx_models import IDENTITY_TYPES, affine_model, identity_model
-from tests.support.processes import free_port, worker_process
+from tests.support.processes import free_port, running, wait_ready, worker_process
 from tests.support.waiting import HANG_GUARD, wait_until
 
 
@@ -66,3 +66,26 @@ def test_a_wrong_shape_is_400_before_the_worker(http):
     response = http.post("/v2/models/affine/infer", json={"inputs": [x]})
     assert response.status_code == 400
     assert "the model takes [-1, 4]" in response.json()["error"]
+
+
+def test_the_demo_serves_a_tensor_model_next_to_the_llm():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        running("demo", "--port", str(port)) as process,
+        httpx.Client(timeout=HANG_GUARD) as client,
+    ):
+        wait_ready(url, process)
+        wait_until(
+            lambda: client.get(f"{url}/v2/models/furnace-demo-affine/ready").status_code == 200,
+            "the demo tensor model",
+        )
+        x = {"name": "x", "datatype": "FP32", "shape": [4], "data": [0.5, 1, 2, -3]}
+        response = client.post(f"{url}/v2/models/furnace-demo-affine/infer", json={"inputs": [x]})
+        assert response.status_code == 200, response.text
+        (y,) = response.json()["outputs"]
+        assert (y["shape"], y["data"]) == ([4], [2.0, 3.0, 5.0, -5.0])
+        llm = client.post(
+            f"{url}/v1/completions", json={"model": "furnace-demo-affine", "prompt": "x"}
+        )
+        assert "/v2/models/furnace-demo-affine/infer" in llm.json()["error"]["message"]

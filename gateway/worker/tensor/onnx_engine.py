@@ -8,12 +8,15 @@ from the loop's default executor and a copy of its tensors into numpy arrays.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+
+from gateway.protocol import errors
+from gateway.worker.tensor.engine import RawTensor, TensorInfo
 
 #: ONNX element types (as onnxruntime names them) to the protocol's datatypes.
 ONNX_DATATYPES = {
@@ -48,13 +51,6 @@ NUMPY_DTYPES: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
-
 def _info(arg: Any) -> TensorInfo:
     datatype = ONNX_DATATYPES.get(arg.type)
     if datatype is None:
@@ -77,9 +73,48 @@ class OnnxEngine:
         self.outputs = tuple(_info(o) for o in self.session.get_outputs())
 
     async def infer(
-        self, inputs: dict[str, np.ndarray], outputs: list[str]
-    ) -> list[tuple[str, np.ndarray]]:
+        self, inputs: dict[str, RawTensor], outputs: list[str]
+    ) -> list[tuple[str, RawTensor]]:
         """The outputs asked for (all when none is), by name, in the model's order."""
+        arrays = {name: _decode(*tensor) for name, tensor in inputs.items()}
         names = outputs or [o.name for o in self.outputs]
-        results = await asyncio.to_thread(self.session.run, names, inputs)
-        return [(name, np.asarray(value)) for name, value in zip(names, results, strict=True)]
+        results = await asyncio.to_thread(self.session.run, names, arrays)
+        datatypes = {o.name: o.datatype for o in self.outputs}
+        out = []
+        for name, value in zip(names, results, strict=True):
+            array = np.asarray(value)
+            datatype = datatypes[name]
+            out.append((name, (datatype, tuple(array.shape), _encode(datatype, array))))
+        return out
+
+
+def _decode(datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+    """A numpy view over the raw contents (BYTES: an object array of str, as onnxruntime
+    takes its string tensors)."""
+    count = int(np.prod(shape)) if shape else 1
+    if datatype == "BYTES":
+        items: list[str] = []
+        offset = 0
+        while offset + 4 <= len(raw):
+            (length,) = struct.unpack_from("<I", raw, offset)
+            items.append(raw[offset + 4 : offset + 4 + length].decode(errors="replace"))
+            offset += 4 + length
+        if offset != len(raw) or len(items) != count:
+            raise errors.Invalid("BYTES contents do not match their shape")
+        return np.array(items, dtype=object).reshape(shape)
+    dtype = NUMPY_DTYPES.get(datatype)
+    if dtype is None:
+        raise errors.Invalid(f"unknown datatype {datatype}")
+    if len(raw) != count * dtype.itemsize:
+        raise errors.Invalid(f"{datatype} contents do not match their shape {list(shape)}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _encode(datatype: str, array: np.ndarray) -> bytes:
+    if datatype == "BYTES":
+        parts = []
+        for item in array.reshape(-1):
+            data = item if isinstance(item, bytes) else str(item).encode()
+            parts.append(struct.pack("<I", len(data)) + data)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype]).tobytes()

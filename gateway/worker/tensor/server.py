@@ -1,23 +1,24 @@
 """The KServe v2 gRPC inference service over a tensor engine: what Triton and KServe's model
 servers answer, so the gateway's `kserve-grpc` upstream (and any v2 client) reaches it.
 
-Tensors travel raw both ways (`raw_input_contents` in; typed `contents` in are read too;
-`raw_output_contents` out), as numpy arrays over the bytes without a per-value copy; BYTES
-elements are 4-byte little-endian length prefixes. A bad request is INVALID_ARGUMENT, an
-unknown model NOT_FOUND, a failing run INTERNAL.
+Tensors travel raw both ways (`raw_input_contents` in; typed `contents` in are packed raw;
+`raw_output_contents` out): the engine gets each input as (datatype, shape, raw bytes) and
+decodes them its own way (numpy views for onnxruntime, `struct` for the demo), so this module
+needs no numpy. BYTES elements are 4-byte little-endian length prefixes. A bad request is
+INVALID_ARGUMENT, an unknown model NOT_FOUND.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import grpc
-import numpy as np
 
+from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
-from gateway.worker.tensor.onnx_engine import NUMPY_DTYPES, OnnxEngine
+from gateway.protocol.tensors import Tensor, to_raw
+from gateway.worker.tensor.engine import RawTensor, TensorEngine
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -39,42 +40,10 @@ class _Invalid(Exception):
     pass
 
 
-def _decode(datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
-    count = int(np.prod(shape)) if shape else 1
-    if datatype == "BYTES":
-        items: list[bytes] = []
-        offset = 0
-        while offset + 4 <= len(raw):
-            (length,) = struct.unpack_from("<I", raw, offset)
-            items.append(raw[offset + 4 : offset + 4 + length])
-            offset += 4 + length
-        if offset != len(raw) or len(items) != count:
-            raise _Invalid("BYTES contents do not match their shape")
-        # onnxruntime's string tensors take str (bytes would become their repr)
-        texts = [item.decode(errors="replace") for item in items]
-        return np.array(texts, dtype=object).reshape(shape)
-    dtype = NUMPY_DTYPES.get(datatype)
-    if dtype is None:
-        raise _Invalid(f"unknown datatype {datatype}")
-    if len(raw) != count * dtype.itemsize:
-        raise _Invalid(f"{datatype} contents do not match their shape {list(shape)}")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
-
-
-def _encode(datatype: str, array: np.ndarray) -> bytes:
-    if datatype == "BYTES":
-        parts = []
-        for item in array.reshape(-1):
-            data = item if isinstance(item, bytes) else str(item).encode()
-            parts.append(struct.pack("<I", len(data)) + data)
-        return b"".join(parts)
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype]).tobytes()
-
-
 class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
     """One engine's model over the v2 gRPC service."""
 
-    def __init__(self, engine: OnnxEngine) -> None:
+    def __init__(self, engine: TensorEngine) -> None:
         self.engine = engine
 
     def _check_model(self, name: str) -> bool:
@@ -129,41 +98,40 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
             results = await self.engine.infer(inputs, asked)
-        except Exception as error:  # onnxruntime's own errors: a shape it refuses, say
+        except errors.Invalid as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        except Exception as error:  # the runtime's own errors: a shape it refuses, say
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the model refused: {error}")
         reply = pb.ModelInferResponse(model_name=self.engine.name, model_version="1", id=request.id)
-        for name, array in results:
-            datatype = declared[name]
-            reply.outputs.add(name=name, datatype=datatype, shape=array.shape)
-            reply.raw_output_contents.append(_encode(datatype, array))
+        for name, (datatype, shape, raw) in results:
+            reply.outputs.add(name=name, datatype=datatype, shape=shape)
+            reply.raw_output_contents.append(raw)
         return reply
 
-    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
+    def _inputs(self, request: Any) -> dict[str, RawTensor]:
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise _Invalid("raw_input_contents do not match the inputs")
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, RawTensor] = {}
         for i, tensor in enumerate(request.inputs):
             shape = tuple(tensor.shape)
             if raw:
-                out[tensor.name] = _decode(tensor.datatype, shape, raw[i])
-            else:
-                field = _CONTENTS.get(tensor.datatype)
-                if field is None:
-                    raise _Invalid(f"{tensor.datatype} needs raw contents")
-                values = list(getattr(tensor.contents, field))
-                if tensor.datatype == "BYTES":
-                    values = [v.decode(errors="replace") for v in values]
-                dtype = object if tensor.datatype == "BYTES" else NUMPY_DTYPES[tensor.datatype]
-                array = np.array(values, dtype=dtype)
-                if array.size != (int(np.prod(shape)) if shape else 1):
-                    raise _Invalid(f"{tensor.name}: contents do not match the shape")
-                out[tensor.name] = array.reshape(shape)
+                out[tensor.name] = (tensor.datatype, shape, raw[i])
+                continue
+            field = _CONTENTS.get(tensor.datatype)
+            if field is None:
+                raise _Invalid(f"{tensor.datatype} needs raw contents")
+            values = list(getattr(tensor.contents, field))
+            try:
+                packed = to_raw(Tensor(tensor.name, tensor.datatype, shape, values))
+            except Exception:
+                raise _Invalid(f"{tensor.name}: contents do not fit {tensor.datatype}") from None
+            out[tensor.name] = (tensor.datatype, shape, packed)
         return out
 
 
 async def start_tensor_server(
-    engine: OnnxEngine, host: str, port: int
+    engine: TensorEngine, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
     """A started server on `host:port` (port 0: a free one); returns it and its port."""
     server = grpc.aio.server(
@@ -178,7 +146,7 @@ async def start_tensor_server(
     return server, bound
 
 
-async def serve_tensor_worker(engine: OnnxEngine, host: str, port: int) -> None:
+async def serve_tensor_worker(engine: TensorEngine, host: str, port: int) -> None:
     """The tensor worker until SIGTERM or SIGINT; calls in flight get 5 seconds."""
     import asyncio
     import signal
