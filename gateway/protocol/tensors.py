@@ -54,8 +54,8 @@ class Tensor:
         data = self.data
         if self.datatype == "BYTES":
             data = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in data]
-        else:
-            data = [_json_float(v) if isinstance(v, float) else v for v in data]
+        elif self.datatype.startswith("FP") and not all(map(math.isfinite, data)):
+            data = [_json_float(v) for v in data]
         out: dict[str, Any] = {
             "name": self.name,
             "datatype": self.datatype,
@@ -121,6 +121,31 @@ def _check_value(value: Any, datatype: str, where: str) -> Value:
     return float(value)
 
 
+def _fast_check(flat: list[Any], datatype: str) -> list[Any] | None:
+    """The values when all are right, checked in bulk (one pass over their types, one
+    `struct` call or a min and a max); None when any is not, or the types are mixed."""
+    if not flat or datatype == "BYTES":
+        return None
+    kinds = set(map(type, flat))
+    if datatype == "BOOL":
+        return flat if kinds == {bool} else None
+    if datatype in _INT_BITS:
+        if kinds != {int}:
+            return None
+        bits = _INT_BITS[datatype]
+        low, high = (
+            (0, 2**bits - 1) if datatype[0] == "U" else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        )
+        return flat if low <= min(flat) and max(flat) <= high else None
+    if not kinds <= {int, float}:
+        return None
+    try:
+        struct.pack(f"<{len(flat)}{FORMATS[datatype]}", *flat)
+    except (OverflowError, struct.error):
+        return None
+    return flat if kinds == {float} else [float(v) for v in flat]
+
+
 def tensor_from_json(raw: Any, where: str) -> Tensor:
     """One JSON input tensor checked and flattened; `errors.Invalid` says what is wrong."""
     if not isinstance(raw, Mapping):
@@ -142,15 +167,19 @@ def tensor_from_json(raw: Any, where: str) -> Tensor:
     data = raw.get("data")
     if not isinstance(data, list):
         raise _bad(f"{where}.data: expected a list", f"{where}.data")
-    flat: list[Any] = []
-    _flatten(data, flat)
+    flat: list[Any] = data
+    if any(isinstance(item, list) for item in data):
+        flat = []
+        _flatten(data, flat)
     expected = element_count(shape)
     if len(flat) != expected:
         raise _bad(
             f"{where}: shape {shape} holds {expected} elements, data has {len(flat)}",
             f"{where}.data",
         )
-    values = [_check_value(v, datatype, f"{where}.data") for v in flat]
+    values = _fast_check(flat, datatype)
+    if values is None:  # something is off: find it, value by value
+        values = [_check_value(v, datatype, f"{where}.data") for v in flat]
     parameters = raw.get("parameters") or {}
     if not isinstance(parameters, Mapping):
         raise _bad(f"{where}.parameters: expected an object", f"{where}.parameters")

@@ -60,7 +60,7 @@ def _shape_fits(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     )
 
 
-def _parse(body: Any, model: str, version: str, meta: ModelMetadata | None) -> InferRequest:
+def _parse(body: Any, model: str, version: str) -> InferRequest:
     if not isinstance(body, dict):
         raise _invalid("The request body must be a JSON object.")
     raw_inputs = body.get("inputs")
@@ -81,29 +81,34 @@ def _parse(body: Any, model: str, version: str, meta: ModelMetadata | None) -> I
     names = [t.name for t in inputs]
     if len(set(names)) != len(names):
         raise _invalid("inputs: a name appears twice")
-    if meta is not None:
-        declared = {t.name: t for t in meta.inputs}
-        for tensor in inputs:
-            spec = declared.get(tensor.name)
-            if spec is None:
-                raise _invalid(f"inputs: the model `{model}` has no input `{tensor.name}`")
-            if spec.datatype != tensor.datatype:
-                raise _invalid(f"inputs: `{tensor.name}` is {spec.datatype}, got {tensor.datatype}")
-            if not _shape_fits(tensor.shape, spec.shape):
-                raise _invalid(
-                    f"inputs: `{tensor.name}` has shape {list(tensor.shape)}, "
-                    f"the model takes {list(spec.shape)}"
-                )
-        missing = [name for name in declared if name not in set(names)]
-        if missing:
-            raise _invalid(f"inputs: missing {', '.join(missing)}")
-        outputs = {t.name for t in meta.outputs}
-        for out in raw_outputs:
-            if outputs and out["name"] not in outputs:
-                raise _invalid(f"outputs: the model `{model}` has no output `{out['name']}`")
     return InferRequest(
         model, version, inputs, [o["name"] for o in raw_outputs], request_id, parameters
     )
+
+
+def _check_against(request: InferRequest, meta: ModelMetadata) -> None:
+    """The request against the model's declared inputs and outputs."""
+    model = request.model
+    names = {t.name for t in request.inputs}
+    declared = {t.name: t for t in meta.inputs}
+    for tensor in request.inputs:
+        spec = declared.get(tensor.name)
+        if spec is None:
+            raise _invalid(f"inputs: the model `{model}` has no input `{tensor.name}`")
+        if spec.datatype != tensor.datatype:
+            raise _invalid(f"inputs: `{tensor.name}` is {spec.datatype}, got {tensor.datatype}")
+        if not _shape_fits(tensor.shape, spec.shape):
+            raise _invalid(
+                f"inputs: `{tensor.name}` has shape {list(tensor.shape)}, "
+                f"the model takes {list(spec.shape)}"
+            )
+    missing = [name for name in declared if name not in names]
+    if missing:
+        raise _invalid(f"inputs: missing {', '.join(missing)}")
+    outputs = {t.name for t in meta.outputs}
+    for name in request.outputs:
+        if outputs and name not in outputs:
+            raise _invalid(f"outputs: the model `{model}` has no output `{name}`")
 
 
 class KServeRoutes:
@@ -230,9 +235,8 @@ class KServeRoutes:
         body = await read_json(scope, receive, self.config.max_body_bytes)
         pool, version = self._pool(scope)
         record.model = pool.name
-        _parse(body, pool.name, version, None)  # the tensors themselves, before any worker
-        meta = await model_metadata(pool, version)
-        request = _parse(body, pool.name, version, meta)
+        request = _parse(body, pool.name, version)  # the tensors themselves, before any worker
+        _check_against(request, await model_metadata(pool, version))
         self.inflight.check_open()
         slot_request = GenerateRequest(model=pool.name, prompt="", request_id=record.request_id)
         async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
