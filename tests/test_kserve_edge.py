@@ -149,3 +149,85 @@ def test_a_worker_killed_mid_request_is_503(gateway_with, tmp_path):
             assert set(answer["r"].json()) == {"error"}
     finally:
         server.stop()
+
+
+def test_the_binary_tensor_extension_both_ways(tensor_gw):
+    import struct
+
+    import orjson
+
+    _, http = tensor_gw
+    fp32 = struct.pack("<3f", 0.25, -1.5, 2.0**100)
+    text = b"".join(struct.pack("<I", len(s)) + s for s in (b"ab", b"", "é".encode()))
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "in_fp32",
+                    "datatype": "FP32",
+                    "shape": [3],
+                    "parameters": {"binary_data_size": len(fp32)},
+                },
+                {"name": "in_int64", "datatype": "INT64", "shape": [1], "data": [2**63 - 1]},
+                {
+                    "name": "in_bytes",
+                    "datatype": "BYTES",
+                    "shape": [3],
+                    "parameters": {"binary_data_size": len(text)},
+                },
+            ],
+            "outputs": [
+                {"name": "in_fp32", "parameters": {"binary_data": True}},
+                {"name": "in_int64"},
+                {"name": "in_bytes"},
+            ],
+        }
+    )
+    # the echo model wants every datatype: the others as JSON
+    body = orjson.loads(header)
+    for datatype, values in EDGE_VALUES.items():
+        if datatype not in ("FP32", "INT64", "BYTES"):
+            name = f"in_{datatype.lower()}"
+            body["inputs"].append(
+                {"name": name, "datatype": datatype, "shape": [3], "data": values}
+            )
+    header = orjson.dumps(body)
+    response = http.post(
+        "/v2/models/echo/infer",
+        content=header + fp32 + text,
+        headers={"inference-header-content-length": str(len(header))},
+    )
+    assert response.status_code == 200, response.text
+    size = int(response.headers["inference-header-content-length"])
+    answer = orjson.loads(response.content[:size])
+    outputs = {o["name"]: o for o in answer["outputs"]}
+    assert outputs["in_fp32"]["parameters"]["binary_data_size"] == len(fp32)
+    assert "data" not in outputs["in_fp32"]
+    assert response.content[size:] == fp32
+    assert outputs["in_int64"]["data"] == [2**63 - 1]
+    assert outputs["in_bytes"]["data"] == ["ab", "", "é"]
+
+
+def test_binary_data_that_does_not_fit_is_400(tensor_gw):
+    import orjson
+
+    _, http = tensor_gw
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [2],
+                    "parameters": {"binary_data_size": 4},
+                }
+            ]
+        }
+    )
+    response = http.post(
+        "/v2/models/slow/infer",
+        content=header + b"\0\0\0\0",
+        headers={"inference-header-content-length": str(len(header))},
+    )
+    assert response.status_code == 400, response.text
+    assert "do not hold FP32" in response.json()["error"]

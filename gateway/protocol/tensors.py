@@ -48,6 +48,9 @@ class Tensor:
     shape: tuple[int, ...]
     data: list[Any]
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: The values as raw contents, when they came that way (the binary extension, a worker's
+    #: raw output): sent on as they are, with no packing.
+    raw: bytes | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The tensor in the protocol's JSON; BYTES as text (undecodable bytes replaced)."""
@@ -188,6 +191,8 @@ def tensor_from_json(raw: Any, where: str) -> Tensor:
 
 def to_raw(tensor: Tensor) -> bytes:
     """The tensor's raw contents: little-endian, BYTES as 4-byte length prefixes."""
+    if tensor.raw is not None:
+        return tensor.raw
     if tensor.datatype == "BYTES":
         parts = []
         for value in tensor.data:
@@ -220,3 +225,31 @@ def from_raw(datatype: str, shape: Sequence[int], raw: bytes) -> list[Any]:
     if len(raw) != count * struct.calcsize(letter):
         raise errors.Failed(f"The worker sent {datatype} contents that do not match their shape.")
     return list(struct.unpack(f"<{count}{letter}", raw))
+
+
+def tensor_from_binary(raw: Any, binary: bytes, where: str) -> Tensor:
+    """One input of the binary extension: its JSON header `raw` (no `data`) and its bytes,
+    checked against its datatype and shape; `errors.Invalid` says what is wrong."""
+    header = dict(raw)
+    header["data"] = []
+    header["shape"] = raw.get("shape")
+    datatype, shape = raw.get("datatype"), raw.get("shape")
+    checked = tensor_from_json({**header, "shape": [0]}, where)
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise _bad(f"{where}.shape: expected a list of non-negative integers", f"{where}.shape")
+    try:
+        if datatype == "BYTES":
+            values = from_raw(str(datatype), shape, binary)
+        else:  # the length is the whole check; the values go on as they came
+            values = []
+            if len(binary) != element_count(shape) * struct.calcsize(FORMATS[str(datatype)]):
+                raise errors.Failed("length")
+    except errors.Failed:
+        raise _bad(
+            f"{where}: {len(binary)} bytes of binary data do not hold {datatype} of shape {shape}",
+            f"{where}.parameters.binary_data_size",
+        ) from None
+    parameters = {k: v for k, v in checked.parameters.items() if k != "binary_data_size"}
+    return Tensor(checked.name, checked.datatype, tuple(shape), values, parameters, binary)

@@ -168,7 +168,14 @@ def result_from_proto(reply: pb.ModelInferResponse) -> InferResult:
                 raise errors.Failed(f"The tensor worker sent {out.datatype} without raw contents.")
             data = list(getattr(out.contents, name))
         outputs.append(
-            Tensor(out.name, out.datatype, shape, data, _read_parameters(out.parameters))
+            Tensor(
+                out.name,
+                out.datatype,
+                shape,
+                data,
+                _read_parameters(out.parameters),
+                raw[i] if raw else None,
+            )
         )
     return InferResult(
         reply.model_name, reply.model_version, reply.id, outputs, _read_parameters(reply.parameters)

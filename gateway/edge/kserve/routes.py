@@ -24,13 +24,13 @@ from gateway.admission import Deadline, InFlight
 from gateway.config import Config
 from gateway.edge.asgi import Receive, Scope, Send, send_json
 from gateway.edge.errors import APIError, from_engine_error, internal_error
-from gateway.edge.openai.body import read_json
+from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.openai.generation import _request_id, _wait_disconnect
 from gateway.fleet import Fleet, ModelPool
 from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
-from gateway.protocol.tensors import tensor_from_json
+from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_json, to_raw
 from gateway.protocol.types import GenerateRequest
 from gateway.teams import Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
@@ -60,13 +60,60 @@ def _shape_fits(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     )
 
 
-def _parse(body: Any, model: str, version: str) -> InferRequest:
+HEADER_LENGTH = b"inference-header-content-length"
+
+
+def _split(scope: Scope, body: bytes) -> tuple[Any, bytes]:
+    """The JSON part of the body and the binary part after it (the binary tensor extension:
+    `Inference-Header-Content-Length` says where the JSON ends)."""
+    length = next((v for k, v in scope["headers"] if k == HEADER_LENGTH), None)
+    if length is None:
+        if not body:
+            raise _invalid("The request body is empty; expected a JSON object.")
+        return parse_json(body), b""
+    try:
+        size = int(length)
+    except ValueError:
+        raise _invalid("Inference-Header-Content-Length is not a number.") from None
+    if not 0 < size <= len(body):
+        raise _invalid("Inference-Header-Content-Length is not within the body.")
+    return parse_json(body[:size]), body[size:]
+
+
+def _binary_size(raw: Any) -> int | None:
+    parameters = raw.get("parameters") if isinstance(raw, dict) else None
+    size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+    if size is None:
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise _invalid("binary_data_size: expected a non-negative integer")
+    return size
+
+
+def _inputs(raw_inputs: list[Any], binary: bytes) -> list[Tensor]:
+    inputs = []
+    offset = 0
+    for i, raw in enumerate(raw_inputs):
+        size = _binary_size(raw)
+        if size is None:
+            inputs.append(tensor_from_json(raw, f"inputs[{i}]"))
+            continue
+        if offset + size > len(binary):
+            raise _invalid(f"inputs[{i}]: binary_data_size passes the end of the body")
+        inputs.append(tensor_from_binary(raw, binary[offset : offset + size], f"inputs[{i}]"))
+        offset += size
+    if offset != len(binary):
+        raise _invalid("The body holds binary data no input claims.")
+    return inputs
+
+
+def _parse(body: Any, model: str, version: str, binary: bytes = b"") -> InferRequest:
     if not isinstance(body, dict):
         raise _invalid("The request body must be a JSON object.")
     raw_inputs = body.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise _invalid("inputs: expected a non-empty list of tensors")
-    inputs = [tensor_from_json(raw, f"inputs[{i}]") for i, raw in enumerate(raw_inputs)]
+    inputs = _inputs(raw_inputs, binary)
     raw_outputs = body.get("outputs") or []
     if not isinstance(raw_outputs, list) or not all(
         isinstance(o, dict) and isinstance(o.get("name"), str) for o in raw_outputs
@@ -109,6 +156,19 @@ def _check_against(request: InferRequest, meta: ModelMetadata) -> None:
     for name in request.outputs:
         if outputs and name not in outputs:
             raise _invalid(f"outputs: the model `{model}` has no output `{name}`")
+
+
+def _binary_outputs(body: dict[str, Any]) -> bool | set[str]:
+    """Which outputs go back as binary data: all (`binary_data_output`), those asked for with
+    `binary_data: true`, or none."""
+    parameters = body.get("parameters") or {}
+    if parameters.get("binary_data_output") is True:
+        return True
+    return {
+        o["name"]
+        for o in body.get("outputs") or []
+        if isinstance(o.get("parameters"), dict) and o["parameters"].get("binary_data") is True
+    }
 
 
 class KServeRoutes:
@@ -232,10 +292,12 @@ class KServeRoutes:
         metadata: tuple[tuple[str, str], ...],
         request_id: bytes,
     ) -> None:
-        body = await read_json(scope, receive, self.config.max_body_bytes)
+        body, binary = _split(scope, await read_body(scope, receive, self.config.max_body_bytes))
         pool, version = self._pool(scope)
         record.model = pool.name
-        request = _parse(body, pool.name, version)  # the tensors themselves, before any worker
+        # the tensors themselves, before any worker
+        request = _parse(body, pool.name, version, binary)
+        binary_outputs = _binary_outputs(body)
         _check_against(request, await model_metadata(pool, version))
         self.inflight.check_open()
         slot_request = GenerateRequest(model=pool.name, prompt="", request_id=record.request_id)
@@ -259,7 +321,25 @@ class KServeRoutes:
                 raise tracked.reason
             result = call.result()
         record.status, record.outcome = 200, Outcome.COMPLETED
-        await _send(send, 200, result.to_json(), request_id)
+        if not binary_outputs:
+            await _send(send, 200, result.to_json(), request_id)
+            return
+        answer = result.to_json()
+        blobs = []
+        for tensor, out in zip(result.outputs, answer["outputs"], strict=True):
+            if binary_outputs is True or tensor.name in binary_outputs:
+                blob = to_raw(tensor)
+                del out["data"]
+                out["parameters"] = {**out.get("parameters", {}), "binary_data_size": len(blob)}
+                blobs.append(blob)
+        header = orjson.dumps(answer)
+        headers = [
+            (b"content-type", b"application/octet-stream"),
+            (HEADER_LENGTH, str(len(header)).encode()),
+            (b"x-request-id", request_id),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": header + b"".join(blobs)})
 
 
 class _Endpoint:

@@ -23,6 +23,22 @@ def _too_large(limit: int) -> APIError:
 
 async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
     """The parsed body, or an `APIError` (413 too large, 400 not JSON)."""
+    body = await read_body(scope, receive, limit)
+    if not body:
+        raise invalid(None, "The request body is empty; expected a JSON object.")
+    return parse_json(body)
+
+
+def parse_json(body: bytes) -> Any:
+    """JSON bytes parsed, or a 400."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise invalid(None, f"The request body is not valid JSON: {error}.") from None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, or an `APIError` (413 too large, 400 when the client left)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
@@ -44,10 +60,4 @@ async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    body = b"".join(chunks)
-    if not body:
-        raise invalid(None, "The request body is empty; expected a JSON object.")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise invalid(None, f"The request body is not valid JSON: {error}.") from None
+    return b"".join(chunks)
