@@ -231,3 +231,28 @@ def test_binary_data_that_does_not_fit_is_400(tensor_gw):
     )
     assert response.status_code == 400, response.text
     assert "do not hold FP32" in response.json()["error"]
+
+
+def test_keys_and_allow_lists_cover_v2_but_its_health(gateway_with, kserve):
+    from tests.support.keys import bearer, keyed, new_key
+
+    models = [
+        {"name": name, "kind": "tensor", "workers": [kserve.address]} for name in ("echo", "slow")
+    ]
+    key_a, key_b = new_key("a"), new_key("b")
+    teams = {"a": {"models": ["slow"]}, "b": {"models": ["echo"]}}
+    gw = gateway_with(**keyed(teams, {key_a: "a", key_b: "b"}, models=models))
+    x = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0.0]}]}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        assert http.get("/v2/health/live").status_code == 200
+        assert http.post("/v2/models/slow/infer", json=x).status_code == 401
+        assert http.get("/v2/models/slow").status_code == 401
+        wait_until(
+            lambda: http.get("/v2/models/slow/ready", headers=bearer(key_a)).status_code == 200,
+            "slow ready",
+        )
+        ok = http.post("/v2/models/slow/infer", json=x, headers=bearer(key_a))
+        assert ok.status_code == 200, ok.text
+        hidden = http.post("/v2/models/slow/infer", json=x, headers=bearer(key_b))
+        assert hidden.status_code == 404
+        assert http.get("/v2/models/slow", headers=bearer(key_b)).status_code == 404

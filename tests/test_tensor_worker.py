@@ -89,3 +89,13 @@ def test_the_demo_serves_a_tensor_model_next_to_the_llm():
             f"{url}/v1/completions", json={"model": "furnace-demo-affine", "prompt": "x"}
         )
         assert "/v2/models/furnace-demo-affine/infer" in llm.json()["error"]["message"]
+
+
+def test_the_worker_answers_grpc_health_for_kubernetes_probes(onnx_workers):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(onnx_workers[0]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_GUARD)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
@@ -141,6 +142,11 @@ async def start_tensor_server(
         )
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(TensorServicer(engine), server)
+    # the standard health service too, for Kubernetes' gRPC probes (the chart's pools)
+    checks = health.aio.HealthServicer()
+    for service in ("", pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name):
+        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, bound

@@ -140,6 +140,10 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- end }}
 {{- /* A pool of stock vLLM gRPC servers is reached with upstream vllm-grpc. */}}
 {{- $poolUpstream := ternary "vllm-grpc" "grpc" (has "vllm-grpc" $engines) }}
+{{- /* Tensor models are reached over the KServe v2 gRPC protocol (Triton, KServe, ours). */}}
+{{- if eq ($model.kind | default "llm") "tensor" }}
+{{- $poolUpstream = "kserve-grpc" }}
+{{- end }}
 {{- $upstream := $model.upstream | default $poolUpstream }}
 {{- if and $engines (ne $upstream $poolUpstream) (ne $upstream "openai") }}
 {{- fail (printf "models[%d] (%s): upstream %s, but its pools run %s" $i $model.name $upstream (first $engines)) }}
