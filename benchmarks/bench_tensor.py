@@ -4,8 +4,9 @@ Three processes: our tensor worker (`furnace-gateway worker --engine onnx`, the 
 extra) serving y = x*2+1 on FP32 tensors of shape [batch, 4] (built on the spot with `onnx`),
 a gateway in front of it (`furnace-gateway serve`, `kind: tensor`), and this client, which for
 a small tensor (1 x 4) and a 4 MB one (262144 x 4) runs `--concurrency` requests at a time for
-`--seconds`: once as KServe v2 REST JSON to the gateway, once as ModelInfer with raw contents
-to the worker. Added latency is the gateway's median minus the direct median; most of it, for
+`--seconds`: as ModelInfer with raw contents to the worker, as KServe v2 REST JSON to the
+gateway, and as REST with the binary tensor extension (raw bytes in and out) to the gateway.
+Added latency is the gateway's median minus the direct median; most of it, for
 big tensors, is JSON (a 4 MB FP32 tensor is a million numbers in text, both ways).
 
     .venv/bin/python -m benchmarks.bench_tensor [--quick]
@@ -83,11 +84,37 @@ async def measure(args: argparse.Namespace, gateway: str, worker: str) -> list[s
                 )
                 return response.status_code == 200
 
+            binary_header = orjson.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "x",
+                            "datatype": "FP32",
+                            "shape": [batch, 4],
+                            "parameters": {"binary_data_size": len(raw)},
+                        }
+                    ],
+                    "parameters": {"binary_data_output": True},
+                }
+            )
+            binary_headers = {"inference-header-content-length": str(len(binary_header))}
+
+            async def via_gateway_binary(
+                body: bytes = binary_header + raw, headers: dict[str, str] = binary_headers
+            ) -> bool:
+                response = await http.post("/v2/models/affine/infer", content=body, headers=headers)
+                return response.status_code == 200
+
             async def direct(message: pb.ModelInferRequest = message, raw: bytes = raw) -> bool:
                 reply = await stub.ModelInfer(message, timeout=60)
                 return len(reply.raw_output_contents[0]) == len(raw)
 
-            for name, call in (("worker gRPC, direct", direct), ("gateway REST", via_gateway)):
+            paths = (
+                ("worker gRPC, direct", direct),
+                ("gateway REST, JSON", via_gateway),
+                ("gateway REST, binary extension", via_gateway_binary),
+            )
+            for name, call in paths:
                 await _run(call, args.concurrency, 0.5)  # warm-up
                 errors, latencies = await _run(call, args.concurrency, args.seconds)
                 rate = len(latencies) / args.seconds

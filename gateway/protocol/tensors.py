@@ -55,6 +55,8 @@ class Tensor:
     def to_json(self) -> dict[str, Any]:
         """The tensor in the protocol's JSON; BYTES as text (undecodable bytes replaced)."""
         data = self.data
+        if self.raw is not None and not data and self.datatype != "BYTES":
+            data = from_raw(self.datatype, self.shape, self.raw)
         if self.datatype == "BYTES":
             data = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in data]
         elif self.datatype.startswith("FP") and not all(map(math.isfinite, data)):
@@ -201,6 +203,15 @@ def to_raw(tensor: Tensor) -> bytes:
             parts.append(item)
         return b"".join(parts)
     return struct.pack(f"<{len(tensor.data)}{FORMATS[tensor.datatype]}", *tensor.data)
+
+
+def check_raw(datatype: str, shape: Sequence[int], raw: bytes) -> None:
+    """`errors.Failed` when fixed-size raw contents do not fit their datatype and shape."""
+    letter = FORMATS.get(datatype)
+    if letter is None:
+        raise errors.Failed(f"The worker sent an unknown datatype {datatype!r}.")
+    if len(raw) != element_count(shape) * struct.calcsize(letter):
+        raise errors.Failed(f"The worker sent {datatype} contents that do not match their shape.")
 
 
 def from_raw(datatype: str, shape: Sequence[int], raw: bytes) -> list[Any]:

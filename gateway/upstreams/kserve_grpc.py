@@ -22,7 +22,7 @@ from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.status import error_from_status
-from gateway.protocol.tensors import Tensor, from_raw, to_raw
+from gateway.protocol.tensors import Tensor, check_raw, from_raw, to_raw
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
@@ -161,7 +161,10 @@ def result_from_proto(reply: pb.ModelInferResponse) -> InferResult:
     for i, out in enumerate(reply.outputs):
         shape = tuple(out.shape)
         if raw:
-            data = from_raw(out.datatype, shape, raw[i])
+            # checked now, unpacked only if the answer is JSON (binary answers send the bytes)
+            data = from_raw(out.datatype, shape, raw[i]) if out.datatype == "BYTES" else []
+            if out.datatype != "BYTES":
+                check_raw(out.datatype, shape, raw[i])
         else:
             name = _CONTENTS.get(out.datatype)
             if name is None:
