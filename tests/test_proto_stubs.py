@@ -1,7 +1,10 @@
-"""The committed stubs are exactly what protos/generate.py makes from the .proto."""
+"""The committed stubs (our worker protocol's and KServe v2's) are exactly what
+protos/generate.py makes from the .proto files."""
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,13 +16,29 @@ def _generator():
     return module
 
 
-def test_stubs_match_the_proto(tmp_path):
+@pytest.mark.parametrize(
+    ("make", "stubs", "stub_dir"),
+    [
+        ("generate", "STUBS", "STUB_DIR"),  # our worker protocol
+        ("generate_kserve", "KSERVE_STUBS", "KSERVE_STUB_DIR"),  # KServe v2, for tensor workers
+    ],
+)
+def test_stubs_match_the_proto(tmp_path, make, stubs, stub_dir):
     generator = _generator()
-    generator.generate(tmp_path)
-    for name in generator.STUBS:
+    getattr(generator, make)(tmp_path)
+    for name in getattr(generator, stubs):
         fresh = (tmp_path / name).read_text()
-        committed = (generator.STUB_DIR / name).read_text()
+        committed = (getattr(generator, stub_dir) / name).read_text()
         assert fresh == committed, f"{name} is stale: run `python protos/generate.py`"
+
+
+def test_the_kserve_service_has_the_calls_the_gateway_makes():
+    from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
+
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert service.full_name == "inference.GRPCInferenceService"
+    names = {method.name for method in service.methods}
+    assert {"ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady"} <= names
 
 
 def test_every_rpc_and_field_is_commented():

@@ -72,6 +72,23 @@ class Tensor:
         return out
 
 
+#: The typed contents field of each datatype in the gRPC messages (FP16 travels raw only).
+TYPED_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
 def _json_float(value: float) -> float | str:
     # JSON has no NaN or infinities; the protocol's servers write them as strings
     return value if math.isfinite(value) else str(value)

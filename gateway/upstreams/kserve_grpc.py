@@ -22,27 +22,11 @@ from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.status import error_from_status
-from gateway.protocol.tensors import Tensor, check_raw, from_raw, to_raw
+from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, check_raw, from_raw, to_raw
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
 from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
-
-#: The typed contents field of each datatype (FP16 travels raw only).
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +150,7 @@ def result_from_proto(reply: pb.ModelInferResponse) -> InferResult:
             if out.datatype != "BYTES":
                 check_raw(out.datatype, shape, raw[i])
         else:
-            name = _CONTENTS.get(out.datatype)
+            name = TYPED_CONTENTS.get(out.datatype)
             if name is None:
                 raise errors.Failed(f"The tensor worker sent {out.datatype} without raw contents.")
             data = list(getattr(out.contents, name))

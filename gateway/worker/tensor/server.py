@@ -18,23 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
-from gateway.protocol.tensors import Tensor, to_raw
+from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, to_raw
 from gateway.worker.tensor.engine import RawTensor, TensorEngine
-
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 
 
 class _Invalid(Exception):
@@ -119,7 +104,7 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
             if raw:
                 out[tensor.name] = (tensor.datatype, shape, raw[i])
                 continue
-            field = _CONTENTS.get(tensor.datatype)
+            field = TYPED_CONTENTS.get(tensor.datatype)
             if field is None:
                 raise _Invalid(f"{tensor.datatype} needs raw contents")
             values = list(getattr(tensor.contents, field))
