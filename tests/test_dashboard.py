@@ -23,7 +23,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "furnace-gateway.json"
 CHART = ROOT / "helm" / "furnace-gateway"
 METRIC = re.compile(r"\bfurnace_gateway_[a-z0-9_]+\b")
 #: What an operator looks for first, each a row of the dashboard.
-ROWS = {"Traffic", "Latency", "Errors", "Slots and queue", "Workers", "Teams"}
+ROWS = {"Traffic", "Latency", "Errors", "Slots and queue", "Workers", "Teams", "Tensor models"}
 ALERTS = {
     "FurnaceGatewayErrorRatio",
     "FurnaceGatewayTTFTAboveSLO",

@@ -4,7 +4,9 @@ third-party KServe v2 gRPC server (KServe's own model server, tests/support/kser
 import threading
 
 import httpx
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ModelConfig
 from tests.support.kserve import EDGE_VALUES, KServeServer
@@ -256,3 +258,34 @@ def test_keys_and_allow_lists_cover_v2_but_its_health(gateway_with, kserve):
         hidden = http.post("/v2/models/slow/infer", json=x, headers=bearer(key_b))
         assert hidden.status_code == 404
         assert http.get("/v2/models/slow", headers=bearer(key_b)).status_code == 404
+
+
+def _counter(text: str, name: str, model: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("model") == model:
+                return sample.value
+    return 0.0
+
+
+def test_tensor_bytes_in_and_out_are_counted_once_per_request(gateway_with, kserve):
+    gw = gateway_with(models=_models(kserve.address), admin_port=0)
+    assert gw.admin_url is not None
+    names = (
+        "furnace_gateway_tensor_bytes_received_total",
+        "furnace_gateway_tensor_bytes_sent_total",
+    )
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        wait_until(lambda: http.get("/v2/models/echo/ready").status_code == 200, "echo ready")
+        before = httpx.get(gw.admin_url + "/metrics", timeout=HANG_GUARD).text
+        body = orjson.dumps(_echo_body())
+        response = http.post(
+            "/v2/models/echo/infer", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+        bad = http.post("/v2/models/echo/infer", content=b"{}")  # a 400 counts too
+        assert bad.status_code == 400
+        after = httpx.get(gw.admin_url + "/metrics", timeout=HANG_GUARD).text
+    received, sent = (_counter(after, n, "echo") - _counter(before, n, "echo") for n in names)
+    assert received == len(body) + 2
+    assert sent == len(response.content) + len(bad.content)

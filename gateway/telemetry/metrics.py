@@ -89,6 +89,24 @@ class RequestMetrics:
             ["model"],
             registry=r,
         )
+        # tensor models (KServe v2): the body bytes read and written, per request
+        self.tensor_bytes_received = Counter(
+            f"{PREFIX}_tensor_bytes_received",
+            "Request body bytes read by tensor model (KServe v2 infer).",
+            ["model"],
+            registry=r,
+        )
+        self.tensor_bytes_sent = Counter(
+            f"{PREFIX}_tensor_bytes_sent",
+            "Response body bytes written by tensor model (KServe v2 infer).",
+            ["model"],
+            registry=r,
+        )
+
+    def tensor_bytes(self, model: str, received: int, sent: int) -> None:
+        """One tensor request's bytes in and out (once per request, from the route)."""
+        self.tensor_bytes_received.labels(model).inc(received)
+        self.tensor_bytes_sent.labels(model).inc(sent)
 
     def begin(self, record: RequestRecord, model: str) -> None:
         """The request has a model and a slot."""

@@ -43,9 +43,22 @@ class _Gone(Exception):
     """The client went away."""
 
 
-async def _send(send: Send, status: int, body: Any, request_id: bytes = b"") -> None:
+async def _send(send: Send, status: int, body: Any, request_id: bytes = b"") -> int:
+    """Sends a JSON answer; returns the body's length in bytes."""
     headers = [(b"x-request-id", request_id)] if request_id else []
-    await send_json(send, status, orjson.dumps(body), headers)
+    data = orjson.dumps(body)
+    await send_json(send, status, data, headers)
+    return len(data)
+
+
+class _Bytes:
+    """A tensor request's body bytes read and written, for the metrics."""
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.sent = 0
 
 
 def _invalid(message: str) -> errors.Invalid:
@@ -258,8 +271,9 @@ class KServeRoutes:
         """One inference; every request leaves one record in the metrics and the access log."""
         request_id, metadata = _request_id(scope)
         record = RequestRecord(request_id.decode("latin-1"))
+        moved = _Bytes()
         try:
-            await self._infer(scope, receive, send, record, metadata, request_id)
+            await self._infer(scope, receive, send, record, metadata, request_id, moved)
         except (APIError, errors.EngineError) as error:
             api = (
                 error
@@ -271,7 +285,7 @@ class KServeRoutes:
                     "request %s: %s: %s", record.request_id, type(error).__name__, error.message
                 )
             record.status, record.outcome, record.reason = api.status, api.outcome, api.reason
-            await _send(send, api.status, {"error": api.message}, request_id)
+            moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
         except _Gone:
             record.status, record.outcome = 499, Outcome.CLIENT_GONE
             log.info("client went away; request %s cancelled", record.request_id)
@@ -279,9 +293,11 @@ class KServeRoutes:
             log.exception("request %s failed in the gateway", record.request_id)
             api = internal_error()
             record.status, record.outcome = api.status, api.outcome
-            await _send(send, api.status, {"error": api.message}, request_id)
+            moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
         finally:
             self.telemetry.finish(record)
+            if record.model:
+                self.telemetry.metrics.tensor_bytes(record.model, moved.received, moved.sent)
 
     async def _infer(
         self,
@@ -291,8 +307,11 @@ class KServeRoutes:
         record: RequestRecord,
         metadata: tuple[tuple[str, str], ...],
         request_id: bytes,
+        moved: _Bytes,
     ) -> None:
-        body, binary = _split(scope, await read_body(scope, receive, self.config.max_body_bytes))
+        raw_body = await read_body(scope, receive, self.config.max_body_bytes)
+        moved.received = len(raw_body)
+        body, binary = _split(scope, raw_body)
         pool, version = self._pool(scope)
         record.model = pool.name
         # the tensors themselves, before any worker
@@ -322,7 +341,7 @@ class KServeRoutes:
             result = call.result()
         record.status, record.outcome = 200, Outcome.COMPLETED
         if not binary_outputs:
-            await _send(send, 200, result.to_json(), request_id)
+            moved.sent = await _send(send, 200, result.to_json(), request_id)
             return
         answer = result.to_json()
         blobs = []
@@ -339,7 +358,9 @@ class KServeRoutes:
             (b"x-request-id", request_id),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": header + b"".join(blobs)})
+        payload = header + b"".join(blobs)
+        moved.sent = len(payload)
+        await send({"type": "http.response.body", "body": payload})
 
 
 class _Endpoint:
