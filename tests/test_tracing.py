@@ -12,7 +12,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from gateway.config import ModelConfig
+from gateway.worker.tensor.demo import DEMO_TENSOR_MODEL, DemoTensorEngine
 from tests.support.scripted_worker import script
+from tests.support.tensor_workers import RecordingServicer, TensorWorkers
 from tests.support.waiting import HANG_GUARD, wait_until
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -60,3 +63,41 @@ def test_off_means_not_imported():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_tensor_requests_open_the_same_spans(gateway_with, server_loop, spans):
+    tensor = TensorWorkers(server_loop)
+    servicer = RecordingServicer(DemoTensorEngine())
+    try:
+        address = tensor.start(servicer=servicer)
+        model = ModelConfig(
+            DEMO_TENSOR_MODEL, kind="tensor", workers=(address,), upstream="kserve-grpc"
+        )
+        gw = gateway_with(tracing=True, models=(model,))
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+            ready = f"/v2/models/{DEMO_TENSOR_MODEL}/ready"
+            wait_until(lambda: http.get(ready).status_code == 200, "tensor model ready")
+            spans.clear()
+            response = http.post(
+                f"/v2/models/{DEMO_TENSOR_MODEL}/infer",
+                json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 2]}]},
+                headers={
+                    "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01",
+                    "x-request-id": "tensor-traced-1",
+                },
+            )
+        assert response.status_code == 200, response.text
+        wait_until(lambda: len(spans.get_finished_spans()) >= 2, "both spans")
+        by_kind = {s.kind: s for s in spans.get_finished_spans()}
+        server, client = by_kind[SpanKind.SERVER], by_kind[SpanKind.CLIENT]
+        assert client.name == "inference.GRPCInferenceService/ModelInfer"
+        assert format(server.context.trace_id, "032x") == TRACE_ID
+        assert format(server.parent.span_id, "016x") == CLIENT_SPAN
+        assert client.parent.span_id == server.context.span_id
+        assert server.attributes["http.response.status_code"] == 200
+        assert server.attributes["gen_ai.request.model"] == DEMO_TENSOR_MODEL
+        assert server.attributes["furnace.request_id"] == "tensor-traced-1"
+        sent = servicer.metadata["tensor-traced-1"]["traceparent"]
+        assert sent == f"00-{TRACE_ID}-{format(client.context.span_id, '016x')}-01"
+    finally:
+        tensor.stop()

@@ -143,6 +143,7 @@ def create_app(
             teams=teams,
             telemetry=telemetry,
             is_ready=is_ready,
+            tracing=tracing,
         ).routes(),
     ]
     if admin_on_public(config):

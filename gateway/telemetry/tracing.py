@@ -43,10 +43,13 @@ class Tracing:
 
     @contextmanager
     def engine_call(
-        self, model: str, metadata: tuple[tuple[str, str], ...]
+        self,
+        model: str,
+        metadata: tuple[tuple[str, str], ...],
+        name: str = "furnace.engine/Generate",
     ) -> Iterator[tuple[Any, tuple[tuple[str, str], ...]]]:
-        """A CLIENT span for the worker call; yields it and the metadata that
-        carries it to the worker."""
+        """A CLIENT span `name` (the gRPC method) for the worker call; yields it and the
+        metadata that carries it to the worker."""
         if not self.enabled:
             yield None, metadata
             return
@@ -54,7 +57,7 @@ class Tracing:
         from opentelemetry.trace import SpanKind
 
         with self._tracer.start_as_current_span(
-            "furnace.engine/Generate",
+            name,
             kind=SpanKind.CLIENT,
             attributes={"gen_ai.request.model": model},
         ) as span:

@@ -5,7 +5,9 @@ against data length, value types and ranges, and against the model's metadata: u
 missing inputs, datatypes, shapes) and answers 400 before any worker is called; then it goes
 the way of an LLM request: the key's allow-list, the drain, the team's limits and a slot, the
 fleet's balancing and ejection, `request_timeout` as the worker's deadline, a client that
-leaves cancels the worker's call, one record in the metrics and the access log. Errors are
+leaves cancels the worker's call, one record in the metrics and the access log, and with
+`tracing` a SERVER span for the request and a CLIENT span for the worker call, whose
+`traceparent` travels to the worker as gRPC metadata. Errors are
 `{"error": "..."}` with the status of the one error table (`edge/errors.py`). No grpc here:
 the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.py).
 """
@@ -34,9 +36,12 @@ from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_jso
 from gateway.protocol.types import GenerateRequest
 from gateway.teams import Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
+from gateway.telemetry.tracing import Tracing, annotate
 from gateway.upstreams.kserve_grpc import InferRequest, ModelMetadata
 
 log = logging.getLogger("furnace.edge")
+#: The CLIENT span's name for a worker call: the gRPC method it is.
+MODEL_INFER = "inference.GRPCInferenceService/ModelInfer"
 
 
 class _Gone(Exception):
@@ -196,6 +201,7 @@ class KServeRoutes:
         teams: Teams,
         telemetry: Telemetry,
         is_ready: Any,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -203,6 +209,7 @@ class KServeRoutes:
         self.teams = teams
         self.telemetry = telemetry
         self.is_ready = is_ready
+        self.tracing = tracing or Tracing(False)
 
     def routes(self) -> list[Route]:
         model = "/v2/models/{model}"
@@ -272,32 +279,43 @@ class KServeRoutes:
         request_id, metadata = _request_id(scope)
         record = RequestRecord(request_id.decode("latin-1"))
         moved = _Bytes()
-        try:
-            await self._infer(scope, receive, send, record, metadata, request_id, moved)
-        except (APIError, errors.EngineError) as error:
-            api = (
-                error
-                if isinstance(error, APIError)
-                else from_engine_error(error, self.config.retry_after)
-            )
-            if isinstance(error, errors.EngineError) and api.message != error.message:
-                log.warning(
-                    "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+        traceparent = dict(metadata).get("traceparent")
+        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
+            try:
+                await self._infer(scope, receive, send, record, metadata, request_id, moved)
+            except (APIError, errors.EngineError) as error:
+                api = (
+                    error
+                    if isinstance(error, APIError)
+                    else from_engine_error(error, self.config.retry_after)
                 )
-            record.status, record.outcome, record.reason = api.status, api.outcome, api.reason
-            moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
-        except _Gone:
-            record.status, record.outcome = 499, Outcome.CLIENT_GONE
-            log.info("client went away; request %s cancelled", record.request_id)
-        except Exception:
-            log.exception("request %s failed in the gateway", record.request_id)
-            api = internal_error()
-            record.status, record.outcome = api.status, api.outcome
-            moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
-        finally:
-            self.telemetry.finish(record)
-            if record.model:
-                self.telemetry.metrics.tensor_bytes(record.model, moved.received, moved.sent)
+                if isinstance(error, errors.EngineError) and api.message != error.message:
+                    log.warning(
+                        "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+                    )
+                record.status, record.outcome, record.reason = api.status, api.outcome, api.reason
+                moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
+            except _Gone:
+                record.status, record.outcome = 499, Outcome.CLIENT_GONE
+                log.info("client went away; request %s cancelled", record.request_id)
+            except Exception:
+                log.exception("request %s failed in the gateway", record.request_id)
+                api = internal_error()
+                record.status, record.outcome = api.status, api.outcome
+                moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
+            finally:
+                self.telemetry.finish(record)
+                if record.model:
+                    self.telemetry.metrics.tensor_bytes(record.model, moved.received, moved.sent)
+                annotate(
+                    span,
+                    {
+                        "http.response.status_code": record.status,
+                        "gen_ai.request.model": record.model or None,
+                        "furnace.outcome": record.outcome,
+                        "furnace.request_id": record.request_id,
+                    },
+                )
 
     async def _infer(
         self,
@@ -322,23 +340,24 @@ class KServeRoutes:
         slot_request = GenerateRequest(model=pool.name, prompt="", request_id=record.request_id)
         async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
             self.telemetry.begin(record, pool.name)
-            deadline = Deadline(self.config.request_timeout)
-            call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
-            gone = asyncio.ensure_future(_wait_disconnect(receive))
-            tracked = _Cancellable(call)
-            try:
-                with self.inflight.track(tracked):
-                    await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not call.done():
-                    call.cancel()
-                    await asyncio.gather(call, return_exceptions=True)
-                    if tracked.reason is None:
-                        raise _Gone
-            if tracked.reason is not None:
-                raise tracked.reason
-            result = call.result()
+            with self.tracing.engine_call(pool.name, metadata, MODEL_INFER) as (_, metadata):
+                deadline = Deadline(self.config.request_timeout)
+                call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
+                gone = asyncio.ensure_future(_wait_disconnect(receive))
+                tracked = _Cancellable(call)
+                try:
+                    with self.inflight.track(tracked):
+                        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                    if not call.done():
+                        call.cancel()
+                        await asyncio.gather(call, return_exceptions=True)
+                        if tracked.reason is None:
+                            raise _Gone
+                if tracked.reason is not None:
+                    raise tracked.reason
+                result = call.result()
         record.status, record.outcome = 200, Outcome.COMPLETED
         if not binary_outputs:
             moved.sent = await _send(send, 200, result.to_json(), request_id)

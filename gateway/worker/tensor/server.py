@@ -5,7 +5,8 @@ Tensors travel raw both ways (`raw_input_contents` in; typed `contents` in are p
 `raw_output_contents` out): the engine gets each input as (datatype, shape, raw bytes) and
 decodes them its own way (numpy views for onnxruntime, `struct` for the demo), so this module
 needs no numpy. BYTES elements are 4-byte little-endian length prefixes. A bad request is
-INVALID_ARGUMENT, an unknown model NOT_FOUND.
+INVALID_ARGUMENT, an unknown model NOT_FOUND. TLS as the LLM worker's (`--tls-cert`,
+`--tls-key`, `--tls-client-ca`; the files are reloaded when they change).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gateway.protocol import errors
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, to_raw
+from gateway.protocol.tls import ServerTLS, server_credentials
 from gateway.worker.tensor.engine import RawTensor, TensorEngine
 
 
@@ -117,32 +119,46 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 async def start_tensor_server(
-    engine: TensorEngine, host: str, port: int
+    engine: TensorEngine,
+    host: str,
+    port: int,
+    tls: ServerTLS | None = None,
+    servicer: TensorServicer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A started server on `host:port` (port 0: a free one); returns it and its port."""
+    """A started server on `host:port` (port 0: a free one); returns it and its port. With
+    `tls`, TLS (mutual with a client CA) whose files are reloaded when they change, as the
+    LLM worker's; `servicer` replaces the plain one over `engine` (tests record calls)."""
     server = grpc.aio.server(
         options=(
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         )
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(TensorServicer(engine), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer or TensorServicer(engine), server)
     # the standard health service too, for Kubernetes' gRPC probes (the chart's pools)
     checks = health.aio.HealthServicer()
     for service in ("", pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name):
         await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    listen = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(listen)
+    else:
+        bound = server.add_secure_port(listen, server_credentials(tls))
+    if bound == 0:
+        raise OSError(f"cannot listen on {listen}")
     await server.start()
     return server, bound
 
 
-async def serve_tensor_worker(engine: TensorEngine, host: str, port: int) -> None:
+async def serve_tensor_worker(
+    engine: TensorEngine, host: str, port: int, tls: ServerTLS | None = None
+) -> None:
     """The tensor worker until SIGTERM or SIGINT; calls in flight get 5 seconds."""
     import asyncio
     import signal
 
-    server, _ = await start_tensor_server(engine, host, port)
+    server, _ = await start_tensor_server(engine, host, port, tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
