@@ -120,8 +120,6 @@ def _tensor_worker(args: argparse.Namespace, tls: ServerTLS | None) -> None:
     """`--engine onnx`: a KServe v2 gRPC tensor worker over onnxruntime (the `tensor` extra)."""
     if not args.model_path:
         sys.exit("furnace-gateway: --engine onnx needs --model-path (an .onnx file)")
-    if tls is not None:
-        sys.exit("furnace-gateway: --engine onnx serves without TLS for now")
     try:
         from gateway.worker.tensor.onnx_engine import OnnxEngine
         from gateway.worker.tensor.server import serve_tensor_worker
@@ -129,7 +127,8 @@ def _tensor_worker(args: argparse.Namespace, tls: ServerTLS | None) -> None:
         sys.exit(f"furnace-gateway: --engine onnx needs the tensor extra ({error})")
     from gateway.worker.serve import run_worker
 
-    run_worker(serve_tensor_worker(OnnxEngine(args.model_path, args.model), args.host, args.port))
+    engine = OnnxEngine(args.model_path, args.model)
+    run_worker(serve_tensor_worker(engine, args.host, args.port, tls))
 
 
 def _worker_tls(args: argparse.Namespace) -> ServerTLS | None:
