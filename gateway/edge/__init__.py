@@ -3,7 +3,9 @@
     app.py         the Starlette app: routes, middleware, OpenAI-shaped errors
     asgi.py        raw-ASGI types and whole-JSON responses
     errors.py      APIError and the one table from the error tree to HTTP
-    middleware.py  header size (431), API keys (401), x-ratelimit-* headers
+    http_protocol.py  uvicorn's parser with bounds: header size/count (431), header
+                   and body deadlines (408), connections (503)
+    middleware.py  API keys (401), x-ratelimit-* headers, JSON bodies (415), Host (421)
     ops.py         /health, /ready, /metrics, /metrics/json, /admin/workers
     openai/        the OpenAI API: bodies, validation, encoders, the routes
 

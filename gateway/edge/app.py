@@ -29,7 +29,7 @@ from gateway.admission import InFlight
 from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
-from gateway.edge.middleware import HeaderLimit, HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.middleware import HostCheck, JsonOnly, KeyGate, is_loopback
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -96,7 +96,6 @@ def create_admin_app(
             *probe_routes(is_ready),
         ],
         [
-            Middleware(HeaderLimit, limit=config.max_header_bytes),
             Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(host)),
             Middleware(JsonOnly),
         ],
@@ -151,7 +150,6 @@ def create_app(
     return _starlette(
         routes,
         [
-            Middleware(HeaderLimit, limit=config.max_header_bytes),
             Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(config.host)),
             Middleware(KeyGate, teams=teams),
             Middleware(JsonOnly),

@@ -1,10 +1,7 @@
-"""Pure ASGI middleware in front of the routes: the request's headers bounded in
-size (431), and on /v1/* the caller's API key (401) and its team's rate-limit
-headers on every response, streams included.
-
-uvicorn's httptools parser has no header limit of its own (h11 has
-`h11_max_incomplete_event_size`), so the total is checked here, before any
-route reads a byte of the body.
+"""Pure ASGI middleware in front of the routes: on /v1/* the caller's API key
+(401) and its team's rate-limit headers on every response, streams included.
+(The headers' size and count are bounded earlier, as the parser reads them:
+gateway/edge/http_protocol.py.)
 
 A refused key gets one body whatever was wrong (no key, another scheme, an
 unknown key), so the answer tells nothing about how close a guess came. Keys
@@ -123,27 +120,6 @@ class HostCheck:
         ):
             await send_error(send, MISDIRECTED)
             return
-        await self.app(scope, receive, send)
-
-
-class HeaderLimit:
-    """Answers 431 when the request's headers add up to more than `limit` bytes."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-        self.error = APIError(
-            431,
-            f"The request's headers are larger than {limit} bytes.",
-            code="request_headers_too_large",
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            size = sum(len(name) + len(value) for name, value in scope["headers"])
-            if size > self.limit:
-                await send_error(send, self.error)
-                return
         await self.app(scope, receive, send)
 
 
