@@ -243,6 +243,7 @@ class Fleet:
         mine = next((m for m in models if m.name == pool.name), None)
         if mine is not None:
             worker.capacity, worker.full = mine.capacity, mine.full
+            worker.features = mine.features
             worker.reported_load = mine.load or 0
         wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
         if worker.wrong_model and not (quiet and wrong_before):

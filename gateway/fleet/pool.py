@@ -65,6 +65,14 @@ class ModelPool:
             for w in up
         )
 
+    def features(self) -> frozenset[str] | None:
+        """What every described worker of the model serves (`gateway.protocol.features`);
+        None while none has described itself (the worker then refuses for itself)."""
+        described = [w.features for w in self.workers.values() if w.features is not None]
+        if not described:
+            return None
+        return frozenset.intersection(*described)
+
     def pick(self, request: GenerateRequest, exclude: set[Worker]) -> Worker | None:
         """The worker for a request among those not yet tried, or None."""
         candidates = self.available(exclude)

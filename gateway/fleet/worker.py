@@ -49,6 +49,8 @@ class Worker:
     #: health interval), and whether it says it is full.
     reported_load: int = 0
     full: bool = False
+    #: What it serves beyond plain generation (Describe); None until described.
+    features: frozenset[str] | None = None
     consecutive_failures: int = 0
     #: Ejections in a row (the back-off grows with them); 0 once it succeeds.
     ejection_streak: int = 0

@@ -18,14 +18,49 @@ class FinishReason(enum.Enum):
 
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of a tool: in an assistant message of the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""  # a JSON Schema in JSON text; "": no parameters
+    strict: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A format the answer must follow: "json_object", or "json_schema" with its schema."""
+
+    type: str
+    schema: str = ""  # JSON text, for "json_schema"
+    name: str = ""
+    strict: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One chat message, its content already flattened to text."""
+    """One chat message, its text parts already joined; its images (URLs or
+    data URIs) stand ahead of the text, in order."""
 
     role: str
     content: str
+    images: tuple[str, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +74,19 @@ class SamplingParams:
     frequency_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """One request for one answer: a text prompt or chat messages, never both."""
+    """One request for `n` answers (choices): a text prompt or chat messages,
+    never both. Fields past `request_id` are the additive ones of the worker
+    protocol: see `gateway.protocol.features` for which parameter each is."""
 
     model: str
     prompt: str | None = None
@@ -51,6 +94,32 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     request_id: str = ""
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token (0-20); None: no logprobs
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = ""  # "none", "auto", "required", a function's name; "": default
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    user: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    """Inputs to embed, each a text or token ids."""
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    dimensions: int | None = None
+    user: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """One vector per input, in order, and the tokens the inputs held."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    prompt_tokens: int
 
 
 class Started(NamedTuple):
@@ -59,20 +128,46 @@ class Started(NamedTuple):
     prompt_tokens: int
 
 
+class TokenLogprob(NamedTuple):
+    """One generated token's log probability and the most likely alternatives
+    at its position (token, logprob), most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
 class Text(NamedTuple):
-    """A piece of the answer holding `tokens` tokens."""
+    """A piece of choice `index`'s answer holding `tokens` tokens; with
+    `logprobs` when asked for, one per token."""
 
     text: str
     tokens: int
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class ToolCallDelta(NamedTuple):
+    """A piece of tool call `call_index` of choice `index`: its first piece has
+    the id and name, the next ones more of the arguments' JSON text."""
+
+    index: int
+    call_index: int
+    id: str
+    name: str
+    arguments: str
+    tokens: int = 0
 
 
 class Finished(NamedTuple):
-    """Last event: why the answer ended and how many tokens it took; the prompt's
-    tokens too when the worker could not say them in `Started` (HTTP upstreams)."""
+    """Last event of choice `index`: why its answer ended and how many tokens it
+    took; the prompt's tokens too when the worker could not say them in `Started`
+    (HTTP upstreams). A call ends after the Finished of each of its n choices."""
 
     reason: FinishReason
     completion_tokens: int
     prompt_tokens: int | None = None
+    index: int = 0
 
 
-Event = Started | Text | Finished
+Event = Started | Text | ToolCallDelta | Finished

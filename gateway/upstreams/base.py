@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.protocol import errors
-from gateway.protocol.types import Event, GenerateRequest
+from gateway.protocol import errors, features
+from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 
 #: How a call ended, for the owner's bookkeeping: None (finished), the error, or
 #: CANCELLED when we cancelled it (which says nothing about the worker).
@@ -31,6 +31,8 @@ class ModelDescription:
     #: It says it takes no more without queueing them (e.g. vLLM with requests waiting
     #: or its KV cache full).
     full: bool = False
+    #: What it serves beyond plain generation (`gateway.protocol.features`).
+    features: frozenset[str] = features.FIRST_VERSION
 
 
 class StreamBookkeeping:
@@ -80,6 +82,12 @@ class Upstream(Protocol):
         on_close: Callable[[CallEnd], None] = ...,
     ) -> UpstreamCall:
         """Starts a call; `timeout` seconds is its deadline."""
+
+    async def embed(
+        self, request: EmbedRequest, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> Embeddings:
+        """Embeds the inputs with an embedding model, within `timeout` seconds;
+        raises `EngineError` as `generate` refuses."""
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models it serves."""

@@ -6,8 +6,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
+from gateway.protocol import errors, features
 from gateway.protocol.errors import TooLong
-from gateway.protocol.types import Event, GenerateRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 
 
 class Engine(ABC):
@@ -27,10 +28,19 @@ class Engine(ABC):
     max_context: int
     #: Requests it runs at once; the SDK refuses more with RESOURCE_EXHAUSTED.
     capacity: int = 256
+    #: What it serves beyond plain generation (`gateway.protocol.features`), for
+    #: `Describe`; the SDK refuses a request using anything else, naming the
+    #: parameter. "n" is the SDK's own (it runs n generations) unless the engine
+    #: lists it, in which case `generate` gets n and indexes its events.
+    features: frozenset[str] = features.FIRST_VERSION
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The events of one answer."""
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Embeds the inputs (engines that list "embeddings")."""
+        raise errors.Invalid(f"The model `{self.model}` does not serve embeddings.", param="model")
 
     # The life of an engine that comes up after its worker listens (vLLM loads for
     # seconds to minutes): the worker reports NOT_SERVING until `start` returns and

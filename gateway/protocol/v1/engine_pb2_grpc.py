@@ -45,6 +45,11 @@ class EngineStub:
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/furnace.engine.v1.Engine/Embed',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -73,6 +78,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds inputs with an embedding model (one whose ModelInfo lists
+        "embeddings"). Refusals as for Generate; UNIMPLEMENTED from a worker that
+        has no embedding model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +99,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +161,33 @@ class Engine:
             '/furnace.engine.v1.Engine/Describe',
             furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeRequest.SerializeToString,
             furnace_dot_engine_dot_v1_dot_engine__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/Embed',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

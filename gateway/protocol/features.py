@@ -1,0 +1,90 @@
+"""What a model's workers can serve beyond plain text generation, by the OpenAI
+parameter names (the worker protocol's `ModelInfo.features`), and which of
+those a request uses.
+
+The gateway refuses a request that uses a feature its model's workers do not
+list before it calls one (a 400 naming the parameter), and sets the protocol's
+additive fields only for workers that list them, so a first-version worker,
+which lists nothing, never sees a field it would silently drop.
+"""
+
+from __future__ import annotations
+
+from gateway.protocol.types import GenerateRequest
+
+GENERATE = "generate"
+EMBEDDINGS = "embeddings"
+N = "n"
+LOGPROBS = "logprobs"
+TOOLS = "tools"  # with tool_choice and parallel_tool_calls
+RESPONSE_FORMAT = "response_format"
+IMAGES = "image_url"
+MIN_TOKENS = "min_tokens"
+IGNORE_EOS = "ignore_eos"
+REPETITION_PENALTY = "repetition_penalty"
+MIN_P = "min_p"
+LOGIT_BIAS = "logit_bias"
+STOP_TOKEN_IDS = "stop_token_ids"
+USER = "user"
+DIMENSIONS = "dimensions"
+
+#: Every feature a worker may list.
+ALL = frozenset(
+    {
+        GENERATE,
+        EMBEDDINGS,
+        N,
+        LOGPROBS,
+        TOOLS,
+        RESPONSE_FORMAT,
+        IMAGES,
+        MIN_TOKENS,
+        IGNORE_EOS,
+        REPETITION_PENALTY,
+        MIN_P,
+        LOGIT_BIAS,
+        STOP_TOKEN_IDS,
+        USER,
+        DIMENSIONS,
+    }
+)
+#: What a worker that lists nothing (the protocol's first version) serves.
+FIRST_VERSION = frozenset({GENERATE})
+
+
+def used(request: GenerateRequest) -> list[tuple[str, str]]:
+    """The features `request` uses, each with the parameter a refusal names
+    (e.g. ("image_url", "messages[2].content[0]")), in the body's order."""
+    found: list[tuple[str, str]] = []
+    if request.messages is not None:
+        for i, message in enumerate(request.messages):
+            if message.images:
+                found.append((IMAGES, f"messages[{i}].content"))
+                break
+    if request.n != 1:
+        found.append((N, "n"))
+    if request.logprobs is not None:
+        found.append((LOGPROBS, "logprobs"))
+    if request.tools or request.tool_choice or request.parallel_tool_calls is not None:
+        found.append((TOOLS, "tools"))
+    if request.response_format is not None:
+        found.append((RESPONSE_FORMAT, "response_format"))
+    if request.user:
+        found.append((USER, "user"))
+    s = request.sampling
+    for name, value in (
+        (MIN_TOKENS, s.min_tokens),
+        (IGNORE_EOS, s.ignore_eos),
+        (REPETITION_PENALTY, s.repetition_penalty),
+        (MIN_P, s.min_p),
+        (LOGIT_BIAS, s.logit_bias or None),
+        (STOP_TOKEN_IDS, s.stop_token_ids or None),
+    ):
+        if value is not None:
+            found.append((name, name))
+    return found
+
+
+def missing(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str] | None:
+    """The first feature `request` uses that `served` lacks, with its parameter; None if none."""
+    return next((pair for pair in used(request) if pair[0] not in served), None)
