@@ -1,0 +1,65 @@
+"""Our messages and tools in the shapes chat templates (and OpenAI-compatible
+servers) take them: OpenAI's message and tool dictionaries.
+
+One function each, shared by every engine and upstream that renders a chat
+template or sends a conversation on, so a conversation with images or tool
+calls reads the same to every model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.protocol.types import Message, Tool
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: parsed JSON when it parses."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[str, Any]:
+    """One message as OpenAI writes it. Content is a string, or a list of
+    parts when the message holds images (images first, then the text).
+    Tool calls' arguments stay JSON text (OpenAI's shape) unless
+    `parsed_arguments`, which chat templates such as Qwen's and Hermes' want."""
+    content: Any = message.content
+    if message.images:
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in message.images]
+        if message.content:
+            content.append({"type": "text", "text": message.content})
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": _arguments(call.arguments) if parsed_arguments else call.arguments,
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def tool_dict(tool: Tool) -> dict[str, Any]:
+    """One tool as OpenAI writes it (`{"type": "function", "function": {...}}`)."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        function["parameters"] = orjson.loads(tool.parameters)
+    if tool.strict:
+        function["strict"] = True
+    return {"type": "function", "function": function}
