@@ -30,9 +30,11 @@ class Engine(ABC):
     capacity: int = 256
     #: What it serves beyond plain generation (`gateway.protocol.features`), for
     #: `Describe`; the SDK refuses a request using anything else, naming the
-    #: parameter. "n" is the SDK's own (it runs n generations) unless the engine
-    #: lists it, in which case `generate` gets n and indexes its events.
+    #: parameter. The SDK adds "n" itself: it runs n generations of n=1 and
+    #: indexes their events, unless the engine sets `native_n` (then `generate`
+    #: gets n and indexes its own events, one Finished per choice).
     features: frozenset[str] = features.FIRST_VERSION
+    native_n: bool = False
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
