@@ -143,7 +143,7 @@ class Text(NamedTuple):
 
     text: str
     tokens: int
-    index: int = 0
+    index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 
@@ -151,7 +151,7 @@ class ToolCallDelta(NamedTuple):
     """A piece of tool call `call_index` of choice `index`: its first piece has
     the id and name, the next ones more of the arguments' JSON text."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as meant
     call_index: int
     id: str
     name: str
@@ -167,7 +167,7 @@ class Finished(NamedTuple):
     reason: FinishReason
     completion_tokens: int
     prompt_tokens: int | None = None
-    index: int = 0
+    index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
 
 
 Event = Started | Text | ToolCallDelta | Finished
