@@ -17,18 +17,73 @@ def completion(**fields):
 
 INVALID = [
     # (route, body, param)
-    (CHAT, chat(n=2), "n"),
+    (CHAT, chat(n=0), "n"),
+    (CHAT, chat(n=129), "n"),
     (CHAT, chat(n="1"), "n"),
-    (COMPLETIONS, completion(n=3), "n"),
     (COMPLETIONS, completion(best_of=2), "best_of"),
-    (CHAT, chat(logprobs=True), "logprobs"),
+    (CHAT, chat(best_of=2), "best_of"),
+    (CHAT, chat(echo=True), "echo"),
+    (CHAT, chat(suffix="tail"), "suffix"),
     (CHAT, chat(top_logprobs=2), "top_logprobs"),
-    (COMPLETIONS, completion(logprobs=1), "logprobs"),
-    (COMPLETIONS, completion(logprobs=0), "logprobs"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (CHAT, chat(logprobs="yes"), "logprobs"),
+    (COMPLETIONS, completion(logprobs=21), "logprobs"),
+    (COMPLETIONS, completion(logprobs=True), "logprobs"),
+    (COMPLETIONS, completion(echo=True, logprobs=1), "echo"),
+    (CHAT, chat(tools=[{"type": "retrieval"}]), "tools[0].type"),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        "tools[0].function.name",
+    ),
+    (CHAT, chat(tools={"type": "function"}), "tools"),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+        "tools[0].function.parameters",
+    ),
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tool_choice",
+    ),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="any"),
+        "tool_choice",
+    ),
+    (CHAT, chat(response_format={"type": "xml"}), "response_format"),
     (CHAT, chat(response_format="text"), "response_format"),
-    (COMPLETIONS, completion(echo=True), "echo"),
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+        "response_format.json_schema.name",
+    ),
+    (CHAT, chat(functions=[{"name": "f"}]), "functions"),
+    (CHAT, chat(guided_json={"type": "object"}), "guided_json"),
+    (CHAT, chat(use_beam_search=True), "use_beam_search"),
+    (CHAT, chat(min_tokens=5, max_tokens=2), "min_tokens"),
+    (CHAT, chat(min_tokens=-1), "min_tokens"),
+    (CHAT, chat(logit_bias={"x": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"1" * 5000: 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"7": 101}), "logit_bias"),
+    (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(min_p=1.5), "min_p"),
+    (CHAT, chat(ignore_eos="yes"), "ignore_eos"),
+    (CHAT, chat(user=7), "user"),
+    (CHAT, chat(user="u" * 257), "user"),
+    # features the demo's workers do not list: refused before any worker is called
+    (CHAT, chat(min_p=0.1), "min_p"),
+    (CHAT, chat(repetition_penalty=1.2), "repetition_penalty"),
+    (CHAT, chat(logit_bias={"7": 5}), "logit_bias"),
+    (CHAT, chat(stop_token_ids=[2]), "stop_token_ids"),
+    (COMPLETIONS, completion(min_p=0.1), "min_p"),
     (COMPLETIONS, completion(suffix="tail"), "suffix"),
     (CHAT, chat(temperature=-0.1), "temperature"),
     (CHAT, chat(temperature=2.01), "temperature"),
@@ -64,7 +119,29 @@ INVALID = [
                 }
             ]
         ),
-        "messages[0].content[1]",
+        "messages[0].content",  # the demo takes no images
+    ),
+    (
+        CHAT,
+        chat(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "ftp://x"}]}]
+        ),
+        "messages[0].content[0].image_url",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+        "messages[0].content[0]",
+    ),
+    (
+        CHAT,
+        chat(messages=[*MESSAGES, {"role": "tool", "content": "42"}]),
+        "messages[1].tool_call_id",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]),
+        "messages[0].tool_calls[0].function.name",
     ),
     (COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
     (COMPLETIONS, completion(prompt=[1, 2, 3]), "prompt"),
@@ -72,7 +149,6 @@ INVALID = [
     (COMPLETIONS, {"model": "furnace-demo"}, "prompt"),
     (CHAT, chat(model=7), "model"),
     (CHAT, chat(stream="yes"), "stream"),
-    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
     (
         CHAT,
         chat(stream=True, stream_options={"include_usage": "y"}),
@@ -114,6 +190,12 @@ ACCEPTED = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a b"}]}])),
     (CHAT, chat(messages=[{"role": "assistant", "content": None}, *MESSAGES])),
     (COMPLETIONS, completion(echo=False, suffix="", best_of=1, logprobs=None)),
+    (CHAT, chat(stream_options={"include_usage": True})),  # accepted, as OpenAI does
+    (CHAT, chat(stream=False, stream_options={"include_usage": False})),
+    (CHAT, chat(min_p=0, repetition_penalty=1, logit_bias={}, stop_token_ids=[], min_tokens=0)),
+    (CHAT, chat(ignore_eos=False, skip_special_tokens=True, use_beam_search=False, echo=False)),
+    (CHAT, chat(tool_choice="none", functions=None)),
+    (COMPLETIONS, completion(n=2, best_of=2)),
     (COMPLETIONS, completion(prompt=["one string"])),
 ]
 
@@ -130,3 +212,22 @@ def test_max_completion_tokens_wins_over_max_tokens(client):
     choice = response.json()["choices"][0]
     assert choice["message"]["content"] == "a b"
     assert choice["finish_reason"] == "length"
+
+
+def test_an_unknown_model_is_a_404_before_any_parameter_check(client):
+    response = client.post(CHAT, json=chat(model="no-such-model", temperature=9, n=0))
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found"
+    assert error["param"] == "model"
+    assert "furnace-demo" in error["message"]  # the models the caller may use
+
+
+def test_one_model_is_listed_by_its_id(client):
+    model = client.get("/v1/models/furnace-demo").json()
+    assert model["id"] == "furnace-demo"
+    assert model["object"] == "model"
+    assert model["max_model_len"] > 0
+    missing = client.get("/v1/models/org/no-such-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"

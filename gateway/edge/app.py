@@ -33,7 +33,7 @@ from gateway.edge.middleware import HostCheck, JsonOnly, KeyGate, is_loopback
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
-from gateway.edge.openai.models import list_models
+from gateway.edge.openai.models import list_models, one_model
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.fleet import Fleet
@@ -55,6 +55,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
 
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return _error_response(exc)
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
     return _error_response(internal_error())
@@ -71,7 +76,11 @@ def _starlette(routes: list[Route], middleware: list[Middleware]) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        exception_handlers={
+            HTTPException: _http_error,
+            APIError: _api_error,
+            Exception: _server_error,
+        },
     )
     # A trailing slash is a plain 404: a redirect would echo the client's Host
     # into Location.
@@ -133,7 +142,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
         Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
-        Route("/v1/models", list_models(fleet, teams, started_at), methods=["GET"]),
+        Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
+        Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
         *probe_routes(is_ready),
         *KServeRoutes(
             config=config,

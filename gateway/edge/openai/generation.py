@@ -21,16 +21,18 @@ from typing import Any
 from gateway.admission import Deadline, EventPump, InFlight
 from gateway.config import Config
 from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error, send_json
-from gateway.edge.errors import APIError, from_engine_error, internal_error
+from gateway.edge.errors import APIError, from_engine_error, internal_error, invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
-from gateway.edge.openai.validation import ParsedRequest
+from gateway.edge.openai.models import resolve
+from gateway.edge.openai.validation import ParsedRequest, model_of
 from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet, ModelPool
-from gateway.protocol import errors
+from gateway.protocol import errors, features
 from gateway.protocol.errors import Outcome
-from gateway.teams import Team, Teams, team_of
+from gateway.protocol.types import GenerateRequest
+from gateway.teams import Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
 from gateway.telemetry.tracing import Tracing, annotate
 
@@ -78,6 +80,22 @@ def _priority(scope: Scope) -> int | None:
                 )
             return max(-1000, min(1000, int(value)))
     return None
+
+
+def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
+    """Refuses, naming the parameter, what the model's workers do not serve; when
+    none has described itself yet, the worker refuses for itself."""
+    served = pool.features()
+    if served is None:
+        return
+    if features.GENERATE not in served:
+        raise invalid(
+            "model", f"The model `{pool.name}` does not generate text; it serves /v1/embeddings."
+        )
+    lacking = features.missing(request, served)
+    if lacking is not None:
+        feature, param = lacking
+        raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -170,13 +188,15 @@ class GenerationRoute:
         record: RequestRecord,
         metadata: tuple[tuple[str, str], ...],
     ) -> None:
-        parsed = self.parse(await read_json(scope, receive, self.config.max_body_bytes))
+        body = await read_json(scope, receive, self.config.max_body_bytes)
+        pool = resolve(self.fleet, team_of(scope), model_of(body))
+        record.model = pool.name
+        parsed = self.parse(body)
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
-        pool = self.fleet.get(self._visible_model(team_of(scope), parsed.model))
-        record.model = pool.name
+        _check_features(pool, parsed.generate)
         parsed = self.limits.check(parsed, pool.name)
         self.inflight.check_open()
         if pool.saturated():
@@ -206,22 +226,6 @@ class GenerationRoute:
             log.info("client went away while queued; request %s dropped", record.request_id)
         finally:
             watcher.cancel()
-
-    def _visible_model(self, team: Team | None, name: str | None) -> str | None:
-        """The model a request names, or its team's first LLM when it names none;
-        a model outside the team's allow-list is as missing as an unknown one."""
-        if team is None:
-            return name
-        if name is None:
-            llms = (p.name for p in self.fleet.models.values() if p.kind == "llm")
-            name = next((m for m in llms if Teams.sees(team, m)), None)
-            if name is None:
-                raise errors.ModelNotFound(
-                    "No model is named, and none is served to this key.", param="model"
-                )
-        if not Teams.sees(team, name):
-            raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")
-        return name
 
     async def _serve(
         self,

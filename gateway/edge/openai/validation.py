@@ -1,35 +1,92 @@
 """Turns an OpenAI request body into our `GenerateRequest`, or a 400 naming the
 parameter at fault, with the rules OpenAI-compatible servers apply.
 
-Unknown fields are ignored so that SDKs sending extras keep working; features
-we do not serve (n > 1, logprobs, tools, JSON mode, echo, suffix) are refused
-rather than silently dropped.
+Every parameter of OpenAI's and vLLM's chat and completions APIs is either
+served (parsed here, carried to the worker, refused by the route when the
+model's workers lack its feature) or refused here by name (`UNSERVED`); a
+parameter at its default value is accepted, since obeying it costs nothing.
+Unknown fields are ignored, as OpenAI-compatible servers ignore them, so SDKs
+sending extras keep working. Whether the model's workers serve a parameter is
+the route's check (`gateway.protocol.features`), after the model is resolved.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import orjson
+
 from gateway.edge.errors import invalid
-from gateway.protocol.types import GenerateRequest, Message, SamplingParams
+from gateway.protocol.types import (
+    GenerateRequest,
+    Message,
+    ResponseFormat,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
 
 MAX_STOP = 4
 #: The longest stop string, in characters: a worker holds back that much text.
 MAX_STOP_CHARS = 1024
 UINT32_MAX = 2**32 - 1  # the worker protocol's counts are uint32
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+#: Bounds on what one request may ask of the new fields (OpenAI's where it has one).
+MAX_N = 128
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs cap
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # per assistant message
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_IMAGES = 64
+MAX_USER_CHARS = 256
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: Image references a worker may take: web URLs and inline data.
+_IMAGE_URL = re.compile(r"(https?://|data:image/)", re.I)
+
+#: Parameters of OpenAI's or vLLM's APIs this gateway does not serve, with the
+#: value that asks nothing of it (None: any value but null is refused).
+UNSERVED: dict[str, Any] = {
+    "functions": None,  # the deprecated form of tools
+    "function_call": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "guided_json": None,  # vLLM's older structured-output fields: use response_format
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "truncate_prompt_tokens": None,
+    "use_beam_search": False,
+    "length_penalty": None,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A valid request: what to generate, and how to answer."""
+    """A valid request: what to generate, and how to answer (`echo`: a
+    completion's answer starts with its prompt)."""
 
     model: str | None
     generate: GenerateRequest
     stream: bool
     include_usage: bool
+    echo: bool = False
 
 
 def _is_number(value: Any) -> bool:
@@ -76,10 +133,21 @@ def _flag(body: Mapping[str, Any], name: str, where: str = "") -> bool:
     return value
 
 
-def _only_one(body: Mapping[str, Any], name: str) -> None:
-    value = _int(body, name)
-    if value is not None and value != 1:
-        raise invalid(name, f"Only {name}=1 is supported.")
+def _string(body: Mapping[str, Any], name: str, where: str = "") -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise invalid(where + name, f"Invalid type for '{where}{name}': expected a string.")
+    return value
+
+
+def _unserved(body: Mapping[str, Any], names: Mapping[str, Any]) -> None:
+    """Refuses, by name, a parameter we do not serve that asks for something."""
+    for name, default in names.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -115,7 +183,41 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
+def _token_ids(body: Mapping[str, Any], name: str, limit: int) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= UINT32_MAX for v in value):
+        raise invalid(name, f"Invalid type for '{name}': expected a list of token ids.")
+    if len(value) > limit:
+        raise invalid(name, f"Invalid value for '{name}': at most {limit} token ids.")
+    return tuple(value)
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise invalid("logit_bias", "Invalid type for 'logit_bias': expected an object.")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"Invalid value for 'logit_bias': at most {MAX_LOGIT_BIAS}.")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isdigit() and len(key) <= 10 and int(key) <= UINT32_MAX):
+            raise invalid("logit_bias", f"Invalid key in 'logit_bias': {key[:32]!r}: no token id.")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise invalid("logit_bias", "Invalid value in 'logit_bias': must be in [-100, 100].")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
 def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    max_tokens = _max_tokens(body)
+    min_tokens = _int(body, "min_tokens", 0, UINT32_MAX) or None
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise invalid("min_tokens", "Invalid value for 'min_tokens': more than 'max_tokens'.")
+    repetition_penalty = _number(body, "repetition_penalty", 0, 2, low_open=True)
     return SamplingParams(
         temperature=_number(body, "temperature", 0, 2),
         top_p=_number(body, "top_p", 0, 1, low_open=True),
@@ -123,54 +225,130 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
         presence_penalty=_number(body, "presence_penalty", -2, 2),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
         seed=_int(body, "seed"),
-        max_tokens=_max_tokens(body),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=_flag(body, "ignore_eos") or None,
+        repetition_penalty=None if repetition_penalty == 1 else repetition_penalty,
+        min_p=_number(body, "min_p", 0, 1) or None,
+        logit_bias=_logit_bias(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
     )
 
 
 def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether to add a usage chunk; options without `stream` ask nothing (OpenAI's servers
+    accept and drop them)."""
     options = body.get("stream_options")
     if options is None:
         return False
     if not isinstance(options, Mapping):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
-    if not stream:
-        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true.")
-    return _flag(options, "include_usage", "stream_options.")
+    include_usage = _flag(options, "include_usage", "stream_options.")
+    return stream and include_usage
 
 
-def _common(body: Any) -> tuple[str | None, bool, bool, SamplingParams, tuple[str, ...]]:
+def model_of(body: Any) -> str | None:
+    """The model a body names (None: it names none), checked first so that a
+    request to an unknown model is a 404 whatever else is wrong with it."""
     if not isinstance(body, Mapping):
         raise invalid(None, "The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "Invalid type for 'model': expected a string.")
-    _only_one(body, "n")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, Mapping) or response_format.get("type") != "text"
-    ):
-        raise invalid("response_format", "Only response_format of type 'text' is supported.")
+    return model
+
+
+def _user(body: Mapping[str, Any]) -> str:
+    user = _string(body, "user") or ""
+    if len(user) > MAX_USER_CHARS:
+        raise invalid("user", f"Invalid value for 'user': at most {MAX_USER_CHARS} characters.")
+    return user
+
+
+def _common(body: Any, fields: dict[str, Any]) -> ParsedRequest:
+    """What both routes share; `fields` are the route's own GenerateRequest fields."""
+    model = model_of(body)
+    _unserved(body, UNSERVED)
+    n = _int(body, "n", 1, MAX_N) or 1
     stream = _flag(body, "stream")
     include_usage = _stream_options(body, stream)
-    return model, stream, include_usage, _sampling(body), _stop(body)
+    request = GenerateRequest(
+        model or "",
+        sampling=_sampling(body),
+        stop=_stop(body),
+        n=n,
+        user=_user(body),
+        **fields,
+    )
+    return ParsedRequest(model, request, stream, include_usage)
 
 
-def _content(content: Any, where: str) -> str:
+# -- chat -------------------------------------------------------------------
+
+
+def _image(part: Mapping[str, Any], where: str) -> str:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    if not isinstance(url, str) or not _IMAGE_URL.match(url):
+        raise invalid(
+            f"{where}.image_url",
+            "Invalid 'image_url': expected {\"url\": an http(s) URL or a data:image/ URI}.",
+        )
+    return url
+
+
+def _content(content: Any, where: str) -> tuple[str, tuple[str, ...]]:
+    """A message's text, its parts joined, and its images in order."""
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise invalid(where, f"Invalid type for '{where}': expected a string or a list of parts.")
     texts = []
+    images = []
     for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            raise invalid(f"{where}[{j}]", "Only content parts of type 'text' are supported.")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"{where}[{j}].text", "Invalid type: expected a string.")
-        texts.append(text)
-    return "".join(texts)
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{where}[{j}].text", "Invalid type: expected a string.")
+            texts.append(text)
+        elif kind == "image_url":
+            images.append(_image(part, f"{where}[{j}]"))
+        else:
+            raise invalid(
+                f"{where}[{j}]", "Only content parts of type 'text' and 'image_url' are supported."
+            )
+    return "".join(texts), tuple(images)
+
+
+def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
+    calls = message.get("tool_calls")
+    if calls is None:
+        return ()
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
+        raise invalid(where, f"Invalid '{where}': expected a list of at most {MAX_TOOL_CALLS}.")
+    parsed = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise invalid(f"{where}[{k}].function", "Invalid type: expected an object.")
+        parsed.append(
+            ToolCall(
+                _string(call, "id", f"{where}[{k}].") or "",
+                _required_string(function, "name", f"{where}[{k}].function."),
+                _string(function, "arguments", f"{where}[{k}].function.") or "{}",
+            )
+        )
+    return tuple(parsed)
+
+
+def _required_string(body: Mapping[str, Any], name: str, where: str) -> str:
+    value = _string(body, name, where)
+    if not value:
+        raise invalid(where + name, f"'{where}{name}' is required.")
+    return value
 
 
 def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
@@ -180,46 +358,163 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     if not messages:
         raise invalid("messages", "'messages' must hold at least one message.")
     parsed = []
+    images = 0
     for i, message in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(message, Mapping):
-            raise invalid(f"messages[{i}]", "Invalid type: expected an object.")
+            raise invalid(where, "Invalid type: expected an object.")
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise invalid(
-                f"messages[{i}].role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
+                f"{where}.role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
             )
-        parsed.append(Message(role, _content(message.get("content"), f"messages[{i}].content")))
+        text, pictures = _content(message.get("content"), f"{where}.content")
+        images += len(pictures)
+        if images > MAX_IMAGES:
+            raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
+        calls = _tool_calls(message, f"{where}.tool_calls") if role == "assistant" else ()
+        call_id = _string(message, "tool_call_id", f"{where}.") or ""
+        if role == "tool" and not call_id:
+            raise invalid(f"{where}.tool_call_id", "A tool message needs 'tool_call_id'.")
+        name = _string(message, "name", f"{where}.") or ""
+        parsed.append(Message(role, text, pictures, calls, call_id, name))
     return tuple(parsed)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"Invalid 'tools': expected a list of at most {MAX_TOOLS}.")
+    parsed = []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise invalid(f"{where}.type", "Only tools of type 'function' are supported.")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise invalid(f"{where}.function", "Invalid type: expected an object.")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise invalid(f"{where}.function.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise invalid(f"{where}.function.parameters", "Invalid type: expected an object.")
+        parsed.append(
+            Tool(
+                name,
+                _string(function, "description", f"{where}.function.") or "",
+                orjson.dumps(parameters).decode() if parameters is not None else "",
+                _flag(function, "strict", f"{where}.function."),
+            )
+        )
+    if len({tool.name for tool in parsed}) != len(parsed):
+        raise invalid("tools", "Invalid 'tools': function names must be unique.")
+    return tuple(parsed)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> str:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return ""
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid("tool_choice", "Invalid 'tool_choice': expected a function by name.")
+        if name not in {tool.name for tool in tools}:
+            raise invalid("tool_choice", f"Invalid 'tool_choice': no tool is named {name[:64]!r}.")
+        return name
+    if choice not in ("none", "auto", "required"):
+        raise invalid("tool_choice", "Invalid 'tool_choice': none, auto, required or a function.")
+    if choice == "none":
+        return "none" if tools else ""
+    if not tools:
+        raise invalid("tool_choice", "'tool_choice' is only allowed when 'tools' are given.")
+    return str(choice)
+
+
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise invalid(
+            "response_format", "Invalid 'response_format': type text, json_object or json_schema."
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise invalid("response_format.json_schema", "Invalid type: expected an object.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(
+            "response_format.json_schema.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -."
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, Mapping):
+        raise invalid("response_format.json_schema.schema", "Invalid type: expected an object.")
+    strict = _flag(spec, "strict", "response_format.json_schema.")
+    return ResponseFormat("json_schema", orjson.dumps(schema).decode(), name, strict)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _flag(body, "logprobs"):
+        if top:
+            raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")
+        return None
+    return top or 0
 
 
 def parse_chat(body: Any) -> ParsedRequest:
     """A /v1/chat/completions body, checked."""
-    model, stream, include_usage, sampling, stop = _common(body)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        param = "logprobs" if body.get("logprobs") else "top_logprobs"
-        raise invalid(param, "logprobs are not supported.")
-    tools = body.get("tools")
-    if tools:
-        raise invalid("tools", "Tools are not supported.")
-    messages = _messages(body)
-    request = GenerateRequest(model or "", messages=messages, sampling=sampling, stop=stop)
-    return ParsedRequest(model, request, stream, include_usage)
+    model_of(body)
+    _unserved(body, {"best_of": None, "suffix": None, "echo": False})
+    tools = _tools(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
+    fields = {
+        "messages": _messages(body),
+        "logprobs": _chat_logprobs(body),
+        "tools": tools,
+        "tool_choice": _tool_choice(body, tools),
+        "parallel_tool_calls": parallel if tools else None,
+        "response_format": _response_format(body),
+    }
+    return _common(body, fields)
+
+
+# -- completions --------------------------------------------------------------
 
 
 def parse_completion(body: Any) -> ParsedRequest:
     """A /v1/completions body, checked."""
-    model, stream, include_usage, sampling, stop = _common(body)
-    _only_one(body, "best_of")
-    if body.get("logprobs") is not None:
-        raise invalid("logprobs", "logprobs are not supported.")
-    if _flag(body, "echo"):
-        raise invalid("echo", "echo is not supported.")
+    model_of(body)
+    for name in ("tools", "tool_choice", "messages"):
+        _unserved(body, {name: None})
     if body.get("suffix"):
-        raise invalid("suffix", "suffix is not supported.")
+        raise invalid("suffix", "'suffix' is not supported.")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise invalid("prompt", "'prompt' is required and must be one string.")
-    request = GenerateRequest(model or "", prompt=prompt, sampling=sampling, stop=stop)
-    return ParsedRequest(model, request, stream, include_usage)
+    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    echo = _flag(body, "echo")
+    if echo and logprobs is not None:
+        raise invalid("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported.")
+    parsed = _common(
+        body,
+        {"prompt": prompt, "logprobs": logprobs, "response_format": _response_format(body)},
+    )
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != parsed.generate.n:
+        raise invalid("best_of", "'best_of' other than 'n' is not supported.")
+    return ParsedRequest(parsed.model, parsed.generate, parsed.stream, parsed.include_usage, echo)
