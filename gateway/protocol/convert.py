@@ -4,21 +4,33 @@ worker SDK reads requests and sends events with the same functions, so the two
 ends of the protocol cannot drift apart.
 
 Events are converted one message at a time on the token path, so these stay
-plain functions over small tuples, with no allocation beyond the result.
+plain functions over small tuples, with no allocation beyond the result: a
+`Text` without logprobs costs what it cost before the protocol grew (one
+constructor each way); logprobs, tool calls and choices past the first pay for
+themselves only when present.
 """
 
 from __future__ import annotations
 
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+
 from gateway.protocol import errors
 from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
     Event,
     Finished,
     FinishReason,
     GenerateRequest,
     Message,
+    ResponseFormat,
     SamplingParams,
     Started,
     Text,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 
@@ -26,12 +38,39 @@ from gateway.protocol.v1 import engine_pb2 as pb
 REASON_TO_PROTO = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
 }
 PROTO_TO_REASON = {value: key for key, value in REASON_TO_PROTO.items()}
 
 
+# -- requests -----------------------------------------------------------------
+
+
+def _message_to_proto(m: Message) -> pb.ChatMessage:
+    return pb.ChatMessage(
+        role=m.role,
+        content=m.content,
+        images=m.images,
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+        tool_call_id=m.tool_call_id,
+        name=m.name,
+    )
+
+
+def _message_from_proto(m: pb.ChatMessage) -> Message:
+    return Message(
+        m.role,
+        m.content,
+        tuple(m.images),
+        tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+        m.tool_call_id,
+        m.name,
+    )
+
+
 def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
-    """Our request as the protocol's message."""
+    """Our request as the protocol's message; a field left at its default is
+    not sent, so a first-version request is the first version's message."""
     s = request.sampling
     sampling = pb.SamplingParams(
         temperature=s.temperature,
@@ -41,24 +80,44 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         frequency_penalty=s.frequency_penalty,
         seed=s.seed,
         max_tokens=s.max_tokens,
+        min_tokens=s.min_tokens,
+        ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
+        stop_token_ids=s.stop_token_ids,
     )
     message = pb.GenerateRequest(
         request_id=request.request_id,
         model=request.model,
         sampling=sampling,
         stop=request.stop,
+        n=request.n if request.n != 1 else 0,
+        logprobs=request.logprobs,
+        tools=[
+            pb.Tool(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+            )
+            for t in request.tools
+        ],
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        user=request.user,
     )
-    if request.messages is not None:
-        message.chat.messages.extend(
-            pb.ChatMessage(role=m.role, content=m.content) for m in request.messages
+    f = request.response_format
+    if f is not None:
+        message.response_format.CopyFrom(
+            pb.ResponseFormat(type=f.type, schema=f.schema, name=f.name, strict=f.strict)
         )
+    if request.messages is not None:
+        message.chat.messages.extend(_message_to_proto(m) for m in request.messages)
     else:
         message.text = request.prompt or ""
     return message
 
 
 def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
-    """The protocol's request as ours."""
+    """The protocol's request as ours (n 0 is 1; an empty response format is none)."""
     s = message.sampling
     # proto3 `optional` fields: None where the client left one unset
     sampling = SamplingParams(
@@ -69,10 +128,17 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
+        ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        min_p=s.min_p if s.HasField("min_p") else None,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        stop_token_ids=tuple(s.stop_token_ids),
     )
     chat = None
     if message.WhichOneof("prompt") == "chat":
-        chat = tuple(Message(m.role, m.content) for m in message.chat.messages)
+        chat = tuple(_message_from_proto(m) for m in message.chat.messages)
+    f = message.response_format
     return GenerateRequest(
         model=message.model,
         prompt=message.text if chat is None else None,
@@ -80,29 +146,93 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         sampling=sampling,
         stop=tuple(message.stop),
         request_id=message.request_id,
+        n=message.n or 1,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        tools=tuple(Tool(t.name, t.description, t.parameters, t.strict) for t in message.tools),
+        tool_choice=message.tool_choice,
+        parallel_tool_calls=(
+            message.parallel_tool_calls if message.HasField("parallel_tool_calls") else None
+        ),
+        response_format=ResponseFormat(f.type, f.schema, f.name, f.strict) if f.type else None,
+        user=message.user,
+    )
+
+
+# -- events -------------------------------------------------------------------
+
+
+def _logprobs_to_proto(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token=lp.token,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token=t, logprob=p) for t, p in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def _logprobs_from_proto(
+    logprobs: RepeatedCompositeFieldContainer[pb.TokenLogprob],
+) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(lp.token, lp.logprob, tuple((t.token, t.logprob) for t in lp.top))
+        for lp in logprobs
     )
 
 
 def event_to_proto(event: Event) -> pb.GenerateEvent:
     """One of our events as the protocol's message."""
     if type(event) is Text:
-        return pb.GenerateEvent(text=pb.Text(text=event.text, tokens=event.tokens))
+        if event.logprobs is None:  # the token path: as cheap as the first version's
+            if event.index:
+                text = pb.Text(text=event.text, tokens=event.tokens, index=event.index)
+            else:
+                text = pb.Text(text=event.text, tokens=event.tokens)
+        else:
+            text = pb.Text(
+                text=event.text,
+                tokens=event.tokens,
+                index=event.index,
+                logprobs=_logprobs_to_proto(event.logprobs),
+            )
+        return pb.GenerateEvent(text=text)
+    if type(event) is ToolCallDelta:
+        return pb.GenerateEvent(
+            tool_call=pb.ToolCallDelta(
+                index=event.index,
+                call_index=event.call_index,
+                id=event.id,
+                name=event.name,
+                arguments=event.arguments,
+                tokens=event.tokens,
+            )
+        )
     if type(event) is Started:
         return pb.GenerateEvent(started=pb.Started(prompt_tokens=event.prompt_tokens))
     assert type(event) is Finished
     return pb.GenerateEvent(
         finished=pb.Finished(
-            reason=REASON_TO_PROTO[event.reason], completion_tokens=event.completion_tokens
+            reason=REASON_TO_PROTO[event.reason],
+            completion_tokens=event.completion_tokens,
+            index=event.index,
         )
     )
 
 
-def event_from_proto(message: pb.GenerateEvent) -> Event:
-    """The protocol's event as ours; `Failed` for an event this version does not know."""
+def event_from_proto(message: pb.GenerateEvent, logprobs: bool = False) -> Event:
+    """The protocol's event as ours; `Failed` for an event this version does not know.
+    A `Text`'s logprobs are read only with `logprobs` (the request asked for them):
+    looking at an empty repeated field costs a third of the whole conversion."""
     kind = message.WhichOneof("event")
     if kind == "text":
         text = message.text
-        return Text(text.text, text.tokens)
+        if logprobs and text.logprobs:
+            return Text(text.text, text.tokens, text.index, _logprobs_from_proto(text.logprobs))
+        return Text(text.text, text.tokens, text.index)
+    if kind == "tool_call":
+        d = message.tool_call
+        return ToolCallDelta(d.index, d.call_index, d.id, d.name, d.arguments, d.tokens)
     if kind == "started":
         return Started(message.started.prompt_tokens)
     if kind == "finished":
@@ -110,5 +240,51 @@ def event_from_proto(message: pb.GenerateEvent) -> Event:
         reason = PROTO_TO_REASON.get(finished.reason)
         if reason is None:  # UNSPECIFIED, or a value this version does not know
             raise errors.Failed(f"engine worker finished with an unknown reason {finished.reason}")
-        return Finished(reason, finished.completion_tokens)
+        return Finished(reason, finished.completion_tokens, None, finished.index)
     raise errors.Failed(f"engine worker sent an unknown event {kind!r}")
+
+
+# -- embeddings ---------------------------------------------------------------
+
+
+def embed_request_to_proto(request: EmbedRequest) -> pb.EmbedRequest:
+    """Our embedding request as the protocol's message."""
+    return pb.EmbedRequest(
+        request_id=request.request_id,
+        model=request.model,
+        inputs=[
+            pb.EmbedInput(text=i)
+            if isinstance(i, str)
+            else pb.EmbedInput(tokens=pb.TokenIds(ids=i))
+            for i in request.inputs
+        ],
+        dimensions=request.dimensions,
+        user=request.user,
+    )
+
+
+def embed_request_from_proto(message: pb.EmbedRequest) -> EmbedRequest:
+    """The protocol's embedding request as ours."""
+    return EmbedRequest(
+        model=message.model,
+        inputs=tuple(
+            tuple(i.tokens.ids) if i.WhichOneof("input") == "tokens" else i.text
+            for i in message.inputs
+        ),
+        dimensions=message.dimensions if message.HasField("dimensions") else None,
+        user=message.user,
+        request_id=message.request_id,
+    )
+
+
+def embeddings_to_proto(embeddings: Embeddings) -> pb.EmbedResponse:
+    """Our embeddings as the protocol's answer."""
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=v) for v in embeddings.vectors],
+        prompt_tokens=embeddings.prompt_tokens,
+    )
+
+
+def embeddings_from_proto(message: pb.EmbedResponse) -> Embeddings:
+    """The protocol's answer as our embeddings (floats, as float32 carried them)."""
+    return Embeddings(tuple(tuple(e.values) for e in message.embeddings), message.prompt_tokens)
