@@ -1,6 +1,6 @@
 """Tensor models on the fleet: one inference on one of the model's workers, and the model's
 metadata (read from a worker, cached by its upstream), with the balancing, ejection and retry
-rules of LLM requests, less what has no meaning here.
+rules of LLM requests, less what has no meaning here (`unary`).
 
 An inference has no first event to wait for, so the only failure retried on another worker is
 one that shows the worker never saw the call (`never_started`: UNAVAILABLE on a channel that
@@ -9,13 +9,11 @@ was not connected); anything later may have run and is the client's to retry.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from gateway.admission.deadline import Deadline
+from gateway.fleet.unary import call_unary, never_started, pick
 from gateway.protocol import errors
-from gateway.protocol.types import GenerateRequest
-from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.kserve_grpc import (
     InferRequest,
     InferResult,
@@ -31,21 +29,19 @@ if TYPE_CHECKING:
 METADATA_TIMEOUT = 5.0
 
 
-def _pick(pool: ModelPool, tried: set[Worker]) -> tuple[Worker, KServeGrpcUpstream]:
-    worker = pool.pick(GenerateRequest(model=pool.name, prompt=""), tried)
-    if worker is None:
-        raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+def _tensor_client(pool: ModelPool, worker: Worker) -> KServeGrpcUpstream:
     client = worker.client
     if not isinstance(client, KServeGrpcUpstream):
         raise errors.NotAnLLM(f"The model `{pool.name}` is not served by tensor workers.")
-    return worker, client
+    return client
 
 
 async def model_metadata(pool: ModelPool, version: str) -> ModelMetadata:
     """The model's inputs and outputs, as a worker declares them."""
     tried: set[Worker] = set()
     while True:
-        worker, client = _pick(pool, tried)
+        worker = pick(pool, tried)
+        client = _tensor_client(pool, worker)
         tried.add(worker)
         try:
             return await client.model_metadata(version, METADATA_TIMEOUT)
@@ -62,31 +58,9 @@ async def infer(
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> InferResult:
     """Runs the inference on a worker; retries elsewhere only what never started."""
-    fleet.budget.record_request()
-    tried: set[Worker] = set()
-    attempts = max(1, fleet.config.retry_attempts)
-    for attempt in range(1, attempts + 1):
-        worker, client = _pick(pool, tried)
-        tried.add(worker)
-        worker.outstanding += 1
-        outcome: errors.EngineError | str | None = None
-        try:
-            return await client.infer(request, deadline.remaining(), metadata)
-        except errors.EngineError as error:
-            outcome = error
-            retry = (
-                getattr(error, "never_started", False)
-                and attempt < attempts
-                and deadline.remaining() > 0
-                and bool(pool.available(tried))
-                and fleet.budget.try_spend()
-            )
-            if not retry:
-                raise
-            pool.retries_total += 1
-        except asyncio.CancelledError:
-            outcome = CANCELLED
-            raise
-        finally:
-            worker.release(outcome)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def call(worker: Worker) -> InferResult:
+        return await _tensor_client(pool, worker).infer(request, deadline.remaining(), metadata)
+
+    result, _ = await call_unary(fleet, pool, deadline, call, never_started)
+    return result

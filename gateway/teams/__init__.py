@@ -34,7 +34,7 @@ from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.slots import Slots
 from gateway.config import Config
 from gateway.protocol import errors
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import EmbedRequest, GenerateRequest
 from gateway.teams.fair_share import FairShare
 from gateway.teams.headers import rate_limit_headers
 from gateway.teams.keys import KeyRing
@@ -130,7 +130,7 @@ class Teams:
         self,
         team: Team | None,
         model: str,
-        request: GenerateRequest,
+        request: GenerateRequest | EmbedRequest,
         record: RequestRecord,
         priority: int | None = None,
         gone: asyncio.Future[None] | None = None,
@@ -162,7 +162,7 @@ class Teams:
         self,
         team: Team | None,
         model: str,
-        request: GenerateRequest,
+        request: GenerateRequest | EmbedRequest,
         record: RequestRecord,
         settings: QueueSettings,
         priority: int | None,

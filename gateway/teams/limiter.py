@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import Config
 from gateway.protocol.errors import RateLimited
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import EmbedRequest, GenerateRequest
 from gateway.teams.team import Team
 from gateway.telemetry.record import RequestRecord
 
@@ -69,8 +69,11 @@ _LIMIT_NAMES = {
 }
 
 
-def estimate_tokens(request: GenerateRequest) -> int:
-    """A prompt's tokens before the worker counts them: ~4 characters a token."""
+def estimate_tokens(request: GenerateRequest | EmbedRequest) -> int:
+    """A prompt's tokens before the worker counts them: ~4 characters a token
+    (an embedding's token ids count as they are)."""
+    if isinstance(request, EmbedRequest):
+        return sum(math.ceil(len(x) / 4) if isinstance(x, str) else len(x) for x in request.inputs)
     if request.messages is None:
         chars, parts = len(request.prompt or ""), 0
     else:
@@ -242,11 +245,15 @@ class Limiter:
 
     # -- requests ---------------------------------------------------------------
 
-    async def admit(self, team: Team, request: GenerateRequest, record: RequestRecord) -> Lease:
+    async def admit(
+        self, team: Team, request: GenerateRequest | EmbedRequest, record: RequestRecord
+    ) -> Lease:
         """Charges one request, its estimated prompt and its reserved completion
-        to `team`, or raises a 429."""
+        (an embedding has none) to `team`, or raises a 429."""
         estimate = estimate_tokens(request)
-        reserve = request.sampling.max_tokens if team.tokens is not None else 0
+        reserve: int | None = 0
+        if team.tokens is not None and isinstance(request, GenerateRequest):
+            reserve = request.sampling.max_tokens
         self._count += 1
         lease = Lease(team, estimate, reserve, record, f"{self._gateway}:{self._count}")
         refused = await self._admit_shared(lease)

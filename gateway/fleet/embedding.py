@@ -1,0 +1,49 @@
+"""Embeddings on the fleet: one Embed call on one of the model's workers, through its
+upstream (`Upstream.embed`), with the time left as its deadline and the balancing, ejection
+and retry rules of the fleet's unary calls (`unary`).
+
+Which failures go to another worker: every retryable one (busy, unreachable, the model not
+found there), as for a generation before its first event. An embedding is a pure function
+of its inputs and nothing of it reaches the client before the whole answer, so a try that
+may have run on a worker that then failed costs that worker's time, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.admission.deadline import Deadline
+from gateway.fleet.unary import call_unary
+from gateway.protocol import errors
+from gateway.protocol.types import Embeddings, EmbedRequest
+
+if TYPE_CHECKING:
+    from gateway.fleet import Fleet
+    from gateway.fleet.pool import ModelPool
+    from gateway.fleet.worker import Worker
+
+
+def _retryable(error: errors.EngineError) -> bool:
+    return error.retryable
+
+
+async def embed(
+    fleet: Fleet,
+    pool: ModelPool,
+    request: EmbedRequest,
+    deadline: Deadline,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> tuple[Embeddings, str]:
+    """The request's embeddings from a worker of `pool`, and that worker's address."""
+
+    async def call(worker: Worker) -> Embeddings:
+        embeddings = await worker.client.embed(request, deadline.remaining(), metadata)
+        if len(embeddings.vectors) != len(request.inputs):  # it broke the protocol
+            raise errors.Failed(
+                f"The worker {worker.address} answered {len(embeddings.vectors)} embeddings "
+                f"for {len(request.inputs)} inputs."
+            )
+        return embeddings
+
+    embeddings, worker = await call_unary(fleet, pool, deadline, call, _retryable)
+    return embeddings, worker.address

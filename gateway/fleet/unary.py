@@ -1,0 +1,86 @@
+"""One unary call (a tensor inference, an embedding) on one of a model's workers, with the
+balancing, ejection and retry rules of LLM requests, less what has no meaning here.
+
+A unary answer comes whole, so nothing of it reaches the client before it is done; which
+failures are tried again on another worker is the caller's rule (`retry`), bounded like a
+generation's retries by `retry_attempts`, the time left and the retry budget. No back-off:
+the next try goes to a worker not yet tried. Every try counts in its worker's calls in
+flight and ends in `Worker.release`, however it ends (a cancellation says nothing of the
+worker), so ejection sees unary calls as it sees generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from gateway.admission.deadline import Deadline
+from gateway.protocol import errors
+from gateway.protocol.types import GenerateRequest
+from gateway.upstreams.base import CANCELLED
+
+if TYPE_CHECKING:
+    from gateway.fleet import Fleet
+    from gateway.fleet.pool import ModelPool
+    from gateway.fleet.worker import Worker
+
+log = logging.getLogger("furnace.fleet")
+
+T = TypeVar("T")
+
+
+def pick(pool: ModelPool, tried: set[Worker]) -> Worker:
+    """A worker for a unary call among those not yet tried (a unary call has no prompt
+    prefix for affinity to follow), or `Unavailable`."""
+    worker = pool.pick(GenerateRequest(model=pool.name, prompt=""), tried)
+    if worker is None:
+        raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+    return worker
+
+
+def never_started(error: errors.EngineError) -> bool:
+    """The retry rule of a call that may have run on its worker: only a failure that shows
+    the worker never saw it (an upstream marks it `never_started`)."""
+    return bool(getattr(error, "never_started", False))
+
+
+async def call_unary(
+    fleet: Fleet,
+    pool: ModelPool,
+    deadline: Deadline,
+    call: Callable[[Worker], Awaitable[T]],
+    retry: Callable[[errors.EngineError], bool],
+) -> tuple[T, Worker]:
+    """`call` on a worker of `pool`, and that worker; a failure `retry` accepts is tried
+    on another worker while attempts, time and the retry budget last."""
+    fleet.budget.record_request()
+    tried: set[Worker] = set()
+    attempts = max(1, fleet.config.retry_attempts)
+    for attempt in range(1, attempts + 1):
+        worker = pick(pool, tried)
+        tried.add(worker)
+        worker.outstanding += 1
+        outcome: errors.EngineError | str | None = None
+        try:
+            return await call(worker), worker
+        except errors.EngineError as error:
+            outcome = error
+            again = (
+                retry(error)
+                and attempt < attempts
+                and deadline.remaining() > 0
+                and bool(pool.available(tried))
+                and fleet.budget.try_spend()
+            )
+            if not again:
+                raise
+            pool.retries_total += 1
+            log.info("model %s: retrying after %s", pool.name, type(error).__name__)
+        except asyncio.CancelledError:
+            outcome = CANCELLED
+            raise
+        finally:
+            worker.release(outcome)
+    raise AssertionError("unreachable: the last attempt returns or raises")
