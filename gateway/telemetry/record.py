@@ -3,7 +3,9 @@ timings, the worker's counts), read once at the end by the metrics and the
 access log, and while it runs by a team's token billing.
 
 `take` is on the token path: one call per written batch, no allocation beyond
-the joined text, and at most one histogram observation.
+the joined text, and at most one histogram observation. A request for n
+choices is `finished` at the last of its n `Finished` events; its completion
+tokens are their counts summed, and tool calls' tokens count as sent.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import time
 from typing import Any
 
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Event, Finished, Started, Text
+from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
 
 
 class RequestRecord:
     """One request as it goes: filled by the edge, read once at the end."""
 
     __slots__ = (
+        "choices_left",
         "completion_tokens",
         "finished",
         "first_token_at",
@@ -51,25 +54,35 @@ class RequestRecord:
         self.tokens_sent = 0  # completion tokens written so far (a team's limits read it)
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
-        self.finished: Finished | None = None
+        self.finished: Finished | None = None  # the last choice's, once all have finished
+        self.choices_left = 1
         self.prompt: Any = None
         self.itl: Any = None  # the model's inter-token-latency histogram child
 
+    def expect(self, choices: int) -> None:
+        """The request asks for `choices` answers: it ends after as many `Finished`."""
+        self.choices_left = choices
+
     def take(self, batch: list[Event]) -> str:
-        """Records a batch of events as it is written; returns its text, joined."""
+        """Records a batch of events as it is written; returns its text, joined
+        (of every choice: the one-choice path writes it, the others ignore it)."""
         pieces = []
         tokens = 0
         for event in batch:
-            if isinstance(event, Text):
+            if type(event) is Text:
                 pieces.append(event.text)
+                tokens += event.tokens
+            elif isinstance(event, ToolCallDelta):
                 tokens += event.tokens
             elif isinstance(event, Started):
                 self.prompt_tokens = event.prompt_tokens
             elif isinstance(event, Finished):
-                self.finished = event
-                self.completion_tokens = event.completion_tokens
+                self.completion_tokens += event.completion_tokens
                 if event.prompt_tokens is not None:
                     self.prompt_tokens = event.prompt_tokens
+                self.choices_left -= 1
+                if self.choices_left <= 0:
+                    self.finished = event
         if tokens:
             self.tokens_sent += tokens
             now = time.perf_counter()

@@ -1,24 +1,39 @@
 """OpenAI response bodies: whole JSON answers, and SSE chunks from templates.
 
-Each stream serializes its chunk once with a placeholder for the delta and
-keeps the bytes before and after it; a chunk is then those bytes around the
-JSON-escaped delta. Nothing else is built per token.
+Each stream serializes its text chunk once with placeholders (the choice's
+index, the delta, the logprobs) and keeps the bytes between them; a chunk is
+then those bytes around the JSON-escaped delta. The common answer, one choice
+of plain text, takes the fast path (`plain`): `delta` per written batch and
+nothing else built per token. Everything else (n choices, logprobs, tool
+calls, a completion's echo) reads the worker's events choice by choice
+(`events` for streams, `add` then `answer` for whole answers): text still goes
+through the templates, one chunk per run of a choice's text in a batch; a
+choice's opening, its finish and its tool calls' pieces are built as dicts.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import orjson
 
-from gateway.protocol.types import FinishReason
+from gateway.protocol.types import Event, Finished, FinishReason, Text, TokenLogprob, ToolCallDelta
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
-_PLACEHOLDER = "\x00delta-" + secrets.token_hex(8)
-_PLACEHOLDER_JSON = orjson.dumps(_PLACEHOLDER)
+_SECRET = secrets.token_hex(8)
+_TEXT = "\x00delta-" + _SECRET
+_INDEX = "\x00index-" + _SECRET
+_LOGPROBS = "\x00logprobs-" + _SECRET
+_TEXT_JSON, _INDEX_JSON, _LOGPROBS_JSON = map(orjson.dumps, (_TEXT, _INDEX, _LOGPROBS))
+#: OpenAI's floor for a logprob (vLLM's too): -inf is not JSON.
+MIN_LOGPROB = -9999.0
+
+#: A token's logprob and where it starts in its choice's text (completions' text_offset).
+Logprob = tuple[TokenLogprob, int]
 
 
 def sse(payload: Any) -> bytes:
@@ -34,43 +49,105 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _offsets(start: int, tokens: Sequence[TokenLogprob]) -> list[Logprob]:
+    """`tokens` with where each starts, the first at `start`."""
+    out = []
+    for token in tokens:
+        out.append((token, start))
+        start += len(token.token)
+    return out
+
+
+class _Choice:
+    """What a choice has sent so far (streams) or gathered (whole answers)."""
+
+    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "reason")
+
+    def __init__(self, echo: str) -> None:
+        self.opened = False  # streams: its opening went out
+        self.length = len(echo)  # characters of its text so far
+        self.pieces = [echo] if echo else []
+        self.logprobs: list[Logprob] = []
+        self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
+        self.reason: FinishReason | None = None
+
+
 class Encoder:
-    """One response's bodies; subclasses say how a choice looks."""
+    """One response's bodies; subclasses say how a choice looks.
+
+    `choices`, `logprobs`, `tools` and `echo` (the prompt a completion's
+    answer starts with) say what the request asked for; with none of them the
+    answer is `plain`."""
 
     id_prefix: ClassVar[str]
     object_full: ClassVar[str]
     object_chunk: ClassVar[str]
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool = False,
+        *,
+        choices: int = 1,
+        logprobs: bool = False,
+        tools: bool = False,
+        echo: str | None = None,
+    ) -> None:
         self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
-        template = self._chunk(self.delta_choice(_PLACEHOLDER), None)
-        self._before, self._after = template.split(_PLACEHOLDER_JSON, 1)
+        self.logprobs = logprobs
+        self.echo = echo or ""
+        self.plain = choices == 1 and not logprobs and not tools and echo is None
+        head, rest = self._chunk(self.delta_choice(_TEXT), None, _INDEX).split(_INDEX_JSON, 1)
+        middle, self._after = rest.split(_TEXT_JSON, 1)
+        self._head, self._middle = head, middle
+        self._before = head + b"0" + middle  # choice 0's bytes before its delta
+        self._choices: dict[int, _Choice] = {}
+        if logprobs:
+            choice = {**self.delta_choice(_TEXT), "logprobs": _LOGPROBS}
+            rest = self._chunk(choice, None, 0).split(_TEXT_JSON, 1)[1]
+            self._between, self._after_logprobs = rest.split(_LOGPROBS_JSON, 1)
 
-    def _head(self, object_: str) -> dict[str, Any]:
+    def _head_of(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None) -> bytes:
-        chunk = self._head(self.object_chunk)
+    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: Any = 0) -> bytes:
+        chunk = self._head_of(self.object_chunk)
         finish = None if reason is None else reason.value
-        chunk["choices"] = [{"index": 0, **choice, "finish_reason": finish}]
+        chunk["choices"] = [{"index": index, **choice, "finish_reason": finish}]
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
+
+    # What subclasses say.
 
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         """A stream choice carrying `text` (None: carrying nothing)."""
         raise NotImplementedError
 
-    def full_choice(self, text: str) -> dict[str, Any]:
-        """A whole answer's choice."""
+    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A whole answer's choice: its text, logprobs (JSON or None) and tool calls."""
         raise NotImplementedError
+
+    def logprobs_json(self, logprobs: Sequence[Logprob]) -> Any:
+        """The `logprobs` of a choice (or of a chunk) holding these tokens."""
+        raise NotImplementedError
+
+    def open_choice(self, index: int) -> bytes:
+        """What a stream sends before choice `index`'s first delta."""
+        return b""
+
+    def tool_chunk(self, event: ToolCallDelta) -> bytes:
+        """A stream chunk carrying a piece of a tool call."""
+        return b""
+
+    # The fast path: one choice of plain text.
 
     def opening(self) -> bytes:
         """What a stream sends before the first text."""
-        return b""
+        return self.open_choice(0)
 
     def delta(self, text: str) -> bytes:
         """A chunk carrying `text`."""
@@ -78,22 +155,143 @@ class Encoder:
 
     def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last chunk, the usage chunk if asked for, and [DONE]."""
-        out = self._chunk(self.delta_choice(None), reason)
-        if self.include_usage:
-            usage = self._head(self.object_chunk)
-            usage["choices"] = []
-            usage["usage"] = _usage(prompt_tokens, completion_tokens)
-            out += sse(usage)
-        return out + DONE
+        return self._chunk(self.delta_choice(None), reason) + self.end(
+            prompt_tokens, completion_tokens
+        )
 
     def response(
         self, text: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int
     ) -> bytes:
         """A whole, non-streamed answer."""
-        body = self._head(self.object_full)
-        body["choices"] = [{"index": 0, **self.full_choice(text), "finish_reason": reason.value}]
+        choice = {"index": 0, **self.full_choice(text, None, []), "finish_reason": reason.value}
+        return self._body([choice], prompt_tokens, completion_tokens)
+
+    def _body(self, choices: list[Any], prompt_tokens: int, completion_tokens: int) -> bytes:
+        body = self._head_of(self.object_full)
+        body["choices"] = choices
         body["usage"] = _usage(prompt_tokens, completion_tokens)
         return orjson.dumps(body)
+
+    # Every other answer: events choice by choice.
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice(self.echo)
+        return choice
+
+    def events(self, batch: list[Event]) -> bytes:
+        """The SSE chunks of a batch of events, of any choices: a choice's
+        opening before its first chunk, one chunk per run of its text, one per
+        piece of a tool call, a finish chunk per `Finished`."""
+        out = []
+        run: list[Text] = []
+        for event in batch:
+            if isinstance(event, Text):
+                if run and run[0].index != event.index:
+                    out.append(self._text_chunk(run))
+                    run = []
+                run.append(event)
+                continue
+            if run:
+                out.append(self._text_chunk(run))
+                run = []
+            if isinstance(event, ToolCallDelta):
+                out.append(self._opened(event.index) + self.tool_chunk(event))
+            elif isinstance(event, Finished):
+                opening = self._opened(event.index)
+                finish = self._chunk(self.delta_choice(None), event.reason, event.index)
+                out.append(opening + finish)
+        if run:
+            out.append(self._text_chunk(run))
+        return b"".join(out)
+
+    def _opened(self, index: int) -> bytes:
+        """Choice `index`'s opening if it has not gone out yet."""
+        choice = self._choice(index)
+        if choice.opened:
+            return b""
+        choice.opened = True
+        return self.open_choice(index)
+
+    def _text_chunk(self, run: list[Text]) -> bytes:
+        index = run[0].index
+        opening = self._opened(index)
+        choice = self._choices[index]
+        text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
+        head = self._before if index == 0 else self._head + str(index).encode() + self._middle
+        if not self.logprobs:
+            choice.length += len(text)
+            return opening + head + orjson.dumps(text) + self._after
+        logprobs = self._logprobs_of(choice, run)
+        return (
+            opening
+            + head
+            + orjson.dumps(text)
+            + self._between
+            + orjson.dumps(self.logprobs_json(logprobs))
+            + self._after_logprobs
+        )
+
+    @staticmethod
+    def _logprobs_of(choice: _Choice, texts: Sequence[Text]) -> list[Logprob]:
+        """The logprobs `texts` carry, placed in `choice`'s text; counts their text."""
+        logprobs: list[Logprob] = []
+        for text in texts:
+            if text.logprobs:
+                logprobs += _offsets(choice.length, text.logprobs)
+            choice.length += len(text.text)
+        return logprobs
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The usage chunk if asked for (tokens summed over the choices), and [DONE]."""
+        if not self.include_usage:
+            return DONE
+        usage = self._head_of(self.object_chunk)
+        usage["choices"] = []
+        usage["usage"] = _usage(prompt_tokens, completion_tokens)
+        return sse(usage) + DONE
+
+    def add(self, batch: list[Event]) -> None:
+        """Gathers a batch of events, of any choices, for `answer`."""
+        for event in batch:
+            if isinstance(event, Text):
+                choice = self._choice(event.index)
+                choice.pieces.append(event.text)
+                if self.logprobs:
+                    choice.logprobs += self._logprobs_of(choice, (event,))
+            elif isinstance(event, ToolCallDelta):
+                calls = self._choice(event.index).calls
+                call = calls.get(event.call_index)
+                if call is None:
+                    calls[event.call_index] = [event.id, event.name, event.arguments]
+                else:
+                    call.append(event.arguments)
+            elif isinstance(event, Finished):
+                self._choice(event.index).reason = event.reason
+
+    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The whole answer from what `add` gathered, choices by index."""
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            calls = [
+                {
+                    "id": call[0],
+                    "type": "function",
+                    "function": {"name": call[1], "arguments": "".join(call[2:])},
+                }
+                for _, call in sorted(choice.calls.items())
+            ]
+            logprobs = self.logprobs_json(choice.logprobs) if self.logprobs else None
+            full = self.full_choice("".join(choice.pieces), logprobs, calls)
+            reason = None if choice.reason is None else choice.reason.value
+            choices.append({"index": index, **full, "finish_reason": reason})
+        return self._body(choices, prompt_tokens, completion_tokens)
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode())
 
 
 class ChatEncoder(Encoder):
@@ -106,16 +304,48 @@ class ChatEncoder(Encoder):
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         return {"delta": {} if text is None else {"content": text}, "logprobs": None}
 
-    def full_choice(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}, "logprobs": None}
+    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "logprobs": logprobs}
 
-    def opening(self) -> bytes:
-        """Chat streams open with the assistant's role and empty content."""
-        return self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None}, None)
+    def logprobs_json(self, logprobs: Sequence[Logprob]) -> Any:
+        return {
+            "content": [
+                {
+                    "token": token.token,
+                    "logprob": max(token.logprob, MIN_LOGPROB),
+                    "bytes": _bytes(token.token),
+                    "top_logprobs": [
+                        {"token": t, "logprob": max(lp, MIN_LOGPROB), "bytes": _bytes(t)}
+                        for t, lp in token.top
+                    ],
+                }
+                for token, _ in logprobs
+            ]
+        }
+
+    def open_choice(self, index: int) -> bytes:
+        """Chat streams open each choice with the assistant's role and empty content."""
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk({"delta": delta, "logprobs": None}, None, index)
+
+    def tool_chunk(self, event: ToolCallDelta) -> bytes:
+        """The first piece of a call has its id, type and name; the next ones
+        only more of its arguments."""
+        call: dict[str, Any] = {"index": event.call_index}
+        if event.id or event.name:
+            call["id"] = event.id
+            call["type"] = "function"
+            call["function"] = {"name": event.name, "arguments": event.arguments}
+        else:
+            call["function"] = {"arguments": event.arguments}
+        return self._chunk({"delta": {"tool_calls": [call]}, "logprobs": None}, None, event.index)
 
 
 class CompletionEncoder(Encoder):
-    """/v1/completions."""
+    """/v1/completions (no tool calls: the route refuses tools there)."""
 
     id_prefix = "cmpl"
     object_full = "text_completion"
@@ -124,5 +354,25 @@ class CompletionEncoder(Encoder):
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         return {"text": text or "", "logprobs": None}
 
-    def full_choice(self, text: str) -> dict[str, Any]:
-        return {"text": text, "logprobs": None}
+    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"text": text, "logprobs": logprobs}
+
+    def logprobs_json(self, logprobs: Sequence[Logprob]) -> Any:
+        """The legacy shape: the alternatives of each token include the token."""
+        top = []
+        for token, _ in logprobs:
+            alternatives = {t: max(lp, MIN_LOGPROB) for t, lp in token.top}
+            alternatives.setdefault(token.token, max(token.logprob, MIN_LOGPROB))
+            top.append(alternatives)
+        return {
+            "tokens": [token.token for token, _ in logprobs],
+            "token_logprobs": [max(token.logprob, MIN_LOGPROB) for token, _ in logprobs],
+            "top_logprobs": top,
+            "text_offset": [offset for _, offset in logprobs],
+        }
+
+    def open_choice(self, index: int) -> bytes:
+        """An echoed prompt is each choice's first delta."""
+        if not self.echo:
+            return b""
+        return self._chunk(self.delta_choice(self.echo), None, index)

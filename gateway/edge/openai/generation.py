@@ -263,7 +263,16 @@ class GenerationRoute:
         if watcher is None:
             watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda _: pump.cancel())
-        encoder = self.encoder_type(pool.name, parsed.include_usage)
+        generate = parsed.generate
+        encoder = self.encoder_type(
+            pool.name,
+            parsed.include_usage,
+            choices=generate.n,
+            logprobs=generate.logprobs is not None,
+            tools=bool(generate.tools),
+            echo=generate.prompt if parsed.echo else None,
+        )
+        record.expect(generate.n)
         try:
             with self.inflight.track(pump):
                 await self._relay_events(pump, encoder, parsed.stream, record, send, watcher)
@@ -301,17 +310,26 @@ class GenerationRoute:
         self, pump: EventPump, encoder: Encoder, record: RequestRecord, send: Send
     ) -> None:
         timeout = self.config.request_timeout
+        plain = encoder.plain
         texts = []
         try:
             async with asyncio.timeout(timeout):
                 while record.finished is None:
-                    texts.append(record.take(await pump.next_batch(timeout)))
+                    batch = await pump.next_batch(timeout)
+                    if plain:
+                        texts.append(record.take(batch))
+                    else:
+                        record.take(batch)
+                        encoder.add(batch)
         except TimeoutError:
             raise errors.Timeout(f"The answer took longer than {timeout:g} seconds.") from None
-        finished = record.finished
-        body = encoder.response(
-            "".join(texts), finished.reason, record.prompt_tokens, finished.completion_tokens
-        )
+        if plain:
+            reason = record.finished.reason
+            body = encoder.response(
+                "".join(texts), reason, record.prompt_tokens, record.completion_tokens
+            )
+        else:
+            body = encoder.answer(record.prompt_tokens, record.completion_tokens)
         record.status, record.outcome = 200, Outcome.COMPLETED
         await send_json(send, 200, body, [(b"x-request-id", record.request_id.encode("latin-1"))])
 
@@ -323,9 +341,11 @@ class GenerationRoute:
         send: Send,
         watcher: asyncio.Future[None],
     ) -> None:
+        """Writes each batch as it comes: the one-choice path joins its text
+        into one delta; the others write `encoder.events`. Ends after the last
+        choice's `Finished`."""
         config = self.config
-        first = await pump.next_batch(config.request_timeout)
-        text = record.take(first)
+        batch = await pump.next_batch(config.request_timeout)
         request_id = record.request_id.encode("latin-1")
         await send(
             {
@@ -335,14 +355,20 @@ class GenerationRoute:
             }
         )
         record.status = 200
+        plain = encoder.plain
         # The role-opening chunk goes out with the first text (or the end), as
         # vLLM's server sends it: the first token costs one write, not two.
-        opening = encoder.opening()
+        opening = encoder.opening() if plain else b""
         body = b""
         while True:
-            if text:
-                body += opening + encoder.delta(text)
-                opening = b""
+            if plain:
+                text = record.take(batch)
+                if text:
+                    body += opening + encoder.delta(text)
+                    opening = b""
+            else:
+                record.take(batch)
+                body += encoder.events(batch)
             if record.finished is not None:
                 break
             if body:
@@ -358,9 +384,11 @@ class GenerationRoute:
                 await send({"type": "http.response.body", "body": payload})
                 return
             body = b"" if batch else KEEPALIVE
-            text = record.take(batch)
-        finished = record.finished
-        body += opening
-        body += encoder.closing(finished.reason, record.prompt_tokens, finished.completion_tokens)
+        prompt_tokens, completion_tokens = record.prompt_tokens, record.completion_tokens
+        if plain:
+            reason = record.finished.reason
+            body += opening + encoder.closing(reason, prompt_tokens, completion_tokens)
+        else:
+            body += encoder.end(prompt_tokens, completion_tokens)
         record.outcome = Outcome.COMPLETED
         await send({"type": "http.response.body", "body": body})
