@@ -37,6 +37,10 @@ from tests.support.vllm import (
 from tests.support.vllm_worker import VllmWorker, start_vllm_worker
 from tests.support.waiting import HANG_GUARD
 
+#: The conformance suites' fixtures (`target`, `served`, `engine`, `sdk`): one gateway
+#: per worker kind, for every test module that runs over the kinds.
+pytest_plugins = ["tests.support.conformance"]
+
 
 @pytest.fixture(scope="session")
 def server_loop() -> Iterator[ServerLoop]:

@@ -11,7 +11,6 @@ Only the demo's text is checked (it echoes its prompt)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,44 +18,10 @@ import openai
 import pytest
 
 from tests.support import conformance
-from tests.support.conformance import Engine
+from tests.support.conformance import greedy
 from tests.support.requests import sse_events, user
-from tests.support.servers import Gateway, assert_nothing_left
+from tests.support.servers import assert_nothing_left
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-@pytest.fixture(scope="session", params=conformance.params())
-def target(request: pytest.FixtureRequest, server_loop) -> Iterator[tuple[Engine, Gateway]]:
-    """One kind's engine and a gateway in front of it, once per session."""
-    engine = conformance.KINDS[request.param].factory(request)
-    front = conformance.start_gateway_for(server_loop, engine)
-    yield engine, front
-    front.stop()
-
-
-@pytest.fixture
-def served(target) -> Iterator[tuple[Engine, Gateway]]:
-    """The kind under test; after the test, nothing left in the gateway or the engine."""
-    yield target
-    engine, front = target
-    assert_nothing_left(front, None)
-    wait_until(lambda: engine.running() == 0, "the engine to be idle")
-
-
-@pytest.fixture
-def engine(served) -> Engine:
-    return served[0]
-
-
-@pytest.fixture
-def sdk(served) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-
-
-def greedy(engine: Engine, **fields: Any) -> dict[str, Any]:
-    return {"model": engine.model, **engine.defaults, **fields}
 
 
 def assert_usage_adds_up(usage: Any) -> None:

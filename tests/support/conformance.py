@@ -13,19 +13,20 @@ Cost: one gateway per kind for the session, started on the shared server loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from gateway.config import Config, ModelConfig
-from tests.support.servers import Gateway, ServerLoop, start_gateway
+from tests.support.servers import Gateway, ServerLoop, assert_nothing_left, start_gateway
 from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
 from tests.support.vllm_worker import MODEL as VLLM_WORKER_MODEL
 from tests.support.vllm_worker import VllmWorker
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 @dataclass
@@ -167,4 +168,54 @@ def start_gateway_for(server_loop: ServerLoop, engine: Engine, **overrides: Any)
     return start_gateway(server_loop, Config(**settings))
 
 
-__all__ = ["KINDS", "Engine", "Kind", "params", "start_gateway_for", "vllm_metric"]
+# The suites' fixtures (a test module imports those it uses): one gateway per kind
+# and test module, a check that nothing is left after each test.
+
+
+@pytest.fixture(scope="session", params=params())
+def target(request: pytest.FixtureRequest, server_loop) -> Iterator[tuple[Engine, Gateway]]:
+    """One kind's engine and a gateway in front of it, once per session."""
+    engine = KINDS[request.param].factory(request)
+    front = start_gateway_for(server_loop, engine)
+    yield engine, front
+    front.stop()
+
+
+@pytest.fixture
+def served(target) -> Iterator[tuple[Engine, Gateway]]:
+    """The kind under test; after the test, nothing left in the gateway or the engine."""
+    yield target
+    engine, front = target
+    assert_nothing_left(front, None)
+    wait_until(lambda: engine.running() == 0, "the engine to be idle")
+
+
+@pytest.fixture
+def engine(served) -> Engine:
+    return served[0]
+
+
+@pytest.fixture
+def sdk(served) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+
+
+def greedy(engine: Engine, **fields: Any) -> dict[str, Any]:
+    return {"model": engine.model, **engine.defaults, **fields}
+
+
+__all__ = [
+    "KINDS",
+    "Engine",
+    "Kind",
+    "engine",
+    "greedy",
+    "params",
+    "sdk",
+    "served",
+    "start_gateway_for",
+    "target",
+    "vllm_metric",
+]
