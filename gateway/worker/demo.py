@@ -1,30 +1,159 @@
 """The demo engine: deterministic, no model needed. It echoes the words of the
 last message (or of the completion prompt), one token per word, so the whole
-path can be run, tested and benchmarked without a GPU.
+path can be run, tested and benchmarked without a GPU, the OpenAI surface of
+issue 13 included. Its rules, which tests rely on:
 
-Tokens are words: the prompt counts the words of every message. A prompt that
-does not fit `max_context` (with `max_tokens`, when given) is refused with
-`TooLong`, as vLLM refuses it. `token_delay` seconds between tokens stand in
-for a GPU's pace.
+- Tokens are words: the prompt counts the words of every message. A prompt that
+  does not fit `max_context` (with `max_tokens`, when given) is refused with
+  `TooLong`, as vLLM refuses it; `max_tokens` cuts an answer with `length`.
+- `logprobs`: every token's logprob is -1.0; its `top` has exactly `logprobs`
+  entries: the token itself at -1.0, then "<alt1>" at -2.0, "<alt2>" at -3.0, ...
+- `n`: the worker SDK runs it n times (it is not `native_n`): identical choices.
+- `tools`: with `tool_choice` "required" or a function's name, one call (to that
+  function, else the first tool); with "auto" (the default with tools), a call of
+  every tool whose name is a word of the last message (only the first when
+  `parallel_tool_calls` is false), else the echo; "none" echoes. A call's
+  arguments are the minimal instance of its parameters' schema (see
+  `minimal_instance`), compact JSON. A call streams as a `ToolCallDelta` with
+  its id ("call_" and 24 hex digits) and name (no tokens), then its arguments in
+  pieces of at most 8 characters, one token each; the answer ends `tool_calls`.
+- `response_format`: "json_object" answers `{}`, "json_schema" the schema's
+  minimal instance, compact JSON, in pieces of at most 8 characters, one token each.
+- `min_tokens`: the echo's words repeat until there are that many tokens;
+  `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
+- Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
+  joined by spaces), each byte b as (b - 127.5) / 127.5, L2-normalized;
+  `dimensions` d (1 to 32) keeps the first d and renormalizes. Its tokens are
+  the input's words (or ids).
+- It refuses `image_url`, `repetition_penalty`, `min_p`, `logit_bias` and
+  `stop_token_ids` (it does not list them, so the worker SDK refuses them).
+
+`token_delay` seconds before each token stand in for a GPU's pace.
 
 Its counters are for tests and the soak benchmark (a few integer adds a call):
-every call it saw ends one way, so once `running` is 0,
+every generation it saw ends one way, so once `running` is 0,
 `calls == finished + aborted + refused`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import hashlib
+import itertools
+import json
+import math
+import re
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
-from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol import errors, features
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Started,
+    Text,
+    TokenLogprob,
+    Tool,
+    ToolCallDelta,
+)
 from gateway.worker.engine import Engine, check_context
 
 DEMO_MODEL = "furnace-demo"
+#: The length of the demo's embeddings (SHA-256's 32 bytes).
+DEMO_DIMENSIONS = 32
+#: The longest piece of JSON (a tool call's arguments, a structured answer) per token.
+JSON_PIECE = 8
+
+_WORD = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def minimal_instance(schema: Any) -> Any:
+    """The smallest value a JSON Schema takes: its enum's first value, "" for a
+    string, 0 for a number, false, [], null, an object with its required
+    properties; a string's `minLength`, a number's `minimum` and an array's
+    `minItems` are met."""
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("enum"):
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return minimal_instance(schema[key][0])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None and "properties" in schema:
+        kind = "object"
+    if kind == "string":
+        return "a" * int(schema.get("minLength", 0))
+    if kind in ("integer", "number"):
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if low is not None and low > 0:
+            return low
+        return high if high is not None and high < 0 else 0
+    if kind == "boolean":
+        return False
+    if kind == "array":
+        return [minimal_instance(schema.get("items", {}))] * int(schema.get("minItems", 0))
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {
+            name: minimal_instance(properties.get(name, {})) for name in schema.get("required", ())
+        }
+    return None
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _schema(text: str, param: str) -> Any:
+    """A schema in JSON text ("" is no schema: an object of nothing)."""
+    if not text:
+        return {"type": "object"}
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise errors.Invalid("The schema is not valid JSON.", param=param) from None
+
+
+def demo_vector(item: str | tuple[int, ...], dimensions: int | None = None) -> tuple[float, ...]:
+    """The demo's embedding of one input (see the module's docstring)."""
+    text = item if isinstance(item, str) else " ".join(str(i) for i in item)
+    digest = hashlib.sha256(text.encode()).digest()[: dimensions or DEMO_DIMENSIONS]
+    values = [(b - 127.5) / 127.5 for b in digest]
+    norm = math.sqrt(sum(v * v for v in values))  # never 0: no byte is 127.5
+    return tuple(v / norm for v in values)
+
+
+def _pieces(text: str) -> list[str]:
+    return [text[i : i + JSON_PIECE] for i in range(0, len(text), JSON_PIECE)] or [""]
 
 
 class DemoEngine(Engine):
-    """Echoes the prompt's last text back, word by word."""
+    """Echoes the prompt's last text back, word by word (see the module's rules)."""
+
+    features = frozenset(
+        {
+            features.GENERATE,
+            features.EMBEDDINGS,
+            features.N,
+            features.LOGPROBS,
+            features.TOOLS,
+            features.RESPONSE_FORMAT,
+            features.USER,
+            features.MIN_TOKENS,
+            features.IGNORE_EOS,
+            features.DIMENSIONS,
+        }
+    )
 
     def __init__(
         self,
@@ -38,23 +167,26 @@ class DemoEngine(Engine):
         self.token_delay = token_delay
         self.capacity = capacity
         self.calls = 0  # generate calls started
-        self.refused = 0  # calls refused before Started (too long)
+        self.refused = 0  # calls refused before Started (too long, bad parameters)
         self.finished = 0  # generations that reached Finished
         self.served = 0  # requests accepted
         self.running = 0  # generations in progress; tests watch it fall back to 0
         self.aborted = 0  # generations stopped before their end
+        self.embedded = 0  # Embed calls answered
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Echo, with the context and max_tokens checks of a real server."""
+        """Echo (or calls, or JSON), with the checks of a real server."""
         if request.messages is not None:
             prompt_tokens = sum(len(m.content.split()) for m in request.messages)
-            words = request.messages[-1].content.split() if request.messages else []
+            last = request.messages[-1].content if request.messages else ""
         else:
-            words = (request.prompt or "").split()
-            prompt_tokens = len(words)
+            last = request.prompt or ""
+            prompt_tokens = len(last.split())
         self.calls += 1
         try:
             budget = check_context(request, prompt_tokens, self.max_context)
+            calls = self._calls(request, last)
+            steps = self._steps(request, last, calls)
         except BaseException:
             self.refused += 1
             raise
@@ -63,19 +195,102 @@ class DemoEngine(Engine):
         done = False
         try:
             yield Started(prompt_tokens)
-            for i, word in enumerate(words):
-                if i == budget:
+            tokens = 0
+            for step in steps:
+                if isinstance(step, ToolCallDelta) and not step.tokens:
+                    yield step  # a call's id and name take no token
+                    continue
+                if tokens == budget:
                     done = True
-                    yield Finished(FinishReason.LENGTH, i)
+                    yield Finished(FinishReason.LENGTH, tokens)
                     return
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
-                yield Text(word if i == 0 else " " + word, 1)
+                tokens += 1
+                yield step
             done = True
-            yield Finished(FinishReason.STOP, len(words))
+            yield Finished(FinishReason.TOOL_CALLS if calls else FinishReason.STOP, tokens)
         finally:
             self.running -= 1
             if done:
                 self.finished += 1
             else:
                 self.aborted += 1
+
+    @staticmethod
+    def _calls(request: GenerateRequest, last: str) -> list[Tool]:
+        """The tools this answer calls, by the rules of `tool_choice`."""
+        tools = request.tools
+        choice = request.tool_choice or ("auto" if tools else "none")
+        if choice == "none" or not tools:
+            return []
+        if choice == "required":
+            return [tools[0]]
+        if choice == "auto":
+            words = set(_WORD.findall(last))
+            called = [tool for tool in tools if tool.name in words]
+            return called[:1] if request.parallel_tool_calls is False else called
+        named = [tool for tool in tools if tool.name == choice]
+        if not named:
+            raise errors.Invalid(f"No tool is named `{choice}`.", param="tool_choice")
+        return named[:1]
+
+    def _steps(
+        self, request: GenerateRequest, last: str, calls: list[Tool]
+    ) -> Iterator[Text | ToolCallDelta]:
+        """The answer's events, one token each (a call's first piece none)."""
+        if calls:
+            deltas: list[ToolCallDelta] = []
+            for i, tool in enumerate(calls):
+                arguments = _compact(minimal_instance(_schema(tool.parameters, "tools")))
+                deltas.append(ToolCallDelta(0, i, "call_" + secrets.token_hex(12), tool.name, ""))
+                deltas.extend(ToolCallDelta(0, i, "", "", p, 1) for p in _pieces(arguments))
+            return iter(deltas)
+        words: Iterator[str]
+        answer = request.response_format
+        if answer is not None and answer.type == "json_schema":
+            schema = _schema(answer.schema, "response_format")
+            words = iter(_pieces(_compact(minimal_instance(schema))))
+        elif answer is not None:
+            words = iter(["{}"])
+        else:
+            echo = last.split()
+            s = request.sampling
+            if s.ignore_eos and s.max_tokens is None:
+                raise errors.Invalid("`ignore_eos` needs `max_tokens`.", param="ignore_eos")
+            if echo and s.ignore_eos:
+                words = itertools.cycle(echo)
+            elif echo and s.min_tokens and s.min_tokens > len(echo):
+                words = itertools.islice(itertools.cycle(echo), s.min_tokens)
+            else:
+                words = iter(echo)
+            words = (w if i == 0 else " " + w for i, w in enumerate(words))
+        return self._texts(words, request.logprobs)
+
+    @staticmethod
+    def _texts(pieces: Iterator[str], logprobs: int | None) -> Iterator[Text]:
+        if logprobs is None:
+            for piece in pieces:
+                yield Text(piece, 1)
+            return
+        alternatives = tuple((f"<alt{i}>", -1.0 - i) for i in range(1, logprobs))
+        for piece in pieces:
+            top = ((piece, -1.0), *alternatives) if logprobs else ()
+            yield Text(piece, 1, 0, (TokenLogprob(piece, -1.0, top),))
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """SHA-256 vectors (see the module's rules)."""
+        d = request.dimensions
+        if d is not None and not 1 <= d <= DEMO_DIMENSIONS:
+            raise errors.Invalid(
+                f"`dimensions` must be from 1 to {DEMO_DIMENSIONS}.", param="dimensions"
+            )
+        counts = [len(i.split()) if isinstance(i, str) else len(i) for i in request.inputs]
+        if any(count > self.max_context for count in counts):
+            raise errors.TooLong(
+                f"This model's maximum context length is {self.max_context} tokens; "
+                f"an input has {max(counts)}.",
+                param="input",
+            )
+        self.embedded += 1
+        return Embeddings(tuple(demo_vector(i, d) for i in request.inputs), sum(counts))

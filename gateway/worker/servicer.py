@@ -1,26 +1,62 @@
 """The gRPC Engine service over any `Engine`.
 
-The engine's generator runs in a task of its own and fills a buffer; the RPC
-sends what the buffer holds as one `Text` whenever the stream can take a
-message, so an engine that runs ahead of the network costs one message per
-send, not one per token. Cancellation of the call (by the client or its
-deadline) cancels that task, which closes the engine's generator.
+The engine's generators run in tasks of their own and fill one buffer; the RPC
+sends what the buffer holds whenever the stream can take a message, one `Text`
+per choice per send, so an engine that runs ahead of the network costs one
+message per send, not one per token. Cancellation of the call (by the client or
+its deadline) cancels those tasks, which closes the engine's generators.
+
+A request is checked against what the engine lists (`Engine.features`) before
+the engine sees it: a feature it does not list is INVALID_ARGUMENT naming the
+parameter, so nothing is silently ignored.
+
+n choices: unless the engine does n itself (`Engine.native_n`), the SDK runs n
+generations of the request with n=1 (seed + i for choice i when a seed is set)
+at once and merges their events: one `Started` (choice 0's prompt tokens) once
+every choice has started, so a refusal of any is still a status before it; each
+choice's events carry its index; the call ends after every choice's `Finished`;
+one failure fails the call, and cancelling it stops them all.
+
+Stop strings are matched per choice. Logprobs follow the text: a token's logprob
+goes out in the `Text` that releases the end of its text (at once, without stop
+strings); when a stop string cuts the answer, the tokens whose text starts
+before the cut keep theirs and the rest (wholly inside the stop string) are
+dropped. `Text.tokens` still counts every generated token, as usage does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
-from gateway.protocol import errors
-from gateway.protocol.convert import event_to_proto, request_from_proto
+from gateway.protocol import errors, features
+from gateway.protocol.convert import (
+    embed_request_from_proto,
+    embeddings_to_proto,
+    event_to_proto,
+    request_from_proto,
+)
 from gateway.protocol.status import status_from_error
 from gateway.protocol.stop import StopMatcher
-from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Started,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.engine import Engine
@@ -29,66 +65,231 @@ log = logging.getLogger("furnace.worker")
 
 #: Text an engine may run ahead of the RPC, in characters (also the largest `Text`).
 READ_AHEAD_CHARS = 64 * 1024
+#: The most choices one request may ask for (OpenAI's bound).
+MAX_N = 128
+#: The most alternatives per token one request may ask for (OpenAI's bound).
+MAX_LOGPROBS = 20
 
 
 class _ReadAhead:
-    """Runs an engine's generator in a task; hands out what is ready as lists.
+    """Runs an engine's generators (one per choice, or one for all) in tasks;
+    hands out what is ready as lists, starting with one `Started` once each
+    has started. Events of generator i > 0 are re-indexed to choice i.
 
     It reads ahead at most `READ_AHEAD_CHARS` of text: past that it waits for the
     RPC to take a batch, so a gateway that stops reading (HTTP/2 flow control
     holds the RPC's sends) stops the engine too, and no message grows past it."""
 
-    def __init__(self, events: AsyncIterator[Event]) -> None:
-        self._events = events
+    def __init__(self, sources: list[AsyncIterator[Event]], finishes: int) -> None:
+        self._sources = sources
         self._ready: list[Event] = []
         self._buffered = 0  # characters of text in `_ready`
         self._error: BaseException | None = None
-        self._ended = False
+        self._live = len(sources)
+        self._starts = 0
+        self._first: Started | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._run(i, source, finishes)) for i, source in enumerate(sources)
+        ]
 
-    async def _run(self) -> None:
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _start(self, source: int, event: Started) -> None:
+        if source == 0:
+            self._first = event
+        self._starts += 1
+        if self._starts == len(self._sources):
+            assert self._first is not None
+            self._ready.insert(0, self._first)
+            self._wake()
+
+    async def _run(self, source: int, events: AsyncIterator[Event], finishes: int) -> None:
+        """Reads one generator until its `finishes` Finished events."""
+        started = False
         try:
-            async for event in self._events:
+            async for event in events:
+                if isinstance(event, Started):
+                    if started:
+                        raise errors.Failed("The engine sent Started twice.")
+                    started = True
+                    self._start(source, event)
+                    continue
+                if not started:
+                    raise errors.Failed("The engine did not start the answer with Started.")
+                if source and isinstance(event, Text | ToolCallDelta | Finished):
+                    event = event._replace(index=source)
                 self._ready.append(event)
-                waiter = self._waiter
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+                if self._starts == len(self._sources):
+                    self._wake()
+                if isinstance(event, Finished):
+                    finishes -= 1
+                    if not finishes:
+                        return
+                    continue
                 if isinstance(event, Text):
                     self._buffered += len(event.text)
-                    if self._buffered >= READ_AHEAD_CHARS:
-                        self._room = asyncio.get_running_loop().create_future()
-                        await self._room
+                elif isinstance(event, ToolCallDelta):
+                    self._buffered += len(event.arguments)
+                if self._buffered >= READ_AHEAD_CHARS:
+                    room = self._room
+                    if room is None or room.done():
+                        room = self._room = asyncio.get_running_loop().create_future()
+                    await room
+            if not started:
+                raise errors.Failed("The engine did not start the answer with Started.")
         except Exception as error:
-            self._error = error
+            if self._error is None:
+                self._error = error
         finally:
-            self._ended = True
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
+            self._live -= 1
+            self._wake()
 
     async def batch(self) -> list[Event]:
         """The events ready now (at least one), [] at the end; raises the engine's error."""
-        while not self._ready and not self._ended:
-            self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        while not (self._ready and self._starts == len(self._sources)):
+            if self._live == 0 or self._error is not None:
+                if self._error is not None:
+                    raise self._error
+                return []
+            self._waiter = loop.create_future()
             await self._waiter
             self._waiter = None
-        if self._ready:
-            batch, self._ready, self._buffered = self._ready, [], 0
-            room = self._room
-            if room is not None and not room.done():
-                room.set_result(None)
-            return batch
-        if self._error is not None:
-            raise self._error
-        return []
+        batch, self._ready, self._buffered = self._ready, [], 0
+        room = self._room
+        if room is not None and not room.done():
+            room.set_result(None)
+        return batch
+
+    async def stop(self, source: int) -> None:
+        """Stops one generator (its choice ended) and waits until it has."""
+        task = self._tasks[source]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self._sources[source].aclose()  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:
-        """Stops the engine (its generator is closed) and waits until it has."""
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await self._events.aclose()  # type: ignore[attr-defined]
+        """Stops the engine (its generators are closed) and waits until it has."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for source in self._sources:
+            await source.aclose()  # type: ignore[attr-defined]
+
+
+class _Choice:
+    """One choice's state on its way out: the stop strings, the text released
+    and not yet sent, the tokens counted, and the logprobs that go with them."""
+
+    __slots__ = (
+        "dirty",
+        "done",
+        "fed",
+        "holds",
+        "index",
+        "logprobs",
+        "pending",
+        "pieces",
+        "released",
+        "stop",
+        "tokens",
+        "unsent",
+    )
+
+    def __init__(self, index: int, stops: tuple[str, ...]) -> None:
+        self.index = index
+        self.stop = StopMatcher(stops)
+        self.holds = any(stops)  # text may be held back: logprobs wait for it
+        self.tokens = 0  # generated so far
+        self.unsent = 0  # of those, not yet in a sent Text
+        self.pieces: list[str] = []
+        self.dirty = False  # has pieces or logprobs to send
+        self.done = False
+        self.logprobs: list[TokenLogprob] | None = None  # to send with the next Text
+        #: With stop strings: (start, end, logprob) of tokens whose text is not all out.
+        self.pending: deque[tuple[int, int, TokenLogprob]] = deque()
+        self.fed = 0  # characters of text fed to the matcher
+        self.released = 0  # of those, released
+
+    def text(self, event: Text) -> bool:
+        """Takes a piece of text; True when a stop string ended the answer."""
+        self.tokens += event.tokens
+        self.unsent += event.tokens
+        released, stopped = self.stop.feed(event.text)
+        if released:
+            self.pieces.append(released)
+        self.dirty = True
+        if self.holds:
+            start = self.fed
+            self.fed += len(event.text)
+            self.released += len(released)
+            if event.logprobs is not None:
+                self._hold(event.logprobs, start, self.fed)
+                self._release(stopped)
+        elif event.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(event.logprobs)
+        return stopped
+
+    def _hold(self, logprobs: tuple[TokenLogprob, ...], start: int, end: int) -> None:
+        """Places each token's text in the choice's text (the last ends the piece)."""
+        last = len(logprobs) - 1
+        for i, logprob in enumerate(logprobs):
+            stop = end if i == last else min(start + len(logprob.token), end)
+            self.pending.append((start, stop, logprob))
+            start = stop
+
+    def _release(self, cut: bool) -> None:
+        """Moves the logprobs of released text out; at a cut, those before it."""
+        if self.logprobs is None:
+            self.logprobs = []
+        pending, released = self.pending, self.released
+        while pending and (pending[0][1] <= released or (cut and pending[0][0] < released)):
+            self.logprobs.append(pending.popleft()[2])
+        if cut:
+            pending.clear()
+
+    def flush(self) -> None:
+        """The answer (or its text, before a tool call) ended: release what is held."""
+        held = self.stop.flush()
+        if held:
+            self.pieces.append(held)
+            self.released += len(held)
+            self.dirty = True
+        if self.pending:
+            self._release(cut=False)
+
+    def take(self) -> Text | None:
+        """The text (and logprobs) ready to send, as one `Text`; None if none."""
+        self.dirty = False
+        text = "".join(self.pieces)
+        logprobs = self.logprobs
+        if not text and not logprobs:
+            return None
+        self.pieces = []
+        event = Text(text, self.unsent, self.index, None if logprobs is None else tuple(logprobs))
+        self.unsent = 0
+        if logprobs is not None:
+            self.logprobs = []
+        return event
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[object, object], error: errors.EngineError
+) -> NoReturn:
+    code, trailing = status_from_error(error)
+    context.set_trailing_metadata(trailing)
+    await context.abort(code, error.message)
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -97,29 +298,64 @@ class EngineService(pb_grpc.EngineServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.active = 0
+        served = engine.features
+        #: What the worker serves, as `Describe` lists it: the SDK does n itself.
+        self.features = served | {features.N} if features.GENERATE in served else served
+
+    def _refusal(self, request: GenerateRequest) -> errors.Invalid | None:
+        """Why the request cannot be served here, before the engine sees it."""
+        model = self.engine.model
+        if features.GENERATE not in self.features:
+            return errors.Invalid(f"The model `{model}` does not generate text.", param="model")
+        unserved = features.missing(request, self.features)
+        if unserved is not None:
+            feature, param = unserved
+            return errors.Invalid(f"The model `{model}` does not take `{feature}`.", param=param)
+        if request.n > MAX_N:
+            return errors.Invalid(f"`n` must be at most {MAX_N}.", param="n")
+        if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
+            return errors.Invalid(f"At most {MAX_LOGPROBS} logprobs a token.", param="logprobs")
+        return None
+
+    def _read_ahead(self, request: GenerateRequest) -> _ReadAhead:
+        """The engine's generators for the request: one, or one per choice."""
+        engine = self.engine
+        if engine.native_n or request.n == 1:
+            return _ReadAhead([engine.generate(request)], request.n)
+        sampling, seed = request.sampling, request.sampling.seed
+        choices = []
+        for i in range(request.n):
+            if seed is not None:
+                sampling = dataclasses.replace(sampling, seed=seed + i)
+            choices.append(engine.generate(dataclasses.replace(request, n=1, sampling=sampling)))
+        return _ReadAhead(choices, 1)
 
     async def Generate(
         self,
         request: pb.GenerateRequest,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
-        """One answer; see engine.proto for the contract."""
+        """One answer (n choices); see engine.proto for the contract."""
         engine = self.engine
         if request.model and request.model != engine.model:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
             )
+        ours = request_from_proto(request)
+        refusal = self._refusal(ours)
+        if refusal is not None:
+            await _abort(context, refusal)  # type: ignore[arg-type]
         if self.active >= engine.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
         self.active += 1
-        events = _ReadAhead(engine.generate(request_from_proto(request)))
+        events = self._read_ahead(ours)
+        choices = [_Choice(i, ours.stop) for i in range(ours.n)]
+        fan_out = not engine.native_n and ours.n > 1
         try:
-            async for message in self._messages(events, StopMatcher(tuple(request.stop))):
+            async for message in self._messages(events, choices, fan_out):
                 yield message
         except errors.EngineError as error:
-            code, trailing = status_from_error(error)
-            context.set_trailing_metadata(trailing)
-            await context.abort(code, error.message)
+            await _abort(context, error)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             log.debug("request %s cancelled", request.request_id)
             raise
@@ -131,41 +367,51 @@ class EngineService(pb_grpc.EngineServicer):
             await events.aclose()
 
     async def _messages(
-        self, events: _ReadAhead, stop: StopMatcher
+        self, events: _ReadAhead, choices: list[_Choice], fan_out: bool
     ) -> AsyncIterator[pb.GenerateEvent]:
-        started = False
-        tokens = 0  # generated so far
-        unsent = 0  # of those, not yet in a sent Text
+        n = left = len(choices)
         while batch := await events.batch():
-            pieces: list[str] = []
-            finished: Finished | None = None
+            out: list[Event] = []
+            dirty: list[_Choice] = []
             for event in batch:
-                if isinstance(event, Text):
-                    tokens += event.tokens
-                    unsent += event.tokens
-                    released, stopped = stop.feed(event.text)
-                    pieces.append(released)
-                    if stopped:
-                        finished = Finished(FinishReason.STOP, tokens)
-                        break
-                elif isinstance(event, Started) and not started:
-                    started = True
-                    yield event_to_proto(event)
-                elif isinstance(event, Finished):
-                    pieces.append(stop.flush())
-                    finished = event
-                    break
-                else:
+                if isinstance(event, Started):  # the one Started, first of the first batch
+                    out.append(event)
+                    continue
+                if not isinstance(event, Text | ToolCallDelta | Finished):
                     raise errors.Failed(f"The engine sent {type(event).__name__} out of order.")
-            text = "".join(pieces)
-            if text:
-                yield event_to_proto(Text(text, unsent))
-                unsent = 0
-            if finished is not None:
-                yield event_to_proto(finished)
+                index = event.index
+                if not 0 <= index < n:
+                    raise errors.Failed(f"The engine sent choice {index} of {n}.")
+                choice = choices[index]
+                if choice.done:  # it ended at a stop string; the engine ran on
+                    continue
+                if isinstance(event, Text):
+                    if not choice.dirty:
+                        dirty.append(choice)
+                    if not choice.text(event):
+                        continue
+                    event = Finished(FinishReason.STOP, choice.tokens, None, index)
+                elif isinstance(event, ToolCallDelta):
+                    choice.tokens += event.tokens
+                choice.flush()
+                text = choice.take()
+                if text is not None:
+                    out.append(text)
+                out.append(event)
+                if isinstance(event, Finished):
+                    choice.done = True
+                    left -= 1
+                    if fan_out and left:
+                        await events.stop(index)  # only this choice's generation
+            for choice in dirty:
+                if choice.dirty:
+                    text = choice.take()
+                    if text is not None:
+                        out.append(text)
+            for event in out:
+                yield event_to_proto(event)
+            if not left:
                 return
-            if not started:
-                raise errors.Failed("The engine did not start the answer with Started.")
         raise errors.Failed("The engine ended the answer without Finished.")
 
     async def Describe(
@@ -173,11 +419,71 @@ class EngineService(pb_grpc.EngineServicer):
         request: pb.DescribeRequest,
         context: grpc.aio.ServicerContext[pb.DescribeRequest, pb.DescribeResponse],
     ) -> pb.DescribeResponse:
-        """The engine's model, capacity and load (by the engine's count where it keeps one)."""
+        """The engine's model, what it serves, capacity and load (by the engine's
+        count where it keeps one)."""
         engine = self.engine
         load = engine.load()
+        model = pb.ModelInfo(
+            name=engine.model, max_context=engine.max_context, features=sorted(self.features)
+        )
         return pb.DescribeResponse(
-            models=[pb.ModelInfo(name=engine.model, max_context=engine.max_context)],
+            models=[model],
             capacity=engine.capacity,
             load=self.active if load is None else load,
         )
+
+    def _embed_refusal(self, request: EmbedRequest) -> errors.Invalid | None:
+        served, model = self.engine.features, self.engine.model
+        if features.EMBEDDINGS not in served:
+            return errors.Invalid(f"The model `{model}` does not serve embeddings.", param="model")
+        if not request.inputs:
+            return errors.Invalid("There is nothing to embed.", param="input")
+        for feature, used in (
+            (features.DIMENSIONS, request.dimensions is not None),
+            (features.USER, bool(request.user)),
+        ):
+            if used and feature not in served:
+                return errors.Invalid(
+                    f"The model `{model}` does not take `{feature}`.", param=feature
+                )
+        return None
+
+    async def Embed(
+        self,
+        request: pb.EmbedRequest,
+        context: grpc.aio.ServicerContext[pb.EmbedRequest, pb.EmbedResponse],
+    ) -> pb.EmbedResponse:
+        """The inputs' vectors; refusals as for Generate."""
+        engine = self.engine
+        if request.model and request.model != engine.model:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
+            )
+        ours = embed_request_from_proto(request)
+        refusal = self._embed_refusal(ours)
+        if refusal is not None:
+            await _abort(context, refusal)  # type: ignore[arg-type]
+        if self.active >= engine.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
+        self.active += 1
+        result: Embeddings | errors.EngineError
+        try:
+            result = await engine.embed(ours)
+            if len(result.vectors) != len(ours.inputs):
+                log.error(
+                    "engine embedded %d inputs as %d vectors on request %s",
+                    len(ours.inputs),
+                    len(result.vectors),
+                    request.request_id,
+                )
+                result = errors.Failed("The engine failed.")
+        except errors.EngineError as error:
+            result = error
+        except Exception:
+            log.exception("engine failed on request %s", request.request_id)
+            result = errors.Failed("The engine failed.")
+        finally:
+            self.active -= 1
+        if isinstance(result, errors.EngineError):
+            await _abort(context, result)  # type: ignore[arg-type]
+        return embeddings_to_proto(result)
