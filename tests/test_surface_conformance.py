@@ -1,0 +1,264 @@
+"""The OpenAI surface product teams use, on every kind of worker behind the gateway
+(tests/support/conformance.py lists them), through the official SDK, whole and
+streamed: tool calls whose arguments follow their schema, structured outputs that
+validate, logprobs of OpenAI's shapes and counts, n choices, and a clear 400 for
+what a model's workers do not serve.
+
+A real engine's text is junk; guided decoding is what makes its tool arguments and
+JSON valid, so the schemas are bounded (enums, booleans) and a random model
+finishes them in a few tokens."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.support.conformance import Engine, greedy
+from tests.support.requests import user
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "celsius": {"type": "boolean"},
+    },
+    "required": ["city", "celsius"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": name, "description": f"{name} of a place", "parameters": schema},
+    }
+    for name, schema in SCHEMAS.items()
+]
+#: Enough for a bounded call or object from a random model under guided decoding.
+MAX_TOKENS = 96
+
+
+class Call:
+    """A tool call as the client sees it, whole or put together from a stream."""
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.arguments = ""
+
+
+def _calls(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[list[Call], str | None]:
+    """The tool calls of one answer and its finish reason."""
+    if not stream:
+        choice = sdk.chat.completions.create(**body).choices[0]
+        calls = []
+        for tool_call in choice.message.tool_calls or []:
+            call = Call()
+            call.id, call.name = tool_call.id, tool_call.function.name
+            call.arguments = tool_call.function.arguments
+            calls.append(call)
+        return calls, choice.finish_reason
+    by_index: dict[int, Call] = defaultdict(Call)
+    finish = None
+    for chunk in sdk.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                call = by_index[piece.index]
+                if piece.id:
+                    assert not call.id, "a call's id comes in its first piece only"
+                    call.id = piece.id
+                if piece.function and piece.function.name:
+                    assert not call.name, "a call's name comes in its first piece only"
+                    call.name = piece.function.name
+                if piece.function and piece.function.arguments:
+                    call.arguments += piece.function.arguments
+            finish = choice.finish_reason or finish
+    return [by_index[i] for i in sorted(by_index)], finish
+
+
+def _assert_valid(calls: list[Call]) -> None:
+    assert calls, "the model made no call"
+    for call in calls:
+        assert call.id
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_required_tool_call_follows_its_schema(sdk, engine: Engine, stream):
+    body = greedy(
+        engine,
+        messages=user("what is the weather in Paris"),
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+    )
+    calls, finish = _calls(sdk, body, stream)
+    _assert_valid(calls)
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_is_the_one_called(sdk, engine: Engine, stream):
+    body = greedy(
+        engine,
+        messages=user("what time is it"),
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=MAX_TOKENS,
+    )
+    calls, finish = _calls(sdk, body, stream)
+    _assert_valid(calls)
+    assert {call.name for call in calls} == {"get_time"}
+    assert finish == "stop"  # OpenAI's (and vLLM's) reason for a named call
+
+
+def test_a_tool_answer_continues_the_conversation(sdk, engine: Engine):
+    first = sdk.chat.completions.create(
+        **greedy(
+            engine,
+            messages=user("weather please"),
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=MAX_TOKENS,
+        )
+    )
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    messages = [
+        *user("weather please"),
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny and 21 degrees"},
+    ]
+    reply = sdk.chat.completions.create(
+        **greedy(engine, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8)
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    if engine.echoes:
+        assert reply.choices[0].message.content == "sunny and 21 degrees"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_answer_validates(sdk, engine: Engine, stream):
+    body = greedy(
+        engine,
+        messages=user("describe the weather as JSON"),
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+        },
+        max_tokens=MAX_TOKENS,
+    )
+    if stream:
+        chunks = list(sdk.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = sdk.chat.completions.create(**body).choices[0]
+        text, finish = choice.message.content or "", choice.finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), WEATHER)
+
+
+def test_json_mode_answers_an_object(sdk, engine: Engine):
+    choice = (
+        sdk.chat.completions.create(
+            **greedy(
+                engine,
+                messages=user("any JSON object"),
+                response_format={"type": "json_object"},
+                max_tokens=MAX_TOKENS,
+            )
+        )
+    ).choices[0]
+    if choice.finish_reason == "stop":  # a random model may run to max_tokens inside it
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_have_openais_shape(sdk, engine: Engine, stream):
+    body = greedy(engine, messages=user("a b c d"), logprobs=True, top_logprobs=2, max_tokens=4)
+    if stream:
+        chunks = list(
+            sdk.chat.completions.create(**body, stream=True, stream_options={"include_usage": True})
+        )
+        entries = [
+            entry
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for entry in c.choices[0].logprobs.content or []
+        ]
+        tokens = chunks[-1].usage.completion_tokens
+    else:
+        reply = sdk.chat.completions.create(**body)
+        entries = reply.choices[0].logprobs.content
+        tokens = reply.usage.completion_tokens
+    assert len(entries) == tokens
+    for entry in entries:
+        assert entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert all(top.logprob <= 0 for top in entry.top_logprobs)
+
+
+def test_completion_logprobs_have_openais_shape(sdk, engine: Engine):
+    reply = sdk.completions.create(**greedy(engine, prompt="a b c d", logprobs=2, max_tokens=4))
+    logprobs = reply.choices[0].logprobs
+    tokens = reply.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == tokens
+    assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == tokens
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)  # the token may add one
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_each_with_its_index_and_finish(sdk, engine: Engine, stream):
+    body = greedy(engine, messages=user("a b c"), n=2, max_tokens=6)
+    if engine.defaults.get("temperature") == 0:
+        body["temperature"] = 1.0  # several greedy samples are one sample
+    if stream:
+        chunks = list(
+            sdk.chat.completions.create(**body, stream=True, stream_options={"include_usage": True})
+        )
+        finishes: dict[int, list[str]] = defaultdict(list)
+        texts: dict[int, str] = defaultdict(str)
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                if choice.finish_reason:
+                    finishes[choice.index].append(choice.finish_reason)
+        assert sorted(finishes) == [0, 1]
+        assert all(len(reasons) == 1 for reasons in finishes.values())
+        usage = chunks[-1].usage
+    else:
+        reply = sdk.chat.completions.create(**body)
+        assert [choice.index for choice in reply.choices] == [0, 1]
+        texts = {choice.index: choice.message.content or "" for choice in reply.choices}
+        usage = reply.usage
+    assert 2 <= usage.completion_tokens <= 2 * 6
+    if engine.echoes:
+        assert texts == {0: "a b c", 1: "a b c"}
+        assert usage.completion_tokens == 6
+
+
+def test_what_the_workers_do_not_serve_is_a_400_naming_it(sdk, engine: Engine):
+    if not engine.echoes:
+        pytest.skip("the demo's workers list no image input; a real server's words differ")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(**greedy(engine, messages=messages))
+    assert caught.value.body["param"].startswith("messages[0].content")
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(**greedy(engine, messages=user("x"), min_p=0.5))
+    assert caught.value.body["param"] == "min_p"
