@@ -13,11 +13,16 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.protocol import errors
-from gateway.protocol.convert import event_from_proto, request_to_proto
+from gateway.protocol import errors, features
+from gateway.protocol.convert import (
+    embed_request_to_proto,
+    embeddings_from_proto,
+    event_from_proto,
+    request_to_proto,
+)
 from gateway.protocol.status import error_from_status
 from gateway.protocol.tls import WorkerCredentials
-from gateway.protocol.types import Event, GenerateRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
@@ -59,16 +64,19 @@ def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
 class FurnaceGrpcCall(StreamBookkeeping):
     """One Generate call: iterate for our events; `cancel()` stops the worker."""
 
-    __slots__ = ("_call",)
+    __slots__ = ("_call", "_logprobs")
 
     def __init__(
         self,
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateEvent],
         worker: str,
         on_close: Callable[[CallEnd], None],
+        logprobs: bool = False,
     ) -> None:
         super().__init__(worker, on_close)
         self._call = call
+        #: The request asked for logprobs: read them off each Text.
+        self._logprobs = logprobs
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -85,7 +93,7 @@ class FurnaceGrpcCall(StreamBookkeeping):
             raise StopAsyncIteration
         try:
             # grpc's stubs type read() as `object | GenerateEvent` (their EOF type is `object`)
-            return event_from_proto(message)  # type: ignore[arg-type]
+            return event_from_proto(message, self._logprobs)  # type: ignore[arg-type]
         except errors.Failed as failure:
             self.cancel(failure)
             raise
@@ -119,7 +127,28 @@ class FurnaceGrpcUpstream:
     ) -> FurnaceGrpcCall:
         """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
         call = self._stub.Generate(request_to_proto(request), timeout=timeout, metadata=metadata)
-        return FurnaceGrpcCall(call, self.address, on_close)
+        return FurnaceGrpcCall(call, self.address, on_close, request.logprobs is not None)
+
+    async def embed(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Embeddings:
+        """One Embed call with `timeout` seconds as its deadline; an answer with
+        another count of vectors than inputs is the worker's failure."""
+        try:
+            reply = await self._stub.Embed(
+                embed_request_to_proto(request), timeout=timeout, metadata=metadata
+            )
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        if len(reply.embeddings) != len(request.inputs):
+            raise errors.Failed(
+                f"The engine worker answered {len(reply.embeddings)} embeddings "
+                f"for {len(request.inputs)} inputs."
+            )
+        return embeddings_from_proto(reply)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models the worker serves (within `deadline` seconds), or an `EngineError`."""
@@ -130,7 +159,14 @@ class FurnaceGrpcUpstream:
         capacity = reply.capacity or None
         full = capacity is not None and reply.load >= capacity
         return [
-            ModelDescription(m.name, m.max_context, capacity, reply.load, full)
+            ModelDescription(
+                m.name,
+                m.max_context,
+                capacity,
+                reply.load,
+                full,
+                frozenset(m.features) if m.features else features.FIRST_VERSION,
+            )
             for m in reply.models
         ]
 
