@@ -30,6 +30,7 @@ from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.openai.embeddings import EmbeddingsRoute
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -142,6 +143,18 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
         Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
+        Route(
+            "/v1/embeddings",
+            EmbeddingsRoute(
+                config=config,
+                fleet=fleet,
+                inflight=inflight,
+                teams=teams,
+                telemetry=telemetry,
+                tracing=tracing,
+            ),
+            methods=["POST"],
+        ),
         Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
         *probe_routes(is_ready),

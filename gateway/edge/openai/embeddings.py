@@ -1,0 +1,332 @@
+"""`POST /v1/embeddings`, as OpenAI's API and vLLM's server answer it: read and check the
+body, find the model (it must list "embeddings" in its workers' features), admit it like a
+generation (drain, team limits, a slot), call a worker (`fleet/embedding.py`), and answer
+`{"object": "list", "data": [...], "model", "usage"}` with the vectors as JSON floats or,
+with `encoding_format: base64`, as little-endian float32 bytes in base64 (what the openai
+SDK asks for by default).
+
+Inputs: a string, a list of strings, a list of token ids or a list of lists of token ids;
+at most 2048 of them, no empty one, ids in the worker protocol's uint32; the body's size is
+`max_body_bytes`'. `dimensions` and `user` go to workers that list them, else a 400 names
+them. A client that goes away cancels the worker's call, `request_timeout` bounds the whole
+call, and the request leaves one record in the metrics and the access log (its inputs'
+tokens as prompt tokens, which a team's tokens per minute are charged once known).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.admission import Deadline, InFlight
+from gateway.config import Config
+from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error, send_json
+from gateway.edge.errors import APIError, from_engine_error, internal_error, invalid
+from gateway.edge.openai.body import read_json
+from gateway.edge.openai.generation import _priority, _request_id, _wait_disconnect
+from gateway.edge.openai.models import resolve
+from gateway.edge.openai.validation import UINT32_MAX, model_of
+from gateway.edge.write_guard import WriteGuard, WriteTimedOut
+from gateway.fleet import Fleet, ModelPool
+from gateway.fleet.embedding import embed
+from gateway.protocol import errors, features
+from gateway.protocol.errors import Outcome
+from gateway.protocol.types import Embeddings, EmbedRequest
+from gateway.teams import Teams, team_of
+from gateway.telemetry import RequestRecord, Telemetry
+from gateway.telemetry.tracing import Tracing, annotate
+
+log = logging.getLogger("furnace.edge")
+
+#: OpenAI's bound on the inputs of one request.
+MAX_INPUTS = 2048
+#: As `user` on the generation routes.
+MAX_USER_CHARS = 256
+#: The CLIENT span's name for a worker call: the gRPC method it is.
+EMBED = "furnace.engine/Embed"
+
+_INPUT_TYPES = (
+    "Invalid type for 'input': expected a string, a list of strings, a list of token ids "
+    "or a list of lists of token ids."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsBody:
+    """A valid body: what to embed, and how to answer."""
+
+    model: str | None
+    inputs: tuple[str | tuple[int, ...], ...]
+    base64: bool
+    dimensions: int | None
+    user: str
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(value: list[Any], where: str) -> tuple[int, ...]:
+    if not value:
+        raise invalid("input", f"Invalid value for 'input'{where}: an empty list of token ids.")
+    if not all(_is_int(v) and 0 <= v <= UINT32_MAX for v in value):
+        raise invalid(
+            "input", f"Invalid value for 'input'{where}: token ids are integers in [0, 2^32)."
+        )
+    return tuple(value)
+
+
+def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """The inputs, each a text or token ids, or a 400 naming `input`."""
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, list) or not value:
+        raise invalid("input", _INPUT_TYPES if value != [] else "'input' is an empty list.")
+    elif all(_is_int(v) for v in value):
+        return (_token_ids(value, ""),)
+    if len(value) > MAX_INPUTS:
+        raise invalid("input", f"Invalid value for 'input': at most {MAX_INPUTS} inputs.")
+    if all(isinstance(v, str) for v in value):
+        empty = next((i for i, v in enumerate(value) if not v), None)
+        if empty is not None:
+            where = "" if len(value) == 1 else f"[{empty}]"
+            raise invalid("input", f"Invalid value for 'input'{where}: an empty string.")
+        return tuple(value)
+    if all(isinstance(v, list) for v in value):
+        return tuple(_token_ids(v, f"[{i}]") for i, v in enumerate(value))
+    raise invalid("input", _INPUT_TYPES)
+
+
+def parse_embeddings(body: Any) -> EmbeddingsBody:
+    """The body checked, or a 400 naming the parameter at fault. Unknown fields are
+    ignored, as on the generation routes."""
+    model = model_of(body)
+    if "input" not in body:
+        raise invalid("input", "Missing required parameter: 'input'.")
+    inputs = _inputs(body["input"])
+    encoding = body.get("encoding_format")
+    if encoding not in (None, "float", "base64"):
+        raise invalid(
+            "encoding_format", "Invalid value for 'encoding_format': 'float' or 'base64'."
+        )
+    dimensions = body.get("dimensions")
+    if dimensions is not None and not (_is_int(dimensions) and 1 <= dimensions <= UINT32_MAX):
+        raise invalid("dimensions", "Invalid value for 'dimensions': an integer of at least 1.")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", "Invalid type for 'user': expected a string.")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise invalid("user", f"Invalid value for 'user': at most {MAX_USER_CHARS} characters.")
+    return EmbeddingsBody(model, inputs, encoding == "base64", dimensions, user or "")
+
+
+def check_served(pool: ModelPool, request: EmbedRequest) -> None:
+    """Refuses, naming the parameter, what the model's workers do not serve; when none
+    has described itself yet, the worker refuses for itself."""
+    served = pool.features()
+    if served is None:
+        return
+    if features.EMBEDDINGS not in served:
+        raise invalid("model", f"The model `{pool.name}` does not serve embeddings.")
+    for feature, asked in (
+        (features.DIMENSIONS, request.dimensions is not None),
+        (features.USER, bool(request.user)),
+    ):
+        if asked and feature not in served:
+            raise invalid(feature, f"The model `{pool.name}` does not support '{feature}'.")
+
+
+def _vector(values: tuple[float, ...], as_base64: bool) -> list[float] | str:
+    if not as_base64:
+        return list(values)
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def answer(model: str, embeddings: Embeddings, as_base64: bool) -> bytes:
+    """The response body."""
+    tokens = embeddings.prompt_tokens
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _vector(vector, as_base64)}
+                for i, vector in enumerate(embeddings.vectors)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
+class _Gone(Exception):
+    """The client went away."""
+
+
+class _Call:
+    """The worker call in flight, as the drain sees it: cancelled with a reason."""
+
+    __slots__ = ("reason", "task")
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self.task = task
+        self.reason: errors.EngineError | None = None
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        self.reason = reason or errors.Unavailable("The request was cancelled.")
+        self.task.cancel()
+
+
+class EmbeddingsRoute:
+    """`POST /v1/embeddings` over the gateway's parts, as a raw ASGI endpoint."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        fleet: Fleet,
+        inflight: InFlight,
+        teams: Teams,
+        telemetry: Telemetry,
+        tracing: Tracing,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.inflight = inflight
+        self.teams = teams
+        self.telemetry = telemetry
+        self.tracing = tracing
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serves one request; every error leaves as an OpenAI-shaped body, and every
+        request leaves one record in the metrics and the access log."""
+        request_id, metadata = _request_id(scope)
+        record = RequestRecord(request_id.decode("latin-1"))
+        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+        send = guard = WriteGuard(send, self.config.write_timeout, abort)
+        traceparent = dict(metadata).get("traceparent")
+        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
+            try:
+                await self._admit(scope, receive, send, record, metadata)
+            except (APIError, errors.EngineError) as error:
+                await self._refuse(send, record, self._api_error(error, record))
+            except (_Gone, WriteTimedOut):
+                record.status, record.outcome = 499, Outcome.CLIENT_GONE
+                log.info("client went away; request %s cancelled", record.request_id)
+            except Exception:
+                log.exception("request %s failed in the gateway", record.request_id)
+                if record.status:  # the answer had begun: the connection is closed
+                    record.outcome = Outcome.ENGINE_ERROR
+                    raise
+                await self._refuse(send, record, internal_error())
+            finally:
+                guard.close()
+                self.telemetry.finish(record)
+                annotate(
+                    span,
+                    {
+                        "http.response.status_code": record.status,
+                        "gen_ai.request.model": record.model or None,
+                        "gen_ai.usage.input_tokens": record.prompt_tokens,
+                        "furnace.outcome": record.outcome,
+                        "furnace.request_id": record.request_id,
+                    },
+                )
+
+    def _api_error(self, error: APIError | errors.EngineError, record: RequestRecord) -> APIError:
+        """The client's error; what the client does not see is logged."""
+        if isinstance(error, APIError):
+            return error
+        api_error = from_engine_error(error, self.config.retry_after)
+        if api_error.message != error.message:
+            log.warning(
+                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+            )
+        return api_error
+
+    async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
+        record.status, record.outcome, record.reason = error.status, error.outcome, error.reason
+        await send_error(send, error, record.request_id.encode("latin-1"))
+
+    async def _admit(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> None:
+        body = await read_json(scope, receive, self.config.max_body_bytes)
+        team = team_of(scope)
+        pool = resolve(self.fleet, team, model_of(body))
+        record.model = pool.name
+        parsed = parse_embeddings(body)
+        request = EmbedRequest(
+            pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id
+        )
+        if self.telemetry.log_prompts:
+            record.prompt = list(parsed.inputs)
+        check_served(pool, request)
+        self.inflight.check_open()
+        if pool.saturated():
+            raise errors.Busy(
+                f"Every worker of `{pool.name}` runs as many requests as it says it can.",
+                reason="workers_saturated",
+            )
+        # watched from here: a client that leaves while queued leaves the queue at once
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            async with self.teams.admit(team, pool.name, request, record, _priority(scope), gone):
+                self.telemetry.begin(record, pool.name)
+                embeddings = await self._call(pool, request, record, metadata, gone)
+        except errors.Busy:
+            if not gone.done():
+                raise
+            raise _Gone from None
+        finally:
+            gone.cancel()
+        body_bytes = answer(pool.name, embeddings, parsed.base64)
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        request_id = record.request_id.encode("latin-1")
+        await send_json(send, 200, body_bytes, [(b"x-request-id", request_id)])
+
+    async def _call(
+        self,
+        pool: ModelPool,
+        request: EmbedRequest,
+        record: RequestRecord,
+        metadata: tuple[tuple[str, str], ...],
+        gone: asyncio.Future[None],
+    ) -> Embeddings:
+        """The worker's embeddings; cancelled when the client leaves, the drain ends it
+        or `request_timeout` passes."""
+        timeout = self.config.request_timeout
+        with self.tracing.engine_call(pool.name, metadata, EMBED) as (span, metadata):
+            deadline = Deadline(timeout)
+            task = asyncio.ensure_future(embed(self.fleet, pool, request, deadline, metadata))
+            call = _Call(task)
+            either: set[asyncio.Future[Any]] = {task, gone}
+            try:
+                with self.inflight.track(call):
+                    await asyncio.wait(either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    if call.reason is None and not gone.done():
+                        call.reason = errors.Timeout(
+                            f"The embeddings took longer than {timeout:g} seconds."
+                        )
+            if call.reason is not None:
+                raise call.reason
+            if task.cancelled():
+                raise _Gone
+            embeddings, record.worker = task.result()
+            annotate(span, {"furnace.worker": record.worker})
+        record.prompt_tokens = embeddings.prompt_tokens
+        return embeddings
