@@ -23,6 +23,8 @@ BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 #: Team names go into metric labels and Redis keys: keep them plain.
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
+#: The tool-call formats of `vllm-grpc` models (gateway.protocol.tool_calls.PARSERS).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _T = TypeVar("_T")
@@ -99,6 +101,9 @@ class ModelConfig:
     #: A directory holding the model's tokenizer.json, tokenizer_config.json and
     #: chat template, for `vllm-grpc` (the gateway tokenizes); unused otherwise.
     tokenizer: str | None = None
+    #: `vllm-grpc`: the format the model writes tool calls in (`hermes`, `llama3_json`),
+    #: as vLLM's `--tool-call-parser`; None: it takes no tools (forced calls neither).
+    tool_call_parser: str | None = None
     #: The largest `max_tokens` a request may ask for (also its default); None: no cap.
     max_tokens_limit: int | None = None
     #: `openai` upstreams: the NAME of the environment variable holding their bearer
@@ -480,6 +485,14 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
     if (kind == "tensor") != (upstream == "kserve-grpc"):
         raise ConfigError(f"{where}.upstream: kserve-grpc is for kind: tensor models, and only it")
     tokenizer = _tokenizer_dir(where, raw.get("tokenizer"), upstream)
+    tool_call_parser = raw.get("tool_call_parser")
+    if tool_call_parser is not None and (
+        upstream != "vllm-grpc" or tool_call_parser not in TOOL_CALL_PARSERS
+    ):
+        raise ConfigError(
+            f"{where}.tool_call_parser: with upstream: vllm-grpc, one of "
+            f"{', '.join(TOOL_CALL_PARSERS)}"
+        )
     for i, entry in enumerate(workers):
         is_url = entry.startswith(("http://", "https://"))
         if is_url != (upstream == "openai"):
@@ -506,6 +519,7 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
         balance=balance,
         upstream=upstream,
         tokenizer=tokenizer,
+        tool_call_parser=tool_call_parser,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
         max_tokens_limit=max_tokens_limit,
         queue=_queue(f"{where}.queue", raw.get("queue"), queue),

@@ -352,4 +352,13 @@ def test_a_choices_events_carry_every_token_and_end_in_tool_calls():
     assert choice.finish_reason(FinishReason.LENGTH) is FinishReason.LENGTH
     plain = ChoiceToolCalls(parser("hermes", TOOLS))
     assert plain.feed("no calls", 2) == [Text("no calls", 2, 0, None)]
+    assert plain.feed("", 1) == []  # an end-of-sequence token: counted by Finished
     assert plain.finish() == [] and plain.finish_reason(FinishReason.STOP) is FinishReason.STOP
+
+
+def test_without_tools_text_goes_straight_through():
+    choice = ChoiceToolCalls(None, index=2)
+    assert choice.feed("<tool_call>{}", 2) == [Text("<tool_call>{}", 2, 2, None)]
+    assert choice.feed("", 1, (TokenLogprob("", -0.5),)) == []
+    assert choice.finish() == [Text("", 1, 2, (TokenLogprob("", -0.5),))]
+    assert choice.finish_reason(FinishReason.STOP) is FinishReason.STOP

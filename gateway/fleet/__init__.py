@@ -81,6 +81,7 @@ class Fleet:
                 VllmGrpcUpstream,
                 model=model.name,
                 tokenizer=model.tokenizer,
+                tool_call_parser=model.tool_call_parser,
                 credentials=self._credentials(),
             )
         if model.upstream == "kserve-grpc":

@@ -7,7 +7,8 @@ Tokens follow the text: a piece's tokens (and logprobs) wait with the text the
 parser holds back and go with the first event that text releases, a `Text`
 (which then carries their logprobs) or a call's first `ToolCallDelta` (logprobs
 of tokens that became a call are not reported: OpenAI reports logprobs of
-content only)."""
+content only). Without a parser (no tools in play) text goes straight through
+with the same accounting."""
 
 from __future__ import annotations
 
@@ -15,13 +16,26 @@ from gateway.protocol.tool_calls.base import Parsed, ToolCallParser
 from gateway.protocol.types import Event, FinishReason, Text, TokenLogprob, ToolCallDelta
 
 
+class _Plain(ToolCallParser):
+    """No tools in play: all text, nothing held."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    def feed(self, text: str) -> Parsed:
+        return Parsed(text)
+
+    def finish(self) -> Parsed:
+        return Parsed("")
+
+
 class ChoiceToolCalls:
     """Feeds one choice's text through a parser, giving our events."""
 
     __slots__ = ("_index", "_logprobs", "_parser", "_tokens")
 
-    def __init__(self, parser: ToolCallParser, index: int = 0) -> None:
-        self._parser = parser
+    def __init__(self, parser: ToolCallParser | None, index: int = 0) -> None:
+        self._parser = parser or _Plain()
         self._index = index
         self._tokens = 0
         self._logprobs: list[TokenLogprob] | None = None
@@ -36,11 +50,14 @@ class ChoiceToolCalls:
         return self._events(self._parser.feed(text))
 
     def finish(self) -> list[Event]:
-        """The events of what was held back, once the answer ended; tokens that
-        released nothing go with an empty `Text`, so every token is counted."""
+        """The events of what was held back, once the answer ended. Tokens that
+        released nothing (an end-of-sequence token) go with an empty `Text` when
+        they carry logprobs (one each, as vLLM reports them); otherwise only the
+        choice's `Finished` counts them."""
         events = self._events(self._parser.finish())
-        if self._tokens:
+        if self._tokens and self._logprobs:
             events.append(self._text(""))
+        self._tokens = 0
         return events
 
     def finish_reason(self, reason: FinishReason) -> FinishReason:
