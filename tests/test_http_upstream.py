@@ -1,5 +1,7 @@
 """The HTTP upstream's protocol edges, against a mocked transport (respx): the
-SSE it reads, the errors it maps, what it sends."""
+SSE it reads (text, tool calls, logprobs, n choices), the errors it maps, what
+it sends, and embeddings. tests/test_http_upstream_surface.py runs the same
+surface against vLLM's own server through the gateway."""
 
 import json
 
@@ -10,12 +12,20 @@ import respx
 
 from gateway.protocol import errors
 from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
     Finished,
     FinishReason,
     GenerateRequest,
     Message,
+    ResponseFormat,
     SamplingParams,
     Started,
+    Text,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
@@ -82,7 +92,8 @@ def test_a_stream_becomes_our_events_and_the_body_is_openais():
     events, failure, outcomes = anyio.run(run, CHAT)
     assert failure is None
     assert events[0] == Started(0)
-    assert [e.text for e in events[1:-1]] == ["Hel", "lo"]
+    # the pieces that arrived in one read are one event, with their tokens
+    assert events[1:-1] == [Text("Hello", 2)]
     assert events[-1] == Finished(FinishReason.LENGTH, 2, 9)
     assert outcomes == [None]
     sent = json.loads(route.calls.last.request.content)
@@ -240,3 +251,362 @@ def test_an_error_body_is_read_only_up_to_its_bound():
     # cut at the bound, the body is no longer JSON: the status alone speaks
     assert isinstance(failure, errors.Failed)
     assert len(failure.message) <= MAX_ERROR_BYTES
+
+
+FULL_CHAT = GenerateRequest(
+    "m",
+    messages=(
+        Message("user", "look", images=("data:image/png;base64,AAAA",)),
+        Message("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a":1}'),)),
+        Message("tool", "42", tool_call_id="call_1", name="f"),
+    ),
+    sampling=SamplingParams(
+        seed=7,
+        max_tokens=9,
+        min_tokens=2,
+        ignore_eos=True,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        logit_bias=((5, -100.0), (17, 2.5)),
+        stop_token_ids=(3, 4),
+    ),
+    n=2,
+    logprobs=3,
+    tools=(Tool("f", "adds", '{"type":"object","properties":{"a":{"type":"integer"}}}'),),
+    tool_choice="f",
+    parallel_tool_calls=False,
+    response_format=ResponseFormat("json_schema", '{"type":"object"}', "answer", strict=True),
+    user="team-a",
+)
+
+
+@respx.mock
+def test_every_field_reaches_the_body_as_openai_and_vllm_name_it():
+    route = respx.post(f"{BASE}/chat/completions").respond(200, content=sse("[DONE]"))
+    anyio.run(run, FULL_CHAT)
+    sent = json.loads(route.calls.last.request.content)
+    assert sent == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "text", "text": "look"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"a":1}'},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "f"},
+        ],
+        "seed": 7,
+        "max_tokens": 9,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+        "logit_bias": {"5": -100.0, "17": 2.5},
+        "stop_token_ids": [3, 4],
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "description": "adds",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                },
+            }
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": False,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True},
+        },
+        "user": "team-a",
+    }
+
+
+@respx.mock
+def test_completion_logprobs_and_choice_names_go_as_openai_takes_them():
+    route = respx.post(f"{BASE}/completions").respond(200, content=sse("[DONE]"))
+    request = GenerateRequest(
+        "m", prompt="p", logprobs=0, response_format=ResponseFormat("json_object")
+    )
+    anyio.run(run, request)
+    sent = json.loads(route.calls.last.request.content)
+    assert (sent["logprobs"], sent["response_format"]) == (0, {"type": "json_object"})
+    assert "top_logprobs" not in sent
+    for choice in ("none", "auto", "required"):
+        anyio.run(run, GenerateRequest("m", prompt="p", tool_choice=choice))
+        assert json.loads(route.calls.last.request.content)["tool_choice"] == choice
+
+
+def tool_piece(index=0, call=0, call_id=None, name=None, arguments="", finish=None) -> dict:
+    function = {"arguments": arguments} if name is None else {"name": name, "arguments": arguments}
+    piece = {"index": call, "function": function}
+    if call_id is not None:
+        piece.update(id=call_id, type="function")
+    delta = {"tool_calls": [piece]}
+    return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+@respx.mock
+def test_tool_calls_stream_as_deltas_their_arguments_merged_per_read():
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            tool_piece(call_id="call_a", name="f", arguments="{"),
+            tool_piece(arguments='"a"'),
+            tool_piece(name=None, arguments=":1}"),
+            tool_piece(call=1, call_id="call_b", name="g"),
+            tool_piece(call=1, arguments="{}", finish="tool_calls"),
+            chunk(usage={"prompt_tokens": 4, "completion_tokens": 12}),
+            "[DONE]",
+        ),
+    )
+    events, failure, _ = anyio.run(run, CHAT)
+    assert failure is None
+    assert events[1:] == [
+        ToolCallDelta(0, 0, "call_a", "f", '{"a":1}', 3),
+        ToolCallDelta(0, 1, "call_b", "g", "{}", 2),
+        Finished(FinishReason.TOOL_CALLS, 12, 4),
+    ]
+
+
+CHAT_LOGPROBS = {
+    "content": [
+        {
+            "token": "Hi",
+            "logprob": -0.5,
+            "bytes": [72, 105],
+            "top_logprobs": [{"token": "Hi", "logprob": -0.5}, {"token": "Yo", "logprob": -1.5}],
+        }
+    ]
+}
+
+
+@respx.mock
+def test_chat_logprobs_become_token_logprobs_even_on_a_token_without_text():
+    empty = {"content": [{"token": "", "logprob": -2.0, "top_logprobs": []}]}
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(
+            {"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": CHAT_LOGPROBS}]},
+            {"choices": [{"index": 0, "delta": {}, "logprobs": empty, "finish_reason": "length"}]},
+            "[DONE]",
+        ),
+    )
+    events, _, _ = anyio.run(run, CHAT)
+    assert events[1] == Text(
+        "Hi",
+        2,
+        0,
+        (TokenLogprob("Hi", -0.5, (("Hi", -0.5), ("Yo", -1.5))), TokenLogprob("", -2.0, ())),
+    )
+    assert events[2] == Finished(FinishReason.LENGTH, 2, None)
+
+
+@respx.mock
+def test_completion_logprobs_become_token_logprobs():
+    logprobs = {
+        "text_offset": [0, 1],
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"a": -0.1, "c": -3.0}, {"b": -0.2}],
+    }
+    respx.post(f"{BASE}/completions").respond(
+        200,
+        content=sse({"choices": [{"index": 0, "text": "ab", "logprobs": logprobs}]}, "[DONE]"),
+    )
+    events, _, _ = anyio.run(run, GenerateRequest("m", prompt="p", logprobs=1))
+    assert events[1] == Text(
+        "ab",
+        2,
+        0,
+        (
+            TokenLogprob("a", -0.1, (("a", -0.1), ("c", -3.0))),
+            TokenLogprob("b", -0.2, (("b", -0.2),)),
+        ),
+    )
+
+
+def choice(index, content=None, finish=None, usage=None) -> dict:
+    delta = {} if content is None else {"content": content}
+    body = {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+TWO = GenerateRequest("m", messages=(Message("user", "hi"),), n=2)
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        # only a total: it goes on the last choice to finish, 0 on the other
+        ([chunk(usage={"prompt_tokens": 3, "completion_tokens": 5})], [(1, 0, 3), (0, 5, 3)]),
+        # no usage at all: the pieces counted
+        ([], [(1, 1, None), (0, 2, None)]),
+    ],
+)
+@respx.mock
+def test_n_choices_interleave_and_end_with_one_finished_each(tail, expected):
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(
+            choice(0, "a"),
+            choice(1, "x"),
+            choice(1, finish="length"),
+            choice(0, "b"),
+            choice(0, finish="stop"),
+            *tail,
+            "[DONE]",
+        ),
+    )
+    events, failure, _ = anyio.run(run, TWO)
+    assert failure is None
+    assert events[1:4] == [Text("a", 1, 0), Text("x", 1, 1), Text("b", 1, 0)]
+    finished = [(e.index, e.completion_tokens, e.prompt_tokens) for e in events[4:]]
+    assert finished == expected
+    assert [e.reason for e in events[4:]] == [FinishReason.LENGTH, FinishReason.STOP]
+
+
+@respx.mock
+def test_per_chunk_usage_gives_each_choice_its_own_count():
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(
+            choice(0, "a", usage={"prompt_tokens": 3, "completion_tokens": 1}),
+            choice(1, "x", usage={"prompt_tokens": 3, "completion_tokens": 1}),
+            choice(0, "", "stop", usage={"prompt_tokens": 3, "completion_tokens": 2}),
+            choice(1, "", "stop", usage={"prompt_tokens": 3, "completion_tokens": 4}),
+            chunk(usage={"prompt_tokens": 3, "completion_tokens": 6}),
+            "[DONE]",
+        ),
+    )
+    events, _, _ = anyio.run(run, TWO)
+    assert [(e.index, e.completion_tokens) for e in events if type(e) is Finished] == [
+        (0, 2),
+        (1, 4),
+    ]
+
+
+@respx.mock
+def test_a_choice_index_beyond_n_fails_the_stream():
+    respx.post(f"{BASE}/chat/completions").respond(200, content=sse(choice(1, "a"), "[DONE]"))
+    _, failure, _ = anyio.run(run, CHAT)
+    assert isinstance(failure, errors.Failed) and "choice 1" in failure.message
+
+
+@respx.mock
+def test_events_split_across_reads_are_read_whole():
+    whole = sse(chunk("Hel"), chunk("lo", finish="stop"), "[DONE]")
+
+    async def body():
+        for i in range(0, len(whole), 7):  # 7-byte pieces: lines cut anywhere
+            yield whole[i : i + 7]
+
+    respx.post(f"{BASE}/chat/completions").respond(200, stream=body())
+    events, failure, _ = anyio.run(run, CHAT)
+    assert failure is None
+    assert "".join(e.text for e in events if type(e) is Text) == "Hello"
+    assert events[-1] == Finished(FinishReason.STOP, 2, None)
+
+
+EMBED = EmbedRequest("e", ("one two", (1, 2, 3)), dimensions=2, user="team-a")
+
+
+async def embed(request: EmbedRequest = EMBED) -> object:
+    async with httpx.AsyncClient() as http:
+        try:
+            return await OpenAIHttpUpstream(BASE, http).embed(request, 5.0)
+        except errors.EngineError as error:
+            return error
+
+
+@respx.mock
+def test_embed_sends_texts_and_token_ids_and_places_vectors_by_index():
+    route = respx.post(f"{BASE}/embeddings").respond(
+        200,
+        json={
+            "data": [
+                {"index": 1, "embedding": [0.0, 1.0]},
+                {"index": 0, "embedding": [0.6, 0.8]},
+            ],
+            "usage": {"prompt_tokens": 5, "total_tokens": 5},
+        },
+    )
+    assert anyio.run(embed) == Embeddings(((0.6, 0.8), (0.0, 1.0)), 5)
+    assert json.loads(route.calls.last.request.content) == {
+        "model": "e",
+        "input": ["one two", [1, 2, 3]],
+        "encoding_format": "float",
+        "dimensions": 2,
+        "user": "team-a",
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected", "param"),
+    [
+        (200, {"data": [{"index": 0, "embedding": [0.1, 0.2]}]}, errors.Failed, None),
+        (200, {"data": [{"embedding": [0.1]}, {"embedding": [0.2]}]}, errors.Failed, None),
+        (200, {"data": [{"embedding": ["x", 1]}, {"embedding": [0.2, 0.1]}]}, errors.Failed, None),
+        (200, b"not json", errors.Failed, None),
+        (
+            400,
+            {"error": {"message": "bad dims", "param": "dimensions"}},
+            errors.Invalid,
+            "dimensions",
+        ),
+        (404, {"detail": "Not Found"}, errors.Invalid, "model"),  # no such route
+        (
+            404,
+            {"error": {"message": "no model e", "code": "model_not_found"}},
+            errors.ModelNotFound,
+            None,
+        ),
+        (503, {}, errors.Unavailable, None),
+    ],
+)
+@respx.mock
+def test_embed_refusals_and_bad_answers(status, body, expected, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    respx.post(f"{BASE}/embeddings").respond(status, content=content)
+    failure = anyio.run(embed)
+    assert type(failure) is expected, failure
+    assert failure.param == param
+
+
+@respx.mock
+def test_embed_answers_are_read_only_up_to_their_bound():
+    from gateway.upstreams.openai_http import MAX_EMBEDDING_BYTES, MAX_ERROR_BYTES
+
+    vector = [0.5] * ((MAX_ERROR_BYTES + 2 * MAX_EMBEDDING_BYTES) // 3)
+    body = {"data": [{"index": 0, "embedding": vector}, {"index": 1, "embedding": vector}]}
+    respx.post(f"{BASE}/embeddings").respond(200, json=body)
+    failure = anyio.run(embed, EmbedRequest("e", ("a", "b")))
+    assert isinstance(failure, errors.Failed) and "larger" in failure.message
+
+
+@respx.mock
+def test_embed_connect_failure_is_unavailable():
+    respx.post(f"{BASE}/embeddings").mock(side_effect=httpx.ConnectError("refused"))
+    assert isinstance(anyio.run(embed), errors.Unavailable)

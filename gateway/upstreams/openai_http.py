@@ -9,22 +9,52 @@ as it answers a gRPC worker's. Upstreams share one pooled `httpx.AsyncClient`
 `Authorization: Bearer` on each of its calls, and only there (never in a log or
 an error). A client that leaves closes the upstream stream.
 
+Every field of our request goes into their body as OpenAI and vLLM name it
+(`request_body`: messages and tools in `gateway.protocol.chat`'s shapes,
+tool_choice, response_format, logprobs, n, user, and vLLM's extra sampling
+fields); `describe` says they serve every feature, so what a server cannot do
+it refuses itself, and its 400 naming the parameter reaches the client as
+one. Their chunks become our events choice by choice: content (with logprobs)
+as `Text`, `delta.tool_calls` as `ToolCallDelta`, each choice's finish reason
+as its `Finished`; `embed` is their `/embeddings`.
+
 Their stream has no `Started` with the prompt's size: `Started(0)` goes out
 when their headers arrive, and the prompt tokens ride on `Finished` from their
 usage chunk.
+
+Cost: the read path takes the bytes httpx hands over (one HTTP chunk or more),
+cuts them into `data:` lines with one `split`, parses each once with orjson and
+queues the events, merging a choice's pieces that arrived together into one
+event, so a reader behind the stream gets fewer, larger events; no async
+iterator per line.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from itertools import zip_longest
 from typing import Any
 
 import httpx
 import orjson
 
-from gateway.protocol import errors
-from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol import errors, features
+from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    ResponseFormat,
+    Started,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
 
 #: Their HTTP status → our error; 400s are refined by the error body's code.
@@ -55,11 +85,15 @@ ERROR_CODES: dict[str, type[errors.EngineError]] = {
 #: your prompt contains at least 1025 input tokens ...", `"param": "input_tokens"`.
 TOO_LONG_MESSAGES = ("maximum context length",)
 TOO_LONG_PARAMS = ("input_tokens",)
-_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_REASONS = {r.value: r for r in FinishReason}
 #: The largest SSE line (one event) and error body read from an upstream: past them the
 #: upstream is failing, and reading on would only grow the gateway's memory.
 MAX_EVENT_BYTES = 1024 * 1024
 MAX_ERROR_BYTES = 64 * 1024
+#: An embeddings answer may take this much per input (~10k floats as JSON text), plus
+#: the error bound for the rest.
+MAX_EMBEDDING_BYTES = 256 * 1024
+_TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 _CLOSING: set[asyncio.Task[None]] = set()  # upstream responses being closed after a cancel
 
 
@@ -82,27 +116,6 @@ async def read_capped(response: httpx.Response, limit: int) -> bytes:
         if size >= limit:
             break
     return b"".join(chunks)[:limit]
-
-
-async def sse_lines(response: httpx.Response, limit: int) -> AsyncIterator[bytes]:
-    """The lines of an event stream, read in the chunks the network gives; a line
-    longer than `limit` bytes fails the stream."""
-    too_large = "The upstream sent an event larger than the gateway takes."
-    pending = b""
-    async for chunk in response.aiter_bytes():
-        if b"\n" in chunk:
-            *lines, rest = (pending + chunk).split(b"\n")
-            for line in lines:
-                if len(line) > limit:
-                    raise errors.Failed(too_large)
-                yield line
-            pending = rest
-        else:
-            pending += chunk
-        if len(pending) > limit:
-            raise errors.Failed(too_large)
-    if pending:
-        yield pending
 
 
 def error_from_response(status: int, body: bytes) -> errors.EngineError:
@@ -136,26 +149,277 @@ def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
 
 
 def request_body(request: GenerateRequest) -> dict[str, Any]:
-    """Our request as an OpenAI body, streamed with usage."""
+    """Our request as an OpenAI body, streamed with usage: every field the way
+    OpenAI and vLLM take it (vLLM's extra sampling fields by vLLM's names)."""
     s = request.sampling
+    chat = request.messages is not None
     body: dict[str, Any] = {
         "model": request.model,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if request.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        body["messages"] = [message_dict(m) for m in request.messages]
     else:
         body["prompt"] = request.prompt or ""
-    for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed"):
+    for name in _SAMPLING:
         value = getattr(s, name)
         if value is not None:
             body[name] = value
-    if s.max_tokens is not None:
-        body["max_tokens"] = s.max_tokens
+    if s.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.n != 1:
+        body["n"] = request.n
+    if request.logprobs is not None:
+        if chat:
+            body["logprobs"] = True
+            body["top_logprobs"] = request.logprobs
+        else:
+            body["logprobs"] = request.logprobs
+    if request.tools:
+        body["tools"] = [tool_dict(t) for t in request.tools]
+    if request.tool_choice:
+        choice = request.tool_choice
+        body["tool_choice"] = (
+            choice
+            if choice in _TOOL_CHOICES
+            else {"type": "function", "function": {"name": choice}}
+        )
+    if request.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.response_format is not None:
+        body["response_format"] = _response_format(request.response_format)
+    if request.user:
+        body["user"] = request.user
     return body
+
+
+#: Sampling fields sent as they are, when set (OpenAI's, then vLLM's extra ones).
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_p",
+)
+_TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+def _response_format(format: ResponseFormat) -> dict[str, Any]:
+    if format.type != "json_schema":
+        return {"type": format.type}
+    schema: dict[str, Any] = {"name": format.name}
+    if format.schema:
+        schema["schema"] = orjson.loads(format.schema)
+    if format.strict:
+        schema["strict"] = True
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _chat_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """A chat choice's `logprobs.content`: one entry per token, alternatives in the
+    server's order."""
+    content = logprobs.get("content") if type(logprobs) is dict else None
+    if not content:
+        return None
+    return tuple(
+        TokenLogprob(
+            entry["token"],
+            entry["logprob"],
+            tuple((alt["token"], alt["logprob"]) for alt in entry.get("top_logprobs") or ()),
+        )
+        for entry in content
+    )
+
+
+def _completion_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """A completion choice's logprobs: parallel lists of tokens, their logprobs and
+    {token: logprob} alternatives."""
+    tokens = logprobs.get("tokens") if type(logprobs) is dict else None
+    if not tokens:
+        return None
+    tops = logprobs.get("top_logprobs") or ()
+    return tuple(
+        TokenLogprob(token, value, tuple((top or {}).items()))
+        for token, value, top in zip_longest(tokens, logprobs.get("token_logprobs") or (), tops)
+    )
+
+
+class _Stream:
+    """Reads their event stream, as our events: bytes in large reads are cut into
+    `data:` lines in one pass, each parsed once, and the events appended to
+    `ready`. Text and tool-call pieces of one choice that arrive in one read are
+    merged into one event (the edge then writes one chunk for them).
+
+    Tokens: a piece counts one token (vLLM sends one per chunk), or one per
+    logprob when it has them. A call of n choices ends with n `Finished`, given
+    out at `[DONE]`, when their usage is known: each choice has its own count
+    where the server sent per-chunk usage (vLLM's `continuous_usage_stats`);
+    else the total of the usage chunk goes on the last choice to finish and 0
+    on the others; with no usage at all, each has the pieces counted. Every
+    `Finished` carries the prompt's tokens (the same number, not a share).
+    """
+
+    __slots__ = (
+        "_chat",
+        "_counted",
+        "_n",
+        "_parts",
+        "_prompt_tokens",
+        "_reasons",
+        "_size",
+        "_total",
+        "_usages",
+        "done",
+        "ready",
+    )
+
+    def __init__(self, chat: bool, n: int) -> None:
+        self._chat = chat
+        self._n = n
+        self.ready: deque[Event] = deque()
+        self.done = False
+        self._parts: list[bytes] = []  # an unfinished line, in the pieces it came in
+        self._size = 0
+        self._counted = [0] * n  # pieces' tokens per choice
+        self._usages: dict[int, int] = {}  # per-chunk usage's completion tokens per choice
+        self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
+        self._prompt_tokens: int | None = None
+        self._total: int | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parses the complete lines of `data` (and of what came before it)."""
+        if b"\n" not in data:
+            self._parts.append(data)
+            self._size += len(data)
+            if self._size > MAX_EVENT_BYTES:
+                raise errors.Failed(_TOO_LARGE)
+            return
+        if self._parts:
+            self._parts.append(data)
+            data = b"".join(self._parts)
+            self._parts.clear()
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            self._parts.append(rest)
+        self._size = len(rest)
+        if self._size > MAX_EVENT_BYTES:
+            raise errors.Failed(_TOO_LARGE)
+        for line in lines:
+            if line[:5] != b"data:":
+                continue  # comments (keep-alives), event names, blank separators
+            if len(line) > MAX_EVENT_BYTES:
+                raise errors.Failed(_TOO_LARGE)
+            if len(line) < 16 and line[5:].strip() == b"[DONE]":
+                self._end()
+                return
+            try:
+                payload = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                raise errors.Failed("The upstream sent an event that is not JSON.") from None
+            if type(payload) is not dict:
+                raise errors.Failed("The upstream sent an event that is not an object.")
+            self._chunk(payload)
+
+    def _chunk(self, payload: dict[str, Any]) -> None:
+        if "error" in payload or payload.get("object") == "error":
+            raise error_from_event(payload)
+        choices = payload.get("choices")
+        usage = payload.get("usage")
+        if type(usage) is dict:
+            self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
+            if not choices:
+                self._total = usage.get("completion_tokens", self._total)
+            elif len(choices) == 1 and "completion_tokens" in usage:  # per-chunk usage
+                self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
+        if not choices:
+            return
+        for choice in choices:
+            self._choice(choice)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        index = choice.get("index") or 0
+        if not 0 <= index < self._n:
+            raise errors.Failed(f"The upstream sent choice {index} of {self._n}.")
+        if self._chat:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            calls = delta.get("tool_calls")
+            logprobs = _chat_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+        else:
+            text = choice.get("text")
+            calls = None
+            logprobs = _completion_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+        tokens = 1 if logprobs is None else len(logprobs)
+        if text or logprobs:
+            self._text(Text(text or "", tokens, index, logprobs))
+            self._counted[index] += tokens
+            tokens = 0
+        if calls:
+            for call in calls:
+                self._tool_call(index, call, tokens)
+                self._counted[index] += tokens
+                tokens = 0
+        reason = choice.get("finish_reason")
+        if reason is not None and index not in self._reasons:
+            self._reasons[index] = _REASONS.get(reason, FinishReason.STOP)
+
+    def _text(self, text: Text) -> None:
+        ready = self.ready
+        if ready:
+            last = ready[-1]
+            if type(last) is Text and last.index == text.index:
+                if last.logprobs is None and text.logprobs is None:
+                    ready[-1] = Text(last.text + text.text, last.tokens + text.tokens, text.index)
+                    return
+                if last.logprobs is not None and text.logprobs is not None:
+                    logprobs = last.logprobs + text.logprobs
+                    merged = last.text + text.text
+                    ready[-1] = Text(merged, last.tokens + text.tokens, text.index, logprobs)
+                    return
+        ready.append(text)
+
+    def _tool_call(self, index: int, call: dict[str, Any], tokens: int) -> None:
+        function = call.get("function") or {}
+        call_index = call.get("index") or 0
+        call_id = call.get("id") or ""
+        name = function.get("name") or ""
+        arguments = function.get("arguments") or ""
+        ready = self.ready
+        if ready and not call_id and not name:
+            last = ready[-1]
+            if type(last) is ToolCallDelta and (last.index, last.call_index) == (index, call_index):
+                ready[-1] = last._replace(
+                    arguments=last.arguments + arguments, tokens=last.tokens + tokens
+                )
+                return
+        ready.append(ToolCallDelta(index, call_index, call_id, name, arguments, tokens))
+
+    def _end(self) -> None:
+        """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
+        self.done = True
+        order = [*self._reasons, *(i for i in range(self._n) if i not in self._reasons)]
+        counts = {i: self._usages.get(i, self._counted[i]) for i in order}
+        unknown = [i for i in order if i not in self._usages]
+        if self._total is not None and unknown:
+            for i in unknown:
+                counts[i] = 0
+            known = sum(self._usages.values())
+            counts[unknown[-1]] = max(0, self._total - known)
+        for i in order:
+            reason = self._reasons.get(i, FinishReason.STOP)
+            self.ready.append(Finished(reason, counts[i], self._prompt_tokens, i))
 
 
 class OpenAIHttpCall(StreamBookkeeping):
@@ -165,31 +429,32 @@ class OpenAIHttpCall(StreamBookkeeping):
         self,
         http: httpx.AsyncClient,
         request: httpx.Request,
-        chat: bool,
+        stream: _Stream,
         worker: str,
         on_close: Callable[[CallEnd], None],
     ) -> None:
         super().__init__(worker, on_close)
         self._http = http
         self._request = request
-        self._chat = chat
+        self._stream = stream
+        self._ready = stream.ready
         self._response: httpx.Response | None = None
-        self._lines: AsyncIterator[bytes] | None = None
-        self._reason = FinishReason.STOP
-        self._prompt_tokens: int | None = None
-        self._completion_tokens: int | None = None
-        self._texts = 0
+        self._chunks: AsyncIterator[bytes] | None = None
+        self._failure: errors.EngineError | None = None  # found after events still to give
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
 
     async def __anext__(self) -> Event:
+        if self._ready:
+            return self._ready.popleft()
         if self._closed:
             raise StopAsyncIteration
         try:
             if self._response is None:
                 return await self._open()
-            return await self._next_event()
+            await self._read()
+            return self._ready.popleft()
         except errors.EngineError as error:
             await self._finish(error)
             raise
@@ -206,52 +471,27 @@ class OpenAIHttpCall(StreamBookkeeping):
         if response.status_code != 200:
             body = await read_capped(response, MAX_ERROR_BYTES)
             raise error_from_response(response.status_code, body)
-        self._lines = sse_lines(response, MAX_EVENT_BYTES)
+        self._chunks = response.aiter_bytes()
         return Started(0)
 
-    async def _next_event(self) -> Event:
-        assert self._lines is not None
-        async for line in self._lines:
-            if not line.startswith(b"data:"):
-                continue  # comments (keep-alives), event names, blank separators
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                completion = self._completion_tokens
+    async def _read(self) -> None:
+        """Reads until it has events (or the stream's end, or a failure)."""
+        assert self._chunks is not None
+        stream = self._stream
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            try:
+                data = await anext(self._chunks)
+            except StopAsyncIteration:
+                raise errors.Failed("The upstream ended its stream without [DONE].") from None
+            try:
+                stream.feed(data)
+            except errors.EngineError as error:
+                self._failure = error  # the events before it go out first
+            if stream.done:
                 await self._finish(None)
-                return Finished(
-                    self._reason, self._texts if completion is None else completion,
-                    self._prompt_tokens,
-                )  # fmt: skip
-            event = self._event(data)
-            if event is not None:
-                return event
-        raise errors.Failed("The upstream ended its stream without [DONE].")
-
-    def _event(self, data: bytes) -> Event | None:
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise errors.Failed("The upstream sent an event that is not JSON.") from None
-        if not isinstance(payload, dict):
-            raise errors.Failed("The upstream sent an event that is not an object.")
-        if "error" in payload or payload.get("object") == "error":
-            raise error_from_event(payload)
-        usage = payload.get("usage")
-        if isinstance(usage, dict):
-            self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
-            self._completion_tokens = usage.get("completion_tokens", self._completion_tokens)
-        choices = payload.get("choices") or []
-        if not choices:
-            return None
-        choice = choices[0]
-        reason = choice.get("finish_reason")
-        if reason is not None:
-            self._reason = _REASONS.get(reason, FinishReason.STOP)
-        text = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
-        if not text:
-            return None
-        self._texts += 1
-        return Text(text, 1)
+                return
 
     async def _finish(self, outcome: CallEnd) -> None:
         if self._response is not None:
@@ -260,11 +500,60 @@ class OpenAIHttpCall(StreamBookkeeping):
 
     def cancel(self, outcome: CallEnd = CANCELLED) -> None:
         """Closes the upstream connection (the upstream sees the client leave)."""
+        self._ready.clear()
         if self._response is not None:
             closing = asyncio.get_running_loop().create_task(self._response.aclose())
             _CLOSING.add(closing)  # the loop keeps only a weak reference to a task
             closing.add_done_callback(_CLOSING.discard)
         self.close(outcome)
+
+
+def _embed_error(status: int, body: bytes) -> errors.EngineError:
+    """Our error for a refused embedding: a 404 that is not an OpenAI error (vLLM
+    serving a generative model has no such route) says the model embeds nothing."""
+    if status == 404:
+        try:
+            fields = _error_fields(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            fields = {}
+        if not fields:
+            return errors.Invalid("The model's upstream serves no embeddings.", param="model")
+    return error_from_response(status, body)
+
+
+def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
+    """Their embeddings answer: one vector of numbers per input, all of one width
+    (`dimensions` when asked), placed by their `index`."""
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed("The upstream's embeddings answer is not JSON.") from None
+    data = payload.get("data") if type(payload) is dict else None
+    count = len(request.inputs)
+    if type(data) is not list or len(data) != count:
+        got = len(data) if type(data) is list else "no"
+        raise errors.Failed(f"The upstream gave {got} embeddings for {count} inputs.")
+    vectors: list[tuple[float, ...] | None] = [None] * count
+    for position, item in enumerate(data):
+        index = item.get("index", position) if type(item) is dict else None
+        vector = item.get("embedding") if type(item) is dict else None
+        if (
+            type(index) is not int
+            or not 0 <= index < count
+            or vectors[index] is not None
+            or type(vector) is not list
+            or not all(type(x) is float or type(x) is int for x in vector)
+        ):
+            raise errors.Failed(f"The upstream's embedding {position} is not a vector of numbers.")
+        vectors[index] = tuple(vector)
+    widths = {len(v) for v in vectors if v is not None}
+    if len(widths) != 1 or (request.dimensions is not None and widths != {request.dimensions}):
+        raise errors.Failed(f"The upstream's embeddings have widths {sorted(widths)}.")
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if type(usage) is dict else None
+    return Embeddings(
+        tuple(v for v in vectors if v is not None), tokens if type(tokens) is int else 0
+    )
 
 
 class OpenAIHttpUpstream:
@@ -286,18 +575,63 @@ class OpenAIHttpUpstream:
     ) -> OpenAIHttpCall:
         """Starts their streamed completion; `timeout` bounds each read."""
         chat = request.messages is not None
-        url = f"{self.address}/{'chat/completions' if chat else 'completions'}"
-        http_request = self._http.build_request(
+        path = "chat/completions" if chat else "completions"
+        http_request = self._post(path, request_body(request), timeout, metadata)
+        stream = _Stream(chat, request.n)
+        return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
+
+    async def embed(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Embeddings:
+        """Their /embeddings, as floats, within `timeout` seconds; the answer is read
+        up to a bound sized by the inputs and must hold one vector per input."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
+            "encoding_format": "float",
+        }
+        if request.dimensions is not None:
+            body["dimensions"] = request.dimensions
+        if request.user:
+            body["user"] = request.user
+        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self._http.send(
+                    self._post("embeddings", body, timeout, metadata), stream=True
+                )
+                try:
+                    content = await read_capped(response, limit + 1)
+                finally:
+                    await response.aclose()
+        except (TimeoutError, httpx.TimeoutException) as error:
+            raise errors.Timeout(f"upstream timed out: {error}") from None
+        except httpx.TransportError as error:
+            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+        if response.status_code != 200:
+            raise _embed_error(response.status_code, content[:MAX_ERROR_BYTES])
+        if len(content) > limit:
+            raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
+        return embeddings_from(content, request)
+
+    def _post(
+        self, path: str, body: dict[str, Any], timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> httpx.Request:
+        return self._http.build_request(
             "POST",
-            url,
-            content=orjson.dumps(request_body(request)),
+            f"{self.address}/{path}",
+            content=orjson.dumps(body),
             headers={"content-type": "application/json", **dict(metadata), **self._auth},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
-        return OpenAIHttpCall(self._http, http_request, chat, self.address, on_close)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
-        """Their /models, with `max_model_len` where they give it (vLLM does)."""
+        """Their /models, with `max_model_len` where they give it (vLLM does). They
+        are said to serve every feature: what a server cannot do, it refuses, and
+        its 400 (naming the parameter) reaches the client."""
         try:
             response = await self._http.get(
                 f"{self.address}/models", headers=self._auth, timeout=deadline
@@ -307,7 +641,10 @@ class OpenAIHttpUpstream:
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         models = response.json().get("data") or []
-        return [ModelDescription(m["id"], int(m.get("max_model_len") or 0)) for m in models]
+        return [
+            ModelDescription(m["id"], int(m.get("max_model_len") or 0), features=features.ALL)
+            for m in models
+        ]
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Their /health every `poll_interval`: 200 is serving."""

@@ -56,14 +56,17 @@ def build_vllm_model(path: Path) -> Path:
 class VllmProcess:
     """One server process: started with `start`, ready when `wait_ready` returns."""
 
-    def __init__(self, args: list[str], port: int, log: Path) -> None:
+    def __init__(
+        self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port
         self.args = args
         self.log = log
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmProcess:
-        env = {**os.environ, **ENV}
+        env = {**os.environ, **ENV, **self.env}
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 self.args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
@@ -88,8 +91,23 @@ class VllmProcess:
             self.process.wait(10)
 
 
+#: The OpenAI server's tools and structured outputs, as the shared notes found them to
+#: hold on a random model: the hermes parser (the tiny model's template writes
+#: `<tool_call>`), xgrammar without free whitespace (else JSON pads to `max_tokens`), and
+#: tool arguments enforced by the grammar for `required` and named tool choices.
+HTTP_ARGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
+HTTP_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+
+
 def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> VllmProcess:
-    """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200)."""
+    """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200), with
+    tool calls and structured outputs on."""
     port = free_port()
     args = [
         str(vllm_python()),
@@ -104,8 +122,9 @@ def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> Vl
         "--port",
         str(port),
         *ENGINE_ARGS,
+        *HTTP_ARGS,
     ]
-    server = VllmProcess(args, port, log_dir / "vllm-http.log").start()
+    server = VllmProcess(args, port, log_dir / "vllm-http.log", HTTP_ENV).start()
     end = time.monotonic() + START_GUARD
     while time.monotonic() < end:
         server.check_alive()
