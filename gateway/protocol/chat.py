@@ -3,14 +3,14 @@ servers) take them: OpenAI's message and tool dictionaries.
 
 One function each, shared by every engine and upstream that renders a chat
 template or sends a conversation on, so a conversation with images or tool
-calls reads the same to every model.
+calls reads the same to every model. The standard library's json only: workers
+import this in an engine's own environment (vLLM's), without the gateway's.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
-
-import orjson
 
 from gateway.protocol.types import Message, Tool
 
@@ -18,8 +18,8 @@ from gateway.protocol.types import Message, Tool
 def _arguments(text: str) -> Any:
     """A call's arguments as templates expect them: parsed JSON when it parses."""
     try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
+        return json.loads(text)
+    except json.JSONDecodeError:
         return text
 
 
@@ -59,7 +59,7 @@ def tool_dict(tool: Tool) -> dict[str, Any]:
     if tool.description:
         function["description"] = tool.description
     if tool.parameters:
-        function["parameters"] = orjson.loads(tool.parameters)
+        function["parameters"] = json.loads(tool.parameters)
     if tool.strict:
         function["strict"] = True
     return {"type": "function", "function": function}
