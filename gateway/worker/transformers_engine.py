@@ -9,13 +9,21 @@ concurrent requests share the model by taking turns.
 
 Models and tokenizers are read from a local folder only (`local_files_only`):
 a worker never reaches a model hub. Sampling follows OpenAI's parameters as
-vLLM applies them: presence and frequency penalties over the generated tokens,
-then temperature, top-k and top-p; temperature 0 is greedy. Text is decoded
-incrementally and released only once stable, so a character split over several
-tokens is never sent in halves.
+vLLM applies them: a structured-output grammar's mask first, then logit bias,
+min_tokens, the repetition, presence and frequency penalties, then
+temperature, min-p, top-k and top-p; temperature 0 is greedy. Log
+probabilities are the model's own (log-softmax of its raw logits, vLLM's
+default `raw_logprobs`). Text is decoded incrementally and released only once
+stable, so a character split over several tokens is never sent in halves.
 
-Requires the `transformers` extra (torch and transformers); the rest of the
-gateway does not import this module.
+Structured output (`response_format`, and `tool_choice` "required" or a named
+function) is enforced by llguidance: a grammar compiled from the JSON schema
+masks every step's logits. llguidance is a 3 MB Rust wheel with no
+dependencies that computes a mask in microseconds on CPU; xgrammar (vLLM's
+default) needs Triton, a GPU compiler, on Linux.
+
+Requires the `transformers` extra (torch, transformers, llguidance); the rest
+of the gateway does not import this module.
 """
 
 from __future__ import annotations
@@ -23,43 +31,85 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
+import jinja2.meta
+import llguidance
+import llguidance.hf
 import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LogitsProcessor,
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from gateway.protocol.errors import Invalid
+from gateway.protocol import features
+from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.errors import Failed, Invalid
+from gateway.protocol.tool_calls import (
+    PARSERS,
+    ChoiceToolCalls,
+    ToolCallParser,
+    for_request,
+    forced,
+    required_schema,
+)
 from gateway.protocol.types import (
     Event,
     Finished,
     FinishReason,
     GenerateRequest,
+    ResponseFormat,
     SamplingParams,
     Started,
     Text,
+    TokenLogprob,
 )
 from gateway.worker.engine import Engine, check_context
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+log = logging.getLogger("furnace.worker")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+#: Compact JSON only, as vLLM's `disable_any_whitespace`: with whitespace allowed, a
+#: weak model pads the JSON with blanks until max_tokens.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+#: What every model served here takes, beyond plain generation.
+_SERVED = frozenset(
+    {
+        features.GENERATE,
+        features.LOGPROBS,
+        features.MIN_TOKENS,
+        features.IGNORE_EOS,
+        features.REPETITION_PENALTY,
+        features.MIN_P,
+        features.LOGIT_BIAS,
+        features.STOP_TOKEN_IDS,
+        features.USER,
+    }
+)
 
 
 def pick_device(device: str) -> torch.device:
@@ -95,6 +145,24 @@ def context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     raise ValueError("the model's config does not say its context length: pass max_context")
 
 
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template reads the variable `tools` (transformers passes
+    them to any template, and one that does not read them drops them)."""
+    template = tokenizer.chat_template
+    templates = template.values() if isinstance(template, dict) else [template]
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    for text in templates:
+        if not isinstance(text, str):
+            continue
+        try:
+            if "tools" in jinja2.meta.find_undeclared_variables(environment.parse(text)):
+                return True
+        except jinja2.TemplateSyntaxError:  # a tag of transformers' own (`generation`)
+            if "tools" in text:
+                return True
+    return False
+
+
 class PresenceFrequencyPenalty(LogitsProcessor):
     """OpenAI's additive penalties, which transformers lacks (its repetition penalty
     is multiplicative): each generated token's logit loses `presence` once and
@@ -118,9 +186,59 @@ class PresenceFrequencyPenalty(LogitsProcessor):
         return penalized  # type: ignore[return-value]
 
 
-def logits_processors(sampling: SamplingParams, prompt_tokens: int) -> LogitsProcessorList:
-    """The processors a request's sampling settings call for, in vLLM's order."""
+class LogitBias(LogitsProcessor):
+    """OpenAI's `logit_bias`: a fixed amount added to some tokens' logits (-100 bans
+    a token in practice, +100 makes it the only choice)."""
+
+    def __init__(self, bias: tuple[tuple[int, float], ...], device: torch.device) -> None:
+        self.ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=device)
+        self.values = torch.tensor([value for _, value in bias], device=device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Biased scores for the next token."""
+        biased = scores.clone()
+        biased[:, self.ids] += self.values.to(scores.dtype)
+        return biased  # type: ignore[return-value]
+
+
+def check_sampling(sampling: SamplingParams, vocab: int) -> None:
+    """Refuses values the processors cannot take, naming the parameter."""
+    if sampling.repetition_penalty is not None and not sampling.repetition_penalty > 0:
+        raise Invalid("repetition_penalty must be greater than 0.", param="repetition_penalty")
+    if sampling.min_p is not None and not 0.0 <= sampling.min_p <= 1.0:
+        raise Invalid("min_p must be between 0 and 1.", param="min_p")
+    if sampling.min_tokens is not None and sampling.min_tokens < 0:
+        raise Invalid("min_tokens must be at least 0.", param="min_tokens")
+    for name, ids in (
+        ("logit_bias", [token for token, _ in sampling.logit_bias]),
+        ("stop_token_ids", list(sampling.stop_token_ids)),
+    ):
+        wrong = [token for token in ids if not 0 <= token < vocab]
+        if wrong:
+            message = f"Token id {wrong[0]} is out of the vocabulary (0 to {vocab - 1})."
+            raise Invalid(message, param=name)
+
+
+def logits_processors(
+    sampling: SamplingParams,
+    prompt_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
+    device: torch.device | None = None,
+) -> LogitsProcessorList:
+    """The processors a request's sampling settings call for, in vLLM's order;
+    `stop_ids` are the tokens min_tokens holds back (EOS and stop_token_ids)."""
+    device = device or torch.device("cpu")
     processors = LogitsProcessorList()
+    if sampling.logit_bias:
+        processors.append(LogitBias(sampling.logit_bias, device))
+    if sampling.min_tokens and stop_ids:
+        processors.append(
+            MinNewTokensLengthLogitsProcessor(
+                prompt_tokens, sampling.min_tokens, sorted(stop_ids), device=str(device)
+            )
+        )
+    if sampling.repetition_penalty is not None and sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(float(sampling.repetition_penalty)))
     presence = sampling.presence_penalty or 0.0
     frequency = sampling.frequency_penalty or 0.0
     if presence or frequency:
@@ -129,6 +247,8 @@ def logits_processors(sampling: SamplingParams, prompt_tokens: int) -> LogitsPro
     if temperature >= _GREEDY_BELOW:
         if temperature != 1.0:
             processors.append(TemperatureLogitsWarper(temperature))
+        if sampling.min_p:
+            processors.append(MinPLogitsWarper(sampling.min_p))
         if sampling.top_k is not None and sampling.top_k > 0:
             processors.append(TopKLogitsWarper(sampling.top_k))
         if sampling.top_p is not None and sampling.top_p < 1.0:
@@ -180,15 +300,71 @@ class IncrementalDetokenizer:
         return after[len(before) :], tokens
 
 
-class _Step:
-    """What one decode step produced."""
+class Guide:
+    """A grammar the answer must follow (llguidance): it masks each step's logits
+    to the tokens that keep the answer inside it, and is done once nothing but
+    the end may follow."""
 
-    __slots__ = ("finished", "text", "tokens")
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
 
-    def __init__(self, text: str, tokens: int, finished: FinishReason | None) -> None:
-        self.text = text
-        self.tokens = tokens
-        self.finished = finished
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` with every token the grammar forbids now at -inf."""
+        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
+        forbidden = (allowed[: scores.shape[-1]] == 0).to(scores.device)
+        return scores.masked_fill(forbidden, float("-inf"))
+
+    def advance(self, token: int) -> bool:
+        """Takes the sampled token; True once the grammar is complete."""
+        if not self.matcher.consume_token(token):
+            raise Failed(f"The grammar refused a token it allowed: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+class Guides:
+    """Compiles `response_format` into grammars over one model's vocabulary."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab: int, eos: list[int]) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+
+    def for_schema(self, schema: str | dict[str, Any], param: str) -> Guide:
+        """A grammar holding the answer to one JSON value of `schema`."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        except ValueError as error:
+            raise Invalid(f"The JSON schema is not valid: {error}", param=param) from None
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            message = f"The JSON schema cannot be enforced: {matcher.get_error()}"
+            raise Invalid(message, param=param)
+        return Guide(matcher)
+
+    def for_format(self, response_format: ResponseFormat) -> Guide | None:
+        """The grammar `response_format` asks for; None for plain text."""
+        if response_format.type == "text":
+            return None
+        if response_format.type == "json_object":
+            return self.for_schema({"type": "object"}, "response_format")
+        if response_format.type == "json_schema":
+            if not response_format.schema:
+                raise Invalid("json_schema needs a schema.", param="response_format")
+            return self.for_schema(response_format.schema, "response_format")
+        message = f"response_format type {response_format.type!r} is not served."
+        raise Invalid(message, param="response_format")
+
+
+class _Prepared:
+    """A request ready to decode: its prompt, the grammar it follows and the
+    parser that finds tool calls in its text."""
+
+    __slots__ = ("guide", "prompt", "tool_calls")
+
+    def __init__(
+        self, prompt: list[int], guide: Guide | None, tool_calls: ToolCallParser | None
+    ) -> None:
+        self.prompt = prompt
+        self.guide = guide
+        self.tool_calls = tool_calls
 
 
 class _Sequence:
@@ -196,9 +372,15 @@ class _Sequence:
     Only one step of a sequence runs at a time (the event loop awaits each)."""
 
     def __init__(
-        self, engine: TransformersEngine, prompt: list[int], sampling: SamplingParams, budget: int
+        self,
+        engine: TransformersEngine,
+        request: GenerateRequest,
+        prepared: _Prepared,
+        budget: int,
     ) -> None:
         self.engine = engine
+        prompt = prepared.prompt
+        sampling = request.sampling
         self.prompt_tokens = len(prompt)
         self.budget = budget
         device = engine.device
@@ -206,7 +388,12 @@ class _Sequence:
         self.ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
         self.length = len(prompt)
         self.cache: Any = None
-        self.processors = logits_processors(sampling, len(prompt))
+        eos = frozenset() if sampling.ignore_eos else engine.eos_token_ids
+        self.stop_ids = eos | frozenset(sampling.stop_token_ids)
+        held = engine.eos_token_ids | frozenset(sampling.stop_token_ids)
+        self.processors = logits_processors(sampling, len(prompt), held, device)
+        self.guide = prepared.guide
+        self.top_logprobs = request.logprobs
         temperature = 1.0 if sampling.temperature is None else sampling.temperature
         self.greedy = temperature < _GREEDY_BELOW
         self.generator = torch.Generator(device=device)
@@ -215,10 +402,14 @@ class _Sequence:
         else:
             self.generator.manual_seed(sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
         self.detokenizer = IncrementalDetokenizer(engine.tokenizer)
+        parser = prepared.tool_calls
+        self.calls = None if parser is None else ChoiceToolCalls(parser)
+        self.logprobs: list[TokenLogprob] = []  # of the tokens not yet in a Text
         self.generated = 0
 
-    def step(self) -> _Step:
-        """Runs the model once (the whole prompt first, then the newest token) and samples."""
+    def step(self) -> list[Event]:
+        """Runs the model once (the whole prompt first, then the newest token),
+        samples, and returns the events the new token makes."""
         engine = self.engine
         with torch.inference_mode():
             if self.cache is None:
@@ -228,7 +419,8 @@ class _Sequence:
             kwargs = {engine.cache_arg: self.cache, **engine.forward_kwargs}
             output = engine.hf_model(input_ids=inputs, use_cache=True, **kwargs)
             self.cache = output[engine.cache_arg]
-            scores = output.logits[:, -1, :].float()
+            raw = output.logits[:, -1, :].float()
+            scores = raw if self.guide is None else self.guide.mask(raw)
             # transformers wants the legacy LongTensor type; `ids` is a torch.long tensor
             scores = self.processors(self.ids[:, : self.length], scores)  # type: ignore[arg-type]
             if self.greedy:
@@ -236,20 +428,54 @@ class _Sequence:
             else:
                 probs = torch.softmax(scores, dim=-1)
                 token = int(torch.multinomial(probs, 1, generator=self.generator))
+            if self.top_logprobs is not None:
+                self.logprobs.append(self._logprob(raw[0], token, self.top_logprobs))
         self.ids[0, self.length] = token
         self.length += 1
         self.generated += 1
         engine.count_step()
-        finished = None
-        if token in engine.eos_token_ids:
-            finished = FinishReason.STOP
-        elif self.generated >= self.budget:
-            finished = FinishReason.LENGTH
+        complete = self.guide is not None and self.guide.advance(token)
+        if token in self.stop_ids:  # its text is not part of the answer (as in vLLM)
+            if self.top_logprobs is not None:
+                self.logprobs.pop()
+            return self._finish(FinishReason.STOP, "", 0)
         text, tokens = self.detokenizer.push(token)
-        if finished is not None:
-            rest, rest_tokens = self.detokenizer.flush()
-            text, tokens = text + rest, tokens + rest_tokens
-        return _Step(text, tokens, finished)
+        if complete:
+            return self._finish(FinishReason.STOP, text, tokens)
+        if self.generated >= self.budget:
+            return self._finish(FinishReason.LENGTH, text, tokens)
+        return self._text(text, tokens)
+
+    def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        alternatives: tuple[tuple[str, float], ...] = ()
+        if top:
+            values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+            alternatives = tuple(
+                (self.engine.token_text(int(i)), float(v))
+                for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+            )
+        return TokenLogprob(self.engine.token_text(token), float(logprobs[token]), alternatives)
+
+    def _text(self, text: str, tokens: int) -> list[Event]:
+        """The events of stable text: itself, or what the tool-call parser makes of it."""
+        if not text:
+            return []
+        logprobs = None
+        if self.top_logprobs is not None:
+            logprobs, self.logprobs = tuple(self.logprobs), []
+        if self.calls is not None:
+            return self.calls.feed(text, tokens, logprobs)
+        return [Text(text, tokens, logprobs=logprobs)]
+
+    def _finish(self, reason: FinishReason, text: str, tokens: int) -> list[Event]:
+        rest, rest_tokens = self.detokenizer.flush()
+        events = self._text(text + rest, tokens + rest_tokens)
+        if self.calls is not None:
+            events.extend(self.calls.finish())
+            reason = self.calls.finish_reason(reason)
+        events.append(Finished(reason, self.generated))
+        return events
 
     def release(self) -> None:
         """Drops the KV cache now rather than when the generator is collected."""
@@ -274,7 +500,12 @@ class TransformersEngine(Engine):
         max_context: int | None = None,
         capacity: int = 64,
         threads: int = 1,
+        tool_call_parser: str | None = None,
     ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            known = ", ".join(sorted(PARSERS))
+            raise ValueError(f"tool_call_parser: expected one of {known}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         path = Path(model_path)
         if not path.is_dir():
             raise FileNotFoundError(f"model path {str(path)!r} is not a folder")
@@ -296,6 +527,19 @@ class TransformersEngine(Engine):
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
+        self.vocab = self.hf_model.get_output_embeddings().weight.shape[0]
+        served = set(_SERVED)
+        # Grammars need the tokenizer's Rust core (a fast tokenizer), as llguidance reads it.
+        self.guides: Guides | None = None
+        if isinstance(self.tokenizer, PreTrainedTokenizerFast):
+            self.guides = Guides(self.tokenizer, self.vocab, sorted(self.eos_token_ids))
+            served.add(features.RESPONSE_FORMAT)
+        # Tools reach the model through its chat template; calls come back through the
+        # grammar (forced ones) or the model's own format (the tool-call parser).
+        if renders_tools(self.tokenizer) and (self.guides or tool_call_parser):
+            served.add(features.TOOLS)
+        self.features = frozenset(served)
+        self._token_texts: dict[int, str] = {}
         parameters = inspect.signature(self.hf_model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; older model code takes the old.
         self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
@@ -315,6 +559,14 @@ class TransformersEngine(Engine):
         with self._lock:
             self.steps += 1
 
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs show it (special tokens included)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            decoded: str = self.tokenizer.decode([token])  # type: ignore[assignment]
+            text = self._token_texts[token] = decoded
+        return text
+
     def encode(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids: the chat template for messages, the plain text otherwise."""
         tokenizer = self.tokenizer
@@ -323,10 +575,17 @@ class TransformersEngine(Engine):
                 raise Invalid(
                     "This model has no chat template; use /v1/completions.", param="messages"
                 )
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
+            tools: list[Any] | None = None
+            if request.tools and request.tool_choice != "none":
+                tools = [tool_dict(tool) for tool in request.tools]
             try:
                 ids = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
                 )
             except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
                 message = f"The chat template refused the messages: {error}"
@@ -334,33 +593,56 @@ class TransformersEngine(Engine):
             return list(ids)
         return list(tokenizer(request.prompt or "").input_ids)
 
+    def prepare(self, request: GenerateRequest) -> _Prepared:
+        """The prompt's tokens, the request's grammar and its tool-call parser (the
+        template and the grammar take CPU: this runs off the event loop)."""
+        check_sampling(request.sampling, self.vocab)
+        guide = None
+        if request.response_format is not None and request.response_format.type != "text":
+            if forced(request.tool_choice):
+                message = "response_format cannot be combined with a forced tool_choice."
+                raise Invalid(message, param="response_format")
+            guide = self._guides("response_format").for_format(request.response_format)
+        if request.tools and forced(request.tool_choice):
+            schema = required_schema(
+                request.tools, request.tool_choice, request.parallel_tool_calls
+            )
+            guide = self._guides("tool_choice").for_schema(schema, "tool_choice")
+        parser = for_request(request, self.tool_call_parser)
+        return _Prepared(self.encode(request), guide, parser)
+
+    def _guides(self, param: str) -> Guides:
+        if self.guides is None:  # a slow tokenizer: llguidance reads fast ones only
+            raise Invalid(f"This model cannot enforce {param}.", param=param)
+        return self.guides
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Tokenize, check the context, then decode step by step until EOS or the budget."""
+        if request.user:
+            log.info("request %s is for user %r", request.request_id, request.user)
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._executor, self.encode, request)
+        prepared = await loop.run_in_executor(self._executor, self.prepare, request)
         param = "messages" if request.messages is not None else "prompt"
-        prompt_tokens = len(prompt)
+        prompt_tokens = len(prepared.prompt)
         if prompt_tokens == 0:
             raise Invalid("The prompt is empty.", param=param)
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise Invalid("max_tokens must be at least 1.", param="max_tokens")
         budget = check_context(request, prompt_tokens, self.max_context)
-        sequence = _Sequence(self, prompt, request.sampling, budget)
+        sequence = _Sequence(self, request, prepared, budget)
         self.running += 1
         done = False
-        pending: Future[_Step] | None = None
+        pending: Future[list[Event]] | None = None
         try:
             yield Started(prompt_tokens)
             while True:
                 pending = self._executor.submit(sequence.step)
-                step = await asyncio.wrap_future(pending)
-                if step.text:
-                    yield Text(step.text, step.tokens)
-                if step.finished is not None:
-                    done = True
-                    yield Finished(step.finished, sequence.generated)
-                    return
+                for event in await asyncio.wrap_future(pending):
+                    yield event
+                    if isinstance(event, Finished):
+                        done = True
+                        return
         finally:
             if not done:
                 self.aborted += 1
