@@ -142,9 +142,9 @@ def check_served(pool: ModelPool, request: EmbedRequest) -> None:
             raise invalid(feature, f"The model `{pool.name}` does not support '{feature}'.")
 
 
-def _vector(values: tuple[float, ...], as_base64: bool) -> list[float] | str:
+def _vector(values: tuple[float, ...], as_base64: bool) -> tuple[float, ...] | str:
     if not as_base64:
-        return list(values)
+        return values  # orjson writes a tuple as an array
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
