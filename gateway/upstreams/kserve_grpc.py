@@ -24,7 +24,7 @@ from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.status import error_from_status
 from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, check_raw, from_raw, to_raw
 from gateway.protocol.tls import WorkerCredentials
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
 from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
 
@@ -255,6 +255,11 @@ class KServeGrpcUpstream:
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = lambda outcome: None,
     ) -> UpstreamCall:
+        raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
+
+    async def embed(
+        self, request: EmbedRequest, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> Embeddings:
         raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
