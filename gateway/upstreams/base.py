@@ -84,7 +84,10 @@ class Upstream(Protocol):
         """Starts a call; `timeout` seconds is its deadline."""
 
     async def embed(
-        self, request: EmbedRequest, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (a gRPC deadline or HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """Embeds the inputs with an embedding model, within `timeout` seconds;
         raises `EngineError` as `generate` refuses."""

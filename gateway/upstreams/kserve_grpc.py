@@ -258,7 +258,10 @@ class KServeGrpcUpstream:
         raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
 
     async def embed(
-        self, request: EmbedRequest, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
 
