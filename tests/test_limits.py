@@ -89,6 +89,18 @@ def test_tokens_per_minute_count_prompt_and_completion(gateway_with):
     assert team.tokens_charged == 60
 
 
+def test_tokens_per_minute_reserve_max_tokens_for_each_of_n_choices(gateway_with):
+    search = new_key("search")
+    gw = gateway_with(**keyed({"search": {"tokens_per_minute": 100}}, {search: "search"}))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        # 4 choices of up to 30 tokens could cost 120: more than the minute holds
+        refused = ask(client, search, "a b", n=4, max_tokens=30)
+        assert_rate_limited(refused, "tokens per minute")
+        served = ask(client, search, "a b", n=2, max_tokens=30)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 4  # two echoes of "a b"
+
+
 def test_streamed_tokens_are_charged_as_they_stream(gateway_with):
     key = new_key("search")
     gw = gateway_with(**keyed({"search": {"tokens_per_minute": 100_000}}, {key: "search"}))

@@ -249,11 +249,13 @@ class Limiter:
         self, team: Team, request: GenerateRequest | EmbedRequest, record: RequestRecord
     ) -> Lease:
         """Charges one request, its estimated prompt and its reserved completion
-        (an embedding has none) to `team`, or raises a 429."""
+        (`max_tokens` for each of its n choices; an embedding has none) to `team`,
+        or raises a 429."""
         estimate = estimate_tokens(request)
         reserve: int | None = 0
         if team.tokens is not None and isinstance(request, GenerateRequest):
-            reserve = request.sampling.max_tokens
+            max_tokens = request.sampling.max_tokens
+            reserve = None if max_tokens is None else max_tokens * request.n  # n choices
         self._count += 1
         lease = Lease(team, estimate, reserve, record, f"{self._gateway}:{self._count}")
         refused = await self._admit_shared(lease)
