@@ -4,6 +4,7 @@ official openai SDK and raw SSE, against the demo worker (see
 gateway/worker/demo.py for what it answers)."""
 
 import json
+import logging
 
 import anyio
 import openai
@@ -19,8 +20,8 @@ from gateway.protocol.types import (
     ToolCallDelta,
 )
 from gateway.telemetry import RequestRecord
-from tests.support.requests import sse_events, user
-from tests.support.waiting import HANG_GUARD
+from tests.support.requests import opened, sse_events, user
+from tests.support.waiting import HANG_GUARD, wait_until
 
 WEATHER = {
     "type": "function",
@@ -152,6 +153,39 @@ def test_n_choices_stream_sdk_async(gateway):
             assert (usage.prompt_tokens, usage.completion_tokens) == (3, 6)
 
     anyio.run(main)
+
+
+def test_n_choices_count_every_choice_in_metrics_and_the_access_log(client, caplog):
+    caplog.set_level(logging.INFO, logger="furnace.access")
+
+    def tokens() -> tuple[int, int]:
+        demo = client.get("/metrics/json").json()["models"]["furnace-demo"]
+        return demo["prompt_tokens"], demo["completion_tokens"]
+
+    before = tokens()
+    for stream in (False, True):
+        body = {"prompt": "a b c d", "n": 3, "max_tokens": 3, "stream": stream}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    wait_until(lambda: tokens() == (before[0] + 8, before[1] + 18), "the tokens of both requests")
+    wait_until(lambda: len(access_lines(caplog)) >= 2, "both access-log lines")
+    for line in access_lines(caplog)[-2:]:
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (4, 9)
+        assert line["outcome"] == "completed"
+
+
+def access_lines(caplog) -> list[dict]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+
+
+def test_a_client_leaving_an_n_choice_stream_cancels_every_choice(client, workers):
+    words = " ".join(f"w{i}" for i in range(200))
+    body = {"model": "furnace-slow", "prompt": words, "n": 3, "stream": True}
+    aborted = workers.slow_engine.aborted
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = opened(response)
+        next(lines)
+    wait_until(lambda: workers.slow_engine.running == 0, "the slow worker's generations to stop")
+    assert workers.slow_engine.aborted == aborted + 3  # stopped, not run to their end
 
 
 # logprobs
