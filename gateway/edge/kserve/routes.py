@@ -33,7 +33,7 @@ from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
 from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_json, to_raw
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import EmbedRequest
 from gateway.teams import Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
 from gateway.telemetry.tracing import Tracing, annotate
@@ -337,7 +337,8 @@ class KServeRoutes:
         binary_outputs = _binary_outputs(body)
         _check_against(request, await model_metadata(pool, version))
         self.inflight.check_open()
-        slot_request = GenerateRequest(model=pool.name, prompt="", request_id=record.request_id)
+        # one request and no tokens to a team's limits (an infer generates none)
+        slot_request = EmbedRequest(model=pool.name, inputs=(), request_id=record.request_id)
         async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
             self.telemetry.begin(record, pool.name)
             with self.tracing.engine_call(pool.name, metadata, MODEL_INFER) as (_, metadata):
