@@ -417,6 +417,53 @@ def test_many_choices_still_coalesce(server_loop, serve):
     assert len(texts) < 200  # far fewer messages than tokens
 
 
+class EndlessEngine(Engine):
+    """Each choice writes 1 KiB tokens until stopped; counts what it made."""
+
+    model = "endless"
+    max_context = 1 << 30
+
+    def __init__(self) -> None:
+        self.produced = 0
+        self.running = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.running += 1
+        try:
+            yield Started(1)
+            while True:
+                self.produced += 1
+                yield Text("x" * 1024, 1)
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+
+
+def test_a_stalled_reader_holds_back_every_choice(server_loop, serve):
+    engine = EndlessEngine()
+    worker = serve(engine)
+
+    async def stall() -> int:
+        # a fixed receive window, as the gateway's channels have (no BDP probing)
+        options = (("grpc.http2.bdp_probe", 0),)
+        async with grpc.aio.insecure_channel(worker.address, options=options) as channel:
+            request = request_to_proto(GenerateRequest(model="endless", prompt="go", n=3))
+            stream = pb_grpc.EngineStub(channel).Generate(request)
+            await stream.read()  # Started; then read nothing more
+            last = -1
+            while engine.produced != last:
+                last = engine.produced
+                await asyncio.sleep(0.3)
+            stream.cancel()
+            return last
+
+    held_back_at = server_loop.call(stall())
+    # the read-ahead (64 KiB over all choices, not per choice) plus what gRPC's windows
+    # and sockets hold: about 210 KiB here, as for one choice
+    assert held_back_at * 1024 < 512 * 1024
+    wait_until(lambda: engine.running == 0, "every choice to stop")
+
+
 def test_a_native_n_engine_indexes_its_own_choices(server_loop, serve):
     script = [
         Started(2),
