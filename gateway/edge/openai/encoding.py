@@ -61,9 +61,10 @@ def _offsets(start: int, tokens: Sequence[TokenLogprob]) -> list[Logprob]:
 class _Choice:
     """What a choice has sent so far (streams) or gathered (whole answers)."""
 
-    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "reason")
+    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "prefix", "reason")
 
-    def __init__(self, echo: str) -> None:
+    def __init__(self, echo: str, prefix: bytes) -> None:
+        self.prefix = prefix  # its text chunks' bytes before the delta
         self.opened = False  # streams: its opening went out
         self.length = len(echo)  # characters of its text so far
         self.pieces = [echo] if echo else []
@@ -177,7 +178,8 @@ class Encoder:
     def _choice(self, index: int) -> _Choice:
         choice = self._choices.get(index)
         if choice is None:
-            choice = self._choices[index] = _Choice(self.echo)
+            prefix = self._head + str(index).encode() + self._middle
+            choice = self._choices[index] = _Choice(self.echo, prefix)
         return choice
 
     def events(self, batch: list[Event]) -> bytes:
@@ -219,14 +221,13 @@ class Encoder:
         opening = self._opened(index)
         choice = self._choices[index]
         text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
-        head = self._before if index == 0 else self._head + str(index).encode() + self._middle
         if not self.logprobs:
             choice.length += len(text)
-            return opening + head + orjson.dumps(text) + self._after
+            return opening + choice.prefix + orjson.dumps(text) + self._after
         logprobs = self._logprobs_of(choice, run)
         return (
             opening
-            + head
+            + choice.prefix
             + orjson.dumps(text)
             + self._between
             + orjson.dumps(self.logprobs_json(logprobs))
