@@ -529,6 +529,7 @@ def test_the_general_path_writes_what_the_fast_path_writes(encoder_type):
     batches = [
         [Started(2), Text("a", 1)],
         [Text(" b", 1), Text(' "c"\n', 1)],
+        [Text("", 0)],
         [Finished(FinishReason.STOP, 3)],
     ]
     expected = (

@@ -217,14 +217,20 @@ class Encoder:
         return self.open_choice(index)
 
     def _text_chunk(self, run: list[Text]) -> bytes:
+        """One chunk for a run of a choice's text; none for a run of nothing
+        (a worker's empty Text carries logprobs, if anything)."""
         index = run[0].index
         opening = self._opened(index)
         choice = self._choices[index]
         text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
         if not self.logprobs:
+            if not text:
+                return opening
             choice.length += len(text)
             return opening + choice.prefix + orjson.dumps(text) + self._after
         logprobs = self._logprobs_of(choice, run)
+        if not text and not logprobs:
+            return opening
         return (
             opening
             + choice.prefix
