@@ -639,9 +639,10 @@ class TransformersEngine(Engine):
             while True:
                 pending = self._executor.submit(sequence.step)
                 for event in await asyncio.wrap_future(pending):
-                    yield event
-                    if isinstance(event, Finished):
+                    if isinstance(event, Finished):  # the SDK may close us at this yield
                         done = True
+                    yield event
+                    if done:
                         return
         finally:
             if not done:

@@ -1,0 +1,572 @@
+"""The OpenAI surface on the transformers worker, end to end: tiny models with
+random weights (tests/support/tiny_model.py) served by real `WorkerServer`s,
+driven through the real gateway with the openai SDK.
+
+Three models share one tokenizer. `tiny-tools` has a chat template that shows
+the model its tools and writes calls as Hermes' `<tool_call>` (its worker
+parses that format); `tiny-random` has the plain template, which reads no
+tools; `tiny-ordered` has its output layer zeroed, so every logit is equal and
+greedy decoding repeats token 0 ("a"). A random model's text is junk: guided
+decoding is what makes its JSON and tool arguments valid, so the schemas are
+bounded (enums, booleans) and finish in a few tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.worker.server import WorkerServer
+from gateway.worker.transformers_engine import TransformersEngine
+from tests.support.requests import user
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.tiny_model import build_tiny_model
+from tests.support.waiting import HANG_GUARD, wait_until
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+TOOLS_MODEL = "tiny-tools"
+RANDOM = "tiny-random"
+ORDERED = "tiny-ordered"
+#: Hermes-style: the tools in a system turn, calls as <tool_call>{...}</tool_call>.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>You may call these functions:"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|end|>{% endif %}'
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{{ m['content'] or '' }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "celsius": {"type": "boolean"},
+    },
+    "required": ["city", "celsius"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": name, "description": f"{name} of a place", "parameters": schema},
+    }
+    for name, schema in SCHEMAS.items()
+]
+#: Enough for a bounded call or object from a random model under guided decoding.
+MAX_TOKENS = 96
+
+
+@dataclass
+class Tiny:
+    """The three tiny models behind one gateway."""
+
+    gateway: Gateway
+    engines: tuple[TransformersEngine, ...]
+    tokenizer: PreTrainedTokenizerFast
+    sdk: openai.OpenAI
+
+
+def _with_tools_template(path: Path) -> Path:
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    for template_file in path.glob("chat_template.*"):
+        template_file.write_text(TOOLS_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(
+    server_loop: ServerLoop, workers: Workers, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tiny]:
+    root = tmp_path_factory.mktemp("models")
+    engines = (
+        TransformersEngine(
+            _with_tools_template(build_tiny_model(root / TOOLS_MODEL)),
+            device="cpu",
+            tool_call_parser="hermes",
+        ),
+        TransformersEngine(build_tiny_model(root / RANDOM), device="cpu"),
+        TransformersEngine(build_tiny_model(root / ORDERED, ordered=True), device="cpu"),
+    )
+    servers = [WorkerServer(engine) for engine in engines]
+    for server in servers:
+        server_loop.call(server.start())
+    models = tuple(ModelConfig(s.engine.model, workers=(s.address,)) for s in servers)
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    sdk = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+    yield Tiny(gw, engines, engines[0].tokenizer, sdk)
+    sdk.close()
+    gw.stop()
+    for server in servers:
+        server_loop.call(server.stop())
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(tiny: Tiny) -> Iterator[None]:
+    yield
+    assert_nothing_left(tiny.gateway, None)
+    for engine in tiny.engines:
+        wait_until(lambda e=engine: e.running == 0, f"{engine.model} to be idle")
+
+
+class Call:
+    """A tool call as the client sees it, whole or put together from a stream."""
+
+    def __init__(self, id: str = "", name: str = "", arguments: str = "") -> None:
+        self.id = id
+        self.name = name
+        self.arguments = arguments
+
+
+def _calls(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[list[Call], str]:
+    """The tool calls of one answer and its finish reason; a stream's pieces are
+    checked to come as OpenAI streams them (id and name first, once)."""
+    if not stream:
+        choice = sdk.chat.completions.create(**body).choices[0]
+        calls = [
+            Call(c.id, c.function.name, c.function.arguments)
+            for c in choice.message.tool_calls or []
+        ]
+        return calls, choice.finish_reason
+    by_index: dict[int, Call] = defaultdict(Call)
+    finish = ""
+    for chunk in sdk.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                call = by_index[piece.index]
+                if piece.id:
+                    assert not call.id, "a call's id comes in its first piece only"
+                    assert piece.function.name, "the first piece names the function"
+                    call.id = piece.id
+                    call.name = piece.function.name
+                else:
+                    assert call.id, "arguments come after the piece with the id"
+                call.arguments += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [by_index[i] for i in sorted(by_index)], finish
+
+
+def _assert_valid(calls: list[Call]) -> None:
+    assert calls, "the model made no call"
+    for call in calls:
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_models_say_what_they_serve(tiny: Tiny):
+    served = {engine.model: engine.features for engine in tiny.engines}
+    assert "tools" in served[TOOLS_MODEL]
+    assert "tools" not in served[RANDOM]  # its template does not read them
+    for features in served.values():
+        assert {"logprobs", "response_format", "min_tokens", "logit_bias"} <= features
+        assert "image_url" not in features
+    assert tiny.sdk.models.retrieve(TOOLS_MODEL).id == TOOLS_MODEL
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_json_schema_answer_validates(tiny: Tiny, stream: bool, seed: int):
+    body = {
+        "model": RANDOM,
+        "messages": user("describe the weather as JSON"),
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+        },
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": MAX_TOKENS,
+    }
+    if stream:
+        chunks = list(tiny.sdk.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = tiny.sdk.chat.completions.create(**body).choices[0]
+        text, finish = choice.message.content or "", choice.finish_reason
+    assert finish == "stop"
+    assert text == json.dumps(json.loads(text), separators=(",", ":"))  # compact
+    jsonschema.validate(json.loads(text), WEATHER)
+
+
+def test_json_mode_answers_an_object_or_runs_out(tiny: Tiny):
+    for seed in range(3):
+        choice = tiny.sdk.chat.completions.create(
+            model=RANDOM,
+            messages=user("any JSON object"),
+            response_format={"type": "json_object"},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=MAX_TOKENS,
+        ).choices[0]
+        text = choice.message.content
+        assert text.startswith("{")
+        if choice.finish_reason == "stop":  # else max_tokens cut it inside the object
+            assert isinstance(json.loads(text), dict)
+
+
+def test_a_schema_that_cannot_be_enforced_is_a_bad_request(tiny: Tiny):
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny.sdk.chat.completions.create(
+            model=RANDOM,
+            messages=user("x"),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "nonsense"}},
+            },
+        )
+    assert refused.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_tool_calls_follow_their_schemas(tiny: Tiny, stream: bool, seed: int):
+    body = {
+        "model": TOOLS_MODEL,
+        "messages": user("what is the weather in Paris"),
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": MAX_TOKENS,
+    }
+    calls, finish = _calls(tiny.sdk, body, stream)
+    _assert_valid(calls)
+    # Sampled, the array may go on with calls until max_tokens cuts one (never released).
+    assert finish in ("tool_calls", "length")
+    single, finish = _calls(tiny.sdk, {**body, "parallel_tool_calls": False}, stream)
+    _assert_valid(single)
+    assert len(single) == 1
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_is_the_one_called(tiny: Tiny, stream: bool):
+    body = {
+        "model": TOOLS_MODEL,
+        "messages": user("what time is it"),
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
+    calls, finish = _calls(tiny.sdk, body, stream)
+    _assert_valid(calls)
+    assert [call.name for call in calls] == ["get_time"]
+    assert finish in ("stop", "tool_calls")
+
+
+def _prompt_tokens(tiny: Tiny, **body: Any) -> int:
+    reply = tiny.sdk.chat.completions.create(model=TOOLS_MODEL, max_tokens=1, **body)
+    return reply.usage.prompt_tokens
+
+
+def test_the_template_shows_tools_unless_tool_choice_is_none(tiny: Tiny):
+    messages = user("hello")
+    plain = _prompt_tokens(tiny, messages=messages)
+    expected = tiny.tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert _prompt_tokens(tiny, messages=messages, tools=TOOLS) == len(expected) > plain
+    assert _prompt_tokens(tiny, messages=messages, tools=TOOLS, tool_choice="none") == plain
+
+
+def test_auto_on_a_random_model_answers_text(tiny: Tiny):
+    reply = tiny.sdk.chat.completions.create(
+        model=TOOLS_MODEL, messages=user("hello"), tools=TOOLS, temperature=0, max_tokens=8
+    )
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_a_tool_answer_continues_the_conversation(tiny: Tiny):
+    first = tiny.sdk.chat.completions.create(
+        model=TOOLS_MODEL,
+        messages=user("weather please"),
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    messages = [
+        *user("weather please"),
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny and 21 degrees"},
+    ]
+    reply = tiny.sdk.chat.completions.create(
+        model=TOOLS_MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=4
+    )
+    # The template got the call's arguments parsed, as Hermes' and Qwen's templates want.
+    rendered = [
+        messages[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+            ],
+        },
+        messages[2],
+    ]
+    expected = tiny.tokenizer.apply_chat_template(
+        rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert reply.usage.prompt_tokens == len(expected)
+
+
+def test_tools_on_a_template_that_reads_none_are_a_bad_request(tiny: Tiny):
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny.sdk.chat.completions.create(model=RANDOM, messages=user("x"), tools=TOOLS)
+    assert refused.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_are_the_models_own(tiny: Tiny, stream: bool):
+    import torch  # only this test calls the model directly
+
+    body = {
+        "model": RANDOM,
+        "messages": user("hello from the fleet"),
+        "logprobs": True,
+        "top_logprobs": 3,
+        "temperature": 0,
+        "max_tokens": 6,
+    }
+    if stream:
+        chunks = list(
+            tiny.sdk.chat.completions.create(
+                **body, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        entries = [
+            entry
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for entry in c.choices[0].logprobs.content or []
+        ]
+        tokens = chunks[-1].usage.completion_tokens
+    else:
+        reply = tiny.sdk.chat.completions.create(**body)
+        entries = reply.choices[0].logprobs.content
+        tokens = reply.usage.completion_tokens
+    assert len(entries) == tokens == 6
+    for entry in entries:
+        tops = [top.logprob for top in entry.top_logprobs]
+        assert len(tops) == 3
+        assert tops == sorted(tops, reverse=True)
+        assert entry.logprob == tops[0]  # greedy takes the likeliest
+        assert entry.token == entry.top_logprobs[0].token
+    # The first token's log-probabilities, straight from the model.
+    engine = tiny.engines[1]
+    prompt = tiny.tokenizer.apply_chat_template(
+        body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.no_grad():
+        logits = engine.hf_model(torch.tensor([prompt])).logits[0, -1]
+    top = torch.log_softmax(logits.float(), dim=-1).topk(3)
+    assert [t.logprob for t in entries[0].top_logprobs] == pytest.approx(
+        top.values.tolist(), abs=1e-4
+    )
+    assert [t.token for t in entries[0].top_logprobs] == [
+        tiny.tokenizer.decode([i]) for i in top.indices.tolist()
+    ]
+
+
+def test_completion_logprobs_count_every_token(tiny: Tiny):
+    reply = tiny.sdk.completions.create(
+        model=RANDOM, prompt="the quick", logprobs=2, temperature=0, max_tokens=5
+    )
+    logprobs = reply.choices[0].logprobs
+    assert reply.usage.completion_tokens == 5
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+
+
+def _tokens_of(tiny: Tiny, model: str, **body: Any) -> tuple[int, str, str]:
+    reply = tiny.sdk.completions.create(model=model, prompt="hi", temperature=0, **body)
+    choice = reply.choices[0]
+    return reply.usage.completion_tokens, choice.finish_reason, choice.text
+
+
+def test_logit_bias_forces_and_min_tokens_holds_back_the_end(tiny: Tiny):
+    eos = str(tiny.tokenizer.eos_token_id)
+    assert _tokens_of(tiny, RANDOM, max_tokens=20, logit_bias={eos: 100}) == (1, "stop", "")
+    tokens, finish, _ = _tokens_of(
+        tiny, RANDOM, max_tokens=20, logit_bias={eos: 100}, extra_body={"min_tokens": 5}
+    )
+    assert (tokens, finish) == (6, "stop")  # five tokens, then the end at once (as vLLM)
+
+
+def test_logit_bias_bans_a_token(tiny: Tiny):
+    def first_token(**body: Any) -> Any:
+        reply = tiny.sdk.chat.completions.create(
+            model=RANDOM,
+            messages=user("hello"),
+            temperature=0,
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=2,
+            **body,
+        )
+        return reply.choices[0].logprobs.content[0]
+
+    free = first_token()
+    likeliest = tiny.tokenizer.convert_tokens_to_ids(
+        tiny.tokenizer.tokenize(free.top_logprobs[0].token)
+    )
+    assert len(likeliest) == 1
+    banned = first_token(logit_bias={str(likeliest[0]): -100})
+    # Logprobs are the model's own, before the bias: the second likeliest was taken.
+    assert banned.logprob == free.top_logprobs[1].logprob
+
+
+def test_stop_token_ids_end_the_answer_without_their_text(tiny: Tiny):
+    a = tiny.tokenizer.convert_tokens_to_ids("a")
+    stopped = _tokens_of(tiny, ORDERED, max_tokens=10, extra_body={"stop_token_ids": [a]})
+    assert stopped == (1, "stop", "")
+    assert _tokens_of(tiny, ORDERED, max_tokens=3) == (3, "length", "aaa")
+
+
+def test_ignore_eos_runs_to_max_tokens(tiny: Tiny):
+    eos = str(tiny.tokenizer.eos_token_id)
+    tokens, finish, _ = _tokens_of(
+        tiny, RANDOM, max_tokens=7, logit_bias={eos: 100}, extra_body={"ignore_eos": True}
+    )
+    assert (tokens, finish) == (7, "length")
+
+
+def test_repetition_penalty_matches_transformers(tiny: Tiny):
+    import torch
+
+    engine = tiny.engines[1]
+    prompt = tiny.tokenizer("the quick").input_ids
+    reference = engine.hf_model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=12, repetition_penalty=1.8
+    )[0, len(prompt) :].tolist()
+    assert tiny.tokenizer.eos_token_id not in reference
+    reply = tiny.sdk.completions.create(
+        model=RANDOM,
+        prompt="the quick",
+        temperature=0,
+        max_tokens=12,
+        extra_body={"repetition_penalty": 1.8},
+    )
+    assert reply.choices[0].text == tiny.tokenizer.decode(reference, skip_special_tokens=True)
+
+
+def test_min_p_of_one_keeps_only_the_likeliest(tiny: Tiny):
+    greedy = _tokens_of(tiny, RANDOM, max_tokens=12)
+    sampled = tiny.sdk.completions.create(
+        model=RANDOM,
+        prompt="hi",
+        temperature=1.5,
+        seed=3,
+        max_tokens=12,
+        extra_body={"min_p": 1.0},
+    )
+    assert sampled.choices[0].text == greedy[2]
+
+
+def test_out_of_vocabulary_ids_are_refused_by_name(tiny: Tiny):
+    for field in ("logit_bias", "stop_token_ids"):
+        value: Any = {"999999": 1} if field == "logit_bias" else [999999]
+        with pytest.raises(openai.BadRequestError) as refused:
+            tiny.sdk.completions.create(
+                model=RANDOM, prompt="hi", max_tokens=2, extra_body={field: value}
+            )
+        assert refused.value.body["param"] == field
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_are_sampled_apart(tiny: Tiny, stream: bool):
+    body = {
+        "model": RANDOM,
+        "messages": user("a b c"),
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 6,
+        "extra_body": {"ignore_eos": True},
+    }
+    if stream:
+        chunks = list(
+            tiny.sdk.chat.completions.create(
+                **body, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        texts: dict[int, str] = defaultdict(str)
+        finishes: dict[int, list[str]] = defaultdict(list)
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                if choice.finish_reason:
+                    finishes[choice.index].append(choice.finish_reason)
+        assert finishes == {0: ["length"], 1: ["length"]}
+        usage = chunks[-1].usage
+    else:
+        reply = tiny.sdk.chat.completions.create(**body)
+        assert [choice.index for choice in reply.choices] == [0, 1]
+        texts = {choice.index: choice.message.content for choice in reply.choices}
+        usage = reply.usage
+    assert usage.completion_tokens == 12
+    assert texts[0] != texts[1]  # each choice has a seed of its own
+
+
+def test_user_is_accepted(tiny: Tiny):
+    reply = tiny.sdk.chat.completions.create(
+        model=RANDOM, messages=user("hi"), user="team-a/alice", max_tokens=2
+    )
+    assert reply.usage.completion_tokens == 2
+
+
+def test_images_are_refused_naming_the_part(tiny: Tiny):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny.sdk.chat.completions.create(model=RANDOM, messages=messages)
+    assert refused.value.body["param"].startswith("messages[0].content")
