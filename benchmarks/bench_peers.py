@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import random
 import subprocess
@@ -481,6 +482,8 @@ async def measure_grpc(setup: Setup, settings: PeerSettings) -> GrpcResults:
     memory = await measure_memory(setup.gateway_port, setup.gateway_pid, s.memory_streams, clock)
     results.kib_per_stream = memory.kib_per_stream
     results.memory_kib = (memory.before_kib, memory.during_kib)
+    if children(setup.gateway_pid):  # several processes: the parent holds no stream
+        results.kib_per_stream = math.nan
     _progress(f"gRPC path, memory of {s.memory_streams} open streams: done")
 
     rng = random.Random(7)

@@ -30,6 +30,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", required=True, help="the YAML config file")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="gateway processes sharing the port (default: the config's `processes`)",
+    )
 
     # No abbreviations: a vLLM option must never be taken for a prefix of ours.
     worker = commands.add_parser(
@@ -52,6 +58,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     worker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     worker.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
+    )
+    worker.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="vllm: the format the model writes tool calls in, for tool_choice auto "
+        "(the gateway's hermes or llama3_json, else a vLLM tool parser's name)",
     )
     worker.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     worker.add_argument("--tls-key", help="the PEM private key of --tls-cert")
@@ -103,7 +115,7 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
             vllm_args = engine_args(args.model_path, options, max_context=args.max_context)
         except FileNotFoundError as error:
             sys.exit(f"furnace-gateway: {error}")
-        return VllmEngine(vllm_args, args.model)
+        return VllmEngine(vllm_args, args.model, tool_parser=args.tool_call_parser)
     # Imported here so the gateway and the demo run without torch installed.
     from gateway.worker.transformers_engine import TransformersEngine
 
@@ -177,6 +189,13 @@ def _gateway_command(args: argparse.Namespace) -> None:
         if args.command == "serve":
             config = load_config(args.config)
             logging.getLogger().setLevel(config.log_level.upper())
+            processes = config.processes if args.workers is None else args.workers
+            if processes < 1:
+                sys.exit("furnace-gateway: --workers must be at least 1")
+            if processes > 1:
+                from gateway.lifecycle.processes import serve_processes
+
+                sys.exit(serve_processes(config, processes))
             run(serve_gateway(config))
         elif args.command == "bench":
             from gateway.bench.command import main as bench_main

@@ -235,6 +235,12 @@ class Config:
         "seconds after SIGTERM for requests in flight to finish; the rest are then cancelled",
         minimum=0,
     )
+    processes: int = setting(
+        1,
+        "gateway processes sharing the port (SO_REUSEPORT), each with its own event loop and "
+        "its share of the slots (`serve --workers N` overrides it)",
+        minimum=1,
+    )
     discovery_interval: float = setting(
         10.0, "seconds between DNS lookups of `dns:` worker names", minimum=0.01
     )

@@ -17,6 +17,9 @@ The gateway's sequence (`GatewayServer`):
 A start that fails closes what it had opened, in the same reverse order. The
 signals (SIGTERM, SIGINT) are ours, not uvicorn's: the first starts the stop,
 a second cuts the drain short.
+
+Several such processes on one port (`serve --workers N`) are `processes.py`'s:
+each one is this sequence, its listener bound with SO_REUSEPORT.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import uvicorn
@@ -110,10 +114,12 @@ class Gateway:
 
 class GatewayServer:
     """One gateway process: `start`, then `stop` (or `serve` for both around
-    the signals). Create it on the loop that will serve."""
+    the signals). Create it on the loop that will serve. With `reuse_port` its
+    public listener shares the port with the other processes of the gateway."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reuse_port: bool = False) -> None:
         self.config = config
+        self.reuse_port = reuse_port
         self.gateway = Gateway(config)
         self.uvicorn = self._server(self.gateway.app, config.host, config.port)
         #: The admin listener (`admin_port`), with the same protocol and limits.
@@ -179,7 +185,7 @@ class GatewayServer:
                     "keys are on and admin_port is not set: /metrics, /metrics/json and "
                     "/admin/workers are served nowhere (set admin_port to serve them)"
                 )
-            await _bind(self.uvicorn)
+            await _bind(self.uvicorn, self.reuse_port)
             self._opened.append("http")
             if self.admin is not None:
                 await _bind(self.admin)
@@ -212,11 +218,13 @@ class GatewayServer:
             await self.gateway.fleet.close()
         self._opened.clear()
 
-    async def serve(self) -> None:
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serves until SIGTERM or SIGINT, then stops; a second signal cuts the
-        drain short."""
+        drain short. `on_ready` is called once it is ready."""
         await self.start()
         async with _StopSignals() as signals:
+            if on_ready is not None:
+                on_ready()
             await signals.next()
             log.info("stopping: draining for up to %gs", self.config.drain_timeout)
             drain = asyncio.ensure_future(self.gateway.inflight.drain(self.config.drain_timeout))
@@ -234,12 +242,39 @@ class GatewayServer:
         await self._close()
 
 
-async def _bind(server: uvicorn.Server) -> None:
-    """Binds `server`'s listener (the parts are started here, not by a lifespan)."""
+async def _bind(server: uvicorn.Server, reuse_port: bool = False) -> None:
+    """Binds `server`'s listener (the parts are started here, not by a lifespan);
+    with `reuse_port`, on a socket that shares its port with other processes."""
     settings = server.config
     settings.load()
     server.lifespan = LifespanOff(settings)
-    await server.startup()
+    if not reuse_port:
+        await server.startup()
+        return
+    try:
+        sock = shared_port_socket(settings.host, settings.port)
+    except OSError as error:
+        log.error("cannot bind %s:%d: %s", settings.host, settings.port, error)
+        raise SystemExit(1) from error
+    await server.startup(sockets=[sock])
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT (not yet listening): the
+    kernel spreads new connections over every process listening on such a socket."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class _StopSignals:
