@@ -32,7 +32,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import grpc
 
@@ -87,6 +87,7 @@ class _ReadAhead:
         self._error: BaseException | None = None
         self._live = len(sources)
         self._starts = 0
+        self._open = False  # every generator has started: batches may go out
         self._first: Started | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
@@ -107,6 +108,7 @@ class _ReadAhead:
         if self._starts == len(self._sources):
             assert self._first is not None
             self._ready.insert(0, self._first)
+            self._open = True
             self._wake()
 
     async def _run(self, source: int, events: AsyncIterator[Event], finishes: int) -> None:
@@ -114,28 +116,31 @@ class _ReadAhead:
         started = False
         try:
             async for event in events:
-                if isinstance(event, Started):
+                # the token path: `type() is` tests (cast() and isinstance cost calls)
+                kind = type(event)
+                if kind is Started:
                     if started:
                         raise errors.Failed("The engine sent Started twice.")
                     started = True
-                    self._start(source, event)
+                    self._start(source, cast(Started, event))
                     continue
                 if not started:
                     raise errors.Failed("The engine did not start the answer with Started.")
-                if source and isinstance(event, Text | ToolCallDelta | Finished):
-                    event = event._replace(index=source)
+                if source and (kind is Text or kind is ToolCallDelta or kind is Finished):
+                    event = cast(Text, event)._replace(index=source)
                 self._ready.append(event)
-                if self._starts == len(self._sources):
-                    self._wake()
-                if isinstance(event, Finished):
+                waiter = self._waiter
+                if waiter is not None and self._open and not waiter.done():
+                    waiter.set_result(None)
+                if kind is Text:
+                    self._buffered += len(event.text)  # type: ignore[union-attr]
+                elif kind is ToolCallDelta:
+                    self._buffered += len(event.arguments)  # type: ignore[union-attr]
+                elif kind is Finished:
                     finishes -= 1
                     if not finishes:
                         return
                     continue
-                if isinstance(event, Text):
-                    self._buffered += len(event.text)
-                elif isinstance(event, ToolCallDelta):
-                    self._buffered += len(event.arguments)
                 if self._buffered >= READ_AHEAD_CHARS:
                     room = self._room
                     if room is None or room.done():
@@ -153,7 +158,7 @@ class _ReadAhead:
     async def batch(self) -> list[Event]:
         """The events ready now (at least one), [] at the end; raises the engine's error."""
         loop = asyncio.get_running_loop()
-        while not (self._ready and self._starts == len(self._sources)):
+        while not (self._ready and self._open):
             if self._live == 0 or self._error is not None:
                 if self._error is not None:
                     raise self._error
@@ -227,7 +232,6 @@ class _Choice:
         released, stopped = self.stop.feed(event.text)
         if released:
             self.pieces.append(released)
-        self.dirty = True
         if self.holds:
             start = self.fed
             self.fed += len(event.text)
@@ -374,31 +378,33 @@ class EngineService(pb_grpc.EngineServicer):
             out: list[Event] = []
             dirty: list[_Choice] = []
             for event in batch:
-                if isinstance(event, Started):  # the one Started, first of the first batch
+                kind = type(event)  # `type() is` tests: this runs once a token
+                if kind is Started:  # the one Started, first of the first batch
                     out.append(event)
                     continue
-                if not isinstance(event, Text | ToolCallDelta | Finished):
-                    raise errors.Failed(f"The engine sent {type(event).__name__} out of order.")
-                index = event.index
-                if not 0 <= index < n:
+                if kind is not Text and kind is not ToolCallDelta and kind is not Finished:
+                    raise errors.Failed(f"The engine sent {kind.__name__} out of order.")
+                index: int = event.index  # type: ignore[assignment]
+                if index >= n or index < 0:
                     raise errors.Failed(f"The engine sent choice {index} of {n}.")
                 choice = choices[index]
                 if choice.done:  # it ended at a stop string; the engine ran on
                     continue
-                if isinstance(event, Text):
+                if kind is Text:
                     if not choice.dirty:
+                        choice.dirty = True
                         dirty.append(choice)
-                    if not choice.text(event):
+                    if not choice.text(event):  # type: ignore[arg-type]
                         continue
                     event = Finished(FinishReason.STOP, choice.tokens, None, index)
-                elif isinstance(event, ToolCallDelta):
-                    choice.tokens += event.tokens
+                elif kind is ToolCallDelta:
+                    choice.tokens += event.tokens  # type: ignore[union-attr]
                 choice.flush()
                 text = choice.take()
                 if text is not None:
                     out.append(text)
                 out.append(event)
-                if isinstance(event, Finished):
+                if kind is not ToolCallDelta:
                     choice.done = True
                     left -= 1
                     if fan_out and left:
