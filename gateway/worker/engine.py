@@ -14,12 +14,16 @@ from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequ
 class Engine(ABC):
     """A model runtime, as the worker SDK drives it.
 
-    `generate` yields `Started` first, then `Text` pieces, then `Finished`.
-    It refuses a request by raising an `EngineError` (`TooLong`, `Invalid`,
-    `Busy`, ...) before yielding `Started`. When the call is cancelled, the SDK
-    closes the generator (CancelledError or GeneratorExit at its current
-    `await`/`yield`): free the request's resources in a `finally`.
-    Stop strings are the SDK's job; `max_tokens` and the context are the engine's.
+    `generate` yields `Started` first, then `Text` pieces (with `logprobs`, one
+    per token, when the request asks for them) and `ToolCallDelta`s (a call's
+    id and name first, then its arguments' JSON in pieces), then `Finished`
+    (`TOOL_CALLS` after calls). It refuses a request by raising an
+    `EngineError` (`TooLong`, `Invalid`, `Busy`, ...) before yielding `Started`.
+    When the call is cancelled, the SDK closes the generator (CancelledError or
+    GeneratorExit at its current `await`/`yield`): free the request's resources
+    in a `finally`. Stop strings are the SDK's job; `max_tokens` and the context
+    are the engine's. A field the engine does not list in `features` never
+    reaches it: the SDK refuses the request naming the parameter.
     """
 
     #: The model name requests use.
