@@ -4,8 +4,9 @@
 `chat_template.jinja` holds it), loaded once per directory and shared.
 
 The chat template is the model's own Jinja, rendered as transformers renders it
-(`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`)
-in Jinja's immutable sandbox: a template is code from the model's publisher, and
+(`messages` and `tools` in OpenAI's dict shapes, tool calls' arguments parsed,
+`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`) in Jinja's
+immutable sandbox: a template is code from the model's publisher, and
 the sandbox keeps it from reaching Python. transformers itself is not needed for
 this (and would bring torch-sized weight); `tokenizers` is one Rust wheel.
 
@@ -23,11 +24,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.protocol import errors
-from gateway.protocol.types import Message
+from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.types import Message, Tool
 
 #: The files a tokenizer directory must hold.
 REQUIRED = ("tokenizer.json", "tokenizer_config.json")
@@ -80,6 +83,8 @@ class ModelTokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         source = _template(config, directory)
         self._template: jinja2.Template | None = None
+        #: Whether the chat template reads `tools` (shows the model its tools).
+        self.reads_tools = False
         if source is not None:
             # transformers' settings, so a template renders here as it does there
             env = ImmutableSandboxedEnvironment(
@@ -90,6 +95,9 @@ class ModelTokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:
                 self._template = env.from_string(source)
+                self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                    env.parse(source)
+                )
             except jinja2.TemplateError as error:
                 raise TokenizerError(f"{directory}: the chat template: {error}") from None
 
@@ -97,15 +105,18 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        """The prompt the chat template makes of `messages`, ready for the answer."""
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> str:
+        """The prompt the chat template makes of `messages` (and the `tools` the
+        model may call: None to the template when there are none, as
+        transformers passes them), ready for the answer."""
         if self._template is None:
             raise errors.Invalid(
                 "This model has no chat template; use /v1/completions.", param="messages"
             )
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[message_dict(m, parsed_arguments=True) for m in messages],
+                tools=[tool_dict(t) for t in tools] or None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -124,10 +135,18 @@ class ModelTokenizer:
         """The text of `ids`, special tokens left out (as vLLM's default)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def prompt_ids(self, prompt: str | None, messages: Sequence[Message] | None) -> list[int]:
-        """The ids of a request's prompt: its text, or its messages through the template."""
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (as vLLM's logprobs name
+        tokens); a piece of a multi-byte character decodes as U+FFFD."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_ids(
+        self, prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool] = ()
+    ) -> list[int]:
+        """The ids of a request's prompt: its text, or its messages (with its
+        tools) through the template."""
         if messages is not None:
-            return self.encode(self.render_chat(messages), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
         return self.encode(prompt or "", add_special_tokens=True)
 
 

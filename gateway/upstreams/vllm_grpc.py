@@ -9,7 +9,16 @@ token ids, so the gateway does what vLLM's own front end would:
   `GetModelInfo` as stop token ids; usage from the engine's counts;
 - `GetModelInfo` for `describe`, `grpc.health.v1` and `HealthCheck` for health,
   `GetLoads` for the admin view;
-- cancellation as the call's cancel plus an `Abort` of its request id.
+- cancellation as the call's cancel plus an `Abort` of its request id;
+- the OpenAI surface its proto has room for: n choices (`SamplingParams.n`, each
+  chunk names its choice, each choice has its own detokenizer, stop strings and
+  Finished), logprobs (the ids of `OutputLogProbs` and their alternatives decoded
+  here), response_format and forced tool calls as the proto's JSON constraints
+  (`gateway.protocol.tool_calls.required_schema`), tools through the chat
+  template and the model's tool-call format (`tool_call_parser`) over each
+  choice's text, the extra sampling fields and seed; `user` is logged only;
+  embeddings through `Embed` for an embedding model. Images are not served
+  (see `VllmGrpcUpstream.features`).
 
 Every failure, a gRPC status or a finish reason of `abort` or `error`, goes through
 the one table below (`_from_rpc_error`, `FINISH_ERRORS`). SGLang's scheduler protocol
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -35,22 +45,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from gateway.protocol import errors
+from gateway.protocol import errors, features, tool_calls
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
+from gateway.protocol.tool_calls import ChoiceToolCalls
 from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
     Event,
     Finished,
     FinishReason,
     GenerateRequest,
     Started,
-    Text,
+    TokenLogprob,
 )
 from gateway.tokenization import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
 from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
 from gateway.worker.engine import check_context
+
+logger = logging.getLogger(__name__)
 
 #: The engine's finish reasons: answers, or errors of the one tree.
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -76,22 +91,39 @@ def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
     return error_from_status(code, details, None)
 
 
+class _Choice:
+    """One choice's way from the engine's token ids to our events: its own
+    detokenizer, stop strings and tool-call parser."""
+
+    __slots__ = ("calls", "completed", "detok", "done", "index", "received", "stop")
+
+    def __init__(self, call: VllmGrpcCall, index: int) -> None:
+        upstream, request = call._upstream, call._request
+        self.index = index
+        self.detok = IncrementalDetokenizer(upstream.tokenizer.decode)
+        self.stop = StopMatcher(request.stop)
+        self.calls = ChoiceToolCalls(
+            tool_calls.for_request(request, upstream.tool_call_parser), index
+        )
+        self.received = 0  # completion tokens seen
+        self.done = False  # its Finished is out
+        self.completed = False  # the engine said it ended
+
+
 class VllmGrpcCall(StreamBookkeeping):
     """One request: prepares on the first read (model info, the prompt's ids), then
-    turns the engine's token-id chunks into our events."""
+    turns the engine's token-id chunks, of each of its n choices, into our events."""
 
     __slots__ = (
         "_call",
+        "_choices",
         "_deadline",
-        "_detok",
-        "_eos",
+        "_hidden",
+        "_left",
         "_metadata",
         "_pending",
-        "_received",
         "_request",
         "_started",
-        "_stop",
-        "_unreported",
         "_upstream",
         "request_id",
     )
@@ -113,11 +145,9 @@ class VllmGrpcCall(StreamBookkeeping):
         self.request_id = f"{request.request_id or 'furnace'}-{uuid.uuid4().hex[:12]}"
         self._call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
         self._pending: deque[Event] = deque()
-        self._detok = IncrementalDetokenizer(upstream.tokenizer.decode)
-        self._stop = StopMatcher(request.stop)
-        self._eos: frozenset[int] = frozenset()
-        self._received = 0  # completion tokens seen in chunks
-        self._unreported = 0  # of those, the ones no `Text` has counted yet
+        self._choices: list[_Choice] = []
+        self._left = 0  # choices whose Finished is not out yet
+        self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
         self._started = False
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -151,27 +181,23 @@ class VllmGrpcCall(StreamBookkeeping):
 
     async def _start(self) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
         upstream, request = self._upstream, self._request
+        self._choices = [_Choice(self, i) for i in range(request.n)]  # refuses tools first
+        self._left = request.n
         info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
-        self._eos = frozenset(info.eos_token_ids)
-        ids = upstream.tokenizer.prompt_ids(request.prompt, request.messages)
+        # the template shows the tools unless none may be called (as our other engines)
+        tools = request.tools if request.tool_choice != "none" else ()
+        ids = upstream.tokenizer.prompt_ids(request.prompt, request.messages, tools)
         max_tokens = check_context(request, len(ids), info.max_context_length)
-        s = request.sampling
-        params = pb.SamplingParams(
-            max_tokens=max_tokens,
-            stop_token_ids=sorted(self._eos),
-            top_p=s.top_p or 0.0,  # 0: the engine's default (1.0)
-            top_k=s.top_k or 0,
-            presence_penalty=s.presence_penalty or 0.0,
-            frequency_penalty=s.frequency_penalty or 0.0,
-        )
-        if s.temperature is not None:
-            params.temperature = s.temperature
-        if s.seed is not None:
-            params.seed = s.seed
+        stop_ids = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            stop_ids.update(info.eos_token_ids)
+        self._hidden = frozenset(stop_ids) | frozenset(info.eos_token_ids)
+        if request.user:  # taken for the record; the engine has no field for it
+            logger.debug("request %s: user %r", request.request_id, request.user)
         message = pb.GenerateRequest(
             request_id=self.request_id,
             tokenized=pb.TokenizedInput(input_ids=ids),
-            sampling_params=params,
+            sampling_params=sampling_params(request, max_tokens, sorted(stop_ids)),
             stream=True,
         )
         timeout = self._deadline - time.monotonic()
@@ -182,16 +208,20 @@ class VllmGrpcCall(StreamBookkeeping):
         return call
 
     def _take(self, message: pb.GenerateResponse) -> None:
-        """Our events for one message of the engine: deltas, then how it ended."""
+        """Our events for one message of the engine: deltas, then how a choice ended."""
         kind = message.WhichOneof("response")
         if kind == "chunk":
             chunk = message.chunk
+            choice = self._choice(chunk.index)
             if not self._started:
                 self._started = True
                 self._pending.append(Started(chunk.prompt_tokens))
-            self._text(chunk.token_ids)
+            if not choice.done:
+                self._text(choice, chunk.token_ids, chunk.output_logprobs)
         elif kind == "complete":
             done = message.complete
+            choice = self._choice(done.index)
+            choice.completed = True
             failure = FINISH_ERRORS.get(done.finish_reason)
             if failure is not None or done.finish_reason not in FINISH_REASONS:
                 failure = failure or errors.Failed
@@ -199,32 +229,62 @@ class VllmGrpcCall(StreamBookkeeping):
             if not self._started:  # nothing streamed before: the engine's counts alone
                 self._started = True
                 self._pending.append(Started(done.prompt_tokens))
-                self._text(done.output_ids)
-            self._finish(FINISH_REASONS[done.finish_reason], done.completion_tokens)
+            if not choice.done:
+                if not choice.received:  # a choice whose tokens came only here
+                    self._text(choice, done.output_ids, done.output_logprobs)
+                if not choice.done:
+                    self._finish(choice, FINISH_REASONS[done.finish_reason], done.completion_tokens)
 
-    def _text(self, token_ids: Iterable[int]) -> None:
+    def _choice(self, index: int) -> _Choice:
+        if index >= len(self._choices):
+            raise errors.Failed(f"The vLLM worker answered choice {index} of {len(self._choices)}.")
+        return self._choices[index]
+
+    def _logprobs(self, ids: list[int], logprobs: pb.OutputLogProbs) -> tuple[TokenLogprob, ...]:
+        """The tokens' logprobs, each with its top alternatives (as many as asked,
+        most likely first), named by their own text as vLLM names them."""
+        text = self._upstream.tokenizer.token_text
+        asked = self._request.logprobs or 0
+        out = []
+        for i, value in enumerate(logprobs.token_logprobs):
+            token_id = logprobs.token_ids[i] if i < len(logprobs.token_ids) else ids[i]
+            top: list[tuple[str, float]] = []
+            if asked and i < len(logprobs.top_logprobs):
+                alternatives = logprobs.top_logprobs[i]
+                pairs = sorted(zip(alternatives.values, alternatives.token_ids, strict=False))
+                top = [(text(t), v) for v, t in reversed(pairs)][:asked]
+            out.append(TokenLogprob(text(token_id), value, tuple(top)))
+        return tuple(out)
+
+    def _text(self, choice: _Choice, token_ids: Iterable[int], logprobs: pb.OutputLogProbs) -> None:
         ids = list(token_ids)
-        self._received += len(ids)
-        self._unreported += len(ids)
-        text = self._detok.feed([i for i in ids if i not in self._eos])
-        released, stopped = self._stop.feed(text)
-        if released:  # the tokens of a held-back character count with the next text
-            self._pending.append(Text(released, self._unreported))
-            self._unreported = 0
-        if stopped:  # a stop string: the answer ends here, the engine stops
-            self._abort()
-            self._finish(FinishReason.STOP, self._received, flush=False)
+        choice.received += len(ids)
+        scores = None if self._request.logprobs is None else self._logprobs(ids, logprobs)
+        text = choice.detok.feed([i for i in ids if i not in self._hidden])
+        released, stopped = choice.stop.feed(text)
+        self._pending.extend(choice.calls.feed(released, len(ids), scores))
+        if stopped:  # a stop string: the choice ends here
+            self._finish(choice, FinishReason.STOP, choice.received, flush=False)
 
-    def _finish(self, reason: FinishReason, completion_tokens: int, *, flush: bool = True) -> None:
+    def _finish(
+        self, choice: _Choice, reason: FinishReason, completion_tokens: int, *, flush: bool = True
+    ) -> None:
         if flush:
-            released, stopped = self._stop.feed(self._detok.flush())
-            rest = released if stopped else released + self._stop.flush()
-            if rest:
-                self._pending.append(Text(rest, self._unreported))
+            released, stopped = choice.stop.feed(choice.detok.flush())
+            rest = released if stopped else released + choice.stop.flush()
+            self._pending.extend(choice.calls.feed(rest, 0))
             if stopped:
                 reason = FinishReason.STOP
-        self._pending.append(Finished(reason, max(completion_tokens, self._received)))
-        self.close()
+        self._pending.extend(choice.calls.finish())
+        reason = choice.calls.finish_reason(reason)
+        tokens = max(completion_tokens, choice.received)
+        self._pending.append(Finished(reason, tokens, None, choice.index))
+        choice.done = True
+        self._left -= 1
+        if self._left == 0:
+            if not all(c.completed for c in self._choices):  # stop strings ended it: stop it
+                self._abort()
+            self.close()
 
     def _abort(self) -> None:
         if self._call is not None:
@@ -237,6 +297,71 @@ class VllmGrpcCall(StreamBookkeeping):
         self._abort()
         self.close(outcome)
 
+
+#: vLLM's proto takes the seed as an int32.
+_SEED_RANGE = range(-(2**31), 2**31)
+
+
+def sampling_params(
+    request: GenerateRequest, max_tokens: int, stop_token_ids: list[int]
+) -> pb.SamplingParams:
+    """The engine's sampling parameters for `request`: every field we serve has
+    its place in vLLM's proto (0 there is the engine's default); the JSON schema
+    of a forced tool call, or of `response_format`, is its constraint."""
+    s = request.sampling
+    params = pb.SamplingParams(
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        top_p=s.top_p or 0.0,  # 0: the engine's default (1.0)
+        top_k=s.top_k or 0,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        repetition_penalty=s.repetition_penalty or 0.0,  # 0: 1.0
+        min_p=s.min_p or 0.0,
+        min_tokens=s.min_tokens or 0,
+        ignore_eos=bool(s.ignore_eos),
+        n=request.n,
+        logit_bias=dict(s.logit_bias),
+    )
+    if s.temperature is not None:
+        params.temperature = s.temperature
+    if s.seed is not None:
+        if s.seed not in _SEED_RANGE:
+            raise errors.Invalid("This model takes a seed that fits 32 bits.", param="seed")
+        params.seed = s.seed
+    if request.logprobs is not None:
+        params.logprobs = request.logprobs
+    if request.tools and tool_calls.forced(request.tool_choice):
+        # a forced call wins over response_format, as in vLLM's server: the
+        # answer is the call, there is no content for the format to shape
+        params.json_schema = tool_calls.required_schema(
+            request.tools, request.tool_choice, request.parallel_tool_calls
+        )
+    elif request.response_format is not None:
+        if request.response_format.type == "json_schema":
+            params.json_schema = request.response_format.schema
+        else:
+            params.json_object = True
+    return params
+
+
+#: What a generative vLLM engine serves beyond text (with `tools` when the model's
+#: call format is configured): every field its `SamplingParams` has a place for.
+GENERATIVE = frozenset(
+    {
+        features.GENERATE,
+        features.N,
+        features.LOGPROBS,
+        features.RESPONSE_FORMAT,
+        features.MIN_TOKENS,
+        features.IGNORE_EOS,
+        features.REPETITION_PENALTY,
+        features.MIN_P,
+        features.LOGIT_BIAS,
+        features.STOP_TOKEN_IDS,
+        features.USER,
+    }
+)
 
 #: KV-cache use at which a vLLM engine counts as full (it would preempt or queue).
 KV_FULL = 0.98
@@ -264,11 +389,14 @@ class VllmGrpcUpstream:
         *,
         model: str,
         tokenizer: str,
+        tool_call_parser: str | None = None,
         credentials: WorkerCredentials | None = None,
     ) -> None:
         self.address = address
         self.model = model
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
+        #: The format the model writes tool calls in; None: it takes no tools.
+        self.tool_call_parser = tool_call_parser
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         else:
@@ -299,16 +427,78 @@ class VllmGrpcUpstream:
                 raise _from_rpc_error(error) from None
         return self._info
 
+    def features(self, info: pb.GetModelInfoResponse) -> frozenset[str]:
+        """What this engine serves: an embedding model (`is_generation` false)
+        embeds, through `Embed`; a generative one takes every field its proto
+        has a place for, and tools when the model's call format is configured
+        and its chat template reads them.
+        Not `image_url`: the proto takes images as preprocessed tensors or as
+        media references expanded over placeholder tokens, neither of which the
+        gateway builds (it would need the model's image processor), and the
+        gateway never fetches a URL for a worker. Nor `dimensions`: `Embed` has
+        no field for it."""
+        if not info.is_generation:
+            return frozenset({features.EMBEDDINGS, features.USER})
+        served = GENERATIVE
+        if self.tool_call_parser is not None and self.tokenizer.reads_tools:
+            served |= {features.TOOLS}
+        return served
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
-        beyond a path), with the engine's context length."""
+        beyond a path), with the engine's context length and features."""
         info = await self.model_info(deadline)
+        served = self.features(info)
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
         except grpc.RpcError:  # an engine without load reports is served all the same
-            return [ModelDescription(self.model, info.max_context_length)]
+            return [ModelDescription(self.model, info.max_context_length, features=served)]
         running, full = engine_load(reply.loads)
-        return [ModelDescription(self.model, info.max_context_length, None, running, full)]
+        return [ModelDescription(self.model, info.max_context_length, None, running, full, served)]
+
+    async def embed(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Embeddings:
+        """The inputs' vectors from the engine's `Embed`, one call per input (the
+        rpc takes one), all at once; texts tokenized as raw prompts."""
+        if request.dimensions is not None:
+            raise errors.Invalid("This model cannot shorten its vectors.", param="dimensions")
+        deadline = time.monotonic() + timeout
+        info = await self.model_info(timeout)
+        if info.is_generation:
+            raise errors.Invalid(f"{self.model} is not an embedding model.", param="model")
+        if request.user:
+            logger.debug("embed %s: user %r", request.request_id, request.user)
+        base = request.request_id or "furnace"
+
+        async def one(i: int, item: str | tuple[int, ...]) -> pb.EmbedResponse:
+            ids = (
+                self.tokenizer.encode(item, add_special_tokens=True)
+                if isinstance(item, str)
+                else item
+            )
+            message = pb.EmbedRequest(
+                request_id=f"{base}-{uuid.uuid4().hex[:12]}-{i}",
+                tokenized=pb.TokenizedInput(input_ids=list(ids)),
+            )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.Timeout("The request's deadline passed before it reached the engine.")
+            reply: pb.EmbedResponse = await self.stub.Embed(
+                message, timeout=left, metadata=metadata
+            )
+            return reply
+
+        try:
+            replies = await asyncio.gather(*(one(i, x) for i, x in enumerate(request.inputs)))
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        return Embeddings(
+            tuple(tuple(r.embedding) for r in replies), sum(r.prompt_tokens for r in replies)
+        )
 
     def abort(self, request_id: str) -> None:
         """Aborts a request on the engine, in the background (best effort)."""

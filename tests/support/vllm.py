@@ -138,9 +138,14 @@ def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> Vl
     raise RuntimeError(f"vLLM's HTTP server did not start in {START_GUARD:g} s")
 
 
+#: The gRPC server's structured outputs (the gateway sends the schemas: response_format
+#: and forced tool calls): xgrammar without free whitespace, as for the HTTP server.
+GRPC_ARGS = HTTP_ARGS[HTTP_ARGS.index("--structured-outputs-config") :]
+
+
 def start_grpc_server(model: Path, log_dir: Path) -> VllmProcess:
     """vLLM's own gRPC server (service vllm.grpc.engine.VllmEngine) on a free loopback
-    port, ready (its grpc.health.v1 says SERVING)."""
+    port, ready (its grpc.health.v1 says SERVING), with structured outputs on."""
     port = free_port()
     args = [
         str(vllm_python()),
@@ -153,6 +158,7 @@ def start_grpc_server(model: Path, log_dir: Path) -> VllmProcess:
         "--port",
         str(port),
         *ENGINE_ARGS,
+        *GRPC_ARGS,
     ]
     server = VllmProcess(args, port, log_dir / "vllm-grpc.log").start()
     wait_grpc_serving(server)
