@@ -15,27 +15,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-import openai
 import pytest
 
-from gateway.config import ModelConfig
 from tests.support.requests import opened, user
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import ServerLoop, Workers, assert_nothing_left
 from tests.support.vllm import MAX_MODEL_LEN, START_GUARD
-from tests.support.vllm_worker import MAX_NUM_SEQS, MODEL, VllmWorker
-from tests.support.waiting import HANG_GUARD, wait_until
+from tests.support.vllm_worker import MAX_NUM_SEQS, MODEL, Front, VllmWorker, open_front
+from tests.support.waiting import wait_until
 
 #: The first test also waits for the worker to start (importing vLLM, then its engine).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(START_GUARD + 60)]
@@ -45,36 +34,12 @@ MESSAGES = user("hello from the fleet")
 LONG = {"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64, "temperature": 0}
 
 
-@dataclass
-class Front:
-    """The worker, a gateway in front of it, and clients."""
-
-    worker: VllmWorker
-    gateway: Gateway
-    sdk: openai.OpenAI
-    http: httpx.Client
-    tokenizer: Any
-
-
 @pytest.fixture(scope="module")
 def front(
     server_loop: ServerLoop, workers: Workers, vllm_worker: VllmWorker, vllm_model: Path
 ) -> Iterator[Front]:
-    from transformers import AutoTokenizer
-
-    model = ModelConfig(MODEL, workers=(f"127.0.0.1:{vllm_worker.port}",))
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    sdk = openai.OpenAI(
-        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-    http = httpx.Client(base_url=gw.url, timeout=HANG_GUARD)
-    wait_until(
-        lambda: MODEL in {m.id for m in sdk.models.list().data}, "the gateway to list the worker"
-    )
-    yield Front(vllm_worker, gw, sdk, http, AutoTokenizer.from_pretrained(vllm_model))
-    http.close()
-    sdk.close()
-    gw.stop()
+    with open_front(server_loop, workers, vllm_worker, vllm_model) as opened:
+        yield opened
 
 
 @pytest.fixture(autouse=True)

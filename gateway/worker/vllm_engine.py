@@ -3,15 +3,23 @@
 vLLM batches continuously: every request joins one engine, which steps all its
 running sequences together, so concurrent requests share each forward pass
 instead of taking turns. With `output_kind=DELTA` each engine step hands a
-request the text and tokens it gained in that step, which become one `Text`
+request the text and tokens it gained in that step, which become one event
 (the SDK coalesces further when the network is slower than the engine).
 
 The prompt is tokenized here, with the model's own tokenizer (the chat
-template for messages, as vLLM's server renders it), in a thread of its own so
-a long prompt does not stall the event loop; so the prompt's length is known
-and a prompt that does not fit `max_model_len` is refused with `TooLong` before
-the engine sees it. Unset sampling fields take the model's
-`generation_config.json` defaults, as in vLLM's server.
+template for messages and tools, as vLLM's server renders it), in a thread of
+its own so a long prompt does not stall the event loop; so the prompt's length
+is known and a prompt that does not fit `max_model_len` is refused with
+`TooLong` before the engine sees it. Unset sampling fields take the model's
+`generation_config.json` defaults, as in vLLM's server. A multimodal model's
+conversations go through vLLM's own renderer instead, which fetches the images.
+
+The OpenAI surface is vLLM's own: `n` is its parallel sampling (one prompt
+prefill for all choices), logprobs its sampler's, `response_format` and a
+forced `tool_choice` its guided decoding (the schemas its server uses: the
+function's parameters for a named tool, an array of calls for "required"),
+and `tool_choice` "auto" its tool-call parser named by `--tool-call-parser`,
+fed each step. Whatever vLLM refuses is `Invalid` naming the parameter.
 
 Stop strings are not passed to vLLM: the SDK's matcher applies them, as for
 every engine (one semantics and one held-back rule for all workers); its cut
@@ -23,6 +31,10 @@ left, or a stop string matched) aborts the request in the engine. The engine
 starts in `start` (seconds to minutes), while the worker already answers health
 checks with NOT_SERVING; `wait_dead` tells the worker when the engine died.
 
+Started as a pooling model (vLLM's `--runner pooling`), the engine embeds
+instead of generating: `embed` serves vectors, `dimensions` where the model is
+a Matryoshka one.
+
 Requires vLLM in the worker's environment (its own, with its own pins): the
 rest of the gateway never imports this module.
 """
@@ -32,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -44,20 +57,32 @@ from vllm import SamplingParams as VllmSampling
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
-from vllm.sampling_params import RequestOutputKind
+from vllm.pooling_params import PoolingParams
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from gateway.protocol.errors import Failed, Invalid, Unavailable
+from gateway.protocol import features, tool_calls
+from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.errors import Failed, Invalid, TooLong, Unavailable
+from gateway.protocol.tool_calls import (
+    CallPiece,
+    ChoiceToolCalls,
+    Parsed,
+    ToolCallParser,
+    new_call_id,
+)
 from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
     Event,
     Finished,
     FinishReason,
     GenerateRequest,
-    SamplingParams,
     Started,
     Text,
+    TokenLogprob,
 )
 from gateway.worker.engine import Engine, check_context
 
@@ -67,7 +92,40 @@ log = logging.getLogger("furnace.worker")
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 #: Seconds between looks at whether the engine died (one attribute read each).
 DEAD_POLL = 1.0
-_SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed")
+#: The tool-call parser of `tool_choice` "auto" unless `--tool-call-parser` names another.
+DEFAULT_TOOL_PARSER = "hermes"
+#: Guided decoding unless the worker's options say otherwise: xgrammar without
+#: free whitespace, or a model pads its JSON with blanks up to max_tokens.
+STRUCTURED_OUTPUTS = '{"backend": "xgrammar", "disable_any_whitespace": true}'
+#: What a generating model serves (plus "image_url" when it is multimodal).
+GENERATING = frozenset(
+    {
+        features.GENERATE,
+        features.N,
+        features.LOGPROBS,
+        features.TOOLS,
+        features.RESPONSE_FORMAT,
+        features.MIN_TOKENS,
+        features.IGNORE_EOS,
+        features.REPETITION_PENALTY,
+        features.MIN_P,
+        features.LOGIT_BIAS,
+        features.STOP_TOKEN_IDS,
+        features.USER,
+    }
+)
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_p",
+)
 
 
 def engine_args(
@@ -75,7 +133,9 @@ def engine_args(
 ) -> Any:
     """vLLM's `AsyncEngineArgs` for the model folder, from vLLM's own command-line
     options (`--enforce-eager`, `--max-num-seqs 64`, `--kv-cache-memory-bytes 1G`,
-    ...), parsed by vLLM's parser; `max_context` is `--max-model-len`."""
+    `--runner pooling`, ...), parsed by vLLM's parser; `max_context` is
+    `--max-model-len`; guided decoding is `STRUCTURED_OUTPUTS` unless the options
+    set `--structured-outputs-config`."""
     path = Path(model_path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a folder")
@@ -83,6 +143,8 @@ def engine_args(
         FlexibleArgumentParser(prog="furnace-gateway worker --engine vllm")
     )
     argv = ["--model", str(path), *options]
+    if not any(o.startswith("--structured-outputs-config") for o in options):
+        argv += ["--structured-outputs-config", STRUCTURED_OUTPUTS]
     if max_context is not None:
         argv += ["--max-model-len", str(max_context)]
     return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
@@ -92,18 +154,45 @@ class VllmEngine(Engine):
     """vLLM's `AsyncLLM` as an engine: built by `start`, freed by `shutdown`.
 
     `max_context` is the engine's `max_model_len` and `capacity` its
-    `max_num_seqs`, both known once started; `load()` is the requests the engine
-    holds (running or waiting), by its own count.
+    `max_num_seqs`, both known once started; its `features` are known from the
+    model's config at once (a generating or a pooling model, multimodal or
+    not); `load()` is the requests the engine holds (running or waiting), by
+    its own count. `tool_parser` names the format of the model's tool calls:
+    the gateway's parser of it, else vLLM's.
     """
 
-    def __init__(self, args: Any, model: str | None = None) -> None:
+    native_n = True
+
+    def __init__(
+        self, args: Any, model: str | None = None, *, tool_parser: str = DEFAULT_TOOL_PARSER
+    ) -> None:
         self.args = args
         self.model = model or Path(args.model).resolve().name
         self.max_context = 0  # known once started
         self.capacity = 1
+        self.tool_parser = tool_parser
         self.llm: Any = None
         self.tokenizer: Any = None
         self.defaults: dict[str, Any] = {}
+        # What it serves, from the model's config (read in milliseconds, before
+        # the engine is built): a generating or a pooling model, with images or not.
+        config = args.create_model_config()
+        self.pooling = config.runner_type == "pooling"
+        self.multimodal = bool(config.is_multimodal_model)
+        self.matryoshka = bool(config.is_matryoshka)
+        found = set(GENERATING)
+        if self.multimodal:
+            found.add(features.IMAGES)
+        if self.pooling:
+            found = {features.EMBEDDINGS, features.USER}
+            if self.matryoshka:
+                found.add(features.DIMENSIONS)
+        self.features = frozenset(found)
+        self.parser_class: Any = None  # vLLM's, for a format the gateway has no parser of
+        if tool_parser not in tool_calls.PARSERS:
+            from vllm.tool_parsers import ToolParserManager
+
+            self.parser_class = ToolParserManager.get_tool_parser(tool_parser)  # or KeyError
         self._building: asyncio.Future[Any] | None = None
         self._ids = itertools.count()
         # Tokenization runs here, off the event loop (one thread: tokenizers are not
@@ -117,21 +206,26 @@ class VllmEngine(Engine):
         loop = asyncio.get_running_loop()
         self._building = loop.run_in_executor(None, AsyncLLM.from_engine_args, self.args)
         llm = await asyncio.shield(self._building)
+        config = llm.model_config
         self.tokenizer = llm.get_tokenizer()
-        self.max_context = int(llm.model_config.max_model_len)
+        self.max_context = int(config.max_model_len)
         self.capacity = int(llm.vllm_config.scheduler_config.max_num_seqs)
         self.defaults = {
             name: value
-            for name, value in llm.model_config.get_diff_sampling_param().items()
+            for name, value in config.get_diff_sampling_param().items()
             if name != "max_tokens"
         }
+        if self.pooling and "embed" not in await llm.get_supported_tasks():
+            llm.shutdown()
+            raise RuntimeError(f"the pooling model {self.model} does not embed (--convert embed)")
         self.llm = llm
         log.info(
-            "vLLM engine for %s up in %.1f s: max_model_len %d, max_num_seqs %d",
+            "vLLM engine for %s up in %.1f s: max_model_len %d, max_num_seqs %d, serves %s",
             self.model,
             time.monotonic() - began,
             self.max_context,
             self.capacity,
+            ", ".join(sorted(self.features)) or "nothing",
         )
 
     async def wait_dead(self) -> None:
@@ -156,80 +250,139 @@ class VllmEngine(Engine):
         """The requests in the engine (vLLM's count), 0 before it is up."""
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
 
-    def encode(self, request: GenerateRequest) -> list[int]:
-        """The prompt's token ids: the chat template for messages, as vLLM's server
-        renders it (special tokens come from the template), the plain text otherwise."""
+    def _running(self, feature: str) -> Any:
+        """The engine, if it runs and serves `feature`."""
+        llm = self.llm
+        if llm is None or llm.errored:
+            raise Unavailable("The engine is not running.")
+        if feature not in self.features:
+            what = "embeddings" if feature == features.EMBEDDINGS else "generation"
+            raise Invalid(f"The model `{self.model}` does not serve {what}.", param="model")
+        return llm
+
+    def encode(
+        self, request: GenerateRequest, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids: the chat template for messages (and `tools`), as
+        vLLM's server renders it (special tokens come from the template), the plain
+        text otherwise."""
         tokenizer = self.tokenizer
         if request.messages is None:
             return list(tokenizer.encode(request.prompt or ""))
         if getattr(tokenizer, "chat_template", None) is None:
             raise Invalid("This model has no chat template; use /v1/completions.", param="messages")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
             message = f"The chat template refused the messages: {error}"
             raise Invalid(message, param="messages") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def sampling(self, sampling: SamplingParams, max_tokens: int) -> Any:
+    async def _render(
+        self, request: GenerateRequest, tools: list[dict[str, Any]] | None
+    ) -> tuple[Any, int | None]:
+        """The engine's prompt and its length (None: vLLM's renderer counts it: a
+        multimodal conversation, whose images it fetches and places)."""
+        if self.multimodal and request.messages is not None:
+            from vllm.renderers.params import ChatParams
+
+            messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
+            options = {"add_generation_prompt": True, "tools": tools}
+            try:
+                _, prompt = await self.llm.renderer.render_messages_async(
+                    messages, ChatParams(chat_template_kwargs=options)
+                )
+            except (ValueError, jinja2.TemplateError) as error:
+                raise Invalid(f"The messages were refused: {error}", param="messages") from None
+            return prompt, None
+        if request.messages is not None and any(m.images for m in request.messages):
+            raise Invalid(f"The model `{self.model}` takes no images.", param="messages")
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._executor, self.encode, request, tools)
+        return tokens_input(ids), len(ids)
+
+    def sampling(
+        self,
+        request: GenerateRequest,
+        max_tokens: int,
+        guided: Any = None,
+        skip_special_tokens: bool = True,
+    ) -> Any:
         """vLLM's sampling parameters: ours where set, else the model's defaults."""
         options = dict(self.defaults)
+        sampling = request.sampling
         for name in _SAMPLING:
             value = getattr(sampling, name)
             if value is not None:
                 options[name] = value
         if options.get("top_k") is not None and options["top_k"] <= 0:
             del options["top_k"]  # ours: 0 or unset is off
+        if sampling.logit_bias:
+            options["logit_bias"] = dict(sampling.logit_bias)
+        if sampling.stop_token_ids:
+            options["stop_token_ids"] = list(sampling.stop_token_ids)
         try:
             return VllmSampling(
-                **options, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA
+                **options,
+                n=max(request.n, 1),
+                logprobs=request.logprobs,
+                max_tokens=max_tokens,
+                structured_outputs=guided,
+                skip_special_tokens=skip_special_tokens,
+                output_kind=RequestOutputKind.DELTA,
             )
         except ValueError as error:  # vLLM's checks of the values
-            raise Invalid(str(error)) from None
+            raise Invalid(str(error), param=getattr(error, "parameter", None)) from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Tokenize, check the context, then one `Text` per engine step until vLLM finishes."""
-        llm = self.llm
-        if llm is None or llm.errored:
-            raise Unavailable("The engine is not running.")
-        loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._executor, self.encode, request)
+        """Render and check the context, then per engine step each choice's
+        `Text` (or tool-call pieces) until vLLM finishes every choice."""
+        llm = self._running(features.GENERATE)
+        plan = _ToolPlan(request, self)
+        prompt, length = await self._render(request, plan.rendered)
         param = "messages" if request.messages is not None else "prompt"
-        if not prompt:
+        if length == 0:
             raise Invalid("The prompt is empty.", param=param)
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise Invalid("max_tokens must be at least 1.", param="max_tokens")
-        budget = check_context(request, len(prompt), self.max_context)
-        params = self.sampling(request.sampling, budget)
+        if length is None:  # vLLM's renderer counted it; vLLM checks the context
+            budget = max_tokens if max_tokens is not None else self.max_context
+        else:
+            budget = check_context(request, length, self.max_context)
+        params = self.sampling(request, budget, plan.guided(), plan.skip_special_tokens)
         # Our own id, unique in this engine: vLLM aborts every request of an id.
         request_id = f"{request.request_id or 'furnace'}-{next(self._ids)}"
-        outputs = llm.generate(tokens_input(prompt), params, request_id)
+        if request.user:
+            log.info("request %s for user %r", request_id, request.user)
+        outputs = llm.generate(prompt, params, request_id)
+        choices = [_Choice(i, plan, request.logprobs) for i in range(max(request.n, 1))]
         started = done = False
-        tokens = 0
         try:
             async for output in outputs:
                 if not started:
                     started = True
-                    yield Started(len(output.prompt_token_ids or prompt))
-                completion = output.outputs[0]
-                step = len(completion.token_ids)
-                tokens += step
-                if step or completion.text:
-                    yield Text(completion.text, step)
+                    yield Started(len(output.prompt_token_ids or ()) or (length or 0))
+                for completion in output.outputs:
+                    choice = choices[completion.index]
+                    for event in choice.step(completion):
+                        yield event
+                    if completion.finish_reason is not None:
+                        for event in choice.finish(completion.finish_reason):
+                            yield event
                 if output.finished:
-                    reason = FINISH.get(completion.finish_reason)
-                    if reason is None:
-                        raise Failed(f"The engine ended the answer ({completion.finish_reason}).")
                     done = True
-                    yield Finished(reason, tokens)
                     return
             raise Failed("The engine ended the answer without finishing it.")
         except VLLMValidationError as error:
-            raise Invalid(str(error)) from None
+            raise Invalid(str(error), param=error.parameter or plan.param) from None
+        except ValueError as error:  # vLLM's checks of the request, before it runs
+            if started:
+                raise
+            raise Invalid(str(error), param=plan.param) from None
         except EngineDeadError:
             raise Unavailable("The engine died.") from None
         finally:
@@ -238,3 +391,231 @@ class VllmEngine(Engine):
                 await llm.abort(request_id)
                 log.info("request %s aborted in the engine", request_id)
             await outputs.aclose()
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """One pooled vector per input, all inputs in the engine at once."""
+        llm = self._running(features.EMBEDDINGS)
+        if request.dimensions is not None and not self.matryoshka:
+            raise Invalid(
+                f"The model `{self.model}` cannot shorten its embeddings.", param="dimensions"
+            )
+        loop = asyncio.get_running_loop()
+        inputs = await loop.run_in_executor(self._executor, self._embed_inputs, request)
+        pooling = PoolingParams(task="embed", dimensions=request.dimensions)
+        base = f"{request.request_id or 'furnace'}-{next(self._ids)}"
+        vectors = await asyncio.gather(
+            *(self._embed_one(llm, ids, pooling, f"{base}-{i}") for i, ids in enumerate(inputs))
+        )
+        return Embeddings(tuple(vectors), sum(len(ids) for ids in inputs))
+
+    def _embed_inputs(self, request: EmbedRequest) -> list[list[int]]:
+        """Each input's token ids (texts tokenized here), each checked to fit."""
+        inputs = []
+        for i, item in enumerate(request.inputs):
+            ids = list(self.tokenizer.encode(item)) if isinstance(item, str) else list(item)
+            if not ids:
+                raise Invalid(f"Input {i} is empty.", param="input")
+            if len(ids) > self.max_context:
+                raise TooLong(
+                    f"This model's maximum context length is {self.max_context} tokens. "
+                    f"However, input {i} has {len(ids)} tokens.",
+                    param="input",
+                )
+            inputs.append(ids)
+        return inputs
+
+    async def _embed_one(
+        self, llm: Any, ids: list[int], pooling: Any, request_id: str
+    ) -> tuple[float, ...]:
+        done = False
+        try:
+            async for output in llm.encode(tokens_input(ids), pooling, request_id):
+                if output.finished:
+                    done = True
+                    return tuple(output.outputs.data.tolist())
+            raise Failed("The engine ended the embedding without finishing it.")
+        except VLLMValidationError as error:
+            raise Invalid(str(error), param=error.parameter or "input") from None
+        except EngineDeadError:
+            raise Unavailable("The engine died.") from None
+        finally:
+            if not done:
+                await llm.abort(request_id)
+
+
+class _ToolPlan:
+    """What a request's tools and response format make of the answer: the tools
+    the template renders, the guided decoding, and each choice's tool-call
+    parser (`gateway.protocol.tool_calls`: the forced call's for "required" or a
+    named function, else the model's format's; none for "none" or no tools)."""
+
+    def __init__(self, request: GenerateRequest, engine: VllmEngine) -> None:
+        self.request = request
+        self.engine = engine
+        choice = request.tool_choice
+        self.forced = tool_calls.forced(choice)
+        if self.forced and not request.tools:
+            raise Invalid(f"tool_choice {choice!r} needs tools.", param="tool_choice")
+        if self.forced and request.response_format is not None:
+            raise Invalid(
+                f"response_format cannot be followed with tool_choice {choice!r}: "
+                "the calls are the answer.",
+                param="response_format",
+            )
+        self.called = bool(request.tools) and choice != "none"
+        self.rendered = [tool_dict(t) for t in request.tools] if self.called else None
+        self.param: str | None = "tools" if self.forced else None
+        if request.response_format is not None:
+            self.param = "response_format"
+        self.vllm_parser = (
+            self.called and not self.forced and engine.tool_parser not in tool_calls.PARSERS
+        )
+        self.chat_request: Any = None
+        # The markers of a call may be special tokens (vLLM's parsers keep them too).
+        self.skip_special_tokens = not self.called or self.forced
+        if self.vllm_parser:
+            self.chat_request = _VllmParser.chat_request(request, engine)
+        self.parser(0)  # refuses what no parser can serve, before the engine runs
+
+    def guided(self) -> Any:
+        """vLLM's guided decoding for the answer, None when it is free."""
+        request, fmt = self.request, self.request.response_format
+        if self.forced:
+            schema = tool_calls.required_schema(
+                request.tools, request.tool_choice, request.parallel_tool_calls
+            )
+            return StructuredOutputsParams(json=schema)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.type == "json_schema":
+            try:
+                return StructuredOutputsParams(json=json.loads(fmt.schema))
+            except json.JSONDecodeError as error:
+                message = f"The schema is not valid JSON: {error}"
+                raise Invalid(message, param="response_format") from None
+        raise Invalid(f"Unknown response_format type {fmt.type!r}.", param="response_format")
+
+    def parser(self, index: int) -> ToolCallParser | None:
+        """A new tool-call parser for choice `index`; None: the answer is plain text."""
+        if self.vllm_parser:
+            return _VllmParser(self.request, self.engine, self.chat_request)
+        name = self.engine.tool_parser if self.engine.tool_parser in tool_calls.PARSERS else None
+        return tool_calls.for_request(self.request, name)
+
+
+class _VllmParser(ToolCallParser):
+    """vLLM's own tool-call parser (for a `--tool-call-parser` format the gateway
+    has no parser of) behind the gateway's parser interface: vLLM's parsers read
+    the whole text so far at each step (and its token ids: `ids` gives them
+    before each `feed`) and say what the step adds, content or pieces of calls.
+    Call ids are ours; with `parallel_tool_calls` false, calls after the first
+    are dropped; text a parser still holds at the end is shown if nothing was
+    called."""
+
+    def __init__(self, request: GenerateRequest, engine: VllmEngine, chat_request: Any) -> None:
+        super().__init__(request.tools)
+        self._parser = engine.parser_class(engine.tokenizer, chat_request.tools)
+        self._request = chat_request
+        self._parallel = request.parallel_tool_calls is not False
+        self._text = ""
+        self._ids: list[int] = []
+        self._new_ids: Sequence[int] = ()
+        self._shown = 0  # characters of content shown
+
+    @staticmethod
+    def chat_request(request: GenerateRequest, engine: VllmEngine) -> Any:
+        """The request as vLLM's parsers read it (OpenAI's chat request)."""
+        import pydantic
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        try:
+            return ChatCompletionRequest(
+                model=engine.model,
+                messages=[message_dict(m) for m in request.messages or ()],
+                tools=[tool_dict(t) for t in request.tools],
+                tool_choice="auto",
+            )
+        except pydantic.ValidationError as error:
+            raise Invalid(f"vLLM refused the tools: {error}", param="tools") from None
+
+    def ids(self, token_ids: Sequence[int]) -> None:
+        """The token ids of the text the next `feed` gets."""
+        self._new_ids = token_ids
+
+    def feed(self, text: str) -> Parsed:
+        previous, previous_ids = self._text, self._ids
+        self._text, self._ids = previous + text, [*previous_ids, *self._new_ids]
+        delta = self._parser.extract_tool_calls_streaming(
+            previous, self._text, text, previous_ids, self._ids, self._new_ids, self._request
+        )
+        if delta is None:
+            return Parsed("")
+        shown = "" if self.called else (delta.content or "")
+        self._shown += len(shown)
+        pieces: list[CallPiece] = []
+        for call in delta.tool_calls or ():
+            if call.index > 0 and not self._parallel:
+                continue
+            name = (call.function.name if call.function else None) or ""
+            arguments = (call.function.arguments if call.function else None) or ""
+            if call.id or name:
+                self._calls += 1
+                pieces.append(CallPiece(call.index, new_call_id(), name, ""))
+            if arguments:
+                pieces.append(CallPiece(call.index, "", "", arguments))
+        return Parsed(shown, tuple(pieces))
+
+    def finish(self) -> Parsed:
+        return Parsed("" if self.called else self._text[self._shown :])
+
+
+class _Choice:
+    """One choice's events: plain `Text` per step (with its logprobs), or what
+    its tool-call parser makes of the text; and its Finished with its own
+    token count."""
+
+    def __init__(self, index: int, plan: _ToolPlan, logprobs: int | None) -> None:
+        self.index = index
+        self.parser = plan.parser(index)
+        self.calls = None if self.parser is None else ChoiceToolCalls(self.parser, index)
+        self.top = logprobs  # alternatives per token; None: no logprobs
+        self.tokens = 0
+
+    def step(self, completion: Any) -> list[Event]:
+        """The events of one engine step's output for this choice."""
+        ids = completion.token_ids
+        self.tokens += len(ids)
+        logprobs = None
+        if self.top is not None:
+            logprobs = self._logprobs(ids, completion.logprobs or ())
+        if self.calls is None:
+            if not ids and not completion.text:
+                return []
+            return [Text(completion.text, len(ids), self.index, logprobs)]
+        if isinstance(self.parser, _VllmParser):
+            self.parser.ids(ids)
+        return self.calls.feed(completion.text, len(ids), logprobs)
+
+    def _logprobs(self, ids: Sequence[int], positions: Sequence[Any]) -> tuple[TokenLogprob, ...]:
+        """Each token's logprob and its `top` most likely alternatives, decoded
+        (vLLM gives the top ones by rank, plus the sampled one when not among them)."""
+        out = []
+        for token_id, candidates in zip(ids, positions, strict=False):
+            chosen = candidates[token_id]
+            ranked = sorted(candidates.values(), key=lambda c: c.rank)
+            top = tuple((c.decoded_token or "", c.logprob) for c in ranked[: self.top])
+            out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob, top))
+        return tuple(out)
+
+    def finish(self, vllm_reason: str) -> list[Event]:
+        """What a parser still held, then the choice's Finished."""
+        reason = FINISH.get(vllm_reason)
+        if reason is None:
+            raise Failed(f"The engine ended the answer ({vllm_reason}).")
+        if self.calls is None:
+            return [Finished(reason, self.tokens, index=self.index)]
+        events = self.calls.finish()
+        events.append(Finished(self.calls.finish_reason(reason), self.tokens, index=self.index))
+        return events

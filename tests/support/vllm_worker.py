@@ -2,23 +2,36 @@
 virtualenv with vLLM's lean CPU settings, as the tests run it; and what it says about
 itself: its health (recorded from spawn until SERVING), `Describe`, and the requests
 its engine aborted (its log). Starts in 20-30 s (importing vLLM, then the engine),
-holds about 2.4 GiB."""
+holds about 2.4 GiB. `open_front` puts a gateway and clients in front of such workers."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+import httpx
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.config import ModelConfig
 from gateway.protocol.v1 import engine_pb2, engine_pb2_grpc
 from gateway.worker.server import SERVICE_NAME
 from tests.support.processes import free_port
+from tests.support.servers import Gateway, ServerLoop, Workers, make_config, start_gateway
 from tests.support.vllm import ENGINE_ARGS, START_GUARD, VllmProcess, vllm_python
+from tests.support.waiting import HANG_GUARD, wait_until
 
 #: The model name the worker serves.
 MODEL = "tiny-vllm-engine"
+#: The name the same model serves as an embedding model (vLLM's pooling runner).
+EMBED_MODEL = "tiny-vllm-embed"
+#: vLLM's options that make the tiny causal LM an embedding model (last-token pooling).
+EMBED_OPTIONS = ("--runner", "pooling", "--convert", "embed")
 #: vLLM's --max-num-seqs for the worker: the capacity `Describe` reports.
 MAX_NUM_SEQS = 16
 #: What the worker logs for each request its engine aborted (gateway/worker/vllm_engine.py).
@@ -70,8 +83,9 @@ class VllmWorker(VllmProcess):
         raise RuntimeError(f"the vLLM worker did not start in {START_GUARD:g} s")
 
 
-def start_vllm_worker(model: Path, log_dir: Path, *options: str) -> VllmWorker:
-    """`furnace-gateway worker --engine vllm` on a free loopback port, ready."""
+def start_vllm_worker(model: Path, log_dir: Path, *options: str, name: str = MODEL) -> VllmWorker:
+    """`furnace-gateway worker --engine vllm` on a free loopback port, ready, serving
+    the model folder as `name`."""
     port = free_port()
     args = [
         str(vllm_python()),
@@ -83,7 +97,7 @@ def start_vllm_worker(model: Path, log_dir: Path, *options: str) -> VllmWorker:
         "--model-path",
         str(model),
         "--model",
-        MODEL,
+        name,
         "--host",
         "127.0.0.1",
         "--port",
@@ -99,4 +113,55 @@ def start_vllm_worker(model: Path, log_dir: Path, *options: str) -> VllmWorker:
     return worker
 
 
-__all__ = ["ABORTED", "MAX_NUM_SEQS", "MODEL", "VllmWorker", "start_vllm_worker"]
+@dataclass
+class Front:
+    """A worker, a gateway in front of it (and of any more models), and clients."""
+
+    worker: VllmWorker
+    gateway: Gateway
+    sdk: openai.OpenAI
+    http: httpx.Client
+    tokenizer: Any
+
+
+@contextlib.contextmanager
+def open_front(
+    server_loop: ServerLoop,
+    workers: Workers,
+    worker: VllmWorker,
+    model: Path,
+    more: dict[str, VllmWorker] | None = None,
+) -> Iterator[Front]:
+    """The gateway serving `worker` as MODEL (and `more` by name), listing them all."""
+    from transformers import AutoTokenizer
+
+    served = {MODEL: worker, **(more or {})}
+    models = tuple(ModelConfig(n, workers=(f"127.0.0.1:{w.port}",)) for n, w in served.items())
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    sdk = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+    http = httpx.Client(base_url=gw.url, timeout=HANG_GUARD)
+    wait_until(
+        lambda: set(served) <= {m.id for m in sdk.models.list().data},
+        "the gateway to list the workers",
+    )
+    try:
+        yield Front(worker, gw, sdk, http, AutoTokenizer.from_pretrained(model))
+    finally:
+        http.close()
+        sdk.close()
+        gw.stop()
+
+
+__all__ = [
+    "ABORTED",
+    "EMBED_MODEL",
+    "EMBED_OPTIONS",
+    "MAX_NUM_SEQS",
+    "MODEL",
+    "Front",
+    "VllmWorker",
+    "open_front",
+    "start_vllm_worker",
+]

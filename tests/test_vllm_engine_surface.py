@@ -1,0 +1,440 @@
+"""The OpenAI surface on our worker with `--engine vllm`, end to end through the gateway
+with the official openai SDK: forced tool calls (guided decoding of vLLM's own schemas)
+whose arguments validate against their schemas, `response_format`, logprobs, n choices
+(vLLM's parallel sampling), the extra sampling fields (min_tokens, ignore_eos,
+logit_bias, stop_token_ids ... shown with a logit bias that makes the end of sequence
+or one token certain), refusals naming their parameter, and a second worker on the
+same tiny model as an embedding model (vLLM's pooling runner).
+
+The tiny model has random weights: its text is junk, so the tests check shapes,
+counts, finish reasons and what guided decoding guarantees, never what it "says".
+Schemas stay bounded (enums, booleans): a free string or integer can run on to
+`max_tokens` on a random model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from gateway.protocol import features
+from tests.support.requests import user
+from tests.support.servers import ServerLoop, Workers, assert_nothing_left
+from tests.support.vllm import START_GUARD
+from tests.support.vllm_worker import (
+    EMBED_MODEL,
+    EMBED_OPTIONS,
+    MODEL,
+    Front,
+    VllmWorker,
+    open_front,
+    start_vllm_worker,
+)
+from tests.support.waiting import wait_until
+
+#: The first test waits for both workers to start (vLLM's import, then each engine).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2 * START_GUARD + 60)]
+
+MESSAGES = user("what is the weather in paris")
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["paris", "tokyo", "lima"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "precise": {"type": "boolean"},
+    },
+    "required": ["city", "unit", "precise"],
+    "additionalProperties": False,
+}
+ALARM = {
+    "type": "object",
+    "properties": {"hour": {"type": "integer", "enum": [6, 7, 8]}},
+    "required": ["hour"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": name, "parameters": schema}}
+    for name, schema in SCHEMAS.items()
+]
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+#: vLLM's hidden size of the tiny model: the length of its embeddings.
+HIDDEN = 256
+
+
+@pytest.fixture(scope="module")
+def embed_worker(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmWorker]:
+    """The tiny model as an embedding model, in a worker of its own."""
+    began = time.monotonic()
+    worker = start_vllm_worker(
+        vllm_model, tmp_path_factory.mktemp("vllm-embed-logs"), *EMBED_OPTIONS, name=EMBED_MODEL
+    )
+    print(f"the embedding worker started in {time.monotonic() - began:.1f} s")
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop,
+    workers: Workers,
+    vllm_worker: VllmWorker,
+    embed_worker: VllmWorker,
+    vllm_model: Path,
+) -> Iterator[Front]:
+    more = {EMBED_MODEL: embed_worker}
+    with open_front(server_loop, workers, vllm_worker, vllm_model, more) as opened:
+        yield opened
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(front: Front, embed_worker: VllmWorker) -> Iterator[None]:
+    yield
+    assert_nothing_left(front.gateway, None)
+    for worker in (front.worker, embed_worker):
+        wait_until(lambda w=worker: w.load() == 0, "the engines to hold no request")
+
+
+def _chat(front: Front, **body: Any) -> Any:
+    return front.sdk.chat.completions.create(model=MODEL, messages=MESSAGES, **body)
+
+
+def _stream(front: Front, **body: Any) -> list[Any]:
+    return list(_chat(front, stream=True, stream_options={"include_usage": True}, **body))
+
+
+def _refusal(front: Front, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = front.http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+def _streamed_calls(chunks: list[Any], index: int = 0) -> list[dict[str, str]]:
+    """The calls of choice `index` from a stream's deltas, checking OpenAI's order:
+    each call opens with its index, id and name, then only arguments follow."""
+    calls: list[dict[str, str]] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.index != index:
+                continue
+            for delta in choice.delta.tool_calls or ():
+                if delta.index == len(calls):  # a new call: id and name first
+                    assert delta.id.startswith("call_") and delta.function.name
+                    calls.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                else:
+                    assert delta.index == len(calls) - 1 and not delta.id
+                    assert not delta.function.name
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+    return calls
+
+
+def _validate(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+# -- what the workers serve -----------------------------------------------------------
+
+
+def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: VllmWorker):
+    (generating,) = front.worker.describe().models
+    assert set(generating.features) == {
+        features.GENERATE,
+        features.N,
+        features.LOGPROBS,
+        features.TOOLS,
+        features.RESPONSE_FORMAT,
+        features.MIN_TOKENS,
+        features.IGNORE_EOS,
+        features.REPETITION_PENALTY,
+        features.MIN_P,
+        features.LOGIT_BIAS,
+        features.STOP_TOKEN_IDS,
+        features.USER,
+    }  # no image_url: the tiny model is not multimodal
+    (embedding,) = embed_worker.describe().models
+    # no dimensions: the model is not a Matryoshka one; no generate: it pools
+    assert set(embedding.features) == {features.EMBEDDINGS, features.USER}
+    assert embedding.max_context == generating.max_context
+
+
+# -- tool calls -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["get_weather", "set_alarm"])
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(front: Front, name: str):
+    choice = {"type": "function", "function": {"name": name}}
+    reply = _chat(front, tools=TOOLS, tool_choice=choice, max_tokens=64, temperature=1)
+    (answer,) = reply.choices
+    assert answer.finish_reason == "tool_calls"
+    assert answer.message.content is None
+    (call,) = answer.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == name
+    _validate(name, call.function.arguments)
+
+    chunks = _stream(front, tools=TOOLS, tool_choice=choice, max_tokens=64, temperature=1)
+    (streamed,) = _streamed_calls(chunks)
+    assert streamed["name"] == name
+    _validate(name, streamed["arguments"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_required_tool_choice_without_parallel_calls_makes_one_valid_call(front: Front):
+    body = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    reply = _chat(front, max_tokens=96, temperature=1, **body)
+    (answer,) = reply.choices
+    assert answer.finish_reason == "tool_calls"
+    (call,) = answer.message.tool_calls
+    _validate(call.function.name, call.function.arguments)
+
+    chunks = _stream(front, max_tokens=96, temperature=1, **body)
+    (streamed,) = _streamed_calls(chunks)
+    _validate(streamed["name"], streamed["arguments"])
+
+
+def test_required_tool_choice_calls_in_every_choice(front: Front):
+    reply = _chat(front, tools=TOOLS, tool_choice="required", n=2, max_tokens=160, seed=7)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for answer in reply.choices:
+        # a random model may go on adding calls until max_tokens cuts the array
+        assert answer.finish_reason in ("tool_calls", "length")
+        assert answer.message.tool_calls
+        for call in answer.message.tool_calls:
+            _validate(call.function.name, call.function.arguments)
+
+
+def test_auto_tool_choice_on_a_model_that_writes_no_call_answers_text(front: Front):
+    reply = _chat(front, tools=TOOLS, tool_choice="auto", max_tokens=12, temperature=0)
+    (answer,) = reply.choices
+    assert answer.message.tool_calls is None
+    assert answer.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens > 0
+    # "none" renders no tools: the answer is the one without tools
+    none = _chat(front, tools=TOOLS, tool_choice="none", max_tokens=12, temperature=0)
+    plain = _chat(front, max_tokens=12, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_a_forced_call_with_a_response_format_is_refused(front: Front):
+    error = _refusal(
+        front,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert error["param"] == "response_format"
+
+
+# -- response_format --------------------------------------------------------------------
+
+
+def test_a_json_schema_response_format_is_followed(front: Front):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply = _chat(front, response_format=fmt, max_tokens=64, temperature=1)
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), ANSWER)
+
+    chunks = _stream(front, response_format=fmt, max_tokens=64, temperature=1)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), ANSWER)
+
+
+def test_a_json_object_response_format_answers_an_object(front: Front):
+    reply = _chat(front, response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+    content = reply.choices[0].message.content
+    assert content.startswith("{")
+    if reply.choices[0].finish_reason == "stop":  # else max_tokens cut the object
+        assert isinstance(json.loads(content), dict)
+
+
+# -- logprobs ---------------------------------------------------------------------------
+
+
+def test_chat_logprobs_give_each_token_its_top_alternatives(front: Front):
+    reply = _chat(front, logprobs=True, top_logprobs=3, max_tokens=6, temperature=0)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy takes the top one
+
+    chunks = _stream(front, logprobs=True, top_logprobs=3, max_tokens=6, temperature=0)
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+
+    without = _chat(front, logprobs=True, max_tokens=3, temperature=0)  # top_logprobs 0
+    assert [e.top_logprobs for e in without.choices[0].logprobs.content] == [[], [], []]
+
+
+def test_completion_logprobs_in_the_legacy_shape(front: Front):
+    reply = front.sdk.completions.create(
+        model=MODEL, prompt="one two three", logprobs=2, max_tokens=5, temperature=0
+    )
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(value <= 0 for value in logprobs.token_logprobs)
+    # one entry per alternative, fewer where two decode alike (a dict by token text)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+
+
+# -- n choices ----------------------------------------------------------------------------
+
+
+def test_n_choices_come_indexed_and_their_tokens_summed(front: Front):
+    reply = _chat(front, n=2, max_tokens=8, temperature=1, seed=3)
+    assert [(c.index, c.finish_reason) for c in reply.choices] == [(0, "length"), (1, "length")]
+    assert reply.usage.completion_tokens == 16
+
+    chunks = _stream(front, n=2, max_tokens=8, temperature=1, seed=3)
+    ended = {
+        c.choices[0].index: c.choices[0].finish_reason
+        for c in chunks
+        if c.choices and c.choices[0].finish_reason
+    }
+    assert ended == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 16
+    texts = [
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in chunks
+            if c.choices and c.choices[0].index == i
+        )
+        for i in (0, 1)
+    ]
+    # the same seed samples the same choices again
+    assert texts == [c.message.content for c in reply.choices]
+
+
+# -- sampling fields ------------------------------------------------------------------------
+
+
+def test_min_tokens_hold_off_an_end_of_sequence_made_certain(front: Front):
+    eos = front.tokenizer.eos_token_id
+    bias = {str(eos): 100}
+    at_once = _chat(front, logit_bias=bias, max_tokens=32, temperature=0)
+    assert (at_once.choices[0].finish_reason, at_once.usage.completion_tokens) == ("stop", 1)
+    held = _chat(
+        front, logit_bias=bias, max_tokens=32, temperature=0, extra_body={"min_tokens": 10}
+    )
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 11)
+    ignored = _chat(
+        front, logit_bias=bias, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", 6)
+
+
+def test_stop_token_ids_end_the_answer_at_that_token(front: Front):
+    token = front.tokenizer.encode("fox", add_special_tokens=False)[0]
+    bias = {str(token): 100}  # every token is that one
+    running = _chat(front, logit_bias=bias, max_tokens=4, temperature=0)
+    assert (running.choices[0].finish_reason, running.usage.completion_tokens) == ("length", 4)
+    stopped = _chat(
+        front, logit_bias=bias, max_tokens=4, temperature=0, extra_body={"stop_token_ids": [token]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 1
+
+
+def test_the_other_sampling_fields_and_user_are_taken(front: Front):
+    reply = _chat(
+        front,
+        max_tokens=4,
+        seed=5,
+        user="team-search-42",
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.05},
+    )
+    assert reply.usage.completion_tokens == 4
+
+
+def test_what_vllm_refuses_is_a_400_naming_the_parameter(front: Front):
+    body = {"model": MODEL, "messages": MESSAGES, "logit_bias": {"99999": 5}}
+    assert _refusal(front, "/v1/chat/completions", body)["param"] == "logit_bias"
+    body = {"model": MODEL, "messages": MESSAGES, "stop_token_ids": [99999]}
+    assert _refusal(front, "/v1/chat/completions", body)["param"] == "stop_token_ids"
+
+
+def test_an_image_is_refused_by_a_model_without_images(front: Front):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": "what?"}]}],
+    }
+    assert _refusal(front, "/v1/chat/completions", body)["param"].startswith("messages")
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+
+def _norm(vector: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in vector))
+
+
+def _close(a: Any, b: Any, tolerance: float) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < tolerance
+
+
+def test_the_pooling_worker_embeds_texts_and_token_ids(front: Front):
+    texts = ["hello from the fleet", "the quick brown fox"]
+    reply = front.sdk.embeddings.create(model=EMBED_MODEL, input=texts, encoding_format="float")
+    assert [d.index for d in reply.data] == [0, 1]
+    vectors = [d.embedding for d in reply.data]
+    assert [len(v) for v in vectors] == [HIDDEN, HIDDEN]
+    assert all(abs(_norm(v) - 1) < 1e-3 for v in vectors)  # vLLM normalizes them
+    assert vectors[0] != vectors[1]
+    ids = [front.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
+
+    by_ids = front.sdk.embeddings.create(model=EMBED_MODEL, input=ids, encoding_format="float")
+    for ours, theirs in zip(by_ids.data, reply.data, strict=True):
+        assert _close(ours.embedding, theirs.embedding, 1e-3)
+
+    raw = front.http.post(
+        "/v1/embeddings",
+        json={"model": EMBED_MODEL, "input": texts[0], "encoding_format": "base64"},
+    ).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert len(packed) == 4 * HIDDEN
+    decoded = struct.unpack(f"<{HIDDEN}f", packed)
+    assert _close(decoded, vectors[0], 1e-6)
+
+
+def test_each_model_refuses_the_others_route(front: Front):
+    body = {"model": EMBED_MODEL, "input": "hello", "dimensions": 8}
+    assert _refusal(front, "/v1/embeddings", body)["param"] == "dimensions"
+    _refusal(front, "/v1/embeddings", {"model": MODEL, "input": "hello"})
+    _refusal(front, "/v1/chat/completions", {"model": EMBED_MODEL, "messages": MESSAGES})
+    with pytest.raises(openai.BadRequestError):
+        front.sdk.completions.create(model=EMBED_MODEL, prompt="hello", max_tokens=2)
