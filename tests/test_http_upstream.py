@@ -29,6 +29,7 @@ from gateway.protocol.types import (
 )
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from tests.support.waiting import HANG_GUARD
 
 BASE = "http://upstream.test/v1"
 
@@ -150,6 +151,17 @@ def test_an_error_event_mid_stream():
     assert len(events) == 2
 
 
+@respx.mock
+def test_an_error_as_their_first_event_is_a_refusal_naming_its_param():
+    # vLLM checks some parameters only once it streams (e.g. logit_bias ids)
+    error = {"error": {"message": "out of vocab", "param": "logit_bias", "code": 400}}
+    respx.post(f"{BASE}/chat/completions").respond(200, content=sse(error, "[DONE]"))
+    events, failure, outcomes = anyio.run(run, CHAT)
+    assert events == []  # before Started: the edge answers it as a 400
+    assert type(failure) is errors.Invalid and failure.param == "logit_bias"
+    assert outcomes == [failure]
+
+
 @pytest.mark.parametrize(
     ("status", "body", "expected", "param"),
     [
@@ -190,7 +202,11 @@ def test_connect_failure_is_unavailable():
 
 @respx.mock
 def test_cancel_reports_our_cancellation():
-    respx.post(f"{BASE}/chat/completions").respond(200, content=sse(chunk("a"), "[DONE]"))
+    async def endless():
+        yield sse(chunk("a"))
+        await anyio.sleep(HANG_GUARD)
+
+    respx.post(f"{BASE}/chat/completions").respond(200, stream=endless())
 
     async def cancel_after_start() -> list:
         outcomes = []

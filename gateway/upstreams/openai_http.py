@@ -124,28 +124,39 @@ def error_from_response(status: int, body: bytes) -> errors.EngineError:
         fields = _error_fields(orjson.loads(body))
     except orjson.JSONDecodeError:
         fields = {}
-    message = str(fields.get("message") or f"upstream answered HTTP {status}")
+    return _error(status, fields, f"upstream answered HTTP {status}")
+
+
+def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
+    """Our error for an error event in their stream. vLLM refuses some parameters
+    only once streaming (e.g. an out-of-vocabulary `logit_bias` id): its event
+    then has the HTTP status as its `code` and names the `param`, and reads as
+    that response would."""
+    fields = _error_fields(payload)
+    code = fields.get("code")
+    status = code if type(code) is int and code in HTTP_ERRORS else None
+    return _error(status, fields, "upstream stream failed")
+
+
+def _error(status: int | None, fields: dict[str, Any], default: str) -> errors.EngineError:
+    """The one table: their error body's code, else its status (`HTTP_ERRORS`),
+    with vLLM's wording of a prompt beyond the context; no status: a failure."""
+    message = str(fields.get("message") or default)
     error_type = ERROR_CODES.get(str(fields.get("code")))
     param = fields.get("param")
     if error_type is None and status == 400 and _too_long(message, param):
         return errors.TooLong(message)
     if error_type is None:
-        error_type = HTTP_ERRORS.get(status, errors.Failed if status >= 500 else errors.Invalid)
+        if status is None:
+            error_type = errors.Failed
+        else:
+            error_type = HTTP_ERRORS.get(status, errors.Failed if status >= 500 else errors.Invalid)
     return error_type(message, param=param if isinstance(param, str) else None)
 
 
 def _too_long(message: str, param: Any) -> bool:
     """Whether a 400 without our code is a prompt beyond the context, as vLLM words it."""
     return param in TOO_LONG_PARAMS or any(m in message for m in TOO_LONG_MESSAGES)
-
-
-def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
-    """Our error for an error event in the middle of their stream."""
-    fields = _error_fields(payload)
-    message = str(fields.get("message") or "upstream stream failed")
-    code = fields.get("code")
-    error_type = ERROR_CODES.get(str(code)) if code is not None else None
-    return (error_type or errors.Failed)(message)
 
 
 def request_body(request: GenerateRequest) -> dict[str, Any]:
@@ -314,8 +325,6 @@ class _Stream:
         if rest:
             self._parts.append(rest)
         self._size = len(rest)
-        if self._size > MAX_EVENT_BYTES:
-            raise errors.Failed(_TOO_LARGE)
         for line in lines:
             if line[:5] != b"data:":
                 continue  # comments (keep-alives), event names, blank separators
@@ -331,6 +340,8 @@ class _Stream:
             if type(payload) is not dict:
                 raise errors.Failed("The upstream sent an event that is not an object.")
             self._chunk(payload)
+        if self._size > MAX_EVENT_BYTES:
+            raise errors.Failed(_TOO_LARGE)
 
     def _chunk(self, payload: dict[str, Any]) -> None:
         if "error" in payload or payload.get("object") == "error":
@@ -472,6 +483,9 @@ class OpenAIHttpCall(StreamBookkeeping):
             body = await read_capped(response, MAX_ERROR_BYTES)
             raise error_from_response(response.status_code, body)
         self._chunks = response.aiter_bytes()
+        # Started waits for their first event: a refusal they stream (vLLM's 400s
+        # found after its headers) is then still a refusal, answered as its status.
+        await self._read()
         return Started(0)
 
     async def _read(self) -> None:

@@ -1,9 +1,14 @@
 """A tiny OpenAI-compatible HTTP server over TLS that asks for a bearer key: an
-upstream of the kind `upstream: openai` reaches with `api_key_env` and `ca_file`."""
+upstream of the kind `upstream: openai` reaches with `api_key_env` and `ca_file`.
+It also embeds (`/v1/embeddings`), as vLLM's CPU build cannot quickly serve the
+test model as an embedding model."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import math
+from typing import Any
 
 import orjson
 import uvicorn
@@ -16,14 +21,28 @@ from tests.support.certs import Issued
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD
 
+#: The width of the server's embeddings.
+DIMENSIONS = 16
+
+
+def embedding(item: str | list[int], dimensions: int = DIMENSIONS) -> list[float]:
+    """The server's vector for a text or token ids: from their sha256, L2-normalized."""
+    text = item if isinstance(item, str) else " ".join(map(str, item))
+    digest = hashlib.sha256(text.encode()).digest()
+    values = [b - 127.5 for b in digest[:dimensions]]
+    norm = math.sqrt(sum(v * v for v in values))
+    return [v / norm for v in values]
+
 
 class OpenAIServer:
     """Serves `model` on https://127.0.0.1:port/v1 to clients with `key`; it
-    answers every chat with `reply`, and counts the calls it refused."""
+    answers every chat with `reply`, embeds every input (`embedding`), keeps the
+    last body it was sent, and counts the calls it refused."""
 
     def __init__(self, model: str, key: str, cert: Issued, reply: str = "hello") -> None:
         self.model, self.key, self.reply = model, key, reply
         self.refused = 0
+        self.last_body: dict[str, Any] = {}
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}/v1"
         app = Starlette(
@@ -31,6 +50,7 @@ class OpenAIServer:
                 Route("/health", self._health),
                 Route("/v1/models", self._models),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/embeddings", self._embeddings, methods=["POST"]),
             ]
         )
         config = uvicorn.Config(
@@ -70,6 +90,27 @@ class OpenAIServer:
         ]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
         return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    async def _embeddings(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        body = self.last_body = orjson.loads(await request.body())
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        if inputs and isinstance(inputs[0], int):
+            inputs = [inputs]  # one input of token ids
+        dimensions = body.get("dimensions") or DIMENSIONS
+        if not 1 <= dimensions <= DIMENSIONS:
+            error = {"message": "dimensions out of range", "param": "dimensions", "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding(item, dimensions)}
+            for i, item in enumerate(inputs)
+        ]
+        tokens = sum(len(i) if isinstance(i, list) else len(i.split()) for i in inputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        # answered in reverse: the gateway must place vectors by their index
+        return JSONResponse({"object": "list", "data": data[::-1], "usage": usage})
 
     async def start(self) -> None:
         """Listens, on the running loop."""
