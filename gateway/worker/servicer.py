@@ -32,7 +32,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -289,8 +289,9 @@ class _Choice:
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext[object, object], error: errors.EngineError
+    context: grpc.aio.ServicerContext[Any, Any], error: errors.EngineError
 ) -> NoReturn:
+    """Ends the call with the error's status (and its parameter, for INVALID_ARGUMENT)."""
     code, trailing = status_from_error(error)
     context.set_trailing_metadata(trailing)
     await context.abort(code, error.message)
@@ -348,7 +349,7 @@ class EngineService(pb_grpc.EngineServicer):
         ours = request_from_proto(request)
         refusal = self._refusal(ours)
         if refusal is not None:
-            await _abort(context, refusal)  # type: ignore[arg-type]
+            await _abort(context, refusal)
         if self.active >= engine.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
         self.active += 1
@@ -359,7 +360,7 @@ class EngineService(pb_grpc.EngineServicer):
             async for message in self._messages(events, choices, fan_out):
                 yield message
         except errors.EngineError as error:
-            await _abort(context, error)  # type: ignore[arg-type]
+            await _abort(context, error)
         except asyncio.CancelledError:
             log.debug("request %s cancelled", request.request_id)
             raise
@@ -468,7 +469,7 @@ class EngineService(pb_grpc.EngineServicer):
         ours = embed_request_from_proto(request)
         refusal = self._embed_refusal(ours)
         if refusal is not None:
-            await _abort(context, refusal)  # type: ignore[arg-type]
+            await _abort(context, refusal)
         if self.active >= engine.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
         self.active += 1
@@ -491,5 +492,5 @@ class EngineService(pb_grpc.EngineServicer):
         finally:
             self.active -= 1
         if isinstance(result, errors.EngineError):
-            await _abort(context, result)  # type: ignore[arg-type]
+            await _abort(context, result)
         return embeddings_to_proto(result)
