@@ -156,8 +156,7 @@ def serve(
     yield start
     for worker in served:
         wait_until(lambda w=worker: w.service.active == 0, "the worker to be idle")
-        running = getattr(worker.engine, "running", 0)
-        wait_until(lambda w=worker: getattr(w.engine, "running", 0) == 0, f"{running} to stop")
+        wait_until(lambda w=worker: getattr(w.engine, "running", 0) == 0, "every generation to end")
 
 
 def run(
