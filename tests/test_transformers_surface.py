@@ -191,8 +191,8 @@ def test_models_say_what_they_serve(tiny: Tiny):
     assert "tools" in served[TOOLS_MODEL]
     assert "tools" not in served[RANDOM]  # its template does not read them
     for features in served.values():
-        assert {"logprobs", "response_format", "min_tokens", "logit_bias"} <= features
-        assert "image_url" not in features
+        assert {"logprobs", "response_format", "min_tokens", "logit_bias", "embeddings"} <= features
+        assert not {"image_url", "dimensions"} & features
     assert tiny.sdk.models.retrieve(TOOLS_MODEL).id == TOOLS_MODEL
 
 
@@ -570,3 +570,39 @@ def test_images_are_refused_naming_the_part(tiny: Tiny):
     with pytest.raises(openai.BadRequestError) as refused:
         tiny.sdk.chat.completions.create(model=RANDOM, messages=messages)
     assert refused.value.body["param"].startswith("messages[0].content")
+
+
+def _pooled(tiny: Tiny, ids: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        hidden = tiny.engines[1].hf_model.base_model(torch.tensor([ids])).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).tolist()
+
+
+def test_embeddings_are_mean_pooled_unit_vectors(tiny: Tiny):
+    texts = ["hello from the fleet", "the quick brown fox"]
+    ids = [tiny.tokenizer(text).input_ids for text in texts]
+    reply = tiny.sdk.embeddings.create(model=RANDOM, input=texts, encoding_format="float")
+    vectors = [item.embedding for item in reply.data]
+    assert [item.index for item in reply.data] == [0, 1]
+    assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
+    for vector, tokens in zip(vectors, ids, strict=True):
+        assert len(vector) == tiny.engines[1].hf_model.config.hidden_size
+        assert sum(v * v for v in vector) == pytest.approx(1.0, abs=1e-5)
+        assert vector == pytest.approx(_pooled(tiny, tokens), abs=1e-5)
+    by_ids = tiny.sdk.embeddings.create(model=RANDOM, input=ids, encoding_format="float")
+    assert [item.embedding for item in by_ids.data] == vectors
+    # The SDK's default asks for base64 and decodes it: the same float32 values.
+    packed = tiny.sdk.embeddings.create(model=RANDOM, input=texts[0]).data[0].embedding
+    assert packed == pytest.approx(vectors[0], abs=1e-6)
+
+
+def test_embeddings_refuse_what_they_cannot_serve_by_name(tiny: Tiny):
+    for body, param in (
+        ({"input": "hello", "dimensions": 8}, "dimensions"),
+        ({"input": [[1, 999999]]}, "input"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            tiny.sdk.embeddings.create(model=RANDOM, **body)
+        assert refused.value.body["param"] == param

@@ -16,6 +16,8 @@ probabilities are the model's own (log-softmax of its raw logits, vLLM's
 default `raw_logprobs`). Text is decoded incrementally and released only once
 stable, so a character split over several tokens is never sent in halves.
 
+Embeddings are the last hidden state, mean-pooled and L2-normalized.
+
 Structured output (`response_format`, and `tool_choice` "required" or a named
 function) is enforced by llguidance: a grammar compiled from the JSON schema
 masks every step's logits. llguidance is a 3 MB Rust wheel with no
@@ -33,7 +35,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,7 +63,7 @@ from transformers import (
 
 from gateway.protocol import features
 from gateway.protocol.chat import message_dict, tool_dict
-from gateway.protocol.errors import Failed, Invalid
+from gateway.protocol.errors import Failed, Invalid, TooLong
 from gateway.protocol.tool_calls import (
     PARSERS,
     ChoiceToolCalls,
@@ -71,6 +73,8 @@ from gateway.protocol.tool_calls import (
     required_schema,
 )
 from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
     Event,
     Finished,
     FinishReason,
@@ -100,6 +104,7 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 _SERVED = frozenset(
     {
         features.GENERATE,
+        features.EMBEDDINGS,
         features.LOGPROBS,
         features.MIN_TOKENS,
         features.IGNORE_EOS,
@@ -209,14 +214,16 @@ def check_sampling(sampling: SamplingParams, vocab: int) -> None:
         raise Invalid("min_p must be between 0 and 1.", param="min_p")
     if sampling.min_tokens is not None and sampling.min_tokens < 0:
         raise Invalid("min_tokens must be at least 0.", param="min_tokens")
-    for name, ids in (
-        ("logit_bias", [token for token, _ in sampling.logit_bias]),
-        ("stop_token_ids", list(sampling.stop_token_ids)),
-    ):
-        wrong = [token for token in ids if not 0 <= token < vocab]
-        if wrong:
-            message = f"Token id {wrong[0]} is out of the vocabulary (0 to {vocab - 1})."
-            raise Invalid(message, param=name)
+    check_vocabulary([token for token, _ in sampling.logit_bias], vocab, "logit_bias")
+    check_vocabulary(sampling.stop_token_ids, vocab, "stop_token_ids")
+
+
+def check_vocabulary(ids: Iterable[int], vocab: int, param: str) -> None:
+    """Refuses token ids outside the model's vocabulary, naming the parameter."""
+    wrong = next((token for token in ids if not 0 <= token < vocab), None)
+    if wrong is not None:
+        message = f"Token id {wrong} is out of the vocabulary (0 to {vocab - 1})."
+        raise Invalid(message, param=param)
 
 
 def logits_processors(
@@ -615,6 +622,40 @@ class TransformersEngine(Engine):
         if self.guides is None:  # a slow tokenizer: llguidance reads fast ones only
             raise Invalid(f"This model cannot enforce {param}.", param=param)
         return self.guides
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Each input's last hidden state, mean-pooled over its tokens and L2-normalized
+        (one forward pass per input, in the pool's thread). `dimensions` is not listed:
+        cutting such a vector short means nothing unless the model was trained for it."""
+        if request.user:
+            log.info("embeddings %s are for user %r", request.request_id, request.user)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._embed, request)
+
+    def _embed(self, request: EmbedRequest) -> Embeddings:
+        inputs = [self._input_ids(value) for value in request.inputs]
+        vectors = []
+        with torch.inference_mode():
+            for ids in inputs:
+                tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
+                hidden = self.hf_model.base_model(input_ids=tensor).last_hidden_state[0]
+                pooled = torch.nn.functional.normalize(hidden.float().mean(dim=0), dim=0)
+                vectors.append(tuple(pooled.tolist()))
+        return Embeddings(tuple(vectors), sum(len(ids) for ids in inputs))
+
+    def _input_ids(self, value: str | tuple[int, ...]) -> list[int]:
+        """One input's tokens (a text is tokenized as a completion prompt is), checked."""
+        ids = list(self.tokenizer(value).input_ids) if isinstance(value, str) else list(value)
+        if not ids:
+            raise Invalid("An input is empty.", param="input")
+        check_vocabulary(ids, self.vocab, "input")
+        if len(ids) > self.max_context:
+            raise TooLong(
+                f"This model's maximum context length is {self.max_context} tokens; "
+                f"an input has {len(ids)}.",
+                param="input",
+            )
+        return ids
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Tokenize, check the context, then decode step by step until EOS or the budget."""
