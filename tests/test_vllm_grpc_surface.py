@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import openai
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.config import ModelConfig
 from gateway.protocol import features
@@ -36,6 +38,7 @@ from gateway.protocol.types import (
     Started,
     Text,
 )
+from gateway.tokenization import load_tokenizer
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 from tests.support.requests import user
 from tests.support.servers import (
@@ -46,7 +49,8 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.vllm import VllmProcess
+from tests.support.vllm import VllmProcess, start_grpc_server
+from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
 
 pytestmark = pytest.mark.vllm
@@ -504,3 +508,56 @@ def test_refusals_name_their_parameter(front: Front):
     with pytest.raises(openai.BadRequestError) as refused:
         _chat(front, messages=user("x"), seed=2**40, max_tokens=2)
     assert refused.value.body["param"] == "seed"
+
+
+@pytest.fixture(scope="module")
+def embed_front(
+    server_loop: ServerLoop,
+    workers: Workers,
+    vllm_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Gateway, openai.OpenAI, VllmProcess]]:
+    """The tiny model as an embedding model (vLLM's pooling runner) behind its own
+    gateway: a second engine, started only for these tests."""
+    engine = start_grpc_server(vllm_model, tmp_path_factory.mktemp("embed-logs"), EMBED_OPTIONS)
+    model = ModelConfig(
+        EMBED_MODEL,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=(f"127.0.0.1:{engine.port}",),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    sdk = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+    yield gw, sdk, engine
+    sdk.close()
+    gw.stop()
+    engine.stop()
+
+
+@pytest.mark.timeout(300)  # a second engine starts (~40 s) and stops with this test
+def test_an_embedding_engine_embeds_texts_and_token_ids(embed_front, vllm_model: Path):
+    gw, sdk, engine = embed_front
+    texts = ["the quick brown fox", "hello from the fleet"]
+    reply = sdk.embeddings.create(model=EMBED_MODEL, input=texts)
+    vectors = [item.embedding for item in reply.data]
+    assert [item.index for item in reply.data] == [0, 1]
+    assert len(vectors[0]) == len(vectors[1]) > 0 and vectors[0] != vectors[1]
+    tokenizer = load_tokenizer(str(vllm_model))
+    ids = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+    assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
+    # the same ids straight to the engine's Embed: the same vector
+    with grpc.insecure_channel(f"127.0.0.1:{engine.port}") as channel:
+        direct = pb_grpc.VllmEngineStub(channel).Embed(
+            pb.EmbedRequest(request_id="direct", tokenized=pb.TokenizedInput(input_ids=ids[0])),
+            timeout=HANG_GUARD,
+        )
+    assert vectors[0] == pytest.approx(list(direct.embedding), rel=1e-5)
+    by_ids = sdk.embeddings.create(model=EMBED_MODEL, input=ids[0])
+    assert by_ids.data[0].embedding == pytest.approx(vectors[0], rel=1e-5)
+    assert sdk.embeddings.create(model=EMBED_MODEL, input=texts[0], user="team-a").data
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.embeddings.create(model=EMBED_MODEL, input="x", dimensions=8)
+    assert refused.value.body["param"] == "dimensions"
+    assert_nothing_left(gw, None)

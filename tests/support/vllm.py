@@ -143,9 +143,10 @@ def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> Vl
 GRPC_ARGS = HTTP_ARGS[HTTP_ARGS.index("--structured-outputs-config") :]
 
 
-def start_grpc_server(model: Path, log_dir: Path) -> VllmProcess:
+def start_grpc_server(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> VllmProcess:
     """vLLM's own gRPC server (service vllm.grpc.engine.VllmEngine) on a free loopback
-    port, ready (its grpc.health.v1 says SERVING), with structured outputs on."""
+    port, ready (its grpc.health.v1 says SERVING), with structured outputs on and
+    `extra` engine options."""
     port = free_port()
     args = [
         str(vllm_python()),
@@ -159,6 +160,7 @@ def start_grpc_server(model: Path, log_dir: Path) -> VllmProcess:
         str(port),
         *ENGINE_ARGS,
         *GRPC_ARGS,
+        *extra,
     ]
     server = VllmProcess(args, port, log_dir / "vllm-grpc.log").start()
     wait_grpc_serving(server)
