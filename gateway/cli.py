@@ -62,8 +62,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     worker.add_argument(
         "--tool-call-parser",
         default="hermes",
-        help="vllm: the format the model writes tool calls in, for tool_choice auto "
-        "(the gateway's hermes or llama3_json, else a vLLM tool parser's name)",
+        help="transformers, vllm: the format the model writes tool calls in, for tool_choice "
+        "auto (the gateway's hermes or llama3_json; vllm: else a vLLM tool parser's name)",
     )
     worker.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     worker.add_argument("--tls-key", help="the PEM private key of --tls-cert")
@@ -119,13 +119,17 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
     # Imported here so the gateway and the demo run without torch installed.
     from gateway.worker.transformers_engine import TransformersEngine
 
-    return TransformersEngine(
-        args.model_path,
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_context=args.max_context,
-    )
+    try:
+        return TransformersEngine(
+            args.model_path,
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_context=args.max_context,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ValueError as error:  # a tool-call format the gateway has no parser of
+        sys.exit(f"furnace-gateway: {error}")
 
 
 def _tensor_worker(args: argparse.Namespace, tls: ServerTLS | None) -> None:

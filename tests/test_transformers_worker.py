@@ -12,6 +12,8 @@ multi-byte characters one byte token at a time.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,3 +280,16 @@ def test_cli_runs_the_transformers_worker(tiny: Tiny, server_loop: ServerLoop, w
         finally:
             assert_nothing_left(gw, None)
             gw.stop()
+
+
+def test_cli_refuses_a_tool_call_format_it_cannot_parse(tiny: Tiny):
+    args = ["worker", "--engine", "transformers", "--model-path", str(tiny.ordered_path)]
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", *args, "--tool-call-parser", "mistral"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    assert result.returncode != 0
+    assert "tool_call_parser: expected one of hermes, llama3_json" in result.stderr
+    assert "Traceback" not in result.stderr
