@@ -18,6 +18,8 @@ import base64
 import json
 import math
 import struct
+import subprocess
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +32,7 @@ import pytest
 from gateway.protocol import features
 from tests.support.requests import user
 from tests.support.servers import ServerLoop, Workers, assert_nothing_left
-from tests.support.vllm import START_GUARD
+from tests.support.vllm import START_GUARD, vllm_python
 from tests.support.vllm_worker import (
     EMBED_MODEL,
     EMBED_OPTIONS,
@@ -105,10 +107,13 @@ def front(
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left(front: Front, embed_worker: VllmWorker) -> Iterator[None]:
+def _nothing_left(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
+    if "front" not in request.fixturenames:  # a test without the workers
+        return
+    front = request.getfixturevalue("front")
     assert_nothing_left(front.gateway, None)
-    for worker in (front.worker, embed_worker):
+    for worker in (front.worker, request.getfixturevalue("embed_worker")):
         wait_until(lambda w=worker: w.load() == 0, "the engines to hold no request")
 
 
@@ -233,6 +238,79 @@ def test_auto_tool_choice_on_a_model_that_writes_no_call_answers_text(front: Fro
     none = _chat(front, tools=TOOLS, tool_choice="none", max_tokens=12, temperature=0)
     plain = _chat(front, max_tokens=12, temperature=0)
     assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+#: Feeds a model's text through vLLM's own parser of a format the gateway has none of
+#: (pythonic: `[f(x=1), g()]`), behind our parser interface, as the engine does for
+#: `tool_choice` "auto"; prints each case's events as JSON.
+VLLM_PARSER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from vllm.tool_parsers import ToolParserManager
+    from gateway.protocol.tool_calls import ChoiceToolCalls
+    from gateway.protocol.types import GenerateRequest, Message, Tool
+    from gateway.worker.vllm_engine import _VllmParser
+
+    engine = SimpleNamespace(
+        model="m",
+        tokenizer=AutoTokenizer.from_pretrained(sys.argv[1]),
+        parser_class=ToolParserManager.get_tool_parser("pythonic"),
+    )
+    tools = tuple(Tool(name, parameters=json.dumps(schema))
+                  for name, schema in json.loads(sys.argv[2]).items())
+    out = []
+    for text, parallel in json.loads(sys.argv[3]):
+        request = GenerateRequest("m", messages=(Message("user", "hi"),), tools=tools,
+                                  parallel_tool_calls=parallel)
+        parser = _VllmParser(request, engine, _VllmParser.chat_request(request, engine))
+        choice, events = ChoiceToolCalls(parser), []
+        for start in range(0, len(text), 3):  # 3 characters a token
+            parser.ids([0])
+            events += choice.feed(text[start : start + 3], 1)
+        events += choice.finish()
+        out.append([[type(e).__name__, *e] for e in events])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_vllms_own_tool_parsers_stream_calls_through_ours(vllm_model: Path):
+    calls = '[get_weather(city="lima", unit="c", precise=True), set_alarm(hour=7)]'
+    cases = [[calls, None], [calls, False], ["no call here", None]]
+    done = subprocess.run(
+        [
+            str(vllm_python()),
+            "-c",
+            VLLM_PARSER_SCRIPT,
+            str(vllm_model),
+            json.dumps(SCHEMAS),
+            json.dumps(cases),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=START_GUARD,
+        check=True,
+    )
+    parallel, single, text = json.loads(done.stdout.splitlines()[-1])
+
+    def joined(events: list[list[Any]]) -> list[tuple[str, str]]:
+        found: list[list[str]] = []
+        for kind, _, call, call_id, name, arguments, _ in events:
+            assert kind == "ToolCallDelta"
+            if call_id:  # a call opens with its id and name, then its arguments
+                assert call == len(found) and call_id.startswith("call_") and name
+                found.append([name, ""])
+            found[call][1] += arguments
+        return [(name, arguments) for name, arguments in found]
+
+    assert [name for name, _ in joined(parallel)] == ["get_weather", "set_alarm"]
+    for name, arguments in joined(parallel):
+        _validate(name, arguments)
+    assert [name for name, _ in joined(single)] == ["get_weather"]  # no parallel calls
+    assert "".join(e[1] for e in text) == "no call here"
+    assert sum(e[2] for e in text) == 4  # every token counted
 
 
 def test_a_forced_call_with_a_response_format_is_refused(front: Front):
