@@ -226,6 +226,7 @@ def test_describe(server_loop, workers):
 
     reply = server_loop.call(describe())
     assert [(m.name, m.max_context) for m in reply.models] == [("furnace-demo", 64)]
+    assert list(reply.models[0].features) == sorted(DemoEngine.features)  # "n" among them
     assert reply.capacity == 256
     assert reply.load == 0
 
