@@ -41,14 +41,17 @@ class EventPump:
     """The events of one request, in batches of what is ready.
 
     `start` is the fleet's start of the call: it resolves to the `Started`
-    event and the stream of the rest, or raises the refusal.
+    event and the stream of the rest, or raises the refusal. The call ends
+    with the `Finished` of each of its `choices`.
     """
 
     def __init__(
         self,
         start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
         buffer_chars: int = 1 << 20,
+        choices: int = 1,
     ) -> None:
+        self._unfinished = choices
         self._loop = asyncio.get_running_loop()
         self._start = start
         self._stream: UpstreamCall | None = None
@@ -86,8 +89,10 @@ class EventPump:
                         taken = self._taken = self._loop.create_future()
                         await taken
                 elif type(event) is Finished:
-                    self._stream.close()
-                    return
+                    self._unfinished -= 1
+                    if not self._unfinished:
+                        self._stream.close()
+                        return
             self._error = errors.Failed("The engine worker ended the stream without finishing.")
         except errors.EngineError as error:
             self._error = error

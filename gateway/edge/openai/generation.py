@@ -244,6 +244,7 @@ class GenerationRoute:
             pump = EventPump(
                 self.fleet.generate(pool, request, Deadline(timeout), metadata),
                 config.stream_buffer_bytes,
+                request.n,
             )
             try:
                 await self._relay(pump, parsed, pool, record, receive, send, watcher)
