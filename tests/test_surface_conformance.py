@@ -48,6 +48,11 @@ TOOLS = [
 MAX_TOKENS = 96
 
 
+def budget(engine: Engine) -> int:
+    """`MAX_TOKENS`, within the engine's context beside a short prompt."""
+    return min(MAX_TOKENS, engine.max_context - 24)
+
+
 class Call:
     """A tool call as the client sees it, whole or put together from a stream."""
 
@@ -100,7 +105,7 @@ def test_a_required_tool_call_follows_its_schema(sdk, engine: Engine, stream):
         messages=user("what is the weather in Paris"),
         tools=TOOLS,
         tool_choice="required",
-        max_tokens=MAX_TOKENS,
+        max_tokens=budget(engine),
     )
     calls, finish = _calls(sdk, body, stream)
     _assert_valid(calls)
@@ -114,7 +119,7 @@ def test_a_named_tool_is_the_one_called(sdk, engine: Engine, stream):
         messages=user("what time is it"),
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
-        max_tokens=MAX_TOKENS,
+        max_tokens=budget(engine),
     )
     calls, finish = _calls(sdk, body, stream)
     _assert_valid(calls)
@@ -129,7 +134,7 @@ def test_a_tool_answer_continues_the_conversation(sdk, engine: Engine):
             messages=user("weather please"),
             tools=TOOLS,
             tool_choice="required",
-            max_tokens=MAX_TOKENS,
+            max_tokens=budget(engine),
         )
     )
     message = first.choices[0].message
@@ -157,7 +162,7 @@ def test_a_json_schema_answer_validates(sdk, engine: Engine, stream):
             "type": "json_schema",
             "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
         },
-        max_tokens=MAX_TOKENS,
+        max_tokens=budget(engine),
     )
     if stream:
         chunks = list(sdk.chat.completions.create(**body, stream=True))
@@ -177,7 +182,7 @@ def test_json_mode_answers_an_object(sdk, engine: Engine):
                 engine,
                 messages=user("any JSON object"),
                 response_format={"type": "json_object"},
-                max_tokens=MAX_TOKENS,
+                max_tokens=budget(engine),
             )
         )
     ).choices[0]
@@ -260,5 +265,5 @@ def test_what_the_workers_do_not_serve_is_a_400_naming_it(sdk, engine: Engine):
         sdk.chat.completions.create(**greedy(engine, messages=messages))
     assert caught.value.body["param"].startswith("messages[0].content")
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk.chat.completions.create(**greedy(engine, messages=user("x"), min_p=0.5))
+        sdk.chat.completions.create(**greedy(engine, messages=user("x")), extra_body={"min_p": 0.5})
     assert caught.value.body["param"] == "min_p"
