@@ -516,3 +516,9 @@ def test_each_model_refuses_the_others_route(front: Front):
     _refusal(front, "/v1/chat/completions", {"model": EMBED_MODEL, "messages": MESSAGES})
     with pytest.raises(openai.BadRequestError):
         front.sdk.completions.create(model=EMBED_MODEL, prompt="hello", max_tokens=2)
+
+
+def test_an_input_longer_than_the_context_is_context_length_exceeded(front: Front):
+    words = "one two three four " * 400
+    error = _refusal(front, "/v1/embeddings", {"model": EMBED_MODEL, "input": ["hi", words]})
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")

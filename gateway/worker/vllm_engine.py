@@ -307,7 +307,7 @@ class VllmEngine(Engine):
     def sampling(
         self,
         request: GenerateRequest,
-        max_tokens: int,
+        max_tokens: int | None,
         guided: Any = None,
         skip_special_tokens: bool = True,
     ) -> Any:
@@ -349,9 +349,8 @@ class VllmEngine(Engine):
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise Invalid("max_tokens must be at least 1.", param="max_tokens")
-        if length is None:  # vLLM's renderer counted it; vLLM checks the context
-            budget = max_tokens if max_tokens is not None else self.max_context
-        else:
+        budget: int | None = max_tokens  # None: up to the context (vLLM counts and checks)
+        if length is not None:
             budget = check_context(request, length, self.max_context)
         params = self.sampling(request, budget, plan.guided(), plan.skip_special_tokens)
         # Our own id, unique in this engine: vLLM aborts every request of an id.
@@ -378,6 +377,8 @@ class VllmEngine(Engine):
                     return
             raise Failed("The engine ended the answer without finishing it.")
         except VLLMValidationError as error:
+            if "longer than the maximum model length" in str(error):  # a multimodal prompt
+                raise TooLong(str(error), param=param) from None
             raise Invalid(str(error), param=error.parameter or plan.param) from None
         except ValueError as error:  # vLLM's checks of the request, before it runs
             if started:
