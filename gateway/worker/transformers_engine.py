@@ -21,8 +21,9 @@ Embeddings are the last hidden state, mean-pooled and L2-normalized.
 Structured output (`response_format`, and `tool_choice` "required" or a named
 function) is enforced by llguidance: a grammar compiled from the JSON schema
 masks every step's logits. llguidance is a 3 MB Rust wheel with no
-dependencies that computes a mask in microseconds on CPU; xgrammar (vLLM's
-default) needs Triton, a GPU compiler, on Linux.
+dependencies whose mask costs about 10 µs a token at a 300-token vocabulary
+and 45 µs at 32k on CPU; xgrammar (vLLM's default) needs Triton, a GPU
+compiler, on Linux.
 
 Requires the `transformers` extra (torch, transformers, llguidance); the rest
 of the gateway does not import this module.
