@@ -22,7 +22,9 @@ class AccessLog:
         self.log_prompts = log_prompts
 
     def write(self, record: RequestRecord, end: float, ttft: float | None) -> None:
-        """The request's line, once it is over."""
+        """The request's line, once it is over (nothing built when the log is off)."""
+        if not access_log.isEnabledFor(logging.INFO):
+            return
         line: dict[str, Any] = {
             "request_id": record.request_id,
             "model": record.model,
