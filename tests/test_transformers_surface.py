@@ -2,9 +2,11 @@
 random weights (tests/support/tiny_model.py) served by real `WorkerServer`s,
 driven through the real gateway with the openai SDK.
 
-Three models share one tokenizer. `tiny-tools` has a chat template that shows
+Four models share one tokenizer. `tiny-tools` has a chat template that shows
 the model its tools and writes calls as Hermes' `<tool_call>` (its worker
-parses that format); `tiny-random` has the plain template, which reads no
+parses that format); `tiny-llama3` is the same model with a worker that reads
+calls in Llama 3's JSON format, which a response_format can make a random
+model write; `tiny-random` has the plain template, which reads no
 tools; `tiny-ordered` has its output layer zeroed, so every logit is equal and
 greedy decoding repeats token 0 ("a"). A random model's text is junk: guided
 decoding is what makes its JSON and tool arguments valid, so the schemas are
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 TOOLS_MODEL = "tiny-tools"
+LLAMA3 = "tiny-llama3"
 RANDOM = "tiny-random"
 ORDERED = "tiny-ordered"
 #: Hermes-style: the tools in a system turn, calls as <tool_call>{...}</tool_call>.
@@ -91,6 +94,7 @@ class Tiny:
     engines: tuple[TransformersEngine, ...]
     tokenizer: PreTrainedTokenizerFast
     sdk: openai.OpenAI
+    random: TransformersEngine
 
 
 def _with_tools_template(path: Path) -> Path:
@@ -108,12 +112,10 @@ def tiny(
     server_loop: ServerLoop, workers: Workers, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Tiny]:
     root = tmp_path_factory.mktemp("models")
+    tools_path = _with_tools_template(build_tiny_model(root / TOOLS_MODEL))
     engines = (
-        TransformersEngine(
-            _with_tools_template(build_tiny_model(root / TOOLS_MODEL)),
-            device="cpu",
-            tool_call_parser="hermes",
-        ),
+        TransformersEngine(tools_path, device="cpu", tool_call_parser="hermes"),
+        TransformersEngine(tools_path, LLAMA3, device="cpu", tool_call_parser="llama3_json"),
         TransformersEngine(build_tiny_model(root / RANDOM), device="cpu"),
         TransformersEngine(build_tiny_model(root / ORDERED, ordered=True), device="cpu"),
     )
@@ -125,7 +127,7 @@ def tiny(
     sdk = openai.OpenAI(
         base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
     )
-    yield Tiny(gw, engines, engines[0].tokenizer, sdk)
+    yield Tiny(gw, engines, engines[0].tokenizer, sdk, engines[2])
     sdk.close()
     gw.stop()
     for server in servers:
@@ -314,6 +316,29 @@ def test_auto_on_a_random_model_answers_text(tiny: Tiny):
     assert reply.usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_finds_calls_in_the_models_own_format(tiny: Tiny, stream: bool):
+    # The grammar makes the random model write a Llama 3 JSON call; the parser finds it.
+    call = {
+        "type": "object",
+        "properties": {"name": {"enum": ["get_time"]}, "parameters": CLOCK},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": LLAMA3,
+        "messages": user("what time is it"),
+        "tools": TOOLS,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": call}},
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
+    calls, finish = _calls(tiny.sdk, body, stream)
+    _assert_valid(calls)
+    assert [c.name for c in calls] == ["get_time"]
+    assert finish == "tool_calls"
+
+
 def test_a_tool_answer_continues_the_conversation(tiny: Tiny):
     first = tiny.sdk.chat.completions.create(
         model=TOOLS_MODEL,
@@ -401,7 +426,7 @@ def test_chat_logprobs_are_the_models_own(tiny: Tiny, stream: bool):
         assert entry.logprob == tops[0]  # greedy takes the likeliest
         assert entry.token == entry.top_logprobs[0].token
     # The first token's log-probabilities, straight from the model.
-    engine = tiny.engines[1]
+    engine = tiny.random
     prompt = tiny.tokenizer.apply_chat_template(
         body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -483,7 +508,7 @@ def test_ignore_eos_runs_to_max_tokens(tiny: Tiny):
 def test_repetition_penalty_matches_transformers(tiny: Tiny):
     import torch
 
-    engine = tiny.engines[1]
+    engine = tiny.random
     prompt = tiny.tokenizer("the quick").input_ids
     reference = engine.hf_model.generate(
         torch.tensor([prompt]), do_sample=False, max_new_tokens=12, repetition_penalty=1.8
@@ -576,7 +601,7 @@ def _pooled(tiny: Tiny, ids: list[int]) -> list[float]:
     import torch
 
     with torch.no_grad():
-        hidden = tiny.engines[1].hf_model.base_model(torch.tensor([ids])).last_hidden_state[0]
+        hidden = tiny.random.hf_model.base_model(torch.tensor([ids])).last_hidden_state[0]
     return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).tolist()
 
 
@@ -588,7 +613,7 @@ def test_embeddings_are_mean_pooled_unit_vectors(tiny: Tiny):
     assert [item.index for item in reply.data] == [0, 1]
     assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
     for vector, tokens in zip(vectors, ids, strict=True):
-        assert len(vector) == tiny.engines[1].hf_model.config.hidden_size
+        assert len(vector) == tiny.random.hf_model.config.hidden_size
         assert sum(v * v for v in vector) == pytest.approx(1.0, abs=1e-5)
         assert vector == pytest.approx(_pooled(tiny, tokens), abs=1e-5)
     by_ids = tiny.sdk.embeddings.create(model=RANDOM, input=ids, encoding_format="float")
