@@ -25,11 +25,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
 from gateway.protocol import features
+from gateway.protocol.convert import event_from_proto, request_to_proto
+from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, Started, Text
+from gateway.protocol.v1 import engine_pb2_grpc
 from tests.support.requests import user
 from tests.support.servers import ServerLoop, Workers, assert_nothing_left
 from tests.support.vllm import START_GUARD, vllm_python
@@ -414,6 +418,30 @@ def test_n_choices_come_indexed_and_their_tokens_summed(front: Front):
     ]
     # the same seed samples the same choices again
     assert texts == [c.message.content for c in reply.choices]
+
+
+def test_n_choices_over_the_worker_protocol(front: Front):
+    """vLLM's parallel sampling as the worker sends it: one Started, each choice's
+    pieces with its index, one Finished per choice with its own count."""
+    request = GenerateRequest(
+        MODEL, prompt="one two three", n=3, logprobs=1, sampling=SamplingParams(max_tokens=5)
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{front.worker.port}") as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        events = [
+            event_from_proto(m, logprobs=True)
+            for m in stub.Generate(request_to_proto(request), timeout=60)
+        ]
+    assert type(events[0]) is Started
+    finished = [e for e in events if type(e) is Finished]
+    assert sorted((e.index, e.reason.value, e.completion_tokens) for e in finished) == [
+        (i, "length", 5) for i in range(3)
+    ]
+    for i in range(3):
+        texts = [e for e in events if type(e) is Text and e.index == i]
+        assert sum(e.tokens for e in texts) == 5
+        assert sum(len(e.logprobs or ()) for e in texts) == 5
+    assert type(events[-1]) is Finished
 
 
 # -- sampling fields ------------------------------------------------------------------------
