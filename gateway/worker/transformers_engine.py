@@ -537,11 +537,21 @@ class TransformersEngine(Engine):
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.vocab = self.hf_model.get_output_embeddings().weight.shape[0]
         served = set(_SERVED)
-        # Grammars need the tokenizer's Rust core (a fast tokenizer), as llguidance reads it.
+        # Grammars need the tokenizer's Rust core (a fast tokenizer), as llguidance reads it;
+        # without them the worker serves the rest and refuses response_format by name.
         self.guides: Guides | None = None
         if isinstance(self.tokenizer, PreTrainedTokenizerFast):
-            self.guides = Guides(self.tokenizer, self.vocab, sorted(self.eos_token_ids))
-            served.add(features.RESPONSE_FORMAT)
+            try:
+                self.guides = Guides(self.tokenizer, self.vocab, sorted(self.eos_token_ids))
+                served.add(features.RESPONSE_FORMAT)
+            except ValueError as error:
+                log.warning(
+                    "%s: no structured outputs, llguidance cannot read its tokenizer: %s",
+                    self.model,
+                    error,
+                )
+        else:
+            log.warning("%s: no structured outputs, its tokenizer is not a fast one", self.model)
         # Tools reach the model through its chat template; calls come back through the
         # grammar (forced ones) or the model's own format (the tool-call parser).
         if renders_tools(self.tokenizer) and (self.guides or tool_call_parser):
