@@ -25,7 +25,10 @@ from tests.support.servers import Gateway
 from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
 from tests.support.waiting import HANG_GUARD, wait_until
 
-pytestmark = pytest.mark.vllm
+#: The session's vLLM server starts in the first test's setup and stops in the last one's
+#: teardown (20-30 s each on 2 busy cores): past the default 60 s, pytest-timeout would
+#: cut the stop short and leave the server running.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
 MODEL = "tiny-vllm-grpc"
 

@@ -258,10 +258,15 @@ class VllmGrpcCall(StreamBookkeeping):
 
     def _text(self, choice: _Choice, token_ids: Iterable[int], logprobs: pb.OutputLogProbs) -> None:
         ids = list(token_ids)
-        choice.received += len(ids)
         scores = None if self._request.logprobs is None else self._logprobs(ids, logprobs)
-        text = choice.detok.feed([i for i in ids if i not in self._hidden])
-        released, stopped = choice.stop.feed(text)
+        # as vLLM, the text of the first min_tokens tokens is never cut by a stop string
+        exempt = max(0, min(len(ids), (self._request.sampling.min_tokens or 0) - choice.received))
+        choice.received += len(ids)
+        shown = [i for i in ids[:exempt] if i not in self._hidden]
+        released = choice.detok.feed(shown) if shown else ""
+        text = choice.detok.feed([i for i in ids[exempt:] if i not in self._hidden])
+        more, stopped = choice.stop.feed(text)
+        released += more
         self._pending.extend(choice.calls.feed(released, len(ids), scores))
         if stopped:  # a stop string: the choice ends here
             self._finish(choice, FinishReason.STOP, choice.received, flush=False)
