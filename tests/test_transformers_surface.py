@@ -9,8 +9,9 @@ calls in Llama 3's JSON format, which a response_format can make a random
 model write; `tiny-random` has the plain template, which reads no
 tools; `tiny-ordered` has its output layer zeroed, so every logit is equal and
 greedy decoding repeats token 0 ("a"). A random model's text is junk: guided
-decoding is what makes its JSON and tool arguments valid, so the schemas are
-bounded (enums, booleans) and finish in a few tokens.
+decoding is what makes its JSON and tool arguments valid, so the schemas (the
+surface conformance suite's) are bounded (enums, booleans) and finish in a few
+tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tests.support.servers import (
 )
 from tests.support.tiny_model import build_tiny_model
 from tests.support.waiting import HANG_GUARD, wait_until
+from tests.test_surface_conformance import CLOCK, TOOLS, WEATHER, _assert_valid, _calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -59,36 +61,13 @@ TOOLS_TEMPLATE = (
     "</tool_call>{% endfor %}{{ m['content'] or '' }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "celsius": {"type": "boolean"},
-    },
-    "required": ["city", "celsius"],
-    "additionalProperties": False,
-}
-CLOCK = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": name, "description": f"{name} of a place", "parameters": schema},
-    }
-    for name, schema in SCHEMAS.items()
-]
 #: Enough for a bounded call or object from a random model under guided decoding.
 MAX_TOKENS = 96
 
 
 @dataclass
 class Tiny:
-    """The three tiny models behind one gateway."""
+    """The four tiny models behind one gateway."""
 
     gateway: Gateway
     engines: tuple[TransformersEngine, ...]
@@ -142,50 +121,6 @@ def _nothing_left(tiny: Tiny) -> Iterator[None]:
     assert_nothing_left(tiny.gateway, None)
     for engine in tiny.engines:
         wait_until(lambda e=engine: e.running == 0, f"{engine.model} to be idle")
-
-
-class Call:
-    """A tool call as the client sees it, whole or put together from a stream."""
-
-    def __init__(self, id: str = "", name: str = "", arguments: str = "") -> None:
-        self.id = id
-        self.name = name
-        self.arguments = arguments
-
-
-def _calls(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[list[Call], str]:
-    """The tool calls of one answer and its finish reason; a stream's pieces are
-    checked to come as OpenAI streams them (id and name first, once)."""
-    if not stream:
-        choice = sdk.chat.completions.create(**body).choices[0]
-        calls = [
-            Call(c.id, c.function.name, c.function.arguments)
-            for c in choice.message.tool_calls or []
-        ]
-        return calls, choice.finish_reason
-    by_index: dict[int, Call] = defaultdict(Call)
-    finish = ""
-    for chunk in sdk.chat.completions.create(**body, stream=True):
-        for choice in chunk.choices:
-            for piece in choice.delta.tool_calls or []:
-                call = by_index[piece.index]
-                if piece.id:
-                    assert not call.id, "a call's id comes in its first piece only"
-                    assert piece.function.name, "the first piece names the function"
-                    call.id = piece.id
-                    call.name = piece.function.name
-                else:
-                    assert call.id, "arguments come after the piece with the id"
-                call.arguments += piece.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [by_index[i] for i in sorted(by_index)], finish
-
-
-def _assert_valid(calls: list[Call]) -> None:
-    assert calls, "the model made no call"
-    for call in calls:
-        assert call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
 def test_models_say_what_they_serve(tiny: Tiny):
