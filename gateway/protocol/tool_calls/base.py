@@ -78,42 +78,38 @@ _OUTSIDE = re.compile(r'["\[\]{}]')
 
 
 class JsonEnd:
-    """Finds where the JSON object or array at the start of a buffer ends, as
-    the buffer grows: each character is looked at once (the scan resumes where
-    it stopped). It does not validate; `json.loads` does that once it closed."""
+    """Finds where the JSON object or array that starts the text it is fed ends,
+    fed piece by piece: each character is looked at once. It does not
+    validate; `json.loads` does that once the value closed."""
 
-    __slots__ = ("_depth", "_escape", "_in_string", "_pos")
+    __slots__ = ("_depth", "_escape", "_in_string")
 
     def __init__(self) -> None:
-        self._pos = 0
         self._depth = 0
         self._in_string = False
         self._escape = False
 
-    def scan(self, buffer: str) -> int | None:
-        """The index just past the value's end in `buffer` (which starts with
-        `{` or `[` and only grows between calls); None while it is open."""
-        pos = self._pos
-        while pos < len(buffer):
+    def feed(self, piece: str) -> int | None:
+        """The index in `piece` just past the value's end; None while it is open."""
+        pos = 0
+        while pos < len(piece):
             if self._escape:
                 self._escape = False
                 pos += 1
                 continue
             if self._in_string:
-                found = _IN_STRING.search(buffer, pos)
+                found = _IN_STRING.search(piece, pos)
                 if found is None:
-                    pos = len(buffer)
-                    break
+                    return None
                 pos = found.end()
                 if found.group() == "\\":
                     self._escape = True
                 else:
                     self._in_string = False
                 continue
-            found = _OUTSIDE.search(buffer, pos)
+            found = _OUTSIDE.search(piece, pos)
             if found is None:
-                pos = len(buffer)
-                break
+                return None
             pos = found.end()
             ch = found.group()
             if ch == '"':
@@ -123,10 +119,42 @@ class JsonEnd:
             else:
                 self._depth -= 1
                 if self._depth <= 0:
-                    self._pos = pos
                     return pos
-        self._pos = pos
         return None
+
+
+class CallText:
+    """One call's JSON text as it streams in, kept as pieces (joined once, when it
+    closed, so a long call costs linear time), bounded by `MAX_CALL_CHARS`."""
+
+    __slots__ = ("_pieces", "_size", "end")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._size = 0
+        self.end = JsonEnd()
+
+    def add(self, piece: str) -> None:
+        self._size += len(piece)
+        if self._size > MAX_CALL_CHARS:
+            raise too_long()
+        self._pieces.append(piece)
+
+    def take(self, last: str = "") -> str:
+        """The whole text, with `last` after it; empties it."""
+        self._pieces.append(last)
+        text = "".join(self._pieces)
+        self._pieces, self._size = [], 0
+        return text
+
+    def feed(self, piece: str) -> tuple[str, str] | None:
+        """The value's whole text and what follows it in `piece`, once it closed;
+        None while it is open (the piece is kept)."""
+        end = self.end.feed(piece)
+        if end is None:
+            self.add(piece)
+            return None
+        return self.take(piece[:end]), piece[end:]
 
 
 def parse_object(text: str) -> dict[str, Any] | None:

@@ -19,14 +19,12 @@ from typing import Any
 
 from gateway.protocol import errors
 from gateway.protocol.tool_calls.base import (
-    MAX_CALL_CHARS,
     CallPiece,
-    JsonEnd,
+    CallText,
     Parsed,
     ToolCallParser,
     compact,
     parse_object,
-    too_long,
 )
 from gateway.protocol.types import Tool
 
@@ -128,10 +126,9 @@ class RequiredCallsParser(ToolCallParser):
 
     def __init__(self, tools: tuple[Tool, ...]) -> None:
         super().__init__(tools)
-        self._buffer = ""
+        self._buffer = ""  # what no element holds yet
         self._opened = False  # past the `[`
-        self._in_element = False
-        self._end = JsonEnd()
+        self._element: CallText | None = None  # inside an element: its text so far
         self._text = False  # the answer turned out not to be such an array
 
     def feed(self, text: str) -> Parsed:
@@ -140,18 +137,19 @@ class RequiredCallsParser(ToolCallParser):
             return self._as_text()
         calls: list[CallPiece] = []
         while True:
-            if self._in_element:
-                end = self._end.scan(self._buffer)
-                if end is None:
-                    if len(self._buffer) > MAX_CALL_CHARS:
-                        raise too_long()
+            if self._element is not None:
+                closed = self._element.feed(self._buffer)
+                self._buffer = ""
+                if closed is None:
                     break
-                pieces = self.call(parse_object(self._buffer[:end]), ("parameters",))
+                value, self._buffer = closed
+                self._element = None
+                pieces = self.call(parse_object(value), ("parameters",))
                 if pieces is None:
+                    self._buffer = value + self._buffer
                     self._text = True
                     return Parsed(self._as_text().text, tuple(calls))
                 calls.extend(pieces)
-                self._buffer, self._in_element = self._buffer[end:], False
                 continue
             stripped = self._buffer.lstrip()
             if not stripped:
@@ -163,14 +161,15 @@ class RequiredCallsParser(ToolCallParser):
             elif self._opened and head in ",]":
                 self._buffer = stripped[1:]
             elif self._opened and head == "{":
-                self._buffer, self._in_element, self._end = stripped, True, JsonEnd()
+                self._buffer, self._element = stripped, CallText()
             else:
                 self._text = True
                 return Parsed(self._as_text().text, tuple(calls))
         return Parsed("", tuple(calls))
 
     def _as_text(self) -> Parsed:
-        text, self._buffer = self._buffer, ""
+        held = self._element.take() if self._element is not None else ""
+        text, self._buffer, self._element = held + self._buffer, "", None
         return Parsed(self.show(text))
 
     def finish(self) -> Parsed:

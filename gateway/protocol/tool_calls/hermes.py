@@ -9,13 +9,12 @@ are not special, so skipping special tokens keeps them.
 from __future__ import annotations
 
 from gateway.protocol.tool_calls.base import (
-    MAX_CALL_CHARS,
     CallPiece,
+    CallText,
     Parsed,
     ToolCallParser,
     overlap,
     parse_object,
-    too_long,
 )
 from gateway.protocol.types import Tool
 
@@ -31,46 +30,52 @@ class HermesParser(ToolCallParser):
 
     def __init__(self, tools: tuple[Tool, ...]) -> None:
         super().__init__(tools)
-        self._buffer = ""
-        self._in_call = False
-        self._searched = 0  # how far the call's buffer is known to hold no END
+        self._held = ""  # text that may begin START
+        self._call: CallText | None = None  # inside a call: its text so far
+        self._tail = ""  # the call's last characters, which may begin END
 
     def feed(self, text: str) -> Parsed:
-        self._buffer += text
         shown: list[str] = []
         calls: list[CallPiece] = []
-        while True:
-            if not self._in_call:
-                at = self._buffer.find(START)
-                if at < 0:
-                    keep = overlap(self._buffer, START)
-                    cut = len(self._buffer) - keep
-                    shown.append(self.show(self._buffer[:cut]))
-                    self._buffer = self._buffer[cut:]
+        while text:
+            if self._call is None:
+                text, self._held = self._held + text, ""
+                if "<" not in text:  # the common case: plain text
+                    shown.append(self.show(text))
                     break
-                shown.append(self.show(self._buffer[:at]))
-                self._buffer = self._buffer[at + len(START) :]
-                self._in_call, self._searched = True, 0
+                at = text.find(START)
+                if at < 0:
+                    cut = len(text) - overlap(text, START)
+                    shown.append(self.show(text[:cut]))
+                    self._held = text[cut:]
+                    break
+                shown.append(self.show(text[:at]))
+                text = text[at + len(START) :]
+                self._call, self._tail = CallText(), ""
                 continue
-            at = self._buffer.find(END, self._searched)
+            window = self._tail + text
+            at = window.find(END)
             if at < 0:
-                if len(self._buffer) > MAX_CALL_CHARS:
-                    raise too_long()
-                self._searched = max(0, len(self._buffer) - len(END) + 1)
+                self._call.add(text)
+                self._tail = window[-(len(END) - 1) :]
                 break
-            body, self._buffer = self._buffer[:at], self._buffer[at + len(END) :]
-            self._in_call = False
+            cut = at - len(self._tail)  # where END starts in `text` (< 0: in the tail)
+            body = self._call.take(text[: max(cut, 0)])
+            if cut < 0:
+                body = body[:cut]
+            text = text[cut + len(END) :]
+            self._call = None
             self._take(body, closed=True, shown=shown, calls=calls)
         return Parsed("".join(shown), tuple(calls))
 
     def finish(self) -> Parsed:
         shown: list[str] = []
         calls: list[CallPiece] = []
-        if self._in_call:
-            self._take(self._buffer, closed=False, shown=shown, calls=calls)
+        if self._call is not None:
+            self._take(self._call.take(), closed=False, shown=shown, calls=calls)
         else:
-            shown.append(self.show(self._buffer))
-        self._buffer, self._in_call = "", False
+            shown.append(self.show(self._held))
+        self._held, self._call = "", None
         return Parsed("".join(shown), tuple(calls))
 
     def _take(self, body: str, *, closed: bool, shown: list[str], calls: list[CallPiece]) -> None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import enum
 
 from gateway.protocol.tool_calls.base import (
-    MAX_CALL_CHARS,
     MAX_WHITESPACE,
     CallPiece,
-    JsonEnd,
+    CallText,
     Parsed,
     ToolCallParser,
     parse_object,
-    too_long,
 )
 from gateway.protocol.types import Tool
 
@@ -47,7 +45,7 @@ class Llama3JsonParser(ToolCallParser):
         #: What was consumed of a segment that may still turn out to be no call
         #: (whitespace, the tag, a `;`): shown if it is text after all.
         self._consumed = ""
-        self._end = JsonEnd()
+        self._call = CallText()  # the call's JSON read so far (state OBJECT)
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
@@ -59,17 +57,18 @@ class Llama3JsonParser(ToolCallParser):
                 shown.append(self.show(self._consumed + buffer))
                 self._consumed = self._buffer = ""
             elif state is _State.OBJECT:
-                end = self._end.scan(buffer)
-                if end is None:
-                    if len(buffer) > MAX_CALL_CHARS:
-                        raise too_long()
+                closed = self._call.feed(buffer)
+                self._buffer = ""
+                if closed is None:
                     break
-                pieces = self.call(parse_object(buffer[:end]), KEYS)
+                value, self._buffer = closed
+                pieces = self.call(parse_object(value), KEYS)
                 if pieces is None:  # not a call: text from here on
+                    self._consumed += value
                     self._state = _State.TEXT
                     continue
                 calls.extend(pieces)
-                self._consumed, self._buffer = "", buffer[end:]
+                self._consumed = ""
                 self._state = _State.AFTER
             else:
                 stripped = buffer.lstrip()
@@ -89,7 +88,7 @@ class Llama3JsonParser(ToolCallParser):
                     self._consume(skipped + 1, _State.BEFORE)
                 elif state is not _State.AFTER and stripped[0] == "{":
                     self._consume(skipped, _State.OBJECT)
-                    self._end = JsonEnd()
+                    self._call = CallText()
                 else:
                     self._state = _State.TEXT
         return Parsed("".join(shown), tuple(calls))
@@ -100,7 +99,7 @@ class Llama3JsonParser(ToolCallParser):
         self._state = state
 
     def finish(self) -> Parsed:
-        rest = self._consumed + self._buffer
+        rest = self._consumed + self._call.take() + self._buffer
         if self._state is _State.BEFORE and self.called and not rest.strip(" \t\n\r;"):
             rest = ""  # a `;` after the last call
         self._consumed = self._buffer = ""
