@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import Any
 
 import jsonschema
 import openai
@@ -20,82 +19,12 @@ import pytest
 
 from tests.support.conformance import Engine, greedy
 from tests.support.requests import user
-
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "celsius": {"type": "boolean"},
-    },
-    "required": ["city", "celsius"],
-    "additionalProperties": False,
-}
-CLOCK = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": name, "description": f"{name} of a place", "parameters": schema},
-    }
-    for name, schema in SCHEMAS.items()
-]
-#: Enough for a bounded call or object from a random model under guided decoding.
-MAX_TOKENS = 96
+from tests.support.surface import MAX_TOKENS, TOOLS, WEATHER, assert_valid, calls_of
 
 
 def budget(engine: Engine) -> int:
     """`MAX_TOKENS`, within the engine's context beside a short prompt."""
     return min(MAX_TOKENS, engine.max_context - 24)
-
-
-class Call:
-    """A tool call as the client sees it, whole or put together from a stream."""
-
-    def __init__(self) -> None:
-        self.id = ""
-        self.name = ""
-        self.arguments = ""
-
-
-def _calls(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[list[Call], str | None]:
-    """The tool calls of one answer and its finish reason."""
-    if not stream:
-        choice = sdk.chat.completions.create(**body).choices[0]
-        calls = []
-        for tool_call in choice.message.tool_calls or []:
-            call = Call()
-            call.id, call.name = tool_call.id, tool_call.function.name
-            call.arguments = tool_call.function.arguments
-            calls.append(call)
-        return calls, choice.finish_reason
-    by_index: dict[int, Call] = defaultdict(Call)
-    finish = None
-    for chunk in sdk.chat.completions.create(**body, stream=True):
-        for choice in chunk.choices:
-            for piece in choice.delta.tool_calls or []:
-                call = by_index[piece.index]
-                if piece.id:
-                    assert not call.id, "a call's id comes in its first piece only"
-                    call.id = piece.id
-                if piece.function and piece.function.name:
-                    assert not call.name, "a call's name comes in its first piece only"
-                    call.name = piece.function.name
-                if piece.function and piece.function.arguments:
-                    call.arguments += piece.function.arguments
-            finish = choice.finish_reason or finish
-    return [by_index[i] for i in sorted(by_index)], finish
-
-
-def _assert_valid(calls: list[Call]) -> None:
-    assert calls, "the model made no call"
-    for call in calls:
-        assert call.id
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -107,8 +36,8 @@ def test_a_required_tool_call_follows_its_schema(sdk, engine: Engine, stream):
         tool_choice="required",
         max_tokens=budget(engine),
     )
-    calls, finish = _calls(sdk, body, stream)
-    _assert_valid(calls)
+    calls, finish = calls_of(sdk, body, stream)
+    assert_valid(calls)
     assert finish == "tool_calls"
 
 
@@ -121,8 +50,8 @@ def test_a_named_tool_is_the_one_called(sdk, engine: Engine, stream):
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         max_tokens=budget(engine),
     )
-    calls, finish = _calls(sdk, body, stream)
-    _assert_valid(calls)
+    calls, finish = calls_of(sdk, body, stream)
+    assert_valid(calls)
     assert {call.name for call in calls} == {"get_time"}
     assert finish == "stop"  # OpenAI's (and vLLM's) reason for a named call
 

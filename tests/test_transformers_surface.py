@@ -39,9 +39,9 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
+from tests.support.surface import CLOCK, TOOLS, WEATHER, assert_valid, calls_of
 from tests.support.tiny_model import build_tiny_model
 from tests.support.waiting import HANG_GUARD, wait_until
-from tests.test_surface_conformance import CLOCK, TOOLS, WEATHER, _assert_valid, _calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -200,12 +200,12 @@ def test_required_tool_calls_follow_their_schemas(tiny: Tiny, stream: bool, seed
         "seed": seed,
         "max_tokens": MAX_TOKENS,
     }
-    calls, finish = _calls(tiny.sdk, body, stream)
-    _assert_valid(calls)
+    calls, finish = calls_of(tiny.sdk, body, stream)
+    assert_valid(calls)
     # Sampled, the array may go on with calls until max_tokens cuts one (never released).
     assert finish in ("tool_calls", "length")
-    single, finish = _calls(tiny.sdk, {**body, "parallel_tool_calls": False}, stream)
-    _assert_valid(single)
+    single, finish = calls_of(tiny.sdk, {**body, "parallel_tool_calls": False}, stream)
+    assert_valid(single)
     assert len(single) == 1
     assert finish == "tool_calls"
 
@@ -220,8 +220,8 @@ def test_a_named_tool_is_the_one_called(tiny: Tiny, stream: bool):
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
     }
-    calls, finish = _calls(tiny.sdk, body, stream)
-    _assert_valid(calls)
+    calls, finish = calls_of(tiny.sdk, body, stream)
+    assert_valid(calls)
     assert [call.name for call in calls] == ["get_time"]
     assert finish in ("stop", "tool_calls")
 
@@ -268,8 +268,8 @@ def test_auto_finds_calls_in_the_models_own_format(tiny: Tiny, stream: bool):
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
     }
-    calls, finish = _calls(tiny.sdk, body, stream)
-    _assert_valid(calls)
+    calls, finish = calls_of(tiny.sdk, body, stream)
+    assert_valid(calls)
     assert [c.name for c in calls] == ["get_time"]
     assert finish == "tool_calls"
 
