@@ -271,6 +271,20 @@ def test_a_call_larger_than_the_bound_is_an_error_not_memory(name):
             p.feed(chunk)
 
 
+@pytest.mark.parametrize(
+    ("name", "output"),
+    [
+        ("hermes", '<tool_call>{"name": "get_time"}</tool_call>' * 2),
+        ("llama3_json", '{"name": "get_time"}; {"name": "get_time"}'),
+    ],
+)
+def test_without_parallel_calls_only_the_first_call_counts(name, output):
+    assert run(parser(name, TOOLS, single=True), [output]) == ("", [("get_time", "{}")])
+    p = for_request(request(tools=TOOLS, parallel_tool_calls=False), name)
+    assert p is not None and run(p, list(output)) == ("", [("get_time", "{}")])
+    assert len(run(parser(name, TOOLS), [output])[1]) == 2
+
+
 def test_unknown_format_names_the_known_ones():
     with pytest.raises(ValueError, match="hermes"):
         parser("pythonic", TOOLS)

@@ -39,16 +39,17 @@ from gateway.protocol.tool_calls.stream import ChoiceToolCalls
 from gateway.protocol.types import GenerateRequest, Tool
 
 #: The formats by name (the names vLLM's `--tool-call-parser` uses).
-PARSERS: dict[str, Callable[[tuple[Tool, ...]], ToolCallParser]] = {
+PARSERS: dict[str, Callable[..., ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
 
 
-def parser(name: str, tools: tuple[Tool, ...]) -> ToolCallParser:
-    """A new parser of format `name` for one choice of a request with `tools`."""
+def parser(name: str, tools: tuple[Tool, ...], *, single: bool = False) -> ToolCallParser:
+    """A new parser of format `name` for one choice of a request with `tools`;
+    `single`: only its first call counts (`parallel_tool_calls` false)."""
     try:
-        return PARSERS[name](tools)
+        return PARSERS[name](tools, single=single)
     except KeyError:
         raise ValueError(f"unknown tool-call format {name!r} (known: {sorted(PARSERS)})") from None
 
@@ -72,7 +73,7 @@ def for_request(request: GenerateRequest, parser_name: str | None) -> ToolCallPa
             '"required", a named function or "none" can be served.',
             param="tools",
         )
-    return parser(parser_name, request.tools)
+    return parser(parser_name, request.tools, single=request.parallel_tool_calls is False)
 
 
 __all__ = [

@@ -169,10 +169,13 @@ def parse_object(text: str) -> dict[str, Any] | None:
 class ToolCallParser(abc.ABC):
     """One choice's text in, text and call pieces out. `feed` the text as it
     streams, then `finish` once the answer ended; `called` says whether any
-    call was released (the choice's finish reason is then `tool_calls`)."""
+    call was released (the choice's finish reason is then `tool_calls`).
+    With `single` (`parallel_tool_calls` false) calls after the first are
+    dropped, as vLLM's server drops them."""
 
-    def __init__(self, tools: tuple[Tool, ...]) -> None:
+    def __init__(self, tools: tuple[Tool, ...], *, single: bool = False) -> None:
         self._tools = {tool.name: tool for tool in tools}
+        self._single = single
         self._calls = 0
         self._whitespace = ""
 
@@ -216,7 +219,10 @@ class ToolCallParser(abc.ABC):
         return self.pieces(obj["name"], compact(arguments))
 
     def pieces(self, name: str, arguments: str) -> list[CallPiece]:
-        """A new call's pieces: id and name first, then the arguments' text."""
+        """A new call's pieces: id and name first, then the arguments' text
+        (none for a call past the first of a `single` parser)."""
+        if self._single and self._calls:
+            return []
         index = self._calls
         self._calls += 1
         self._whitespace = ""

@@ -28,8 +28,8 @@ class HermesParser(ToolCallParser):
     """Text outside the markers is shown (all but an end that may begin
     `<tool_call>`); a call's JSON is held until `</tool_call>`."""
 
-    def __init__(self, tools: tuple[Tool, ...]) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: tuple[Tool, ...], *, single: bool = False) -> None:
+        super().__init__(tools, single=single)
         self._held = ""  # text that may begin START
         self._call: CallText | None = None  # inside a call: its text so far
         self._tail = ""  # the call's last characters, which may begin END

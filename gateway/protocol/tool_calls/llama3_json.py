@@ -38,8 +38,8 @@ class Llama3JsonParser(ToolCallParser):
     """Holds the answer's start while it may be the tag or a call, then each
     call's JSON until it closes."""
 
-    def __init__(self, tools: tuple[Tool, ...]) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: tuple[Tool, ...], *, single: bool = False) -> None:
+        super().__init__(tools, single=single)
         self._state = _State.START
         self._buffer = ""
         #: What was consumed of a segment that may still turn out to be no call
