@@ -11,9 +11,11 @@ import re
 
 import pytest
 
+from gateway.config import TOOL_CALL_PARSERS, ConfigError, parse_config
 from gateway.protocol import errors
 from gateway.protocol.tool_calls import (
     MAX_CALL_CHARS,
+    PARSERS,
     ChoiceToolCalls,
     Parsed,
     ToolCallParser,
@@ -376,3 +378,19 @@ def test_without_tools_text_goes_straight_through():
     assert choice.feed("", 1, (TokenLogprob("", -0.5),)) == []
     assert choice.finish() == [Text("", 1, 2, (TokenLogprob("", -0.5),))]
     assert choice.finish_reason(FinishReason.STOP) is FinishReason.STOP
+
+
+def test_the_config_takes_exactly_the_formats_there_are(tmp_path):
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the config checks them readable
+        (tmp_path / name).write_text("{}")
+    model = {"name": "m", "upstream": "vllm-grpc", "tokenizer": str(tmp_path), "workers": ["h:1"]}
+    config = parse_config({"models": [{**model, "tool_call_parser": "llama3_json"}]}, env={})
+    assert config.models[0].tool_call_parser == "llama3_json"
+    assert parse_config({"models": [model]}, env={}).models[0].tool_call_parser is None
+    for wrong in (
+        {**model, "tool_call_parser": "pythonic"},
+        {"name": "g", "workers": ["h:1"], "tool_call_parser": "hermes"},
+    ):
+        with pytest.raises(ConfigError, match=r"models\[0\]\.tool_call_parser"):
+            parse_config({"models": [wrong]}, env={})
