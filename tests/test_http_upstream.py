@@ -1,12 +1,17 @@
 """The HTTP upstream's protocol edges, against a mocked transport (respx): the
 SSE it reads (text, tool calls, logprobs, n choices), the errors it maps, what
-it sends, and embeddings. tests/test_http_upstream_surface.py runs the same
+it sends, and embeddings; then plain http:// upstreams over its own connections,
+against a scripted loopback server: keep-alive, refusals, cancel, the deadline,
+and reading paused for a reader that falls behind. tests/test_http_upstream_surface.py runs the same
 surface against vLLM's own server through the gateway."""
 
+import asyncio
 import json
+import re
 
 import anyio
 import httpx
+import orjson
 import pytest
 import respx
 
@@ -28,7 +33,8 @@ from gateway.protocol.types import (
     ToolCallDelta,
 )
 from gateway.upstreams.base import CANCELLED
-from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
+from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD
 
 BASE = "http://upstream.test/v1"
@@ -57,7 +63,9 @@ async def run(request: GenerateRequest) -> tuple[list, object, list]:
     """Every event of one call, the error that ended it, and the outcomes reported."""
     outcomes = []
     async with httpx.AsyncClient() as http:
-        stream = OpenAIHttpUpstream(BASE, http).generate(request, 5.0, on_close=outcomes.append)
+        stream = OpenAIHttpUpstream(BASE, http, raw_http=False).generate(
+            request, 5.0, on_close=outcomes.append
+        )
         events, failure = [], None
         try:
             async for event in stream:
@@ -211,7 +219,9 @@ def test_cancel_reports_our_cancellation():
     async def cancel_after_start() -> list:
         outcomes = []
         async with httpx.AsyncClient() as http:
-            stream = OpenAIHttpUpstream(BASE, http).generate(CHAT, 5.0, on_close=outcomes.append)
+            stream = OpenAIHttpUpstream(BASE, http, raw_http=False).generate(
+                CHAT, 5.0, on_close=outcomes.append
+            )
             assert await anext(stream) == Started(0)
             stream.cancel()
             stream.cancel()
@@ -229,7 +239,7 @@ def test_describe_and_health():
 
     async def probe() -> tuple:
         async with httpx.AsyncClient() as http:
-            upstream = OpenAIHttpUpstream(BASE + "/", http)
+            upstream = OpenAIHttpUpstream(BASE + "/", http, raw_http=False)
             models = await upstream.describe(1.0)
             health = upstream.watch_health(0.01)
             serving = await anext(health)
@@ -552,7 +562,7 @@ EMBED = EmbedRequest("e", ("one two", (1, 2, 3)), dimensions=2, user="team-a")
 async def embed(request: EmbedRequest = EMBED) -> object:
     async with httpx.AsyncClient() as http:
         try:
-            return await OpenAIHttpUpstream(BASE, http).embed(request, 5.0)
+            return await OpenAIHttpUpstream(BASE, http, raw_http=False).embed(request, 5.0)
         except errors.EngineError as error:
             return error
 
@@ -626,3 +636,210 @@ def test_embed_answers_are_read_only_up_to_their_bound():
 def test_embed_connect_failure_is_unavailable():
     respx.post(f"{BASE}/embeddings").mock(side_effect=httpx.ConnectError("refused"))
     assert isinstance(anyio.run(embed), errors.Unavailable)
+
+
+# -- plain http:// upstreams: our own connections (no respx: a loopback server) ------
+
+
+class ScriptedHttp:
+    """A loopback HTTP/1.1 server answering each request with the next scripted
+    response: (status, body pieces, then hang?). A 200's pieces go chunked, one
+    send each, as an engine streams; it keeps the requests and counts connections."""
+
+    def __init__(self, *responses: tuple[int, list[bytes], bool]) -> None:
+        self.responses = list(responses)
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+        self.sent_all = False
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.responses:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                self.requests.append((head, await reader.readexactly(length)))
+                status, pieces, hang = self.responses.pop(0)
+                if status != 200:
+                    body = b"".join(pieces)
+                    writer.write(
+                        b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n" % (status, len(body))
+                    )
+                    writer.write(body)
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for piece in pieces:
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+                self.sent_all = True
+                if hang:
+                    await reader.read()  # until the client leaves
+                    self.closed_by_client.set()
+                    return
+                writer.write(b"0\r\n\r\n")
+            await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_client.set()
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def events_of(*payloads) -> list[bytes]:
+    """SSE events, one body piece each."""
+    return [sse(p) for p in payloads]
+
+
+async def raw_call(server: ScriptedHttp, request: GenerateRequest, **options) -> tuple:
+    """Every event of one call over a plain http:// URL, the error, the outcomes."""
+    url = await server.start()
+    outcomes, events, failure = [], [], None
+    try:
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http, api_key=options.get("key"))
+            call = upstream.generate(
+                request, options.get("timeout", 5.0), options.get("metadata", ()), outcomes.append
+            )
+            try:
+                async for event in call:
+                    events.append(event)
+            except errors.EngineError as error:
+                failure = error
+            await upstream.close()
+    finally:
+        server.close()
+    return events, failure, outcomes
+
+
+def test_plain_http_streams_over_our_connection_with_the_same_body_and_headers():
+    pieces = events_of(chunk("Hel"), chunk("lo"), chunk(finish="stop"))
+    pieces += events_of(chunk(usage={"prompt_tokens": 9, "completion_tokens": 2}), "[DONE]")
+    server = ScriptedHttp((200, pieces, False))
+    metadata = (("x-request-id", "r1"), ("traceparent", "bad\r\nx-injected: 1"))
+    events, failure, outcomes = anyio.run(
+        lambda: raw_call(server, CHAT, key="sk-1", metadata=metadata)
+    )
+    assert failure is None and outcomes == [None]
+    assert events[0] == Started(0)
+    assert "".join(e.text for e in events if type(e) is Text) == "Hello"
+    assert events[-1] == Finished(FinishReason.STOP, 2, 9)
+    head, body = server.requests[0]
+    assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer sk-1\r\n" in head
+    assert b"\r\nx-request-id: r1\r\n" in head
+    assert b"injected" not in head  # a value that would break the head is not sent
+    assert json.loads(body) == json.loads(orjson.dumps(request_body(CHAT)))
+
+
+def test_plain_http_reuses_its_connection_and_refusals_keep_it():
+    done = events_of(chunk("a", finish="stop"), "[DONE]")
+    refusal = json.dumps({"error": {"message": "bad", "param": "top_p"}}).encode()
+    server = ScriptedHttp((200, done, False), (400, [refusal], False), (200, done, False))
+
+    async def three() -> list:
+        url = await server.start()
+        results = []
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            for _ in range(3):
+                try:
+                    results.append([e async for e in upstream.generate(CHAT, 5.0)])
+                except errors.EngineError as error:
+                    results.append(error)
+            await upstream.close()
+        server.close()
+        return results
+
+    first, refused, third = anyio.run(three)
+    assert first[-1] == third[-1] == Finished(FinishReason.STOP, 1, None)
+    assert type(refused) is errors.Invalid and refused.param == "top_p"
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize(
+    ("response", "expected", "message"),
+    [
+        ((200, events_of(chunk("a")), False), errors.Failed, "without [DONE]"),
+        ((200, [b"data: {not json\n\n"], False), errors.Failed, "not JSON"),
+        ((429, [b"{}"], False), errors.Busy, ""),
+    ],
+)
+def test_plain_http_failures_map_as_over_httpx(response, expected, message):
+    _, failure, outcomes = anyio.run(lambda: raw_call(ScriptedHttp(response), CHAT))
+    assert type(failure) is expected and message in failure.message
+    assert outcomes == [failure]
+
+
+def test_plain_http_refusal_streamed_as_the_first_event_is_a_refusal():
+    error = {"error": {"message": "out of vocab", "param": "logit_bias", "code": 400}}
+    server = ScriptedHttp((200, events_of(error, "[DONE]"), False))
+    events, failure, _ = anyio.run(lambda: raw_call(server, CHAT))
+    assert events == [] and type(failure) is errors.Invalid and failure.param == "logit_bias"
+
+
+def test_plain_http_cancel_closes_the_connection_the_upstream_sees_it():
+    server = ScriptedHttp((200, events_of(chunk("a")), True))
+
+    async def cancel_after_start() -> list:
+        outcomes = []
+        url = await server.start()
+        async with httpx.AsyncClient() as http:
+            call = OpenAIHttpUpstream(url, http).generate(CHAT, 5.0, on_close=outcomes.append)
+            assert await anext(call) == Started(0)
+            call.cancel()
+            with anyio.fail_after(HANG_GUARD):
+                await server.closed_by_client.wait()
+        server.close()
+        return outcomes
+
+    assert anyio.run(cancel_after_start) == [CANCELLED]
+
+
+def test_plain_http_deadline_and_unreachable():
+    server = ScriptedHttp((200, events_of(chunk("a")), True))  # then nothing, ever
+    events, failure, _ = anyio.run(lambda: raw_call(server, CHAT, timeout=0.3))
+    assert [type(e) for e in events] == [Started, Text]
+    assert type(failure) is errors.Timeout
+
+    async def unreachable() -> object:
+        async with httpx.AsyncClient() as http:
+            call = OpenAIHttpUpstream(f"http://127.0.0.1:{free_port()}/v1", http).generate(CHAT, 5)
+            try:
+                await anext(call)
+            except errors.EngineError as error:
+                return error
+
+    assert type(anyio.run(unreachable)) is errors.Unavailable
+
+
+def test_plain_http_pauses_reading_for_a_reader_that_falls_behind():
+    # two choices in turn: nothing merges, so the events pile up
+    # (more than loopback's socket buffers hold)
+    pieces = [sse(choice(i % 2, "w " * 40)) for i in range(100_000)]
+    pieces += events_of(choice(0, finish="stop"), choice(1, finish="stop"), "[DONE]")
+    server = ScriptedHttp((200, pieces, False))
+
+    async def slow_reader() -> tuple:
+        url = await server.start()
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            call = upstream.generate(TWO, HANG_GUARD)
+            assert await anext(call) == Started(0)
+            await asyncio.sleep(0.5)  # the reader is busy: the server's sends back up
+            waiting = len(call._ready)
+            sent_all = server.sent_all
+            texts = [e async for e in call if type(e) is Text]
+            await upstream.close()
+        server.close()
+        return waiting, sent_all, texts
+
+    waiting, sent_all, texts = anyio.run(slow_reader)
+    assert waiting < 10_000 and not sent_all
+    assert sum(len(t.text) for t in texts) == 100_000 * 80

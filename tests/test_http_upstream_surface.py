@@ -291,11 +291,6 @@ def test_completion_logprobs_one_per_token(through, direct):
 
 
 @pytest.mark.vllm
-@pytest.mark.xfail(
-    reason="the event pump (gateway/admission/pump.py) still ends a call at its first "
-    "Finished, for every kind of worker; the upstream's side is the test below",
-    strict=False,
-)
 def test_n_choices_whole_and_interleaved_with_usage_summed(through, direct):
     request = {"messages": user("hi"), "n": 2, "max_tokens": 5, "temperature": 1, "seed": 3}
     ours, theirs = both(through, direct, **request)
@@ -329,7 +324,9 @@ def test_the_upstream_reads_n_choices_as_one_finished_each(vllm_http, direct):
     async def read() -> list[Any]:
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(f"http://127.0.0.1:{vllm_http.port}/v1", http)
-            return [event async for event in upstream.generate(request, HANG_GUARD)]
+            events = [event async for event in upstream.generate(request, HANG_GUARD)]
+            await upstream.close()
+            return events
 
     events = anyio.run(read)
     assert events[0] == Started(0)

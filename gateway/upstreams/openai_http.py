@@ -22,21 +22,33 @@ Their stream has no `Started` with the prompt's size: `Started(0)` goes out
 when their headers arrive, and the prompt tokens ride on `Finished` from their
 usage chunk.
 
-Cost: the read path takes the bytes httpx hands over (one HTTP chunk or more),
-cuts them into `data:` lines with one `split`, parses each once with orjson and
-queues the events, merging a choice's pieces that arrived together into one
-event, so a reader behind the stream gets fewer, larger events; no async
-iterator per line.
+Cost: streamed completions to a plain http:// upstream (the in-cluster case)
+go over the upstream's own kept-alive connections (`_Pool`, `_Connection`, an
+asyncio protocol over httptools): httpx's stack (httpcore, h11, three async
+generators) cost tens of microseconds per SSE event, as every event is its own
+HTTP chunk. Here a network read of many events is one callback: httptools undoes
+the chunking in C, `_Stream` cuts the `data:` lines with one `split`, parses each
+once with orjson, and queues the events, merging a choice's pieces that arrived
+together, so the reader gets fewer, larger events and one wake-up per read; a
+reader that falls behind pauses the socket. https, a proxy from the environment,
+embeddings, /models and /health go through the fleet's httpx client (TLS and its
+CA, proxies). Measured against a fast fake engine, 32 streams on 2 loaded cores:
+tokens/s through the gateway went from about 0.45 to 0.8 of direct, the added
+TTFT at 1 stream from about 1.45 ms to 0.5 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from itertools import zip_longest
-from typing import Any
+from typing import Any, cast
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
+import httptools
 import httpx
 import orjson
 
@@ -55,7 +67,13 @@ from gateway.protocol.types import (
     TokenLogprob,
     ToolCallDelta,
 )
-from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
+from gateway.upstreams.base import (
+    CANCELLED,
+    CallEnd,
+    ModelDescription,
+    StreamBookkeeping,
+    UpstreamCall,
+)
 
 #: Their HTTP status → our error; 400s are refined by the error body's code.
 HTTP_ERRORS: dict[int, type[errors.EngineError]] = {
@@ -94,7 +112,13 @@ MAX_ERROR_BYTES = 64 * 1024
 #: the error bound for the rest.
 MAX_EMBEDDING_BYTES = 256 * 1024
 _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
-_CLOSING: set[asyncio.Task[None]] = set()  # upstream responses being closed after a cancel
+#: Pieces of a choice that arrive together are merged up to this many characters, and
+#: reading pauses while more than `_PAUSE_AT` events wait: a reader that falls behind
+#: holds at most about 1 MiB of a stream.
+_MERGE_CHARS = 16 * 1024
+_PAUSE_AT = 64
+_CLOSING: set[asyncio.Task[None]] = set()
+_BREAKS_HEADER = re.compile(r"[\r\n\x00]")  # upstream responses being closed after a cancel
 
 
 def _error_fields(payload: Any) -> dict[str, Any]:
@@ -390,7 +414,7 @@ class _Stream:
         ready = self.ready
         if ready:
             last = ready[-1]
-            if type(last) is Text and last.index == text.index:
+            if type(last) is Text and last.index == text.index and len(last.text) < _MERGE_CHARS:
                 if last.logprobs is None and text.logprobs is None:
                     ready[-1] = Text(last.text + text.text, last.tokens + text.tokens, text.index)
                     return
@@ -410,7 +434,11 @@ class _Stream:
         ready = self.ready
         if ready and not call_id and not name:
             last = ready[-1]
-            if type(last) is ToolCallDelta and (last.index, last.call_index) == (index, call_index):
+            if (
+                type(last) is ToolCallDelta
+                and (last.index, last.call_index) == (index, call_index)
+                and len(last.arguments) < _MERGE_CHARS
+            ):
                 ready[-1] = last._replace(
                     arguments=last.arguments + arguments, tokens=last.tokens + tokens
                 )
@@ -570,15 +598,287 @@ def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
     )
 
 
+class _Connection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection to a plain-HTTP upstream, one request
+    at a time. httptools undoes the chunked encoding inside the transport's
+    callback and hands the body to the call reading it (`_RawCall`): a network
+    read of many SSE events is one `data_received`, one parse, one wake-up."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.call: _RawCall | None = None
+        self.reusable = False  # its last response ended whole, with keep-alive
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        call = self.call
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            if call is not None:
+                call.fail(errors.Failed(f"The upstream sent bad HTTP: {error}"))
+        if call is not None:
+            call.wake()
+
+    def on_headers_complete(self) -> None:
+        if self.call is not None:
+            self.call.head(self._parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.call is not None:
+            self.call.body(body)
+
+    def on_message_complete(self) -> None:
+        call, self.call = self.call, None
+        self.reusable = self._parser.should_keep_alive()
+        if call is not None:
+            call.complete(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        call, self.call = self.call, None
+        if call is not None:
+            call.fail(errors.Unavailable(f"upstream closed the connection: {exc}"))
+            call.wake()
+
+    def abort(self) -> None:
+        """Drops the connection: the upstream sees its client leave."""
+        self.reusable = False
+        self.call = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Pool:
+    """An upstream's idle kept-alive connections; a request takes one or opens one."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[_Connection] = []
+        self.open: set[_Connection] = set()
+        self.closed = False
+
+    async def take(self, connect_timeout: float) -> _Connection:
+        while self.idle:
+            connection = self.idle.pop()
+            transport = connection.transport
+            if connection.reusable and transport is not None and not transport.is_closing():
+                connection.reusable = False
+                return connection
+            self.drop(connection)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, connection = await loop.create_connection(_Connection, self.host, self.port)
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"upstream unreachable: {error!r}") from None
+        self.open.add(connection)
+        return connection
+
+    def give_back(self, connection: _Connection) -> None:
+        """A connection whose response ended: kept for the next request if it can be."""
+        if connection.reusable and not self.closed:
+            self.idle.append(connection)
+        else:
+            self.drop(connection)
+
+    def drop(self, connection: _Connection) -> None:
+        connection.abort()
+        self.open.discard(connection)
+
+    def close(self) -> None:
+        """Drops every connection, idle or not."""
+        self.closed = True
+        for connection in self.open:
+            connection.abort()
+        self.open.clear()
+        self.idle.clear()
+
+
+class _RawCall(StreamBookkeeping):
+    """One streamed call over a pooled connection (`_Connection`): the request is
+    written whole; the response's body goes to `_Stream` as it arrives, and
+    `__anext__` hands on what it made. Reading pauses while more than
+    `_PAUSE_AT` events wait for the reader. `timeout` is the call's deadline."""
+
+    def __init__(
+        self,
+        pool: _Pool,
+        request: bytes,
+        stream: _Stream,
+        timeout: float,
+        worker: str,
+        on_close: Callable[[CallEnd], None],
+    ) -> None:
+        super().__init__(worker, on_close)
+        self._pool = pool
+        self._request = request
+        self._stream = stream
+        self._ready = stream.ready
+        self._timeout = timeout
+        self._connection: _Connection | None = None
+        self._status = 0
+        self._error_body: list[bytes] = []
+        self._error_size = 0
+        self._failure: errors.EngineError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._paused = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        ready = self._ready
+        if ready:
+            if self._paused and len(ready) <= 1:
+                self._paused = False
+                connection = self._connection
+                if connection is not None and connection.transport is not None:
+                    connection.transport.resume_reading()
+            return ready.popleft()
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self._connection is None:
+                await self._open()
+                return Started(0)
+            await self._wait()
+            return ready.popleft()
+        except errors.EngineError as error:
+            self._end(error)
+            raise
+
+    async def _open(self) -> None:
+        """Sends the request; returns at their first event (a refusal raises)."""
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self._timeout, self._expire)
+        connection = await self._pool.take(min(self._timeout, 5.0))
+        if self._closed:  # cancelled while connecting
+            self._pool.drop(connection)
+            raise errors.Unavailable("The call was cancelled.")
+        self._connection = connection
+        connection.call = self
+        assert connection.transport is not None
+        connection.transport.write(self._request)
+        await self._wait()
+
+    async def _wait(self) -> None:
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            if self._stream.done:
+                return
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    # -- the connection's callbacks -------------------------------------------------
+
+    def wake(self) -> None:
+        """After a read: the reader goes on; too much waiting pauses reading."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if len(self._ready) > _PAUSE_AT and not self._paused:
+            connection = self._connection
+            if connection is not None and connection.transport is not None:
+                self._paused = True
+                connection.transport.pause_reading()
+
+    def head(self, status: int) -> None:
+        self._status = status
+
+    def body(self, data: bytes) -> None:
+        if self._failure is not None or self._stream.done:
+            return
+        if self._status != 200:
+            if self._error_size < MAX_ERROR_BYTES:
+                self._error_body.append(data)
+                self._error_size += len(data)
+            return
+        try:
+            self._stream.feed(data)
+        except errors.EngineError as error:
+            self.fail(error)  # the events before it go out first
+        else:
+            if self._stream.done:
+                self._end(None)  # [DONE]: the call is over; its last events wait to be read
+
+    def complete(self, connection: _Connection) -> None:
+        """Their response ended: the connection goes back to the pool if it can."""
+        self._connection = None
+        if self._paused and connection.transport is not None:
+            self._paused = False
+            connection.transport.resume_reading()
+        self._pool.give_back(connection)
+        if self._status != 200:
+            body = b"".join(self._error_body)[:MAX_ERROR_BYTES]
+            self.fail(error_from_response(self._status, body))
+        elif not self._stream.done:
+            self.fail(errors.Failed("The upstream ended its stream without [DONE]."))
+
+    def fail(self, error: errors.EngineError) -> None:
+        if self._failure is None and not self._stream.done:
+            self._failure = error
+            self._drop()
+
+    def _expire(self) -> None:
+        self.fail(errors.Timeout(f"upstream did not answer within {self._timeout:g} s"))
+        self.wake()
+
+    # -- ending -----------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._pool.drop(connection)
+
+    def _end(self, outcome: CallEnd) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if outcome is not None or not self._stream.done:
+            self._drop()  # mid-response: the connection cannot be reused
+        self.close(outcome)
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Drops the connection (the upstream sees the client leave)."""
+        self._ready.clear()
+        self._end(outcome)
+
+
 class OpenAIHttpUpstream:
     """An OpenAI-compatible server at a base URL (…/v1), as a worker."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        http: httpx.AsyncClient,
+        api_key: str | None = None,
+        raw_http: bool | None = None,
+    ) -> None:
+        """`raw_http`: stream completions over our own connections (`_RawCall`);
+        None: for a plain http:// URL that no proxy variable covers. Everything
+        else (https, embeddings, models, health) goes through `http`."""
         self.address = base_url.rstrip("/")
         self._http = http
         self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
         root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
+        url = urlsplit(self.address)
+        host, port = url.hostname or "", url.port or 80
+        if raw_http is None:
+            raw_http = url.scheme == "http" and not _proxied(host)
+        self._pool = _Pool(host, port) if raw_http else None
+        lines = [f"Host: {url.netloc}", "Content-Type: application/json"]
+        lines += [f"Authorization: {value}" for value in self._auth.values()]
+        self._head = "".join(f"{line}\r\n" for line in lines)
+        self._path = url.path
 
     def generate(
         self,
@@ -586,12 +886,26 @@ class OpenAIHttpUpstream:
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = lambda outcome: None,
-    ) -> OpenAIHttpCall:
-        """Starts their streamed completion; `timeout` bounds each read."""
+    ) -> UpstreamCall:
+        """Starts their streamed completion within `timeout` seconds (over httpx:
+        `timeout` bounds each read)."""
         chat = request.messages is not None
         path = "chat/completions" if chat else "completions"
-        http_request = self._post(path, request_body(request), timeout, metadata)
         stream = _Stream(chat, request.n)
+        if self._pool is not None:
+            body = orjson.dumps(request_body(request))
+            extra = "".join(
+                f"{name}: {value}\r\n"
+                for name, value in metadata
+                if not _BREAKS_HEADER.search(name + value)  # never valid; httpx refuses them
+            )
+            head = (
+                f"POST {self._path}/{path} HTTP/1.1\r\n{self._head}{extra}"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            raw = head.encode("latin-1") + body
+            return _RawCall(self._pool, raw, stream, timeout, self.address, on_close)
+        http_request = self._post(path, request_body(request), timeout, metadata)
         return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
 
     async def embed(
@@ -673,4 +987,13 @@ class OpenAIHttpUpstream:
             await asyncio.sleep(poll_interval)
 
     async def close(self) -> None:
-        """Nothing of its own to close: the pooled client belongs to the fleet."""
+        """Drops its own idle connections; the httpx client belongs to the fleet."""
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _proxied(host: str) -> bool:
+    """Whether the environment sends plain HTTP to `host` through a proxy (as
+    httpx would read it): such upstreams are reached through httpx."""
+    proxies = getproxies()
+    return bool(proxies.get("http") or proxies.get("all")) and not proxy_bypass(host)
