@@ -12,6 +12,7 @@ valid, so the schemas are bounded (enums, booleans) and finish in a few tokens.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import defaultdict
 from collections.abc import Iterator
@@ -49,6 +50,14 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
+from tests.support.surface import (
+    MAX_TOKENS,
+    TOOLS,
+    WEATHER,
+    Call,
+    assert_valid,
+    calls_of,
+)
 from tests.support.vllm import VllmProcess, start_grpc_server
 from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
@@ -70,28 +79,6 @@ TOOLS_TEMPLATE = (
     "</tool_call>{% endfor %}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "celsius": {"type": "boolean"},
-    },
-    "required": ["city", "celsius"],
-    "additionalProperties": False,
-}
-CLOCK = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-TOOLS = [
-    {"type": "function", "function": {"name": name, "parameters": schema}}
-    for name, schema in SCHEMAS.items()
-]
-#: Enough for a bounded call or object from a random model under guided decoding.
-MAX_TOKENS = 96
 
 
 @dataclass
@@ -147,49 +134,9 @@ def _nothing_left(front: Front) -> Iterator[None]:
     assert_nothing_left(front.gateway, None)
 
 
-class Call:
-    """A tool call as the client sees it, whole or put together from a stream."""
-
-    def __init__(self, id: str = "", name: str = "", arguments: str = "") -> None:
-        self.id = id
-        self.name = name
-        self.arguments = arguments
-
-
-def _calls(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[list[Call], str]:
-    """One answer's tool calls and finish reason; a stream's pieces are checked to
-    come as OpenAI streams them (index, id and name first, once; then arguments)."""
-    if not stream:
-        choice = sdk.chat.completions.create(**body).choices[0]
-        calls = [
-            Call(c.id, c.function.name, c.function.arguments)
-            for c in choice.message.tool_calls or []
-        ]
-        if choice.finish_reason == "tool_calls":
-            assert choice.message.content is None
-        return calls, choice.finish_reason
-    by_index: dict[int, Call] = defaultdict(Call)
-    finish = ""
-    for chunk in sdk.chat.completions.create(**body, stream=True):
-        for choice in chunk.choices:
-            for piece in choice.delta.tool_calls or []:
-                call = by_index[piece.index]
-                if piece.id:
-                    assert not call.id, "a call's id comes in its first piece only"
-                    assert piece.function.name, "the first piece names the function"
-                    call.id, call.name = piece.id, piece.function.name
-                else:
-                    assert call.id, "arguments come after the piece with the id"
-                call.arguments += piece.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [by_index[i] for i in sorted(by_index)], finish
-
-
 def _assert_valid(calls: list[Call]) -> None:
-    assert calls, "the model made no call"
-    for call in calls:
-        assert call.id.startswith("call_") and len(call.id) == 29
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert_valid(calls)
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", call.id) for call in calls)
 
 
 def _chat(front: Front, **body: Any) -> Any:
@@ -231,10 +178,10 @@ def test_required_tool_calls_follow_their_schemas(front: Front, stream: bool, se
     }
     # A random model may go on adding calls to the array until max_tokens cuts it:
     # the calls that closed are served, the cut one is the text it was.
-    calls, finish = _calls(front.sdk, body, stream)
+    calls, finish = calls_of(front.sdk, body, stream)
     _assert_valid(calls)
     assert finish in ("tool_calls", "length")
-    single, finish = _calls(front.sdk, {**body, "parallel_tool_calls": False}, stream)
+    single, finish = calls_of(front.sdk, {**body, "parallel_tool_calls": False}, stream)
     _assert_valid(single)
     assert len(single) == 1 and finish == "tool_calls"
 
@@ -249,7 +196,7 @@ def test_a_named_tool_is_the_one_called(front: Front, stream: bool):
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
     }
-    calls, finish = _calls(front.sdk, body, stream)
+    calls, finish = calls_of(front.sdk, body, stream)
     _assert_valid(calls)
     assert [call.name for call in calls] == ["get_time"]
     assert finish == "tool_calls"
