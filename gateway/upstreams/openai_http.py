@@ -602,7 +602,8 @@ class _Connection(asyncio.Protocol):
     """One kept-alive HTTP/1.1 connection to a plain-HTTP upstream, one request
     at a time. httptools undoes the chunked encoding inside the transport's
     callback and hands the body to the call reading it (`_RawCall`): a network
-    read of many SSE events is one `data_received`, one parse, one wake-up."""
+    read of many SSE events is one `data_received`, one `_Stream.feed`, one
+    wake-up."""
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
@@ -619,6 +620,7 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as error:
             if call is not None:
+                call.flush()  # what came before it goes out first
                 call.fail(errors.Failed(f"The upstream sent bad HTTP: {error}"))
         if call is not None:
             call.wake()
@@ -721,6 +723,7 @@ class _RawCall(StreamBookkeeping):
         self._timeout = timeout
         self._connection: _Connection | None = None
         self._status = 0
+        self._pieces: list[bytes] = []  # the body pieces of the read in progress
         self._error_body: list[bytes] = []
         self._error_size = 0
         self._failure: errors.EngineError | None = None
@@ -781,7 +784,9 @@ class _RawCall(StreamBookkeeping):
     # -- the connection's callbacks -------------------------------------------------
 
     def wake(self) -> None:
-        """After a read: the reader goes on; too much waiting pauses reading."""
+        """After a read: what it brought is parsed, the reader goes on, and too
+        much waiting pauses reading."""
+        self.flush()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -795,6 +800,15 @@ class _RawCall(StreamBookkeeping):
         self._status = status
 
     def body(self, data: bytes) -> None:
+        self._pieces.append(data)  # parsed once per read, in `flush`
+
+    def flush(self) -> None:
+        """Parses the body pieces of the last read as one."""
+        pieces = self._pieces
+        if not pieces:
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
         if self._failure is not None or self._stream.done:
             return
         if self._status != 200:
@@ -812,6 +826,7 @@ class _RawCall(StreamBookkeeping):
 
     def complete(self, connection: _Connection) -> None:
         """Their response ended: the connection goes back to the pool if it can."""
+        self.flush()
         self._connection = None
         if self._paused and connection.transport is not None:
             self._paused = False
