@@ -135,6 +135,8 @@ def test_completions_route_for_a_text_prompt():
         (sse(chunk("a")) + b"data: {not json\n\n", "not JSON"),
         (sse(chunk("a"), "[1, 2]"), "not an object"),
         (sse(chunk("a")), "without [DONE]"),
+        (sse(chunk("a"), {"choices": "x"}), "unknown shape"),
+        (sse(chunk("a"), {"choices": [{"logprobs": {"content": [{}]}}]}), "unknown shape"),
     ],
 )
 @respx.mock
@@ -145,6 +147,15 @@ def test_malformed_streams_are_engine_failures(content, message):
     assert message in failure.message
     assert events[1].text == "a"  # what came before is kept
     assert outcomes == [failure]
+
+
+@respx.mock
+def test_a_choice_the_engine_aborted_is_unavailable_not_an_answer():
+    aborted = {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}
+    respx.post(f"{BASE}/chat/completions").respond(200, content=sse(chunk("a"), aborted, "[DONE]"))
+    events, failure, _ = anyio.run(run, CHAT)
+    assert type(failure) is errors.Unavailable and "abort" in failure.message
+    assert events[1].text == "a"
 
 
 @respx.mock

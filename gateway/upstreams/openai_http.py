@@ -104,6 +104,11 @@ ERROR_CODES: dict[str, type[errors.EngineError]] = {
 TOO_LONG_MESSAGES = ("maximum context length",)
 TOO_LONG_PARAMS = ("input_tokens",)
 _REASONS = {r.value: r for r in FinishReason}
+#: Finish reasons that are failures (vLLM's, as its gRPC server's in `vllm_grpc`).
+_FINISH_ERRORS: dict[str, type[errors.EngineError]] = {
+    "abort": errors.Unavailable,  # aborted by the engine (shutdown, preemption)
+    "error": errors.Failed,
+}
 #: The largest SSE line (one event) and error body read from an upstream: past them the
 #: upstream is failing, and reading on would only grow the gateway's memory.
 MAX_EVENT_BYTES = 1024 * 1024
@@ -363,7 +368,10 @@ class _Stream:
                 raise errors.Failed("The upstream sent an event that is not JSON.") from None
             if type(payload) is not dict:
                 raise errors.Failed("The upstream sent an event that is not an object.")
-            self._chunk(payload)
+            try:
+                self._chunk(payload)
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise errors.Failed("The upstream sent an event of an unknown shape.") from None
         if self._size > MAX_EVENT_BYTES:
             raise errors.Failed(_TOO_LARGE)
 
@@ -408,6 +416,9 @@ class _Stream:
                 tokens = 0
         reason = choice.get("finish_reason")
         if reason is not None and index not in self._reasons:
+            failure = _FINISH_ERRORS.get(reason)
+            if failure is not None:
+                raise failure(f"The upstream ended choice {index} with `{reason}`.")
             self._reasons[index] = _REASONS.get(reason, FinishReason.STOP)
 
     def _text(self, text: Text) -> None:
@@ -622,6 +633,8 @@ class _Connection(asyncio.Protocol):
             if call is not None:
                 call.flush()  # what came before it goes out first
                 call.fail(errors.Failed(f"The upstream sent bad HTTP: {error}"))
+            else:
+                self.abort()  # bytes on an idle connection: it is not usable
         if call is not None:
             call.wake()
 
