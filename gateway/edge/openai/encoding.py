@@ -93,8 +93,12 @@ class Encoder:
         logprobs: bool = False,
         tools: bool = False,
         echo: str | None = None,
+        named_tool: bool = False,
     ) -> None:
         self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
+        # A call of the function tool_choice names ends with "stop", not "tool_calls"
+        # (OpenAI's reasons, as vLLM's server gives them).
+        self._named_tool = named_tool
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
@@ -116,11 +120,15 @@ class Encoder:
 
     def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: Any = 0) -> bytes:
         chunk = self._head_of(self.object_chunk)
-        finish = None if reason is None else reason.value
-        chunk["choices"] = [{"index": index, **choice, "finish_reason": finish}]
+        chunk["choices"] = [{"index": index, **choice, "finish_reason": self._reason(reason)}]
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
+
+    def _reason(self, reason: FinishReason | None) -> str | None:
+        if reason is FinishReason.TOOL_CALLS and self._named_tool:
+            return FinishReason.STOP.value
+        return None if reason is None else reason.value
 
     # What subclasses say.
 
@@ -292,8 +300,7 @@ class Encoder:
             ]
             logprobs = self.logprobs_json(choice.logprobs) if self.logprobs else None
             full = self.full_choice("".join(choice.pieces), logprobs, calls)
-            reason = None if choice.reason is None else choice.reason.value
-            choices.append({"index": index, **full, "finish_reason": reason})
+            choices.append({"index": index, **full, "finish_reason": self._reason(choice.reason)})
         return self._body(choices, prompt_tokens, completion_tokens)
 
 

@@ -272,6 +272,7 @@ class GenerationRoute:
             logprobs=generate.logprobs is not None,
             tools=bool(generate.tools),
             echo=generate.prompt if parsed.echo else None,
+            named_tool=generate.tool_choice not in ("", "none", "auto", "required"),
         )
         record.expect(generate.n)
         try:
