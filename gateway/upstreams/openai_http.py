@@ -442,6 +442,8 @@ class _Stream:
         call_id = call.get("id") or ""
         name = function.get("name") or ""
         arguments = function.get("arguments") or ""
+        if not call_id and not name and not arguments:
+            return  # an empty piece (its token is counted on the choice)
         ready = self.ready
         if ready and not call_id and not name:
             last = ready[-1]
