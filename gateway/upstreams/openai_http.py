@@ -5,7 +5,8 @@ Our request becomes their `/chat/completions` or `/completions` call with
 `stream: true` and usage included; their server-sent events become our events;
 their errors map into our error tree (`HTTP_ERRORS`), so the edge answers them
 as it answers a gRPC worker's. Upstreams share one pooled `httpx.AsyncClient`
-(one per private CA, `ca_file`); a model's `api_key_env` key goes as
+(one per private CA, `ca_file`), and plain http:// ones stream over their own
+connections (below); a model's `api_key_env` key goes as
 `Authorization: Bearer` on each of its calls, and only there (never in a log or
 an error). A client that leaves closes the upstream stream.
 
@@ -19,8 +20,8 @@ as `Text`, `delta.tool_calls` as `ToolCallDelta`, each choice's finish reason
 as its `Finished`; `embed` is their `/embeddings`.
 
 Their stream has no `Started` with the prompt's size: `Started(0)` goes out
-when their headers arrive, and the prompt tokens ride on `Finished` from their
-usage chunk.
+with their first event (so an error event in its place is still a refusal),
+and the prompt tokens ride on `Finished` from their usage chunk.
 
 Cost: streamed completions to a plain http:// upstream (the in-cluster case)
 go over the upstream's own kept-alive connections (`_Pool`, `_Connection`, an
@@ -33,8 +34,8 @@ together, so the reader gets fewer, larger events and one wake-up per read; a
 reader that falls behind pauses the socket. https, a proxy from the environment,
 embeddings, /models and /health go through the fleet's httpx client (TLS and its
 CA, proxies). Measured against a fast fake engine, 32 streams on 2 loaded cores:
-tokens/s through the gateway went from about 0.45 to 0.8 of direct, the added
-TTFT at 1 stream from about 1.45 ms to 0.5 ms.
+tokens/s through the gateway went from about 0.45 to 0.85 of direct, the added
+TTFT at 1 stream from about 1.45 ms to 0.45 ms.
 """
 
 from __future__ import annotations
@@ -475,7 +476,8 @@ class _Stream:
 
 
 class OpenAIHttpCall(StreamBookkeeping):
-    """One streamed call to an upstream, read as our events."""
+    """One streamed call over the fleet's httpx client (https upstreams, or a
+    proxy from the environment), read as our events; `timeout` bounds each read."""
 
     def __init__(
         self,
