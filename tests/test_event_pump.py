@@ -5,6 +5,7 @@ pump leaves no reference cycle behind."""
 
 import asyncio
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -120,3 +121,51 @@ def test_a_cancelled_pump_is_freed_without_the_cycle_collector():
         assert uvloop.run(main())() is None
     finally:
         gc.enable()
+
+
+class ReadyStream(FakeStream):
+    """A stream whose events are all ready at once, as SSE events parsed from one
+    large read are: reading them never waits. Each read is logged by name."""
+
+    def __init__(self, name: str, count: int, log: list[str]) -> None:
+        super().__init__()
+        self.name, self.left, self.log = name, count, log
+
+    async def __anext__(self) -> Event:
+        if not self.left:
+            await asyncio.Event().wait()  # no more: wait until cancelled
+        self.left -= 1
+        self.log.append(self.name)
+        return Text("x", 1)
+
+
+def _runs(log: list[str]) -> list[int]:
+    """Lengths of the runs of one reader's reads in a row."""
+    runs = [1]
+    for before, after in itertools.pairwise(log):
+        if after == before:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
+def test_readers_with_much_ready_take_turns_and_a_lone_one_reads_on():
+    async def main(names: str) -> list[str]:
+        log: list[str] = []
+        pumps = [pump_over(ReadyStream(name, 200, log)) for name in names]
+        try:
+            for pump in pumps:
+                taken = 0
+                while taken < 201:  # Started and 200 texts
+                    taken += len(await pump.next_batch(5.0))
+            return log
+        finally:
+            for pump in pumps:
+                await pump.aclose()
+
+    both = uvloop.run(main("ab"))
+    assert both.index("b") < len(both) - 1 - both[::-1].index("a")  # b began before a ended
+    assert len(_runs(both)) > 20  # turns of a few events each, not one reader then the other
+    assert _runs(uvloop.run(main("a"))) == [200]  # alone, nothing to yield to
+    assert EventPump.reading == 0

@@ -28,13 +28,20 @@ import asyncio
 import logging
 import math
 from collections.abc import Coroutine
-from typing import Any
+from time import perf_counter
+from typing import Any, ClassVar
 
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, Started, Text
 from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.edge")
+
+#: Events a reader takes back to back (parsed from one read) before it lets the
+#: other tasks run, while other requests are being read; and the gap between two
+#: events, in seconds, that shows the reader waited (its turn ended).
+TURN_EVENTS = 4
+QUIET = 0.0001
 
 
 class EventPump:
@@ -44,6 +51,9 @@ class EventPump:
     event and the stream of the rest, or raises the refusal. The call ends
     with the `Finished` of each of its `choices`.
     """
+
+    #: Pumps whose reader has not ended, in this process: a reader yields only to others.
+    reading: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -63,9 +73,12 @@ class EventPump:
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
+        self._texted = False  # whether a batch with text went to the edge yet
         self._wake_at = math.inf  # when the current wait ends without an event
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf  # when `_timer` fires
+        self._reading = True
+        EventPump.reading += 1
         self._reader = self._loop.create_task(self._read())
 
     async def _read(self) -> None:
@@ -74,7 +87,21 @@ class EventPump:
             self._ready.append(first)
             self._last_event = self._loop.time()
             self._wake()
+            in_turn = 0  # events read back to back, without waiting
+            last = perf_counter()
             async for event in self._stream:
+                now = perf_counter()
+                if now - last > QUIET:  # it waited for this one: a new turn of the loop
+                    in_turn = 0
+                else:
+                    in_turn += 1
+                    if in_turn >= TURN_EVENTS and EventPump.reading > 1:
+                        # Events parsed from one read, back to back: let the other
+                        # streams and new requests run before going on.
+                        in_turn = 0
+                        await asyncio.sleep(0)
+                        now = perf_counter()
+                last = now
                 if type(event) is Started:
                     failure = errors.Failed("The engine worker started the answer twice.")
                     self._stream.cancel(failure)
@@ -100,8 +127,14 @@ class EventPump:
             log.exception("reading from the engine worker failed")
             self._error = errors.Failed("The gateway failed while reading the worker's answer.")
         finally:
+            self._stop_reading()
             self._ended = True
             self._wake()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            EventPump.reading -= 1
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -150,13 +183,16 @@ class EventPump:
             woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
             if tick is not None and woken_by_tick:
                 return []
-            if self._ready and not self._ended:
+            if self._ready and not self._ended and self._texted:
                 # One more turn of the loop lets the reader add what the worker has
                 # already sent, so the edge writes it in one send: under load, 1.0 ->
                 # ~1.7 tokens per SSE chunk at 1 token per gRPC message (make bench).
+                # Not before the first text: the first token goes out at once.
                 await asyncio.sleep(0)
         if self._ready:
             batch, self._ready = self._ready, []
+            if not self._texted:
+                self._texted = any(type(event) is Text for event in batch)
             self.buffered = 0
             taken = self._taken
             if taken is not None and not taken.done():
@@ -188,6 +224,7 @@ class EventPump:
         whole request (tasks, transport, gRPC call) to the cyclic garbage
         collector, whose pauses stall every stream."""
         self.cancel()
+        self._stop_reading()  # a reader cancelled before it ran has no `finally`
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
