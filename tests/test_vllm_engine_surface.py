@@ -36,6 +36,7 @@ from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, St
 from gateway.protocol.v1 import engine_pb2_grpc
 from tests.support.requests import user
 from tests.support.servers import ServerLoop, Workers, assert_nothing_left
+from tests.support.surface import MAX_TOKENS, SCHEMAS, TOOLS, assert_valid, calls_of
 from tests.support.vllm import START_GUARD, vllm_python
 from tests.support.vllm_worker import (
     EMBED_MODEL,
@@ -52,27 +53,6 @@ from tests.support.waiting import wait_until
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2 * START_GUARD + 60)]
 
 MESSAGES = user("what is the weather in paris")
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["paris", "tokyo", "lima"]},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-        "precise": {"type": "boolean"},
-    },
-    "required": ["city", "unit", "precise"],
-    "additionalProperties": False,
-}
-ALARM = {
-    "type": "object",
-    "properties": {"hour": {"type": "integer", "enum": [6, 7, 8]}},
-    "required": ["hour"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": name, "parameters": schema}}
-    for name, schema in SCHEMAS.items()
-]
 ANSWER = {
     "type": "object",
     "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
@@ -137,25 +117,6 @@ def _refusal(front: Front, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return error
 
 
-def _streamed_calls(chunks: list[Any], index: int = 0) -> list[dict[str, str]]:
-    """The calls of choice `index` from a stream's deltas, checking OpenAI's order:
-    each call opens with its index, id and name, then only arguments follow."""
-    calls: list[dict[str, str]] = []
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.index != index:
-                continue
-            for delta in choice.delta.tool_calls or ():
-                if delta.index == len(calls):  # a new call: id and name first
-                    assert delta.id.startswith("call_") and delta.function.name
-                    calls.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
-                else:
-                    assert delta.index == len(calls) - 1 and not delta.id
-                    assert not delta.function.name
-                calls[delta.index]["arguments"] += delta.function.arguments or ""
-    return calls
-
-
 def _validate(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
@@ -188,37 +149,37 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
 # -- tool calls -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["get_weather", "set_alarm"])
-def test_a_named_tool_choice_calls_that_function_with_valid_arguments(front: Front, name: str):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(
+    front: Front, name: str, stream: bool
+):
     choice = {"type": "function", "function": {"name": name}}
-    reply = _chat(front, tools=TOOLS, tool_choice=choice, max_tokens=64, temperature=1)
-    (answer,) = reply.choices
-    assert answer.finish_reason == "tool_calls"
-    assert answer.message.content is None
-    (call,) = answer.message.tool_calls
-    assert call.id.startswith("call_") and call.type == "function"
-    assert call.function.name == name
-    _validate(name, call.function.arguments)
-
-    chunks = _stream(front, tools=TOOLS, tool_choice=choice, max_tokens=64, temperature=1)
-    (streamed,) = _streamed_calls(chunks)
-    assert streamed["name"] == name
-    _validate(name, streamed["arguments"])
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    assert chunks[-1].usage.completion_tokens > 0
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}
+    calls, finish = calls_of(front.sdk, {**body, "max_tokens": MAX_TOKENS}, stream)
+    assert_valid(calls)
+    assert [call.name for call in calls] == [name]
+    assert all(call.id.startswith("call_") for call in calls)
+    assert finish == "stop"  # OpenAI's reason for a call of a named function
 
 
-def test_required_tool_choice_without_parallel_calls_makes_one_valid_call(front: Front):
-    body = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
-    reply = _chat(front, max_tokens=96, temperature=1, **body)
-    (answer,) = reply.choices
-    assert answer.finish_reason == "tool_calls"
-    (call,) = answer.message.tool_calls
-    _validate(call.function.name, call.function.arguments)
-
-    chunks = _stream(front, max_tokens=96, temperature=1, **body)
-    (streamed,) = _streamed_calls(chunks)
-    _validate(streamed["name"], streamed["arguments"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_choice_without_parallel_calls_makes_one_valid_call(
+    front: Front, stream: bool
+):
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1,
+    }
+    calls, finish = calls_of(front.sdk, body, stream)
+    assert_valid(calls)
+    assert len(calls) == 1
+    assert finish == "tool_calls"
 
 
 def test_required_tool_choice_calls_in_every_choice(front: Front):
@@ -281,7 +242,7 @@ VLLM_PARSER_SCRIPT = textwrap.dedent(
 
 
 def test_vllms_own_tool_parsers_stream_calls_through_ours(vllm_model: Path):
-    calls = '[get_weather(city="lima", unit="c", precise=True), set_alarm(hour=7)]'
+    calls = '[get_weather(city="Oslo", celsius=True), get_time(zone="UTC")]'
     cases = [[calls, None], [calls, False], ["no call here", None]]
     done = subprocess.run(
         [
@@ -309,7 +270,7 @@ def test_vllms_own_tool_parsers_stream_calls_through_ours(vllm_model: Path):
             found[call][1] += arguments
         return [(name, arguments) for name, arguments in found]
 
-    assert [name for name, _ in joined(parallel)] == ["get_weather", "set_alarm"]
+    assert [name for name, _ in joined(parallel)] == ["get_weather", "get_time"]
     for name, arguments in joined(parallel):
         _validate(name, arguments)
     assert [name for name, _ in joined(single)] == ["get_weather"]  # no parallel calls
@@ -426,6 +387,7 @@ def test_n_choices_over_the_worker_protocol(front: Front):
     request = GenerateRequest(
         MODEL, prompt="one two three", n=3, logprobs=1, sampling=SamplingParams(max_tokens=5)
     )
+    aborted = front.worker.aborted()
     with grpc.insecure_channel(f"127.0.0.1:{front.worker.port}") as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         events = [
@@ -442,6 +404,8 @@ def test_n_choices_over_the_worker_protocol(front: Front):
         assert sum(e.tokens for e in texts) == 5
         assert sum(len(e.logprobs or ()) for e in texts) == 5
     assert type(events[-1]) is Finished
+    wait_until(lambda: front.worker.load() == 0, "the engine to hold no request")
+    assert front.worker.aborted() == aborted  # a finished request is not aborted
 
 
 # -- sampling fields ------------------------------------------------------------------------

@@ -362,6 +362,7 @@ class VllmEngine(Engine):
         started = done = False
         try:
             async for output in outputs:
+                done = output.finished  # nothing left to abort, even if closed from here
                 if not started:
                     started = True
                     yield Started(len(output.prompt_token_ids or ()) or (length or 0))
@@ -372,8 +373,7 @@ class VllmEngine(Engine):
                     if completion.finish_reason is not None:
                         for event in choice.finish(completion.finish_reason):
                             yield event
-                if output.finished:
-                    done = True
+                if done:
                     return
             raise Failed("The engine ended the answer without finishing it.")
         except VLLMValidationError as error:
