@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck format protos bench bench-fleet constraints
+.PHONY: demo test lint typecheck format protos bench bench-fleet bench-peers constraints
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ bench:
 
 bench-fleet:
 	$(PY) -m benchmarks.bench_fleet
+
+# Side by side with vllm-router and smg (installed from PyPI into .tools/peers on first run).
+bench-peers:
+	$(PY) -m benchmarks.bench_peers
 
 # The pinned versions CI and the image install; run after changing a dependency.
 constraints: $(PY)
