@@ -18,8 +18,11 @@ The OpenAI surface is vLLM's own: `n` is its parallel sampling (one prompt
 prefill for all choices), logprobs its sampler's, `response_format` and a
 forced `tool_choice` its guided decoding (the schemas its server uses: the
 function's parameters for a named tool, an array of calls for "required"),
-and `tool_choice` "auto" its tool-call parser named by `--tool-call-parser`,
-fed each step. Whatever vLLM refuses is `Invalid` naming the parameter.
+read back by the gateway's parsers of those answers. `tool_choice` "auto"
+reads the text with the parser of the model's format (`--tool-call-parser`):
+the gateway's where it has one (one behaviour for every kind of worker), else
+vLLM's own parser of that name, fed each step. Whatever vLLM refuses is
+`Invalid` naming the parameter.
 
 Stop strings are not passed to vLLM: the SDK's matcher applies them, as for
 every engine (one semantics and one held-back rule for all workers); its cut
