@@ -4,7 +4,8 @@ one run, against the engine served directly; then the gRPC path against a raw cl
 
 What one run measures (issue 14's table, this run's figures):
 
-- HTTP upstream mode, each of direct, vllm-router, smg and furnace-gateway in front of
+- HTTP upstream mode, each of direct, vllm-router, smg and furnace-gateway (one process,
+  and as `--processes N` processes on one port, `serve --workers N`, default 2) in front of
   `benchmarks/fake_openai.py` (one SSE event per token, echoing the prompt's words):
   TTFT p50 at 1 stream (16-token answers, the targets taking turns in blocks of 50
   requests, so a slow patch of the machine hits them alike); and at 32 streams of
@@ -28,7 +29,7 @@ gateway (`python -m gateway serve`, uvloop and httptools as in production) and t
 client (uvloop; the load generator's httptools client). Compare the ratios of one
 run: other work on the machine moves the absolute figures.
 
-Run: `python -m benchmarks.bench_peers [--quick] [--json PATH] [--gateway-processes N]`
+Run: `python -m benchmarks.bench_peers [--quick] [--json PATH] [--processes N] [--no-peers]`
 (`make bench-peers`); about 2 minutes, 1 with --quick.
 """
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 import random
 import subprocess
@@ -105,7 +105,8 @@ class PeerSettings:
     streams: int = 32
     short_words: int = 16
     long_words: int = 256
-    load_per_stream: int = 6  # 256-token requests per stream, measured
+    load_per_stream: int = 2  # 256-token requests per stream, measured, in each round
+    load_rounds: int = 4
     grpc: Settings = field(
         default_factory=lambda: Settings(
             ttft_requests=300, ttft_per_stream=20, warmup_s=1.0, window_s=4.0
@@ -116,7 +117,7 @@ class PeerSettings:
 DEFAULT = PeerSettings()
 QUICK = PeerSettings(
     ttft_blocks=3,
-    load_per_stream=3,
+    load_rounds=2,
     grpc=Settings(ttft_requests=150, ttft_per_stream=8, warmup_s=0.5, window_s=2.0),
 )
 
@@ -277,11 +278,11 @@ class Setup:
 
 
 @contextlib.contextmanager
-def start_all(venv: Path, gateway_processes: int, skip_peers: bool) -> Iterator[Setup]:
+def start_all(venv: Path, processes: int, skip_peers: bool) -> Iterator[Setup]:
     """The engine, the gRPC workers, the gateway and the routers; all stopped on exit."""
     grpc_models = [COALESCED, *ECHO.values(), SLOW]  # what the workers process serves
-    ports = free_ports(len(grpc_models) + 2 + 2 * len(PEERS))
-    engine_port, gateway_port, *rest = ports
+    ports = free_ports(len(grpc_models) + 3 + 2 * len(PEERS))
+    engine_port, gateway_port, several_port, *rest = ports
     worker_ports = dict(zip(grpc_models, rest[: len(grpc_models)], strict=True))
     peer_ports = rest[len(grpc_models) :]
     engine_url = f"http://{HOST}:{engine_port}"
@@ -316,13 +317,22 @@ def start_all(venv: Path, gateway_processes: int, skip_peers: bool) -> Iterator[
         config_path = logs / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(config))
         serve = [sys.executable, "-m", "gateway", "serve", "--config", str(config_path)]
-        if gateway_processes > 1:
-            serve += ["--workers", str(gateway_processes)]
         gateway_log = logs / "gateway.log"
         gateway = _popen(serve, gateway_log)
         stack.callback(_stop, gateway)
         if reason := wait_serving(FURNACE, gateway, gateway_port, gateway_log):
             raise RuntimeError(reason)
+        several: Target | None = None
+        if processes > 1:  # the same gateway as N processes on one port, HTTP mode only
+            several_path = logs / "several.yaml"
+            several_path.write_text(yaml.safe_dump({**config, "port": several_port}))
+            name = f"{FURNACE}, {processes} processes"
+            serve = [sys.executable, "-m", "gateway", "serve", "--config", str(several_path)]
+            several_log = logs / "several.log"
+            process = _popen([*serve, "--workers", str(processes)], several_log)
+            stack.callback(_stop, process)
+            reason = wait_serving(name, process, several_port, several_log)
+            several = Target(name, several_port, process.pid, reason)
 
         targets = [Target(DIRECT, engine_port, None)]
         found = (
@@ -340,6 +350,8 @@ def start_all(venv: Path, gateway_processes: int, skip_peers: bool) -> Iterator[
             version = peer_version(venv, PEERS[name][0])
             targets.append(Target(name, port, process.pid, reason, version))
         targets.append(Target(FURNACE, gateway_port, gateway.pid))
+        if several is not None:
+            targets.append(several)
         yield Setup(engine.pid, workers.pid, gateway.pid, gateway_port, worker_ports, targets)
 
 
@@ -355,8 +367,29 @@ class TargetClient(GatewayClient):
 
 
 @dataclass
+class LoadSample:
+    """One round of `streams` streams of long answers back to back, on one target."""
+
+    ttfts: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    tokens: int = 0
+    elapsed: float = 0.0
+    cpu: float | None = 0.0  # the target's CPU seconds (None: the engine served directly)
+    delivery: Delivery = field(default_factory=Delivery)
+
+    def merge(self, other: LoadSample) -> None:
+        """Adds another round."""
+        self.ttfts += other.ttfts
+        self.e2es += other.e2es
+        self.tokens += other.tokens
+        self.elapsed += other.elapsed
+        self.cpu = None if self.cpu is None or other.cpu is None else self.cpu + other.cpu
+        self.delivery.merge(other.delivery)
+
+
+@dataclass
 class LoadRun:
-    """`streams` streams of long answers back to back, on one target."""
+    """`streams` streams of long answers back to back, on one target, every round."""
 
     target: str
     streams: int
@@ -368,17 +401,30 @@ class LoadRun:
     cpu_us_per_token: float | None  # the target's (None: the engine served directly)
     delivery: Delivery
 
+    @classmethod
+    def of(cls, target: str, streams: int, sample: LoadSample) -> LoadRun:
+        """The summary of a target's rounds."""
+        return cls(
+            target=target,
+            streams=streams,
+            requests=len(sample.ttfts),
+            ttft_p50_ms=percentile(sample.ttfts, 50) * 1e3,
+            ttft_p99_ms=percentile(sample.ttfts, 99) * 1e3,
+            e2e_p50_ms=percentile(sample.e2es, 50) * 1e3,
+            tokens_per_s=sample.tokens / sample.elapsed,
+            cpu_us_per_token=None if sample.cpu is None else sample.cpu / sample.tokens * 1e6,
+            delivery=sample.delivery,
+        )
+
 
 async def measure_load(
     client: Client, prompt: Prompt, streams: int, per_stream: int, clock: TreeClock
-) -> LoadRun:
-    """TTFT, E2E and tokens/s of `per_stream` answers on each of `streams` streams, from
-    the moment each stream has done one unmeasured request."""
+) -> LoadSample:
+    """TTFT, E2E, tokens and time of `per_stream` answers on each of `streams` streams,
+    from the moment each stream has done one unmeasured request."""
     await client.open(streams)
     tally = Tally()
-    ttfts: list[float] = []
-    e2es: list[float] = []
-    delivery = Delivery()
+    sample = LoadSample()
     ready = asyncio.Barrier(streams + 1)
 
     async def stream() -> None:
@@ -387,35 +433,25 @@ async def measure_load(
         for _ in range(per_stream):
             result = await client.request(prompt, tally)
             assert result.ttft is not None
-            ttfts.append(result.ttft)
-            e2es.append(result.latency)
-            delivery.add(prompt, result)
+            sample.ttfts.append(result.ttft)
+            sample.e2es.append(result.latency)
+            sample.delivery.add(prompt, result)
 
     tasks = [asyncio.create_task(stream()) for _ in range(streams)]
     try:
         await ready.wait()
         before, t0 = clock.read(), time.perf_counter()
         await asyncio.gather(*tasks)
-        elapsed, after = time.perf_counter() - t0, clock.read()
+        sample.elapsed, after = time.perf_counter() - t0, clock.read()
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
         await clock.settle()
-    tokens = prompt.words * len(ttfts)
-    cpu = cpu_used(before, after)
-    return LoadRun(
-        target=client.name,
-        streams=streams,
-        requests=len(ttfts),
-        ttft_p50_ms=percentile(ttfts, 50) * 1e3,
-        ttft_p99_ms=percentile(ttfts, 99) * 1e3,
-        e2e_p50_ms=percentile(e2es, 50) * 1e3,
-        tokens_per_s=tokens / elapsed,
-        cpu_us_per_token=cpu["gateway"] / tokens * 1e6 if "gateway" in cpu else None,
-        delivery=delivery,
-    )
+    sample.tokens = prompt.words * len(sample.ttfts)
+    sample.cpu = cpu_used(before, after).get("gateway")
+    return sample
 
 
 @dataclass
@@ -444,16 +480,21 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
         await clients[target.name].close()
         results.ttft[target.name] = LatencyRun.of(target.name, 1, sequential[target.name])
     _progress("HTTP mode, TTFT at 1 stream: done")
-    for target in serving:
-        run = await measure_load(
-            clients[target.name],
-            long,
-            settings.streams,
-            settings.load_per_stream,
-            clocks[target.name],
+    # The load in rounds, the targets taking turns in each, so a slow patch of the
+    # machine (other work on it) falls on all of them rather than on one.
+    samples = {t.name: LoadSample() for t in serving}
+    for round_ in range(settings.load_rounds):
+        for target in serving:
+            name = target.name
+            sample = await measure_load(
+                clients[name], long, settings.streams, settings.load_per_stream, clocks[name]
+            )
+            samples[name].merge(sample)
+        _progress(
+            f"HTTP mode, {settings.streams} streams x {settings.long_words}: round {round_ + 1}"
         )
-        results.load[target.name] = run
-        _progress(f"HTTP mode, {settings.streams} streams x {settings.long_words}: {target.name}")
+    for name, sample in samples.items():
+        results.load[name] = LoadRun.of(name, settings.streams, sample)
     return results
 
 
@@ -482,8 +523,6 @@ async def measure_grpc(setup: Setup, settings: PeerSettings) -> GrpcResults:
     memory = await measure_memory(setup.gateway_port, setup.gateway_pid, s.memory_streams, clock)
     results.kib_per_stream = memory.kib_per_stream
     results.memory_kib = (memory.before_kib, memory.during_kib)
-    if children(setup.gateway_pid):  # several processes: the parent holds no stream
-        results.kib_per_stream = math.nan
     _progress(f"gRPC path, memory of {s.memory_streams} open streams: done")
 
     rng = random.Random(7)
@@ -684,8 +723,8 @@ def render(report: Report) -> str:
     before, during = report.grpc.memory_kib
     notes = (
         f"commit {env['commit']} (+: gateway/ has uncommitted changes); {env['cpus']} CPUs "
-        f"shared by the engine, the workers, the routers, the gateway ({env['gateway_processes']} "
-        f"process{'es' * (env['gateway_processes'] > 1)}) and the client; Python {env['python']}.\n"
+        "shared by the engine, the workers, the routers, the gateways and the client; Python "
+        f"{env['python']}. The gRPC path, CPU and memory: the one-process gateway.\n"
         "TTFT: from writing the request to the first content; CPU per token: the router's "
         "(the gateway's) CPU seconds from /proc over the 32-stream run's tokens; delivered / "
         "emitted: the words of the deltas over the words the engine echoed, every finished "
@@ -710,7 +749,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a shorter run (~1 minute)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
-        "--gateway-processes", type=int, default=1, metavar="N", help="serve --workers N"
+        "--processes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="also measure the gateway as N processes (serve --workers N) in HTTP mode; "
+        "0 or 1: not",
     )
     parser.add_argument(
         "--peers-venv", type=Path, default=PEERS_VENV, help="the routers' virtualenv"
@@ -732,13 +776,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = QUICK if args.quick else DEFAULT
     started = time.monotonic()
     _progress("starting the engine, the workers, the gateway and the routers")
-    with start_all(args.peers_venv, args.gateway_processes, args.no_peers) as setup:
+    with start_all(args.peers_venv, args.processes, args.no_peers) as setup:
         http, grpc = uvloop.run(run_bench(setup, settings))
     environment = {
         "commit": _commit(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
-        "gateway_processes": args.gateway_processes,
+        "processes": args.processes,
         "memory_streams": settings.grpc.memory_streams,
     }
     report = Report(environment, setup.targets, http, grpc)
