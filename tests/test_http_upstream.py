@@ -657,8 +657,9 @@ class ScriptedHttp:
     response: (status, body pieces, then hang?). A 200's pieces go chunked, one
     send each, as an engine streams; it keeps the requests and counts connections."""
 
-    def __init__(self, *responses: tuple[int, list[bytes], bool]) -> None:
+    def __init__(self, *responses: tuple[int, list[bytes], bool], keep_alive: bool = True) -> None:
         self.responses = list(responses)
+        self.keep_alive = keep_alive
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
         self.closed_by_client = asyncio.Event()
@@ -693,6 +694,9 @@ class ScriptedHttp:
                     self.closed_by_client.set()
                     return
                 writer.write(b"0\r\n\r\n")
+                if not self.keep_alive:
+                    await writer.drain()
+                    return  # closes the connection, as a server's keep-alive timeout does
             await reader.read()
         except (asyncio.IncompleteReadError, ConnectionError):
             self.closed_by_client.set()
@@ -747,6 +751,25 @@ def test_plain_http_streams_over_our_connection_with_the_same_body_and_headers()
     assert b"\r\nx-request-id: r1\r\n" in head
     assert b"injected" not in head  # a value that would break the head is not sent
     assert json.loads(body) == json.loads(orjson.dumps(request_body(CHAT)))
+
+
+def test_plain_http_a_connection_the_upstream_closed_is_not_reused():
+    done = events_of(chunk("a", finish="stop"), "[DONE]")
+    server = ScriptedHttp((200, done, False), (200, done, False), keep_alive=False)
+
+    async def two() -> list:
+        url = await server.start()
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            first = [e async for e in upstream.generate(CHAT, 5.0)]
+            await asyncio.sleep(0.1)  # the server's close reaches the pool
+            second = [e async for e in upstream.generate(CHAT, 5.0)]
+            await upstream.close()
+        server.close()
+        return [first[-1], second[-1]]
+
+    assert anyio.run(two) == [Finished(FinishReason.STOP, 1, None)] * 2
+    assert server.connections == 2
 
 
 def test_plain_http_reuses_its_connection_and_refusals_keep_it():

@@ -123,6 +123,8 @@ _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 #: holds at most about 1 MiB of a stream.
 _MERGE_CHARS = 16 * 1024
 _PAUSE_AT = 64
+#: Idle kept-alive connections an upstream keeps (as the fleet's httpx client does).
+_MAX_IDLE = 256
 _CLOSING: set[asyncio.Task[None]] = set()
 _BREAKS_HEADER = re.compile(r"[\r\n\x00]")  # upstream responses being closed after a cancel
 
@@ -620,7 +622,8 @@ class _Connection(asyncio.Protocol):
     read of many SSE events is one `data_received`, one `_Stream.feed`, one
     wake-up."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: _Pool) -> None:
+        self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.call: _RawCall | None = None
@@ -658,6 +661,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
+        self._pool.forget(self)
         call, self.call = self.call, None
         if call is not None:
             call.fail(errors.Unavailable(f"upstream closed the connection: {exc}"))
@@ -691,15 +695,18 @@ class _Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout):
-                _, connection = await loop.create_connection(_Connection, self.host, self.port)
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port
+                )
         except (OSError, TimeoutError) as error:
             raise errors.Unavailable(f"upstream unreachable: {error!r}") from None
         self.open.add(connection)
         return connection
 
     def give_back(self, connection: _Connection) -> None:
-        """A connection whose response ended: kept for the next request if it can be."""
-        if connection.reusable and not self.closed:
+        """A connection whose response ended: kept for the next request if it can
+        be (up to `_MAX_IDLE` of them)."""
+        if connection.reusable and not self.closed and len(self.idle) < _MAX_IDLE:
             self.idle.append(connection)
         else:
             self.drop(connection)
@@ -707,6 +714,12 @@ class _Pool:
     def drop(self, connection: _Connection) -> None:
         connection.abort()
         self.open.discard(connection)
+
+    def forget(self, connection: _Connection) -> None:
+        """A connection the upstream (or we) closed."""
+        self.open.discard(connection)
+        if connection in self.idle:
+            self.idle.remove(connection)
 
     def close(self) -> None:
         """Drops every connection, idle or not."""
