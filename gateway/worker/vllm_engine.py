@@ -287,20 +287,22 @@ class VllmEngine(Engine):
     async def _render(
         self, request: GenerateRequest, tools: list[dict[str, Any]] | None
     ) -> tuple[Any, int | None]:
-        """The engine's prompt and its length (None: vLLM's renderer counts it: a
-        multimodal conversation, whose images it fetches and places)."""
+        """The engine's input and its length in tokens (None: not known here).
+        A multimodal model's conversation goes through vLLM's renderer, as in
+        vLLM's server: it fetches the images and places their tokens."""
         if self.multimodal and request.messages is not None:
             from vllm.renderers.params import ChatParams
 
             messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
             options = {"add_generation_prompt": True, "tools": tools}
             try:
-                _, prompt = await self.llm.renderer.render_messages_async(
-                    messages, ChatParams(chat_template_kwargs=options)
+                _, (engine_input,) = await self.llm.renderer.render_chat_async(
+                    [messages], ChatParams(chat_template_kwargs=options)
                 )
             except (ValueError, jinja2.TemplateError) as error:
-                raise Invalid(f"The messages were refused: {error}", param="messages") from None
-            return prompt, None
+                raise _refused(error, "messages") from None
+            ids = engine_input.get("prompt_token_ids")
+            return engine_input, None if ids is None else len(ids)
         if request.messages is not None and any(m.images for m in request.messages):
             raise Invalid(f"The model `{self.model}` takes no images.", param="messages")
         loop = asyncio.get_running_loop()
@@ -380,9 +382,7 @@ class VllmEngine(Engine):
                     return
             raise Failed("The engine ended the answer without finishing it.")
         except VLLMValidationError as error:
-            if "longer than the maximum model length" in str(error):  # a multimodal prompt
-                raise TooLong(str(error), param=param) from None
-            raise Invalid(str(error), param=error.parameter or plan.param) from None
+            raise _refused(error, error.parameter or plan.param, param) from None
         except ValueError as error:  # vLLM's checks of the request, before it runs
             if started:
                 raise
@@ -445,6 +445,14 @@ class VllmEngine(Engine):
         finally:
             if not done:
                 await llm.abort(request_id)
+
+
+def _refused(error: Exception, param: str | None, prompt: str = "messages") -> Invalid | TooLong:
+    """vLLM's refusal of a request: `TooLong` naming the prompt's parameter
+    when the prompt does not fit the context, else `Invalid` naming `param`."""
+    if "longer than the maximum model length" in str(error):
+        return TooLong(str(error), param=prompt)
+    return Invalid(str(error), param=param)
 
 
 class _ToolPlan:
