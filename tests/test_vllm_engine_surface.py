@@ -34,10 +34,10 @@ from gateway.protocol import features
 from gateway.protocol.convert import event_from_proto, request_to_proto
 from gateway.protocol.types import Finished, GenerateRequest, SamplingParams, Started, Text
 from gateway.protocol.v1 import engine_pb2_grpc
-from tests.support.requests import user
+from tests.support.requests import opened, user
 from tests.support.servers import ServerLoop, Workers, assert_nothing_left
 from tests.support.surface import MAX_TOKENS, SCHEMAS, TOOLS, assert_valid, calls_of
-from tests.support.vllm import START_GUARD, vllm_python
+from tests.support.vllm import MAX_MODEL_LEN, START_GUARD, vllm_python
 from tests.support.vllm_worker import (
     EMBED_MODEL,
     EMBED_OPTIONS,
@@ -406,6 +406,30 @@ def test_n_choices_over_the_worker_protocol(front: Front):
     assert type(events[-1]) is Finished
     wait_until(lambda: front.worker.load() == 0, "the engine to hold no request")
     assert front.worker.aborted() == aborted  # a finished request is not aborted
+
+
+def test_greedy_choices_are_one_answer_given_n_times(front: Front):
+    # vLLM refuses n > 1 at temperature 0; the worker generates once and copies it
+    reply = _chat(front, n=3, max_tokens=6, temperature=0, logprobs=True)
+    one = _chat(front, max_tokens=6, temperature=0, logprobs=True).choices[0]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert {c.message.content for c in reply.choices} == {one.message.content}
+    assert all(len(c.logprobs.content) == 6 for c in reply.choices)
+    assert reply.usage.completion_tokens == 18
+
+
+def test_a_client_that_leaves_n_choices_aborts_them_all_in_the_engine(front: Front):
+    aborted = front.worker.aborted()
+    body = {"model": MODEL, "prompt": "one two three", "n": 3, "stream": True}
+    body |= {"max_tokens": MAX_MODEL_LEN - 64, "temperature": 1, "seed": 1}
+    with front.http.stream("POST", "/v1/completions", json=body) as response:
+        lines = opened(response)
+        next(lines)
+        # vLLM holds the 3 choices as 3 requests; the worker aborts them by their parent's id
+        wait_until(lambda: front.worker.load() == 3, "the 3 choices in the engine")
+    del lines  # the connection closes: the client is gone
+    wait_until(lambda: front.worker.aborted() == aborted + 1, "the engine to abort the request")
+    wait_until(lambda: front.worker.load() == 0, "the engine to hold no choice")
 
 
 # -- sampling fields ------------------------------------------------------------------------

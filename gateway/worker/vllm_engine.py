@@ -15,7 +15,8 @@ is known and a prompt that does not fit `max_model_len` is refused with
 conversations go through vLLM's own renderer instead, which fetches the images.
 
 The OpenAI surface is vLLM's own: `n` is its parallel sampling (one prompt
-prefill for all choices), logprobs its sampler's, `response_format` and a
+prefill for all choices; greedy choices, which vLLM will not sample n times,
+are one answer copied to each), logprobs its sampler's, `response_format` and a
 forced `tool_choice` its guided decoding (the schemas its server uses: the
 function's parameters for a named tool, an array of calls for "required"),
 read back by the gateway's parsers of those answers. `tool_choice` "auto"
@@ -95,6 +96,8 @@ log = logging.getLogger("furnace.worker")
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 #: Seconds between looks at whether the engine died (one attribute read each).
 DEAD_POLL = 1.0
+#: Temperatures below this are greedy sampling (vLLM's own bound).
+GREEDY = 1e-5
 #: The tool-call parser of `tool_choice` "auto" unless `--tool-call-parser` names another.
 DEFAULT_TOOL_PARSER = "hermes"
 #: Guided decoding unless the worker's options say otherwise: xgrammar without
@@ -329,18 +332,23 @@ class VllmEngine(Engine):
             options["logit_bias"] = dict(sampling.logit_bias)
         if sampling.stop_token_ids:
             options["stop_token_ids"] = list(sampling.stop_token_ids)
+        # Greedy choices are all the same answer: vLLM refuses n > 1 for them, so
+        # one is generated and `generate` copies it to every choice (as OpenAI answers).
+        greedy = options.get("temperature", 1.0) < GREEDY
         try:
             return VllmSampling(
                 **options,
-                n=max(request.n, 1),
+                n=1 if greedy else max(request.n, 1),
                 logprobs=request.logprobs,
                 max_tokens=max_tokens,
                 structured_outputs=guided,
                 skip_special_tokens=skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except ValueError as error:  # vLLM's checks of the values
-            raise Invalid(str(error), param=getattr(error, "parameter", None)) from None
+        except VLLMValidationError as error:  # vLLM's checks of the values
+            raise Invalid(str(error), param=error.parameter) from None
+        except ValueError as error:
+            raise Invalid(str(error)) from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Render and check the context, then per engine step each choice's
@@ -364,6 +372,7 @@ class VllmEngine(Engine):
             log.info("request %s for user %r", request_id, request.user)
         outputs = llm.generate(prompt, params, request_id)
         choices = [_Choice(i, plan, request.logprobs) for i in range(max(request.n, 1))]
+        copied = params.n < len(choices)  # greedy: vLLM's one answer is every choice's
         started = done = False
         try:
             async for output in outputs:
@@ -372,12 +381,12 @@ class VllmEngine(Engine):
                     started = True
                     yield Started(len(output.prompt_token_ids or ()) or (length or 0))
                 for completion in output.outputs:
-                    choice = choices[completion.index]
-                    for event in choice.step(completion):
-                        yield event
-                    if completion.finish_reason is not None:
-                        for event in choice.finish(completion.finish_reason):
+                    for choice in choices if copied else (choices[completion.index],):
+                        for event in choice.step(completion):
                             yield event
+                        if completion.finish_reason is not None:
+                            for event in choice.finish(completion.finish_reason):
+                                yield event
                 if done:
                     return
             raise Failed("The engine ended the answer without finishing it.")
