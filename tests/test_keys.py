@@ -100,7 +100,9 @@ def test_a_team_sees_and_uses_only_its_models(gateway_with):
         assert hidden.json() == {
             "error": {
                 **missing.json()["error"],
-                "message": f"The model `{SCRIPTED_MODEL}` does not exist.",
+                "message": missing.json()["error"]["message"].replace(
+                    "`nope`", f"`{SCRIPTED_MODEL}`"
+                ),
             }
         }
         # no model: the first LLM, which the team may use
