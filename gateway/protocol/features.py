@@ -48,6 +48,11 @@ ALL = frozenset(
         DIMENSIONS,
     }
 )
+#: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
+#: code (vLLM, transformers) all take.
+SAMPLING = frozenset(
+    {MIN_TOKENS, IGNORE_EOS, REPETITION_PENALTY, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS}
+)
 #: What a worker that lists nothing (the protocol's first version) serves.
 FIRST_VERSION = frozenset({GENERATE})
 

@@ -352,21 +352,13 @@ def sampling_params(
 
 #: What a generative vLLM engine serves beyond text (with `tools` when the model's
 #: call format is configured): every field its `SamplingParams` has a place for.
-GENERATIVE = frozenset(
-    {
-        features.GENERATE,
-        features.N,
-        features.LOGPROBS,
-        features.RESPONSE_FORMAT,
-        features.MIN_TOKENS,
-        features.IGNORE_EOS,
-        features.REPETITION_PENALTY,
-        features.MIN_P,
-        features.LOGIT_BIAS,
-        features.STOP_TOKEN_IDS,
-        features.USER,
-    }
-)
+GENERATIVE = features.SAMPLING | {
+    features.GENERATE,
+    features.N,
+    features.LOGPROBS,
+    features.RESPONSE_FORMAT,
+    features.USER,
+}
 
 #: KV-cache use at which a vLLM engine counts as full (it would preempt or queue).
 KV_FULL = 0.98

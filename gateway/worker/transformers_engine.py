@@ -102,20 +102,12 @@ _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_lengt
 #: weak model pads the JSON with blanks until max_tokens.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 #: What every model served here takes, beyond plain generation.
-_SERVED = frozenset(
-    {
-        features.GENERATE,
-        features.EMBEDDINGS,
-        features.LOGPROBS,
-        features.MIN_TOKENS,
-        features.IGNORE_EOS,
-        features.REPETITION_PENALTY,
-        features.MIN_P,
-        features.LOGIT_BIAS,
-        features.STOP_TOKEN_IDS,
-        features.USER,
-    }
-)
+_SERVED = features.SAMPLING | {
+    features.GENERATE,
+    features.EMBEDDINGS,
+    features.LOGPROBS,
+    features.USER,
+}
 
 
 def pick_device(device: str) -> torch.device:
