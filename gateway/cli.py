@@ -113,9 +113,9 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
             options = ["--dtype", args.dtype, *options]
         try:
             vllm_args = engine_args(args.model_path, options, max_context=args.max_context)
-        except FileNotFoundError as error:
+            return VllmEngine(vllm_args, args.model, tool_parser=args.tool_call_parser)
+        except (FileNotFoundError, ValueError) as error:
             sys.exit(f"furnace-gateway: {error}")
-        return VllmEngine(vllm_args, args.model, tool_parser=args.tool_call_parser)
     # Imported here so the gateway and the demo run without torch installed.
     from gateway.worker.transformers_engine import TransformersEngine
 

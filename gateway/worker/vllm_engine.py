@@ -198,7 +198,13 @@ class VllmEngine(Engine):
         if tool_parser not in tool_calls.PARSERS:
             from vllm.tool_parsers import ToolParserManager
 
-            self.parser_class = ToolParserManager.get_tool_parser(tool_parser)  # or KeyError
+            try:
+                self.parser_class = ToolParserManager.get_tool_parser(tool_parser)
+            except KeyError:
+                raise ValueError(
+                    f"unknown tool-call parser {tool_parser!r}: not the gateway's "
+                    f"({', '.join(sorted(tool_calls.PARSERS))}) nor one of vLLM's"
+                ) from None
         self._building: asyncio.Future[Any] | None = None
         self._ids = itertools.count()
         # Tokenization runs here, off the event loop (one thread: tokenizers are not
@@ -416,6 +422,8 @@ class VllmEngine(Engine):
         inputs = await loop.run_in_executor(self._executor, self._embed_inputs, request)
         pooling = PoolingParams(task="embed", dimensions=request.dimensions)
         base = f"{request.request_id or 'furnace'}-{next(self._ids)}"
+        if request.user:
+            log.info("request %s for user %r", base, request.user)
         vectors = await asyncio.gather(
             *(self._embed_one(llm, ids, pooling, f"{base}-{i}") for i, ids in enumerate(inputs))
         )
