@@ -99,7 +99,9 @@ def gateway_processes(
         f"models:\n  - name: {MODEL}\n    workers: ['127.0.0.1:{worker_port}']\n"
     )
     command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(  # a session of its own, as a terminal's job: its group
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         wait_until(lambda: _ready(admin, process), "both processes to be ready", 2 * HANG_GUARD)
         yield process, port, admin
@@ -133,7 +135,10 @@ def _metric(admin: int, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     }
 
 
-def test_two_processes_share_the_port_and_the_slots_and_drain_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["SIGTERM to the gateway", "Ctrl-C"])
+def test_two_processes_share_the_port_and_the_slots_and_drain_on_a_signal(
+    tmp_path: Path, ctrl_c: bool
+) -> None:
     worker_port = free_port()
     with (
         worker_process(worker_port, "--token-delay", "0.05"),
@@ -162,7 +167,10 @@ def test_two_processes_share_the_port_and_the_slots_and_drain_on_sigterm(tmp_pat
             lambda: sum(_metric(admin, "furnace_gateway_inflight_requests").values()) == 1,
             "the stream to start",
         )
-        gateway.send_signal(signal.SIGTERM)
+        if ctrl_c:  # SIGINT to the whole group, as a terminal sends it
+            os.killpg(gateway.pid, signal.SIGINT)
+        else:
+            gateway.send_signal(signal.SIGTERM)
         streaming.join(HANG_GUARD)
         assert answers[0].status_code == 200
         assert answers[0].json()["choices"][0]["message"]["content"] == " ".join(["w"] * 30)

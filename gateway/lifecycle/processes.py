@@ -136,6 +136,10 @@ def _process_main(config: Config, index: int, ready: Connection) -> None:
     """A spawned process: one gateway on the shared port; sends its admin port (or
     None) on `ready` once it serves."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes
+    # one SIGTERM on (the process would otherwise take the parent's as a second signal
+    # and cut its drain short).
+    os.setpgid(0, 0)
     if sys.platform == "linux":
         _die_with_parent()
     with contextlib.suppress(KeyboardInterrupt):
