@@ -2,7 +2,8 @@
 
     base.py          Upstream and UpstreamCall: what the fleet needs of any worker
     furnace_grpc.py  our worker protocol over one grpc.aio channel per worker
-    openai_http.py   OpenAI-compatible HTTP servers (vLLM, SGLang, ...) over httpx
+    openai_http/     OpenAI-compatible HTTP servers (vLLM, SGLang, ...): JSON both ways
+                     (translate), SSE (sse), raw keep-alive connections, httpx (upstream)
     vllm_grpc.py     vLLM's own gRPC server (token ids; the gateway tokenizes)
 
 Each translates its foreign failures into the error tree through one table,

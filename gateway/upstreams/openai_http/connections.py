@@ -1,0 +1,316 @@
+"""Streamed completions to a plain http:// upstream (the in-cluster case), over the
+upstream's own kept-alive HTTP/1.1 connections: `_Pool`, `_Connection` (an asyncio
+protocol over httptools) and `_RawCall`, the call reading one.
+
+Why not httpx: its stack (httpcore, h11, three async generators) cost tens of
+microseconds per SSE event, as every event is its own HTTP chunk. Here a network read
+of many events is one callback: httptools undoes the chunking in C, `_Stream` cuts the
+`data:` lines with one `split`, parses each once with orjson, and queues the events,
+merging a choice's pieces that arrived together, so the reader gets fewer, larger
+events and one wake-up per read; a reader that falls behind pauses the socket.
+Measured against a fast fake engine, 32 streams on 2 loaded cores: tokens/s through
+the gateway went from about 0.45 to 0.85 of direct, the added TTFT at 1 stream from
+about 1.45 ms to 0.45 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import cast
+
+import httptools
+
+from gateway.protocol import errors
+from gateway.protocol.types import Event, Started
+from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
+from gateway.upstreams.openai_http.sse import _Stream
+from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_response
+
+#: Reading pauses while more than this many events wait for the reader (with
+#: `sse._MERGE_CHARS`: a reader that falls behind holds at most about 1 MiB of a stream).
+_PAUSE_AT = 64
+#: Idle kept-alive connections an upstream keeps (as the fleet's httpx client does).
+_MAX_IDLE = 256
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection to a plain-HTTP upstream, one request
+    at a time. httptools undoes the chunked encoding inside the transport's
+    callback and hands the body to the call reading it (`_RawCall`): a network
+    read of many SSE events is one `data_received`, one `_Stream.feed`, one
+    wake-up."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self._pool = pool
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.call: _RawCall | None = None
+        self.reusable = False  # its last response ended whole, with keep-alive
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        call = self.call
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            if call is not None:
+                call.flush()  # what came before it goes out first
+                call.fail(errors.Failed(f"The upstream sent bad HTTP: {error}"))
+            else:
+                self.abort()  # bytes on an idle connection: it is not usable
+        if call is not None:
+            call.wake()
+
+    def on_headers_complete(self) -> None:
+        if self.call is not None:
+            self.call.head(self._parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.call is not None:
+            self.call.body(body)
+
+    def on_message_complete(self) -> None:
+        call, self.call = self.call, None
+        self.reusable = self._parser.should_keep_alive()
+        if call is not None:
+            call.complete(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        self._pool.forget(self)
+        call, self.call = self.call, None
+        if call is not None:
+            call.fail(errors.Unavailable(f"upstream closed the connection: {exc}"))
+            call.wake()
+
+    def abort(self) -> None:
+        """Drops the connection: the upstream sees its client leave."""
+        self.reusable = False
+        self.call = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Pool:
+    """An upstream's idle kept-alive connections; a request takes one or opens one."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[_Connection] = []
+        self.open: set[_Connection] = set()
+        self.closed = False
+
+    async def take(self, connect_timeout: float) -> _Connection:
+        while self.idle:
+            connection = self.idle.pop()
+            transport = connection.transport
+            if connection.reusable and transport is not None and not transport.is_closing():
+                connection.reusable = False
+                return connection
+            self.drop(connection)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port
+                )
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"upstream unreachable: {error!r}") from None
+        self.open.add(connection)
+        return connection
+
+    def give_back(self, connection: _Connection) -> None:
+        """A connection whose response ended: kept for the next request if it can
+        be (up to `_MAX_IDLE` of them)."""
+        if connection.reusable and not self.closed and len(self.idle) < _MAX_IDLE:
+            self.idle.append(connection)
+        else:
+            self.drop(connection)
+
+    def drop(self, connection: _Connection) -> None:
+        connection.abort()
+        self.open.discard(connection)
+
+    def forget(self, connection: _Connection) -> None:
+        """A connection the upstream (or we) closed."""
+        self.open.discard(connection)
+        if connection in self.idle:
+            self.idle.remove(connection)
+
+    def close(self) -> None:
+        """Drops every connection, idle or not."""
+        self.closed = True
+        for connection in self.open:
+            connection.abort()
+        self.open.clear()
+        self.idle.clear()
+
+
+class _RawCall(StreamBookkeeping):
+    """One streamed call over a pooled connection (`_Connection`): the request is
+    written whole; the response's body goes to `_Stream` as it arrives, and
+    `__anext__` hands on what it made. Reading pauses while more than
+    `_PAUSE_AT` events wait for the reader. `timeout` is the call's deadline."""
+
+    def __init__(
+        self,
+        pool: _Pool,
+        request: bytes,
+        stream: _Stream,
+        timeout: float,
+        worker: str,
+        on_close: Callable[[CallEnd], None],
+    ) -> None:
+        super().__init__(worker, on_close)
+        self._pool = pool
+        self._request = request
+        self._stream = stream
+        self._ready = stream.ready
+        self._timeout = timeout
+        self._connection: _Connection | None = None
+        self._status = 0
+        self._pieces: list[bytes] = []  # the body pieces of the read in progress
+        self._error_body: list[bytes] = []
+        self._error_size = 0
+        self._failure: errors.EngineError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._paused = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        ready = self._ready
+        if ready:
+            if self._paused and len(ready) <= 1:
+                self._paused = False
+                connection = self._connection
+                if connection is not None and connection.transport is not None:
+                    connection.transport.resume_reading()
+            return ready.popleft()
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self._connection is None:
+                await self._open()
+                return Started(0)
+            await self._wait()
+            return ready.popleft()
+        except errors.EngineError as error:
+            self._end(error)
+            raise
+
+    async def _open(self) -> None:
+        """Sends the request; returns at their first event (a refusal raises)."""
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self._timeout, self._expire)
+        connection = await self._pool.take(min(self._timeout, 5.0))
+        if self._closed:  # cancelled while connecting
+            self._pool.drop(connection)
+            raise errors.Unavailable("The call was cancelled.")
+        self._connection = connection
+        connection.call = self
+        assert connection.transport is not None
+        connection.transport.write(self._request)
+        await self._wait()
+
+    async def _wait(self) -> None:
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            if self._stream.done:
+                return
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    # -- the connection's callbacks -------------------------------------------------
+
+    def wake(self) -> None:
+        """After a read: what it brought is parsed, the reader goes on, and too
+        much waiting pauses reading."""
+        self.flush()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if len(self._ready) > _PAUSE_AT and not self._paused:
+            connection = self._connection
+            if connection is not None and connection.transport is not None:
+                self._paused = True
+                connection.transport.pause_reading()
+
+    def head(self, status: int) -> None:
+        self._status = status
+
+    def body(self, data: bytes) -> None:
+        self._pieces.append(data)  # parsed once per read, in `flush`
+
+    def flush(self) -> None:
+        """Parses the body pieces of the last read as one."""
+        pieces = self._pieces
+        if not pieces:
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        if self._failure is not None or self._stream.done:
+            return
+        if self._status != 200:
+            if self._error_size < MAX_ERROR_BYTES:
+                self._error_body.append(data)
+                self._error_size += len(data)
+            return
+        try:
+            self._stream.feed(data)
+        except errors.EngineError as error:
+            self.fail(error)  # the events before it go out first
+        else:
+            if self._stream.done:
+                self._end(None)  # [DONE]: the call is over; its last events wait to be read
+
+    def complete(self, connection: _Connection) -> None:
+        """Their response ended: the connection goes back to the pool if it can."""
+        self.flush()
+        self._connection = None
+        if self._paused and connection.transport is not None:
+            self._paused = False
+            connection.transport.resume_reading()
+        self._pool.give_back(connection)
+        if self._status != 200:
+            body = b"".join(self._error_body)[:MAX_ERROR_BYTES]
+            self.fail(error_from_response(self._status, body))
+        elif not self._stream.done:
+            self.fail(errors.Failed("The upstream ended its stream without [DONE]."))
+
+    def fail(self, error: errors.EngineError) -> None:
+        if self._failure is None and not self._stream.done:
+            self._failure = error
+            self._drop()
+
+    def _expire(self) -> None:
+        self.fail(errors.Timeout(f"upstream did not answer within {self._timeout:g} s"))
+        self.wake()
+
+    # -- ending -----------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._pool.drop(connection)
+
+    def _end(self, outcome: CallEnd) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if outcome is not None or not self._stream.done:
+            self._drop()  # mid-response: the connection cannot be reused
+        self.close(outcome)
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Drops the connection (the upstream sees the client leave)."""
+        self._ready.clear()
+        self._end(outcome)

@@ -1,0 +1,214 @@
+"""Their server-sent events as our events, for `openai_http`: `_Stream` cuts the bytes
+of a streamed completion into `data:` lines, parses each once and queues our events,
+whichever way the bytes were read (httpx, or the raw connections). Kept apart as the
+per-event hot path, and the one place that knows their chunks' shape.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import orjson
+
+from gateway.protocol import errors
+from gateway.protocol.types import Event, Finished, FinishReason, Text, ToolCallDelta
+from gateway.upstreams.openai_http.translate import (
+    _chat_logprobs,
+    _completion_logprobs,
+    error_from_event,
+)
+
+_REASONS = {r.value: r for r in FinishReason}
+#: Finish reasons that are failures (vLLM's, as its gRPC server's in `vllm_grpc`).
+_FINISH_ERRORS: dict[str, type[errors.EngineError]] = {
+    "abort": errors.Unavailable,  # aborted by the engine (shutdown, preemption)
+    "error": errors.Failed,
+}
+#: The largest SSE line (one event) read from an upstream: past it the upstream is
+#: failing, and reading on would only grow the gateway's memory.
+MAX_EVENT_BYTES = 1024 * 1024
+_TOO_LARGE = "The upstream sent an event larger than the gateway takes."
+#: Pieces of a choice that arrive together are merged up to this many characters (and
+#: reading pauses while more than `connections._PAUSE_AT` events wait): a reader that
+#: falls behind holds at most about 1 MiB of a stream.
+_MERGE_CHARS = 16 * 1024
+
+
+class _Stream:
+    """Reads their event stream, as our events: bytes in large reads are cut into
+    `data:` lines in one pass, each parsed once, and the events appended to
+    `ready`. Text and tool-call pieces of one choice that arrive in one read are
+    merged into one event (the edge then writes one chunk for them).
+
+    Tokens: a piece counts one token (vLLM sends one per chunk), or one per
+    logprob when it has them. A call of n choices ends with n `Finished`, given
+    out at `[DONE]`, when their usage is known: each choice has its own count
+    where the server sent per-chunk usage (vLLM's `continuous_usage_stats`);
+    else the total of the usage chunk goes on the last choice to finish and 0
+    on the others; with no usage at all, each has the pieces counted. Every
+    `Finished` carries the prompt's tokens (the same number, not a share).
+    """
+
+    __slots__ = (
+        "_chat",
+        "_counted",
+        "_n",
+        "_parts",
+        "_prompt_tokens",
+        "_reasons",
+        "_size",
+        "_total",
+        "_usages",
+        "done",
+        "ready",
+    )
+
+    def __init__(self, chat: bool, n: int) -> None:
+        self._chat = chat
+        self._n = n
+        self.ready: deque[Event] = deque()
+        self.done = False
+        self._parts: list[bytes] = []  # an unfinished line, in the pieces it came in
+        self._size = 0
+        self._counted = [0] * n  # pieces' tokens per choice
+        self._usages: dict[int, int] = {}  # per-chunk usage's completion tokens per choice
+        self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
+        self._prompt_tokens: int | None = None
+        self._total: int | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parses the complete lines of `data` (and of what came before it)."""
+        if b"\n" not in data:
+            self._parts.append(data)
+            self._size += len(data)
+            if self._size > MAX_EVENT_BYTES:
+                raise errors.Failed(_TOO_LARGE)
+            return
+        if self._parts:
+            self._parts.append(data)
+            data = b"".join(self._parts)
+            self._parts.clear()
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            self._parts.append(rest)
+        self._size = len(rest)
+        for line in lines:
+            if line[:5] != b"data:":
+                continue  # comments (keep-alives), event names, blank separators
+            if len(line) > MAX_EVENT_BYTES:
+                raise errors.Failed(_TOO_LARGE)
+            if len(line) < 16 and line[5:].strip() == b"[DONE]":
+                self._end()
+                return
+            try:
+                payload = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                raise errors.Failed("The upstream sent an event that is not JSON.") from None
+            if type(payload) is not dict:
+                raise errors.Failed("The upstream sent an event that is not an object.")
+            try:
+                self._chunk(payload)
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise errors.Failed("The upstream sent an event of an unknown shape.") from None
+        if self._size > MAX_EVENT_BYTES:
+            raise errors.Failed(_TOO_LARGE)
+
+    def _chunk(self, payload: dict[str, Any]) -> None:
+        if "error" in payload or payload.get("object") == "error":
+            raise error_from_event(payload)
+        choices = payload.get("choices")
+        usage = payload.get("usage")
+        if type(usage) is dict:
+            self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
+            if not choices:
+                self._total = usage.get("completion_tokens", self._total)
+            elif len(choices) == 1 and "completion_tokens" in usage:  # per-chunk usage
+                self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
+        if not choices:
+            return
+        for choice in choices:
+            self._choice(choice)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        index = choice.get("index") or 0
+        if not 0 <= index < self._n:
+            raise errors.Failed(f"The upstream sent choice {index} of {self._n}.")
+        if self._chat:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            calls = delta.get("tool_calls")
+            logprobs = _chat_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+        else:
+            text = choice.get("text")
+            calls = None
+            logprobs = _completion_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+        tokens = 1 if logprobs is None else len(logprobs)
+        if text or logprobs:
+            self._text(Text(text or "", tokens, index, logprobs))
+            self._counted[index] += tokens
+            tokens = 0
+        if calls:
+            for call in calls:
+                self._tool_call(index, call, tokens)
+                self._counted[index] += tokens
+                tokens = 0
+        reason = choice.get("finish_reason")
+        if reason is not None and index not in self._reasons:
+            failure = _FINISH_ERRORS.get(reason)
+            if failure is not None:
+                raise failure(f"The upstream ended choice {index} with `{reason}`.")
+            self._reasons[index] = _REASONS.get(reason, FinishReason.STOP)
+
+    def _text(self, text: Text) -> None:
+        ready = self.ready
+        if ready:
+            last = ready[-1]
+            if type(last) is Text and last.index == text.index and len(last.text) < _MERGE_CHARS:
+                if last.logprobs is None and text.logprobs is None:
+                    ready[-1] = Text(last.text + text.text, last.tokens + text.tokens, text.index)
+                    return
+                if last.logprobs is not None and text.logprobs is not None:
+                    logprobs = last.logprobs + text.logprobs
+                    merged = last.text + text.text
+                    ready[-1] = Text(merged, last.tokens + text.tokens, text.index, logprobs)
+                    return
+        ready.append(text)
+
+    def _tool_call(self, index: int, call: dict[str, Any], tokens: int) -> None:
+        function = call.get("function") or {}
+        call_index = call.get("index") or 0
+        call_id = call.get("id") or ""
+        name = function.get("name") or ""
+        arguments = function.get("arguments") or ""
+        if not call_id and not name and not arguments:
+            return  # an empty piece (its token is counted on the choice)
+        ready = self.ready
+        if ready and not call_id and not name:
+            last = ready[-1]
+            if (
+                type(last) is ToolCallDelta
+                and (last.index, last.call_index) == (index, call_index)
+                and len(last.arguments) < _MERGE_CHARS
+            ):
+                ready[-1] = last._replace(
+                    arguments=last.arguments + arguments, tokens=last.tokens + tokens
+                )
+                return
+        ready.append(ToolCallDelta(index, call_index, call_id, name, arguments, tokens))
+
+    def _end(self) -> None:
+        """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
+        self.done = True
+        order = [*self._reasons, *(i for i in range(self._n) if i not in self._reasons)]
+        counts = {i: self._usages.get(i, self._counted[i]) for i in order}
+        unknown = [i for i in order if i not in self._usages]
+        if self._total is not None and unknown:
+            for i in unknown:
+                counts[i] = 0
+            known = sum(self._usages.values())
+            counts[unknown[-1]] = max(0, self._total - known)
+        for i in order:
+            reason = self._reasons.get(i, FinishReason.STOP)
+            self.ready.append(Finished(reason, counts[i], self._prompt_tokens, i))

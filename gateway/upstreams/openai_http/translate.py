@@ -1,0 +1,276 @@
+"""Their JSON, both ways, for `openai_http`: our `GenerateRequest` as the upstream's
+body (`request_body`), their error bodies and error events as our errors (one table,
+`HTTP_ERRORS` and `ERROR_CODES`), their logprobs as ours, and their embeddings answer
+as `Embeddings`. Pure functions of bytes and dicts (`read_capped` aside), shared by
+both ways of calling them (httpx and the raw connections).
+"""
+
+from __future__ import annotations
+
+from itertools import zip_longest
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.protocol import errors
+from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    GenerateRequest,
+    ResponseFormat,
+    TokenLogprob,
+)
+
+#: Their HTTP status → our error; 400s are refined by the error body's code.
+HTTP_ERRORS: dict[int, type[errors.EngineError]] = {
+    400: errors.Invalid,
+    401: errors.AuthFailed,
+    403: errors.AuthFailed,
+    404: errors.ModelNotFound,
+    408: errors.Timeout,
+    413: errors.Invalid,
+    422: errors.Invalid,
+    429: errors.Busy,
+    502: errors.Unavailable,
+    503: errors.Unavailable,
+    504: errors.Timeout,
+}
+#: Codes in their error bodies that name one of our errors.
+ERROR_CODES: dict[str, type[errors.EngineError]] = {
+    "context_length_exceeded": errors.TooLong,
+    "model_not_found": errors.ModelNotFound,
+    "server_busy": errors.Busy,
+    "engine_unavailable": errors.Unavailable,
+    "timeout": errors.Timeout,
+    "engine_auth_failed": errors.AuthFailed,
+}
+#: Servers that give no such code (vLLM answers `"code": 400`): what their message or
+#: `param` says. vLLM: "This model's maximum context length is 1024 tokens. However,
+#: your prompt contains at least 1025 input tokens ...", `"param": "input_tokens"`.
+TOO_LONG_MESSAGES = ("maximum context length",)
+TOO_LONG_PARAMS = ("input_tokens",)
+#: The largest error body read from an upstream: past it the upstream is failing, and
+#: reading on would only grow the gateway's memory.
+MAX_ERROR_BYTES = 64 * 1024
+#: An embeddings answer may take this much per input (~10k floats as JSON text), plus
+#: the error bound for the rest.
+MAX_EMBEDDING_BYTES = 256 * 1024
+
+
+def _error_fields(payload: Any) -> dict[str, Any]:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict):
+        return error
+    if isinstance(payload, dict) and payload.get("object") == "error":  # vLLM's older shape
+        return payload
+    return {}
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes:
+    """At most `limit` bytes of a streamed response's body."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
+
+
+def error_from_response(status: int, body: bytes) -> errors.EngineError:
+    """Our error for an upstream's error response."""
+    try:
+        fields = _error_fields(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        fields = {}
+    return _error(status, fields, f"upstream answered HTTP {status}")
+
+
+def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
+    """Our error for an error event in their stream. vLLM refuses some parameters
+    only once streaming (e.g. an out-of-vocabulary `logit_bias` id): its event
+    then has the HTTP status as its `code` and names the `param`, and reads as
+    that response would."""
+    fields = _error_fields(payload)
+    code = fields.get("code")
+    status = code if type(code) is int and code in HTTP_ERRORS else None
+    return _error(status, fields, "upstream stream failed")
+
+
+def _error(status: int | None, fields: dict[str, Any], default: str) -> errors.EngineError:
+    """The one table: their error body's code, else its status (`HTTP_ERRORS`),
+    with vLLM's wording of a prompt beyond the context; no status: a failure."""
+    message = str(fields.get("message") or default)
+    error_type = ERROR_CODES.get(str(fields.get("code")))
+    param = fields.get("param")
+    if error_type is None and status == 400 and _too_long(message, param):
+        return errors.TooLong(message)
+    if error_type is None:
+        if status is None:
+            error_type = errors.Failed
+        else:
+            error_type = HTTP_ERRORS.get(status, errors.Failed if status >= 500 else errors.Invalid)
+    return error_type(message, param=param if isinstance(param, str) else None)
+
+
+def _too_long(message: str, param: Any) -> bool:
+    """Whether a 400 without our code is a prompt beyond the context, as vLLM words it."""
+    return param in TOO_LONG_PARAMS or any(m in message for m in TOO_LONG_MESSAGES)
+
+
+def request_body(request: GenerateRequest) -> dict[str, Any]:
+    """Our request as an OpenAI body, streamed with usage: every field the way
+    OpenAI and vLLM take it (vLLM's extra sampling fields by vLLM's names)."""
+    s = request.sampling
+    chat = request.messages is not None
+    body: dict[str, Any] = {
+        "model": request.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.messages is not None:
+        body["messages"] = [message_dict(m) for m in request.messages]
+    else:
+        body["prompt"] = request.prompt or ""
+    for name in _SAMPLING:
+        value = getattr(s, name)
+        if value is not None:
+            body[name] = value
+    if s.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.n != 1:
+        body["n"] = request.n
+    if request.logprobs is not None:
+        if chat:
+            body["logprobs"] = True
+            body["top_logprobs"] = request.logprobs
+        else:
+            body["logprobs"] = request.logprobs
+    if request.tools:
+        body["tools"] = [tool_dict(t) for t in request.tools]
+    if request.tool_choice:
+        choice = request.tool_choice
+        body["tool_choice"] = (
+            choice
+            if choice in _TOOL_CHOICES
+            else {"type": "function", "function": {"name": choice}}
+        )
+    if request.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.response_format is not None:
+        body["response_format"] = _response_format(request.response_format)
+    if request.user:
+        body["user"] = request.user
+    return body
+
+
+#: Sampling fields sent as they are, when set (OpenAI's, then vLLM's extra ones).
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_p",
+)
+_TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+def _response_format(format: ResponseFormat) -> dict[str, Any]:
+    if format.type != "json_schema":
+        return {"type": format.type}
+    schema: dict[str, Any] = {"name": format.name}
+    if format.schema:
+        schema["schema"] = orjson.loads(format.schema)
+    if format.strict:
+        schema["strict"] = True
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _chat_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """A chat choice's `logprobs.content`: one entry per token, alternatives in the
+    server's order."""
+    content = logprobs.get("content") if type(logprobs) is dict else None
+    if not content:
+        return None
+    return tuple(
+        TokenLogprob(
+            entry["token"],
+            entry["logprob"],
+            tuple((alt["token"], alt["logprob"]) for alt in entry.get("top_logprobs") or ()),
+        )
+        for entry in content
+    )
+
+
+def _completion_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """A completion choice's logprobs: parallel lists of tokens, their logprobs and
+    {token: logprob} alternatives."""
+    tokens = logprobs.get("tokens") if type(logprobs) is dict else None
+    if not tokens:
+        return None
+    tops = logprobs.get("top_logprobs") or ()
+    return tuple(
+        TokenLogprob(token, value, tuple((top or {}).items()))
+        for token, value, top in zip_longest(tokens, logprobs.get("token_logprobs") or (), tops)
+    )
+
+
+def _embed_error(status: int, body: bytes) -> errors.EngineError:
+    """Our error for a refused embedding: a 404 that is not an OpenAI error (vLLM
+    serving a generative model has no such route) says the model embeds nothing."""
+    if status == 404:
+        try:
+            fields = _error_fields(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            fields = {}
+        if not fields:
+            return errors.Invalid("The model's upstream serves no embeddings.", param="model")
+    return error_from_response(status, body)
+
+
+def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
+    """Their embeddings answer: one vector of numbers per input, all of one width
+    (`dimensions` when asked), placed by their `index`."""
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed("The upstream's embeddings answer is not JSON.") from None
+    data = payload.get("data") if type(payload) is dict else None
+    count = len(request.inputs)
+    if type(data) is not list or len(data) != count:
+        got = len(data) if type(data) is list else "no"
+        raise errors.Failed(f"The upstream gave {got} embeddings for {count} inputs.")
+    vectors: list[tuple[float, ...] | None] = [None] * count
+    for position, item in enumerate(data):
+        index = item.get("index", position) if type(item) is dict else None
+        vector = item.get("embedding") if type(item) is dict else None
+        if (
+            type(index) is not int
+            or not 0 <= index < count
+            or vectors[index] is not None
+            or type(vector) is not list
+            or not all(type(x) is float or type(x) is int for x in vector)
+        ):
+            raise errors.Failed(f"The upstream's embedding {position} is not a vector of numbers.")
+        vectors[index] = tuple(vector)
+    widths = {len(v) for v in vectors if v is not None}
+    if len(widths) != 1 or (request.dimensions is not None and widths != {request.dimensions}):
+        raise errors.Failed(f"The upstream's embeddings have widths {sorted(widths)}.")
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if type(usage) is dict else None
+    return Embeddings(
+        tuple(v for v in vectors if v is not None), tokens if type(tokens) is int else 0
+    )

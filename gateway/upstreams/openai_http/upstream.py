@@ -1,0 +1,277 @@
+"""`OpenAIHttpUpstream`, the worker the fleet holds, and `OpenAIHttpCall`, a streamed
+call over the fleet's httpx client: they pick the way of each call (raw connections or
+httpx), build its request from `translate`, and read it through `sse`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
+
+import httpx
+import orjson
+
+from gateway.protocol import errors, features
+from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
+from gateway.upstreams.base import (
+    CANCELLED,
+    CallEnd,
+    ModelDescription,
+    StreamBookkeeping,
+    UpstreamCall,
+)
+from gateway.upstreams.openai_http.connections import _Pool, _RawCall
+from gateway.upstreams.openai_http.sse import _Stream
+from gateway.upstreams.openai_http.translate import (
+    MAX_EMBEDDING_BYTES,
+    MAX_ERROR_BYTES,
+    _embed_error,
+    embeddings_from,
+    error_from_response,
+    read_capped,
+    request_body,
+)
+
+_CLOSING: set[asyncio.Task[None]] = set()
+_BREAKS_HEADER = re.compile(r"[\r\n\x00]")  # upstream responses being closed after a cancel
+
+
+class OpenAIHttpCall(StreamBookkeeping):
+    """One streamed call over the fleet's httpx client (https upstreams, or a
+    proxy from the environment), read as our events; `timeout` bounds each read."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        request: httpx.Request,
+        stream: _Stream,
+        worker: str,
+        on_close: Callable[[CallEnd], None],
+    ) -> None:
+        super().__init__(worker, on_close)
+        self._http = http
+        self._request = request
+        self._stream = stream
+        self._ready = stream.ready
+        self._response: httpx.Response | None = None
+        self._chunks: AsyncIterator[bytes] | None = None
+        self._failure: errors.EngineError | None = None  # found after events still to give
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._ready:
+            return self._ready.popleft()
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self._response is None:
+                return await self._open()
+            await self._read()
+            return self._ready.popleft()
+        except errors.EngineError as error:
+            await self._finish(error)
+            raise
+        except httpx.TimeoutException as error:
+            failure: errors.EngineError = errors.Timeout(f"upstream timed out: {error}")
+        except httpx.TransportError as error:
+            failure = errors.Unavailable(f"upstream unreachable: {error}")
+        await self._finish(failure)
+        raise failure
+
+    async def _open(self) -> Event:
+        response = await self._http.send(self._request, stream=True)
+        self._response = response
+        if response.status_code != 200:
+            body = await read_capped(response, MAX_ERROR_BYTES)
+            raise error_from_response(response.status_code, body)
+        self._chunks = response.aiter_bytes()
+        # Started waits for their first event: a refusal they stream (vLLM's 400s
+        # found after its headers) is then still a refusal, answered as its status.
+        await self._read()
+        return Started(0)
+
+    async def _read(self) -> None:
+        """Reads until it has events (or the stream's end, or a failure)."""
+        assert self._chunks is not None
+        stream = self._stream
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            try:
+                data = await anext(self._chunks)
+            except StopAsyncIteration:
+                raise errors.Failed("The upstream ended its stream without [DONE].") from None
+            try:
+                stream.feed(data)
+            except errors.EngineError as error:
+                self._failure = error  # the events before it go out first
+            if stream.done:
+                await self._finish(None)
+                return
+
+    async def _finish(self, outcome: CallEnd) -> None:
+        if self._response is not None:
+            await self._response.aclose()
+        self.close(outcome)
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Closes the upstream connection (the upstream sees the client leave)."""
+        self._ready.clear()
+        if self._response is not None:
+            closing = asyncio.get_running_loop().create_task(self._response.aclose())
+            _CLOSING.add(closing)  # the loop keeps only a weak reference to a task
+            closing.add_done_callback(_CLOSING.discard)
+        self.close(outcome)
+
+
+class OpenAIHttpUpstream:
+    """An OpenAI-compatible server at a base URL (…/v1), as a worker."""
+
+    def __init__(
+        self,
+        base_url: str,
+        http: httpx.AsyncClient,
+        api_key: str | None = None,
+        raw_http: bool | None = None,
+    ) -> None:
+        """`raw_http`: stream completions over our own connections (`_RawCall`);
+        None: for a plain http:// URL that no proxy variable covers. Everything
+        else (https, embeddings, models, health) goes through `http`."""
+        self.address = base_url.rstrip("/")
+        self._http = http
+        self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+        root = self.address.removesuffix("/v1")
+        self._health_url = f"{root}/health"
+        url = urlsplit(self.address)
+        host, port = url.hostname or "", url.port or 80
+        if raw_http is None:
+            raw_http = url.scheme == "http" and not _proxied(host)
+        self._pool = _Pool(host, port) if raw_http else None
+        lines = [f"Host: {url.netloc}", "Content-Type: application/json"]
+        lines += [f"Authorization: {value}" for value in self._auth.values()]
+        self._head = "".join(f"{line}\r\n" for line in lines)
+        self._path = url.path
+
+    def generate(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_close: Callable[[CallEnd], None] = lambda outcome: None,
+    ) -> UpstreamCall:
+        """Starts their streamed completion within `timeout` seconds (over httpx:
+        `timeout` bounds each read)."""
+        chat = request.messages is not None
+        path = "chat/completions" if chat else "completions"
+        stream = _Stream(chat, request.n)
+        if self._pool is not None:
+            body = orjson.dumps(request_body(request))
+            extra = "".join(
+                f"{name}: {value}\r\n"
+                for name, value in metadata
+                if not _BREAKS_HEADER.search(name + value)  # never valid; httpx refuses them
+            )
+            head = (
+                f"POST {self._path}/{path} HTTP/1.1\r\n{self._head}{extra}"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            raw = head.encode("latin-1") + body
+            return _RawCall(self._pool, raw, stream, timeout, self.address, on_close)
+        http_request = self._post(path, request_body(request), timeout, metadata)
+        return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
+
+    async def embed(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Embeddings:
+        """Their /embeddings, as floats, within `timeout` seconds; the answer is read
+        up to a bound sized by the inputs and must hold one vector per input."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
+            "encoding_format": "float",
+        }
+        if request.dimensions is not None:
+            body["dimensions"] = request.dimensions
+        if request.user:
+            body["user"] = request.user
+        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self._http.send(
+                    self._post("embeddings", body, timeout, metadata), stream=True
+                )
+                try:
+                    content = await read_capped(response, limit + 1)
+                finally:
+                    await response.aclose()
+        except (TimeoutError, httpx.TimeoutException) as error:
+            raise errors.Timeout(f"upstream timed out: {error}") from None
+        except httpx.TransportError as error:
+            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+        if response.status_code != 200:
+            raise _embed_error(response.status_code, content[:MAX_ERROR_BYTES])
+        if len(content) > limit:
+            raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
+        return embeddings_from(content, request)
+
+    def _post(
+        self, path: str, body: dict[str, Any], timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> httpx.Request:
+        return self._http.build_request(
+            "POST",
+            f"{self.address}/{path}",
+            content=orjson.dumps(body),
+            headers={"content-type": "application/json", **dict(metadata), **self._auth},
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+        )
+
+    async def describe(self, deadline: float) -> list[ModelDescription]:
+        """Their /models, with `max_model_len` where they give it (vLLM does). They
+        are said to serve every feature: what a server cannot do, it refuses, and
+        its 400 (naming the parameter) reaches the client."""
+        try:
+            response = await self._http.get(
+                f"{self.address}/models", headers=self._auth, timeout=deadline
+            )
+        except httpx.HTTPError as error:
+            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+        if response.status_code != 200:
+            raise error_from_response(response.status_code, response.content)
+        models = response.json().get("data") or []
+        return [
+            ModelDescription(m["id"], int(m.get("max_model_len") or 0), features=features.ALL)
+            for m in models
+        ]
+
+    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+        """Their /health every `poll_interval`: 200 is serving."""
+        while True:
+            try:
+                response = await self._http.get(
+                    self._health_url, headers=self._auth, timeout=poll_interval
+                )
+            except httpx.HTTPError as error:
+                raise errors.Unavailable(f"upstream unreachable: {error}") from None
+            yield response.status_code == 200
+            await asyncio.sleep(poll_interval)
+
+    async def close(self) -> None:
+        """Drops its own idle connections; the httpx client belongs to the fleet."""
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _proxied(host: str) -> bool:
+    """Whether the environment sends plain HTTP to `host` through a proxy (as
+    httpx would read it): such upstreams are reached through httpx."""
+    proxies = getproxies()
+    return bool(proxies.get("http") or proxies.get("all")) and not proxy_bypass(host)
