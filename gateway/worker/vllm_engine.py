@@ -104,22 +104,14 @@ DEFAULT_TOOL_PARSER = "hermes"
 #: free whitespace, or a model pads its JSON with blanks up to max_tokens.
 STRUCTURED_OUTPUTS = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 #: What a generating model serves (plus "image_url" when it is multimodal).
-GENERATING = frozenset(
-    {
-        features.GENERATE,
-        features.N,
-        features.LOGPROBS,
-        features.TOOLS,
-        features.RESPONSE_FORMAT,
-        features.MIN_TOKENS,
-        features.IGNORE_EOS,
-        features.REPETITION_PENALTY,
-        features.MIN_P,
-        features.LOGIT_BIAS,
-        features.STOP_TOKEN_IDS,
-        features.USER,
-    }
-)
+GENERATING = features.SAMPLING | {
+    features.GENERATE,
+    features.N,
+    features.LOGPROBS,
+    features.TOOLS,
+    features.RESPONSE_FORMAT,
+    features.USER,
+}
 _SAMPLING = (
     "temperature",
     "top_p",
