@@ -7,7 +7,10 @@
                    and body deadlines (408), connections (503)
     middleware.py  API keys (401), x-ratelimit-* headers, JSON bodies (415), Host (421)
     ops.py         /health, /ready, /metrics, /metrics/json, /admin/workers
+    request.py     the frame of the routes that serve a request on the fleet: id and
+                   metadata, refusals, telemetry, the span (generation, embeddings, infer)
     openai/        the OpenAI API: bodies, validation, encoders, the routes
+    kserve/        the KServe v2 API for tensor models
 
 The edge knows nothing of gRPC or protobuf.
 """

@@ -37,6 +37,7 @@ from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models, one_model
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
+from gateway.edge.request import Parts
 from gateway.fleet import Fleet
 from gateway.teams import Teams
 from gateway.telemetry import Telemetry
@@ -125,48 +126,21 @@ def create_app(
 ) -> Starlette:
     """The gateway's public HTTP application over its parts."""
 
+    parts = Parts(config, fleet, inflight, teams, telemetry, tracing)
+
     def generation(
         parse: Callable[[Any], ParsedRequest], encoder: type[Encoder]
     ) -> GenerationRoute:
-        return GenerationRoute(
-            parse,
-            encoder,
-            config=config,
-            fleet=fleet,
-            inflight=inflight,
-            teams=teams,
-            telemetry=telemetry,
-            tracing=tracing,
-            limits=InputLimits(config),
-        )
+        return GenerationRoute(parse, encoder, parts, InputLimits(config))
 
     routes = [
         Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
         Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
-        Route(
-            "/v1/embeddings",
-            EmbeddingsRoute(
-                config=config,
-                fleet=fleet,
-                inflight=inflight,
-                teams=teams,
-                telemetry=telemetry,
-                tracing=tracing,
-            ),
-            methods=["POST"],
-        ),
+        Route("/v1/embeddings", EmbeddingsRoute(parts), methods=["POST"]),
         Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
         *probe_routes(is_ready),
-        *KServeRoutes(
-            config=config,
-            fleet=fleet,
-            inflight=inflight,
-            teams=teams,
-            telemetry=telemetry,
-            is_ready=is_ready,
-            tracing=tracing,
-        ).routes(),
+        *KServeRoutes(parts, is_ready=is_ready).routes(),
     ]
     if admin_on_public(config):
         routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)

@@ -15,19 +15,25 @@ the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import orjson
 from starlette.routing import Route
 
 from gateway import __version__
-from gateway.admission import Deadline, InFlight
-from gateway.config import Config
+from gateway.admission import Deadline
 from gateway.edge.asgi import Receive, Scope, Send, send_json
-from gateway.edge.errors import APIError, from_engine_error, internal_error
+from gateway.edge.errors import APIError, from_engine_error
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.openai.generation import _request_id, _wait_disconnect
+from gateway.edge.request import (
+    Call,
+    ClientGone,
+    Exchange,
+    Metadata,
+    Parts,
+    RequestRoute,
+    wait_disconnect,
+)
 from gateway.fleet import Fleet, ModelPool
 from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
@@ -35,17 +41,11 @@ from gateway.protocol.errors import Outcome
 from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_json, to_raw
 from gateway.protocol.types import EmbedRequest
 from gateway.teams import Teams, team_of
-from gateway.telemetry import RequestRecord, Telemetry
-from gateway.telemetry.tracing import Tracing, annotate
+from gateway.telemetry import RequestRecord
 from gateway.upstreams.kserve_grpc import InferRequest, ModelMetadata
 
-log = logging.getLogger("furnace.edge")
 #: The CLIENT span's name for a worker call: the gRPC method it is.
 MODEL_INFER = "inference.GRPCInferenceService/ModelInfer"
-
-
-class _Gone(Exception):
-    """The client went away."""
 
 
 async def _send(send: Send, status: int, body: Any, request_id: bytes = b"") -> int:
@@ -56,12 +56,15 @@ async def _send(send: Send, status: int, body: Any, request_id: bytes = b"") -> 
     return len(data)
 
 
-class _Bytes:
-    """A tensor request's body bytes read and written, for the metrics."""
+class _Tensors(Exchange):
+    """A tensor request, with its body bytes read and written, for the metrics."""
 
     __slots__ = ("received", "sent")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, record: RequestRecord, metadata: Metadata
+    ) -> None:
+        super().__init__(scope, receive, send, record, metadata)
         self.received = 0
         self.sent = 0
 
@@ -189,27 +192,25 @@ def _binary_outputs(body: dict[str, Any]) -> bool | set[str]:
     }
 
 
+def _tensor_pool(fleet: Fleet, scope: Scope) -> tuple[ModelPool, str]:
+    """The path's tensor model (one the key may see) and version, or a 404."""
+    params = scope.get("path_params", {})
+    name = params.get("model", "")
+    team = team_of(scope)
+    pool = fleet.models.get(name)
+    if pool is None or pool.kind != "tensor" or (team is not None and not Teams.sees(team, name)):
+        raise errors.ModelNotFound(f"The tensor model `{name}` does not exist.")
+    return pool, params.get("version", "")
+
+
 class KServeRoutes:
     """The /v2 routes over the gateway's parts."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        fleet: Fleet,
-        inflight: InFlight,
-        teams: Teams,
-        telemetry: Telemetry,
-        is_ready: Any,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self.config = config
-        self.fleet = fleet
-        self.inflight = inflight
-        self.teams = teams
-        self.telemetry = telemetry
+    def __init__(self, parts: Parts, *, is_ready: Any) -> None:
+        self.config = parts.config
+        self.fleet = parts.fleet
         self.is_ready = is_ready
-        self.tracing = tracing or Tracing(False)
+        self.infer = InferRoute(parts)
 
     def routes(self) -> list[Route]:
         model = "/v2/models/{model}"
@@ -223,7 +224,7 @@ class KServeRoutes:
             out += [
                 Route(path, self._asgi(self.metadata), methods=["GET"]),
                 Route(path + "/ready", self._asgi(self.model_ready), methods=["GET"]),
-                Route(path + "/infer", _Endpoint(self.infer), methods=["POST"]),
+                Route(path + "/infer", self.infer, methods=["POST"]),
             ]
         return out
 
@@ -250,87 +251,43 @@ class KServeRoutes:
     async def server(self, scope: Scope) -> tuple[int, Any]:
         return 200, {"name": "furnace-gateway", "version": __version__, "extensions": []}
 
-    def _pool(self, scope: Scope) -> tuple[ModelPool, str]:
-        params = scope.get("path_params", {})
-        name = params.get("model", "")
-        team = team_of(scope)
-        pool = self.fleet.models.get(name)
-        if (
-            pool is None
-            or pool.kind != "tensor"
-            or (team is not None and not Teams.sees(team, name))
-        ):
-            raise errors.ModelNotFound(f"The tensor model `{name}` does not exist.")
-        return pool, params.get("version", "")
-
     async def metadata(self, scope: Scope) -> tuple[int, Any]:
-        pool, version = self._pool(scope)
+        pool, version = _tensor_pool(self.fleet, scope)
         return 200, (await model_metadata(pool, version)).to_json()
 
     async def model_ready(self, scope: Scope) -> tuple[int, Any]:
-        pool, _ = self._pool(scope)
+        pool, _ = _tensor_pool(self.fleet, scope)
         ready = bool(pool.available(set()))
         return (200 if ready else 503), {"name": pool.name, "ready": ready}
 
-    # -- inference --------------------------------------------------------------
 
-    async def infer(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One inference; every request leaves one record in the metrics and the access log."""
-        request_id, metadata = _request_id(scope)
-        record = RequestRecord(request_id.decode("latin-1"))
-        moved = _Bytes()
-        traceparent = dict(metadata).get("traceparent")
-        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
-            try:
-                await self._infer(scope, receive, send, record, metadata, request_id, moved)
-            except (APIError, errors.EngineError) as error:
-                api = (
-                    error
-                    if isinstance(error, APIError)
-                    else from_engine_error(error, self.config.retry_after)
-                )
-                if isinstance(error, errors.EngineError) and api.message != error.message:
-                    log.warning(
-                        "request %s: %s: %s", record.request_id, type(error).__name__, error.message
-                    )
-                record.status, record.outcome, record.reason = api.status, api.outcome, api.reason
-                moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
-            except _Gone:
-                record.status, record.outcome = 499, Outcome.CLIENT_GONE
-                log.info("client went away; request %s cancelled", record.request_id)
-            except Exception:
-                log.exception("request %s failed in the gateway", record.request_id)
-                api = internal_error()
-                record.status, record.outcome = api.status, api.outcome
-                moved.sent = await _send(send, api.status, {"error": api.message}, request_id)
-            finally:
-                self.telemetry.finish(record)
-                if record.model:
-                    self.telemetry.metrics.tensor_bytes(record.model, moved.received, moved.sent)
-                annotate(
-                    span,
-                    {
-                        "http.response.status_code": record.status,
-                        "gen_ai.request.model": record.model or None,
-                        "furnace.outcome": record.outcome,
-                        "furnace.request_id": record.request_id,
-                    },
-                )
+class InferRoute(RequestRoute[_Tensors]):
+    """`POST .../infer` in the edge's request frame (request.py); its own: refusals as
+    `{"error": "..."}` without Retry-After, no write guard (as before the frame), and
+    each request's body bytes in and out in the tensor metrics."""
 
-    async def _infer(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        record: RequestRecord,
-        metadata: tuple[tuple[str, str], ...],
-        request_id: bytes,
-        moved: _Bytes,
-    ) -> None:
-        raw_body = await read_body(scope, receive, self.config.max_body_bytes)
-        moved.received = len(raw_body)
+    exchange = _Tensors
+    guard_writes = False
+
+    async def _refuse(self, ex: _Tensors, error: APIError) -> None:
+        record = ex.record
+        record.status, record.outcome, record.reason = error.status, error.outcome, error.reason
+        request_id = record.request_id.encode("latin-1")
+        ex.sent = await _send(ex.send, error.status, {"error": error.message}, request_id)
+
+    def _finished(self, ex: _Tensors) -> None:
+        if ex.record.model:
+            self.telemetry.metrics.tensor_bytes(ex.record.model, ex.received, ex.sent)
+
+    async def serve(self, ex: _Tensors) -> None:
+        """Reads and checks the tensors against the model before any worker, admits the
+        request, calls a worker (the drain or the client's leaving cancels it) and answers
+        in JSON or with the binary tensor extension."""
+        scope, send, record = ex.scope, ex.send, ex.record
+        raw_body = await read_body(scope, ex.receive, self.config.max_body_bytes)
+        ex.received = len(raw_body)
         body, binary = _split(scope, raw_body)
-        pool, version = self._pool(scope)
+        pool, version = _tensor_pool(self.fleet, scope)
         record.model = pool.name
         # the tensors themselves, before any worker
         request = _parse(body, pool.name, version, binary)
@@ -341,11 +298,12 @@ class KServeRoutes:
         slot_request = EmbedRequest(model=pool.name, inputs=(), request_id=record.request_id)
         async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
             self.telemetry.begin(record, pool.name)
+            metadata = ex.metadata
             with self.tracing.engine_call(pool.name, metadata, MODEL_INFER) as (_, metadata):
                 deadline = Deadline(self.config.request_timeout)
                 call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
-                gone = asyncio.ensure_future(_wait_disconnect(receive))
-                tracked = _Cancellable(call)
+                gone = asyncio.ensure_future(wait_disconnect(ex.receive))
+                tracked = Call(call)
                 try:
                     with self.inflight.track(tracked):
                         await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -355,15 +313,19 @@ class KServeRoutes:
                         call.cancel()
                         await asyncio.gather(call, return_exceptions=True)
                         if tracked.reason is None:
-                            raise _Gone
+                            raise ClientGone
                 if tracked.reason is not None:
                     raise tracked.reason
                 result = call.result()
-        record.status, record.outcome = 200, Outcome.COMPLETED
-        if not binary_outputs:
-            moved.sent = await _send(send, 200, result.to_json(), request_id)
-            return
+        request_id = record.request_id.encode("latin-1")
         answer = result.to_json()
+        if not binary_outputs:
+            data = orjson.dumps(answer)
+            # 200 once all is encoded: a failure before it is a 500, not a broken answer
+            record.status, record.outcome = 200, Outcome.COMPLETED
+            await send_json(send, 200, data, [(b"x-request-id", request_id)])
+            ex.sent = len(data)
+            return
         blobs = []
         for tensor, out in zip(result.outputs, answer["outputs"], strict=True):
             if binary_outputs is True or tensor.name in binary_outputs:
@@ -377,9 +339,10 @@ class KServeRoutes:
             (HEADER_LENGTH, str(len(header)).encode()),
             (b"x-request-id", request_id),
         ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
         payload = header + b"".join(blobs)
-        moved.sent = len(payload)
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        ex.sent = len(payload)
         await send({"type": "http.response.body", "body": payload})
 
 
@@ -391,15 +354,3 @@ class _Endpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
-
-
-class _Cancellable:
-    """An inference the drain may cancel with a reason."""
-
-    def __init__(self, task: asyncio.Future[Any]) -> None:
-        self.task = task
-        self.reason: errors.EngineError | None = None
-
-    def cancel(self, reason: errors.EngineError | None = None) -> None:
-        self.reason = reason or errors.Unavailable("The request was cancelled.")
-        self.task.cancel()

@@ -17,32 +17,35 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.admission import Deadline, InFlight
-from gateway.config import Config
-from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error, send_json
-from gateway.edge.errors import APIError, from_engine_error, internal_error, invalid
+from gateway.admission import Deadline
+from gateway.edge.asgi import send_json
+from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.generation import _priority, _request_id, _wait_disconnect
 from gateway.edge.openai.models import resolve
 from gateway.edge.openai.validation import UINT32_MAX, model_of
-from gateway.edge.write_guard import WriteGuard, WriteTimedOut
-from gateway.fleet import Fleet, ModelPool
+from gateway.edge.request import (
+    Call,
+    ClientGone,
+    Exchange,
+    Metadata,
+    RequestRoute,
+    priority,
+    wait_disconnect,
+)
+from gateway.fleet import ModelPool
 from gateway.fleet.embedding import embed
 from gateway.protocol import errors, features
 from gateway.protocol.errors import Outcome
 from gateway.protocol.types import Embeddings, EmbedRequest
-from gateway.teams import Teams, team_of
-from gateway.telemetry import RequestRecord, Telemetry
-from gateway.telemetry.tracing import Tracing, annotate
-
-log = logging.getLogger("furnace.edge")
+from gateway.teams import team_of
+from gateway.telemetry import RequestRecord
+from gateway.telemetry.tracing import annotate
 
 #: OpenAI's bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -164,104 +167,20 @@ def answer(model: str, embeddings: Embeddings, as_base64: bool) -> bytes:
     )
 
 
-class _Gone(Exception):
-    """The client went away."""
+class EmbeddingsRoute(RequestRoute[Exchange]):
+    """`POST /v1/embeddings` over the gateway's parts, as a raw ASGI endpoint in the edge's
+    request frame (request.py)."""
 
+    exchange = Exchange
 
-class _Call:
-    """The worker call in flight, as the drain sees it: cancelled with a reason."""
+    def _usage(self, record: RequestRecord) -> dict[str, Any]:
+        return {"gen_ai.usage.input_tokens": record.prompt_tokens}
 
-    __slots__ = ("reason", "task")
-
-    def __init__(self, task: asyncio.Future[Any]) -> None:
-        self.task = task
-        self.reason: errors.EngineError | None = None
-
-    def cancel(self, reason: errors.EngineError | None = None) -> None:
-        self.reason = reason or errors.Unavailable("The request was cancelled.")
-        self.task.cancel()
-
-
-class EmbeddingsRoute:
-    """`POST /v1/embeddings` over the gateway's parts, as a raw ASGI endpoint."""
-
-    def __init__(
-        self,
-        *,
-        config: Config,
-        fleet: Fleet,
-        inflight: InFlight,
-        teams: Teams,
-        telemetry: Telemetry,
-        tracing: Tracing,
-    ) -> None:
-        self.config = config
-        self.fleet = fleet
-        self.inflight = inflight
-        self.teams = teams
-        self.telemetry = telemetry
-        self.tracing = tracing
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serves one request; every error leaves as an OpenAI-shaped body, and every
-        request leaves one record in the metrics and the access log."""
-        request_id, metadata = _request_id(scope)
-        record = RequestRecord(request_id.decode("latin-1"))
-        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
-        send = guard = WriteGuard(send, self.config.write_timeout, abort)
-        traceparent = dict(metadata).get("traceparent")
-        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
-            try:
-                await self._admit(scope, receive, send, record, metadata)
-            except (APIError, errors.EngineError) as error:
-                await self._refuse(send, record, self._api_error(error, record))
-            except (_Gone, WriteTimedOut):
-                record.status, record.outcome = 499, Outcome.CLIENT_GONE
-                log.info("client went away; request %s cancelled", record.request_id)
-            except Exception:
-                log.exception("request %s failed in the gateway", record.request_id)
-                if record.status:  # the answer had begun: the connection is closed
-                    record.outcome = Outcome.ENGINE_ERROR
-                    raise
-                await self._refuse(send, record, internal_error())
-            finally:
-                guard.close()
-                self.telemetry.finish(record)
-                annotate(
-                    span,
-                    {
-                        "http.response.status_code": record.status,
-                        "gen_ai.request.model": record.model or None,
-                        "gen_ai.usage.input_tokens": record.prompt_tokens,
-                        "furnace.outcome": record.outcome,
-                        "furnace.request_id": record.request_id,
-                    },
-                )
-
-    def _api_error(self, error: APIError | errors.EngineError, record: RequestRecord) -> APIError:
-        """The client's error; what the client does not see is logged."""
-        if isinstance(error, APIError):
-            return error
-        api_error = from_engine_error(error, self.config.retry_after)
-        if api_error.message != error.message:
-            log.warning(
-                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
-            )
-        return api_error
-
-    async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
-        record.status, record.outcome, record.reason = error.status, error.outcome, error.reason
-        await send_error(send, error, record.request_id.encode("latin-1"))
-
-    async def _admit(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        record: RequestRecord,
-        metadata: tuple[tuple[str, str], ...],
-    ) -> None:
-        body = await read_json(scope, receive, self.config.max_body_bytes)
+    async def serve(self, ex: Exchange) -> None:
+        """Reads and checks the body, admits it (a queued client that leaves, leaves the
+        queue at once), calls a worker and answers."""
+        scope, record = ex.scope, ex.record
+        body = await read_json(scope, ex.receive, self.config.max_body_bytes)
         team = team_of(scope)
         pool = resolve(self.fleet, team, model_of(body))
         record.model = pool.name
@@ -279,28 +198,28 @@ class EmbeddingsRoute:
                 reason="workers_saturated",
             )
         # watched from here: a client that leaves while queued leaves the queue at once
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(ex.receive))
         try:
-            async with self.teams.admit(team, pool.name, request, record, _priority(scope), gone):
+            async with self.teams.admit(team, pool.name, request, record, priority(scope), gone):
                 self.telemetry.begin(record, pool.name)
-                embeddings = await self._call(pool, request, record, metadata, gone)
+                embeddings = await self._call(pool, request, record, ex.metadata, gone)
         except errors.Busy:
             if not gone.done():
                 raise
-            raise _Gone from None
+            raise ClientGone from None
         finally:
             gone.cancel()
         body_bytes = answer(pool.name, embeddings, parsed.base64)
         record.status, record.outcome = 200, Outcome.COMPLETED
         request_id = record.request_id.encode("latin-1")
-        await send_json(send, 200, body_bytes, [(b"x-request-id", request_id)])
+        await send_json(ex.send, 200, body_bytes, [(b"x-request-id", request_id)])
 
     async def _call(
         self,
         pool: ModelPool,
         request: EmbedRequest,
         record: RequestRecord,
-        metadata: tuple[tuple[str, str], ...],
+        metadata: Metadata,
         gone: asyncio.Future[None],
     ) -> Embeddings:
         """The worker's embeddings; cancelled when the client leaves, the drain ends it
@@ -309,7 +228,7 @@ class EmbeddingsRoute:
         with self.tracing.engine_call(pool.name, metadata, EMBED) as (span, metadata):
             deadline = Deadline(timeout)
             task = asyncio.ensure_future(embed(self.fleet, pool, request, deadline, metadata))
-            call = _Call(task)
+            call = Call(task)
             either: set[asyncio.Future[Any]] = {task, gone}
             try:
                 with self.inflight.track(call):
@@ -325,7 +244,7 @@ class EmbeddingsRoute:
             if call.reason is not None:
                 raise call.reason
             if task.cancelled():
-                raise _Gone
+                raise ClientGone
             embeddings, record.worker = task.result()
             annotate(span, {"furnace.worker": record.worker})
         record.prompt_tokens = embeddings.prompt_tokens

@@ -12,29 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import secrets
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from gateway.admission import Deadline, EventPump, InFlight
-from gateway.config import Config
-from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error, send_json
-from gateway.edge.errors import APIError, from_engine_error, internal_error, invalid
+from gateway.admission import Deadline, EventPump
+from gateway.edge.asgi import Receive, Send, send_json
+from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import resolve
 from gateway.edge.openai.validation import ParsedRequest, model_of
-from gateway.edge.write_guard import WriteGuard, WriteTimedOut
-from gateway.fleet import Fleet, ModelPool
+from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute, priority
+from gateway.edge.request import wait_disconnect as _wait_disconnect
+from gateway.edge.write_guard import WriteTimedOut
+from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.errors import Outcome
 from gateway.protocol.types import GenerateRequest
-from gateway.teams import Teams, team_of
-from gateway.telemetry import RequestRecord, Telemetry
-from gateway.telemetry.tracing import Tracing, annotate
+from gateway.teams import team_of
+from gateway.telemetry import RequestRecord
+from gateway.telemetry.tracing import annotate
 
 log = logging.getLogger("furnace.edge")
 
@@ -43,43 +42,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
-_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-
-
-def _request_id(scope: Scope) -> tuple[bytes, tuple[tuple[str, str], ...]]:
-    """The request's id (the client's x-request-id, or a new one) and the
-    metadata passed on to the worker; values that could not travel as gRPC
-    metadata (or are not W3C trace contexts) are replaced or dropped."""
-    request_id = b""
-    metadata: list[tuple[str, str]] = []
-    for name, value in scope["headers"]:
-        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
-            request_id = value
-        elif name == b"traceparent" and _TRACEPARENT.fullmatch(value):
-            metadata.append(("traceparent", value.decode("ascii")))
-    if not request_id:
-        request_id = secrets.token_hex(16).encode()
-    metadata.append(("x-request-id", request_id.decode("ascii")))
-    return request_id, tuple(metadata)
-
-
-_PRIORITY = re.compile(rb"-?[0-9]{1,4}")
-
-
-def _priority(scope: Scope) -> int | None:
-    """The request's `x-furnace-priority` (an integer; its team's caps it), or None."""
-    for name, value in scope["headers"]:
-        if name == b"x-furnace-priority":
-            if not _PRIORITY.fullmatch(value.strip()):
-                raise errors.Invalid(
-                    "x-furnace-priority: expected an integer from -1000 to 1000.",
-                    param="x-furnace-priority",
-                )
-            return max(-1000, min(1000, int(value)))
-    return None
 
 
 def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
@@ -98,96 +60,40 @@ def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class GenerationRoute(RequestRoute[Exchange]):
+    """/v1/chat/completions or /v1/completions, by its parser and encoder, in the edge's
+    request frame (request.py)."""
 
-
-class GenerationRoute:
-    """/v1/chat/completions or /v1/completions, by its parser and encoder."""
+    exchange = Exchange
 
     def __init__(
         self,
         parse: Callable[[Any], ParsedRequest],
         encoder_type: type[Encoder],
-        *,
-        config: Config,
-        fleet: Fleet,
-        inflight: InFlight,
-        teams: Teams,
-        telemetry: Telemetry,
-        tracing: Tracing,
+        parts: Parts,
         limits: InputLimits,
     ) -> None:
+        super().__init__(parts)
         self.parse = parse
         self.encoder_type = encoder_type
-        self.config = config
-        self.fleet = fleet
-        self.inflight = inflight
-        self.teams = teams
-        self.telemetry = telemetry
-        self.tracing = tracing
         self.limits = limits
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serves one request; every error leaves as an OpenAI-shaped body, and
-        every request leaves one record in the metrics and the access log."""
-        request_id, metadata = _request_id(scope)
-        record = RequestRecord(request_id.decode("latin-1"))
-        traceparent = dict(metadata).get("traceparent")
-        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
-        send = guard = WriteGuard(send, self.config.write_timeout, abort)
-        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
-            try:
-                await self._admit(scope, receive, send, record, metadata)
-            except APIError as error:
-                await self._refuse(send, record, error)
-            except errors.EngineError as error:
-                await self._refuse(send, record, self._engine_error(error, record))
-            except Exception:
-                log.exception("request %s failed in the gateway", record.request_id)
-                if record.status:  # the answer had begun: the connection is closed
-                    record.outcome = Outcome.ENGINE_ERROR
-                    raise
-                await self._refuse(send, record, internal_error())
-            finally:
-                guard.close()
-                self.telemetry.finish(record)
-                annotate(
-                    span,
-                    {
-                        "http.response.status_code": record.status,
-                        "gen_ai.request.model": record.model or None,
-                        "gen_ai.usage.input_tokens": record.prompt_tokens,
-                        "gen_ai.usage.output_tokens": record.completion_tokens,
-                        "furnace.outcome": record.outcome,
-                        "furnace.request_id": record.request_id,
-                    },
-                )
+    def _usage(self, record: RequestRecord) -> dict[str, Any]:
+        return {
+            "gen_ai.usage.input_tokens": record.prompt_tokens,
+            "gen_ai.usage.output_tokens": record.completion_tokens,
+        }
 
-    def _engine_error(self, error: errors.EngineError, record: RequestRecord) -> APIError:
-        """The client's error for `error`; what the client does not see is logged."""
-        api_error = from_engine_error(error, self.config.retry_after)
-        if api_error.message != error.message:
-            log.warning(
-                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
-            )
-        return api_error
-
-    async def _refuse(self, send: Send, record: RequestRecord, error: APIError) -> None:
-        record.status = error.status
-        record.outcome = error.outcome
-        record.reason = error.reason
-        await send_error(send, error, record.request_id.encode("latin-1"))
-
-    async def _admit(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        record: RequestRecord,
-        metadata: tuple[tuple[str, str], ...],
-    ) -> None:
+    async def serve(self, ex: Exchange) -> None:
+        """Reads and checks the body, admits it under its team's limits (a queued client
+        that leaves, leaves the queue at once) and serves it."""
+        scope, receive, send, record, metadata = (
+            ex.scope,
+            ex.receive,
+            ex.send,
+            ex.record,
+            ex.metadata,
+        )
         body = await read_json(scope, receive, self.config.max_body_bytes)
         pool = resolve(self.fleet, team_of(scope), model_of(body))
         record.model = pool.name
@@ -204,7 +110,7 @@ class GenerationRoute:
                 f"Every worker of `{pool.name}` runs as many requests as it says it can.",
                 reason="workers_saturated",
             )
-        priority = _priority(scope)
+        level = priority(scope)
         if pool.name not in self.teams.queues:
             async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
                 self.telemetry.begin(record, pool.name)
@@ -214,7 +120,7 @@ class GenerationRoute:
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             async with self.teams.admit(
-                team_of(scope), pool.name, parsed.generate, record, priority, watcher
+                team_of(scope), pool.name, parsed.generate, record, level, watcher
             ):
                 self.telemetry.begin(record, pool.name)
                 await self._serve(parsed, pool, record, metadata, receive, send, watcher)
@@ -232,7 +138,7 @@ class GenerationRoute:
         parsed: ParsedRequest,
         pool: ModelPool,
         record: RequestRecord,
-        metadata: tuple[tuple[str, str], ...],
+        metadata: Metadata,
         receive: Receive,
         send: Send,
         watcher: asyncio.Future[None] | None = None,

@@ -1,0 +1,210 @@
+"""The frame every raw-ASGI route that serves a request on the fleet shares (chat and text
+completions, embeddings, KServe v2 inference), so that each gets its id, its record, its
+error handling and its telemetry one way: the request's id and the gRPC metadata passed to
+its worker, the `x-furnace-priority` header, the watcher of a client that goes away, the
+drain's handle on a worker call, and `RequestRoute`, whose `__call__` is the try/except/
+finally around serving one request. A route keeps only what is its own: `serve`, and where
+it differs, the shape of its refusals, its span's usage and what it counts at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from gateway.admission import InFlight
+from gateway.config import Config
+from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error
+from gateway.edge.errors import APIError, from_engine_error, internal_error
+from gateway.edge.write_guard import WriteGuard, WriteTimedOut
+from gateway.fleet import Fleet
+from gateway.protocol import errors
+from gateway.protocol.errors import Outcome
+from gateway.teams import Teams
+from gateway.telemetry import RequestRecord, Telemetry
+from gateway.telemetry.tracing import Tracing, annotate
+
+log = logging.getLogger("furnace.edge")
+
+#: gRPC metadata for a worker call: (name, value) pairs.
+Metadata = tuple[tuple[str, str], ...]
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_PRIORITY = re.compile(rb"-?[0-9]{1,4}")
+
+
+def request_context(scope: Scope) -> tuple[bytes, Metadata]:
+    """The request's id (the client's x-request-id, or a new one) and the
+    metadata passed on to the worker; values that could not travel as gRPC
+    metadata (or are not W3C trace contexts) are replaced or dropped."""
+    request_id = b""
+    metadata: list[tuple[str, str]] = []
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            request_id = value
+        elif name == b"traceparent" and _TRACEPARENT.fullmatch(value):
+            metadata.append(("traceparent", value.decode("ascii")))
+    if not request_id:
+        request_id = secrets.token_hex(16).encode()
+    metadata.append(("x-request-id", request_id.decode("ascii")))
+    return request_id, tuple(metadata)
+
+
+def priority(scope: Scope) -> int | None:
+    """The request's `x-furnace-priority` (an integer; its team's caps it), or None."""
+    for name, value in scope["headers"]:
+        if name == b"x-furnace-priority":
+            if not _PRIORITY.fullmatch(value.strip()):
+                raise errors.Invalid(
+                    "x-furnace-priority: expected an integer from -1000 to 1000.",
+                    param="x-furnace-priority",
+                )
+            return max(-1000, min(1000, int(value)))
+    return None
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client goes away (run as a task once the body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client went away: the request ends as a 499, nothing more written."""
+
+
+class Call:
+    """A unary worker call in flight, as the drain sees it: cancelled with a reason."""
+
+    __slots__ = ("reason", "task")
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self.task = task
+        self.reason: errors.EngineError | None = None
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        self.reason = reason or errors.Unavailable("The request was cancelled.")
+        self.task.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The gateway's parts a request route serves with (one set for every route)."""
+
+    config: Config
+    fleet: Fleet
+    inflight: InFlight
+    teams: Teams
+    telemetry: Telemetry
+    tracing: Tracing
+
+
+class Exchange:
+    """One request as the frame hands it to its route: the ASGI callables it is served
+    on (`send` guarded where the route guards its writes), its record and the metadata
+    for its worker call. A route subclasses it for what it counts per request."""
+
+    __slots__ = ("metadata", "receive", "record", "scope", "send")
+
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, record: RequestRecord, metadata: Metadata
+    ) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.record = record
+        self.metadata = metadata
+
+
+X = TypeVar("X", bound=Exchange)
+
+
+class RequestRoute(Generic[X]):
+    """A raw-ASGI route that serves one request on the fleet, in the one frame: every
+    error leaves as a refusal (OpenAI's shape unless the route says otherwise), and every
+    request leaves one record in the metrics and the access log, and one span."""
+
+    #: The per-request object `serve` gets.
+    exchange: type[X]
+    #: Whether a write waits at most `write_timeout` on the client (see write_guard.py).
+    guard_writes = True
+
+    def __init__(self, parts: Parts) -> None:
+        self.config = parts.config
+        self.fleet = parts.fleet
+        self.inflight = parts.inflight
+        self.teams = parts.teams
+        self.telemetry = parts.telemetry
+        self.tracing = parts.tracing
+
+    async def serve(self, ex: X) -> None:
+        """The route's own work: read, check, admit, call the worker, answer."""
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id, metadata = request_context(scope)
+        record = RequestRecord(request_id.decode("latin-1"))
+        guard = None
+        if self.guard_writes:
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            send = guard = WriteGuard(send, self.config.write_timeout, abort)
+        ex = self.exchange(scope, receive, send, record, metadata)
+        traceparent = dict(metadata).get("traceparent")
+        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
+            try:
+                await self.serve(ex)
+            except APIError as error:
+                await self._refuse(ex, error)
+            except errors.EngineError as error:
+                await self._refuse(ex, self._engine_error(error, record))
+            except (ClientGone, WriteTimedOut):
+                record.status, record.outcome = 499, Outcome.CLIENT_GONE
+                log.info("client went away; request %s cancelled", record.request_id)
+            except Exception:
+                log.exception("request %s failed in the gateway", record.request_id)
+                if record.status:  # the answer had begun: the connection is closed
+                    record.outcome = Outcome.ENGINE_ERROR
+                    raise
+                await self._refuse(ex, internal_error())
+            finally:
+                if guard is not None:
+                    guard.close()
+                self.telemetry.finish(record)
+                self._finished(ex)
+                annotate(
+                    span,
+                    {
+                        "http.response.status_code": record.status,
+                        "gen_ai.request.model": record.model or None,
+                        **self._usage(record),
+                        "furnace.outcome": record.outcome,
+                        "furnace.request_id": record.request_id,
+                    },
+                )
+
+    def _engine_error(self, error: errors.EngineError, record: RequestRecord) -> APIError:
+        """The client's error for `error`; what the client does not see is logged."""
+        api_error = from_engine_error(error, self.config.retry_after)
+        if api_error.message != error.message:
+            log.warning(
+                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
+            )
+        return api_error
+
+    async def _refuse(self, ex: X, error: APIError) -> None:
+        """Records the refusal and sends it, in OpenAI's shape."""
+        record = ex.record
+        record.status, record.outcome, record.reason = error.status, error.outcome, error.reason
+        await send_error(ex.send, error, record.request_id.encode("latin-1"))
+
+    def _usage(self, record: RequestRecord) -> dict[str, Any]:
+        """The span's token counts, for a route that has them."""
+        return {}
+
+    def _finished(self, ex: X) -> None:
+        """What the route counts once the request is over (after its record)."""
