@@ -38,7 +38,9 @@ def test_a_required_tool_call_follows_its_schema(sdk, engine: Engine, stream):
     )
     calls, finish = calls_of(sdk, body, stream)
     assert_valid(calls)
-    assert finish == "tool_calls"
+    # A random model under the forced schema may append calls until max_tokens: the
+    # calls it closed are still whole and valid.
+    assert finish == "tool_calls" or (finish == "length" and not engine.echoes)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -57,6 +59,8 @@ def test_a_named_tool_is_the_one_called(sdk, engine: Engine, stream):
 
 
 def test_a_tool_answer_continues_the_conversation(sdk, engine: Engine):
+    if not engine.tool_messages:
+        pytest.skip("the engine's model has a chat template that refuses tool messages")
     first = sdk.chat.completions.create(
         **greedy(
             engine,

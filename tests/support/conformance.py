@@ -54,6 +54,8 @@ class Engine:
     echoes: bool = False
     #: Fields a test adds to every generation (temperature 0 for a real model).
     defaults: dict[str, Any] = field(default_factory=dict)
+    #: Its model's chat template takes `tool` messages (the tiny vLLM model's refuses them).
+    tool_messages: bool = True
 
 
 Factory = Callable[[pytest.FixtureRequest], Engine]
@@ -116,6 +118,7 @@ def _vllm_http(request: pytest.FixtureRequest) -> Engine:
         stopped_early=lambda before: 0 < generated() - before < max_tokens,
         long_request={"prompt": "one two three", "max_tokens": max_tokens},
         defaults={"temperature": 0},
+        tool_messages=False,
     )
 
 
@@ -132,6 +135,7 @@ def _vllm_engine(request: pytest.FixtureRequest) -> Engine:
         stopped_early=lambda before: worker.aborted() == before + 1,
         long_request={"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64},
         defaults={"temperature": 0},
+        tool_messages=False,
     )
 
 
