@@ -30,7 +30,7 @@ client (uvloop; the load generator's httptools client). Compare the ratios of on
 run: other work on the machine moves the absolute figures.
 
 Run: `python -m benchmarks.bench_peers [--quick] [--json PATH] [--processes N] [--no-peers]`
-(`make bench-peers`); about 2 minutes, 1 with --quick.
+(`make bench-peers`); about a minute once the routers are installed, half with --quick.
 """
 
 from __future__ import annotations
@@ -99,14 +99,14 @@ CALL_TIMEOUT = 120.0
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """How much of each measurement; the default run takes about 2 minutes."""
+    """How much of each measurement; the default run takes about a minute."""
 
-    ttft_blocks: int = 6  # blocks of 50 sequential requests per target
+    ttft_blocks: int = 8  # blocks of 50 sequential requests per target
     streams: int = 32
     short_words: int = 16
     long_words: int = 256
     load_per_stream: int = 2  # 256-token requests per stream, measured, in each round
-    load_rounds: int = 4
+    load_rounds: int = 6
     grpc: Settings = field(
         default_factory=lambda: Settings(
             ttft_requests=300, ttft_per_stream=20, warmup_s=1.0, window_s=4.0
@@ -746,7 +746,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="furnace-gateway side by side with vllm-router and smg, and its gRPC path."
     )
-    parser.add_argument("--quick", action="store_true", help="a shorter run (~1 minute)")
+    parser.add_argument("--quick", action="store_true", help="a shorter run (~30 s)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
         "--processes",
