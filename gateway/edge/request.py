@@ -106,7 +106,7 @@ class Parts:
 
 class Exchange:
     """One request as the frame hands it to its route: the ASGI callables it is served
-    on (`send` guarded where the route guards its writes), its record and the metadata
+    on (`send` guarded: a write waits at most `write_timeout`), its record and the metadata
     for its worker call. A route subclasses it for what it counts per request."""
 
     __slots__ = ("metadata", "receive", "record", "scope", "send")
@@ -131,8 +131,6 @@ class RequestRoute(Generic[X]):
 
     #: The per-request object `serve` gets.
     exchange: type[X]
-    #: Whether a write waits at most `write_timeout` on the client (see write_guard.py).
-    guard_writes = True
 
     def __init__(self, parts: Parts) -> None:
         self.config = parts.config
@@ -149,10 +147,9 @@ class RequestRoute(Generic[X]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id, metadata = request_context(scope)
         record = RequestRecord(request_id.decode("latin-1"))
-        guard = None
-        if self.guard_writes:
-            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
-            send = guard = WriteGuard(send, self.config.write_timeout, abort)
+        # every write waits at most `write_timeout` on the client (see write_guard.py)
+        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+        send = guard = WriteGuard(send, self.config.write_timeout, abort)
         ex = self.exchange(scope, receive, send, record, metadata)
         traceparent = dict(metadata).get("traceparent")
         with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
@@ -172,8 +169,7 @@ class RequestRoute(Generic[X]):
                     raise
                 await self._refuse(ex, internal_error())
             finally:
-                if guard is not None:
-                    guard.close()
+                guard.close()
                 self.telemetry.finish(record)
                 self._finished(ex)
                 annotate(

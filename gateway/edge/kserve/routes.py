@@ -263,11 +263,10 @@ class KServeRoutes:
 
 class InferRoute(RequestRoute[_Tensors]):
     """`POST .../infer` in the edge's request frame (request.py); its own: refusals as
-    `{"error": "..."}` without Retry-After, no write guard (as before the frame), and
-    each request's body bytes in and out in the tensor metrics."""
+    `{"error": "..."}` without Retry-After, and each request's body bytes in and out
+    in the tensor metrics."""
 
     exchange = _Tensors
-    guard_writes = False
 
     async def _refuse(self, ex: _Tensors, error: APIError) -> None:
         record = ex.record
