@@ -40,7 +40,7 @@ from tests.support.servers import (
     start_gateway,
 )
 from tests.support.surface import CLOCK, TOOLS, WEATHER, assert_valid, calls_of
-from tests.support.tiny_model import build_tiny_model
+from tests.support.tiny_model import TOOLS_TEMPLATE, build_tiny_model
 from tests.support.waiting import HANG_GUARD, wait_until
 
 if TYPE_CHECKING:
@@ -50,17 +50,6 @@ TOOLS_MODEL = "tiny-tools"
 LLAMA3 = "tiny-llama3"
 RANDOM = "tiny-random"
 ORDERED = "tiny-ordered"
-#: Hermes-style: the tools in a system turn, calls as <tool_call>{...}</tool_call>.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|system|>You may call these functions:"
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|end|>{% endif %}'
-    "{% for m in messages %}<|{{ m['role'] }}|>"
-    "{% for call in m.get('tool_calls') or [] %}<tool_call>"
-    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
-    "</tool_call>{% endfor %}{{ m['content'] or '' }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 #: Enough for a bounded call or object from a random model under guided decoding.
 MAX_TOKENS = 96
 

@@ -58,6 +58,7 @@ from tests.support.surface import (
     assert_valid,
     calls_of,
 )
+from tests.support.tiny_model import TOOLS_TEMPLATE
 from tests.support.vllm import VllmProcess, start_grpc_server
 from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
@@ -69,16 +70,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
 TOOLS_MODEL = "tiny-vllm-tools"
 PLAIN = "tiny-vllm-plain"
-#: Qwen-like: the tools in a system turn, calls (arguments parsed) as <tool_call>.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|system|>You may call:{% for tool in tools %}\n{{ tool | tojson }}"
-    '{% endfor %}\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
-    "<|end|>{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
-    "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}"
-    "</tool_call>{% endfor %}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 @dataclass

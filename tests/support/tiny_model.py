@@ -25,6 +25,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+#: Qwen- and Hermes-like, for tests of tools: the tools in a system turn, calls (arguments
+#: parsed) as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>You may call:{% for tool in tools %}\n{{ tool | tojson }}"
+    '{% endfor %}\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}"
+    "</tool_call>{% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def _byte_chars() -> dict[int, str]:
     """GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in."""
