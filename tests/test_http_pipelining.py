@@ -1,0 +1,56 @@
+"""The edge's HTTP protocol keeps uvicorn's pipelining: requests sent back to back
+on one connection, before any answer, are answered in order (its queue of waiting
+requests is a plain list, not a deque: see edge/http_protocol.py)."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+import httptools
+import orjson
+
+from tests.support.waiting import HANG_GUARD
+
+
+class _Answers:
+    """Whole responses parsed off one connection, in order (httptools' callbacks)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self._body = b""
+        self.parser = httptools.HttpResponseParser(self)
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        self.bodies.append(self._body)
+        self._body = b""
+
+
+def _read_answers(sock: socket.socket, count: int) -> list[bytes]:
+    """The bodies of the next `count` responses on `sock` (chunked or not)."""
+    answers = _Answers()
+    while len(answers.bodies) < count:
+        data = sock.recv(65536)
+        assert data, "the gateway closed the connection"
+        answers.parser.feed_data(data)
+    return answers.bodies
+
+
+def test_pipelined_requests_are_answered_in_order(gateway):
+    url = urlsplit(gateway.url)
+    chat = orjson.dumps({"messages": [{"role": "user", "content": "one two three"}]})
+    requests = [
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(chat), chat),
+        b"GET /ready HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    ]
+    with socket.create_connection((url.hostname, url.port), timeout=HANG_GUARD) as sock:
+        sock.sendall(b"".join(requests))  # all three before any answer
+        health, answer, ready = _read_answers(sock, 3)
+    assert orjson.loads(health) == {"status": "ok"}
+    assert orjson.loads(answer)["choices"][0]["message"]["content"] == "one two three"
+    assert orjson.loads(ready) == {"status": "ready"}
