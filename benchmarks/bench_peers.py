@@ -45,10 +45,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import uvloop
@@ -59,6 +59,7 @@ from benchmarks.bench_gateway import (
     ECHO,
     MEMORY_STREAMS,
     SLOW,
+    BenchError,
     Client,
     CpuClock,
     Delivery,
@@ -88,6 +89,7 @@ from gateway.bench.client import Tally
 from gateway.bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 HOST = "127.0.0.1"
 PEERS_VENV = ROOT / ".tools" / "peers"
 #: The routers, by the name the table gives them: their PyPI package and command.
@@ -463,7 +465,8 @@ class HttpResults:
 
 
 async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
-    """Every serving target: TTFT at 1 stream (taking turns), then the 32-stream load."""
+    """Every serving target: TTFT at 1 stream (taking turns), then the 32-stream load.
+    A target whose request fails is marked failed and measured no further."""
     rng = random.Random(11)
     short = make_prompt(ENGINE_MODEL, settings.short_words, rng)
     long = make_prompt(ENGINE_MODEL, settings.long_words, rng)
@@ -472,11 +475,21 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
     clocks = {t.name: TreeClock(t.pid, setup.engine_pid) for t in serving}
     results = HttpResults()
     sequential = {t.name: Timings() for t in serving}
+
+    async def guarded(target: Target, measure: Coroutine[Any, Any, T]) -> T | None:
+        try:
+            return await measure
+        except (BenchError, AssertionError) as error:
+            target.missing = f"failed during the run: {error}"[:200]
+            await clients[target.name].close()
+            return None
+
     for _ in range(settings.ttft_blocks):
-        for target in serving:
-            block = await measure_ttft(clients[target.name], short, 1, 50, clocks[target.name])
-            sequential[target.name].merge(block)
-    for target in serving:
+        for target in [t for t in serving if t.missing is None]:
+            measure = measure_ttft(clients[target.name], short, 1, 50, clocks[target.name])
+            if (block := await guarded(target, measure)) is not None:
+                sequential[target.name].merge(block)
+    for target in [t for t in serving if t.missing is None]:
         await clients[target.name].close()
         results.ttft[target.name] = LatencyRun.of(target.name, 1, sequential[target.name])
     _progress("HTTP mode, TTFT at 1 stream: done")
@@ -484,17 +497,23 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
     # machine (other work on it) falls on all of them rather than on one.
     samples = {t.name: LoadSample() for t in serving}
     for round_ in range(settings.load_rounds):
-        for target in serving:
+        for target in [t for t in serving if t.missing is None]:
             name = target.name
-            sample = await measure_load(
+            measure = measure_load(
                 clients[name], long, settings.streams, settings.load_per_stream, clocks[name]
             )
-            samples[name].merge(sample)
+            if (sample := await guarded(target, measure)) is not None:
+                samples[name].merge(sample)
         _progress(
             f"HTTP mode, {settings.streams} streams x {settings.long_words}: round {round_ + 1}"
         )
-    for name, sample in samples.items():
-        results.load[name] = LoadRun.of(name, settings.streams, sample)
+    for target in serving:
+        if target.missing is None:
+            results.load[target.name] = LoadRun.of(
+                target.name, settings.streams, samples[target.name]
+            )
+        else:
+            results.ttft.pop(target.name, None)
     return results
 
 
@@ -771,7 +790,7 @@ async def run_bench(setup: Setup, settings: PeerSettings) -> tuple[HttpResults, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark; 1 if a token was lost."""
+    """Runs the benchmark; 1 if a token was lost, or the engine or the gateway failed."""
     args = _parser().parse_args(argv)
     settings = QUICK if args.quick else DEFAULT
     started = time.monotonic()
@@ -792,7 +811,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = asdict(report)
         data["grpc"]["ttft"] = {f"{k[0]} x{k[1]}": v for k, v in data["grpc"]["ttft"].items()}
         Path(args.json).write_text(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
-    return 0 if report.delivered_ok() else 1
+    ours_failed = any(
+        t.missing is not None and t.name not in PEERS for t in setup.targets
+    )  # the engine itself, or the gateway, failed a request
+    return 0 if report.delivered_ok() and not ours_failed else 1
 
 
 if __name__ == "__main__":
