@@ -140,7 +140,8 @@ def install_peers(venv: Path) -> dict[str, Path | str]:
     ]
     if missing:
         if not (venv / "bin" / "pip").exists():
-            _progress(f"making the routers' virtualenv in {venv.relative_to(ROOT)}")
+            where = venv.relative_to(ROOT) if venv.is_relative_to(ROOT) else venv
+            _progress(f"making the routers' virtualenv in {where}")
             made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
             if made.returncode != 0:
                 reason = f"no virtualenv: {made.stderr.decode(errors='replace')[-200:]}"
