@@ -133,15 +133,15 @@ def said(chunks: list[Any]) -> list[str]:
             delta, i = choice.delta, choice.index
             if delta.role:
                 out.append(f"{i} role {delta.role}")
-            if delta.content:
-                out.append(f"{i} content")
+            # text and its logprobs are one kind: the gateway may carry in one chunk
+            # what vLLM sent in several (pieces that arrive together are merged)
+            if delta.content or (choice.logprobs and choice.logprobs.content):
+                out.append(f"{i} text")
             for call in delta.tool_calls or ():
                 if call.id:
                     out.append(f"{i} call {call.index} {call.type} {call.function.name}")
                 if call.function and call.function.arguments:
                     out.append(f"{i} arguments {call.index}")
-            if choice.logprobs and choice.logprobs.content:
-                out.append(f"{i} logprobs")
             if choice.finish_reason:
                 out.append(f"{i} finish {choice.finish_reason}")
         if chunk.usage is not None:
