@@ -21,6 +21,7 @@ The cost: one pass over the headers per request.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable
 from typing import Any
@@ -50,8 +51,10 @@ HOST_EXEMPT = frozenset({"/health", "/ready", "/metrics", "/metrics/json"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, without port) is the loopback."""
+    """Whether `host` (a name or an address, without port) is the loopback; cached, as
+    every request asks it of the Host header (a bounded cache: clients choose the value)."""
     host = host.strip("[]").rstrip(".").lower()
     if host in LOOPBACK_NAMES:
         return True
