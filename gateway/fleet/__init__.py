@@ -66,8 +66,6 @@ class Fleet:
         self.models: dict[str, ModelPool] = {
             m.name: ModelPool(m, config, self._client_factory(m)) for m in config.models
         }
-        llms = [m.name for m in config.models if m.kind == "llm"]
-        self.default_model = llms[0] if llms else None
         self.budget = RetryBudget(config.retry_budget)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -260,9 +258,10 @@ class Fleet:
 
     # -- requests -----------------------------------------------------------
 
-    def get(self, name: str | None) -> ModelPool:
-        """The LLM pool a request names (the first LLM when it names none)."""
-        pool = self.models.get(name if name is not None else self.default_model or "")
+    def get(self, name: str) -> ModelPool:
+        """The LLM pool a request names (the edge picks a team's first when it names
+        none: `edge/openai/models.resolve`)."""
+        pool = self.models.get(name)
         if pool is None:
             raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")
         if pool.kind != "llm":
