@@ -67,6 +67,7 @@ from gateway.bench.stats import percentile
 from gateway.bench.workload import ENDPOINTS, VOCABULARY, WorkloadSpec, body
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.worker import multiplex
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 
@@ -135,12 +136,21 @@ class EchoService(pb_grpc.EngineServicer):
         finished = pb.Finished(reason=pb.FINISH_REASON_STOP, completion_tokens=len(words))
         yield pb.GenerateEvent(finished=finished)
 
+    async def GenerateMultiplexed(
+        self, requests: AsyncIterator[pb.MultiplexRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """The same answers on one call, through the SDK's multiplexer (as a worker
+        offers it): each request's messages go out as the call can take them, those
+        ready together in one."""
+        answer = lambda start: self.Generate(start.request, context)  # noqa: E731
+        await multiplex.serve(answer, requests, context)
+
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
         """The model, as the SDK would describe it."""
         return pb.DescribeResponse(
-            models=[pb.ModelInfo(name=self.model, max_context=4096)], capacity=256
+            models=[pb.ModelInfo(name=self.model, max_context=4096)], capacity=256, multiplex=True
         )
 
 

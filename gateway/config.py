@@ -241,6 +241,12 @@ class Config:
         "its share of the slots (`serve --workers N` overrides it)",
         minimum=1,
     )
+    multiplex_workers: bool = setting(
+        True,
+        "carry every request to a worker of ours on one `GenerateMultiplexed` call where the "
+        "worker offers it (one gRPC message per engine step, not per request); false: one "
+        "`Generate` call per request",
+    )
     discovery_interval: float = setting(
         10.0, "seconds between DNS lookups of `dns:` worker names", minimum=0.01
     )

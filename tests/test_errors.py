@@ -1,11 +1,37 @@
 """Every row of the error table, before and after the worker's first event,
-streamed and not, against the scripted gRPC worker."""
+streamed and not, against the scripted gRPC worker, reached both ways: on its
+multiplexed call, and by a Generate call per request."""
+
+from collections.abc import Iterator
 
 import pytest
 
 from gateway.config import ModelConfig
 from tests.support.requests import sse_events
 from tests.support.scripted_worker import script
+from tests.support.servers import Gateway, ServerLoop, Workers, make_config, start_gateway
+
+
+@pytest.fixture(scope="module", params=["GenerateMultiplexed", "Generate"])
+def rpc(request: pytest.FixtureRequest) -> str:
+    """How the gateway reaches the worker in this module's run."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def gateway(rpc: str, server_loop: ServerLoop, workers: Workers) -> Iterator[Gateway]:
+    """This module's own gateway, for the way of reaching workers under test."""
+    config = make_config(workers, multiplex_workers=rpc == "GenerateMultiplexed")
+    gw = start_gateway(server_loop, config)
+    yield gw
+    gw.stop()
+
+
+def test_the_worker_is_reached_as_configured(client, workers, rpc):
+    response = client.post("/v1/completions", json={"model": "scripted", "prompt": script(texts=1)})
+    assert response.status_code == 200
+    assert workers.scripted.rpcs[response.headers["x-request-id"]] == rpc
+
 
 TABLE = [
     # (gRPC status, HTTP status, type, code)

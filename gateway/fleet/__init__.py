@@ -85,7 +85,11 @@ class Fleet:
         if model.upstream == "kserve-grpc":
             return partial(KServeGrpcUpstream, model=model.name, credentials=self._credentials())
         if model.upstream != "openai":
-            return partial(FurnaceGrpcUpstream, credentials=self._credentials())
+            return partial(
+                FurnaceGrpcUpstream,
+                credentials=self._credentials(),
+                multiplex=self.config.multiplex_workers,
+            )
 
         api_key = os.environ[model.api_key_env] if model.api_key_env is not None else None
 

@@ -7,6 +7,8 @@ the two ends of the protocol cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 from gateway.protocol import errors
@@ -43,7 +45,9 @@ ERROR_TO_STATUS[errors.RateLimited] = C.RESOURCE_EXHAUSTED
 
 
 def error_from_status(
-    code: grpc.StatusCode, details: str | None, trailing: grpc.aio.Metadata | None = None
+    code: grpc.StatusCode,
+    details: str | None,
+    trailing: grpc.aio.Metadata | Mapping[str, str] | None = None,
 ) -> errors.EngineError:
     """The error a worker's status stands for; unknown codes are engine failures."""
     error_type = STATUS_TO_ERROR.get(code, errors.Failed)

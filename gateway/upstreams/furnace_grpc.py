@@ -20,45 +20,16 @@ from gateway.protocol.convert import (
     event_from_proto,
     request_to_proto,
 )
-from gateway.protocol.status import error_from_status
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
-
-# Loopback and in-cluster links: keep connections warm, allow big prompts.
-_CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 5_000),
-    # A fixed receive window (no BDP probing, which grows it to megabytes): a stream whose
-    # client stops reading pushes back on its worker after 64 KiB, not after many MB.
-    ("grpc.http2.bdp_probe", 0),
-)
-
-
-#: What grpc says when a message passes `grpc.max_receive_message_length`.
-_TOO_LARGE = "Received message larger than max"
+from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS, from_rpc_error
+from gateway.upstreams.furnace_multiplex import MultiplexedCall, MultiplexLink
 
 #: The service whose health a worker reports (see gateway.worker.server).
 HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
-
-
-def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
-    if isinstance(error, grpc.aio.AioRpcError):
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (
-            error.details() or ""
-        ):
-            # our own receive cap, not a busy worker: a retry would fail the same way
-            return errors.Failed("The engine worker sent a message larger than the gateway takes.")
-        return error_from_status(error.code(), error.details(), error.trailing_metadata())
-    return errors.Unavailable(f"engine worker call failed: {error}")
 
 
 class FurnaceGrpcCall(StreamBookkeeping):
@@ -85,7 +56,7 @@ class FurnaceGrpcCall(StreamBookkeeping):
         try:
             message = await self._call.read()
         except grpc.RpcError as error:
-            failure = _from_rpc_error(error)
+            failure = from_rpc_error(error)
             self.close(failure)
             raise failure from None
         if message is grpc.aio.EOF:
@@ -108,15 +79,26 @@ class FurnaceGrpcCall(StreamBookkeeping):
 class FurnaceGrpcUpstream:
     """A worker at one address, over one channel created on the running loop."""
 
-    def __init__(self, address: str, credentials: WorkerCredentials | None = None) -> None:
+    def __init__(
+        self, address: str, credentials: WorkerCredentials | None = None, multiplex: bool = True
+    ) -> None:
         self.address = address
+        #: Use GenerateMultiplexed once the worker says it offers it (`describe`).
+        self._multiplex = multiplex
+        self._offered = False
+        self._link: MultiplexLink | None = None
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:  # TLS, mutual when the credentials hold a client certificate
-            options = _CHANNEL_OPTIONS + credentials.options
+            options = CHANNEL_OPTIONS + credentials.options
             self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def multiplexed(self) -> int:
+        """Requests open on the worker's multiplexed call (0 without one)."""
+        return 0 if self._link is None else len(self._link)
 
     def generate(
         self,
@@ -124,8 +106,14 @@ class FurnaceGrpcUpstream:
         timeout: float,
         metadata: tuple[tuple[str, str], ...] = (),
         on_close: Callable[[CallEnd], None] = lambda outcome: None,
-    ) -> FurnaceGrpcCall:
-        """Starts a Generate call with `timeout` seconds as its gRPC deadline."""
+    ) -> FurnaceGrpcCall | MultiplexedCall:
+        """Starts the request with `timeout` seconds as its deadline: on the worker's
+        multiplexed call where it offers one, else as a Generate call of its own."""
+        if self._offered:
+            link = self._link
+            if link is None or link.broken is not None:
+                link = self._link = MultiplexLink(self._stub, self.address)
+            return link.start(request, timeout, metadata, on_close)
         call = self._stub.Generate(request_to_proto(request), timeout=timeout, metadata=metadata)
         return FurnaceGrpcCall(call, self.address, on_close, request.logprobs is not None)
 
@@ -142,7 +130,7 @@ class FurnaceGrpcUpstream:
                 embed_request_to_proto(request), timeout=timeout, metadata=metadata
             )
         except grpc.RpcError as error:
-            raise _from_rpc_error(error) from None
+            raise from_rpc_error(error) from None
         if len(reply.embeddings) != len(request.inputs):
             raise errors.Failed(
                 f"The engine worker answered {len(reply.embeddings)} embeddings "
@@ -155,7 +143,8 @@ class FurnaceGrpcUpstream:
         try:
             reply = await self._stub.Describe(pb.DescribeRequest(), timeout=deadline)
         except grpc.RpcError as error:
-            raise _from_rpc_error(error) from None
+            raise from_rpc_error(error) from None
+        self._offered = self._multiplex and reply.multiplex
         capacity = reply.capacity or None
         full = capacity is not None and reply.load >= capacity
         return [
@@ -183,7 +172,7 @@ class FurnaceGrpcUpstream:
                 yield reply.status == serving
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise _from_rpc_error(error) from None
+                raise from_rpc_error(error) from None
         while True:
             try:
                 reply = await self._health.Check(  # type: ignore[attr-defined]
@@ -191,7 +180,7 @@ class FurnaceGrpcUpstream:
                 )
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise _from_rpc_error(error) from None
+                    raise from_rpc_error(error) from None
                 yield True  # no health service: passive ejection alone judges it
             else:
                 yield reply.status == serving
@@ -199,4 +188,6 @@ class FurnaceGrpcUpstream:
 
     async def close(self) -> None:
         """Closes the channel, cancelling calls still on it."""
+        if self._link is not None:
+            await self._link.aclose()
         await self._channel.close()

@@ -26,7 +26,7 @@ from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, check_raw, from_raw
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import Embeddings, EmbedRequest, GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
-from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
+from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +178,9 @@ class KServeGrpcUpstream:
         self.address = address
         self.model = model
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:
-            options = _CHANNEL_OPTIONS + credentials.options
+            options = CHANNEL_OPTIONS + credentials.options
             self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata: dict[str, ModelMetadata] = {}

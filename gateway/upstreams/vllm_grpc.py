@@ -62,7 +62,7 @@ from gateway.protocol.types import (
 )
 from gateway.tokenization import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
-from gateway.upstreams.furnace_grpc import _CHANNEL_OPTIONS
+from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
 from gateway.worker.engine import check_context
 
 logger = logging.getLogger(__name__)
@@ -395,9 +395,9 @@ class VllmGrpcUpstream:
         #: The format the model writes tool calls in; None: it takes no tools.
         self.tool_call_parser = tool_call_parser
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:
-            options = _CHANNEL_OPTIONS + credentials.options
+            options = CHANNEL_OPTIONS + credentials.options
             self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
         self.stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NoReturn, cast
 
 import grpc
@@ -59,6 +59,7 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.worker import multiplex
 from gateway.worker.engine import Engine
 
 log = logging.getLogger("furnace.worker")
@@ -341,24 +342,10 @@ class EngineService(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
         """One answer (n choices); see engine.proto for the contract."""
-        engine = self.engine
-        if request.model and request.model != engine.model:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
-            )
-        ours = request_from_proto(request)
-        refusal = self._refusal(ours)
-        if refusal is not None:
-            await _abort(context, refusal)
-        if self.active >= engine.capacity:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
-        self.active += 1
-        events = self._read_ahead(ours)
-        choices = [_Choice(i, ours.stop) for i in range(ours.n)]
-        fan_out = not engine.native_n and ours.n > 1
         try:
-            async for message in self._messages(events, choices, fan_out):
-                yield message
+            async with contextlib.aclosing(self.answer(request)) as events:
+                async for event in events:
+                    yield event
         except errors.EngineError as error:
             await _abort(context, error)
         except asyncio.CancelledError:
@@ -367,6 +354,37 @@ class EngineService(pb_grpc.EngineServicer):
         except Exception:
             log.exception("engine failed on request %s", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, "The engine failed.")
+
+    async def GenerateMultiplexed(
+        self,
+        requests: AsyncIterator[pb.MultiplexRequest],
+        context: grpc.aio.ServicerContext[pb.MultiplexRequest, pb.MultiplexResponse],
+    ) -> None:
+        """Many answers on one call (see gateway.worker.multiplex), each as Generate's."""
+        await multiplex.serve(self._started, requests, context)
+
+    def _started(self, start: pb.MultiplexStart) -> AsyncGenerator[pb.GenerateEvent, None]:
+        return self.answer(start.request)
+
+    async def answer(self, request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateEvent, None]:
+        """One answer, whichever call carries it; a refusal or a failure is
+        raised as an `EngineError`."""
+        engine = self.engine
+        if request.model and request.model != engine.model:
+            raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
+        ours = request_from_proto(request)
+        refusal = self._refusal(ours)
+        if refusal is not None:
+            raise refusal
+        if self.active >= engine.capacity:
+            raise errors.Busy("The worker is full.")
+        self.active += 1
+        events = self._read_ahead(ours)
+        choices = [_Choice(i, ours.stop) for i in range(ours.n)]
+        fan_out = not engine.native_n and ours.n > 1
+        try:
+            async for event in self._messages(events, choices, fan_out):
+                yield event
         finally:
             self.active -= 1
             await events.aclose()
@@ -437,6 +455,7 @@ class EngineService(pb_grpc.EngineServicer):
             models=[model],
             capacity=engine.capacity,
             load=self.active if load is None else load,
+            multiplex=True,
         )
 
     def _embed_refusal(self, request: EmbedRequest) -> errors.Invalid | None:

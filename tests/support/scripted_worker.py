@@ -17,6 +17,10 @@ stream slowly. The script is the prompt (or the last chat message), as JSON:
     {"texts": 1, "unknown": true}                 send an event of no known kind
     {"huge": 67108865}                            first send one Text that many bytes long
 
+It offers `GenerateMultiplexed` too (through the worker SDK's multiplexer, with
+the same scripts: a status becomes the request's in-band end), so a gateway
+with `multiplex_workers` on reaches it that way, and with it off by Generate.
+
 It records, by request id, the calls it saw, their metadata and time left, and
 the calls that were cancelled.
 """
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import NoReturn
 
 import grpc
 
+from gateway.protocol.status import error_from_status
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.worker import multiplex
 
 SCRIPTED_MODEL = "scripted"
 
@@ -48,6 +55,9 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.cancelled: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
         self.deadlines: dict[str, float | None] = {}
+        #: By request id: the rpc that carried it (Generate or GenerateMultiplexed).
+        self.rpcs: dict[str, str] = {}
+        self.multiplexed_calls = 0  # GenerateMultiplexed calls opened
         self.active = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -65,10 +75,23 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         assert self.server is not None
         await self.server.stop(0)
 
+    async def GenerateMultiplexed(
+        self,
+        requests: AsyncIterator[pb.MultiplexRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self.multiplexed_calls += 1
+        await multiplex.serve(self._started, requests, context)
+
+    def _started(self, start: pb.MultiplexStart) -> AsyncGenerator[pb.GenerateEvent, None]:
+        self.rpcs[start.request.request_id] = "GenerateMultiplexed"
+        return self.Generate(start.request, _StreamContext(start))  # type: ignore[arg-type]
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateEvent]:
+    ) -> AsyncGenerator[pb.GenerateEvent, None]:
         rid = request.request_id
+        self.rpcs.setdefault(rid, "Generate")
         self.calls.append(rid)
         self.metadata[rid] = {k: v for k, v in context.invocation_metadata()}
         self.deadlines[rid] = context.time_remaining()
@@ -141,4 +164,27 @@ class ScriptedWorker(pb_grpc.EngineServicer):
             models=[pb.ModelInfo(name=SCRIPTED_MODEL, max_context=100)],
             capacity=64,
             load=self.active,
+            multiplex=True,
         )
+
+
+class _StreamContext:
+    """What the scripts need of a call's context, for one request on a
+    multiplexed call: its metadata and deadline from its start; an abort
+    raises the status as our error, which the multiplexer sends in-band."""
+
+    def __init__(self, start: pb.MultiplexStart) -> None:
+        self._start = start
+        self._trailing: dict[str, str] = {}
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._start.metadata.items())
+
+    def time_remaining(self) -> float | None:
+        return self._start.timeout_ms / 1000 if self._start.timeout_ms else None
+
+    def set_trailing_metadata(self, trailing: tuple[tuple[str, str], ...]) -> None:
+        self._trailing = dict(trailing)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise error_from_status(code, details, self._trailing)

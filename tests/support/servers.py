@@ -113,6 +113,12 @@ def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
         lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),
         "no outstanding worker calls",
     )
+    wait_until(
+        lambda: all(
+            getattr(w.client, "multiplexed", 0) == 0 for p in pools for w in p.workers.values()
+        ),
+        "no request open on a worker's multiplexed call",
+    )
     if workers is not None:
         wait_until(lambda: workers.scripted.active == 0, "the scripted worker to be idle")
         wait_until(lambda: workers.demo_engine.running == 0, "the demo engine to be idle")

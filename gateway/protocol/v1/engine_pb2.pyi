@@ -220,14 +220,16 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("models", "capacity", "load")
+    __slots__ = ("models", "capacity", "load", "multiplex")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    MULTIPLEX_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     capacity: int
     load: int
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., capacity: _Optional[int] = ..., load: _Optional[int] = ...) -> None: ...
+    multiplex: bool
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., capacity: _Optional[int] = ..., load: _Optional[int] = ..., multiplex: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "max_context", "features")
@@ -280,3 +282,66 @@ class Embedding(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class MultiplexRequest(_message.Message):
+    __slots__ = ("starts", "cancels", "credits")
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    starts: _containers.RepeatedCompositeFieldContainer[MultiplexStart]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    credits: _containers.RepeatedCompositeFieldContainer[MultiplexCredit]
+    def __init__(self, starts: _Optional[_Iterable[_Union[MultiplexStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ..., credits: _Optional[_Iterable[_Union[MultiplexCredit, _Mapping]]] = ...) -> None: ...
+
+class MultiplexStart(_message.Message):
+    __slots__ = ("stream", "request", "timeout_ms", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    request: GenerateRequest
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, stream: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MultiplexCredit(_message.Message):
+    __slots__ = ("stream", "units")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    units: int
+    def __init__(self, stream: _Optional[int] = ..., units: _Optional[int] = ...) -> None: ...
+
+class MultiplexResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[MultiplexEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[MultiplexEvent, _Mapping]]] = ...) -> None: ...
+
+class MultiplexEvent(_message.Message):
+    __slots__ = ("stream", "event", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    event: GenerateEvent
+    end: MultiplexEnd
+    def __init__(self, stream: _Optional[int] = ..., event: _Optional[_Union[GenerateEvent, _Mapping]] = ..., end: _Optional[_Union[MultiplexEnd, _Mapping]] = ...) -> None: ...
+
+class MultiplexEnd(_message.Message):
+    __slots__ = ("code", "message", "param")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    param: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class EngineStub:
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.GenerateMultiplexed = channel.stream_stream(
+                '/furnace.engine.v1.Engine/GenerateMultiplexed',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -87,6 +92,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMultiplexed(self, request_iterator, context):
+        """Many Generate calls over one call: the gateway opens one per worker and
+        starts, cancels and paces its requests on it; the worker answers with
+        batches that carry the events of every request ready at that moment
+        (typically one engine step's worth), so per-message costs are paid once a
+        step rather than once a request a step. Each request keeps Generate's
+        contract: the same events in the same order, a refusal or failure as an
+        in-band MultiplexEnd with Generate's status code, its own deadline.
+        Offered by a worker whose DescribeResponse sets `multiplex`; the gateway
+        uses Generate with workers that do not. Ending the call (either side, or
+        a broken connection) ends every request on it; the worker aborts them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -104,6 +125,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'GenerateMultiplexed': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMultiplexed,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +214,33 @@ class Engine:
             '/furnace.engine.v1.Engine/Embed',
             furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMultiplexed(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/furnace.engine.v1.Engine/GenerateMultiplexed',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""What both ends of `GenerateMultiplexed` must agree on: the flow-control window
+and how an event is counted against it, and a request's end as a status.
+
+One call per gateway and worker carries every request's events, batched per
+engine step, so grpc.aio's per-message cost (~80-130 µs on these machines) is
+paid once a step, not once a request a step. A request that is not read must
+not hold up the others on the call, so each has its own window, counted here
+the same way on both sides (`units`), and returned by the gateway as its client
+takes the events.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.protocol import errors
+from gateway.protocol.status import PARAM_KEY, error_from_status, status_from_error
+from gateway.protocol.types import Event, Text, ToolCallDelta
+from gateway.protocol.v1 import engine_pb2 as pb
+
+#: Units of a request's events a worker may send beyond the credit returned (engine.proto).
+WINDOW = 65_536
+#: The gateway returns credit once its client has taken this many units (a quarter
+#: window: a stream of short tokens returns none in a typical answer).
+CREDIT_STEP = WINDOW // 4
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def units(event: Event) -> int:
+    """An event's size against the window: 1, plus its text or arguments."""
+    kind = type(event)
+    if kind is Text:
+        return 1 + len(event.text)  # type: ignore[union-attr]
+    if kind is ToolCallDelta:
+        return 1 + len(event.arguments)  # type: ignore[union-attr]
+    return 1
+
+
+def proto_units(event: pb.GenerateEvent) -> int:
+    """`units` of the event as a worker sends it (the same count: a test checks)."""
+    kind = event.WhichOneof("event")
+    if kind == "text":
+        return 1 + len(event.text.text)
+    if kind == "tool_call":
+        return 1 + len(event.tool_call.arguments)
+    return 1
+
+
+#: A request that ended after its last Finished.
+DONE = pb.MultiplexEnd()
+
+
+def end_of(error: errors.EngineError) -> pb.MultiplexEnd:
+    """The end a worker sends for an engine's error: Generate's status, in-band."""
+    code, trailing = status_from_error(error)
+    param = trailing[0][1] if trailing else ""
+    return pb.MultiplexEnd(code=code.value[0], message=error.message, param=param)
+
+
+def end_with(code: grpc.StatusCode, message: str) -> pb.MultiplexEnd:
+    """An end with a status of the worker's own (not an engine's error)."""
+    return pb.MultiplexEnd(code=code.value[0], message=message)
+
+
+def error_of(end: pb.MultiplexEnd) -> errors.EngineError | None:
+    """The error an end stands for (None: the request finished), through the
+    same table as Generate's statuses."""
+    if not end.code:
+        return None
+    code = _CODES.get(end.code, grpc.StatusCode.UNKNOWN)
+    trailing = {PARAM_KEY: end.param} if end.param else None
+    return error_from_status(code, end.message, trailing)

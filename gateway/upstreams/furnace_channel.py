@@ -1,0 +1,41 @@
+"""What every call of our worker protocol shares: the channel's options and the
+translation of a failed call into the error tree (through the one table in
+`gateway.protocol.status`), for `furnace_grpc` and `furnace_multiplex` alike."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.protocol import errors
+from gateway.protocol.status import error_from_status
+
+# Loopback and in-cluster links: keep connections warm, allow big prompts.
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+    # A fixed receive window (no BDP probing, which grows it to megabytes): a stream whose
+    # client stops reading pushes back on its worker after 64 KiB, not after many MB.
+    ("grpc.http2.bdp_probe", 0),
+)
+
+
+#: What grpc says when a message passes `grpc.max_receive_message_length`.
+_TOO_LARGE = "Received message larger than max"
+
+
+def from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+    """A failed call as our error, through `gateway.protocol.status`'s table."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (
+            error.details() or ""
+        ):
+            # our own receive cap, not a busy worker: a retry would fail the same way
+            return errors.Failed("The engine worker sent a message larger than the gateway takes.")
+        return error_from_status(error.code(), error.details(), error.trailing_metadata())
+    return errors.Unavailable(f"engine worker call failed: {error}")

@@ -1,0 +1,237 @@
+"""The gateway's side of `GenerateMultiplexed`: every request to a worker on one
+call, for workers that offer it (`DescribeResponse.multiplex`).
+
+Why: grpc.aio costs ~80-130 µs of CPU per message received and a few hundred
+to start a call. On one call, a request is a `MultiplexStart` in the next
+message out (starts, cancellations and credit that arrive together go as one),
+and one message in carries the events of every request the worker stepped.
+
+`MultiplexLink` owns the call: a writer task sends what is queued, a reader
+task hands each event to its request's `MultiplexedCall`, an iterator like the
+per-request `FurnaceGrpcCall`, with the same outcomes: its end arrives in-band
+(`MultiplexEnd`, Generate's status through the same table), and when the link
+breaks every request on it fails `Unavailable` (retryable before its first
+event, as a broken per-request call is). Each request returns flow-control
+credit as it is read (`gateway.protocol.multiplex`), so a slow client holds
+back only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from gateway.protocol import errors
+from gateway.protocol.convert import event_from_proto, request_to_proto
+from gateway.protocol.multiplex import CREDIT_STEP, error_of, units
+from gateway.protocol.types import Event, GenerateRequest
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
+from gateway.upstreams.furnace_channel import from_rpc_error
+
+log = logging.getLogger("furnace.upstream")
+
+#: The largest `timeout_ms` (uint32): about 49 days.
+_MAX_TIMEOUT_MS = 2**32 - 1
+
+
+class MultiplexedCall(StreamBookkeeping):
+    """One request on a worker's multiplexed call: iterate for our events;
+    `cancel()` stops it on the worker."""
+
+    __slots__ = ("_broken", "_events", "_id", "_link", "_logprobs", "_taken", "_waiter")
+
+    def __init__(
+        self,
+        link: MultiplexLink,
+        stream_id: int,
+        on_close: Callable[[CallEnd], None],
+        logprobs: bool,
+    ) -> None:
+        super().__init__(link.address, on_close)
+        self._link = link
+        self._id = stream_id
+        self._logprobs = logprobs
+        #: What the reader handed over: GenerateEvents, then a MultiplexEnd.
+        self._events: deque[pb.GenerateEvent | pb.MultiplexEnd] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._broken: errors.EngineError | None = None  # the link broke
+        self._taken = 0  # units read since the last credit returned
+
+    def push(self, item: pb.GenerateEvent | pb.MultiplexEnd) -> None:
+        """From the link's reader: the next event, or the end."""
+        self._events.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, failure: errors.EngineError) -> None:
+        """From the link: it broke; what is queued is still read first."""
+        self._broken = failure
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        events = self._events
+        while not events:
+            if self._broken is not None:
+                self.close(self._broken)
+                raise self._broken
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = events.popleft()
+        if type(item) is pb.MultiplexEnd:
+            failure = error_of(item)
+            self.close(failure)
+            if failure is not None:
+                raise failure
+            raise StopAsyncIteration
+        try:
+            event = event_from_proto(item, self._logprobs)  # type: ignore[arg-type]
+        except errors.Failed as failure:
+            self.cancel(failure)
+            raise
+        self._taken += units(event)
+        if self._taken >= CREDIT_STEP:
+            self._link.credit(self._id, self._taken)
+            self._taken = 0
+        return event
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        """Stops the request on the worker; `outcome` is what the owner hears."""
+        self._link.cancel(self._id)
+        self.close(outcome)
+
+
+class MultiplexLink:
+    """One GenerateMultiplexed call to a worker and the requests on it."""
+
+    def __init__(self, stub: pb_grpc.EngineStub, address: str) -> None:
+        self.address = address
+        self._call: grpc.aio.StreamStreamCall[pb.MultiplexRequest, pb.MultiplexResponse] = (
+            stub.GenerateMultiplexed()
+        )
+        self._calls: dict[int, MultiplexedCall] = {}
+        self._next_id = 1
+        self._outgoing: pb.MultiplexRequest | None = None
+        self._wake: asyncio.Future[None] | None = None
+        #: Why the link is over; None while it serves.
+        self.broken: errors.EngineError | None = None
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    def __len__(self) -> int:
+        """Requests open on the link."""
+        return len(self._calls)
+
+    def start(
+        self,
+        request: GenerateRequest,
+        timeout: float,
+        metadata: tuple[tuple[str, str], ...],
+        on_close: Callable[[CallEnd], None],
+    ) -> MultiplexedCall:
+        """Starts a request with `timeout` seconds as its deadline on the worker."""
+        stream_id = self._next_id
+        self._next_id += 1
+        call = MultiplexedCall(self, stream_id, on_close, request.logprobs is not None)
+        self._calls[stream_id] = call
+        self._queued().starts.append(
+            pb.MultiplexStart(
+                stream=stream_id,
+                request=request_to_proto(request),
+                timeout_ms=min(max(1, round(timeout * 1000)), _MAX_TIMEOUT_MS),
+                metadata=dict(metadata),
+            )
+        )
+        return call
+
+    def cancel(self, stream_id: int) -> None:
+        """Stops a request (once; a request already over is left alone)."""
+        if self._calls.pop(stream_id, None) is not None and self.broken is None:
+            self._queued().cancels.append(stream_id)
+
+    def credit(self, stream_id: int, taken: int) -> None:
+        """Returns `taken` units of a request's window."""
+        if stream_id in self._calls and self.broken is None:
+            self._queued().credits.append(pb.MultiplexCredit(stream=stream_id, units=taken))
+
+    def _queued(self) -> pb.MultiplexRequest:
+        """The message the writer sends next."""
+        outgoing = self._outgoing
+        if outgoing is None:
+            outgoing = self._outgoing = pb.MultiplexRequest()
+            wake = self._wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+        return outgoing
+
+    async def _write(self) -> None:
+        loop = asyncio.get_running_loop()
+        write = self._call.write
+        try:
+            while True:
+                outgoing = self._outgoing
+                if outgoing is None:
+                    self._wake = loop.create_future()
+                    await self._wake
+                    continue
+                self._outgoing = None
+                await write(outgoing)
+        except grpc.RpcError as error:  # the reader sees the call's status too
+            self._break(from_rpc_error(error))
+        except asyncio.InvalidStateError:  # written to after the call ended
+            self._break(errors.Unavailable("The engine worker's multiplexed call ended."))
+
+    async def _read(self) -> None:
+        read, calls, eof = self._call.read, self._calls, grpc.aio.EOF
+        failure: errors.EngineError
+        try:
+            while (response := await read()) is not eof:
+                for event in response.events:  # type: ignore[attr-defined]
+                    call = calls.get(event.stream)
+                    if call is None:  # cancelled: its last events still come
+                        continue
+                    if event.WhichOneof("body") == "event":
+                        call.push(event.event)
+                    else:
+                        del calls[event.stream]
+                        call.push(event.end)
+            failure = errors.Unavailable("The engine worker ended the multiplexed call.")
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+        except Exception:  # a bug of ours: fail the requests rather than hang them
+            log.exception("reading the multiplexed call of %s failed", self.address)
+            failure = errors.Failed("The gateway failed while reading the worker's answers.")
+        self._break(failure)
+
+    def _break(self, failure: errors.EngineError) -> None:
+        """Ends the link: every request on it fails with `failure`."""
+        if self.broken is not None:
+            return
+        self.broken = failure
+        self._call.cancel()
+        self._writer.cancel()
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.fail(failure)
+
+    async def aclose(self) -> None:
+        """Ends the call and waits for its tasks."""
+        self._break(errors.Unavailable("The gateway closed the engine worker's channel."))
+        tasks: list[asyncio.Task[Any]] = [self._writer, self._reader]
+        await asyncio.gather(*tasks, return_exceptions=True)

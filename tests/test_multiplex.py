@@ -1,0 +1,361 @@
+"""GenerateMultiplexed, both ends over real gRPC: the worker SDK's side driven
+by a raw client (each request keeps Generate's contract in-band; batching, the
+window, cancellation, deadlines, the call's own rules), and the gateway's side
+(every request to a worker on one call; per-request calls when turned off)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from gateway.protocol import errors
+from gateway.protocol.convert import event_to_proto
+from gateway.protocol.multiplex import WINDOW, proto_units, units
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Started,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
+from gateway.protocol.v1 import engine_pb2 as pb
+from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.worker import Engine
+from gateway.worker.demo import DemoEngine
+from gateway.worker.servicer import READ_AHEAD_CHARS
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+class ScriptEngine(Engine):
+    """Yields the events (or raises the errors) a test hands it."""
+
+    model = "script-engine"
+    max_context = 100
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        for event in self.events:
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+
+class RawCall:
+    """A GenerateMultiplexed call as a test drives it: what it sends, and what
+    came back for each stream id."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = pb_grpc.EngineStub(channel).GenerateMultiplexed()
+        self.events: dict[int, list[pb.GenerateEvent]] = {}
+        self.ends: dict[int, pb.MultiplexEnd] = {}
+        self.responses = 0
+
+    async def start(self, *streams: int, timeout_ms: int = 0, **request: object) -> None:
+        """Starts a request (the same) as each of `streams`, in one message."""
+        request.setdefault("text", "x")
+        starts = [
+            pb.MultiplexStart(
+                stream=s, request=pb.GenerateRequest(**request), timeout_ms=timeout_ms
+            )
+            for s in streams
+        ]
+        await self.call.write(pb.MultiplexRequest(starts=starts))
+
+    async def read(self) -> bool:
+        """Reads one response; False at the end of the call."""
+        response = await self.call.read()
+        if response is grpc.aio.EOF:
+            return False
+        self.responses += 1
+        for event in response.events:
+            if event.WhichOneof("body") == "end":
+                self.ends[event.stream] = event.end
+            else:
+                self.events.setdefault(event.stream, []).append(event.event)
+        return True
+
+    async def until_ended(self, *streams: int) -> None:
+        while not all(s in self.ends for s in streams):
+            assert await self.read(), "the call ended first"
+
+    def units(self, stream: int) -> int:
+        return sum(proto_units(e) for e in self.events.get(stream, []))
+
+
+async def on_call(address: str, test) -> object:  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await asyncio.wait_for(test(RawCall(channel)), HANG_GUARD)
+
+
+async def generate(address: str, **request: object) -> tuple[list, grpc.aio.AioRpcError | None]:
+    """The same request by Generate: its events and the status that ended it."""
+    request.setdefault("text", "x")
+    async with grpc.aio.insecure_channel(address) as channel:
+        events: list = []
+        try:
+            async for event in pb_grpc.EngineStub(channel).Generate(
+                pb.GenerateRequest(**request), timeout=HANG_GUARD
+            ):
+                events.append(event)
+        except grpc.aio.AioRpcError as error:
+            return events, error
+        return events, None
+
+
+# -- each request keeps Generate's contract -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.TooLong("too long"),
+        errors.Invalid("bad", param="top_k"),
+        errors.Busy("full"),
+        errors.Unavailable("down"),
+        errors.Failed("broken"),
+        RuntimeError("a bug"),
+    ],
+)
+def test_refusals_and_failures_end_a_request_as_generate_would(server_loop, serve_engines, error):
+    for events in ([error], [Started(1), Text("a", 1), error]):
+        worker = serve_engines(ScriptEngine(events))[0]
+
+        async def run(call: RawCall) -> RawCall:
+            await call.start(1, 2)  # two alike, side by side
+            await call.until_ended(1, 2)
+            return call
+
+        received, failure = server_loop.call(generate(worker.address))
+        call = server_loop.call(on_call(worker.address, run))
+        assert failure is not None
+        for stream in (1, 2):
+            end = call.ends[stream]
+            assert end.code == failure.code().value[0]
+            assert end.message == failure.details()
+            assert end.param == ("top_k" if isinstance(error, errors.Invalid) else "")
+            assert call.events.get(stream, []) == received
+        if isinstance(error, RuntimeError):
+            assert "a bug" not in call.ends[1].message
+
+
+def test_answers_are_generates_answers(server_loop, workers):
+    requests = [
+        {"text": "one two three four"},
+        {"text": "a b c STOP d", "stop": ["STOP"]},
+        {"text": "x y z", "n": 3},
+        {"text": "p q", "logprobs": 2},
+        {"model": "not-served"},
+    ]
+
+    async def run(call: RawCall) -> RawCall:
+        for i, request in enumerate(requests, 1):
+            await call.start(i, **request)
+        await call.until_ended(*range(1, len(requests) + 1))
+        return call
+
+    call = server_loop.call(on_call(workers.demo.address, run))
+    for i, request in enumerate(requests, 1):
+        expected, failure = server_loop.call(generate(workers.demo.address, **request))
+        got = call.events.get(i, [])
+        # the same text per choice, tokens, finishes (messages may be cut apart differently)
+        assert _answer(got) == _answer(expected)
+        assert call.ends[i].code == (failure.code().value[0] if failure else 0)
+
+
+def _answer(events: list[pb.GenerateEvent]) -> tuple:
+    texts: dict[int, str] = {}
+    tokens, logprobs, others = 0, [], []
+    for event in events:
+        if event.WhichOneof("event") == "text":
+            texts[event.text.index] = texts.get(event.text.index, "") + event.text.text
+            tokens += event.text.tokens
+            logprobs += [lp.token for lp in event.text.logprobs]
+        else:
+            others.append(event)
+    return texts, tokens, logprobs, sorted(e.SerializeToString() for e in others)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        Started(3),
+        Text("héllo", 2),
+        Text("a", 1, 2, (TokenLogprob("a", -0.5),)),
+        ToolCallDelta(0, 0, "call_1", "f", '{"x": 1}', 3),
+        Finished(FinishReason.STOP, 4),
+    ],
+)
+def test_both_ends_count_an_event_alike(event):
+    assert units(event) == proto_units(event_to_proto(event))
+
+
+# -- what the one call brings -----------------------------------------------------------
+
+
+def test_requests_stepped_together_share_messages(server_loop, serve_engines):
+    worker = serve_engines(DemoEngine("paced", token_delay=0.005))[0]
+    streams = range(1, 17)
+
+    async def run(call: RawCall) -> RawCall:
+        await call.start(*streams, text=" ".join(f"w{i}" for i in range(20)))
+        await call.until_ended(*streams)
+        return call
+
+    call = server_loop.call(on_call(worker.address, run))
+    events = sum(len(call.events[s]) for s in streams)
+    assert all(
+        "".join(e.text.text for e in call.events[s] if e.WhichOneof("event") == "text")
+        == " ".join(f"w{i}" for i in range(20))
+        for s in streams
+    )
+    assert call.responses * 4 < events  # 16 requests, each step in about one message
+
+
+def test_an_unread_request_stops_at_its_window_and_goes_on_with_credit(server_loop, serve_engines):
+    engine = DemoEngine("long", max_context=1_000_000)
+    worker = serve_engines(engine)[0]
+    words = " ".join(f"word{i}" for i in range(100_000))  # ~990,000 characters
+
+    async def run(call: RawCall) -> tuple[int, int, str]:
+        await call.start(1, text=words, sampling=pb.SamplingParams(max_tokens=100_000))
+        reader = asyncio.create_task(call.until_ended(1))  # (a read cancelled ends the call)
+        while call.units(1) < WINDOW - READ_AHEAD_CHARS:  # noqa: ASYNC110 (a poll of a test)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # no credit returned: whatever else comes stays in the window
+        held, running = call.units(1), engine.running
+        credited = 0
+        while not reader.done():
+            owed = call.units(1) - credited
+            if owed:
+                credits = [pb.MultiplexCredit(stream=1, units=owed)]
+                await call.call.write(pb.MultiplexRequest(credits=credits))
+                credited += owed
+            await asyncio.sleep(0.005)
+        await reader
+        texts = [e.text.text for e in call.events[1] if e.WhichOneof("event") == "text"]
+        return held, running, "".join(texts)
+
+    held, running, text = server_loop.call(on_call(worker.address, run))
+    assert held <= WINDOW + READ_AHEAD_CHARS + 1  # at most one event past the window
+    assert running == 1  # held back, not finished
+    assert text == words  # then all of it, with credit
+
+
+def test_cancel_stops_one_request_and_not_the_others(server_loop, workers):
+    engine = workers.slow_engine
+    aborted = engine.aborted
+
+    async def run(call: RawCall) -> RawCall:
+        await call.start(1, 2, text="a b c d")
+        while len(call.events.get(1, [])) < 2:
+            assert await call.read()
+        await call.call.write(pb.MultiplexRequest(cancels=[1]))
+        await call.until_ended(2)
+        return call
+
+    call = server_loop.call(on_call(workers.slow.address, run))
+    assert 1 not in call.ends  # nothing more for a cancelled request
+    assert call.ends[2].code == 0
+    assert call.events[2][-1].finished.completion_tokens == 4
+    wait_until(lambda: engine.aborted == aborted + 1, "the engine to stop the one")
+    wait_until(lambda: engine.running == 0, "the engine to be idle")
+
+
+def test_a_request_ends_at_its_deadline(server_loop, workers):
+    engine = workers.slow_engine
+    aborted = engine.aborted
+
+    async def run(call: RawCall) -> RawCall:
+        await call.start(1, timeout_ms=300, text="w " * 500)
+        await call.until_ended(1)
+        return call
+
+    call = server_loop.call(on_call(workers.slow.address, run))
+    assert call.ends[1].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    wait_until(lambda: engine.aborted == aborted + 1, "the engine to stop")
+
+
+@pytest.mark.parametrize("streams", [(1, 1), (0,)])
+def test_a_stream_id_open_or_zero_ends_the_call(server_loop, workers, streams):
+    async def run(call: RawCall) -> grpc.StatusCode:
+        await call.start(*streams, text="w " * 50)
+        try:
+            while await call.read():
+                pass
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    assert server_loop.call(on_call(workers.slow.address, run)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    wait_until(lambda: workers.slow_engine.running == 0, "the engine to be idle")
+
+
+def test_closing_the_sending_side_lets_open_requests_finish(server_loop, workers):
+    async def run(call: RawCall) -> RawCall:
+        await call.start(1, text="a b c")
+        await call.call.done_writing()
+        while await call.read():
+            pass
+        return call
+
+    call = server_loop.call(on_call(workers.slow.address, run))
+    assert call.ends[1].code == 0
+    assert call.events[1][-1].finished.completion_tokens == 3
+
+
+def test_ending_the_call_stops_every_request_on_it(server_loop, workers):
+    engine = workers.slow_engine
+    aborted = engine.aborted
+
+    async def run(call: RawCall) -> None:
+        await call.start(1, 2, 3, text="w " * 100)
+        while sum(len(v) for v in call.events.values()) < 6:
+            assert await call.read()
+        call.call.cancel()
+
+    server_loop.call(on_call(workers.slow.address, run))
+    wait_until(lambda: engine.aborted == aborted + 3, "the engine to stop all three")
+    wait_until(lambda: workers.slow.service.active == 0, "the worker to be idle")
+
+
+# -- the gateway's side ------------------------------------------------------------------
+
+
+def _ask(url: str, prompts: list[str]) -> list[httpx.Response]:
+    def one(prompt: str) -> httpx.Response:
+        body = {"model": SCRIPTED_MODEL, "prompt": prompt, "stream": True}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_the_gateway_sends_every_request_to_a_worker_on_one_call(gateway, workers):
+    scripted = workers.scripted
+    _ask(gateway.url, [script(texts=1)])  # the call is open
+    opened = scripted.multiplexed_calls
+    responses = _ask(gateway.url, [script(texts=3, delay=0.02)] * 12)
+    assert all(r.status_code == 200 and "t2 " in r.text for r in responses)
+    ids = [r.headers["x-request-id"] for r in responses]
+    assert {scripted.rpcs[i] for i in ids} == {"GenerateMultiplexed"}
+    assert scripted.multiplexed_calls == opened
+
+
+def test_turned_off_each_request_is_a_call_of_its_own(gateway_with, workers):
+    gateway = gateway_with(multiplex_workers=False)
+    responses = _ask(gateway.url, [script(texts=2)] * 3)
+    assert all(r.status_code == 200 for r in responses)
+    assert {workers.scripted.rpcs[r.headers["x-request-id"]] for r in responses} == {"Generate"}
