@@ -140,10 +140,16 @@ class EchoService(pb_grpc.EngineServicer):
         self, requests: AsyncIterator[pb.MultiplexRequest], context: grpc.aio.ServicerContext
     ) -> None:
         """The same answers on one call, through the SDK's multiplexer (as a worker
-        offers it): each request's messages go out as the call can take them, those
-        ready together in one."""
-        answer = lambda start: self.Generate(start.request, context)  # noqa: E731
-        await multiplex.serve(answer, requests, context)
+        offers it), one message of each request a step of the worker's loop, as an
+        engine steps: the requests stepped together share a gRPC message, one
+        request's messages never do (so "N tokens/message" holds per request)."""
+
+        async def stepped(start: pb.MultiplexStart) -> AsyncIterator[pb.GenerateEvent]:
+            async for event in self.Generate(start.request, context):
+                yield event
+                await asyncio.sleep(0)
+
+        await multiplex.serve(stepped, requests, context)  # type: ignore[arg-type]
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
