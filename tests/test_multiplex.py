@@ -6,7 +6,6 @@ window, cancellation, deadlines, the call's own rules), and the gateway's side
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,10 +16,8 @@ from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto
 from gateway.protocol.multiplex import WINDOW, proto_units, units
 from gateway.protocol.types import (
-    Event,
     Finished,
     FinishReason,
-    GenerateRequest,
     Started,
     Text,
     TokenLogprob,
@@ -28,27 +25,11 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
 from gateway.worker.servicer import READ_AHEAD_CHARS
+from tests.support.script_engine import ScriptEngine
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-class ScriptEngine(Engine):
-    """Yields the events (or raises the errors) a test hands it."""
-
-    model = "script-engine"
-    max_context = 100
-
-    def __init__(self, events: list) -> None:
-        self.events = events
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        for event in self.events:
-            if isinstance(event, Exception):
-                raise event
-            yield event
 
 
 class RawCall:

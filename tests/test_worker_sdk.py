@@ -1,37 +1,18 @@
 """The worker SDK over real gRPC: stop strings, coalescing, cancellation and
 deadlines reaching the engine, refusals as statuses, Describe and health."""
 
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.protocol import errors
 from gateway.protocol.stop import StopMatcher
-from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol.types import Finished, FinishReason, Started, Text
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
+from tests.support.script_engine import ScriptEngine
 from tests.support.waiting import wait_until
-
-
-class ScriptEngine(Engine):
-    """Yields the events (or raises the errors) a test hands it."""
-
-    model = "script-engine"
-    max_context = 100
-
-    def __init__(self, events: list, capacity: int = 256) -> None:
-        self.events = events
-        self.capacity = capacity
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        for event in self.events:
-            if isinstance(event, Exception):
-                raise event
-            yield event
 
 
 async def collect(address: str, **fields) -> tuple[list, grpc.aio.AioRpcError | None]:
