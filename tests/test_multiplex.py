@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto
 from gateway.protocol.multiplex import WINDOW, proto_units, units
@@ -340,3 +341,40 @@ def test_turned_off_each_request_is_a_call_of_its_own(gateway_with, workers):
     responses = _ask(gateway.url, [script(texts=2)] * 3)
     assert all(r.status_code == 200 for r in responses)
     assert {workers.scripted.rpcs[r.headers["x-request-id"]] for r in responses} == {"Generate"}
+
+
+class FloodingWorker(pb_grpc.EngineServicer):
+    """Offers GenerateMultiplexed and ignores the window: four windows of text
+    for every request, at once."""
+
+    async def GenerateMultiplexed(self, requests, context):  # type: ignore[no-untyped-def]
+        async for message in requests:
+            for start in message.starts:
+                started = pb.GenerateEvent(started=pb.Started(prompt_tokens=1))
+                text = pb.GenerateEvent(text=pb.Text(text="x" * 4096, tokens=1))
+                events = [pb.MultiplexEvent(stream=start.stream, event=started)]
+                events += [pb.MultiplexEvent(stream=start.stream, event=text)] * 64
+                await context.write(pb.MultiplexResponse(events=events))
+
+    async def Describe(self, request, context):  # type: ignore[no-untyped-def]
+        model = pb.ModelInfo(name="flood", max_context=100)
+        return pb.DescribeResponse(models=[model], capacity=8, multiplex=True)
+
+
+def test_a_worker_that_sends_past_the_window_fails_the_request(server_loop, gateway_with):
+    async def serve() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(FloodingWorker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = server_loop.call(serve())
+    try:
+        gateway = gateway_with(models=(ModelConfig("flood", workers=(f"127.0.0.1:{port}",)),))
+        body = {"model": "flood", "prompt": "x"}
+        response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=HANG_GUARD)
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "engine_error"
+    finally:
+        server_loop.call(server.stop(0))

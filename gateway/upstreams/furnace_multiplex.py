@@ -28,7 +28,7 @@ import grpc
 
 from gateway.protocol import errors
 from gateway.protocol.convert import event_from_proto, request_to_proto
-from gateway.protocol.multiplex import CREDIT_STEP, error_of, units
+from gateway.protocol.multiplex import CREDIT_STEP, WINDOW, error_of, proto_units, units
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
@@ -45,7 +45,16 @@ class MultiplexedCall(StreamBookkeeping):
     """One request on a worker's multiplexed call: iterate for our events;
     `cancel()` stops it on the worker."""
 
-    __slots__ = ("_broken", "_events", "_id", "_link", "_logprobs", "_taken", "_waiter")
+    __slots__ = (
+        "_broken",
+        "_events",
+        "_id",
+        "_link",
+        "_logprobs",
+        "_outstanding",
+        "_taken",
+        "_waiter",
+    )
 
     def __init__(
         self,
@@ -63,9 +72,18 @@ class MultiplexedCall(StreamBookkeeping):
         self._waiter: asyncio.Future[None] | None = None
         self._broken: errors.EngineError | None = None  # the link broke
         self._taken = 0  # units read since the last credit returned
+        self._outstanding = 0  # units received and not yet credited back
 
     def push(self, item: pb.GenerateEvent | pb.MultiplexEnd) -> None:
-        """From the link's reader: the next event, or the end."""
+        """From the link's reader: the next event, or the end. A worker may send an
+        event only while less than a window is outstanding; one that sends past it
+        fails the request (what it sent is bounded by the window, not by its will)."""
+        if type(item) is pb.GenerateEvent:
+            if self._outstanding >= WINDOW:
+                self.cancel_on_worker()
+                self.fail(errors.Failed("The engine worker sent past its flow-control window."))
+                return
+            self._outstanding += proto_units(item)
         self._events.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -107,12 +125,17 @@ class MultiplexedCall(StreamBookkeeping):
         self._taken += units(event)
         if self._taken >= CREDIT_STEP:
             self._link.credit(self._id, self._taken)
+            self._outstanding -= self._taken
             self._taken = 0
         return event
 
+    def cancel_on_worker(self) -> None:
+        """Stops the request on the worker (once); nothing more comes for it."""
+        self._link.cancel(self._id)
+
     def cancel(self, outcome: CallEnd = CANCELLED) -> None:
         """Stops the request on the worker; `outcome` is what the owner hears."""
-        self._link.cancel(self._id)
+        self.cancel_on_worker()
         self.close(outcome)
 
 
