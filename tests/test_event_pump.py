@@ -1,19 +1,22 @@
 """The event pump against a fake worker stream, on a virtual clock: keep-alive
 ticks and idle timeouts keep their timing when events come faster than the tick
 (the pump keeps one timer across waits instead of one per wait), and a closed
-pump leaves no reference cycle behind."""
+pump leaves no reference cycle behind. The start runs in the edge's task: a
+cancel or the idle timeout ends its wait without leaving that task cancelled; a
+stream that pushes is read without a task, within the buffer's bound."""
 
 import asyncio
 import gc
 import itertools
 import weakref
+from collections.abc import Callable
 
 import pytest
 import uvloop
 
 from gateway.admission.pump import EventPump
 from gateway.protocol import errors
-from gateway.protocol.types import Event, Started, Text
+from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
 from tests.support.virtual_time import run_virtual
 
 
@@ -154,11 +157,14 @@ def test_readers_with_much_ready_take_turns_and_a_lone_one_reads_on():
     async def main(names: str) -> list[str]:
         log: list[str] = []
         pumps = [pump_over(ReadyStream(name, 200, log)) for name in names]
+
+        async def edge(pump: EventPump) -> None:  # each request's edge in its own task
+            taken = 0
+            while taken < 201:  # Started and 200 texts
+                taken += len(await pump.next_batch(5.0))
+
         try:
-            for pump in pumps:
-                taken = 0
-                while taken < 201:  # Started and 200 texts
-                    taken += len(await pump.next_batch(5.0))
+            await asyncio.gather(*map(edge, pumps))
             return log
         finally:
             for pump in pumps:
@@ -169,3 +175,108 @@ def test_readers_with_much_ready_take_turns_and_a_lone_one_reads_on():
     assert len(_runs(both)) > 20  # turns of a few events each, not one reader then the other
     assert _runs(uvloop.run(main("a"))) == [200]  # alone, nothing to yield to
     assert EventPump.reading == 0
+
+
+class PushingStream(FakeStream):
+    """A stream that pushes, as the raw HTTP upstream does: the test adds events
+    and tells the listener, as a network read would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready: list[Event] = []
+        self.listener: Callable[[], None] | None = None
+        self.polls = 0
+
+    async def __anext__(self) -> Event:
+        raise AssertionError("a pushing stream is not read by a task")
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        self.listener = listener
+
+    def poll(self) -> Event | None:
+        self.polls += 1
+        return self.ready.pop(0) if self.ready else None
+
+    def push(self, *events: Event) -> None:
+        self.ready += events
+        assert self.listener is not None
+        self.listener()
+
+
+def test_a_pushing_stream_is_read_without_a_task_and_within_the_bound():
+    async def main() -> None:
+        stream = PushingStream()
+        stream.ready.append(Text("ab", 1))  # came with the first event
+
+        async def start() -> tuple[Started, PushingStream]:
+            return Started(1), stream
+
+        pump = EventPump(start(), buffer_chars=2)
+        try:
+            assert await pump.next_batch(5.0) == [Started(1), Text("ab", 1)]
+            assert EventPump.reading == 0
+            stream.push(Text("cde", 1), Text("f", 1), Text("g", 1))
+            assert stream.ready == [Text("f", 1), Text("g", 1)]  # past 2 characters: held
+            assert await pump.next_batch(5.0) == [Text("cde", 1)]
+            assert stream.ready == []  # taking the batch took the rest
+            stream.push(Finished(FinishReason.STOP, 3, 1))
+            assert await pump.next_batch(5.0) == [
+                Text("f", 1),
+                Text("g", 1),
+                Finished(FinishReason.STOP, 3, 1),
+            ]
+            with pytest.raises(errors.Failed):
+                await pump.next_batch(5.0)  # over
+        finally:
+            await pump.aclose()
+        assert stream.listener is None  # let go: no cycle through the stream
+
+    uvloop.run(main())
+
+
+def test_cancelling_the_start_ends_the_wait_not_the_task():
+    async def main() -> None:
+        began = asyncio.Event()
+        cancelled = []
+
+        async def start() -> tuple[Started, FakeStream]:
+            began.set()
+            try:
+                await asyncio.Event().wait()  # the worker never answers
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+            raise AssertionError("unreachable")
+
+        pump = EventPump(start())
+        edge = asyncio.current_task()
+        assert edge is not None
+        asyncio.get_running_loop().call_soon(lambda: began.is_set() and pump.cancel())
+        with pytest.raises(errors.Unavailable):
+            await pump.next_batch(5.0)
+        assert cancelled == [True]  # the start saw it (the fleet cancels the call)
+        assert edge.cancelling() == 0  # and the edge's task goes on, not cancelled
+        await asyncio.sleep(0)
+        await pump.aclose()
+
+    uvloop.run(main())
+
+
+def test_a_start_that_sends_nothing_ends_at_the_idle_timeout():
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+
+        async def start() -> tuple[Started, FakeStream]:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        pump = EventPump(start())
+        began = loop.time()
+        try:
+            with pytest.raises(errors.Timeout):
+                await pump.next_batch(0.5)
+            return loop.time() - began
+        finally:
+            await pump.aclose()
+
+    assert run_virtual(main()) == 0.5

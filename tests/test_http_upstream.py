@@ -877,3 +877,61 @@ def test_plain_http_pauses_reading_for_a_reader_that_falls_behind():
     waiting, sent_all, texts = anyio.run(slow_reader)
     assert waiting < 10_000 and not sent_all
     assert sum(len(t.text) for t in texts) == 100_000 * 80
+
+
+def test_plain_http_a_call_past_its_deadline_is_not_sent_again():
+    # the deadline passes while its events wait to be read: once read, the failure
+    server = ScriptedHttp((200, events_of(chunk("a"), chunk("b")), True))
+
+    async def late_reader() -> tuple:
+        url = await server.start()
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            call = upstream.generate(CHAT, 0.3)
+            events = [await anext(call)]
+            await asyncio.sleep(0.5)
+            try:
+                async for event in call:
+                    events.append(event)
+            except errors.EngineError as error:
+                failure = error
+            await upstream.close()
+        server.close()
+        return events, failure
+
+    events, failure = anyio.run(late_reader)
+    assert [type(e) for e in events] == [Started, Text] and type(failure) is errors.Timeout
+    assert server.connections == 1 and len(server.requests) == 1
+
+
+def test_plain_http_pushes_each_read_to_a_listener():
+    pieces = events_of(chunk("Hel"), chunk("lo"), chunk(finish="stop"), "[DONE]")
+    server = ScriptedHttp((200, pieces, False))
+
+    async def pushed() -> tuple:
+        url = await server.start()
+        told = asyncio.Event()
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            call = upstream.generate(CHAT, 5.0)
+            assert await anext(call) == Started(0)
+            call.listen(told.set)
+            events = []
+            while not events or type(events[-1]) is not Finished:
+                event = call.poll()
+                if event is None:
+                    with anyio.fail_after(HANG_GUARD):
+                        await told.wait()  # a read came: the listener was told
+                    told.clear()
+                else:
+                    events.append(event)
+            with pytest.raises(StopAsyncIteration):
+                call.poll()  # over
+            call.listen(None)
+            await upstream.close()
+        server.close()
+        return events
+
+    events = anyio.run(pushed)
+    assert "".join(e.text for e in events if type(e) is Text) == "Hello"
+    assert events[-1] == Finished(FinishReason.STOP, 2, None)

@@ -1,12 +1,26 @@
-"""Runs one request against its worker in a task of its own, so the edge can wait
-for events with an idle timeout and keep-alive ticks, stop at once when its
-client leaves, and write every event that is ready in one send.
+"""Runs one request against its worker apart from the edge's writing, so the edge
+can wait for events with an idle timeout and keep-alive ticks, stop at once when
+its client leaves, and write every event that is ready in one send.
 
-Reading in the edge's own task would not do: cancelling a pending gRPC read
-cancels the call, so a read cannot be interrupted for a keep-alive. Here the
-reader never waits on anything but the worker, and the edge waits on a future
-that the reader, a timer or `cancel()` completes. Per event the cost is one list
-append and, when the edge is waiting, one future.
+The start (the fleet picking a worker and waiting for its `Started`) runs in the
+edge's own task, inside its first `next_batch`: the edge has nothing else to do
+meanwhile, and a task of its own would begin a turn of the loop later, then hand
+the first events over in one more. Under 32 busy streams a turn of the loop takes
+about a millisecond, so each hand-over is a millisecond on the time to first token.
+`cancel()` during the start cancels that wait (the task is uncancelled, and the
+edge sees the reason, as a write guard's timeout does).
+
+After the start, the events come one of two ways:
+
+- A call that pushes (`Pushing`: the raw HTTP upstream parses each network read in
+  the transport's callback) gets a listener: the events of a read go to the edge
+  in that same callback, without a task in between. Per read that is one call.
+- Any other call (gRPC) is read by a task of its own. Reading in the edge's task
+  would not do: cancelling a pending gRPC read cancels the call, so a read cannot
+  be interrupted for a keep-alive. That reader never waits on anything but the
+  worker, and the edge waits on a future that the reader, a timer or `cancel()`
+  completes. Per event the cost is one list append and, when the edge is waiting,
+  one future.
 
 The timer outlives the waits: each wait only moves the deadline (a later one
 every time, as events keep coming), and the timer, when it fires early for an
@@ -14,10 +28,10 @@ earlier deadline, sets itself again for the current one. So a stream costs one
 timer every keep-alive interval instead of one per token.
 
 What is ready but not yet taken is bounded (`buffer_chars`, the characters of
-its text): past the bound the reader stops reading from the worker's call until
-the edge takes a batch, so a client that stops reading pushes back, through
-gRPC's HTTP/2 flow control, on the worker (its sends wait) instead of growing
-the gateway's memory by the whole answer.
+its text): past the bound the pump takes no more from the worker's call until
+the edge takes a batch, so a client that stops reading pushes back on the worker
+(through gRPC's HTTP/2 flow control, or the upstream connection's paused reading)
+instead of growing the gateway's memory by the whole answer.
 Per event that costs one length addition and one comparison; a pause costs one
 future.
 """
@@ -27,9 +41,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from time import perf_counter
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, Started, Text
@@ -44,15 +58,29 @@ TURN_EVENTS = 4
 QUIET = 0.0001
 
 
+@runtime_checkable
+class Pushing(Protocol):
+    """A worker call that says when it has events, so no task need wait on it."""
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Calls `listener` whenever events may be ready or the call ended (None: stop)."""
+
+    def poll(self) -> Event | None:
+        """The next event ready, or None while there is none; raises the call's
+        error, or StopAsyncIteration at its end, as `__anext__` would."""
+
+
 class EventPump:
     """The events of one request, in batches of what is ready.
 
     `start` is the fleet's start of the call: it resolves to the `Started`
-    event and the stream of the rest, or raises the refusal. The call ends
-    with the `Finished` of each of its `choices`.
+    event and the stream of the rest, or raises the refusal; it runs in the
+    task of the first `next_batch`. The call ends with the `Finished` of each of
+    its `choices`.
     """
 
-    #: Pumps whose reader has not ended, in this process: a reader yields only to others.
+    #: Pumps whose reader task has not ended, in this process: a reader yields only to
+    #: others.
     reading: ClassVar[int] = 0
 
     def __init__(
@@ -64,11 +92,17 @@ class EventPump:
         self._unfinished = choices
         self._loop = asyncio.get_running_loop()
         self._start = start
+        self._started = False  # whether a `next_batch` ran the start
+        self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
+        self._start_cancelled = False  # `cancel()` cancelled that task
         self._stream: UpstreamCall | None = None
+        self._pushing = False  # the stream calls `_pushed`; no reader task
+        self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
         self.buffered = 0  # characters of text in `_ready`
         self._buffer_chars = buffer_chars
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
+        self._held = False  # full: the pushing stream keeps its events until then
         self._error: errors.EngineError | None = None
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
@@ -77,19 +111,108 @@ class EventPump:
         self._wake_at = math.inf  # when the current wait ends without an event
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf  # when `_timer` fires
-        self._reading = True
-        EventPump.reading += 1
-        self._reader = self._loop.create_task(self._read())
+        self._idle_timeout = math.inf  # the first `next_batch`'s, which bounds the start
+        self._reading = False
 
-    async def _read(self) -> None:
+    async def _begin(self, idle_timeout: float) -> None:
+        """Runs the start in this task, for at most `idle_timeout` seconds, then has
+        the rest of the stream read."""
+        self._started = True
+        self._idle_timeout = idle_timeout
+        idle_at = self._wake_at = self._last_event + idle_timeout
+        self._arm(idle_at)  # past it, `_on_timer` cancels the start
+        task = self._starting = asyncio.current_task()
+        assert task is not None
         try:
-            first, self._stream = await self._start
-            self._ready.append(first)
-            self._last_event = self._loop.time()
-            self._wake()
+            first, stream = await self._start
+        except asyncio.CancelledError:
+            if not self._uncancel(task) or task.cancelling():
+                raise  # not (only) ours: the task itself is being cancelled
+            return  # `cancel()` ended the pump with its reason
+        except errors.EngineError as error:
+            self._uncancel(task)
+            self._end(error)
+            return
+        except Exception:
+            self._uncancel(task)
+            log.exception("starting the engine worker's call failed")
+            self._end(errors.Failed("The gateway failed while starting the worker's call."))
+            return
+        finally:
+            self._starting = None
+        self._stream = stream
+        if self._uncancel(task):  # cancelled as it returned: the call is to stop
+            stream.cancel()
+            return
+        self._ready.append(first)
+        self._last_event = self._loop.time()
+        if isinstance(stream, Pushing):
+            self._pushing = True
+            stream.listen(self._pushed)
+            self._pushed()  # what came with the first event
+        else:
+            self._reading = True
+            EventPump.reading += 1
+            self._reader = self._loop.create_task(self._read(stream))
+
+    def _uncancel(self, task: asyncio.Task[Any]) -> bool:
+        """Takes back the cancellation `cancel()` asked of the start's task (which the
+        start turned into its own error, or had not seen yet); whether it had."""
+        if self._start_cancelled:
+            self._start_cancelled = False
+            task.uncancel()
+            return True
+        return False
+
+    def _accept(self, event: Event) -> bool:
+        """Takes one event of the stream; True once it was the last `Finished`."""
+        if type(event) is Started:
+            failure = errors.Failed("The engine worker started the answer twice.")
+            assert self._stream is not None
+            self._stream.cancel(failure)
+            raise failure
+        self._ready.append(event)
+        self._last_event = self._loop.time()
+        self._wake()
+        if type(event) is Text:
+            self.buffered += len(event.text)
+        elif type(event) is Finished:
+            self._unfinished -= 1
+            if not self._unfinished:
+                assert self._stream is not None
+                self._stream.close()
+                return True
+        return False
+
+    def _pushed(self) -> None:
+        """The pushing stream's listener: takes what it has ready, up to the bound."""
+        stream = self._stream
+        if self._ended or stream is None:
+            return
+        poll = cast(Pushing, stream).poll
+        try:
+            while self.buffered <= self._buffer_chars:
+                event = poll()
+                if event is None:
+                    return
+                if self._accept(event):
+                    self._end(None)
+                    return
+            self._held = True  # full: the rest waits in the stream (which stops reading)
+        except StopAsyncIteration:
+            self._end(errors.Failed("The engine worker ended the stream without finishing."))
+        except errors.EngineError as error:
+            self._end(error)
+        except Exception:
+            log.exception("reading from the engine worker failed")
+            self._end(errors.Failed("The gateway failed while reading the worker's answer."))
+
+    async def _read(self, stream: UpstreamCall) -> None:
+        """The reader task of a stream that does not push."""
+        try:
             in_turn = 0  # events read back to back, without waiting
             last = perf_counter()
-            async for event in self._stream:
+            async for event in stream:
                 now = perf_counter()
                 if now - last > QUIET:  # it waited for this one: a new turn of the loop
                     in_turn = 0
@@ -102,34 +225,31 @@ class EventPump:
                         await asyncio.sleep(0)
                         now = perf_counter()
                 last = now
-                if type(event) is Started:
-                    failure = errors.Failed("The engine worker started the answer twice.")
-                    self._stream.cancel(failure)
-                    raise failure
-                self._ready.append(event)
-                self._last_event = self._loop.time()
-                self._wake()
-                if type(event) is Text:
-                    self.buffered += len(event.text)
-                    if self.buffered > self._buffer_chars:
-                        # Full: read no more until the edge takes a batch.
-                        taken = self._taken = self._loop.create_future()
-                        await taken
-                elif type(event) is Finished:
-                    self._unfinished -= 1
-                    if not self._unfinished:
-                        self._stream.close()
-                        return
-            self._error = errors.Failed("The engine worker ended the stream without finishing.")
+                if self._accept(event):
+                    self._end(None)
+                    return
+                if self.buffered > self._buffer_chars:
+                    # Full: read no more until the edge takes a batch.
+                    taken = self._taken = self._loop.create_future()
+                    await taken
+            failure: errors.EngineError = errors.Failed(
+                "The engine worker ended the stream without finishing."
+            )
         except errors.EngineError as error:
-            self._error = error
+            failure = error
         except Exception:
             log.exception("reading from the engine worker failed")
-            self._error = errors.Failed("The gateway failed while reading the worker's answer.")
+            failure = errors.Failed("The gateway failed while reading the worker's answer.")
         finally:
             self._stop_reading()
-            self._ended = True
-            self._wake()
+        self._end(failure)
+
+    def _end(self, error: errors.EngineError | None) -> None:
+        """No more events: `error` (if any) comes after those ready."""
+        if error is not None and not self._ended:
+            self._error = error
+        self._ended = True
+        self._wake()
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -149,12 +269,16 @@ class EventPump:
 
     def _on_timer(self) -> None:
         fired_for, self._timer, self._timer_at = self._timer_at, None, math.inf
-        if self._waiter is None:
+        starting = self._starting is not None
+        if self._waiter is None and not starting:
             return  # the edge is busy; its next wait sets the timer again
-        if fired_for >= self._wake_at:
-            self._wake()
-        else:  # set for an earlier wait; this one ends later
+        if fired_for < self._wake_at:  # set for an earlier wait; this one ends later
             self._arm(self._wake_at)
+        elif starting:
+            seconds = self._idle_timeout
+            self.cancel(errors.Timeout(f"The engine worker sent nothing for {seconds:g} seconds."))
+        else:
+            self._wake()
 
     async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
         """The events ready now, waiting for at least one.
@@ -164,6 +288,8 @@ class EventPump:
         returned (or if called again after `Finished`), or `Timeout` after
         `idle_timeout` seconds without an event (and cancels the call).
         """
+        if not self._started and not self._ended:
+            await self._begin(idle_timeout)
         while not self._ready and not self._ended:
             now = self._loop.time()
             idle_at = self._last_event + idle_timeout
@@ -198,6 +324,9 @@ class EventPump:
             if taken is not None and not taken.done():
                 self._taken = None
                 taken.set_result(None)
+            if self._held:  # what the pushing stream kept while the pump was full
+                self._held = False
+                self._pushed()
             return batch
         raise self._error or errors.Failed("The engine worker's stream is over.")
 
@@ -209,29 +338,38 @@ class EventPump:
     def cancel(self, reason: errors.EngineError | None = None) -> None:
         """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
         if not self._ended:
-            if self._stream is not None:
-                self._stream.cancel()
-            self._reader.cancel()
             self._ended = True
             self._error = reason or errors.Unavailable("The request was cancelled.")
+            if self._stream is not None:
+                self._stream.cancel()
+            if self._reader is not None:
+                self._reader.cancel()
+            if self._starting is not None and not self._start_cancelled:
+                self._start_cancelled = True
+                self._starting.cancel()
         self._wake()
 
     async def aclose(self) -> None:
-        """Cancels the call if still running and waits for the reader to finish.
+        """Cancels the call if still running and waits for its reader to finish.
 
         Then drops the stream's error: raised through `next_batch`, its traceback
         holds this pump (and the edge's frames), so keeping it would leave the
         whole request (tasks, transport, gRPC call) to the cyclic garbage
-        collector, whose pauses stall every stream."""
+        collector, whose pauses stall every stream. A pushing stream lets go of
+        its listener, which holds this pump, for the same reason."""
         self.cancel()
         self._stop_reading()  # a reader cancelled before it ran has no `finally`
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._pushing:
+            cast(Pushing, self._stream).listen(None)
+        reader = self._reader
         try:
-            await self._reader
+            if reader is not None:
+                await reader
         except asyncio.CancelledError:
-            if not self._reader.cancelled():
+            if reader is None or not reader.cancelled():
                 raise
         finally:
             self._start.close()  # never started if cancelled at once; else a no-op

@@ -153,7 +153,11 @@ class _RawCall(StreamBookkeeping):
     """One streamed call over a pooled connection (`_Connection`): the request is
     written whole; the response's body goes to `_Stream` as it arrives, and
     `__anext__` hands on what it made. Reading pauses while more than
-    `_PAUSE_AT` events wait for the reader. `timeout` is the call's deadline."""
+    `_PAUSE_AT` events wait for the reader. `timeout` is the call's deadline.
+
+    It also pushes (`gateway.admission.pump.Pushing`): once the call has started,
+    a listener is told after each read, in the transport's callback, and takes the
+    events with `poll`, so no task has to wait on the call."""
 
     def __init__(
         self,
@@ -170,6 +174,7 @@ class _RawCall(StreamBookkeeping):
         self._stream = stream
         self._ready = stream.ready
         self._timeout = timeout
+        self._opened = False  # the request was sent (once: a dropped call is not sent again)
         self._connection: _Connection | None = None
         self._status = 0
         self._pieces: list[bytes] = []  # the body pieces of the read in progress
@@ -177,6 +182,7 @@ class _RawCall(StreamBookkeeping):
         self._error_size = 0
         self._failure: errors.EngineError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._paused = False
 
@@ -184,6 +190,22 @@ class _RawCall(StreamBookkeeping):
         return self
 
     async def __anext__(self) -> Event:
+        event = self.poll()
+        if event is not None:
+            return event
+        try:
+            if not self._opened:
+                await self._open()
+                return Started(0)
+            await self._wait()
+        except errors.EngineError as error:
+            self._end(error)
+            raise
+        return self._ready.popleft()
+
+    def poll(self) -> Event | None:
+        """The next event ready, or None while there is none; raises the call's
+        failure once the events before it are taken, StopAsyncIteration at its end."""
         ready = self._ready
         if ready:
             if self._paused and len(ready) <= 1:
@@ -194,18 +216,19 @@ class _RawCall(StreamBookkeeping):
             return ready.popleft()
         if self._closed:
             raise StopAsyncIteration
-        try:
-            if self._connection is None:
-                await self._open()
-                return Started(0)
-            await self._wait()
-            return ready.popleft()
-        except errors.EngineError as error:
-            self._end(error)
-            raise
+        failure = self._failure
+        if failure is not None:
+            self._end(failure)
+            raise failure
+        return None
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Calls `listener` after each read (and when the call fails); None stops."""
+        self._listener = listener
 
     async def _open(self) -> None:
         """Sends the request; returns at their first event (a refusal raises)."""
+        self._opened = True
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(self._timeout, self._expire)
         connection = await self._pool.take(min(self._timeout, 5.0))
@@ -239,6 +262,9 @@ class _RawCall(StreamBookkeeping):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        listener = self._listener
+        if listener is not None:
+            listener()  # takes what it can now: what is left counts towards the pause
         if len(self._ready) > _PAUSE_AT and not self._paused:
             connection = self._connection
             if connection is not None and connection.transport is not None:
