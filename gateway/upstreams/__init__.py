@@ -2,6 +2,8 @@
 
     base.py          Upstream and UpstreamCall: what the fleet needs of any worker
     furnace_grpc.py  our worker protocol over one grpc.aio channel per worker
+    furnace_multiplex.py  every request to a worker on one GenerateMultiplexed call
+    furnace_channel.py    the channel options and status translation both share
     openai_http/     OpenAI-compatible HTTP servers (vLLM, SGLang, ...): JSON both ways
                      (translate), SSE (sse), raw keep-alive connections, httpx (upstream)
     vllm_grpc.py     vLLM's own gRPC server (token ids; the gateway tokenizes)
