@@ -378,3 +378,26 @@ def test_a_worker_that_sends_past_the_window_fails_the_request(server_loop, gate
         assert response.json()["error"]["code"] == "engine_error"
     finally:
         server_loop.call(server.stop(0))
+
+
+def test_a_stopping_worker_refuses_new_requests_and_finishes_the_open_ones(
+    server_loop, serve_engines
+):
+    worker = serve_engines(DemoEngine("stopping", token_delay=0.05))[0]
+
+    async def run(call: RawCall) -> RawCall:
+        await call.start(1, text="a b c d e f")
+        while len(call.events.get(1, [])) < 2:
+            assert await call.read()
+        stopping = asyncio.create_task(worker.stop(grace=HANG_GUARD))
+        await asyncio.sleep(0)  # it has begun: NOT_SERVING, then draining
+        await call.start(2, text="a b")
+        await call.until_ended(1, 2)
+        await stopping
+        return call
+
+    call = server_loop.call(on_call(worker.address, run))
+    assert call.ends[1].code == 0
+    assert call.events[1][-1].finished.completion_tokens == 6
+    assert call.ends[2].code == grpc.StatusCode.UNAVAILABLE.value[0]  # retried elsewhere
+    assert 2 not in call.events

@@ -53,8 +53,10 @@ class _Stream:
         self.task: asyncio.Task[None] | None = None
 
 
-class _Multiplexer:
-    """Serves one GenerateMultiplexed call."""
+class Multiplexer:
+    """Serves one GenerateMultiplexed call (`serve`); `close_when_idle` ends it
+    once its open requests have (a stopping worker: new ones are the answer's to
+    refuse)."""
 
     def __init__(self, answer: Answer, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self._answer = answer
@@ -65,6 +67,12 @@ class _Multiplexer:
         self._full: deque[list[pb.MultiplexEvent]] = deque()  # outboxes past the size cap
         self._wake: asyncio.Future[None] | None = None
         self._reading = True  # the gateway may still start requests
+        self._closing = False  # end the call once no request is open
+
+    def close_when_idle(self) -> None:
+        """Ends the call as soon as no request is open on it."""
+        self._closing = True
+        self._poke()
 
     # -- the outbox ---------------------------------------------------------------
 
@@ -91,7 +99,7 @@ class _Multiplexer:
                 batch = self._full.popleft()
             elif self._outbox:
                 batch, self._outbox, self._outbox_units = self._outbox, [], 0
-            elif not self._reading and not self._streams:
+            elif not self._streams and (self._closing or not self._reading):
                 return
             else:
                 self._wake = loop.create_future()
@@ -179,6 +187,24 @@ class _Multiplexer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def serve(self, requests: AsyncIterator[pb.MultiplexRequest]) -> None:
+        """Serves the call until the gateway ends it, or it closes when idle."""
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self.read_all(requests))
+        writer = loop.create_task(self.write_all())
+        try:
+            await asyncio.wait((reader, writer), return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()  # a start that broke the call's rules raises here
+            await writer  # the open requests finish, then the call ends
+        except errors.Invalid as error:
+            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        finally:
+            reader.cancel()
+            writer.cancel()
+            await self.aclose()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+
 
 async def serve(
     answer: Answer,
@@ -186,19 +212,4 @@ async def serve(
     context: grpc.aio.ServicerContext[Any, Any],
 ) -> None:
     """Serves one GenerateMultiplexed call with `answer` for each request on it."""
-    multiplexer = _Multiplexer(answer, context)
-    reader = asyncio.get_running_loop().create_task(multiplexer.read_all(requests))
-    writer = asyncio.get_running_loop().create_task(multiplexer.write_all())
-    try:
-        done, _ = await asyncio.wait((reader, writer), return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        await writer  # the gateway closed its side: the open requests finish
-    except errors.Invalid as error:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
-    finally:
-        reader.cancel()
-        writer.cancel()
-        await multiplexer.aclose()
-        await asyncio.gather(reader, writer, return_exceptions=True)
+    await Multiplexer(answer, context).serve(requests)

@@ -104,6 +104,7 @@ class WorkerServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self.set_serving(False)
+        self.service.drain()
         if self._server is not None:
             await self._server.stop(grace)
         await self.engine.shutdown()

@@ -304,6 +304,10 @@ class EngineService(pb_grpc.EngineServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.active = 0
+        #: The worker is stopping (`drain`): new requests are refused UNAVAILABLE
+        #: (another worker takes them), as the server refuses new calls.
+        self.draining = False
+        self._multiplexed: set[multiplex.Multiplexer] = set()
         served = engine.features
         #: What the worker serves, as `Describe` lists it: the SDK does n itself.
         self.features = served | {features.N} if features.GENERATE in served else served
@@ -361,7 +365,21 @@ class EngineService(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.MultiplexRequest, pb.MultiplexResponse],
     ) -> None:
         """Many answers on one call (see gateway.worker.multiplex), each as Generate's."""
-        await multiplex.serve(self._started, requests, context)
+        call = multiplex.Multiplexer(self._started, context)
+        self._multiplexed.add(call)
+        if self.draining:
+            call.close_when_idle()
+        try:
+            await call.serve(requests)
+        finally:
+            self._multiplexed.discard(call)
+
+    def drain(self) -> None:
+        """The worker stops: new requests are refused, and each multiplexed call
+        ends once its open requests have (a stopping server waits for its calls)."""
+        self.draining = True
+        for call in self._multiplexed:
+            call.close_when_idle()
 
     def _started(self, start: pb.MultiplexStart) -> AsyncGenerator[pb.GenerateEvent, None]:
         return self.answer(start.request)
@@ -376,6 +394,8 @@ class EngineService(pb_grpc.EngineServicer):
         refusal = self._refusal(ours)
         if refusal is not None:
             raise refusal
+        if self.draining:
+            raise errors.Unavailable("The worker is shutting down.")
         if self.active >= engine.capacity:
             raise errors.Busy("The worker is full.")
         self.active += 1
