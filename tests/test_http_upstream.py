@@ -34,6 +34,7 @@ from gateway.protocol.types import (
 )
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
+from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD
 
@@ -935,3 +936,81 @@ def test_plain_http_pushes_each_read_to_a_listener():
     events = anyio.run(pushed)
     assert "".join(e.text for e in events if type(e) is Text) == "Hello"
     assert events[-1] == Finished(FinishReason.STOP, 2, None)
+
+
+def vllm_chunk(index: int, text: str | None, **extra: object) -> dict:
+    """A chunk as vLLM spells it: the same id, model and nulls on every token."""
+    delta = {} if text is None else {"content": text}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    choice.update(extra)
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+            "choices": [choice]}  # fmt: skip
+
+
+class WholeStream(_Stream):
+    """Parses every line whole: no template."""
+
+    __slots__ = ()
+
+    def _learn(self, line: bytes, payload: dict) -> bool:
+        return False
+
+
+def feed_in_pieces(stream: _Stream, data: bytes, size: int) -> list:
+    for i in range(0, len(data), size):
+        stream.feed(data[i : i + size])
+    return list(stream.ready)
+
+
+TEMPLATED = [
+    vllm_chunk(0, "", role="assistant"),
+    *(vllm_chunk(0, text) for text in ["Hel", "lo", " wörld", ' "quoted"', "\\n", "", "\u2028x"]),
+    vllm_chunk(0, None, finish_reason=None),  # no text: no token
+    vllm_chunk(0, "a", logprobs={"content": [{"token": "a", "logprob": -0.5, "top_logprobs": []}]}),
+    vllm_chunk(0, "b"),
+    {**vllm_chunk(0, "c"), "usage": {"prompt_tokens": 2, "completion_tokens": 9}},
+    vllm_chunk(0, "d", tool_calls=None),
+    vllm_chunk(1, "other choice"),
+    vllm_chunk(0, "e"),
+    vllm_chunk(0, None, finish_reason="stop"),
+    vllm_chunk(1, None, finish_reason="length"),
+    "[DONE]",
+]
+
+
+@pytest.mark.parametrize("size", [7, 64, 100_000])
+@pytest.mark.parametrize("spelling", ["orjson", "python", "ascii"])
+def test_a_template_chunk_reads_as_the_whole_parse_would(size, spelling):
+    # the template (one JSON string parsed per token) against every line parsed whole
+    def encode(payload: object) -> str:
+        if isinstance(payload, str):
+            return payload
+        if spelling == "orjson":
+            return orjson.dumps(payload).decode()
+        return json.dumps(payload, ensure_ascii=spelling == "ascii")  # ", " and ": "
+
+    data = "".join(f"data: {encode(p)}\n\n" for p in TEMPLATED).encode()
+    templated, whole = _Stream(True, 2), WholeStream(True, 2)
+    assert feed_in_pieces(templated, data, size) == feed_in_pieces(whole, data, size)
+    if spelling != "ascii":  # its non-ASCII texts are spelled otherwise: parsed whole
+        assert templated._head
+
+
+def test_a_line_that_only_looks_like_the_template_is_parsed_whole():
+    # the template's head and tail around more than one JSON string: a tool call too
+    looks_alike = (
+        '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        '"choices":[{"index":0,"delta":{"content":"b","tool_calls":[{"index":0,"id":"c1",'
+        '"function":{"name":"f","arguments":"{}"}}]},"logprobs":null,"finish_reason":null}]}'
+    )
+    payloads = [vllm_chunk(0, "a"), json.loads(looks_alike)]
+    payloads.append(vllm_chunk(0, None, finish_reason="stop"))
+    lines = [orjson.dumps(p).decode() for p in payloads]
+    assert lines[1] == looks_alike  # as orjson spells it
+    stream = _Stream(True, 1)
+    stream.feed("".join(f"data: {line}\n\n" for line in [*lines, "[DONE]"]).encode())
+    assert list(stream.ready) == [
+        Text("ab", 2),
+        ToolCallDelta(0, 0, "c1", "f", "{}", 0),
+        Finished(FinishReason.STOP, 2, None),
+    ]

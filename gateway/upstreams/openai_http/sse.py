@@ -2,6 +2,16 @@
 of a streamed completion into `data:` lines, parses each once and queues our events,
 whichever way the bytes were read (httpx, or the raw connections). Kept apart as the
 per-event hot path, and the one place that knows their chunks' shape.
+
+A server sends most tokens as the same chunk but for its text: the id, the model,
+the index and the nulls do not change within a stream. So the first plain text chunk
+(one choice, text, nothing else that counts) is kept as a template, cut around its
+text's JSON string; a line that is that head, one JSON string and that tail is the
+same JSON with another text, and only the string is parsed. Any other line (a finish,
+usage, logprobs, tool calls, another choice, another spelling) is parsed whole and may
+become the next template. Per token that is two byte comparisons and the parse of a
+short string instead of the parse of the whole chunk and the walk through its dicts:
+with a fake engine, 32 streams, about a third of the gateway's CPU per token.
 """
 
 from __future__ import annotations
@@ -53,11 +63,15 @@ class _Stream:
     __slots__ = (
         "_chat",
         "_counted",
+        "_head",
+        "_key",
         "_n",
         "_parts",
         "_prompt_tokens",
         "_reasons",
         "_size",
+        "_tail",
+        "_template_index",
         "_total",
         "_usages",
         "done",
@@ -76,6 +90,12 @@ class _Stream:
         self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
         self._prompt_tokens: int | None = None
         self._total: int | None = None
+        # The template of a plain text chunk: the bytes before and after its text's
+        # JSON string, and its choice (b"" while there is none).
+        self._key = b'"content":' if chat else b'"text":'
+        self._head = b""
+        self._tail = b""
+        self._template_index = 0
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
@@ -94,9 +114,28 @@ class _Stream:
         if rest:
             self._parts.append(rest)
         self._size = len(rest)
+        head, tail = self._head, self._tail
+        texts: list[str] = []  # the template's texts in a row, one event at the end
+        size = 0
         for line in lines:
+            if head and line.startswith(head) and line.endswith(tail):
+                try:
+                    text = orjson.loads(line[len(head) : len(line) - len(tail)])
+                except orjson.JSONDecodeError:
+                    text = None
+                if type(text) is str:  # the template's chunk with this text
+                    if text:
+                        texts.append(text)
+                        size += len(text)
+                        if size >= _MERGE_CHARS:
+                            self._texts(texts)
+                            size = 0
+                    continue
             if line[:5] != b"data:":
                 continue  # comments (keep-alives), event names, blank separators
+            if texts:  # the run ends: its event goes before this line's
+                self._texts(texts)
+                size = 0
             if len(line) > MAX_EVENT_BYTES:
                 raise errors.Failed(_TOO_LARGE)
             if len(line) < 16 and line[5:].strip() == b"[DONE]":
@@ -110,10 +149,52 @@ class _Stream:
                 raise errors.Failed("The upstream sent an event that is not an object.")
             try:
                 self._chunk(payload)
+                learned = self._learn(line, payload)
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
+            if learned:
+                head, tail = self._head, self._tail
+        if texts:
+            self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
             raise errors.Failed(_TOO_LARGE)
+
+    def _texts(self, texts: list[str]) -> None:
+        """The template's texts, in a row: one event, a token each (and emptied)."""
+        index = self._template_index
+        self._text(Text("".join(texts), len(texts), index))
+        self._counted[index] += len(texts)
+        texts.clear()
+
+    def _learn(self, line: bytes, payload: dict[str, Any]) -> bool:
+        """Keeps `line` (parsed: `payload`) as the template if it is a plain text chunk:
+        one choice whose only effect is its text (no finish, logprobs, tool calls or
+        usage), the text's key once in the line, its string spelled as orjson would."""
+        choices = payload.get("choices")
+        if type(choices) is not list or len(choices) != 1 or payload.get("usage"):
+            return False
+        choice = choices[0]
+        if choice.get("finish_reason") is not None or choice.get("logprobs"):
+            return False
+        if self._chat:
+            delta = choice.get("delta")
+            if type(delta) is not dict or delta.get("tool_calls"):
+                return False
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
+        key = self._key
+        if type(text) is not str or not text or line.count(key) != 1:
+            return False
+        at = line.index(key) + len(key)
+        while line[at : at + 1] == b" ":
+            at += 1
+        spelled = orjson.dumps(text)
+        if not line.startswith(spelled, at):
+            return False
+        self._head, self._tail = line[:at], line[at + len(spelled) :]
+        self._template_index = choice.get("index") or 0
+        return True
 
     def _chunk(self, payload: dict[str, Any]) -> None:
         if "error" in payload or payload.get("object") == "error":
