@@ -8,7 +8,9 @@ and one message in carries the events of every request the worker stepped.
 
 `MultiplexLink` owns the call: a writer task sends what is queued, a reader
 task hands each event to its request's `MultiplexedCall`, an iterator like the
-per-request `FurnaceGrpcCall`, with the same outcomes: its end arrives in-band
+per-request `FurnaceGrpcCall` that also pushes (the event pump's `Pushing`: the
+reader calls the pump, which polls, so no task per request waits on the call),
+with the same outcomes: its end arrives in-band
 (`MultiplexEnd`, Generate's status through the same table), and when the link
 breaks every request on it fails `Unavailable` (retryable before its first
 event, as a broken per-request call is). Each request returns flow-control
@@ -50,6 +52,7 @@ class MultiplexedCall(StreamBookkeeping):
         "_events",
         "_id",
         "_link",
+        "_listener",
         "_logprobs",
         "_outstanding",
         "_taken",
@@ -70,6 +73,7 @@ class MultiplexedCall(StreamBookkeeping):
         #: What the reader handed over: GenerateEvents, then a MultiplexEnd.
         self._events: deque[pb.GenerateEvent | pb.MultiplexEnd] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None  # see `listen`
         self._broken: errors.EngineError | None = None  # the link broke
         self._taken = 0  # units read since the last credit returned
         self._outstanding = 0  # units received and not yet credited back
@@ -85,31 +89,36 @@ class MultiplexedCall(StreamBookkeeping):
                 return
             self._outstanding += proto_units(item)
         self._events.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._ready()
 
     def fail(self, failure: errors.EngineError) -> None:
         """From the link: it broke; what is queued is still read first."""
         self._broken = failure
+        self._ready()
+
+    def _ready(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Calls `listener` (in the link's reader) whenever events may be ready
+        (None: stop); the event pump's way of reading without a task of its own."""
+        self._listener = listener
 
-    async def __anext__(self) -> Event:
+    def poll(self) -> Event | None:
+        """The next event ready, or None while there is none; raises the request's
+        error, or StopAsyncIteration at its end. Credit goes back as events are taken."""
         events = self._events
-        while not events:
+        if not events:
             if self._broken is not None:
                 self.close(self._broken)
                 raise self._broken
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            return None
         item = events.popleft()
         if type(item) is pb.MultiplexEnd:
             failure = error_of(item)
@@ -127,6 +136,18 @@ class MultiplexedCall(StreamBookkeeping):
             self._link.credit(self._id, self._taken)
             self._outstanding -= self._taken
             self._taken = 0
+        return event
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        while (event := self.poll()) is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return event
 
     def cancel_on_worker(self) -> None:
