@@ -43,7 +43,7 @@ import logging
 import math
 from collections.abc import Callable, Coroutine
 from time import perf_counter
-from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast
 
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, Started, Text
@@ -58,7 +58,6 @@ TURN_EVENTS = 4
 QUIET = 0.0001
 
 
-@runtime_checkable
 class Pushing(Protocol):
     """A worker call that says when it has events, so no task need wait on it."""
 
@@ -146,9 +145,10 @@ class EventPump:
             return
         self._ready.append(first)
         self._last_event = self._loop.time()
-        if isinstance(stream, Pushing):
+        listen = getattr(stream, "listen", None)  # `Pushing` (isinstance costs ~3-6 us)
+        if listen is not None:
             self._pushing = True
-            stream.listen(self._pushed)
+            listen(self._pushed)
             self._pushed()  # what came with the first event
         else:
             self._reading = True

@@ -32,7 +32,10 @@ def usable(fleet: Fleet, team: Team | None) -> list[ModelPool]:
 
 def resolve(fleet: Fleet, team: Team | None, name: str | None) -> ModelPool:
     """The LLM pool a request names (its team's first when it names none); a 404
-    listing the usable models for one it may not see, a 400 for a tensor model."""
+    listing the usable models for one it may not see, a 400 for a tensor model.
+    A name the team may use is looked up at once; the list is made for the rest."""
+    if name is not None and name in fleet.models and Teams.sees(team, name):
+        return fleet.get(name)
     pools = usable(fleet, team)
     if name is None:
         name = next((p.name for p in pools if p.kind == "llm"), None)
