@@ -3,7 +3,8 @@ ticks and idle timeouts keep their timing when events come faster than the tick
 (the pump keeps one timer across waits instead of one per wait), and a closed
 pump leaves no reference cycle behind. The start runs in the edge's task: a
 cancel or the idle timeout ends its wait without leaving that task cancelled; a
-stream that pushes is read without a task, within the buffer's bound."""
+stream that pushes is read without a task, within the buffer's bound; among other
+streams a stream writes in the next write turn, alone at once."""
 
 import asyncio
 import gc
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from gateway.admission.pump import EventPump
+from gateway.admission.pump import PACE, EventPump
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
 from tests.support.virtual_time import run_virtual
@@ -280,3 +281,33 @@ def test_a_start_that_sends_nothing_ends_at_the_idle_timeout():
             await pump.aclose()
 
     assert run_virtual(main()) == 0.5
+
+
+def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once():
+    async def waited(others: int) -> list[float]:
+        loop = asyncio.get_running_loop()
+        open_pumps = [pump_over(FakeStream()) for _ in range(others)]
+        stream = PushingStream()
+
+        async def start() -> tuple[Started, PushingStream]:
+            return Started(1), stream
+
+        pump = EventPump(start())
+        waits = []
+        try:
+            stream.ready.append(Text("first", 1))
+            assert await pump.next_batch(5.0) == [Started(1), Text("first", 1)]  # at once
+            for text in "ab":
+                loop.call_soon(stream.push, Text(text, 1))
+                began = loop.time()
+                assert await pump.next_batch(5.0) == [Text(text, 1)]
+                waits.append(loop.time() - began)
+            return waits
+        finally:
+            await pump.aclose()
+            for other in open_pumps:
+                await other.aclose()
+
+    assert run_virtual(waited(others=0)) == [0.0, 0.0]
+    paced = run_virtual(waited(others=1))
+    assert all(0 < wait <= PACE for wait in paced)
