@@ -65,8 +65,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.bench.client import OpenAIClient, Recorder, Result, Tally
 from gateway.bench.stats import percentile
 from gateway.bench.workload import ENDPOINTS, VOCABULARY, WorkloadSpec, body
+from gateway.protocol.convert import request_from_proto
+from gateway.protocol.types import Finished, GenerateRequest, Text
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.worker import multiplex
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
@@ -506,6 +509,40 @@ class HttpxGatewayClient:
             self._client = None
 
 
+class _Answer:
+    """One answer as a raw client reads it: its text pieces, timing and counts."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.sent = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.itl: list[float] = []
+        self.messages = self.tokens = 0
+        self.reported: int | None = None
+        self.pieces: list[str] = []
+
+    def text(self, text: str, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+        self.messages += 1
+        self.tokens += tokens
+        self.tally.chunks += 1
+        self.tally.tokens += tokens
+        self.pieces.append(text)
+
+    def result(self) -> Result:
+        self.tally.done += 1
+        ttft = None if self.first is None else self.first - self.sent
+        text = "".join(self.pieces)
+        end = time.perf_counter()
+        counts = (self.messages, self.tokens, None, self.reported)
+        return checked(Result(self.sent, end, ttft, self.itl, *counts, text))
+
+
 class GrpcClient:
     """The worker itself, through one grpc.aio channel (as the gateway holds one)
     read with `call.read()` (as the gateway reads it): the baseline."""
@@ -525,44 +562,65 @@ class GrpcClient:
 
     async def request(self, prompt: Prompt, tally: Tally) -> Result:
         assert self._stub is not None
-        sent = last = time.perf_counter()
+        answer = _Answer(tally)
         call = self._stub.Generate(prompt.grpc_request, timeout=CALL_TIMEOUT)
-        first: float | None = None
-        itl: list[float] = []
-        messages = tokens = 0
-        reported: int | None = None
-        pieces: list[str] = []
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
                 kind = message.WhichOneof("event")
                 if kind == "text":
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    text = message.text
-                    messages += 1
-                    tokens += text.tokens
-                    tally.chunks += 1
-                    tally.tokens += text.tokens
-                    pieces.append(text.text)
+                    answer.text(message.text.text, message.text.tokens)
                 elif kind == "finished":
-                    reported = message.finished.completion_tokens
+                    answer.reported = message.finished.completion_tokens
         except BaseException:
             call.cancel()
             raise
-        tally.done += 1
-        ttft = None if first is None else first - sent
-        text = "".join(pieces)
-        end = time.perf_counter()
-        return checked(Result(sent, end, ttft, itl, messages, tokens, None, reported, text))
+        return answer.result()
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+
+
+class GrpcMultiplexClient:
+    """The worker itself on one GenerateMultiplexed call, through the gateway's own
+    upstream (`FurnaceGrpcUpstream`, nothing of the gateway above it): the baseline of
+    the multiplexed path, as `GrpcClient` is of a call per request."""
+
+    name = "raw gRPC, multiplexed"
+
+    def __init__(self, port: int) -> None:
+        self.address = f"{HOST}:{port}"
+        self._upstream: FurnaceGrpcUpstream | None = None
+        self._requests: dict[int, GenerateRequest] = {}  # by id(prompt)
+
+    async def open(self, streams: int) -> None:
+        if self._upstream is None:
+            self._upstream = FurnaceGrpcUpstream(self.address)
+            await self._upstream.describe(STARTUP_TIMEOUT)  # it offers the call
+
+    async def request(self, prompt: Prompt, tally: Tally) -> Result:
+        assert self._upstream is not None
+        request = self._requests.get(id(prompt))
+        if request is None:
+            request = self._requests[id(prompt)] = request_from_proto(prompt.grpc_request)
+        answer = _Answer(tally)
+        call = self._upstream.generate(request, CALL_TIMEOUT)
+        try:
+            async for event in call:
+                if type(event) is Text:
+                    answer.text(event.text, event.tokens)
+                elif type(event) is Finished:
+                    answer.reported = event.completion_tokens
+        except BaseException:
+            call.cancel()
+            raise
+        return answer.result()
+
+    async def close(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.close()
+            self._upstream = None
 
 
 # --- checks and statistics -------------------------------------------------------------

@@ -69,6 +69,7 @@ from benchmarks.bench_gateway import (
     Delivery,
     GatewayClient,
     GrpcClient,
+    GrpcMultiplexClient,
     LatencyRun,
     Prompt,
     Settings,
@@ -101,7 +102,7 @@ PEERS = {"vllm-router": ("vllm-router", "vllm-router"), "smg": ("smg", "smg")}
 DIRECT, FURNACE = "direct", "furnace-gateway"
 #: The gateway with `multiplex_workers: false` (a Generate call per request), gRPC path only.
 PER_CALL = "furnace-gateway, a call per request"
-RAW = "raw gRPC"
+RAW, RAW_MUX = "raw gRPC", "raw gRPC, multiplexed"
 STARTUP_TIMEOUT = 60.0
 CALL_TIMEOUT = 120.0
 
@@ -577,7 +578,8 @@ async def measure_grpc(setup: Setup, settings: PeerSettings) -> GrpcResults:
     rng = random.Random(7)
     raw_clock = TreeClock(None, setup.workers_pid)
     gateways = [TargetClient(name, port) for name, (port, _) in setup.grpc_gateways.items()]
-    clients: list[Client] = [*gateways, GrpcClient(setup.worker_ports[COALESCED])]
+    coalesced = setup.worker_ports[COALESCED]
+    clients: list[Client] = [*gateways, GrpcClient(coalesced), GrpcMultiplexClient(coalesced)]
     clock_of = {c.name: clocks.get(c.name, raw_clock) for c in clients}
     short = make_prompt(COALESCED, settings.short_words, rng)
     sequential = {c.name: Timings() for c in clients}
@@ -601,7 +603,8 @@ async def measure_grpc(setup: Setup, settings: PeerSettings) -> GrpcResults:
 
     echo = ECHO[1]
     prompts = [make_prompt(echo, rng.randint(s.min_words, s.max_words), rng) for _ in range(24)]
-    for client in [*gateways, GrpcClient(setup.worker_ports[echo])]:
+    echo_port = setup.worker_ports[echo]
+    for client in [*gateways, GrpcClient(echo_port), GrpcMultiplexClient(echo_port)]:
         clock = clock_of[client.name]
         run = await measure_flow(client, prompts, "1 token/message", s.streams, s, clock)
         results.tokens_per_s[client.name] = run.tokens_per_s
@@ -745,6 +748,16 @@ def goals_table(report: Report) -> str:
             "≤ +2 ms",
             "≤ +0.5 ms",
         )
+        same_call = grpc.tokens_per_s[FURNACE] / grpc.tokens_per_s[RAW_MUX]
+        added_mux = grpc.ttft[FURNACE, streams].p50_ms - grpc.ttft[RAW_MUX, streams].p50_ms
+        add(
+            "gRPC, multiplexed: tokens/s / a raw client on the same kind of call",
+            f"{same_call:.2f}",
+            "-",
+            "-",
+        )
+        over_it = f"{added_mux:+.2f} ms"
+        add("gRPC, multiplexed: added TTFT p50 at 32 streams over it", over_it, "-", "-")
         add(
             "gateway CPU per request, 16-token answer (ms)",
             both(lambda g: grpc.ttft[g, 1].cpu_us_per_request.get("gateway", nan) / 1e3, ".2f"),
@@ -773,7 +786,7 @@ def grpc_table(report: Report) -> str:
     for (name, streams), run in sorted(grpc.ttft.items(), key=lambda kv: kv[0][1]):
         cpu = run.cpu_us_per_request.get("gateway")
         cells = [_ms(run.p50_ms), _ms(run.p99_ms), f"{run.requests_per_s:,.0f} req/s"]
-        cells.append("-" if cpu is None or name == RAW else f"{cpu:.0f} µs/request")
+        cells.append("-" if cpu is None or name in (RAW, RAW_MUX) else f"{cpu:.0f} µs/request")
         rows.append([f"TTFT, {streams} stream{'s' * (streams > 1)}, 16 tokens", name, *cells])
     for name, rate in grpc.tokens_per_s.items():
         per = f"{grpc.tokens_per_message[name]:.2f} tokens/message"
