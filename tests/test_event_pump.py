@@ -4,7 +4,8 @@ ticks and idle timeouts keep their timing when events come faster than the tick
 pump leaves no reference cycle behind. The start runs in the edge's task: a
 cancel or the idle timeout ends its wait without leaving that task cancelled; a
 stream that pushes is read without a task, within the buffer's bound; among other
-streams a stream writes in the next write turn, alone at once."""
+streams a stream writes in the next write turn (a few streams in each turn of the
+loop), alone at once."""
 
 import asyncio
 import gc
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from gateway.admission.pump import PACE, EventPump
+from gateway.admission.pump import PACE, TURN_STREAMS, EventPump, _turns
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
 from tests.support.virtual_time import run_virtual
@@ -311,3 +312,20 @@ def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once(
     assert run_virtual(waited(others=0)) == [0.0, 0.0]
     paced = run_virtual(waited(others=1))
     assert all(0 < wait <= PACE for wait in paced)
+
+
+def test_a_write_turn_lets_a_few_streams_write_in_each_turn_of_the_loop():
+    async def main() -> list[int]:
+        turns = _turns(asyncio.get_running_loop())
+        waiting = [turns.next() for _ in range(2 * TURN_STREAMS + 1)]
+        waiting[1].cancel()  # its request ended meanwhile
+        await waiting[0]  # the turn came: its first streams write
+        done = []
+        for _ in range(4):
+            done.append(sum(w.done() and not w.cancelled() for w in waiting))
+            await asyncio.sleep(0)
+        return done
+
+    # the cancelled one is skipped; the next few in the next turn of the loop, and so on
+    few = TURN_STREAMS
+    assert run_virtual(main()) == [few - 1, 2 * few - 1, 2 * few, 2 * few]

@@ -61,19 +61,22 @@ QUIET = 0.0001
 #: came since its last write once per this many seconds, in the same turn of the loop
 #: as every other such stream (`_Turns`).
 PACE = 0.001
+#: Streams that write in one turn of the loop, in a write turn.
+TURN_STREAMS = 4
 
 
 class _Turns:
     """The write turns of one event loop: every paced stream waits for the next, and
-    one timer ends it for all of them.
+    one timer ends it for all of them, a few streams in each turn of the loop.
 
     A write to a socket is the largest cost per token (a system call that runs the
     loopback's TCP stack), and every turn of the loop that writes for many streams is
     a turn that a new request's next step waits behind. Paced, the streams write
-    larger batches, all in one turn every `PACE`; the turns between are short, and a
-    new request's steps (its first text is never paced) go through them. The cost:
-    up to `PACE` more between two of a busy stream's writes; one timer and one future
-    per stream per turn, as the turn of the loop it replaces cost."""
+    larger batches, once every `PACE`, `TURN_STREAMS` in each turn of the loop; the
+    turns of the loop are short, and a new request's steps (its first text is never
+    paced) go between them. The cost: up to `PACE` more between two of a busy stream's
+    writes; one timer, and one future per stream per turn, as the turn of the loop it
+    replaces cost, and a callback per `TURN_STREAMS` streams."""
 
     __slots__ = ("_loop", "_waiting")
 
@@ -91,9 +94,18 @@ class _Turns:
 
     def _end(self) -> None:
         waiting, self._waiting = self._waiting, []
-        for waiter in waiting:
+        self._release(waiting, 0)
+
+    def _release(self, waiting: list[asyncio.Future[None]], start: int) -> None:
+        """Lets `TURN_STREAMS` of the turn's streams write, the next ones in the next
+        turn of the loop: between them the loop reads its sockets and runs what that
+        woke, so a new request's next step waits for a few writes, not for all."""
+        end = start + TURN_STREAMS
+        for waiter in waiting[start:end]:
             if not waiter.done():  # not cancelled with its request
                 waiter.set_result(None)
+        if end < len(waiting):
+            self._loop.call_soon(self._release, waiting, end)
 
 
 _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Turns] = weakref.WeakKeyDictionary()
