@@ -62,7 +62,7 @@ QUIET = 0.0001
 #: as every other such stream (`_Turns`).
 PACE = 0.001
 #: Streams that write in one turn of the loop, in a write turn.
-TURN_STREAMS = 4
+TURN_STREAMS = 1
 
 
 class _Turns:
