@@ -67,7 +67,7 @@ TURN_STREAMS = 1
 
 class _Turns:
     """The write turns of one event loop: every paced stream waits for the next, and
-    one timer ends it for all of them, a few streams in each turn of the loop.
+    one timer ends it for all of them, `TURN_STREAMS` streams in each turn of the loop.
 
     A write to a socket is the largest cost per token (a system call that runs the
     loopback's TCP stack), and every turn of the loop that writes for many streams is
@@ -99,7 +99,7 @@ class _Turns:
     def _release(self, waiting: list[asyncio.Future[None]], start: int) -> None:
         """Lets `TURN_STREAMS` of the turn's streams write, the next ones in the next
         turn of the loop: between them the loop reads its sockets and runs what that
-        woke, so a new request's next step waits for a few writes, not for all."""
+        woke, so a new request's next step waits for one stream's write, not for all."""
         end = start + TURN_STREAMS
         for waiter in waiting[start:end]:
             if not waiter.done():  # not cancelled with its request
