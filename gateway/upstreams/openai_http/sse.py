@@ -117,10 +117,13 @@ class _Stream:
         head, tail = self._head, self._tail
         texts: list[str] = []  # the template's texts in a row, one event at the end
         size = 0
+        cut = -len(tail)  # a template's tail is never empty: it closes the object
         for line in lines:
+            if not line:
+                continue  # the blank line after each event
             if head and line.startswith(head) and line.endswith(tail):
                 try:
-                    text = orjson.loads(line[len(head) : len(line) - len(tail)])
+                    text = orjson.loads(line[len(head) : cut])
                 except orjson.JSONDecodeError:
                     text = None
                 if type(text) is str:  # the template's chunk with this text
@@ -154,6 +157,7 @@ class _Stream:
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
                 head, tail = self._head, self._tail
+                cut = -len(tail)
         if texts:
             self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
