@@ -18,6 +18,9 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 #: The scope extension under which the gateway's HTTP protocol leaves a callable that
 #: aborts the connection (no flush of what is buffered for a client that stopped reading).
 ABORT_EXTENSION = "furnace.abort"
+#: ... and a future it resolves when the connection is lost: a route learns that its
+#: client went away without a task of its own waiting on `receive()`.
+LOST_EXTENSION = "furnace.lost"
 
 
 async def send_json(

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, cast
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.edge.asgi import ABORT_EXTENSION
+from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION
 from gateway.edge.errors import SERVER, APIError
 
 #: Seconds a refused connection keeps reading (and dropping) before it closes.
@@ -109,6 +109,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._started = False
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
+        #: Resolved when the connection is lost (LOST_EXTENSION); made with the first head.
+        self._lost: asyncio.Future[None] | None = None
 
     # The connection
 
@@ -132,6 +134,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        lost = self._lost
+        if lost is not None and not lost.done():
+            lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -184,7 +189,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions narrowly
-        scope.setdefault("extensions", {})[ABORT_EXTENSION] = self.transport.abort
+        extensions = scope.setdefault("extensions", {})
+        extensions[ABORT_EXTENSION] = self.transport.abort
+        if self._lost is None:
+            self._lost = self.loop.create_future()
+        extensions[LOST_EXTENSION] = self._lost
         self._phase = _BODY
         self._fed = 0
         self._started = False

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from gateway.admission import InFlight
 from gateway.config import Config
-from gateway.edge.asgi import ABORT_EXTENSION, Receive, Scope, Send, send_error
+from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, Receive, Scope, Send, send_error
 from gateway.edge.errors import APIError, from_engine_error, internal_error
 from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet
@@ -72,6 +72,28 @@ async def wait_disconnect(receive: Receive) -> None:
     """Returns when the client goes away (run as a task once the body is read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
+    """The request's own future that is done when its client goes away (the body
+    read); the caller cancels it when the request is over. Under the gateway's HTTP
+    protocol it follows the connection's LOST_EXTENSION future (no task: ~1 µs);
+    elsewhere a task waits on `receive()` for the disconnect."""
+    lost: asyncio.Future[None] | None = scope.get("extensions", {}).get(LOST_EXTENSION)
+    if lost is None:
+        return asyncio.ensure_future(wait_disconnect(receive))
+    gone: asyncio.Future[None] = lost.get_loop().create_future()
+    if lost.done():
+        gone.set_result(None)
+        return gone
+
+    def follow(_: asyncio.Future[None]) -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    lost.add_done_callback(follow)
+    gone.add_done_callback(lambda _: lost.remove_done_callback(follow))
+    return gone
 
 
 class ClientGone(Exception):

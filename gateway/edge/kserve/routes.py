@@ -32,7 +32,7 @@ from gateway.edge.request import (
     Metadata,
     Parts,
     RequestRoute,
-    wait_disconnect,
+    client_gone,
 )
 from gateway.fleet import Fleet, ModelPool
 from gateway.fleet.inference import infer, model_metadata
@@ -301,11 +301,12 @@ class InferRoute(RequestRoute[_Tensors]):
             with self.tracing.engine_call(pool.name, metadata, MODEL_INFER) as (_, metadata):
                 deadline = Deadline(self.config.request_timeout)
                 call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
-                gone = asyncio.ensure_future(wait_disconnect(ex.receive))
+                gone = client_gone(ex.scope, ex.receive)
                 tracked = Call(call)
                 try:
                     with self.inflight.track(tracked):
-                        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+                        waits: set[asyncio.Future[Any]] = {call, gone}
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     gone.cancel()
                     if not call.done():

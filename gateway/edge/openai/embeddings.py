@@ -35,8 +35,8 @@ from gateway.edge.request import (
     Exchange,
     Metadata,
     RequestRoute,
+    client_gone,
     priority,
-    wait_disconnect,
 )
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import embed
@@ -198,7 +198,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
                 reason="workers_saturated",
             )
         # watched from here: a client that leaves while queued leaves the queue at once
-        gone = asyncio.ensure_future(wait_disconnect(ex.receive))
+        gone = client_gone(ex.scope, ex.receive)
         try:
             async with self.teams.admit(team, pool.name, request, record, priority(scope), gone):
                 self.telemetry.begin(record, pool.name)

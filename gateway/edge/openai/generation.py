@@ -17,15 +17,14 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.admission import Deadline, EventPump
-from gateway.edge.asgi import Receive, Send, send_json
+from gateway.edge.asgi import Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import resolve
 from gateway.edge.openai.validation import ParsedRequest, model_of
-from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute, priority
-from gateway.edge.request import wait_disconnect as _wait_disconnect
+from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute, client_gone, priority
 from gateway.edge.write_guard import WriteTimedOut
 from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
@@ -111,19 +110,19 @@ class GenerationRoute(RequestRoute[Exchange]):
                 reason="workers_saturated",
             )
         level = priority(scope)
-        if pool.name not in self.teams.queues:
-            async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
-                self.telemetry.begin(record, pool.name)
-                await self._serve(parsed, pool, record, metadata, receive, send)
-            return
-        # queued: a client that goes away while waiting leaves the queue at once
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        # watched from here: a queued client that goes away leaves the queue at once
+        watcher = client_gone(scope, receive)
         try:
+            if pool.name not in self.teams.queues:
+                async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
+                    self.telemetry.begin(record, pool.name)
+                    await self._serve(parsed, pool, record, metadata, send, watcher)
+                return
             async with self.teams.admit(
                 team_of(scope), pool.name, parsed.generate, record, level, watcher
             ):
                 self.telemetry.begin(record, pool.name)
-                await self._serve(parsed, pool, record, metadata, receive, send, watcher)
+                await self._serve(parsed, pool, record, metadata, send, watcher)
         except errors.Busy:
             if not watcher.done():
                 raise
@@ -139,9 +138,8 @@ class GenerationRoute(RequestRoute[Exchange]):
         pool: ModelPool,
         record: RequestRecord,
         metadata: Metadata,
-        receive: Receive,
         send: Send,
-        watcher: asyncio.Future[None] | None = None,
+        watcher: asyncio.Future[None],
     ) -> None:
         config = self.config
         request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
@@ -153,7 +151,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                 request.n,
             )
             try:
-                await self._relay(pump, parsed, pool, record, receive, send, watcher)
+                await self._relay(pump, parsed, pool, record, send, watcher)
             finally:
                 annotate(span, {"furnace.worker": record.worker or None})
 
@@ -163,12 +161,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         parsed: ParsedRequest,
         pool: ModelPool,
         record: RequestRecord,
-        receive: Receive,
         send: Send,
-        watcher: asyncio.Future[None] | None = None,
+        watcher: asyncio.Future[None],
     ) -> None:
-        if watcher is None:
-            watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda _: pump.cancel())
         generate = parsed.generate
         encoder = self.encoder_type(
@@ -196,7 +191,6 @@ class GenerationRoute(RequestRoute[Exchange]):
             record.outcome = Outcome.CLIENT_GONE
             log.info("%s Request %s cancelled.", error, record.request_id)
         finally:
-            watcher.cancel()
             record.worker = pump.worker
             await pump.aclose()
 
