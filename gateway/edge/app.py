@@ -29,7 +29,7 @@ from gateway.admission import InFlight
 from gateway.config import Config
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
-from gateway.edge.middleware import HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
 from gateway.edge.openai.embeddings import EmbeddingsRoute
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
@@ -133,10 +133,13 @@ def create_app(
     ) -> GenerationRoute:
         return GenerationRoute(parse, encoder, parts, InputLimits(config))
 
+    hot: dict[str, Any] = {
+        "/v1/chat/completions": generation(parse_chat, ChatEncoder),
+        "/v1/completions": generation(parse_completion, CompletionEncoder),
+        "/v1/embeddings": EmbeddingsRoute(parts),
+    }
     routes = [
-        Route("/v1/chat/completions", generation(parse_chat, ChatEncoder), methods=["POST"]),
-        Route("/v1/completions", generation(parse_completion, CompletionEncoder), methods=["POST"]),
-        Route("/v1/embeddings", EmbeddingsRoute(parts), methods=["POST"]),
+        *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
         Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
         *probe_routes(is_ready),
@@ -150,5 +153,6 @@ def create_app(
             Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(config.host)),
             Middleware(KeyGate, teams=teams),
             Middleware(JsonOnly),
+            Middleware(ExactRoutes, routes=hot),
         ],
     )
