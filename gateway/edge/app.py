@@ -129,7 +129,7 @@ def create_app(
     parts = Parts(config, fleet, inflight, teams, telemetry, tracing)
 
     def generation(
-        parse: Callable[[Any], ParsedRequest], encoder: type[Encoder]
+        parse: Callable[[Any, str], ParsedRequest], encoder: type[Encoder]
     ) -> GenerationRoute:
         return GenerationRoute(parse, encoder, parts, InputLimits(config))
 

@@ -67,7 +67,7 @@ class GenerationRoute(RequestRoute[Exchange]):
 
     def __init__(
         self,
-        parse: Callable[[Any], ParsedRequest],
+        parse: Callable[[Any, str], ParsedRequest],
         encoder_type: type[Encoder],
         parts: Parts,
         limits: InputLimits,
@@ -96,7 +96,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         body = await read_json(scope, receive, self.config.max_body_bytes)
         pool = resolve(self.fleet, team_of(scope), model_of(body))
         record.model = pool.name
-        parsed = self.parse(body)
+        parsed = self.parse(body, record.request_id)
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
             generate = parsed.generate
@@ -142,7 +142,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         watcher: asyncio.Future[None],
     ) -> None:
         config = self.config
-        request = replace(parsed.generate, model=pool.name, request_id=record.request_id)
+        request = parsed.generate  # parsed with the request's id
+        if request.model != pool.name:  # the body named none: the team's first
+            request = replace(request, model=pool.name)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         with self.tracing.engine_call(pool.name, metadata) as (span, metadata):
             pump = EventPump(

@@ -265,7 +265,7 @@ def _user(body: Mapping[str, Any]) -> str:
     return user
 
 
-def _common(body: Any, fields: dict[str, Any]) -> ParsedRequest:
+def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest:
     """What both routes share; `fields` are the route's own GenerateRequest fields."""
     model = model_of(body)
     _unserved(body, UNSERVED)
@@ -278,6 +278,7 @@ def _common(body: Any, fields: dict[str, Any]) -> ParsedRequest:
         stop=_stop(body),
         n=n,
         user=_user(body),
+        request_id=request_id,
         **fields,
     )
     return ParsedRequest(model, request, stream, include_usage)
@@ -472,8 +473,8 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return top or 0
 
 
-def parse_chat(body: Any) -> ParsedRequest:
-    """A /v1/chat/completions body, checked."""
+def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
+    """A /v1/chat/completions body, checked (for the request `request_id`)."""
     model_of(body)
     _unserved(body, {"best_of": None, "suffix": None, "echo": False})
     tools = _tools(body)
@@ -488,14 +489,14 @@ def parse_chat(body: Any) -> ParsedRequest:
         "parallel_tool_calls": parallel if tools else None,
         "response_format": _response_format(body),
     }
-    return _common(body, fields)
+    return _common(body, fields, request_id)
 
 
 # -- completions --------------------------------------------------------------
 
 
-def parse_completion(body: Any) -> ParsedRequest:
-    """A /v1/completions body, checked."""
+def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
+    """A /v1/completions body, checked (for the request `request_id`)."""
     model_of(body)
     for name in ("tools", "tool_choice", "messages"):
         _unserved(body, {name: None})
@@ -513,6 +514,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     parsed = _common(
         body,
         {"prompt": prompt, "logprobs": logprobs, "response_format": _response_format(body)},
+        request_id,
     )
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != parsed.generate.n:
