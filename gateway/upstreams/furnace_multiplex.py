@@ -170,7 +170,11 @@ class MultiplexLink:
         )
         self._calls: dict[int, MultiplexedCall] = {}
         self._next_id = 1
-        self._outgoing: pb.MultiplexRequest | None = None
+        #: What the writer sends next: starts not yet written (a request cancelled
+        #: before its start went out just leaves), then cancels and credits.
+        self._starts: dict[int, pb.MultiplexStart] = {}
+        self._cancels: list[int] = []
+        self._credits: list[pb.MultiplexCredit] = []
         self._wake: asyncio.Future[None] | None = None
         #: Why the link is over; None while it serves.
         self.broken: errors.EngineError | None = None
@@ -194,47 +198,49 @@ class MultiplexLink:
         self._next_id += 1
         call = MultiplexedCall(self, stream_id, on_close, request.logprobs is not None)
         self._calls[stream_id] = call
-        self._queued().starts.append(
-            pb.MultiplexStart(
-                stream=stream_id,
-                request=request_to_proto(request),
-                timeout_ms=min(max(1, round(timeout * 1000)), _MAX_TIMEOUT_MS),
-                metadata=dict(metadata),
-            )
+        self._starts[stream_id] = pb.MultiplexStart(
+            stream=stream_id,
+            request=request_to_proto(request),
+            timeout_ms=min(max(1, round(timeout * 1000)), _MAX_TIMEOUT_MS),
+            metadata=dict(metadata),
         )
+        self._poke()
         return call
 
     def cancel(self, stream_id: int) -> None:
         """Stops a request (once; a request already over is left alone)."""
-        if self._calls.pop(stream_id, None) is not None and self.broken is None:
-            self._queued().cancels.append(stream_id)
+        if (
+            self._calls.pop(stream_id, None) is not None
+            and self.broken is None
+            and self._starts.pop(stream_id, None) is None  # else it never went out
+        ):
+            self._cancels.append(stream_id)
+            self._poke()
 
     def credit(self, stream_id: int, taken: int) -> None:
         """Returns `taken` units of a request's window."""
         if stream_id in self._calls and self.broken is None:
-            self._queued().credits.append(pb.MultiplexCredit(stream=stream_id, units=taken))
+            self._credits.append(pb.MultiplexCredit(stream=stream_id, units=taken))
+            self._poke()
 
-    def _queued(self) -> pb.MultiplexRequest:
-        """The message the writer sends next."""
-        outgoing = self._outgoing
-        if outgoing is None:
-            outgoing = self._outgoing = pb.MultiplexRequest()
-            wake = self._wake
-            if wake is not None and not wake.done():
-                wake.set_result(None)
-        return outgoing
+    def _poke(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     async def _write(self) -> None:
         loop = asyncio.get_running_loop()
         write = self._call.write
         try:
             while True:
-                outgoing = self._outgoing
-                if outgoing is None:
+                if not (self._starts or self._cancels or self._credits):
                     self._wake = loop.create_future()
                     await self._wake
                     continue
-                self._outgoing = None
+                outgoing = pb.MultiplexRequest(
+                    starts=self._starts.values(), cancels=self._cancels, credits=self._credits
+                )
+                self._starts, self._cancels, self._credits = {}, [], []
                 await write(outgoing)
         except grpc.RpcError as error:  # the reader sees the call's status too
             self._break(from_rpc_error(error))
