@@ -401,3 +401,51 @@ def test_a_stopping_worker_refuses_new_requests_and_finishes_the_open_ones(
     assert call.events[1][-1].finished.completion_tokens == 6
     assert call.ends[2].code == grpc.StatusCode.UNAVAILABLE.value[0]  # retried elsewhere
     assert 2 not in call.events
+
+
+class DeafWorker(pb_grpc.EngineServicer):
+    """Offers GenerateMultiplexed, reads its first message, then reads nothing more
+    and answers nothing (a stuck worker whose connection stays up)."""
+
+    async def GenerateMultiplexed(self, requests, context):  # type: ignore[no-untyped-def]
+        await anext(requests)
+        await asyncio.sleep(3600)
+
+    async def Describe(self, request, context):  # type: ignore[no-untyped-def]
+        model = pb.ModelInfo(name="deaf", max_context=1_000_000)
+        return pb.DescribeResponse(models=[model], capacity=64, multiplex=True)
+
+
+def test_a_worker_that_stops_reading_fails_requests_and_holds_nothing(server_loop, gateway_with):
+    async def serve() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(DeafWorker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = server_loop.call(serve())
+    try:
+        gateway = gateway_with(
+            models=(ModelConfig("deaf", workers=(f"127.0.0.1:{port}",)),),
+            start_timeout=0.5,
+            retry_attempts=1,
+        )
+        # 40 KB prompts: after the first two, the call's flow-control window is full and
+        # the starts wait in the gateway until their requests give up
+        prompts = ["w " * 20_000] * 6
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(
+                pool.map(
+                    lambda prompt: httpx.post(
+                        f"{gateway.url}/v1/completions",
+                        json={"model": "deaf", "prompt": prompt},
+                        timeout=HANG_GUARD,
+                    ),
+                    prompts,
+                )
+            )
+        assert [r.status_code for r in responses] == [503] * len(prompts)
+        assert {r.json()["error"]["code"] for r in responses} == {"engine_unavailable"}
+    finally:
+        server_loop.call(server.stop(0))
