@@ -1,9 +1,12 @@
 """The gateway's start and stop: a start that fails closes what it opened; a
 draining gateway refuses new requests as rejections with reason `draining`
-(they were once miscounted as engine errors), while the requests it holds finish."""
+(they were once miscounted as engine errors), while the requests it holds finish;
+a serving process freezes what its start built (gc)."""
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -86,3 +89,25 @@ def test_a_start_that_fails_to_bind_closes_what_it_opened(server_loop, workers):
     assert workers_seen == 1  # the fleet had started: it found its worker
     assert tasks_left == 0, "the fleet's watchers were left running"
     assert not ready
+
+
+def test_a_serving_process_freezes_what_its_start_built():
+    # `serve` (a process of its own) moves what the start built out of the cyclic
+    # collector's reach; the in-process gateways of these tests start without it
+    code = (
+        "import gc, os, signal\n"
+        "from gateway.config import Config\n"
+        "from gateway.lifecycle import GatewayServer, run\n"
+        "async def main():\n"
+        "    server = GatewayServer(Config(host='127.0.0.1', port=0, log_level='warning'))\n"
+        "    def ready():\n"
+        "        print('frozen', gc.get_freeze_count(), flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    await server.serve(on_ready=ready)\n"
+        "run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[1]) > 10_000  # the modules, the app, the fleet

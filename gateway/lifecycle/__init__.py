@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -225,6 +226,12 @@ class GatewayServer:
         """Serves until SIGTERM or SIGINT, then stops; a second signal cuts the
         drain short. `on_ready` is called once it is ready."""
         await self.start()
+        # What the start built lives as long as the process: out of the cyclic
+        # collector's reach from here, a full collection walks only what requests
+        # made (make bench's gateway: 17-26 ms a full collection -> under 1 ms, TTFT
+        # p99 at 32 streams 25 -> 9.5 ms). Here, not in `start`: tests start many
+        # gateways in one process, whose garbage a freeze would keep.
+        gc.freeze()
         async with _StopSignals() as signals:
             if on_ready is not None:
                 on_ready()
