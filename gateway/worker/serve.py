@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -34,6 +35,10 @@ async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | No
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # raises why the engine did not start
+            # The engine (a model, a runtime) lives as long as the process: out of the
+            # cyclic collector's reach, a full collection no longer walks it, a pause of
+            # every request on the worker (as the gateway's serve does).
+            gc.freeze()
             await stopping
         else:
             starting.cancel()
