@@ -1,6 +1,7 @@
-"""What every call of our worker protocol shares: the channel's options and the
-translation of a failed call into the error tree (through the one table in
-`gateway.protocol.status`), for `furnace_grpc` and `furnace_multiplex` alike."""
+"""What the gateway's gRPC upstreams share: one way to open a worker's channel (its
+options, TLS when configured), and, for our worker protocol (`furnace_grpc` and
+`furnace_multiplex` alike), the translation of a failed call into the error tree
+through the one table in `gateway.protocol.status`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 
 from gateway.protocol import errors
 from gateway.protocol.status import error_from_status
+from gateway.protocol.tls import WorkerCredentials
 
 # Loopback and in-cluster links: keep connections warm, allow big prompts.
 CHANNEL_OPTIONS = (
@@ -23,6 +25,15 @@ CHANNEL_OPTIONS = (
     # client stops reading pushes back on its worker after 64 KiB, not after many MB.
     ("grpc.http2.bdp_probe", 0),
 )
+
+
+def open_channel(address: str, credentials: WorkerCredentials | None) -> grpc.aio.Channel:
+    """A channel to `address` on the running loop: plain, or TLS (mutual when the
+    credentials hold a client certificate)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + credentials.options
+    return grpc.aio.secure_channel(address, credentials.credentials, options)
 
 
 #: What grpc says when a message passes `grpc.max_receive_message_length`.

@@ -25,7 +25,7 @@ from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequ
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
-from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS, from_rpc_error
+from gateway.upstreams.furnace_channel import from_rpc_error, open_channel
 from gateway.upstreams.furnace_multiplex import MultiplexedCall, MultiplexLink
 
 #: The service whose health a worker reports (see gateway.worker.server).
@@ -87,11 +87,7 @@ class FurnaceGrpcUpstream:
         self._multiplex = multiplex
         self._offered = False
         self._link: MultiplexLink | None = None
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:  # TLS, mutual when the credentials hold a client certificate
-            options = CHANNEL_OPTIONS + credentials.options
-            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
+        self._channel = open_channel(address, credentials)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

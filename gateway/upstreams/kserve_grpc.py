@@ -26,7 +26,7 @@ from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, check_raw, from_raw
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import Embeddings, EmbedRequest, GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
-from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
+from gateway.upstreams.furnace_channel import open_channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +177,7 @@ class KServeGrpcUpstream:
     ) -> None:
         self.address = address
         self.model = model
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:
-            options = CHANNEL_OPTIONS + credentials.options
-            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
+        self._channel = open_channel(address, credentials)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._metadata: dict[str, ModelMetadata] = {}
 

@@ -62,7 +62,7 @@ from gateway.protocol.types import (
 )
 from gateway.tokenization import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
-from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
+from gateway.upstreams.furnace_channel import open_channel
 from gateway.worker.engine import check_context
 
 logger = logging.getLogger(__name__)
@@ -394,11 +394,7 @@ class VllmGrpcUpstream:
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
         #: The format the model writes tool calls in; None: it takes no tools.
         self.tool_call_parser = tool_call_parser
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:
-            options = CHANNEL_OPTIONS + credentials.options
-            self._channel = grpc.aio.secure_channel(address, credentials.credentials, options)
+        self._channel = open_channel(address, credentials)
         self.stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.GetModelInfoResponse | None = None
