@@ -343,6 +343,24 @@ def test_turned_off_each_request_is_a_call_of_its_own(gateway_with, workers):
     assert {workers.scripted.rpcs[r.headers["x-request-id"]] for r in responses} == {"Generate"}
 
 
+@pytest.fixture
+def serve_raw(server_loop):  # type: ignore[no-untyped-def]
+    """Serves a raw Engine servicer (not the SDK) on a loopback port; stops it after."""
+    servers: list[grpc.aio.Server] = []
+
+    async def start(servicer: pb_grpc.EngineServicer) -> int:
+        server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return port
+
+    yield lambda servicer: server_loop.call(start(servicer))
+    for server in servers:
+        server_loop.call(server.stop(0))
+
+
 class FloodingWorker(pb_grpc.EngineServicer):
     """Offers GenerateMultiplexed and ignores the window: four windows of text
     for every request, at once."""
@@ -361,23 +379,13 @@ class FloodingWorker(pb_grpc.EngineServicer):
         return pb.DescribeResponse(models=[model], capacity=8, multiplex=True)
 
 
-def test_a_worker_that_sends_past_the_window_fails_the_request(server_loop, gateway_with):
-    async def serve() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_EngineServicer_to_server(FloodingWorker(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    server, port = server_loop.call(serve())
-    try:
-        gateway = gateway_with(models=(ModelConfig("flood", workers=(f"127.0.0.1:{port}",)),))
-        body = {"model": "flood", "prompt": "x"}
-        response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=HANG_GUARD)
-        assert response.status_code == 500
-        assert response.json()["error"]["code"] == "engine_error"
-    finally:
-        server_loop.call(server.stop(0))
+def test_a_worker_that_sends_past_the_window_fails_the_request(serve_raw, gateway_with):
+    port = serve_raw(FloodingWorker())
+    gateway = gateway_with(models=(ModelConfig("flood", workers=(f"127.0.0.1:{port}",)),))
+    body = {"model": "flood", "prompt": "x"}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=HANG_GUARD)
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "engine_error"
 
 
 def test_a_stopping_worker_refuses_new_requests_and_finishes_the_open_ones(
@@ -416,36 +424,26 @@ class DeafWorker(pb_grpc.EngineServicer):
         return pb.DescribeResponse(models=[model], capacity=64, multiplex=True)
 
 
-def test_a_worker_that_stops_reading_fails_requests_and_holds_nothing(server_loop, gateway_with):
-    async def serve() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_EngineServicer_to_server(DeafWorker(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    server, port = server_loop.call(serve())
-    try:
-        gateway = gateway_with(
-            models=(ModelConfig("deaf", workers=(f"127.0.0.1:{port}",)),),
-            start_timeout=0.5,
-            retry_attempts=1,
-        )
-        # 40 KB prompts: after the first two, the call's flow-control window is full and
-        # the starts wait in the gateway until their requests give up
-        prompts = ["w " * 20_000] * 6
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            responses = list(
-                pool.map(
-                    lambda prompt: httpx.post(
-                        f"{gateway.url}/v1/completions",
-                        json={"model": "deaf", "prompt": prompt},
-                        timeout=HANG_GUARD,
-                    ),
-                    prompts,
-                )
+def test_a_worker_that_stops_reading_fails_requests_and_holds_nothing(serve_raw, gateway_with):
+    port = serve_raw(DeafWorker())
+    gateway = gateway_with(
+        models=(ModelConfig("deaf", workers=(f"127.0.0.1:{port}",)),),
+        start_timeout=0.5,
+        retry_attempts=1,
+    )
+    # 40 KB prompts: after the first two, the call's flow-control window is full and
+    # the starts wait in the gateway until their requests give up
+    prompts = ["w " * 20_000] * 6
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(
+            pool.map(
+                lambda prompt: httpx.post(
+                    f"{gateway.url}/v1/completions",
+                    json={"model": "deaf", "prompt": prompt},
+                    timeout=HANG_GUARD,
+                ),
+                prompts,
             )
-        assert [r.status_code for r in responses] == [503] * len(prompts)
-        assert {r.json()["error"]["code"] for r in responses} == {"engine_unavailable"}
-    finally:
-        server_loop.call(server.stop(0))
+        )
+    assert [r.status_code for r in responses] == [503] * len(prompts)
+    assert {r.json()["error"]["code"] for r in responses} == {"engine_unavailable"}
