@@ -15,7 +15,7 @@ import pytest
 from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto
-from gateway.protocol.multiplex import WINDOW, proto_units, units
+from gateway.protocol.multiplex import WINDOW, units
 from gateway.protocol.types import (
     Finished,
     FinishReason,
@@ -72,7 +72,7 @@ class RawCall:
             assert await self.read(), "the call ended first"
 
     def units(self, stream: int) -> int:
-        return sum(proto_units(e) for e in self.events.get(stream, []))
+        return sum(units(e) for e in self.events.get(stream, []))
 
 
 async def on_call(address: str, test) -> object:  # type: ignore[no-untyped-def]
@@ -169,17 +169,17 @@ def _answer(events: list[pb.GenerateEvent]) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "event",
+    ("event", "counted"),
     [
-        Started(3),
-        Text("héllo", 2),
-        Text("a", 1, 2, (TokenLogprob("a", -0.5),)),
-        ToolCallDelta(0, 0, "call_1", "f", '{"x": 1}', 3),
-        Finished(FinishReason.STOP, 4),
+        (Started(3), 1),
+        (Text("héllo", 2), 1 + 5),  # characters, not bytes
+        (Text("a", 1, 2, (TokenLogprob("a", -0.5),)), 1 + 1),
+        (ToolCallDelta(0, 0, "call_1", "f", '{"x": 1}', 3), 1 + 8),
+        (Finished(FinishReason.STOP, 4), 1),
     ],
 )
-def test_both_ends_count_an_event_alike(event):
-    assert units(event) == proto_units(event_to_proto(event))
+def test_an_event_counts_one_plus_its_text_against_the_window(event, counted):
+    assert units(event_to_proto(event)) == counted
 
 
 # -- what the one call brings -----------------------------------------------------------

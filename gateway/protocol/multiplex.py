@@ -4,9 +4,9 @@ and how an event is counted against it, and a request's end as a status.
 One call per gateway and worker carries every request's events, batched per
 engine step, so grpc.aio's per-message cost (~80-130 µs on these machines) is
 paid once a step, not once a request a step. A request that is not read must
-not hold up the others on the call, so each has its own window, counted here
-the same way on both sides (`units`), and returned by the gateway as its client
-takes the events.
+not hold up the others on the call, so each has its own window, counted on both
+sides by `units` on the messages they exchange, and returned by the gateway once
+its client has taken what it holds.
 """
 
 from __future__ import annotations
@@ -15,30 +15,20 @@ import grpc
 
 from gateway.protocol import errors
 from gateway.protocol.status import PARAM_KEY, error_from_status, status_from_error
-from gateway.protocol.types import Event, Text, ToolCallDelta
 from gateway.protocol.v1 import engine_pb2 as pb
 
 #: Units of a request's events a worker may send beyond the credit returned (engine.proto).
 WINDOW = 65_536
-#: The gateway returns credit once its client has taken this many units (a quarter
-#: window: a stream of short tokens returns none in a typical answer).
+#: The gateway returns credit when its client has taken every event it holds and they
+#: add up to this many units (a quarter window: a stream of short tokens returns none
+#: in a typical answer).
 CREDIT_STEP = WINDOW // 4
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def units(event: Event) -> int:
+def units(event: pb.GenerateEvent) -> int:
     """An event's size against the window: 1, plus its text or arguments."""
-    kind = type(event)
-    if kind is Text:
-        return 1 + len(event.text)  # type: ignore[union-attr]
-    if kind is ToolCallDelta:
-        return 1 + len(event.arguments)  # type: ignore[union-attr]
-    return 1
-
-
-def proto_units(event: pb.GenerateEvent) -> int:
-    """`units` of the event as a worker sends it (the same count: a test checks)."""
     kind = event.WhichOneof("event")
     if kind == "text":
         return 1 + len(event.text.text)

@@ -30,7 +30,7 @@ import grpc
 
 from gateway.protocol import errors
 from gateway.protocol.convert import event_from_proto, request_to_proto
-from gateway.protocol.multiplex import CREDIT_STEP, WINDOW, error_of, proto_units, units
+from gateway.protocol.multiplex import CREDIT_STEP, WINDOW, error_of, units
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
@@ -55,7 +55,6 @@ class MultiplexedCall(StreamBookkeeping):
         "_listener",
         "_logprobs",
         "_outstanding",
-        "_taken",
         "_waiter",
     )
 
@@ -75,7 +74,6 @@ class MultiplexedCall(StreamBookkeeping):
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None  # see `listen`
         self._broken: errors.EngineError | None = None  # the link broke
-        self._taken = 0  # units read since the last credit returned
         self._outstanding = 0  # units received and not yet credited back
 
     def push(self, item: pb.GenerateEvent | pb.MultiplexEnd) -> None:
@@ -87,7 +85,7 @@ class MultiplexedCall(StreamBookkeeping):
                 self.cancel_on_worker()
                 self.fail(errors.Failed("The engine worker sent past its flow-control window."))
                 return
-            self._outstanding += proto_units(item)
+            self._outstanding += units(item)
         self._events.append(item)
         self._ready()
 
@@ -112,7 +110,8 @@ class MultiplexedCall(StreamBookkeeping):
 
     def poll(self) -> Event | None:
         """The next event ready, or None while there is none; raises the request's
-        error, or StopAsyncIteration at its end. Credit goes back as events are taken."""
+        error, or StopAsyncIteration at its end. Credit goes back when every event held
+        has been taken and they add up to `CREDIT_STEP`: counted once, as they arrive."""
         events = self._events
         if not events:
             if self._broken is not None:
@@ -131,11 +130,9 @@ class MultiplexedCall(StreamBookkeeping):
         except errors.Failed as failure:
             self.cancel(failure)
             raise
-        self._taken += units(event)
-        if self._taken >= CREDIT_STEP:
-            self._link.credit(self._id, self._taken)
-            self._outstanding -= self._taken
-            self._taken = 0
+        if not events and self._outstanding >= CREDIT_STEP:
+            self._link.credit(self._id, self._outstanding)
+            self._outstanding = 0
         return event
 
     def __aiter__(self) -> AsyncIterator[Event]:

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from gateway.protocol import errors
-from gateway.protocol.multiplex import DONE, WINDOW, end_of, end_with, proto_units
+from gateway.protocol.multiplex import DONE, WINDOW, end_of, end_with, units
 from gateway.protocol.v1 import engine_pb2 as pb
 
 log = logging.getLogger("furnace.worker")
@@ -156,7 +156,7 @@ class Multiplexer:
         try:
             async with deadline, contextlib.aclosing(self._answer(start)) as events:
                 async for event in events:
-                    size = proto_units(event)
+                    size = units(event)
                     self._emit(pb.MultiplexEvent(stream=stream_id, event=event), size)
                     stream.sent += size
                     while stream.sent - stream.credited >= WINDOW:
