@@ -1,9 +1,11 @@
 """The gateway's start and stop: a start that fails closes what it opened; a
 draining gateway refuses new requests as rejections with reason `draining`
 (they were once miscounted as engine errors), while the requests it holds finish;
-a serving process freezes what its start built (gc)."""
+a serving process freezes what its start built (gc); a process of the package
+runs grpc's iomgr client and listener unless its operator says otherwise."""
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import GRPC_EXPERIMENTS
 from gateway.config import Config, ModelConfig
 from gateway.lifecycle import GatewayServer
 
@@ -111,3 +114,47 @@ def test_a_serving_process_freezes_what_its_start_built():
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[1]) > 10_000  # the modules, the app, the fleet
+
+
+_GRPC_CALL = (
+    "import asyncio, os\n"
+    "import gateway, grpc\n"
+    "from grpc_health.v1 import health, health_pb2, health_pb2_grpc\n"
+    "async def main():\n"
+    "    server = grpc.aio.server()\n"
+    "    port = server.add_insecure_port('127.0.0.1:0')\n"
+    "    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)\n"
+    "    await server.start()\n"
+    "    async with grpc.aio.insecure_channel(f'127.0.0.1:{port}') as channel:\n"
+    "        stub = health_pb2_grpc.HealthStub(channel)\n"
+    "        await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)\n"
+    "    await server.stop(None)\n"
+    "    print(repr(os.environ['GRPC_EXPERIMENTS']), flush=True)\n"
+    "asyncio.run(main())\n"
+)
+
+
+def _grpc_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    return subprocess.run(
+        [sys.executable, "-c", _GRPC_CALL],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env={**environment, **env},
+    )
+
+
+def test_a_process_of_the_package_runs_grpc_iomgr_client_and_listener():
+    # grpc reads GRPC_EXPERIMENTS when first imported: importing the package sets
+    # it first; a grpc release that no longer knows an experiment says so on stderr
+    done = _grpc_process({})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr(GRPC_EXPERIMENTS)
+    assert "experiment" not in done.stderr.lower(), done.stderr
+
+
+def test_an_operators_own_grpc_experiments_are_left_alone():
+    done = _grpc_process({"GRPC_EXPERIMENTS": ""})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "''"
