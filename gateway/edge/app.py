@@ -1,7 +1,9 @@
-"""The Starlette applications of the edge, one per listener: the public one (the
-OpenAI API and the probes) and the admin one (the probes, the metrics and the
-fleet's workers), each with the pure-ASGI middleware in front of its routes and
-OpenAI-shaped errors for everything, from the parts the lifecycle built.
+"""The applications of the edge, one per listener: the public one (the OpenAI API
+and the probes) and the admin one (the probes, the metrics and the fleet's
+workers), each with the pure-ASGI checks in front of its routes and OpenAI-shaped
+errors for everything, from the parts the lifecycle built. The public one sends
+its hot routes (a POST to chat, completions, embeddings) past Starlette, which
+serves the rest.
 
 Where the admin routes go: with `admin_port`, on the admin listener only; without
 it, on the public listener of an open gateway (the demo), and nowhere on a keyed
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,6 +29,7 @@ from starlette.routing import Route
 
 from gateway.admission import InFlight
 from gateway.config import Config
+from gateway.edge.asgi import ASGIApp
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
@@ -123,8 +126,10 @@ def create_app(
     tracing: Tracing,
     is_ready: Callable[[], bool],
     started_at: int,
-) -> Starlette:
-    """The gateway's public HTTP application over its parts."""
+) -> ASGIApp:
+    """The gateway's public HTTP application over its parts: the hot routes
+    straight to their handlers (`ExactRoutes`), the rest through Starlette's
+    router, both behind the same checks."""
 
     parts = Parts(config, fleet, inflight, teams, telemetry, tracing)
 
@@ -147,12 +152,11 @@ def create_app(
     ]
     if admin_on_public(config):
         routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)
-    return _starlette(
-        routes,
-        [
-            Middleware(HostCheck, allowed=config.allowed_hosts, loopback=is_loopback(config.host)),
-            Middleware(KeyGate, teams=teams),
-            Middleware(JsonOnly),
-            Middleware(ExactRoutes, routes=hot),
-        ],
-    )
+
+    def checked(app: ASGIApp) -> ASGIApp:
+        """Host, key and content type checked, in this order, before `app`."""
+        loopback = is_loopback(config.host)
+        return HostCheck(KeyGate(JsonOnly(app), teams=teams), config.allowed_hosts, loopback)
+
+    rest = cast(ASGIApp, _starlette(routes, []))  # its types say MutableMapping
+    return ExactRoutes(checked(rest), {path: checked(route) for path, route in hot.items()})

@@ -163,10 +163,11 @@ class KeyGate:
 
 class ExactRoutes:
     """The hot routes straight to their handlers: a POST to one of these exact paths
-    skips Starlette's exception middleware, router and route (per request a regex
-    match, three wrappers of `send` and their frames on every write of a stream; the
-    handlers answer their own errors in OpenAI's shape). Anything else, a GET to one
-    of these paths included (405), goes on to the router."""
+    skips Starlette (its app, its two exception middlewares, router and route: per
+    request a regex match, frames, and wrappers of `send` called on every write of
+    a stream; the handlers answer their own errors in OpenAI's shape). Anything
+    else, a GET to one of these paths included (405), goes on to `app`. The owner
+    puts the same checks (host, key, content type) in front of both."""
 
     def __init__(self, app: ASGIApp, routes: dict[str, ASGIApp]) -> None:
         self.app = app

@@ -42,6 +42,7 @@ from gateway.admission import InFlight, Slots
 from gateway.admission.metrics import AdmissionCollector
 from gateway.config import Config, ModelConfig
 from gateway.edge.app import admin_on_public, create_admin_app, create_app
+from gateway.edge.asgi import ASGIApp
 from gateway.edge.http_protocol import HttpLimits, protocol_for
 from gateway.fleet import Fleet
 from gateway.fleet.metrics import FleetCollector
@@ -91,7 +92,7 @@ class Gateway:
         def is_ready() -> bool:
             return self.ready and not self.inflight.draining
 
-        self.app: Starlette = create_app(
+        self.app: ASGIApp = create_app(
             config,
             fleet=self.fleet,
             inflight=self.inflight,
@@ -130,7 +131,7 @@ class GatewayServer:
             self.admin = self._server(self.gateway.admin_app, host, config.admin_port)
         self._opened: list[str] = []
 
-    def _server(self, app: Starlette, host: str, port: int) -> uvicorn.Server:
+    def _server(self, app: ASGIApp | Starlette, host: str, port: int) -> uvicorn.Server:
         config = self.config
         return uvicorn.Server(
             uvicorn.Config(

@@ -68,42 +68,57 @@ def _message_from_proto(m: pb.ChatMessage) -> Message:
     )
 
 
+#: The sampling settings that are None where the client set nothing.
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_p",
+)
+
+
 def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
     """Our request as the protocol's message; a field left at its default is
-    not sent, so a first-version request is the first version's message."""
+    not sent, so a first-version request is the first version's message. Only
+    the fields a request sets are given to the message (each keyword costs the
+    constructor as much as a set field: a third of this function's time)."""
     s = request.sampling
     sampling = pb.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
-        ignore_eos=s.ignore_eos,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=dict(s.logit_bias),
-        stop_token_ids=s.stop_token_ids,
+        **{name: value for name in _OPTIONAL_SAMPLING if (value := getattr(s, name)) is not None}
     )
+    if s.logit_bias:
+        sampling.logit_bias.update(s.logit_bias)
+    if s.stop_token_ids:
+        sampling.stop_token_ids.extend(s.stop_token_ids)
     message = pb.GenerateRequest(
-        request_id=request.request_id,
-        model=request.model,
-        sampling=sampling,
-        stop=request.stop,
-        n=request.n if request.n != 1 else 0,
-        logprobs=request.logprobs,
-        tools=[
+        request_id=request.request_id, model=request.model, sampling=sampling
+    )
+    if request.stop:
+        message.stop.extend(request.stop)
+    if request.n != 1:
+        message.n = request.n
+    if request.logprobs is not None:
+        message.logprobs = request.logprobs
+    if request.tools:
+        message.tools.extend(
             pb.Tool(
                 name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
             )
             for t in request.tools
-        ],
-        tool_choice=request.tool_choice,
-        parallel_tool_calls=request.parallel_tool_calls,
-        user=request.user,
-    )
+        )
+    if request.tool_choice:
+        message.tool_choice = request.tool_choice
+    if request.parallel_tool_calls is not None:
+        message.parallel_tool_calls = request.parallel_tool_calls
+    if request.user:
+        message.user = request.user
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
