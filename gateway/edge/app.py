@@ -126,7 +126,7 @@ def create_app(
     tracing: Tracing,
     is_ready: Callable[[], bool],
     started_at: int,
-) -> ASGIApp:
+) -> ExactRoutes:
     """The gateway's public HTTP application over its parts: the hot routes
     straight to their handlers (`ExactRoutes`), the rest through Starlette's
     router, both behind the same checks."""
@@ -158,5 +158,7 @@ def create_app(
         loopback = is_loopback(config.host)
         return HostCheck(KeyGate(JsonOnly(app), teams=teams), config.allowed_hosts, loopback)
 
-    rest = cast(ASGIApp, _starlette(routes, []))  # its types say MutableMapping
-    return ExactRoutes(checked(rest), {path: checked(route) for path, route in hot.items()})
+    rest = _starlette(routes, [])
+    hot_checked = {path: checked(route) for path, route in hot.items()}
+    # Starlette's types say MutableMapping where ours say dict
+    return ExactRoutes(checked(cast(ASGIApp, rest)), hot_checked, rest.routes)

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from starlette.routing import BaseRoute
 
 from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error
 from gateway.edge.errors import APIError
@@ -169,13 +171,18 @@ class ExactRoutes:
     else, a GET to one of these paths included (405), goes on to `app`. The owner
     puts the same checks (host, key, content type) in front of both."""
 
-    def __init__(self, app: ASGIApp, routes: dict[str, ASGIApp]) -> None:
+    def __init__(
+        self, app: ASGIApp, hot: dict[str, ASGIApp], routes: Sequence[BaseRoute] = ()
+    ) -> None:
         self.app = app
+        self.hot = hot
+        #: Every route served, the hot ones included (`app`'s router's), for those
+        #: who list them.
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.routes.get(scope["path"])
+            route = self.hot.get(scope["path"])
             if route is not None:
                 await route(scope, receive, send)
                 return

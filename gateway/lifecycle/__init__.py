@@ -44,6 +44,7 @@ from gateway.config import Config, ModelConfig
 from gateway.edge.app import admin_on_public, create_admin_app, create_app
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.http_protocol import HttpLimits, protocol_for
+from gateway.edge.middleware import ExactRoutes
 from gateway.fleet import Fleet
 from gateway.fleet.metrics import FleetCollector
 from gateway.teams import Teams
@@ -92,7 +93,7 @@ class Gateway:
         def is_ready() -> bool:
             return self.ready and not self.inflight.draining
 
-        self.app: ASGIApp = create_app(
+        self.app: ExactRoutes = create_app(
             config,
             fleet=self.fleet,
             inflight=self.inflight,
