@@ -34,6 +34,7 @@ from gateway.protocol.types import (
 )
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
+from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD
@@ -656,11 +657,15 @@ def test_embed_connect_failure_is_unavailable():
 class ScriptedHttp:
     """A loopback HTTP/1.1 server answering each request with the next scripted
     response: (status, body pieces, then hang?). A 200's pieces go chunked, one
-    send each, as an engine streams; it keeps the requests and counts connections."""
+    send each (`gap` seconds apart), as an engine streams; it keeps the requests
+    and counts connections."""
 
-    def __init__(self, *responses: tuple[int, list[bytes], bool], keep_alive: bool = True) -> None:
+    def __init__(
+        self, *responses: tuple[int, list[bytes], bool], keep_alive: bool = True, gap: float = 0
+    ) -> None:
         self.responses = list(responses)
         self.keep_alive = keep_alive
+        self.gap = gap
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
         self.closed_by_client = asyncio.Event()
@@ -689,6 +694,8 @@ class ScriptedHttp:
                 for piece in pieces:
                     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
+                    if self.gap:
+                        await asyncio.sleep(self.gap)
                 self.sent_all = True
                 if hang:
                     await reader.read()  # until the client leaves
@@ -903,6 +910,48 @@ def test_plain_http_a_call_past_its_deadline_is_not_sent_again():
     events, failure = anyio.run(late_reader)
     assert [type(e) for e in events] == [Started, Text] and type(failure) is errors.Timeout
     assert server.connections == 1 and len(server.requests) == 1
+
+
+def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
+    # an engine's token per send, read per token, is a system call each: among other
+    # calls a call reads what came in REST; alone it reads every send at once
+    def answer(word: str) -> tuple[int, list[bytes], bool]:
+        return (
+            200,
+            events_of(*(chunk(word) for _ in range(100)), chunk(finish="stop"), "[DONE]"),
+            False,
+        )
+
+    server = ScriptedHttp(answer("a"), answer("b"), answer("c"), gap=0.0005)
+
+    async def two_then_one() -> tuple:
+        url = await server.start()
+        rested: dict[str, bool] = {}
+
+        async def read(call: _RawCall, name: str) -> str:
+            texts = []
+            async for event in call:
+                rested[name] = rested.get(name, False) or call._resting
+                if type(event) is Text:
+                    texts.append(event.text)
+            return "".join(texts)
+
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            calls = [upstream.generate(CHAT, HANG_GUARD) for _ in range(2)]
+            together = await asyncio.gather(*(read(c, str(i)) for i, c in enumerate(calls)))
+            reading = _RawCall.reading
+            await asyncio.sleep(0.1)  # their connections see their responses' ends
+            alone = await read(upstream.generate(CHAT, HANG_GUARD), "alone")
+            await upstream.close()
+        server.close()
+        return together, alone, rested, reading
+
+    together, alone, rested, reading = anyio.run(two_then_one)
+    assert sorted(together) == ["a" * 100, "b" * 100] and alone == "c" * 100
+    assert rested == {"0": True, "1": True, "alone": False}
+    assert reading == 0
+    assert server.connections == 2  # a rested connection went back reading: reused
 
 
 def test_plain_http_pushes_each_read_to_a_listener():

@@ -11,18 +11,26 @@ events and one wake-up per read; a reader that falls behind pauses the socket.
 Measured against a fast fake engine, 32 streams on 2 loaded cores: tokens/s through
 the gateway went from about 0.45 to 0.85 of direct, the added TTFT at 1 stream from
 about 1.45 ms to 0.45 ms.
+
+Among other open calls, a call that has had its first text rests its socket
+for `REST` after each read (reading paused, then resumed by a timer): an engine
+sends a token per write, and a read per token is a system call, a TCP
+acknowledgement and a turn of the loop each; rested, a read takes what came in
+`REST`. 32 streams against the fake engine: the gateway's CPU per token 5.5 ->
+4.1 us, tokens/s 0.9 -> 1.0 of direct, TTFT p50 between streams already running
+2.4 -> 1.8 ms. The first token is never rested on; a call alone is never rested.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import cast
+from typing import ClassVar, cast
 
 import httptools
 
 from gateway.protocol import errors
-from gateway.protocol.types import Event, Started
+from gateway.protocol.types import Event, Started, Text
 from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_response
@@ -32,6 +40,9 @@ from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_
 _PAUSE_AT = 64
 #: Idle kept-alive connections an upstream keeps (as the fleet's httpx client does).
 _MAX_IDLE = 256
+#: Seconds a call's socket rests after a read, among other open calls (as the
+#: edge's write turns: `gateway.admission.pump.PACE`).
+REST = 0.001
 
 
 class _Connection(asyncio.Protocol):
@@ -159,6 +170,10 @@ class _RawCall(StreamBookkeeping):
     a listener is told after each read, in the transport's callback, and takes the
     events with `poll`, so no task has to wait on the call."""
 
+    #: Calls whose request went out, not over yet, in this process: a call rests
+    #: its socket only among others.
+    reading: ClassVar[int] = 0
+
     def __init__(
         self,
         pool: _Pool,
@@ -184,7 +199,10 @@ class _RawCall(StreamBookkeeping):
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
-        self._paused = False
+        self._paused = False  # reading paused: too much waits for the reader
+        self._resting = False  # reading paused until the rest's timer
+        self._texted = False  # the first text came (a rest never delays it)
+        self._counted = False  # counted in `reading`
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -210,9 +228,8 @@ class _RawCall(StreamBookkeeping):
         if ready:
             if self._paused and len(ready) <= 1:
                 self._paused = False
-                connection = self._connection
-                if connection is not None and connection.transport is not None:
-                    connection.transport.resume_reading()
+                if not self._resting:
+                    self._resume()
             return ready.popleft()
         if self._closed:
             raise StopAsyncIteration
@@ -239,6 +256,8 @@ class _RawCall(StreamBookkeeping):
         connection.call = self
         assert connection.transport is not None
         connection.transport.write(self._request)
+        self._counted = True
+        _RawCall.reading += 1
         await self._wait()
 
     async def _wait(self) -> None:
@@ -256,8 +275,9 @@ class _RawCall(StreamBookkeeping):
     # -- the connection's callbacks -------------------------------------------------
 
     def wake(self) -> None:
-        """After a read: what it brought is parsed, the reader goes on, and too
-        much waiting pauses reading."""
+        """After a read: what it brought is parsed, the reader goes on; too much
+        waiting pauses reading, and after the first text, among other calls, the
+        socket rests for `REST`."""
         self.flush()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -265,11 +285,34 @@ class _RawCall(StreamBookkeeping):
         listener = self._listener
         if listener is not None:
             listener()  # takes what it can now: what is left counts towards the pause
-        if len(self._ready) > _PAUSE_AT and not self._paused:
-            connection = self._connection
-            if connection is not None and connection.transport is not None:
-                self._paused = True
-                connection.transport.pause_reading()
+        if self._paused or self._resting:
+            return
+        connection = self._connection
+        if connection is None or connection.transport is None:
+            return
+        if len(self._ready) > _PAUSE_AT:
+            self._paused = True
+            connection.transport.pause_reading()
+        elif self._texted and _RawCall.reading > 1 and not self._stream.done:
+            self._resting = True
+            connection.transport.pause_reading()
+            asyncio.get_running_loop().call_later(REST, self._rest_over)
+
+    def _rest_over(self) -> None:
+        self._resting = False
+        if not self._paused:
+            self._resume()
+
+    def _resume(self) -> None:
+        connection = self._connection
+        if connection is not None and connection.transport is not None:
+            connection.transport.resume_reading()
+
+    def _uncount(self) -> None:
+        """The call is over, or its connection is no longer its own."""
+        if self._counted:
+            self._counted = False
+            _RawCall.reading -= 1
 
     def head(self, status: int) -> None:
         self._status = status
@@ -296,6 +339,8 @@ class _RawCall(StreamBookkeeping):
         except errors.EngineError as error:
             self.fail(error)  # the events before it go out first
         else:
+            if not self._texted:
+                self._texted = any(type(event) is Text for event in self._ready)
             if self._stream.done:
                 self._end(None)  # [DONE]: the call is over; its last events wait to be read
 
@@ -303,9 +348,10 @@ class _RawCall(StreamBookkeeping):
         """Their response ended: the connection goes back to the pool if it can."""
         self.flush()
         self._connection = None
-        if self._paused and connection.transport is not None:
-            self._paused = False
+        self._uncount()
+        if (self._paused or self._resting) and connection.transport is not None:
             connection.transport.resume_reading()
+        self._paused = self._resting = False
         self._pool.give_back(connection)
         if self._status != 200:
             body = b"".join(self._error_body)[:MAX_ERROR_BYTES]
@@ -326,10 +372,12 @@ class _RawCall(StreamBookkeeping):
 
     def _drop(self) -> None:
         connection, self._connection = self._connection, None
+        self._uncount()
         if connection is not None:
             self._pool.drop(connection)
 
     def _end(self, outcome: CallEnd) -> None:
+        self._uncount()  # over: no other call rests on its account
         if self._deadline is not None:
             self._deadline.cancel()
         if outcome is not None or not self._stream.done:
