@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class FinishReason(enum.Enum):
@@ -80,6 +80,28 @@ class SamplingParams:
     min_p: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     stop_token_ids: tuple[int, ...] = ()
+
+    def given(self) -> dict[str, Any]:
+        """The settings above that are None unless set, by name: those that are set."""
+        return {
+            name: value for name in OPTIONAL_SAMPLING if (value := getattr(self, name)) is not None
+        }
+
+
+#: SamplingParams' settings that are None where the client set nothing.
+OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_p",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,18 +112,6 @@ GENERATING = features.SAMPLING | {
     features.RESPONSE_FORMAT,
     features.USER,
 }
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "min_tokens",
-    "ignore_eos",
-    "repetition_penalty",
-    "min_p",
-)
 
 
 def engine_args(
@@ -320,10 +308,8 @@ class VllmEngine(Engine):
         """vLLM's sampling parameters: ours where set, else the model's defaults."""
         options = dict(self.defaults)
         sampling = request.sampling
-        for name in _SAMPLING:
-            value = getattr(sampling, name)
-            if value is not None:
-                options[name] = value
+        options.update(sampling.given())
+        options.pop("max_tokens", None)  # `max_tokens` (the room left) is the one vLLM gets
         if options.get("top_k") is not None and options["top_k"] <= 0:
             del options["top_k"]  # ours: 0 or unset is off
         if sampling.logit_bias:

@@ -135,10 +135,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["messages"] = [message_dict(m) for m in request.messages]
     else:
         body["prompt"] = request.prompt or ""
-    for name in _SAMPLING:
-        value = getattr(s, name)
-        if value is not None:
-            body[name] = value
+    body.update(s.given())
     if s.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     if s.stop_token_ids:
@@ -171,20 +168,6 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     return body
 
 
-#: Sampling fields sent as they are, when set (OpenAI's, then vLLM's extra ones).
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "ignore_eos",
-    "repetition_penalty",
-    "min_p",
-)
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})
 
 
