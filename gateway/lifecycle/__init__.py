@@ -115,6 +115,36 @@ class Gateway:
             )
 
 
+def uvicorn_config(
+    config: Config, app: ASGIApp | Starlette, host: str, port: int
+) -> uvicorn.Config:
+    """uvicorn's settings for one of the gateway's listeners: our HTTP protocol with
+    the config's bounds, no lifespan, no access log of uvicorn's."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_for(
+            HttpLimits(
+                max_header_bytes=config.max_header_bytes,
+                max_headers=config.max_headers,
+                header_timeout=config.header_timeout,
+                body_timeout=config.body_timeout,
+                max_connections=config.max_connections,
+                retry_after=config.retry_after,
+            )
+        ),
+        timeout_keep_alive=KEEP_ALIVE,
+        lifespan="off",  # the parts are started and closed here, in order
+        log_level=config.log_level,
+        access_log=False,  # the gateway logs each request itself
+        # No X-Forwarded-* rewriting of the client and scheme: nothing reads
+        # them, and it costs a middleware and an address parse per request.
+        proxy_headers=False,
+        timeout_graceful_shutdown=CLOSE_GRACE,
+    )
+
+
 class GatewayServer:
     """One gateway process: `start`, then `stop` (or `serve` for both around
     the signals). Create it on the loop that will serve. With `reuse_port` its
@@ -133,32 +163,7 @@ class GatewayServer:
         self._opened: list[str] = []
 
     def _server(self, app: ASGIApp | Starlette, host: str, port: int) -> uvicorn.Server:
-        config = self.config
-        return uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                http=protocol_for(
-                    HttpLimits(
-                        max_header_bytes=config.max_header_bytes,
-                        max_headers=config.max_headers,
-                        header_timeout=config.header_timeout,
-                        body_timeout=config.body_timeout,
-                        max_connections=config.max_connections,
-                        retry_after=config.retry_after,
-                    )
-                ),
-                timeout_keep_alive=KEEP_ALIVE,
-                lifespan="off",  # the parts are started and closed here, in order
-                log_level=config.log_level,
-                access_log=False,  # the gateway logs each request itself
-                # No X-Forwarded-* rewriting of the client and scheme: nothing reads
-                # them, and it costs a middleware and an address parse per request.
-                proxy_headers=False,
-                timeout_graceful_shutdown=CLOSE_GRACE,
-            )
-        )
+        return uvicorn.Server(uvicorn_config(self.config, app, host, port))
 
     @property
     def port(self) -> int:
