@@ -58,8 +58,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway.config import Config, ConfigError, TeamConfig
 from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
-from gateway.edge.http_protocol import HttpLimits, protocol_for
-from gateway.lifecycle import GatewayServer, _bind, _StopSignals, run, shared_port_socket
+from gateway.lifecycle import (
+    GatewayServer,
+    _bind,
+    _StopSignals,
+    run,
+    shared_port_socket,
+    uvicorn_config,
+)
 from gateway.telemetry.merge import merge_expositions
 
 log = logging.getLogger("furnace")
@@ -263,27 +269,10 @@ class Supervisor:
         await asyncio.gather(*(_exited(p) for p in self.processes))
 
     def _admin_server(self) -> uvicorn.Server:
+        """The parent's admin listener, set up as every listener of the gateway."""
         config = self.config
-        limits = HttpLimits(
-            max_header_bytes=config.max_header_bytes,
-            max_headers=config.max_headers,
-            header_timeout=config.header_timeout,
-            body_timeout=config.body_timeout,
-            max_connections=config.max_connections,
-            retry_after=config.retry_after,
-        )
-        app = AdminProxy(self)
-        return uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=config.admin_host or config.host,
-                port=config.admin_port or 0,
-                http=protocol_for(limits),
-                lifespan="off",
-                log_level=config.log_level,
-                access_log=False,
-            )
-        )
+        host, port = config.admin_host or config.host, config.admin_port or 0
+        return uvicorn.Server(uvicorn_config(config, AdminProxy(self), host, port))
 
 
 def _receive(connection: Connection) -> int | bool | None:
