@@ -1,7 +1,7 @@
 """The floor under the gateway's HTTP edge: how fast can any gateway on uvicorn be?
 
 Run: `.venv/bin/python -m benchmarks.bench_edge_floor [--rounds N] [--json PATH]`
-(about 20 s).
+(about 10 s).
 
 Three servers, each its own process, measured by one uvloop client in one run:
 
