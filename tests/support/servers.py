@@ -14,6 +14,7 @@ import uvloop
 from gateway.config import Config, ModelConfig
 from gateway.lifecycle import Gateway as GatewayParts
 from gateway.lifecycle import GatewayServer
+from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.server import WorkerServer
 from tests.support.scripted_worker import SCRIPTED_MODEL, ScriptedWorker
@@ -102,8 +103,9 @@ def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
 
 
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
-    """Every slot free, nothing queued, no call outstanding on any worker, no
-    generation running."""
+    """Every slot free, nothing queued, no call outstanding on any worker (nor
+    counted among the plain-HTTP calls that rest their sockets), no generation
+    running."""
     wait_until(lambda: gw.state.slots.in_use == 0, "all slots to be free")
     wait_until(lambda: not gw.state.inflight.running, "no request in flight")
     queue = gw.state.slots.queue
@@ -119,6 +121,7 @@ def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
         ),
         "no request open on a worker's multiplexed call",
     )
+    wait_until(lambda: _RawCall.reading == 0, "no plain-HTTP upstream call counted as reading")
     if workers is not None:
         wait_until(lambda: workers.scripted.active == 0, "the scripted worker to be idle")
         wait_until(lambda: workers.demo_engine.running == 0, "the demo engine to be idle")
