@@ -926,6 +926,13 @@ def _commit() -> str:
     return head.stdout.decode().strip() + ("+" if dirty == 1 else "")
 
 
+def commit_label(commit: str) -> str:
+    """How a report names the commit it ran (`_commit`'s), saying what a + means only
+    where there is one."""
+    changed = " (+: gateway/ had uncommitted changes)" if commit.endswith("+") else ""
+    return f"commit {commit}{changed}"
+
+
 def _progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
@@ -1090,7 +1097,7 @@ def render(results: Results) -> str:
     notes = (
         f"HTTP client: {env['http_client']}. {env['cpus']} CPUs shared by the worker, the "
         f"gateway and the client; Python {env['python']}, grpcio {env['grpcio']}; "
-        f"commit {env['commit']} (+: gateway/ has uncommitted changes).\n"
+        f"{commit_label(env['commit'])}.\n"
         "TTFT: from writing the request to the first content chunk (gateway) or the first "
         "Text message (raw gRPC); answers of "
         f"{results.settings['ttft_words']} tokens; overhead = gateway percentile - raw "

@@ -11,7 +11,11 @@ What one run measures (issue 14's table, this run's figures):
   requests, so a slow patch of the machine hits them alike); and at 32 streams of
   256-token answers back to back, the TTFT p50, the tokens per second and the
   end-to-end p50; tokens delivered against emitted for every finished request (the
-  text, the words of the deltas and the usage against the prompt's words).
+  text, the words of the deltas and the usage against the prompt's words). The 32
+  streams start together each round (a burst of 32 requests at once: the issue's
+  row); the same load again with the streams staggered (stream i starts i/32 of an
+  answer's time after the first) gives the TTFT of a request that starts among 31
+  running answers, with no burst of starts before it.
 - The gRPC path: furnace-gateway against a raw grpc.aio client on the same worker
   (`benchmarks/bench_gateway.py`'s), as it runs by default (every request to a worker
   on one `GenerateMultiplexed` call) and with `multiplex_workers: false` (a `Generate`
@@ -80,6 +84,7 @@ from benchmarks.bench_gateway import (
     _stop,
     _table,
     _wait_until,
+    commit_label,
     cpu_used,
     free_ports,
     machine_busy,
@@ -447,18 +452,28 @@ class LoadRun:
 
 
 async def measure_load(
-    client: Client, prompt: Prompt, streams: int, per_stream: int, clock: TreeClock
+    client: Client,
+    prompt: Prompt,
+    streams: int,
+    per_stream: int,
+    clock: TreeClock,
+    staggered: bool = False,
 ) -> LoadSample:
     """TTFT, E2E, tokens and time of `per_stream` answers on each of `streams` streams,
-    from the moment each stream has done one unmeasured request."""
+    from the moment each stream has done one unmeasured request. The streams start
+    together (a burst of `streams` requests at once, then as their answers end), or
+    `staggered`: stream i waits i/`streams` of its unmeasured request's time first, so
+    each request starts among the others' running answers."""
     await client.open(streams)
     tally = Tally()
     sample = LoadSample()
     ready = asyncio.Barrier(streams + 1)
 
-    async def stream() -> None:
-        await client.request(prompt, tally)
+    async def stream(index: int) -> None:
+        warm = await client.request(prompt, tally)
         await ready.wait()
+        if staggered:
+            await asyncio.sleep(warm.latency * index / streams)
         for _ in range(per_stream):
             result = await client.request(prompt, tally)
             assert result.ttft is not None
@@ -466,7 +481,7 @@ async def measure_load(
             sample.e2es.append(result.latency)
             sample.delivery.add(prompt, result)
 
-    tasks = [asyncio.create_task(stream()) for _ in range(streams)]
+    tasks = [asyncio.create_task(stream(index)) for index in range(streams)]
     try:
         await ready.wait()
         before, t0 = clock.read(), time.perf_counter()
@@ -489,6 +504,7 @@ class HttpResults:
 
     ttft: dict[str, LatencyRun] = field(default_factory=dict)
     load: dict[str, LoadRun] = field(default_factory=dict)
+    staggered: dict[str, LoadRun] = field(default_factory=dict)  # starts among running answers
 
 
 async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
@@ -523,22 +539,29 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
     # The load in rounds, the targets taking turns in each, so a slow patch of the
     # machine (other work on it) falls on all of them rather than on one.
     samples = {t.name: LoadSample() for t in serving}
+    staggered = {t.name: LoadSample() for t in serving}
     for round_ in range(settings.load_rounds):
         for target in [t for t in serving if t.missing is None]:
             name = target.name
-            measure = measure_load(
-                clients[name], long, settings.streams, settings.load_per_stream, clocks[name]
-            )
-            if (sample := await guarded(target, measure)) is not None:
-                samples[name].merge(sample)
+            for stagger, into in ((False, samples), (True, staggered)):
+                measure = measure_load(
+                    clients[name],
+                    long,
+                    settings.streams,
+                    settings.load_per_stream,
+                    clocks[name],
+                    stagger,
+                )
+                if (sample := await guarded(target, measure)) is not None:
+                    into[name].merge(sample)
         _progress(
             f"HTTP mode, {settings.streams} streams x {settings.long_words}: round {round_ + 1}"
         )
     for target in serving:
         if target.missing is None:
-            results.load[target.name] = LoadRun.of(
-                target.name, settings.streams, samples[target.name]
-            )
+            name = target.name
+            results.load[name] = LoadRun.of(name, settings.streams, samples[name])
+            results.staggered[name] = LoadRun.of(name, settings.streams, staggered[name])
         else:
             results.ttft.pop(target.name, None)
     return results
@@ -631,7 +654,9 @@ class Report:
 
     def delivered_ok(self) -> bool:
         """Every finished request of every path whole."""
-        deliveries = [r.delivery for r in [*self.http.ttft.values(), *self.http.load.values()]]
+        http = self.http
+        runs = [*http.ttft.values(), *http.load.values(), *http.staggered.values()]
+        deliveries = [run.delivery for run in runs]
         return all(d.ok for d in [*deliveries, *self.grpc.delivery.values()])
 
 
@@ -639,11 +664,17 @@ def _ms(value: float) -> str:
     return f"{value:.2f} ms"
 
 
+def _times(run: LoadRun, direct: LoadRun | None) -> str:
+    """A run's TTFT p50 as a multiple of the engine's served directly."""
+    return "-" if direct is None else f"{run.ttft_p50_ms / direct.ttft_p50_ms:.1f}x"
+
+
 def http_table(report: Report) -> str:
     """Issue 14's side-by-side table, this run's figures."""
     http = report.http
     direct_ttft = http.ttft[DIRECT].p50_ms if DIRECT in http.ttft else None
     direct_load = http.load.get(DIRECT)
+    direct_staggered = http.staggered.get(DIRECT)
     header = [
         "gateway (HTTP upstream mode)",
         "TTFT p50, 1 stream",
@@ -651,6 +682,8 @@ def http_table(report: Report) -> str:
         "tokens/s, 32 streams",
         "/ direct",
         "TTFT p50, 32 streams",
+        "/ direct's",
+        "TTFT p50, 32 staggered",
         "/ direct's",
         "E2E p50, 32 streams",
         "CPU per token",
@@ -663,6 +696,7 @@ def http_table(report: Report) -> str:
             rows.append([label, f"not measured: {target.missing}", *[""] * (len(header) - 2)])
             continue
         ttft, load = http.ttft[target.name], http.load[target.name]
+        staggered = http.staggered[target.name]
         direct = target.name == DIRECT
         added = "-" if direct or direct_ttft is None else f"{ttft.p50_ms - direct_ttft:+.2f} ms"
         ratio = (
@@ -670,14 +704,10 @@ def http_table(report: Report) -> str:
             if direct or direct_load is None
             else f"{load.tokens_per_s / direct_load.tokens_per_s:.2f}"
         )
-        ttft_ratio = (
-            "-"
-            if direct or direct_load is None
-            else f"{load.ttft_p50_ms / direct_load.ttft_p50_ms:.1f}x"
-        )
+
         delivery = Delivery()
-        delivery.merge(ttft.delivery)
-        delivery.merge(load.delivery)
+        for run in (ttft, load, staggered):
+            delivery.merge(run.delivery)
         cpu = "-" if load.cpu_us_per_token is None else f"{load.cpu_us_per_token:.1f} µs"
         rows.append(
             [
@@ -687,7 +717,9 @@ def http_table(report: Report) -> str:
                 f"{load.tokens_per_s:,.0f}",
                 ratio,
                 _ms(load.ttft_p50_ms),
-                ttft_ratio,
+                "-" if direct else _times(load, direct_load),
+                _ms(staggered.ttft_p50_ms),
+                "-" if direct else _times(staggered, direct_staggered),
                 _ms(load.e2e_p50_ms),
                 cpu,
                 _delivered(delivery),
@@ -727,6 +759,13 @@ def goals_table(report: Report) -> str:
             f"{f.ttft_p50_ms / d.ttft_p50_ms:.1f}x",
             "≤ 2x",
             "≤ 1.3x",
+        )
+        f, d = http.staggered[FURNACE], http.staggered[DIRECT]
+        add(
+            "HTTP mode: TTFT p50 at 32 staggered streams / direct's (not an issue row)",
+            f"{f.ttft_p50_ms / d.ttft_p50_ms:.1f}x",
+            "-",
+            "-",
         )
     streams = DEFAULT.streams
     if grpc.tokens_per_s:
@@ -804,7 +843,7 @@ def render(report: Report) -> str:
     env = report.environment
     before, during = report.grpc.memory_kib.get(FURNACE, (0, 0))
     notes = (
-        f"commit {env['commit']} (+: gateway/ has uncommitted changes); {env['cpus']} CPUs "
+        f"{commit_label(env['commit'])}; {env['cpus']} CPUs "
         "shared by the engine, the workers, the routers, the gateways and the client; Python "
         f"{env['python']}. The gRPC path, CPU and memory: the one-process gateway.\n"
         "TTFT: from writing the request to the first content; CPU per token: the router's "
