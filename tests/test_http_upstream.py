@@ -8,6 +8,7 @@ surface against vLLM's own server through the gateway."""
 import asyncio
 import json
 import re
+from dataclasses import replace
 
 import anyio
 import httpx
@@ -952,6 +953,55 @@ def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
     assert rested == {"0": True, "1": True, "alone": False}
     assert reading == 0
     assert server.connections == 2  # a rested connection went back reading: reused
+
+
+def test_plain_http_a_call_of_several_choices_rests_only_once_each_has_had_its_first_text():
+    # choice 1's first text comes after 40 of choice 0's: no rest may hold it back
+    def of(index: int, content: str | None = None, finish: str | None = None) -> dict:
+        delta = {} if content is None else {"content": content}
+        return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+    late_second = (
+        200,
+        events_of(
+            *(of(0, "a") for _ in range(40)),
+            *(of(i, "b") for _ in range(40) for i in (0, 1)),
+            of(0, finish="stop"),
+            of(1, finish="stop"),
+            "[DONE]",
+        ),
+        False,
+    )
+    server = ScriptedHttp(late_second, late_second, gap=0.0005)
+
+    async def two() -> tuple:
+        url = await server.start()
+        rested: list[list[tuple[bool, bool]]] = [[], []]  # (choice 1 texted yet, resting)
+
+        async def read(call: _RawCall, seen: list[tuple[bool, bool]]) -> str:
+            texts, second = [], False
+            async for event in call:
+                if type(event) is Text:
+                    texts.append(event.text)
+                    second = second or event.index == 1
+                seen.append((second, call._resting))
+            return "".join(texts)
+
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            calls = [upstream.generate(replace(CHAT, n=2), HANG_GUARD) for _ in range(2)]
+            texts = await asyncio.gather(*(read(c, r) for c, r in zip(calls, rested, strict=True)))
+            await upstream.close()
+        server.close()
+        return texts, rested
+
+    texts, rested = anyio.run(two)
+    assert all(sorted(t) == sorted("a" * 40 + "b" * 80) for t in texts)
+    for seen in rested:
+        before = [resting for second, resting in seen if not second]
+        after = [resting for second, resting in seen if second]
+        assert len(before) > 20 and not any(before[:20])  # among others, yet not resting
+        assert any(after)  # both choices under way: it rests
 
 
 def test_plain_http_pushes_each_read_to_a_listener():

@@ -65,7 +65,6 @@ class _Stream:
         "_counted",
         "_head",
         "_key",
-        "_n",
         "_parts",
         "_prompt_tokens",
         "_reasons",
@@ -75,12 +74,13 @@ class _Stream:
         "_total",
         "_usages",
         "done",
+        "n",
         "ready",
     )
 
     def __init__(self, chat: bool, n: int) -> None:
         self._chat = chat
-        self._n = n
+        self.n = n  # choices
         self.ready: deque[Event] = deque()
         self.done = False
         self._parts: list[bytes] = []  # an unfinished line, in the pieces it came in
@@ -218,8 +218,8 @@ class _Stream:
 
     def _choice(self, choice: dict[str, Any]) -> None:
         index = choice.get("index") or 0
-        if not 0 <= index < self._n:
-            raise errors.Failed(f"The upstream sent choice {index} of {self._n}.")
+        if not 0 <= index < self.n:
+            raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
         if self._chat:
             delta = choice.get("delta") or {}
             text = delta.get("content")
@@ -286,7 +286,7 @@ class _Stream:
     def _end(self) -> None:
         """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
         self.done = True
-        order = [*self._reasons, *(i for i in range(self._n) if i not in self._reasons)]
+        order = [*self._reasons, *(i for i in range(self.n) if i not in self._reasons)]
         counts = {i: self._usages.get(i, self._counted[i]) for i in order}
         unknown = [i for i in order if i not in self._usages]
         if self._total is not None and unknown:
