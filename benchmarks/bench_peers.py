@@ -756,14 +756,14 @@ def goals_table(report: Report) -> str:
         )
         add(
             "HTTP mode: TTFT p50 at 32 streams / direct's",
-            f"{f.ttft_p50_ms / d.ttft_p50_ms:.1f}x",
+            _times(f, d),
             "≤ 2x",
             "≤ 1.3x",
         )
         f, d = http.staggered[FURNACE], http.staggered[DIRECT]
         add(
             "HTTP mode: TTFT p50 at 32 staggered streams / direct's (not an issue row)",
-            f"{f.ttft_p50_ms / d.ttft_p50_ms:.1f}x",
+            _times(f, d),
             "-",
             "-",
         )
