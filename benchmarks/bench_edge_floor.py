@@ -3,9 +3,12 @@
 Run: `.venv/bin/python -m benchmarks.bench_edge_floor [--rounds N] [--json PATH]`
 (about 10 s).
 
-Three servers, each its own process, measured by one uvloop client in one run:
+Four servers, each its own process, measured by one uvloop client in one run:
 
 - `direct`: the fake OpenAI engine of bench_peers (`benchmarks/fake_openai.py`);
+- `bare TCP relay`: a uvloop process that pairs each client connection with one
+  of its own to the engine and copies the bytes both ways, parsing nothing: what
+  the extra hop costs (a read and a write each way, in Python) before any work;
 - `uvicorn, no app work`: uvicorn with the gateway's own HTTP protocol and
   settings (`gateway.lifecycle.uvicorn_config`) serving an ASGI app that reads the
   body and answers one SSE chunk at once: no validation, no upstream. What it
@@ -16,8 +19,8 @@ Two figures each: the first data of a burst (32 kept-alive connections each send
 streamed chat request at the same moment, as each round of bench_peers' 32-stream
 load does; p50 and p99 over the rounds), and the server's CPU per request over
 sequential requests on one connection (from /proc). The ratios are against direct.
-Issue 14 asks for TTFT at 32 streams within 2x of direct's: the second row shows
-how much of that the HTTP server alone takes on this machine.
+Issue 14 asks for TTFT at 32 streams within 2x of direct's: the second and third
+rows show how much of that the hop and the HTTP server alone take on this machine.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 import uvloop
@@ -80,8 +83,66 @@ async def no_work(
     await send({"type": "http.response.body", "body": _CHUNK})
 
 
+class _Upstream(asyncio.Protocol):
+    """The relay's connection to the engine: what it reads goes to its client."""
+
+    def __init__(self, client: asyncio.Transport) -> None:
+        self.client = client
+
+    def data_received(self, data: bytes) -> None:
+        self.client.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.close()
+
+
+class _Relayed(asyncio.Protocol):
+    """A client's connection to the relay: what it reads goes to its engine connection."""
+
+    def __init__(self, engine_port: int) -> None:
+        self.engine_port = engine_port
+        self.upstream: asyncio.Transport | None = None
+        self.early: list[bytes] = []  # read before the engine connection was up
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.opening = asyncio.get_running_loop().create_task(self._open())
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        upstream, _ = await loop.create_connection(
+            lambda: _Upstream(self.transport), HOST, self.engine_port
+        )
+        self.upstream = upstream
+        for data in self.early:
+            upstream.write(data)
+        self.early.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self.upstream is None:
+            self.early.append(data)
+        else:
+            self.upstream.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+
+
+async def _relay(port: int, engine_port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Relayed(engine_port), HOST, port
+    )
+    await server.serve_forever()
+
+
+def serve_relay(port: int, engine_port: int) -> None:
+    """The relay of the second row: bytes both ways, one engine connection per client's."""
+    uvloop.run(_relay(port, engine_port))
+
+
 def serve_no_work(port: int) -> None:
-    """The uvicorn server of the second row, as the gateway configures it."""
+    """The uvicorn server of the third row, as the gateway configures it."""
     config = Config(host=HOST, port=port, log_level="warning")
     server = uvicorn.Server(uvicorn_config(config, no_work, HOST, port))
     uvloop.run(server.serve())
@@ -133,8 +194,8 @@ async def measure(port: int, pid: int | None, rounds: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def servers() -> Iterator[dict[str, tuple[int, int]]]:
-    """The three servers by row name: (port, pid); all stopped on exit."""
-    engine_port, floor_port, gateway_port = free_ports(3)
+    """The four servers by row name: (port, pid); all stopped on exit."""
+    engine_port, relay_port, floor_port, gateway_port = free_ports(4)
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="furnace-floor-")))
         started: dict[str, tuple[int, int]] = {}
@@ -151,6 +212,10 @@ def servers() -> Iterator[dict[str, tuple[int, int]]]:
         )
         commands = {
             "direct": (engine_port, ["-m", "benchmarks.fake_openai", "--port", str(engine_port)]),
+            "bare TCP relay": (
+                relay_port,
+                ["-m", "benchmarks.bench_edge_floor", "--relay", str(relay_port), str(engine_port)],
+            ),
             "uvicorn, no app work": (
                 floor_port,
                 ["-m", "benchmarks.bench_edge_floor", "--serve", str(floor_port)],
@@ -192,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=100, help="bursts per server")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=int, nargs=2, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
         serve_no_work(args.serve)
+        return 0
+    if args.relay is not None:
+        serve_relay(*args.relay)
         return 0
     with servers() as started:
         results = {
