@@ -679,6 +679,7 @@ def http_table(report: Report) -> str:
         "gateway (HTTP upstream mode)",
         "TTFT p50, 1 stream",
         "added TTFT p50, 1 stream",
+        "CPU per request, 1 stream",
         "tokens/s, 32 streams",
         "/ direct",
         "TTFT p50, 32 streams",
@@ -714,6 +715,7 @@ def http_table(report: Report) -> str:
                 label,
                 _ms(ttft.p50_ms),
                 added,
+                _request_cpu(ttft, direct),
                 f"{load.tokens_per_s:,.0f}",
                 ratio,
                 _ms(load.ttft_p50_ms),
@@ -726,6 +728,14 @@ def http_table(report: Report) -> str:
             ]
         )
     return _table(header, rows)
+
+
+def _request_cpu(run: LatencyRun, direct: bool) -> str:
+    """A target's CPU per request at 1 stream; the engine's own in the direct row."""
+    cpu = run.cpu_us_per_request.get("worker" if direct else "gateway")
+    if cpu is None:
+        return "-"
+    return f"{cpu:.0f} µs" + (" (engine)" if direct else "")
 
 
 def _delivered(delivery: Delivery) -> str:
