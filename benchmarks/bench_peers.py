@@ -15,7 +15,10 @@ What one run measures (issue 14's table, this run's figures):
   streams start together each round (a burst of 32 requests at once: the issue's
   row); the same load again with the streams staggered (stream i starts i/32 of an
   answer's time after the first) gives the TTFT of a request that starts among 31
-  running answers, with no burst of starts before it.
+  running answers, with no burst of starts before it; and the burst once more with the
+  engine taking `PREFILL_MS` to each answer's first token (the requests' `user` asks
+  the fake engine for it), as a GPU engine's prefill does: the gateways' starts then
+  overlap the engine's own time to first token, as they would in front of a real one.
 - The gRPC path: furnace-gateway against a raw grpc.aio client on the same worker
   (`benchmarks/bench_gateway.py`'s), as it runs by default (every request to a worker
   on one `GenerateMultiplexed` call) and with `multiplex_workers: false` (a `Generate`
@@ -53,7 +56,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from math import nan
 from pathlib import Path
 from typing import Any, TypeVar
@@ -105,6 +108,8 @@ PEERS_VENV = ROOT / ".tools" / "peers"
 #: The routers, by the name the table gives them: their PyPI package and command.
 PEERS = {"vllm-router": ("vllm-router", "vllm-router"), "smg": ("smg", "smg")}
 DIRECT, FURNACE = "direct", "furnace-gateway"
+#: Milliseconds the engine takes to the first token in the prefill column's load.
+PREFILL_MS = 5
 #: The gateway with `multiplex_workers: false` (a Generate call per request), gRPC path only.
 PER_CALL = "furnace-gateway, a call per request"
 RAW, RAW_MUX = "raw gRPC", "raw gRPC, multiplexed"
@@ -505,6 +510,14 @@ class HttpResults:
     ttft: dict[str, LatencyRun] = field(default_factory=dict)
     load: dict[str, LoadRun] = field(default_factory=dict)
     staggered: dict[str, LoadRun] = field(default_factory=dict)  # starts among running answers
+    prefill: dict[str, LoadRun] = field(default_factory=dict)  # the engine's PREFILL_MS first
+
+
+def with_first_token_wait(prompt: Prompt, ms: int) -> Prompt:
+    """`prompt` asking the fake engine to wait `ms` before its first token (its `user`)."""
+    body = orjson.loads(prompt.http_body)
+    body["user"] = f"first-token-ms={ms}"
+    return replace(prompt, http_body=orjson.dumps(body))
 
 
 async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
@@ -540,13 +553,16 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
     # machine (other work on it) falls on all of them rather than on one.
     samples = {t.name: LoadSample() for t in serving}
     staggered = {t.name: LoadSample() for t in serving}
+    prefill = {t.name: LoadSample() for t in serving}
+    prefilled = with_first_token_wait(long, PREFILL_MS)
+    loads = ((long, False, samples), (long, True, staggered), (prefilled, False, prefill))
     for round_ in range(settings.load_rounds):
         for target in [t for t in serving if t.missing is None]:
             name = target.name
-            for stagger, into in ((False, samples), (True, staggered)):
+            for prompt, stagger, into in loads:
                 measure = measure_load(
                     clients[name],
-                    long,
+                    prompt,
                     settings.streams,
                     settings.load_per_stream,
                     clocks[name],
@@ -562,6 +578,7 @@ async def measure_http(setup: Setup, settings: PeerSettings) -> HttpResults:
             name = target.name
             results.load[name] = LoadRun.of(name, settings.streams, samples[name])
             results.staggered[name] = LoadRun.of(name, settings.streams, staggered[name])
+            results.prefill[name] = LoadRun.of(name, settings.streams, prefill[name])
         else:
             results.ttft.pop(target.name, None)
     return results
@@ -655,7 +672,12 @@ class Report:
     def delivered_ok(self) -> bool:
         """Every finished request of every path whole."""
         http = self.http
-        runs = [*http.ttft.values(), *http.load.values(), *http.staggered.values()]
+        runs = [
+            *http.ttft.values(),
+            *http.load.values(),
+            *http.staggered.values(),
+            *http.prefill.values(),
+        ]
         deliveries = [run.delivery for run in runs]
         return all(d.ok for d in [*deliveries, *self.grpc.delivery.values()])
 
@@ -675,6 +697,7 @@ def http_table(report: Report) -> str:
     direct_ttft = http.ttft[DIRECT].p50_ms if DIRECT in http.ttft else None
     direct_load = http.load.get(DIRECT)
     direct_staggered = http.staggered.get(DIRECT)
+    direct_prefill = http.prefill.get(DIRECT)
     header = [
         "gateway (HTTP upstream mode)",
         "TTFT p50, 1 stream",
@@ -685,6 +708,8 @@ def http_table(report: Report) -> str:
         "TTFT p50, 32 streams",
         "/ direct's",
         "TTFT p50, 32 staggered",
+        "/ direct's",
+        f"TTFT p50, 32 streams, {PREFILL_MS} ms prefill",
         "/ direct's",
         "E2E p50, 32 streams",
         "CPU per token",
@@ -697,7 +722,7 @@ def http_table(report: Report) -> str:
             rows.append([label, f"not measured: {target.missing}", *[""] * (len(header) - 2)])
             continue
         ttft, load = http.ttft[target.name], http.load[target.name]
-        staggered = http.staggered[target.name]
+        staggered, prefill = http.staggered[target.name], http.prefill[target.name]
         direct = target.name == DIRECT
         added = "-" if direct or direct_ttft is None else f"{ttft.p50_ms - direct_ttft:+.2f} ms"
         ratio = (
@@ -707,7 +732,7 @@ def http_table(report: Report) -> str:
         )
 
         delivery = Delivery()
-        for run in (ttft, load, staggered):
+        for run in (ttft, load, staggered, prefill):
             delivery.merge(run.delivery)
         cpu = "-" if load.cpu_us_per_token is None else f"{load.cpu_us_per_token:.1f} µs"
         rows.append(
@@ -722,6 +747,8 @@ def http_table(report: Report) -> str:
                 "-" if direct else _times(load, direct_load),
                 _ms(staggered.ttft_p50_ms),
                 "-" if direct else _times(staggered, direct_staggered),
+                _ms(prefill.ttft_p50_ms),
+                "-" if direct else _times(prefill, direct_prefill),
                 _ms(load.e2e_p50_ms),
                 cpu,
                 _delivered(delivery),
@@ -773,6 +800,14 @@ def goals_table(report: Report) -> str:
         f, d = http.staggered[FURNACE], http.staggered[DIRECT]
         add(
             "HTTP mode: TTFT p50 at 32 staggered streams / direct's (not an issue row)",
+            _times(f, d),
+            "-",
+            "-",
+        )
+        f, d = http.prefill[FURNACE], http.prefill[DIRECT]
+        add(
+            f"HTTP mode: TTFT p50 at 32 streams, {PREFILL_MS} ms prefill / direct's "
+            "(not an issue row)",
             _times(f, d),
             "-",
             "-",

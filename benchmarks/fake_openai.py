@@ -8,6 +8,10 @@ step does; then the finish chunk, the usage chunk (with `stream_options.include_
 and `[DONE]`. Not streamed: one JSON answer. It answers `GET /health` and
 `GET /v1/models` (with `max_model_len`, as vLLM does) for the gateways' probes.
 
+A request whose `user` is `first-token-ms=N` waits N milliseconds before its first
+token (a streamed answer's head goes out at once), as a GPU engine's prefill would;
+the gateways pass `user` on as they get it (bench_peers' column of that name).
+
 It is a raw asyncio protocol over httptools on uvloop, with every constant byte
 string built once, so a token costs the engine a few microseconds and the
 gateways in front of it, not the engine, set the pace. It honours the socket's
@@ -74,6 +78,17 @@ STREAM_HEAD = (
     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
 )
 DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+_FIRST_TOKEN = "first-token-ms="
+
+
+def first_token_wait(request: dict[str, Any]) -> float:
+    """The seconds a request asks the engine to wait before its first token."""
+    user = request.get("user")
+    if isinstance(user, str) and user.startswith(_FIRST_TOKEN):
+        return float(user[len(_FIRST_TOKEN) :]) / 1000
+    return 0.0
 
 
 def _whole(status: bytes, body: bytes, kind: bytes = b"application/json") -> bytes:
@@ -169,7 +184,12 @@ class EngineProtocol(asyncio.Protocol):
             len(words),
             prompt_tokens + len(words),
         )
+        wait = first_token_wait(request)
         if not request.get("stream"):
+            if wait:
+                await asyncio.sleep(wait)
+                if transport.is_closing():
+                    return
             text = orjson.dumps(" ".join(words))
             key = b'"message":{"role":"assistant","content":' if chat else b'"text":'
             close = b"}" if chat else b""
@@ -192,6 +212,8 @@ class EngineProtocol(asyncio.Protocol):
             (engine.chat_head, engine.chat_tail) if chat else (engine.text_head, engine.text_tail)
         )
         transport.write(STREAM_HEAD)
+        if wait:
+            await asyncio.sleep(wait)
         for i, word in enumerate(words):
             await asyncio.sleep(0)  # one token per step: every stream gets its turn
             if self.writable is not None:
