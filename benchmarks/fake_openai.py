@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 from typing import Any, cast
 
 import httptools
@@ -87,7 +88,8 @@ def first_token_wait(request: dict[str, Any]) -> float:
     """The seconds a request asks the engine to wait before its first token."""
     user = request.get("user")
     if isinstance(user, str) and user.startswith(_FIRST_TOKEN):
-        return float(user[len(_FIRST_TOKEN) :]) / 1000
+        with contextlib.suppress(ValueError):  # not a number: no wait
+            return max(0.0, float(user[len(_FIRST_TOKEN) :]) / 1000)
     return 0.0
 
 
