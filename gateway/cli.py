@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from gateway import log_setup
 from gateway.protocol.tls import ServerTLS
 from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args, options = parser.parse_known_args(argv)
     if options and not (args.command == "worker" and args.engine == "vllm"):
         parser.error(f"unrecognized arguments: {' '.join(options)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log_setup.configure(logging.INFO)
     try:
         if args.command == "worker":
             from gateway.worker.serve import run_worker, serve_worker

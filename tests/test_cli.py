@@ -1,6 +1,9 @@
 """The commands as a newcomer runs them: real processes, real clients."""
 
 import asyncio
+import json
+import re
+import signal
 import subprocess
 import sys
 
@@ -68,3 +71,37 @@ def test_invalid_config_names_the_field(tmp_path):
     assert result.returncode != 0
     assert "max_concurrent_requests" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_ready(url, process)
+        ids = []
+        for stream in (False, True):
+            response = httpx.post(
+                url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "a b"}], "stream": stream},
+                timeout=HANG_GUARD,
+            )
+            assert response.status_code == 200
+            ids.append(response.headers["x-request-id"])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=HANG_GUARD)[0]
+    assert process.returncode == 0, output
+    line = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+) ([\w.]+) (.*)")
+    lines = [line.fullmatch(text) for text in output.splitlines()]
+    assert all(lines), output  # every line in the one format
+    access = [json.loads(m[4]) for m in lines if m is not None and m[3] == "furnace.access"]
+    assert [(a["request_id"], a["stream"], a["status"]) for a in access] == [
+        (ids[0], False, 200),
+        (ids[1], True, 200),
+    ]

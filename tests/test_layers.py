@@ -22,6 +22,7 @@ PACKAGE = ROOT / "gateway"
 #: Layer → rank; a module may import layers of a lower rank and its own.
 RANK = {
     "config": 0,
+    "log_setup": 0,
     "protocol": 0,
     "telemetry": 1,
     "tokenization": 1,
@@ -40,6 +41,7 @@ RANK = {
 #: Layers that may import nothing of the gateway but themselves and these.
 ALONE = {
     "config": set(),
+    "log_setup": set(),
     "protocol": set(),
     "worker": {"protocol"},
     "tokenization": {"protocol"},

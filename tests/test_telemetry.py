@@ -21,6 +21,11 @@ def scrape(url: str) -> dict[tuple, float]:
     return samples
 
 
+def access_lines(caplog) -> list[dict]:
+    """The access-log lines logged so far, as JSON."""
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+
+
 def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -119,7 +124,9 @@ def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):
     ) in samples
     assert ("furnace_gateway_retries_total", (("model", "furnace-demo"),)) in samples
 
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+    # a line is written once its request is over, which may be just after its answer
+    wait_until(lambda: len(access_lines(caplog)) >= 10, "every request's line")
+    lines = access_lines(caplog)
     assert len(lines) == 10
     streamed = next(line for line in lines if line["stream"] and line["outcome"] == "completed")
     assert streamed["model"] == "furnace-demo"
@@ -137,7 +144,8 @@ def test_prompt_logging_when_turned_on(gateway_with, caplog):
     caplog.set_level(logging.INFO, logger="furnace.access")
     gw = gateway_with(log_prompts=True)
     httpx.post(gw.url + "/v1/completions", json={"prompt": "secret words"}, timeout=HANG_GUARD)
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
+    wait_until(lambda: len(access_lines(caplog)) >= 1, "the request's line")
+    lines = access_lines(caplog)
     assert lines[-1]["prompt"] == "secret words"
     assert "completion" not in lines[-1]
 

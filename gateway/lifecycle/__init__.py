@@ -119,7 +119,8 @@ def uvicorn_config(
     config: Config, app: ASGIApp | Starlette, host: str, port: int
 ) -> uvicorn.Config:
     """uvicorn's settings for one of the gateway's listeners: our HTTP protocol with
-    the config's bounds, no lifespan, no access log of uvicorn's."""
+    the config's bounds, no lifespan, no access log of uvicorn's, its lines in the
+    process's log format."""
     return uvicorn.Config(
         app,
         host=host,
@@ -138,6 +139,7 @@ def uvicorn_config(
         lifespan="off",  # the parts are started and closed here, in order
         log_level=config.log_level,
         access_log=False,  # the gateway logs each request itself
+        log_config=None,  # uvicorn's lines go through the process's logging, in its format
         # No X-Forwarded-* rewriting of the client and scheme: nothing reads
         # them, and it costs a middleware and an address parse per request.
         proxy_headers=False,

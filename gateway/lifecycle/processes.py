@@ -55,6 +55,7 @@ import orjson
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway import log_setup
 from gateway.config import Config, ConfigError, TeamConfig
 from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
@@ -74,7 +75,6 @@ log = logging.getLogger("furnace")
 TEAM_LIMITS = ("max_concurrent_requests", "requests_per_minute", "tokens_per_minute")
 #: Seconds the parent waits on a process's admin listener.
 ADMIN_TIMEOUT = 5.0
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def share(total: int, count: int, index: int) -> int:
@@ -141,7 +141,7 @@ def _die_with_parent() -> None:
 def _process_main(config: Config, index: int, ready: Connection) -> None:
     """A spawned process: one gateway on the shared port; sends its admin port (or
     None) on `ready` once it serves."""
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    log_setup.configure(config.log_level.upper())
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes
     # one SIGTERM on (the process would otherwise take the parent's as a second signal
     # and cut its drain short).
