@@ -18,6 +18,8 @@ from gateway.worker.demo import DEMO_MODEL, DemoEngine
 from gateway.worker.engine import Engine
 
 ENGINES = ("demo", "transformers", "vllm", "onnx")
+#: The commands that run a gateway, whose access log writes a line per request.
+GATEWAY_COMMANDS = ("serve", "demo")
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     args, options = parser.parse_known_args(argv)
     if options and not (args.command == "worker" and args.engine == "vllm"):
         parser.error(f"unrecognized arguments: {' '.join(options)}")
-    log_setup.configure(logging.INFO)
+    log_setup.configure(logging.INFO, batched=args.command in GATEWAY_COMMANDS)
     try:
         if args.command == "worker":
             from gateway.worker.serve import run_worker, serve_worker

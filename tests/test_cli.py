@@ -6,12 +6,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
 
 from tests.support.processes import config_file, free_port, running, wait_ready, worker_process
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 
 def test_demo_serves_curl_style_requests_and_the_openai_sdk():
@@ -105,3 +106,32 @@ def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format()
         (ids[0], False, 200),
         (ids[1], True, 200),
     ]
+
+
+def test_a_running_gateway_writes_its_lines_while_it_runs_not_only_at_exit():
+    # lines are written in batches (gateway/log_setup.py): a request's access line must
+    # reach stderr within the batch interval, not wait for the process to end
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(process.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        wait_ready(url, process)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "a b"}, timeout=HANG_GUARD)
+        request_id = response.headers["x-request-id"]
+        wait_until(lambda: any(request_id in line for line in seen), "the access line")
+        assert process.poll() is None  # written while it runs
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=HANG_GUARD)
+        reader.join(timeout=HANG_GUARD)
+        if process.stdout is not None:
+            process.stdout.close()
+    assert process.returncode == 0, "".join(seen)

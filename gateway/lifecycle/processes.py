@@ -141,7 +141,7 @@ def _die_with_parent() -> None:
 def _process_main(config: Config, index: int, ready: Connection) -> None:
     """A spawned process: one gateway on the shared port; sends its admin port (or
     None) on `ready` once it serves."""
-    log_setup.configure(config.log_level.upper())
+    log_setup.configure(config.log_level.upper(), batched=True)
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes
     # one SIGTERM on (the process would otherwise take the parent's as a second signal
     # and cut its drain short).
