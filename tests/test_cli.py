@@ -74,15 +74,20 @@ def test_invalid_config_names_the_field(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format():
+def _demo_with_output() -> tuple[subprocess.Popen[str], str]:
+    """`python -m gateway demo` on a free port, its stdout and stderr on one pipe; its URL."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format():
+    process, url = _demo_with_output()
     try:
         wait_ready(url, process)
         ids = []
@@ -111,14 +116,7 @@ def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format()
 def test_a_running_gateway_writes_its_lines_while_it_runs_not_only_at_exit():
     # lines are written in batches (gateway/log_setup.py): a request's access line must
     # reach stderr within the batch interval, not wait for the process to end
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process, url = _demo_with_output()
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(process.stdout or ()), daemon=True)
     reader.start()
