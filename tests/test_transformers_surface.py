@@ -508,7 +508,11 @@ def test_n_choices_are_sampled_apart(tiny: Tiny, stream: bool):
 
 def test_user_is_accepted(tiny: Tiny):
     reply = tiny.sdk.chat.completions.create(
-        model=RANDOM, messages=user("hi"), user="team-a/alice", max_tokens=2
+        model=RANDOM,
+        messages=user("hi"),
+        user="team-a/alice",
+        max_tokens=2,
+        extra_body={"ignore_eos": True},  # a sampled end of text would stop it at 1
     )
     assert reply.usage.completion_tokens == 2
 
