@@ -23,20 +23,11 @@ import pytest
 from gateway.config import ModelConfig
 from gateway.worker.demo import DEMO_MODEL
 from tests.support.process_usage import Usage
-from tests.support.requests import sse_events, user
+from tests.support.requests import assert_openai_error, sse_events, user
 from tests.support.scripted_worker import SCRIPTED_MODEL, ScriptedWorker, script
 from tests.support.waiting import HANG_GUARD, wait_until
 
 MIB = 1024 * 1024
-
-
-def assert_openai_error(response: httpx.Response) -> dict[str, Any]:
-    """The body is an error in OpenAI's shape; returns its `error` object."""
-    error = response.json()["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str)
-    assert "param" in error and "code" in error
-    return error  # type: ignore[no-any-return]
 
 
 # -- a worker that breaks the protocol ------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -11,6 +12,15 @@ import httpx
 def user(text: str) -> list:
     """A chat of one user message."""
     return [{"role": "user", "content": text}]
+
+
+def assert_openai_error(response: httpx.Response) -> dict[str, Any]:
+    """The body is an error in OpenAI's shape; returns its `error` object."""
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert "param" in error and "code" in error
+    return error  # type: ignore[no-any-return]
 
 
 def sse_events(text: str) -> list:
