@@ -123,6 +123,10 @@ class GenerateRequest:
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     user: str = ""
+    #: The conversation this request continues, for session affinity only (never sent to a
+    #: worker): the `x-session-id` header, or a route's own key (the Responses API's
+    #: `previous_response_id`); "": none, and the fleet falls back to `user`.
+    session: str = ""
 
 
 @dataclass(frozen=True, slots=True)
