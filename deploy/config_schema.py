@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.config import SPECS, TYPES, Config, QueueConfig, Spec
+from gateway.config import SPECS, TYPES, AliasConfig, Config, QueueConfig, Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "helm" / "furnace-gateway" / "values.schema.json"
@@ -63,6 +63,20 @@ def field_schema(name: str) -> dict[str, Any]:
             },
             "required": ["max_wait"],
             "additionalProperties": False,
+        }
+    elif TYPES[name] == tuple[AliasConfig, ...]:
+        target = {
+            "type": "object",
+            "properties": {
+                "model": {"type": "string", "minLength": 1},
+                "weight": {"type": "number", "minimum": 0},
+            },
+            "required": ["model"],
+            "additionalProperties": False,
+        }
+        schema = {
+            "type": "object",
+            "additionalProperties": {"type": "array", "items": target, "minItems": 1},
         }
     else:
         schema = {"type": _JSON_TYPES[TYPES[name]]}

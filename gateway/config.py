@@ -26,6 +26,10 @@ UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
 #: The tool-call formats of `vllm-grpc` models (gateway.protocol.tool_calls.PARSERS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: A budget's calendar windows (UTC).
+BUDGET_WINDOWS = ("day", "month")
+#: What a budget does while its shared store (Redis) does not answer.
+STORE_FAILURE_MODES = ("open", "closed")
 
 _T = TypeVar("_T")
 
@@ -113,6 +117,37 @@ class ModelConfig:
     ca_file: str | None = None
     #: Its queue (the top-level `queue` with these fields overridden); None: no queue.
     queue: QueueConfig | None = None
+    #: Models (or aliases) tried in order when this one cannot start an answer.
+    fallbacks: tuple[str, ...] = ()
+    #: Spend per million tokens: (prompt, completion), for budgets in `spend`; None: 0.
+    prices: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """A team's (or one of its keys') allowance over a calendar window, UTC."""
+
+    #: `day` or `month`.
+    window: str
+    #: Prompt and completion tokens together; None: not counted in tokens.
+    tokens: int | None = None
+    #: Spend (the models' `prices` per million tokens); None: not counted in spend.
+    spend: float | None = None
+    #: The hour (UTC) a day window starts at, and a month window on its `start_day`.
+    start_hour: int = 0
+    #: The day of the month a month window starts on (1-28).
+    start_day: int = 1
+    #: The first hex digits of a key's SHA-256 (`key_id`): the budget of that key alone;
+    #: None: the team's.
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class AliasConfig:
+    """A model name that stands for others: `(model, weight)` targets, drawn by weight."""
+
+    name: str
+    targets: tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True)
@@ -141,6 +176,10 @@ class TeamConfig:
     models: tuple[str, ...] = ()
     #: Its requests' priority in the queue (higher first); `x-furnace-priority` may lower it.
     priority: int = 0
+    #: Its budgets over calendar windows (gateway.teams.budgets).
+    budgets: tuple[BudgetConfig, ...] = ()
+    #: Aliases of its own, over the top-level ones of the same name.
+    aliases: tuple[AliasConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -362,6 +401,20 @@ class Config:
     models: tuple[ModelConfig, ...] = setting(
         (), "the models served, in order (the first LLM is the default): see `models[]` below"
     )
+    aliases: tuple[AliasConfig, ...] = setting(
+        (),
+        "model names that stand for others, `{name: [{model, weight}]}`: a request is served by "
+        "one target, drawn by weight (the same for one session key)",
+    )
+    budget_store_failure: str = setting(
+        "open",
+        "what budgets do while Redis does not answer: `open` counts on in this gateway's "
+        "memory (and adds it to Redis once it answers), `closed` refuses with 503",
+        choices=STORE_FAILURE_MODES,
+    )
+    usage_retention_days: int = setting(
+        90, "days the usage ledger keeps in Redis (`/admin/usage`)", minimum=1, maximum=3660
+    )
 
 
 #: Each top-level field's declaration, by name, in declaration order.
@@ -369,7 +422,7 @@ SPECS: dict[str, Spec] = {declared.name: spec_of(declared) for declared in field
 #: Each top-level field's type (`int`, `float`, `str`, ...), by name.
 TYPES: dict[str, Any] = get_type_hints(Config)
 #: Fields whose environment override is YAML (a list or a mapping).
-_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts", "queue")
+_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts", "queue", "aliases")
 
 
 def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | None = None) -> Any:
@@ -537,7 +590,116 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
         queue=_queue(f"{where}.queue", raw.get("queue"), queue),
         api_key_env=api_key_env,
         ca_file=ca_file,
+        fallbacks=_names(f"{where}.fallbacks", raw.get("fallbacks")),
+        prices=_prices(f"{where}.prices", raw.get("prices")),
     )
+
+
+def _names(where: str, raw: Any) -> tuple[str, ...]:
+    """A list of model names (checked against the models later, in `_routing`)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(n, str) and n for n in raw):
+        raise ConfigError(f"{where}: expected a list of model names")
+    return tuple(raw)
+
+
+def _prices(where: str, raw: Any) -> tuple[float, float] | None:
+    """`prices: {prompt, completion}`: spend per million tokens, neither negative."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not raw or set(raw) - {"prompt", "completion"}:
+        raise ConfigError(f"{where}: expected a mapping of prompt and completion prices")
+    prompt, completion = (
+        _number(f"{where}.{k}", raw.get(k, 0), float, 0) for k in ("prompt", "completion")
+    )
+    return (prompt, completion)
+
+
+def _budget(where: str, raw: Any) -> BudgetConfig:
+    """One `budgets[]` entry: a window and `tokens` and/or `spend`."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with window and tokens or spend")
+    unknown = set(raw) - {f.name for f in fields(BudgetConfig)}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
+    window = raw.get("window")
+    if window not in BUDGET_WINDOWS:
+        raise ConfigError(f"{where}.window: expected one of {', '.join(BUDGET_WINDOWS)}")
+    if raw.get("tokens") is None and raw.get("spend") is None:
+        raise ConfigError(f"{where}.tokens: a budget needs tokens or spend")
+    key = raw.get("key")
+    if key is not None and (not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{8,64}", key)):
+        raise ConfigError(f"{where}.key: expected a key id (8 or more lowercase hex digits)")
+    optional = {
+        name: _number(f"{where}.{name}", raw[name], kind, 0)
+        for name, kind in (("tokens", int), ("spend", float))
+        if raw.get(name) is not None
+    }
+    return BudgetConfig(
+        window,
+        start_hour=_number(f"{where}.start_hour", raw.get("start_hour", 0), int, 0, 23),
+        start_day=_number(f"{where}.start_day", raw.get("start_day", 1), int, 1, 28),
+        key=key,
+        **optional,
+    )
+
+
+def _aliases(where: str, raw: Any) -> tuple[AliasConfig, ...]:
+    """`aliases: {name: [{model, weight}]}`; the names are checked in `_routing`."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of alias to [{{model, weight}}]")
+    aliases = []
+    for name, targets in raw.items():
+        at = f"{where}.{name}"
+        if not isinstance(targets, list) or not targets:
+            raise ConfigError(f"{at}: expected a list of {{model, weight}}")
+        parsed = []
+        for i, target in enumerate(targets):
+            if not isinstance(target, Mapping) or set(target) - {"model", "weight"}:
+                raise ConfigError(f"{at}[{i}]: expected a mapping of model and weight")
+            model = target.get("model")
+            if not isinstance(model, str) or not model:
+                raise ConfigError(f"{at}[{i}].model: expected a model name")
+            parsed.append((model, _number(f"{at}[{i}].weight", target.get("weight", 1), float, 0)))
+        if sum(weight for _, weight in parsed) <= 0:
+            raise ConfigError(f"{at}: the weights sum to 0")
+        aliases.append(AliasConfig(str(name), tuple(parsed)))
+    return tuple(aliases)
+
+
+def _routing(values: dict[str, Any]) -> None:
+    """Checks the aliases (top level and each team's) and the models' fallbacks: every
+    name a model or an alias, no alias named as a model, no alias reaching itself."""
+    models = {m.name for m in values["models"]}
+    top = {a.name: a for a in values["aliases"]}
+    scopes = [("aliases", top)]
+    scopes += [(f"teams.{t.name}.aliases", {a.name: a for a in t.aliases}) for t in values["teams"]]
+    for where, aliases in scopes:
+        known = {**top, **aliases}
+        for name, alias in aliases.items():
+            if name in models:
+                raise ConfigError(f"{where}.{name}: a model has this name")
+            for i, (target, _) in enumerate(alias.targets):
+                if target not in models and target not in known:
+                    raise ConfigError(f"{where}.{name}[{i}].model: unknown model {target!r}")
+            _no_cycle(f"{where}.{name}", name, known, ())
+    for i, model in enumerate(values["models"]):
+        for j, target in enumerate(model.fallbacks):
+            if target == model.name or (target not in models and target not in top):
+                raise ConfigError(f"models[{i}].fallbacks[{j}]: not another model: {target!r}")
+
+
+def _no_cycle(
+    where: str, name: str, aliases: Mapping[str, AliasConfig], path: tuple[str, ...]
+) -> None:
+    if name in path:
+        raise ConfigError(f"{where}: an alias cycle: {' -> '.join((*path, name))}")
+    alias = aliases.get(name)
+    for target, _ in alias.targets if alias is not None else ():
+        _no_cycle(where, target, aliases, (*path, name))
 
 
 def _upstream_credentials(where: str, raw: Mapping[str, Any], upstream: str) -> tuple[Any, Any]:
@@ -583,7 +745,18 @@ def _team(name: Any, raw: Any, models: set[str]) -> TeamConfig:
             raise ConfigError(f"{where}.models[{i}]: {model!r} is not a configured model")
     weight = _number(f"{where}.weight", raw.get("weight", 1.0), float, 0.001)
     priority = _number(f"{where}.priority", raw.get("priority", 0), int, -1000, 1000)
-    return TeamConfig(name, weight, models=tuple(allowed), priority=priority, **limits)
+    budgets = raw.get("budgets") or []
+    if not isinstance(budgets, list):
+        raise ConfigError(f"{where}.budgets: expected a list of {{window, tokens}}")
+    return TeamConfig(
+        name,
+        weight,
+        models=tuple(allowed),
+        priority=priority,
+        budgets=tuple(_budget(f"{where}.budgets[{i}]", b) for i, b in enumerate(budgets)),
+        aliases=_aliases(f"{where}.aliases", raw.get("aliases")),
+        **limits,
+    )
 
 
 def parse_keys(where: str, raw: Any, teams: set[str]) -> tuple[KeyConfig, ...]:
@@ -715,6 +888,8 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
         if name in names[:i]:
             raise ConfigError(f"models[{i}].name: {name!r} is listed twice")
     _teams_and_keys(values)
+    values["aliases"] = _aliases("aliases", values.get("aliases"))
+    _routing(values)
     return Config(**values)
 
 
