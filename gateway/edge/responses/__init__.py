@@ -1,0 +1,9 @@
+"""OpenAI's Responses API (`/v1/responses`).
+
+params.py    a body → its checked options and input items, then our GenerateRequest
+             (or a 400 naming the parameter)
+encoding.py  the response object and its stream of events with sequence numbers
+store.py     stored responses per team: Redis with `redis_url`, else bounded memory
+routes.py    POST /v1/responses (the generation route with this API's parser and
+             encoder), and GET/DELETE of stored responses and their input items
+"""

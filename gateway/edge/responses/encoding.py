@@ -1,0 +1,339 @@
+"""The Responses API's answers: the response object, whole, or as its stream of
+events, each with its `sequence_number`.
+
+A stream goes `response.created`, `response.in_progress`, then per output item
+`response.output_item.added`, its content (a message: `response.content_part.added`,
+`response.output_text.delta`..., `.done`, `response.content_part.done`; a function
+call: `response.function_call_arguments.delta`..., `.done`), `response.output_item.done`,
+and last `response.completed` (or `response.incomplete` when `max_output_tokens` cut
+it, or `error` and `response.failed` when the worker failed). An item is open until
+the next one starts or the answer ends. The text delta, the event of every token, is
+bytes around the JSON-escaped text (its template made once per response); the rest
+are built as dicts, a few per response.
+
+The encoder keeps the answer's output items: `final` is the response object once the
+answer is over, which the route stores.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import orjson
+
+from gateway.edge.errors import APIError
+from gateway.edge.openai.encoding import Encoder
+from gateway.edge.responses.params import ResponsesBody, new_id
+from gateway.protocol.types import Event, Finished, FinishReason, Text, ToolCallDelta
+
+_SECRET = secrets.token_hex(8)
+_SEQ = "\x00seq-" + _SECRET
+_TEXT = "\x00text-" + _SECRET
+_SEQ_JSON, _TEXT_JSON = orjson.dumps(_SEQ), orjson.dumps(_TEXT)
+
+
+def event(kind: str, fields: dict[str, Any]) -> bytes:
+    """One SSE event of type `kind` (its `sequence_number` among `fields`)."""
+    return (
+        b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The response's `usage`, in OpenAI's shape (no cache or reasoning counts here)."""
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _Call:
+    """A function call of the answer, as its pieces come."""
+
+    __slots__ = ("arguments", "call_id", "id", "name", "output_index")
+
+    def __init__(self, call_id: str, name: str, output_index: int) -> None:
+        self.id = new_id("fc")
+        self.call_id = call_id
+        self.name = name
+        self.output_index = output_index
+        self.arguments: list[str] = []
+
+    def item(self, status: str) -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": self.id,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": "".join(self.arguments),
+            "status": status,
+        }
+
+
+class ResponsesEncoder(Encoder):
+    """One response: its stream's events, or the whole object, from the worker's events.
+
+    It serves the generation route's two paths as an `Encoder` of its own making (none
+    of the chat templates): `plain` (no tools: `opening`, `delta` per batch of text,
+    `closing`; or `response` whole) and the events path (`events` per batch, `end`; or
+    `add` then `answer`). `request` is the route's, kept for storing the answer."""
+
+    def __init__(  # no super().__init__(): the chat templates are not this API's
+        self, model: str, body: ResponsesBody, response_id: str, request: Any = None
+    ) -> None:
+        self.request = request
+        self.id = response_id
+        self.model = model
+        self.body = body
+        self.created_at = int(time.time())
+        self.plain = not body.tools
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # the items done
+        self._message_id = ""  # the open message's id ("": none open)
+        self._message_index = 0
+        self._pieces: list[str] = []
+        self._calls: dict[int, _Call] = {}
+        self._open_call: _Call | None = None
+        self._finish_reason: FinishReason | None = None
+        #: The response object once the answer is over (or failed).
+        self.final: dict[str, Any] | None = None
+        self._delta_head = self._delta_between = self._delta_tail = b""
+
+    # -- building blocks --------------------------------------------------------
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
+        out = event(kind, {"sequence_number": self.seq, **fields})
+        self.seq += 1
+        return out
+
+    def _object(
+        self, status: str, prompt_tokens: int | None = None, completion_tokens: int = 0
+    ) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": list(self.output),
+            **self.body.echo,
+            "usage": None if prompt_tokens is None else usage(prompt_tokens, completion_tokens),
+        }
+
+    def _open_message(self) -> bytes:
+        self._message_id = new_id("msg")
+        self._message_index = len(self.output)  # the items before it are done
+        self._pieces = []
+        item = {
+            "type": "message",
+            "id": self._message_id,
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        where = {"item_id": self._message_id, "output_index": self._message_index}
+        # the text delta's bytes but its sequence number and its text
+        template = event(
+            "response.output_text.delta",
+            {"sequence_number": _SEQ, **where, "content_index": 0, "delta": _TEXT, "logprobs": []},
+        )
+        self._delta_head, rest = template.split(_SEQ_JSON, 1)
+        self._delta_between, self._delta_tail = rest.split(_TEXT_JSON, 1)
+        return self._event(
+            "response.output_item.added", {"output_index": self._message_index, "item": item}
+        ) + self._event(
+            "response.content_part.added",
+            {**where, "content_index": 0, "part": self._part("")},
+        )
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _message_item(self, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self._message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [self._part("".join(self._pieces))],
+        }
+
+    def _close_message(self, status: str, stream: bool = True) -> bytes:
+        """The open message's closing events (none open: nothing)."""
+        if not self._message_id:
+            return b""
+        item = self._message_item(status)
+        self.output.append(item)
+        self._message_id = ""
+        if not stream:
+            return b""
+        text = item["content"][0]["text"]
+        where = {"item_id": item["id"], "output_index": self._message_index, "content_index": 0}
+        return (
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+            + self._event("response.content_part.done", {**where, "part": self._part(text)})
+            + self._event(
+                "response.output_item.done", {"output_index": self._message_index, "item": item}
+            )
+        )
+
+    def _close_call(self, stream: bool = True) -> bytes:
+        call = self._open_call
+        if call is None:
+            return b""
+        self._open_call = None
+        item = call.item("completed")
+        self.output.append(item)
+        if not stream:
+            return b""
+        where = {"item_id": call.id, "output_index": call.output_index}
+        return self._event(
+            "response.function_call_arguments.done",
+            {**where, "name": call.name, "arguments": item["arguments"]},
+        ) + self._event(
+            "response.output_item.done", {"output_index": call.output_index, "item": item}
+        )
+
+    def _heading(self) -> bytes:
+        """`response.created` and `response.in_progress`, once."""
+        if self.seq:
+            return b""
+        snapshot = self._object("in_progress")
+        return self._event("response.created", {"response": snapshot}) + self._event(
+            "response.in_progress", {"response": snapshot}
+        )
+
+    def _status(self) -> str:
+        return "incomplete" if self._finish_reason is FinishReason.LENGTH else "completed"
+
+    def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
+        status = self._status()
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        out = self._close_message(item_status, stream) + self._close_call(stream)
+        self.final = self._object(status, prompt_tokens, completion_tokens)
+        if not stream:
+            return b""
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return out + self._event(kind, {"response": self.final})
+
+    # -- the plain path: one message of text ----------------------------------------
+
+    def opening(self) -> bytes:
+        """The stream's head and the message's opening, before its first text."""
+        return self._heading() + self._open_message()
+
+    def delta(self, text: str) -> bytes:
+        """A `response.output_text.delta` carrying `text`."""
+        self._pieces.append(text)
+        seq = self.seq
+        self.seq += 1
+        return (
+            self._delta_head
+            + str(seq).encode()
+            + self._delta_between
+            + orjson.dumps(text)
+            + self._delta_tail
+        )
+
+    def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The message's closing events and the response's last event."""
+        self._finish_reason = reason
+        return self._heading() + self._finish(prompt_tokens, completion_tokens, True)
+
+    def response(
+        self, text: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int
+    ) -> bytes:
+        """The whole response object of a plain answer."""
+        self._finish_reason = reason
+        self._message_id = new_id("msg")
+        self._pieces = [text]
+        self._finish(prompt_tokens, completion_tokens, False)
+        return orjson.dumps(self.final)
+
+    # -- the events path: text and function calls -------------------------------------
+
+    def _take(self, batch: list[Event], stream: bool) -> bytes:
+        out = [self._heading()] if stream else []
+        for item in batch:
+            if isinstance(item, Text):
+                if not item.text:
+                    continue
+                if not self._message_id:
+                    out.append(self._close_call(stream))
+                    opening = self._open_message()
+                    if stream:
+                        out.append(opening)
+                out.append(self.delta(item.text) if stream else b"")
+                if not stream:
+                    self._pieces.append(item.text)
+            elif isinstance(item, ToolCallDelta):
+                out.append(self._call_piece(item, stream))
+            elif isinstance(item, Finished):
+                self._finish_reason = item.reason
+        return b"".join(out)
+
+    def _call_piece(self, piece: ToolCallDelta, stream: bool) -> bytes:
+        out = b""
+        call = self._calls.get(piece.call_index)
+        if call is None:
+            out = self._close_message("completed", stream) + self._close_call(stream)
+            index = len(self.output)
+            call_id = piece.id or new_id("call")
+            call = self._calls[piece.call_index] = _Call(call_id, piece.name, index)
+            self._open_call = call
+            if stream:
+                out += self._event(
+                    "response.output_item.added",
+                    {"output_index": index, "item": call.item("in_progress")},
+                )
+        if not piece.arguments:
+            return out
+        call.arguments.append(piece.arguments)
+        if not stream:
+            return out
+        return out + self._event(
+            "response.function_call_arguments.delta",
+            {"item_id": call.id, "output_index": call.output_index, "delta": piece.arguments},
+        )
+
+    def events(self, batch: list[Event]) -> bytes:
+        """The stream events of a batch of the worker's events."""
+        return self._take(batch, True)
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last items' closing events and the response's last event."""
+        return self._heading() + self._finish(prompt_tokens, completion_tokens, True)
+
+    def add(self, batch: list[Event]) -> None:
+        """Gathers a batch of events for `answer`."""
+        self._take(batch, False)
+
+    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The whole response object from what `add` gathered."""
+        self._finish(prompt_tokens, completion_tokens, False)
+        return orjson.dumps(self.final)
+
+    # -- failure ----------------------------------------------------------------------
+
+    def failure(self, error: APIError) -> bytes:
+        """After the stream began, the worker failed: an `error` event, then
+        `response.failed` with what was said so far."""
+        out = self._close_message("incomplete") + self._close_call()
+        failed = self._object("failed")
+        failed["error"] = {"code": error.code or error.type, "message": error.message}
+        self.final = failed
+        fields = {"code": error.code, "message": error.message, "param": error.param}
+        return (
+            out
+            + self._event("error", fields)
+            + self._event("response.failed", {"response": failed})
+        )

@@ -1,0 +1,512 @@
+"""A `POST /v1/responses` body → the request's options and its input items, then
+our `GenerateRequest`, or a 400 naming the parameter at fault (OpenAI's shape).
+
+The body is read in two steps because a turn that continues a conversation
+(`previous_response_id`) needs the store before it can be a `GenerateRequest`:
+`parse` checks the body on its own and puts its input items in the stored form
+(every item with an id, every message's content as parts); `generate` then turns
+the conversation (the stored turns' items, then this body's) into chat messages.
+
+What is served (OpenAI's reference): `input` as a string or items (messages with
+text and image parts, `function_call`, `function_call_output`), `instructions`,
+function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
+(`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`,
+`top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
+`previous_response_id`, and `prompt_cache_key` (the conversation's key for
+session affinity). Everything else OpenAI defines is refused by name unless it
+is at the value that asks nothing (`UNSERVED`); other tool types, item types and
+content parts are refused by the path that names them. Unknown fields are
+ignored, as the chat route ignores them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.edge.errors import invalid
+from gateway.edge.openai.validation import (
+    _IMAGE_URL,
+    _NAME,
+    MAX_IMAGES,
+    MAX_TOOLS,
+    UINT32_MAX,
+    _flag,
+    _int,
+    _number,
+    _string,
+    _unserved,
+    _user,
+    model_of,
+)
+from gateway.protocol.types import (
+    GenerateRequest,
+    Message,
+    ResponseFormat,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
+
+#: A stored item, as the API shows it (`GET .../input_items`).
+Item = dict[str, Any]
+
+#: OpenAI's bounds on `metadata`.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+#: The longest id a client may name (ours are about 50 characters).
+MAX_ID_CHARS = 128
+#: The longest `prompt_cache_key` (a session key).
+MAX_CACHE_KEY_CHARS = 256
+#: Roles of an input message (OpenAI's; `system` and `developer` are both instructions).
+ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+#: Parameters of OpenAI's Responses API this gateway does not serve, with the value
+#: that asks nothing of it (None: any value but null is refused).
+UNSERVED: dict[str, Any] = {
+    "background": False,
+    "conversation": None,
+    "prompt": None,
+    "reasoning": None,
+    "max_tool_calls": None,
+    "safety_identifier": None,
+    "prompt_cache_retention": None,
+    "top_logprobs": 0,
+    "context_management": None,
+}
+#: `service_tier` values that ask nothing of a self-hosted model.
+SERVICE_TIERS = frozenset({"auto", "default"})
+#: Text parts of a message's content (a refusal is text the assistant said).
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesBody:
+    """A checked body: what to ask the worker (`generate` finishes it), and `echo`, the
+    request's own fields as the response object repeats them."""
+
+    model: str | None
+    items: tuple[Item, ...]
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+    stream: bool
+    sampling: SamplingParams
+    tools: tuple[Tool, ...]
+    tool_choice: str
+    parallel_tool_calls: bool | None
+    response_format: ResponseFormat | None
+    user: str
+    session: str
+    echo: dict[str, Any]
+
+
+def new_id(prefix: str) -> str:
+    """An id in OpenAI's style: `prefix_` and 48 hex digits."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+# -- input items ----------------------------------------------------------------
+
+
+def _part(part: Any, where: str, images: list[int]) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if field is not None:
+        text = part.get(field)
+        if not isinstance(text, str):
+            raise invalid(
+                f"{where}.{field}", f"Invalid type for '{where}.{field}': expected a string."
+            )
+        if kind == "output_text":
+            return {"type": kind, "text": text, "annotations": []}
+        return {"type": kind, field: text}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not _IMAGE_URL.match(url):
+            raise invalid(
+                f"{where}.image_url",
+                "Invalid 'image_url': expected an http(s) URL or a data:image/ URI "
+                "('file_id' is not supported).",
+            )
+        images[0] += 1
+        if images[0] > MAX_IMAGES:
+            raise invalid(where, f"At most {MAX_IMAGES} images in a request.")
+        detail = part.get("detail", "auto")
+        if detail not in ("auto", "low", "high"):
+            raise invalid(f"{where}.detail", "Invalid 'detail': auto, low or high.")
+        return {"type": kind, "image_url": url, "detail": detail}
+    raise invalid(
+        where,
+        "Only content parts of type 'input_text', 'input_image', 'output_text' and "
+        f"'refusal' are supported{f', not {kind[:40]!r}' if isinstance(kind, str) else ''}.",
+    )
+
+
+def _content(content: Any, where: str, images: list[int]) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "input_text", "text": content}]
+    if not isinstance(content, list):
+        raise invalid(where, f"Invalid type for '{where}': expected a string or a list of parts.")
+    return [_part(part, f"{where}[{j}]", images) for j, part in enumerate(content)]
+
+
+def _message(item: Mapping[str, Any], where: str, images: list[int]) -> Item:
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise invalid(f"{where}.role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}.")
+    content = _content(item.get("content"), f"{where}.content", images)
+    if role == "assistant":  # what the model said is output text, as OpenAI stores it
+        content = [
+            {"type": "output_text", "text": p["text"], "annotations": []}
+            if p["type"] == "input_text"
+            else p
+            for p in content
+        ]
+    return {"type": "message", "id": new_id("msg"), "role": role, "content": content}
+
+
+def _call_id(item: Mapping[str, Any], where: str) -> str:
+    call_id = _string(item, "call_id", f"{where}.")
+    if not call_id or len(call_id) > MAX_ID_CHARS:
+        raise invalid(f"{where}.call_id", f"'{where}.call_id' is required (at most 128 chars).")
+    return call_id
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> Item:
+    name = item.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise invalid(f"{where}.arguments", "Invalid type: expected a string of JSON.")
+    return {
+        "type": "function_call",
+        "id": new_id("fc"),
+        "call_id": _call_id(item, where),
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def _function_output(item: Mapping[str, Any], where: str, images: list[int]) -> Item:
+    output = item.get("output")
+    if not isinstance(output, str):
+        parts = _content(output, f"{where}.output", images)
+        if any(p["type"] != "input_text" for p in parts):
+            raise invalid(f"{where}.output", "Only text is supported in a function's output.")
+        output = "".join(p["text"] for p in parts)
+    return {
+        "type": "function_call_output",
+        "id": new_id("fco"),
+        "call_id": _call_id(item, where),
+        "output": output,
+        "status": "completed",
+    }
+
+
+def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return (_message({"role": "user", "content": value}, "input", [0]),)
+    if not isinstance(value, list) or not value:
+        raise invalid("input", "'input' is required: a string or a non-empty list of items.")
+    images = [0]
+    items = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise invalid(where, "Invalid type: expected an object.")
+        kind = item.get("type", "message")
+        if kind == "message":
+            items.append(_message(item, where, images))
+        elif kind == "function_call":
+            items.append(_function_call(item, where))
+        elif kind == "function_call_output":
+            items.append(_function_output(item, where, images))
+        else:
+            shown = repr(kind[:40]) if isinstance(kind, str) else "this type"
+            raise invalid(
+                f"{where}.type",
+                f"Input items of type {shown} are not supported: only 'message', "
+                "'function_call' and 'function_call_output'.",
+            )
+    return tuple(items)
+
+
+def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
+    """Stored items as chat messages: a message's text parts joined and its images in
+    order; function calls join the assistant message just before them (or make one);
+    a function's output is a `tool` message."""
+    messages: list[Message] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            parts = item["content"]
+            text = "".join(p.get("text") or p.get("refusal") or "" for p in parts)
+            images = tuple(p["image_url"] for p in parts if p["type"] == "input_image")
+            messages.append(Message(item["role"], text, images))
+        elif kind == "function_call":
+            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                messages[-1] = Message(
+                    "assistant", last.content, last.images, (*last.tool_calls, call)
+                )
+            else:
+                messages.append(Message("assistant", "", (), (call,)))
+        elif kind == "function_call_output":
+            messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
+    return tuple(messages)
+
+
+# -- tools and formats ------------------------------------------------------------
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], list[dict[str, Any]]]:
+    """The function tools, and each as the response object shows it."""
+    tools = body.get("tools")
+    if tools is None:
+        return (), []
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"Invalid 'tools': expected a list of at most {MAX_TOOLS}.")
+    parsed, shown = [], []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            shown_kind = repr(kind[:40]) if isinstance(kind, str) else "this type"
+            raise invalid(
+                f"{where}.type",
+                f"Tools of type {shown_kind} are not supported: only 'function'.",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+        parameters = tool.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise invalid(f"{where}.parameters", "Invalid type: expected an object.")
+        description = _string(tool, "description", f"{where}.") or ""
+        # OpenAI's default for a Responses function tool is strict
+        strict = tool.get("strict") is None or _flag(tool, "strict", f"{where}.")
+        parsed.append(
+            Tool(
+                name,
+                description,
+                orjson.dumps(parameters).decode() if parameters is not None else "",
+                strict,
+            )
+        )
+        shown.append(
+            {
+                "type": "function",
+                "name": name,
+                "description": description or None,
+                "parameters": parameters,
+                "strict": strict,
+            }
+        )
+    if len({tool.name for tool in parsed}) != len(parsed):
+        raise invalid("tools", "Invalid 'tools': function names must be unique.")
+    return tuple(parsed), shown
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str, Any]:
+    """The choice in our terms, and as the response object shows it."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "", "auto"
+    if isinstance(choice, Mapping):
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            kind = choice.get("type")
+            shown = repr(kind[:40]) if isinstance(kind, str) else "this"
+            raise invalid(
+                "tool_choice",
+                f"Invalid 'tool_choice': a choice of type {shown} is not supported; "
+                'none, auto, required or {"type": "function", "name": ...}.',
+            )
+        if name not in {tool.name for tool in tools}:
+            raise invalid("tool_choice", f"Invalid 'tool_choice': no tool is named {name[:64]!r}.")
+        return name, {"type": "function", "name": name}
+    if choice not in ("none", "auto", "required"):
+        raise invalid("tool_choice", "Invalid 'tool_choice': none, auto, required or a function.")
+    if choice == "none":
+        return ("none" if tools else ""), "none"
+    if not tools:
+        raise invalid("tool_choice", "'tool_choice' is only allowed when 'tools' are given.")
+    return str(choice), choice
+
+
+def _text(body: Mapping[str, Any]) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """`text.format` in our terms, and `text` as the response object shows it."""
+    text = body.get("text")
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(text, Mapping):
+        raise invalid("text", "Invalid type for 'text': expected an object.")
+    if text.get("verbosity") not in (None, "medium"):
+        raise invalid("text.verbosity", "'text.verbosity' is not supported by this gateway.")
+    spec = text.get("format")
+    if spec is None:
+        return None, {"format": {"type": "text"}}
+    kind = spec.get("type") if isinstance(spec, Mapping) else None
+    if kind == "text":
+        return None, {"format": {"type": "text"}}
+    if kind == "json_object":
+        return ResponseFormat("json_object"), {"format": {"type": "json_object"}}
+    if kind != "json_schema":
+        raise invalid(
+            "text.format", "Invalid 'text.format': type text, json_object or json_schema."
+        )
+    assert isinstance(spec, Mapping)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid("text.format.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise invalid("text.format.schema", "'text.format.schema' is required: an object.")
+    strict = _flag(spec, "strict", "text.format.")
+    description = _string(spec, "description", "text.format.")
+    shown = {
+        "type": "json_schema",
+        "name": name,
+        "schema": schema,
+        "strict": strict,
+        "description": description,
+    }
+    format_ = ResponseFormat("json_schema", orjson.dumps(schema).decode(), name, strict)
+    return format_, {"format": shown}
+
+
+# -- the rest -----------------------------------------------------------------------
+
+
+def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
+    value = body.get("metadata")
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or len(value) > MAX_METADATA:
+        raise invalid("metadata", f"Invalid 'metadata': an object of at most {MAX_METADATA} pairs.")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(item, str):
+            raise invalid(
+                "metadata", "Invalid 'metadata': keys of at most 64 chars, string values."
+            )
+        if len(item) > MAX_METADATA_VALUE:
+            raise invalid("metadata", "Invalid 'metadata': values of at most 512 characters.")
+    return dict(value)
+
+
+def _refuse_unserved(body: Mapping[str, Any]) -> None:
+    _unserved(body, UNSERVED)
+    include = body.get("include")
+    if include is not None and include != []:
+        raise invalid("include", "'include' is not supported by this gateway.")
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
+    if body.get("truncation") not in (None, "disabled"):
+        raise invalid("truncation", "'truncation' other than 'disabled' is not supported.")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, Mapping):
+            raise invalid("stream_options", "Invalid type for 'stream_options': an object.")
+        if _flag(options, "include_obfuscation", "stream_options."):
+            raise invalid(
+                "stream_options.include_obfuscation",
+                "'stream_options.include_obfuscation' is not supported by this gateway.",
+            )
+
+
+def _id(body: Mapping[str, Any], name: str, limit: int = MAX_ID_CHARS) -> str | None:
+    value = _string(body, name)
+    if value is not None and not 0 < len(value) <= limit:
+        raise invalid(name, f"Invalid '{name}': 1 to {limit} characters.")
+    return value
+
+
+def parse(body: Any) -> ResponsesBody:
+    """A /v1/responses body, checked."""
+    model = model_of(body)
+    _refuse_unserved(body)
+    instructions = _string(body, "instructions")
+    items = _items(body)
+    tools, shown_tools = _tools(body)
+    tool_choice, shown_choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
+    response_format, text = _text(body)
+    temperature = _number(body, "temperature", 0, 2)
+    top_p = _number(body, "top_p", 0, 1, low_open=True)
+    max_output_tokens = _int(body, "max_output_tokens", 1, UINT32_MAX)
+    stream = _flag(body, "stream")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise invalid("store", "Invalid type for 'store': expected a boolean.")
+    user = _user(body)
+    previous = _id(body, "previous_response_id")
+    session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_output_tokens,
+        "metadata": _metadata(body),
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "previous_response_id": previous,
+        "temperature": 1.0 if temperature is None else temperature,
+        "text": text,
+        "tool_choice": shown_choice,
+        "tools": shown_tools,
+        "top_p": 1.0 if top_p is None else top_p,
+        "truncation": "disabled",
+        "user": user or None,
+        "store": store is not False,
+        "background": False,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+    }
+    return ResponsesBody(
+        model=model,
+        items=items,
+        instructions=instructions,
+        previous_response_id=previous,
+        store=store is not False,
+        stream=stream,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_output_tokens),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel if tools else None,
+        response_format=response_format,
+        user=user,
+        session=session,
+        echo=echo,
+    )
+
+
+def generate(
+    body: ResponsesBody, history: Sequence[Item], request_id: str, session: str
+) -> GenerateRequest:
+    """The request for the worker: `instructions` as the system message, then the
+    conversation so far (`history`: the stored turns' input and output items), then
+    this turn's input."""
+    messages = messages_of([*history, *body.items])
+    if body.instructions:
+        messages = (Message("system", body.instructions), *messages)
+    return GenerateRequest(
+        body.model or "",
+        messages=messages,
+        sampling=body.sampling,
+        request_id=request_id,
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format,
+        user=body.user,
+        session=body.session or session,
+    )

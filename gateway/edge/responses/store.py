@@ -1,0 +1,213 @@
+"""Stored responses (`store: true`, OpenAI's default): what `GET /v1/responses/{id}`,
+its `input_items` and `previous_response_id` read back, per team.
+
+A stored response is one JSON value: the response object, this turn's input items,
+the conversation before them (`history`: the earlier turns' input and output items,
+so a continuation is one read, not a walk of the chain), the turn's depth, the worker
+that served it and the conversation's session key (for affinity). Its cost: a turn
+stores the whole conversation again, which the depth bound (`responses_max_depth`)
+and the input bound (`max_messages`) keep finite.
+
+Two stores behind one interface:
+- `RedisResponses`, when `redis_url` is set: shared by every replica, on the teams'
+  Redis client (`gateway.teams.redis_store`: same timeout, no retries). Keys
+  (`P` is `redis_key_prefix`; `{team}` a hash tag, one slot per team):
+
+      P:responses:{team}:ID      the stored JSON, expiring after `responses_ttl`
+      P:responses:{team}:index   sorted set of the team's ids by time stored
+
+  One Lua script stores a response and trims the index to `responses_per_team`
+  (the oldest dropped, with their values) and to the TTL.
+- `MemoryResponses` otherwise: this process's memory, the same bounds, oldest
+  dropped first; replicas (and a gateway's several processes) do not share it,
+  which the gateway warns about at start.
+
+A team reads only its own responses: another team's id is not found (404), as an id
+that never was. An open gateway's requests are one team, "".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.protocol import errors
+
+if TYPE_CHECKING:
+    from gateway.teams.redis_store import RedisStore
+
+log = logging.getLogger("furnace.responses")
+
+
+@dataclass(slots=True)
+class Stored:
+    """One stored response (see the module docstring)."""
+
+    response: dict[str, Any]
+    input: list[dict[str, Any]]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    depth: int = 1
+    worker: str = ""
+    session: str = ""
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(
+            {
+                "response": self.response,
+                "input": self.input,
+                "history": self.history,
+                "depth": self.depth,
+                "worker": self.worker,
+                "session": self.session,
+            }
+        )
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> Stored:
+        value = orjson.loads(raw)
+        return cls(
+            value["response"],
+            value["input"],
+            value["history"],
+            value["depth"],
+            value["worker"],
+            value["session"],
+        )
+
+    @property
+    def id(self) -> str:
+        return str(self.response["id"])
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The items a continuation of this response follows: all before it, its input,
+        its output."""
+        return [*self.history, *self.input, *self.response["output"]]
+
+
+class ResponseStore:
+    """Where responses are kept, per team; bounded in count per team and in time."""
+
+    def __init__(self, ttl: float, per_team: int) -> None:
+        self.ttl = ttl
+        self.per_team = per_team
+
+    async def put(self, team: str, stored: Stored) -> None:
+        """Keeps `stored` (the oldest of the team dropped past the bound)."""
+        raise NotImplementedError
+
+    async def get(self, team: str, response_id: str) -> Stored | None:
+        """The team's stored response, or None (never stored, expired, dropped, deleted,
+        or another team's)."""
+        raise NotImplementedError
+
+    async def delete(self, team: str, response_id: str) -> bool:
+        """Whether the team had it (it is gone now)."""
+        raise NotImplementedError
+
+
+class MemoryResponses(ResponseStore):
+    """This process's store: per team, the newest `per_team` within the TTL."""
+
+    def __init__(self, ttl: float, per_team: int) -> None:
+        super().__init__(ttl, per_team)
+        self._teams: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+
+    async def put(self, team: str, stored: Stored) -> None:
+        kept = self._teams.setdefault(team, OrderedDict())
+        kept[stored.id] = (time.monotonic() + self.ttl, stored.dumps())
+        now = time.monotonic()
+        while kept and (len(kept) > self.per_team or next(iter(kept.values()))[0] <= now):
+            kept.popitem(last=False)
+
+    async def get(self, team: str, response_id: str) -> Stored | None:
+        kept = self._teams.get(team)
+        found = None if kept is None else kept.get(response_id)
+        if found is None or found[0] <= time.monotonic():
+            return None
+        return Stored.loads(found[1])
+
+    async def delete(self, team: str, response_id: str) -> bool:
+        kept = self._teams.get(team)
+        return kept is not None and kept.pop(response_id, None) is not None
+
+
+_PUT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+local extra = redis.call('ZCARD', KEYS[2]) - #gone - tonumber(ARGV[4])
+if extra > 0 then
+  local oldest = redis.call('ZRANGE', KEYS[2], #gone, #gone + extra - 1)
+  for _, id in ipairs(oldest) do table.insert(gone, id) end
+end
+for _, id in ipairs(gone) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('DEL', ARGV[6] .. id)
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return #gone
+"""
+
+
+class RedisResponses(ResponseStore):
+    """The store every replica shares, on the teams' Redis client; a failure is
+    `Unavailable` (503) for the request that needed it."""
+
+    def __init__(self, redis: RedisStore, ttl: float, per_team: int) -> None:
+        super().__init__(ttl, per_team)
+        self.redis = redis
+        self._put = redis.client.register_script(_PUT)
+
+    def _prefix(self, team: str) -> str:
+        return f"{self.redis.prefix}:responses:{{{team}}}:"
+
+    async def put(self, team: str, stored: Stored) -> None:
+        prefix = self._prefix(team)
+        ttl_ms = max(1, int(self.ttl * 1000))
+        now_ms = int(time.time() * 1000)
+        try:
+            async with self.redis._bounded():
+                await self._put(
+                    keys=[prefix + stored.id, prefix + "index"],
+                    args=[stored.dumps(), ttl_ms, now_ms, self.per_team, stored.id, prefix],
+                )
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+
+    async def get(self, team: str, response_id: str) -> Stored | None:
+        try:
+            async with self.redis._bounded():
+                raw = await self.redis.client.get(self._prefix(team) + response_id)
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+        return None if raw is None else Stored.loads(raw)
+
+    async def delete(self, team: str, response_id: str) -> bool:
+        prefix = self._prefix(team)
+        try:
+            async with self.redis._bounded():
+                removed = await self.redis.client.delete(prefix + response_id)
+                await self.redis.client.zrem(prefix + "index", response_id)
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+        return bool(removed)
+
+
+def open_store(redis: RedisStore | None, ttl: float, per_team: int) -> ResponseStore:
+    """The store for this gateway: Redis when it has one, else its memory (with a
+    warning: replicas and processes do not share it)."""
+    if redis is not None:
+        return RedisResponses(redis, ttl, per_team)
+    log.warning(
+        "stored responses (/v1/responses) are kept in this process's memory, at most %d "
+        "per team for %g s: replicas and processes do not share them "
+        "(set redis_url to share them)",
+        per_team,
+        ttl,
+    )
+    return MemoryResponses(ttl, per_team)
