@@ -5,11 +5,14 @@ requests is a plain list, not a deque: see edge/http_protocol.py)."""
 from __future__ import annotations
 
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httptools
 import orjson
 
+from gateway.edge.http_protocol import PIPELINE_DEPTH
+from tests.support.process_usage import MIB, rss_bytes
 from tests.support.waiting import HANG_GUARD
 
 
@@ -54,3 +57,35 @@ def test_pipelined_requests_are_answered_in_order(gateway):
     assert orjson.loads(health) == {"status": "ok"}
     assert orjson.loads(answer)["choices"][0]["message"]["content"] == "one two three"
     assert orjson.loads(ready) == {"status": "ready"}
+
+
+def test_a_flood_of_pipelined_requests_is_bounded_then_closed(gateway):
+    # One connection writes 1,000 `GET /v1/models` per write and never reads until
+    # it is done writing: the gateway answers what it queued (at most
+    # PIPELINE_DEPTH behind the first), in order, then closes; it parses no more.
+    url = urlsplit(gateway.url)
+    flood = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n" * 1000
+    before = rss_bytes()
+    with socket.create_connection((url.hostname, url.port), timeout=HANG_GUARD) as sock:
+        sock.setblocking(False)
+        written = 0
+        for _ in range(200):  # 200,000 requests, unless the gateway closes first
+            try:
+                written += sock.send(flood)
+            except BlockingIOError:
+                time.sleep(0.01)  # its buffers are full: it is not reading
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        grown = rss_bytes() - before
+        sock.setblocking(True)
+        sock.settimeout(HANG_GUARD)
+        answers = _Answers()
+        try:
+            while data := sock.recv(65536):
+                answers.parser.feed_data(data)
+        except ConnectionResetError:
+            pass  # it closed with our unread requests in its buffer
+    assert 1 <= len(answers.bodies) <= PIPELINE_DEPTH + 1
+    for body in answers.bodies:  # every one a whole, right answer
+        assert orjson.loads(body)["object"] == "list"
+    assert grown < 64 * MIB

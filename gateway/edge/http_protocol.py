@@ -25,6 +25,19 @@ for the head or the body, and only closes idle keep-alive connections. Here:
   reading the head; one connection over gets a 503 in OpenAI's shape and is
   closed at once.
 
+Pipelined requests (HTTP/1.1 clients rarely send them) are bounded too. uvicorn
+parses everything it reads and queues each complete request behind the answer
+being written, re-reading after every answer: one connection writing `GET
+/v1/models` a thousand times per write and never reading its answers grew the
+process by a gigabyte. httptools cannot stop mid-read the way Envoy's and NGINX's
+parsers do (read the next request only once the current one is answered), so:
+at most `PIPELINE_DEPTH` requests wait behind the one being answered; the next
+head stops the parser, the ones waiting are answered in order, and the
+connection then closes (RFC 9112 §9.3.2: a client retries what was not answered
+on a new connection). Reading stays paused while any request waits (uvicorn
+resumed it after every answer), so what waits is at most those requests and one
+read. The queue takes its oldest from the front of a short list.
+
 A refused connection says so, half-closes (FIN), then reads and drops what the
 client still sends for `LINGER` seconds before closing, so the client reads the
 answer instead of a reset (NGINX's lingering close, shorter).
@@ -46,6 +59,8 @@ from gateway.edge.errors import SERVER, APIError
 
 #: Seconds a refused connection keeps reading (and dropping) before it closes.
 LINGER = 1.0
+#: Requests that may wait, parsed, behind the one being answered on a connection.
+PIPELINE_DEPTH = 16
 
 _HEAD, _BODY = "head", "body"
 
@@ -63,17 +78,26 @@ class HttpLimits:
 
 
 class _Pipeline(list[Any]):
-    """What uvicorn's protocol uses of a deque for its pipelined requests."""
+    """What uvicorn's protocol uses of a deque for its pipelined requests: at most
+    `PIPELINE_DEPTH` of them, so taking the oldest from the front is cheap."""
 
     __slots__ = ()
 
     def appendleft(self, item: Any) -> None:
         """Queues `item` (`pop` takes the oldest)."""
-        self.insert(0, item)
+        self.append(item)
+
+    def pop(self, index: int = 0) -> Any:  # type: ignore[override]
+        """The oldest request queued."""
+        return super().pop(index)
 
 
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing: the head is over a limit."""
+
+
+class _PipelineFull(Exception):
+    """Raised from a parser callback to stop parsing: `PIPELINE_DEPTH` requests wait."""
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -157,6 +181,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as error:
             if isinstance(error.__context__, _Refused):
                 self._refuse(self._too_large())
+            elif isinstance(error.__context__, _PipelineFull):
+                self._stop_after_pipeline()
             else:
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
@@ -167,6 +193,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Parser callbacks
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= PIPELINE_DEPTH:
+            raise _PipelineFull
         super().on_message_begin()
         self._head_bytes = 0
         self._header_count = 0
@@ -209,6 +237,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.pipeline or self._refused:
+            # uvicorn resumed reading: not while requests still wait (their bodies
+            # are whole; the one now started reads its own with `receive`).
+            self.flow.pause_reading()
         if self._deadline is not None or self.transport.is_closing():
             return
         if self._phase == _BODY:
@@ -258,6 +290,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         )
 
     # Refusing
+
+    def _stop_after_pipeline(self) -> None:
+        """`PIPELINE_DEPTH` requests wait: parse nothing more, answer them, close."""
+        self._refused = True  # what still comes is dropped
+        self._disarm()
+        self.flow.pause_reading()
+        self.cycle.keep_alive = False  # the last one queued: the connection ends with it
 
     def _too_large(self) -> APIError:
         limits = self.limits
