@@ -1,0 +1,6 @@
+"""Anthropic's Messages API (`/v1/messages`), on the same request path as OpenAI's.
+
+validation.py    a Messages body → our GenerateRequest, or a 400 naming the field
+encoding.py      the `message` object and Anthropic's named SSE events
+errors.py        Anthropic's error shape and status codes, by one table from ours
+"""

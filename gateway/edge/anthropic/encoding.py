@@ -1,0 +1,200 @@
+"""Anthropic Messages answers: the whole `message` object, and the stream of
+Anthropic's named SSE events, from our events.
+
+A stream goes `message_start` (with the prompt's tokens when the worker said
+them in `Started`) and a `ping`; then for each block of the answer, text or a
+tool call, `content_block_start`, its `content_block_delta`s (`text_delta`, or
+`input_json_delta` with a piece of the call's arguments) and
+`content_block_stop`; then `message_delta` (the `stop_reason` and the usage) and
+`message_stop`. A failure after the head is an `error` event. A text delta is
+built from pre-serialized bytes around the JSON-escaped text: no dict per token.
+
+The route runs this encoder through the OpenAI routes' machinery
+(`gateway.edge.openai.generation`): it is an `Encoder` that is never `plain`,
+so the route hands it every batch of events (`events`, `end` for streams; `add`,
+`answer` for whole answers).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+
+from gateway.edge.anthropic.errors import error_payload
+from gateway.edge.errors import APIError
+from gateway.edge.openai.encoding import Encoder
+from gateway.protocol.types import Event, Finished, FinishReason, Started, Text, ToolCallDelta
+
+#: Our finish reasons → Anthropic's stop_reason.
+STOP_REASONS = {
+    FinishReason.STOP: "end_turn",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.TOOL_CALLS: "tool_use",
+}
+
+
+def event(name: str, payload: Any) -> bytes:
+    """One named SSE event holding `payload` as JSON."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+_PING = event("ping", {"type": "ping"})
+_MESSAGE_STOP = event("message_stop", {"type": "message_stop"})
+_TEXT_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+_TEXT_MIDDLE = b',"delta":{"type":"text_delta","text":'
+_TEXT_END = b"}}\n\n"
+
+
+def _tool_id(given: str) -> str:
+    return given or f"toolu_{secrets.token_hex(12)}"
+
+
+def _input(arguments: str) -> Any:
+    """A call's arguments as the object Anthropic's `input` is; text that is not a JSON
+    object (a model's malformed call) stays text, for the client to see."""
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return arguments
+    return value
+
+
+class MessagesEncoder(Encoder):
+    """One /v1/messages answer (one choice: Anthropic has no `n`)."""
+
+    def __init__(self, model: str, include_usage: bool = False, **_: Any) -> None:
+        # Nothing of the OpenAI templates is used: the route calls only the methods below.
+        self.id = f"msg_{secrets.token_hex(12)}"
+        self.model = model
+        self.plain = False
+        self.reason: FinishReason | None = None
+        self.input_tokens = 0
+        # streams: whether message_start went out, the open block's index and kind
+        self._started = False
+        self._index = -1
+        self._open: str | int | None = None  # "text", a call's index, or None
+        # whole answers: the blocks, each [kind, pieces...] ("text") or
+        # ["tool_use", id, name, arguments pieces...]
+        self._blocks: list[list[str]] = []
+        self._calls: dict[int, list[str]] = {}
+
+    def _message(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+
+    def _stop_reason(self) -> str:
+        return STOP_REASONS[self.reason or FinishReason.STOP]
+
+    # streams
+
+    def _close_block(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _open_block(self, key: str | int, block: dict[str, Any]) -> bytes:
+        out = self._close_block()
+        self._index += 1
+        self._open = key
+        start = {"type": "content_block_start", "index": self._index, "content_block": block}
+        return out + event("content_block_start", start)
+
+    def events(self, batch: list[Event]) -> bytes:
+        """The SSE events of a batch: message_start before anything, then blocks."""
+        out = []
+        if not self._started:
+            self._started = True
+            for item in batch:
+                if isinstance(item, Started):
+                    self.input_tokens = item.prompt_tokens
+            head = self._message({"input_tokens": self.input_tokens, "output_tokens": 0})
+            out.append(event("message_start", {"type": "message_start", "message": head}) + _PING)
+        for item in batch:
+            if type(item) is Text:
+                if not item.text:
+                    continue
+                if self._open != "text":
+                    out.append(self._open_block("text", {"type": "text", "text": ""}))
+                index = str(self._index).encode()
+                text = orjson.dumps(item.text)
+                out.append(_TEXT_DELTA + index + _TEXT_MIDDLE + text + _TEXT_END)
+            elif isinstance(item, ToolCallDelta):
+                if self._open != item.call_index:
+                    block = {
+                        "type": "tool_use",
+                        "id": _tool_id(item.id),
+                        "name": item.name,
+                        "input": {},
+                    }
+                    out.append(self._open_block(item.call_index, block))
+                if item.arguments:
+                    delta = {"type": "input_json_delta", "partial_json": item.arguments}
+                    payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
+                    out.append(event("content_block_delta", payload))
+            elif isinstance(item, Finished):
+                self.reason = item.reason
+                out.append(self._close_block())
+        return b"".join(out)
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """message_delta with the stop reason and the usage, and message_stop."""
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self._stop_reason(), "stop_sequence": None},
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+        }
+        return self._close_block() + event("message_delta", delta) + _MESSAGE_STOP
+
+    def failure(self, error: APIError) -> bytes:
+        """A failure after the head: Anthropic's `error` event."""
+        return event("error", error_payload(error.status, error.message))
+
+    # whole answers
+
+    def add(self, batch: list[Event]) -> None:
+        """Gathers a batch of events for `answer`."""
+        blocks = self._blocks
+        for item in batch:
+            if type(item) is Text:
+                if not item.text:
+                    continue
+                if not blocks or blocks[-1][0] != "text":
+                    blocks.append(["text"])
+                blocks[-1].append(item.text)
+            elif isinstance(item, ToolCallDelta):
+                call = self._calls.get(item.call_index)
+                if call is None:
+                    call = self._calls[item.call_index] = ["tool_use", _tool_id(item.id), item.name]
+                    blocks.append(call)
+                call.append(item.arguments)
+            elif isinstance(item, Finished):
+                self.reason = item.reason
+
+    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The whole `message` object."""
+        content: list[dict[str, Any]] = []
+        for block in self._blocks:
+            if block[0] == "text":
+                content.append({"type": "text", "text": "".join(block[1:])})
+            else:
+                arguments = _input("".join(block[3:]))
+                content.append(
+                    {"type": "tool_use", "id": block[1], "name": block[2], "input": arguments}
+                )
+        if not content:
+            content.append({"type": "text", "text": ""})
+        body = self._message({"input_tokens": prompt_tokens, "output_tokens": completion_tokens})
+        body["content"] = content
+        body["stop_reason"] = self._stop_reason()
+        return orjson.dumps(body)

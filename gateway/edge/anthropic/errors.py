@@ -1,0 +1,96 @@
+"""Errors in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`,
+with Anthropic's status codes, from the edge's own errors.
+
+Every refusal of the gateway is first an `APIError` (our error tree goes to HTTP
+through `gateway.edge.errors`' one table, so the two APIs never disagree on what
+a condition is); this module's one table turns its HTTP status into Anthropic's
+status and error type. A full gateway or worker (503) is Anthropic's
+`overloaded_error` (529), which its SDK retries as it retries Anthropic's own.
+
+`AnthropicShape` applies it to whatever a route's stack refuses before the route
+runs (the key check's 401, the content type's 415, the Host's 421), so a client
+of these routes never reads OpenAI's shape. Its cost on a served request: one
+check of the response's status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.edge.asgi import ASGIApp, Receive, Scope, Send
+from gateway.edge.errors import APIError
+
+#: The edge's HTTP status → Anthropic's status and error type.
+STATUS_TABLE: dict[int, tuple[int, str]] = {
+    400: (400, "invalid_request_error"),
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    404: (404, "not_found_error"),
+    413: (413, "request_too_large"),
+    429: (429, "rate_limit_error"),
+    500: (500, "api_error"),
+    502: (502, "api_error"),
+    503: (529, "overloaded_error"),
+    504: (504, "timeout_error"),
+}
+
+
+def translate(status: int) -> tuple[int, str]:
+    """Anthropic's status and type for an edge status; others keep their status, as
+    invalid_request_error (4xx) or api_error (5xx)."""
+    row = STATUS_TABLE.get(status)
+    if row is not None:
+        return row
+    return status, "invalid_request_error" if status < 500 else "api_error"
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    """The error object Anthropic's clients parse (also a stream's `error` event)."""
+    return {"type": "error", "error": {"type": translate(status)[1], "message": message}}
+
+
+def _message(error: dict[str, Any]) -> str:
+    """An OpenAI-shaped error's message, naming its parameter when the message does not."""
+    message = str(error.get("message", ""))
+    param = error.get("param")
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return message
+
+
+def anthropic_body(error: APIError) -> bytes:
+    """`error`'s body in Anthropic's shape."""
+    return orjson.dumps(error_payload(error.status, _message(error.fields())))
+
+
+class AnthropicShape:
+    """Turns the OpenAI-shaped error responses of the app it wraps into Anthropic's
+    (status and body); anything else passes as is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held: dict[str, Any] | None = None
+
+        async def reshape(message: dict[str, Any]) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held = message
+                return
+            if held is None:
+                await send(message)
+                return
+            start, held = held, None
+            status = start["status"]
+            try:
+                fields = orjson.loads(message.get("body", b""))["error"]
+                body = orjson.dumps(error_payload(status, _message(fields)))
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                body = orjson.dumps(error_payload(status, "The request was refused."))
+            await send({**start, "status": translate(status)[0]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, reshape)

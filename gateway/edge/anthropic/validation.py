@@ -1,0 +1,365 @@
+"""Turns an Anthropic Messages body into our `GenerateRequest`, or a 400 naming
+the field at fault, with Anthropic's rules.
+
+Anthropic's API refuses a field it does not know ("Extra inputs are not
+permitted"), so this does too: every top-level field is either served (parsed
+here) or refused by name, and so is every content block type but `text`,
+`image`, `tool_use` and `tool_result`, and every tool but a custom one. Served:
+`system` (a string or text blocks), `messages`, `max_tokens` (required),
+`stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`, `tools`,
+`tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`)
+and `stream`. `cache_control` (on the body, a block or a tool) is accepted: it
+is a hint about prompt caching, which the engines do by themselves for every
+prefix. The SDK's newest version no longer names `temperature`, `top_p` and
+`top_k`; older clients (and `extra_body`) send them, so they are served.
+
+A conversation maps onto chat messages: a `tool_use` block is an assistant
+message's tool call, a `tool_result` block a `tool` message of its own (its text;
+`is_error` marks that text as an error), images go in as URLs or data URIs. The
+value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.edge.errors import invalid
+from gateway.edge.openai.validation import (
+    _NAME,
+    MAX_IMAGES,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TOOLS,
+    MAX_USER_CHARS,
+    UINT32_MAX,
+    ParsedRequest,
+    _flag,
+    _int,
+    _number,
+    _string,
+    model_of,
+)
+from gateway.protocol.types import GenerateRequest, Message, SamplingParams, Tool, ToolCall
+
+#: Fields of a Messages body this gateway serves.
+MESSAGE_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "metadata",
+        "tools",
+        "tool_choice",
+        "stream",
+        "cache_control",
+    }
+)
+#: ... and of a count_tokens body (what shapes the prompt).
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "cache_control"})
+#: Image types Anthropic takes inline.
+MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+#: Keys of a block besides its own that ask nothing of us.
+_HINTS = frozenset({"type", "cache_control"})
+
+
+def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str], where: str = "") -> None:
+    """A 400 naming the first field not in `known` (Anthropic refuses extra inputs); a
+    field set to null asks nothing (SDKs write out their unset optional fields so)."""
+    extra = [name for name in body.keys() - known if body[name] is not None]
+    if extra:
+        name = min(extra)
+        raise invalid(where + name, f"{where}{name}: Extra inputs are not permitted.")
+
+
+def _text_of(block: Mapping[str, Any], where: str) -> str:
+    _refuse_unknown(block, _HINTS | {"text", "citations"}, where + ".")
+    if block.get("citations") not in (None, []):
+        raise invalid(f"{where}.citations", "Citations are not supported by this gateway.")
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text", "Field required: a string.")
+    return text
+
+
+def _system(body: Mapping[str, Any]) -> str | None:
+    system = body.get("system")
+    if system is None or isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise invalid("system", "Invalid type for 'system': a string or a list of text blocks.")
+    texts = []
+    for i, block in enumerate(system):
+        where = f"system[{i}]"
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise invalid(f"{where}.type", "A system block must be of type 'text'.")
+        texts.append(_text_of(block, where))
+    return "\n".join(texts)
+
+
+def _image(block: Mapping[str, Any], where: str) -> str:
+    """An image block as a URL or a data URI."""
+    _refuse_unknown(block, _HINTS | {"source"}, where + ".")
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "url":
+        url = source.get("url") if isinstance(source, Mapping) else None
+        if not isinstance(url, str) or not url.lower().startswith(("https://", "http://")):
+            raise invalid(f"{where}.source.url", "Invalid 'url': an http(s) URL.")
+        return url
+    if kind != "base64" or not isinstance(source, Mapping):
+        raise invalid(f"{where}.source.type", "An image source is of type 'base64' or 'url'.")
+    media_type = source.get("media_type")
+    if media_type not in MEDIA_TYPES:
+        raise invalid(
+            f"{where}.source.media_type",
+            f"Invalid 'media_type': one of {', '.join(sorted(MEDIA_TYPES))}.",
+        )
+    data = source.get("data")
+    if not isinstance(data, str) or not data:
+        raise invalid(f"{where}.source.data", "Field required: the image's base64 data.")
+    return f"data:{media_type};base64,{data}"
+
+
+def _tool_use(block: Mapping[str, Any], where: str) -> ToolCall:
+    _refuse_unknown(block, _HINTS | {"id", "name", "input"}, where + ".")
+    call_id = _string(block, "id", where + ".")
+    name = _string(block, "name", where + ".")
+    if not call_id or not name:
+        raise invalid(f"{where}.{'name' if call_id else 'id'}", "Field required: a string.")
+    arguments = block.get("input")
+    if not isinstance(arguments, Mapping):
+        raise invalid(f"{where}.input", "Invalid type for 'input': expected an object.")
+    return ToolCall(call_id, name, orjson.dumps(arguments).decode())
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> tuple[Message, int]:
+    """A tool message, and how many images it holds."""
+    _refuse_unknown(block, _HINTS | {"tool_use_id", "content", "is_error"}, where + ".")
+    call_id = _string(block, "tool_use_id", where + ".")
+    if not call_id:
+        raise invalid(f"{where}.tool_use_id", "Field required: a string.")
+    content = block.get("content")
+    text, images = ("", ()) if content is None else _content(content, f"{where}.content")
+    if _flag(block, "is_error", where + "."):
+        text = f"Error: {text}"
+    return Message("tool", text, images, tool_call_id=call_id), len(images)
+
+
+def _content(content: Any, where: str) -> tuple[str, tuple[str, ...]]:
+    """The text and images of a tool result's content (text and image blocks only)."""
+    message = _blocks(content, where, "tool", nested=True)[0][0]
+    return message.content, message.images
+
+
+def _blocks(
+    content: Any, where: str, role: str, *, nested: bool = False
+) -> tuple[list[Message], int]:
+    """A turn's content as chat messages (tool results each a message of their own,
+    in order), and how many images it holds."""
+    if isinstance(content, str):
+        return [Message(role, content)], 0
+    if not isinstance(content, list):
+        raise invalid(where, f"Invalid type for '{where}': a string or a list of blocks.")
+    out: list[Message] = []
+    texts: list[str] = []
+    images: list[str] = []
+    calls: list[ToolCall] = []
+    count = 0
+
+    def flush() -> None:
+        if texts or images or calls:
+            out.append(Message(role, "".join(texts), tuple(images), tuple(calls)))
+            texts.clear()
+            images.clear()
+            calls.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if not isinstance(block, Mapping):
+            raise invalid(at, "Invalid type: expected a content block (an object).")
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "image":
+            images.append(_image(block, at))
+            count += 1
+        elif kind == "tool_use" and role == "assistant" and not nested:
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user" and not nested:
+            flush()
+            message, pictures = _tool_result(block, at)
+            out.append(message)
+            count += pictures
+        else:
+            allowed = "'text' and 'image'"
+            if not nested:
+                allowed += ", and 'tool_use'" if role == "assistant" else ", and 'tool_result'"
+            raise invalid(
+                f"{at}.type", f"Block type {str(kind)[:64]!r} is not supported here: {allowed}."
+            )
+    flush()
+    if not out:
+        out.append(Message(role, ""))
+    return out, count
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "Field required: 'messages', a non-empty list.")
+    system = _system(body)
+    out = [Message("system", system)] if system else []
+    images = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise invalid(where, "Invalid type: expected an object.")
+        _refuse_unknown(message, frozenset({"role", "content"}), where + ".")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role", "Invalid value: 'user' or 'assistant'.")
+        parsed, count = _blocks(message.get("content"), f"{where}.content", role)
+        images += count
+        if images > MAX_IMAGES:
+            raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
+        out += parsed
+    return tuple(out)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"Invalid 'tools': a list of at most {MAX_TOOLS}.")
+    parsed = []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, Mapping):
+            raise invalid(where, "Invalid type: expected an object.")
+        if tool.get("type") not in (None, "custom"):
+            raise invalid(
+                f"{where}.type", "Only custom tools (name, description, input_schema) are served."
+            )
+        _refuse_unknown(tool, _HINTS | {"name", "description", "input_schema"}, where + ".")
+        name = tool.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, Mapping):
+            raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
+        description = _string(tool, "description", where + ".") or ""
+        parsed.append(Tool(name, description, orjson.dumps(schema).decode()))
+    if len({tool.name for tool in parsed}) != len(parsed):
+        raise invalid("tools", "Invalid 'tools': tool names must be unique.")
+    return tuple(parsed)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str, bool | None]:
+    """Our tool_choice ("" when not given) and parallel_tool_calls (None: the default)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "", None
+    if not isinstance(choice, Mapping):
+        raise invalid("tool_choice", "Invalid type for 'tool_choice': expected an object.")
+    kind = choice.get("type")
+    known = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
+    _refuse_unknown(choice, frozenset(known), "tool_choice.")
+    disable = _flag(choice, "disable_parallel_tool_use", "tool_choice.")
+    parallel = False if disable and tools else None
+    if kind == "none":
+        return ("none" if tools else ""), None
+    if kind not in ("auto", "any", "tool"):
+        raise invalid("tool_choice.type", "Invalid value: 'auto', 'any', 'tool' or 'none'.")
+    if not tools:
+        raise invalid("tool_choice", "'tool_choice' needs 'tools'.")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    name = choice.get("name")
+    if not isinstance(name, str) or name not in {tool.name for tool in tools}:
+        raise invalid("tool_choice.name", "Invalid 'name': the name of one of 'tools'.")
+    return name, parallel
+
+
+def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop_sequences")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop_sequences", "Invalid type: expected a list of strings.")
+    if len(value) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in value):
+        raise invalid(
+            "stop_sequences",
+            f"Invalid value: at most {MAX_STOP} of at most {MAX_STOP_CHARS} characters each.",
+        )
+    return tuple(s for s in value if s)
+
+
+def _user(body: Mapping[str, Any]) -> str:
+    metadata = body.get("metadata")
+    if metadata is None:
+        return ""
+    if not isinstance(metadata, Mapping):
+        raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
+    _refuse_unknown(metadata, frozenset({"user_id"}), "metadata.")
+    user = _string(metadata, "user_id", "metadata.") or ""
+    if len(user) > MAX_USER_CHARS:
+        raise invalid("metadata.user_id", f"Invalid value: at most {MAX_USER_CHARS} characters.")
+    return user
+
+
+def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | None, dict[str, Any]]:
+    """The model, and the GenerateRequest fields that shape the prompt."""
+    model = model_of(body)
+    if not model:
+        raise invalid("model", "Field required: 'model'.")
+    _refuse_unknown(body, known)
+    tools = _tools(body)
+    choice, parallel = _tool_choice(body, tools)
+    fields = {
+        "messages": _messages(body),
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "request_id": request_id,
+    }
+    return model, fields
+
+
+def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
+    """A /v1/messages body, checked (for the request `request_id`)."""
+    model, fields = _prompt(body, request_id, MESSAGE_FIELDS)
+    max_tokens = _int(body, "max_tokens", 1, UINT32_MAX)
+    if max_tokens is None:
+        raise invalid("max_tokens", "Field required: 'max_tokens'.")
+    top_k = _int(body, "top_k", 0, UINT32_MAX) or None
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 0, 1),
+        top_p=_number(body, "top_p", 0, 1, low_open=True),
+        top_k=top_k,
+        max_tokens=max_tokens,
+    )
+    request = GenerateRequest(
+        model or "",
+        sampling=sampling,
+        stop=_stop_sequences(body),
+        user=_user(body),
+        **fields,
+    )
+    return ParsedRequest(model, request, _flag(body, "stream"), False)
+
+
+def parse_count(body: Any, request_id: str = "") -> GenerateRequest:
+    """A /v1/messages/count_tokens body: the prompt it would make."""
+    model, fields = _prompt(body, request_id, COUNT_FIELDS)
+    return GenerateRequest(model or "", **fields)
