@@ -28,6 +28,7 @@ ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] 
     errors.NotAnLLM: (400, INVALID, "model_not_supported"),
     errors.Busy: (503, SERVER, "server_busy"),
     errors.Draining: (503, SERVER, "engine_unavailable"),
+    errors.BudgetExceeded: (429, "rate_limit_error", "budget_exceeded"),
     errors.RateLimited: (429, "rate_limit_error", "rate_limit_exceeded"),
     errors.Unavailable: (503, SERVER, "engine_unavailable"),
     errors.Timeout: (504, SERVER, "timeout"),

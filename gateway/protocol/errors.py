@@ -103,6 +103,11 @@ class RateLimited(EngineError):
         self.retry_after = retry_after
 
 
+class BudgetExceeded(RateLimited):
+    """A team's (or key's) budget over a calendar window is spent; `retry_after`
+    seconds until the window resets."""
+
+
 class Unavailable(EngineError):
     """The worker cannot be reached or dropped the request."""
 

@@ -156,6 +156,9 @@ class RedisStore:
             await self.client.connection_pool.disconnect(inuse_connections=False)
             raise
 
+    #: The same, for the budgets and the usage ledger, which share this client.
+    bounded = _bounded
+
     def _key(self, team: Team, what: str) -> str:
         return f"{self.prefix}:limits:{{{team.name}}}:{what}"
 

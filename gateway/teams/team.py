@@ -3,6 +3,8 @@ and the counts its metrics show."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.config import TeamConfig
 from gateway.teams.bucket import Bucket
 
@@ -15,6 +17,7 @@ class Team:
 
     __slots__ = (
         "allowed",
+        "budget",
         "config",
         "inflight",
         "name",
@@ -43,6 +46,8 @@ class Team:
         self.wanted_at = float("-inf")
         self.refused = dict.fromkeys(REFUSALS, 0)
         self.tokens_charged = 0.0
+        #: Its budgets' counters as last seen: key → (Meter, usage) (gateway.teams.budgets).
+        self.budget: dict[str, tuple[Any, float]] = {}
 
     def sees(self, model: str) -> bool:
         """Whether the team's keys may use (and list) `model`."""

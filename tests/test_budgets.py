@@ -1,0 +1,195 @@
+"""Budgets over calendar windows (gateway.teams.budgets): the windows' bounds,
+reserve-then-settle held exactly by two replicas sharing a real Redis, the
+store failing open or closed, and the whole path through real gateways: 429
+`budget_exceeded` with Retry-After, streams cut by their clients, settlement to
+what the engine counted, the ledger equal to what the clients received."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from gateway.config import BudgetConfig, parse_config
+from gateway.protocol import errors
+from gateway.teams.budgets import Budgets, window_of
+from gateway.teams.redis_store import RedisStore
+from gateway.teams.team import Team
+from tests.support.redis_server import RedisServer
+
+
+def at(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def test_windows_are_utc_calendar_days_and_months_from_their_start() -> None:
+    day = BudgetConfig("day", tokens=1)
+    assert window_of(day, at("2026-12-01T23:59:59")) == ("2026-12-01", at("2026-12-02T00:00:00"))
+    late = BudgetConfig("day", tokens=1, start_hour=6)
+    assert window_of(late, at("2026-12-01T05:00:00")) == ("2026-11-30", at("2026-12-01T06:00:00"))
+    month = BudgetConfig("month", tokens=1)
+    assert window_of(month, at("2026-12-31T12:00:00")) == ("2026-12-01", at("2027-01-01T00:00:00"))
+    billing = BudgetConfig("month", tokens=1, start_day=15)
+    assert window_of(billing, at("2026-01-10T00:00:00")) == (
+        "2025-12-15",
+        at("2026-01-15T00:00:00"),
+    )
+
+
+def config(**raw: Any) -> Any:
+    base = {"models": [{"name": "m", "workers": ["127.0.0.1:1"]}], **raw}
+    return parse_config(base, env={})
+
+
+def team(budgets: list[dict[str, Any]], name: str = "alpha") -> Team:
+    cfg = config(teams={name: {"budgets": budgets}})
+    return Team(cfg.teams[0])
+
+
+async def race(replicas: list[Budgets], alpha: Team, requests: int) -> tuple[int, float]:
+    """`requests` concurrent reservations of 100 tokens spread over the replicas, each
+    settled to a random usage at most its reservation: (admitted, tokens used)."""
+    admitted, used = 0, 0.0
+
+    async def one(i: int) -> None:
+        nonlocal admitted, used
+        budgets = replicas[i % len(replicas)]
+        try:
+            held = await budgets.reserve(alpha, None, "m", 40, 60)
+        except errors.BudgetExceeded:
+            return
+        assert held is not None
+        admitted += 1
+        await asyncio.sleep(random.uniform(0, 0.01))
+        prompt, completion = 40, random.randint(0, 60)
+        used += prompt + completion
+        await budgets.settle(held, prompt, completion)
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+    return admitted, used
+
+
+def test_two_replicas_sharing_redis_admit_exactly_what_fits(
+    redis_server: RedisServer,
+) -> None:
+    alpha = team([{"window": "day", "tokens": 5000}])
+    cfg = config(redis_url=redis_server.url)
+
+    async def main() -> tuple[int, float, float]:
+        # 200 calls at once open as many connections: a generous timeout on a busy machine
+        stores = [RedisStore(redis_server.url, 10.0, "t") for _ in range(2)]
+        replicas = [Budgets(cfg, store) for store in stores]
+        admitted, used = await race(replicas, alpha, 200)
+        meter = replicas[0].meters(alpha, None, datetime.now(UTC).timestamp())[0]
+        counter = float(await stores[0].client.get(meter.key) or 0)
+        for store in stores:
+            await store.close()
+        return admitted, used, counter
+
+    admitted, used, counter = asyncio.run(main())
+    # every reservation is 100 and the budget 5000, settled only after all raced: at
+    # most 50 fit, and at least 50 (refunds only make room)
+    assert admitted >= 50
+    assert counter == pytest.approx(used)
+    assert used <= 5000
+
+
+def test_the_local_store_admits_no_more_than_fits() -> None:
+    alpha = team([{"window": "day", "tokens": 5000}, {"window": "month", "tokens": 10**6}])
+    budgets = Budgets(config(), None)
+    admitted, used = asyncio.run(race([budgets], alpha, 200))
+    assert admitted >= 50
+    assert sorted(budgets.used.values()) == [pytest.approx(used)] * 2
+
+
+def test_a_refusal_names_the_window_and_when_it_resets() -> None:
+    alpha = team([{"window": "day", "tokens": 100}])
+    budgets = Budgets(config(), None)
+
+    async def main() -> errors.BudgetExceeded:
+        held = await budgets.reserve(alpha, None, "m", 50, 50)
+        assert held is not None
+        with pytest.raises(errors.BudgetExceeded) as refused:
+            await budgets.reserve(alpha, None, "m", 1, 0)
+        await budgets.settle(held, 10, 20)  # 70 refunded
+        assert await budgets.reserve(alpha, None, "m", 30, 40) is not None
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert "day budget of team `alpha`" in refused.message
+    assert "resets at" in refused.message
+    assert 1 <= refused.retry_after <= 86_400
+    assert refused.reason == "budget_exceeded"
+
+
+def test_spend_budgets_weigh_tokens_by_the_models_prices() -> None:
+    cfg = config(
+        models=[
+            {"name": "m", "workers": ["127.0.0.1:1"], "prices": {"prompt": 1, "completion": 3}}
+        ],
+        teams={"alpha": {"budgets": [{"window": "month", "spend": 0.01}]}},
+    )
+    alpha = Team(cfg.teams[0])
+    budgets = Budgets(cfg, None)
+
+    async def main() -> None:
+        # 1,000 prompt + 3,000 completion tokens: 0.001 + 0.009 = the whole budget
+        held = await budgets.reserve(alpha, None, "m", 1000, 3000)
+        assert held is not None
+        with pytest.raises(errors.BudgetExceeded, match=r"0\.01 spend"):
+            await budgets.reserve(alpha, None, "m", 1, 0)
+
+    asyncio.run(main())
+
+
+def test_a_key_budget_counts_that_key_alone() -> None:
+    alpha = team([{"window": "day", "tokens": 100, "key": "abcdef01"}])
+    budgets = Budgets(config(), None)
+
+    async def main() -> None:
+        assert await budgets.reserve(alpha, "abcdef01ffff", "m", 100, 0) is not None
+        with pytest.raises(errors.BudgetExceeded, match="key abcdef01"):
+            await budgets.reserve(alpha, "abcdef01ffff", "m", 1, 0)
+        assert await budgets.reserve(alpha, "0123456789ab", "m", 1000, 0) is not None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_redis_down_mid_window_fails_as_configured(redis_server: RedisServer, mode: str) -> None:
+    alpha = team([{"window": "day", "tokens": 1000}])
+    cfg = config(redis_url=redis_server.url, budget_store_failure=mode)
+
+    async def main() -> None:
+        store = RedisStore(redis_server.url, 0.2, "t")
+        budgets = Budgets(cfg, store)
+        held = await budgets.reserve(alpha, None, "m", 100, 100)
+        assert held is not None
+        redis_server.stall()
+        try:
+            if mode == "closed":
+                with pytest.raises(errors.Busy) as refused:
+                    await budgets.reserve(alpha, None, "m", 100, 0)
+                assert refused.value.reason == "budget_store_down"
+            else:  # counts on from the shared figure it last saw: 200 of 1000
+                kept = [await budgets.reserve(alpha, None, "m", 100, 100) for _ in range(4)]
+                with pytest.raises(errors.BudgetExceeded):
+                    await budgets.reserve(alpha, None, "m", 100, 100)
+                for one in kept:
+                    assert one is not None
+                    await budgets.settle(one, 50, 50)  # 400 refunded
+            await budgets.settle(held, 100, 0)  # 100 refunded, kept to add later
+        finally:
+            redis_server.resume()
+        await budgets.probe()
+        assert budgets.redis_up and not budgets.unsynced
+        meter = budgets.meters(alpha, None, datetime.now(UTC).timestamp())[0]
+        counter = float(await store.client.get(meter.key) or 0)
+        # caught up once: what was counted meanwhile is in Redis, nothing twice
+        assert counter == (100 if mode == "closed" else 100 + 4 * 100)
+        await store.close()
+
+    asyncio.run(main())
