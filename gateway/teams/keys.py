@@ -1,4 +1,5 @@
-"""API keys: `Authorization: Bearer <key>` against keys known by their SHA-256.
+"""API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) against
+keys known by their SHA-256.
 
 The gateway never holds a key, only the digests of the config's `keys` and of
 `keys_file` (a file mounted from a Kubernetes Secret, read again when it
@@ -36,7 +37,9 @@ _BEARER = b"bearer"
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of `Authorization: Bearer <token>` (the scheme in any case), or None."""
+    """The token of `Authorization: Bearer <token>` (the scheme in any case), else the
+    value of `x-api-key` (where Anthropic's clients send theirs), or None."""
+    api_key = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
@@ -44,7 +47,9 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
             if scheme.lower() == _BEARER and token:
                 return token
             return None
-    return None
+        if name == b"x-api-key" and api_key is None:
+            api_key = value.strip(b" \t") or None
+    return api_key
 
 
 class KeyRing:
