@@ -1,7 +1,8 @@
 """The chart and the kustomize base hold the line by default, checked with the real helm and
 kubectl and the Kubernetes schemas: only the API (/v1) is routed from outside, the workers'
-gRPC ports take connections from the gateway's pods alone, a public route or product teams
-without API keys refuse to render unless opted out, the image can be pinned by digest, every
+gRPC ports take connections from the gateway's pods alone, a public route, a NodePort or
+LoadBalancer Service or product teams without API keys refuse to render unless opted out, the
+admin port is on a ClusterIP Service of its own, the image can be pinned by digest, every
 emptyDir has a size limit, and the kustomize namespace enforces the restricted Pod Security
 standard."""
 
@@ -160,6 +161,8 @@ def test_the_exposed_prefixes_are_a_value():
         (("--set", "ingress.enabled=true"), FAIL_CLOSED),
         (("--set", "httpRoute.enabled=true"), FAIL_CLOSED),
         (("--set-json", 'gateway.teams={"search": {}}'), "gateway.teams is set with no API keys"),
+        (("--set", "service.type=LoadBalancer"), "service.type=LoadBalancer " + FAIL_CLOSED),
+        (("--set", "service.type=NodePort"), "service.type=NodePort " + FAIL_CLOSED),
     ],
 )
 def test_public_routes_or_teams_without_keys_fail_to_render(args: tuple[str, ...], message: str):
@@ -167,6 +170,28 @@ def test_public_routes_or_teams_without_keys_fail_to_render(args: tuple[str, ...
     assert result.returncode != 0
     assert message in result.stderr
     assert "gateway.allowUnauthenticated=true" in result.stderr
+
+
+@pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
+def test_an_outside_service_with_keys_carries_the_api_only(service_type: str):
+    for args in (KEYS, OPT_OUT):
+        manifests = render("--set", f"service.type={service_type}", *args)
+        service = one(manifests, "Service", FULLNAME)["spec"]
+        assert service["type"] == service_type
+        assert [p["name"] for p in service["ports"]] == ["http"]
+        admin = one(manifests, "Service", f"{FULLNAME}-admin")["spec"]
+        assert admin["type"] == "ClusterIP"
+        assert [(p["name"], p["targetPort"]) for p in admin["ports"]] == [("admin", "admin")]
+        assert admin["selector"] == service["selector"]
+
+
+def test_the_service_monitor_selects_the_admin_service_alone():
+    manifests = render("--set", "serviceMonitor.enabled=true")
+    selector = one(manifests, "ServiceMonitor", FULLNAME)["spec"]["selector"]["matchLabels"]
+    admin = one(manifests, "Service", f"{FULLNAME}-admin")["metadata"]["labels"]
+    api = one(manifests, "Service", FULLNAME)["metadata"]["labels"]
+    assert selects(selector, admin)
+    assert not selects(selector, api)
 
 
 def test_the_opt_out_renders_public_routes_without_keys():

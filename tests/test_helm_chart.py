@@ -367,7 +367,9 @@ def test_the_autoscaler_metric_and_the_monitor_path_are_served(gateway: Gateway)
 def test_ingress_route_and_monitor_reach_the_gateway_service():
     manifests = list(render(*VALUES["gpu-fleet"]))
     service = one(manifests, "Service", FULLNAME)
-    port, admin = service["spec"]["ports"]
+    (port,) = service["spec"]["ports"]
+    admin_service = one(manifests, "Service", f"{FULLNAME}-admin")
+    (admin,) = admin_service["spec"]["ports"]
     assert (port["name"], admin["name"], admin["targetPort"]) == ("http", "admin", "admin")
     assert selects(service["spec"]["selector"], gateway_pod(tuple(manifests))["metadata"]["labels"])
     ingress = one(manifests, "Ingress", FULLNAME)
@@ -380,7 +382,8 @@ def test_ingress_route_and_monitor_reach_the_gateway_service():
     assert rule["backendRefs"] == [{"name": FULLNAME, "port": port["port"]}]
     monitor = one(manifests, "ServiceMonitor", FULLNAME)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    labels = admin_service["metadata"]["labels"]
+    assert selects(monitor["spec"]["selector"]["matchLabels"], labels)
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == admin["name"] and endpoint["path"] == "/metrics"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}

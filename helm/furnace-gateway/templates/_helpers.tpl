@@ -233,12 +233,16 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- toYaml $config }}
 {{- end }}
 
-{{/* Fail-closed: a public route or product teams with no API keys is refused, unless
+{{/* Fail-closed: a public route, a Service reachable from outside the cluster (NodePort,
+LoadBalancer) or product teams with no API keys is refused, unless
 `gateway.allowUnauthenticated` says so out loud. */}}
 {{- define "furnace-gateway.failClosed" -}}
 {{- if and (not .Values.gateway.keys.existingSecret) (not .Values.gateway.allowUnauthenticated) }}
 {{- if or .Values.ingress.enabled .Values.httpRoute.enabled }}
 {{- fail "ingress.enabled or httpRoute.enabled exposes the gateway with no API keys: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true to serve anyone who reaches it" }}
+{{- end }}
+{{- if ne .Values.service.type "ClusterIP" }}
+{{- fail (printf "service.type=%s exposes the gateway with no API keys: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true to serve anyone who reaches it" .Values.service.type) }}
 {{- end }}
 {{- if .Values.gateway.teams }}
 {{- fail "gateway.teams is set with no API keys to name the teams: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true" }}
