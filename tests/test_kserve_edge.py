@@ -68,6 +68,43 @@ def test_nested_data_is_row_major(tensor_gw):
     assert response.json()["outputs"][0]["data"] == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_data_nested_a_thousand_deep_is_400_not_500(tensor_gw):
+    gw, http = tensor_gw
+    worker = next(iter(gw.state.fleet.models["slow"].workers.values()))
+    deep = "[" * 990 + "1.0" + "]" * 990
+    body = '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": ' + deep + "}]}"
+    response = http.post(
+        "/v2/models/slow/infer", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert "nested deeper than 64" in response.json()["error"]
+    assert worker.outstanding == 0
+    # as deep as a shape of 100 dimensions says is a tensor
+    shape = [1] * 100
+    x = "[" * 100 + "1.0" + "]" * 100
+    tensor = f'{{"name": "x", "datatype": "FP32", "shape": {shape}, "data": {x}}}'
+    body = '{"inputs": [' + tensor + "]}"
+    response = http.post(
+        "/v2/models/echo/infer", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text  # past the data: echo has no input x
+    assert "has no input `x`" in response.json()["error"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded"])
+def test_v2_bodies_must_be_json_or_binary_tensors(tensor_gw, content_type):
+    _, http = tensor_gw
+    body = orjson.dumps(_echo_body())
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = http.post("/v2/models/echo/infer", content=body, headers=headers)
+    assert response.status_code == 415, response.text
+    assert "application/json" in response.json()["error"]
+    octets = http.post(
+        "/v2/models/echo/infer", content=body, headers={"content-type": "application/octet-stream"}
+    )
+    assert octets.status_code == 200, octets.text
+
+
 def test_health_server_and_model_metadata(tensor_gw):
     _, http = tensor_gw
     assert http.get("/v2/health/live").json() == {"live": True}
@@ -283,7 +320,9 @@ def test_tensor_bytes_in_and_out_are_counted_once_per_request(gateway_with, kser
             "/v2/models/echo/infer", content=body, headers={"content-type": "application/json"}
         )
         assert response.status_code == 200, response.text
-        bad = http.post("/v2/models/echo/infer", content=b"{}")  # a 400 counts too
+        bad = http.post(  # a 400 counts too
+            "/v2/models/echo/infer", content=b"{}", headers={"content-type": "application/json"}
+        )
         assert bad.status_code == 400
         after = httpx.get(gw.admin_url + "/metrics", timeout=HANG_GUARD).text
     received, sent = (_counter(after, n, "echo") - _counter(before, n, "echo") for n in names)

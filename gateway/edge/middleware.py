@@ -10,7 +10,8 @@ are never logged: the gateway only ever holds their SHA-256.
 A browser page may send a "simple" cross-origin POST (text/plain, no preflight)
 to a developer's local gateway, and DNS rebinding lets it read the answer under
 a name of its own. So POST bodies on /v1/* must be declared JSON (415 before a
-byte is read; a missing Content-Type too: OpenAI's SDKs always send it), and the
+byte is read; a missing Content-Type too: OpenAI's SDKs always send it), those on
+/v2/* JSON or the binary tensor extension's (415 in KServe's shape), and the
 Host must be one the gateway serves (`allowed_hosts`; listening on loopback,
 loopback names only). A wrong Host gets 421 Misdirected Request: the request
 reached a server that will not answer for that authority (RFC 9110 15.5.20),
@@ -26,9 +27,10 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import orjson
 from starlette.routing import BaseRoute
 
-from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error
+from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
 from gateway.teams import SCOPE_KEY, Teams, rate_limit_headers
 
@@ -74,29 +76,48 @@ def host_name(value: bytes) -> str:
     return text.rpartition(":")[0].rstrip(".") if ":" in text else text.rstrip(".")
 
 
+#: The /v2 routes' 415, in the KServe error shape.
+UNSUPPORTED_TENSOR_MEDIA_TYPE = orjson.dumps(
+    {
+        "error": "The request body must be JSON ('Content-Type: application/json') or the "
+        "binary tensor extension's ('Content-Type: application/octet-stream', or an "
+        "Inference-Header-Content-Length header)."
+    }
+)
+_JSON = frozenset({b"application/json"})
+#: What a /v2 body may be declared as: JSON, or the binary tensor extension's bytes.
+_TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
+_INFERENCE_HEADER = b"inference-header-content-length"
+
+
 class JsonOnly:
-    """Answers 415 to a POST on /v1/* whose body is not declared JSON."""
+    """Answers 415 to a POST on /v1/* whose body is not declared JSON, and to one on /v2/*
+    declared neither JSON nor binary tensors (a request of the binary extension that names
+    no type passes by its Inference-Header-Content-Length: Triton's clients send no type,
+    and no browser sends that header without a preflight)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and scope["path"].startswith("/v1/")
-            and not _declares_json(scope["headers"])
-        ):
-            await send_error(send, UNSUPPORTED_MEDIA_TYPE)
-            return
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path, headers = scope["path"], scope["headers"]
+            if path.startswith("/v1/") and not _declares(headers, _JSON):
+                await send_error(send, UNSUPPORTED_MEDIA_TYPE)
+                return
+            if (
+                path.startswith("/v2/")
+                and not _declares(headers, _TENSOR_TYPES)
+                and not any(name == _INFERENCE_HEADER for name, _ in headers)
+            ):
+                await send_json(send, 415, UNSUPPORTED_TENSOR_MEDIA_TYPE, [])
+                return
         await self.app(scope, receive, send)
 
 
-def _declares_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+def _declares(headers: Iterable[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> bool:
     types = [value for name, value in headers if name == b"content-type"]
-    return bool(types) and all(
-        t.partition(b";")[0].strip().lower() == b"application/json" for t in types
-    )
+    return bool(types) and all(t.partition(b";")[0].strip().lower() in allowed for t in types)
 
 
 class HostCheck:

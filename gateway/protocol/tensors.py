@@ -102,12 +102,31 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _flatten(data: Any, into: list[Any]) -> None:
-    for item in data:
-        if isinstance(item, list):
-            _flatten(item, into)
-        else:
+#: How deep `data` may nest when the shape's rank is less: Triton flattens any nesting (a
+#: shape [4] may come as [[0, 1], [2, 3]]), and numpy's arrays have at most 64 dimensions.
+MAX_NESTING = 64
+
+
+def _flatten(data: list[Any], depth: int, where: str) -> list[Any]:
+    """`data`'s values row-major, walked with a stack of iterators (no recursion: a body
+    nested a thousand deep must be a 400, not a RecursionError); lists nested deeper than
+    `depth` are refused."""
+    into: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if len(stack) >= depth:
+                    raise _bad(
+                        f"{where}: data is nested deeper than {depth} lists",
+                        where,
+                    )
+                stack.append(iter(item))
+                break
             into.append(item)
+        else:
+            stack.pop()
+    return into
 
 
 def _check_value(value: Any, datatype: str, where: str) -> Value:
@@ -191,8 +210,7 @@ def tensor_from_json(raw: Any, where: str) -> Tensor:
         raise _bad(f"{where}.data: expected a list", f"{where}.data")
     flat: list[Any] = data
     if any(isinstance(item, list) for item in data):
-        flat = []
-        _flatten(data, flat)
+        flat = _flatten(data, max(len(shape), MAX_NESTING), f"{where}.data")
     expected = element_count(shape)
     if len(flat) != expected:
         raise _bad(
