@@ -90,6 +90,8 @@ end
 mark(mode == 'undo' and 'undone' or 'applied')
 return used
 """
+#: (team, key id) pairs whose counters are kept at most (each key of a team is one).
+MAX_CACHED = 4096
 #: Milliseconds a call's marker lives: long enough for the probe that follows a stall.
 MARKER_MS = 120_000
 
@@ -178,6 +180,8 @@ class Budgets:
         self.uncertain: dict[str, Call] = {}
         self._gateway = secrets.token_hex(6)  # names this gateway's calls
         self._count = 0
+        #: Each (team, key id)'s counters, and when the first of their windows ends.
+        self._meters: dict[tuple[str, str | None], tuple[float, list[Meter]]] = {}
         #: Refusals by team (the metric).
         self.refusals: dict[str, int] = {}
 
@@ -186,7 +190,11 @@ class Budgets:
         return team is not None and bool(team.config.budgets)
 
     def meters(self, team: Team, key_id: str | None, now: float) -> list[Meter]:
-        """The counters a request of `team` (made with key `key_id`) touches now."""
+        """The counters a request of `team` (made with key `key_id`) touches now (kept
+        until the first of their windows ends: the window's dates are the cost)."""
+        cached = self._meters.get((team.name, key_id))
+        if cached is not None and now < cached[0]:
+            return cached[1]
         meters = []
         for budget in team.config.budgets:
             if budget.key is not None and (key_id is None or not key_id.startswith(budget.key)):
@@ -194,6 +202,12 @@ class Budgets:
             for kind in ("tokens", "spend"):
                 if getattr(budget, kind) is not None:
                     meters.append(Meter(team.name, budget, kind, now, self.prefix))
+        if len(self._meters) >= MAX_CACHED:
+            self._meters.clear()
+        self._meters[(team.name, key_id)] = (
+            min((m.ends for m in meters), default=now + 60),
+            meters,
+        )
         return meters
 
     # -- admission ----------------------------------------------------------------
