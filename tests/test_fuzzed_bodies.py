@@ -9,13 +9,12 @@ numbers, or repeated, in a seeded random walk (the same bodies every run)."""
 from __future__ import annotations
 
 import copy
-import json
 import random
 from typing import Any
 
 import pytest
 
-from tests.support.requests import assert_openai_error
+from tests.support.requests import assert_openai_error, no_5xx
 from tests.support.servers import DEMO_MODEL
 
 #: Valid bodies the demo serves (200), each field a place to mutate.
@@ -145,13 +144,7 @@ def test_the_bases_are_served(client, path):
 
 @pytest.mark.parametrize("path", list(BASES))
 def test_mutated_bodies_are_served_or_refused_in_openai_shape(client, path):
-    statuses: dict[int, int] = {}
-    for body in bodies(path):
-        answer = client.post(
-            path, content=json.dumps(body), headers={"content-type": "application/json"}
-        )
-        statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
-        assert answer.status_code < 500, (answer.text, body)
+    for answer, body in no_5xx(client, path, bodies(path)):
         if answer.status_code >= 400:
             error = assert_openai_error(answer)
             if answer.status_code == 400:
@@ -160,4 +153,3 @@ def test_mutated_bodies_are_served_or_refused_in_openai_shape(client, path):
             assert answer.text.rstrip().endswith("data: [DONE]"), (answer.text, body)
         else:
             assert "error" not in answer.json(), (answer.text, body)
-    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses  # both kinds ran

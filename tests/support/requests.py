@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +21,22 @@ def assert_openai_error(response: httpx.Response) -> dict[str, Any]:
     assert isinstance(error["type"], str)
     assert "param" in error and "code" in error
     return error  # type: ignore[no-any-return]
+
+
+def no_5xx(
+    client: httpx.Client, path: str, bodies: Iterable[Any]
+) -> Iterator[tuple[httpx.Response, Any]]:
+    """Each body posted to `path` as JSON, with its answer, which is never a 5xx (the
+    fuzz specs' loop); at the end, both answers (200) and refusals (400) have come."""
+    statuses: dict[int, int] = {}
+    for body in bodies:
+        answer = client.post(
+            path, content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+        assert answer.status_code < 500, (answer.text, body)
+        yield answer, body
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses  # both kinds ran
 
 
 def sse_events(text: str) -> list:
