@@ -254,8 +254,16 @@ class Config:
     )
     stream_buffer_bytes: int = setting(
         1024 * 1024,
-        "characters of answer text held per request for a client not yet taking them; past "
+        "bytes of answer (text, logprobs, tool-call arguments) held per request for a client "
+        "not yet taking them; past "
         "it the gateway stops reading from the worker, which gRPC flow control slows down",
+        minimum=1,
+    )
+    max_output_units: int = setting(
+        262_144,
+        "what one request may make: `n` x `max_tokens` x (1, or 2 + `top_logprobs` with "
+        "logprobs); more is a 400 naming `max_tokens` (without `max_tokens`, the most that "
+        "fits is its `max_tokens` where the model's context could pass it)",
         minimum=1,
     )
     max_body_bytes: int = setting(

@@ -335,3 +335,45 @@ def test_a_fuzz_of_bad_bodies_gets_4xx_in_openai_shape_and_reaches_no_worker(cli
             assert error["param"], f"{error} for {where}"
     now = (workers.demo_engine.calls, len(workers.scripted.calls), workers.slow_engine.calls)
     assert now == calls, "a bad body reached a worker"
+
+
+# -- what one request may make: n x max_tokens x logprobs ----------------------------
+
+
+def test_n_times_max_tokens_times_logprobs_past_the_bound_is_a_400(client, workers):
+    # the request: 128 choices of 1,000 tokens with 20 alternatives each
+    calls = workers.demo_engine.calls
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 128,
+        "max_tokens": 1000,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    for stream in (False, True):
+        answer = client.post("/v1/chat/completions", json={**body, "stream": stream})
+        assert answer.status_code == 400
+        error = assert_openai_error(answer)
+        assert error["param"] == "max_tokens"
+        assert "'n'" in error["message"] and "'top_logprobs'" in error["message"]
+    legacy = {"prompt": "hi", "n": 128, "max_tokens": 1000, "logprobs": 5}
+    answer = client.post("/v1/completions", json=legacy)
+    assert answer.status_code == 400
+    assert assert_openai_error(answer)["param"] == "max_tokens"
+    assert workers.demo_engine.calls == calls  # refused before any worker
+    # within the bound: served
+    body.update(n=2, max_tokens=8)
+    assert client.post("/v1/chat/completions", json=body).is_success
+
+
+def test_without_max_tokens_a_request_gets_the_most_that_fits(gateway_with):
+    # 4 choices with 5 alternatives: 4 x (2 + 5) = 28 units a token; 280 fit 10 tokens,
+    # and the demo model's context (64) could pass that
+    gw = gateway_with(max_output_units=280)
+    body = {"prompt": " ".join(f"w{i}" for i in range(30)), "n": 4, "logprobs": 5}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        answer = http.post("/v1/completions", json=body)
+    assert answer.status_code == 200
+    choices = answer.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 4
+    assert answer.json()["usage"]["completion_tokens"] == 40

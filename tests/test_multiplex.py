@@ -6,6 +6,7 @@ window, cancellation, deadlines, the call's own rules), and the gateway's side
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,8 +18,11 @@ from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto
 from gateway.protocol.multiplex import WINDOW, units
 from gateway.protocol.types import (
+    Event,
     Finished,
     FinishReason,
+    GenerateRequest,
+    SamplingParams,
     Started,
     Text,
     TokenLogprob,
@@ -26,7 +30,11 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
+from gateway.upstreams import furnace_multiplex
+from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
+from gateway.upstreams.furnace_multiplex import MultiplexLink
 from gateway.worker.demo import DemoEngine
+from gateway.worker.engine import Engine
 from gateway.worker.servicer import READ_AHEAD_CHARS
 from tests.support.script_engine import ScriptEngine
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
@@ -168,18 +176,29 @@ def _answer(events: list[pb.GenerateEvent]) -> tuple:
     return texts, tokens, logprobs, sorted(e.SerializeToString() for e in others)
 
 
+_TOP = tuple((f"alt{i}", -1.0 - i) for i in range(20))
+
+
 @pytest.mark.parametrize(
-    ("event", "counted"),
+    "event",
     [
-        (Started(3), 1),
-        (Text("héllo", 2), 1 + 5),  # characters, not bytes
-        (Text("a", 1, 2, (TokenLogprob("a", -0.5),)), 1 + 1),
-        (ToolCallDelta(0, 0, "call_1", "f", '{"x": 1}', 3), 1 + 8),
-        (Finished(FinishReason.STOP, 4), 1),
+        Started(3),
+        Text("héllo", 2),
+        Text("a", 1, 2, (TokenLogprob("a", -0.5, _TOP),)),
+        ToolCallDelta(0, 0, "call_1", "f", '{"x": 1}', 3),
+        Finished(FinishReason.STOP, 4),
     ],
 )
-def test_an_event_counts_one_plus_its_text_against_the_window(event, counted):
-    assert units(event_to_proto(event)) == counted
+def test_an_event_counts_every_byte_it_carries_against_the_window(event):
+    message = event_to_proto(event)
+    assert units(message) == len(message.SerializeToString())
+
+
+def test_logprobs_count_against_the_window():
+    # one character of text with 20 alternatives: counted by all it carries, not as 2
+    plain = units(event_to_proto(Text("a", 1)))
+    rich = units(event_to_proto(Text("a", 1, 0, (TokenLogprob("a", -0.5, _TOP),))))
+    assert rich > plain + 20 * len("alt0")
 
 
 # -- what the one call brings -----------------------------------------------------------
@@ -447,3 +466,96 @@ def test_a_worker_that_stops_reading_fails_requests_and_holds_nothing(serve_raw,
         )
     assert [r.status_code for r in responses] == [503] * len(prompts)
     assert {r.json()["error"]["code"] for r in responses} == {"engine_unavailable"}
+
+
+# -- bounds on what one client can do to the call ----------------------------------------
+
+
+class SizeEngine(Engine):
+    """Answers the length of its prompt, as one token."""
+
+    model = "big"
+    max_context = 1 << 30
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        yield Started(1)
+        yield Text(str(len(request.prompt or "")), 1)
+        yield Finished(FinishReason.LENGTH, 1)
+
+
+def test_starts_too_big_for_one_message_go_in_several(server_loop, serve_engines):
+    # 17 starts of 4 MB in one turn of the loop were one message over gRPC's 64 MiB cap:
+    # the call broke, and every request on it with the call
+    worker = serve_engines(SizeEngine())[0]
+    prompt = "x" * 4_000_000
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(worker.address, options=CHANNEL_OPTIONS) as channel:
+            link = MultiplexLink(pb_grpc.EngineStub(channel), worker.address)
+            request = GenerateRequest("big", prompt=prompt, sampling=SamplingParams(max_tokens=1))
+            calls = [link.start(request, HANG_GUARD, (), lambda _: None) for _ in range(17)]
+            texts = []
+            for call in calls:
+                texts.append("".join([e.text async for e in call if type(e) is Text]))
+            await link.aclose()
+            return texts
+
+    texts = server_loop.call(asyncio.wait_for(run(), HANG_GUARD))
+    assert texts == [str(len(prompt))] * 17
+
+
+def test_a_start_bigger_than_any_message_is_refused_naming_its_prompt(gateway_with, monkeypatch):
+    monkeypatch.setattr(furnace_multiplex, "MAX_START_BYTES", 1024 * 1024)
+    gw = gateway_with()
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        too_big = {"messages": [{"role": "user", "content": "x" * 1_100_000}]}
+        answer = client.post("/v1/chat/completions", json=too_big)
+        assert answer.status_code == 400
+        assert answer.json()["error"]["param"] == "messages"
+        answer = client.post("/v1/completions", json={"prompt": "y" * 1_100_000})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["param"] == "prompt"
+        assert client.post("/v1/completions", json={"prompt": "a b"}).is_success
+
+
+class BreakingWorker(pb_grpc.EngineServicer):
+    """Offers GenerateMultiplexed; once `count` requests are open on the call, it
+    ends the call with INTERNAL (a worker whose call breaks under all of them)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    async def GenerateMultiplexed(self, requests, context):  # type: ignore[no-untyped-def]
+        opened = 0
+        async for message in requests:
+            opened += len(message.starts)
+            if opened >= self.count:
+                await context.abort(grpc.StatusCode.INTERNAL, "broken")
+
+    async def Describe(self, request, context):  # type: ignore[no-untyped-def]
+        model = pb.ModelInfo(name="breaks", max_context=1000)
+        return pb.DescribeResponse(models=[model], capacity=64, multiplex=True)
+
+
+def test_a_broken_call_counts_once_against_its_worker(serve_raw, gateway_with):
+    port = serve_raw(BreakingWorker(8))
+    address = f"127.0.0.1:{port}"
+    gw = gateway_with(
+        models=(ModelConfig("breaks", workers=(address,)),),
+        retry_attempts=1,
+        eject_after_failures=3,
+    )
+    worker = gw.state.fleet.models["breaks"].workers[address]
+    body = {"model": "breaks", "prompt": "x"}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(
+            pool.map(
+                lambda _: httpx.post(f"{gw.url}/v1/completions", json=body, timeout=HANG_GUARD),
+                range(8),
+            )
+        )
+    assert all(a.status_code >= 500 for a in answers)
+    wait_until(lambda: worker.outstanding == 0, "the worker's calls to end")
+    # 8 requests on one broken call: one failure, not 8 (3 ejected the worker)
+    assert worker.ejections_total == 0
+    assert worker.consecutive_failures <= 2

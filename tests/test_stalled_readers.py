@@ -12,7 +12,17 @@ from collections.abc import AsyncIterator
 import httpx
 
 from gateway.config import ModelConfig
-from gateway.protocol.types import Event, Finished, FinishReason, GenerateRequest, Started, Text
+from gateway.protocol import features
+from gateway.protocol.sizes import event_size
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Started,
+    Text,
+    TokenLogprob,
+)
 from gateway.worker.engine import Engine
 from tests.support.requests import sse_events
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -47,17 +57,18 @@ class LongEngine(Engine):
             self.running -= 1
 
 
-def _stalled_stream(url: str) -> socket.socket:
-    """Sends a streaming request for a long answer and then reads nothing."""
+def _stalled_stream(url: str, body: dict[str, object] | None = None) -> socket.socket:
+    """Sends a streaming request (`body`; default: for a long answer) and then reads
+    nothing."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(HANG_GUARD)
     sock.connect((host, int(port)))
-    body = json.dumps({"model": "long", "prompt": "go", "stream": True}).encode()
+    data = json.dumps(body or {"model": "long", "prompt": "go", "stream": True}).encode()
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (f"{host}:{port}".encode(), len(body), body)
+        b"content-length: %d\r\n\r\n%s" % (f"{host}:{port}".encode(), len(data), data)
     )
     return sock
 
@@ -153,3 +164,60 @@ def test_a_stalled_reader_stops_the_engine_itself(gateway_with, serve_engines):
     wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
     # what the buffers on the way hold (read-ahead, HTTP/2 windows, sockets): megabytes at most
     assert held_back_at * len(PIECE) < 32 * 1024 * 1024
+
+
+#: One token's logprobs at `top_logprobs` 20: twenty alternatives of 32 characters each.
+TOP = tuple((f"{i:032d}", -1.0 - i) for i in range(20))
+
+
+class LogprobEngine(LongEngine):
+    """LongEngine with logprobs: each one-character token carries ~1 KB of them."""
+
+    model = "logprobs"
+    features = features.FIRST_VERSION | {features.LOGPROBS}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.running += 1
+        try:
+            yield Started(1)
+            while True:
+                self.produced += 1
+                yield Text("x", 1, 0, (TokenLogprob("x", -0.5, TOP),))
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+
+
+def test_a_stalled_reader_of_big_logprobs_holds_bounded_memory(gateway_with, serve_engines):
+    """The buffers on the way (the worker's read-ahead, the multiplexed call's window,
+    the gateway's stream buffer) count what an event carries, not its text: counted
+    as one character, each of these tokens held ~1 KB, and a stalled stream of them
+    held hundreds of MB."""
+    engine = LogprobEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(
+        models=(ModelConfig("logprobs", workers=(worker.address,)),),
+        write_timeout=HANG_GUARD,
+        stream_buffer_bytes=64 * 1024,
+        max_output_units=1 << 40,
+    )
+    body = {"model": "logprobs", "prompt": "go", "stream": True, "max_tokens": 1 << 30}
+    with _stalled_stream(gw.url, {**body, "logprobs": 20}):
+        wait_until(lambda: engine.running == 1, "the answer to start")
+        seen = [-1]
+
+        def stopped() -> bool:
+            before, seen[0] = seen[0], engine.produced
+            time.sleep(0.2)
+            return engine.produced == before == seen[0]
+
+        wait_until(stopped, "the engine to be held back", timeout=HANG_GUARD)
+        held_back_at = engine.produced
+        held = [sum(event_size(e) for e in list(pump._ready)) for pump in gw.state.inflight.running]
+    wait_until(lambda: engine.running == 0, "the engine to stop when the client leaves")
+    wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
+    token_bytes = event_size(Text("x", 1, 0, (TokenLogprob("x", -0.5, TOP),)))
+    print(f"\nlogprobs: held back after {held_back_at} tokens of {token_bytes} bytes; {held}")
+    assert max(held) <= 64 * 1024 + token_bytes  # the stream buffer, by what it holds
+    # the read-ahead, the window, the stream buffer, sockets: a few MB, not hundreds
+    assert held_back_at * token_bytes < 16 * 1024 * 1024

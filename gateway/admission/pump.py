@@ -27,11 +27,12 @@ every time, as events keep coming), and the timer, when it fires early for an
 earlier deadline, sets itself again for the current one. So a stream costs one
 timer every keep-alive interval instead of one per token.
 
-What is ready but not yet taken is bounded (`buffer_chars`, the characters of
-its text): past the bound the pump takes no more from the worker's call until
-the edge takes a batch, so a client that stops reading pushes back on the worker
-(through gRPC's HTTP/2 flow control, or the upstream connection's paused reading)
-instead of growing the gateway's memory by the whole answer.
+What is ready but not yet taken is bounded (`buffer_chars`, its `event_size`:
+text, logprobs and tool-call arguments, not text alone): past the bound the pump
+takes no more from the worker's call until the edge takes a batch, so a client
+that stops reading pushes back on the worker (through gRPC's HTTP/2 flow control,
+or the upstream connection's paused reading) instead of growing the gateway's
+memory by the whole answer.
 Per event that costs one length addition and one comparison; a pause costs one
 future.
 """
@@ -47,7 +48,8 @@ from time import perf_counter
 from typing import Any, ClassVar, Protocol, cast
 
 from gateway.protocol import errors
-from gateway.protocol.types import Event, Finished, Started, Text
+from gateway.protocol.sizes import event_size
+from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
 from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.edge")
@@ -160,7 +162,7 @@ class EventPump:
         self._pushing = False  # the stream calls `_pushed`; no reader task
         self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
-        self.buffered = 0  # characters of text in `_ready`
+        self.buffered = 0  # `event_size` of what `_ready` holds
         self._buffer_chars = buffer_chars
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
         self._held = False  # full: the pushing stream keeps its events until then
@@ -238,8 +240,8 @@ class EventPump:
         self._ready.append(event)
         self._last_event = self._loop.time()
         self._wake()
-        if type(event) is Text:
-            self.buffered += len(event.text)
+        if type(event) is Text or type(event) is ToolCallDelta:
+            self.buffered += event_size(event)  # logprobs and arguments count too
         elif type(event) is Finished:
             self._unfinished -= 1
             if not self._unfinished:

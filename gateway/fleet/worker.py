@@ -3,7 +3,10 @@ ejection when it keeps failing.
 
 Only transport failures count against a worker (unreachable, internal errors,
 deadlines): a client's mistake (a bad parameter, a prompt too long) says
-nothing about the worker, and a full worker is busy, not broken.
+nothing about the worker, and a full worker is busy, not broken. A call that
+carries many requests (the multiplexed one) counts once when it breaks: its
+other requests end `SHARED_FAILURE`, which counts for nothing here, so one
+broken call cannot eject a worker by the number of requests it carried.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from gateway.protocol import errors
 from gateway.protocol.status import PARAM_KEY, error_from_status, status_from_error
 from gateway.protocol.v1 import engine_pb2 as pb
 
-#: Units of a request's events a worker may send beyond the credit returned (engine.proto).
+#: Units (bytes, `units`) of a request's events a worker may send beyond the credit
+#: returned (engine.proto).
 WINDOW = 65_536
 #: The gateway returns credit when its client has taken every event it holds and they
 #: add up to this many units (a quarter window: a stream of short tokens returns none
@@ -28,13 +29,10 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def units(event: pb.GenerateEvent) -> int:
-    """An event's size against the window: 1, plus its text or arguments."""
-    kind = event.WhichOneof("event")
-    if kind == "text":
-        return 1 + len(event.text.text)
-    if kind == "tool_call":
-        return 1 + len(event.tool_call.arguments)
-    return 1
+    """An event's size against the window: its encoded bytes, everything it carries
+    counted (text, logprobs and their alternatives, a tool call's arguments). Counting
+    text alone let a window of 64 Ki characters hold ~20 times that in logprobs."""
+    return event.ByteSize()
 
 
 #: A request that ended after its last Finished.

@@ -15,6 +15,9 @@ from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequ
 #: How a call ended, for the owner's bookkeeping: None (finished), the error, or
 #: CANCELLED when we cancelled it (which says nothing about the worker).
 CANCELLED = "cancelled"
+#: A request of a shared call (the multiplexed one) that broke, other than the one that
+#: reports the call's failure: one broken call is one failure of its worker.
+SHARED_FAILURE = "shared_failure"
 CallEnd = errors.EngineError | str | None
 
 

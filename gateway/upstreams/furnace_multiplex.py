@@ -13,7 +13,12 @@ reader calls the pump, which polls, so no task per request waits on the call),
 with the same outcomes: its end arrives in-band
 (`MultiplexEnd`, Generate's status through the same table), and when the link
 breaks every request on it fails `Unavailable` (retryable before its first
-event, as a broken per-request call is). Each request returns flow-control
+event, as a broken per-request call is), and the break counts once against the
+worker, not once per request (one request reports it; the others end
+`SHARED_FAILURE`). What goes out is bounded: the starts ready together go in
+messages of `MESSAGE_BYTES` (a start too big for any message is refused, as a
+400 naming its prompt, before it is sent), so no client's request can make a
+message pass gRPC's cap and break the call for everyone on it. Each request returns flow-control
 credit as it is read (`gateway.protocol.multiplex`), so a slow client holds
 back only its own request.
 """
@@ -34,13 +39,21 @@ from gateway.protocol.multiplex import CREDIT_STEP, WINDOW, error_of, units
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
+from gateway.upstreams.base import CANCELLED, SHARED_FAILURE, CallEnd, StreamBookkeeping
 from gateway.upstreams.furnace_channel import from_rpc_error
 
 log = logging.getLogger("furnace.upstream")
 
 #: The largest `timeout_ms` (uint32): about 49 days.
 _MAX_TIMEOUT_MS = 2**32 - 1
+#: The most bytes of starts one `MultiplexRequest` carries: the starts ready together
+#: go in messages of up to this much (any one start on its own), far under gRPC's
+#: message cap (64 MiB here and on our workers). 56 starts of 4 MB once went as one
+#: message of 224 MB: the call broke, and every request on it with the call.
+MESSAGE_BYTES = 8 * 1024 * 1024
+#: The largest start: the message cap less room for the cancels and credits that go
+#: with it. A larger one is refused before it is sent (a 400 naming its prompt).
+MAX_START_BYTES = 60 * 1024 * 1024
 
 
 class MultiplexedCall(StreamBookkeeping):
@@ -49,6 +62,7 @@ class MultiplexedCall(StreamBookkeeping):
 
     __slots__ = (
         "_broken",
+        "_counted",
         "_events",
         "_id",
         "_link",
@@ -74,6 +88,7 @@ class MultiplexedCall(StreamBookkeeping):
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None  # see `listen`
         self._broken: errors.EngineError | None = None  # the link broke
+        self._counted = True  # whether `_broken` is this request's to report
         self._outstanding = 0  # units received and not yet credited back
 
     def push(self, item: pb.GenerateEvent | pb.MultiplexEnd) -> None:
@@ -89,9 +104,12 @@ class MultiplexedCall(StreamBookkeeping):
         self._events.append(item)
         self._ready()
 
-    def fail(self, failure: errors.EngineError) -> None:
-        """From the link: it broke; what is queued is still read first."""
+    def fail(self, failure: errors.EngineError, counted: bool = True) -> None:
+        """From the link: it broke (or this request could not start); what is queued
+        is still read first. Not `counted`: its owner hears `SHARED_FAILURE`, so the
+        link's failure counts once against the worker, not once per request on it."""
         self._broken = failure
+        self._counted = counted
         self._ready()
 
     def _ready(self) -> None:
@@ -115,7 +133,7 @@ class MultiplexedCall(StreamBookkeeping):
         events = self._events
         if not events:
             if self._broken is not None:
-                self.close(self._broken)
+                self.close(self._broken if self._counted else SHARED_FAILURE)
                 raise self._broken
             return None
         item = events.popleft()
@@ -169,7 +187,7 @@ class MultiplexLink:
         self._next_id = 1
         #: What the writer sends next: starts not yet written (a request cancelled
         #: before its start went out just leaves), then cancels and credits.
-        self._starts: dict[int, pb.MultiplexStart] = {}
+        self._starts: dict[int, tuple[pb.MultiplexStart, int]] = {}  # and its size
         self._cancels: list[int] = []
         self._credits: list[pb.MultiplexCredit] = []
         self._wake: asyncio.Future[None] | None = None
@@ -194,13 +212,25 @@ class MultiplexLink:
         stream_id = self._next_id
         self._next_id += 1
         call = MultiplexedCall(self, stream_id, on_close, request.logprobs is not None)
-        self._calls[stream_id] = call
-        self._starts[stream_id] = pb.MultiplexStart(
+        start = pb.MultiplexStart(
             stream=stream_id,
             request=request_to_proto(request),
             timeout_ms=min(max(1, round(timeout * 1000)), _MAX_TIMEOUT_MS),
             metadata=dict(metadata),
         )
+        size = start.ByteSize()
+        if size > MAX_START_BYTES:  # it would break the call, and every request on it
+            param = "messages" if request.messages is not None else "prompt"
+            call.fail(
+                errors.Invalid(
+                    f"Invalid '{param}': the request is {size} bytes for the engine worker, "
+                    f"more than the {MAX_START_BYTES} it takes.",
+                    param=param,
+                )
+            )
+            return call
+        self._calls[stream_id] = call
+        self._starts[stream_id] = (start, size)
         self._poke()
         return call
 
@@ -235,14 +265,28 @@ class MultiplexLink:
                     await self._wake
                     continue
                 outgoing = pb.MultiplexRequest(
-                    starts=self._starts.values(), cancels=self._cancels, credits=self._credits
+                    starts=self._next_starts(), cancels=self._cancels, credits=self._credits
                 )
-                self._starts, self._cancels, self._credits = {}, [], []
+                self._cancels, self._credits = [], []
                 await write(outgoing)
         except grpc.RpcError as error:  # the reader sees the call's status too
             self._break(from_rpc_error(error))
         except asyncio.InvalidStateError:  # written to after the call ended
             self._break(errors.Unavailable("The engine worker's multiplexed call ended."))
+
+    def _next_starts(self) -> list[pb.MultiplexStart]:
+        """Takes the starts for the next message: the oldest first, up to
+        `MESSAGE_BYTES` together (at least one)."""
+        starts: list[pb.MultiplexStart] = []
+        size, queued = 0, self._starts
+        for start, bytes_ in queued.values():
+            size += bytes_
+            if starts and size > MESSAGE_BYTES:
+                break
+            starts.append(start)
+        for start in starts:
+            del queued[start.stream]
+        return starts
 
     async def _read(self) -> None:
         read, calls, eof = self._call.read, self._calls, grpc.aio.EOF
@@ -274,8 +318,8 @@ class MultiplexLink:
         self._call.cancel()
         self._writer.cancel()
         calls, self._calls = self._calls, {}
-        for call in calls.values():
-            call.fail(failure)
+        for i, call in enumerate(calls.values()):
+            call.fail(failure, counted=i == 0)
 
     async def aclose(self) -> None:
         """Ends the call and waits for its tasks."""

@@ -36,9 +36,9 @@ log = logging.getLogger("furnace.worker")
 #: `Generate` sends it; refusals and failures raised as `EngineError`.
 Answer = Callable[[pb.MultiplexStart], AsyncGenerator[pb.GenerateEvent, None]]
 
-#: Units one response carries at most before the rest goes in the next (the
-#: gateway takes messages of up to 64 MiB; a unit is at most 4 bytes of UTF-8).
-MAX_RESPONSE_UNITS = 4 * 1024 * 1024
+#: Units (encoded bytes of events, logprobs included) one response carries at most
+#: before the rest goes in the next: far under the 64 MiB the gateway takes.
+MAX_RESPONSE_UNITS = 8 * 1024 * 1024
 
 
 class _Stream:

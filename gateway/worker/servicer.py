@@ -43,6 +43,7 @@ from gateway.protocol.convert import (
     event_to_proto,
     request_from_proto,
 )
+from gateway.protocol.sizes import event_size
 from gateway.protocol.status import status_from_error
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import (
@@ -64,7 +65,8 @@ from gateway.worker.engine import Engine
 
 log = logging.getLogger("furnace.worker")
 
-#: Text an engine may run ahead of the RPC, in characters (also the largest `Text`).
+#: What an engine may run ahead of the RPC (`event_size`: text, logprobs and tool-call
+#: arguments; also about the largest `Text`).
 READ_AHEAD_CHARS = 64 * 1024
 #: The most choices one request may ask for (OpenAI's bound).
 MAX_N = 128
@@ -77,14 +79,15 @@ class _ReadAhead:
     hands out what is ready as lists, starting with one `Started` once each
     has started. Events of generator i > 0 are re-indexed to choice i.
 
-    It reads ahead at most `READ_AHEAD_CHARS` of text: past that it waits for the
-    RPC to take a batch, so a gateway that stops reading (HTTP/2 flow control
-    holds the RPC's sends) stops the engine too, and no message grows past it."""
+    It reads ahead at most `READ_AHEAD_CHARS` (`event_size`: logprobs counted): past
+    that it waits for the RPC to take a batch, so a gateway that stops reading (HTTP/2
+    flow control holds the RPC's sends) stops the engine too, and no message grows
+    past it."""
 
     def __init__(self, sources: list[AsyncIterator[Event]], finishes: int) -> None:
         self._sources = sources
         self._ready: list[Event] = []
-        self._buffered = 0  # characters of text in `_ready`
+        self._buffered = 0  # `event_size` of what `_ready` holds
         self._error: BaseException | None = None
         self._live = len(sources)
         self._starts = 0
@@ -133,10 +136,8 @@ class _ReadAhead:
                 waiter = self._waiter
                 if waiter is not None and self._open and not waiter.done():
                     waiter.set_result(None)
-                if kind is Text:
-                    self._buffered += len(event.text)  # type: ignore[union-attr]
-                elif kind is ToolCallDelta:
-                    self._buffered += len(event.arguments)  # type: ignore[union-attr]
+                if kind is Text or kind is ToolCallDelta:
+                    self._buffered += event_size(event)
                 elif kind is Finished:
                     finishes -= 1
                     if not finishes:

@@ -102,7 +102,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
         _check_features(pool, parsed.generate)
-        parsed = self.limits.check(parsed, pool.name)
+        parsed = self.limits.check(parsed, pool.name, pool.max_context)
         self.inflight.check_open()
         if pool.saturated():
             raise errors.Busy(

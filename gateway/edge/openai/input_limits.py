@@ -1,6 +1,7 @@
 """Bounds on what one request may ask, past what validation checks: how many
-chat messages, and a model's cap on `max_tokens` (also its default, so leaving
-`max_tokens` out cannot get around it). Each is a 400 naming the parameter."""
+chat messages, a model's cap on `max_tokens` (also its default, so leaving
+`max_tokens` out cannot get around it), and what its choices and logprobs may
+add up to (`output_limits`). Each is a 400 naming the parameter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import replace
 
 from gateway.config import Config
 from gateway.edge.errors import invalid
+from gateway.edge.openai.output_limits import bound_output
 from gateway.edge.openai.validation import ParsedRequest
 
 
@@ -17,9 +19,17 @@ class InputLimits:
     def __init__(self, config: Config) -> None:
         self.max_messages = config.max_messages
         self.max_tokens = {m.name: m.max_tokens_limit for m in config.models}
+        self.max_output_units = config.max_output_units
 
-    def check(self, parsed: ParsedRequest, model: str) -> ParsedRequest:
-        """`parsed`, with the model's `max_tokens` cap applied, or a 400."""
+    def check(
+        self, parsed: ParsedRequest, model: str, max_context: int | None = None
+    ) -> ParsedRequest:
+        """`parsed`, with the model's `max_tokens` cap applied and its output bounded
+        (`max_context`: the model's, when known), or a 400."""
+        parsed = self._capped(parsed, model)
+        return bound_output(parsed, self.max_output_units, max_context)
+
+    def _capped(self, parsed: ParsedRequest, model: str) -> ParsedRequest:
         generate = parsed.generate
         if generate.messages is not None and len(generate.messages) > self.max_messages:
             raise invalid("messages", f"Invalid 'messages': at most {self.max_messages} messages.")
