@@ -337,6 +337,66 @@ def test_a_fuzz_of_bad_bodies_gets_4xx_in_openai_shape_and_reaches_no_worker(cli
     assert now == calls, "a bad body reached a worker"
 
 
+# -- schemas a worker would compile: OpenAI's limits at the edge ---------------------
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+def _wide(properties: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
+    }
+
+
+SCHEMAS_OVER = {
+    "5,001 properties": (_wide(5001), "5000 object properties"),
+    "11 levels": (_nested(11), "10 levels of nesting"),
+    "1,001 enum values": ({"enum": list(range(1001))}, "1000 enum values"),
+    "120,001 name characters": (
+        {"type": "object", "properties": {"n" * 60_001: {}, "m" * 60_000: {}}},
+        "120000 characters",
+    ),
+    "a long enum of 251 strings": ({"enum": ["e" * 60 + str(i) for i in range(251)]}, "15000"),
+    "anyOf 10,001 deep": ({"anyOf": [{"type": "null"}] * 10_001}, "10000 subschemas"),
+}
+
+
+@pytest.mark.parametrize(("schema", "says"), SCHEMAS_OVER.values(), ids=SCHEMAS_OVER.keys())
+def test_a_schema_past_openais_limits_is_a_400_naming_where_it_is(client, schema, says):
+    format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": DEMO_MODEL, "messages": user("hi"), "response_format": format_},
+    )
+    assert response.status_code == 400, response.text
+    error = assert_openai_error(response)
+    assert error["param"] == "response_format.json_schema.schema"
+    assert says in error["message"]
+
+
+def test_the_limits_count_every_schema_of_a_request_together(client):
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": _wide(1000)}}
+        for i in range(6)
+    ]
+    response = client.post(
+        "/v1/chat/completions", json={"model": DEMO_MODEL, "messages": user("hi"), "tools": tools}
+    )
+    assert response.status_code == 400, response.text
+    assert assert_openai_error(response)["param"] == "tools[5].function.parameters"
+    fits = {"type": "json_schema", "json_schema": {"name": "s", "schema": _nested(10)}}
+    body = {"model": DEMO_MODEL, "messages": user("hi"), "tools": tools[:4], "max_tokens": 2}
+    response = client.post("/v1/chat/completions", json={**body, "response_format": fits})
+    if response.status_code == 400:  # the demo may refuse the pair, but not for the limits
+        assert "the request's schemas hold" not in response.text, response.text
+
+
 # -- what one request may make: n x max_tokens x logprobs ----------------------------
 
 

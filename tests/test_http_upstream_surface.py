@@ -444,3 +444,37 @@ def test_an_embedding_parameter_the_upstream_refuses_is_a_400_naming_it(embedder
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model=EMBEDDER, input="x", dimensions=17)
     assert refused.value.body["param"] == "dimensions"
+
+
+PICTURE = "data:image/png;base64,iVBORw0KGgo="
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_content_parts_reach_the_upstream_in_order_with_their_detail(embedder, stream):
+    client, server = embedder
+    content = [
+        {"type": "text", "text": "compare "},
+        {"type": "image_url", "image_url": {"url": PICTURE, "detail": "low"}},
+        {"type": "text", "text": "with "},
+        {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+    ]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": content},
+    ]
+    reply = client.chat.completions.create(
+        model=EMBEDDER, messages=messages, max_tokens=4, stream=stream
+    )
+    if stream:
+        reply = list(reply)
+    assert server.last_body["messages"] == messages
+
+
+def test_a_bad_image_detail_is_a_400_naming_it(embedder):
+    client, _ = embedder
+    content = [{"type": "image_url", "image_url": {"url": PICTURE, "detail": "huge"}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=EMBEDDER, messages=[{"role": "user", "content": content}], max_tokens=4
+        )
+    assert refused.value.body["param"] == "messages[0].content[0].image_url.detail"

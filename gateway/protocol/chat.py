@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.protocol.types import Message, Tool
+from gateway.protocol.types import ContentPart, Message, Tool
 
 
 def _arguments(text: str) -> Any:
@@ -23,13 +23,26 @@ def _arguments(text: str) -> Any:
         return text
 
 
+def part_dict(part: ContentPart) -> dict[str, Any]:
+    """One content part as OpenAI writes it, with its `detail` when it had one."""
+    if part.type == "text":
+        return {"type": "text", "text": part.text}
+    image: dict[str, Any] = {"url": part.url}
+    if part.detail:
+        image["detail"] = part.detail
+    return {"type": "image_url", "image_url": image}
+
+
 def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[str, Any]:
     """One message as OpenAI writes it. Content is a string, or a list of
-    parts when the message holds images (images first, then the text).
+    parts when the message holds images: the client's parts in their order when
+    it sent them (`parts`), else images first, then the text.
     Tool calls' arguments stay JSON text (OpenAI's shape) unless
     `parsed_arguments`, which chat templates such as Qwen's and Hermes' want."""
     content: Any = message.content
-    if message.images:
+    if message.parts:
+        content = [part_dict(part) for part in message.parts]
+    elif message.images:
         content = [{"type": "image_url", "image_url": {"url": url}} for url in message.images]
         if message.content:
             content.append({"type": "text", "text": message.content})

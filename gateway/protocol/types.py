@@ -51,9 +51,22 @@ class ResponseFormat:
 
 
 @dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One part of a message's content as the client wrote it: a text, or an image (a URL
+    or data URI, with its `detail`: "auto", "low", "high", or "" when not given)."""
+
+    type: str  # "text" or "image_url"
+    text: str = ""
+    url: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One chat message, its text parts already joined; its images (URLs or
-    data URIs) stand ahead of the text, in order."""
+    data URIs) in order. `parts`, when the content was a list holding an image, is
+    that list as it came (order and `detail` kept), for whoever sends it on as
+    parts; `content` and `images` say the same for whoever reads only those."""
 
     role: str
     content: str
@@ -61,6 +74,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
     name: str = ""
+    parts: tuple[ContentPart, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

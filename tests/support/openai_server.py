@@ -36,8 +36,9 @@ def embedding(item: str | list[int], dimensions: int = DIMENSIONS) -> list[float
 
 class OpenAIServer:
     """Serves `model` on https://127.0.0.1:port/v1 to clients with `key`; it
-    answers every chat with `reply`, embeds every input (`embedding`), keeps the
-    last body it was sent, and counts the calls it refused."""
+    answers every chat with `reply` (a chat whose tool_choice names a function: with a
+    call of it and finish_reason "tool_calls", as OpenAI does), embeds every input
+    (`embedding`), keeps the last body it was sent, and counts the calls it refused."""
 
     def __init__(self, model: str, key: str, cert: Issued, reply: str = "hello") -> None:
         self.model, self.key, self.reply = model, key, reply
@@ -83,9 +84,17 @@ class OpenAIServer:
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal
+        body = self.last_body = orjson.loads(await request.body())
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):
+            call = {"index": 0, "id": "call_1", "type": "function"}
+            call["function"] = {"name": choice["function"]["name"], "arguments": "{}"}
+            delta, reason = {"tool_calls": [call]}, "tool_calls"
+        else:
+            delta, reason = {"content": self.reply}, "stop"
         chunks = [
-            {"choices": [{"delta": {"content": self.reply}, "finish_reason": None}]},
-            {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+            {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
             {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
         ]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]

@@ -20,7 +20,9 @@ from typing import Any, TypeGuard
 import orjson
 
 from gateway.edge.errors import invalid
+from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.protocol.types import (
+    ContentPart,
     GenerateRequest,
     Message,
     ResponseFormat,
@@ -291,7 +293,11 @@ def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest
 # -- chat -------------------------------------------------------------------
 
 
-def _image(part: Mapping[str, Any], where: str) -> str:
+#: An image part's `detail`, as OpenAI takes it.
+_DETAILS = frozenset({"auto", "low", "high"})
+
+
+def _image(part: Mapping[str, Any], where: str) -> ContentPart:
     image = part.get("image_url")
     url = image.get("url") if isinstance(image, Mapping) else image
     if not isinstance(url, str) or not _IMAGE_URL.match(url):
@@ -299,33 +305,40 @@ def _image(part: Mapping[str, Any], where: str) -> str:
             f"{where}.image_url",
             "Invalid 'image_url': expected {\"url\": an http(s) URL or a data:image/ URI}.",
         )
-    return url
+    detail = image.get("detail") if isinstance(image, Mapping) else None
+    if detail is not None and detail not in _DETAILS:
+        raise invalid(
+            f"{where}.image_url.detail", "Invalid 'detail': expected 'auto', 'low' or 'high'."
+        )
+    return ContentPart("image_url", url=url, detail=detail or "")
 
 
-def _content(content: Any, where: str) -> tuple[str, tuple[str, ...]]:
-    """A message's text, its parts joined, and its images in order."""
+def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[ContentPart, ...]]:
+    """A message's text, its parts joined, its images in order, and the parts themselves
+    in order when they hold an image (an OpenAI upstream gets them as they came)."""
     if content is None:
-        return "", ()
+        return "", (), ()
     if isinstance(content, str):
-        return content, ()
+        return content, (), ()
     if not isinstance(content, list):
         raise invalid(where, f"Invalid type for '{where}': expected a string or a list of parts.")
-    texts = []
-    images = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{j}].text", "Invalid type: expected a string.")
-            texts.append(text)
+            parts.append(ContentPart("text", text))
         elif kind == "image_url":
-            images.append(_image(part, f"{where}[{j}]"))
+            parts.append(_image(part, f"{where}[{j}]"))
         else:
             raise invalid(
                 f"{where}[{j}]", "Only content parts of type 'text' and 'image_url' are supported."
             )
-    return "".join(texts), tuple(images)
+    images = tuple(p.url for p in parts if p.type == "image_url")
+    text = "".join(p.text for p in parts if p.type == "text")
+    return text, images, tuple(parts) if images else ()
 
 
 def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
@@ -373,7 +386,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
             raise invalid(
                 f"{where}.role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
             )
-        text, pictures = _content(message.get("content"), f"{where}.content")
+        text, pictures, parts = _content(message.get("content"), f"{where}.content")
         images += len(pictures)
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
@@ -382,11 +395,11 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         if role == "tool" and not call_id:
             raise invalid(f"{where}.tool_call_id", "A tool message needs 'tool_call_id'.")
         name = _string(message, "name", f"{where}.") or ""
-        parsed.append(Message(role, text, pictures, calls, call_id, name))
+        parsed.append(Message(role, text, pictures, calls, call_id, name, parts))
     return tuple(parsed)
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+def _tools(body: Mapping[str, Any], budget: SchemaBudget) -> tuple[Tool, ...]:
     tools = body.get("tools")
     if tools is None:
         return ()
@@ -406,6 +419,8 @@ def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise invalid(f"{where}.function.parameters", "Invalid type: expected an object.")
+        if parameters is not None:
+            budget.check(parameters, f"{where}.function.parameters")
         parsed.append(
             Tool(
                 name,
@@ -440,7 +455,7 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> str:
     return str(choice)
 
 
-def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
+def _response_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseFormat | None:
     value = body.get("response_format")
     if value is None:
         return None
@@ -464,6 +479,7 @@ def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, Mapping):
         raise invalid("response_format.json_schema.schema", "Invalid type: expected an object.")
+    budget.check(schema, "response_format.json_schema.schema")
     strict = _flag(spec, "strict", "response_format.json_schema.")
     return ResponseFormat("json_schema", orjson.dumps(schema).decode(), name, strict)
 
@@ -481,7 +497,8 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/chat/completions body, checked (for the request `request_id`)."""
     model_of(body)
     _unserved(body, {"best_of": None, "suffix": None, "echo": False})
-    tools = _tools(body)
+    schemas = SchemaBudget()  # the tools' and response_format's, together
+    tools = _tools(body, schemas)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
@@ -491,7 +508,7 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "tools": tools,
         "tool_choice": _tool_choice(body, tools),
         "parallel_tool_calls": parallel if tools else None,
-        "response_format": _response_format(body),
+        "response_format": _response_format(body, schemas),
     }
     return _common(body, fields, request_id)
 
@@ -517,7 +534,11 @@ def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
         raise invalid("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported.")
     parsed = _common(
         body,
-        {"prompt": prompt, "logprobs": logprobs, "response_format": _response_format(body)},
+        {
+            "prompt": prompt,
+            "logprobs": logprobs,
+            "response_format": _response_format(body, SchemaBudget()),
+        },
         request_id,
     )
     best_of = _int(body, "best_of", 1, MAX_N)
