@@ -82,6 +82,35 @@ def spec_of(declared: Field[Any]) -> Spec:
     return spec
 
 
+#: `models[].routing.policy` values (`gateway.fleet.routing`).
+ROUTING_POLICIES = ("kv_aware", "prefix", "least_load", "round_robin")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """`models[].routing`: the scheduler over the engines' KV events and load records
+    (`gateway.fleet.routing` has the cost; docs/concepts/routing.md the why)."""
+
+    #: `kv_aware` (cached prefix and queued work), `prefix` (prefix_affinity), `least_load`
+    #: (queued work only), or `round_robin`.
+    policy: str = "kv_aware"
+    #: Cost of one prompt token the worker's cache does not hold (prefill to do).
+    prefill_weight: float = 1.0
+    #: Cost of one uncached prompt token waiting in the worker's queue.
+    queue_weight: float = 1.0
+    #: Cost, in prompt tokens, of one request the worker runs.
+    running_cost: float = 64.0
+    #: Cost, in prompt tokens, of a worker whose KV cache is full (scaled by its use).
+    usage_cost: float = 256.0
+    #: A session stays on its worker while that worker has at most this many times the
+    #: model's average calls in flight (plus one); past it the session moves.
+    session_load_factor: float = 1.5
+    #: Sessions remembered (least recently used forgotten first).
+    max_sessions: int = 100_000
+    #: KV blocks remembered per worker (oldest forgotten first).
+    max_blocks_per_worker: int = 200_000
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model and the workers that serve it."""
@@ -121,6 +150,8 @@ class ModelConfig:
     fallbacks: tuple[str, ...] = ()
     #: Spend per million tokens: (prompt, completion), for budgets in `spend`; None: 0.
     prices: tuple[float, float] | None = None
+    #: Routing on the engines' KV events and load; None: `balance` as it is.
+    routing: RoutingConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -600,7 +631,33 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
         ca_file=ca_file,
         fallbacks=_names(f"{where}.fallbacks", raw.get("fallbacks")),
         prices=_prices(f"{where}.prices", raw.get("prices")),
+        routing=_routing_policy(f"{where}.routing", raw.get("routing")),
     )
+
+def _routing_policy(where: str, raw: Any) -> RoutingConfig | None:
+    """`routing: {policy, weights...}` (`RoutingConfig`), each number checked."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping (policy, weights)")
+    unknown = set(raw) - {f.name for f in fields(RoutingConfig)}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
+    values: dict[str, Any] = {}
+    policy = raw.get("policy", "kv_aware")
+    if policy not in ROUTING_POLICIES:
+        raise ConfigError(f"{where}.policy: expected one of {', '.join(ROUTING_POLICIES)}")
+    values["policy"] = policy
+    for declared in fields(RoutingConfig):
+        name = declared.name
+        if name in raw and name != "policy":
+            kind = int if name.startswith("max_") else float
+            minimum = 1 if kind is int or name == "session_load_factor" else 0
+            number = _number(f"{where}.{name}", raw[name], kind, minimum, 10_000_000)
+            if number != number:  # NaN passes both bounds
+                raise ConfigError(f"{where}.{name}: expected a number, got {raw[name]!r}")
+            values[name] = number
+    return RoutingConfig(**values)
 
 
 def _names(where: str, raw: Any) -> tuple[str, ...]:

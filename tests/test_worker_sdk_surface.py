@@ -18,6 +18,7 @@ import pytest
 from gateway.protocol import errors, features
 from gateway.protocol.convert import event_from_proto, request_to_proto
 from gateway.protocol.types import (
+    ContentPart,
     Embeddings,
     EmbedRequest,
     Event,
@@ -175,7 +176,17 @@ FULL = GenerateRequest(
     model="recorder",
     messages=(
         Message("system", "be brief", name="rules"),
-        Message("user", "look", images=("https://example.com/a.png", "data:image/png;base64,AAAA")),
+        Message(
+            "user",
+            "look",
+            images=("https://example.com/a.png", "data:image/png;base64,AAAA"),
+            parts=(  # the client's order, and each image's detail
+                ContentPart("text", "lo"),
+                ContentPart("image_url", url="https://example.com/a.png", detail="high"),
+                ContentPart("text", "ok"),
+                ContentPart("image_url", url="data:image/png;base64,AAAA"),
+            ),
+        ),
         Message(
             "assistant", "", tool_calls=(ToolCall("call_1", "get_weather", '{"city":"Oslo"}'),)
         ),

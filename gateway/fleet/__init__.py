@@ -35,12 +35,14 @@ from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
 from gateway.admission.deadline import Deadline
 from gateway.config import Config, ModelConfig
 from gateway.fleet.discovery import Target, resolve
+from gateway.fleet.kv_follow import follow_kv
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.tls import FilesStamp, WorkerCredentials, client_credentials, files_stamp
 from gateway.protocol.types import GenerateRequest, Started
+from gateway.telemetry import RequestRecord
 from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
@@ -206,6 +208,7 @@ class Fleet:
         delay = 0.05
         described = False
         self._spawn(self._follow_load(pool, worker))
+        self._spawn(follow_kv(pool, worker))  # returns at once unless routing reads events
         while not worker.leaving:
             try:
                 async for serving in worker.client.watch_health(interval):
@@ -282,9 +285,11 @@ class Fleet:
         request: GenerateRequest,
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...] = (),
+        record: RequestRecord | None = None,
     ) -> tuple[Started, UpstreamCall]:
         """Starts the request on a worker and waits for its `Started`, retrying
-        retryable refusals on other workers; returns that event and the stream."""
+        retryable refusals on other workers; returns that event and the stream
+        (`record` gets the routing decision, with `models[].routing`)."""
         self.budget.record_request()
         tried: set[Worker] = set()
 
@@ -304,7 +309,7 @@ class Fleet:
         # The first try goes without tenacity: most requests need no retry, and
         # a retrying object per request is garbage the cycle collector must chase.
         try:
-            return await self._try(pool, request, deadline, metadata, tried)
+            return await self._try(pool, request, deadline, metadata, tried, record)
         except errors.EngineError as error:
             if self.config.retry_attempts < 2 or not retryable(error):
                 raise
@@ -318,7 +323,7 @@ class Fleet:
         )
         async for attempt in retrying:
             with attempt:
-                return await self._try(pool, request, deadline, metadata, tried)
+                return await self._try(pool, request, deadline, metadata, tried, record)
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _try(
@@ -328,10 +333,14 @@ class Fleet:
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
         tried: set[Worker],
+        record: RequestRecord | None = None,
     ) -> tuple[Started, UpstreamCall]:
         worker = pool.pick(request, tried)
         if worker is None:
             raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+        if record is not None and pool.router is not None:
+            route = pool.router.last
+            record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
         worker.outstanding += 1
         stream = worker.client.generate(
@@ -386,6 +395,11 @@ class Fleet:
                             "consecutive_failures": w.consecutive_failures,
                             "ejections_total": w.ejections_total,
                             "ejected_for": round(max(0.0, w.ejected_until - now), 3),
+                            **(
+                                {}
+                                if pool.router is None
+                                else {"routing": pool.router.view(w.address)}
+                            ),
                         }
                         for w in pool.workers.values()
                     ],

@@ -50,3 +50,58 @@ class FleetCollector(LiveCollector):
                 healthy.add_metric([*labels, worker.state], 1 if worker.available(now) else 0)
                 ejections.add_metric(labels, worker.ejections_total)
         yield from (retries, inflight, healthy, ejections)
+        yield from _routing(self.fleet)
+
+
+def _routing(fleet: Fleet) -> Iterator[Metric]:
+    """Routing on the engines' KV events (`models[].routing`): each model's index and,
+    per worker, its cached blocks, its events' state and lag, what was refused."""
+    labels = ["model", "worker"]
+    blocks = GaugeMetricFamily(
+        f"{PREFIX}_worker_kv_cached_blocks", "KV blocks the index holds per worker.", labels=labels
+    )
+    events = GaugeMetricFamily(
+        f"{PREFIX}_worker_kv_events",
+        "1 for the state of the worker's KV-event stream (events, unsupported, broken, none).",
+        labels=[*labels, "state"],
+    )
+    lag = GaugeMetricFamily(
+        f"{PREFIX}_worker_kv_event_lag_seconds",
+        "Seconds between the worker sending its last KV batch and the gateway applying it.",
+        labels=labels,
+    )
+    refused = CounterMetricFamily(
+        f"{PREFIX}_worker_kv_events_refused",
+        "KV events refused (malformed, out of order, over the bounds) and resyncs.",
+        labels=labels,
+    )
+    evicted = CounterMetricFamily(
+        f"{PREFIX}_worker_kv_blocks_evicted",
+        "Blocks the index forgot past its per-worker cap.",
+        labels=labels,
+    )
+    memory = GaugeMetricFamily(
+        f"{PREFIX}_kv_index_bytes", "Estimated memory of the model's KV index.", labels=["model"]
+    )
+    fallbacks = CounterMetricFamily(
+        f"{PREFIX}_routing_fallbacks",
+        "Requests routed without KV events (no worker of the model publishes them).",
+        labels=["model"],
+    )
+    for pool in fleet.models.values():
+        router = pool.router
+        if router is None:
+            continue
+        index = router.index
+        memory.add_metric([pool.name], index.memory_bytes())
+        fallbacks.add_metric([pool.name], router.fallbacks_total)
+        for address in pool.workers:
+            kv = index.workers.get(address)
+            state = router.view(address)["events"]
+            events.add_metric([pool.name, address, str(state)], 1)
+            blocks.add_metric([pool.name, address], 0 if kv is None else len(kv.blocks))
+            if kv is not None:
+                lag.add_metric([pool.name, address], kv.lag)
+                refused.add_metric([pool.name, address], kv.refused)
+                evicted.add_metric([pool.name, address], kv.evicted)
+    yield from (blocks, events, lag, refused, evicted, memory, fallbacks)

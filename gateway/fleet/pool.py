@@ -11,6 +11,7 @@ from dataclasses import replace
 from gateway.config import Config, ModelConfig
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
 from gateway.fleet.discovery import Target, parse_target
+from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import Upstream
@@ -19,9 +20,12 @@ log = logging.getLogger("furnace.fleet")
 
 
 def make_balancer(model: ModelConfig, config: Config) -> Balancer:
-    """The model's balancing policy."""
+    """The model's balancing policy: its `routing:` (`routing.Router`), else `balance`."""
+    prefix = PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
+    if model.routing is not None:
+        return Router(model.name, model.routing, prefix)
     if model.balance == "prefix_affinity":
-        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
+        return prefix
     return LeastOutstanding()
 
 
@@ -37,6 +41,8 @@ class ModelPool:
         self.max_context = model.max_model_len
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         self.balancer = make_balancer(model, config)
+        #: The balancer when the model has `routing:` (its KV index, the reason of a pick).
+        self.router = self.balancer if isinstance(self.balancer, Router) else None
         self.policy = EjectionPolicy(
             config.eject_after_failures, config.eject_base, config.eject_max
         )

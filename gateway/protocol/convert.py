@@ -16,6 +16,7 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from gateway.protocol import errors
 from gateway.protocol.types import (
+    ContentPart,
     Embeddings,
     EmbedRequest,
     Event,
@@ -54,6 +55,10 @@ def _message_to_proto(m: Message) -> pb.ChatMessage:
         tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
         tool_call_id=m.tool_call_id,
         name=m.name,
+        parts=[
+            pb.ContentPart(type=p.type, text=p.text, image_url=p.url, detail=p.detail)
+            for p in m.parts
+        ],
     )
 
 
@@ -65,6 +70,7 @@ def _message_from_proto(m: pb.ChatMessage) -> Message:
         tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
         m.tool_call_id,
         m.name,
+        tuple(ContentPart(p.type, p.text, p.image_url, p.detail) for p in m.parts),
     )
 
 

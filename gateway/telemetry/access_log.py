@@ -37,6 +37,9 @@ class AccessLog:
             "completion_tokens": record.completion_tokens,
             "duration_ms": round((end - record.started_at) * 1000, 3),
         }
+        if record.policy:  # routed on the engines' state: why this worker
+            line["policy"] = record.policy
+            line["cache_hit_blocks"] = record.cache_hit_blocks
         if self.log_prompts and record.prompt is not None:
             line["prompt"] = record.prompt
         access_log.info(orjson.dumps(line).decode())

@@ -21,6 +21,7 @@ class RequestRecord:
     """One request as it goes: filled by the edge, read once at the end."""
 
     __slots__ = (
+        "cache_hit_blocks",
         "choices_left",
         "completion_tokens",
         "finished",
@@ -29,6 +30,7 @@ class RequestRecord:
         "last_token_at",
         "model",
         "outcome",
+        "policy",
         "prompt",
         "prompt_tokens",
         "reason",
@@ -58,6 +60,10 @@ class RequestRecord:
         self.choices_left = 1
         self.prompt: Any = None
         self.itl: Any = None  # the model's inter-token-latency histogram child
+        #: The routing decision (`models[].routing`): its policy ("" without routing)
+        #: and the prefix blocks the picked worker held.
+        self.policy = ""
+        self.cache_hit_blocks: int | None = None
 
     def expect(self, choices: int) -> None:
         """The request asks for `choices` answers: it ends after as many `Finished`."""

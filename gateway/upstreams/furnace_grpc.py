@@ -20,6 +20,8 @@ from gateway.protocol.convert import (
     event_from_proto,
     request_to_proto,
 )
+from gateway.protocol.kv_blocks import KvBatch
+from gateway.protocol.kv_proto import batch_from_proto
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.protocol.v1 import engine_pb2 as pb
@@ -154,6 +156,18 @@ class FurnaceGrpcUpstream:
             )
             for m in reply.models
         ]
+
+    async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
+        """The worker's KV-cache events (`SubscribeKvEvents`) until the stream ends; an
+        `EngineError` when it breaks (`Invalid` from a worker that publishes none)."""
+        call = self._stub.SubscribeKvEvents(pb.KvEventsRequest(model=model))
+        try:
+            async for message in call:
+                yield batch_from_proto(message)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Whether the worker is serving, each time that changes: the health

@@ -30,6 +30,14 @@ issue 13 included. Its rules, which tests rely on:
 
 `token_delay` seconds before each token stand in for a GPU's pace.
 
+KV cache (`gateway.worker.kv_events.LruBlockCache`): the prompt's UTF-8 bytes (as
+`gateway.protocol.kv_blocks.prompt_bytes` renders it) in blocks of 16, `kv_blocks` of
+them kept, least recently used dropped first; each accepted request stores its blocks
+and publishes what it stored and evicted on `SubscribeKvEvents`, with a load record
+(running requests, cache use). `prefill_delay` seconds per block the cache did not hold
+pass before the first token, as a GPU's prefill would (0: none). `kv_blocks=0`: no
+cache, no events.
+
 Its counters are for tests and the soak benchmark (a few integer adds a call):
 every generation it saw ends one way, so once `running` is 0,
 `calls == finished + aborted + refused`.
@@ -48,6 +56,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from gateway.protocol import errors, features
+from gateway.protocol.kv_blocks import EngineLoad, prompt_bytes
 from gateway.protocol.types import (
     Embeddings,
     EmbedRequest,
@@ -62,6 +71,7 @@ from gateway.protocol.types import (
     ToolCallDelta,
 )
 from gateway.worker.engine import Engine, check_context
+from gateway.worker.kv_events import KvPublisher, LruBlockCache
 
 DEMO_MODEL = "furnace-demo"
 #: The length of the demo's embeddings (SHA-256's 32 bytes).
@@ -161,8 +171,12 @@ class DemoEngine(Engine):
         max_context: int = 4096,
         token_delay: float = 0.0,
         capacity: int = 256,
+        kv_blocks: int = 4096,
+        prefill_delay: float = 0.0,
     ) -> None:
         self.model = model
+        self.kv_cache = LruBlockCache(kv_blocks) if kv_blocks else None
+        self.prefill_delay = prefill_delay
         self.max_context = max_context
         self.token_delay = token_delay
         self.capacity = capacity
@@ -193,8 +207,11 @@ class DemoEngine(Engine):
         self.served += 1
         self.running += 1
         done = False
+        uncached = self._admit(request)
         try:
             yield Started(prompt_tokens)
+            if uncached and self.prefill_delay:
+                await asyncio.sleep(uncached * self.prefill_delay)
             tokens = 0
             for step in steps:
                 if isinstance(step, ToolCallDelta) and not step.tokens:
@@ -216,6 +233,19 @@ class DemoEngine(Engine):
                 self.finished += 1
             else:
                 self.aborted += 1
+
+    def kv_events(self) -> KvPublisher | None:
+        """The cache model's events (None with `kv_blocks=0`)."""
+        return None if self.kv_cache is None else self.kv_cache.publisher
+
+    def _admit(self, request: GenerateRequest) -> int:
+        """Runs the prompt through the cache model; the blocks it did not hold."""
+        cache = self.kv_cache
+        if cache is None:
+            return 0
+        data = prompt_bytes(request)
+        load = EngineLoad(running=self.running, kv_usage=cache.usage)
+        return len(data) // cache.block_size - cache.admit(data, load)
 
     @staticmethod
     def _calls(request: GenerateRequest, last: str) -> list[Tool]:

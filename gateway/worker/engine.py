@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from gateway.protocol import errors, features
 from gateway.protocol.errors import TooLong
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
+from gateway.worker.kv_events import KvPublisher
 
 
 class Engine(ABC):
@@ -47,6 +48,11 @@ class Engine(ABC):
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeds the inputs (engines that list "embeddings")."""
         raise errors.Invalid(f"The model `{self.model}` does not serve embeddings.", param="model")
+
+    def kv_events(self) -> KvPublisher | None:
+        """Its KV-cache events for `SubscribeKvEvents` (`gateway.worker.kv_events`), so
+        gateways route by what it holds; None: it publishes none (UNIMPLEMENTED)."""
+        return None
 
     # The life of an engine that comes up after its worker listens (vLLM loads for
     # seconds to minutes): the worker reports NOT_SERVING until `start` returns and

@@ -44,6 +44,7 @@ from gateway.protocol.convert import (
     request_from_proto,
 )
 from gateway.protocol.sizes import event_size
+from gateway.protocol.kv_proto import batch_to_proto
 from gateway.protocol.status import status_from_error
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import (
@@ -62,6 +63,7 @@ from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker import multiplex
 from gateway.worker.engine import Engine
+from gateway.worker.kv_events import SubscriberTooSlow
 
 log = logging.getLogger("furnace.worker")
 
@@ -309,6 +311,7 @@ class EngineService(pb_grpc.EngineServicer):
         #: (another worker takes them), as the server refuses new calls.
         self.draining = False
         self._multiplexed: set[multiplex.Multiplexer] = set()
+        self._subscriptions: set[asyncio.Task[Any]] = set()  # SubscribeKvEvents calls
         served = engine.features
         #: What the worker serves, as `Describe` lists it: the SDK does n itself.
         self.features = served | {features.N} if features.GENERATE in served else served
@@ -377,10 +380,41 @@ class EngineService(pb_grpc.EngineServicer):
 
     def drain(self) -> None:
         """The worker stops: new requests are refused, and each multiplexed call
-        ends once its open requests have (a stopping server waits for its calls)."""
+        ends once its open requests have (a stopping server waits for its calls);
+        KV-event subscriptions end at once."""
         self.draining = True
         for call in self._multiplexed:
             call.close_when_idle()
+        for task in self._subscriptions:
+            task.cancel()
+
+    async def SubscribeKvEvents(
+        self,
+        request: pb.KvEventsRequest,
+        context: grpc.aio.ServicerContext[pb.KvEventsRequest, pb.KvEventBatch],
+    ) -> AsyncGenerator[pb.KvEventBatch, None]:
+        """The engine's KV-cache events (`Engine.kv_events`): a reset snapshot, then the
+        live batches; UNIMPLEMENTED from an engine without them."""
+        engine = self.engine
+        if request.model and request.model != engine.model:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
+            )
+        publisher = engine.kv_events()
+        if publisher is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "This worker publishes no KV events.")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The worker is stopping.")
+        task = asyncio.current_task()
+        assert task is not None
+        self._subscriptions.add(task)
+        try:
+            async for batch in publisher.subscribe():
+                yield batch_to_proto(batch)
+        except SubscriberTooSlow as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV events: {error}")
+        finally:
+            self._subscriptions.discard(task)
 
     def _started(self, start: pb.MultiplexStart) -> AsyncGenerator[pb.GenerateEvent, None]:
         return self.answer(start.request)

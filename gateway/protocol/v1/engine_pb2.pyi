@@ -18,6 +18,12 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
+class CountTokensResponse(_message.Message):
+    __slots__ = ("prompt_tokens",)
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "text", "chat", "sampling", "stop", "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,20 +95,34 @@ class ChatPrompt(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "images", "tool_calls", "tool_call_id", "name")
+    __slots__ = ("role", "content", "images", "tool_calls", "tool_call_id", "name", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     images: _containers.RepeatedScalarFieldContainer[str]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., images: _Optional[_Iterable[str]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., images: _Optional[_Iterable[str]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("type", "text", "image_url", "detail")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URL_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    text: str
+    image_url: str
+    detail: str
+    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ..., image_url: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids")
@@ -345,3 +365,61 @@ class MultiplexEnd(_message.Message):
     message: str
     param: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("sequence", "reset", "events", "load", "timestamp")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    reset: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    load: EngineLoad
+    timestamp: float
+    def __init__(self, sequence: _Optional[int] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlocksStored
+    removed: KvBlocksRemoved
+    def __init__(self, stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ...) -> None: ...
+
+class KvBlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("running", "waiting", "waiting_uncached_tokens", "kv_usage")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    waiting_uncached_tokens: int
+    kv_usage: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_uncached_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...

@@ -50,10 +50,20 @@ class EngineStub:
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/furnace.engine.v1.Engine/CountTokens',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
         self.GenerateMultiplexed = channel.stream_stream(
                 '/furnace.engine.v1.Engine/GenerateMultiplexed',
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/furnace.engine.v1.Engine/SubscribeKvEvents',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
                 _registered_method=True)
 
 
@@ -92,6 +102,17 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTokens(self, request, context):
+        """Counts the tokens of the prompt a GenerateRequest would make (its text,
+        or its messages and tools through the worker's chat template), by the
+        engine's own tokenizer, generating nothing (Anthropic's count_tokens).
+        Refusals as for Generate; INVALID_ARGUMENT naming "model" from an engine
+        that cannot count.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GenerateMultiplexed(self, request_iterator, context):
         """Many Generate calls over one call: the gateway opens one per worker and
         starts, cancels and paces its requests on it; the worker answers with
@@ -103,6 +124,19 @@ class EngineServicer:
         Offered by a worker whose DescribeResponse sets `multiplex`; the gateway
         uses Generate with workers that do not. Ending the call (either side, or
         a broken connection) ends every request on it; the worker aborts them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeKvEvents(self, request, context):
+        """The engine's KV-cache events and load records, as they happen, for routing
+        by what each worker holds. Each subscription's batches are numbered from 1,
+        one more each; the first is a `reset` that clears whatever the subscriber
+        knew of the worker and lists every block it holds, then come the blocks
+        stored and removed. A subscriber that sees a gap subscribes again (and so
+        starts from a reset); one that reads too slowly is cut off with
+        RESOURCE_EXHAUSTED. UNIMPLEMENTED from a worker whose engine publishes none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,10 +160,20 @@ def add_EngineServicer_to_server(servicer, server):
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.SerializeToString,
+            ),
             'GenerateMultiplexed': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMultiplexed,
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +269,33 @@ class Engine:
             _registered_method=True)
 
     @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/CountTokens',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GenerateMultiplexed(request_iterator,
             target,
             options=(),
@@ -241,6 +312,33 @@ class Engine:
             '/furnace.engine.v1.Engine/GenerateMultiplexed',
             furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
             furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/SubscribeKvEvents',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

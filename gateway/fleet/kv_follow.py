@@ -1,0 +1,92 @@
+"""Each worker's KV-cache event stream, followed into its model's `KvIndex`.
+
+A model whose `routing:` policy reads events (`kv_aware`, `least_load`) subscribes to
+every worker, over the worker's own channel, from every gateway replica (each keeps its
+own index; they converge because each applies the same streams, and every subscription
+starts from the worker's full state). The stream's batches go into the index as they
+come; when the stream ends or breaks, the worker's part of the index is dropped at once
+(it is routed as holding nothing: the fallback) and the subscription is made again, with
+a back-off up to `RETRY_MAX` seconds; a worker that says it publishes nothing
+(UNIMPLEMENTED) is asked again every `UNSUPPORTED_RETRY` seconds, in case it is replaced
+by one that does. `state` says which, per worker, for metrics and `/admin/workers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from gateway.protocol import errors
+from gateway.protocol.kv_blocks import KvBatch
+
+if TYPE_CHECKING:
+    from gateway.fleet.pool import ModelPool
+    from gateway.fleet.worker import Worker
+
+log = logging.getLogger("furnace.fleet.kv")
+
+#: Longest wait, in seconds, before subscribing again after a broken stream.
+RETRY_MAX = 5.0
+#: Seconds before asking again a worker that publishes no events.
+UNSUPPORTED_RETRY = 60.0
+
+#: A worker's event stream: following it, none (it publishes none), or broken.
+EVENTS, UNSUPPORTED, BROKEN = "events", "unsupported", "broken"
+
+
+@runtime_checkable
+class KvEventSource(Protocol):
+    """An upstream that can stream its engine's KV-cache events."""
+
+    def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
+        """The batches, until the stream ends; `EngineError` when it breaks."""
+        ...
+
+
+async def follow_kv(pool: ModelPool, worker: Worker) -> None:
+    """Follows the worker's events into the pool's index until the worker leaves."""
+    router = pool.router
+    if router is None or not router.uses_events:
+        return
+    index, address = router.index, worker.address
+    delay = 0.1
+    while not worker.leaving:
+        source = worker.client
+        if not isinstance(source, KvEventSource):
+            router.states[address] = UNSUPPORTED
+            return
+        if worker.serving is not True:
+            await asyncio.sleep(0.05)  # health first: a worker not up yet would only refuse
+            continue
+        wait = delay
+        try:
+            router.owners[address] = worker
+            async for batch in source.kv_events(pool.name):
+                router.states[address] = EVENTS
+                index.apply(address, batch)
+                delay = 0.1
+        except errors.Invalid as error:
+            router.states[address] = UNSUPPORTED
+            log.info(
+                "worker %s publishes no KV events (%s): routed by its load", address, error.message
+            )
+            wait = UNSUPPORTED_RETRY
+        except errors.EngineError as error:
+            router.states[address] = BROKEN
+            if not worker.leaving:
+                log.warning("worker %s: KV events stopped: %s", address, error.message)
+        except Exception:  # a bug must not stop the follower: log it, fall back, go on
+            router.states[address] = BROKEN
+            log.exception("worker %s: KV events failed", address)
+        else:
+            router.states[address] = BROKEN
+        finally:
+            if router.owners.get(address) is worker:
+                index.drop(address)
+        await asyncio.sleep(wait)
+        delay = min(delay * 2, RETRY_MAX)
+    if router.owners.get(address) is worker:
+        del router.owners[address]
+        router.states.pop(address, None)

@@ -1,0 +1,268 @@
+"""Which worker of a model holds which KV-cache blocks, from the engines' own events.
+
+One `KvIndex` per model. Each worker that publishes events has a `WorkerKv`: a slot (a
+bit), its blocks as {engine hash: gateway hash} (removals name the engine's hash), the
+last batch's sequence number and its last load record. `holders` maps a gateway hash
+(`gateway.protocol.kv_blocks.chain`, computed from the events' token ids) to the bits of
+the workers that hold it, so `match` walks a request's chain once for the whole fleet:
+O(blocks matched) big-int ANDs, whatever the number of workers (1,000 workers are
+16 machine words a block).
+
+Resynchronization: a batch whose sequence is not the next one (a gap: events lost) or
+that says `reset` drops what the index knew of the worker before applying it; a batch
+numbered at or below the last one is a duplicate (or a load record only, as vLLM's
+heartbeats are) and applies nothing but its load. A worker that leaves, or whose stream
+breaks, is `drop`ped whole: the router then treats it as holding nothing.
+
+Bounds, since an engine (or whatever answers at its address) is not trusted: at most
+`cap` blocks per worker (past it, the oldest eighth is forgotten, counted in
+`evicted`), at most `max_batch_blocks` blocks a batch (a bigger batch is refused whole
+and the worker's part dropped, as for a gap), token ids that do not fill the blocks
+they claim refuse the event. Each refusal is counted and logged at most once a minute a
+worker; none raises into routing.
+
+Memory: ~230 bytes a (worker, block) pair in CPython (two dict slots and three ints)
+plus ~100 bytes a distinct block (`benchmarks/sim_routing.py` measures it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from itertools import islice
+
+from gateway.protocol.kv_blocks import (
+    ROOT,
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    EngineLoad,
+    KvBatch,
+    chain,
+)
+
+log = logging.getLogger("furnace.fleet.kv")
+
+#: Blocks per worker by default: ~1.6 TB of KV at 16 tokens x 1 MB a block covers any
+#: GPU worker; `routing.max_blocks_per_worker` sets it.
+DEFAULT_CAP = 200_000
+#: Blocks one batch may store or remove (vLLM sends a step's worth: tens to hundreds).
+MAX_BATCH_BLOCKS = 65_536
+#: Seconds between two warnings about one worker's events.
+WARN_EVERY = 60.0
+
+
+class WorkerKv:
+    """What the index knows of one worker."""
+
+    __slots__ = (
+        "address",
+        "bit",
+        "block_size",
+        "blocks",
+        "events_at",
+        "evicted",
+        "lag",
+        "load",
+        "load_at",
+        "refused",
+        "resets",
+        "sequence",
+        "slot",
+        "warned_at",
+    )
+
+    def __init__(self, address: str, slot: int) -> None:
+        self.address = address
+        self.slot = slot
+        self.bit = 1 << slot
+        #: Engine hash -> gateway hash, oldest first.
+        self.blocks: dict[int, int] = {}
+        self.sequence = -1  # none yet
+        self.block_size = 0
+        self.load: EngineLoad | None = None
+        self.load_at = 0.0
+        self.events_at = 0.0  # monotonic time of the last batch
+        self.lag = 0.0  # seconds between the batch's time stamp and its arrival, when known
+        self.evicted = 0
+        self.refused = 0
+        self.resets = 0
+        self.warned_at = -WARN_EVERY
+
+
+class KvIndex:
+    """The blocks every worker of one model holds; fed by `apply`, read by `match`."""
+
+    def __init__(
+        self, model: str, cap: int = DEFAULT_CAP, max_batch: int = MAX_BATCH_BLOCKS
+    ) -> None:
+        self.model = model
+        self.cap = cap
+        self.max_batch = max_batch
+        self.holders: dict[int, int] = {}
+        self.workers: dict[str, WorkerKv] = {}
+        self._free: list[int] = []
+        self._by_slot: list[str] = []  # slot -> address ("" when free)
+        #: Tokens per block, from the first worker's events (0: none yet).
+        self.block_size = 0
+        self.batches = 0
+
+    # -- membership --------------------------------------------------------------------
+
+    def worker(self, address: str) -> WorkerKv:
+        """The worker's entry, made on its first batch."""
+        kv = self.workers.get(address)
+        if kv is None:
+            if self._free:
+                slot = self._free.pop()
+                self._by_slot[slot] = address
+            else:
+                slot = len(self._by_slot)
+                self._by_slot.append(address)
+            kv = self.workers[address] = WorkerKv(address, slot)
+        return kv
+
+    def drop(self, address: str) -> None:
+        """Forgets the worker (it left, restarted, or its events stopped)."""
+        kv = self.workers.pop(address, None)
+        if kv is None:
+            return
+        self._forget_blocks(kv)
+        self._free.append(kv.slot)
+        self._by_slot[kv.slot] = ""
+
+    def _forget_blocks(self, kv: WorkerKv, hashes: Iterable[int] | None = None) -> None:
+        holders, keep = self.holders, ~kv.bit
+        for ours in kv.blocks.values() if hashes is None else hashes:
+            bits = holders.get(ours, 0) & keep
+            if bits:
+                holders[ours] = bits
+            else:
+                holders.pop(ours, None)
+        if hashes is None:
+            kv.blocks = {}
+
+    # -- events ------------------------------------------------------------------------
+
+    def apply(self, address: str, batch: KvBatch, now: float | None = None) -> bool:
+        """Applies one batch of the worker's events; False when it was refused whole
+        (too big), after which the worker's part is empty until new stores arrive."""
+        now = time.monotonic() if now is None else now
+        kv = self.worker(address)
+        self.batches += 1
+        kv.events_at = now
+        if batch.timestamp:
+            kv.lag = max(0.0, time.time() - batch.timestamp)
+        load = batch.load
+        if load is not None:
+            if not 0.0 <= load.kv_usage <= 1.0:  # NaN, or out of range: no use to a cost
+                load = load._replace(kv_usage=0.0 if math.isnan(load.kv_usage) else 1.0)
+            kv.load, kv.load_at = load, now
+        if batch.sequence <= kv.sequence and not batch.reset:
+            if batch.events:
+                self._warn(kv, f"batch {batch.sequence} after {kv.sequence}: ignored", now)
+            return True
+        if batch.reset or (kv.sequence >= 0 and batch.sequence != kv.sequence + 1):
+            if not batch.reset:
+                self._warn(kv, f"events {kv.sequence + 1}..{batch.sequence - 1} lost", now)
+            self._reset(kv)
+        kv.sequence = batch.sequence
+        size = sum(len(e.block_hashes) for e in batch.events if not isinstance(e, CacheCleared))
+        if size > self.max_batch:
+            self._warn(kv, f"a batch of {size} blocks (over {self.max_batch}): refused", now)
+            self._reset(kv)
+            return False
+        for event in batch.events:
+            if isinstance(event, BlocksStored):
+                self._stored(kv, event, now)
+            elif isinstance(event, BlocksRemoved):
+                self._removed(kv, event)
+            else:
+                self._reset(kv)
+        if len(kv.blocks) > self.cap:
+            self._evict(kv)
+        return True
+
+    def _reset(self, kv: WorkerKv) -> None:
+        kv.resets += 1
+        self._forget_blocks(kv)
+
+    def _stored(self, kv: WorkerKv, event: BlocksStored, now: float) -> None:
+        size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        if size <= 0 or len(tokens) != size * len(hashes):
+            self._warn(kv, f"{len(tokens)} tokens for {len(hashes)} blocks of {size}", now)
+            return
+        if size != self.block_size:
+            if any(w.blocks for w in self.workers.values()):  # one size a model
+                self._warn(kv, f"blocks of {size} tokens, not {self.block_size}: ignored", now)
+                return
+            self.block_size = size
+        kv.block_size = size
+        if event.parent is None:
+            parent = ROOT
+        else:
+            found = kv.blocks.get(event.parent)
+            if found is None:  # its parent was evicted here or never seen: unnameable
+                kv.refused += 1
+                return
+            parent = found
+        holders, bit, blocks = self.holders, kv.bit, kv.blocks
+        for engine_hash, ours in zip(hashes, chain(tokens, size, parent), strict=True):
+            blocks[engine_hash] = ours
+            holders[ours] = holders.get(ours, 0) | bit
+
+    def _removed(self, kv: WorkerKv, event: BlocksRemoved) -> None:
+        blocks = kv.blocks
+        gone = [ours for h in event.block_hashes if (ours := blocks.pop(h, None)) is not None]
+        self._forget_blocks(kv, gone)
+
+    def _evict(self, kv: WorkerKv) -> None:
+        """Forgets the worker's oldest eighth (an engine evicts its LRU blocks first)."""
+        count = len(kv.blocks) - self.cap + self.cap // 8
+        oldest = list(islice(kv.blocks, count))
+        self._forget_blocks(kv, [kv.blocks.pop(h) for h in oldest])
+        kv.evicted += len(oldest)
+
+    def _warn(self, kv: WorkerKv, what: str, now: float) -> None:
+        kv.refused += 1
+        if now - kv.warned_at >= WARN_EVERY:
+            kv.warned_at = now
+            log.warning("model %s: KV events of worker %s: %s", self.model, kv.address, what)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """Blocks of the request's chain each worker holds from its start, for the
+        workers holding at least its first block."""
+        holders = self.holders
+        alive = holders.get(hashes[0], 0) if hashes else 0
+        if not alive:
+            return {}
+        groups: list[tuple[int, int]] = []  # (bits of workers that stop here, depth)
+        depth = 1
+        for ours in islice(hashes, 1, None):
+            bits = holders.get(ours, 0) & alive
+            if bits != alive:
+                groups.append((alive & ~bits, depth))
+                if not bits:
+                    alive = 0
+                    break
+                alive = bits
+            depth += 1
+        if alive:
+            groups.append((alive, depth))
+        found: dict[str, int] = {}
+        by_slot = self._by_slot
+        for bits, blocks in groups:
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                found[by_slot[low.bit_length() - 1]] = blocks
+        return found
+
+    def memory_bytes(self) -> int:
+        """An estimate of the index's memory (dict slots and the ints they hold)."""
+        pairs = sum(len(kv.blocks) for kv in self.workers.values())
+        return pairs * 2 * 48 + pairs * 2 * 36 + len(self.holders) * (48 + 36 + 36)

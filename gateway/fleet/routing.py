@@ -1,0 +1,209 @@
+"""Routing on what the engines hold and what they have queued (`models[].routing`).
+
+`Router` is a model's balancer when its entry has `routing:`. Its policies:
+
+- `kv_aware`: the worker with the lowest expected cost, in prompt tokens of work, of
+  starting the request now:
+
+      cost = prefill_weight * (prompt tokens - tokens of its longest prefix the worker holds)
+           + queue_weight   * waiting uncached tokens (its engine's last load record)
+           + running_cost   * max(requests it runs, this gateway's calls to it)
+           + usage_cost     * its KV-cache use (0 to 1)
+
+  as NVIDIA Dynamo's KV router (prefill blocks to do plus decode load) and llm-d's
+  precise prefix-cache scorer weigh them. The defaults count a running request as 64
+  prompt tokens (one decode step of a batch costs about as much as a short prefill
+  chunk) and a full cache as 256 (eviction ahead). The cached prefix comes from
+  `KvIndex.match` over the request's chain (`gateway.protocol.kv_blocks`): the token
+  ids the gateway encodes for `vllm-grpc` workers (`prompt_ids`), the prompt's bytes
+  for every other kind (the text fallback, as the demo engine caches). Ties (within
+  one block of prefill) go to the worker with fewer calls in flight, then at random,
+  so equal workers share the load instead of herding on the first.
+- `least_load`: the same cost without the cache term.
+- `prefix`: today's `prefix_affinity` (consistent hashing of the prompt's start).
+- `round_robin`: each worker in turn.
+
+A model none of whose candidates publishes events (no `SubscribeKvEvents`, or its
+stream broken) falls back to `prefix_affinity` for `kv_aware` and to power of two
+choices for `least_load`, and the decision says so (`fallback`), as do the metrics
+and `/admin/workers` per worker.
+
+Session affinity: a request with a session (`GenerateRequest.session`, from
+`x-session-id` or a route's own key, else the OpenAI `user`) goes to the worker its
+session used last while that worker is available and has at most
+`session_load_factor` times the average calls in flight (plus one): past that the
+session is routed as a new one and follows its new worker, so one hot session cannot
+pin an overloaded worker. At most `max_sessions` are remembered, oldest forgotten.
+
+Cost per request: the chain (~0.1 µs a token), one dict lookup per cached block, and
+O(candidates) arithmetic; `benchmarks/sim_routing.py` has the curve.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from gateway.config import RoutingConfig
+from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity
+from gateway.fleet.kv_index import KvIndex
+from gateway.fleet.worker import Worker
+from gateway.protocol.kv_blocks import chain, prompt_bytes
+from gateway.protocol.types import GenerateRequest
+
+#: Bytes of a prompt the text fallback hashes at most (a 32k-token prompt's worth).
+TEXT_LIMIT = 128 * 1024
+
+
+class Route(NamedTuple):
+    """Why a worker was picked, for the access log and the trace."""
+
+    policy: str
+    #: Blocks of the request's prefix the picked worker holds (kv_aware), else 0.
+    cache_hit_blocks: int = 0
+    #: "session": kept on its session's worker; "fallback": no events to route on.
+    reason: str = ""
+
+
+#: How a request becomes token ids for the index: the upstream's encoding, or None.
+Tokens = Callable[[GenerateRequest], Sequence[int] | None]
+
+
+def _text_tokens(request: GenerateRequest) -> Sequence[int]:
+    return prompt_bytes(request, TEXT_LIMIT)
+
+
+class Router:
+    """A model's balancer under `routing:`; `last` is the reason of the latest pick."""
+
+    def __init__(
+        self,
+        model: str,
+        config: RoutingConfig,
+        prefix: PrefixAffinity,
+        tokens: Tokens | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.index = KvIndex(model, cap=config.max_blocks_per_worker)
+        self.tokens = tokens
+        self._prefix = prefix
+        self._p2c = LeastOutstanding(rng)
+        self._rng = rng or random.Random()
+        self._turn = itertools.count()
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.last = Route(self.policy)
+        self.fallbacks_total = 0
+        self.session_moves_total = 0
+        #: Per worker address: its event stream's state (`kv_follow`), and the worker
+        #: object whose follower owns its part of the index.
+        self.states: dict[str, str] = {}
+        self.owners: dict[str, Worker] = {}
+
+    @property
+    def uses_events(self) -> bool:
+        """Whether this policy reads the engines' events (its workers are subscribed)."""
+        return self.policy in ("kv_aware", "least_load")
+
+    def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
+        """The worker for `request` (candidates is never empty); sets `last`."""
+        session = request.session or request.user
+        if session:
+            kept = self._session_worker(session, candidates)
+            if kept is not None:
+                self.last = Route(self.policy, 0, "session")
+                return kept
+        worker = self._pick(candidates, request)
+        if session:
+            self._remember(session, worker.address)
+        return worker
+
+    def _pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
+        policy = self.policy
+        if policy == "round_robin":
+            self.last = Route(policy)
+            return candidates[next(self._turn) % len(candidates)]
+        if policy == "prefix":
+            self.last = Route(policy)
+            return self._prefix.pick(candidates, request)
+        index = self.index
+        if not any(w.address in index.workers for w in candidates):
+            self.fallbacks_total += 1
+            self.last = Route(policy, 0, "fallback")
+            if policy == "kv_aware":
+                return self._prefix.pick(candidates, request)
+            return self._p2c.pick(candidates, request)
+        hits: dict[str, int] = {}
+        prompt = 0
+        if policy == "kv_aware" and index.block_size:
+            tokens = self.tokens(request) if self.tokens is not None else None
+            if tokens is None:
+                tokens = _text_tokens(request)
+            prompt = len(tokens)
+            hits = index.match(chain(tokens, index.block_size))
+        return self._cheapest(candidates, prompt, hits)
+
+    def _cheapest(self, candidates: list[Worker], prompt: int, hits: dict[str, int]) -> Worker:
+        config, workers, size = self.config, self.index.workers, self.index.block_size
+        best: Worker | None = None
+        best_key = (0.0, 0, 0.0)
+        for worker in candidates:
+            cached = hits.get(worker.address, 0)
+            cost = config.prefill_weight * max(prompt - cached * size, 0)
+            kv = workers.get(worker.address)
+            running = worker.outstanding
+            if kv is not None and kv.load is not None:
+                load = kv.load
+                cost += config.queue_weight * load.waiting_uncached_tokens
+                cost += config.usage_cost * load.kv_usage
+                running = max(running, load.running + load.waiting)
+            cost += config.running_cost * running
+            # within a block of prefill counts as a tie; then fewer calls, then chance
+            key = (
+                cost // max(size * config.prefill_weight, 1.0),
+                worker.outstanding,
+                self._rng.random(),
+            )
+            if best is None or key < best_key:
+                best, best_key = worker, key
+        assert best is not None
+        self.last = Route(self.policy, hits.get(best.address, 0))
+        return best
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def _session_worker(self, session: str, candidates: list[Worker]) -> Worker | None:
+        address = self.sessions.get(session)
+        if address is None:
+            return None
+        worker = next((w for w in candidates if w.address == address), None)
+        if worker is None:
+            return None
+        average = sum(w.outstanding for w in candidates) / len(candidates)
+        if worker.outstanding > self.config.session_load_factor * average + 1:
+            self.session_moves_total += 1
+            return None
+        self.sessions.move_to_end(session)
+        return worker
+
+    def _remember(self, session: str, address: str) -> None:
+        sessions = self.sessions
+        sessions[session] = address
+        sessions.move_to_end(session)
+        if len(sessions) > self.config.max_sessions:
+            sessions.popitem(last=False)
+
+    def view(self, address: str) -> dict[str, object]:
+        """What routing knows of a worker, for `/admin/workers`."""
+        kv = self.index.workers.get(address)
+        load = None if kv is None or kv.load is None else kv.load._asdict()
+        return {
+            "policy": self.policy,
+            "events": self.states.get(address, "none" if self.uses_events else "off"),
+            "cached_blocks": 0 if kv is None else len(kv.blocks),
+            "load": load,
+        }

@@ -1,0 +1,337 @@
+"""Routing by what the engines hold (issue 26), against real gRPC workers whose demo
+engine models a prefix cache and publishes its KV events (`SubscribeKvEvents`), and the
+real gateway under uvicorn: the index follows every store and removal, a repeated long
+prefix goes to the worker that holds it, a worker that goes away takes its part of the
+index with it and comes back empty, two gateway replicas converge to the same index, a
+session stays on its worker until that worker is overloaded, and a hostile event stream
+is bounded, counted and never stops the routing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig, RoutingConfig
+from gateway.fleet.kv_index import KvIndex
+from gateway.fleet.pool import ModelPool
+from gateway.protocol.kv_blocks import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    EngineLoad,
+    KvBatch,
+    chain,
+)
+from gateway.worker.demo import DemoEngine
+from gateway.worker.kv_events import KvPublisher
+from gateway.worker.server import WorkerServer
+from tests.support.servers import Gateway, ServerLoop
+from tests.support.waiting import HANG_GUARD, wait_until
+
+MODEL = "kv-demo"
+#: ~40 blocks of 16 bytes: a shared document a conversation starts with.
+DOCUMENT = " ".join(f"word{i}" for i in range(110))
+
+
+def _engines(count: int, **options: Any) -> list[DemoEngine]:
+    return [DemoEngine(MODEL, max_context=100_000, **options) for _ in range(count)]
+
+
+def _model(servers: list[WorkerServer], **routing: Any) -> ModelConfig:
+    return ModelConfig(
+        MODEL, workers=tuple(s.address for s in servers), routing=RoutingConfig(**routing)
+    )
+
+
+def _pool(gw: Gateway) -> ModelPool:
+    return gw.state.fleet.models[MODEL]
+
+
+def _index(gw: Gateway) -> KvIndex:
+    router = _pool(gw).router
+    assert router is not None
+    return router.index
+
+
+def _ask(http: httpx.Client, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra.pop("body", {})}
+    response = http.post("/v1/completions", json=body, **extra)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _mirrors(gw: Gateway, server: WorkerServer, engine: DemoEngine) -> bool:
+    """The gateway's index holds exactly the engine's blocks for that worker."""
+    kv = _index(gw).workers.get(server.address)
+    assert engine.kv_cache is not None
+    return kv is not None and set(kv.blocks) == set(engine.kv_cache.blocks)
+
+
+@pytest.fixture
+def http_of() -> Iterator[Callable[[Gateway], httpx.Client]]:
+    clients: list[httpx.Client] = []
+
+    def make(gw: Gateway) -> httpx.Client:
+        clients.append(httpx.Client(base_url=gw.url, timeout=HANG_GUARD))
+        return clients[-1]
+
+    yield make
+    for http in clients:
+        http.close()
+
+
+def test_the_index_follows_every_store_and_removal(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    engines = _engines(2, kv_blocks=64)
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers),))
+    http = http_of(gw)
+    wait_until(lambda: len(_index(gw).workers) == 2, "both workers' event streams")
+    for i in range(12):  # 12 prompts of ~40 blocks through caches of 64: evictions
+        _ask(http, f"{i} {DOCUMENT}")
+        for server, engine in zip(servers, engines, strict=True):
+            wait_until(lambda s=server, e=engine: _mirrors(gw, s, e), "the index to mirror")
+    assert sum(len(e.kv_cache.blocks) for e in engines if e.kv_cache) > 64  # both used
+    snapshot = gw.state.fleet.snapshot()
+    (model,) = [m for m in snapshot["models"] if m["name"] == MODEL]  # type: ignore[attr-defined]
+    for worker in model["workers"]:
+        assert worker["routing"]["events"] == "events"
+        assert worker["routing"]["cached_blocks"] <= 64
+    metrics = http.get("/metrics").text
+    assert f'furnace_gateway_worker_kv_cached_blocks{{model="{MODEL}"' in metrics
+    assert f'furnace_gateway_kv_index_bytes{{model="{MODEL}"}}' in metrics
+
+
+def test_a_repeated_long_prefix_goes_to_the_worker_that_holds_it(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    engines = _engines(3)
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers),))
+    http = http_of(gw)
+    wait_until(lambda: len(_index(gw).workers) == 3, "the workers' event streams")
+    for doc in range(3):  # three documents, each asked about five times in turn
+        document = f"document {doc}: {DOCUMENT}"
+        served = [e.served for e in engines]
+        _ask(http, f"{document} question 0")
+        (holder,) = [e for e, n in zip(engines, served, strict=True) if e.served > n]
+        wait_until(lambda d=document: _index_holds(_index(gw), d), "the stores to reach it")
+        for question in range(1, 5):
+            _ask(http, f"{document} question {question}")
+        assert holder.served == served[engines.index(holder)] + 5
+    router = _pool(gw).router
+    assert router is not None and router.last.policy == "kv_aware"
+    assert router.last.cache_hit_blocks >= len(f"document 2: {DOCUMENT}") // 16 - 1
+
+
+def _index_holds(index: KvIndex, text: str) -> bool:
+    hashes = chain(tuple(text.encode()), 16)
+    return bool(hashes) and all(h in index.holders for h in hashes)
+
+
+def test_a_worker_that_goes_away_takes_its_part_and_comes_back_empty(
+    server_loop: ServerLoop,
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    engines = _engines(2)
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers),), health_check_interval=0.2)
+    http = http_of(gw)
+    index = _index(gw)
+    wait_until(lambda: len(index.workers) == 2, "both workers' event streams")
+    for i in range(6):
+        _ask(http, f"{i} {DOCUMENT}")
+    wait_until(lambda: all(_mirrors(gw, s, e) for s, e in zip(servers, engines, strict=True)), "")
+    gone, stays = servers
+    port = gone.port
+    server_loop.call(gone.stop(0))
+    wait_until(lambda: gone.address not in index.workers, "its part of the index to go")
+    router = _pool(gw).router
+    assert router is not None
+    wait_until(lambda: router.states.get(gone.address) == "broken", "the stream marked broken")
+    for i in range(4):  # still served, by the other
+        _ask(http, f"{i} {DOCUMENT}")
+    # the same address, a new engine: subscribed again, from its (empty) state
+    (back,) = serve_engines(DemoEngine(MODEL, max_context=100_000), port=port)
+    wait_until(lambda: back.address in index.workers, "the worker's stream again", 60)
+    assert len(index.workers[back.address].blocks) == 0
+    wait_until(lambda: router.states.get(back.address) == "events", "its events followed")
+    del stays
+
+
+def test_workers_without_events_fall_back_visibly(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    servers = serve_engines(*_engines(2, kv_blocks=0))
+    gw = gateway_with(models=(_model(servers),))
+    http = http_of(gw)
+    router = _pool(gw).router
+    assert router is not None
+    wait_until(
+        lambda: all(router.states.get(s.address) == "unsupported" for s in servers),
+        "the workers to say they publish nothing",
+    )
+    for i in range(4):
+        _ask(http, f"{i} {DOCUMENT}")
+    assert router.last.reason == "fallback"
+    assert router.fallbacks_total >= 4
+    metrics = http.get("/metrics").text
+    assert 'state="unsupported"' in metrics
+
+
+def test_two_replicas_converge_to_the_same_index(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    engines = _engines(2, kv_blocks=128)
+    servers = serve_engines(*engines)
+    first = gateway_with(models=(_model(servers),))
+    for i in range(5):  # blocks stored before the second replica exists
+        _ask(http_of(first), f"{i} {DOCUMENT}")
+    second = gateway_with(models=(_model(servers),))
+    for i in range(5, 10):
+        _ask(http_of(second if i % 2 else first), f"{i} {DOCUMENT}")
+
+    def same() -> bool:
+        a, b = _index(first), _index(second)
+        return (
+            bool(a.holders)
+            and set(a.holders) == set(b.holders)
+            and all(set(a.workers[w].blocks) == set(b.workers[w].blocks) for w in a.workers)
+            and set(a.workers) == set(b.workers)
+        )
+
+    wait_until(same, "the two replicas' indexes to agree")
+
+
+def test_a_session_stays_on_its_worker_until_it_is_overloaded(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    engines = _engines(2, token_delay=0.05)
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers, policy="round_robin"),))
+    http = http_of(gw)
+    _ask(http, "hello", headers={"x-session-id": "conversation-1"})
+    (holder,) = [e for e in engines if e.served]
+    for i in range(5):  # round robin would alternate; the session keeps its worker
+        _ask(http, f"turn {i}", headers={"x-session-id": "conversation-1"})
+    assert holder.served == 6
+    router = _pool(gw).router
+    assert router is not None and router.last.reason == "session"
+    for i in range(4):  # the OpenAI `user` is a session key too
+        _ask(http, f"turn {i}", body={"user": "someone"})
+    assert sorted(e.served for e in engines) in ([4, 6], [0, 10])
+    # 8 turns of one session at once: past 1.5x the average load, it moves
+    before = [e.served for e in engines]
+    with ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(
+                lambda i: _ask(
+                    http_of(gw),
+                    f"at once {i}",
+                    headers={"x-session-id": "hot"},
+                    body={"max_tokens": 20, "ignore_eos": True},
+                ),
+                range(8),
+            )
+        )
+    assert all(e.served > n for e, n in zip(engines, before, strict=True))
+    assert router.session_moves_total >= 1
+
+
+class _HostilePublisher(KvPublisher):
+    """A worker's event stream that is wrong in every way it can be."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        super().__init__(lambda: ())
+        self.sent = asyncio.Event()
+
+    async def subscribe(self, load: EngineLoad | None = None) -> AsyncIterator[KvBatch]:
+        block = bytes(range(16))
+        yield KvBatch(1, (), True, EngineLoad(1, 2, 3, math.nan))
+        # a batch far too big (refused whole), then one out of order
+        yield KvBatch(2, (BlocksStored(tuple(range(70_000)), None, b"", 16),))
+        yield KvBatch(1, (BlocksStored((7,), None, block, 16),))
+        # tokens that do not fill the blocks; an unknown parent; removals of nothing
+        yield KvBatch(3, (BlocksStored((8, 9), None, block, 16),))
+        yield KvBatch(4, (BlocksStored((10,), 999, block, 16), BlocksRemoved((123, 456))))
+        # a gap, then a block of another size, then a clear and one good block
+        yield KvBatch(9, (BlocksStored((11,), None, block, 16),))
+        yield KvBatch(10, (BlocksStored((12,), None, bytes(8), 8),))
+        yield KvBatch(11, (CacheCleared(), BlocksStored((13,), None, block, 16)))
+        self.sent.set()
+        await asyncio.get_running_loop().create_future()
+
+
+class _HostileEngine(DemoEngine):
+    def __init__(self) -> None:
+        super().__init__(MODEL, max_context=100_000, kv_blocks=0)
+        self.publisher = _HostilePublisher()
+
+    def kv_events(self) -> KvPublisher | None:
+        return self.publisher
+
+
+def test_a_hostile_event_stream_is_bounded_and_never_stops_routing(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hostile = _HostileEngine()
+    good = DemoEngine(MODEL, max_context=100_000)
+    servers = serve_engines(hostile, good)
+    gw = gateway_with(models=(_model(servers),))
+    http = http_of(gw)
+    index = _index(gw)
+    address = servers[0].address
+    wait_until(lambda: address in index.workers and index.workers[address].sequence == 11, "")
+    kv = index.workers[address]
+    assert list(kv.blocks) == [13]  # only the good block after the clear
+    assert kv.refused >= 6
+    assert kv.load is not None and kv.load.kv_usage == 0.0  # NaN is no use: read as 0
+    for i in range(6):
+        _ask(http, f"{i} {DOCUMENT}")
+    assert hostile.served + good.served == 6
+    assert any("KV events of worker" in r.getMessage() for r in caplog.records)
+
+
+def test_the_index_alone_refuses_what_is_wrong() -> None:
+    """KvIndex as a value: bounds and resynchronization, without servers."""
+    index = KvIndex(MODEL, cap=80, max_batch=1000)
+    tokens = bytes(range(16)) * 50  # 50 blocks
+    stored = BlocksStored(tuple(range(100, 150)), None, tokens, 16)
+    assert index.apply("a", KvBatch(1, (stored,), True))
+    assert len(index.workers["a"].blocks) == 50
+    more = BlocksStored(tuple(range(200, 250)), 149, bytes(range(1, 17)) * 50, 16)
+    assert index.apply("a", KvBatch(2, (more,)))
+    kv = index.workers["a"]
+    assert len(kv.blocks) <= 80 and kv.evicted >= 20  # the cap, oldest first
+    assert 100 not in kv.blocks and 249 in kv.blocks
+    hashes = chain(tuple(tokens), 16)
+    assert index.match(hashes).get("a", 0) == 0  # its start was evicted
+    assert index.apply("b", KvBatch(5, (stored,)))
+    assert index.match(hashes) == {"b": 50}
+    assert not index.apply("b", KvBatch(6, (BlocksStored(tuple(range(2000)), None, b"", 16),)))
+    assert index.match(hashes) == {}  # refused whole: b's part dropped
+    index.drop("a")
+    index.drop("b")
+    assert not index.holders and not index.workers
