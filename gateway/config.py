@@ -425,6 +425,20 @@ class Config:
         "prefix of the Redis keys, so gateways of several deployments can share a Redis",
         min_length=1,
     )
+    responses_ttl: float = setting(
+        2_592_000,  # 30 days, as OpenAI keeps them
+        "seconds a stored response (/v1/responses, `store`) is kept, in Redis with "
+        "`redis_url`, else in the gateway's memory",
+        minimum=1,
+    )
+    responses_per_team: int = setting(
+        10_000, "most stored responses per team; past it the oldest are dropped", minimum=1
+    )
+    responses_max_depth: int = setting(
+        256,
+        "most turns of a conversation continued by `previous_response_id`; deeper gets 400",
+        minimum=1,
+    )
     # (a frozen dataclass: immutable, though ruff cannot tell)
     queue: QueueConfig | None = setting(  # noqa: RUF009
         None,

@@ -10,6 +10,7 @@
     request.py     the frame of the routes that serve a request on the fleet: id and
                    metadata, refusals, telemetry, the span (generation, embeddings, infer)
     openai/        the OpenAI API: bodies, validation, encoders, the routes
+    responses/     OpenAI's Responses API on the same request path, and its store
     kserve/        the KServe v2 API for tensor models
 
 The edge knows nothing of gRPC or protobuf.

@@ -1,0 +1,271 @@
+"""The Responses API's routes: `POST /v1/responses` is the generation route of chat
+completions (`gateway.edge.openai.generation`) with this API's parser and encoder, so
+it takes the same admission, slots, deadlines, cancellation, limits, metrics, access
+log and traces; `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
+`DELETE /v1/responses/{id}` read the store (store.py), the caller's team's only.
+
+What this route adds to the generation route: before admission, a continuation
+(`previous_response_id`) reads its conversation from the store, bounded in depth
+(`responses_max_depth`, a 400 naming `previous_response_id`) and in items
+(`max_messages`, a 400 naming `input`); it carries the conversation's session key (the
+first turn's id, or the client's `prompt_cache_key`) so that the fleet's session
+affinity keeps a conversation on the worker that holds its prefix. After the answer,
+a stored response (`store`, true by default) is written before the answer's last
+bytes go out, so a client that has the answer can continue from it on any replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.edge.asgi import Message, Send
+from gateway.edge.errors import APIError, invalid
+from gateway.edge.openai.generation import GenerationRoute
+from gateway.edge.openai.input_limits import InputLimits
+from gateway.edge.openai.validation import ParsedRequest
+from gateway.edge.request import Exchange, Parts
+from gateway.edge.responses.encoding import ResponsesEncoder
+from gateway.edge.responses.params import Item, ResponsesBody, generate, new_id, parse
+from gateway.edge.responses.store import ResponseStore, Stored, open_store
+from gateway.fleet import ModelPool
+from gateway.protocol import errors
+from gateway.teams import Team, team_of
+
+log = logging.getLogger("furnace.responses")
+
+RESPONSES = "/v1/responses"
+#: `GET .../input_items`: OpenAI's page size bounds and default.
+MAX_PAGE = 100
+DEFAULT_PAGE = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest(ParsedRequest):
+    """A parsed Responses body with what its answer and its storing need: the body, the
+    response's id, the team's name, the conversation before this turn and its depth,
+    and the conversation's session key."""
+
+    body: ResponsesBody | None = None
+    response_id: str = ""
+    team: str = ""
+    history: list[Item] = field(default_factory=list)
+    depth: int = 1
+    session: str = ""
+
+
+def _team_name(team: Team | None) -> str:
+    return "" if team is None else team.name
+
+
+def _request(
+    body: ResponsesBody,
+    request_id: str,
+    team: str,
+    previous: Stored | None,
+) -> ResponsesRequest:
+    response_id = new_id("resp")
+    history = [] if previous is None else previous.conversation()
+    session = body.session or (previous.session if previous is not None else response_id)
+    return ResponsesRequest(
+        body.model,
+        generate(body, history, request_id, session),
+        body.stream,
+        False,
+        body=body,
+        response_id=response_id,
+        team=team,
+        history=history,
+        depth=1 if previous is None else previous.depth + 1,
+        session=session,
+    )
+
+
+def _parse_alone(body: Any, request_id: str) -> ParsedRequest:
+    """A body checked without the store (what the generation route's `parse` is)."""
+    return _request(parse(body), request_id, "", None)
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"Response with id '{response_id[:128]}' not found.",
+        param="response_id",
+        code="not_found",
+    )
+
+
+class ResponsesRoute(GenerationRoute):
+    """`POST /v1/responses`."""
+
+    def __init__(self, parts: Parts, limits: InputLimits, store: ResponseStore) -> None:
+        super().__init__(_parse_alone, ResponsesEncoder, parts, limits)
+        self.store = store
+        self.max_depth = parts.config.responses_max_depth
+        self.max_items = parts.config.max_messages
+
+    async def parse_body(self, body: Any, ex: Exchange) -> ParsedRequest:
+        """The body, and with `previous_response_id` the conversation it continues."""
+        parsed = parse(body)
+        team = _team_name(team_of(ex.scope))
+        previous = None
+        if parsed.previous_response_id is not None:
+            previous = await self.store.get(team, parsed.previous_response_id)
+            if previous is None:
+                raise APIError(
+                    404,
+                    f"Previous response with id '{parsed.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            if previous.depth >= self.max_depth:
+                raise invalid(
+                    "previous_response_id",
+                    f"The conversation is {previous.depth} turns deep; at most "
+                    f"{self.max_depth} are served.",
+                )
+        request = _request(parsed, ex.record.request_id, team, previous)
+        if len(request.history) + len(parsed.items) > self.max_items:
+            raise invalid(
+                "input",
+                f"Invalid 'input': the conversation would hold more than {self.max_items} items.",
+            )
+        return request
+
+    def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
+        assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
+        return ResponsesEncoder(pool.name, parsed.body, parsed.response_id, parsed)
+
+    async def _relay_events(
+        self,
+        pump: Any,
+        encoder: Any,
+        stream: bool,
+        record: Any,
+        send: Send,
+        watcher: Any,
+    ) -> None:
+        """The generation route's relay, with the response stored before the answer's
+        last bytes go out."""
+        assert isinstance(encoder, ResponsesEncoder)
+        request = encoder.request
+        assert isinstance(request, ResponsesRequest) and request.body is not None
+        if not request.body.store:
+            await super()._relay_events(pump, encoder, stream, record, send, watcher)
+            return
+
+        async def send_stored(message: Message) -> None:
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last and encoder.final is not None:
+                await self._store(request, encoder.final, pump.worker)
+            await send(message)
+
+        await super()._relay_events(pump, encoder, stream, record, send_stored, watcher)
+
+    async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
+        assert request.body is not None
+        stored = Stored(
+            final,
+            list(request.body.items),
+            request.history,
+            request.depth,
+            worker,
+            request.session,
+        )
+        try:
+            await self.store.put(request.team, stored)
+        except errors.Unavailable as error:
+            # the answer is served all the same; continuing from it will be a 400
+            log.warning("response %s not stored: %s", stored.id, error.message)
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(value), status, media_type="application/json")
+
+
+def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
+    """Query parameters of OpenAI's that ask what is not served, refused by name."""
+    for name, value in request.query_params.multi_items():
+        if name in served:
+            continue
+        if name == "include" and not value:
+            continue
+        if name in ("include", "stream", "starting_after", "include_obfuscation") and value not in (
+            "false",
+            "",
+        ):
+            raise invalid(name, f"'{name}' is not supported by this gateway.")
+
+
+def store_routes(store: ResponseStore) -> list[Route]:
+    """The store's routes: retrieve, delete, input items."""
+
+    async def stored(request: Request) -> Stored:
+        response_id = request.path_params["response_id"]
+        found = await store.get(_team_name(team_of(request.scope)), response_id)
+        if found is None:
+            raise _not_found(response_id)
+        return found
+
+    async def one(request: Request) -> Response:
+        if request.method == "DELETE":
+            response_id = request.path_params["response_id"]
+            if not await store.delete(_team_name(team_of(request.scope)), response_id):
+                raise _not_found(response_id)
+            return _json({"id": response_id, "object": "response", "deleted": True})
+        _refuse_query(request)
+        return _json((await stored(request)).response)
+
+    async def input_items(request: Request) -> Response:
+        _refuse_query(request, ("after", "limit", "order"))
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", DEFAULT_PAGE))
+        except ValueError:
+            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.") from None
+        if not 1 <= limit <= MAX_PAGE:
+            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", "Invalid 'order': asc or desc.")
+        items = (await stored(request)).input
+        if order == "desc":
+            items = items[::-1]
+        after = query.get("after")
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise invalid("after", f"No input item with id '{after[:128]}'.")
+            items = items[at + 1 :]
+        page = items[:limit]
+        return _json(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
+
+    endpoint = Callable[[Request], Awaitable[Response]]
+    handlers: list[tuple[str, endpoint, list[str]]] = [
+        (RESPONSES + "/{response_id}", one, ["GET", "DELETE"]),
+        (RESPONSES + "/{response_id}/input_items", input_items, ["GET"]),
+    ]
+    return [Route(path, handler, methods=methods) for path, handler, methods in handlers]
+
+
+def responses_routes(parts: Parts, limits: InputLimits) -> tuple[dict[str, Any], list[Route]]:
+    """The hot route (path → route) and the store's routes, on one store: Redis's when
+    the teams have one, else this process's memory."""
+    config = parts.config
+    store = open_store(parts.teams.limiter.redis, config.responses_ttl, config.responses_per_team)
+    return {RESPONSES: ResponsesRoute(parts, limits, store)}, store_routes(store)
