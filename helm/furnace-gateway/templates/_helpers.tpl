@@ -194,6 +194,12 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- end }}
 {{- $_ := set $entry "weights" . }}
 {{- end }}
+{{- with $model.fallbacks }}
+{{- $_ := set $entry "fallbacks" . }}
+{{- end }}
+{{- with $model.prices }}
+{{- $_ := set $entry "prices" . }}
+{{- end }}
 {{- $models = append $models $entry }}
 {{- end }}
 {{- $config := deepCopy .Values.gateway.config }}
