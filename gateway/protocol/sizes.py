@@ -27,11 +27,12 @@ LOGPROB_BYTES = 16
 
 
 def event_size(event: Event) -> int:
-    """An event's weight in a buffer: about the bytes of what it carries (at least 1)."""
+    """An event's weight in a buffer: about the bytes of what it carries (a `Text`
+    without logprobs: its characters, as these buffers counted before)."""
     kind = type(event)
     if kind is Text:
         text: Text = event  # type: ignore[assignment]
-        size = 1 + len(text.text)
+        size = len(text.text)
         logprobs = text.logprobs
         if logprobs:
             for logprob in logprobs:
@@ -41,7 +42,7 @@ def event_size(event: Event) -> int:
         return size
     if kind is ToolCallDelta:
         delta: ToolCallDelta = event  # type: ignore[assignment]
-        return 1 + len(delta.arguments) + len(delta.name) + len(delta.id)
+        return len(delta.arguments) + len(delta.name) + len(delta.id)
     return 1
 
 
