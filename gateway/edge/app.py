@@ -41,6 +41,7 @@ from gateway.edge.openai.models import list_models, one_model
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
+from gateway.edge.responses.routes import responses_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams
 from gateway.telemetry import Telemetry
@@ -143,12 +144,15 @@ def create_app(
         "/v1/completions": generation(parse_completion, CompletionEncoder),
         "/v1/embeddings": EmbeddingsRoute(parts),
     }
+    responses_hot, responses_store = responses_routes(parts, InputLimits(config))
+    hot.update(responses_hot)
     routes = [
         *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
         Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
         *probe_routes(is_ready),
         *KServeRoutes(parts, is_ready=is_ready).routes(),
+        *responses_store,
     ]
     if admin_on_public(config):
         routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)

@@ -83,6 +83,24 @@ class GenerationRoute(RequestRoute[Exchange]):
             "gen_ai.usage.output_tokens": record.completion_tokens,
         }
 
+    async def parse_body(self, body: Any, ex: Exchange) -> ParsedRequest:
+        """The body as our request; a route whose parsing needs more than the body (the
+        Responses API's stored conversation) overrides it."""
+        return self.parse(body, ex.record.request_id)
+
+    def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> Encoder:
+        """The answer's encoder; a route whose answer repeats its request overrides it."""
+        generate = parsed.generate
+        return self.encoder_type(
+            pool.name,
+            parsed.include_usage,
+            choices=generate.n,
+            logprobs=generate.logprobs is not None,
+            tools=bool(generate.tools),
+            echo=generate.prompt if parsed.echo else None,
+            named_tool=generate.tool_choice not in ("", "none", "auto", "required"),
+        )
+
     async def serve(self, ex: Exchange) -> None:
         """Reads and checks the body, admits it under its team's limits (a queued client
         that leaves, leaves the queue at once) and serves it."""
@@ -96,7 +114,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         body = await read_json(scope, receive, self.config.max_body_bytes)
         pool = resolve(self.fleet, team_of(scope), model_of(body))
         record.model = pool.name
-        parsed = self.parse(body, record.request_id)
+        parsed = await self.parse_body(body, ex)
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
             generate = parsed.generate
@@ -168,15 +186,7 @@ class GenerationRoute(RequestRoute[Exchange]):
     ) -> None:
         watcher.add_done_callback(lambda _: pump.cancel())
         generate = parsed.generate
-        encoder = self.encoder_type(
-            pool.name,
-            parsed.include_usage,
-            choices=generate.n,
-            logprobs=generate.logprobs is not None,
-            tools=bool(generate.tools),
-            echo=generate.prompt if parsed.echo else None,
-            named_tool=generate.tool_choice not in ("", "none", "auto", "required"),
-        )
+        encoder = self.encoder(parsed, pool)
         record.expect(generate.n)
         try:
             with self.inflight.track(pump):

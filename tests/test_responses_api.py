@@ -1,0 +1,374 @@
+"""Specs: OpenAI's Responses API (`/v1/responses`) through the official `openai` SDK
+against the real gateway and its demo worker: whole and streamed answers with the
+full event sequence, function calling round trips, structured output, stored
+responses (retrieve, input items, delete, `previous_response_id`, on two replicas
+sharing a real Redis), one team never seeing another's, the bounds, and what is not
+served refused by name in OpenAI's shape.
+
+The demo echoes the last message's words, one token per word (`gateway.worker.demo`),
+and calls a tool whose name is a word of the last message."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.support.keys import bearer, keyed, new_key
+from tests.support.requests import assert_openai_error
+from tests.support.servers import DEMO_MODEL
+from tests.support.waiting import HANG_GUARD
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+#: The stream's events around a message of text, in order.
+MESSAGE_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+MESSAGE_END = [
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+def sdk(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
+
+
+@pytest.fixture
+def api(gateway):
+    with sdk(gateway.url) as client:
+        yield client
+
+
+def _kinds(events) -> list[str]:
+    return [event.type for event in events]
+
+
+def _assert_sequenced(events) -> None:
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+# -- whole and streamed answers ---------------------------------------------------------
+
+
+def test_a_whole_response(api):
+    response = api.responses.create(
+        model=DEMO_MODEL,
+        input="hello there world",
+        instructions="be brief",
+        metadata={"ticket": "7"},
+        temperature=0.5,
+        user="u-1",
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "completed" and response.incomplete_details is None
+    assert response.output_text == "hello there world"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.status == "completed" and message.id.startswith("msg_")
+    assert response.model == DEMO_MODEL
+    assert response.instructions == "be brief" and response.metadata == {"ticket": "7"}
+    assert response.temperature == 0.5 and response.user == "u-1"
+    usage = response.usage
+    # the demo's prompt counts the words of every message, the instructions' too
+    assert usage.input_tokens == 5 and usage.output_tokens == 3 and usage.total_tokens == 8
+    assert usage.input_tokens_details.cached_tokens == 0
+    assert usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_a_streamed_response_sends_the_full_event_sequence(api):
+    with api.responses.stream(model=DEMO_MODEL, input="one two three") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = _kinds(events)
+    assert kinds[:4] == MESSAGE_EVENTS
+    # one delta per batch the worker sent (it may send several tokens in one)
+    assert kinds[4:-4] and set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == [*MESSAGE_END, "response.completed"]
+    _assert_sequenced(events)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        "one two three"
+    )
+    assert events[0].response.status == "in_progress"
+    assert final.status == "completed" and final.output_text == "one two three"
+    assert final.usage.output_tokens == 3
+    assert final.id == events[0].response.id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_output_tokens_makes_an_incomplete_response(api, stream):
+    body = {"model": DEMO_MODEL, "input": "a b c d e f", "max_output_tokens": 2}
+    if stream:
+        events = list(api.responses.create(**body, stream=True))
+        assert events[-1].type == "response.incomplete"
+        _assert_sequenced(events)
+        response = events[-1].response
+    else:
+        response = api.responses.create(**body)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "a b"
+    assert response.output[0].status == "incomplete"
+
+
+# -- tools and formats ----------------------------------------------------------------
+
+
+def test_a_function_calling_round_trip(api):
+    first = api.responses.create(
+        model=DEMO_MODEL, input="call get_weather for Paris", tools=[WEATHER]
+    )
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert json.loads(call.arguments) == {"city": ""}  # the demo's minimal instance
+    assert first.tools[0].name == "get_weather" and first.tools[0].strict is True
+    # continued from the store: only the tool's output is new
+    second = api.responses.create(
+        model=DEMO_MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=[WEATHER],
+    )
+    assert second.output_text == "sunny" and second.previous_response_id == first.id
+    # and without the store: the whole conversation in the input
+    stateless = api.responses.create(
+        model=DEMO_MODEL,
+        store=False,
+        input=[
+            {"role": "user", "content": "call get_weather for Paris"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"},
+        ],
+        tools=[WEATHER],
+    )
+    assert stateless.output_text == "cloudy"
+    assert stateless.usage.input_tokens == second.usage.input_tokens
+
+
+def test_a_streamed_function_call(api):
+    with api.responses.stream(
+        model=DEMO_MODEL, input="get_weather please", tools=[WEATHER], tool_choice="required"
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = _kinds(events)
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    _assert_sequenced(events)
+    [call] = final.output
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == call.arguments and json.loads(call.arguments) == {"city": ""}
+    assert final.tool_choice == "required"
+
+
+def test_json_schema_output(api):
+    response = api.responses.create(
+        model=DEMO_MODEL,
+        input="who is it",
+        text={
+            "format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+        },
+    )
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "person"
+    json_object = api.responses.create(
+        model=DEMO_MODEL, input="json please", text={"format": {"type": "json_object"}}
+    )
+    assert json.loads(json_object.output_text) == {}
+
+
+# -- stored responses -------------------------------------------------------------------
+
+
+def test_retrieve_input_items_and_delete(api):
+    created = api.responses.create(
+        model=DEMO_MODEL,
+        input=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi you"}]},
+        ],
+    )
+    again = api.responses.retrieve(created.id)
+    assert again.model_dump() == created.model_dump()
+    items = api.responses.input_items.list(created.id, order="asc")
+    assert [item.role for item in items.data] == ["developer", "user"]
+    assert items.data[1].content[0].text == "hi you"
+    assert items.first_id == items.data[0].id and not items.has_more
+    newest = api.responses.input_items.list(created.id, limit=1)
+    assert [item.role for item in newest.data] == ["user"] and newest.has_more
+    api.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.delete(created.id)
+
+
+def test_an_unstored_response_cannot_be_read_or_continued(api):
+    created = api.responses.create(model=DEMO_MODEL, input="x y", store=False)
+    assert created.store is False
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError) as refused:
+        api.responses.create(model=DEMO_MODEL, input="z", previous_response_id=created.id)
+    assert refused.value.body["param"] == "previous_response_id"
+
+
+def test_a_streamed_response_is_stored(api):
+    with api.responses.stream(model=DEMO_MODEL, input="kept words") as stream:
+        final = stream.get_final_response()
+    assert api.responses.retrieve(final.id).output_text == "kept words"
+
+
+def test_a_conversation_continues_on_another_replica_sharing_redis(gateway_with, redis_server):
+    one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    with sdk(one.url) as first_client, sdk(two.url) as second_client:
+        first = first_client.responses.create(model=DEMO_MODEL, input="alpha beta")
+        assert second_client.responses.retrieve(first.id).output_text == "alpha beta"
+        with second_client.responses.stream(
+            model=DEMO_MODEL, input="gamma", previous_response_id=first.id
+        ) as stream:
+            second = stream.get_final_response()
+        assert second.output_text == "gamma"
+        # the conversation so far was in the prompt: 2 + 2 + 1 words
+        assert second.usage.input_tokens == 5
+        third = first_client.responses.create(
+            model=DEMO_MODEL, input="delta", previous_response_id=second.id
+        )
+        assert third.usage.input_tokens == 7  # and 1 + 1 more
+        items = first_client.responses.input_items.list(third.id)
+        assert [item.content[0].text for item in items.data] == ["delta"]
+
+
+def test_another_teams_response_is_not_found(gateway_with):
+    search, ads = new_key("search"), new_key("ads")
+    gw = gateway_with(**keyed({"search": {}, "ads": {}}, {search: "search", ads: "ads"}))
+    with sdk(gw.url, search) as mine, sdk(gw.url, ads) as theirs:
+        created = mine.responses.create(model=DEMO_MODEL, input="secret words")
+        assert mine.responses.retrieve(created.id).id == created.id
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.retrieve(created.id)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.input_items.list(created.id)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.delete(created.id)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.create(model=DEMO_MODEL, input="x", previous_response_id=created.id)
+        assert mine.responses.retrieve(created.id).output_text == "secret words"
+
+
+# -- bounds -------------------------------------------------------------------------------
+
+
+def test_the_store_keeps_the_newest_per_team(gateway_with):
+    gw = gateway_with(responses_per_team=2)
+    with sdk(gw.url) as api:
+        ids = [api.responses.create(model=DEMO_MODEL, input=f"w{i}").id for i in range(3)]
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(ids[0])
+        assert [api.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_conversation_depth_and_items_are_bounded(gateway_with):
+    gw = gateway_with(responses_max_depth=2, max_messages=3)
+    with sdk(gw.url) as api:
+        first = api.responses.create(model=DEMO_MODEL, input="a")
+        second = api.responses.create(model=DEMO_MODEL, input="b", previous_response_id=first.id)
+        with pytest.raises(openai.BadRequestError) as deep:
+            api.responses.create(model=DEMO_MODEL, input="c", previous_response_id=second.id)
+        assert deep.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.BadRequestError) as many:
+            api.responses.create(model=DEMO_MODEL, input=[{"role": "user", "content": "x"}] * 4)
+        assert many.value.body["param"] == "input"
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"background": True}, "background"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"temperature": 3}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
+        ({"input": []}, "input"),
+        ({"store": "yes"}, "store"),
+    ],
+)
+def test_what_is_not_served_is_refused_by_name(client, extra, param):
+    answer = client.post("/v1/responses", json={"model": DEMO_MODEL, "input": "hi", **extra})
+    assert answer.status_code == 400, answer.text
+    assert assert_openai_error(answer)["param"] == param
+
+
+def test_store_reads_refuse_bad_queries(client, api):
+    created = api.responses.create(model=DEMO_MODEL, input="q")
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after")):
+        answer = client.get(f"/v1/responses/{created.id}/input_items?{query}")
+        assert answer.status_code == 400 and assert_openai_error(answer)["param"] == param
+    answer = client.get(f"/v1/responses/{created.id}?stream=true")
+    assert answer.status_code == 400 and assert_openai_error(answer)["param"] == "stream"
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(client):
+    answer = client.post("/v1/responses", json={"model": "nope", "input": "hi"})
+    assert answer.status_code == 404
+    assert assert_openai_error(answer)["code"] == "model_not_found"
+
+
+def test_a_keyed_gateway_refuses_without_a_key(gateway_with):
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {}}, {key: "search"}))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        assert http.post("/v1/responses", json={"input": "hi"}).status_code == 401
+        assert http.get("/v1/responses/resp_x").status_code == 401
+        served = http.post("/v1/responses", json={"input": "hi"}, headers=bearer(key))
+        assert served.status_code == 200 and served.json()["model"] == DEMO_MODEL
