@@ -17,7 +17,9 @@ A request whose expected wait, (waiters ahead + 1) x the mean time a slot is
 held / slots, is past `max_wait` is refused at once (503, `queue_wait`), not
 after waiting; one that waits out `max_wait` gets 503 `queue_timeout`; a full
 queue gives `queue_full`. A waiter whose client goes away leaves at once, and a
-drain refuses every waiter.
+drain refuses every waiter. What left is taken out of the heap lazily, and the
+heap is rebuilt once more than half of it has left (60,000 waiters gone had
+stayed: 26 MiB, and 0.7 ms for each new arrival's count of those ahead).
 
 Cost: a heap push and pop per queued request (O(log depth)) and an O(depth)
 count of those ahead at arrival; a request that finds a free slot and nobody
@@ -220,8 +222,14 @@ class Queue:
         self.depth[waiter.model, waiter.priority] -= 1
         if not self.depth[waiter.model, waiter.priority]:
             del self.depth[waiter.model, waiter.priority]
-        while self._heap and self._heap[0].gone:
-            heapq.heappop(self._heap)
+        heap = self._heap
+        while heap and heap[0].gone:
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(self._arrivals) + 16:
+            # Most of the heap has left (cancelled, timed out, gone): rebuild it
+            # from those still waiting, so the ones that left are not kept.
+            self._heap = [w for w in heap if not w.gone]
+            heapq.heapify(self._heap)
 
     def dispatch(self) -> None:
         """Hands free slots to the waiters at the head (called as a slot comes back)."""
