@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck format protos bench bench-fleet bench-peers constraints
+.PHONY: demo test lint typecheck format protos docs docs-pictures bench bench-fleet bench-peers constraints
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,7 +24,16 @@ format:
 	$(VENV)/bin/ruff check --fix gateway tests benchmarks protos && $(VENV)/bin/ruff format gateway tests benchmarks protos
 
 protos:
-	$(PY) protos/generate.py
+	$(PY) protos/generate.py && $(PY) protos/document.py
+
+# The docs site on http://127.0.0.1:8001 (mkdocs.yml), rebuilt as its pages change.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8001
+
+# The docs' pictures: benchmark plots from committed results, and the dashboard's panels
+# from a real Prometheus scraping a demo gateway under load (about a minute).
+docs-pictures:
+	$(PY) benchmarks/plots.py && $(PY) -m benchmarks.dashboard_pictures
 
 bench:
 	$(PY) benchmarks/bench_gateway.py

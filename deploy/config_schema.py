@@ -1,6 +1,7 @@
 """Writes the gateway's config fields, declared once in gateway/config.py (`setting`), where
-the chart and the README repeat them: the JSON schema of `gateway.config` in the chart's
-values.schema.json, and the rows of top-level fields in the README's configuration table.
+the chart and the docs repeat them: the JSON schema of `gateway.config` in the chart's
+values.schema.json, and the rows of top-level fields in the configuration table of the docs
+(docs/reference/configuration.md).
 
     .venv/bin/python deploy/config_schema.py          # rewrites both files
     .venv/bin/python deploy/config_schema.py --check  # exits 1 when either is stale
@@ -20,10 +21,10 @@ from gateway.config import SPECS, TYPES, AliasConfig, Config, QueueConfig, Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "helm" / "furnace-gateway" / "values.schema.json"
-README = ROOT / "README.md"
-#: The line above the README's table; the rows below it, up to the first `models[]` row
+PAGE = ROOT / "docs" / "reference" / "configuration.md"
+#: The line above the page's table; the rows below it, up to the first `models[]` row
 #: (written by hand), are generated.
-README_MARKER = (
+TABLE_MARKER = (
     "<!-- The table's header and its rows of top-level fields are generated from "
     "gateway/config.py: python deploy/config_schema.py -->"
 )
@@ -128,8 +129,8 @@ def _bounds(spec: Spec) -> str:
     return ""
 
 
-def readme_rows() -> list[str]:
-    """The README table's header and a row for each top-level field."""
+def table_rows() -> list[str]:
+    """The table's header and a row for each top-level field."""
     defaults = Config()
     rows = ["| field | default | meaning |", "| --- | --- | --- |"]
     for name, spec in SPECS.items():
@@ -147,18 +148,18 @@ def render_schema(text: str) -> str:
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 
-def render_readme(text: str) -> str:
-    """The README `text` with its table's generated rows regenerated."""
+def render_page(text: str) -> str:
+    """The configuration page's `text` with its table's generated rows regenerated."""
     lines = text.split("\n")
-    start = lines.index(README_MARKER) + 1
+    start = lines.index(TABLE_MARKER) + 1
     end = start
     while (
         end < len(lines) and lines[end].startswith("|") and not lines[end].startswith("| `models[")
     ):
         end += 1
     if end == start:
-        raise ValueError(f"README.md: no table under {README_MARKER!r}")
-    return "\n".join([*lines[:start], *readme_rows(), *lines[end:]])
+        raise ValueError(f"{PAGE.name}: no table under {TABLE_MARKER!r}")
+    return "\n".join([*lines[:start], *table_rows(), *lines[end:]])
 
 
 def main(argv: list[str]) -> int:
@@ -167,7 +168,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     stale = []
-    for path, render in ((SCHEMA, render_schema), (README, render_readme)):
+    for path, render in ((SCHEMA, render_schema), (PAGE, render_page)):
         text = path.read_text()
         fresh = render(text)
         if fresh != text:

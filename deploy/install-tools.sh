@@ -5,7 +5,8 @@
 #   .tools/bin/kubernetes-validate        the Kubernetes JSON schemas, offline (PyPI), in its
 #                                         own virtualenv .tools/venv
 # and, system-wide from Debian's packages when missing, redis-server (the shared-limits tests
-# start their own on a free loopback port).
+# start their own on a free loopback port) and prometheus with its promtool (the alert rules'
+# unit tests, the docs' dashboard pictures).
 # Idempotent: a tool whose pinned version is already there is left alone, so a second run
 # takes well under a second. Needs bash, node + npm, python3 (with venv); unzip is optional.
 set -euo pipefail
@@ -76,6 +77,17 @@ if command -v redis-server >/dev/null; then
 else
   say "installing redis-server from Debian's packages"
   apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+fi
+
+# --- prometheus and promtool ----------------------------------------------------------------
+# promtool unit-tests the chart's alert rules (tests/test_alert_rules.py); the docs' dashboard
+# pictures come from a real Prometheus server scraping a gateway
+# (benchmarks/dashboard_pictures.py).
+if command -v promtool >/dev/null && command -v prometheus >/dev/null; then
+  say "prometheus and promtool already installed"
+else
+  say "installing prometheus (and promtool) from Debian's packages"
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 # --- vLLM (its CPU build) in a virtualenv of its own: .tools/vllm ---------------------------

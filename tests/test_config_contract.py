@@ -1,5 +1,5 @@
-"""The config is declared once (gateway/config.py); the chart and the README repeat it, so
-these tests fail on drift: the generated schema and README table are fresh, every config
+"""The config is declared once (gateway/config.py); the chart and the docs repeat it, so
+these tests fail on drift: the generated schema and the docs' table are fresh, every config
 field the chart names exists, and the loader and the chart's schema refuse the same
 values (a value the schema accepts is one the gateway starts with)."""
 
@@ -103,9 +103,9 @@ def test_the_values_schema_is_generated_from_the_declarations():
     assert GENERATOR.render_schema(text) == text, "run: python deploy/config_schema.py"
 
 
-def test_the_readme_table_is_generated_from_the_declarations():
-    text = (ROOT / "README.md").read_text()
-    assert GENERATOR.render_readme(text) == text, "run: python deploy/config_schema.py"
+def test_the_docs_table_is_generated_from_the_declarations():
+    text = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    assert GENERATOR.render_page(text) == text, "run: python deploy/config_schema.py"
 
 
 def test_the_check_mode_finds_the_committed_files_fresh():

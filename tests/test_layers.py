@@ -1,7 +1,7 @@
 """The architecture, checked: each layer imports only the layers below it, no
 import cycle exists, and the worker SDK and the protocol stand alone.
 
-The map (README, "Architecture") in code: a module of a layer may import its own
+The map (docs/development/layout.md) in code: a module of a layer may import its own
 layer and any layer of a lower rank; `ALONE` layers import only themselves and
 what they list. Imports under `if TYPE_CHECKING:` count for the layering (they
 are dependencies of the code's meaning) but not for cycles (they never run).
@@ -10,6 +10,7 @@ are dependencies of the code's meaning) but not for cycles (they never run).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,9 +187,8 @@ def test_the_worker_sdk_and_the_protocol_load_nothing_of_the_server(modules):
     assert loaded == "", f"importing {modules} loaded {loaded}"
 
 
-def test_the_readme_map_names_every_layer_of_the_tree():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_map_names_every_layer_of_the_tree():
+    section = (ROOT / "docs" / "development" / "layout.md").read_text()
     named = set()
     for line in section.splitlines():
         if line.startswith("| `"):
@@ -201,4 +201,32 @@ def test_the_readme_map_names_every_layer_of_the_tree():
         if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())
     }
     named = {name.removesuffix(".py") for name in named}
-    assert named == tree, f"README map vs tree: missing {tree - named}, stale {named - tree}"
+    assert named == tree, f"docs map vs tree: missing {tree - named}, stale {named - tree}"
+
+
+def _index_names(package: Path) -> set[str]:
+    """The modules and subpackages of `package` (generated stubs left out)."""
+    return {
+        path.stem if path.is_file() else path.name
+        for path in package.iterdir()
+        if (path.suffix == ".py" and path.name != "__init__.py")
+        or (path.is_dir() and (path / "__init__.py").exists())
+        if not path.stem.endswith(("_pb2", "_pb2_grpc"))
+    }
+
+
+@pytest.mark.parametrize(
+    "package",
+    sorted(path.parent for path in PACKAGE.rglob("__init__.py") if path.parent != PACKAGE),
+    ids=lambda path: ".".join(path.relative_to(ROOT).parts),
+)
+def test_every_module_is_listed_in_its_package_index(package: Path):
+    """A package's docstring is its index: where a newcomer looks first for what is in it
+    (the top package's index is the docs' map, checked above)."""
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    unlisted = {
+        name
+        for name in _index_names(package)
+        if not re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", docstring)
+    }
+    assert not unlisted, f"{package.name}/__init__.py's docstring does not name {sorted(unlisted)}"

@@ -12,6 +12,9 @@
     openai/        the OpenAI API: bodies, validation, encoders, the routes
     responses/     OpenAI's Responses API on the same request path, and its store
     kserve/        the KServe v2 API for tensor models
+    anthropic/       Anthropic's Messages API on the same request path
+    usage.py         GET /admin/usage: the usage ledger on the admin listener
+    write_guard.py   a bound on how long one write may wait on a client that stops reading
 
 The edge knows nothing of gRPC or protobuf.
 """

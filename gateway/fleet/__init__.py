@@ -6,6 +6,14 @@
     ├── discovery                   discovery.py   host:port and dns: entries
     ├── balancing                   balancing.py   power of two choices, prefix affinity
     └── RetryBudget                 retry.py       retries as a fraction of requests
+    aliases.py       aliases, weighted splits and fallbacks: which model serves a request
+    embedding.py     an embedding, on that rule
+    inference.py     a tensor inference and a model's metadata, on that rule
+    kv_follow.py     a worker's KV events followed into the index
+    kv_index.py      which worker holds which KV-cache blocks, from the engines' events
+    metrics.py       retries, and each worker's calls, health and ejections, for /metrics
+    routing.py       routing on what the engines hold and have queued
+    unary.py         one unary call on a model's workers, with their retry rule
 
 A request goes to a worker its model's balancer picks among the available ones
 (serving, not ejected, not leaving). A retryable refusal before the worker's

@@ -11,10 +11,11 @@ The gateway's sequence (`GatewayServer`):
     stop    unready (/ready says 503, load balancers stop sending) → drain (new
             requests get 503, those in flight get `drain_timeout`, the rest are
             cancelled; their workers see it) → stop uvicorn (close the listener
-            and the connections; then the admin listener's) → close the fleet
-            (channels) → close the teams (Redis) → exit 0
+            and the connections; then the admin listener's) → close the teams
+            (the keys file's watch, Redis) → close the fleet (channels, HTTP
+            clients) → exit 0
 
-A start that fails closes what it had opened, in the same reverse order. The
+A start that fails closes what it had opened, in the stop's order (`_close`). The
 signals (SIGTERM, SIGINT) are ours, not uvicorn's: the first starts the stop,
 a second cuts the drain short.
 
@@ -217,7 +218,7 @@ class GatewayServer:
         gateway.ready = False
         # 2. Drain: refuse new requests, let those in flight finish, cancel the rest.
         await gateway.inflight.drain(self.config.drain_timeout if grace is None else grace)
-        # 3-5. Stop serving HTTP, then close the fleet and the teams.
+        # 3-5. Stop serving HTTP, then close the teams and the fleet.
         await self._close()
 
     async def _close(self) -> None:

@@ -10,4 +10,13 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     tls.py      TLS credentials for both ends, from PEM files
     v1/         the generated stubs of `furnace.engine.v1` (protos/generate.py);
                 a v2 goes beside it
+    chat.py          our messages and tools in the shapes chat templates take
+    features.py      what a model's workers serve beyond plain text, by OpenAI's names
+    kserve_v2/       the generated stubs of the KServe v2 inference protocol
+    kv_blocks.py     KV-cache blocks as the gateway names them, and the events about them
+    kv_proto.py      those events to the worker protocol's KvEventBatch and back
+    multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends
+    stop.py          stop strings over a stream of text pieces, in linear time
+    tensors.py       KServe v2 tensors: datatypes, JSON tensors checked, raw contents packed
+    tool_calls/      tool calls in a model's text, per format, and the schema that forces them
 """

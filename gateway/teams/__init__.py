@@ -8,6 +8,9 @@ the gateway's slots when slots are scarce.
     ├── FairShare        fair_share.py  weighted shares of the slots → 503
     ├── Team, Bucket     team.py, bucket.py
     └── headers, metrics                x-ratelimit-* headers; /metrics families
+    accounts.py      what teams spend: the reserve and settle admission calls
+    budgets.py       budgets over UTC day and month windows, local or in Redis
+    usage.py         the usage ledger per team, model, key and day
 
 A request of a keyed gateway goes: key (401, in `gateway.edge.middleware`) →
 model allowed for its team (404, as for a model that does not exist) → the

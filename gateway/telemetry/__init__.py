@@ -5,6 +5,7 @@
     access_log.py  one JSON line per request
     summary.py     per-model figures as JSON, read back from the registry
     tracing.py     OpenTelemetry spans, imported only when `tracing` is on
+    merge.py       several processes' scrapes as one, each sample labelled `process`
 
 `Telemetry` ties the registry, the request metrics and the access log
 together. Layers above add their own collectors to the registry (the fleet's

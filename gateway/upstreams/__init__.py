@@ -7,6 +7,7 @@
     openai_http/     OpenAI-compatible HTTP servers (vLLM, SGLang, ...): JSON both ways
                      (translate), SSE (sse), raw keep-alive connections, httpx (upstream)
     vllm_grpc.py     vLLM's own gRPC server (token ids; the gateway tokenizes)
+    kserve_grpc.py   KServe v2 gRPC servers (Triton, KServe, ours): tensor models
 
 Each translates its foreign failures into the error tree through one table,
 and knows nothing of OpenAI's wire shapes or the edge.

@@ -8,4 +8,5 @@ output_limits.py n × max_tokens × logprobs: what one request may make, bounded
 encoding.py      JSON answers and SSE chunks from pre-serialized templates
 generation.py    /v1/chat/completions and /v1/completions
 models.py        /v1/models
-"""
+
+    embeddings.py    /v1/embeddings"""
