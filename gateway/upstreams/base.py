@@ -95,6 +95,15 @@ class Upstream(Protocol):
         """Embeds the inputs with an embedding model, within `timeout` seconds;
         raises `EngineError` as `generate` refuses."""
 
+    async def count_tokens(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (a gRPC deadline or HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
+        """The tokens of the prompt `request` makes, by the model's tokenizer, within
+        `timeout` seconds; raises `EngineError` as `generate` refuses."""
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models it serves."""
 

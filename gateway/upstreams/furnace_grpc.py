@@ -136,6 +136,21 @@ class FurnaceGrpcUpstream:
             )
         return embeddings_from_proto(reply)
 
+    async def count_tokens(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
+        """One CountTokens call with `timeout` seconds as its deadline."""
+        try:
+            reply = await self._stub.CountTokens(
+                request_to_proto(request), timeout=timeout, metadata=metadata
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return int(reply.prompt_tokens)
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models the worker serves (within `deadline` seconds), or an `EngineError`."""
         try:

@@ -265,6 +265,14 @@ class KServeGrpcUpstream:
     ) -> Embeddings:
         raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
 
+    async def count_tokens(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
+        raise errors.NotAnLLM(f"The model `{self.model}` is a tensor model.", param="model")
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model, when the worker has it ready; no context length for tensors."""
         return [ModelDescription(self.model, 0)] if await self.ready(deadline) else []

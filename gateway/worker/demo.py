@@ -188,14 +188,22 @@ class DemoEngine(Engine):
         self.aborted = 0  # generations stopped before their end
         self.embedded = 0  # Embed calls answered
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Echo (or calls, or JSON), with the checks of a real server."""
+    @staticmethod
+    def _prompt(request: GenerateRequest) -> tuple[int, str]:
+        """The prompt's tokens (its words) and its last message's text."""
         if request.messages is not None:
             prompt_tokens = sum(len(m.content.split()) for m in request.messages)
-            last = request.messages[-1].content if request.messages else ""
-        else:
-            last = request.prompt or ""
-            prompt_tokens = len(last.split())
+            return prompt_tokens, request.messages[-1].content if request.messages else ""
+        last = request.prompt or ""
+        return len(last.split()), last
+
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        """The words of the prompt, as `generate` counts them."""
+        return self._prompt(request)[0]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Echo (or calls, or JSON), with the checks of a real server."""
+        prompt_tokens, last = self._prompt(request)
         self.calls += 1
         try:
             budget = check_context(request, prompt_tokens, self.max_context)

@@ -49,6 +49,11 @@ class Engine(ABC):
         """Embeds the inputs (engines that list "embeddings")."""
         raise errors.Invalid(f"The model `{self.model}` does not serve embeddings.", param="model")
 
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        """The tokens of the prompt `generate` would make of `request` (its text, or its
+        messages and tools through the template), by the engine's own tokenizer."""
+        raise errors.Invalid(f"The model `{self.model}` does not count tokens.", param="model")
+
     def kv_events(self) -> KvPublisher | None:
         """Its KV-cache events for `SubscribeKvEvents` (`gateway.worker.kv_events`), so
         gateways route by what it holds; None: it publishes none (UNIMPLEMENTED)."""

@@ -568,3 +568,20 @@ class EngineService(pb_grpc.EngineServicer):
         if isinstance(result, errors.EngineError):
             await _abort(context, result)
         return embeddings_to_proto(result)
+
+    async def CountTokens(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.CountTokensResponse],
+    ) -> pb.CountTokensResponse:
+        """The prompt's tokens by the engine's tokenizer; refusals as for Generate."""
+        try:
+            if request.model and request.model != self.engine.model:
+                raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
+            tokens = await self.engine.count_tokens(request_from_proto(request))
+        except errors.EngineError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("engine failed to count request %s", request.request_id)
+            await _abort(context, errors.Failed("The engine failed."))
+        return pb.CountTokensResponse(prompt_tokens=tokens)

@@ -626,6 +626,11 @@ class TransformersEngine(Engine):
             raise Invalid(f"This model cannot enforce {param}.", param=param)
         return self.guides
 
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        """The prompt's tokens as `generate` encodes them (in the pool's thread)."""
+        loop = asyncio.get_running_loop()
+        return len(await loop.run_in_executor(self._executor, self.encode, request))
+
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Each input's last hidden state, mean-pooled over its tokens and L2-normalized
         (one forward pass per input, in the pool's thread). `dimensions` is not listed:

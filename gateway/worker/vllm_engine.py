@@ -334,6 +334,15 @@ class VllmEngine(Engine):
         except ValueError as error:
             raise Invalid(str(error)) from None
 
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        """The prompt's tokens as `generate` renders them (off the event loop); a
+        multimodal conversation through vLLM's renderer."""
+        self._running(features.GENERATE)
+        _, length = await self._render(request, _ToolPlan(request, self).rendered)
+        if length is None:
+            raise Invalid(f"The model `{self.model}` cannot count this prompt.", param="messages")
+        return length
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Render and check the context, then per engine step each choice's
         `Text` (or tool-call pieces) until vLLM finishes every choice."""

@@ -224,6 +224,23 @@ def _embed_error(status: int, body: bytes) -> errors.EngineError:
     return error_from_response(status, body)
 
 
+def tokens_counted(status: int, content: bytes) -> int:
+    """The count of vLLM's `/tokenize` answer; a server without the route (404 or
+    405) cannot count: a 400 naming `model`."""
+    if status in (404, 405):
+        raise errors.Invalid("The model's upstream server cannot count tokens.", param="model")
+    if status != 200:
+        raise error_from_response(status, content)
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed("The upstream's /tokenize answer is not JSON.") from None
+    count = payload.get("count") if type(payload) is dict else None
+    if type(count) is not int or count < 0:
+        raise errors.Failed("The upstream's /tokenize answer has no count.")
+    return count
+
+
 def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
     """Their embeddings answer: one vector of numbers per input, all of one width
     (`dimensions` when asked), placed by their `index`."""

@@ -34,6 +34,7 @@ from gateway.upstreams.openai_http.translate import (
     error_from_response,
     read_capped,
     request_body,
+    tokens_counted,
 )
 
 _CLOSING: set[asyncio.Task[None]] = set()
@@ -204,31 +205,63 @@ class OpenAIHttpUpstream:
         if request.user:
             body["user"] = request.user
         limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        http_request = self._post("embeddings", body, timeout, metadata)
+        status, content = await self._send(http_request, timeout, limit + 1)
+        if status != 200:
+            raise _embed_error(status, content[:MAX_ERROR_BYTES])
+        if len(content) > limit:
+            raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
+        return embeddings_from(content, request)
+
+    async def count_tokens(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
+        """The prompt's tokens by the server's own tokenizer and template: vLLM's
+        `/tokenize` (beside `/v1`); a server without it cannot count, a 400 naming
+        `model`."""
+        body = {
+            key: value
+            for key, value in request_body(request).items()
+            if key in ("model", "messages", "prompt", "tools")
+        }
+        if request.messages is not None:
+            body["add_generation_prompt"] = True
+        url = f"{self.address.removesuffix('/v1')}/tokenize"
+        status, content = await self._send(
+            self._post(url, body, timeout, metadata), timeout, MAX_ERROR_BYTES
+        )
+        return tokens_counted(status, content)
+
+    async def _send(
+        self,
+        request: httpx.Request,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
+        limit: int,
+    ) -> tuple[int, bytes]:
+        """`request` sent within `timeout` seconds: its status and at most `limit` bytes
+        of its answer."""
         try:
             async with asyncio.timeout(timeout):
-                response = await self._http.send(
-                    self._post("embeddings", body, timeout, metadata), stream=True
-                )
+                response = await self._http.send(request, stream=True)
                 try:
-                    content = await read_capped(response, limit + 1)
+                    content = await read_capped(response, limit)
                 finally:
                     await response.aclose()
         except (TimeoutError, httpx.TimeoutException) as error:
             raise errors.Timeout(f"upstream timed out: {error}") from None
         except httpx.TransportError as error:
             raise errors.Unavailable(f"upstream unreachable: {error}") from None
-        if response.status_code != 200:
-            raise _embed_error(response.status_code, content[:MAX_ERROR_BYTES])
-        if len(content) > limit:
-            raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
-        return embeddings_from(content, request)
+        return response.status_code, content
 
     def _post(
         self, path: str, body: dict[str, Any], timeout: float, metadata: tuple[tuple[str, str], ...]
     ) -> httpx.Request:
         return self._http.build_request(
             "POST",
-            f"{self.address}/{path}",
+            path if "://" in path else f"{self.address}/{path}",
             content=orjson.dumps(body),
             headers={"content-type": "application/json", **dict(metadata), **self._auth},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
