@@ -46,9 +46,9 @@ class KeysFileUnreadable(ConfigError):
 class Spec:
     """A config field's bounds and meaning, declared once on the field: the loader checks
     them, and deploy/config_schema.py writes them into the chart's values schema and the
-    README's table."""
+    configuration table of the docs."""
 
-    #: One line: what the field does, for the README and the values schema.
+    #: One line: what the field does, for the docs and the values schema.
     help: str
     #: The least value a number may take (inclusive).
     minimum: int | float | None = None
