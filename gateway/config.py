@@ -393,9 +393,11 @@ class Config:
         minimum=0.001,
     )
     max_connections: int = setting(
-        4096,
-        "open client connections at once; one more gets 503 and is closed",
-        minimum=1,
+        0,
+        "open client connections at once (0: three quarters of the process's open-file limit); "
+        "past half of it the header timeout shrinks toward 1 s, and when full a new one closes "
+        "the oldest without a whole request head, else gets 503",
+        minimum=0,
     )
     keys: tuple[KeyConfig, ...] = setting(
         (),

@@ -10,6 +10,7 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -143,8 +144,16 @@ def test_half_request_lines_are_all_closed(gateway_with):
 
 
 def test_connections_over_the_cap_are_refused(gateway_with):
+    # when every open connection has a request in flight (here: a head, and a body
+    # still to come), there is none to close for a newcomer
     gw = gateway_with(max_connections=2)
     held = [connect(gw.url) for _ in range(2)]
+    for sock in held:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{"
+        )
+    time.sleep(0.5)  # both heads read (on a loaded machine, a read can wait this long)
     try:
         with connect(gw.url) as extra:
             status, error = status_and_error(read_to_end(extra))
@@ -173,3 +182,41 @@ def test_the_deadlines_spare_a_request_the_app_is_serving(gateway_with):
         assert first.json()["usage"]["completion_tokens"] == 20
         # the same keep-alive connection serves the next request
         assert client.get("/health").is_success
+
+
+def test_a_flood_of_silent_connections_does_not_keep_clients_out(gateway_with):
+    # the cap full of connections that never send a byte: each newcomer closes the
+    # oldest of them, and is served at once, not after `header_timeout`
+    gw = gateway_with(max_connections=20, header_timeout=HANG_GUARD)
+    silent = [connect(gw.url) for _ in range(30)]
+    try:
+        started = time.monotonic()
+        for _ in range(5):
+            with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+                assert client.get("/health").is_success
+        assert time.monotonic() - started < HANG_GUARD / 2
+        # the oldest were closed for the newer ones, without an answer
+        for sock in silent[:10]:
+            assert read_to_end(sock) == b""
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_the_head_timeout_shrinks_as_connections_near_the_cap(gateway_with):
+    # past half of max_connections the head's deadline shrinks, to 1 s when full,
+    # whatever header_timeout says
+    gw = gateway_with(max_connections=10, header_timeout=HANG_GUARD)
+    early = [connect(gw.url) for _ in range(5)]  # half: full deadline
+    time.sleep(0.2)
+    late = [connect(gw.url) for _ in range(5)]  # the last at the cap: 1 s
+    try:
+        started = time.monotonic()
+        assert read_to_end(late[-1]) == b""  # closed, silent
+        assert time.monotonic() - started < HANG_GUARD / 2
+        early[0].setblocking(False)
+        with pytest.raises(BlockingIOError):  # the first ones still wait, open
+            early[0].recv(1)
+    finally:
+        for sock in early + late:
+            sock.close()

@@ -22,8 +22,19 @@ for the head or the body, and only closes idle keep-alive connections. Here:
 - `max_connections` is counted here, on the connection, not with uvicorn's
   `limit_concurrency`, which also counts running requests (the slots'
   business, `max_concurrent_requests`) and answers a plain-text 503 after
-  reading the head; one connection over gets a 503 in OpenAI's shape and is
-  closed at once.
+  reading the head. Its default (0) is three quarters of the process's open-file
+  limit (RLIMIT_NOFILE), so the cap is reached before `accept` fails for want
+  of a descriptor, with room left for the workers' sockets.
+
+Under connection pressure, as Envoy's overload manager does: from `SCALE_FROM`
+of `max_connections` open, the head's deadline (also the idle one between
+requests) shrinks in proportion, down to `MIN_HEAD_TIMEOUT` when full; and a
+connection over the cap is served by closing the connection that has waited
+longest without sending a whole request head (silent or idle, oldest first:
+an ordered dict of them, O(1) a connection). Only when every open connection
+has a request in flight does the newcomer get a 503 in OpenAI's shape, closed
+at once. 300 silent connections with a file limit of 256 had kept 5 of 5
+clients out for the whole `header_timeout`.
 
 Pipelined requests (HTTP/1.1 clients rarely send them) are bounded too. uvicorn
 parses everything it reads and queues each complete request behind the answer
@@ -48,7 +59,8 @@ The cost: a length addition per read and per header, one timer per request.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
 import httptools
@@ -61,6 +73,12 @@ from gateway.edge.errors import SERVER, APIError
 LINGER = 1.0
 #: Requests that may wait, parsed, behind the one being answered on a connection.
 PIPELINE_DEPTH = 16
+#: Past this share of `max_connections` open, the head's deadline shrinks...
+SCALE_FROM = 0.5
+#: ...down to this many seconds (or `header_timeout`, if shorter) when all are open.
+MIN_HEAD_TIMEOUT = 1.0
+#: `max_connections` 0: this share of the process's open-file limit.
+FILE_LIMIT_SHARE = 0.75
 
 _HEAD, _BODY = "head", "body"
 
@@ -75,6 +93,18 @@ class HttpLimits:
     body_timeout: float
     max_connections: int
     retry_after: int
+
+
+class _Heads:
+    """One listener's connections that have not sent a whole request head, oldest
+    first (silent, or idle between requests), and those closed for a newcomer and
+    not yet gone."""
+
+    __slots__ = ("closing", "waiting")
+
+    def __init__(self) -> None:
+        self.waiting: dict[GuardedHttpProtocol, None] = {}
+        self.closing = 0
 
 
 class _Pipeline(list[Any]):
@@ -105,17 +135,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     the limits."""
 
     limits: ClassVar[HttpLimits]
+    heads: ClassVar[_Heads]
 
     # Slots, not uvicorn's instance dict: seven more keys there would double the dict
     # of every connection (about 1.5 KiB each).
     __slots__ = (
         "_deadline",
+        "_evicted",
         "_fed",
         "_head_bytes",
         "_header_count",
         "_phase",
         "_refused",
         "_started",
+        "_timeout",
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -132,7 +165,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         #: Whether any byte of the current head arrived (a silent timeout gets no 408).
         self._started = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._timeout = 0.0  # the seconds `_deadline` was armed for
         self._refused = False
+        self._evicted = False  # closed to make room for a newer connection
         #: Resolved when the connection is lost (LOST_EXTENSION); made with the first head.
         self._lost: asyncio.Future[None] | None = None
 
@@ -141,7 +176,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         limits = self.limits
-        if len(self.connections) > limits.max_connections:
+        heads = self.heads
+        if len(self.connections) - heads.closing > limits.max_connections:
+            if heads.waiting:  # make room: the oldest without a whole request head
+                oldest = next(iter(heads.waiting))
+                oldest._evict()
+                self._await_head()
+                return
             self._refused = True
             error = APIError(
                 503,
@@ -153,10 +194,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_error(error)
             transport.close()
             return
-        self._arm(limits.header_timeout)
+        self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.heads.waiting.pop(self, None)
+        if self._evicted:
+            self.heads.closing -= 1
         super().connection_lost(exc)
         lost = self._lost
         if lost is not None and not lost.done():
@@ -199,7 +243,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._header_count = 0
         if self._deadline is None:  # pipelined behind a response still being sent
-            self._arm(self.limits.header_timeout)
+            self._arm(self._head_timeout())
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
@@ -216,6 +260,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.heads.waiting.pop(self, None)
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions narrowly
         extensions = scope.setdefault("extensions", {})
         extensions[ABORT_EXTENSION] = self.transport.abort
@@ -247,12 +292,40 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.pipeline:  # the queued request whose body is due just started
                 self._arm(self.limits.body_timeout)
         elif self.cycle is None or self.cycle.response_complete:  # nothing left running
-            self._arm(self.limits.header_timeout)
+            self._await_head()
+
+    # Waiting for a head, under pressure
+
+    def _await_head(self) -> None:
+        """Waits for the next request head: the deadline, and the newest of those waiting."""
+        self._arm(self._head_timeout())
+        waiting = self.heads.waiting
+        waiting.pop(self, None)
+        waiting[self] = None
+
+    def _head_timeout(self) -> float:
+        """`header_timeout`, shrunk as the open connections near `max_connections`."""
+        limits = self.limits
+        full = limits.header_timeout
+        used = len(self.connections) / limits.max_connections
+        if used <= SCALE_FROM:
+            return full
+        least = min(full, MIN_HEAD_TIMEOUT)
+        return least + (full - least) * max(0.0, 1.0 - used) / (1.0 - SCALE_FROM)
+
+    def _evict(self) -> None:
+        """Closes this connection (it has no request in flight) for a newer one."""
+        self.heads.waiting.pop(self, None)
+        self._evicted = True
+        self.heads.closing += 1
+        self._disarm()
+        self.transport.close()
 
     # The timer
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
+        self._timeout = seconds
         self._deadline = self.loop.call_at(self.loop.time() + seconds, self._expired)
 
     def _disarm(self) -> None:
@@ -274,7 +347,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 cycle.disconnected = True
                 cycle.message_event.set()
         else:
-            seconds, what = self.limits.header_timeout, "headers"
+            seconds, what = self._timeout, "headers"
             busy = cycle is not None and not cycle.response_complete
             if not self._started:  # nothing of a request arrived: just close
                 busy = True
@@ -310,6 +383,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, error: APIError) -> None:
         """Answers `error`, half-closes, drops what still comes for `LINGER` s, closes."""
         self._refused = True
+        self.heads.waiting.pop(self, None)
         self._disarm()
         self._unset_keepalive_if_required()
         self._write_error(error)
@@ -341,5 +415,19 @@ def protocol_for(limits: HttpLimits) -> type[GuardedHttpProtocol]:
     class BoundHttpProtocol(GuardedHttpProtocol):
         pass
 
-    BoundHttpProtocol.limits = limits
+    BoundHttpProtocol.limits = replace(
+        limits, max_connections=connection_limit(limits.max_connections)
+    )
+    BoundHttpProtocol.heads = _Heads()
     return BoundHttpProtocol
+
+
+def connection_limit(configured: int) -> int:
+    """`max_connections`: as configured, or (0) `FILE_LIMIT_SHARE` of the process's
+    open-file limit."""
+    if configured:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, int(soft * FILE_LIMIT_SHARE))

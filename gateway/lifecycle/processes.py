@@ -108,13 +108,16 @@ def process_config(config: Config, count: int, index: int) -> Config:
     teams = config.teams
     if config.redis_url is None:
         teams = tuple(_team_share(team, count, index) for team in teams)
+    connections = config.max_connections  # 0 (its default) stays 0: each process takes
+    if connections:  # its own from its own open-file limit
+        connections = max(1, share(connections, count, index))
     admin: dict[str, Any] = {}
     if config.admin_port is not None:
         admin = {"admin_port": 0, "admin_host": "127.0.0.1"}
     return dataclasses.replace(
         config,
         max_concurrent_requests=share(config.max_concurrent_requests, count, index),
-        max_connections=max(1, share(config.max_connections, count, index)),
+        max_connections=connections,
         teams=teams,
         **admin,
     )
