@@ -1113,3 +1113,47 @@ def test_a_line_that_only_looks_like_the_template_is_parsed_whole():
         ToolCallDelta(0, 0, "c1", "f", "{}", 0),
         Finished(FinishReason.STOP, 2, None),
     ]
+
+
+def test_models_and_health_answers_are_read_up_to_a_bound():
+    # a loopback server whose /models and /health answers are 256 MiB, sent for as
+    # long as the gateway reads: it reads ~1 MiB of /models (then fails the describe)
+    # and not much of /health, instead of the whole (200 MiB had taken it to 1.36 GB)
+    sent = {"/v1/models": 0, "/health": 0}
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1].decode()
+                size = 256 * 1024 * 1024
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+                piece = b'{"data": [' + b" " * 65_526
+                for _ in range(size // len(piece)):
+                    writer.write(piece)
+                    await writer.drain()
+                    sent[path] += len(piece)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def probe() -> tuple[errors.EngineError, bool]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(f"http://127.0.0.1:{port}/v1", http, raw_http=False)
+            with pytest.raises(errors.Failed) as failed:
+                await upstream.describe(HANG_GUARD)
+            health = upstream.watch_health(HANG_GUARD)
+            serving = await anext(health)
+            await health.aclose()
+            return failed.value, serving
+
+    failure, serving = asyncio.run(asyncio.wait_for(probe(), HANG_GUARD))
+    assert "larger" in failure.message
+    assert serving is True
+    # what the server got out before the gateway stopped reading: the bound, plus
+    # what the sockets' buffers hold
+    assert sent["/v1/models"] < 16 * 1024 * 1024
+    assert sent["/health"] < 16 * 1024 * 1024

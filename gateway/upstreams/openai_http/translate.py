@@ -54,6 +54,9 @@ TOO_LONG_PARAMS = ("input_tokens",)
 #: The largest error body read from an upstream: past it the upstream is failing, and
 #: reading on would only grow the gateway's memory.
 MAX_ERROR_BYTES = 64 * 1024
+#: The largest /models answer read from an upstream (a model entry is ~200 bytes): a
+#: 200 MiB one, read whole, took the gateway to 1.36 GB at start.
+MAX_MODELS_BYTES = 1024 * 1024
 #: An embeddings answer may take this much per input (~10k floats as JSON text), plus
 #: the error bound for the rest.
 MAX_EMBEDDING_BYTES = 256 * 1024

@@ -29,6 +29,7 @@ from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
     MAX_ERROR_BYTES,
+    MAX_MODELS_BYTES,
     _embed_error,
     embeddings_from,
     error_from_response,
@@ -271,30 +272,33 @@ class OpenAIHttpUpstream:
         """Their /models, with `max_model_len` where they give it (vLLM does). They
         are said to serve every feature: what a server cannot do, it refuses, and
         its 400 (naming the parameter) reaches the client."""
+        request = self._http.build_request(
+            "GET", f"{self.address}/models", headers=self._auth, timeout=deadline
+        )
+        status, content = await self._send(request, deadline, MAX_MODELS_BYTES + 1)
+        if status != 200:
+            raise error_from_response(status, content[:MAX_ERROR_BYTES])
+        if len(content) > MAX_MODELS_BYTES:  # a 200 MiB answer took 1.36 GB at start
+            raise errors.Failed("The upstream's /models answer is larger than the gateway takes.")
         try:
-            response = await self._http.get(
-                f"{self.address}/models", headers=self._auth, timeout=deadline
-            )
-        except httpx.HTTPError as error:
-            raise errors.Unavailable(f"upstream unreachable: {error}") from None
-        if response.status_code != 200:
-            raise error_from_response(response.status_code, response.content)
-        models = response.json().get("data") or []
+            payload = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise errors.Failed("The upstream's /models answer is not JSON.") from None
+        models = (payload.get("data") if type(payload) is dict else None) or []
         return [
             ModelDescription(m["id"], int(m.get("max_model_len") or 0), features=features.ALL)
             for m in models
         ]
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
-        """Their /health every `poll_interval`: 200 is serving."""
+        """Their /health every `poll_interval`: 200 is serving (its body is not read
+        past `MAX_ERROR_BYTES`)."""
         while True:
-            try:
-                response = await self._http.get(
-                    self._health_url, headers=self._auth, timeout=poll_interval
-                )
-            except httpx.HTTPError as error:
-                raise errors.Unavailable(f"upstream unreachable: {error}") from None
-            yield response.status_code == 200
+            request = self._http.build_request(
+                "GET", self._health_url, headers=self._auth, timeout=poll_interval
+            )
+            status, _ = await self._send(request, poll_interval, MAX_ERROR_BYTES)
+            yield status == 200
             await asyncio.sleep(poll_interval)
 
     async def close(self) -> None:
