@@ -219,6 +219,7 @@ def event_to_proto(event: Event) -> pb.GenerateEvent:
             reason=REASON_TO_PROTO[event.reason],
             completion_tokens=event.completion_tokens,
             index=event.index,
+            stop_sequence=event.stop_sequence,
         )
     )
 
@@ -243,7 +244,9 @@ def event_from_proto(message: pb.GenerateEvent, logprobs: bool = False) -> Event
         reason = PROTO_TO_REASON.get(finished.reason)
         if reason is None:  # UNSPECIFIED, or a value this version does not know
             raise errors.Failed(f"engine worker finished with an unknown reason {finished.reason}")
-        return Finished(reason, finished.completion_tokens, None, finished.index)
+        return Finished(
+            reason, finished.completion_tokens, None, finished.index, finished.stop_sequence
+        )
     raise errors.Failed(f"engine worker sent an unknown event {kind!r}")
 
 

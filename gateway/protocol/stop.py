@@ -59,13 +59,15 @@ class _Automaton:
 class StopMatcher:
     """Feeds text through; says when a stop string appeared."""
 
-    __slots__ = ("_automaton", "_held", "_state")
+    __slots__ = ("_automaton", "_held", "_state", "matched")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         stops = tuple(s for s in stops if s)
         self._automaton = _Automaton(stops) if stops else None
         self._state = 0
         self._held = ""
+        #: The stop string that matched ("" until one does).
+        self.matched = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The text safe to release, and whether a stop string matched."""
@@ -79,6 +81,7 @@ class StopMatcher:
             if match[state]:
                 seen = self._held + text[: i + 1]
                 self._held, self._state = "", 0
+                self.matched = seen[len(seen) - match[state] :]
                 return seen[: len(seen) - match[state]], True
         self._state = state
         seen = self._held + text

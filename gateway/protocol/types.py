@@ -208,6 +208,8 @@ class Finished(NamedTuple):
     completion_tokens: int
     prompt_tokens: int | None = None
     index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
+    #: The stop string that ended the choice (reason STOP); "": the model ended it.
+    stop_sequence: str = ""
 
 
 Event = Started | Text | ToolCallDelta | Finished

@@ -283,7 +283,8 @@ class VllmGrpcCall(StreamBookkeeping):
         self._pending.extend(choice.calls.finish())
         reason = choice.calls.finish_reason(reason)
         tokens = max(completion_tokens, choice.received)
-        self._pending.append(Finished(reason, tokens, None, choice.index))
+        stop = choice.stop.matched if reason is FinishReason.STOP else ""
+        self._pending.append(Finished(reason, tokens, None, choice.index, stop))
         choice.done = True
         self._left -= 1
         if self._left == 0:

@@ -470,7 +470,8 @@ class EngineService(pb_grpc.EngineServicer):
                         dirty.append(choice)
                     if not choice.text(event):  # type: ignore[arg-type]
                         continue
-                    event = Finished(FinishReason.STOP, choice.tokens, None, index)
+                    stop = choice.stop.matched
+                    event = Finished(FinishReason.STOP, choice.tokens, None, index, stop)
                 elif kind is ToolCallDelta:
                     choice.tokens += event.tokens  # type: ignore[union-attr]
                 choice.flush()

@@ -5,7 +5,8 @@ A stream goes `message_start` (with the prompt's tokens when the worker said
 them in `Started`) and a `ping`; then for each block of the answer, text or a
 tool call, `content_block_start`, its `content_block_delta`s (`text_delta`, or
 `input_json_delta` with a piece of the call's arguments) and
-`content_block_stop`; then `message_delta` (the `stop_reason` and the usage) and
+`content_block_stop`; then `message_delta` (the `stop_reason`, `stop_sequence`
+when the worker says which stop string ended the answer, and the usage) and
 `message_stop`. A failure after the head is an `error` event. A text delta is
 built from pre-serialized bytes around the JSON-escaped text: no dict per token.
 
@@ -70,6 +71,7 @@ class MessagesEncoder(Encoder):
         self.model = model
         self.plain = False
         self.reason: FinishReason | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended the answer
         self.input_tokens = 0
         # streams: whether message_start went out, the open block's index and kind
         self._started = False
@@ -92,7 +94,14 @@ class MessagesEncoder(Encoder):
             "usage": usage,
         }
 
+    def _finished(self, finished: Finished) -> None:
+        self.reason = finished.reason
+        if finished.reason is FinishReason.STOP and finished.stop_sequence:
+            self.stop_sequence = finished.stop_sequence
+
     def _stop_reason(self) -> str:
+        if self.stop_sequence is not None:
+            return "stop_sequence"
         return STOP_REASONS[self.reason or FinishReason.STOP]
 
     # streams
@@ -143,7 +152,7 @@ class MessagesEncoder(Encoder):
                     payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
                     out.append(event("content_block_delta", payload))
             elif isinstance(item, Finished):
-                self.reason = item.reason
+                self._finished(item)
                 out.append(self._close_block())
         return b"".join(out)
 
@@ -151,7 +160,7 @@ class MessagesEncoder(Encoder):
         """message_delta with the stop reason and the usage, and message_stop."""
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": self._stop_reason(), "stop_sequence": None},
+            "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self.stop_sequence},
             "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
         }
         return self._close_block() + event("message_delta", delta) + _MESSAGE_STOP
@@ -179,7 +188,7 @@ class MessagesEncoder(Encoder):
                     blocks.append(call)
                 call.append(item.arguments)
             elif isinstance(item, Finished):
-                self.reason = item.reason
+                self._finished(item)
 
     def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The whole `message` object."""
@@ -197,4 +206,5 @@ class MessagesEncoder(Encoder):
         body = self._message({"input_tokens": prompt_tokens, "output_tokens": completion_tokens})
         body["content"] = content
         body["stop_reason"] = self._stop_reason()
+        body["stop_sequence"] = self.stop_sequence
         return orjson.dumps(body)

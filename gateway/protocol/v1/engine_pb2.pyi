@@ -226,14 +226,16 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., call_index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "completion_tokens", "index")
+    __slots__ = ("reason", "completion_tokens", "index", "stop_sequence")
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     completion_tokens: int
     index: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., index: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

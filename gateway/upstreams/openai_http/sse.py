@@ -38,6 +38,8 @@ _FINISH_ERRORS: dict[str, type[errors.EngineError]] = {
 #: The largest SSE line (one event) read from an upstream: past it the upstream is
 #: failing, and reading on would only grow the gateway's memory.
 MAX_EVENT_BYTES = 1024 * 1024
+#: The longest stop string kept from an answer (the longest a request may send).
+MAX_STOP_CHARS = 1024
 _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 #: Pieces of a choice that arrive together are merged up to this many characters (and
 #: reading pauses while more than `connections._PAUSE_AT` events wait): a reader that
@@ -69,6 +71,7 @@ class _Stream:
         "_prompt_tokens",
         "_reasons",
         "_size",
+        "_stops",
         "_tail",
         "_template_index",
         "_total",
@@ -88,6 +91,7 @@ class _Stream:
         self._counted = [0] * n  # pieces' tokens per choice
         self._usages: dict[int, int] = {}  # per-chunk usage's completion tokens per choice
         self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
+        self._stops: dict[int, str] = {}  # the stop string that ended a choice (vLLM says)
         self._prompt_tokens: int | None = None
         self._total: int | None = None
         # The template of a plain text chunk: the bytes before and after its text's
@@ -245,6 +249,9 @@ class _Stream:
             if failure is not None:
                 raise failure(f"The upstream ended choice {index} with `{reason}`.")
             self._reasons[index] = _REASONS.get(reason, FinishReason.STOP)
+            stop = choice.get("stop_reason")  # vLLM's: the stop string, or a stop token id
+            if reason == "stop" and isinstance(stop, str):
+                self._stops[index] = stop[:MAX_STOP_CHARS]
 
     def _text(self, text: Text) -> None:
         ready = self.ready
@@ -296,4 +303,5 @@ class _Stream:
             counts[unknown[-1]] = max(0, self._total - known)
         for i in order:
             reason = self._reasons.get(i, FinishReason.STOP)
-            self.ready.append(Finished(reason, counts[i], self._prompt_tokens, i))
+            stop = self._stops.get(i, "")
+            self.ready.append(Finished(reason, counts[i], self._prompt_tokens, i, stop))
