@@ -20,10 +20,14 @@ sys.modules[_spec.name] = DOCUMENT  # its dataclass looks its module up
 _spec.loader.exec_module(DOCUMENT)
 
 
+def first_sh_block(text: str) -> str:
+    return text.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
 def readme_commands() -> list[str]:
     """The commands of the README's "Two commands" block, in order."""
     section = README.read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    block = first_sh_block(section)
     return [line for line in block.splitlines() if line and not line.startswith("#")]
 
 
@@ -47,6 +51,12 @@ def test_the_readme_has_the_two_commands_and_ci_runs_the_second_verbatim():
     assert tests.endswith(".venv/bin/python -m pytest")
     ci = (ROOT / ".ci" / "run").read_text()
     assert f"\n{tests} || exit $?\n" in ci
+
+
+def test_getting_started_gives_the_readme_commands_to_the_letter():
+    section = README.read_text().split("## Two commands", 1)[1]
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    assert first_sh_block(page) == first_sh_block(section)
 
 
 def test_the_readme_is_a_landing_page_whose_links_reach_the_site():
