@@ -43,8 +43,8 @@ from gateway.protocol.convert import (
     event_to_proto,
     request_from_proto,
 )
-from gateway.protocol.sizes import event_size
 from gateway.protocol.kv_proto import batch_to_proto
+from gateway.protocol.sizes import event_size
 from gateway.protocol.status import status_from_error
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import (
@@ -402,7 +402,7 @@ class EngineService(pb_grpc.EngineServicer):
             )
         publisher = engine.kv_events()
         if publisher is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "This worker publishes no KV events.")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "This worker has no KV events.")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "The worker is stopping.")
         task = asyncio.current_task()
