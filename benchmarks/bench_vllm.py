@@ -1,31 +1,46 @@
-"""Benchmark: the gateway in front of vLLM, against vLLM alone, in one run.
+"""Benchmark: the gateway in front of a real engine (vLLM's CPU build, the tiny model), side
+by side with the Rust gateways and with the engine reached directly, in one run.
 
-Starts vLLM's OpenAI HTTP server on the tiny model (tests/support/vllm.py, from the
-.tools/vllm environment) and a gateway process (`python -m gateway serve`, uvloop and
-httptools) with `upstream: openai` in front of it, then sends the same load straight to
-vLLM and through the gateway, alternating, and prints per concurrency: TTFT p50/p99 of
-each path and the gateway's addition, the tokens/s ratio (gateway / direct), and the
-gateway process's CPU per token streamed (/proc, as benchmarks/bench_gateway.py). The same
-for vLLM's native gRPC server: straight to it with a raw grpc.aio client (the prompt's ids
-made once, as a client that tokenizes for itself would), and through a gateway with
-`upstream: vllm-grpc` (which tokenizes, detokenizes and encodes SSE itself).
+Two paths, each against its own vLLM server:
+- HTTP: vLLM's OpenAI server reached directly, through `vllm-router`, through `smg` (HTTP
+  mode) and through furnace-gateway with `upstream: openai`.
+- gRPC: vLLM's own gRPC server reached by a raw grpc.aio client sending the prompt's token
+  ids (made once, as a client that tokenizes for itself would), through `smg` in gRPC mode
+  (`--worker-urls grpc://...`, it renders the template and tokenizes) and through
+  furnace-gateway with `upstream: vllm-grpc` (which does the same, and detokenizes).
 
-Load: streamed /v1/completions, temperature 0, `max_tokens` 64 (the tiny model's greedy
-junk hits no EOS, so every answer is 64 tokens), 1 stream and 8 streams at once.
+Load: streamed chat completions, greedy, `max_tokens` 64 (the tiny model's junk rarely ends
+early; tokens are counted from the final usage chunk, which every target sends), 1 stream
+and 8 at once. On a 2-core machine the engine, the client and the gateways share the cores,
+so the targets are interleaved (A B C D, A B C D, ...) over `--rounds` rounds and every
+figure is given as the median of the rounds and their spread (min to max): a single round
+moves by about a millisecond.
 
-Run: `.venv/bin/python benchmarks/bench_vllm.py [--requests N]` (about 3 minutes, most of it
-the two vLLM servers' start). Not collected by pytest.
+Columns: added TTFT p50 over the direct path's of the same round; tokens/s of the target
+over the direct path's of the same round; the target's CPU (its process tree, /proc) per
+request and per token streamed.
+
+The routers are installed from PyPI into `.tools/peers` as `make bench-peers` does; a router
+that cannot be installed or started is reported, not measured.
+
+Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--no-peers]
+[--json PATH]` (`make bench-vllm`; about 5 minutes with the defaults, most of it the vLLM
+servers' start and 3 rounds). Not collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +51,15 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop, process_cpu  # noqa: E402
+from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop  # noqa: E402
+from benchmarks.bench_peers import (  # noqa: E402
+    PEERS,
+    PEERS_VENV,
+    install_peers,
+    peer_version,
+    router_command,
+    tree_cpu,
+)
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     build_vllm_model,
@@ -46,13 +69,20 @@ from tests.support.vllm import (  # noqa: E402
 
 MODEL = "tiny-vllm"
 MAX_TOKENS = 64
+MESSAGES = [{"role": "user", "content": "one two three"}]
+DIRECT, FURNACE = "direct", "furnace-gateway"
+STARTUP_TIMEOUT = 90.0
+LOADS = (1, 8)
 
 
-async def one_stream(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
-    """TTFT (seconds) and completion tokens of one streamed completion."""
+# --- the clients -------------------------------------------------------------------------
+
+
+async def one_chat(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
+    """TTFT (seconds) and completion tokens of one streamed chat completion."""
     body = {
         "model": MODEL,
-        "prompt": "one two three",
+        "messages": MESSAGES,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
@@ -61,199 +91,350 @@ async def one_stream(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
     start = time.perf_counter()
     ttft = None
     tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = orjson.loads(line[6:])
-            if ttft is None and event["choices"] and event["choices"][0]["text"]:
+            choices = event.get("choices") or []
+            if ttft is None and choices and (choices[0].get("delta") or {}).get("content"):
                 ttft = time.perf_counter() - start
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    assert ttft is not None and tokens == MAX_TOKENS, (ttft, tokens)
+    if ttft is None or tokens == 0:
+        raise RuntimeError(f"{url}: no content or no usage (ttft {ttft}, tokens {tokens})")
     return ttft, tokens
 
 
-async def run_load(url: str, streams: int, requests: int) -> tuple[list[float], int, float]:
-    """`requests` completions, `streams` at a time: TTFTs, tokens, wall seconds."""
+OneCall = Callable[[], Awaitable[tuple[float, int]]]
+
+
+async def run_load(make_call: Callable[[], Any], streams: int, requests: int) -> Sample:
+    """`requests` calls, `streams` at a time; `make_call` is an async context manager
+    factory yielding the one-call coroutine function (a client per run)."""
     queue = list(range(requests))
-    ttfts: list[float] = []
-    tokens = 0
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+    sample = Sample()
+    async with make_call() as call:
 
         async def worker() -> None:
-            nonlocal tokens
             while queue:
                 queue.pop()
-                ttft, count = await one_stream(client, url)
-                ttfts.append(ttft)
-                tokens += count
+                ttft, count = await call()
+                sample.ttfts.append(ttft)
+                sample.tokens += count
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
-        return ttfts, tokens, time.perf_counter() - start
+        sample.wall = time.perf_counter() - start
+    sample.requests = requests
+    return sample
 
 
-async def run_grpc_load(
-    address: str, ids: list[int], streams: int, requests: int
-) -> tuple[list[float], int, float]:
-    """The same load straight to vLLM's gRPC server: one channel, token ids in and out."""
-    import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+class HttpCalls:
+    """One pooled httpx client for a run against an OpenAI-shaped endpoint."""
 
-    queue = list(range(requests))
-    ttfts: list[float] = []
-    tokens = 0
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.VllmEngineStub(channel)
+    def __init__(self, url: str) -> None:
+        self.url = url
 
-        async def worker() -> None:
-            nonlocal tokens
-            while queue:
-                n = queue.pop()
-                request = pb.GenerateRequest(
-                    request_id=f"bench-{streams}-{n}-{time.perf_counter_ns()}",
-                    tokenized=pb.TokenizedInput(input_ids=ids),
-                    sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                    stream=True,
-                )
-                start = time.perf_counter()
-                ttft = None
-                count = 0
-                async for reply in stub.Generate(request, timeout=120):
-                    if reply.WhichOneof("response") == "chunk":
-                        if ttft is None and reply.chunk.token_ids:
-                            ttft = time.perf_counter() - start
-                        count += len(reply.chunk.token_ids)
-                assert ttft is not None and count == MAX_TOKENS, (ttft, count)
-                ttfts.append(ttft)
-                tokens += count
+    async def __aenter__(self) -> OneCall:
+        limits = httpx.Limits(max_connections=64)
+        self.client = httpx.AsyncClient(timeout=120, limits=limits)
+        return lambda: one_chat(self.client, self.url)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(streams)))
-        return ttfts, tokens, time.perf_counter() - start
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+class GrpcCalls:
+    """One channel to vLLM's gRPC server; each call sends the prompt's token ids."""
+
+    def __init__(self, address: str, ids: list[int]) -> None:
+        self.address, self.ids = address, ids
+
+    async def __aenter__(self) -> OneCall:
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+        self.channel = grpc.aio.insecure_channel(self.address)
+        stub = pb_grpc.VllmEngineStub(self.channel)
+
+        async def call() -> tuple[float, int]:
+            request = pb.GenerateRequest(
+                request_id=f"bench-{time.perf_counter_ns()}",
+                tokenized=pb.TokenizedInput(input_ids=self.ids),
+                sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                stream=True,
+            )
+            start = time.perf_counter()
+            ttft = None
+            count = 0
+            async for reply in stub.Generate(request, timeout=120):
+                if reply.WhichOneof("response") == "chunk":
+                    if ttft is None and reply.chunk.token_ids:
+                        ttft = time.perf_counter() - start
+                    count += len(reply.chunk.token_ids)
+            if ttft is None:
+                raise RuntimeError("vLLM's gRPC server sent no token")
+            return ttft, count
+
+        return call
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.channel.close()
 
 
-def start_gateway(work: Path, name: str, model: dict[str, object]) -> tuple[Any, int]:
-    """A gateway process serving `model`, ready."""
+# --- what is measured --------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One load against one target: TTFTs, tokens, wall seconds, CPU seconds."""
+
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    requests: int = 0
+    wall: float = 0.0
+    cpu: float | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.ttfts)
+
+
+@dataclass
+class Target:
+    """A way to reach the engine: its calls, the process whose CPU counts (None: the
+    engine itself, the baseline), or why it is not measured."""
+
+    name: str
+    calls: Callable[[], Any] | None = None
+    pid: int | None = None
+    missing: str | None = None
+    version: str = ""
+
+
+def measure_round(targets: list[Target], streams: int, requests: int) -> dict[str, Sample]:
+    """Each target in turn, the same load."""
+    samples: dict[str, Sample] = {}
+    for target in targets:
+        if target.calls is None:
+            continue
+        cpu0 = tree_cpu(target.pid) if target.pid else None
+        sample = asyncio.run(run_load(target.calls, streams, requests))
+        cpu1 = tree_cpu(target.pid) if target.pid else None
+        if cpu0 is not None and cpu1 is not None:
+            sample.cpu = cpu1 - cpu0
+        samples[target.name] = sample
+    return samples
+
+
+@dataclass
+class Row:
+    """A target at one load, over the rounds: each round's figure against that round's
+    direct path."""
+
+    path: str
+    target: str
+    streams: int
+    added_ttft_ms: list[float]
+    rate_ratio: list[float]
+    cpu_per_request_us: list[float]
+    cpu_per_token_us: list[float]
+    direct_ttft_ms: list[float]
+
+
+def measure_path(path: str, targets: list[Target], rounds: int, requests: int) -> list[Row]:
+    """Rounds of every load over every target, interleaved; rows per target and load."""
+    for streams in LOADS:  # warm every path once
+        measure_round(targets, streams, max(8, streams * 2))
+    rows = {
+        (t.name, s): Row(path, t.name, s, [], [], [], [], [])
+        for t in targets
+        if t.calls is not None and t.name != DIRECT
+        for s in LOADS
+    }
+    for round_ in range(rounds):
+        for streams in LOADS:
+            print(f"  {path}: round {round_ + 1}/{rounds}, {streams} streams", file=sys.stderr)
+            samples = measure_round(targets, streams, requests)
+            direct = samples[DIRECT]
+            for name, sample in samples.items():
+                if name == DIRECT:
+                    continue
+                row = rows[(name, streams)]
+                row.direct_ttft_ms.append(direct.p50 * 1e3)
+                row.added_ttft_ms.append((sample.p50 - direct.p50) * 1e3)
+                row.rate_ratio.append(sample.rate / direct.rate)
+                if sample.cpu is not None:
+                    row.cpu_per_request_us.append(sample.cpu / sample.requests * 1e6)
+                    row.cpu_per_token_us.append(sample.cpu / sample.tokens * 1e6)
+    return list(rows.values())
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def start_gateway(stack: ExitStack, work: Path, name: str, model: dict[str, object]) -> Target:
+    """A furnace-gateway process serving `model`, ready."""
     port = free_port()
     config = {"host": "127.0.0.1", "port": port, "log_level": "warning", "models": [model]}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
     gateway = _spawn(["-m", "gateway", "serve", "--config", str(work / f"{name}.yaml")])
-    end = time.monotonic() + 60
+    stack.callback(_stop, gateway)
+    end = time.monotonic() + STARTUP_TIMEOUT
     while not _gateway_ready(port):
         if time.monotonic() > end or gateway.poll() is not None:
-            _stop(gateway)
-            raise RuntimeError("the gateway did not start")
+            return Target(FURNACE, missing="the gateway did not start")
         time.sleep(0.2)
-    return gateway, port
+    url = f"http://127.0.0.1:{port}"
+    return Target(FURNACE, lambda: HttpCalls(url), gateway.pid)
 
 
-Row = tuple[str, int, float, float, float, float, float, float, "float | None"]
-Load = Callable[[int, int], tuple[list[float], int, float]]
+def start_router(
+    stack: ExitStack, name: str, executable: Path | str, work: Path, worker: str, extra: list[str]
+) -> Target:
+    """A Rust router in front of `worker`, ready (it answers a chat), or why not."""
+    if isinstance(executable, str):
+        return Target(name, missing=executable)
+    port = free_port()
+    command = router_command(name, executable, port, free_port(), worker) + extra
+    log = work / f"{name}-{port}.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    stack.callback(_stop, process)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < end:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+            return Target(name, missing=f"exited ({process.returncode}): {' '.join(tail)[:160]}")
+        try:
+            asyncio.run(run_load(lambda: HttpCalls(url), 1, 1))
+            return Target(name, lambda: HttpCalls(url), process.pid)
+        except (httpx.HTTPError, RuntimeError):
+            time.sleep(0.5)
+    return Target(name, missing=f"did not serve within {STARTUP_TIMEOUT:g} s")
 
 
-def measure(label: str, gateway: Any, direct: Load, through: Load, requests: int) -> list[Row]:
-    """Rows for 1 and 8 streams: `direct(streams, n)` and `through(streams, n)` run loads."""
-    for warm in (direct, through, direct):  # warm both paths
-        warm(8, 16)
-    rows: list[Row] = []
-    for streams in (1, 8):
-        d_ttft, d_tokens, d_wall = direct(streams, requests)
-        cpu0 = process_cpu(gateway.pid)
-        g_ttft, g_tokens, g_wall = through(streams, requests)
-        cpu1 = process_cpu(gateway.pid)
-        cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / g_tokens * 1e6
-        rows.append(
-            (
-                label,
-                streams,
-                pct(d_ttft, 0.5) * 1e3,
-                pct(d_ttft, 0.99) * 1e3,
-                (pct(g_ttft, 0.5) - pct(d_ttft, 0.5)) * 1e3,
-                (pct(g_ttft, 0.99) - pct(d_ttft, 0.99)) * 1e3,
-                d_tokens / d_wall,
-                (g_tokens / g_wall) / (d_tokens / d_wall),
-                cpu,
-            )
+@contextmanager
+def http_targets(
+    model_dir: Path, work: Path, peers: dict[str, Path | str]
+) -> Iterator[list[Target]]:
+    """vLLM's OpenAI server and everything in front of it."""
+    with ExitStack() as stack:
+        vllm = start_http_server(model_dir, work, MODEL)
+        stack.callback(vllm.stop)
+        direct_url = f"http://127.0.0.1:{vllm.port}"
+        targets = [Target(DIRECT, lambda: HttpCalls(direct_url))]
+        upstream = {"name": MODEL, "upstream": "openai", "workers": [f"{direct_url}/v1"]}
+        targets.append(start_gateway(stack, work, "http", upstream))
+        for name, executable in peers.items():
+            targets.append(start_router(stack, name, executable, work, direct_url, []))
+        yield targets
+
+
+@contextmanager
+def grpc_targets(
+    model_dir: Path, work: Path, peers: dict[str, Path | str]
+) -> Iterator[list[Target]]:
+    """vLLM's gRPC server, a raw client, furnace's `vllm-grpc` and smg's gRPC mode."""
+    from gateway.protocol.types import Message
+    from gateway.tokenization.tokenizer import load_tokenizer
+
+    with ExitStack() as stack:
+        vllm = start_grpc_server(model_dir, work, ("--served-model-name", MODEL))
+        stack.callback(vllm.stop)
+        address = f"127.0.0.1:{vllm.port}"
+        tokenizer = load_tokenizer(str(model_dir))
+        ids = tokenizer.prompt_ids(None, [Message(m["role"], m["content"]) for m in MESSAGES])
+        targets = [Target(DIRECT, lambda: GrpcCalls(address, ids))]
+        upstream = {
+            "name": MODEL,
+            "upstream": "vllm-grpc",
+            "tokenizer": str(model_dir),
+            "workers": [address],
+        }
+        targets.append(start_gateway(stack, work, "grpc", upstream))
+        smg = peers.get("smg")
+        if smg is not None:
+            extra = ["--model-path", str(model_dir)]
+            targets.append(start_router(stack, "smg", smg, work, f"grpc://{address}", extra))
+        yield targets
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """`median (min to max)` of a figure over the rounds."""
+    if not values:
+        return "n/a"
+    median = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return median
+    return f"{median} ({format(min(values), fmt)} to {format(max(values), fmt)})"
+
+
+def report(rows: list[Row], missing: list[Target], rounds: int, requests: int) -> None:
+    print(
+        f"\n{requests} streamed chat completions per target, load and round; {rounds} rounds, "
+        f"targets interleaved; {MAX_TOKENS}-token greedy answers\n"
+    )
+    print(
+        "| path | target | streams | direct TTFT p50 | added TTFT p50 | tokens/s ÷ direct "
+        "| CPU per request | CPU per token |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(
+            f"| {row.path} | {row.target} | {row.streams} "
+            f"| {spread(row.direct_ttft_ms, '.1f')} ms | {spread(row.added_ttft_ms, '+.1f')} ms "
+            f"| {spread(row.rate_ratio, '.2f')} | {spread(row.cpu_per_request_us, '.0f')} µs "
+            f"| {spread(row.cpu_per_token_us, '.1f')} µs |"
         )
-    return rows
+    for target in missing:
+        print(f"\nnot measured: {target.name}: {target.missing}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=48, help="requests per run")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests per target and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--no-peers", action="store_true", help="measure without the routers")
+    parser.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
+    peers: dict[str, Path | str] = (
+        dict.fromkeys(PEERS, "skipped (--no-peers)")
+        if args.no_peers
+        else install_peers(args.peers_venv)
+    )
+    versions = {
+        name: peer_version(args.peers_venv, PEERS[name][0])
+        for name, found in peers.items()
+        if isinstance(found, Path)
+    }
     rows: list[Row] = []
+    missing: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")
-        # vLLM's OpenAI HTTP server, and a gateway with `upstream: openai`
-        vllm = start_http_server(model_dir, work)
-        gateway, port = start_gateway(
-            work,
-            "http",
-            {"name": MODEL, "upstream": "openai", "workers": [f"http://127.0.0.1:{vllm.port}/v1"]},
-        )
-        try:
-            direct, through = f"http://127.0.0.1:{vllm.port}", f"http://127.0.0.1:{port}"
-            rows += measure(
-                "HTTP (upstream: openai)",
-                gateway,
-                lambda s, n: asyncio.run(run_load(direct, s, n)),
-                lambda s, n: asyncio.run(run_load(through, s, n)),
-                args.requests,
-            )
-        finally:
-            _stop(gateway)
-            vllm.stop()
-        # vLLM's native gRPC server, and a gateway with `upstream: vllm-grpc`
-        vllm = start_grpc_server(model_dir, work)
-        gateway, port = start_gateway(
-            work,
-            "grpc",
-            {
-                "name": MODEL,
-                "upstream": "vllm-grpc",
-                "tokenizer": str(model_dir),
-                "workers": [f"127.0.0.1:{vllm.port}"],
-            },
-        )
-        try:
-            from tokenizers import Tokenizer
-
-            ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode("one two three").ids
-            address, through = f"127.0.0.1:{vllm.port}", f"http://127.0.0.1:{port}"
-            rows += measure(
-                "gRPC (upstream: vllm-grpc)",
-                gateway,
-                lambda s, n: asyncio.run(run_grpc_load(address, ids, s, n)),
-                lambda s, n: asyncio.run(run_load(through, s, n)),
-                args.requests,
-            )
-        finally:
-            _stop(gateway)
-            vllm.stop()
-    print(f"\n{args.requests} streamed completions per run, {MAX_TOKENS} tokens each\n")
-    print(
-        "| vLLM server | streams | direct TTFT p50 / p99 | added TTFT p50 / p99 "
-        "| direct tokens/s | gateway / direct tokens/s | gateway CPU per token |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for name, streams, p50, p99, a50, a99, rate, ratio, cpu in rows:
-        cpu_text = "n/a" if cpu is None else f"{cpu:.0f} µs"
-        print(
-            f"| {name} | {streams} | {p50:.1f} / {p99:.1f} ms | {a50:+.1f} / {a99:+.1f} ms "
-            f"| {rate:.0f} | {ratio:.2f} | {cpu_text} |"
-        )
-    print(f"\nmedian direct TTFT: {statistics.median([r[2] for r in rows]):.1f} ms")
+        for path, targets_of in (("HTTP", http_targets), ("gRPC", grpc_targets)):
+            with targets_of(model_dir, work, peers) as targets:
+                missing += [t for t in targets if t.missing]
+                rows += measure_path(path, targets, args.rounds, args.requests)
+    if versions:
+        print("\nrouters: " + ", ".join(f"{n} {v}" for n, v in versions.items()))
+    report(rows, missing, args.rounds, args.requests)
+    if args.json:
+        args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=2))
 
 
 if __name__ == "__main__":

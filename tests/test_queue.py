@@ -154,7 +154,7 @@ def test_high_priority_is_admitted_before_queued_low_priority(gateway_with, work
     gw = gateway_with(
         **queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1, **keys)
     )
-    queue = gw.state.teams.queue
+    queue = gw.state.admission.queue
     sender = Sender(gw.url)
     body = {"model": "furnace-slow", "prompt": "a b"}  # 0.1 s each: answers in order
     with (
@@ -179,7 +179,7 @@ def test_weights_share_the_queue_within_a_priority(gateway_with, workers):
     gw = gateway_with(
         **queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1, **keys)
     )
-    queue = gw.state.teams.queue
+    queue = gw.state.admission.queue
     sender = Sender(gw.url)
     body = {"model": "furnace-slow", "prompt": "a b"}  # 0.1 s each: answers in order
     with (
@@ -202,7 +202,7 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(gateway_with, worker
     gw = gateway_with(
         **queued(workers, QueueConfig(max_wait=30.0, max_depth=1), max_concurrent_requests=1)
     )
-    queue = gw.state.teams.queue
+    queue = gw.state.admission.queue
     port = int(gw.url.rsplit(":", 1)[1])
     body = json.dumps({"model": "furnace-demo", "prompt": "a"}).encode()
     request = (
@@ -253,7 +253,7 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(gateway_with, worker
 
 def test_drain_refuses_the_queued_and_serves_the_running(gateway_with, workers, server_loop):
     gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=1))
-    queue = gw.state.teams.queue
+    queue = gw.state.admission.queue
     sender = Sender(gw.url)
     words = " ".join(["w"] * 40)  # 2 s on the slow worker: time to queue three behind it
     body = {"model": "furnace-slow", "prompt": words, "stream": True}
@@ -386,7 +386,7 @@ def test_a_low_priority_waiter_past_max_starvation_is_served_next(gateway_with, 
     keys = keyed(teams, {batch: "batch", product: "product"})
     queue_config = QueueConfig(max_wait=30.0, max_starvation=0.2)
     gw = gateway_with(**queued(workers, queue_config, max_concurrent_requests=1, **keys))
-    queue = gw.state.teams.queue
+    queue = gw.state.admission.queue
     sender = Sender(gw.url)
     body = {"model": "furnace-slow", "prompt": "a b"}
     with (

@@ -1,8 +1,8 @@
 """The requests in flight, so a shutdown can drain them: refuse new ones, give
 those running a grace period, then cancel the rest (their workers see it).
 
-What is registered is anything with a `cancel(reason)`, the edge's event pumps
-in practice, so admission knows nothing of how a request is relayed.
+What is registered is anything with a `cancel(reason)`: the edge's event pumps, and
+`UnaryCall`, a unary call's task; so admission knows nothing of how a request is relayed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.admission.slots import Slots
 from gateway.protocol import errors
@@ -27,6 +27,20 @@ class Cancellable(Protocol):
     """A running request: cancelling it stops its worker's call."""
 
     def cancel(self, reason: errors.EngineError | None = None) -> None: ...
+
+
+class UnaryCall:
+    """A unary worker call in flight, as the drain sees it: cancelled with a reason."""
+
+    __slots__ = ("reason", "task")
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self.task = task
+        self.reason: errors.EngineError | None = None
+
+    def cancel(self, reason: errors.EngineError | None = None) -> None:
+        self.reason = reason or errors.Unavailable("The request was cancelled.")
+        self.task.cancel()
 
 
 class InFlight:

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission import InFlight
+from gateway.admission import Admission, InFlight
 from gateway.config import Config
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.errors import APIError, internal_error
@@ -125,6 +125,7 @@ def create_app(
     teams: Teams,
     telemetry: Telemetry,
     tracing: Tracing,
+    admission: Admission,
     is_ready: Callable[[], bool],
     started_at: int,
 ) -> ExactRoutes:
@@ -132,7 +133,7 @@ def create_app(
     straight to their handlers (`ExactRoutes`), the rest through Starlette's
     router, both behind the same checks."""
 
-    parts = Parts(config, fleet, inflight, teams, telemetry, tracing)
+    parts = Parts(config, fleet, inflight, teams, admission, telemetry, tracing)
 
     def generation(
         parse: Callable[[Any, str], ParsedRequest], encoder: type[Encoder]

@@ -1,10 +1,12 @@
 """The frame every raw-ASGI route that serves a request on the fleet shares (chat and text
 completions, embeddings, KServe v2 inference), so that each gets its id, its record, its
 error handling and its telemetry one way: the request's id and the gRPC metadata passed to
-its worker, the `x-furnace-priority` header, the watcher of a client that goes away, the
-drain's handle on a worker call, and `RequestRoute`, whose `__call__` is the try/except/
-finally around serving one request. A route keeps only what is its own: `serve`, and where
-it differs, the shape of its refusals, its span's usage and what it counts at the end.
+its worker, the `x-furnace-priority` header, the future of a client that goes away, and
+`RequestRoute`, whose `__call__` is the try/except/finally around serving one request:
+every request ends there once (`_serve_to_the_end`: a refusal, a 499, or the answer),
+with admission's `end` (gateway/admission/admit.py) called with the record final. A
+route keeps only what is its own: `serve` (which runs admission's stages), and where it
+differs, the shape of its refusals, its span's usage and what it counts at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from gateway.admission import InFlight
+from gateway.admission import Admission, ClientGone, InFlight, RequestContext
 from gateway.config import Config
 from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, Receive, Scope, Send, send_error
 from gateway.edge.errors import APIError, from_engine_error, internal_error
@@ -24,7 +26,7 @@ from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
-from gateway.teams import Teams
+from gateway.teams import Teams, team_of
 from gateway.telemetry import RequestRecord, Telemetry
 from gateway.telemetry.tracing import Tracing, annotate
 
@@ -96,24 +98,6 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
     return gone
 
 
-class ClientGone(Exception):
-    """The client went away: the request ends as a 499, nothing more written."""
-
-
-class Call:
-    """A unary worker call in flight, as the drain sees it: cancelled with a reason."""
-
-    __slots__ = ("reason", "task")
-
-    def __init__(self, task: asyncio.Future[Any]) -> None:
-        self.task = task
-        self.reason: errors.EngineError | None = None
-
-    def cancel(self, reason: errors.EngineError | None = None) -> None:
-        self.reason = reason or errors.Unavailable("The request was cancelled.")
-        self.task.cancel()
-
-
 @dataclass(frozen=True, slots=True)
 class Parts:
     """The gateway's parts a request route serves with (one set for every route)."""
@@ -122,25 +106,34 @@ class Parts:
     fleet: Fleet
     inflight: InFlight
     teams: Teams
+    admission: Admission
     telemetry: Telemetry
     tracing: Tracing
 
 
 class Exchange:
     """One request as the frame hands it to its route: the ASGI callables it is served
-    on (`send` guarded: a write waits at most `write_timeout`), its record and the metadata
-    for its worker call. A route subclasses it for what it counts per request."""
+    on (`send` guarded: a write waits at most `write_timeout`), its admission's request
+    context (`ctx`, whose `record` is the request's tally) and the metadata for its
+    worker call. A route subclasses it for what it counts per request."""
 
-    __slots__ = ("metadata", "receive", "record", "scope", "send")
+    __slots__ = ("ctx", "metadata", "receive", "record", "scope", "send")
 
     def __init__(
-        self, scope: Scope, receive: Receive, send: Send, record: RequestRecord, metadata: Metadata
+        self, scope: Scope, receive: Receive, send: Send, ctx: RequestContext, metadata: Metadata
     ) -> None:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.record = record
+        self.ctx = ctx
+        self.record = ctx.record
         self.metadata = metadata
+
+    def watch_client(self) -> asyncio.Future[None]:
+        """Starts watching for the client to go away (once the body is read): the
+        request's one client-gone future, `ctx.gone`, which admission's `end` drops."""
+        gone = self.ctx.gone = client_gone(self.scope, self.receive)
+        return gone
 
 
 X = TypeVar("X", bound=Exchange)
@@ -159,6 +152,7 @@ class RequestRoute(Generic[X]):
         self.fleet = parts.fleet
         self.inflight = parts.inflight
         self.teams = parts.teams
+        self.admission = parts.admission
         self.telemetry = parts.telemetry
         self.tracing = parts.tracing
 
@@ -169,27 +163,17 @@ class RequestRoute(Generic[X]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id, metadata = request_context(scope)
         record = RequestRecord(request_id.decode("latin-1"))
+        ctx = RequestContext(record, team_of(scope))
         # every write waits at most `write_timeout` on the client (see write_guard.py)
         abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
         send = guard = WriteGuard(send, self.config.write_timeout, abort)
-        ex = self.exchange(scope, receive, send, record, metadata)
+        ex = self.exchange(scope, receive, send, ctx, metadata)
         traceparent = dict(metadata).get("traceparent")
         with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
             try:
-                await self.serve(ex)
-            except APIError as error:
-                await self._refuse(ex, error)
-            except errors.EngineError as error:
-                await self._refuse(ex, self._engine_error(error, record))
-            except (ClientGone, WriteTimedOut):
-                record.status, record.outcome = 499, Outcome.CLIENT_GONE
-                log.info("client went away; request %s cancelled", record.request_id)
-            except Exception:
-                log.exception("request %s failed in the gateway", record.request_id)
-                if record.status:  # the answer had begun: the connection is closed
-                    record.outcome = Outcome.ENGINE_ERROR
-                    raise
-                await self._refuse(ex, internal_error())
+                refusal = await self._serve_to_the_end(ex)
+                if refusal is not None:
+                    await self._refuse(ex, refusal)
             finally:
                 guard.close()
                 self.telemetry.finish(record)
@@ -204,6 +188,45 @@ class RequestRoute(Generic[X]):
                         "furnace.request_id": record.request_id,
                     },
                 )
+
+    async def _serve_to_the_end(self, ex: X) -> APIError | None:
+        """Serves the request and ends it, once, however it ends: a refusal to send
+        (its status already in the record), a client gone (499: the status already
+        sent, if any), or the answer; then admission's `end`, with the record final."""
+        ctx, record = ex.ctx, ex.record
+        refusal: APIError | None = None
+        try:
+            await self.serve(ex)
+        except APIError as error:
+            refusal = error
+        except errors.EngineError as error:
+            if ctx.client_left():
+                self._client_gone(record)
+            else:
+                refusal = self._engine_error(error, record)
+        except (ClientGone, WriteTimedOut) as error:
+            self._client_gone(record, error)
+        except Exception:
+            log.exception("request %s failed in the gateway", record.request_id)
+            if record.status:  # the answer had begun: the connection is closed
+                record.outcome = Outcome.ENGINE_ERROR
+                raise
+            refusal = internal_error()
+        finally:
+            if refusal is not None:
+                record.status, record.outcome = refusal.status, refusal.outcome
+                record.reason = refusal.reason
+            await self.admission.end(ctx)
+        return refusal
+
+    @staticmethod
+    def _client_gone(record: RequestRecord, error: Exception | None = None) -> None:
+        """A client gone (or too slow: the write guard aborted it) ends as a 499, or
+        with the status already sent."""
+        record.status = record.status or 499  # nginx's "client closed request"
+        record.outcome = Outcome.CLIENT_GONE
+        cause = f"{error} " if isinstance(error, WriteTimedOut) else ""
+        log.info("%sclient went away; request %s cancelled", cause, record.request_id)
 
     def _engine_error(self, error: errors.EngineError, record: RequestRecord) -> APIError:
         """The client's error for `error`; what the client does not see is logged."""

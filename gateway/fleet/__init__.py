@@ -40,7 +40,6 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
 
-from gateway.admission.deadline import Deadline
 from gateway.config import Config, ModelConfig
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.kv_follow import follow_kv
@@ -48,6 +47,7 @@ from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.tls import FilesStamp, WorkerCredentials, client_credentials, files_stamp
 from gateway.protocol.types import GenerateRequest, Started
 from gateway.telemetry import RequestRecord
@@ -275,7 +275,7 @@ class Fleet:
 
     def get(self, name: str) -> ModelPool:
         """The LLM pool a request names (the edge picks a team's first when it names
-        none: `edge/openai/models.resolve`)."""
+        none: `admission.admit.resolve`)."""
         pool = self.models.get(name)
         if pool is None:
             raise errors.ModelNotFound(f"The model `{name}` does not exist.", param="model")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.admission.deadline import Deadline
 from gateway.fleet.unary import call_unary
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import Embeddings, EmbedRequest
 
 if TYPE_CHECKING:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.admission.deadline import Deadline
 from gateway.fleet.unary import call_unary, never_started, pick
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.upstreams.kserve_grpc import (
     InferRequest,
     InferResult,

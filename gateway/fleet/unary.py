@@ -16,8 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from gateway.admission.deadline import Deadline
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import CANCELLED
 

@@ -39,7 +39,7 @@ import uvicorn
 from starlette.applications import Starlette
 from uvicorn.lifespan.off import LifespanOff
 
-from gateway.admission import InFlight, Slots
+from gateway.admission import Admission, InFlight, Slots
 from gateway.admission.metrics import AdmissionCollector
 from gateway.config import Config, ModelConfig
 from gateway.edge.app import admin_on_public, create_admin_app, create_app
@@ -86,8 +86,11 @@ class Gateway:
         self.telemetry = Telemetry(config.log_prompts)
         self.tracing = Tracing(config.tracing)
         self.fleet = Fleet(config)
-        self.teams = Teams(config, self.slots, self.telemetry.registry)
         registry = self.telemetry.registry
+        self.teams = Teams(config, registry)
+        self.admission = Admission(
+            config, self.inflight, self.fleet, self.teams, self.telemetry, registry
+        )
         registry.register(AdmissionCollector(self.inflight))
         registry.register(FleetCollector(self.fleet))
 
@@ -99,6 +102,7 @@ class Gateway:
             fleet=self.fleet,
             inflight=self.inflight,
             teams=self.teams,
+            admission=self.admission,
             telemetry=self.telemetry,
             tracing=self.tracing,
             is_ready=is_ready,

@@ -69,9 +69,11 @@ _LIMIT_NAMES = {
 }
 
 
-def estimate_tokens(request: GenerateRequest | EmbedRequest) -> int:
+def estimate_tokens(request: GenerateRequest | EmbedRequest | None) -> int:
     """A prompt's tokens before the worker counts them: ~4 characters a token
-    (an embedding's token ids count as they are)."""
+    (an embedding's token ids count as they are; no request, as a tensor call: none)."""
+    if request is None:
+        return 0
     if isinstance(request, EmbedRequest):
         return sum(math.ceil(len(x) / 4) if isinstance(x, str) else len(x) for x in request.inputs)
     if request.messages is None:
@@ -246,11 +248,11 @@ class Limiter:
     # -- requests ---------------------------------------------------------------
 
     async def admit(
-        self, team: Team, request: GenerateRequest | EmbedRequest, record: RequestRecord
+        self, team: Team, request: GenerateRequest | EmbedRequest | None, record: RequestRecord
     ) -> Lease:
         """Charges one request, its estimated prompt and its reserved completion
-        (`max_tokens` for each of its n choices; an embedding has none) to `team`,
-        or raises a 429."""
+        (`max_tokens` for each of its n choices; an embedding has none, nor a call with
+        no `request`, as a tensor inference) to `team`, or raises a 429."""
         estimate = estimate_tokens(request)
         reserve: int | None = 0
         if team.tokens is not None and isinstance(request, GenerateRequest):

@@ -14,34 +14,24 @@ the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
 from starlette.routing import Route
 
 from gateway import __version__
-from gateway.admission import Deadline
+from gateway.admission import RequestContext
+from gateway.admission.admit import tensor_pool
 from gateway.edge.asgi import Receive, Scope, Send, send_json
 from gateway.edge.errors import APIError, from_engine_error
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.request import (
-    Call,
-    ClientGone,
-    Exchange,
-    Metadata,
-    Parts,
-    RequestRoute,
-    client_gone,
-)
-from gateway.fleet import Fleet, ModelPool
+from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute
 from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
 from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_json, to_raw
-from gateway.protocol.types import EmbedRequest
-from gateway.teams import Teams, team_of
-from gateway.telemetry import RequestRecord
+from gateway.teams import team_of
 from gateway.upstreams.kserve_grpc import InferRequest, ModelMetadata
 
 #: The CLIENT span's name for a worker call: the gRPC method it is.
@@ -62,9 +52,9 @@ class _Tensors(Exchange):
     __slots__ = ("received", "sent")
 
     def __init__(
-        self, scope: Scope, receive: Receive, send: Send, record: RequestRecord, metadata: Metadata
+        self, scope: Scope, receive: Receive, send: Send, ctx: RequestContext, metadata: Metadata
     ) -> None:
-        super().__init__(scope, receive, send, record, metadata)
+        super().__init__(scope, receive, send, ctx, metadata)
         self.received = 0
         self.sent = 0
 
@@ -192,15 +182,10 @@ def _binary_outputs(body: dict[str, Any]) -> bool | set[str]:
     }
 
 
-def _tensor_pool(fleet: Fleet, scope: Scope) -> tuple[ModelPool, str]:
-    """The path's tensor model (one the key may see) and version, or a 404."""
+def _model_and_version(scope: Scope) -> tuple[str, str]:
+    """The path's model and version."""
     params = scope.get("path_params", {})
-    name = params.get("model", "")
-    team = team_of(scope)
-    pool = fleet.models.get(name)
-    if pool is None or pool.kind != "tensor" or (team is not None and not Teams.sees(team, name)):
-        raise errors.ModelNotFound(f"The tensor model `{name}` does not exist.")
-    return pool, params.get("version", "")
+    return params.get("model", ""), params.get("version", "")
 
 
 class KServeRoutes:
@@ -252,11 +237,12 @@ class KServeRoutes:
         return 200, {"name": "furnace-gateway", "version": __version__, "extensions": []}
 
     async def metadata(self, scope: Scope) -> tuple[int, Any]:
-        pool, version = _tensor_pool(self.fleet, scope)
+        name, version = _model_and_version(scope)
+        pool = tensor_pool(self.fleet, team_of(scope), name)
         return 200, (await model_metadata(pool, version)).to_json()
 
     async def model_ready(self, scope: Scope) -> tuple[int, Any]:
-        pool, _ = _tensor_pool(self.fleet, scope)
+        pool = tensor_pool(self.fleet, team_of(scope), _model_and_version(scope)[0])
         ready = bool(pool.available(set()))
         return (200 if ready else 503), {"name": pool.name, "ready": ready}
 
@@ -282,41 +268,24 @@ class InferRoute(RequestRoute[_Tensors]):
         """Reads and checks the tensors against the model before any worker, admits the
         request, calls a worker (the drain or the client's leaving cancels it) and answers
         in JSON or with the binary tensor extension."""
-        scope, send, record = ex.scope, ex.send, ex.record
+        scope, send, record, ctx = ex.scope, ex.send, ex.record, ex.ctx
+        name, version = _model_and_version(scope)
+        self.admission.draining(ctx)
         raw_body = await read_body(scope, ex.receive, self.config.max_body_bytes)
         ex.received = len(raw_body)
         body, binary = _split(scope, raw_body)
-        pool, version = _tensor_pool(self.fleet, scope)
-        record.model = pool.name
+        pool = self.admission.visibility(ctx, name, "tensor")
         # the tensors themselves, before any worker
         request = _parse(body, pool.name, version, binary)
         binary_outputs = _binary_outputs(body)
         _check_against(request, await model_metadata(pool, version))
-        self.inflight.check_open()
+        ex.watch_client()
         # one request and no tokens to a team's limits (an infer generates none)
-        slot_request = EmbedRequest(model=pool.name, inputs=(), request_id=record.request_id)
-        async with self.teams.admit(team_of(scope), pool.name, slot_request, record):
-            self.telemetry.begin(record, pool.name)
-            metadata = ex.metadata
-            with self.tracing.engine_call(pool.name, metadata, MODEL_INFER) as (_, metadata):
+        async with self.admission.admit(ctx):
+            with self.tracing.engine_call(pool.name, ex.metadata, MODEL_INFER) as (_, metadata):
                 deadline = Deadline(self.config.request_timeout)
-                call = asyncio.ensure_future(infer(self.fleet, pool, request, deadline, metadata))
-                gone = client_gone(ex.scope, ex.receive)
-                tracked = Call(call)
-                try:
-                    with self.inflight.track(tracked):
-                        waits: set[asyncio.Future[Any]] = {call, gone}
-                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    gone.cancel()
-                    if not call.done():
-                        call.cancel()
-                        await asyncio.gather(call, return_exceptions=True)
-                        if tracked.reason is None:
-                            raise ClientGone
-                if tracked.reason is not None:
-                    raise tracked.reason
-                result = call.result()
+                work = infer(self.fleet, pool, request, deadline, metadata)
+                result = await self.admission.unary(ctx, work, None, "The inference")
         request_id = record.request_id.encode("latin-1")
         answer = result.to_json()
         if not binary_outputs:

@@ -15,7 +15,6 @@ tokens as prompt tokens, which a team's tokens per minute are charged once known
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 from dataclasses import dataclass
@@ -23,27 +22,17 @@ from typing import Any
 
 import orjson
 
-from gateway.admission import Deadline
 from gateway.edge.asgi import send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.models import resolve
 from gateway.edge.openai.validation import UINT32_MAX, model_of
-from gateway.edge.request import (
-    Call,
-    ClientGone,
-    Exchange,
-    Metadata,
-    RequestRoute,
-    client_gone,
-    priority,
-)
+from gateway.edge.request import Exchange, RequestRoute, priority
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import embed
-from gateway.protocol import errors, features
+from gateway.protocol import features
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
 from gateway.protocol.types import Embeddings, EmbedRequest
-from gateway.teams import team_of
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -177,13 +166,13 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         return {"gen_ai.usage.input_tokens": record.prompt_tokens}
 
     async def serve(self, ex: Exchange) -> None:
-        """Reads and checks the body, admits it (a queued client that leaves, leaves the
-        queue at once), calls a worker and answers."""
-        scope, record = ex.scope, ex.record
-        body = await read_json(scope, ex.receive, self.config.max_body_bytes)
-        team = team_of(scope)
-        pool = resolve(self.fleet, team, model_of(body))
-        record.model = pool.name
+        """Reads and checks the body, admits it through admission's stages (a queued
+        client that leaves, leaves the queue at once), calls a worker and answers."""
+        ctx, record = ex.ctx, ex.record
+        admission = self.admission
+        admission.draining(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        pool = admission.visibility(ctx, model_of(body))
         parsed = parse_embeddings(body)
         request = EmbedRequest(
             pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id
@@ -191,61 +180,26 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         if self.telemetry.log_prompts:
             record.prompt = list(parsed.inputs)
         check_served(pool, request)
-        self.inflight.check_open()
-        if pool.saturated():
-            raise errors.Busy(
-                f"Every worker of `{pool.name}` runs as many requests as it says it can.",
-                reason="workers_saturated",
-            )
-        # watched from here: a client that leaves while queued leaves the queue at once
-        gone = client_gone(ex.scope, ex.receive)
-        try:
-            async with self.teams.admit(team, pool.name, request, record, priority(scope), gone):
-                self.telemetry.begin(record, pool.name)
-                embeddings = await self._call(pool, request, record, ex.metadata, gone)
-        except errors.Busy:
-            if not gone.done():
-                raise
-            raise ClientGone from None
-        finally:
-            gone.cancel()
+        ctx.request = request
+        ctx.priority = priority(ex.scope)
+        ex.watch_client()  # from here: a client that leaves while queued leaves the queue
+        async with admission.admit(ctx):
+            embeddings = await self._call(pool, request, ex)
         body_bytes = answer(pool.name, embeddings, parsed.base64)
         record.status, record.outcome = 200, Outcome.COMPLETED
         request_id = record.request_id.encode("latin-1")
         await send_json(ex.send, 200, body_bytes, [(b"x-request-id", request_id)])
 
-    async def _call(
-        self,
-        pool: ModelPool,
-        request: EmbedRequest,
-        record: RequestRecord,
-        metadata: Metadata,
-        gone: asyncio.Future[None],
-    ) -> Embeddings:
+    async def _call(self, pool: ModelPool, request: EmbedRequest, ex: Exchange) -> Embeddings:
         """The worker's embeddings; cancelled when the client leaves, the drain ends it
         or `request_timeout` passes."""
+        record = ex.record
         timeout = self.config.request_timeout
-        with self.tracing.engine_call(pool.name, metadata, EMBED) as (span, metadata):
-            deadline = Deadline(timeout)
-            task = asyncio.ensure_future(embed(self.fleet, pool, request, deadline, metadata))
-            call = Call(task)
-            either: set[asyncio.Future[Any]] = {task, gone}
-            try:
-                with self.inflight.track(call):
-                    await asyncio.wait(either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    if call.reason is None and not gone.done():
-                        call.reason = errors.Timeout(
-                            f"The embeddings took longer than {timeout:g} seconds."
-                        )
-            if call.reason is not None:
-                raise call.reason
-            if task.cancelled():
-                raise ClientGone
-            embeddings, record.worker = task.result()
+        with self.tracing.engine_call(pool.name, ex.metadata, EMBED) as (span, metadata):
+            work = embed(self.fleet, pool, request, Deadline(timeout), metadata)
+            embeddings, record.worker = await self.admission.unary(
+                ex.ctx, work, timeout, "The embeddings"
+            )
             annotate(span, {"furnace.worker": record.worker})
         record.prompt_tokens = embeddings.prompt_tokens
         return embeddings

@@ -16,21 +16,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from gateway.admission import Deadline, EventPump
+from gateway.admission import EventPump
 from gateway.edge.asgi import Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
 from gateway.edge.openai.input_limits import InputLimits
-from gateway.edge.openai.models import resolve
 from gateway.edge.openai.validation import ParsedRequest, model_of
-from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute, client_gone, priority
-from gateway.edge.write_guard import WriteTimedOut
+from gateway.edge.request import Exchange, Parts, RequestRoute, priority
 from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
 from gateway.protocol.types import GenerateRequest
-from gateway.teams import team_of
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -102,18 +100,13 @@ class GenerationRoute(RequestRoute[Exchange]):
         )
 
     async def serve(self, ex: Exchange) -> None:
-        """Reads and checks the body, admits it under its team's limits (a queued client
-        that leaves, leaves the queue at once) and serves it."""
-        scope, receive, send, record, metadata = (
-            ex.scope,
-            ex.receive,
-            ex.send,
-            ex.record,
-            ex.metadata,
-        )
-        body = await read_json(scope, receive, self.config.max_body_bytes)
-        pool = resolve(self.fleet, team_of(scope), model_of(body))
-        record.model = pool.name
+        """Reads and checks the body, admits it through admission's stages (a queued
+        client that leaves, leaves the queue at once) and serves it."""
+        ctx, record = ex.ctx, ex.record
+        admission = self.admission
+        admission.draining(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
@@ -121,87 +114,40 @@ class GenerationRoute(RequestRoute[Exchange]):
             record.prompt = generate.prompt if generate.messages is None else generate.messages
         _check_features(pool, parsed.generate)
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
-        self.inflight.check_open()
-        if pool.saturated():
-            raise errors.Busy(
-                f"Every worker of `{pool.name}` runs as many requests as it says it can.",
-                reason="workers_saturated",
-            )
-        level = priority(scope)
-        # watched from here: a queued client that goes away leaves the queue at once
-        watcher = client_gone(scope, receive)
-        try:
-            if pool.name not in self.teams.queues:
-                async with self.teams.admit(team_of(scope), pool.name, parsed.generate, record):
-                    self.telemetry.begin(record, pool.name)
-                    await self._serve(parsed, pool, record, metadata, send, watcher)
-                return
-            async with self.teams.admit(
-                team_of(scope), pool.name, parsed.generate, record, level, watcher
-            ):
-                self.telemetry.begin(record, pool.name)
-                await self._serve(parsed, pool, record, metadata, send, watcher)
-        except errors.Busy:
-            if not watcher.done():
-                raise
-            record.status = 499
-            record.outcome = Outcome.CLIENT_GONE
-            log.info("client went away while queued; request %s dropped", record.request_id)
-        finally:
-            watcher.cancel()
+        ctx.request = parsed.generate
+        ctx.priority = priority(ex.scope)
+        ex.watch_client()  # from here: a queued client that goes away leaves the queue
+        async with admission.admit(ctx):
+            await self._serve(parsed, pool, ex)
 
-    async def _serve(
-        self,
-        parsed: ParsedRequest,
-        pool: ModelPool,
-        record: RequestRecord,
-        metadata: Metadata,
-        send: Send,
-        watcher: asyncio.Future[None],
-    ) -> None:
+    async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
         config = self.config
         request = parsed.generate  # parsed with the request's id
         if request.model != pool.name:  # the body named none: the team's first
             request = replace(request, model=pool.name)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
-        with self.tracing.engine_call(pool.name, metadata) as (span, metadata):
+        with self.tracing.engine_call(pool.name, ex.metadata) as (span, metadata):
             pump = EventPump(
                 self.fleet.generate(pool, request, Deadline(timeout), metadata),
                 config.stream_buffer_bytes,
                 request.n,
             )
             try:
-                await self._relay(pump, parsed, pool, record, send, watcher)
+                await self._relay(pump, parsed, pool, ex)
             finally:
-                annotate(span, {"furnace.worker": record.worker or None})
+                annotate(span, {"furnace.worker": ex.record.worker or None})
 
     async def _relay(
-        self,
-        pump: EventPump,
-        parsed: ParsedRequest,
-        pool: ModelPool,
-        record: RequestRecord,
-        send: Send,
-        watcher: asyncio.Future[None],
+        self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange
     ) -> None:
-        watcher.add_done_callback(lambda _: pump.cancel())
-        generate = parsed.generate
+        record, gone = ex.record, ex.ctx.gone
+        assert gone is not None
+        gone.add_done_callback(lambda _: pump.cancel())
         encoder = self.encoder(parsed, pool)
-        record.expect(generate.n)
+        record.expect(parsed.generate.n)
         try:
             with self.inflight.track(pump):
-                await self._relay_events(pump, encoder, parsed.stream, record, send, watcher)
-        except errors.EngineError:
-            if not watcher.done():
-                raise
-            record.status = record.status or 499  # nginx's "client closed request"
-            record.outcome = Outcome.CLIENT_GONE
-            log.info("client went away; request %s cancelled", record.request_id)
-        except WriteTimedOut as error:
-            # The connection is aborted (the guard did it): nothing more can be written.
-            record.status = record.status or 499
-            record.outcome = Outcome.CLIENT_GONE
-            log.info("%s Request %s cancelled.", error, record.request_id)
+                await self._relay_events(pump, encoder, parsed.stream, record, ex.send, gone)
         finally:
             record.worker = pump.worker
             await pump.aclose()
@@ -213,10 +159,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         stream: bool,
         record: RequestRecord,
         send: Send,
-        watcher: asyncio.Future[None],
+        gone: asyncio.Future[None],
     ) -> None:
         if stream:
-            await self._stream(pump, encoder, record, send, watcher)
+            await self._stream(pump, encoder, record, send, gone)
         else:
             await self._answer(pump, encoder, record, send)
 
@@ -253,7 +199,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         encoder: Encoder,
         record: RequestRecord,
         send: Send,
-        watcher: asyncio.Future[None],
+        gone: asyncio.Future[None],
     ) -> None:
         """Writes each batch as it comes: the one-choice path joins its text
         into one delta; the others write `encoder.events`. Ends after the last
@@ -290,7 +236,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
             except errors.EngineError as error:
-                if watcher.done():
+                if gone.done():
                     raise
                 api_error = self._engine_error(error, record)
                 record.outcome = api_error.outcome

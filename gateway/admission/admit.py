@@ -1,0 +1,293 @@
+"""The one ordered admission every route goes through, as named stages over one
+request context (`RequestContext`) that grows as it passes, in the shape of SGLang's
+gateway (`routers/grpc/pipeline.rs`): a newcomer reads the order here, once.
+
+    the route (edge)                        the stages (this module)
+    ─────────────────────────────────────   ──────────────────────────────────────────
+    RequestContext(record, team)  ────────▶ draining     a drain refuses new requests
+    reads and parses the body               visibility   the model, if the team may see it
+                                            ── admit(ctx): ─────────────────────────────
+                                            draining     again: a drain may have begun
+                                            saturation   every worker of the model full
+                                            team_limits  the team's RPM, TPM, concurrency
+                                            budgets      (a hook: spend over a window)
+                                            slot         through the model's queue, or by
+                                                         the teams' fair share, or plain
+    serves (the fleet, the encoder)         ── the body of `async with admit(ctx)` ─────
+    one ending: status and outcome known ─▶ end(ctx)     the team's usage settled, the
+                                                         client-gone watch dropped
+
+Visibility runs before saturation, not after: a team must not learn from a 503 naming
+it that a model it may not see is busy. `end` is the one ending point, called by the
+edge's request frame once per request however it ended (served, refused at any stage,
+the client gone: 499, the gateway failed), with the record's status, outcome and token
+counts final: what is owed is settled there, and only there.
+
+Each stage is a plain method: a refusal is an `EngineError` (`Draining`, `Busy`,
+`ModelNotFound`, `RateLimited`) that the edge turns into its API's shape. Cost: a few
+attribute reads and one context object per request; the token path pays nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from gateway.admission.fair_share import FairShare
+from gateway.admission.metrics import QueueCollector
+from gateway.admission.queue import Queue, QueueSettings
+from gateway.admission.requests import InFlight, UnaryCall
+from gateway.config import Config
+from gateway.fleet import Fleet, ModelPool
+from gateway.protocol import errors
+from gateway.protocol.types import EmbedRequest, GenerateRequest
+from gateway.teams import Team, Teams
+from gateway.teams.limiter import Lease
+from gateway.telemetry import RequestRecord, Telemetry
+
+log = logging.getLogger("furnace.admission")
+
+T = TypeVar("T")
+
+#: Names the 404 of an unknown model lists at most.
+LISTED = 32
+
+
+class RequestContext:
+    """One request as it passes the stages: what the edge knows at the door (`record`,
+    `team`), what the route adds once the body is parsed (`request`, `priority`,
+    `gone`), and what the stages fill (`pool`, `lease`, `admitted`)."""
+
+    __slots__ = ("admitted", "gone", "lease", "pool", "priority", "record", "request", "team")
+
+    def __init__(self, record: RequestRecord, team: Team | None) -> None:
+        #: The request's running tally: id, model, status, outcome, token counts.
+        self.record = record
+        #: The caller's team (its key's), or None on an open gateway.
+        self.team = team
+        #: The model's pool, once `visibility` found it.
+        self.pool: ModelPool | None = None
+        #: What the team's token limits weigh (None: one request, no tokens, as a
+        #: tensor inference or a metadata read).
+        self.request: GenerateRequest | EmbedRequest | None = None
+        #: The `x-furnace-priority` asked (the team's own caps it), or None.
+        self.priority: int | None = None
+        #: Done when the client goes away: the one client-gone future of the request,
+        #: set by the route once the body is read; `end` drops it.
+        self.gone: asyncio.Future[None] | None = None
+        #: What `team_limits` charged the team, settled by `end`.
+        self.lease: Lease | None = None
+        #: Whether the request holds (or held) a slot.
+        self.admitted = False
+
+    def client_left(self) -> bool:
+        """Whether the client has gone away (then the request ends as a 499)."""
+        return self.gone is not None and self.gone.done()
+
+
+class Admission:
+    """The stages over the gateway's parts; one per gateway."""
+
+    def __init__(
+        self,
+        config: Config,
+        inflight: InFlight,
+        fleet: Fleet,
+        teams: Teams,
+        telemetry: Telemetry,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.inflight = inflight
+        self.fleet = fleet
+        self.teams = teams
+        self.telemetry = telemetry
+        slots = inflight.slots
+        demand_memory = max(5.0, 3.0 * config.retry_after)
+        self.fair_share = FairShare(slots, teams.by_name.values(), demand_memory)
+        #: Each queued model's settings; no entry: refused at once when full.
+        self.queues = {
+            m.name: QueueSettings(m.queue.max_wait, m.queue.max_depth, m.queue.max_starvation)
+            for m in config.models
+            if m.queue is not None
+        }
+        self.queue = Queue(slots) if self.queues else None
+        if self.queue is not None:
+            registry.register(QueueCollector(self.queue))
+
+    # -- the stages, in the order they run ---------------------------------------
+
+    def draining(self, ctx: RequestContext) -> None:
+        """Refuses (`Draining`) once the gateway is shutting down."""
+        self.inflight.check_open()
+
+    def visibility(self, ctx: RequestContext, name: str | None, kind: str = "llm") -> ModelPool:
+        """The pool of the model a request names, if its team may see it (`resolve`;
+        `kind` "tensor": the /v2 routes' tensor model)."""
+        if kind == "tensor":
+            pool = tensor_pool(self.fleet, ctx.team, name or "")
+        else:
+            pool = resolve(self.fleet, ctx.team, name)
+        ctx.pool = pool
+        ctx.record.model = pool.name
+        return pool
+
+    def saturation(self, ctx: RequestContext) -> None:
+        """Refuses (`Busy`) when every worker of the model runs as many requests as it
+        says it can: waiting in the gateway would only move the queue here."""
+        pool = _pool(ctx)
+        if pool.saturated():
+            raise errors.Busy(
+                f"Every worker of `{pool.name}` runs as many requests as it says it can.",
+                reason="workers_saturated",
+            )
+
+    async def team_limits(self, ctx: RequestContext) -> None:
+        """Charges the team's requests and tokens per minute and its concurrency
+        (`RateLimited`); `end` settles the charge."""
+        if ctx.team is not None:
+            ctx.lease = await self.teams.limiter.admit(ctx.team, ctx.request, ctx.record)
+
+    async def budgets(self, ctx: RequestContext) -> None:
+        """The team's spend over its calendar windows (`BudgetExceeded`): none yet."""
+
+    @asynccontextmanager
+    async def slot(self, ctx: RequestContext) -> AsyncIterator[None]:
+        """Holds a slot for the body of an `async with`: through the model's queue if it
+        has one (the team's priority, or a lower one the request asks, and its weight
+        order the wait; the client leaving leaves the queue), else by the teams' fair
+        share, else plain. Raises `Busy` when none can be had."""
+        pool, team = _pool(ctx), ctx.team
+        settings = self.queues.get(pool.name)
+        if settings is not None and self.queue is not None:
+            if team is None:
+                hold = self.queue.hold(pool.name, settings, ctx.priority or 0, gone=ctx.gone)
+            else:
+                own = team.config.priority
+                asked = own if ctx.priority is None else min(ctx.priority, own)
+                hold = self.queue.hold(pool.name, settings, asked, team.name, team.weight, ctx.gone)
+            async with hold:
+                self._admitted(ctx)
+                if team is None:
+                    yield
+                    return
+                team.slots += 1
+                try:
+                    yield
+                finally:
+                    team.slots -= 1
+            return
+        with self.slots_of(team):
+            self._admitted(ctx)
+            yield
+
+    def slots_of(self, team: Team | None) -> contextlib.AbstractContextManager[None]:
+        """A slot without a queue: by fair share for a team, plain on an open gateway."""
+        return self.inflight.slots.hold() if team is None else self.fair_share.hold(team)
+
+    def _admitted(self, ctx: RequestContext) -> None:
+        ctx.admitted = True
+        if ctx.lease is not None:
+            ctx.lease.served = True
+        self.telemetry.begin(ctx.record, _pool(ctx).name)
+
+    # -- the sequence -------------------------------------------------------------
+
+    @asynccontextmanager
+    async def admit(self, ctx: RequestContext) -> AsyncIterator[None]:
+        """Runs the stages after visibility, in order, and holds the slot for the body
+        of the `async with`. What the team was charged is settled by `end`, not here."""
+        self.draining(ctx)
+        self.saturation(ctx)
+        await self.team_limits(ctx)
+        await self.budgets(ctx)
+        async with self.slot(ctx):
+            yield
+
+    async def end(self, ctx: RequestContext) -> None:
+        """The one ending point of every request, however it ended: the record's
+        status, outcome and token counts are final. Drops the client-gone watch and
+        settles what the team was charged (a request never served is refunded)."""
+        if ctx.gone is not None:
+            ctx.gone.cancel()
+        lease, ctx.lease = ctx.lease, None
+        if lease is not None:
+            await self.teams.limiter.release(lease)
+
+    # -- unary calls ----------------------------------------------------------------
+
+    async def unary(
+        self, ctx: RequestContext, work: Awaitable[T], within: float | None, what: str
+    ) -> T:
+        """Runs a unary worker call (one answer, whole) as a task the drain can cancel:
+        it ends when the call does, the client leaves (`ClientGone`) or `within`
+        seconds pass (`Timeout`, naming `what`; None: the call's own deadline)."""
+        task = asyncio.ensure_future(work)
+        call = UnaryCall(task)
+        waits: set[asyncio.Future[Any]] = {task} if ctx.gone is None else {task, ctx.gone}
+        try:
+            with self.inflight.track(call):
+                await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if call.reason is None and not ctx.client_left() and within is not None:
+                    call.reason = errors.Timeout(f"{what} took longer than {within:g} seconds.")
+        if call.reason is not None:
+            raise call.reason
+        if task.cancelled():
+            raise ClientGone
+        return task.result()
+
+
+class ClientGone(Exception):
+    """The client went away: the request ends as a 499, nothing more written."""
+
+
+def resolve(fleet: Fleet, team: Team | None, name: str | None) -> ModelPool:
+    """The LLM pool a request names (its team's first when it names none); a model the
+    team may not see is as missing as an unknown one, and the 404 lists what the team
+    may use instead, so a typo is fixed in one try; a tensor model is a 400 naming the
+    /v2 route. A name the team may use is looked up at once; the list is made for the
+    rest."""
+    if name is not None and name in fleet.models and Teams.sees(team, name):
+        return fleet.get(name)
+    pools = usable(fleet, team)
+    if name is None:
+        name = next((p.name for p in pools if p.kind == "llm"), None)
+        if name is None:
+            raise errors.ModelNotFound("No model is named, and none is served.", param="model")
+    if not any(pool.name == name for pool in pools):
+        names = [pool.name for pool in pools[:LISTED]]
+        more = ", ..." if len(pools) > LISTED else ""
+        listing = f" Models you can use: {', '.join(names)}{more}." if names else ""
+        raise errors.ModelNotFound(
+            f"The model `{name[:256]}` does not exist.{listing}", param="model"
+        )
+    return fleet.get(name)
+
+
+def tensor_pool(fleet: Fleet, team: Team | None, name: str) -> ModelPool:
+    """The tensor model's pool (one the team may see), or a 404."""
+    pool = fleet.models.get(name)
+    if pool is None or pool.kind != "tensor" or not Teams.sees(team, name):
+        raise errors.ModelNotFound(f"The tensor model `{name}` does not exist.")
+    return pool
+
+
+def usable(fleet: Fleet, team: Team | None) -> list[ModelPool]:
+    """The pools `team` may use, language models first, each group in config order."""
+    pools = [pool for pool in fleet.models.values() if Teams.sees(team, pool.name)]
+    return sorted(pools, key=lambda pool: pool.kind != "llm")
+
+
+def _pool(ctx: RequestContext) -> ModelPool:
+    pool = ctx.pool
+    assert pool is not None, "visibility runs before the other stages"
+    return pool
