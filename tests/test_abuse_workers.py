@@ -337,6 +337,37 @@ def test_a_fuzz_of_bad_bodies_gets_4xx_in_openai_shape_and_reaches_no_worker(cli
     assert now == calls, "a bad body reached a worker"
 
 
+# -- a request with no bound under a team's tokens per minute ---------------------
+
+
+def test_a_request_with_no_max_tokens_gets_its_teams_reservation_as_its_bound(
+    gateway_with, workers
+):
+    """A model with no cap, a team of 2,000 tokens a minute, a request that sets no
+    max_tokens: the worker is told to write at most what the team reserved for it, not
+    the context (one such answer had used 50,000 tokens)."""
+    from tests.support.keys import bearer, keyed, new_key
+
+    key = new_key("a")
+    teams = {"a": {"tokens_per_minute": 2000}}
+    gw = gateway_with(**keyed(teams, {key: "a"}))
+    prompt = script(texts=2)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as http:
+        for body in ({}, {"max_tokens": 5}):
+            sent = len(workers.scripted.calls)
+            answer = http.post(
+                "/v1/completions", json={"model": SCRIPTED_MODEL, "prompt": prompt, **body}
+            )
+            assert answer.status_code == 200, answer.text
+            (rid,) = workers.scripted.calls[sent:]
+            bound = workers.scripted.max_tokens[rid]
+            if "max_tokens" in body:
+                assert bound == 5
+            else:
+                estimate = -(-len(prompt) // 4)
+                assert bound is not None and 1 <= bound <= 2000 - estimate
+
+
 # -- schemas a worker would compile: OpenAI's limits at the edge ---------------------
 
 

@@ -478,3 +478,23 @@ def test_a_bad_image_detail_is_a_400_naming_it(embedder):
             model=EMBEDDER, messages=[{"role": "user", "content": content}], max_tokens=4
         )
     assert refused.value.body["param"] == "messages[0].content[0].image_url.detail"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_named_tool_choice_the_upstream_ends_with_tool_calls_is_relayed(embedder, stream):
+    """The rule that a forced call ends with "stop" is the gateway's where it builds the
+    answer; an upstream that said "tool_calls" is relayed as it said."""
+    client, server = embedder
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": TIME}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    request = {"model": EMBEDDER, "messages": user("time?"), "tools": [tool], "max_tokens": 8}
+    if not stream:
+        reply = client.chat.completions.create(**request, tool_choice=named)
+        (choice,) = reply.choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "get_time"
+    else:
+        chunks = list(client.chat.completions.create(**request, tool_choice=named, stream=True))
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert [r for r in reasons if r] == ["tool_calls"]
+    assert server.last_body["tool_choice"] == named

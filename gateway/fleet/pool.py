@@ -39,6 +39,9 @@ class ModelPool:
         self.make_client = make_client
         self.kind = model.kind
         self.max_context = model.max_model_len
+        #: Whether the answers' finish reasons are the upstream's own (an OpenAI-compatible
+        #: server decided them), rather than events the gateway turns into an answer.
+        self.relays_answers = model.upstream == "openai"
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         self.balancer = make_balancer(model, config)
         #: The balancer when the model has `routing:` (its KV index, the reason of a pick).

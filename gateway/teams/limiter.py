@@ -8,10 +8,12 @@ its characters; `estimate_tokens`), plus its `max_tokens` (the model's
 `max_tokens_limit` when the request leaves it out: the edge sets it), and that
 must fit in what is left of the minute. A request with no bound at all (no
 `max_tokens`, a model with no cap: the worker's default is the context left,
-as vLLM's) reserves all that is left of the minute once its prompt fits, so
-unbounded requests of a team run one at a time rather than each overrunning
-the limit. While it runs, a tick every `TICK` seconds charges what it has
-really used past its reservation: the worker's prompt count once known, and
+as vLLM's) reserves all that is left of the minute once its prompt fits, and
+that reservation goes to the worker as its `max_tokens` (`RequestRecord.
+granted_tokens`; else one answer of 50,000 tokens overran a 2,000-a-minute
+team 25 times), so unbounded requests of a team run one at a time rather than
+each overrunning the limit. While it runs, a tick every `TICK` seconds charges
+what it has really used past its reservation: the worker's prompt count once known, and
 the completion tokens written so far. The end settles the rest and refunds
 what it reserved and did not use (a request the worker refused gives it all
 back). The token path itself pays nothing.
@@ -267,6 +269,10 @@ class Limiter:
             team.refused[refused] += 1
             raise self._too_many(team, refused, lease.cost)
         team.inflight += 1
+        if reserve is None and lease.reserve is not None and isinstance(request, GenerateRequest):
+            # no bound asked: what was reserved becomes its bound, so that the worker
+            # cannot write past it (the route passes it on as max_tokens)
+            record.granted_tokens = max(1, lease.reserve // request.n)
         lease.charged = lease.cost
         team.tokens_charged += estimate
         self.leases.add(lease)

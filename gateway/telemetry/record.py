@@ -26,6 +26,7 @@ class RequestRecord:
         "completion_tokens",
         "finished",
         "first_token_at",
+        "granted_tokens",
         "itl",
         "last_token_at",
         "model",
@@ -64,6 +65,9 @@ class RequestRecord:
         #: and the prefix blocks the picked worker held.
         self.policy = ""
         self.cache_hit_blocks: int | None = None
+        #: Completion tokens per choice a team's tokens per minute granted a request that
+        #: set no bound (the worker is given it as max_tokens); None: no such grant.
+        self.granted_tokens: int | None = None
 
     def expect(self, choices: int) -> None:
         """The request asks for `choices` answers: it ends after as many `Finished`."""

@@ -96,7 +96,9 @@ class GenerationRoute(RequestRoute[Exchange]):
             logprobs=generate.logprobs is not None,
             tools=bool(generate.tools),
             echo=generate.prompt if parsed.echo else None,
-            named_tool=generate.tool_choice not in ("", "none", "auto", "required"),
+            # an upstream that builds its own answer already chose its finish reason
+            named_tool=not pool.relays_answers
+            and generate.tool_choice not in ("", "none", "auto", "required"),
         )
 
     async def serve(self, ex: Exchange) -> None:
@@ -125,6 +127,11 @@ class GenerationRoute(RequestRoute[Exchange]):
         request = parsed.generate  # parsed with the request's id
         if request.model != pool.name:  # the body named none: the team's first
             request = replace(request, model=pool.name)
+        granted = ex.record.granted_tokens
+        if granted is not None and request.sampling.max_tokens is None:
+            # no bound of its own: its team's token limit granted it this many
+            sampling = replace(request.sampling, max_tokens=granted)
+            request = replace(request, sampling=sampling)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         with self.tracing.engine_call(pool.name, ex.metadata) as (span, metadata):
             pump = EventPump(
