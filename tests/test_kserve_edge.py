@@ -297,6 +297,29 @@ def test_keys_and_allow_lists_cover_v2_but_its_health(gateway_with, kserve):
         assert http.get("/v2/models/slow", headers=bearer(key_b)).status_code == 404
 
 
+def test_metadata_caches_only_listed_versions_and_counts_against_team_limits(gateway_with, kserve):
+    from tests.support.keys import bearer, keyed, new_key
+
+    models = [{"name": "slow", "kind": "tensor", "workers": [kserve.address]}]
+    key = new_key("a")
+    teams = {"a": {"models": ["slow"], "requests_per_minute": 6}}
+    gw = gateway_with(**keyed(teams, {key: "a"}, models=models))
+    client = next(iter(gw.state.fleet.models["slow"].workers.values())).client
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as http:
+        assert http.get("/v2/models/slow").status_code == 200
+        # versions the worker does not list (KServe's lists none): asked, never kept
+        for i in range(4):
+            answer = http.get(f"/v2/models/slow/versions/{'v' * 2_000}{i}")
+            assert answer.status_code in (200, 404), answer.text
+        assert set(client._metadata) == {""}
+        # every metadata call is one of the team's requests per minute
+        answer = http.get("/v2/models/slow")
+        assert answer.status_code == 200, answer.text
+        limited = http.get("/v2/models/slow")
+        assert limited.status_code == 429, limited.text
+        assert set(limited.json()) == {"error"}
+
+
 def _counter(text: str, name: str, model: str) -> float:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -7,7 +7,9 @@ the way of an LLM request: the key's allow-list, the drain, the team's limits an
 fleet's balancing and ejection, `request_timeout` as the worker's deadline, a client that
 leaves cancels the worker's call, one record in the metrics and the access log, and with
 `tracing` a SERVER span for the request and a CLIENT span for the worker call, whose
-`traceparent` travels to the worker as gRPC metadata. Errors are
+`traceparent` travels to the worker as gRPC metadata. `GET /v2/models/{m}[/versions/{v}]`
+(the metadata, which may cost a worker call: the version is the client's) is admitted and
+counted the same way. Errors are
 `{"error": "..."}` with the status of the one error table (`edge/errors.py`). No grpc here:
 the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.py).
 """
@@ -196,6 +198,7 @@ class KServeRoutes:
         self.fleet = parts.fleet
         self.is_ready = is_ready
         self.infer = InferRoute(parts)
+        self.metadata = MetadataRoute(parts)
 
     def routes(self) -> list[Route]:
         model = "/v2/models/{model}"
@@ -207,7 +210,7 @@ class KServeRoutes:
         ]
         for path in (model, versioned):
             out += [
-                Route(path, self._asgi(self.metadata), methods=["GET"]),
+                Route(path, self.metadata, methods=["GET"]),
                 Route(path + "/ready", self._asgi(self.model_ready), methods=["GET"]),
                 Route(path + "/infer", self.infer, methods=["POST"]),
             ]
@@ -236,19 +239,14 @@ class KServeRoutes:
     async def server(self, scope: Scope) -> tuple[int, Any]:
         return 200, {"name": "furnace-gateway", "version": __version__, "extensions": []}
 
-    async def metadata(self, scope: Scope) -> tuple[int, Any]:
-        name, version = _model_and_version(scope)
-        pool = tensor_pool(self.fleet, team_of(scope), name)
-        return 200, (await model_metadata(pool, version)).to_json()
-
     async def model_ready(self, scope: Scope) -> tuple[int, Any]:
         pool = tensor_pool(self.fleet, team_of(scope), _model_and_version(scope)[0])
         ready = bool(pool.available(set()))
         return (200 if ready else 503), {"name": pool.name, "ready": ready}
 
 
-class InferRoute(RequestRoute[_Tensors]):
-    """`POST .../infer` in the edge's request frame (request.py); its own: refusals as
+class _TensorRoute(RequestRoute[_Tensors]):
+    """A /v2 route in the edge's request frame (request.py); its own: refusals as
     `{"error": "..."}` without Retry-After, and each request's body bytes in and out
     in the tensor metrics."""
 
@@ -264,6 +262,26 @@ class InferRoute(RequestRoute[_Tensors]):
         if ex.record.model:
             self.telemetry.metrics.tensor_bytes(ex.record.model, ex.received, ex.sent)
 
+
+class MetadataRoute(_TensorRoute):
+    """`GET /v2/models/{m}[/versions/{v}]`: the model's metadata, read from a worker (cached
+    by the upstream for the versions the worker lists), admitted and counted like any call:
+    the version is the client's choice, so an uncached one costs a worker call."""
+
+    async def serve(self, ex: _Tensors) -> None:
+        name, version = _model_and_version(ex.scope)
+        self.admission.draining(ex.ctx)
+        pool = self.admission.visibility(ex.ctx, name, "tensor")
+        async with self.admission.admit(ex.ctx):  # one request and no tokens to its team
+            meta = await model_metadata(pool, version)
+        ex.record.status, ex.record.outcome = 200, Outcome.COMPLETED
+        request_id = ex.record.request_id.encode("latin-1")
+        ex.sent = await _send(ex.send, 200, meta.to_json(), request_id)
+
+
+class InferRoute(_TensorRoute):
+    """`POST .../infer`."""
+
     async def serve(self, ex: _Tensors) -> None:
         """Reads and checks the tensors against the model before any worker, admits the
         request, calls a worker (the drain or the client's leaving cancels it) and answers
@@ -278,10 +296,11 @@ class InferRoute(RequestRoute[_Tensors]):
         # the tensors themselves, before any worker
         request = _parse(body, pool.name, version, binary)
         binary_outputs = _binary_outputs(body)
-        _check_against(request, await model_metadata(pool, version))
         ex.watch_client()
         # one request and no tokens to a team's limits (an infer generates none)
         async with self.admission.admit(ctx):
+            # within the team's limits: a version not cached costs a worker call
+            _check_against(request, await model_metadata(pool, version))
             with self.tracing.engine_call(pool.name, ex.metadata, MODEL_INFER) as (_, metadata):
                 deadline = Deadline(self.config.request_timeout)
                 work = infer(self.fleet, pool, request, deadline, metadata)
