@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from gateway.admission.pump import PACE, TURN_STREAMS, EventPump, _turns
+from gateway.admission.pump import EventPump
+from gateway.admission.turns import PACE, TURN_STREAMS, write_turns
 from gateway.protocol import errors
 from gateway.protocol.types import Event, Finished, FinishReason, Started, Text
 from tests.support.virtual_time import run_virtual
@@ -316,7 +317,7 @@ def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once(
 
 def test_a_write_turn_lets_a_few_streams_write_in_each_turn_of_the_loop():
     async def main() -> list[int]:
-        turns = _turns(asyncio.get_running_loop())
+        turns = write_turns(asyncio.get_running_loop())
         waiting = [turns.next() for _ in range(2 * TURN_STREAMS + 1)]
         waiting[TURN_STREAMS].cancel()  # its request ended meanwhile
         await waiting[0]  # the turn came: its first streams write

@@ -10,6 +10,7 @@
     requests.py    InFlight: the requests running, and the drain on shutdown
     pump.py        EventPump: one request's events, with idle timeout, keep-alive
                    ticks and cancellation when the client goes away
+    turns.py       WriteTurns: the loop-wide write turns that paced streams share
     metrics.py     slots and draining for /metrics
 
 By default there is no queue: a request that finds every slot taken is refused

@@ -35,89 +35,45 @@ or the upstream connection's paused reading) instead of growing the gateway's
 memory by the whole answer.
 Per event that costs one length addition and one comparison; a pause costs one
 future.
+
+A pump's life is one `Phase` (new → starting → streaming → ended → closed), each
+phase only ever moving to a later one. When a stream is paced, it waits for the
+loop's next write turn, which turns.py keeps for every stream of the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
-import weakref
 from collections.abc import Callable, Coroutine
 from time import perf_counter
 from typing import Any, ClassVar, Protocol, cast
 
+from gateway.admission.turns import write_turns
 from gateway.protocol import errors
 from gateway.protocol.sizes import event_size
 from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
 from gateway.upstreams.base import UpstreamCall
 
-log = logging.getLogger("furnace.edge")
+log = logging.getLogger("furnace.admission")
 
 #: Events a reader takes back to back (parsed from one read) before it lets the
 #: other tasks run, while other requests are being read; and the gap between two
 #: events, in seconds, that shows the reader waited (its turn ended).
 TURN_EVENTS = 4
 QUIET = 0.0001
-#: While other requests are open, a stream that has sent its first text writes what
-#: came since its last write once per this many seconds, in the same turn of the loop
-#: as every other such stream (`_Turns`).
-PACE = 0.001
-#: Streams that write in one turn of the loop, in a write turn.
-TURN_STREAMS = 1
 
 
-class _Turns:
-    """The write turns of one event loop: every paced stream waits for the next, and
-    one timer ends it for all of them, `TURN_STREAMS` streams in each turn of the loop.
+class Phase(enum.IntEnum):
+    """Where a pump is in its life; each phase only ever moves to a later one."""
 
-    A write to a socket is the largest cost per token (a system call that runs the
-    loopback's TCP stack), and every turn of the loop that writes for many streams is
-    a turn that a new request's next step waits behind. Paced, the streams write
-    larger batches, once every `PACE`, `TURN_STREAMS` in each turn of the loop; the
-    turns of the loop are short, and a new request's steps (its first text is never
-    paced) go between them. The cost: up to `PACE` more between two of a busy stream's
-    writes; one timer, and one future per stream per turn, as the turn of the loop it
-    replaces cost, and a callback per `TURN_STREAMS` streams."""
-
-    __slots__ = ("_loop", "_waiting")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._waiting: list[asyncio.Future[None]] = []
-
-    def next(self) -> asyncio.Future[None]:
-        """A future done at the next turn."""
-        waiter = self._loop.create_future()
-        if not self._waiting:
-            self._loop.call_later(PACE, self._end)
-        self._waiting.append(waiter)
-        return waiter
-
-    def _end(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        self._release(waiting, 0)
-
-    def _release(self, waiting: list[asyncio.Future[None]], start: int) -> None:
-        """Lets `TURN_STREAMS` of the turn's streams write, the next ones in the next
-        turn of the loop: between them the loop reads its sockets and runs what that
-        woke, so a new request's next step waits for one stream's write, not for all."""
-        end = start + TURN_STREAMS
-        for waiter in waiting[start:end]:
-            if not waiter.done():  # not cancelled with its request
-                waiter.set_result(None)
-        if end < len(waiting):
-            self._loop.call_soon(self._release, waiting, end)
-
-
-_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Turns] = weakref.WeakKeyDictionary()
-
-
-def _turns(loop: asyncio.AbstractEventLoop) -> _Turns:
-    turns = _TURNS.get(loop)
-    if turns is None:
-        turns = _TURNS[loop] = _Turns(loop)
-    return turns
+    NEW = 0  # the start has not run
+    STARTING = 1  # the start runs, in the task of the first `next_batch`
+    STREAMING = 2  # started: a reader task or the pushing call brings the events
+    ENDED = 3  # no more events: the last `Finished`, an error, or `cancel()`
+    CLOSED = 4  # `aclose()` ran
 
 
 class Pushing(Protocol):
@@ -155,7 +111,7 @@ class EventPump:
         self._unfinished = choices
         self._loop = asyncio.get_running_loop()
         self._start = start
-        self._started = False  # whether a `next_batch` ran the start
+        self.phase = Phase.NEW
         self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
         self._start_cancelled = False  # `cancel()` cancelled that task
         self._stream: UpstreamCall | None = None
@@ -167,7 +123,6 @@ class EventPump:
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
         self._held = False  # full: the pushing stream keeps its events until then
         self._error: errors.EngineError | None = None
-        self._ended = False
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
         self._texted = False  # whether a batch with text went to the edge yet
@@ -175,14 +130,13 @@ class EventPump:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf  # when `_timer` fires
         self._idle_timeout = math.inf  # the first `next_batch`'s, which bounds the start
-        self._reading = False
-        self._live = True
+        self._reading = False  # counted in `EventPump.reading`
         EventPump.live += 1
 
     async def _begin(self, idle_timeout: float) -> None:
         """Runs the start in this task, for at most `idle_timeout` seconds, then has
         the rest of the stream read."""
-        self._started = True
+        self.phase = Phase.STARTING
         self._idle_timeout = idle_timeout
         idle_at = self._wake_at = self._last_event + idle_timeout
         self._arm(idle_at)  # past it, `_on_timer` cancels the start
@@ -209,6 +163,8 @@ class EventPump:
         if self._uncancel(task):  # cancelled as it returned: the call is to stop
             stream.cancel()
             return
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.STREAMING
         self._ready.append(first)
         self._last_event = self._loop.time()
         listen = getattr(stream, "listen", None)  # `Pushing` (isinstance costs ~3-6 us)
@@ -253,7 +209,7 @@ class EventPump:
     def _pushed(self) -> None:
         """The pushing stream's listener: takes what it has ready, up to the bound."""
         stream = self._stream
-        if self._ended or stream is None:
+        if self.phase >= Phase.ENDED or stream is None:
             return
         poll = cast(Pushing, stream).poll
         try:
@@ -312,9 +268,9 @@ class EventPump:
 
     def _end(self, error: errors.EngineError | None) -> None:
         """No more events: `error` (if any) comes after those ready."""
-        if error is not None and not self._ended:
+        if self.phase < Phase.ENDED:
             self._error = error
-        self._ended = True
+            self.phase = Phase.ENDED
         self._wake()
 
     def _stop_reading(self) -> None:
@@ -354,9 +310,9 @@ class EventPump:
         returned (or if called again after `Finished`), or `Timeout` after
         `idle_timeout` seconds without an event (and cancels the call).
         """
-        if not self._started and not self._ended:
+        if self.phase is Phase.NEW:
             await self._begin(idle_timeout)
-        while not self._ready and not self._ended:
+        while not self._ready and self.phase < Phase.ENDED:
             now = self._loop.time()
             idle_at = self._last_event + idle_timeout
             if now >= idle_at:
@@ -372,17 +328,19 @@ class EventPump:
                 await waiter
             finally:
                 self._waiter = None
-            woken_by_tick = not self._ready and not self._ended and self._loop.time() < idle_at
+            woken_by_tick = (
+                not self._ready and self.phase < Phase.ENDED and self._loop.time() < idle_at
+            )
             if tick is not None and woken_by_tick:
                 return []
-            if self._ready and not self._ended and self._texted:
+            if self._ready and self.phase < Phase.ENDED and self._texted:
                 # Not before the first text: the first token goes out at once. After
-                # it, among other streams, the next write turn (`_Turns`); alone, one
+                # it, among other streams, the next write turn (turns.py); alone, one
                 # more turn of the loop lets the reader add what the worker has already
                 # sent, so the edge writes it in one send (1 token per gRPC message:
                 # 1.0 -> ~1.7 tokens per SSE chunk, make bench).
                 if EventPump.live > 1:
-                    await _turns(self._loop).next()
+                    await write_turns(self._loop).next()
                 else:
                     await asyncio.sleep(0)
         if self._ready:
@@ -407,8 +365,8 @@ class EventPump:
 
     def cancel(self, reason: errors.EngineError | None = None) -> None:
         """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
-        if not self._ended:
-            self._ended = True
+        if self.phase < Phase.ENDED:
+            self.phase = Phase.ENDED
             self._error = reason or errors.Unavailable("The request was cancelled.")
             if self._stream is not None:
                 self._stream.cancel()
@@ -429,8 +387,8 @@ class EventPump:
         its listener, which holds this pump, for the same reason."""
         self.cancel()
         self._stop_reading()  # a reader cancelled before it ran has no `finally`
-        if self._live:
-            self._live = False
+        if self.phase is not Phase.CLOSED:
+            self.phase = Phase.CLOSED
             EventPump.live -= 1
         if self._timer is not None:
             self._timer.cancel()

@@ -343,6 +343,8 @@ class Fleet:
         tried: set[Worker],
         record: RequestRecord | None = None,
     ) -> tuple[Started, UpstreamCall]:
+        if pool.router is not None:
+            await pool.router.prepare(request, pool.workers.values())
         worker = pool.pick(request, tried)
         if worker is None:
             raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")

@@ -44,13 +44,14 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from gateway.config import RoutingConfig
 from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity
 from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.worker import Worker
+from gateway.protocol import errors
 from gateway.protocol.kv_blocks import chain, prompt_bytes
 from gateway.protocol.types import GenerateRequest
 
@@ -68,10 +69,6 @@ class Route(NamedTuple):
     reason: str = ""
 
 
-#: How a request becomes token ids for the index: the upstream's encoding, or None.
-Tokens = Callable[[GenerateRequest], Sequence[int] | None]
-
-
 def _text_tokens(request: GenerateRequest) -> Sequence[int]:
     return prompt_bytes(request, TEXT_LIMIT)
 
@@ -84,13 +81,12 @@ class Router:
         model: str,
         config: RoutingConfig,
         prefix: PrefixAffinity,
-        tokens: Tokens | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.config = config
         self.policy = config.policy
         self.index = KvIndex(model, cap=config.max_blocks_per_worker)
-        self.tokens = tokens
+        self._encoded: tuple[GenerateRequest, Sequence[int]] | None = None
         self._prefix = prefix
         self._p2c = LeastOutstanding(rng)
         self._rng = rng or random.Random()
@@ -108,6 +104,21 @@ class Router:
     def uses_events(self) -> bool:
         """Whether this policy reads the engines' events (its workers are subscribed)."""
         return self.policy in ("kv_aware", "least_load")
+
+    async def prepare(self, request: GenerateRequest, workers: Iterable[Worker]) -> None:
+        """Encodes the prompt before `pick` where the model's workers take token ids
+        (`vllm-grpc`: the upstream's `routing_ids`, off the event loop, kept for the
+        call); nothing for other kinds or policies, or before any event arrived."""
+        self._encoded = None
+        if self.policy != "kv_aware" or not self.index.block_size:
+            return
+        encode = next((getattr(w.client, "routing_ids", None) for w in workers), None)
+        if encode is None:
+            return
+        try:
+            self._encoded = (request, await encode(request))
+        except errors.EngineError:
+            return  # the call refuses it (too long, ...) with the same error
 
     def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
         """The worker for `request` (candidates is never empty); sets `last`."""
@@ -140,7 +151,8 @@ class Router:
         hits: dict[str, int] = {}
         prompt = 0
         if policy == "kv_aware" and index.block_size:
-            tokens = self.tokens(request) if self.tokens is not None else None
+            encoded = self._encoded
+            tokens = encoded[1] if encoded is not None and encoded[0] is request else None
             if tokens is None:
                 tokens = _text_tokens(request)
             prompt = len(tokens)

@@ -37,7 +37,7 @@ import logging
 import re
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
@@ -46,6 +46,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.protocol import errors, features, tool_calls
+from gateway.protocol.kv_blocks import KvBatch
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
@@ -63,6 +64,7 @@ from gateway.protocol.types import (
 from gateway.tokenization import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
 from gateway.upstreams.furnace_channel import open_channel
+from gateway.upstreams.vllm_kv import batch_from_vllm, subscribe_request
 from gateway.worker.engine import check_context
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,15 @@ _TOO_LONG = re.compile(r"maximum (model|context) length|longer than the maximum"
 #: Seconds an `Abort` may take; it is best effort (the call's cancel aborts too).
 ABORT_TIMEOUT = 2.0
 _ABORTS: set[asyncio.Task[None]] = set()
+#: Prompts the router encoded (`routing_ids`), by request, for the call about to start;
+#: the oldest dropped past `ENCODED_KEPT` (a call that never started).
+_ENCODED: OrderedDict[int, tuple[GenerateRequest, list[int]]] = OrderedDict()
+ENCODED_KEPT = 256
+
+
+def _kept_ids(request: GenerateRequest) -> list[int] | None:
+    kept = _ENCODED.pop(id(request), None)
+    return kept[1] if kept is not None and kept[0] is request else None
 
 
 def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
@@ -186,7 +197,9 @@ class VllmGrpcCall(StreamBookkeeping):
         info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
         # the template shows the tools unless none may be called (as our other engines)
         tools = request.tools if request.tool_choice != "none" else ()
-        ids = upstream.tokenizer.prompt_ids(request.prompt, request.messages, tools)
+        ids = _kept_ids(request) or upstream.tokenizer.prompt_ids(
+            request.prompt, request.messages, tools
+        )
         max_tokens = check_context(request, len(ids), info.max_context_length)
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
@@ -437,6 +450,31 @@ class VllmGrpcUpstream:
         if self.tool_call_parser is not None and self.tokenizer.reads_tools:
             served |= {features.TOOLS}
         return served
+
+    async def routing_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's ids for the router (`gateway.fleet.routing`), kept for the call
+        that follows on whichever worker it picks, so a prompt is encoded once."""
+        tools = request.tools if request.tool_choice != "none" else ()
+        ids = self.tokenizer.prompt_ids(request.prompt, request.messages, tools)
+        _ENCODED[id(request)] = (request, ids)
+        if len(_ENCODED) > ENCODED_KEPT:
+            _ENCODED.popitem(last=False)
+        return ids
+
+    async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
+        """The engine's KV-cache events and load records (`SubscribeKvEvents`, which
+        vLLM serves when started with `--kv-events-config`), ours (`vllm_kv`), until
+        the stream ends; an `EngineError` when it breaks (`Invalid`: UNIMPLEMENTED)."""
+        call = self.stub.SubscribeKvEvents(subscribe_request())
+        first = True
+        try:
+            async for message in call:
+                yield batch_from_vllm(message, first)
+                first = False
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own

@@ -42,7 +42,7 @@ _PAUSE_AT = 64
 #: Idle kept-alive connections an upstream keeps (as the fleet's httpx client does).
 _MAX_IDLE = 256
 #: Seconds a call's socket rests after a read, among other open calls (as the
-#: edge's write turns: `gateway.admission.pump.PACE`).
+#: edge's write turns: `gateway.admission.turns.PACE`).
 REST = 0.001
 
 
