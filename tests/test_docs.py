@@ -66,3 +66,29 @@ def test_the_readme_is_a_landing_page_whose_links_reach_the_site():
     assert links, "the README links into the site"
     missing = sorted({link for link in links if not (ROOT / link).is_file()})
     assert not missing
+
+
+def test_the_glossary_names_what_the_code_names():
+    """Each name in the glossary's code column is one the code has: a module path that exists,
+    or an identifier that the gateway's source or the worker protocol defines."""
+    page = (ROOT / "docs" / "concepts" / "glossary.md").read_text()
+    source = " ".join(
+        path.read_text()
+        for path in [*(ROOT / "gateway").rglob("*.py"), *(ROOT / "protos").rglob("*.proto")]
+    )
+    defined = set(re.findall(r"(?:class|def|message|rpc|enum) (\w+)", source))
+    defined |= set(re.findall(r"^\s*(\w+)(?::| =)", source, re.MULTILINE))
+    rows = [line.split("|")[3] for line in page.splitlines() if line.startswith("| **")]
+    missing = []
+    for name in (name for row in rows for name in re.findall(r"`([^`]+)`", row)):
+        if name.startswith("gateway."):
+            path = ROOT.joinpath(*name.split("."))
+            module = path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+            parent = (
+                path.parent.with_suffix(".py").is_file() or (path.parent / "__init__.py").is_file()
+            )
+            if not (module or (parent and path.name in defined)):
+                missing.append(name)
+        elif not all(part in defined for part in name.split(".")):
+            missing.append(name)
+    assert not missing, f"the glossary names what the code does not: {missing}"
