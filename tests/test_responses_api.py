@@ -275,6 +275,25 @@ def test_a_conversation_continues_on_another_replica_sharing_redis(gateway_with,
         assert [item.content[0].text for item in items.data] == ["delta"]
 
 
+def test_a_lost_redis_is_a_503_for_reads_and_answers_still_come(gateway_with, redis_server):
+    gw = gateway_with(redis_url=redis_server.url, redis_timeout=0.2)
+    with sdk(gw.url) as api, httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        kept = api.responses.create(model=DEMO_MODEL, input="kept")
+        redis_server.stop()
+        for answer in (
+            http.get(f"/v1/responses/{kept.id}"),
+            http.delete(f"/v1/responses/{kept.id}"),
+            http.post(
+                "/v1/responses",
+                json={"model": DEMO_MODEL, "input": "more", "previous_response_id": kept.id},
+            ),
+        ):
+            assert answer.status_code == 503, answer.text
+            assert assert_openai_error(answer)["type"] == "server_error"
+        # storing fails after the answer: it is served all the same
+        assert api.responses.create(model=DEMO_MODEL, input="served").output_text == "served"
+
+
 def test_another_teams_response_is_not_found(gateway_with):
     search, ads = new_key("search"), new_key("ads")
     gw = gateway_with(**keyed({"search": {}, "ads": {}}, {search: "search", ads: "ads"}))

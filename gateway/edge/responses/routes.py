@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
-from gateway.edge.errors import APIError, invalid
+from gateway.edge.errors import APIError, from_engine_error, invalid
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
@@ -204,12 +204,15 @@ def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
             raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
-def store_routes(store: ResponseStore) -> list[Route]:
+def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
     """The store's routes: retrieve, delete, input items."""
 
     async def stored(request: Request) -> Stored:
         response_id = request.path_params["response_id"]
-        found = await store.get(_team_name(team_of(request.scope)), response_id)
+        try:
+            found = await store.get(_team_name(team_of(request.scope)), response_id)
+        except errors.EngineError as error:  # the store failed: a 503
+            raise from_engine_error(error, retry_after) from None
         if found is None:
             raise _not_found(response_id)
         return found
@@ -217,7 +220,11 @@ def store_routes(store: ResponseStore) -> list[Route]:
     async def one(request: Request) -> Response:
         if request.method == "DELETE":
             response_id = request.path_params["response_id"]
-            if not await store.delete(_team_name(team_of(request.scope)), response_id):
+            try:
+                deleted = await store.delete(_team_name(team_of(request.scope)), response_id)
+            except errors.EngineError as error:
+                raise from_engine_error(error, retry_after) from None
+            if not deleted:
                 raise _not_found(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})
         _refuse_query(request)
@@ -268,4 +275,5 @@ def responses_routes(parts: Parts, limits: InputLimits) -> tuple[dict[str, Any],
     the teams have one, else this process's memory."""
     config = parts.config
     store = open_store(parts.teams.limiter.redis, config.responses_ttl, config.responses_per_team)
-    return {RESPONSES: ResponsesRoute(parts, limits, store)}, store_routes(store)
+    routes = store_routes(store, config.retry_after)
+    return {RESPONSES: ResponsesRoute(parts, limits, store)}, routes
