@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.admission import EventPump
-from gateway.edge.asgi import Send, send_json
+from gateway.edge.asgi import Scope, Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
@@ -55,6 +55,20 @@ def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
     if lacking is not None:
         feature, param = lacking
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
+
+
+#: The longest `x-session-id` taken (a conversation's key for session affinity).
+MAX_SESSION_ID = 256
+
+
+def _session(scope: Scope) -> str:
+    """The request's `x-session-id` (routing keeps a conversation on one worker), or ""."""
+    for name, value in scope["headers"]:
+        if name == b"x-session-id":
+            if len(value) > MAX_SESSION_ID:
+                raise invalid("x-session-id", f"At most {MAX_SESSION_ID} characters.")
+            return value.decode("latin-1")
+    return ""
 
 
 class GenerationRoute(RequestRoute[Exchange]):
@@ -110,6 +124,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
+        session = _session(ex.scope)
+        if session and not parsed.generate.session:  # a route's own key comes first
+            parsed = replace(parsed, generate=replace(parsed.generate, session=session))
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
             generate = parsed.generate
@@ -135,14 +152,22 @@ class GenerationRoute(RequestRoute[Exchange]):
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         with self.tracing.engine_call(pool.name, ex.metadata) as (span, metadata):
             pump = EventPump(
-                self.fleet.generate(pool, request, Deadline(timeout), metadata),
+                self.fleet.generate(pool, request, Deadline(timeout), metadata, ex.record),
                 config.stream_buffer_bytes,
                 request.n,
             )
             try:
                 await self._relay(pump, parsed, pool, ex)
             finally:
-                annotate(span, {"furnace.worker": ex.record.worker or None})
+                record = ex.record
+                annotate(
+                    span,
+                    {
+                        "furnace.worker": record.worker or None,
+                        "furnace.route.policy": record.policy or None,
+                        "furnace.route.cache_hit_blocks": record.cache_hit_blocks,
+                    },
+                )
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange
