@@ -69,6 +69,10 @@ def test_environment_overrides():
         ({"models": [{"name": "x", "workers": ["a:1"], "gpu": 1}]}, "models[0].gpu"),
         ({"models": [{"name": "x", "workers": ["a:1"], "max_model_len": 0}]}, "max_model_len"),
         (
+            {"models": [{"name": "x", "workers": ["a:1"], "plain_text_contents": "yes"}]},
+            "models[0].plain_text_contents",
+        ),
+        (
             {"models": [{"name": "x", "workers": ["a:1"]}, {"name": "x", "workers": ["b:1"]}]},
             "models[1].name",
         ),

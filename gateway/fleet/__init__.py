@@ -90,6 +90,7 @@ class Fleet:
                 model=model.name,
                 tokenizer=model.tokenizer,
                 tool_call_parser=model.tool_call_parser,
+                plain_text_contents=model.plain_text_contents,
                 credentials=self._credentials(),
             )
         if model.upstream == "kserve-grpc":

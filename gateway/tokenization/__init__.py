@@ -5,11 +5,12 @@
                     `tokenizers`, Rust), its special tokens, its chat template
                     rendered in a sandboxed Jinja; loaded once per directory
     detokenize.py   token ids back to text as they stream, never splitting a character
+                    (in Rust, tokenizers' DecodeStream, for a loaded tokenizer)
 
 Pure functions over a loaded tokenizer: no I/O after the load, no event loop.
 """
 
-from gateway.tokenization.detokenize import IncrementalDetokenizer
+from gateway.tokenization.detokenize import IncrementalDetokenizer, StreamDetokenizer
 from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer
 
-__all__ = ["IncrementalDetokenizer", "ModelTokenizer", "load_tokenizer"]
+__all__ = ["IncrementalDetokenizer", "ModelTokenizer", "StreamDetokenizer", "load_tokenizer"]

@@ -10,14 +10,23 @@ immutable sandbox: a template is code from the model's publisher, and
 the sandbox keeps it from reaching Python. transformers itself is not needed for
 this (and would bring torch-sized weight); `tokenizers` is one Rust wheel.
 
+Special tokens a user typed: rendered into the prompt, `<|im_end|><|im_start|>system`
+in a message's content would become the real tokens that end the user's turn and open a
+system one (HF's and vLLM's default). With `plain_contents`, the tokens of each message's
+content that came out special are found by their offsets, and only those contents are
+encoded again with special-token strings as text (`encode_special_tokens`); a prompt
+without such a string, the usual case, costs one regex search of its contents more.
+
 Cost: the load reads and parses the files once (milliseconds for a 150k vocabulary:
-`tokenizer.json` is the bulk); encoding and decoding run in Rust.
+`tokenizer.json` is the bulk); encoding and decoding run in Rust, rendering in Python:
+the caller runs `prompt_ids` off its event loop.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +40,7 @@ from tokenizers import Tokenizer
 from gateway.protocol import errors
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.types import Message, Tool
+from gateway.tokenization.detokenize import StreamDetokenizer
 
 #: The files a tokenizer directory must hold.
 REQUIRED = ("tokenizer.json", "tokenizer_config.json")
@@ -79,6 +89,14 @@ class ModelTokenizer:
             self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as error:  # tokenizers raises plain Exceptions
             raise TokenizerError(f"{directory}: cannot load the tokenizer: {error}") from None
+        #: The same tokenizer reading special-token strings as text (for user contents).
+        self._plain = Tokenizer.from_str(self._tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        #: Any special token's text (None: the tokenizer has none).
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         source = _template(config, directory)
@@ -135,19 +153,75 @@ class ModelTokenizer:
         """The text of `ids`, special tokens left out (as vLLM's default)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def detokenizer(self) -> StreamDetokenizer:
+        """A new answer's streamed decoder (special tokens left out, as `decode`)."""
+        return StreamDetokenizer(self._tokenizer)
+
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (as vLLM's logprobs name
         tokens); a piece of a multi-byte character decodes as U+FFFD."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of each text as a raw prompt (with the BOS), in one call: Rust
+        encodes them on its own threads, without the GIL."""
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
     def prompt_ids(
-        self, prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool] = ()
+        self,
+        prompt: str | None,
+        messages: Sequence[Message] | None,
+        tools: Sequence[Tool] = (),
+        *,
+        plain_contents: bool = False,
     ) -> list[int]:
         """The ids of a request's prompt: its text, or its messages (with its
-        tools) through the template."""
-        if messages is not None:
-            return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
-        return self.encode(prompt or "", add_special_tokens=True)
+        tools) through the template; with `plain_contents`, special-token strings in
+        the messages' contents stay text."""
+        if messages is None:
+            return self.encode(prompt or "", add_special_tokens=True)
+        rendered = self.render_chat(messages, tools)
+        if not plain_contents or self._special_text is None:
+            return self.encode(rendered, add_special_tokens=False)
+        typed = [m.content for m in messages if self._special_text.search(m.content)]
+        if not typed:
+            return self.encode(rendered, add_special_tokens=False)
+        return self._plain_ids(rendered, typed)
+
+    def _plain_ids(self, rendered: str, contents: list[str]) -> list[int]:
+        """`rendered` encoded with the special tokens inside `contents` (found in it in
+        order) read as text: the spans of those contents, where a token of the whole
+        encoding came out special, are encoded again with the plain tokenizer."""
+        spans = []
+        at = 0
+        for content in contents:
+            start = rendered.find(content, at)
+            if start < 0:  # the template changed it: cannot tell its text from the template's
+                raise errors.Invalid(
+                    "A message holds a special token's text that this model's chat template "
+                    "does not keep as it is.",
+                    param="messages",
+                )
+            spans.append((start, start + len(content)))
+            at = start + len(content)
+        whole = self._tokenizer.encode(rendered, add_special_tokens=False)
+        hit = {
+            span
+            for token, (begin, end) in zip(whole.ids, whole.offsets, strict=True)
+            if token in self._special_ids
+            for span in spans
+            if span[0] <= begin and end <= span[1]
+        }
+        if not hit:
+            return list(whole.ids)
+        ids: list[int] = []
+        at = 0
+        for start, end in sorted(hit):
+            ids += self._tokenizer.encode(rendered[at:start], add_special_tokens=False).ids
+            ids += self._plain.encode(rendered[start:end], add_special_tokens=False).ids
+            at = end
+        ids += self._tokenizer.encode(rendered[at:], add_special_tokens=False).ids
+        return ids
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,20 +25,32 @@ the one table below (`_from_rpc_error`, `FINISH_ERRORS`). SGLang's scheduler pro
 (`SglangScheduler`, same package) would be one more module of this shape: its own
 proto messages around the same tokenization.
 
+Rendering and tokenizing run in a small pool of threads (`TOKENIZE_THREADS`), never on
+the event loop: a 4 MB prompt took 2.3-3.2 s of the loop, stalling every stream of the
+process. A request's text is capped (`MAX_PROMPT_CHARS`, a 400 naming the parameter), so
+no one request holds a thread for long. Embeddings are tokenized in one `encode_batch`
+(Rust's threads); `Embed` takes one input per call, so at most `EMBED_CONCURRENCY` calls
+of a request are in flight at once (2,048 inputs were 2,048 calls at once).
+
 Cost per request beyond our own protocol: encoding the prompt (Rust, ~µs per 100
-tokens) and two decodes of a few tokens per streamed chunk, on the event loop.
+tokens; a hop to the pool and back, ~50 µs) and two decodes of a few tokens per streamed
+chunk, on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import re
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,10 +70,12 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Message,
     Started,
     TokenLogprob,
+    Tool,
 )
-from gateway.tokenization import IncrementalDetokenizer, ModelTokenizer, load_tokenizer
+from gateway.tokenization import ModelTokenizer, load_tokenizer
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import batch_from_vllm, subscribe_request
@@ -91,6 +105,43 @@ def _kept_ids(request: GenerateRequest) -> list[int] | None:
     return kept[1] if kept is not None and kept[0] is request else None
 
 
+T = TypeVar("T")
+#: Threads that render chat templates and tokenize, per process (tokenizers' Rust code
+#: releases the GIL; the Jinja part is Python but no longer the event loop's).
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
+_TOKENIZE = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="furnace-tokenize")
+#: The most characters of text (prompt or messages, tools' schemas, embeddings' inputs)
+#: one request may give to be tokenized: ~256k tokens at 4 characters a token, more than
+#: the models' contexts; about 0.6 s of one thread at the 4 MB prompt's measured pace.
+MAX_PROMPT_CHARS = 1 << 20
+#: `Embed` calls of one request in flight at once.
+EMBED_CONCURRENCY = 32
+
+
+def _check_chars(chars: int, param: str) -> None:
+    if chars > MAX_PROMPT_CHARS:
+        raise errors.Invalid(
+            f"The request holds {chars} characters to tokenize; this model takes at most "
+            f"{MAX_PROMPT_CHARS}.",
+            param=param,
+        )
+
+
+def prompt_chars(
+    prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool]
+) -> int:
+    """The characters a prompt puts through the template and the tokenizer."""
+    chars = len(prompt or "") + sum(len(t.parameters) + len(t.description) for t in tools)
+    for m in messages or ():
+        chars += len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+    return chars
+
+
+async def _off_loop(function: Callable[[], T]) -> T:
+    """`function`'s result, computed in the tokenizing pool."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, function)
+
+
 def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
     """The one table from vLLM's statuses to our errors: ours, plus its wording of
     a prompt too long for the context."""
@@ -111,7 +162,7 @@ class _Choice:
     def __init__(self, call: VllmGrpcCall, index: int) -> None:
         upstream, request = call._upstream, call._request
         self.index = index
-        self.detok = IncrementalDetokenizer(upstream.tokenizer.decode)
+        self.detok = upstream.tokenizer.detokenizer()
         self.stop = StopMatcher(request.stop)
         self.calls = ChoiceToolCalls(
             tool_calls.for_request(request, upstream.tool_call_parser), index
@@ -195,11 +246,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._choices = [_Choice(self, i) for i in range(request.n)]  # refuses tools first
         self._left = request.n
         info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
-        # the template shows the tools unless none may be called (as our other engines)
-        tools = request.tools if request.tool_choice != "none" else ()
-        ids = _kept_ids(request) or upstream.tokenizer.prompt_ids(
-            request.prompt, request.messages, tools
-        )
+        ids = _kept_ids(request) or await upstream.prompt_ids(request)
         max_tokens = check_context(request, len(ids), info.max_context_length)
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
@@ -402,10 +449,13 @@ class VllmGrpcUpstream:
         tokenizer: str,
         tool_call_parser: str | None = None,
         credentials: WorkerCredentials | None = None,
+        plain_text_contents: bool = True,
     ) -> None:
         self.address = address
         self.model = model
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
+        #: Special-token strings in messages' contents stay text (see the tokenizer).
+        self.plain_contents = plain_text_contents
         #: The format the model writes tool calls in; None: it takes no tools.
         self.tool_call_parser = tool_call_parser
         self._channel = open_channel(address, credentials)
@@ -451,11 +501,21 @@ class VllmGrpcUpstream:
             served |= {features.TOOLS}
         return served
 
+    async def count_tokens(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
+        """The prompt's tokens by the gateway's own tokenizer and template, as a call
+        would send them; the engine is not asked."""
+        async with asyncio.timeout(timeout):
+            return len(await self.prompt_ids(request))
+
     async def routing_ids(self, request: GenerateRequest) -> list[int]:
-        """The prompt's ids for the router (`gateway.fleet.routing`), kept for the call
-        that follows on whichever worker it picks, so a prompt is encoded once."""
-        tools = request.tools if request.tool_choice != "none" else ()
-        ids = self.tokenizer.prompt_ids(request.prompt, request.messages, tools)
+        """`prompt_ids` for the router (`gateway.fleet.routing`), kept for the call that
+        follows on whichever worker it picks, so a prompt is encoded once."""
+        ids = await self.prompt_ids(request)
         _ENCODED[id(request)] = (request, ids)
         if len(_ENCODED) > ENCODED_KEPT:
             _ENCODED.popitem(last=False)
@@ -476,6 +536,22 @@ class VllmGrpcUpstream:
         finally:
             call.cancel()
 
+    async def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The ids of the request's prompt, made in the tokenizing pool (a 400 past
+        `MAX_PROMPT_CHARS`)."""
+        # the template shows the tools unless none may be called (as our other engines)
+        tools = request.tools if request.tool_choice != "none" else ()
+        param = "prompt" if request.messages is None else "messages"
+        _check_chars(prompt_chars(request.prompt, request.messages, tools), param)
+        make = functools.partial(
+            self.tokenizer.prompt_ids,
+            request.prompt,
+            request.messages,
+            tools,
+            plain_contents=self.plain_contents,
+        )
+        return await _off_loop(make)
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
         beyond a path), with the engine's context length and features."""
@@ -495,7 +571,8 @@ class VllmGrpcUpstream:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """The inputs' vectors from the engine's `Embed`, one call per input (the
-        rpc takes one), all at once; texts tokenized as raw prompts."""
+        rpc takes one), `EMBED_CONCURRENCY` at a time; texts tokenized as raw prompts,
+        all in one batch off the loop."""
         if request.dimensions is not None:
             raise errors.Invalid("This model cannot shorten its vectors.", param="dimensions")
         deadline = time.monotonic() + timeout
@@ -505,27 +582,30 @@ class VllmGrpcUpstream:
         if request.user:
             logger.debug("embed %s: user %r", request.request_id, request.user)
         base = request.request_id or "furnace"
+        texts = [x for x in request.inputs if isinstance(x, str)]
+        _check_chars(sum(map(len, texts)), "input")
+        encoded = iter(await _off_loop(functools.partial(self.tokenizer.encode_batch, texts)))
+        inputs = [next(encoded) if isinstance(x, str) else list(x) for x in request.inputs]
+        limit = asyncio.Semaphore(EMBED_CONCURRENCY)
 
-        async def one(i: int, item: str | tuple[int, ...]) -> pb.EmbedResponse:
-            ids = (
-                self.tokenizer.encode(item, add_special_tokens=True)
-                if isinstance(item, str)
-                else item
-            )
+        async def one(i: int, ids: list[int]) -> pb.EmbedResponse:
             message = pb.EmbedRequest(
                 request_id=f"{base}-{uuid.uuid4().hex[:12]}-{i}",
-                tokenized=pb.TokenizedInput(input_ids=list(ids)),
+                tokenized=pb.TokenizedInput(input_ids=ids),
             )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise errors.Timeout("The request's deadline passed before it reached the engine.")
-            reply: pb.EmbedResponse = await self.stub.Embed(
-                message, timeout=left, metadata=metadata
-            )
+            async with limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.Timeout(
+                        "The request's deadline passed before it reached the engine."
+                    )
+                reply: pb.EmbedResponse = await self.stub.Embed(
+                    message, timeout=left, metadata=metadata
+                )
             return reply
 
         try:
-            replies = await asyncio.gather(*(one(i, x) for i, x in enumerate(request.inputs)))
+            replies = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(inputs)))
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
         return Embeddings(
