@@ -431,9 +431,12 @@ class EngineService(pb_grpc.EngineServicer):
             raise refusal
         if self.draining:
             raise errors.Unavailable("The worker is shutting down.")
-        if self.active >= engine.capacity:
+        # each of the n choices is an answer the engine runs: n count against capacity
+        if ours.n > engine.capacity:
+            raise errors.Invalid(f"`n` must be at most {engine.capacity} here.", param="n")
+        if self.active + ours.n > engine.capacity:
             raise errors.Busy("The worker is full.")
-        self.active += 1
+        self.active += ours.n
         events = self._read_ahead(ours)
         choices = [_Choice(i, ours.stop) for i in range(ours.n)]
         fan_out = not engine.native_n and ours.n > 1
@@ -441,7 +444,7 @@ class EngineService(pb_grpc.EngineServicer):
             async for event in self._messages(events, choices, fan_out):
                 yield event
         finally:
-            self.active -= 1
+            self.active -= ours.n
             await events.aclose()
 
     async def _messages(

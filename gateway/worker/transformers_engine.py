@@ -23,7 +23,11 @@ function) is enforced by llguidance: a grammar compiled from the JSON schema
 masks every step's logits. llguidance is a 3 MB Rust wheel with no
 dependencies whose mask costs about 10 µs a token at a 300-token vocabulary
 and 45 µs at 32k on CPU; xgrammar (vLLM's default) needs Triton, a GPU
-compiler, on Linux.
+compiler, on Linux. A grammar is compiled once per schema, not once per choice
+(the n choices of a request share it: each gets a copy of the compiled matcher),
+in a thread of its own rather than the model's, within `COMPILE_TIMEOUT`: a
+430 KB schema with `n` 32 had held the model's one thread 9.2 s, stalling every
+other request, and timed out as the engine's failure.
 
 Requires the `transformers` extra (torch, transformers, llguidance); the rest
 of the gateway does not import this module.
@@ -34,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -80,7 +86,6 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     GenerateRequest,
-    ResponseFormat,
     SamplingParams,
     Started,
     Text,
@@ -321,14 +326,23 @@ class Guide:
         return self.matcher.is_stopped()
 
 
+#: Seconds a grammar may take to compile; past it the request is refused naming the
+#: parameter that holds the schema (the compile thread finishes it, and caches it).
+COMPILE_TIMEOUT = 10.0
+#: Compiled grammars kept, by schema: the n choices of a request, and requests that
+#: repeat a schema, compile it once.
+COMPILED_KEPT = 32
+
+
 class Guides:
     """Compiles `response_format` into grammars over one model's vocabulary."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab: int, eos: list[int]) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
 
-    def for_schema(self, schema: str | dict[str, Any], param: str) -> Guide:
-        """A grammar holding the answer to one JSON value of `schema`."""
+    def matcher(self, schema: str | dict[str, Any], param: str) -> llguidance.LLMatcher:
+        """The compiled grammar holding the answer to one JSON value of `schema` (CPU:
+        a thread's work), never consumed itself: each answer takes a `deep_copy`."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         except ValueError as error:
@@ -337,20 +351,29 @@ class Guides:
         if matcher.is_error():
             message = f"The JSON schema cannot be enforced: {matcher.get_error()}"
             raise Invalid(message, param=param)
-        return Guide(matcher)
+        return matcher
 
-    def for_format(self, response_format: ResponseFormat) -> Guide | None:
-        """The grammar `response_format` asks for; None for plain text."""
-        if response_format.type == "text":
-            return None
+
+def constraint(request: GenerateRequest) -> tuple[str | dict[str, Any], str] | None:
+    """The JSON schema the answer must follow and the parameter that gave it (a forced
+    tool call's, or `response_format`'s), or None."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if forced(request.tool_choice):
+            message = "response_format cannot be combined with a forced tool_choice."
+            raise Invalid(message, param="response_format")
         if response_format.type == "json_object":
-            return self.for_schema({"type": "object"}, "response_format")
+            return {"type": "object"}, "response_format"
         if response_format.type == "json_schema":
             if not response_format.schema:
                 raise Invalid("json_schema needs a schema.", param="response_format")
-            return self.for_schema(response_format.schema, "response_format")
+            return response_format.schema, "response_format"
         message = f"response_format type {response_format.type!r} is not served."
         raise Invalid(message, param="response_format")
+    if request.tools and forced(request.tool_choice):
+        schema = required_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
+        return schema, "tool_choice"
+    return None
 
 
 class _Prepared:
@@ -559,6 +582,9 @@ class TransformersEngine(Engine):
         )
         # Every tokenization and model step runs here, off the event loop.
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="furnace-transformers")
+        # Grammars compile in a thread of their own: a big schema never holds the model's.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="furnace-grammar")
+        self._grammars: OrderedDict[str, asyncio.Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()
         self.running = 0
         self.aborted = 0
@@ -603,23 +629,40 @@ class TransformersEngine(Engine):
             return list(ids)
         return list(tokenizer(request.prompt or "").input_ids)
 
-    def prepare(self, request: GenerateRequest) -> _Prepared:
-        """The prompt's tokens, the request's grammar and its tool-call parser (the
-        template and the grammar take CPU: this runs off the event loop)."""
+    def prepare(self, request: GenerateRequest, guide: Guide | None = None) -> _Prepared:
+        """The prompt's tokens and the request's tool-call parser, with its grammar (the
+        template takes CPU: this runs off the event loop)."""
         check_sampling(request.sampling, self.vocab)
-        guide = None
-        if request.response_format is not None and request.response_format.type != "text":
-            if forced(request.tool_choice):
-                message = "response_format cannot be combined with a forced tool_choice."
-                raise Invalid(message, param="response_format")
-            guide = self._guides("response_format").for_format(request.response_format)
-        if request.tools and forced(request.tool_choice):
-            schema = required_schema(
-                request.tools, request.tool_choice, request.parallel_tool_calls
-            )
-            guide = self._guides("tool_choice").for_schema(schema, "tool_choice")
         parser = for_request(request, self.tool_call_parser)
         return _Prepared(self.encode(request), guide, parser)
+
+    async def guide(self, request: GenerateRequest) -> Guide | None:
+        """The grammar the request's answer follows, if any: compiled once per schema in
+        the grammar thread (choices of one request, arriving together, wait for the same
+        compile), within `COMPILE_TIMEOUT`; each answer gets its own copy."""
+        wanted = constraint(request)
+        if wanted is None:
+            return None
+        schema, param = wanted
+        guides = self._guides(param)
+        key = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        compiled = self._grammars.get(key)
+        if compiled is None:
+            loop = asyncio.get_running_loop()
+            compiled = loop.run_in_executor(self._compiler, guides.matcher, schema, param)
+            # read by whoever waits; retrieved here too, for a compile no one waits for now
+            compiled.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self._grammars[key] = compiled
+            while len(self._grammars) > COMPILED_KEPT:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(key)
+        try:
+            matcher = await asyncio.wait_for(asyncio.shield(compiled), COMPILE_TIMEOUT)
+        except TimeoutError:
+            message = f"The JSON schema did not compile within {COMPILE_TIMEOUT:g} s."
+            raise Invalid(message, param=param) from None
+        return Guide(matcher.deep_copy())
 
     def _guides(self, param: str) -> Guides:
         if self.guides is None:  # a slow tokenizer: llguidance reads fast ones only
@@ -670,7 +713,8 @@ class TransformersEngine(Engine):
         if request.user:
             log.info("request %s is for user %r", request.request_id, request.user)
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self._executor, self.prepare, request)
+        guide = await self.guide(request)
+        prepared = await loop.run_in_executor(self._executor, self.prepare, request, guide)
         param = "messages" if request.messages is not None else "prompt"
         prompt_tokens = len(prepared.prompt)
         if prompt_tokens == 0:
@@ -712,5 +756,6 @@ class TransformersEngine(Engine):
             loop.call_soon_threadsafe(self._release, sequence)
 
     def close(self) -> None:
-        """Stops the thread pool once the steps already queued have run."""
+        """Stops the thread pools once the steps already queued have run."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._compiler.shutdown(wait=True, cancel_futures=True)
