@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from tests.support.keys import bearer, keyed, new_key
 from tests.support.waiting import HANG_GUARD, wait_until
 
 
@@ -220,3 +221,106 @@ def test_the_head_timeout_shrinks_as_connections_near_the_cap(gateway_with):
     finally:
         for sock in early + late:
             sock.close()
+
+
+# -- bodies before and while they are read (issue 25, Medium 4) ----------------------------
+
+
+def open_body(url: str, size: int, key: str | None = None) -> socket.socket:
+    """A connection that declares a `size`-byte completions body and sends 12 of it."""
+    sock = connect(url)
+    auth = f"authorization: Bearer {key}\r\n".encode() if key else b""
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n" + auth + b"content-type: "
+        b"application/json\r\ncontent-length: " + str(size).encode() + b'\r\n\r\n{"prompt": '
+    )
+    return sock
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict[str, str]]:
+    """The status and error of one chunked answer (the connection may stay open)."""
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, chunked = data.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    body = b""
+    while True:
+        size_line, _, chunked = chunked.partition(b"\r\n")
+        size = int(size_line, 16)
+        if not size:
+            break
+        body, chunked = body + chunked[:size], chunked[size + 2 :]
+    return status_and_error(head + b"\r\n\r\n" + body)
+
+
+def padded(size: int) -> bytes:
+    """A valid completions body of about `size` bytes (an unknown field is ignored)."""
+    return json.dumps({"prompt": "a b", "max_tokens": 2, "padding": "x" * size}).encode()
+
+
+def test_bodies_being_read_are_bounded_per_process(gateway_with):
+    gw = gateway_with(max_body_bytes_in_flight=1_000_000, body_timeout=30)
+    bodies = gw.state.admission.bodies
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        headers = {"content-type": "application/json"}
+        with open_body(gw.url, 800_000):
+            wait_until(lambda: bodies.in_flight == 800_000, "the first body's bytes counted")
+            refused = client.post("/v1/completions", content=padded(300_000), headers=headers)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "server_busy"
+            assert refused.headers["retry-after"]
+            # one that fits beside it is read and served
+            assert client.post("/v1/completions", content=padded(100_000), headers=headers)
+        wait_until(lambda: bodies.in_flight == 0, "the dropped body's bytes given back")
+        served = client.post("/v1/completions", content=padded(300_000), headers=headers)
+        assert served.is_success, served.text
+
+
+def test_bodies_being_read_are_bounded_per_team(gateway_with):
+    search, chat = new_key("search"), new_key("chat")
+    gw = gateway_with(
+        **keyed({"search": {}, "chat": {}}, {search: "search", chat: "chat"}),
+        max_team_body_bytes_in_flight=1_000_000,
+        body_timeout=30,
+    )
+    bodies = gw.state.admission.bodies
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+
+        def post(key: str) -> httpx.Response:
+            headers = {"content-type": "application/json", **bearer(key)}
+            return client.post("/v1/completions", content=padded(300_000), headers=headers)
+
+        with open_body(gw.url, 800_000, search):
+            wait_until(lambda: bodies.by_team.get("search") == 800_000, "the body counted")
+            refused = post(search)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+            assert "bytes of request bodies" in error["message"]
+            assert post(chat).is_success  # another team's bodies are its own
+        wait_until(lambda: not bodies.by_team and bodies.in_flight == 0, "bytes given back")
+        assert post(search).is_success
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_concurrent_requests": 1}, {"requests_per_minute": 1}], ids=str
+)
+def test_a_teams_limits_are_checked_before_its_body_is_read(gateway_with, limits):
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": limits}, {key: "search"}), body_timeout=30)
+    body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body, headers=bearer(key)) as stream,
+    ):
+        assert stream.status_code == 200
+        # a body that never comes: refused on its head, not after `body_timeout`
+        with open_body(gw.url, 4_000_000, key) as sock:
+            started = time.monotonic()
+            status, error = read_answer(sock)
+        assert status == 429, error
+        assert time.monotonic() - started < 10
+        assert gw.state.admission.bodies.in_flight == 0

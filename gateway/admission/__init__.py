@@ -7,6 +7,8 @@
     slots.py       Slots: the concurrency slots every route shares (503 when full)
     queue.py       Queue: an optional bounded wait for a slot, by priority and share
     fair_share.py  FairShare: the teams' weighted shares of the slots, at the door
+    bodies.py      BodyBytes: the bytes of request bodies being read, per process
+                   and per team
     requests.py    InFlight: the requests running, and the drain on shutdown
     pump.py        EventPump: one request's events, with idle timeout, keep-alive
                    ticks and cancellation when the client goes away

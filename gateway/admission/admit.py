@@ -4,10 +4,12 @@ gateway (`routers/grpc/pipeline.rs`): a newcomer reads the order here, once.
 
     the route (edge)                        the stages (this module)
     ─────────────────────────────────────   ──────────────────────────────────────────
-    RequestContext(record, team)  ────────▶ draining     a drain refuses new requests
-    reads and parses the body               visibility   the model, if the team may see it
+    RequestContext(record, team)  ────────▶ before_body  the team's RPM and concurrency,
+                                                         before a byte of the body is read
+    reads the body (BodyMeter)    ────────▶ bodies.py    the bytes being read, bounded
+    parses the body                         visibility   the model, if the team may see it
                                             ── admit(ctx): ─────────────────────────────
-                                            draining     again: a drain may have begun
+                                            draining     a drain refuses new requests
                                             saturation   every worker of the model full
                                             team_limits  the team's RPM, TPM, concurrency
                                             budgets      (a hook: spend over a window)
@@ -39,6 +41,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from gateway.admission.bodies import BodyBytes, BodyMeter
 from gateway.admission.fair_share import FairShare
 from gateway.admission.metrics import QueueCollector
 from gateway.admission.queue import Queue, QueueSettings
@@ -119,8 +122,22 @@ class Admission:
         self.queue = Queue(slots) if self.queues else None
         if self.queue is not None:
             registry.register(QueueCollector(self.queue))
+        self.bodies = BodyBytes(
+            config.max_body_bytes_in_flight,
+            config.max_team_body_bytes_in_flight,
+            config.retry_after,
+        )
 
     # -- the stages, in the order they run ---------------------------------------
+
+    def before_body(self, ctx: RequestContext) -> BodyMeter:
+        """Before a byte of the body is read: the team's requests per minute and
+        concurrency (a 429 that charges nothing, and counts under no model: none is read
+        yet); then the meter that bounds the bytes of bodies being read (bodies.py),
+        which the body's reader takes and releases."""
+        if ctx.team is not None:
+            self.teams.limiter.check_before_body(ctx.team)
+        return self.bodies.meter(ctx.team)
 
     def draining(self, ctx: RequestContext) -> None:
         """Refuses (`Draining`) once the gateway is shutting down."""

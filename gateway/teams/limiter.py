@@ -317,6 +317,23 @@ class Limiter:
             team.tokens.charge(lease.cost, now)
         return ""
 
+    def check_before_body(self, team: Team) -> None:
+        """Refuses (429), before its body is read, a request its team could not be
+        admitted for by count alone: its requests per minute spent, or as many requests
+        in flight as it may have. Charges nothing: `admit` does, once the body is read.
+        The local view (mirroring the shared store's last answer, with Redis) decides;
+        it never counts more than the store, so it refuses nothing `admit` would take."""
+        now = time.monotonic()
+        refused = ""
+        limit = team.config.max_concurrent_requests
+        if team.requests is not None and team.requests.wait(1, now):
+            refused = "requests"
+        elif limit is not None and team.inflight >= limit:
+            refused = "concurrency"
+        if refused:
+            team.refused[refused] += 1
+            raise self._too_many(team, refused, 1)
+
     def _too_many(self, team: Team, refused: str, cost: int) -> RateLimited:
         config, now = team.config, time.monotonic()
         if refused == "requests" and team.requests is not None:

@@ -288,8 +288,8 @@ class InferRoute(_TensorRoute):
         in JSON or with the binary tensor extension."""
         scope, send, record, ctx = ex.scope, ex.send, ex.record, ex.ctx
         name, version = _model_and_version(scope)
-        self.admission.draining(ctx)
-        raw_body = await read_body(scope, ex.receive, self.config.max_body_bytes)
+        meter = self.admission.before_body(ctx)
+        raw_body = await read_body(scope, ex.receive, self.config.max_body_bytes, meter)
         ex.received = len(raw_body)
         body, binary = _split(scope, raw_body)
         pool = self.admission.visibility(ctx, name, "tensor")

@@ -1,8 +1,10 @@
 """Reads a request body as JSON, bounded in size, and refuses bad ones with 4xx.
 
 A body over the limit is refused from its Content-Length before any of it is
-read, or as soon as a chunked body passes the limit. orjson rejects invalid
-UTF-8 and nesting deeper than it can parse, so those become 400s here.
+read, or as soon as a chunked body passes the limit; with admission's meter
+(`gateway.admission.bodies`), the bytes of all bodies being read are bounded too.
+orjson rejects invalid UTF-8 and nesting deeper than it can parse, so those
+become 400s here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from gateway.admission.bodies import BodyMeter
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.errors import APIError, invalid
 
@@ -21,9 +24,11 @@ def _too_large(limit: int) -> APIError:
     )
 
 
-async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
+async def read_json(
+    scope: Scope, receive: Receive, limit: int, meter: BodyMeter | None = None
+) -> Any:
     """The parsed body, or an `APIError` (413 too large, 400 not JSON)."""
-    body = await read_body(scope, receive, limit)
+    body = await read_body(scope, receive, limit, meter)
     if not body:
         raise invalid(None, "The request body is empty; expected a JSON object.")
     return parse_json(body)
@@ -37,8 +42,12 @@ def parse_json(body: bytes) -> Any:
         raise invalid(None, f"The request body is not valid JSON: {error}.") from None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, or an `APIError` (413 too large, 400 when the client left)."""
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, meter: BodyMeter | None = None
+) -> bytes:
+    """The whole body, or an `APIError` (413 too large, 400 when the client left);
+    `meter` counts its bytes while it is read (refusing past its bounds)."""
+    declared = 0
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
@@ -49,15 +58,23 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
                 raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise APIError(400, "The client closed the connection before sending the body.")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
+    try:
+        if meter is not None and declared > 0:
+            meter.take(declared)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise APIError(400, "The client closed the connection before sending the body.")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            if meter is not None and size > meter.held:
+                meter.take(size - meter.held)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    finally:
+        if meter is not None:
+            meter.release()
     return b"".join(chunks)

@@ -170,8 +170,8 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         client that leaves, leaves the queue at once), calls a worker and answers."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
-        admission.draining(ctx)
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        meter = admission.before_body(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         pool = admission.visibility(ctx, model_of(body))
         parsed = parse_embeddings(body)
         request = EmbedRequest(

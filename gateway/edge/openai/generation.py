@@ -120,8 +120,8 @@ class GenerationRoute(RequestRoute[Exchange]):
         client that leaves, leaves the queue at once) and serves it."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
-        admission.draining(ctx)
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        meter = admission.before_body(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
         session = _session(ex.scope)
