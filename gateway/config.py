@@ -137,6 +137,11 @@ class ModelConfig:
     #: `vllm-grpc`: the format the model writes tool calls in (`hermes`, `llama3_json`),
     #: as vLLM's `--tool-call-parser`; None: it takes no tools (forced calls neither).
     tool_call_parser: str | None = None
+    #: `vllm-grpc`: special-token strings a user types in a message (`<|im_end|>`) stay
+    #: text when the gateway tokenizes; false: they become the real tokens, as HF's and
+    #: vLLM's own front ends make them (a user could then end their turn and open a
+    #: system one).
+    plain_text_contents: bool = True
     #: The largest `max_tokens` a request may ask for (also its default); None: no cap.
     max_tokens_limit: int | None = None
     #: `openai` upstreams: the NAME of the environment variable holding their bearer
@@ -643,6 +648,9 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
         _number(f"{where}.weights.{entry}", weight, float, 0.001)
     api_key_env, ca_file = _upstream_credentials(where, raw, upstream)
+    plain_text_contents = raw.get("plain_text_contents", True)
+    if not isinstance(plain_text_contents, bool):
+        raise ConfigError(f"{where}.plain_text_contents: expected true or false")
     return ModelConfig(
         name=name,
         kind=kind,
@@ -652,6 +660,7 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
         upstream=upstream,
         tokenizer=tokenizer,
         tool_call_parser=tool_call_parser,
+        plain_text_contents=plain_text_contents,
         weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
         max_tokens_limit=max_tokens_limit,
         queue=_queue(f"{where}.queue", raw.get("queue"), queue),
