@@ -22,9 +22,9 @@ from gateway.protocol import errors, features
 from gateway.protocol.types import Embeddings, EmbedRequest
 from gateway.worker.demo import DEMO_MODEL, DemoEngine, demo_vector
 from tests.support.keys import assert_rate_limited, bearer, keyed, new_key
+from tests.support.metrics import scrape, value
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.waiting import HANG_GUARD, wait_until
-from tests.test_telemetry import scrape, value
 
 EMBEDDINGS = "/v1/embeddings"
 

@@ -13,22 +13,13 @@ import threading
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import GRPC_EXPERIMENTS
 from gateway.config import Config, ModelConfig
 from gateway.lifecycle import GatewayServer
+from tests.support.metrics import scrape
 
 GUARD = 30.0
-
-
-def _samples(url: str) -> dict[tuple, float]:
-    text = httpx.get(url + "/metrics", timeout=GUARD).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway_with, server_loop):
@@ -59,7 +50,7 @@ def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway
     drain.result(GUARD)
     lines = [line for line in lines if line]
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
-    samples = _samples(gw.url)
+    samples = scrape(gw.url)
     labels = (("model", "furnace-demo"), ("reason", "draining"))
     assert samples[("furnace_gateway_rejections_total", labels)] == 1
     outcome = (("model", "furnace-demo"), ("outcome", "rejected"), ("status", "503"))

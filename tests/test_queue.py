@@ -20,6 +20,7 @@ import pytest
 from gateway.config import ConfigError, ModelConfig, QueueConfig, parse_config
 from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.metrics import scrape, value
 from tests.support.requests import opened
 from tests.support.scripted_worker import script
 from tests.support.servers import make_config
@@ -31,22 +32,6 @@ def queued(workers, queue: QueueConfig, **overrides: Any) -> dict[str, Any]:
     config = make_config(workers)
     models = tuple(replace(m, queue=queue) for m in config.models)
     return {"queue": queue, "models": models, **overrides}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(samples: dict, name: str, **labels: str) -> float:
-    """One sample's value; 0 when it is absent."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def hold_slot(client: httpx.Client, headers: dict[str, str] | None = None):
@@ -90,24 +75,22 @@ def test_a_burst_of_twice_the_slots_waits_and_is_served(gateway_with, workers):
     done = sender.join()
     assert [status for _, status, _ in done] == [200] * 8
     samples = scrape(gw.url)
-    count = sample(
+    count = value(
         samples, "furnace_gateway_queue_wait_seconds_count", model="furnace-slow", priority="0"
     )
     assert count >= 1  # some waited
     assert (
-        sample(
-            samples, "furnace_gateway_queue_wait_seconds_sum", model="furnace-slow", priority="0"
-        )
+        value(samples, "furnace_gateway_queue_wait_seconds_sum", model="furnace-slow", priority="0")
         <= 30.0 * count
     )
-    immediate = sample(
+    immediate = value(
         samples,
         "furnace_gateway_queue_admissions_total",
         model="furnace-slow",
         priority="0",
         how="immediate",
     )
-    waited = sample(
+    waited = value(
         samples,
         "furnace_gateway_queue_admissions_total",
         model="furnace-slow",
@@ -137,7 +120,7 @@ def test_sustained_overload_is_refused_at_once_not_after_max_wait(gateway_with, 
         if status == 503:
             assert json.loads(text)["error"]["code"] == "server_busy"
     samples = scrape(gw.url)
-    refusals = sample(
+    refusals = value(
         samples,
         "furnace_gateway_queue_refusals_total",
         model="furnace-slow",
@@ -226,7 +209,7 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(gateway_with, worker
             del held_lines
         samples = scrape(gw.url)
         assert (
-            sample(
+            value(
                 samples,
                 "furnace_gateway_queue_refusals_total",
                 model="furnace-demo",
@@ -236,7 +219,7 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(gateway_with, worker
             == 3
         )
         assert (
-            sample(
+            value(
                 samples,
                 "furnace_gateway_queue_refusals_total",
                 model="furnace-demo",
@@ -275,7 +258,7 @@ def test_drain_refuses_the_queued_and_serves_the_running(gateway_with, workers, 
     drain.result(HANG_GUARD)
     assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
     samples = scrape(gw.url)
-    refused = sample(
+    refused = value(
         samples,
         "furnace_gateway_queue_refusals_total",
         model="furnace-demo",
@@ -364,7 +347,7 @@ def test_a_model_whose_workers_are_at_their_capacity_is_shed_before_the_slots(
         assert engine.calls == 2  # the worker never saw the third
         samples = scrape(gw.url)
         assert (
-            sample(
+            value(
                 samples,
                 "furnace_gateway_rejections_total",
                 model="capped",

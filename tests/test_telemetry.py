@@ -5,29 +5,15 @@ import json
 import logging
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import scrape, value
 from tests.support.scripted_worker import script
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-def scrape(url: str) -> dict[tuple, float]:
-    """Every sample as {(name, sorted labels): value}."""
-    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def access_lines(caplog) -> list[dict]:
     """The access-log lines logged so far, as JSON."""
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):

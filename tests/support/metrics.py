@@ -1,0 +1,26 @@
+"""A gateway's /metrics read as samples, for the specs that check what it counts."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.waiting import HANG_GUARD
+
+#: A sample's key: its name and its labels, sorted.
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def scrape(url: str) -> dict[Key, float]:
+    """Every sample of `url`/metrics as {(name, sorted labels): value}."""
+    text = httpx.get(url + "/metrics", timeout=HANG_GUARD).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[Key, float], name: str, **labels: str) -> float:
+    """One sample's value; 0 when it is absent."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
