@@ -38,6 +38,7 @@ class LongEngine(Engine):
 
     model = "long"
     max_context = 1 << 30
+    piece = Text(PIECE, 1)
 
     def __init__(self) -> None:
         self.produced = 0
@@ -50,7 +51,7 @@ class LongEngine(Engine):
             yield Started(1)
             for _ in range(tokens):
                 self.produced += 1
-                yield Text(PIECE, 1)
+                yield self.piece
                 await asyncio.sleep(0)
             yield Finished(FinishReason.LENGTH, tokens)
         finally:
@@ -71,6 +72,21 @@ def _stalled_stream(url: str, body: dict[str, object] | None = None) -> socket.s
         b"content-length: %d\r\n\r\n%s" % (f"{host}:{port}".encode(), len(data), data)
     )
     return sock
+
+
+def _held_back(engine: LongEngine) -> int:
+    """Waits until the engine's answer has started and then stopped making tokens
+    (held back by the buffers on the way); the tokens it made."""
+    wait_until(lambda: engine.running == 1, "the answer to start")
+    seen = [-1]
+
+    def stopped() -> bool:
+        before, seen[0] = seen[0], engine.produced
+        time.sleep(0.2)
+        return engine.produced == before == seen[0]
+
+    wait_until(stopped, "the engine to be held back", timeout=HANG_GUARD)
+    return engine.produced
 
 
 def _requests_by_outcome(url: str) -> dict[str, float]:
@@ -149,17 +165,8 @@ def test_a_stalled_reader_stops_the_engine_itself(gateway_with, serve_engines):
         stream_buffer_bytes=BUFFER,
     )
     with _stalled_stream(gw.url):
-        wait_until(lambda: engine.running == 1, "the answer to start")
-        seen = [-1]
-
-        def stopped() -> bool:
-            before, seen[0] = seen[0], engine.produced
-            time.sleep(0.2)
-            return engine.produced == before == seen[0]
-
-        wait_until(stopped, "the engine to be held back", timeout=HANG_GUARD)
+        held_back_at = _held_back(engine)
         assert engine.running == 1
-        held_back_at = engine.produced
     wait_until(lambda: engine.running == 0, "the engine to stop when the client leaves")
     wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
     # what the buffers on the way hold (read-ahead, HTTP/2 windows, sockets): megabytes at most
@@ -175,17 +182,7 @@ class LogprobEngine(LongEngine):
 
     model = "logprobs"
     features = features.FIRST_VERSION | {features.LOGPROBS}
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        self.running += 1
-        try:
-            yield Started(1)
-            while True:
-                self.produced += 1
-                yield Text("x", 1, 0, (TokenLogprob("x", -0.5, TOP),))
-                await asyncio.sleep(0)
-        finally:
-            self.running -= 1
+    piece = Text("x", 1, 0, (TokenLogprob("x", -0.5, TOP),))
 
 
 def test_a_stalled_reader_of_big_logprobs_holds_bounded_memory(gateway_with, serve_engines):
@@ -203,20 +200,11 @@ def test_a_stalled_reader_of_big_logprobs_holds_bounded_memory(gateway_with, ser
     )
     body = {"model": "logprobs", "prompt": "go", "stream": True, "max_tokens": 1 << 30}
     with _stalled_stream(gw.url, {**body, "logprobs": 20}):
-        wait_until(lambda: engine.running == 1, "the answer to start")
-        seen = [-1]
-
-        def stopped() -> bool:
-            before, seen[0] = seen[0], engine.produced
-            time.sleep(0.2)
-            return engine.produced == before == seen[0]
-
-        wait_until(stopped, "the engine to be held back", timeout=HANG_GUARD)
-        held_back_at = engine.produced
+        held_back_at = _held_back(engine)
         held = [sum(event_size(e) for e in list(pump._ready)) for pump in gw.state.inflight.running]
     wait_until(lambda: engine.running == 0, "the engine to stop when the client leaves")
     wait_until(lambda: gw.state.slots.in_use == 0, "the slot to come back")
-    token_bytes = event_size(Text("x", 1, 0, (TokenLogprob("x", -0.5, TOP),)))
+    token_bytes = event_size(LogprobEngine.piece)
     print(f"\nlogprobs: held back after {held_back_at} tokens of {token_bytes} bytes; {held}")
     assert max(held) <= 64 * 1024 + token_bytes  # the stream buffer, by what it holds
     # the read-ahead, the window, the stream buffer, sockets: a few MB, not hundreds

@@ -2,8 +2,8 @@
 and the probes) and the admin one (the probes, the metrics and the fleet's
 workers), each with the pure-ASGI checks in front of its routes and OpenAI-shaped
 errors for everything, from the parts the lifecycle built. The public one sends
-its hot routes (a POST to chat, completions, embeddings) past Starlette, which
-serves the rest.
+its hot routes (a POST to chat, completions, embeddings, Anthropic's messages)
+past Starlette, which serves the rest.
 
 Where the admin routes go: with `admin_port`, on the admin listener only; without
 it, on the public listener of an open gateway (the demo), and nowhere on a keyed
@@ -29,6 +29,8 @@ from starlette.routing import Route
 
 from gateway.admission import Admission, InFlight
 from gateway.config import Config
+from gateway.edge.anthropic.errors import AnthropicShape
+from gateway.edge.anthropic.routes import anthropic_paths, anthropic_routes
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
@@ -144,6 +146,7 @@ def create_app(
         "/v1/chat/completions": generation(parse_chat, ChatEncoder),
         "/v1/completions": generation(parse_completion, CompletionEncoder),
         "/v1/embeddings": EmbeddingsRoute(parts),
+        **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))
     hot.update(responses_hot)
@@ -165,5 +168,7 @@ def create_app(
 
     rest = _starlette(routes, [])
     hot_checked = {path: checked(route) for path, route in hot.items()}
+    for path in anthropic_paths():  # every refusal in Anthropic's shape, the checks' too
+        hot_checked[path] = AnthropicShape(hot_checked[path])
     # Starlette's types say MutableMapping where ours say dict
     return ExactRoutes(checked(cast(ASGIApp, rest)), hot_checked, rest.routes)

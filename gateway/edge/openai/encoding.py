@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from gateway.edge.errors import APIError
 from gateway.protocol.types import Event, Finished, FinishReason, Text, TokenLogprob, ToolCallDelta
 
 DONE = b"data: [DONE]\n\n"
@@ -257,6 +258,10 @@ class Encoder:
                 logprobs += _offsets(choice.length, text.logprobs)
             choice.length += len(text.text)
         return logprobs
+
+    def failure(self, error: APIError) -> bytes:
+        """What a stream sends when it fails after its head: one error payload, [DONE]."""
+        return sse({"error": error.fields()}) + DONE
 
     def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The usage chunk if asked for (tokens summed over the choices), and [DONE]."""

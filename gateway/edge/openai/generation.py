@@ -20,7 +20,7 @@ from gateway.admission import EventPump
 from gateway.edge.asgi import Scope, Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.encoding import DONE, KEEPALIVE, Encoder, sse
+from gateway.edge.openai.encoding import KEEPALIVE, Encoder
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest, model_of
 from gateway.edge.request import Exchange, Parts, RequestRoute, priority
@@ -120,8 +120,8 @@ class GenerationRoute(RequestRoute[Exchange]):
         client that leaves, leaves the queue at once) and serves it."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
-        meter = admission.before_body(ctx)
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
+        admission.draining(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
         session = _session(ex.scope)
@@ -272,8 +272,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                     raise
                 api_error = self._engine_error(error, record)
                 record.outcome = api_error.outcome
-                payload = sse({"error": api_error.fields()}) + DONE
-                await send({"type": "http.response.body", "body": payload})
+                await send({"type": "http.response.body", "body": encoder.failure(api_error)})
                 return
             body = b"" if batch else KEEPALIVE
         prompt_tokens, completion_tokens = record.prompt_tokens, record.completion_tokens

@@ -1,0 +1,359 @@
+"""Specs: Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`)
+through the official `anthropic` SDK against the real gateway and demo workers:
+whole and streamed answers with Anthropic's events, a tool-use round trip,
+count_tokens, and Anthropic's error types and status codes for what is refused
+(the body, the key, the model, a team's limit, a full worker), never OpenAI's
+shape. The demo echoes the last message's words; its tokens are words."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.support.keys import keyed, new_key
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.servers import DEMO_MODEL
+from tests.support.waiting import HANG_GUARD
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+#: A 1x1 PNG.
+PIXEL = base64.b64encode(
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+        "0000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
+    )
+).decode()
+
+
+def sdk(url: str, key: str = "unused") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=HANG_GUARD)
+
+
+@pytest.fixture
+def claude(gateway) -> anthropic.Anthropic:
+    return sdk(gateway.url)
+
+
+def say(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def anthropic_error(response: httpx.Response) -> dict:
+    """The body is an error in Anthropic's shape; its `error` object."""
+    body = response.json()
+    assert body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    return body["error"]  # type: ignore[no-any-return]
+
+
+# -- answers -----------------------------------------------------------------
+
+
+def test_a_message_is_answered_with_text_stop_reason_and_usage(claude):
+    message = claude.messages.create(
+        model=DEMO_MODEL, max_tokens=16, system="be brief", messages=say("hello there world")
+    )
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.model == DEMO_MODEL
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == "hello there world"
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (5, 3)
+
+
+def test_max_tokens_ends_the_answer_with_its_reason(claude):
+    message = claude.messages.create(model=DEMO_MODEL, max_tokens=2, messages=say("a b c d"))
+    assert message.content[0].text == "a b"
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 2
+
+
+def test_system_blocks_sampling_and_metadata_are_taken(claude):
+    message = claude.messages.create(
+        model=DEMO_MODEL,
+        max_tokens=8,
+        system=[{"type": "text", "text": "one two", "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": "first turn"},
+            {"role": "assistant", "content": [{"type": "text", "text": "an answer"}]},
+            {"role": "user", "content": [{"type": "text", "text": "last words"}]},
+        ],
+        stop_sequences=["zzz"],
+        metadata={"user_id": "user-1"},
+        cache_control={"type": "ephemeral"},
+        # sampling the SDK no longer names, which older clients send
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5},
+    )
+    assert message.content[0].text == "last words"
+    assert message.usage.input_tokens == 8  # every message's words, the system's too
+
+
+def test_images_go_to_workers_that_take_them(claude):
+    """The demo takes no images: both sources reach its feature check, which names them."""
+    for source in (
+        {"type": "base64", "media_type": "image/png", "data": PIXEL},
+        {"type": "url", "url": "https://example.com/a.png"},
+    ):
+        content = [{"type": "image", "source": source}, {"type": "text", "text": "what is it"}]
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.messages.create(
+                model=DEMO_MODEL, max_tokens=4, messages=[{"role": "user", "content": content}]
+            )
+        assert "image_url" in raised.value.body["error"]["message"]
+    bad = {"type": "base64", "media_type": "image/tiff", "data": PIXEL}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(
+            model=DEMO_MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "image", "source": bad}]}],
+        )
+    assert "messages[0].content[0].source.media_type" in raised.value.body["error"]["message"]
+
+
+def test_a_stream_sends_anthropics_events_in_order(claude):
+    with claude.messages.stream(
+        model=DEMO_MODEL, max_tokens=16, messages=say("one two three")
+    ) as stream:
+        kinds = []
+        texts = []
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "content_block_delta":
+                assert event.delta.type == "text_delta"
+                texts.append(event.delta.text)
+        final = stream.get_final_message()
+    assert "".join(texts) == "one two three" == final.content[0].text
+    raw = [k for k in kinds if k not in ("text",)]  # the SDK's own helper events aside
+    assert raw[:2] == ["message_start", "content_block_start"]  # the SDK drops pings
+    assert raw[-3:] == [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert final.stop_reason == "end_turn"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (3, 3)
+
+
+def test_the_stream_on_the_wire_names_each_event(gateway):
+    body = {"model": DEMO_MODEL, "max_tokens": 4, "messages": say("a b"), "stream": True}
+    answer = httpx.post(gateway.url + "/v1/messages", json=body, timeout=HANG_GUARD)
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    names = [line[7:] for line in answer.text.splitlines() if line.startswith("event: ")]
+    payloads = [
+        json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")
+    ]
+    assert names == [p["type"] for p in payloads]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    start = payloads[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["usage"]["input_tokens"] == 2
+
+
+# -- tools ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_use_round_trip(claude, stream):
+    ask = {
+        "model": DEMO_MODEL,
+        "max_tokens": 32,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "auto"},
+        "messages": say("call get_weather please"),
+    }
+    if stream:
+        with claude.messages.stream(**ask) as events:
+            deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+            first = events.get_final_message()
+        assert "input_json_delta" in deltas
+    else:
+        first = claude.messages.create(**ask)
+    assert first.stop_reason == "tool_use"
+    (use,) = [block for block in first.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input, dict) and "city" in use.input
+    second = claude.messages.create(
+        **{
+            **ask,
+            "messages": [
+                *ask["messages"],
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(mode="json") for b in first.content],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use.id, "content": "sunny and mild"}
+                    ],
+                },
+            ],
+        }
+    )
+    assert second.stop_reason == "end_turn"
+    assert second.content[0].text == "sunny and mild"
+
+
+def test_tool_choice_any_tool_and_none(claude):
+    base = {"model": DEMO_MODEL, "max_tokens": 32, "tools": [WEATHER_TOOL], "messages": say("hi")}
+    forced = claude.messages.create(**base, tool_choice={"type": "tool", "name": "get_weather"})
+    assert [b.type for b in forced.content] == ["tool_use"]
+    assert forced.content[0].name == "get_weather"
+    anything = claude.messages.create(**base, tool_choice={"type": "any"})
+    assert anything.stop_reason == "tool_use"
+    none = claude.messages.create(
+        **{**base, "messages": say("call get_weather")}, tool_choice={"type": "none"}
+    )
+    assert [b.type for b in none.content] == ["text"] and none.stop_reason == "end_turn"
+
+
+# -- count_tokens --------------------------------------------------------------------
+
+
+def test_count_tokens_counts_what_the_answer_bills(claude):
+    messages = say("how many words are here")
+    counted = claude.messages.count_tokens(model=DEMO_MODEL, system="be brief", messages=messages)
+    answered = claude.messages.create(
+        model=DEMO_MODEL, max_tokens=8, system="be brief", messages=messages
+    )
+    assert counted.input_tokens == answered.usage.input_tokens == 7
+
+
+def test_count_tokens_refuses_like_messages(gateway):
+    url = gateway.url + "/v1/messages/count_tokens"
+    missing = httpx.post(url, json={"model": DEMO_MODEL}, timeout=HANG_GUARD)
+    assert missing.status_code == 400
+    assert anthropic_error(missing)["type"] == "invalid_request_error"
+    assert "messages" in anthropic_error(missing)["message"]
+    unknown = httpx.post(url, json={"model": "nope", "messages": say("a")}, timeout=HANG_GUARD)
+    assert unknown.status_code == 404 and anthropic_error(unknown)["type"] == "not_found_error"
+    extra = httpx.post(
+        url, json={"model": DEMO_MODEL, "messages": say("a"), "max_tokens": 3}, timeout=HANG_GUARD
+    )
+    assert extra.status_code == 400 and "max_tokens" in anthropic_error(extra)["message"]
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"messages": say("a")}, "max_tokens"),
+        ({"max_tokens": 0, "messages": say("a")}, "max_tokens"),
+        ({"max_tokens": 4, "messages": []}, "messages"),
+        ({"max_tokens": 4, "messages": say("a"), "temperature": 1.5}, "temperature"),
+        ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "enabled"}}, "thinking"),
+        ({"max_tokens": 4, "messages": say("a"), "service_tier": "auto"}, "service_tier"),
+        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": say("a"),
+                "tools": [{"type": "web_search_20250305", "name": "w"}],
+            },
+            "tools[0].type",
+        ),
+        ({"max_tokens": 4, "messages": say("a"), "tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"max_tokens": 4, "messages": say("a"), "metadata": {"other": 1}}, "metadata.other"),
+        ({"max_tokens": 4, "messages": say("a"), "stop_sequences": "x"}, "stop_sequences"),
+    ],
+)
+def test_bad_bodies_are_invalid_request_errors_naming_the_field(claude, body, named):
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.post("/v1/messages", body={"model": DEMO_MODEL, **body}, cast_to=httpx.Response)
+    error = raised.value
+    assert error.status_code == 400
+    assert error.body["type"] == "error" and error.body["error"]["type"] == "invalid_request_error"
+    assert named in error.body["error"]["message"]
+
+
+def test_not_json_and_wrong_content_type_are_anthropic_shaped(gateway):
+    url = gateway.url + "/v1/messages"
+    garbage = httpx.post(
+        url, content=b"{", headers={"content-type": "application/json"}, timeout=HANG_GUARD
+    )
+    assert (
+        garbage.status_code == 400 and anthropic_error(garbage)["type"] == "invalid_request_error"
+    )
+    text = httpx.post(
+        url, content=b"{}", headers={"content-type": "text/plain"}, timeout=HANG_GUARD
+    )
+    assert text.status_code == 415 and anthropic_error(text)["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_not_found_error(claude):
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.messages.create(model="no-such-model", max_tokens=4, messages=say("a"))
+    assert raised.value.body["error"]["type"] == "not_found_error"
+
+
+def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_error(
+    gateway_with,
+):
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {}}, {key: "search"}))
+    by_api_key = sdk(gw.url, key).messages.create(
+        model=DEMO_MODEL, max_tokens=4, messages=say("a b")
+    )
+    assert by_api_key.content[0].text == "a b"
+    bearer = anthropic.Anthropic(base_url=gw.url, auth_token=key, max_retries=0, timeout=HANG_GUARD)
+    assert bearer.messages.create(model=DEMO_MODEL, max_tokens=4, messages=say("c")).content
+    with pytest.raises(anthropic.AuthenticationError) as raised:
+        sdk(gw.url, "sk-wrong").messages.create(model=DEMO_MODEL, max_tokens=4, messages=say("a"))
+    assert raised.value.status_code == 401
+    assert raised.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        sdk(gw.url, "sk-wrong").messages.count_tokens(model=DEMO_MODEL, messages=say("a"))
+
+
+def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with):
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {"tokens_per_minute": 100}}, {key: "search"}))
+    with pytest.raises(anthropic.RateLimitError) as raised:
+        sdk(gw.url, key).messages.create(model=DEMO_MODEL, max_tokens=200, messages=say("a"))
+    assert raised.value.status_code == 429
+    assert raised.value.body["error"]["type"] == "rate_limit_error"
+    assert raised.value.response.headers.get("retry-after")
+
+
+def test_a_full_worker_is_overloaded_error(claude):
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        claude.messages.create(
+            model=SCRIPTED_MODEL, max_tokens=4, messages=say(script(status="RESOURCE_EXHAUSTED"))
+        )
+    assert raised.value.status_code == 529
+    assert raised.value.body["error"]["type"] == "overloaded_error"
+    assert raised.value.response.headers.get("retry-after")
+
+
+def test_a_failure_mid_stream_is_an_error_event(gateway):
+    body = {
+        "model": SCRIPTED_MODEL,
+        "max_tokens": 8,
+        "messages": say(script(texts=2, status="INTERNAL")),
+        "stream": True,
+    }
+    answer = httpx.post(gateway.url + "/v1/messages", json=body, timeout=HANG_GUARD)
+    assert answer.status_code == 200
+    lines = answer.text.splitlines()
+    assert "event: error" in lines
+    error = json.loads(lines[lines.index("event: error") + 1][6:])
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "message_stop" not in answer.text

@@ -1,0 +1,57 @@
+"""Anthropic's Messages API on every kind of worker behind the gateway
+(tests/support/conformance.py lists them), through the official `anthropic` SDK:
+whole and streamed answers, and count_tokens where the kind has a tokenizer to
+count with (an OpenAI-compatible server without `/tokenize` is refused by name)."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from tests.support.conformance import Engine
+from tests.support.waiting import HANG_GUARD
+
+
+@pytest.fixture
+def claude(served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=served[1].url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    )
+
+
+def ask(engine: Engine, text: str, max_tokens: int = 8) -> dict:
+    return {
+        "model": engine.model,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": text}],
+        **({"temperature": 0} if "temperature" in engine.defaults else {}),
+    }
+
+
+def test_a_message_whole_and_streamed(claude, engine: Engine):
+    whole = claude.messages.create(**ask(engine, "one two three"))
+    with claude.messages.stream(**ask(engine, "one two three")) as stream:
+        streamed_text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason in ("end_turn", "max_tokens")
+        assert message.usage.input_tokens > 0 and 0 < message.usage.output_tokens <= 8
+    assert streamed.content[0].text == streamed_text
+    if engine.echoes:
+        assert whole.content[0].text == streamed_text == "one two three"
+    else:  # a real model at temperature 0 answers the same twice
+        assert whole.content[0].text == streamed_text
+
+
+def test_count_tokens_matches_the_answers_usage(claude, engine: Engine, request):
+    body = ask(engine, "count these words please")
+    counting = {k: body[k] for k in ("model", "messages")}
+    if request.node.callspec.params.get("target") == "openai-fake":
+        # the fake upstream is a gateway: no /tokenize, so nothing counts for it
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.messages.count_tokens(**counting)
+        assert "cannot count tokens" in raised.value.body["error"]["message"]
+        return
+    counted = claude.messages.count_tokens(**counting)
+    answered = claude.messages.create(**body)
+    assert counted.input_tokens == answered.usage.input_tokens > 0
