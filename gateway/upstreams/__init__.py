@@ -8,6 +8,7 @@
                      (translate), SSE (sse), raw keep-alive connections, httpx (upstream)
     vllm_grpc.py     vLLM's own gRPC server (token ids; the gateway tokenizes)
     kserve_grpc.py   KServe v2 gRPC servers (Triton, KServe, ours): tensor models
+    vllm_kv.py       vLLM's KV-cache events, as its gRPC server relays them, as ours
 
 Each translates its foreign failures into the error tree through one table,
 and knows nothing of OpenAI's wire shapes or the edge.
