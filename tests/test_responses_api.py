@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.config import ModelConfig
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.servers import DEMO_MODEL
@@ -366,6 +367,23 @@ def test_what_is_not_served_is_refused_by_name(client, extra, param):
     answer = client.post("/v1/responses", json={"model": DEMO_MODEL, "input": "hi", **extra})
     assert answer.status_code == 400, answer.text
     assert assert_openai_error(answer)["param"] == param
+
+
+def test_the_checks_shared_with_chat_name_this_apis_parameters(gateway_with, workers):
+    capped = ModelConfig(DEMO_MODEL, workers=(workers.demo.address,), max_tokens_limit=4)
+    gw = gateway_with(models=(capped,))
+    image = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for body, param in (
+            # the demo's workers do not take images (the model's features)
+            ({"input": [{"role": "user", "content": [image]}]}, "input"),
+            # the model's cap on max_tokens (the input limits)
+            ({"input": "hi", "max_output_tokens": 5}, "max_output_tokens"),
+        ):
+            answer = http.post("/v1/responses", json={"model": DEMO_MODEL, **body})
+            assert answer.status_code == 400, answer.text
+            error = assert_openai_error(answer)
+            assert error["param"] == param and "max_tokens'" not in error["message"]
 
 
 def test_store_reads_refuse_bad_queries(client, api):

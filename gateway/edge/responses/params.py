@@ -44,6 +44,7 @@ from gateway.edge.openai.validation import (
     model_of,
 )
 from gateway.protocol.types import (
+    ContentPart,
     GenerateRequest,
     Message,
     ResponseFormat,
@@ -178,10 +179,16 @@ def _call_id(item: Mapping[str, Any], where: str) -> str:
     return call_id
 
 
-def _function_call(item: Mapping[str, Any], where: str) -> Item:
+def _name(item: Mapping[str, Any], where: str) -> str:
+    """A function's name (a tool's, a call's), as OpenAI allows them."""
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+    return name
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> Item:
+    name = _name(item, where)
     arguments = item.get("arguments")
     if not isinstance(arguments, str):
         raise invalid(f"{where}.arguments", "Invalid type: expected a string of JSON.")
@@ -240,6 +247,12 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
     return tuple(items)
 
 
+def _chat_part(part: dict[str, Any]) -> ContentPart:
+    if part["type"] == "input_image":
+        return ContentPart("image_url", url=part["image_url"], detail=part["detail"])
+    return ContentPart("text", part.get("text") or part.get("refusal") or "")
+
+
 def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
     """Stored items as chat messages: a message's text parts joined and its images in
     order; function calls join the assistant message just before them (or make one);
@@ -248,10 +261,13 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
     for item in items:
         kind = item["type"]
         if kind == "message":
-            parts = item["content"]
-            text = "".join(p.get("text") or p.get("refusal") or "" for p in parts)
-            images = tuple(p["image_url"] for p in parts if p["type"] == "input_image")
-            messages.append(Message(item["role"], text, images))
+            parts = [_chat_part(p) for p in item["content"]]
+            images = tuple(p.url for p in parts if p.type == "image_url")
+            text = "".join(p.text for p in parts)
+            # the parts as they came (order, detail) where an image is among them, as chat's
+            messages.append(
+                Message(item["role"], text, images, parts=tuple(parts) if images else ())
+            )
         elif kind == "function_call":
             call = ToolCall(item["call_id"], item["name"], item["arguments"])
             last = messages[-1] if messages else None
@@ -286,9 +302,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], list[dict[str, An
                 f"{where}.type",
                 f"Tools of type {shown_kind} are not supported: only 'function'.",
             )
-        name = tool.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+        name = _name(tool, where)
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise invalid(f"{where}.parameters", "Invalid type: expected an object.")

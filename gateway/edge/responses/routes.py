@@ -42,6 +42,13 @@ from gateway.teams import Team, team_of
 log = logging.getLogger("furnace.responses")
 
 RESPONSES = "/v1/responses"
+#: Chat's parameters (as the checks shared with chat name them) → this API's.
+CHAT_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 #: `GET .../input_items`: OpenAI's page size bounds and default.
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
@@ -138,6 +145,16 @@ class ResponsesRoute(GenerationRoute):
                 f"Invalid 'input': the conversation would hold more than {self.max_items} items.",
             )
         return request
+
+    async def _refuse(self, ex: Exchange, error: APIError) -> None:
+        """The refusal, naming this API's parameter where a shared check (the model's
+        features, the limits, the worker) named chat's."""
+        param = error.param or ""
+        ours = CHAT_PARAMS.get(param.split("[", 1)[0].split(".", 1)[0])
+        if ours is not None:
+            error.message = error.message.replace(f"'{param}'", f"'{ours}'")
+            error.param = ours
+        await super()._refuse(ex, error)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
