@@ -169,7 +169,7 @@ class RequestRoute(Generic[X]):
         send = guard = WriteGuard(send, self.config.write_timeout, abort)
         ex = self.exchange(scope, receive, send, ctx, metadata)
         traceparent = dict(metadata).get("traceparent")
-        with self.tracing.request(f"POST {scope['path']}", traceparent) as span:
+        with self.tracing.request(f"{scope['method']} {scope['path']}", traceparent) as span:
             try:
                 refusal = await self._serve_to_the_end(ex)
                 if refusal is not None:

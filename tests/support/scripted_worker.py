@@ -21,8 +21,8 @@ It offers `GenerateMultiplexed` too (through the worker SDK's multiplexer, with
 the same scripts: a status becomes the request's in-band end), so a gateway
 with `multiplex_workers` on reaches it that way, and with it off by Generate.
 
-It records, by request id, the calls it saw, their metadata and time left, and
-the calls that were cancelled.
+It records, by request id, the calls it saw, their metadata, time left and
+max_tokens, and the calls that were cancelled.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.cancelled: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
         self.deadlines: dict[str, float | None] = {}
+        self.max_tokens: dict[str, int | None] = {}  # the max_tokens each call was sent
         #: By request id: the rpc that carried it (Generate or GenerateMultiplexed).
         self.rpcs: dict[str, str] = {}
         self.multiplexed_calls = 0  # GenerateMultiplexed calls opened
@@ -95,6 +96,8 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.calls.append(rid)
         self.metadata[rid] = {k: v for k, v in context.invocation_metadata()}
         self.deadlines[rid] = context.time_remaining()
+        sampling = request.sampling
+        self.max_tokens[rid] = sampling.max_tokens if sampling.HasField("max_tokens") else None
         if request.WhichOneof("prompt") == "chat":
             text = request.chat.messages[-1].content
         else:

@@ -98,7 +98,8 @@ class Encoder:
     ) -> None:
         self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
         # A call of the function tool_choice names ends with "stop", not "tool_calls"
-        # (OpenAI's reasons, as vLLM's server gives them).
+        # (OpenAI's reasons, as vLLM's server gives them), where the gateway builds the
+        # answer: the route passes False for an upstream that chose its own reason.
         self._named_tool = named_tool
         self.created = int(time.time())
         self.model = model
