@@ -9,12 +9,23 @@ instead of piling up behind a deadline they will miss. With `queue` configured
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gateway.protocol.errors import Busy
+from gateway.protocol.errors import Busy, EngineError
 
-if TYPE_CHECKING:
-    from gateway.admission.queue import Queue
+
+class Waiters(Protocol):
+    """What the slots need of the queue (queue.py) that waits for them, declared here so
+    that the queue depends on the slots and not both ways."""
+
+    def dispatch(self) -> None:
+        """Gives the slots free now to the waiters first in line."""
+
+    def waiting(self, model: str | None = None) -> int:
+        """Requests waiting (for `model`, or all)."""
+
+    def refuse_all(self, error: EngineError) -> None:
+        """Ends every wait with `error`."""
 
 
 class Slots:
@@ -25,7 +36,7 @@ class Slots:
         self.in_use = 0
         self._idle: asyncio.Event | None = None
         #: The requests waiting for a slot, when a queue is configured.
-        self.queue: Queue | None = None
+        self.queue: Waiters | None = None
 
     def hold(self) -> _Held:
         """Takes a slot or raises `Busy`, on entering the `with`; the slot comes back

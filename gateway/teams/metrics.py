@@ -4,21 +4,32 @@ or digest ever appears."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.teams.limiter import Limiter
+from gateway.teams.team import Team
 from gateway.telemetry import PREFIX, LiveCollector
 
-if TYPE_CHECKING:
-    from gateway.teams import Teams
+
+class Counted(Protocol):
+    """What the figures are read from (`gateway.teams.Teams`), declared here so that the
+    teams depend on their metrics and not both ways."""
+
+    @property
+    def limiter(self) -> Limiter: ...
+    @property
+    def auth_failures(self) -> int: ...
+    @property
+    def by_name(self) -> Mapping[str, Team]: ...
 
 
 class TeamsCollector(LiveCollector):
     """Per-team in-flight, refusals and tokens; the limits store's health."""
 
-    def __init__(self, teams: Teams) -> None:
+    def __init__(self, teams: Counted) -> None:
         self.teams = teams
 
     def collect(self) -> Iterator[Metric]:

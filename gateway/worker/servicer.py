@@ -61,9 +61,9 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.worker import multiplex
 from gateway.worker.engine import Engine
 from gateway.worker.kv_events import SubscriberTooSlow
+from gateway.worker.multiplex import Multiplexer
 
 log = logging.getLogger("furnace.worker")
 
@@ -310,7 +310,7 @@ class EngineService(pb_grpc.EngineServicer):
         #: The worker is stopping (`drain`): new requests are refused UNAVAILABLE
         #: (another worker takes them), as the server refuses new calls.
         self.draining = False
-        self._multiplexed: set[multiplex.Multiplexer] = set()
+        self._multiplexed: set[Multiplexer] = set()
         self._subscriptions: set[asyncio.Task[Any]] = set()  # SubscribeKvEvents calls
         served = engine.features
         #: What the worker serves, as `Describe` lists it: the SDK does n itself.
@@ -369,7 +369,7 @@ class EngineService(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.MultiplexRequest, pb.MultiplexResponse],
     ) -> None:
         """Many answers on one call (see gateway.worker.multiplex), each as Generate's."""
-        call = multiplex.Multiplexer(self._started, context)
+        call = Multiplexer(self._started, context)
         self._multiplexed.add(call)
         if self.draining:
             call.close_when_idle()
