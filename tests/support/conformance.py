@@ -167,6 +167,10 @@ def start_gateway_for(server_loop: ServerLoop, engine: Engine, **overrides: Any)
         "port": 0,
         "log_level": "warning",
         "models": engine.models,
+        # A real engine on a loaded 2-core machine (another CPU-heavy process beside
+        # the suite) has taken more than the default 10 s to start an answer; these
+        # suites check answers' shapes, not the start timeout (test_fleet does).
+        "start_timeout": 120.0,
     }
     settings.update(overrides)
     return start_gateway(server_loop, Config(**settings))
