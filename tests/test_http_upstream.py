@@ -38,7 +38,7 @@ from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
 from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, until
 
 BASE = "http://upstream.test/v1"
 
@@ -771,7 +771,7 @@ def test_plain_http_a_connection_the_upstream_closed_is_not_reused():
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
             first = [e async for e in upstream.generate(CHAT, 5.0)]
-            await asyncio.sleep(0.1)  # the server's close reaches the pool
+            await until(lambda: not upstream._pool.open, "the server's close to reach the pool")
             second = [e async for e in upstream.generate(CHAT, 5.0)]
             await upstream.close()
         server.close()
@@ -875,7 +875,8 @@ def test_plain_http_pauses_reading_for_a_reader_that_falls_behind():
             upstream = OpenAIHttpUpstream(url, http)
             call = upstream.generate(TWO, HANG_GUARD)
             assert await anext(call) == Started(0)
-            await asyncio.sleep(0.5)  # the reader is busy: the server's sends back up
+            # the reader is busy: the server's sends back up until reading pauses
+            await until(lambda: call._paused, "the call to pause reading")
             waiting = len(call._ready)
             sent_all = server.sent_all
             texts = [e async for e in call if type(e) is Text]
@@ -942,7 +943,8 @@ def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
             calls = [upstream.generate(CHAT, HANG_GUARD) for _ in range(2)]
             together = await asyncio.gather(*(read(c, str(i)) for i, c in enumerate(calls)))
             reading = _RawCall.reading
-            await asyncio.sleep(0.1)  # their connections see their responses' ends
+            # their connections see their responses' ends
+            await until(lambda: len(upstream._pool.idle) == 2, "both connections idle")
             alone = await read(upstream.generate(CHAT, HANG_GUARD), "alone")
             await upstream.close()
         server.close()
