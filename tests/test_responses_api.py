@@ -20,6 +20,7 @@ import pytest
 from gateway.config import ModelConfig
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
+from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
 
@@ -134,6 +135,20 @@ def test_max_output_tokens_makes_an_incomplete_response(api, stream):
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.output_text == "a b"
     assert response.output[0].status == "incomplete"
+
+
+def test_a_worker_failing_mid_stream_ends_it_with_error_and_response_failed(api):
+    script = json.dumps({"texts": 2, "status": "INTERNAL"})
+    events = list(api.responses.create(model=SCRIPTED_MODEL, input=script, stream=True))
+    kinds = _kinds(events)
+    assert kinds[-2:] == ["error", "response.failed"]
+    _assert_sequenced(events)
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "engine_error"
+    assert failed.output[0].status == "incomplete"  # what was said before the failure
+    # a failure before the first event is a real status
+    with pytest.raises(openai.InternalServerError):
+        api.responses.create(model=SCRIPTED_MODEL, input=json.dumps({"status": "INTERNAL"}))
 
 
 # -- tools and formats ----------------------------------------------------------------
