@@ -233,16 +233,18 @@ class KvIndex:
 
     # -- reading -----------------------------------------------------------------------
 
-    def match(self, hashes: list[int]) -> dict[str, int]:
+    def match(self, hashes: Iterable[int]) -> dict[str, int]:
         """Blocks of the request's chain each worker holds from its start, for the
-        workers holding at least its first block."""
+        workers holding at least its first block; reads `hashes` (an `iter_chain`) only
+        as far as some worker holds the prefix."""
         holders = self.holders
-        alive = holders.get(hashes[0], 0) if hashes else 0
+        hashes = iter(hashes)
+        alive = holders.get(next(hashes, ROOT), 0)
         if not alive:
             return {}
         groups: list[tuple[int, int]] = []  # (bits of workers that stop here, depth)
         depth = 1
-        for ours in islice(hashes, 1, None):
+        for ours in hashes:
             bits = holders.get(ours, 0) & alive
             if bits != alive:
                 groups.append((alive & ~bits, depth))

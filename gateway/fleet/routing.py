@@ -35,8 +35,9 @@ session used last while that worker is available and has at most
 session is routed as a new one and follows its new worker, so one hot session cannot
 pin an overloaded worker. At most `max_sessions` are remembered, oldest forgotten.
 
-Cost per request: the chain (~0.1 µs a token), one dict lookup per cached block, and
-O(candidates) arithmetic; `benchmarks/sim_routing.py` has the curve.
+Cost per request: the chain as far as some worker holds it (~0.1 µs a token), one dict
+lookup per block, and the cost of each candidate; past `SAMPLE_ABOVE` candidates only the
+holders and `SAMPLED` others are costed. `benchmarks/sim_routing.py` has the curve.
 """
 
 from __future__ import annotations
@@ -52,9 +53,14 @@ from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity
 from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
-from gateway.protocol.kv_blocks import chain, prompt_bytes
+from gateway.protocol.kv_blocks import iter_chain, prompt_bytes
 from gateway.protocol.types import GenerateRequest
 
+#: Past this many candidates, those holding none of the prompt are scored on a random
+#: `SAMPLED` of them (power of d choices) rather than all: a worker holding nothing
+#: differs from another only by its load, and the sample spreads it.
+SAMPLE_ABOVE = 32
+SAMPLED = 8
 #: Bytes of a prompt the text fallback hashes at most (a 32k-token prompt's worth).
 TEXT_LIMIT = 128 * 1024
 
@@ -112,7 +118,7 @@ class Router:
         self._encoded = None
         if self.policy != "kv_aware" or not self.index.block_size:
             return
-        encode = next((getattr(w.client, "routing_ids", None) for w in workers), None)
+        encode = next((getattr(w.upstream, "routing_ids", None) for w in workers), None)
         if encode is None:
             return
         try:
@@ -156,7 +162,10 @@ class Router:
             if tokens is None:
                 tokens = _text_tokens(request)
             prompt = len(tokens)
-            hits = index.match(chain(tokens, index.block_size))
+            hits = index.match(iter_chain(tokens, index.block_size))
+        if len(candidates) > SAMPLE_ABOVE:  # every holder, and a few others at random
+            holders = [w for w in candidates if w.address in hits]
+            candidates = holders + self._rng.sample(candidates, SAMPLED)
         return self._cheapest(candidates, prompt, hits)
 
     def _cheapest(self, candidates: list[Worker], prompt: int, hits: dict[str, int]) -> Worker:
