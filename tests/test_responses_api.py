@@ -10,6 +10,7 @@ and calls a tool whose name is a word of the last message."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -18,6 +19,8 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.edge.responses import store as store_module
+from gateway.edge.responses.store import Stored
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.scripted_worker import SCRIPTED_MODEL
@@ -337,6 +340,23 @@ def test_the_store_keeps_the_newest_per_team(gateway_with):
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(ids[0])
         assert [api.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_the_memory_store_bounds_a_teams_bytes(monkeypatch):
+    def stored(n: int) -> Stored:
+        return Stored({"id": f"resp_{n}", "output": []}, [{"text": "x" * 100}])
+
+    size = len(stored(0).dumps())
+    monkeypatch.setattr(store_module, "MEMORY_BYTES_PER_TEAM", 2 * size)
+    memory = store_module.MemoryResponses(ttl=60, per_team=100)
+
+    async def run() -> list[bool]:
+        for n in range(3):
+            await memory.put("search", stored(n))
+        await memory.put("ads", stored(9))  # another team's bytes are its own
+        return [await memory.get("search", f"resp_{n}") is not None for n in range(3)]
+
+    assert asyncio.run(run()) == [False, True, True]
 
 
 def test_conversation_depth_and_items_are_bounded(gateway_with):

@@ -18,9 +18,9 @@ Two stores behind one interface:
 
   One Lua script stores a response and trims the index to `responses_per_team`
   (the oldest dropped, with their values) and to the TTL.
-- `MemoryResponses` otherwise: this process's memory, the same bounds, oldest
-  dropped first; replicas (and a gateway's several processes) do not share it,
-  which the gateway warns about at start.
+- `MemoryResponses` otherwise: this process's memory, the same bounds and at most
+  `MEMORY_BYTES_PER_TEAM` bytes a team, oldest dropped first; replicas (and a
+  gateway's several processes) do not share it, which the gateway warns about at start.
 
 A team reads only its own responses: another team's id is not found (404), as an id
 that never was. An open gateway's requests are one team, "".
@@ -42,6 +42,12 @@ if TYPE_CHECKING:
     from gateway.teams.redis_store import RedisStore
 
 log = logging.getLogger("furnace.responses")
+
+#: The most bytes of stored responses a team holds in a gateway's memory (the oldest
+#: dropped past it): a conversation is stored again at every turn, so the count alone
+#: would let 10,000 deep conversations take gigabytes. (Redis is bounded by its own
+#: `maxmemory`, as its operator sets it.)
+MEMORY_BYTES_PER_TEAM = 256 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -116,13 +122,22 @@ class MemoryResponses(ResponseStore):
     def __init__(self, ttl: float, per_team: int) -> None:
         super().__init__(ttl, per_team)
         self._teams: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+        self._bytes: dict[str, int] = {}
 
     async def put(self, team: str, stored: Stored) -> None:
         kept = self._teams.setdefault(team, OrderedDict())
-        kept[stored.id] = (time.monotonic() + self.ttl, stored.dumps())
+        raw = stored.dumps()
+        old = kept.pop(stored.id, None)
+        size = self._bytes.get(team, 0) + len(raw) - (0 if old is None else len(old[1]))
+        kept[stored.id] = (time.monotonic() + self.ttl, raw)
         now = time.monotonic()
-        while kept and (len(kept) > self.per_team or next(iter(kept.values()))[0] <= now):
-            kept.popitem(last=False)
+        while kept and (
+            len(kept) > self.per_team
+            or size > MEMORY_BYTES_PER_TEAM
+            or next(iter(kept.values()))[0] <= now
+        ):
+            size -= len(kept.popitem(last=False)[1][1])
+        self._bytes[team] = size
 
     async def get(self, team: str, response_id: str) -> Stored | None:
         kept = self._teams.get(team)
@@ -133,7 +148,11 @@ class MemoryResponses(ResponseStore):
 
     async def delete(self, team: str, response_id: str) -> bool:
         kept = self._teams.get(team)
-        return kept is not None and kept.pop(response_id, None) is not None
+        found = None if kept is None else kept.pop(response_id, None)
+        if found is None:
+            return False
+        self._bytes[team] -= len(found[1])
+        return True
 
 
 _PUT = """
@@ -205,7 +224,7 @@ def open_store(redis: RedisStore | None, ttl: float, per_team: int) -> ResponseS
         return RedisResponses(redis, ttl, per_team)
     log.warning(
         "stored responses (/v1/responses) are kept in this process's memory, at most %d "
-        "per team for %g s: replicas and processes do not share them "
+        "per team for %.0f s: replicas and processes do not share them "
         "(set redis_url to share them)",
         per_team,
         ttl,
