@@ -304,14 +304,14 @@ def test_metadata_caches_only_listed_versions_and_counts_against_team_limits(gat
     key = new_key("a")
     teams = {"a": {"models": ["slow"], "requests_per_minute": 6}}
     gw = gateway_with(**keyed(teams, {key: "a"}, models=models))
-    client = next(iter(gw.state.fleet.models["slow"].workers.values())).client
+    upstream = next(iter(gw.state.fleet.models["slow"].workers.values())).upstream
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as http:
         assert http.get("/v2/models/slow").status_code == 200
         # versions the worker does not list (KServe's lists none): asked, never kept
         for i in range(4):
             answer = http.get(f"/v2/models/slow/versions/{'v' * 2_000}{i}")
             assert answer.status_code in (200, 404), answer.text
-        assert set(client._metadata) == {""}
+        assert set(upstream._metadata) == {""}
         # every metadata call is one of the team's requests per minute
         answer = http.get("/v2/models/slow")
         assert answer.status_code == 200, answer.text

@@ -75,14 +75,14 @@ class Fleet:
         #: Pooled HTTP clients for `openai` upstreams, by `ca_file` (None: the system's roots).
         self._http: dict[str | None, httpx.AsyncClient] = {}
         self.models: dict[str, ModelPool] = {
-            m.name: ModelPool(m, config, self._client_factory(m)) for m in config.models
+            m.name: ModelPool(m, config, self._upstream_factory(m)) for m in config.models
         }
         self.budget = RetryBudget(config.retry_budget)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ----------------------------------------------------------
 
-    def _client_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
+    def _upstream_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
         """How the model's workers are reached: our gRPC protocol, vLLM's, or HTTP."""
         if model.upstream == "vllm-grpc":
             assert model.tokenizer is not None  # the config requires it
@@ -142,7 +142,7 @@ class Fleet:
             await asyncio.sleep(interval)
             for pool in self.models.values():
                 for worker in pool.idle_leavers():
-                    self._spawn(worker.client.close())
+                    self._spawn(worker.upstream.close())
             if self._tls_stamp() == stamp:
                 continue
             try:
@@ -155,7 +155,7 @@ class Fleet:
             for model in self.config.models:
                 if model.upstream != "openai":  # gRPC channels carry the credentials
                     pool = self.models[model.name]
-                    for worker in pool.replace_clients(self._client_factory(model)):
+                    for worker in pool.replace_upstreams(self._upstream_factory(model)):
                         self._spawn(self._watch(pool, worker))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -190,8 +190,8 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(
-            *(w.client.close() for pool in self.models.values() for w in pool.workers.values()),
-            *(w.client.close() for pool in self.models.values() for w in pool.retired),
+            *(w.upstream.close() for pool in self.models.values() for w in pool.workers.values()),
+            *(w.upstream.close() for pool in self.models.values() for w in pool.retired),
         )
         for client in self._http.values():
             await client.aclose()
@@ -205,7 +205,7 @@ class Fleet:
         pool.update(target, addresses, lambda w: self._spawn(self._watch(pool, w)))
         for worker in pool.idle_leavers():
             log.info("model %s: worker %s closed", pool.name, worker.address)
-            self._spawn(worker.client.close())
+            self._spawn(worker.upstream.close())
 
     async def _rediscover(self, pool: ModelPool, target: Target) -> None:
         while True:
@@ -221,7 +221,7 @@ class Fleet:
         self._spawn(follow_kv(pool, worker))  # returns at once unless routing reads events
         while not worker.leaving:
             try:
-                async for serving in worker.client.watch_health(interval):
+                async for serving in worker.upstream.watch_health(interval):
                     if serving and not described:
                         described = await self._describe(pool, worker)
                     if serving != worker.serving:
@@ -250,7 +250,7 @@ class Fleet:
 
     async def _describe(self, pool: ModelPool, worker: Worker, quiet: bool = False) -> bool:
         try:
-            models = await worker.client.describe(DESCRIBE_TIMEOUT)
+            models = await worker.upstream.describe(DESCRIBE_TIMEOUT)
         except errors.EngineError as error:
             if not quiet:
                 log.warning("worker %s did not describe itself: %s", worker.address, error.message)
@@ -355,7 +355,7 @@ class Fleet:
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
         worker.outstanding += 1
-        stream = worker.client.generate(
+        stream = worker.upstream.generate(
             request, deadline.remaining(), metadata, on_close=worker.release
         )
         start_timeout = self.config.start_timeout

@@ -31,7 +31,7 @@ async def count_tokens(
     address."""
 
     async def call(worker: Worker) -> int:
-        return await worker.client.count_tokens(request, deadline.remaining(), metadata)
+        return await worker.upstream.count_tokens(request, deadline.remaining(), metadata)
 
     tokens, worker = await call_unary(fleet, pool, deadline, call, lambda e: e.retryable)
     return tokens, worker.address

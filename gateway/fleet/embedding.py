@@ -37,7 +37,7 @@ async def embed(
     """The request's embeddings from a worker of `pool`, and that worker's address."""
 
     async def call(worker: Worker) -> Embeddings:
-        embeddings = await worker.client.embed(request, deadline.remaining(), metadata)
+        embeddings = await worker.upstream.embed(request, deadline.remaining(), metadata)
         if len(embeddings.vectors) != len(request.inputs):  # it broke the protocol
             raise errors.Failed(
                 f"The worker {worker.address} answered {len(embeddings.vectors)} embeddings "

@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 METADATA_TIMEOUT = 5.0
 
 
-def _tensor_client(pool: ModelPool, worker: Worker) -> KServeGrpcUpstream:
-    client = worker.client
-    if not isinstance(client, KServeGrpcUpstream):
+def _tensor_upstream(pool: ModelPool, worker: Worker) -> KServeGrpcUpstream:
+    upstream = worker.upstream
+    if not isinstance(upstream, KServeGrpcUpstream):
         raise errors.NotAnLLM(f"The model `{pool.name}` is not served by tensor workers.")
-    return client
+    return upstream
 
 
 async def model_metadata(pool: ModelPool, version: str) -> ModelMetadata:
@@ -41,10 +41,10 @@ async def model_metadata(pool: ModelPool, version: str) -> ModelMetadata:
     tried: set[Worker] = set()
     while True:
         worker = pick(pool, tried)
-        client = _tensor_client(pool, worker)
+        upstream = _tensor_upstream(pool, worker)
         tried.add(worker)
         try:
-            return await client.model_metadata(version, METADATA_TIMEOUT)
+            return await upstream.model_metadata(version, METADATA_TIMEOUT)
         except errors.Unavailable:
             if not pool.available(tried):
                 raise
@@ -60,7 +60,7 @@ async def infer(
     """Runs the inference on a worker; retries elsewhere only what never started."""
 
     async def call(worker: Worker) -> InferResult:
-        return await _tensor_client(pool, worker).infer(request, deadline.remaining(), metadata)
+        return await _tensor_upstream(pool, worker).infer(request, deadline.remaining(), metadata)
 
     result, _ = await call_unary(fleet, pool, deadline, call, never_started)
     return result

@@ -53,7 +53,7 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
     index, address = router.index, worker.address
     delay = 0.1
     while not worker.leaving:
-        source = worker.client
+        source = worker.upstream
         if not isinstance(source, KvEventSource):
             router.states[address] = UNSUPPORTED
             return

@@ -33,10 +33,10 @@ class ModelPool:
     """The workers of one model; membership changes as discovery answers."""
 
     def __init__(
-        self, model: ModelConfig, config: Config, make_client: Callable[[str], Upstream]
+        self, model: ModelConfig, config: Config, make_upstream: Callable[[str], Upstream]
     ) -> None:
         self.name = model.name
-        self.make_client = make_client
+        self.make_upstream = make_upstream
         self.kind = model.kind
         self.max_context = model.max_model_len
         #: Whether the answers' finish reasons are the upstream's own (an OpenAI-compatible
@@ -54,7 +54,7 @@ class ModelPool:
         self._weights = dict(model.weights)
         self._found: dict[str, set[str]] = {}  # entry -> addresses it gave
         self._weight_of: dict[str, float] = {}
-        #: Workers whose client was replaced, finishing their calls on the old one.
+        #: Workers whose upstream was replaced, finishing their calls on the old one.
         self.retired: list[Worker] = []
 
     def available(self, exclude: set[Worker]) -> list[Worker]:
@@ -103,7 +103,7 @@ class ModelPool:
             self._weight_of[address] = weight
             worker = self.workers.get(address)
             if worker is None:
-                worker = Worker(address, self.make_client(address), self.policy, weight)
+                worker = Worker(address, self.make_upstream(address), self.policy, weight)
                 self.workers[address] = worker
                 log.info("model %s: worker %s joins", self.name, address)
                 on_join(worker)
@@ -116,16 +116,16 @@ class ModelPool:
                 worker.leaving = True
                 log.info("model %s: worker %s leaves after its calls end", self.name, address)
 
-    def replace_clients(self, make_client: Callable[[str], Upstream]) -> list[Worker]:
-        """Every worker gets a new client (new TLS credentials) and keeps its state:
-        new calls go to the new client, calls in flight end on the old one, which
+    def replace_upstreams(self, make_upstream: Callable[[str], Upstream]) -> list[Worker]:
+        """Every worker gets a new upstream (new TLS credentials) and keeps its state:
+        new calls go to the new upstream, calls in flight end on the old one, which
         `idle_leavers` gives back once idle. Returns the new workers."""
-        self.make_client = make_client
+        self.make_upstream = make_upstream
         fresh: list[Worker] = []
         for address, old in list(self.workers.items()):
             if old.leaving:
-                continue  # it goes anyway, on its old client
-            new = replace(old, client=make_client(address), outstanding=0)
+                continue  # it goes anyway, on its old upstream
+            new = replace(old, upstream=make_upstream(address), outstanding=0)
             old.leaving = True
             self.workers[address] = new
             self.retired.append(old)
@@ -133,7 +133,7 @@ class ModelPool:
         return fresh
 
     def idle_leavers(self) -> list[Worker]:
-        """Workers that left (or whose client was replaced) and have no call in
+        """Workers that left (or whose upstream was replaced) and have no call in
         flight: ready to be closed."""
         gone = [w for w in self.workers.values() if w.leaving and w.outstanding == 0]
         for worker in gone:

@@ -35,7 +35,7 @@ class Worker:
     """A worker of one model."""
 
     address: str
-    client: Upstream
+    upstream: Upstream
     policy: EjectionPolicy
     weight: float = 1.0
     #: Calls in flight through this gateway.

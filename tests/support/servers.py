@@ -117,7 +117,7 @@ def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
     )
     wait_until(
         lambda: all(
-            getattr(w.client, "multiplexed", 0) == 0 for p in pools for w in p.workers.values()
+            getattr(w.upstream, "multiplexed", 0) == 0 for p in pools for w in p.workers.values()
         ),
         "no request open on a worker's multiplexed call",
     )
