@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -37,12 +39,26 @@ PIXEL = base64.b64encode(
 ).decode()
 
 
-def sdk(url: str, key: str = "unused") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=HANG_GUARD)
+@pytest.fixture
+def sdk() -> Iterator[Callable[..., anthropic.Anthropic]]:
+    """Makes SDK clients for a gateway URL and key; closes them after the test (a client
+    left to the garbage collector warns, and warnings are errors)."""
+    made: list[anthropic.Anthropic] = []
+
+    def make(url: str, key: str | None = "unused", **options: Any) -> anthropic.Anthropic:
+        client = anthropic.Anthropic(
+            base_url=url, api_key=key, max_retries=0, timeout=HANG_GUARD, **options
+        )
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
 
 
 @pytest.fixture
-def claude(gateway) -> anthropic.Anthropic:
+def claude(gateway, sdk) -> anthropic.Anthropic:
     return sdk(gateway.url)
 
 
@@ -305,7 +321,7 @@ def test_an_unknown_model_is_not_found_error(claude):
 
 
 def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_error(
-    gateway_with,
+    gateway_with, sdk
 ):
     key = new_key("search")
     gw = gateway_with(**keyed({"search": {}}, {key: "search"}))
@@ -313,7 +329,7 @@ def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_er
         model=DEMO_MODEL, max_tokens=4, messages=say("a b")
     )
     assert by_api_key.content[0].text == "a b"
-    bearer = anthropic.Anthropic(base_url=gw.url, auth_token=key, max_retries=0, timeout=HANG_GUARD)
+    bearer = sdk(gw.url, None, auth_token=key)
     assert bearer.messages.create(model=DEMO_MODEL, max_tokens=4, messages=say("c")).content
     with pytest.raises(anthropic.AuthenticationError) as raised:
         sdk(gw.url, "sk-wrong").messages.create(model=DEMO_MODEL, max_tokens=4, messages=say("a"))
@@ -323,7 +339,7 @@ def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_er
         sdk(gw.url, "sk-wrong").messages.count_tokens(model=DEMO_MODEL, messages=say("a"))
 
 
-def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with):
+def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with, sdk):
     key = new_key("search")
     gw = gateway_with(**keyed({"search": {"tokens_per_minute": 100}}, {key: "search"}))
     with pytest.raises(anthropic.RateLimitError) as raised:

@@ -5,6 +5,8 @@ count with (an OpenAI-compatible server without `/tokenize` is refused by name).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import anthropic
 import pytest
 
@@ -13,10 +15,11 @@ from tests.support.waiting import HANG_GUARD
 
 
 @pytest.fixture
-def claude(served) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
+def claude(served) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(
         base_url=served[1].url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
+    ) as client:
+        yield client
 
 
 def ask(engine: Engine, text: str, max_tokens: int = 8) -> dict:

@@ -52,21 +52,21 @@ def test_vllms_stop_reason_is_read(stop_reason, expected):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_message_that_met_a_stop_sequence_says_so(gateway, stream):
-    claude = anthropic.Anthropic(
-        base_url=gateway.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
     ask = {
         "model": DEMO_MODEL,
         "max_tokens": 16,
         "stop_sequences": ["END", "STOP"],
         "messages": [{"role": "user", "content": "a b STOP c"}],
     }
-    if stream:
-        with claude.messages.stream(**ask) as events:
-            message = events.get_final_message()
-    else:
-        message = claude.messages.create(**ask)
+    with anthropic.Anthropic(
+        base_url=gateway.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as claude:
+        if stream:
+            with claude.messages.stream(**ask) as events:
+                message = events.get_final_message()
+        else:
+            message = claude.messages.create(**ask)
+        ended = claude.messages.create(**{**ask, "messages": [{"role": "user", "content": "a b"}]})
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "STOP")
     assert message.content[0].text == "a b "
-    ended = claude.messages.create(**{**ask, "messages": [{"role": "user", "content": "a b"}]})
     assert (ended.stop_reason, ended.stop_sequence) == ("end_turn", None)
