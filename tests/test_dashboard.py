@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import QueueConfig
+from gateway.config import QueueConfig, RoutingConfig
 from tests.support.k8s_tools import ROOT, load_manifests, one, run, tool
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.servers import make_config
@@ -23,7 +23,16 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "furnace-gateway.json"
 CHART = ROOT / "helm" / "furnace-gateway"
 METRIC = re.compile(r"\bfurnace_gateway_[a-z0-9_]+\b")
 #: What an operator looks for first, each a row of the dashboard.
-ROWS = {"Traffic", "Latency", "Errors", "Slots and queue", "Workers", "Teams", "Tensor models"}
+ROWS = {
+    "Traffic",
+    "Latency",
+    "Errors",
+    "Slots and queue",
+    "Workers",
+    "Teams",
+    "Tensor models",
+    "KV-aware routing",
+}
 ALERTS = {
     "FurnaceGatewayErrorRatio",
     "FurnaceGatewayTTFTAboveSLO",
@@ -94,7 +103,15 @@ def test_the_chart_ships_the_repository_dashboard_and_the_alerts():
 def test_every_panel_and_alert_queries_metrics_the_gateway_exports(gateway_with, workers):
     key = new_key("search")
     config = make_config(workers)
-    models = tuple(replace(m, queue=QueueConfig(max_wait=5.0)) for m in config.models)
+    # the demo model routes on its worker's KV events, so the routing row's series exist
+    models = tuple(
+        replace(
+            m,
+            queue=QueueConfig(max_wait=5.0),
+            routing=RoutingConfig() if m.name == "furnace-demo" else None,
+        )
+        for m in config.models
+    )
     gw = gateway_with(
         **keyed({"search": {"tokens_per_minute": 100_000}}, {key: "search"}),
         models=models,
