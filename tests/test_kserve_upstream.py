@@ -84,7 +84,7 @@ def test_an_unreachable_worker_never_started_the_call():
 
     with pytest.raises(errors.Unavailable) as caught:
         _run(call)
-    assert getattr(caught.value, "never_started", False)
+    assert caught.value.never_started
 
 
 async def _wait_ready(upstream: KServeGrpcUpstream) -> None:

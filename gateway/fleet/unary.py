@@ -42,8 +42,8 @@ def pick(pool: ModelPool, tried: set[Worker]) -> Worker:
 
 def never_started(error: errors.EngineError) -> bool:
     """The retry rule of a call that may have run on its worker: only a failure that shows
-    the worker never saw it (an upstream marks it `never_started`)."""
-    return bool(getattr(error, "never_started", False))
+    the worker never saw it (an upstream sets the error's `never_started`)."""
+    return error.never_started
 
 
 async def call_unary(

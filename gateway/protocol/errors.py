@@ -50,6 +50,9 @@ class EngineError(Exception):
         self.message = message
         self.param = param
         self.reason = reason or self.default_reason
+        #: The worker never saw the call (it was not connected when the call failed), so
+        #: a unary call may be tried on another worker (`fleet.unary.never_started`).
+        self.never_started = False
 
 
 class Invalid(EngineError):

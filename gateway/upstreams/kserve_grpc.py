@@ -197,7 +197,7 @@ class KServeGrpcUpstream:
             failure = _from_rpc_error(error)
             code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
             if code == grpc.StatusCode.UNAVAILABLE and not was_ready:
-                failure.never_started = True  # type: ignore[attr-defined]
+                failure.never_started = True
             raise failure from None
         return result_from_proto(reply)
 
