@@ -9,10 +9,14 @@ import random
 from collections import Counter
 from typing import Any
 
+import httpx
 import pytest
 
-from gateway.config import AliasConfig, ConfigError, parse_config
+from gateway.config import AliasConfig, ConfigError, ModelConfig, parse_config
 from gateway.fleet.aliases import Aliases, draw
+from gateway.worker.demo import DemoEngine
+from tests.support.keys import bearer, keyed, new_key
+from tests.support.waiting import HANG_GUARD
 
 SPLIT = (("llama-70b-v2", 90.0), ("llama-70b-v3", 10.0))
 
@@ -121,3 +125,82 @@ def test_the_contract_config_loads() -> None:
     assert config.aliases == (AliasConfig("chat", SPLIT),)
     assert config.models[0].fallbacks == ("llama-8b",)
     assert [b.tokens for b in config.teams[0].budgets] == [50000, 1000000]
+
+
+# -- through a real gateway ----------------------------------------------------------------
+
+
+def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(gateway_with) -> None:
+    split = AliasConfig("chat", (("furnace-demo", 50.0), ("furnace-slow", 50.0)))
+    gw = gateway_with(aliases=(split,))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert "chat" in listed
+        assert client.get("/v1/models/chat").status_code == 200
+        body = {"model": "chat", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}
+        served = set()
+        for i in range(40):
+            answer = client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == answer.headers["x-furnace-model"]
+            served.add(answer.headers["x-furnace-model"])
+        assert served == {"furnace-demo", "furnace-slow"}  # 2**-39 to fail by chance
+        for session in ("s-1", "s-2", "s-3", "s-4"):
+            headers = {"x-session-id": session}
+            models = {
+                client.post("/v1/chat/completions", json=body, headers=headers).headers[
+                    "x-furnace-model"
+                ]
+                for _ in range(5)
+            }
+            assert len(models) == 1
+        # the body's `user` is the session key without the header
+        models = {
+            client.post("/v1/chat/completions", json={**body, "user": "u-9"}).json()["model"]
+            for _ in range(5)
+        }
+        assert len(models) == 1
+        streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.headers["x-furnace-model"] in served
+        assert f'"model":"{streamed.headers["x-furnace-model"]}"' in streamed.text
+
+
+def test_a_team_sees_an_alias_only_through_models_it_may_use(gateway_with) -> None:
+    key = new_key("alpha")
+    split = AliasConfig("chat", (("furnace-slow", 1.0),))
+    gw = gateway_with(
+        **keyed({"alpha": {"models": ["furnace-demo"]}}, {key: "alpha"}), aliases=(split,)
+    )
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
+        assert "chat" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        body = {"model": "chat", "prompt": "a b", "max_tokens": 1}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["code"] == "model_not_found"
+
+
+def test_fallback_serves_every_request_when_the_first_models_workers_die(
+    gateway_with, serve_engines, workers, server_loop
+) -> None:
+    (primary,) = serve_engines(DemoEngine("furnace-primary", max_context=64))
+    models = (
+        ModelConfig("furnace-primary", workers=(primary.address,), fallbacks=("furnace-demo",)),
+        ModelConfig("furnace-demo", workers=(workers.demo.address,)),
+    )
+    gw = gateway_with(models=models, health_check_interval=0.1, retry_attempts=2)
+    body = {"model": "furnace-primary", "prompt": "a b c", "max_tokens": 3, "stream": True}
+
+    def ask(client: httpx.Client) -> str:
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert "error" not in answer.text  # nothing failed after the first token
+        model = answer.headers["x-furnace-model"]
+        assert f'"model":"{model}"' in answer.text
+        return model
+
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        before = [ask(client) for _ in range(5)]
+        assert set(before) == {"furnace-primary"}
+        server_loop.call(primary.stop(0))  # mid-run: the gateway has not noticed yet
+        after = [ask(client) for _ in range(10)]
+        assert set(after) == {"furnace-demo"}

@@ -11,14 +11,24 @@ import random
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
+import orjson
 import pytest
+import redis
 
 from gateway.config import BudgetConfig, parse_config
 from gateway.protocol import errors
 from gateway.teams.budgets import Budgets, window_of
 from gateway.teams.redis_store import RedisStore
 from gateway.teams.team import Team
+from gateway.teams.accounts import key_id
+from tests.support.keys import bearer, keyed, new_key
 from tests.support.redis_server import RedisServer
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+def key_id_of(key: str) -> str:
+    return str(key_id([(b"authorization", f"Bearer {key}".encode())]))
 
 
 def at(text: str) -> float:
@@ -184,8 +194,12 @@ def test_redis_down_mid_window_fails_as_configured(redis_server: RedisServer, mo
             await budgets.settle(held, 100, 0)  # 100 refunded, kept to add later
         finally:
             redis_server.resume()
-        await budgets.probe()
-        assert budgets.redis_up and not budgets.unsynced
+        for _ in range(100):  # the tick's probe, until Redis answers again
+            await budgets.probe()
+            if budgets.redis_up:
+                break
+            await asyncio.sleep(0.1)
+        assert budgets.redis_up and not budgets.unsynced and not budgets.uncertain
         meter = budgets.meters(alpha, None, datetime.now(UTC).timestamp())[0]
         counter = float(await store.client.get(meter.key) or 0)
         # caught up once: what was counted meanwhile is in Redis, nothing twice
@@ -193,3 +207,160 @@ def test_redis_down_mid_window_fails_as_configured(redis_server: RedisServer, mo
         await store.close()
 
     asyncio.run(main())
+
+
+# -- through real gateways ---------------------------------------------------------------
+
+#: 25 characters: a prompt estimated at 7 tokens, which the demo engine counts as 4 words.
+PROMPT = "alpha bravo charlie delta"
+#: What each request reserves: its estimate, and `max_tokens`.
+RESERVED = 7 + 8
+
+
+def _stream_body() -> dict[str, Any]:
+    return {
+        "model": "furnace-slow",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _one_stream(
+    client: httpx.AsyncClient, url: str, key: str, cut: bool
+) -> tuple[str, Any]:
+    """('refused', the 429), ('cut', text tokens read), or ('whole', the usage)."""
+    async with client.stream(
+        "POST", url + "/v1/completions", json=_stream_body(), headers=bearer(key)
+    ) as response:
+        if response.status_code == 429:
+            return "refused", (response.headers, orjson.loads(await response.aread()))
+        assert response.status_code == 200, await response.aread()
+        read, usage = 0, None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            read += sum(1 for choice in chunk["choices"] if choice.get("text"))
+            usage = chunk.get("usage") or usage
+            if cut and read >= 2:
+                return "cut", read
+        return "whole", usage
+
+
+def _usage_rows(admin_url: str, **params: str) -> list[dict[str, Any]]:
+    answer = httpx.get(admin_url + "/admin/usage", params=params, timeout=HANG_GUARD)
+    assert answer.status_code == 200, answer.text
+    rows: list[dict[str, Any]] = answer.json()["data"]
+    return rows
+
+
+def test_a_budget_holds_across_two_gateways_sharing_redis_with_streams_cut(
+    redis_server: RedisServer, gateway_with: Any
+) -> None:
+    """80 concurrent streams against a day budget that admits ~50 of them, over two
+    gateways sharing Redis, every fourth cut by its client after two tokens: the window
+    ends within its budget, the ledger's rows equal what the clients received (the cut
+    ones: their prompts, and between what they read and their `max_tokens`), and the
+    budget's counter equals the ledger."""
+    whole, cutter = new_key("alpha"), new_key("alpha")
+    budget = 50 * RESERVED
+    overrides = keyed(
+        {"alpha": {"budgets": [{"window": "day", "tokens": budget}]}},
+        {whole: "alpha", cutter: "alpha"},
+        redis_url=redis_server.url,
+    )
+    gateways = [gateway_with(**overrides, admin_port=0) for _ in range(2)]
+
+    async def run() -> list[tuple[str, Any]]:
+        async with httpx.AsyncClient(timeout=HANG_GUARD) as client:
+            return await asyncio.gather(
+                *(
+                    _one_stream(client, gateways[i % 2].url, cutter if i % 4 == 3 else whole, i % 4 == 3)
+                    for i in range(80)
+                )
+            )
+
+    results = asyncio.run(run())
+    refused = [r for kind, r in results if kind == "refused"]
+    cut = [r for kind, r in results if kind == "cut"]
+    served = [r for kind, r in results if kind == "whole"]
+    assert refused and served and cut
+    for headers, body in refused:
+        assert body["error"]["code"] == "budget_exceeded"
+        assert "day budget of team `alpha`" in body["error"]["message"]
+        assert 1 <= int(headers["retry-after"]) <= 86_400
+        assert "x-furnace-budget-remaining-tokens-day" in headers
+    assert len(served) + len(cut) >= 50
+
+    admin = gateways[0].admin_url
+    assert admin is not None
+    ids = {key_id_of(whole): "whole", key_id_of(cutter): "cut"}
+
+    def settled() -> bool:
+        rows = _usage_rows(admin, team="alpha")
+        counts = {ids[r["key_id"]]: r["requests"] for r in rows}
+        return counts == {"whole": len(served), "cut": len(cut)}
+
+    wait_until(settled, "every admitted request settled in the ledger")
+    rows = {ids[r["key_id"]]: r for r in _usage_rows(admin, team="alpha", format="json")}
+    assert rows["whole"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in served)
+    assert rows["whole"]["completion_tokens"] == sum(u["completion_tokens"] for u in served)
+    assert rows["whole"]["outcome_completed"] == len(served)
+    assert rows["cut"]["prompt_tokens"] == 4 * len(cut)
+    assert sum(cut) <= rows["cut"]["completion_tokens"] <= 8 * len(cut)
+    total = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
+    assert total <= budget
+    counter = redis.Redis.from_url(redis_server.url)
+    key = next(iter(counter.scan_iter("furnace:budget:{alpha}:tokens:day:*")))
+    assert float(counter.get(key) or 0) == total
+    counter.close()
+    csv_text = httpx.get(
+        admin + "/admin/usage", params={"team": "alpha", "format": "csv"}, timeout=HANG_GUARD
+    ).text
+    assert csv_text.count("\n") == 3  # a header and the two rows
+
+
+def test_usage_query_refuses_bad_parameters_by_name(gateway_with: Any) -> None:
+    gw = gateway_with(admin_port=0)
+    for params, name in (
+        ({"format": "xml"}, "format"),
+        ({"from": "yesterday"}, "from"),
+        ({"from": "2026-02-01", "to": "2026-01-01"}, "from"),
+        ({"from": "2020-01-01", "to": "2026-01-01"}, "from"),
+        ({"teams": "alpha"}, "teams"),
+    ):
+        answer = httpx.get(gw.admin_url + "/admin/usage", params=params, timeout=HANG_GUARD)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == name
+
+
+def test_budget_store_down_closed_refuses_with_503_and_open_serves(
+    redis_server: RedisServer, gateway_with: Any
+) -> None:
+    key = new_key("alpha")
+    gateways = {
+        mode: gateway_with(
+            **keyed(
+                {"alpha": {"budgets": [{"window": "month", "tokens": 10**6}]}},
+                {key: "alpha"},
+                redis_url=redis_server.url,
+                budget_store_failure=mode,
+                redis_timeout=0.2,
+            )
+        )
+        for mode in ("open", "closed")
+    }
+    redis_server.stop()
+    with httpx.Client(timeout=HANG_GUARD) as client:
+        for mode, gw in gateways.items():
+            answer = client.post(
+                gw.url + "/v1/completions", json={"prompt": "a b"}, headers=bearer(key)
+            )
+            if mode == "open":
+                assert answer.status_code == 200, answer.text
+            else:
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["code"] == "server_busy"

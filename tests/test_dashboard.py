@@ -31,6 +31,7 @@ ROWS = {
     "Workers",
     "Teams",
     "Tensor models",
+    "Usage by team",
     "KV-aware routing",
 }
 ALERTS = {
@@ -40,6 +41,8 @@ ALERTS = {
     "FurnaceGatewayNoHealthyWorker",
     "FurnaceGatewayWorkerFlapping",
     "FurnaceGatewayLimitsStoreDown",
+    "FurnaceGatewayBudgetNearlySpent",
+    "FurnaceGatewayBudgetSpent",
 }
 
 

@@ -12,7 +12,8 @@ gateway (`routers/grpc/pipeline.rs`): a newcomer reads the order here, once.
                                             draining     a drain refuses new requests
                                             saturation   every worker of the model full
                                             team_limits  the team's RPM, TPM, concurrency
-                                            budgets      (a hook: spend over a window)
+                                            budgets      the team's spend over its
+                                                         windows, reserved
                                             slot         through the model's queue, or by
                                                          the teams' fair share, or plain
     serves (the fleet, the encoder)         ── the body of `async with admit(ctx)` ─────
@@ -35,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -48,11 +50,15 @@ from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.requests import InFlight, UnaryCall
 from gateway.config import Config
 from gateway.fleet import Fleet, ModelPool
+from gateway.fleet.aliases import Aliases
 from gateway.protocol import errors
-from gateway.protocol.types import EmbedRequest, GenerateRequest
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import EmbedRequest, GenerateRequest, Started
 from gateway.teams import Team, Teams
+from gateway.teams.budgets import Reservation
 from gateway.teams.limiter import Lease
 from gateway.telemetry import RequestRecord, Telemetry
+from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.admission")
 
@@ -67,7 +73,21 @@ class RequestContext:
     `team`), what the route adds once the body is parsed (`request`, `priority`,
     `gone`), and what the stages fill (`pool`, `lease`, `admitted`)."""
 
-    __slots__ = ("admitted", "gone", "lease", "pool", "priority", "record", "request", "team")
+    __slots__ = (
+        "admitted",
+        "alias",
+        "fallbacks",
+        "gone",
+        "key_id",
+        "lease",
+        "pool",
+        "priority",
+        "record",
+        "request",
+        "reservation",
+        "session",
+        "team",
+    )
 
     def __init__(self, record: RequestRecord, team: Team | None) -> None:
         #: The request's running tally: id, model, status, outcome, token counts.
@@ -88,6 +108,16 @@ class RequestContext:
         self.lease: Lease | None = None
         #: Whether the request holds (or held) a slot.
         self.admitted = False
+        #: Its key's id (`gateway.teams.accounts.key_id`), for the ledger and key budgets.
+        self.key_id: str | None = None
+        #: Its session key (`x-session-id`, else the body's `user`): an alias's draw.
+        self.session: str | None = None
+        #: The alias the request named, when it named one (`pool` is its target).
+        self.alias: str | None = None
+        #: Whether the route serves on the pool the stages leave in `pool` (a fallback).
+        self.fallbacks = False
+        #: What `budgets` reserved, settled by `end`.
+        self.reservation: Reservation | None = None
 
     def client_left(self) -> bool:
         """Whether the client has gone away (then the request ends as a 499)."""
@@ -110,6 +140,8 @@ class Admission:
         self.fleet = fleet
         self.teams = teams
         self.telemetry = telemetry
+        self.accounts = teams.accounts
+        self.aliases = Aliases(config)
         slots = inflight.slots
         demand_memory = max(5.0, 3.0 * config.retry_after)
         self.fair_share = FairShare(slots, teams.by_name.values(), demand_memory)
@@ -148,6 +180,8 @@ class Admission:
         `kind` "tensor": the /v2 routes' tensor model)."""
         if kind == "tensor":
             pool = tensor_pool(self.fleet, ctx.team, name or "")
+        elif name is not None and name not in self.fleet.models and self.aliases.named(name):
+            pool = self._alias(ctx, name)
         else:
             pool = resolve(self.fleet, ctx.team, name)
         ctx.pool = pool
@@ -158,6 +192,15 @@ class Admission:
         """Refuses (`Busy`) when every worker of the model runs as many requests as it
         says it can: waiting in the gateway would only move the queue here."""
         pool = _pool(ctx)
+        if (
+            ctx.fallbacks
+            and pool.name in self.aliases.falls_back
+            and (pool.saturated() or not pool.available(set()))
+        ):
+            fallback = next(self._fallbacks(ctx, pool, ready=True), None)
+            if fallback is not None:
+                self._land(ctx, fallback)
+                return
         if pool.saturated():
             raise errors.Busy(
                 f"Every worker of `{pool.name}` runs as many requests as it says it can.",
@@ -171,7 +214,12 @@ class Admission:
             ctx.lease = await self.teams.limiter.admit(ctx.team, ctx.request, ctx.record)
 
     async def budgets(self, ctx: RequestContext) -> None:
-        """The team's spend over its calendar windows (`BudgetExceeded`): none yet."""
+        """Reserves the most the request may cost on its team's (and key's) budgets
+        over their calendar windows (`BudgetExceeded`); `end` settles it."""
+        if ctx.team is not None and ctx.team.config.budgets:
+            ctx.reservation = await self.accounts.reserve(
+                ctx.team, ctx.key_id, _pool(ctx).name, ctx.request
+            )
 
     @asynccontextmanager
     async def slot(self, ctx: RequestContext) -> AsyncIterator[None]:
@@ -235,6 +283,94 @@ class Admission:
         lease, ctx.lease = ctx.lease, None
         if lease is not None:
             await self.teams.limiter.release(lease)
+        held, ctx.reservation = ctx.reservation, None
+        if held is not None or ctx.admitted:  # the budgets and the ledger: what it used
+            record = ctx.record
+            await self.accounts.settle(ctx.team, ctx.key_id, record.model, held, record)
+
+    # -- aliases and fallbacks ------------------------------------------------------
+
+    def _alias(self, ctx: RequestContext, name: str) -> ModelPool:
+        """The pool of the target an alias draws (for the request's session); a target
+        the team may not see is as missing as the alias."""
+        own = ctx.team.config.aliases if ctx.team is not None else ()
+        target = self.aliases.resolve(name, ctx.session, own)
+        try:
+            pool = resolve(self.fleet, ctx.team, target)
+        except errors.ModelNotFound:
+            raise errors.ModelNotFound(
+                f"The model `{name[:256]}` does not exist.", param="model"
+            ) from None
+        ctx.alias = name
+        return pool
+
+    def _fallbacks(self, ctx: RequestContext, pool: ModelPool, ready: bool) -> Iterator[ModelPool]:
+        """`pool`'s fallbacks the team may use, in order (with `ready`: only those with
+        a worker free now)."""
+        own = ctx.team.config.aliases if ctx.team is not None else ()
+        for name in self.aliases.chain(pool.name, ctx.session, own):
+            fallback = self.fleet.models.get(name)
+            if fallback is None or fallback.kind != pool.kind or not Teams.sees(ctx.team, name):
+                continue
+            if ready and (fallback.saturated() or not fallback.available(set())):
+                continue
+            yield fallback
+
+    @staticmethod
+    def _land(ctx: RequestContext, pool: ModelPool) -> None:
+        log.info(
+            "request %s: served by %s instead of %s",
+            ctx.record.request_id,
+            pool.name,
+            _pool(ctx).name,
+        )
+        ctx.pool = pool
+        ctx.record.model = pool.name
+
+    def falls_back(self, ctx: RequestContext) -> bool:
+        """Whether the request's model has fallbacks (its start then goes by `start`)."""
+        return _pool(ctx).name in self.aliases.falls_back
+
+    async def start(
+        self,
+        ctx: RequestContext,
+        request: GenerateRequest,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> tuple[Started, UpstreamCall]:
+        """Starts the request on its model; when every worker tried failed before the
+        first event (a retryable refusal: unreachable, busy, not started in time), on
+        its fallbacks in order, each as the fleet starts any request. Never later: the
+        first event is where it ends. `ctx.pool` is the model that serves."""
+        pool = _pool(ctx)
+        try:
+            return await self.fleet.generate(pool, request, deadline, metadata, ctx.record)
+        except errors.EngineError as error:
+            if not error.retryable or deadline.remaining() <= 0:
+                raise
+            first = error
+        for fallback in self._fallbacks(ctx, pool, ready=False):
+            self._land(ctx, fallback)
+            try:
+                again = replace(request, model=fallback.name)
+                return await self.fleet.generate(fallback, again, deadline, metadata, ctx.record)
+            except errors.EngineError as error:
+                if not error.retryable or deadline.remaining() <= 0:
+                    raise
+        raise first
+
+    def aliases_of(self, team: Team | None) -> list[str]:
+        """The aliases `team` may use: those with a target it may use."""
+        own = team.config.aliases if team is not None else ()
+        return [
+            name
+            for name in self.aliases.names(own)
+            if name not in self.fleet.models
+            and any(
+                t in self.fleet.models and Teams.sees(team, t)
+                for t in self.aliases.targets(name, own)
+            )
+        ]
 
     # -- unary calls ----------------------------------------------------------------
 

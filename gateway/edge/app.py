@@ -44,6 +44,7 @@ from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_comp
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
 from gateway.edge.responses.routes import responses_routes
+from gateway.edge.usage import usage_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams
 from gateway.telemetry import Telemetry
@@ -103,6 +104,7 @@ def create_admin_app(
     inflight: InFlight,
     telemetry: Telemetry,
     is_ready: Callable[[], bool],
+    teams: Teams,
 ) -> Starlette:
     """The admin listener's application: the probes and the admin routes, behind
     the public app's middleware less the key gate."""
@@ -110,6 +112,7 @@ def create_admin_app(
     return _starlette(
         [
             *admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry),
+            *usage_routes(teams.accounts),
             *probe_routes(is_ready),
         ],
         [
@@ -152,14 +155,15 @@ def create_app(
     hot.update(responses_hot)
     routes = [
         *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
-        Route("/v1/models", list_models(fleet, started_at), methods=["GET"]),
-        Route("/v1/models/{model:path}", one_model(fleet, started_at), methods=["GET"]),
+        Route("/v1/models", list_models(admission, started_at), methods=["GET"]),
+        Route("/v1/models/{model:path}", one_model(admission, started_at), methods=["GET"]),
         *probe_routes(is_ready),
         *KServeRoutes(parts, is_ready=is_ready).routes(),
         *responses_store,
     ]
     if admin_on_public(config):
         routes += admin_routes(fleet=fleet, inflight=inflight, registry=telemetry.registry)
+        routes += usage_routes(teams.accounts)
 
     def checked(app: ASGIApp) -> ASGIApp:
         """Host, key and content type checked, in this order, before `app`."""

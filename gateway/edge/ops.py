@@ -28,7 +28,7 @@ def json_response(payload: object, status: int = 200) -> Response:
 
 
 #: The admin routes' paths (what the public listener of a keyed gateway hides).
-ADMIN_PATHS = ("/admin/workers", "/metrics", "/metrics/json")
+ADMIN_PATHS = ("/admin/workers", "/admin/usage", "/metrics", "/metrics/json")
 
 
 def probe_routes(is_ready: Callable[[], bool]) -> list[Route]:

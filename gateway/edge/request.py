@@ -27,6 +27,7 @@ from gateway.fleet import Fleet
 from gateway.protocol import errors
 from gateway.protocol.errors import Outcome
 from gateway.teams import Teams, team_of
+from gateway.teams.accounts import key_id
 from gateway.telemetry import RequestRecord, Telemetry
 from gateway.telemetry.tracing import Tracing, annotate
 
@@ -164,6 +165,8 @@ class RequestRoute(Generic[X]):
         request_id, metadata = request_context(scope)
         record = RequestRecord(request_id.decode("latin-1"))
         ctx = RequestContext(record, team_of(scope))
+        if ctx.team is not None:  # a keyed gateway's: the ledger's and key budgets' key id
+            ctx.key_id = key_id(scope["headers"])
         # every write waits at most `write_timeout` on the client (see write_guard.py)
         abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
         send = guard = WriteGuard(send, self.config.write_timeout, abort)

@@ -51,6 +51,14 @@ class Aliases:
     def __init__(self, config: Config) -> None:
         self.top = {alias.name: alias for alias in config.aliases}
         self.fallbacks = {m.name: m.fallbacks for m in config.models}
+        #: Every alias name, the teams' own included: what a request's model is looked up in.
+        self.every = frozenset(self.top).union(a.name for t in config.teams for a in t.aliases)
+        #: The models that have fallbacks.
+        self.falls_back = frozenset(m.name for m in config.models if m.fallbacks)
+
+    def named(self, name: str) -> bool:
+        """Whether `name` is an alias (of the top level or of some team)."""
+        return name in self.every
 
     def scope(self, own: Sequence[AliasConfig] = ()) -> Mapping[str, AliasConfig]:
         """The aliases a caller sees: the top-level ones, and `own` (a team's) over them."""

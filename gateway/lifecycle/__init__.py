@@ -117,6 +117,7 @@ class Gateway:
                 inflight=self.inflight,
                 telemetry=self.telemetry,
                 is_ready=is_ready,
+                teams=self.teams,
             )
 
 

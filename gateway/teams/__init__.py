@@ -4,6 +4,9 @@
     ├── KeyRing          keys.py        Bearer key → team, by SHA-256, constant time
     ├── Limiter          limiter.py     requests/tokens per minute, concurrency → 429
     │   └── RedisStore   redis_store.py the same limits shared by every replica
+    ├── Accounts         accounts.py    budgets and the usage ledger: reserve, settle
+    │   ├── Budgets      budgets.py     spend over UTC days and months → 429 budget_exceeded
+    │   └── Ledger       usage.py       usage per team x model x key id x day
     ├── Team, Bucket     team.py, bucket.py
     └── headers, metrics                x-ratelimit-* headers; /metrics families
     accounts.py      what teams spend: the reserve and settle admission calls
@@ -28,6 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from gateway.config import Config
+from gateway.teams.accounts import Accounts, AccountsCollector
 from gateway.teams.headers import rate_limit_headers
 from gateway.teams.keys import KeyRing
 from gateway.teams.limiter import Limiter
@@ -57,10 +61,13 @@ class Teams:
         self.keyed = bool(config.keys) or config.keys_file is not None
         self.keys = KeyRing(config, self.by_name)
         self.limiter = Limiter(config, self.by_name.values())
+        #: Budgets and the usage ledger, in the limits' Redis (if any).
+        self.accounts = Accounts(config, self.by_name.values(), self.limiter.redis)
         self.auth_failures = 0
         self._reload: asyncio.Task[None] | None = None
         self._has_keys_file = config.keys_file is not None
         registry.register(TeamsCollector(self))
+        registry.register(AccountsCollector(self.accounts))
 
     async def start(self) -> None:
         """Says whether the gateway is open; starts the limits (and Redis)."""
@@ -76,6 +83,7 @@ class Teams:
                 len(self.by_name),
             )
         await self.limiter.start()
+        await self.accounts.start()
         if self._has_keys_file:
             self._reload = asyncio.get_running_loop().create_task(self._reload_keys())
 
@@ -85,6 +93,7 @@ class Teams:
             self._reload.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reload
+        await self.accounts.close()
         await self.limiter.close()
 
     async def _reload_keys(self) -> None:

@@ -14,9 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.admission import EventPump
+from gateway.admission.admit import RequestContext
 from gateway.edge.asgi import Scope, Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
@@ -33,6 +34,8 @@ from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
 log = logging.getLogger("furnace.edge")
+
+_T = TypeVar("_T")
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -69,6 +72,22 @@ def _session(scope: Scope) -> str:
                 raise invalid("x-session-id", f"At most {MAX_SESSION_ID} characters.")
             return value.decode("latin-1")
     return ""
+
+
+def _user(body: Any) -> str | None:
+    """The body's `user`, when it is a string: a session key for an alias's draw."""
+    user = body.get("user") if isinstance(body, dict) else None
+    return user if isinstance(user, str) and user else None
+
+
+def _served(ctx: RequestContext, pool: ModelPool) -> ModelPool:
+    """The pool that serves: a fallback's, when admission moved the request to one."""
+    return ctx.pool or pool
+
+
+async def _ready(started: _T) -> _T:
+    """A start already done, for the pump."""
+    return started
 
 
 class GenerationRoute(RequestRoute[Exchange]):
@@ -122,6 +141,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         admission = self.admission
         admission.draining(ctx)
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
+        if admission.aliases.every:  # an alias's draw keeps a session on one target
+            ctx.session = _session(ex.scope) or _user(body)
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
         session = _session(ex.scope)
@@ -137,7 +159,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         ctx.priority = priority(ex.scope)
         ex.watch_client()  # from here: a queued client that goes away leaves the queue
         async with admission.admit(ctx):
-            await self._serve(parsed, pool, ex)
+            await self._serve(parsed, _served(ctx, pool), ex)
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
         config = self.config
@@ -151,11 +173,16 @@ class GenerationRoute(RequestRoute[Exchange]):
             request = replace(request, sampling=sampling)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
         with self.tracing.engine_call(pool.name, ex.metadata) as (span, metadata):
-            pump = EventPump(
-                self.fleet.generate(pool, request, Deadline(timeout), metadata, ex.record),
-                config.stream_buffer_bytes,
-                request.n,
-            )
+            if self.admission.falls_back(ex.ctx):
+                # started before the answer's encoder is made: it names the model that
+                # serves, which a fallback decides by the first event
+                start = self.admission.start(ex.ctx, request, Deadline(timeout), metadata)
+                started = await self.admission.unary(ex.ctx, start, None, "The start")
+                pool = _served(ex.ctx, pool)
+                start = _ready(started)
+            else:
+                start = self.fleet.generate(pool, request, Deadline(timeout), metadata, ex.record)
+            pump = EventPump(start, config.stream_buffer_bytes, request.n)
             try:
                 await self._relay(pump, parsed, pool, ex)
             finally:
@@ -223,7 +250,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         else:
             body = encoder.answer(record.prompt_tokens, record.completion_tokens)
         record.status, record.outcome = 200, Outcome.COMPLETED
-        await send_json(send, 200, body, [(b"x-request-id", record.request_id.encode("latin-1"))])
+        served = (b"x-furnace-model", record.model.encode("latin-1"))
+        request_id = (b"x-request-id", record.request_id.encode("latin-1"))
+        await send_json(send, 200, body, [request_id, served])
 
     async def _stream(
         self,
@@ -243,7 +272,11 @@ class GenerationRoute(RequestRoute[Exchange]):
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*_SSE_HEADERS, (b"x-request-id", request_id)],
+                "headers": [
+                    *_SSE_HEADERS,
+                    (b"x-request-id", request_id),
+                    (b"x-furnace-model", record.model.encode("latin-1")),
+                ],
             }
         )
         record.status = 200

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admission.admit import resolve, usable
+from gateway.admission.admit import Admission, resolve, usable
 from gateway.edge.errors import APIError
 from gateway.edge.ops import json_response
-from gateway.fleet import Fleet, ModelPool
+from gateway.fleet import ModelPool
 from gateway.teams import team_of
 
 __all__ = ["list_models", "one_model", "resolve"]
@@ -34,24 +34,33 @@ def _entry(pool: ModelPool, created: int) -> dict[str, object]:
     return entry
 
 
-def list_models(fleet: Fleet, created: int) -> Callable[[Request], Awaitable[Response]]:
-    """The endpoint listing the fleet's models, filtered by the caller's team."""
+def _alias_entry(name: str, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "furnace"}
+
+
+def list_models(admission: Admission, created: int) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint listing the fleet's models, then the aliases (as models), filtered
+    by the caller's team."""
 
     async def endpoint(request: Request) -> Response:
         team = team_of(request.scope)
-        data = [_entry(pool, created) for pool in usable(fleet, team)]
+        data = [_entry(pool, created) for pool in usable(admission.fleet, team)]
+        data += [_alias_entry(name, created) for name in admission.aliases_of(team)]
         return json_response({"object": "list", "data": data})
 
     return endpoint
 
 
-def one_model(fleet: Fleet, created: int) -> Callable[[Request], Awaitable[Response]]:
-    """`GET /v1/models/{id}`: one model, or OpenAI's 404 (ids may hold slashes)."""
+def one_model(admission: Admission, created: int) -> Callable[[Request], Awaitable[Response]]:
+    """`GET /v1/models/{id}`: one model (or alias), or OpenAI's 404 (ids may hold
+    slashes)."""
 
     async def endpoint(request: Request) -> Response:
         name = request.path_params["model"]
         team = team_of(request.scope)
-        pool = next((p for p in usable(fleet, team) if p.name == name), None)
+        pool = next((p for p in usable(admission.fleet, team) if p.name == name), None)
+        if pool is None and name in admission.aliases_of(team):
+            return json_response(_alias_entry(name, created))
         if pool is None:
             message = f"The model `{name[:256]}` does not exist."
             raise APIError(404, message, param="model", code="model_not_found")
