@@ -18,9 +18,10 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, RoutingConfig
 from gateway.edge.responses import store as store_module
 from gateway.edge.responses.store import Stored
+from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.scripted_worker import SCRIPTED_MODEL
@@ -311,6 +312,33 @@ def test_a_lost_redis_is_a_503_for_reads_and_answers_still_come(gateway_with, re
             assert assert_openai_error(answer)["type"] == "server_error"
         # storing fails after the answer: it is served all the same
         assert api.responses.create(model=DEMO_MODEL, input="served").output_text == "served"
+
+
+def test_a_conversation_stays_on_the_worker_of_its_first_turn(gateway_with, serve_engines):
+    engines = [DemoEngine(max_context=4096), DemoEngine(max_context=4096)]
+    servers = serve_engines(*engines)
+    # round robin would alternate the turns between the two workers
+    routing = RoutingConfig(policy="round_robin")
+    model = ModelConfig(DEMO_MODEL, workers=tuple(s.address for s in servers), routing=routing)
+    gw = gateway_with(models=(model,))
+    with sdk(gw.url) as api:
+        for conversation in range(2):
+            turn = api.responses.create(model=DEMO_MODEL, input=f"start {conversation}")
+            before = [engine.calls for engine in engines]
+            for _ in range(3):
+                turn = api.responses.create(
+                    model=DEMO_MODEL, input="more", previous_response_id=turn.id
+                )
+            moved = [engine.calls - was for engine, was in zip(engines, before, strict=True)]
+            assert sorted(moved) == [0, 3], moved
+        # a first turn with an x-session-id keeps that key for its conversation
+        headers = {"x-session-id": "my-conversation"}
+        first = api.responses.create(model=DEMO_MODEL, input="a", extra_headers=headers)
+        before = [engine.calls for engine in engines]
+        api.responses.create(model=DEMO_MODEL, input="b", previous_response_id=first.id)
+        api.responses.create(model=DEMO_MODEL, input="c", extra_headers=headers)
+        moved = [engine.calls - was for engine, was in zip(engines, before, strict=True)]
+        assert sorted(moved) == [0, 2], moved
 
 
 def test_another_teams_response_is_not_found(gateway_with):

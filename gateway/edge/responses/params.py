@@ -522,5 +522,5 @@ def generate(
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=body.response_format,
         user=body.user,
-        session=body.session or session,
+        session=session,
     )

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
 from gateway.edge.errors import APIError, from_engine_error, invalid
-from gateway.edge.openai.generation import GenerationRoute
+from gateway.edge.openai.generation import GenerationRoute, _session
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
@@ -77,10 +77,17 @@ def _request(
     request_id: str,
     team: str,
     previous: Stored | None,
+    header: str = "",
 ) -> ResponsesRequest:
+    """The request of a checked body: the conversation's session key is the client's
+    `prompt_cache_key`, else the one the conversation began with, else (a first turn)
+    its `x-session-id` header or the new response's own id."""
     response_id = new_id("resp")
     history = [] if previous is None else previous.conversation()
-    session = body.session or (previous.session if previous is not None else response_id)
+    if previous is not None:
+        session = body.session or previous.session
+    else:
+        session = body.session or header or response_id
     return ResponsesRequest(
         body.model,
         generate(body, history, request_id, session),
@@ -138,7 +145,8 @@ class ResponsesRoute(GenerationRoute):
                     f"The conversation is {previous.depth} turns deep; at most "
                     f"{self.max_depth} are served.",
                 )
-        request = _request(parsed, ex.record.request_id, team, previous)
+        header = _session(ex.scope)
+        request = _request(parsed, ex.record.request_id, team, previous, header)
         if len(request.history) + len(parsed.items) > self.max_items:
             raise invalid(
                 "input",
