@@ -38,6 +38,10 @@ class LeastOutstanding:
 
     def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
         """The less loaded of two weighted random candidates."""
+        return self.pick_any(candidates)
+
+    def pick_any(self, candidates: list[Worker]) -> Worker:
+        """As `pick`, for a call with no request to look at (a unary call)."""
         if len(candidates) == 1:
             return candidates[0]
         if all(w.weight == candidates[0].weight for w in candidates):

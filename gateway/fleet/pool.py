@@ -44,6 +44,7 @@ class ModelPool:
         self.relays_answers = model.upstream == "openai"
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         self.balancer = make_balancer(model, config)
+        self._unary = LeastOutstanding()
         #: The balancer when the model has `routing:` (its KV index, the reason of a pick).
         self.router = self.balancer if isinstance(self.balancer, Router) else None
         self.policy = EjectionPolicy(
@@ -88,6 +89,13 @@ class ModelPool:
         if not candidates:
             return None
         return self.balancer.pick(candidates, request)
+
+    def pick_for_unary(self, exclude: set[Worker]) -> Worker | None:
+        """The worker for a unary call (an embedding, a tensor inference: no prompt prefix
+        for affinity or KV routing to follow) among those not yet tried, the less loaded
+        of two, or None."""
+        candidates = self.available(exclude)
+        return self._unary.pick_any(candidates) if candidates else None
 
     def update(
         self,

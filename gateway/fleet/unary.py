@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import CANCELLED
 
 if TYPE_CHECKING:
@@ -32,9 +31,8 @@ T = TypeVar("T")
 
 
 def pick(pool: ModelPool, tried: set[Worker]) -> Worker:
-    """A worker for a unary call among those not yet tried (a unary call has no prompt
-    prefix for affinity to follow), or `Unavailable`."""
-    worker = pool.pick(GenerateRequest(model=pool.name, prompt=""), tried)
+    """A worker for a unary call among those not yet tried, or `Unavailable`."""
+    worker = pool.pick_for_unary(tried)
     if worker is None:
         raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
     return worker
