@@ -160,6 +160,7 @@ def test_plain_contents_change_nothing_for_text_without_special_strings(tokenize
 def test_a_batch_encodes_as_one_text_at_a_time(tokenizer_dir):
     tokenizer = load_tokenizer(str(tokenizer_dir))
     texts = ["one two", "café", "", "<|end|> x"]
-    assert tokenizer.encode_batch(texts) == [
-        tokenizer.encode(t, add_special_tokens=True) for t in texts
-    ]
+    # the batch calls (which release the GIL) make the ids Tokenizer.encode makes
+    raw = [tokenizer._tokenizer.encode(t, add_special_tokens=True).ids for t in texts]
+    assert tokenizer.encode_batch(texts) == raw
+    assert [tokenizer.encode(t, add_special_tokens=True) for t in texts] == raw
