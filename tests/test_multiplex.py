@@ -16,6 +16,7 @@ import pytest
 from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.convert import event_to_proto
+from gateway.protocol.grpc_options import CHANNEL_OPTIONS
 from gateway.protocol.multiplex import WINDOW, units
 from gateway.protocol.types import (
     Event,
@@ -31,7 +32,6 @@ from gateway.protocol.types import (
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.upstreams import furnace_multiplex
-from gateway.upstreams.furnace_channel import CHANNEL_OPTIONS
 from gateway.upstreams.furnace_multiplex import MultiplexLink
 from gateway.worker.demo import DemoEngine
 from gateway.worker.engine import Engine

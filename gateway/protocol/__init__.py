@@ -6,6 +6,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     errors.py   the one error tree, with each error's outcome and reason
     status.py   the one table between gRPC status codes and those errors
     convert.py  our types to the protocol's messages and back, both ways
+    grpc_options.py  the gRPC options of both ends, the largest message among them
     deadline.py Deadline: the clock of one request, down to the worker's call
     sizes.py    what an event weighs in a buffer or window; what a request may make
     tls.py      TLS credentials for both ends, from PEM files

@@ -1,30 +1,16 @@
-"""What the gateway's gRPC upstreams share: one way to open a worker's channel (its
-options, TLS when configured), and, for our worker protocol (`furnace_grpc` and
-`furnace_multiplex` alike), the translation of a failed call into the error tree
-through the one table in `gateway.protocol.status`."""
+"""What the gateway's gRPC upstreams share: one way to open a worker's channel (the
+options of `gateway.protocol.grpc_options`, TLS when configured), and, for our worker
+protocol (`furnace_grpc` and `furnace_multiplex` alike), the translation of a failed call
+into the error tree through the one table in `gateway.protocol.status`."""
 
 from __future__ import annotations
 
 import grpc
 
 from gateway.protocol import errors
+from gateway.protocol.grpc_options import CHANNEL_OPTIONS
 from gateway.protocol.status import error_from_status
 from gateway.protocol.tls import WorkerCredentials
-
-# Loopback and in-cluster links: keep connections warm, allow big prompts.
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 5_000),
-    # A fixed receive window (no BDP probing, which grows it to megabytes): a stream whose
-    # client stops reading pushes back on its worker after 64 KiB, not after many MB.
-    ("grpc.http2.bdp_probe", 0),
-)
 
 
 def open_channel(address: str, credentials: WorkerCredentials | None) -> grpc.aio.Channel:

@@ -14,6 +14,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway.protocol.grpc_options import SERVER_OPTIONS
 from gateway.protocol.tls import ServerTLS, server_credentials
 from gateway.protocol.v1 import engine_pb2
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
@@ -23,13 +24,7 @@ from gateway.worker.servicer import EngineService
 log = logging.getLogger("furnace.worker")
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-_SERVER_OPTIONS = (
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-)
+_SERVER_OPTIONS = (("grpc.so_reuseport", 0), *SERVER_OPTIONS)
 
 
 class WorkerServer:

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.protocol import errors
+from gateway.protocol.grpc_options import MESSAGE_OPTIONS
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, to_raw
@@ -128,12 +129,7 @@ async def start_tensor_server(
     """A started server on `host:port` (port 0: a free one); returns it and its port. With
     `tls`, TLS (mutual with a client CA) whose files are reloaded when they change, as the
     LLM worker's; `servicer` replaces the plain one over `engine` (tests record calls)."""
-    server = grpc.aio.server(
-        options=(
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        )
-    )
+    server = grpc.aio.server(options=MESSAGE_OPTIONS)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer or TensorServicer(engine), server)
     # the standard health service too, for Kubernetes' gRPC probes (the chart's pools)
     checks = health.aio.HealthServicer()
