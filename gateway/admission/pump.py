@@ -91,7 +91,7 @@ class EventPump:
     """The events of one request, in batches of what is ready.
 
     `start` is the fleet's start of the call: it resolves to the `Started`
-    event and the stream of the rest, or raises the refusal; it runs in the
+    event and the call that brings the rest, or raises the refusal; it runs in the
     task of the first `next_batch`. The call ends with the `Finished` of each of
     its `choices`.
     """
@@ -114,14 +114,14 @@ class EventPump:
         self.phase = Phase.NEW
         self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
         self._start_cancelled = False  # `cancel()` cancelled that task
-        self._stream: UpstreamCall | None = None
-        self._pushing = False  # the stream calls `_pushed`; no reader task
+        self._call: UpstreamCall | None = None
+        self._pushing = False  # the call calls `_pushed`; no reader task
         self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
         self.buffered = 0  # `event_size` of what `_ready` holds
         self._buffer_chars = buffer_chars
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
-        self._held = False  # full: the pushing stream keeps its events until then
+        self._held = False  # full: the pushing call keeps its events until then
         self._error: errors.EngineError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
@@ -135,7 +135,7 @@ class EventPump:
 
     async def _begin(self, idle_timeout: float) -> None:
         """Runs the start in this task, for at most `idle_timeout` seconds, then has
-        the rest of the stream read."""
+        the rest of the call read."""
         self.phase = Phase.STARTING
         self._idle_timeout = idle_timeout
         idle_at = self._wake_at = self._last_event + idle_timeout
@@ -143,7 +143,7 @@ class EventPump:
         task = self._starting = asyncio.current_task()
         assert task is not None
         try:
-            first, stream = await self._start
+            first, call = await self._start
         except asyncio.CancelledError:
             if not self._uncancel(task) or task.cancelling():
                 raise  # not (only) ours: the task itself is being cancelled
@@ -159,15 +159,15 @@ class EventPump:
             return
         finally:
             self._starting = None
-        self._stream = stream
+        self._call = call
         if self._uncancel(task):  # cancelled as it returned: the call is to stop
-            stream.cancel()
+            call.cancel()
             return
         if self.phase is Phase.STARTING:
             self.phase = Phase.STREAMING
         self._ready.append(first)
         self._last_event = self._loop.time()
-        listen = getattr(stream, "listen", None)  # `Pushing` (isinstance costs ~3-6 us)
+        listen = getattr(call, "listen", None)  # `Pushing` (isinstance costs ~3-6 us)
         if listen is not None:
             self._pushing = True
             listen(self._pushed)
@@ -175,7 +175,7 @@ class EventPump:
         else:
             self._reading = True
             EventPump.reading += 1
-            self._reader = self._loop.create_task(self._read(stream))
+            self._reader = self._loop.create_task(self._read(call))
 
     def _uncancel(self, task: asyncio.Task[Any]) -> bool:
         """Takes back the cancellation `cancel()` asked of the start's task (which the
@@ -187,11 +187,11 @@ class EventPump:
         return False
 
     def _accept(self, event: Event) -> bool:
-        """Takes one event of the stream; True once it was the last `Finished`."""
+        """Takes one event of the call; True once it was the last `Finished`."""
         if type(event) is Started:
             failure = errors.Failed("The engine worker started the answer twice.")
-            assert self._stream is not None
-            self._stream.cancel(failure)
+            assert self._call is not None
+            self._call.cancel(failure)
             raise failure
         self._ready.append(event)
         self._last_event = self._loop.time()
@@ -201,17 +201,17 @@ class EventPump:
         elif type(event) is Finished:
             self._unfinished -= 1
             if not self._unfinished:
-                assert self._stream is not None
-                self._stream.close()
+                assert self._call is not None
+                self._call.close()
                 return True
         return False
 
     def _pushed(self) -> None:
-        """The pushing stream's listener: takes what it has ready, up to the bound."""
-        stream = self._stream
-        if self.phase >= Phase.ENDED or stream is None:
+        """The pushing call's listener: takes what it has ready, up to the bound."""
+        call = self._call
+        if self.phase >= Phase.ENDED or call is None:
             return
-        poll = cast(Pushing, stream).poll
+        poll = cast(Pushing, call).poll
         try:
             while self.buffered <= self._buffer_chars:
                 event = poll()
@@ -220,7 +220,7 @@ class EventPump:
                 if self._accept(event):
                     self._end(None)
                     return
-            self._held = True  # full: the rest waits in the stream (which stops reading)
+            self._held = True  # full: the rest waits in the call (which stops reading)
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
         except errors.EngineError as error:
@@ -229,12 +229,12 @@ class EventPump:
             log.exception("reading from the engine worker failed")
             self._end(errors.Failed("The gateway failed while reading the worker's answer."))
 
-    async def _read(self, stream: UpstreamCall) -> None:
-        """The reader task of a stream that does not push."""
+    async def _read(self, call: UpstreamCall) -> None:
+        """The reader task of a call that does not push."""
         try:
             in_turn = 0  # events read back to back, without waiting
             last = perf_counter()
-            async for event in stream:
+            async for event in call:
                 now = perf_counter()
                 if now - last > QUIET:  # it waited for this one: a new turn of the loop
                     in_turn = 0
@@ -306,7 +306,7 @@ class EventPump:
         """The events ready now, waiting for at least one.
 
         Returns [] only when `tick` seconds pass without one (time for a
-        keep-alive). Raises the stream's error once the events before it are
+        keep-alive). Raises the call's error once the events before it are
         returned (or if called again after `Finished`), or `Timeout` after
         `idle_timeout` seconds without an event (and cancels the call).
         """
@@ -352,7 +352,7 @@ class EventPump:
             if taken is not None and not taken.done():
                 self._taken = None
                 taken.set_result(None)
-            if self._held:  # what the pushing stream kept while the pump was full
+            if self._held:  # what the pushing call kept while the pump was full
                 self._held = False
                 self._pushed()
             return batch
@@ -361,15 +361,15 @@ class EventPump:
     @property
     def worker(self) -> str:
         """The address of the worker that took the request, once one did."""
-        return self._stream.worker if self._stream is not None else ""
+        return self._call.worker if self._call is not None else ""
 
     def cancel(self, reason: errors.EngineError | None = None) -> None:
         """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
         if self.phase < Phase.ENDED:
             self.phase = Phase.ENDED
             self._error = reason or errors.Unavailable("The request was cancelled.")
-            if self._stream is not None:
-                self._stream.cancel()
+            if self._call is not None:
+                self._call.cancel()
             if self._reader is not None:
                 self._reader.cancel()
             if self._starting is not None and not self._start_cancelled:
@@ -383,7 +383,7 @@ class EventPump:
         Then drops the stream's error: raised through `next_batch`, its traceback
         holds this pump (and the edge's frames), so keeping it would leave the
         whole request (tasks, transport, gRPC call) to the cyclic garbage
-        collector, whose pauses stall every stream. A pushing stream lets go of
+        collector, whose pauses stall every stream. A pushing call lets go of
         its listener, which holds this pump, for the same reason."""
         self.cancel()
         self._stop_reading()  # a reader cancelled before it ran has no `finally`
@@ -394,7 +394,7 @@ class EventPump:
             self._timer.cancel()
             self._timer = None
         if self._pushing:
-            cast(Pushing, self._stream).listen(None)
+            cast(Pushing, self._call).listen(None)
         reader = self._reader
         try:
             if reader is not None:
