@@ -314,6 +314,13 @@ def test_not_json_and_wrong_content_type_are_anthropic_shaped(gateway):
     assert text.status_code == 415 and anthropic_error(text)["type"] == "invalid_request_error"
 
 
+def test_another_method_is_refused_in_anthropics_shape_and_other_routes_keep_openais(gateway):
+    answer = httpx.get(gateway.url + "/v1/messages", timeout=HANG_GUARD)
+    assert answer.status_code == 405 and anthropic_error(answer)["type"] == "invalid_request_error"
+    other = httpx.get(gateway.url + "/v1/models/no-such-model", timeout=HANG_GUARD)
+    assert other.status_code == 404 and "param" in other.json()["error"]
+
+
 def test_an_unknown_model_is_not_found_error(claude):
     with pytest.raises(anthropic.NotFoundError) as raised:
         claude.messages.create(model="no-such-model", max_tokens=4, messages=say("a"))

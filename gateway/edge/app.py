@@ -175,4 +175,6 @@ def create_app(
     for path in anthropic_paths():  # every refusal in Anthropic's shape, the checks' too
         hot_checked[path] = AnthropicShape(hot_checked[path])
     # Starlette's types say MutableMapping where ours say dict
-    return ExactRoutes(checked(cast(ASGIApp, rest)), hot_checked, rest.routes)
+    # the router's refusals on Anthropic's paths (a GET: 405) in Anthropic's shape too
+    others = AnthropicShape(checked(cast(ASGIApp, rest)), frozenset(anthropic_paths()))
+    return ExactRoutes(others, hot_checked, rest.routes)

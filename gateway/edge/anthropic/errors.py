@@ -8,9 +8,10 @@ status and error type. A full gateway or worker (503) is Anthropic's
 `overloaded_error` (529), which its SDK retries as it retries Anthropic's own.
 
 `AnthropicShape` applies it to whatever a route's stack refuses before the route
-runs (the key check's 401, the content type's 415, the Host's 421), so a client
-of these routes never reads OpenAI's shape. Its cost on a served request: one
-check of the response's status.
+runs (the key check's 401, the content type's 415, the Host's 421, the router's
+405 to another method), so a client of these routes never reads OpenAI's shape.
+Its cost on a served request: one check of the response's status (and, in front
+of the other routes, one set lookup of the path).
 """
 
 from __future__ import annotations
@@ -67,12 +68,17 @@ def anthropic_body(error: APIError) -> bytes:
 
 class AnthropicShape:
     """Turns the OpenAI-shaped error responses of the app it wraps into Anthropic's
-    (status and body); anything else passes as is."""
+    (status and body); anything else passes as is. With `paths`, only the requests to
+    those paths (the rest of the app keeps OpenAI's shape)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, paths: frozenset[str] | None = None) -> None:
         self.app = app
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.paths is not None and scope.get("path") not in self.paths:
+            await self.app(scope, receive, send)
+            return
         held: dict[str, Any] | None = None
 
         async def reshape(message: dict[str, Any]) -> None:
@@ -90,7 +96,9 @@ class AnthropicShape:
                 body = orjson.dumps(error_payload(status, _message(fields)))
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 body = orjson.dumps(error_payload(status, "The request was refused."))
-            await send({**start, "status": translate(status)[0]})
+            headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "status": translate(status)[0], "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, reshape)
