@@ -6,8 +6,9 @@ import asyncio
 import pytest
 
 from gateway.protocol import errors
+from gateway.protocol.inference import InferRequest
 from gateway.protocol.tensors import Tensor, tensor_from_json
-from gateway.upstreams.kserve_grpc import InferRequest, KServeGrpcUpstream
+from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
 from tests.support.kserve import EDGE_VALUES, KServeServer
 
 

@@ -14,12 +14,8 @@ from typing import TYPE_CHECKING
 from gateway.fleet.unary import call_unary, never_started, pick
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
-from gateway.upstreams.kserve_grpc import (
-    InferRequest,
-    InferResult,
-    KServeGrpcUpstream,
-    ModelMetadata,
-)
+from gateway.protocol.inference import InferRequest, InferResult, ModelMetadata
+from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet

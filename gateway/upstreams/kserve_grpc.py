@@ -8,19 +8,19 @@ worker, for the unversioned path and the versions the worker lists only: the ver
 client's string, and a cache keyed by any of them grew without bound (4,000 names of 16 KB
 held 64 MB). Health is ServerReady and ModelReady, polled. Every gRPC failure becomes an
 `EngineError` through the one table in `gateway.protocol.status`. Above this module nothing
-sees grpc or protobuf.
+sees grpc or protobuf; the inference's own types are `gateway.protocol.inference`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gateway.protocol import errors
+from gateway.protocol.inference import InferRequest, InferResult, ModelMetadata, TensorSpec
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2 as pb
 from gateway.protocol.kserve_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from gateway.protocol.status import error_from_status
@@ -29,68 +29,6 @@ from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.types import Embeddings, EmbedRequest, GenerateRequest
 from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
 from gateway.upstreams.furnace_channel import open_channel
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One input or output a model declares; -1 in `shape` is a variable dimension."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelMetadata:
-    name: str
-    versions: tuple[str, ...]
-    platform: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": list(self.versions),
-            "platform": self.platform,
-            "inputs": [t.to_json() for t in self.inputs],
-            "outputs": [t.to_json() for t in self.outputs],
-        }
-
-
-@dataclass(slots=True)
-class InferRequest:
-    """One inference, checked: inputs flat and typed, the outputs asked for (empty: all)."""
-
-    model: str
-    version: str
-    inputs: list[Tensor]
-    outputs: list[str] = field(default_factory=list)
-    id: str = ""
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class InferResult:
-    model: str
-    version: str
-    id: str
-    outputs: list[Tensor]
-    parameters: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"model_name": self.model}
-        if self.version:
-            out["model_version"] = self.version
-        if self.id:
-            out["id"] = self.id
-        if self.parameters:
-            out["parameters"] = self.parameters
-        out["outputs"] = [t.to_json() for t in self.outputs]
-        return out
 
 
 def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:

@@ -32,9 +32,9 @@ from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
+from gateway.protocol.inference import InferRequest, ModelMetadata
 from gateway.protocol.tensors import Tensor, tensor_from_binary, tensor_from_json, to_raw
 from gateway.teams import team_of
-from gateway.upstreams.kserve_grpc import InferRequest, ModelMetadata
 
 #: The CLIENT span's name for a worker call: the gRPC method it is.
 MODEL_INFER = "inference.GRPCInferenceService/ModelInfer"
