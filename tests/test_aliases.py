@@ -4,6 +4,8 @@ config that refuses, naming the field, what cannot be served."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import random
 from collections import Counter
@@ -16,7 +18,7 @@ from gateway.config import AliasConfig, ConfigError, ModelConfig, parse_config
 from gateway.fleet.aliases import Aliases, draw
 from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 SPLIT = (("llama-70b-v2", 90.0), ("llama-70b-v3", 10.0))
 
@@ -130,7 +132,10 @@ def test_the_contract_config_loads() -> None:
 # -- through a real gateway ----------------------------------------------------------------
 
 
-def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(gateway_with) -> None:
+def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(
+    gateway_with, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="furnace.access")
     split = AliasConfig("chat", (("furnace-demo", 50.0), ("furnace-slow", 50.0)))
     gw = gateway_with(aliases=(split,))
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
@@ -139,7 +144,7 @@ def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(gateway
         assert client.get("/v1/models/chat").status_code == 200
         body = {"model": "chat", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}
         served = set()
-        for i in range(40):
+        for _ in range(40):
             answer = client.post("/v1/chat/completions", json=body)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model"] == answer.headers["x-furnace-model"]
@@ -163,6 +168,14 @@ def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(gateway
         streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
         assert streamed.headers["x-furnace-model"] in served
         assert f'"model":"{streamed.headers["x-furnace-model"]}"' in streamed.text
+
+    def logged() -> list[dict[str, str]]:
+        names = (json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access")
+        return [{"asked": line.get("asked_model"), "model": line["model"]} for line in names]
+
+    wait_until(lambda: len(logged()) >= 60, "every request's access-log line")
+    assert {line["asked"] for line in logged()} == {"chat"}  # both names, on every line
+    assert {line["model"] for line in logged()} == served
 
 
 def test_a_team_sees_an_alias_only_through_models_it_may_use(gateway_with) -> None:

@@ -18,10 +18,10 @@ import redis
 
 from gateway.config import BudgetConfig, parse_config
 from gateway.protocol import errors
+from gateway.teams.accounts import key_id
 from gateway.teams.budgets import Budgets, window_of
 from gateway.teams.redis_store import RedisStore
 from gateway.teams.team import Team
-from gateway.teams.accounts import key_id
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.redis_server import RedisServer
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -228,9 +228,7 @@ def _stream_body() -> dict[str, Any]:
     }
 
 
-async def _one_stream(
-    client: httpx.AsyncClient, url: str, key: str, cut: bool
-) -> tuple[str, Any]:
+async def _one_stream(client: httpx.AsyncClient, url: str, key: str, cut: bool) -> tuple[str, Any]:
     """('refused', the 429), ('cut', text tokens read), or ('whole', the usage)."""
     async with client.stream(
         "POST", url + "/v1/completions", json=_stream_body(), headers=bearer(key)
@@ -278,7 +276,9 @@ def test_a_budget_holds_across_two_gateways_sharing_redis_with_streams_cut(
         async with httpx.AsyncClient(timeout=HANG_GUARD) as client:
             return await asyncio.gather(
                 *(
-                    _one_stream(client, gateways[i % 2].url, cutter if i % 4 == 3 else whole, i % 4 == 3)
+                    _one_stream(
+                        client, gateways[i % 2].url, cutter if i % 4 == 3 else whole, i % 4 == 3
+                    )
                     for i in range(80)
                 )
             )

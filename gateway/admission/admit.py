@@ -301,7 +301,7 @@ class Admission:
             raise errors.ModelNotFound(
                 f"The model `{name[:256]}` does not exist.", param="model"
             ) from None
-        ctx.alias = name
+        ctx.alias = ctx.record.asked = name
         return pool
 
     def _fallbacks(self, ctx: RequestContext, pool: ModelPool, ready: bool) -> Iterator[ModelPool]:
@@ -324,8 +324,10 @@ class Admission:
             pool.name,
             _pool(ctx).name,
         )
+        record = ctx.record
+        record.asked = record.asked or record.model
         ctx.pool = pool
-        ctx.record.model = pool.name
+        record.model = pool.name
 
     def falls_back(self, ctx: RequestContext) -> bool:
         """Whether the request's model has fallbacks (its start then goes by `start`)."""

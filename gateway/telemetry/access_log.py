@@ -37,6 +37,8 @@ class AccessLog:
             "completion_tokens": record.completion_tokens,
             "duration_ms": round((end - record.started_at) * 1000, 3),
         }
+        if record.asked:  # an alias, or a model a fallback served instead
+            line["asked_model"] = record.asked
         if record.policy:  # routed on the engines' state: why this worker
             line["policy"] = record.policy
             line["cache_hit_blocks"] = record.cache_hit_blocks

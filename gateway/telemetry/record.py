@@ -21,6 +21,7 @@ class RequestRecord:
     """One request as it goes: filled by the edge, read once at the end."""
 
     __slots__ = (
+        "asked",
         "cache_hit_blocks",
         "choices_left",
         "completion_tokens",
@@ -47,6 +48,9 @@ class RequestRecord:
         self.request_id = request_id
         self.started_at = time.perf_counter()
         self.model = ""
+        #: The model the request named, when another served it (an alias's target, a
+        #: fallback); "" otherwise.
+        self.asked = ""
         self.stream = False
         self.worker = ""
         self.status = 0
