@@ -66,6 +66,7 @@ MAX_SESSION_ID = 256
 
 def _session(scope: Scope) -> str:
     """The request's `x-session-id` (routing keeps a conversation on one worker), or ""."""
+    value: bytes
     for name, value in scope["headers"]:
         if name == b"x-session-id":
             if len(value) > MAX_SESSION_ID:
