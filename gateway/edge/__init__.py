@@ -1,6 +1,7 @@
 """The edge: every HTTP route and what they share.
 
     app.py         the Starlette app: routes, middleware, OpenAI-shaped errors
+    admin_proxy.py the admin listener of several processes, from each one's own
     asgi.py        raw-ASGI types and whole-JSON responses
     errors.py      APIError and the one table from the error tree to HTTP
     http_protocol.py  uvicorn's parser with bounds: header size/count (431), header

@@ -25,7 +25,8 @@ This module's parent process serves no traffic. It checks the port is free and
 holds it (a bound, not listening, SO_REUSEPORT socket, so port 0 names one port
 for every process), spawns the processes (fresh interpreters: nothing of the
 parent's state is inherited), and once all are ready serves the admin listener
-(`admin_port`) from their own admin listeners on loopback ports: `/metrics` is
+(`admin_port`, `gateway.edge.admin_proxy`) from their own admin listeners on loopback
+ports: `/metrics` is
 every process's metrics, each sample labelled `process="i"`; `/metrics/json`
 and `/admin/workers` answer `{"processes": [each process's answer]}`; `/ready`
 is 200 while every process is ready. SIGTERM (or SIGINT) goes on to every
@@ -50,15 +51,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import httpx
-import orjson
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import log_setup
 from gateway.config import Config, ConfigError, TeamConfig
-from gateway.edge.asgi import Receive, Scope, Send, send_error, send_json
-from gateway.edge.errors import APIError
+from gateway.edge.admin_proxy import AdminProxy
 from gateway.lifecycle import (
     GatewayServer,
     _bind,
@@ -67,14 +64,11 @@ from gateway.lifecycle import (
     shared_port_socket,
     uvicorn_config,
 )
-from gateway.telemetry.merge import merge_expositions
 
 log = logging.getLogger("furnace")
 
 #: Team limits split across the processes when no Redis holds them.
 TEAM_LIMITS = ("max_concurrent_requests", "requests_per_minute", "tokens_per_minute")
-#: Seconds the parent waits on a process's admin listener.
-ADMIN_TIMEOUT = 5.0
 
 
 def share(total: int, count: int, index: int) -> int:
@@ -305,60 +299,6 @@ async def _exited(process: BaseProcess) -> None:
     finally:
         loop.remove_reader(process.sentinel)
     process.join()
-
-
-class AdminProxy:
-    """The parent's admin listener (raw ASGI): every process's admin answers as one."""
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
-        self._http: httpx.AsyncClient | None = None
-
-    async def _get_all(self, path: str) -> list[httpx.Response | None]:
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=ADMIN_TIMEOUT)
-        http = self._http
-
-        async def get(port: int | None) -> httpx.Response | None:
-            if port is None:
-                return None
-            try:
-                return await http.get(f"http://127.0.0.1:{port}{path}")
-            except httpx.HTTPError:
-                return None
-
-        return list(await asyncio.gather(*(get(p) for p in self.supervisor.admin_ports)))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if scope["method"] not in ("GET", "HEAD"):
-            await send_error(send, APIError(405, "Method not allowed."))
-        elif path == "/health":
-            await send_json(send, 200, b'{"status":"ok"}', [])
-        elif path == "/ready":
-            answers = await self._get_all("/ready") if self.supervisor.ready else [None]
-            if all(a is not None and a.status_code == 200 for a in answers):
-                await send_json(send, 200, b'{"status":"ready"}', [])
-            else:
-                await send_json(send, 503, b'{"status":"not ready"}', [])
-        elif path == "/metrics":
-            answers = await self._get_all("/metrics")
-            texts = [a.text if a is not None and a.status_code == 200 else None for a in answers]
-            body = merge_expositions(texts)
-            headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        elif path in ("/metrics/json", "/admin/workers"):
-            answers = await self._get_all(path)
-            processes = [
-                {"process": index, **(a.json() if a is not None and a.status_code == 200 else {})}
-                for index, a in enumerate(answers)
-            ]
-            await send_json(send, 200, orjson.dumps({"processes": processes}), [])
-        else:
-            await send_error(send, APIError(404, f"No route {path}.", code="not_found"))
 
 
 __all__ = ["Supervisor", "check_split", "process_config", "serve_processes"]
