@@ -335,3 +335,39 @@ def test_the_index_alone_refuses_what_is_wrong() -> None:
     index.drop("a")
     index.drop("b")
     assert not index.holders and not index.workers
+
+
+def test_vllm_batches_translate_to_what_the_index_can_use() -> None:
+    """vLLM's relayed batches (smg-grpc-proto common.proto) as ours: device blocks of the
+    base model kept, offloaded, remote, adapter and salted ones left out, the load read."""
+    from smg_grpc_proto.generated import common_pb2 as common
+
+    from gateway.upstreams.vllm_kv import batch_from_vllm
+
+    def stored(**fields: Any) -> common.KvCacheEvent:
+        block = common.KvBlock(block_hash=5, token_ids=list(range(4)), block_size=4)
+        return common.KvCacheEvent(stored=common.KvBlocksStored(blocks=[block], **fields))
+
+    message = common.KvEventBatch(
+        sequence_number=7,
+        events=[
+            stored(),
+            stored(tier=common.KV_CACHE_TIER_HOST),
+            stored(locality=common.KV_CACHE_LOCALITY_REMOTE),
+            stored(lora_name="adapter"),
+            stored(cache_salt="salt"),
+            common.KvCacheEvent(removed=common.KvBlocksRemoved(block_hashes=[5])),
+            common.KvCacheEvent(cleared=common.KvCacheCleared()),
+        ],
+        load=common.EngineLoad(
+            running_requests=2, waiting_requests=1, waiting_uncached_tokens=300, token_usage=0.5
+        ),
+    )
+    batch = batch_from_vllm(message, first=True)
+    assert batch.sequence == 7 and batch.reset
+    assert batch.events == (
+        BlocksStored((5,), None, [0, 1, 2, 3], 4),
+        BlocksRemoved((5,)),
+        CacheCleared(),
+    )
+    assert batch.load == EngineLoad(2, 1, 300, 0.5)
