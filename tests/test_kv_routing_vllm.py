@@ -1,0 +1,88 @@
+"""KV-aware routing against real vLLM (CPU build, the tiny model): two of vLLM's own gRPC
+servers started with prefix caching and KV-cache events, a gateway with `routing:
+{policy: kv_aware}` and no further setting. Their `SubscribeKvEvents` streams reach the
+index with the token ids the gateway encodes itself, and a repeated long prefix goes to
+the worker that holds it. Two vLLM servers are heavy on a 2-core machine: one test."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig, RoutingConfig
+from gateway.fleet.kv_index import KvIndex
+from tests.support.processes import free_port
+from tests.support.servers import Gateway
+from tests.support.vllm import VllmProcess, start_grpc_server
+from tests.support.waiting import HANG_GUARD, wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+MODEL = "tiny-kv"
+
+
+def _events_args() -> tuple[str, ...]:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",  # a bind address, or vLLM loses every event
+    }
+    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def engines(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VllmProcess]]:
+    servers: list[VllmProcess] = []
+    try:
+        for i in range(2):
+            logs = tmp_path_factory.mktemp(f"vllm-kv-{i}")
+            servers.append(start_grpc_server(vllm_model, logs, _events_args()))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_vllm_events_reach_the_index_and_a_long_prefix_goes_to_its_holder(
+    engines: list[VllmProcess],
+    vllm_model: Path,
+    gateway_with: Callable[..., Gateway],
+) -> None:
+    workers = tuple(f"127.0.0.1:{s.port}" for s in engines)
+    model = ModelConfig(
+        MODEL,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=workers,
+        routing=RoutingConfig(),
+    )
+    gw = gateway_with(models=(model,))
+    router = gw.state.fleet.models[MODEL].router
+    assert router is not None
+    index: KvIndex = router.index
+    document = " ".join(f"line {i} of the shared document," for i in range(40))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD * 4) as http:
+
+        def ask(question: str) -> None:
+            body = {"model": MODEL, "prompt": f"{document} {question}", "max_tokens": 2}
+            assert http.post("/v1/completions", json=body).status_code == 200
+
+        ask("first")
+        wait_until(lambda: bool(index.holders), "the first prompt's blocks in the index", 60)
+        (holder,) = [w for w, kv in index.workers.items() if kv.blocks]
+        assert router.states[holder] == "events"  # vLLM sends nothing until its first event
+        assert index.block_size > 0
+        assert index.workers[holder].load is not None  # load records ride along
+        for i in range(4):
+            ask(f"again {i}")
+            assert router.last.cache_hit_blocks >= 1
+            assert router.last.policy == "kv_aware"
+        # every repeat went to the holder: the other still holds nothing of it
+        others = [w for w in workers if w != holder]
+        assert all(not index.workers[w].blocks for w in others if w in index.workers)
