@@ -19,6 +19,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     kv_proto.py      those events to the worker protocol's KvEventBatch and back
     multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends
     stop.py          stop strings over a stream of text pieces, in linear time
+    detokenize.py    ids to text as they come, never half a character (gateway and worker)
     tensors.py       KServe v2 tensors: datatypes, JSON tensors checked, raw contents packed
     inference.py     a KServe v2 inference, its result and a model's metadata, our types
     tool_calls/      tool calls in a model's text, per format, and the schema that forces them

@@ -1,11 +1,7 @@
-"""Incremental detokenization, as vLLM and TGI do it: decode a short window of
-the ids (from `prefix_offset`) twice, with and without the newest ids, and
-release the difference. Byte-level tokenizers split multi-byte characters across
-tokens; while the window's text ends in U+FFFD (an incomplete character) nothing
-is released, so no piece ever holds half a character.
-
-Cost: two decodes of a few tokens per step, whatever the answer's length (the
-window moves forward each time text is released).
+"""Incremental detokenization for the upstreams that tokenize in the gateway.
+`IncrementalDetokenizer` (the window scheme of vLLM and TGI, over any decode function)
+lives in `gateway.protocol.detokenize`, so the worker SDK's transformers engine uses the
+same one.
 
 `StreamDetokenizer` does the same in Rust (`tokenizers`' DecodeStream, which keeps the
 window itself): 1.5-2.0 µs a token against this one's 5.3-5.5 µs, measured on the tiny
@@ -15,48 +11,14 @@ the upstreams that hold a `ModelTokenizer` use it (`ModelTokenizer.detokenizer`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-#: What byte-level decoders produce for an incomplete UTF-8 sequence.
-REPLACEMENT = "\ufffd"
+from gateway.protocol.detokenize import REPLACEMENT, IncrementalDetokenizer
 
-Decode = Callable[[Sequence[int]], str]
-
-
-class IncrementalDetokenizer:
-    """Feed ids as they come (`feed`); `flush` what is held back once the answer ended."""
-
-    __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset")
-
-    def __init__(self, decode: Decode) -> None:
-        self._decode = decode
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-
-    def feed(self, ids: Sequence[int]) -> str:
-        """The text the new ids complete ("" while a character is still incomplete)."""
-        if not ids:
-            return ""
-        self._ids.extend(ids)
-        return self._release(final=False)
-
-    def flush(self) -> str:
-        """The text still held back (an incomplete character decodes as U+FFFD, as
-        decoding the whole answer at once would)."""
-        return self._release(final=True)
-
-    def _release(self, *, final: bool) -> str:
-        ids = self._ids
-        prefix = self._decode(ids[self._prefix_offset : self._read_offset])
-        text = self._decode(ids[self._prefix_offset :])
-        if len(text) <= len(prefix) or (text.endswith(REPLACEMENT) and not final):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return text[len(prefix) :]
+__all__ = ["REPLACEMENT", "IncrementalDetokenizer", "StreamDetokenizer"]
 
 
 class StreamDetokenizer:

@@ -42,7 +42,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,7 @@ from transformers import (
 
 from gateway.protocol import features
 from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.detokenize import IncrementalDetokenizer
 from gateway.protocol.errors import Failed, Invalid, TooLong
 from gateway.protocol.tool_calls import (
     PARSERS,
@@ -101,7 +102,6 @@ log = logging.getLogger("furnace.worker")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM
-_REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 #: Compact JSON only, as vLLM's `disable_any_whitespace`: with whitespace allowed, a
 #: weak model pads the JSON with blanks until max_tokens.
@@ -261,50 +261,6 @@ def logits_processors(
     return processors
 
 
-class IncrementalDetokenizer:
-    """Turns generated tokens into text deltas that never change afterwards.
-
-    Decodes a short window of recent tokens twice (with and without the newest)
-    and releases the difference only when it is longer and does not end in
-    U+FFFD, the mark of a character whose bytes have not all arrived. The window
-    keeps tokenizers that drop a word's leading space at the start of a decode
-    (SentencePiece) from losing spaces. This is the scheme of TGI and vLLM.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self._prefix = 0  # start of the window
-        self._read = 0  # end of what has been released
-        self._unsent = 0  # tokens not yet in a released delta
-
-    def _decode(self, ids: list[int]) -> str:
-        # one sequence of ids decodes to one str (transformers types it `str | list[str]`)
-        return self.tokenizer.decode(  # type: ignore[return-value]
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def push(self, token: int) -> tuple[str, int]:
-        """Adds a token; returns the text now stable and the tokens it holds."""
-        self.ids.append(token)
-        self._unsent += 1
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith(_REPLACEMENT):
-            self._prefix, self._read = self._read, len(self.ids)
-            tokens, self._unsent = self._unsent, 0
-            return after[len(before) :], tokens
-        return "", 0
-
-    def flush(self) -> tuple[str, int]:
-        """What is held back at the end (an unfinished character decodes to U+FFFD)."""
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        self._prefix = self._read = len(self.ids)
-        tokens, self._unsent = self._unsent, 0
-        return after[len(before) :], tokens
-
-
 class Guide:
     """A grammar the answer must follow (llguidance): it masks each step's logits
     to the tokens that keep the answer inside it, and is done once nothing but
@@ -424,7 +380,16 @@ class _Sequence:
             self.generator.seed()
         else:
             self.generator.manual_seed(sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self.detokenizer = IncrementalDetokenizer(engine.tokenizer)
+        tokenizer = engine.tokenizer
+
+        def decode(ids: Sequence[int]) -> str:
+            # one sequence of ids decodes to one str (transformers types it `str | list[str]`)
+            return tokenizer.decode(  # type: ignore[return-value]
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+
+        self.detokenizer = IncrementalDetokenizer(decode)
+        self.unsent = 0  # tokens not yet in a released delta
         parser = prepared.tool_calls
         self.calls = None if parser is None else ChoiceToolCalls(parser)
         self.logprobs: list[TokenLogprob] = []  # of the tokens not yet in a Text
@@ -462,7 +427,7 @@ class _Sequence:
             if self.top_logprobs is not None:
                 self.logprobs.pop()
             return self._finish(FinishReason.STOP, "", 0)
-        text, tokens = self.detokenizer.push(token)
+        text, tokens = self._detokenize(token)
         if complete:
             return self._finish(FinishReason.STOP, text, tokens)
         if self.generated >= self.budget:
@@ -491,8 +456,18 @@ class _Sequence:
             return self.calls.feed(text, tokens, logprobs)
         return [Text(text, tokens, logprobs=logprobs)]
 
+    def _detokenize(self, token: int) -> tuple[str, int]:
+        """The text `token` makes stable, and the tokens that text holds."""
+        self.unsent += 1
+        text = self.detokenizer.feed((token,))
+        if not text:
+            return "", 0
+        tokens, self.unsent = self.unsent, 0
+        return text, tokens
+
     def _finish(self, reason: FinishReason, text: str, tokens: int) -> list[Event]:
-        rest, rest_tokens = self.detokenizer.flush()
+        rest, rest_tokens = self.detokenizer.flush(), self.unsent
+        self.unsent = 0
         events = self._text(text + rest, tokens + rest_tokens)
         if self.calls is not None:
             events.extend(self.calls.finish())
