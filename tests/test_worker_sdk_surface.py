@@ -370,8 +370,9 @@ def test_stop_strings_are_per_choice(server_loop, serve):
     assert error is None
     assert [choice_text(events, i) for i in range(3)] == ["a b ", "x ", "no stop here"]
     finished = {e.index: e for e in events if isinstance(e, Finished)}
-    assert finished[0] == Finished(FinishReason.STOP, 4, None, 0)  # the engine ran on: stopped
-    assert finished[1] == Finished(FinishReason.STOP, 4, None, 1)
+    # the engine ran on: stopped by the stop string, which each Finished names
+    assert finished[0] == Finished(FinishReason.STOP, 4, None, 0, "STOP")
+    assert finished[1] == Finished(FinishReason.STOP, 4, None, 1, "STOP")
     assert finished[2] == Finished(FinishReason.LENGTH, 3, None, 2)
     assert engine.closed == 3
 
@@ -537,7 +538,7 @@ def test_a_stop_string_keeps_the_logprobs_of_tokens_released(server_loop, serve)
     assert "".join(t.text for t in texts) == "x "
     # " S" is partly released: kept; "TO" and "P" lie inside the stop string: dropped
     assert [entry.token for t in texts for entry in t.logprobs or ()] == ["x", " S"]
-    assert events[-1] == Finished(FinishReason.STOP, 4)
+    assert events[-1] == Finished(FinishReason.STOP, 4, stop_sequence="STOP")
 
 
 def test_held_text_releases_its_logprobs_at_the_end(server_loop, serve):
