@@ -91,7 +91,8 @@ async def _turn(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float
     first = None
     text = []
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -108,7 +109,7 @@ async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[
     conversations: dict[str, list[str]] = {}
     for policy in POLICIES:
         docs = [
-            f"[{policy} document {d}] " + " ".join(rng.choice(words) for _ in range(1200))
+            f"[{policy} document {d}] " + " ".join(rng.choice(words) for _ in range(args.words))
             for d in range(args.documents)
         ]
         conversations[policy] = [rng.choice(docs) for _ in range(args.conversations)]
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--words", type=int, default=400, help="words of a document")
     args = parser.parse_args()
     with ExitStack() as stack, tempfile.TemporaryDirectory() as raw:
         work = Path(raw)
