@@ -240,5 +240,6 @@ def test_install_tools_leaves_installed_tools_alone():
     tool("kubectl")
     tool("kubernetes-validate")
     result = run(["bash", "deploy/install-tools.sh"])
-    # helm and kubectl, kubernetes-validate, redis-server, vLLM, KServe: nothing fetched again
-    assert result.stderr.count("already installed") == 5, result.stderr
+    # helm and kubectl, kubernetes-validate, redis-server, prometheus, vLLM, KServe: nothing
+    # fetched again
+    assert result.stderr.count("already installed") == 6, result.stderr
