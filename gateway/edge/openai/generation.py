@@ -140,8 +140,8 @@ class GenerationRoute(RequestRoute[Exchange]):
         client that leaves, leaves the queue at once) and serves it."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
-        admission.draining(ctx)
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        meter = admission.before_body(ctx)
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         if admission.aliases.every:  # an alias's draw keeps a session on one target
             ctx.session = _session(ex.scope) or _user(body)
