@@ -67,14 +67,19 @@ def test_tokens_per_minute_count_prompt_and_completion(gateway_with):
     teams = {"search": {"tokens_per_minute": 60}, "ads": {"tokens_per_minute": 10_000}}
     gw = gateway_with(**keyed(teams, {search: "search", ads: "ads"}))
     limiter = gw.state.teams.limiter
-    # 10 prompt + 10 completion tokens on the demo engine, estimated at 15 up front:
-    # a fourth request fits again only once 15 tokens have drained (15 s)
+    # 10 prompt + 10 completion tokens on the demo engine, the prompt estimated at 15 up
+    # front; a request with no max_tokens is granted what is left of the minute as its
+    # bound (issue 25): the third, with 60 - 40 - 15 = 5 left, is cut at 5 tokens, and a
+    # fourth fits again only once 15 tokens have drained (15 s)
     ten_words = "alpha beta gamma delta epsilon zeta theta iota kappa lambda"
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
-        for _ in range(3):
+        for completion in (10, 10, 5):
             response = ask(client, search, ten_words)
             assert response.status_code == 200
-            assert response.json()["usage"]["total_tokens"] == 20
+            assert response.json()["usage"]["completion_tokens"] == completion
+            assert response.json()["choices"][0]["finish_reason"] == (
+                "length" if completion == 5 else "stop"
+            )
             wait_until(lambda: limiter.idle, "the request's tokens to be settled")
         refused = ask(client, search, ten_words)
         assert_rate_limited(refused, "tokens per minute")
@@ -85,7 +90,7 @@ def test_tokens_per_minute_count_prompt_and_completion(gateway_with):
         assert served.status_code == 200
         assert served.headers["x-ratelimit-limit-tokens"] == "10000"
     team = gw.state.teams.by_name["search"]
-    assert team.tokens_charged == 60
+    assert team.tokens_charged == 55
 
 
 def test_tokens_per_minute_reserve_max_tokens_for_each_of_n_choices(gateway_with):

@@ -168,8 +168,13 @@ class GenerationRoute(RequestRoute[Exchange]):
         if request.model != pool.name:  # the body named none: the team's first
             request = replace(request, model=pool.name)
         granted = ex.record.granted_tokens
-        if granted is not None and request.sampling.max_tokens is None:
-            # no bound of its own: its team's token limit granted it this many
+        if (
+            granted is not None
+            and request.sampling.max_tokens is None
+            and (pool.max_context is None or granted < pool.max_context)
+        ):
+            # no bound of its own: its team's token limit granted it this many (where the
+            # model's context is no larger, the context already bounds the answer below it)
             sampling = replace(request.sampling, max_tokens=granted)
             request = replace(request, sampling=sampling)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
