@@ -27,7 +27,8 @@ def ask(engine: Engine, text: str, max_tokens: int = 8) -> dict:
         "model": engine.model,
         "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": text}],
-        **({"temperature": 0} if "temperature" in engine.defaults else {}),
+        # the SDK's create() no longer takes temperature: it goes in the body as extra
+        **({"extra_body": {"temperature": 0}} if "temperature" in engine.defaults else {}),
     }
 
 
