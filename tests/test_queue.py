@@ -100,6 +100,35 @@ def test_a_burst_of_twice_the_slots_waits_and_is_served(gateway_with, workers):
     assert immediate + waited == 8
 
 
+def test_a_priority_a_client_asks_is_no_metric_label(gateway_with, workers):
+    # x-furnace-priority orders the wait; the queue's series are labelled by the team's
+    # configured priority only (here no teams: 0), so a client cannot mint series
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=2))
+    sender = Sender(gw.url)
+    body = {"model": "furnace-slow", "prompt": "a b c", "max_tokens": 3}
+    for i in range(6):
+        sender.send(str(i), body, {"x-furnace-priority": str(100 * i - 250)})
+    assert [status for _, status, _ in sender.join()] == [200] * 6
+    samples = scrape(gw.url)
+    priorities = {
+        dict(labels)["priority"]
+        for name, labels in samples
+        if name.startswith("furnace_gateway_queue_") and "priority" in dict(labels)
+    }
+    assert priorities == {"0"}
+    admitted = sum(
+        value(
+            samples,
+            "furnace_gateway_queue_admissions_total",
+            model="furnace-slow",
+            priority="0",
+            how=how,
+        )
+        for how in ("immediate", "queued")
+    )
+    assert admitted == 6
+
+
 def test_sustained_overload_is_refused_at_once_not_after_max_wait(gateway_with, workers):
     gw = gateway_with(**queued(workers, QueueConfig(max_wait=1.2), max_concurrent_requests=2))
     body = {"model": "furnace-slow", "prompt": "a b c d e f g h i j", "max_tokens": 10}

@@ -231,11 +231,15 @@ class Admission:
         settings = self.queues.get(pool.name)
         if settings is not None and self.queue is not None:
             if team is None:
-                hold = self.queue.hold(pool.name, settings, ctx.priority or 0, gone=ctx.gone)
+                # no teams: the priority a client asks orders the wait, counted under 0
+                asked = ctx.priority or 0
+                hold = self.queue.hold(pool.name, settings, asked, gone=ctx.gone, label=0)
             else:
                 own = team.config.priority
                 asked = own if ctx.priority is None else min(ctx.priority, own)
-                hold = self.queue.hold(pool.name, settings, asked, team.name, team.weight, ctx.gone)
+                hold = self.queue.hold(
+                    pool.name, settings, asked, team.name, team.weight, ctx.gone, label=own
+                )
             async with hold:
                 self._admitted(ctx)
                 if team is None:

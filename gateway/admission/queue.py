@@ -59,7 +59,8 @@ class QueueSettings:
 class _Waiter:
     key: tuple[int, float, int]
     model: str = field(compare=False)
-    priority: int = field(compare=False)
+    #: The priority its metrics are counted under (`Queue.hold`'s `label`).
+    label: int = field(compare=False)
     arrived: float = field(compare=False)
     settings: QueueSettings = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
@@ -119,18 +120,23 @@ class Queue:
         share: str = "",
         weight: float = 1.0,
         gone: asyncio.Future[None] | None = None,
+        label: int | None = None,
     ) -> AsyncIterator[None]:
         """Holds a slot for the body of an `async with`, waiting for one if need be;
         raises `Busy` when it cannot be had within `max_wait`, `Draining` when a
-        drain empties the queue."""
+        drain empties the queue. `priority` orders the wait; the metrics count it
+        under `label` (default: the priority itself), so that a priority a client
+        asks does not become a label of its own: the caller passes its team's
+        configured priority."""
+        label = priority if label is None else label
         start = self.clock()
         if self.slots.in_use < self.slots.limit and not self._arrivals:
             self.slots.in_use += 1
             how = "immediate"
         else:
-            await self._wait(model, settings, priority, share, weight, gone, start)
+            await self._wait(model, settings, priority, label, share, weight, gone, start)
             how = "queued"
-        self.admitted[model, priority, how] += 1
+        self.admitted[model, label, how] += 1
         taken = self.clock()
         try:
             yield
@@ -140,8 +146,8 @@ class Queue:
             self.hold_seconds = held if mean is None else mean + _EWMA * (held - mean)
             self.slots.release()
 
-    def _refuse(self, model: str, priority: int, reason: str, message: str) -> errors.Busy:
-        self.refused[model, priority, reason] += 1
+    def _refuse(self, model: str, label: int, reason: str, message: str) -> errors.Busy:
+        self.refused[model, label, reason] += 1
         return errors.Busy(message, reason=reason)
 
     async def _wait(
@@ -149,6 +155,7 @@ class Queue:
         model: str,
         settings: QueueSettings,
         priority: int,
+        label: int,
         share: str,
         weight: float,
         gone: asyncio.Future[None] | None,
@@ -156,7 +163,7 @@ class Queue:
     ) -> None:
         if self.waiting(model) >= settings.max_depth:
             raise self._refuse(
-                model, priority, "queue_full",
+                model, label, "queue_full",
                 f"The server is at its limit of {self.slots.limit} concurrent requests "
                 f"and {settings.max_depth} waiting.",
             )  # fmt: skip
@@ -167,17 +174,17 @@ class Queue:
             expected = (ahead + 1) * self.hold_seconds / self.slots.limit
             if expected > settings.max_wait:
                 raise self._refuse(
-                    model, priority, "queue_wait",
+                    model, label, "queue_wait",
                     f"The server is at its limit of {self.slots.limit} concurrent requests; "
                     f"the expected wait ({expected:.1f}s) is longer than {settings.max_wait:g}s.",
                 )  # fmt: skip
         self._finish[share] = tag + 1.0 / weight
         waiter = _Waiter(
-            key, model, priority, start, settings, asyncio.get_running_loop().create_future()
+            key, model, label, start, settings, asyncio.get_running_loop().create_future()
         )
         heapq.heappush(self._heap, waiter)
         self._arrivals[key[2]] = waiter
-        self.depth[model, priority] += 1
+        self.depth[model, label] += 1
         try:
             waits: set[asyncio.Future[None]] = {waiter.future}
             if gone is not None:
@@ -193,21 +200,21 @@ class Queue:
             if gone is None or not gone.done():
                 return
             self.slots.release()  # handed a slot as the client left: give it back
-            raise self._refuse(model, priority, "client_gone", "The client went away.")
+            raise self._refuse(model, label, "client_gone", "The client went away.")
         self._leave(waiter)
         if waiter.future.done():
             self._observe(waiter)
             raise waiter.future.exception()  # type: ignore[misc]
         if gone is not None and gone.done():
-            raise self._refuse(model, priority, "client_gone", "The client went away.")
+            raise self._refuse(model, label, "client_gone", "The client went away.")
         self._observe(waiter)
         raise self._refuse(
-            model, priority, "queue_timeout",
+            model, label, "queue_timeout",
             f"No slot came free within {settings.max_wait:g}s.",
         )  # fmt: skip
 
     def _observe(self, waiter: _Waiter) -> None:
-        key = (waiter.model, waiter.priority)
+        key = (waiter.model, waiter.label)
         histogram = self.waits.get(key)
         if histogram is None:
             histogram = self.waits[key] = WaitHistogram()
@@ -219,9 +226,9 @@ class Queue:
             return
         waiter.gone = True
         del self._arrivals[waiter.key[2]]
-        self.depth[waiter.model, waiter.priority] -= 1
-        if not self.depth[waiter.model, waiter.priority]:
-            del self.depth[waiter.model, waiter.priority]
+        self.depth[waiter.model, waiter.label] -= 1
+        if not self.depth[waiter.model, waiter.label]:
+            del self.depth[waiter.model, waiter.label]
         heap = self._heap
         while heap and heap[0].gone:
             heapq.heappop(heap)
@@ -243,9 +250,9 @@ class Queue:
                 waiter = self._heap[0]
             waiter.gone = True
             del self._arrivals[waiter.key[2]]
-            self.depth[waiter.model, waiter.priority] -= 1
-            if not self.depth[waiter.model, waiter.priority]:
-                del self.depth[waiter.model, waiter.priority]
+            self.depth[waiter.model, waiter.label] -= 1
+            if not self.depth[waiter.model, waiter.label]:
+                del self.depth[waiter.model, waiter.label]
             self._virtual = max(self._virtual, waiter.key[1])
             self.slots.in_use += 1
             waiter.future.set_result(None)
@@ -256,8 +263,8 @@ class Queue:
         """Ends every wait with `error` (a drain)."""
         for waiter in list(self._arrivals.values()):
             waiter.gone = True
-            self.depth[waiter.model, waiter.priority] -= 1
-            self.refused[waiter.model, waiter.priority, error.reason or "draining"] += 1
+            self.depth[waiter.model, waiter.label] -= 1
+            self.refused[waiter.model, waiter.label, error.reason or "draining"] += 1
             waiter.future.set_exception(error)
         self._arrivals.clear()
         self._heap.clear()
