@@ -261,8 +261,9 @@ def test_metrics_count_embeddings(gateway, client):
         return value(after, name, **labels) - value(before, name, **labels)
 
     requests = "furnace_gateway_requests_total"
-    assert moved(requests, model=DEMO_MODEL, outcome="completed", status="200") == 1
-    assert moved(requests, model=DEMO_MODEL, outcome="invalid", status="400") == 1
+    route = "/v1/embeddings"
+    assert moved(requests, model=DEMO_MODEL, route=route, outcome="completed", status="200") == 1
+    assert moved(requests, model=DEMO_MODEL, route=route, outcome="invalid", status="400") == 1
     assert moved("furnace_gateway_prompt_tokens_total", model=DEMO_MODEL) == 3
     assert moved("furnace_gateway_e2e_request_latency_seconds_count", model=DEMO_MODEL) == 1
 

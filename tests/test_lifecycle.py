@@ -53,7 +53,12 @@ def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway
     samples = scrape(gw.url)
     labels = (("model", "furnace-demo"), ("reason", "draining"))
     assert samples[("furnace_gateway_rejections_total", labels)] == 1
-    outcome = (("model", "furnace-demo"), ("outcome", "rejected"), ("status", "503"))
+    outcome = (
+        ("model", "furnace-demo"),
+        ("outcome", "rejected"),
+        ("route", "/v1/completions"),
+        ("status", "503"),
+    )
     assert samples[("furnace_gateway_requests_total", outcome)] == 1
     assert not any(
         name == "furnace_gateway_requests_total" and dict(labels).get("outcome") == "engine_error"

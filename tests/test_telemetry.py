@@ -3,6 +3,7 @@ prometheus-client's own parser."""
 
 import json
 import logging
+from collections import Counter
 
 import httpx
 
@@ -51,12 +52,15 @@ def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):
     wait_until(lambda: gw.state.slots.in_use == 0, "slots to be free")
 
     samples = scrape(gw.url)
-    counted = {
-        (labels["model"], labels["outcome"], labels["status"]): int(v)
-        for (name, label_items), v in samples.items()
-        if name == "furnace_gateway_requests_total"
-        for labels in [dict(label_items)]
-    }
+    counted: Counter[tuple[str, str, str]] = Counter()
+    routes: set[str] = set()
+    for (name, label_items), v in samples.items():
+        if name == "furnace_gateway_requests_total":
+            labels = dict(label_items)
+            counted[labels["model"], labels["outcome"], labels["status"]] += int(v)
+            routes.add(labels["route"])
+    # each request is counted under the API route it came by
+    assert routes <= {"/v1/chat/completions", "/v1/completions"} and routes
     assert counted == {
         ("furnace-demo", "completed", "200"): 3,
         ("furnace-demo", "invalid", "400"): 2,  # the model is resolved before the parameters

@@ -58,6 +58,17 @@ def request_context(scope: Scope) -> tuple[bytes, Metadata]:
     return request_id, tuple(metadata)
 
 
+def route_label(path: str) -> str:
+    """A request route's path as a metric label: its own path, which is one of the
+    app's fixed routes, but for the KServe v2 routes, whose paths name a model (and
+    a version) the client chose."""
+    if not path.startswith("/v2/"):
+        return path
+    if path.endswith("/infer"):
+        return "/v2/models/{model}/infer"
+    return "/v2/models/{model}"
+
+
 def priority(scope: Scope) -> int | None:
     """The request's `x-furnace-priority` (an integer; its team's caps it), or None."""
     for name, value in scope["headers"]:
@@ -164,6 +175,7 @@ class RequestRoute(Generic[X]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id, metadata = request_context(scope)
         record = RequestRecord(request_id.decode("latin-1"))
+        record.route = route_label(scope["path"])
         ctx = RequestContext(record, team_of(scope))
         if ctx.team is not None:  # a keyed gateway's: the ledger's and key budgets' key id
             ctx.key_id = key_id(scope["headers"])

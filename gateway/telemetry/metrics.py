@@ -63,12 +63,12 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         #: Label children already looked up, by model and by (model, outcome, status).
         self._series: dict[str, _ModelSeries] = {}
-        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._requests: dict[tuple[str, str, str, int], Any] = {}
         r = registry
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Requests by model, outcome and HTTP status.",
-            ["model", "outcome", "status"],
+            "Requests by model, API route, outcome and HTTP status.",
+            ["model", "route", "outcome", "status"],
             registry=r,
         )
         self.rejections = Counter(
@@ -149,11 +149,11 @@ class RequestMetrics:
         series = self._series.get(model)  # None: never begun, no series of its own
         if record.itl is not None and series is not None:  # begun: it held a slot
             series.inflight.dec()
-        key = (model, outcome, record.status)
+        key = (model, record.route, outcome, record.status)
         requests = self._requests.get(key)
         if requests is None:
             requests = self._requests[key] = self.requests.labels(
-                model, outcome, str(record.status)
+                model, record.route, outcome, str(record.status)
             )
         requests.inc()
         if outcome is Outcome.REJECTED:

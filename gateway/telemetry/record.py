@@ -37,6 +37,7 @@ class RequestRecord:
         "prompt_tokens",
         "reason",
         "request_id",
+        "route",
         "started_at",
         "status",
         "stream",
@@ -46,6 +47,9 @@ class RequestRecord:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        #: The API route that served it, as a bounded label (`/v1/chat/completions`,
+        #: `/v2/models/{model}/infer`...); "" where none set it.
+        self.route = ""
         self.started_at = time.perf_counter()
         self.model = ""
         #: The model the request named, when another served it (an alias's target, a
