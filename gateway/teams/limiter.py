@@ -207,6 +207,14 @@ class Limiter:
             return
         if not self.redis_up:
             log.info("limits store (Redis) answers: limits are shared by every replica")
+            # the local mirrors counted the outage here; Redis (perhaps restarted empty)
+            # is the count again, and the next admission reads it: until then the check
+            # before a body must not refuse on the stale mirror
+            now = time.monotonic()
+            for team in self.teams:
+                for bucket in (team.requests, team.tokens):
+                    if bucket is not None:
+                        bucket.set(0.0, now)
         self.redis_up = True
         if self.uncertain:
             await self._sweep_uncertain()
