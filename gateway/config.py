@@ -671,6 +671,7 @@ def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfi
         routing=_routing_policy(f"{where}.routing", raw.get("routing")),
     )
 
+
 def _routing_policy(where: str, raw: Any) -> RoutingConfig | None:
     """`routing: {policy, weights...}` (`RoutingConfig`), each number checked."""
     if raw is None:

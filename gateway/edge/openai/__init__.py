@@ -4,7 +4,7 @@ body.py          reads a JSON body, bounded (413) and checked (400)
 validation.py    an OpenAI body → our GenerateRequest, or a 400 naming the param
 schema_limits.py OpenAI's bounds on a request's JSON Schemas (properties, nesting, names)
 input_limits.py  the config's bounds on a request (messages, max_tokens caps)
-output_limits.py n × max_tokens × logprobs: what one request may make, bounded
+output_limits.py n x max_tokens x logprobs: what one request may make, bounded
 encoding.py      JSON answers and SSE chunks from pre-serialized templates
 generation.py    /v1/chat/completions and /v1/completions
 models.py        /v1/models
