@@ -45,8 +45,8 @@ class CountTokensRoute(RequestRoute[Exchange]):
         prompt counted and answers."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
-        admission.draining(ctx)
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes)
+        meter = admission.before_body(ctx)  # the team's rate, and the bytes being read
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         pool = admission.visibility(ctx, model_of(body))
         request = replace(parse_count(body, record.request_id), model=pool.name)
         ctx.request = request
