@@ -610,7 +610,7 @@ class GrpcMultiplexClient:
         if request is None:
             request = self._requests[id(prompt)] = request_from_proto(prompt.grpc_request)
         answer = _Answer(tally)
-        call = self._upstream.generate(request, CALL_TIMEOUT)
+        call = self._upstream.call(request, CALL_TIMEOUT)
         try:
             async for event in call:
                 if type(event) is Text:

@@ -66,7 +66,7 @@ async def run(request: GenerateRequest) -> tuple[list, object, list]:
     """Every event of one call, the error that ended it, and the outcomes reported."""
     outcomes = []
     async with httpx.AsyncClient() as http:
-        stream = OpenAIHttpUpstream(BASE, http, raw_http=False).generate(
+        stream = OpenAIHttpUpstream(BASE, http, raw_http=False).call(
             request, 5.0, on_close=outcomes.append
         )
         events, failure = [], None
@@ -233,7 +233,7 @@ def test_cancel_reports_our_cancellation():
     async def cancel_after_start() -> list:
         outcomes = []
         async with httpx.AsyncClient() as http:
-            stream = OpenAIHttpUpstream(BASE, http, raw_http=False).generate(
+            stream = OpenAIHttpUpstream(BASE, http, raw_http=False).call(
                 CHAT, 5.0, on_close=outcomes.append
             )
             assert await anext(stream) == Started(0)
@@ -728,7 +728,7 @@ async def raw_call(server: ScriptedHttp, request: GenerateRequest, **options) ->
     try:
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http, api_key=options.get("key"))
-            call = upstream.generate(
+            call = upstream.call(
                 request, options.get("timeout", 5.0), options.get("metadata", ()), outcomes.append
             )
             try:
@@ -770,9 +770,9 @@ def test_plain_http_a_connection_the_upstream_closed_is_not_reused():
         url = await server.start()
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            first = [e async for e in upstream.generate(CHAT, 5.0)]
+            first = [e async for e in upstream.call(CHAT, 5.0)]
             await until(lambda: not upstream._pool.open, "the server's close to reach the pool")
-            second = [e async for e in upstream.generate(CHAT, 5.0)]
+            second = [e async for e in upstream.call(CHAT, 5.0)]
             await upstream.close()
         server.close()
         return [first[-1], second[-1]]
@@ -793,7 +793,7 @@ def test_plain_http_reuses_its_connection_and_refusals_keep_it():
             upstream = OpenAIHttpUpstream(url, http)
             for _ in range(3):
                 try:
-                    results.append([e async for e in upstream.generate(CHAT, 5.0)])
+                    results.append([e async for e in upstream.call(CHAT, 5.0)])
                 except errors.EngineError as error:
                     results.append(error)
             await upstream.close()
@@ -834,7 +834,7 @@ def test_plain_http_cancel_closes_the_connection_the_upstream_sees_it():
         outcomes = []
         url = await server.start()
         async with httpx.AsyncClient() as http:
-            call = OpenAIHttpUpstream(url, http).generate(CHAT, 5.0, on_close=outcomes.append)
+            call = OpenAIHttpUpstream(url, http).call(CHAT, 5.0, on_close=outcomes.append)
             assert await anext(call) == Started(0)
             call.cancel()
             with anyio.fail_after(HANG_GUARD):
@@ -853,7 +853,7 @@ def test_plain_http_deadline_and_unreachable():
 
     async def unreachable() -> object:
         async with httpx.AsyncClient() as http:
-            call = OpenAIHttpUpstream(f"http://127.0.0.1:{free_port()}/v1", http).generate(CHAT, 5)
+            call = OpenAIHttpUpstream(f"http://127.0.0.1:{free_port()}/v1", http).call(CHAT, 5)
             try:
                 await anext(call)
             except errors.EngineError as error:
@@ -873,7 +873,7 @@ def test_plain_http_pauses_reading_for_a_reader_that_falls_behind():
         url = await server.start()
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            call = upstream.generate(TWO, HANG_GUARD)
+            call = upstream.call(TWO, HANG_GUARD)
             assert await anext(call) == Started(0)
             # the reader is busy: the server's sends back up until reading pauses
             await until(lambda: call._paused, "the call to pause reading")
@@ -897,7 +897,7 @@ def test_plain_http_a_call_past_its_deadline_is_not_sent_again():
         url = await server.start()
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            call = upstream.generate(CHAT, 0.3)
+            call = upstream.call(CHAT, 0.3)
             events = [await anext(call)]
             await asyncio.sleep(0.5)
             try:
@@ -940,12 +940,12 @@ def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
 
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            calls = [upstream.generate(CHAT, HANG_GUARD) for _ in range(2)]
+            calls = [upstream.call(CHAT, HANG_GUARD) for _ in range(2)]
             together = await asyncio.gather(*(read(c, str(i)) for i, c in enumerate(calls)))
             reading = _RawCall.reading
             # their connections see their responses' ends
             await until(lambda: len(upstream._pool.idle) == 2, "both connections idle")
-            alone = await read(upstream.generate(CHAT, HANG_GUARD), "alone")
+            alone = await read(upstream.call(CHAT, HANG_GUARD), "alone")
             await upstream.close()
         server.close()
         return together, alone, rested, reading
@@ -991,7 +991,7 @@ def test_plain_http_a_call_of_several_choices_rests_only_once_each_has_had_its_f
 
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            calls = [upstream.generate(replace(CHAT, n=2), HANG_GUARD) for _ in range(2)]
+            calls = [upstream.call(replace(CHAT, n=2), HANG_GUARD) for _ in range(2)]
             texts = await asyncio.gather(*(read(c, r) for c, r in zip(calls, rested, strict=True)))
             await upstream.close()
         server.close()
@@ -1015,7 +1015,7 @@ def test_plain_http_pushes_each_read_to_a_listener():
         told = asyncio.Event()
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(url, http)
-            call = upstream.generate(CHAT, 5.0)
+            call = upstream.call(CHAT, 5.0)
             assert await anext(call) == Started(0)
             call.listen(told.set)
             events = []

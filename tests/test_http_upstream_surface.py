@@ -324,7 +324,7 @@ def test_the_upstream_reads_n_choices_as_one_finished_each(vllm_http, direct):
     async def read() -> list[Any]:
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(f"http://127.0.0.1:{vllm_http.port}/v1", http)
-            events = [event async for event in upstream.generate(request, HANG_GUARD)]
+            events = [event async for event in upstream.call(request, HANG_GUARD)]
             await upstream.close()
             return events
 

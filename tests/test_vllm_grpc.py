@@ -187,7 +187,7 @@ def test_an_abort_reaches_the_engine_and_its_abort_reason_is_an_error(
         )
         sampling = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 64)
         request = GenerateRequest(model=MODEL, prompt="one two three", sampling=sampling)
-        call = upstream.generate(request, timeout=HANG_GUARD)
+        call = upstream.call(request, timeout=HANG_GUARD)
         first = await call.__anext__()
         upstream.abort(call.request_id)
         try:

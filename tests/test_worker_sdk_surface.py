@@ -838,7 +838,7 @@ def test_the_upstream_reads_everything_back(server_loop, serve):
                 n=2,
                 logprobs=2,
             )
-            events = [e async for e in upstream.generate(request, timeout=10)]
+            events = [e async for e in upstream.call(request, timeout=10)]
             vectors = await upstream.embed(
                 EmbedRequest(DEMO_MODEL, ("a b", (4, 5)), dimensions=8), timeout=10
             )

@@ -50,7 +50,6 @@ from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.requests import InFlight, UnaryCall
 from gateway.config import Config
 from gateway.fleet import Fleet, ModelPool
-from gateway.fleet.aliases import Aliases
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import EmbedRequest, GenerateRequest, Started
@@ -141,7 +140,7 @@ class Admission:
         self.teams = teams
         self.telemetry = telemetry
         self.accounts = teams.accounts
-        self.aliases = Aliases(config)
+        self.aliases = teams.aliases  # the same object a reload of the config changes
         slots = inflight.slots
         demand_memory = max(5.0, 3.0 * config.retry_after)
         self.fair_share = FairShare(slots, teams.by_name.values(), demand_memory)
@@ -350,7 +349,7 @@ class Admission:
         first event is where it ends. `ctx.pool` is the model that serves."""
         pool = _pool(ctx)
         try:
-            return await self.fleet.generate(pool, request, deadline, metadata, ctx.record)
+            return await self.fleet.start_call(pool, request, deadline, metadata, ctx.record)
         except errors.EngineError as error:
             if not error.retryable or deadline.remaining() <= 0:
                 raise
@@ -359,7 +358,7 @@ class Admission:
             self._land(ctx, fallback)
             try:
                 again = replace(request, model=fallback.name)
-                return await self.fleet.generate(fallback, again, deadline, metadata, ctx.record)
+                return await self.fleet.start_call(fallback, again, deadline, metadata, ctx.record)
             except errors.EngineError as error:
                 if not error.retryable or deadline.remaining() <= 0:
                     raise

@@ -289,7 +289,7 @@ class Fleet:
             )
         return pool
 
-    async def generate(
+    async def start_call(
         self,
         pool: ModelPool,
         request: GenerateRequest,
@@ -355,7 +355,7 @@ class Fleet:
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
         worker.outstanding += 1
-        stream = worker.upstream.generate(
+        stream = worker.upstream.call(
             request, deadline.remaining(), metadata, on_close=worker.release
         )
         start_timeout = self.config.start_timeout

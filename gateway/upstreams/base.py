@@ -77,7 +77,7 @@ class Upstream(Protocol):
 
     address: str
 
-    def generate(
+    def call(
         self,
         request: GenerateRequest,
         timeout: float,
@@ -93,7 +93,7 @@ class Upstream(Protocol):
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """Embeds the inputs with an embedding model, within `timeout` seconds;
-        raises `EngineError` as `generate` refuses."""
+        raises `EngineError` as `call` refuses."""
 
     async def count_tokens(
         self,
@@ -102,7 +102,7 @@ class Upstream(Protocol):
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> int:
         """The tokens of the prompt `request` makes, by the model's tokenizer, within
-        `timeout` seconds; raises `EngineError` as `generate` refuses."""
+        `timeout` seconds; raises `EngineError` as `call` refuses."""
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models it serves."""

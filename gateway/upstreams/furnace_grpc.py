@@ -98,7 +98,7 @@ class FurnaceGrpcUpstream:
         """Requests open on the worker's multiplexed call (0 without one)."""
         return 0 if self._link is None else len(self._link)
 
-    def generate(
+    def call(
         self,
         request: GenerateRequest,
         timeout: float,

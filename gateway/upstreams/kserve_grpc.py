@@ -186,7 +186,7 @@ class KServeGrpcUpstream:
 
     # -- what the fleet asks of every upstream -----------------------------------
 
-    def generate(
+    def call(
         self,
         request: GenerateRequest,
         timeout: float,

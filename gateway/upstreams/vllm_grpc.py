@@ -463,7 +463,7 @@ class VllmGrpcUpstream:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.GetModelInfoResponse | None = None
 
-    def generate(
+    def call(
         self,
         request: GenerateRequest,
         timeout: float,

@@ -187,7 +187,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                 pool = _served(ex.ctx, pool)
                 start = _ready(started)
             else:
-                start = self.fleet.generate(pool, request, Deadline(timeout), metadata, ex.record)
+                start = self.fleet.start_call(pool, request, Deadline(timeout), metadata, ex.record)
             pump = EventPump(start, config.stream_buffer_bytes, request.n)
             try:
                 await self._relay(pump, parsed, pool, ex)

@@ -4,7 +4,7 @@ our `GenerateRequest`, or a 400 naming the parameter at fault (OpenAI's shape).
 The body is read in two steps because a turn that continues a conversation
 (`previous_response_id`) needs the store before it can be a `GenerateRequest`:
 `parse` checks the body on its own and puts its input items in the stored form
-(every item with an id, every message's content as parts); `generate` then turns
+(every item with an id, every message's content as parts); `generate_request` then turns
 the conversation (the stored turns' items, then this body's) into chat messages.
 
 What is served (OpenAI's reference): `input` as a string or items (messages with
@@ -88,7 +88,7 @@ _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"
 
 @dataclass(frozen=True, slots=True)
 class ResponsesBody:
-    """A checked body: what to ask the worker (`generate` finishes it), and `echo`, the
+    """A checked body: what to ask the worker (`generate_request` finishes it), and `echo`, the
     request's own fields as the response object repeats them."""
 
     model: str | None
@@ -503,7 +503,7 @@ def parse(body: Any) -> ResponsesBody:
     )
 
 
-def generate(
+def generate_request(
     body: ResponsesBody, history: Sequence[Item], request_id: str, session: str
 ) -> GenerateRequest:
     """The request for the worker: `instructions` as the system message, then the

@@ -33,7 +33,7 @@ from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
 from gateway.edge.responses.encoding import ResponsesEncoder
-from gateway.edge.responses.params import Item, ResponsesBody, generate, new_id, parse
+from gateway.edge.responses.params import Item, ResponsesBody, generate_request, new_id, parse
 from gateway.edge.responses.store import ResponseStore, Stored, open_store
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
@@ -90,7 +90,7 @@ def _request(
         session = body.session or header or response_id
     return ResponsesRequest(
         body.model,
-        generate(body, history, request_id, session),
+        generate_request(body, history, request_id, session),
         body.stream,
         False,
         body=body,

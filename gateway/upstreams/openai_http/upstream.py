@@ -160,7 +160,7 @@ class OpenAIHttpUpstream:
         self._head = "".join(f"{line}\r\n" for line in lines)
         self._path = url.path
 
-    def generate(
+    def call(
         self,
         request: GenerateRequest,
         timeout: float,
