@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from tests.support.surface import (
     assert_valid,
     calls_of,
 )
-from tests.support.tiny_model import TOOLS_TEMPLATE
+from tests.support.tiny_model import tools_tokenizer
 from tests.support.vllm import VllmProcess, start_grpc_server
 from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
@@ -79,17 +78,6 @@ class Front:
     tools_dir: Path
 
 
-def _tools_tokenizer(model: Path, into: Path) -> Path:
-    """The model's tokenizer files, with the tools template."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (model / name).exists():
-            shutil.copy(model / name, into / name)
-    config = json.loads((into / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    (into / "tokenizer_config.json").write_text(json.dumps(config))
-    return into
-
-
 @pytest.fixture(scope="module")
 def front(
     server_loop: ServerLoop,
@@ -98,7 +86,7 @@ def front(
     vllm_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Front]:
-    tools_dir = _tools_tokenizer(vllm_model, tmp_path_factory.mktemp("tools-tokenizer"))
+    tools_dir = tools_tokenizer(vllm_model, tmp_path_factory.mktemp("tools-tokenizer"))
     address = f"127.0.0.1:{vllm_grpc.port}"
     models = (
         ModelConfig(
@@ -354,7 +342,7 @@ def test_n_choices_come_interleaved_each_with_its_own_end(
         sampling = SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
         request = GenerateRequest("m", messages=(Message("user", "hello"),), n=3, sampling=sampling)
         try:
-            return [event async for event in upstream.generate(request, HANG_GUARD)]
+            return [event async for event in upstream.call(request, HANG_GUARD)]
         finally:
             await upstream.close()
 

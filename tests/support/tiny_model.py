@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,6 +37,18 @@ TOOLS_TEMPLATE = (
     "</tool_call>{% endfor %}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def tools_tokenizer(model: Path, into: Path) -> Path:
+    """`model`'s tokenizer files copied into `into`, with `TOOLS_TEMPLATE` as their chat
+    template: a gateway that tokenizes (`upstream: vllm-grpc`) renders tool turns with it."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model / name).exists():
+            shutil.copy(model / name, into / name)
+    config = json.loads((into / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (into / "tokenizer_config.json").write_text(json.dumps(config))
+    return into
 
 
 def _byte_chars() -> dict[int, str]:
