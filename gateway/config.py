@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, Field, astuple, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -44,9 +44,10 @@ class KeysFileUnreadable(ConfigError):
 
 @dataclass(frozen=True)
 class Spec:
-    """A config field's bounds and meaning, declared once on the field: the loader checks
-    them, and deploy/config_schema.py writes them into the chart's values schema and the
-    configuration table of the docs."""
+    """A config field's type-independent bounds and meaning, declared once on the field (its
+    type is the annotation): the loader checks them, and deploy/config_schema.py writes them
+    into the chart's values schema and the configuration table of the docs. A section (a
+    model, a team, the queue...) is a dataclass whose fields are declared the same way."""
 
     #: One line: what the field does, for the docs and the values schema.
     help: str
@@ -56,8 +57,21 @@ class Spec:
     maximum: int | float | None = None
     #: The values a string may take (the loader lowercases it first).
     choices: tuple[str, ...] = ()
-    #: The shortest a string may be.
+    #: The shortest a string (each string of a list) may be, or the fewest items of a list of
+    #: sections.
     min_length: int = 0
+    #: A regular expression a string must match whole, and what it means (for errors).
+    pattern: tuple[str, str] | None = None
+    #: A list of sections written as a mapping keyed by the section's first field
+    #: (`teams: {NAME: {...}}`); each value holds the other fields, or is the only other one.
+    keyed: bool = False
+    #: The section a value of plain tuples is written as (`prices: {prompt, completion}` is
+    #: `(prompt, completion)`), its fields in order.
+    shape: type | None = None
+
+
+#: The default of a field that has none: the config must give it.
+REQUIRED: Any = MISSING
 
 
 def setting(
@@ -68,9 +82,15 @@ def setting(
     maximum: int | float | None = None,
     choices: tuple[str, ...] = (),
     min_length: int = 0,
+    pattern: tuple[str, str] | None = None,
+    keyed: bool = False,
+    shape: type | None = None,
 ) -> _T:
-    """A dataclass field with its default and its `Spec`."""
-    spec = Spec(help, minimum, maximum, choices, min_length)
+    """A dataclass field with its default (or `REQUIRED`) and its `Spec`."""
+    spec = Spec(help, minimum, maximum, choices, min_length, pattern, keyed, shape)
+    if default is MISSING:
+        required: _T = field(metadata={"spec": spec})
+        return required
     return field(default=default, metadata={"spec": spec})
 
 
@@ -84,6 +104,8 @@ def spec_of(declared: Field[Any]) -> Spec:
 
 #: `models[].routing.policy` values (`gateway.fleet.routing`).
 ROUTING_POLICIES = ("kv_aware", "prefix", "least_load", "round_robin")
+#: The largest of the routing's costs and counts.
+_ROUTING_MAX = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -91,152 +113,336 @@ class RoutingConfig:
     """`models[].routing`: the scheduler over the engines' KV events and load records
     (`gateway.fleet.routing` has the cost; docs/concepts/routing.md the why)."""
 
-    #: `kv_aware` (cached prefix and queued work), `prefix` (prefix_affinity), `least_load`
-    #: (queued work only), or `round_robin`.
-    policy: str = "kv_aware"
-    #: Cost of one prompt token the worker's cache does not hold (prefill to do).
-    prefill_weight: float = 1.0
-    #: Cost of one uncached prompt token waiting in the worker's queue.
-    queue_weight: float = 1.0
-    #: Cost, in prompt tokens, of one request the worker runs.
-    running_cost: float = 64.0
-    #: Cost, in prompt tokens, of a worker whose KV cache is full (scaled by its use).
-    usage_cost: float = 256.0
-    #: A session stays on its worker while that worker has at most this many times the
-    #: model's average calls in flight (plus one); past it the session moves.
-    session_load_factor: float = 1.5
-    #: Sessions remembered (least recently used forgotten first).
-    max_sessions: int = 100_000
-    #: KV blocks remembered per worker (oldest forgotten first).
-    max_blocks_per_worker: int = 200_000
+    policy: str = setting(
+        "kv_aware",
+        "`kv_aware` (cached prefix and queued work), `prefix` (prefix affinity), `least_load` "
+        "(queued work only) or `round_robin`",
+        choices=ROUTING_POLICIES,
+    )
+    prefill_weight: float = setting(
+        1.0,
+        "cost of one prompt token the worker's cache does not hold (prefill to do)",
+        minimum=0,
+        maximum=_ROUTING_MAX,
+    )
+    queue_weight: float = setting(
+        1.0,
+        "cost of one uncached prompt token waiting in the worker's queue",
+        minimum=0,
+        maximum=_ROUTING_MAX,
+    )
+    running_cost: float = setting(
+        64.0,
+        "cost, in prompt tokens, of one request the worker runs",
+        minimum=0,
+        maximum=_ROUTING_MAX,
+    )
+    usage_cost: float = setting(
+        256.0,
+        "cost, in prompt tokens, of a worker whose KV cache is full (scaled by its use)",
+        minimum=0,
+        maximum=_ROUTING_MAX,
+    )
+    session_load_factor: float = setting(
+        1.5,
+        "a session stays on its worker while that worker has at most this many times the "
+        "model's average calls in flight (plus one); past it the session moves",
+        minimum=1,
+        maximum=_ROUTING_MAX,
+    )
+    max_sessions: int = setting(
+        100_000,
+        "sessions remembered (least recently used forgotten first)",
+        minimum=1,
+        maximum=_ROUTING_MAX,
+    )
+    max_blocks_per_worker: int = setting(
+        200_000,
+        "KV blocks remembered per worker (oldest forgotten first)",
+        minimum=1,
+        maximum=_ROUTING_MAX,
+    )
+    kv_events: tuple[tuple[str, str], ...] = setting(
+        (),
+        "`upstream: openai` workers (vLLM's HTTP server), `{workers entry: tcp://host:port}`: "
+        "the ZMQ endpoint where each one's engine publishes its KV events "
+        "(`--kv-events-config`); needs the model's `tokenizer` (the events name blocks by "
+        "token ids)",
+        pattern=(r"tcp://[^\s:/*]+:\d{1,5}", "tcp://host:port"),
+    )
+
+
+@dataclass(frozen=True)
+class Prices:
+    """`models[].prices` as written; the model holds `(prompt, completion)`."""
+
+    prompt: float = setting(0.0, "spend per million prompt tokens", minimum=0)
+    completion: float = setting(0.0, "spend per million completion tokens", minimum=0)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """A model and the workers that serve it."""
 
-    name: str
-    kind: str = "llm"
-    #: `host:port` addresses, or `dns:///name:port` (`dns://server:port/name:port`
-    #: asks that name server) for a Kubernetes headless Service.
-    workers: tuple[str, ...] = ()
-    max_model_len: int | None = None
-    #: `least_outstanding` (power of two choices) or `prefix_affinity`.
-    balance: str = "least_outstanding"
-    #: Relative weights by worker entry (as listed in `workers`); default 1.
-    weights: tuple[tuple[str, float], ...] = ()
-    #: `grpc` (our worker protocol), `openai`: workers are base URLs
-    #: (`http://host:port/v1`) of OpenAI-compatible servers, or `vllm-grpc`:
-    #: vLLM's own gRPC server, which takes token ids (see `tokenizer`), or
-    #: `kserve-grpc`: KServe v2 gRPC servers (Triton, KServe), the default and only
-    #: upstream of `kind: tensor` models.
-    upstream: str = "grpc"
-    #: A directory holding the model's tokenizer.json, tokenizer_config.json and
-    #: chat template, for `vllm-grpc` (the gateway tokenizes); unused otherwise.
-    tokenizer: str | None = None
-    #: `vllm-grpc`: the format the model writes tool calls in (`hermes`, `llama3_json`),
-    #: as vLLM's `--tool-call-parser`; None: it takes no tools (forced calls neither).
-    tool_call_parser: str | None = None
-    #: `vllm-grpc`: special-token strings a user types in a message (`<|im_end|>`) stay
-    #: text when the gateway tokenizes; false: they become the real tokens, as HF's and
-    #: vLLM's own front ends make them (a user could then end their turn and open a
-    #: system one).
-    plain_text_contents: bool = True
-    #: The largest `max_tokens` a request may ask for (also its default); None: no cap.
-    max_tokens_limit: int | None = None
-    #: `openai` upstreams: the NAME of the environment variable holding their bearer
-    #: key (sent as `Authorization: Bearer`); never the key itself.
-    api_key_env: str | None = None
-    #: `openai` upstreams: a PEM bundle that verifies their TLS; None: the system's roots.
-    ca_file: str | None = None
-    #: Its queue (the top-level `queue` with these fields overridden); None: no queue.
-    queue: QueueConfig | None = None
-    #: Models (or aliases) tried in order when this one cannot start an answer.
-    fallbacks: tuple[str, ...] = ()
-    #: Spend per million tokens: (prompt, completion), for budgets in `spend`; None: 0.
-    prices: tuple[float, float] | None = None
-    #: Routing on the engines' KV events and load; None: `balance` as it is.
-    routing: RoutingConfig | None = None
+    name: str = setting(
+        REQUIRED,
+        "the name clients use; a request without `model` goes to the first LLM",
+        min_length=1,
+    )
+    kind: str = setting(
+        "llm",
+        "`llm`, or `tensor`: a model of the KServe v2 routes (`/v2/models/{name}/infer`), "
+        "served by KServe v2 gRPC workers",
+        choices=MODEL_KINDS,
+    )
+    workers: tuple[str, ...] = setting(
+        (),
+        "`host:port`, `dns:///name:port` (a Kubernetes headless Service, re-resolved every "
+        "`discovery_interval`; `dns://server:port/name:port` asks that name server), or base "
+        "URLs (`http://host:port/v1`) with `upstream: openai`; an `llm` model needs one",
+        min_length=1,
+    )
+    max_model_len: int | None = setting(
+        None,
+        "the context length `/v1/models` reports; none: asked from the workers with `Describe` "
+        "(or their `/models`)",
+        minimum=1,
+    )
+    balance: str = setting(
+        "least_outstanding",
+        "`least_outstanding` (power of two choices) or `prefix_affinity`",
+        choices=BALANCE_POLICIES,
+    )
+    weights: tuple[tuple[str, float], ...] = setting(
+        (),
+        "relative weights by `workers` entry, `{entry: weight}`; an entry not listed weighs 1",
+        minimum=0.001,
+    )
+    upstream: str = setting(
+        "grpc",
+        "`grpc` (our worker protocol), `openai` (OpenAI-compatible HTTP servers: vLLM, "
+        "SGLang...), `vllm-grpc` (vLLM's own gRPC server, which takes token ids: needs "
+        "`tokenizer`), or `kserve-grpc` (KServe v2 gRPC servers: Triton, KServe), the default "
+        "and only upstream of `kind: tensor`",
+        choices=UPSTREAMS,
+    )
+    tokenizer: str | None = setting(
+        None,
+        "with `upstream: vllm-grpc` (and only required there): a directory holding the model's "
+        "`tokenizer.json`, `tokenizer_config.json` and chat template, as a Hugging Face model "
+        "directory has them (the gateway tokenizes); checked readable at start",
+        min_length=1,
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "with `upstream: vllm-grpc`: the format the model writes tool calls in, `hermes` "
+        "(Hermes, Qwen 2.5/3) or `llama3_json` (Llama 3.x), as vLLM's `--tool-call-parser`; "
+        "none: the model takes no `tools` (forced calls neither)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    plain_text_contents: bool = setting(
+        True,
+        "with `upstream: vllm-grpc`: special-token strings a user types in a message "
+        "(`<|im_end|><|im_start|>system`) are tokenized as text; false: as the real special "
+        "tokens, as Hugging Face's and vLLM's own front ends do (a message's content is the "
+        "client's text, never the template's: read as tokens, it lets a user end their turn "
+        "and open a system one)",
+    )
+    max_tokens_limit: int | None = setting(
+        None,
+        "the largest `max_tokens` a request may ask for (also its default); none: no cap",
+        minimum=1,
+    )
+    api_key_env: str | None = setting(
+        None,
+        "with `upstream: openai`: the NAME of an environment variable holding the upstreams' "
+        "key (never the key), sent as `Authorization: Bearer` on every call to them; checked "
+        "set at start",
+        min_length=1,
+    )
+    ca_file: str | None = setting(
+        None,
+        "with `upstream: openai`: a PEM bundle that verifies the upstreams' TLS (`https://` "
+        "workers behind a private CA); none: the system's roots; checked readable at start",
+        min_length=1,
+    )
+    # (a frozen dataclass: immutable, though ruff cannot tell)
+    queue: QueueConfig | None = setting(  # noqa: RUF009
+        None,
+        "its queue: the top-level `queue` with the fields given here overridden (`max_wait` "
+        "needed where there is none); none: the top-level `queue`",
+    )
+    fallbacks: tuple[str, ...] = setting(
+        (),
+        "models (or aliases) that serve a request, in order, when this one has no healthy "
+        "worker, every worker is full, or every worker tried failed before the first token",
+        min_length=1,
+    )
+    prices: tuple[float, float] | None = setting(
+        None,
+        "`{prompt, completion}`: spend per million tokens, for budgets counted in `spend`; none: 0",
+        shape=Prices,
+    )
+    # (a frozen dataclass: immutable, though ruff cannot tell)
+    routing: RoutingConfig | None = setting(  # noqa: RUF009
+        None,
+        "routing on the engines' KV-cache events and load records instead of `balance` "
+        "(docs: Concepts, KV-aware routing); none: `balance` as it is",
+    )
 
 
 @dataclass(frozen=True)
 class BudgetConfig:
     """A team's (or one of its keys') allowance over a calendar window, UTC."""
 
-    #: `day` or `month`.
-    window: str
-    #: Prompt and completion tokens together; None: not counted in tokens.
-    tokens: int | None = None
-    #: Spend (the models' `prices` per million tokens); None: not counted in spend.
-    spend: float | None = None
-    #: The hour (UTC) a day window starts at, and a month window on its `start_day`.
-    start_hour: int = 0
-    #: The day of the month a month window starts on (1-28).
-    start_day: int = 1
-    #: The first hex digits of a key's SHA-256 (`key_id`): the budget of that key alone;
-    #: None: the team's.
-    key: str | None = None
+    window: str = setting(REQUIRED, "the calendar window (UTC)", choices=BUDGET_WINDOWS)
+    tokens: int | None = setting(
+        None,
+        "prompt and completion tokens together; none: not counted in tokens (a budget needs "
+        "`tokens` or `spend`)",
+        minimum=0,
+    )
+    spend: float | None = setting(
+        None,
+        "spend (the models' `prices` per million tokens); none: not counted in spend",
+        minimum=0,
+    )
+    start_hour: int = setting(
+        0,
+        "the hour (UTC) a day window starts at, and a month window on its `start_day`",
+        minimum=0,
+        maximum=23,
+    )
+    start_day: int = setting(
+        1, "the day of the month a month window starts on", minimum=1, maximum=28
+    )
+    key: str | None = setting(
+        None,
+        "the first hex digits of a key's SHA-256 (its `key_id`): the budget of that key alone; "
+        "none: the team's",
+        pattern=("[0-9a-f]{8,64}", "a key id (8 or more lowercase hex digits)"),
+    )
+
+
+@dataclass(frozen=True)
+class AliasTarget:
+    """One target of an alias as written, `{model, weight}`; the alias holds
+    `(model, weight)`."""
+
+    model: str = setting(REQUIRED, "a model's (or another alias's) name", min_length=1)
+    weight: float = setting(1.0, "its share of the draws", minimum=0)
 
 
 @dataclass(frozen=True)
 class AliasConfig:
     """A model name that stands for others: `(model, weight)` targets, drawn by weight."""
 
-    name: str
-    targets: tuple[tuple[str, float], ...]
+    name: str = setting(REQUIRED, "the alias, a name no model has", min_length=1)
+    targets: tuple[tuple[str, float], ...] = setting(
+        REQUIRED,
+        "its targets, `[{model, weight}]`, one drawn by weight per request (the same for one "
+        "session key)",
+        min_length=1,
+        shape=AliasTarget,
+    )
 
 
 @dataclass(frozen=True)
 class QueueConfig:
     """A bounded wait for a slot (`queue:`, top level or per model)."""
 
-    #: Seconds a request may wait for a slot; one that cannot have it by then gets 503.
-    max_wait: float
-    #: Requests that may wait at once, per model; one more gets 503 at once.
-    max_depth: int = 1024
-    #: Seconds after which a waiter of any priority is served next.
-    max_starvation: float = 10.0
+    max_wait: float = setting(
+        REQUIRED,
+        "seconds a request may wait for a slot; one that cannot have it by then gets 503",
+        minimum=0.001,
+    )
+    max_depth: int = setting(
+        1024, "requests that may wait at once, per model; one more gets 503 at once", minimum=1
+    )
+    max_starvation: float = setting(
+        10.0, "seconds after which a waiter of any priority is served next", minimum=0.001
+    )
 
 
 @dataclass(frozen=True)
 class TeamConfig:
     """A product team: its share of the slots, its limits (None: none), its models."""
 
-    name: str
-    #: Its weight in the fair share of `max_concurrent_requests` when slots are scarce.
-    weight: float = 1.0
-    max_concurrent_requests: int | None = None
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    #: The models its keys may use and see; empty: every model.
-    models: tuple[str, ...] = ()
-    #: Its requests' priority in the queue (higher first); `x-furnace-priority` may lower it.
-    priority: int = 0
-    #: Its budgets over calendar windows (gateway.teams.budgets).
-    budgets: tuple[BudgetConfig, ...] = ()
-    #: Aliases of its own, over the top-level ones of the same name.
-    aliases: tuple[AliasConfig, ...] = ()
+    name: str = setting(
+        REQUIRED,
+        "the team's name, in metric labels and Redis keys",
+        pattern=(TEAM_NAME.pattern, "a team name: letters, digits, '_', '.', '-' (64 at most)"),
+    )
+    weight: float = setting(
+        1.0,
+        "its weight in the fair share of `max_concurrent_requests` when slots are scarce",
+        minimum=0.001,
+    )
+    max_concurrent_requests: int | None = setting(
+        None, "its requests served at once; none: no limit", minimum=1
+    )
+    requests_per_minute: int | None = setting(
+        None, "its requests a minute; none: no limit", minimum=1
+    )
+    tokens_per_minute: int | None = setting(
+        None,
+        "its tokens (prompt and completion) a minute; none: no limit",
+        minimum=1,
+    )
+    models: tuple[str, ...] = setting(
+        (), "the models its keys may use and see; none: every model", min_length=1
+    )
+    priority: int = setting(
+        0,
+        "its requests' priority in the queue (higher first); `x-furnace-priority` may lower it",
+        minimum=-1000,
+        maximum=1000,
+    )
+    budgets: tuple[BudgetConfig, ...] = setting(
+        (),
+        "allowances over UTC calendar windows, in tokens or spend; a spent one gets 429 "
+        "`budget_exceeded` (docs: Guides, budgets)",
+    )
+    aliases: tuple[AliasConfig, ...] = setting(
+        (),
+        "the team's own aliases, shaped as the top-level `aliases`, over the top-level ones of "
+        "the same name",
+        keyed=True,
+    )
 
 
 @dataclass(frozen=True)
 class KeyConfig:
     """An API key, known by the SHA-256 of its exact text (never the key), and its team."""
 
-    sha256: bytes
-    team: str
+    sha256: bytes = setting(
+        REQUIRED,
+        "the SHA-256 of the key's exact text (never the key)",
+        pattern=("[0-9a-fA-F]{64}", "the 64 hex digits of the key's SHA-256"),
+    )
+    team: str = setting(REQUIRED, "the team the key is of, one of `teams`", min_length=1)
 
 
 @dataclass(frozen=True)
 class WorkerTLS:
     """TLS on the gateway's gRPC channels to workers; mutual with a client certificate."""
 
-    #: PEM roots that sign the workers' certificates; None: the system's roots.
-    ca_file: str | None = None
-    #: The gateway's client certificate and key (PEM), for workers that ask for one.
-    cert_file: str | None = None
-    key_file: str | None = None
-    #: The name the workers' certificates hold, when it is not their address's host.
-    server_name: str | None = None
+    ca_file: str | None = setting(
+        None,
+        "PEM roots that sign the workers' certificates; none: the system's roots",
+        min_length=1,
+    )
+    cert_file: str | None = setting(
+        None,
+        "the gateway's client certificate (PEM), for workers that ask for one; with `key_file`",
+        min_length=1,
+    )
+    key_file: str | None = setting(None, "the key (PEM) of `cert_file`", min_length=1)
+    server_name: str | None = setting(
+        None,
+        "the name the workers' certificates hold, when it is not their address's host",
+        min_length=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -255,7 +461,7 @@ class Config:
         maximum=65535,
     )
     admin_host: str | None = setting(
-        None, "the address the admin listener listens on; none: the same as `host`"
+        None, "the address the admin listener listens on; none: the same as `host`", min_length=1
     )
     allowed_hosts: tuple[str, ...] = setting(
         (),
@@ -425,14 +631,18 @@ class Config:
         None,
         "a YAML file of more keys (a list shaped like `keys`), e.g. from a Kubernetes Secret; "
         "read again when it changes",
+        min_length=1,
     )
     teams: tuple[TeamConfig, ...] = setting(
-        (), "product teams by name: their share of the slots, their limits, their models"
+        (),
+        "product teams by name: their share of the slots, their limits, their models",
+        keyed=True,
     )
     redis_url: str | None = setting(
         None,
         "Redis (`redis://`, `rediss://`, `unix://`) holding the teams' limits for every "
         "replica; none: each gateway's memory",
+        min_length=1,
     )
     redis_timeout: float = setting(
         0.25,
@@ -477,6 +687,7 @@ class Config:
         (),
         "model names that stand for others, `{name: [{model, weight}]}`: a request is served by "
         "one target, drawn by weight (the same for one session key)",
+        keyed=True,
     )
     budget_store_failure: str = setting(
         "open",
@@ -497,6 +708,31 @@ TYPES: dict[str, Any] = get_type_hints(Config)
 _STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts", "queue", "aliases")
 
 
+def hints(section: Any) -> dict[str, Any]:
+    """The types of a section's fields, by name."""
+    return get_type_hints(section)
+
+
+def optional(hint: Any) -> tuple[Any, bool]:
+    """`X | None` as (X, True); any other type as (it, False)."""
+    args = get_args(hint)
+    if type(None) not in args:
+        return hint, False
+    (inner,) = (arg for arg in args if arg is not type(None))
+    return inner, True
+
+
+def is_section(hint: Any) -> bool:
+    """Whether `hint` is a section: a dataclass of declared fields."""
+    return isinstance(hint, type) and is_dataclass(hint)
+
+
+def item_of(hint: Any) -> Any:
+    """The item type of `tuple[X, ...]`, else None."""
+    args = get_args(hint)
+    return args[0] if get_origin(hint) is tuple and args[-1:] == (Ellipsis,) else None
+
+
 def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | None = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{name}: expected a number, got {value!r}")
@@ -504,6 +740,8 @@ def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | 
         number = kind(value)
     except ValueError:
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if number != number:  # NaN passes both bounds
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
     if kind is int and isinstance(value, float) and value != number:
         raise ConfigError(f"{name}: expected a whole number, got {value!r}")
     if number < minimum:
@@ -514,6 +752,7 @@ def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | 
 
 
 def _text(name: str, value: Any, spec: Spec) -> str:
+    """A string checked against its `Spec`; never repeated in the error (it may be a secret)."""
     if spec.choices:
         text = str(value).lower()
         if text not in spec.choices:
@@ -522,20 +761,123 @@ def _text(name: str, value: Any, spec: Spec) -> str:
     if not isinstance(value, str) or len(value) < spec.min_length:
         wanted = "a non-empty string" if spec.min_length else "a string"
         raise ConfigError(f"{name}: expected {wanted}")
+    if spec.pattern is not None and not re.fullmatch(spec.pattern[0], value):
+        raise ConfigError(f"{name}: expected {spec.pattern[1]}")
     return value
 
 
-def _scalars(values: dict[str, Any]) -> None:
-    """Checks, in place, the top-level numbers, strings and flags against their `Spec`."""
-    for name, spec in SPECS.items():
-        if name in values and TYPES[name] in (int, float):
-            minimum = 0 if spec.minimum is None else spec.minimum
-            values[name] = _number(name, values[name], TYPES[name], minimum, spec.maximum)
-    for name, spec in SPECS.items():
-        if name in values and TYPES[name] is str:
-            values[name] = _text(name, values[name], spec)
-        elif name in values and TYPES[name] is bool:
-            values[name] = _flag(name, values[name])
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
+def _at(where: str, name: Any) -> str:
+    return f"{where}.{name}" if where else str(name)
+
+
+def _shown(section: type) -> str:
+    return "{" + ", ".join(f.name for f in fields(section)) + "}"
+
+
+def _value(where: str, hint: Any, spec: Spec, raw: Any) -> Any:
+    """`raw` checked against a field's type and `Spec`; `where` is its full path."""
+    hint, nullable = optional(hint)
+    if nullable and raw is None:
+        return None
+    item = item_of(hint)
+    if spec.shape is not None:
+        if item is None:
+            return astuple(_section(where, raw, spec.shape))
+        return tuple(astuple(entry) for entry in _sections(where, raw, spec.shape, spec))
+    if is_section(hint):
+        return _section(where, raw, hint)
+    if item is None:
+        return _scalar(where, hint, spec, raw)
+    if is_section(item):
+        return _sections(where, raw, item, spec)
+    if raw is None:  # an empty list or mapping may be written as nothing
+        return ()
+    if get_origin(item) is tuple:  # `{name: value}` as (name, value) pairs
+        kind = get_args(item)[1]
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of name to {kind.__name__}")
+        return tuple((str(k), _scalar(_at(where, k), kind, spec, v)) for k, v in raw.items())
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list")
+    return tuple(_scalar(f"{where}[{i}]", item, spec, entry) for i, entry in enumerate(raw))
+
+
+def _scalar(where: str, hint: Any, spec: Spec, raw: Any) -> Any:
+    if hint is bool:
+        return _flag(where, raw)
+    if hint in (int, float):
+        minimum = 0 if spec.minimum is None else spec.minimum
+        return _number(where, raw, hint, minimum, spec.maximum)
+    if hint is str:
+        return _text(where, raw, spec)
+    if hint is bytes:  # written as hex digits
+        return bytes.fromhex(_text(where, raw, spec))
+    raise TypeError(f"{where}: no check for {hint!r}")
+
+
+def _fields(where: str, raw: Any, section: type[Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of `section` that `raw` (a mapping) gives, each checked; `skip`: fields
+    the caller checks."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping {_shown(section)}")
+    declared = {f.name: f for f in fields(section)}
+    unknown = sorted(str(name) for name in raw if name not in declared)
+    if unknown:
+        raise ConfigError(f"{_at(where, unknown[0])}: unknown field")
+    types = hints(section)
+    return {
+        name: _value(_at(where, name), types[name], spec_of(f), raw[name])
+        for name, f in declared.items()
+        if name in raw and name not in skip
+    }
+
+
+def _built(where: str, section: type[_T], values: dict[str, Any]) -> _T:
+    """`section` from checked `values`; a required field missing is an error."""
+    for f in fields(section):  # type: ignore[arg-type]
+        if f.default is MISSING and f.name not in values:
+            raise ConfigError(f"{_at(where, f.name)}: required")
+    return section(**values)
+
+
+def _section(where: str, raw: Any, section: type[_T]) -> _T:
+    """A section (a mapping of its declared fields), each field checked."""
+    return _built(where, section, _fields(where, raw, section))
+
+
+def _sections(where: str, raw: Any, section: type[Any], spec: Spec) -> tuple[Any, ...]:
+    """A list of sections, or with `spec.keyed` a mapping keyed by their first field."""
+    if raw is None:
+        return ()
+    key, *rest = fields(section)
+    if not spec.keyed:
+        if not isinstance(raw, list) or len(raw) < spec.min_length:
+            raise ConfigError(f"{where}: expected a list of {_shown(section)}")
+        return tuple(_section(f"{where}[{i}]", entry, section) for i, entry in enumerate(raw))
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {key.name} to its settings")
+    types = hints(section)
+    found = []
+    for name, value in raw.items():
+        at = _at(where, name)
+        values = {key.name: _value(at, types[key.name], spec_of(key), name)}
+        if len(rest) == 1:  # the value is the only other field
+            values[rest[0].name] = _value(at, types[rest[0].name], spec_of(rest[0]), value)
+        else:
+            value = {} if value is None else value
+            if isinstance(value, Mapping) and key.name in value:
+                raise ConfigError(f"{_at(at, key.name)}: unknown field")
+            values.update(_fields(at, value, section))
+        found.append(_built(at, section, values))
+    return tuple(found)
 
 
 def _host_names(raw: Any) -> tuple[str, ...]:
@@ -549,228 +891,81 @@ def _host_names(raw: Any) -> tuple[str, ...]:
     return tuple(h.strip().strip("[]").rstrip(".").lower() for h in raw)
 
 
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    return value
-
-
-def _tokenizer_dir(where: str, value: Any, upstream: str) -> str | None:
-    """`tokenizer`: required with `vllm-grpc`, a directory whose tokenizer files can be read."""
-    if value is None:
-        if upstream == "vllm-grpc":
-            raise ConfigError(f"{where}.tokenizer: required with upstream: vllm-grpc")
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}.tokenizer: expected a directory")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if not os.access(Path(value, name), os.R_OK):
-            raise ConfigError(f"{where}.tokenizer: cannot read {name} in {value}")
-    return value
-
-
 def _queue(where: str, raw: Any, base: QueueConfig | None) -> QueueConfig | None:
-    """`queue`: a mapping of `max_wait`, `max_depth`, `max_starvation` over `base`."""
+    """A model's `queue`: its fields over the top-level `base`."""
     if raw is None:
         return base
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping (max_wait, max_depth, max_starvation)")
-    unknown = set(raw) - {f.name for f in fields(QueueConfig)}
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
-    if base is None and "max_wait" not in raw:
-        raise ConfigError(f"{where}.max_wait: required")
-    values = {} if base is None else {f.name: getattr(base, f.name) for f in fields(QueueConfig)}
-    for name, kind, minimum in (
-        ("max_wait", float, 0.001),
-        ("max_depth", int, 1),
-        ("max_starvation", float, 0.001),
-    ):
-        if name in raw:
-            values[name] = _number(f"{where}.{name}", raw[name], kind, minimum)
-    return QueueConfig(**values)
+    if base is None:
+        return _section(where, raw, QueueConfig)
+    return replace(base, **_fields(where, raw, QueueConfig))
 
 
-def _model(where: str, raw: Any, queue: QueueConfig | None = None) -> ModelConfig:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with a name")
-    unknown = set(raw) - {f.name for f in fields(ModelConfig)}
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{where}.name: expected a non-empty string")
-    kind = raw.get("kind", "llm")
-    if kind not in MODEL_KINDS:
-        raise ConfigError(f"{where}.kind: expected one of {', '.join(MODEL_KINDS)}, got {kind!r}")
-    workers = raw.get("workers", [])
-    if not isinstance(workers, list) or not all(isinstance(w, str) and w for w in workers):
-        raise ConfigError(f"{where}.workers: expected a list of addresses")
-    if kind == "llm" and not workers:
+def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
+    """One `models[]` entry: its declared fields, then what they require of each other."""
+    values = _fields(where, raw, ModelConfig, skip=("queue",))
+    values["queue"] = _queue(f"{where}.queue", raw.get("queue"), queue)
+    if values.get("kind") == "tensor":
+        values.setdefault("upstream", "kserve-grpc")
+    model = _built(where, ModelConfig, values)
+    if model.kind == "llm" and not model.workers:
         raise ConfigError(f"{where}.workers: an llm model needs at least one worker")
-    max_len = raw.get("max_model_len")
-    if max_len is not None:
-        max_len = _number(f"{where}.max_model_len", max_len, int, 1)
-    max_tokens_limit = raw.get("max_tokens_limit")
-    if max_tokens_limit is not None:
-        max_tokens_limit = _number(f"{where}.max_tokens_limit", max_tokens_limit, int, 1)
-    upstream = raw.get("upstream", "kserve-grpc" if kind == "tensor" else "grpc")
-    if upstream not in UPSTREAMS:
-        raise ConfigError(f"{where}.upstream: expected one of {', '.join(UPSTREAMS)}")
-    if (kind == "tensor") != (upstream == "kserve-grpc"):
+    if (model.kind == "tensor") != (model.upstream == "kserve-grpc"):
         raise ConfigError(f"{where}.upstream: kserve-grpc is for kind: tensor models, and only it")
-    tokenizer = _tokenizer_dir(where, raw.get("tokenizer"), upstream)
-    tool_call_parser = raw.get("tool_call_parser")
-    if tool_call_parser is not None and (
-        upstream != "vllm-grpc" or tool_call_parser not in TOOL_CALL_PARSERS
-    ):
+    _tokenizer_dir(where, model.tokenizer, model.upstream)
+    if model.tool_call_parser is not None and model.upstream != "vllm-grpc":
         raise ConfigError(
             f"{where}.tool_call_parser: with upstream: vllm-grpc, one of "
             f"{', '.join(TOOL_CALL_PARSERS)}"
         )
-    for i, entry in enumerate(workers):
+    for i, entry in enumerate(model.workers):
         is_url = entry.startswith(("http://", "https://"))
-        if is_url != (upstream == "openai"):
-            expected = "an http(s):// base URL" if upstream == "openai" else "host:port or dns:"
+        if is_url != (model.upstream == "openai"):
+            expected = (
+                "an http(s):// base URL" if model.upstream == "openai" else "host:port or dns:"
+            )
             raise ConfigError(f"{where}.workers[{i}]: expected {expected}, got {entry!r}")
-    balance = raw.get("balance", "least_outstanding")
-    if balance not in BALANCE_POLICIES:
-        raise ConfigError(
-            f"{where}.balance: expected one of {', '.join(BALANCE_POLICIES)}, got {balance!r}"
-        )
-    weights = raw.get("weights") or {}
-    if not isinstance(weights, Mapping):
-        raise ConfigError(f"{where}.weights: expected a mapping of worker to weight")
-    for entry, weight in weights.items():
-        if entry not in workers:
+    for entry, _ in model.weights:
+        if entry not in model.workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
-        _number(f"{where}.weights.{entry}", weight, float, 0.001)
-    api_key_env, ca_file = _upstream_credentials(where, raw, upstream)
-    plain_text_contents = raw.get("plain_text_contents", True)
-    if not isinstance(plain_text_contents, bool):
-        raise ConfigError(f"{where}.plain_text_contents: expected true or false")
-    return ModelConfig(
-        name=name,
-        kind=kind,
-        workers=tuple(workers),
-        max_model_len=max_len,
-        balance=balance,
-        upstream=upstream,
-        tokenizer=tokenizer,
-        tool_call_parser=tool_call_parser,
-        plain_text_contents=plain_text_contents,
-        weights=tuple((entry, float(weight)) for entry, weight in weights.items()),
-        max_tokens_limit=max_tokens_limit,
-        queue=_queue(f"{where}.queue", raw.get("queue"), queue),
-        api_key_env=api_key_env,
-        ca_file=ca_file,
-        fallbacks=_names(f"{where}.fallbacks", raw.get("fallbacks")),
-        prices=_prices(f"{where}.prices", raw.get("prices")),
-        routing=_routing_policy(f"{where}.routing", raw.get("routing")),
-    )
+    for entry, _ in model.routing.kv_events if model.routing is not None else ():
+        if model.upstream != "openai" or entry not in model.workers:
+            raise ConfigError(
+                f"{where}.routing.kv_events.{entry}: not one of the model's upstream: openai "
+                "workers"
+            )
+        if model.tokenizer is None:
+            raise ConfigError(f"{where}.tokenizer: required with routing.kv_events")
+    _upstream_credentials(where, model)
+    return model
 
 
-def _routing_policy(where: str, raw: Any) -> RoutingConfig | None:
-    """`routing: {policy, weights...}` (`RoutingConfig`), each number checked."""
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping (policy, weights)")
-    unknown = set(raw) - {f.name for f in fields(RoutingConfig)}
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
-    values: dict[str, Any] = {}
-    policy = raw.get("policy", "kv_aware")
-    if policy not in ROUTING_POLICIES:
-        raise ConfigError(f"{where}.policy: expected one of {', '.join(ROUTING_POLICIES)}")
-    values["policy"] = policy
-    for declared in fields(RoutingConfig):
-        name = declared.name
-        if name in raw and name != "policy":
-            kind = int if name.startswith("max_") else float
-            minimum = 1 if kind is int or name == "session_load_factor" else 0
-            number = _number(f"{where}.{name}", raw[name], kind, minimum, 10_000_000)
-            if number != number:  # NaN passes both bounds
-                raise ConfigError(f"{where}.{name}: expected a number, got {raw[name]!r}")
-            values[name] = number
-    return RoutingConfig(**values)
+def _tokenizer_dir(where: str, value: str | None, upstream: str) -> None:
+    """`tokenizer`: required with `vllm-grpc`, a directory whose tokenizer files can be read."""
+    if value is None:
+        if upstream == "vllm-grpc":
+            raise ConfigError(f"{where}.tokenizer: required with upstream: vllm-grpc")
+        return
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not os.access(Path(value, name), os.R_OK):
+            raise ConfigError(f"{where}.tokenizer: cannot read {name} in {value}")
 
 
-def _names(where: str, raw: Any) -> tuple[str, ...]:
-    """A list of model names (checked against the models later, in `_routing`)."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or not all(isinstance(n, str) and n for n in raw):
-        raise ConfigError(f"{where}: expected a list of model names")
-    return tuple(raw)
-
-
-def _prices(where: str, raw: Any) -> tuple[float, float] | None:
-    """`prices: {prompt, completion}`: spend per million tokens, neither negative."""
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping) or not raw or set(raw) - {"prompt", "completion"}:
-        raise ConfigError(f"{where}: expected a mapping of prompt and completion prices")
-    prompt, completion = (
-        _number(f"{where}.{k}", raw.get(k, 0), float, 0) for k in ("prompt", "completion")
-    )
-    return (prompt, completion)
-
-
-def _budget(where: str, raw: Any) -> BudgetConfig:
-    """One `budgets[]` entry: a window and `tokens` and/or `spend`."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with window and tokens or spend")
-    unknown = set(raw) - {f.name for f in fields(BudgetConfig)}
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
-    window = raw.get("window")
-    if window not in BUDGET_WINDOWS:
-        raise ConfigError(f"{where}.window: expected one of {', '.join(BUDGET_WINDOWS)}")
-    if raw.get("tokens") is None and raw.get("spend") is None:
-        raise ConfigError(f"{where}.tokens: a budget needs tokens or spend")
-    key = raw.get("key")
-    if key is not None and (not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{8,64}", key)):
-        raise ConfigError(f"{where}.key: expected a key id (8 or more lowercase hex digits)")
-    optional = {
-        name: _number(f"{where}.{name}", raw[name], kind, 0)
-        for name, kind in (("tokens", int), ("spend", float))
-        if raw.get(name) is not None
-    }
-    return BudgetConfig(
-        window,
-        start_hour=_number(f"{where}.start_hour", raw.get("start_hour", 0), int, 0, 23),
-        start_day=_number(f"{where}.start_day", raw.get("start_day", 1), int, 1, 28),
-        key=key,
-        **optional,
-    )
-
-
-def _aliases(where: str, raw: Any) -> tuple[AliasConfig, ...]:
-    """`aliases: {name: [{model, weight}]}`; the names are checked in `_routing`."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of alias to [{{model, weight}}]")
-    aliases = []
-    for name, targets in raw.items():
-        at = f"{where}.{name}"
-        if not isinstance(targets, list) or not targets:
-            raise ConfigError(f"{at}: expected a list of {{model, weight}}")
-        parsed = []
-        for i, target in enumerate(targets):
-            if not isinstance(target, Mapping) or set(target) - {"model", "weight"}:
-                raise ConfigError(f"{at}[{i}]: expected a mapping of model and weight")
-            model = target.get("model")
-            if not isinstance(model, str) or not model:
-                raise ConfigError(f"{at}[{i}].model: expected a model name")
-            parsed.append((model, _number(f"{at}[{i}].weight", target.get("weight", 1), float, 0)))
-        if sum(weight for _, weight in parsed) <= 0:
-            raise ConfigError(f"{at}: the weights sum to 0")
-        aliases.append(AliasConfig(str(name), tuple(parsed)))
-    return tuple(aliases)
+def _upstream_credentials(where: str, model: ModelConfig) -> None:
+    """`api_key_env` names a variable that is set; `ca_file` is readable; both for `openai`."""
+    for name in ("api_key_env", "ca_file"):
+        if getattr(model, name) is not None and model.upstream != "openai":
+            raise ConfigError(f"{where}.{name}: only for `upstream: openai`")
+    if model.api_key_env is not None and not os.environ.get(model.api_key_env):
+        raise ConfigError(
+            f"{where}.api_key_env: the environment variable {model.api_key_env} is not set"
+        )
+    if model.ca_file is not None:
+        try:
+            Path(model.ca_file).read_bytes()
+        except OSError as error:
+            raise ConfigError(
+                f"{where}.ca_file: cannot read {model.ca_file}: {error.strerror}"
+            ) from None
 
 
 def _routing(values: dict[str, Any]) -> None:
@@ -788,6 +983,8 @@ def _routing(values: dict[str, Any]) -> None:
             for i, (target, _) in enumerate(alias.targets):
                 if target not in models and target not in known:
                     raise ConfigError(f"{where}.{name}[{i}].model: unknown model {target!r}")
+            if sum(weight for _, weight in alias.targets) <= 0:
+                raise ConfigError(f"{where}.{name}: the weights sum to 0")
             _no_cycle(f"{where}.{name}", name, known, ())
     for i, model in enumerate(values["models"]):
         for j, target in enumerate(model.fallbacks):
@@ -805,87 +1002,29 @@ def _no_cycle(
         _no_cycle(where, target, aliases, (*path, name))
 
 
-def _upstream_credentials(where: str, raw: Mapping[str, Any], upstream: str) -> tuple[Any, Any]:
-    """`api_key_env` names a variable that is set; `ca_file` is readable; both for `openai`."""
-    api_key_env, ca_file = raw.get("api_key_env"), raw.get("ca_file")
-    for name, value in (("api_key_env", api_key_env), ("ca_file", ca_file)):
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}.{name}: expected a non-empty string")
-        if upstream != "openai":
-            raise ConfigError(f"{where}.{name}: only for `upstream: openai`")
-    if api_key_env is not None and not os.environ.get(api_key_env):
-        raise ConfigError(f"{where}.api_key_env: the environment variable {api_key_env} is not set")
-    if ca_file is not None:
-        try:
-            Path(ca_file).read_bytes()
-        except OSError as error:
-            raise ConfigError(f"{where}.ca_file: cannot read {ca_file}: {error.strerror}") from None
-    return api_key_env, ca_file
-
-
-def _team(name: Any, raw: Any, models: set[str]) -> TeamConfig:
-    if not isinstance(name, str) or not TEAM_NAME.fullmatch(name):
-        raise ConfigError(f"teams.{name}: a team name is letters, digits, '_', '.', '-'")
-    where = f"teams.{name}"
-    raw = {} if raw is None else raw
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of settings")
-    unknown = set(raw) - ({f.name for f in fields(TeamConfig)} - {"name"})
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown field")
-    limits = {
-        key: _number(f"{where}.{key}", raw[key], int, 1)
-        for key in ("max_concurrent_requests", "requests_per_minute", "tokens_per_minute")
-        if raw.get(key) is not None
-    }
-    allowed = raw.get("models") or []
-    if not isinstance(allowed, list):
-        raise ConfigError(f"{where}.models: expected a list of model names")
-    for i, model in enumerate(allowed):
-        if model not in models:
-            raise ConfigError(f"{where}.models[{i}]: {model!r} is not a configured model")
-    weight = _number(f"{where}.weight", raw.get("weight", 1.0), float, 0.001)
-    priority = _number(f"{where}.priority", raw.get("priority", 0), int, -1000, 1000)
-    budgets = raw.get("budgets") or []
-    if not isinstance(budgets, list):
-        raise ConfigError(f"{where}.budgets: expected a list of {{window, tokens}}")
-    return TeamConfig(
-        name,
-        weight,
-        models=tuple(allowed),
-        priority=priority,
-        budgets=tuple(_budget(f"{where}.budgets[{i}]", b) for i, b in enumerate(budgets)),
-        aliases=_aliases(f"{where}.aliases", raw.get("aliases")),
-        **limits,
-    )
+def _teams(values: dict[str, Any]) -> None:
+    """Checks what each team names: configured models, budgets in tokens or spend."""
+    models = {m.name for m in values["models"]}
+    for team in values["teams"]:
+        where = f"teams.{team.name}"
+        for i, model in enumerate(team.models):
+            if model not in models:
+                raise ConfigError(f"{where}.models[{i}]: {model!r} is not a configured model")
+        for i, budget in enumerate(team.budgets):
+            if budget.tokens is None and budget.spend is None:
+                raise ConfigError(f"{where}.budgets[{i}].tokens: a budget needs tokens or spend")
 
 
 def parse_keys(where: str, raw: Any, teams: set[str]) -> tuple[KeyConfig, ...]:
     """Checked key entries (`[{sha256, team}]`); `where` names the field in errors.
     Errors never repeat a value: a key pasted where its hash belongs stays out of logs."""
-    if not isinstance(raw, list):
-        raise ConfigError(f"{where}: expected a list of {{sha256, team}} entries")
-    keys: list[KeyConfig] = []
-    for i, entry in enumerate(raw):
-        at = f"{where}[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{at}: expected a mapping with sha256 and team")
-        unknown = set(entry) - {"sha256", "team"}
-        if unknown:
-            raise ConfigError(f"{at}.{sorted(unknown)[0]}: unknown field")
-        digest = entry.get("sha256")
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
-            raise ConfigError(f"{at}.sha256: expected the 64 hex digits of the key's SHA-256")
-        team = entry.get("team")
-        if team not in teams:
-            raise ConfigError(f"{at}.team: not one of the teams listed in `teams`")
-        key = KeyConfig(bytes.fromhex(digest), team)
-        if any(k.sha256 == key.sha256 for k in keys):
-            raise ConfigError(f"{at}.sha256: the same key is listed twice")
-        keys.append(key)
-    return tuple(keys)
+    keys: tuple[KeyConfig, ...] = _value(where, TYPES["keys"], SPECS["keys"], raw)
+    for i, key in enumerate(keys):
+        if key.team not in teams:
+            raise ConfigError(f"{where}[{i}].team: not one of the teams listed in `teams`")
+        if any(k.sha256 == key.sha256 for k in keys[:i]):
+            raise ConfigError(f"{where}[{i}].sha256: the same key is listed twice")
+    return keys
 
 
 def load_keys_file(path: str, teams: set[str]) -> tuple[KeyConfig, ...]:
@@ -911,87 +1050,61 @@ def merge_keys(inline: tuple[KeyConfig, ...], from_file: tuple[KeyConfig, ...]) 
     return teams
 
 
-def _optional_text(name: str, value: Any) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"{name}: expected a non-empty string")
-    return value
-
-
-def _worker_tls(raw: Any) -> WorkerTLS | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError("worker_tls: expected a mapping (ca_file, cert_file, key_file)")
-    unknown = set(raw) - {f.name for f in fields(WorkerTLS)}
-    if unknown:
-        raise ConfigError(f"worker_tls.{sorted(unknown)[0]}: unknown field")
-    tls = WorkerTLS(**{k: _optional_text(f"worker_tls.{k}", v) for k, v in raw.items()})
+def _worker_tls(tls: WorkerTLS | None) -> None:
+    """`worker_tls`: a certificate goes with its key, and every file can be read."""
+    if tls is None:
+        return
     if (tls.cert_file is None) != (tls.key_file is None):
         raise ConfigError("worker_tls.key_file: cert_file and key_file go together")
     for name in ("ca_file", "cert_file", "key_file"):
         path = getattr(tls, name)
         if path is not None and not os.access(path, os.R_OK):
             raise ConfigError(f"worker_tls.{name}: cannot read {path}")
-    return tls
 
 
-def _teams_and_keys(values: dict[str, Any]) -> None:
-    """Checks `teams`, `keys`, `keys_file`, `redis_url` and `worker_tls` in place."""
-    teams = values.get("teams") or {}
-    if not isinstance(teams, Mapping):
-        raise ConfigError("teams: expected a mapping of team name to its settings")
-    models = {m.name for m in values["models"]}
-    values["teams"] = tuple(_team(name, raw, models) for name, raw in teams.items())
-    names = set(teams)
-    values["keys"] = parse_keys("keys", values.get("keys") or [], names)
-    keys_file = values["keys_file"] = _optional_text("keys_file", values.get("keys_file"))
+def _keys_and_redis(values: dict[str, Any], keys: Any) -> None:
+    """Checks `keys` and `keys_file` against the teams, and the scheme of `redis_url`."""
+    names = {team.name for team in values["teams"]}
+    values["keys"] = parse_keys("keys", keys, names)
+    keys_file = values.get("keys_file")
     if keys_file is not None:
         merge_keys(values["keys"], load_keys_file(keys_file, names))
-    url = values["redis_url"] = _optional_text("redis_url", values.get("redis_url"))
+    url = values.get("redis_url")
     # never echo the URL: it may hold a password
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("redis_url: expected a redis://, rediss:// or unix:// URL")
-    values["worker_tls"] = _worker_tls(values.get("worker_tls"))
-
-
-def _admin_listener(values: dict[str, Any]) -> None:
-    """Checks `admin_port` (none, or a port other than `port`) and `admin_host` in place."""
-    admin_port = values.get("admin_port")
-    if admin_port is not None:
-        admin_port = values["admin_port"] = _number("admin_port", admin_port, int, 0, 65535)
-        if admin_port != 0 and admin_port == values.get("port", Config.port):
-            raise ConfigError("admin_port: must differ from port")
-    values["admin_host"] = _optional_text("admin_host", values.get("admin_host"))
 
 
 def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
-    """Builds a checked `Config` from a YAML mapping and environment overrides."""
+    """Builds a checked `Config` from a YAML mapping and environment overrides: each field
+    against its declaration, then what fields require of each other."""
     env = os.environ if env is None else env
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
-    values = dict(raw)
-    known = {f.name for f in fields(Config)}
-    for name in known:
+    merged = dict(raw)
+    for name in SPECS:
         override = env.get(ENV_PREFIX + name.upper())
         if override is not None:
-            values[name] = yaml.safe_load(override) if name in _STRUCTURED else override
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown field")
-    _scalars(values)
-    _admin_listener(values)
-    values["allowed_hosts"] = _host_names(values.get("allowed_hosts"))
-    models = values.get("models") or []
+            merged[name] = yaml.safe_load(override) if name in _STRUCTURED else override
+    values = _fields("", merged, Config, skip=("models", "allowed_hosts", "keys"))
+    admin_port = values.get("admin_port")
+    if admin_port is not None and admin_port != 0 and admin_port == values.get("port", Config.port):
+        raise ConfigError("admin_port: must differ from port")
+    values["allowed_hosts"] = _host_names(merged.get("allowed_hosts"))
+    models = merged.get("models") or []
     if not isinstance(models, list):
         raise ConfigError("models: expected a list")
-    queue = values["queue"] = _queue("queue", values.get("queue"), None)
+    queue = values.get("queue")
     values["models"] = tuple(_model(f"models[{i}]", m, queue) for i, m in enumerate(models))
     names = [m.name for m in values["models"]]
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"models[{i}].name: {name!r} is listed twice")
-    _teams_and_keys(values)
-    values["aliases"] = _aliases("aliases", values.get("aliases"))
+    values.setdefault("teams", ())
+    values.setdefault("aliases", ())
+    _teams(values)
+    _keys_and_redis(values, merged.get("keys"))
+    _worker_tls(values.get("worker_tls"))
     _routing(values)
     return Config(**values)
 
