@@ -5,7 +5,8 @@
     │   └── Worker                  worker.py      in flight, health, ejection
     ├── discovery                   discovery.py   host:port and dns: entries
     ├── balancing                   balancing.py   power of two choices, prefix affinity
-    └── RetryBudget                 retry.py       retries as a fraction of requests
+    └── RetryBudget                 retry.py       retries as a fraction of requests, and
+                                                   the one retry loop (`with_retries`)
     aliases.py       aliases, weighted splits and fallbacks: which model serves a request
     embedding.py     an embedding, on that rule
     inference.py     a tensor inference and a model's metadata, on that rule
@@ -31,21 +32,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.kv_follow import follow_kv
 from gateway.fleet.pool import ModelPool
-from gateway.fleet.retry import RetryBudget
+from gateway.fleet.retry import RetryBudget, with_retries
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
@@ -300,41 +299,13 @@ class Fleet:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the stream
         (`record` gets the routing decision, with `models[].routing`)."""
-        self.budget.record_request()
-        tried: set[Worker] = set()
 
-        def retryable(error: BaseException | None) -> bool:
-            retry = (
-                isinstance(error, errors.EngineError)
-                and error.retryable
-                and deadline.remaining() > 0
-                and bool(pool.available(tried))
-                and self.budget.try_spend()
-            )
-            if retry:
-                pool.retries_total += 1
-                log.info("model %s: retrying after %s", pool.name, type(error).__name__)
-            return retry
+        def attempt(tried: set[Worker]) -> Awaitable[tuple[Started, UpstreamCall]]:
+            return self._try(pool, request, deadline, metadata, tried, record)
 
-        # The first try goes without tenacity: most requests need no retry, and
-        # a retrying object per request is garbage the cycle collector must chase.
-        try:
-            return await self._try(pool, request, deadline, metadata, tried, record)
-        except errors.EngineError as error:
-            if self.config.retry_attempts < 2 or not retryable(error):
-                raise
-        backoff = self.config.retry_backoff
-        await asyncio.sleep(random.uniform(0, backoff))
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.config.retry_attempts - 1),
-            wait=wait_random_exponential(multiplier=backoff, max=backoff * 16),
-            retry=lambda state: retryable(state.outcome.exception() if state.outcome else None),
-            reraise=True,
+        return await with_retries(
+            self, pool, deadline, attempt, lambda e: e.retryable, self.config.retry_backoff
         )
-        async for attempt in retrying:
-            with attempt:
-                return await self._try(pool, request, deadline, metadata, tried, record)
-        raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _try(
         self,

@@ -3,19 +3,19 @@ balancing, ejection and retry rules of LLM requests, less what has no meaning he
 
 A unary answer comes whole, so nothing of it reaches the client before it is done; which
 failures are tried again on another worker is the caller's rule (`retry`), bounded like a
-generation's retries by `retry_attempts`, the time left and the retry budget. No back-off:
-the next try goes to a worker not yet tried. Every try counts in its worker's calls in
-flight and ends in `Worker.release`, however it ends (a cancellation says nothing of the
-worker), so ejection sees unary calls as it sees generations.
+generation's retries, by the same loop (`retry.with_retries`). No back-off: the next try
+goes to a worker not yet tried. Every try counts in its worker's calls in flight and ends
+in `Worker.release`, however it ends (a cancellation says nothing of the worker), so
+ejection sees unary calls as it sees generations.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from gateway.fleet.retry import with_retries
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.upstreams.base import CANCELLED
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from gateway.fleet import Fleet
     from gateway.fleet.pool import ModelPool
     from gateway.fleet.worker import Worker
-
-log = logging.getLogger("furnace.fleet")
 
 T = TypeVar("T")
 
@@ -52,11 +50,9 @@ async def call_unary(
     retry: Callable[[errors.EngineError], bool],
 ) -> tuple[T, Worker]:
     """`call` on a worker of `pool`, and that worker; a failure `retry` accepts is tried
-    on another worker while attempts, time and the retry budget last."""
-    fleet.budget.record_request()
-    tried: set[Worker] = set()
-    attempts = max(1, fleet.config.retry_attempts)
-    for attempt in range(1, attempts + 1):
+    on another worker while attempts, time and the retry budget last (`with_retries`)."""
+
+    async def attempt(tried: set[Worker]) -> tuple[T, Worker]:
         worker = pick(pool, tried)
         tried.add(worker)
         worker.outstanding += 1
@@ -65,20 +61,11 @@ async def call_unary(
             return await call(worker), worker
         except errors.EngineError as error:
             outcome = error
-            again = (
-                retry(error)
-                and attempt < attempts
-                and deadline.remaining() > 0
-                and bool(pool.available(tried))
-                and fleet.budget.try_spend()
-            )
-            if not again:
-                raise
-            pool.retries_total += 1
-            log.info("model %s: retrying after %s", pool.name, type(error).__name__)
+            raise
         except asyncio.CancelledError:
             outcome = CANCELLED
             raise
         finally:
             worker.release(outcome)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+
+    return await with_retries(fleet, pool, deadline, attempt, retry, backoff=0.0)
