@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck format protos docs docs-pictures bench bench-fleet bench-peers constraints
+.PHONY: demo test lint typecheck format protos docs docs-pictures bench bench-fleet bench-peers bench-vllm constraints
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ bench-fleet:
 # Side by side with vllm-router and smg (installed from PyPI into .tools/peers on first run).
 bench-peers:
 	$(PY) -m benchmarks.bench_peers
+
+# Through a real engine (vLLM's CPU build from .tools/vllm, the tiny model): direct, the
+# routers and furnace-gateway, HTTP and gRPC, 3 interleaved rounds (ARGS=--quick: 1 round).
+bench-vllm:
+	$(PY) -m benchmarks.bench_vllm $(ARGS)
 
 # The pinned versions CI and the image install; run after changing a dependency.
 constraints: $(PY)

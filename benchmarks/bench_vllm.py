@@ -23,9 +23,11 @@ request and per token streamed.
 The routers are installed from PyPI into `.tools/peers` as `make bench-peers` does; a router
 that cannot be installed or started is reported, not measured.
 
-Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--no-peers]
-[--json PATH]` (`make bench-vllm`; about 5 minutes with the defaults, most of it the vLLM
-servers' start and 3 rounds). Not collected by pytest.
+Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
+[--paths HTTP,gRPC] [--no-peers] [--json PATH]` (`make bench-vllm`; 10-30 minutes on a
+shared 2-core machine with the defaults, most of it the two vLLM servers' start, up to
+4 minutes each under load; `--quick` is 1 round of 8 requests). Each path's table is
+printed as soon as it is measured. Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,9 +81,13 @@ LOADS = (1, 8)
 # --- the clients -------------------------------------------------------------------------
 
 
-async def one_chat(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
-    """TTFT (seconds) and completion tokens of one streamed chat completion."""
+async def one_chat(
+    client: httpx.AsyncClient, url: str, extra: dict[str, Any] | None = None
+) -> tuple[float, int]:
+    """TTFT (seconds) and completion tokens of one streamed chat completion (`extra`:
+    more fields of the request)."""
     body = {
+        **(extra or {}),
         "model": MODEL,
         "messages": MESSAGES,
         "max_tokens": MAX_TOKENS,
@@ -135,13 +142,13 @@ async def run_load(make_call: Callable[[], Any], streams: int, requests: int) ->
 class HttpCalls:
     """One pooled httpx client for a run against an OpenAI-shaped endpoint."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, extra: dict[str, Any] | None = None) -> None:
+        self.url, self.extra = url, extra
 
     async def __aenter__(self) -> OneCall:
         limits = httpx.Limits(max_connections=64)
         self.client = httpx.AsyncClient(timeout=120, limits=limits)
-        return lambda: one_chat(self.client, self.url)
+        return lambda: one_chat(self.client, self.url, self.extra)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.aclose()
@@ -252,6 +259,7 @@ class Row:
 
 def measure_path(path: str, targets: list[Target], rounds: int, requests: int) -> list[Row]:
     """Rounds of every load over every target, interleaved; rows per target and load."""
+    print(f"  {path}: warming every target up", file=sys.stderr, flush=True)
     for streams in LOADS:  # warm every path once
         measure_round(targets, streams, max(8, streams * 2))
     rows = {
@@ -409,6 +417,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--no-peers", action="store_true", help="measure without the routers")
     parser.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
+    parser.add_argument("--quick", action="store_true", help="1 round of 8 requests")
+    parser.add_argument(
+        "--paths", default="HTTP,gRPC", help="the paths to measure, of HTTP and gRPC"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     peers: dict[str, Path | str] = (
@@ -421,17 +433,26 @@ def main() -> None:
         for name, found in peers.items()
         if isinstance(found, Path)
     }
+    if args.quick:
+        args.rounds, args.requests = 1, 8
+    # a SIGTERM (a timeout's) unwinds like Ctrl-C, so the vLLM servers are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[Row] = []
     missing: list[Target] = []
+    paths = {"HTTP": http_targets, "gRPC": grpc_targets}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")
-        for path, targets_of in (("HTTP", http_targets), ("gRPC", grpc_targets)):
-            with targets_of(model_dir, work, peers) as targets:
+        for path in args.paths.split(","):
+            print(f"{path}: starting vLLM and the gateways", file=sys.stderr, flush=True)
+            with paths[path](model_dir, work, peers) as targets:
                 missing += [t for t in targets if t.missing]
-                rows += measure_path(path, targets, args.rounds, args.requests)
+                measured = measure_path(path, targets, args.rounds, args.requests)
+            report(measured, [], args.rounds, args.requests)  # as soon as it is measured
+            rows += measured
     if versions:
         print("\nrouters: " + ", ".join(f"{n} {v}" for n, v in versions.items()))
+    print("\nall paths:")
     report(rows, missing, args.rounds, args.requests)
     if args.json:
         args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=2))

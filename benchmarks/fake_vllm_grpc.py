@@ -1,0 +1,112 @@
+"""A fast stand-in of vLLM's gRPC server (`vllm.grpc.engine.VllmEngine`), for measuring
+and profiling the gateway's own work on the `upstream: vllm-grpc` path without an engine
+eating the cores: `Generate` streams one chunk per token (as vLLM does, one per engine
+step) every `--step-ms` milliseconds, the tokens of a fixed English text encoded with the
+model's own tokenizer (so the gateway's detokenizer and stop matching see real text),
+until `max_tokens`; then a `complete` with finish reason `length`. `GetModelInfo`,
+`HealthCheck`, `GetLoads`, `Abort` and `grpc.health.v1` answer as vLLM's do.
+
+Not an engine: the prompt's ids are only counted. Used by `benchmarks/profile_gateway.py`.
+
+Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+from tokenizers import Tokenizer
+
+TEXT = (
+    "The gateway renders the chat template, tokenizes the prompt and streams the answer "
+    "back as it comes, one token at a time, never splitting a character: café, naïve. "
+)
+CONTEXT = 1024
+
+
+class FakeVllm(pb_grpc.VllmEngineServicer):
+    """Answers every request with the text's ids, one chunk per step."""
+
+    def __init__(self, ids: list[int], eos: list[int], step: float) -> None:
+        self.ids, self.eos, self.step = ids, eos, step
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: object
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        prompt = len(request.tokenized.input_ids)
+        wanted = request.sampling_params.max_tokens or 16
+        ids = itertools.islice(itertools.cycle(self.ids), wanted)
+        for sent, token in enumerate(ids, 1):
+            if self.step:
+                await asyncio.sleep(self.step)
+            chunk = pb.GenerateStreamChunk(
+                token_ids=[token], prompt_tokens=prompt, completion_tokens=sent
+            )
+            if sent < wanted:
+                yield pb.GenerateResponse(chunk=chunk)
+            else:  # the last token comes with the end, as vLLM sends it
+                done = pb.GenerateComplete(
+                    output_ids=[token],
+                    finish_reason="length",
+                    prompt_tokens=prompt,
+                    completion_tokens=sent,
+                )
+                yield pb.GenerateResponse(complete=done)
+
+    async def GetModelInfo(self, request: object, context: object) -> pb.GetModelInfoResponse:
+        return pb.GetModelInfoResponse(
+            model_path="fake",
+            is_generation=True,
+            max_context_length=CONTEXT,
+            eos_token_ids=self.eos,
+        )
+
+    async def HealthCheck(self, request: object, context: object) -> pb.HealthCheckResponse:
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    async def GetLoads(self, request: object, context: object) -> pb.GetLoadsResponse:
+        return pb.GetLoadsResponse()
+
+    async def Abort(self, request: object, context: object) -> pb.AbortResponse:
+        return pb.AbortResponse()
+
+
+async def serve(port: int, model_dir: Path, step: float) -> None:
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_ids = [i for i in [tokenizer.token_to_id(eos)] if i is not None] if eos else []
+    server = grpc.aio.server()
+    pb_grpc.add_VllmEngineServicer_to_server(
+        FakeVllm(tokenizer.encode(TEXT, add_special_tokens=False).ids, eos_ids, step), server
+    )
+    checks = health.aio.HealthServicer()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--step-ms", type=float, default=2.0, help="milliseconds per token")
+    args = parser.parse_args()
+    uvloop.run(serve(args.port, args.model_dir, args.step_ms / 1e3))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The gateway's own CPU on the real-engine paths, measured and profiled against fast
+stand-ins of the engines, so the engine takes no core from it and the figure moves little:
+
+- `grpc`: `upstream: vllm-grpc` (the gateway renders the template, tokenizes,
+  detokenizes, matches stops, parses tools) in front of `benchmarks/fake_vllm_grpc.py`,
+  one chunk a token as vLLM sends them;
+- `http`: `upstream: openai` in front of `benchmarks/fake_openai.py`.
+
+Streamed chat completions (`max_tokens` 64, usage chunk on), 1 stream and 8 at once,
+`--requests` each; the gateway's process CPU (/proc) per request and per token. With
+`--tools` the requests carry a tool (`tool_choice: auto`, the model's `hermes` format),
+so the tool-call parser scans the text. With `--py-spy DIR` each load also runs once
+under `py-spy record` (sampling the gateway from outside; its figures then are not the
+measured ones) and the top functions by own and by inclusive time are printed, from
+py-spy's collapsed stacks (kept in DIR, with a speedscope file to browse).
+
+Run: `python -m benchmarks.profile_gateway [--path grpc|http] [--requests N] [--tools]
+[--py-spy DIR]` (py-spy: `pip install py-spy`, not a dependency of the project).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop, process_cpu  # noqa: E402
+from benchmarks.bench_vllm import MODEL, HttpCalls, Sample, run_load, spread  # noqa: E402
+from tests.support.processes import free_port  # noqa: E402
+from tests.support.vllm import build_vllm_model  # noqa: E402
+
+LOADS = (1, 8)
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def _wait(check: object, process: subprocess.Popen[bytes], what: str) -> None:
+    end = time.monotonic() + 60
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > end or process.poll() is not None:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.1)
+
+
+def start_engine(stack: ExitStack, path: str, model_dir: Path) -> dict[str, object]:
+    """The stand-in engine; the gateway's model entry in front of it."""
+    port = free_port()
+    if path == "grpc":
+        engine = _spawn(
+            ["-m", "benchmarks.fake_vllm_grpc", "--port", str(port), "--model-dir", str(model_dir)]
+        )
+        model: dict[str, object] = {
+            "name": MODEL,
+            "upstream": "vllm-grpc",
+            "tokenizer": str(model_dir),
+            "tool_call_parser": "hermes",
+            "workers": [f"127.0.0.1:{port}"],
+        }
+    else:
+        engine = _spawn(["-m", "benchmarks.fake_openai", "--port", str(port), "--model", MODEL])
+        model = {"name": MODEL, "upstream": "openai", "workers": [f"http://127.0.0.1:{port}/v1"]}
+    stack.callback(_stop, engine)
+    return model
+
+
+def start_gateway(
+    stack: ExitStack, model: dict[str, object], work: Path, source: Path
+) -> tuple[str, int]:
+    """A gateway (the package in `source`) serving `model`, ready: its URL and pid."""
+    port = free_port()
+    config = {"host": "127.0.0.1", "port": port, "log_level": "warning", "models": [model]}
+    (work / f"gateway-{port}.yaml").write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--config",
+        str(work / f"gateway-{port}.yaml"),
+    ]
+    gateway = subprocess.Popen(command, cwd=source)
+    stack.callback(_stop, gateway)
+    _wait(lambda: _gateway_ready(port), gateway, "the gateway")
+    return f"http://127.0.0.1:{port}", gateway.pid
+
+
+def export(revision: str, into: Path) -> Path:
+    """The directory holding the gateway package as committed at `revision` (or
+    `revision` itself, a directory holding a `gateway` package)."""
+    if (Path(revision) / "gateway").is_dir():
+        return Path(revision)
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", revision, "gateway"], cwd=ROOT, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def load(url: str, streams: int, requests: int, tools: bool) -> Sample:
+    extra = {"tools": [TOOL], "tool_choice": "auto"} if tools else {}
+    return asyncio.run(run_load(lambda: HttpCalls(url, extra), streams, requests))
+
+
+def top_functions(collapsed: Path, count: int = 25) -> str:
+    """The functions with the most samples, by own time and inclusive, from py-spy's
+    collapsed stacks (`frame;frame;... N` a line)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        samples = int(n)
+        total += samples
+        frames = stack.split(";")
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    if not total:
+        return "no samples"
+    lines = [f"{total} samples; own time:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in own.most_common(count)]
+    lines += ["inclusive:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in inclusive.most_common(count)]
+    return "\n".join(lines)
+
+
+def profile(pid: int, out: Path, url: str, streams: int, requests: int, tools: bool) -> None:
+    """One load under py-spy (collapsed stacks and speedscope), its top functions printed."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    for fmt, suffix in (("raw", "txt"), ("speedscope", "json")):
+        target = out / f"{streams}-streams.{suffix}"
+        command = [py_spy, "record", "--pid", str(pid), "--rate", "1000", "--format", fmt]
+        command += ["--output", str(target), "--nonblocking", "--gil"]
+        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # py-spy attaches
+        load(url, streams, requests, tools)
+        recorder.send_signal(2)  # SIGINT: py-spy writes its file and exits
+        recorder.wait(30)
+    print(f"\n--- py-spy, {streams} streams (GIL held) ---")
+    print(top_functions(out / f"{streams}-streams.txt"))
+
+
+def measure(pid: int, url: str, streams: int, requests: int, tools: bool) -> tuple[float, Sample]:
+    """One load; the gateway's CPU seconds over it."""
+    before = process_cpu(pid) or 0.0
+    sample = load(url, streams, requests, tools)
+    return (process_cpu(pid) or 0.0) - before, sample
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--requests", type=int, default=200, help="requests per load")
+    parser.add_argument("--tools", action="store_true", help="requests carry a tool")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the gateway as committed at REV, interleaved",
+    )
+    parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="profile-gateway-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        model_dir = build_vllm_model(work / "model")
+        model = start_engine(stack, args.path, model_dir)
+        gateways = {"working tree": start_gateway(stack, model, work, ROOT)}
+        if args.baseline:
+            source = export(args.baseline, work / "baseline")
+            gateways[args.baseline] = start_gateway(stack, model, work, source)
+        for url, _ in gateways.values():
+            load(url, 8, 32, args.tools)  # warm
+        print(f"\n{args.path} path, {args.requests} requests a load and round, tools: {args.tools}")
+        cpu: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
+        tokens: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
+        for _ in range(args.rounds):
+            for streams in LOADS:
+                for name, (url, pid) in gateways.items():
+                    seconds, sample = measure(pid, url, streams, args.requests, args.tools)
+                    cpu[name, streams].append(seconds / sample.requests * 1e6)
+                    tokens[name, streams].append(seconds / sample.tokens * 1e6)
+        print("| gateway | streams | CPU per request | CPU per token |")
+        print("| --- | --- | --- | --- |")
+        for (name, streams), per_request in cpu.items():
+            print(
+                f"| {name} | {streams} | {spread(per_request, '.0f')} µs "
+                f"| {spread(tokens[name, streams], '.1f')} µs |"
+            )
+        pid = gateways["working tree"][1]
+        url = gateways["working tree"][0]
+        if args.py_spy:
+            args.py_spy.mkdir(parents=True, exist_ok=True)
+            for streams in LOADS:
+                profile(pid, args.py_spy, url, streams, args.requests, args.tools)
+
+
+if __name__ == "__main__":
+    main()
