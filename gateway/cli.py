@@ -202,8 +202,8 @@ def _gateway_command(args: argparse.Namespace) -> None:
             if processes > 1:
                 from gateway.lifecycle.processes import serve_processes
 
-                sys.exit(serve_processes(config, processes))
-            run(serve_gateway(config))
+                sys.exit(serve_processes(config, processes, args.config))
+            run(serve_gateway(config, args.config))
         elif args.command == "bench":
             from gateway.bench.command import main as bench_main
 

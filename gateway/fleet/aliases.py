@@ -49,6 +49,10 @@ class Aliases:
     """The config's aliases and fallbacks, and the draw."""
 
     def __init__(self, config: Config) -> None:
+        self.load(config)
+
+    def load(self, config: Config) -> None:
+        """Takes `config`'s aliases and fallbacks (at start, and on a reload)."""
         self.top = {alias.name: alias for alias in config.aliases}
         self.fallbacks = {m.name: m.fallbacks for m in config.models}
         #: Every alias name, the teams' own included: what a request's model is looked up in.

@@ -76,9 +76,11 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 
 class Gateway:
-    """The parts of one gateway, each given what it needs and nothing more."""
+    """The parts of one gateway, each given what it needs and nothing more; with
+    `config_file` (the file `config` was read from), the teams read it again when it
+    changes (budgets, prices, aliases, fallbacks: `gateway.teams.reload`)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_file: str | None = None) -> None:
         self.config = config
         self.ready = False
         self.slots = Slots(config.max_concurrent_requests)
@@ -87,7 +89,7 @@ class Gateway:
         self.tracing = Tracing(config.tracing)
         self.fleet = Fleet(config)
         registry = self.telemetry.registry
-        self.teams = Teams(config, registry)
+        self.teams = Teams(config, registry, config_file)
         self.admission = Admission(
             config, self.inflight, self.fleet, self.teams, self.telemetry, registry
         )
@@ -158,10 +160,12 @@ class GatewayServer:
     the signals). Create it on the loop that will serve. With `reuse_port` its
     public listener shares the port with the other processes of the gateway."""
 
-    def __init__(self, config: Config, reuse_port: bool = False) -> None:
+    def __init__(
+        self, config: Config, reuse_port: bool = False, config_file: str | None = None
+    ) -> None:
         self.config = config
         self.reuse_port = reuse_port
-        self.gateway = Gateway(config)
+        self.gateway = Gateway(config, config_file)
         self.uvicorn = self._server(self.gateway.app, config.host, config.port)
         #: The admin listener (`admin_port`), with the same protocol and limits.
         self.admin: uvicorn.Server | None = None
@@ -326,9 +330,10 @@ class _StopSignals:
         return await self._queue.get()
 
 
-async def serve_gateway(config: Config) -> None:
-    """The gateway until SIGINT or SIGTERM."""
-    await GatewayServer(config).serve()
+async def serve_gateway(config: Config, config_file: str | None = None) -> None:
+    """The gateway until SIGINT or SIGTERM (`config_file`: where `config` was read, to
+    read again when it changes)."""
+    await GatewayServer(config, config_file=config_file).serve()
 
 
 async def serve_demo(config: Config, engine: Engine) -> None:

@@ -135,9 +135,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _process_main(config: Config, index: int, ready: Connection) -> None:
-    """A spawned process: one gateway on the shared port; sends its admin port (or
-    None) on `ready` once it serves."""
+def _process_main(
+    config: Config, index: int, ready: Connection, config_file: str | None = None
+) -> None:
+    """A spawned process: one gateway on the shared port (reading `config_file` again
+    when it changes, as a single gateway does); sends its admin port (or None) on
+    `ready` once it serves."""
     log_setup.configure(config.log_level.upper(), batched=True)
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes
     # one SIGTERM on (the process would otherwise take the parent's as a second signal
@@ -146,18 +149,18 @@ def _process_main(config: Config, index: int, ready: Connection) -> None:
     if sys.platform == "linux":
         _die_with_parent()
     with contextlib.suppress(KeyboardInterrupt):
-        run(_serve_process(config, ready))
+        run(_serve_process(config, ready, config_file))
 
 
-async def _serve_process(config: Config, ready: Connection) -> None:
-    server = GatewayServer(config, reuse_port=True)
+async def _serve_process(config: Config, ready: Connection, config_file: str | None) -> None:
+    server = GatewayServer(config, reuse_port=True, config_file=config_file)
     await server.serve(on_ready=lambda: ready.send(server.admin_port))
 
 
 # --- the parent ----------------------------------------------------------------------------
 
 
-def serve_processes(config: Config, count: int) -> int:
+def serve_processes(config: Config, count: int, config_file: str | None = None) -> int:
     """Runs `count` gateway processes on the config's port until SIGTERM or SIGINT;
     returns the exit status. Raises `ConfigError` if the config cannot be split."""
     check_split(config, count)
@@ -172,15 +175,16 @@ def serve_processes(config: Config, count: int) -> int:
             log.error("cannot bind %s:%d: %s", config.host, config.port, error)
             return 1
         port = probe.getsockname()[1]
-    return run(Supervisor(dataclasses.replace(config, port=port), count).serve())
+    return run(Supervisor(dataclasses.replace(config, port=port), count, config_file).serve())
 
 
 class Supervisor:
     """Starts the processes, serves the admin listener, forwards the signals."""
 
-    def __init__(self, config: Config, count: int) -> None:
+    def __init__(self, config: Config, count: int, config_file: str | None = None) -> None:
         self.config = config
         self.count = count
+        self.config_file = config_file
         self.processes: list[BaseProcess] = []
         self.admin_ports: list[int | None] = []
         self.ready = False
@@ -237,7 +241,7 @@ class Supervisor:
             config = process_config(self.config, self.count, index)
             process = context.Process(
                 target=_process_main,
-                args=(config, index, sender),
+                args=(config, index, sender, self.config_file),
                 name=f"furnace-gateway-{index}",
             )
             process.start()

@@ -7,11 +7,13 @@
     ├── Accounts         accounts.py    budgets and the usage ledger: reserve, settle
     │   ├── Budgets      budgets.py     spend over UTC days and months → 429 budget_exceeded
     │   └── Ledger       usage.py       usage per team x model x key id x day
+    ├── SettingsReload   reload.py      budgets, prices, aliases, fallbacks: hot reload
     ├── Team, Bucket     team.py, bucket.py
     └── headers, metrics                x-ratelimit-* headers; /metrics families
     accounts.py      what teams spend: the reserve and settle admission calls
     budgets.py       budgets over UTC day and month windows, local or in Redis
     usage.py         the usage ledger per team, model, key and day
+    reload.py        the config file read again: budgets, prices, aliases, fallbacks
 
 A request of a keyed gateway goes: key (401, in `gateway.edge.middleware`), then
 the admission's stages (`gateway.admission.admit`): model allowed for its team
@@ -31,11 +33,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from gateway.config import Config
+from gateway.fleet.aliases import Aliases
 from gateway.teams.accounts import Accounts, AccountsCollector
 from gateway.teams.headers import rate_limit_headers
 from gateway.teams.keys import KeyRing
 from gateway.teams.limiter import Limiter
 from gateway.teams.metrics import TeamsCollector
+from gateway.teams.reload import SettingsReload
 from gateway.teams.team import Team
 
 __all__ = ["Team", "Teams", "rate_limit_headers"]
@@ -44,7 +48,7 @@ log = logging.getLogger("furnace.teams")
 
 #: The ASGI scope key under which the edge leaves the caller's team.
 SCOPE_KEY = "furnace.team"
-#: Seconds between looks at `keys_file`.
+#: Seconds between looks at `keys_file` (and the config file, for `SettingsReload`).
 KEYS_RELOAD_INTERVAL = 10.0
 
 
@@ -54,15 +58,30 @@ def team_of(scope: Mapping[str, Any]) -> Team | None:
 
 
 class Teams:
-    """The teams of one gateway; start and close it on the serving loop."""
+    """The teams of one gateway; start and close it on the serving loop. With
+    `config_file` (the file `config` was read from), what `SettingsReload` may change
+    is read again from it when it changes, as `keys_file` is."""
 
-    def __init__(self, config: Config, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: Config, registry: CollectorRegistry, config_file: str | None = None
+    ) -> None:
         self.by_name = {t.name: Team(t) for t in config.teams}
         self.keyed = bool(config.keys) or config.keys_file is not None
         self.keys = KeyRing(config, self.by_name)
         self.limiter = Limiter(config, self.by_name.values())
         #: Budgets and the usage ledger, in the limits' Redis (if any).
         self.accounts = Accounts(config, self.by_name.values(), self.limiter.redis)
+        #: The aliases and fallbacks admission draws from (reloaded in place).
+        self.aliases = Aliases(config)
+        self.settings: SettingsReload | None = None
+        if config_file is not None:
+            self.settings = SettingsReload(
+                config_file,
+                (m.name for m in config.models),
+                self.by_name,
+                self.accounts.budgets,
+                self.aliases,
+            )
         self.auth_failures = 0
         self._reload: asyncio.Task[None] | None = None
         self._has_keys_file = config.keys_file is not None
@@ -84,7 +103,7 @@ class Teams:
             )
         await self.limiter.start()
         await self.accounts.start()
-        if self._has_keys_file:
+        if self._has_keys_file or self.settings is not None:
             self._reload = asyncio.get_running_loop().create_task(self._reload_keys())
 
     async def close(self) -> None:
@@ -100,6 +119,8 @@ class Teams:
         while True:
             await asyncio.sleep(KEYS_RELOAD_INTERVAL)
             self.keys.reload_if_changed()
+            if self.settings is not None:
+                self.settings.reload_if_changed()
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Team | None:
         """The caller's team, or None (counted) when its key is missing or unknown."""

@@ -164,7 +164,7 @@ class Budgets:
     def __init__(self, config: Config, store: RedisStore | None) -> None:
         self.prefix = config.redis_key_prefix
         self.fail_open = config.budget_store_failure == "open"
-        self.prices = {m.name: m.prices for m in config.models}
+        self.prices: dict[str, tuple[float, float] | None] = {}
         self.store = store
         self._apply = store.client.register_script(_APPLY) if store is not None else None
         #: Whether Redis answered last time.
@@ -184,6 +184,13 @@ class Budgets:
         self._meters: dict[tuple[str, str | None], tuple[float, list[Meter]]] = {}
         #: Refusals by team (the metric).
         self.refusals: dict[str, int] = {}
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Takes `config`'s prices, and its teams' budgets from the next request on
+        (at start, and on a reload: the counters, and what they hold, stay)."""
+        self.prices = {m.name: m.prices for m in config.models}
+        self._meters.clear()
 
     @staticmethod
     def has_budgets(team: Team | None) -> bool:

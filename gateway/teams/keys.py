@@ -52,6 +52,15 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return api_key
 
 
+def file_stamp(path: str) -> tuple[int, int, int] | None:
+    """What says a file changed: its inode, mtime and size (None: it cannot be read)."""
+    try:
+        stat = os.stat(path)  # follows a Secret's or ConfigMap's volume symlinks
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 class KeyRing:
     """Digests of the known keys, each with its team."""
 
@@ -72,23 +81,15 @@ class KeyRing:
         teams = merge_keys(self._inline, from_file)
         self._entries = tuple((digest, self._teams[team]) for digest, team in teams.items())
 
-    def _stamp(self) -> tuple[int, int, int] | None:
-        assert self._file is not None
-        try:
-            stat = os.stat(self._file)  # follows the Secret volume's symlinks
-        except OSError:
-            return None
-        return stat.st_ino, stat.st_mtime_ns, stat.st_size
-
     def _read_file(self) -> tuple[KeyConfig, ...]:
         assert self._file is not None
-        self._file_stamp = self._stamp()
+        self._file_stamp = file_stamp(self._file)
         return load_keys_file(self._file, set(self._teams))
 
     def reload_if_changed(self) -> None:
         """Reads `keys_file` again if it changed; a bad file keeps the keys known,
         a file gone (or unreadable) drops its keys."""
-        if self._file is None or self._stamp() == self._file_stamp:
+        if self._file is None or file_stamp(self._file) == self._file_stamp:
             return
         try:
             self._load(self._read_file())

@@ -93,9 +93,12 @@ def make_config(workers: Workers, **overrides: Any) -> Config:
     return Config(**settings)
 
 
-def start_gateway(server_loop: ServerLoop, config: Config) -> Gateway:
-    """Starts the gateway under uvicorn on the server loop."""
-    server = GatewayServer(config)
+def start_gateway(
+    server_loop: ServerLoop, config: Config, config_file: str | None = None
+) -> Gateway:
+    """Starts the gateway under uvicorn on the server loop (`config_file`: the file
+    `config` was read from, which it reads again when it changes)."""
+    server = GatewayServer(config, config_file=config_file)
     server_loop.call(server.start())
     url = f"http://127.0.0.1:{server.port}"
     admin = None if server.admin_port is None else f"http://127.0.0.1:{server.admin_port}"
