@@ -18,7 +18,21 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import SPECS, TYPES, Config, ConfigError, ModelConfig, WorkerTLS, parse_config
+from gateway.config import (
+    SPECS,
+    TYPES,
+    BudgetConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    Prices,
+    QueueConfig,
+    TeamConfig,
+    WorkerTLS,
+    hints,
+    optional,
+    parse_config,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "furnace-gateway"
@@ -189,6 +203,70 @@ def test_the_loader_and_the_schema_refuse_the_same_numbers(name: str):
     assert _problems(schema, under)
     parse_config({name: minimum}, env={})
     assert _problems(schema, minimum) == []
+
+
+def _nested_numbers() -> list[tuple[str, str, Any, dict[str, Any]]]:
+    """(path, field, its type, its schema) of each number of a section the chart's values
+    hold as the config does: the queue, a team, a team's budget, and a model's weights and
+    prices (as `models[]` in the chart)."""
+    gateway = SCHEMA["properties"]["gateway"]["properties"]
+    team = gateway["teams"]["additionalProperties"]["properties"]
+    model = SCHEMA["definitions"]["model"]["properties"]
+    found = []
+    for path, section, properties in (
+        ("queue", QueueConfig, CONFIG_SCHEMA["properties"]["queue"]["properties"]),
+        ("teams.t", TeamConfig, team),
+        ("teams.t.budgets[0]", BudgetConfig, team["budgets"]["items"]["properties"]),
+        ("models[0].prices", Prices, model["prices"]["properties"]),
+    ):
+        types = hints(section)
+        for declared in fields(section):
+            kind, _ = optional(types[declared.name])
+            if kind in (int, float):
+                found.append((path, declared.name, kind, properties[declared.name]))
+    found.append(("models[0].weights", "h:1", float, model["weights"]["additionalProperties"]))
+    return found
+
+
+def _placed(path: str, name: str, value: Any) -> dict[str, Any]:
+    """A config with `value` at `path.name`, all else the least that loads."""
+    model: dict[str, Any] = {"name": "m", "workers": ["h:1"]}
+    budget: dict[str, Any] = {"window": "day", "tokens": 1}
+    raw: dict[str, Any] = {"models": [model], "queue": {"max_wait": 1}, "teams": {"t": {}}}
+    if path == "queue":
+        raw["queue"][name] = value
+    elif path == "teams.t":
+        raw["teams"]["t"][name] = value
+    elif path == "teams.t.budgets[0]":
+        raw["teams"]["t"]["budgets"] = [{**budget, name: value}]
+    else:
+        model[path.rsplit(".", 1)[1]] = {name: value}
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "kind", "schema"),
+    _nested_numbers(),
+    ids=[f"{path}.{name}" for path, name, _, _ in _nested_numbers()],
+)
+def test_the_loader_and_the_schema_refuse_the_same_nested_numbers(
+    path: str, name: str, kind: type, schema: dict[str, Any]
+):
+    minimum, maximum = schema["minimum"], schema.get("maximum")
+    assert "exclusiveMinimum" not in schema
+    step = 1 if kind is int else min(abs(minimum) / 2, 0.001) if minimum else 0.001
+    where = re.escape(f"{path}.{name}: must be at ")
+    for bound, beyond in (
+        (minimum, minimum - step),
+        (maximum, None if maximum is None else maximum + step),
+    ):
+        if beyond is None:
+            continue
+        with pytest.raises(ConfigError, match=f"^{where}"):
+            parse_config(_placed(path, name, beyond), env={})
+        assert _problems(schema, beyond), (path, name, beyond)
+        parse_config(_placed(path, name, bound), env={})
+        assert _problems(schema, bound) == []
 
 
 def test_a_number_over_its_maximum_is_refused():
