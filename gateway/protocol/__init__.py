@@ -17,6 +17,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     kserve_v2/       the generated stubs of the KServe v2 inference protocol
     kv_blocks.py     KV-cache blocks as the gateway names them, and the events about them
     kv_proto.py      those events to the worker protocol's KvEventBatch and back
+    kv_zmq.py        vLLM's KV-cache events as its ZMQ publisher sends them, as ours
     multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends
     stop.py          stop strings over a stream of text pieces, in linear time
     detokenize.py    ids to text as they come, never half a character (gateway and worker)
