@@ -1,7 +1,15 @@
 """The gateway's configuration: one YAML file, environment overrides, checked at
-start with an error that names the field.
+start with an error that names the field by its whole path (`models[2].routing.policy`).
 
-Every field has a safe, finite default. An environment variable
+Every field is declared once, with `setting(...)`: its type (the annotation), default,
+bounds and meaning. A nested section (a model, its routing, a team, a budget, the queue)
+is a dataclass of fields declared the same way. One loader (`_value`) checks any field
+from its declaration; deploy/config_schema.py writes the chart's values schema and the
+docs' table from the same declarations. What fields require of each other (an `openai`
+model's URLs, a key's team, an alias's targets) is checked after, by hand (`_model`,
+`_teams`, `parse_keys`, `_worker_tls`, `_routing`).
+
+Every field not required has a safe, finite default. An environment variable
 `FURNACE_<FIELD>` (upper case) overrides a top-level scalar field, and
 `FURNACE_MODELS` (`_TEAMS`, `_KEYS`, `_WORKER_TLS`) may hold the whole field as YAML.
 """
@@ -738,7 +746,7 @@ def _number(name: str, value: Any, kind: type, minimum: float, maximum: float | 
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     try:
         number = kind(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: int(inf)
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
     if number != number:  # NaN passes both bounds
         raise ConfigError(f"{name}: expected a number, got {value!r}")

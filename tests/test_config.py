@@ -158,6 +158,10 @@ MODEL = {"name": "m", "workers": ["h:1"]}
             "models[0].routing.usage_cost: expected a number, got nan",
         ),
         (
+            {"models": [{**MODEL, "routing": {"max_sessions": float("inf")}}]},
+            "models[0].routing.max_sessions: expected a number, got inf",
+        ),
+        (
             {"models": [{**MODEL, "queue": {"max_depth": 0}}], "queue": {"max_wait": 1}},
             "models[0].queue.max_depth: must be at least 1, got 0",
         ),
