@@ -70,6 +70,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from gateway.protocol import features, tool_calls
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.errors import Failed, Invalid, TooLong, Unavailable
+from gateway.protocol.kv_blocks import EngineLoad
+from gateway.protocol.kv_zmq import ZmqKvSubscriber
 from gateway.protocol.tool_calls import (
     CallPiece,
     ChoiceToolCalls,
@@ -89,6 +91,7 @@ from gateway.protocol.types import (
     TokenLogprob,
 )
 from gateway.worker.engine import Engine, check_context
+from gateway.worker.kv_events import ForwardedCache, KvPublisher
 
 log = logging.getLogger("furnace.worker")
 
@@ -187,6 +190,11 @@ class VllmEngine(Engine):
                 ) from None
         self._building: asyncio.Future[Any] | None = None
         self._ids = itertools.count()
+        # vLLM's KV events, when its options publish them over ZMQ: read back here and
+        # republished on our protocol (`SubscribeKvEvents`) once the engine is up
+        self._kv_endpoint = _events_endpoint(getattr(args, "kv_events_config", None))
+        self._kv = None if self._kv_endpoint is None else ForwardedCache()
+        self._kv_task: asyncio.Task[None] | None = None
         # Tokenization runs here, off the event loop (one thread: tokenizers are not
         # safe to share between threads).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="furnace-vllm-tokenize")
@@ -211,6 +219,9 @@ class VllmEngine(Engine):
             llm.shutdown()
             raise RuntimeError(f"the pooling model {self.model} does not embed (--convert embed)")
         self.llm = llm
+        if self._kv_endpoint is not None:
+            subscriber = ZmqKvSubscriber(self._kv_endpoint)
+            self._kv_task = asyncio.create_task(self._forward_kv(subscriber))
         log.info(
             "vLLM engine for %s up in %.1f s: max_model_len %d, max_num_seqs %d, serves %s",
             self.model,
@@ -219,6 +230,20 @@ class VllmEngine(Engine):
             self.capacity,
             ", ".join(sorted(self.features)) or "nothing",
         )
+
+    def kv_events(self) -> KvPublisher | None:
+        """vLLM's KV events, when its `--kv-events-config` publishes them over ZMQ."""
+        return None if self._kv is None else self._kv.publisher
+
+    async def _forward_kv(self, subscriber: ZmqKvSubscriber) -> None:
+        """Reads the engine's ZMQ publisher into `_kv` (which republishes it), each
+        batch with the engine's load, until shutdown."""
+        assert self._kv is not None
+        try:
+            async for batch in subscriber.batches():
+                self._kv.apply(batch, EngineLoad(running=self.load()))
+        except Exception:  # the answers go on without events; say why once
+            log.exception("vLLM's KV events from %s: no longer forwarded", subscriber.endpoint)
 
     async def wait_dead(self) -> None:
         """Returns once the engine has died (vLLM's `errored`)."""
@@ -234,6 +259,8 @@ class VllmEngine(Engine):
             with contextlib.suppress(Exception):
                 llm = await self._building
         self.llm = None
+        if self._kv_task is not None:
+            self._kv_task.cancel()
         if llm is not None:
             llm.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -449,6 +476,26 @@ class VllmEngine(Engine):
         finally:
             if not done:
                 await llm.abort(request_id)
+
+
+def _events_endpoint(config: Any) -> str | None:
+    """Where this process reads vLLM's KV events from, for its `KVEventsConfig`: its
+    ZMQ publisher's bind address, on loopback; None when it publishes none (or only
+    connects out, or to a port it picks itself, which this process cannot know)."""
+    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+        return None
+    endpoint = str(config.endpoint)
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if endpoint.startswith("tcp://") and host in ("*", "0.0.0.0") and port not in ("", "0"):
+        return f"tcp://127.0.0.1:{port}"
+    log.warning(
+        "vLLM's KV events at %s are not forwarded: give --kv-events-config an endpoint "
+        "tcp://*:PORT (a fixed port it binds)",
+        endpoint,
+    )
+    return None
 
 
 def _refused(error: Exception, param: str | None, prompt: str = "messages") -> Invalid | TooLong:
