@@ -73,7 +73,7 @@ async def run(request: GenerateRequest) -> tuple[list, object, list]:
         try:
             async for event in stream:
                 events.append(event)
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             failure = error
     return events, failure, outcomes
 
@@ -577,7 +577,7 @@ async def embed(request: EmbedRequest = EMBED) -> object:
     async with httpx.AsyncClient() as http:
         try:
             return await OpenAIHttpUpstream(BASE, http, raw_http=False).embed(request, 5.0)
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             return error
 
 
@@ -734,7 +734,7 @@ async def raw_call(server: ScriptedHttp, request: GenerateRequest, **options) ->
             try:
                 async for event in call:
                     events.append(event)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 failure = error
             await upstream.close()
     finally:
@@ -794,7 +794,7 @@ def test_plain_http_reuses_its_connection_and_refusals_keep_it():
             for _ in range(3):
                 try:
                     results.append([e async for e in upstream.call(CHAT, 5.0)])
-                except errors.EngineError as error:
+                except errors.GatewayError as error:
                     results.append(error)
             await upstream.close()
         server.close()
@@ -856,7 +856,7 @@ def test_plain_http_deadline_and_unreachable():
             call = OpenAIHttpUpstream(f"http://127.0.0.1:{free_port()}/v1", http).call(CHAT, 5)
             try:
                 await anext(call)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 return error
 
     assert type(anyio.run(unreachable)) is errors.Unavailable
@@ -903,7 +903,7 @@ def test_plain_http_a_call_past_its_deadline_is_not_sent_again():
             try:
                 async for event in call:
                     events.append(event)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 failure = error
             await upstream.close()
         server.close()
@@ -1140,7 +1140,7 @@ def test_models_and_health_answers_are_read_up_to_a_bound():
         finally:
             writer.close()
 
-    async def probe() -> tuple[errors.EngineError, bool]:
+    async def probe() -> tuple[errors.GatewayError, bool]:
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server, httpx.AsyncClient() as http:

@@ -93,7 +93,7 @@ async def _wait_ready(upstream: KServeGrpcUpstream) -> None:
         try:
             if await upstream.ready(2.0):
                 return
-        except errors.EngineError:
+        except errors.GatewayError:
             pass
         await asyncio.sleep(0.1)
     raise AssertionError("the model never became ready")

@@ -128,7 +128,7 @@ def test_what_grpc_says_when_the_handshake_fails(server_loop, serve_engines, pki
         client = FurnaceGrpcUpstream(worker.address, credentials)
         try:
             return await client.describe(2.0)
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             return error
         finally:
             await client.close()

@@ -35,7 +35,7 @@ def describe(server_loop, address: str, ca_file: str) -> object:
         client = FurnaceGrpcUpstream(address, client_credentials(ca_file))
         try:
             return [m.name for m in await client.describe(2.0)]
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             return error
         finally:
             await client.close()

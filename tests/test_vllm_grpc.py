@@ -193,7 +193,7 @@ def test_an_abort_reaches_the_engine_and_its_abort_reason_is_an_error(
         try:
             async for event in call:
                 assert not isinstance(event, Finished), "the answer ended before the abort"
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             return first, error
         finally:
             await upstream.close()

@@ -879,7 +879,7 @@ class ShortEmbedder(pb_grpc.EngineServicer):
 
 
 def test_the_upstream_refuses_an_answer_of_another_length(server_loop):
-    async def ask() -> tuple[errors.EngineError | None, Embeddings]:
+    async def ask() -> tuple[errors.GatewayError | None, Embeddings]:
         server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
         pb_grpc.add_EngineServicer_to_server(ShortEmbedder(), server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -889,7 +889,7 @@ def test_the_upstream_refuses_an_answer_of_another_length(server_loop):
             one = await upstream.embed(EmbedRequest("m", ("x",)), timeout=10)
             try:
                 await upstream.embed(EmbedRequest("m", ("x", "y")), timeout=10)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 return error, one
             return None, one
         finally:

@@ -122,7 +122,7 @@ class EventPump:
         self._buffer_chars = buffer_chars
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
         self._held = False  # full: the pushing call keeps its events until then
-        self._error: errors.EngineError | None = None
+        self._error: errors.GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
         self._texted = False  # whether a batch with text went to the edge yet
@@ -148,7 +148,7 @@ class EventPump:
             if not self._uncancel(task) or task.cancelling():
                 raise  # not (only) ours: the task itself is being cancelled
             return  # `cancel()` ended the pump with its reason
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             self._uncancel(task)
             self._end(error)
             return
@@ -223,7 +223,7 @@ class EventPump:
             self._held = True  # full: the rest waits in the call (which stops reading)
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             self._end(error)
         except Exception:
             log.exception("reading from the engine worker failed")
@@ -254,10 +254,10 @@ class EventPump:
                     # Full: read no more until the edge takes a batch.
                     taken = self._taken = self._loop.create_future()
                     await taken
-            failure: errors.EngineError = errors.Failed(
+            failure: errors.GatewayError = errors.Failed(
                 "The engine worker ended the stream without finishing."
             )
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             failure = error
         except Exception:
             log.exception("reading from the engine worker failed")
@@ -266,7 +266,7 @@ class EventPump:
             self._stop_reading()
         self._end(failure)
 
-    def _end(self, error: errors.EngineError | None) -> None:
+    def _end(self, error: errors.GatewayError | None) -> None:
         """No more events: `error` (if any) comes after those ready."""
         if self.phase < Phase.ENDED:
             self._error = error
@@ -363,7 +363,7 @@ class EventPump:
         """The address of the worker that took the request, once one did."""
         return self._call.worker if self._call is not None else ""
 
-    def cancel(self, reason: errors.EngineError | None = None) -> None:
+    def cancel(self, reason: errors.GatewayError | None = None) -> None:
         """Cancels the worker's call; waiting in `next_batch` then raises `reason`."""
         if self.phase < Phase.ENDED:
             self.phase = Phase.ENDED

@@ -259,7 +259,7 @@ class Queue:
         while self._heap and self._heap[0].gone:
             heapq.heappop(self._heap)
 
-    def refuse_all(self, error: errors.EngineError) -> None:
+    def refuse_all(self, error: errors.Refusal) -> None:
         """Ends every wait with `error` (a drain)."""
         for waiter in list(self._arrivals.values()):
             waiter.gone = True

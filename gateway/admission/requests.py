@@ -26,7 +26,7 @@ CANCEL_GRACE = 5.0
 class Cancellable(Protocol):
     """A running request: cancelling it stops its worker's call."""
 
-    def cancel(self, reason: errors.EngineError | None = None) -> None: ...
+    def cancel(self, reason: errors.GatewayError | None = None) -> None: ...
 
 
 class UnaryCall:
@@ -36,9 +36,9 @@ class UnaryCall:
 
     def __init__(self, task: asyncio.Future[Any]) -> None:
         self.task = task
-        self.reason: errors.EngineError | None = None
+        self.reason: errors.GatewayError | None = None
 
-    def cancel(self, reason: errors.EngineError | None = None) -> None:
+    def cancel(self, reason: errors.GatewayError | None = None) -> None:
         self.reason = reason or errors.Unavailable("The request was cancelled.")
         self.task.cancel()
 

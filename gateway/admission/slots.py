@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from gateway.protocol.errors import Busy, EngineError
+from gateway.protocol.errors import Busy, Refusal
 
 
 class Waiters(Protocol):
@@ -24,7 +24,7 @@ class Waiters(Protocol):
     def waiting(self, model: str | None = None) -> int:
         """Requests waiting (for `model`, or all)."""
 
-    def refuse_all(self, error: EngineError) -> None:
+    def refuse_all(self, error: Refusal) -> None:
         """Ends every wait with `error`."""
 
 

@@ -21,7 +21,7 @@ SERVER = "server_error"
 MAX_MESSAGE = 512
 
 #: Our error → HTTP status, OpenAI `type`, OpenAI `code` (DESIGN.md's table).
-ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] = {
+ERROR_TABLE: dict[type[errors.GatewayError], tuple[int, str, str | None]] = {
     errors.Invalid: (400, INVALID, None),
     errors.TooLong: (400, INVALID, "context_length_exceeded"),
     errors.ModelNotFound: (404, INVALID, "model_not_found"),
@@ -37,7 +37,7 @@ ENGINE_ERROR_TABLE: dict[type[errors.EngineError], tuple[int, str, str | None]] 
 }
 
 #: The fixed message the client sees for a server-side failure; the original is logged.
-PUBLIC_MESSAGES: dict[type[errors.EngineError], str] = {
+PUBLIC_MESSAGES: dict[type[errors.GatewayError], str] = {
     errors.Unavailable: "The model's engine is unavailable; try again later.",
     errors.Timeout: "The model's engine did not answer in time.",
     errors.AuthFailed: "The gateway could not authenticate to the model's engine.",
@@ -46,20 +46,20 @@ PUBLIC_MESSAGES: dict[type[errors.EngineError], str] = {
 _FAILED = PUBLIC_MESSAGES[errors.Failed]
 
 
-def public_message(error: errors.EngineError) -> str:
+def public_message(error: errors.GatewayError) -> str:
     """What the client may read of `error`: a fixed message for a failure on the
     server's side (and anything not in the table), else its own, bounded."""
     for kind, message in PUBLIC_MESSAGES.items():
         if isinstance(error, kind):
             return message
-    if not any(isinstance(error, kind) for kind in ENGINE_ERROR_TABLE):
+    if not any(isinstance(error, kind) for kind in ERROR_TABLE):
         return _FAILED
     if len(error.message) > MAX_MESSAGE:
         return error.message[: MAX_MESSAGE - 3] + "..."
     return error.message
 
 
-def is_hidden(error: errors.EngineError) -> bool:
+def is_hidden(error: errors.GatewayError) -> bool:
     """Whether the client sees a fixed message instead of `error`'s own."""
     return public_message(error) != error.message
 
@@ -110,10 +110,10 @@ def invalid(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_engine_error(error: errors.EngineError, retry_after: int | None) -> APIError:
+def from_error(error: errors.GatewayError, retry_after: int | None) -> APIError:
     """The HTTP error our error stands for."""
     status, type_, code = next(
-        (row for kind, row in ENGINE_ERROR_TABLE.items() if isinstance(error, kind)),
+        (row for kind, row in ERROR_TABLE.items() if isinstance(error, kind)),
         (500, SERVER, "engine_error"),
     )
     if isinstance(error, errors.RateLimited):

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from gateway.admission import Admission, ClientGone, InFlight, RequestContext
 from gateway.config import Config
 from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, Receive, Scope, Send, send_error
-from gateway.edge.errors import APIError, from_engine_error, internal_error
+from gateway.edge.errors import APIError, from_error, internal_error
 from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet
 from gateway.protocol import errors
@@ -214,11 +214,11 @@ class RequestRoute(Generic[X]):
             await self.serve(ex)
         except APIError as error:
             refusal = error
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             if ctx.client_left():
                 self._client_gone(record)
             else:
-                refusal = self._engine_error(error, record)
+                refusal = self._to_api_error(error, record)
         except (ClientGone, WriteTimedOut) as error:
             self._client_gone(record, error)
         except Exception:
@@ -243,9 +243,9 @@ class RequestRoute(Generic[X]):
         cause = f"{error} " if isinstance(error, WriteTimedOut) else ""
         log.info("%sclient went away; request %s cancelled", cause, record.request_id)
 
-    def _engine_error(self, error: errors.EngineError, record: RequestRecord) -> APIError:
+    def _to_api_error(self, error: errors.GatewayError, record: RequestRecord) -> APIError:
         """The client's error for `error`; what the client does not see is logged."""
-        api_error = from_engine_error(error, self.config.retry_after)
+        api_error = from_error(error, self.config.retry_after)
         if api_error.message != error.message:
             log.warning(
                 "request %s: %s: %s", record.request_id, type(error).__name__, error.message

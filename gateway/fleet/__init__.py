@@ -229,7 +229,7 @@ class Fleet:
                         )
                     worker.serving = serving
                     delay = 0.05
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 if worker.leaving:
                     break  # its channel was closed behind it
                 if worker.serving is not False:
@@ -250,7 +250,7 @@ class Fleet:
     async def _describe(self, pool: ModelPool, worker: Worker, quiet: bool = False) -> bool:
         try:
             models = await worker.upstream.describe(DESCRIBE_TIMEOUT)
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             if not quiet:
                 log.warning("worker %s did not describe itself: %s", worker.address, error.message)
             return False
@@ -340,12 +340,12 @@ class Fleet:
                 raise errors.Timeout(
                     "The engine worker did not start the answer in time."
                 ) from None
-            failure: errors.EngineError = errors.Unavailable(
+            failure: errors.GatewayError = errors.Unavailable(
                 f"The engine worker did not start the answer within {start_timeout:g} seconds."
             )
             stream.cancel(failure)
             raise failure from None
-        except errors.EngineError:
+        except errors.GatewayError:
             raise
         except BaseException:
             stream.cancel()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gateway.fleet.worker import Worker
 
 
-def _retryable(error: errors.EngineError) -> bool:
+def _retryable(error: errors.GatewayError) -> bool:
     return error.retryable
 
 

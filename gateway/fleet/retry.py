@@ -77,7 +77,7 @@ async def with_retries(
     pool: ModelPool,
     deadline: Deadline,
     attempt: Callable[[set[Worker]], Awaitable[T]],
-    retry: Callable[[errors.EngineError], bool],
+    retry: Callable[[errors.GatewayError], bool],
     backoff: float,
 ) -> T:
     """`attempt` (on a worker of `pool` not in `tried`, which it adds) until it returns, or
@@ -89,7 +89,7 @@ async def with_retries(
 
     def again(error: BaseException | None, tries: int) -> bool:
         go = (
-            isinstance(error, errors.EngineError)
+            isinstance(error, errors.GatewayError)
             and tries < attempts
             and retry(error)
             and deadline.remaining() > 0
@@ -103,7 +103,7 @@ async def with_retries(
 
     try:
         return await attempt(tried)
-    except errors.EngineError as error:
+    except errors.GatewayError as error:
         if not again(error, 1):
             raise
     if backoff > 0:

@@ -36,7 +36,7 @@ def pick(pool: ModelPool, tried: set[Worker]) -> Worker:
     return worker
 
 
-def never_started(error: errors.EngineError) -> bool:
+def never_started(error: errors.GatewayError) -> bool:
     """The retry rule of a call that may have run on its worker: only a failure that shows
     the worker never saw it (an upstream sets the error's `never_started`)."""
     return error.never_started
@@ -47,7 +47,7 @@ async def call_unary(
     pool: ModelPool,
     deadline: Deadline,
     call: Callable[[Worker], Awaitable[T]],
-    retry: Callable[[errors.EngineError], bool],
+    retry: Callable[[errors.GatewayError], bool],
 ) -> tuple[T, Worker]:
     """`call` on a worker of `pool`, and that worker; a failure `retry` accepts is tried
     on another worker while attempts, time and the retry budget last (`with_retries`)."""
@@ -56,10 +56,10 @@ async def call_unary(
         worker = pick(pool, tried)
         tried.add(worker)
         worker.outstanding += 1
-        outcome: errors.EngineError | str | None = None
+        outcome: errors.GatewayError | str | None = None
         try:
             return await call(worker), worker
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             outcome = error
             raise
         except asyncio.CancelledError:

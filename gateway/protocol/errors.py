@@ -1,19 +1,29 @@
-"""The errors every layer speaks: one base, translated from foreign errors at one
+"""The errors every layer speaks: one tree, translated from foreign errors at one
 boundary each (gRPC statuses in `status`, an upstream's HTTP in its module, HTTP
 to clients in `gateway.edge.errors`).
 
-    EngineError                                                      outcome
-    ├── Invalid        a bad parameter (carries its name)             invalid
-    ├── TooLong        prompt beyond the model's context               invalid
-    ├── ModelNotFound  no such model (here or on the worker)   retry   invalid
-    ├── NotAnLLM       the model is served elsewhere                   invalid
-    ├── Busy           no slot free (at the edge or the worker) retry  rejected
-    ├── Draining       the gateway is shutting down                    rejected
-    ├── RateLimited    a team's limit is reached                       rejected
-    ├── Unavailable    worker down, unreachable, or gave up    retry   engine_error
-    ├── Timeout        a deadline passed                               timeout
-    ├── AuthFailed     the worker refused the gateway                  engine_error
-    └── Failed         anything else went wrong in the engine          engine_error
+    GatewayError                                                     outcome
+    ├── Refusal        the request is refused as asked, before any work
+    │   ├── Invalid        a bad parameter (carries its name)          invalid
+    │   ├── TooLong        prompt beyond the model's context           invalid
+    │   ├── ModelNotFound  no such model (here or on the worker) retry invalid
+    │   ├── NotAnLLM       the model is served elsewhere               invalid
+    │   ├── Busy           no slot free (the gateway's, a team's
+    │   │                  share, the queue, or a worker's)      retry rejected
+    │   ├── Draining       the gateway is shutting down                rejected
+    │   └── RateLimited    a team's limit is reached                   rejected
+    │       └── BudgetExceeded  a team's budget is spent               rejected
+    └── EngineError    the worker or its engine failed to answer
+        ├── Unavailable    worker down, unreachable, or gave up  retry engine_error
+        ├── Timeout        a deadline passed                           timeout
+        ├── AuthFailed     the worker refused the gateway              engine_error
+        └── Failed         anything else went wrong in the engine      engine_error
+
+A refusal is mostly the gateway's own (its checks of the body, its slots, queue, limits,
+budgets and drain); a worker's refusals of the same kinds (a parameter its engine
+refuses, its own capacity, a model it does not serve) arrive as the same classes, so
+one answer stands for each whoever refused. An `EngineError` is always a failure of the
+worker's side (or of reaching it). Code that handles any of ours catches `GatewayError`.
 
 "Retry" means another worker may answer, and only before the first event.
 Each class says the `outcome` it counts as (the `outcome` label of the request
@@ -37,7 +47,7 @@ class Outcome(enum.StrEnum):
     INVALID = "invalid"
 
 
-class EngineError(Exception):
+class GatewayError(Exception):
     """Base of our errors; `message` is safe to show to the API's user."""
 
     retryable = False
@@ -55,32 +65,43 @@ class EngineError(Exception):
         self.never_started = False
 
 
-class Invalid(EngineError):
+class Refusal(GatewayError):
+    """The request is refused as asked, before any work: by the gateway's checks, limits
+    or capacity, or by a worker's of the same kinds."""
+
+    outcome = Outcome.REJECTED
+
+
+class EngineError(GatewayError):
+    """The worker or its engine failed to answer (or could not be reached)."""
+
+
+class Invalid(Refusal):
     """A request parameter is wrong; `param` names it when known."""
 
     outcome = Outcome.INVALID
 
 
-class TooLong(EngineError):
+class TooLong(Refusal):
     """The prompt (plus max_tokens) does not fit the model's context."""
 
     outcome = Outcome.INVALID
 
 
-class ModelNotFound(EngineError):
+class ModelNotFound(Refusal):
     """The model is not served here."""
 
     retryable = True
     outcome = Outcome.INVALID
 
 
-class NotAnLLM(EngineError):
+class NotAnLLM(Refusal):
     """The model is listed but not served by the LLM routes."""
 
     outcome = Outcome.INVALID
 
 
-class Busy(EngineError):
+class Busy(Refusal):
     """No capacity left; try again shortly. Its reason says whose: the gateway's
     slots (`slots_full`), a team's fair share (`fair_share`), or a worker's."""
 
@@ -89,14 +110,14 @@ class Busy(EngineError):
     default_reason = "worker_busy"
 
 
-class Draining(EngineError):
+class Draining(Refusal):
     """The gateway is shutting down and takes no new request."""
 
     outcome = Outcome.REJECTED
     default_reason = "draining"
 
 
-class RateLimited(EngineError):
+class RateLimited(Refusal):
     """A team's limit is reached; `retry_after` seconds until it has room."""
 
     outcome = Outcome.REJECTED

@@ -39,7 +39,7 @@ def units(event: pb.GenerateEvent) -> int:
 DONE = pb.MultiplexEnd()
 
 
-def end_of(error: errors.EngineError) -> pb.MultiplexEnd:
+def end_of(error: errors.GatewayError) -> pb.MultiplexEnd:
     """The end a worker sends for an engine's error: Generate's status, in-band."""
     code, trailing = status_from_error(error)
     param = trailing[0][1] if trailing else ""
@@ -51,7 +51,7 @@ def end_with(code: grpc.StatusCode, message: str) -> pb.MultiplexEnd:
     return pb.MultiplexEnd(code=code.value[0], message=message)
 
 
-def error_of(end: pb.MultiplexEnd) -> errors.EngineError | None:
+def error_of(end: pb.MultiplexEnd) -> errors.GatewayError | None:
     """The error an end stands for (None: the request finished), through the
     same table as Generate's statuses."""
     if not end.code:

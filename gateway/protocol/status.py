@@ -1,7 +1,7 @@
 """The one table between gRPC status codes and our errors, read both ways.
 
-The engine client turns a worker's status into an `EngineError`; the worker SDK
-turns an engine's `EngineError` into a status. Both read `STATUS_TO_ERROR`, so
+The engine client turns a worker's status into a `GatewayError`; the worker SDK
+turns an engine's `GatewayError` into a status. Both read `STATUS_TO_ERROR`, so
 the two ends of the protocol cannot drift apart.
 """
 
@@ -17,7 +17,7 @@ from gateway.protocol import errors
 PARAM_KEY = "furnace-param"
 
 C = grpc.StatusCode
-STATUS_TO_ERROR: dict[grpc.StatusCode, type[errors.EngineError]] = {
+STATUS_TO_ERROR: dict[grpc.StatusCode, type[errors.GatewayError]] = {
     C.INVALID_ARGUMENT: errors.Invalid,
     C.FAILED_PRECONDITION: errors.Invalid,
     C.UNIMPLEMENTED: errors.Invalid,
@@ -36,7 +36,7 @@ STATUS_TO_ERROR: dict[grpc.StatusCode, type[errors.EngineError]] = {
 }
 
 # The first status listed for an error is the one a worker sends for it.
-ERROR_TO_STATUS: dict[type[errors.EngineError], grpc.StatusCode] = {}
+ERROR_TO_STATUS: dict[type[errors.GatewayError], grpc.StatusCode] = {}
 for _code, _error in STATUS_TO_ERROR.items():
     ERROR_TO_STATUS.setdefault(_error, _code)
 ERROR_TO_STATUS[errors.NotAnLLM] = C.INVALID_ARGUMENT
@@ -48,7 +48,7 @@ def error_from_status(
     code: grpc.StatusCode,
     details: str | None,
     trailing: grpc.aio.Metadata | Mapping[str, str] | None = None,
-) -> errors.EngineError:
+) -> errors.GatewayError:
     """The error a worker's status stands for; unknown codes are engine failures."""
     error_type = STATUS_TO_ERROR.get(code, errors.Failed)
     message = details or f"engine worker answered {code.name}"
@@ -59,7 +59,7 @@ def error_from_status(
 
 
 def status_from_error(
-    error: errors.EngineError,
+    error: errors.GatewayError,
 ) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
     """The status (and trailing metadata) a worker sends for an engine's error."""
     code = ERROR_TO_STATUS.get(type(error))

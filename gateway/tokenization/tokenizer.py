@@ -139,7 +139,7 @@ class ModelTokenizer:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except errors.EngineError:
+        except errors.GatewayError:
             raise
         except jinja2.TemplateError as error:  # the sandbox's refusals are TemplateErrors
             raise errors.Invalid(f"The model's chat template failed: {error}") from None

@@ -18,7 +18,7 @@ CANCELLED = "cancelled"
 #: A request of a shared call (the multiplexed one) that broke, other than the one that
 #: reports the call's failure: one broken call is one failure of its worker.
 SHARED_FAILURE = "shared_failure"
-CallEnd = errors.EngineError | str | None
+CallEnd = errors.GatewayError | str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class StreamBookkeeping:
 
 
 class UpstreamCall(Protocol):
-    """One call: our events in order; ends by `Finished` or an `EngineError`."""
+    """One call: our events in order; ends by `Finished` or a `GatewayError`."""
 
     worker: str
 
@@ -93,7 +93,7 @@ class Upstream(Protocol):
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """Embeds the inputs with an embedding model, within `timeout` seconds;
-        raises `EngineError` as `call` refuses."""
+        raises `GatewayError` as `call` refuses."""
 
     async def count_tokens(
         self,
@@ -102,13 +102,13 @@ class Upstream(Protocol):
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> int:
         """The tokens of the prompt `request` makes, by the model's tokenizer, within
-        `timeout` seconds; raises `EngineError` as `call` refuses."""
+        `timeout` seconds; raises `GatewayError` as `call` refuses."""
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models it serves."""
 
     def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
-        """Whether it serves, as that changes; raises `EngineError` when unreachable."""
+        """Whether it serves, as that changes; raises `GatewayError` when unreachable."""
 
     async def close(self) -> None:
         """Releases its connections."""

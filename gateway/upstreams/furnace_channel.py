@@ -26,7 +26,7 @@ def open_channel(address: str, credentials: WorkerCredentials | None) -> grpc.ai
 _TOO_LARGE = "Received message larger than max"
 
 
-def from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+def from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     """A failed call as our error, through `gateway.protocol.status`'s table."""
     if isinstance(error, grpc.aio.AioRpcError):
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (

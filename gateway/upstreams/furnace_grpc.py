@@ -1,6 +1,6 @@
 """The gateway's side of the worker protocol: one long-lived grpc.aio channel per
 worker, our requests to protobuf, protobuf events back to ours, and every gRPC
-failure turned into an `EngineError` through the one table in `gateway.protocol.status`.
+failure turned into a `GatewayError` through the one table in `gateway.protocol.status`.
 
 Everything above this module sees only `gateway.protocol.types` and `gateway.protocol.errors`.
 """
@@ -152,7 +152,7 @@ class FurnaceGrpcUpstream:
         return int(reply.prompt_tokens)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
-        """The models the worker serves (within `deadline` seconds), or an `EngineError`."""
+        """The models the worker serves (within `deadline` seconds), or a `GatewayError`."""
         try:
             reply = await self._stub.Describe(pb.DescribeRequest(), timeout=deadline)
         except grpc.RpcError as error:
@@ -174,7 +174,7 @@ class FurnaceGrpcUpstream:
 
     async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
         """The worker's KV-cache events (`SubscribeKvEvents`) until the stream ends; an
-        `EngineError` when it breaks (`Invalid` from a worker that publishes none)."""
+        `GatewayError` when it breaks (`Invalid` from a worker that publishes none)."""
         call = self._stub.SubscribeKvEvents(pb.KvEventsRequest(model=model))
         try:
             async for message in call:
@@ -188,7 +188,7 @@ class FurnaceGrpcUpstream:
         """Whether the worker is serving, each time that changes: the health
         Watch stream where the worker has it, else a Check every `poll_interval`
         (a worker without the health service counts as serving). Ends with an
-        `EngineError` when the worker cannot be reached."""
+        `GatewayError` when the worker cannot be reached."""
         request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
         serving = health_pb2.HealthCheckResponse.SERVING
         try:

@@ -87,7 +87,7 @@ class MultiplexedCall(StreamBookkeeping):
         self._events: deque[pb.GenerateEvent | pb.MultiplexEnd] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None  # see `listen`
-        self._broken: errors.EngineError | None = None  # the link broke
+        self._broken: errors.GatewayError | None = None  # the link broke
         self._counted = True  # whether `_broken` is this request's to report
         self._outstanding = 0  # units received and not yet credited back
 
@@ -104,7 +104,7 @@ class MultiplexedCall(StreamBookkeeping):
         self._events.append(item)
         self._ready()
 
-    def fail(self, failure: errors.EngineError, counted: bool = True) -> None:
+    def fail(self, failure: errors.GatewayError, counted: bool = True) -> None:
         """From the link: it broke (or this request could not start); what is queued
         is still read first. Not `counted`: its owner hears `SHARED_FAILURE`, so the
         link's failure counts once against the worker, not once per request on it."""
@@ -192,7 +192,7 @@ class MultiplexLink:
         self._credits: list[pb.MultiplexCredit] = []
         self._wake: asyncio.Future[None] | None = None
         #: Why the link is over; None while it serves.
-        self.broken: errors.EngineError | None = None
+        self.broken: errors.GatewayError | None = None
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write())
         self._reader = loop.create_task(self._read())
@@ -290,7 +290,7 @@ class MultiplexLink:
 
     async def _read(self) -> None:
         read, calls, eof = self._call.read, self._calls, grpc.aio.EOF
-        failure: errors.EngineError
+        failure: errors.GatewayError
         try:
             while (response := await read()) is not eof:
                 for event in response.events:  # type: ignore[attr-defined]
@@ -310,7 +310,7 @@ class MultiplexLink:
             failure = errors.Failed("The gateway failed while reading the worker's answers.")
         self._break(failure)
 
-    def _break(self, failure: errors.EngineError) -> None:
+    def _break(self, failure: errors.GatewayError) -> None:
         """Ends the link: every request on it fails with `failure`."""
         if self.broken is not None:
             return

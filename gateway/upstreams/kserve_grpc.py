@@ -7,7 +7,7 @@ typed contents, whichever the server sends. A model's metadata is read once and 
 worker, for the unversioned path and the versions the worker lists only: the version is a
 client's string, and a cache keyed by any of them grew without bound (4,000 names of 16 KB
 held 64 MB). Health is ServerReady and ModelReady, polled. Every gRPC failure becomes an
-`EngineError` through the one table in `gateway.protocol.status`. Above this module nothing
+`GatewayError` through the one table in `gateway.protocol.status`. Above this module nothing
 sees grpc or protobuf; the inference's own types are `gateway.protocol.inference`'s.
 """
 
@@ -31,7 +31,7 @@ from gateway.upstreams.base import CallEnd, ModelDescription, UpstreamCall
 from gateway.upstreams.furnace_channel import open_channel
 
 
-def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     if isinstance(error, grpc.aio.AioRpcError):
         return error_from_status(error.code(), error.details(), error.trailing_metadata())
     return errors.Unavailable(f"tensor worker call failed: {error}")
@@ -167,7 +167,7 @@ class KServeGrpcUpstream:
         return found
 
     async def ready(self, deadline: float, version: str = "") -> bool:
-        """ServerReady and then ModelReady; an `EngineError` when unreachable."""
+        """ServerReady and then ModelReady; a `GatewayError` when unreachable."""
         try:
             server = await self._stub.ServerReady(pb.ServerReadyRequest(), timeout=deadline)
             if not server.ready:
@@ -216,7 +216,7 @@ class KServeGrpcUpstream:
         return [ModelDescription(self.model, 0)] if await self.ready(deadline) else []
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
-        """ServerReady and ModelReady every `poll_interval`; an `EngineError` when unreachable."""
+        """ServerReady and ModelReady every `poll_interval`; a `GatewayError` when unreachable."""
         while True:
             yield await self.ready(poll_interval)
             await asyncio.sleep(poll_interval)

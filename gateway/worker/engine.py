@@ -19,7 +19,7 @@ class Engine(ABC):
     per token, when the request asks for them) and `ToolCallDelta`s (a call's
     id and name first, then its arguments' JSON in pieces), then `Finished`
     (`TOOL_CALLS` after calls). It refuses a request by raising an
-    `EngineError` (`TooLong`, `Invalid`, `Busy`, ...) before yielding `Started`.
+    `GatewayError` (`TooLong`, `Invalid`, `Busy`, ...) before yielding `Started`.
     When the call is cancelled, the SDK closes the generator (CancelledError or
     GeneratorExit at its current `await`/`yield`): free the request's resources
     in a `finally`. Stop strings are the SDK's job; `max_tokens` and the context

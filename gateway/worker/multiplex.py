@@ -2,7 +2,7 @@
 
 Each request started on the call runs as its own task through the same answer
 as `Generate` (`Answer`: its events, refusals and failures raised as
-`EngineError`); their events go into one outbox, and one writer sends whatever
+`GatewayError`); their events go into one outbox, and one writer sends whatever
 the outbox holds as one `MultiplexResponse` whenever the call can take a
 message. Requests stepped together by an engine land in one message, so the
 call costs one gRPC message a step instead of one a request a step.
@@ -33,7 +33,7 @@ from gateway.protocol.v1 import engine_pb2 as pb
 log = logging.getLogger("furnace.worker")
 
 #: One request's answer (its start: the request, deadline and metadata), as
-#: `Generate` sends it; refusals and failures raised as `EngineError`.
+#: `Generate` sends it; refusals and failures raised as `GatewayError`.
 Answer = Callable[[pb.MultiplexStart], AsyncGenerator[pb.GenerateEvent, None]]
 
 #: Units (encoded bytes of events, logprobs included) one response carries at most
@@ -162,7 +162,7 @@ class Multiplexer:
                     while stream.sent - stream.credited >= WINDOW:
                         stream.room = asyncio.get_running_loop().create_future()
                         await stream.room
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             end = end_of(error)
         except TimeoutError:
             if not deadline.expired():

@@ -293,7 +293,7 @@ class _Choice:
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], error: errors.EngineError
+    context: grpc.aio.ServicerContext[Any, Any], error: errors.GatewayError
 ) -> NoReturn:
     """Ends the call with the error's status (and its parameter, for INVALID_ARGUMENT)."""
     code, trailing = status_from_error(error)
@@ -354,7 +354,7 @@ class EngineService(pb_grpc.EngineServicer):
             async with contextlib.aclosing(self.answer(request)) as events:
                 async for event in events:
                     yield event
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             await _abort(context, error)
         except asyncio.CancelledError:
             log.debug("request %s cancelled", request.request_id)
@@ -421,7 +421,7 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def answer(self, request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateEvent, None]:
         """One answer, whichever call carries it; a refusal or a failure is
-        raised as an `EngineError`."""
+        raised as a `GatewayError`."""
         engine = self.engine
         if request.model and request.model != engine.model:
             raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
@@ -551,7 +551,7 @@ class EngineService(pb_grpc.EngineServicer):
         if self.active >= engine.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "The worker is full.")
         self.active += 1
-        result: Embeddings | errors.EngineError
+        result: Embeddings | errors.GatewayError
         try:
             result = await engine.embed(ours)
             if len(result.vectors) != len(ours.inputs):
@@ -562,14 +562,14 @@ class EngineService(pb_grpc.EngineServicer):
                     request.request_id,
                 )
                 result = errors.Failed("The engine failed.")
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             result = error
         except Exception:
             log.exception("engine failed on request %s", request.request_id)
             result = errors.Failed("The engine failed.")
         finally:
             self.active -= 1
-        if isinstance(result, errors.EngineError):
+        if isinstance(result, errors.GatewayError):
             await _abort(context, result)
         return embeddings_to_proto(result)
 
@@ -583,7 +583,7 @@ class EngineService(pb_grpc.EngineServicer):
             if request.model and request.model != self.engine.model:
                 raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
             tokens = await self.engine.count_tokens(request_from_proto(request))
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             await _abort(context, error)
         except Exception:
             log.exception("engine failed to count request %s", request.request_id)

@@ -25,7 +25,7 @@ from gateway import __version__
 from gateway.admission import RequestContext
 from gateway.admission.admit import tensor_pool
 from gateway.edge.asgi import Receive, Scope, Send, send_json
-from gateway.edge.errors import APIError, from_engine_error
+from gateway.edge.errors import APIError, from_error
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute
 from gateway.fleet.inference import infer, model_metadata
@@ -220,8 +220,8 @@ class KServeRoutes:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             try:
                 status, body = await handler(scope)
-            except errors.EngineError as error:
-                api = from_engine_error(error, self.config.retry_after)
+            except errors.GatewayError as error:
+                api = from_error(error, self.config.retry_after)
                 status, body = api.status, {"error": api.message}
             await _send(send, status, body)
 

@@ -306,10 +306,10 @@ class GenerationRoute(RequestRoute[Exchange]):
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 if gone.done():
                     raise
-                api_error = self._engine_error(error, record)
+                api_error = self._to_api_error(error, record)
                 record.outcome = api_error.outcome
                 await send({"type": "http.response.body", "body": encoder.failure(api_error)})
                 return

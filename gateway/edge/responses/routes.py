@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
-from gateway.edge.errors import APIError, from_engine_error, invalid
+from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.openai.generation import GenerationRoute, _session
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
@@ -236,8 +236,8 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
         response_id = request.path_params["response_id"]
         try:
             found = await store.get(_team_name(team_of(request.scope)), response_id)
-        except errors.EngineError as error:  # the store failed: a 503
-            raise from_engine_error(error, retry_after) from None
+        except errors.GatewayError as error:  # the store failed: a 503
+            raise from_error(error, retry_after) from None
         if found is None:
             raise _not_found(response_id)
         return found
@@ -247,8 +247,8 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
             response_id = request.path_params["response_id"]
             try:
                 deleted = await store.delete(_team_name(team_of(request.scope)), response_id)
-            except errors.EngineError as error:
-                raise from_engine_error(error, retry_after) from None
+            except errors.GatewayError as error:
+                raise from_error(error, retry_after) from None
             if not deleted:
                 raise _not_found(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})

@@ -196,7 +196,7 @@ class _RawCall(StreamBookkeeping):
         self._pieces: list[bytes] = []  # the body pieces of the read in progress
         self._error_body: list[bytes] = []
         self._error_size = 0
-        self._failure: errors.EngineError | None = None
+        self._failure: errors.GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -218,7 +218,7 @@ class _RawCall(StreamBookkeeping):
                 await self._open()
                 return Started(0)
             await self._wait()
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             self._end(error)
             raise
         return self._ready.popleft()
@@ -338,7 +338,7 @@ class _RawCall(StreamBookkeeping):
             return
         try:
             self._stream.feed(data)
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             self.fail(error)  # the events before it go out first
         else:
             untexted = self._untexted
@@ -364,7 +364,7 @@ class _RawCall(StreamBookkeeping):
         elif not self._stream.done:
             self.fail(errors.Failed("The upstream ended its stream without [DONE]."))
 
-    def fail(self, error: errors.EngineError) -> None:
+    def fail(self, error: errors.GatewayError) -> None:
         if self._failure is None and not self._stream.done:
             self._failure = error
             self._drop()

@@ -31,7 +31,7 @@ from gateway.upstreams.openai_http.translate import (
 
 _REASONS = {r.value: r for r in FinishReason}
 #: Finish reasons that are failures (vLLM's, as its gRPC server's in `vllm_grpc`).
-_FINISH_ERRORS: dict[str, type[errors.EngineError]] = {
+_FINISH_ERRORS: dict[str, type[errors.GatewayError]] = {
     "abort": errors.Unavailable,  # aborted by the engine (shutdown, preemption)
     "error": errors.Failed,
 }

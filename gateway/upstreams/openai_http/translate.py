@@ -24,7 +24,7 @@ from gateway.protocol.types import (
 )
 
 #: Their HTTP status → our error; 400s are refined by the error body's code.
-HTTP_ERRORS: dict[int, type[errors.EngineError]] = {
+HTTP_ERRORS: dict[int, type[errors.GatewayError]] = {
     400: errors.Invalid,
     401: errors.AuthFailed,
     403: errors.AuthFailed,
@@ -38,7 +38,7 @@ HTTP_ERRORS: dict[int, type[errors.EngineError]] = {
     504: errors.Timeout,
 }
 #: Codes in their error bodies that name one of our errors.
-ERROR_CODES: dict[str, type[errors.EngineError]] = {
+ERROR_CODES: dict[str, type[errors.GatewayError]] = {
     "context_length_exceeded": errors.TooLong,
     "model_not_found": errors.ModelNotFound,
     "server_busy": errors.Busy,
@@ -83,7 +83,7 @@ async def read_capped(response: httpx.Response, limit: int) -> bytes:
     return b"".join(chunks)[:limit]
 
 
-def error_from_response(status: int, body: bytes) -> errors.EngineError:
+def error_from_response(status: int, body: bytes) -> errors.GatewayError:
     """Our error for an upstream's error response."""
     try:
         fields = _error_fields(orjson.loads(body))
@@ -92,7 +92,7 @@ def error_from_response(status: int, body: bytes) -> errors.EngineError:
     return _error(status, fields, f"upstream answered HTTP {status}")
 
 
-def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
+def error_from_event(payload: dict[str, Any]) -> errors.GatewayError:
     """Our error for an error event in their stream. vLLM refuses some parameters
     only once streaming (e.g. an out-of-vocabulary `logit_bias` id): its event
     then has the HTTP status as its `code` and names the `param`, and reads as
@@ -103,7 +103,7 @@ def error_from_event(payload: dict[str, Any]) -> errors.EngineError:
     return _error(status, fields, "upstream stream failed")
 
 
-def _error(status: int | None, fields: dict[str, Any], default: str) -> errors.EngineError:
+def _error(status: int | None, fields: dict[str, Any], default: str) -> errors.GatewayError:
     """The one table: their error body's code, else its status (`HTTP_ERRORS`),
     with vLLM's wording of a prompt beyond the context; no status: a failure."""
     message = str(fields.get("message") or default)
@@ -214,7 +214,7 @@ def _completion_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
     )
 
 
-def _embed_error(status: int, body: bytes) -> errors.EngineError:
+def _embed_error(status: int, body: bytes) -> errors.GatewayError:
     """Our error for a refused embedding: a 404 that is not an OpenAI error (vLLM
     serving a generative model has no such route) says the model embeds nothing."""
     if status == 404:

@@ -61,7 +61,7 @@ class OpenAIHttpCall(StreamBookkeeping):
         self._ready = stream.ready
         self._response: httpx.Response | None = None
         self._chunks: AsyncIterator[bytes] | None = None
-        self._failure: errors.EngineError | None = None  # found after events still to give
+        self._failure: errors.GatewayError | None = None  # found after events still to give
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -76,11 +76,11 @@ class OpenAIHttpCall(StreamBookkeeping):
                 return await self._open()
             await self._read()
             return self._ready.popleft()
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             await self._finish(error)
             raise
         except httpx.TimeoutException as error:
-            failure: errors.EngineError = errors.Timeout(f"upstream timed out: {error}")
+            failure: errors.GatewayError = errors.Timeout(f"upstream timed out: {error}")
         except httpx.TransportError as error:
             failure = errors.Unavailable(f"upstream unreachable: {error}")
         await self._finish(failure)
@@ -111,7 +111,7 @@ class OpenAIHttpCall(StreamBookkeeping):
                 raise errors.Failed("The upstream ended its stream without [DONE].") from None
             try:
                 stream.feed(data)
-            except errors.EngineError as error:
+            except errors.GatewayError as error:
                 self._failure = error  # the events before it go out first
             if stream.done:
                 await self._finish(None)
