@@ -36,9 +36,12 @@ memory by the whole answer.
 Per event that costs one length addition and one comparison; a pause costs one
 future.
 
-A pump's life is one `Phase` (new → starting → streaming → ended → closed), each
-phase only ever moving to a later one. When a stream is paced, it waits for the
-loop's next write turn, which turns.py keeps for every stream of the process.
+A pump's life is one `Phase` (new → starting → streaming ⇄ full → ended → closed),
+each phase only ever moving to a later one but for streaming and full, which alternate
+as the buffer fills and the edge takes it. How the events come is the call's own kind:
+a pushing call is kept as the one the pump listens to, a reader task otherwise. When a
+stream is paced, it waits for the loop's next write turn, which turns.py keeps for every
+stream of the process.
 """
 
 from __future__ import annotations
@@ -67,13 +70,16 @@ QUIET = 0.0001
 
 
 class Phase(enum.IntEnum):
-    """Where a pump is in its life; each phase only ever moves to a later one."""
+    """Where a pump is in its life; each phase only ever moves to a later one, but
+    STREAMING and FULL alternate."""
 
     NEW = 0  # the start has not run
     STARTING = 1  # the start runs, in the task of the first `next_batch`
     STREAMING = 2  # started: a reader task or the pushing call brings the events
-    ENDED = 3  # no more events: the last `Finished`, an error, or `cancel()`
-    CLOSED = 4  # `aclose()` ran
+    FULL = 3  # past `buffer_chars`: the call keeps its events until the edge takes a batch
+    ENDED = 4  # no more events: the last `Finished`, an error, or `cancel()` (during the
+    # start too: `cancel()` then cancels the start's task, which takes that back)
+    CLOSED = 5  # `aclose()` ran
 
 
 class Pushing(Protocol):
@@ -113,15 +119,13 @@ class EventPump:
         self._start = start
         self.phase = Phase.NEW
         self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
-        self._start_cancelled = False  # `cancel()` cancelled that task
         self._call: UpstreamCall | None = None
-        self._pushing = False  # the call calls `_pushed`; no reader task
+        self._pushing: Pushing | None = None  # the call, when it pushes: no reader task
         self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
         self.buffered = 0  # `event_size` of what `_ready` holds
         self._buffer_chars = buffer_chars
         self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
-        self._held = False  # full: the pushing call keeps its events until then
         self._error: errors.GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
@@ -163,14 +167,12 @@ class EventPump:
         if self._uncancel(task):  # cancelled as it returned: the call is to stop
             call.cancel()
             return
-        if self.phase is Phase.STARTING:
-            self.phase = Phase.STREAMING
+        self.phase = Phase.STREAMING
         self._ready.append(first)
         self._last_event = self._loop.time()
-        listen = getattr(call, "listen", None)  # `Pushing` (isinstance costs ~3-6 us)
-        if listen is not None:
-            self._pushing = True
-            listen(self._pushed)
+        if getattr(call, "listen", None) is not None:  # `Pushing` (isinstance: ~3-6 us)
+            pushing = self._pushing = cast(Pushing, call)
+            pushing.listen(self._pushed)
             self._pushed()  # what came with the first event
         else:
             self._reading = True
@@ -179,9 +181,9 @@ class EventPump:
 
     def _uncancel(self, task: asyncio.Task[Any]) -> bool:
         """Takes back the cancellation `cancel()` asked of the start's task (which the
-        start turned into its own error, or had not seen yet); whether it had."""
-        if self._start_cancelled:
-            self._start_cancelled = False
+        start turned into its own error, or had not seen yet); whether it had. Only
+        `cancel()` ends a pump while it starts, and it cancels the start's task then."""
+        if self.phase >= Phase.ENDED:
             task.uncancel()
             return True
         return False
@@ -208,10 +210,10 @@ class EventPump:
 
     def _pushed(self) -> None:
         """The pushing call's listener: takes what it has ready, up to the bound."""
-        call = self._call
-        if self.phase >= Phase.ENDED or call is None:
+        pushing = self._pushing
+        if self.phase >= Phase.ENDED or pushing is None:
             return
-        poll = cast(Pushing, call).poll
+        poll = pushing.poll
         try:
             while self.buffered <= self._buffer_chars:
                 event = poll()
@@ -220,7 +222,7 @@ class EventPump:
                 if self._accept(event):
                     self._end(None)
                     return
-            self._held = True  # full: the rest waits in the call (which stops reading)
+            self.phase = Phase.FULL  # the rest waits in the call (which stops reading)
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
         except errors.GatewayError as error:
@@ -252,6 +254,7 @@ class EventPump:
                     return
                 if self.buffered > self._buffer_chars:
                     # Full: read no more until the edge takes a batch.
+                    self.phase = Phase.FULL
                     taken = self._taken = self._loop.create_future()
                     await taken
             failure: errors.GatewayError = errors.Failed(
@@ -352,9 +355,9 @@ class EventPump:
             if taken is not None and not taken.done():
                 self._taken = None
                 taken.set_result(None)
-            if self._held:  # what the pushing call kept while the pump was full
-                self._held = False
-                self._pushed()
+            if self.phase is Phase.FULL:
+                self.phase = Phase.STREAMING
+                self._pushed()  # what a pushing call kept while the pump was full
             return batch
         raise self._error or errors.Failed("The engine worker's stream is over.")
 
@@ -372,8 +375,7 @@ class EventPump:
                 self._call.cancel()
             if self._reader is not None:
                 self._reader.cancel()
-            if self._starting is not None and not self._start_cancelled:
-                self._start_cancelled = True
+            if self._starting is not None:
                 self._starting.cancel()
         self._wake()
 
@@ -393,8 +395,8 @@ class EventPump:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._pushing:
-            cast(Pushing, self._call).listen(None)
+        if self._pushing is not None:
+            self._pushing.listen(None)
         reader = self._reader
         try:
             if reader is not None:

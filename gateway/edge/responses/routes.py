@@ -16,6 +16,7 @@ bytes go out, so a client that has the answer can continue from it on any replic
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -175,7 +176,7 @@ class ResponsesRoute(GenerationRoute):
         stream: bool,
         record: Any,
         send: Send,
-        watcher: Any,
+        gone: asyncio.Future[None],
     ) -> None:
         """The generation route's relay, with the response stored before the answer's
         last bytes go out."""
@@ -183,7 +184,7 @@ class ResponsesRoute(GenerationRoute):
         request = encoder.request
         assert isinstance(request, ResponsesRequest) and request.body is not None
         if not request.body.store:
-            await super()._relay_events(pump, encoder, stream, record, send, watcher)
+            await super()._relay_events(pump, encoder, stream, record, send, gone)
             return
 
         async def send_stored(message: Message) -> None:
@@ -192,7 +193,7 @@ class ResponsesRoute(GenerationRoute):
                 await self._store(request, encoder.final, pump.worker)
             await send(message)
 
-        await super()._relay_events(pump, encoder, stream, record, send_stored, watcher)
+        await super()._relay_events(pump, encoder, stream, record, send_stored, gone)
 
     async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
         assert request.body is not None
