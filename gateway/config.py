@@ -170,6 +170,21 @@ class RoutingConfig:
         minimum=1,
         maximum=_ROUTING_MAX,
     )
+    max_engine_waiting: int | None = setting(
+        None,
+        "a worker whose engine's last load record has more requests waiting than this counts "
+        "as full: routed around while another is not, and shed (503 `workers_saturated`, or "
+        "the model's fallbacks) when every worker is full; none: not counted",
+        minimum=0,
+        maximum=_ROUTING_MAX,
+    )
+    max_kv_usage: float | None = setting(
+        None,
+        "a worker whose engine's last load record has this fraction of its KV cache in use, "
+        "or more, counts as full (as `max_engine_waiting`); none: not counted",
+        minimum=0,
+        maximum=1,
+    )
     kv_events: tuple[tuple[str, str], ...] = setting(
         (),
         "`upstream: openai` workers (vLLM's HTTP server), `{workers entry: tcp://host:port}`: "
@@ -236,9 +251,10 @@ class ModelConfig:
     )
     tokenizer: str | None = setting(
         None,
-        "with `upstream: vllm-grpc` (and only required there): a directory holding the model's "
-        "`tokenizer.json`, `tokenizer_config.json` and chat template, as a Hugging Face model "
-        "directory has them (the gateway tokenizes); checked readable at start",
+        "with `upstream: vllm-grpc`, and with `routing.kv_events` (required there): a "
+        "directory holding the model's `tokenizer.json`, `tokenizer_config.json` and chat "
+        "template, as a Hugging Face model directory has them (the gateway tokenizes, for "
+        "the engine or for routing); checked readable at start",
         min_length=1,
     )
     tool_call_parser: str | None = setting(

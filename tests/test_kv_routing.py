@@ -371,3 +371,49 @@ def test_vllm_batches_translate_to_what_the_index_can_use() -> None:
         CacheCleared(),
     )
     assert batch.load == EngineLoad(2, 1, 300, 0.5)
+
+
+def test_an_engine_whose_kv_cache_is_full_makes_its_worker_full(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+) -> None:
+    """`max_kv_usage` over the demo engine's load records (its cache's use before each
+    prompt): a full engine is routed around while another has room, even when it holds
+    the prompt, and the model sheds (503, workers_saturated) once every engine is full."""
+    engines = _engines(2, kv_blocks=8)  # a DOCUMENT prompt fills a cache
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers, max_kv_usage=0.9),))
+    http = http_of(gw)
+    router = _pool(gw).router
+    assert router is not None
+    wait_until(lambda: len(_index(gw).workers) == 2, "both workers' event streams")
+
+    def served() -> list[int]:
+        return [e.served for e in engines]
+
+    def full(engine: DemoEngine) -> bool:
+        return router.engine_full(servers[engines.index(engine)].address)
+
+    before = served()
+    _ask(http, DOCUMENT)  # its load record: the cache empty before the prompt
+    (first,) = [e for e, n in zip(engines, before, strict=True) if e.served > n]
+    (other,) = [e for e in engines if e is not first]
+    wait_until(lambda: _index_holds(_index(gw), DOCUMENT[: 8 * 16]), "the first stores")
+    _ask(http, DOCUMENT)  # to the holder; its record now says its cache is full
+    assert first.served == 2
+    wait_until(lambda: full(first), "the first engine's full cache in its load record")
+    _ask(http, DOCUMENT)  # routed around the full holder
+    assert other.served == 1 and not full(other)
+    wait_until(lambda: other.kv_cache is not None and other.kv_cache.usage == 1.0, "")
+    _ask(http, f"0 {DOCUMENT}")  # the only one with room; then it is full too
+    assert other.served == 2
+    wait_until(lambda: full(other), "the second engine's full cache in its load record")
+    assert _pool(gw).saturated()
+    shed = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert shed.status_code == 503, shed.text
+    assert "as many requests as it says it can" in shed.json()["error"]["message"]
+    assert served() == [2, 2]
+    workers = gw.state.fleet.snapshot()["models"]
+    (model,) = [m for m in workers if m["name"] == MODEL]  # type: ignore[index]
+    assert all(w["routing"]["engine_full"] for w in model["workers"])  # type: ignore[index]

@@ -1,7 +1,9 @@
 """Each worker's KV-cache event stream, followed into its model's `KvIndex`.
 
 A model whose `routing:` policy reads events (`kv_aware`, `least_load`) subscribes to
-every worker, over the worker's own channel, from every gateway replica (each keeps its
+every worker, over the worker's own channel (or, for a worker named in
+`routing.kv_events`, to its engine's ZMQ publisher: `gateway.protocol.kv_zmq`), from
+every gateway replica (each keeps its
 own index; they converge because each applies the same streams, and every subscription
 starts from the worker's full state). The stream's batches go into the index as they
 come; when the stream ends or breaks, the worker's part of the index is dropped at once
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import KvBatch
+from gateway.protocol.kv_zmq import ZmqKvSubscriber
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import ModelPool
@@ -41,8 +44,18 @@ class KvEventSource(Protocol):
     """An upstream that can stream its engine's KV-cache events."""
 
     def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
-        """The batches, until the stream ends; `EngineError` when it breaks."""
+        """The batches, until the stream ends; `GatewayError` when it breaks."""
         ...
+
+
+class _Zmq:
+    """A worker's engine that publishes over ZMQ (`routing.kv_events`), as a source."""
+
+    def __init__(self, subscriber: ZmqKvSubscriber) -> None:
+        self.subscriber = subscriber
+
+    def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
+        return self.subscriber.batches()
 
 
 async def follow_kv(pool: ModelPool, worker: Worker) -> None:
@@ -52,8 +65,9 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
         return
     index, address = router.index, worker.address
     delay = 0.1
+    zmq = router.zmq.get(address)
     while not worker.leaving:
-        source = worker.upstream
+        source = worker.upstream if zmq is None else _Zmq(zmq)
         if not isinstance(source, KvEventSource):
             router.states[address] = UNSUPPORTED
             return
@@ -73,7 +87,7 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
                 "worker %s publishes no KV events (%s): routed by its load", address, error.message
             )
             wait = UNSUPPORTED_RETRY
-        except errors.EngineError as error:
+        except errors.GatewayError as error:
             router.states[address] = BROKEN
             if not worker.leaving:
                 log.warning("worker %s: KV events stopped: %s", address, error.message)

@@ -23,7 +23,7 @@ def make_balancer(model: ModelConfig, config: Config) -> Balancer:
     """The model's balancing policy: its `routing:` (`routing.Router`), else `balance`."""
     prefix = PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
     if model.routing is not None:
-        return Router(model.name, model.routing, prefix)
+        return Router(model.name, model.routing, prefix, tokenizer=model.tokenizer)
     if model.balance == "prefix_affinity":
         return prefix
     return LeastOutstanding()
@@ -66,12 +66,17 @@ class ModelPool:
     def saturated(self) -> bool:
         """Whether every worker that may take a request is full: it says so (a vLLM engine
         queueing), or it runs as many requests as the capacity it reports, counting this
-        gateway's calls now and every client's at its last report (other replicas');
-        False while any of them does not report. O(workers)."""
+        gateway's calls now and every client's at its last report (other replicas'), or
+        its engine's load record says its queue or KV cache is full (`routing`'s
+        `max_engine_waiting`, `max_kv_usage`); False while any of them does not report.
+        O(workers)."""
         now = time.monotonic()
         up = [w for w in self.workers.values() if w.available(now)]
+        router = self.router if self.router is not None and self.router.sheds else None
         return bool(up) and all(
-            w.full or (w.capacity is not None and max(w.outstanding, w.reported_load) >= w.capacity)
+            w.full
+            or (w.capacity is not None and max(w.outstanding, w.reported_load) >= w.capacity)
+            or (router is not None and router.engine_full(w.address, now))
             for w in up
         )
 

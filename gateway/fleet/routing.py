@@ -42,10 +42,13 @@ holders and `SAMPLED` others are costed. `benchmarks/sim_routing.py` has the cur
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 from gateway.config import RoutingConfig
@@ -54,7 +57,10 @@ from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import iter_chain, prompt_bytes
+from gateway.protocol.kv_zmq import ZmqKvSubscriber
 from gateway.protocol.types import GenerateRequest
+from gateway.tokenization import load_tokenizer
+from gateway.upstreams.vllm_grpc import MAX_PROMPT_CHARS, prompt_chars
 
 #: Past this many candidates, those holding none of the prompt are scored on a random
 #: `SAMPLED` of them (power of d choices) rather than all: a worker holding nothing
@@ -63,6 +69,9 @@ SAMPLE_ABOVE = 32
 SAMPLED = 8
 #: Bytes of a prompt the text fallback hashes at most (a 32k-token prompt's worth).
 TEXT_LIMIT = 128 * 1024
+#: Seconds a load record counts for `engine_full` (an engine sends one a scheduler step
+#: while it works; an idle one sends none, and its last record is no longer true).
+LOAD_FRESH = 10.0
 
 
 class Route(NamedTuple):
@@ -88,8 +97,12 @@ class Router:
         config: RoutingConfig,
         prefix: PrefixAffinity,
         rng: random.Random | None = None,
+        tokenizer: str | None = None,
     ) -> None:
+        """`tokenizer`: the model's, for workers whose events come over ZMQ
+        (`config.kv_events`): their engines name blocks by token ids."""
         self.config = config
+        self._tokenizer = load_tokenizer(tokenizer) if tokenizer and config.kv_events else None
         self.policy = config.policy
         self.index = KvIndex(model, cap=config.max_blocks_per_worker)
         self._encoded: tuple[GenerateRequest, Sequence[int]] | None = None
@@ -105,6 +118,8 @@ class Router:
         #: object whose follower owns its part of the index.
         self.states: dict[str, str] = {}
         self.owners: dict[str, Worker] = {}
+        #: Workers whose engine publishes over ZMQ: address -> its subscriber.
+        self.zmq = {entry: ZmqKvSubscriber(endpoint) for entry, endpoint in config.kv_events}
 
     @property
     def uses_events(self) -> bool:
@@ -119,12 +134,25 @@ class Router:
         if self.policy != "kv_aware" or not self.index.block_size:
             return
         encode = next((getattr(w.upstream, "routing_ids", None) for w in workers), None)
+        if encode is None and self._tokenizer is not None:
+            encode = self._token_ids
         if encode is None:
             return
         try:
             self._encoded = (request, await encode(request))
-        except errors.EngineError:
+        except errors.GatewayError:
             return  # the call refuses it (too long, ...) with the same error
+
+    async def _token_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's ids as vLLM's OpenAI front end makes them (a completion's text
+        with the special tokens, a chat through the template), off the loop; none past
+        `MAX_PROMPT_CHARS` (the engine refuses such a prompt on its own)."""
+        assert self._tokenizer is not None
+        tools = request.tools if request.tool_choice != "none" else ()
+        if prompt_chars(request.prompt, request.messages, tools) > MAX_PROMPT_CHARS:
+            raise errors.Invalid("The prompt is too long to route by its tokens.")
+        make = partial(self._tokenizer.prompt_ids, request.prompt, request.messages, tools)
+        return await asyncio.to_thread(make)
 
     def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
         """The worker for `request` (candidates is never empty); sets `last`."""
@@ -148,6 +176,8 @@ class Router:
             self.last = Route(policy)
             return self._prefix.pick(candidates, request)
         index = self.index
+        if self.sheds:  # a worker whose engine queue is full only while none has room
+            candidates = [w for w in candidates if not self.engine_full(w.address)] or candidates
         if not any(w.address in index.workers for w in candidates):
             self.fallbacks_total += 1
             self.last = Route(policy, 0, "fallback")
@@ -195,6 +225,28 @@ class Router:
         self.last = Route(self.policy, hits.get(best.address, 0))
         return best
 
+    @property
+    def sheds(self) -> bool:
+        """Whether load records can make a worker full (`max_engine_waiting`,
+        `max_kv_usage`)."""
+        config = self.config
+        return config.max_engine_waiting is not None or config.max_kv_usage is not None
+
+    def engine_full(self, address: str, now: float | None = None) -> bool:
+        """Whether the worker's engine said, in a load record of the last `LOAD_FRESH`
+        seconds, that more requests wait than `max_engine_waiting` or that its KV cache
+        is `max_kv_usage` full; False without such a record."""
+        kv = self.index.workers.get(address)
+        if kv is None or kv.load is None:
+            return False
+        if (time.monotonic() if now is None else now) - kv.load_at > LOAD_FRESH:
+            return False
+        load, config = kv.load, self.config
+        waiting, usage = config.max_engine_waiting, config.max_kv_usage
+        return (waiting is not None and load.waiting > waiting) or (
+            usage is not None and load.kv_usage >= usage
+        )
+
     # -- sessions ---------------------------------------------------------------------
 
     def _session_worker(self, session: str, candidates: list[Worker]) -> Worker | None:
@@ -227,4 +279,5 @@ class Router:
             "events": self.states.get(address, "none" if self.uses_events else "off"),
             "cached_blocks": 0 if kv is None else len(kv.blocks),
             "load": load,
+            "engine_full": self.engine_full(address),
         }

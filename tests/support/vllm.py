@@ -105,9 +105,11 @@ HTTP_ARGS = (
 HTTP_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 
 
-def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> VllmProcess:
+def start_http_server(
+    model: Path, log_dir: Path, name: str = "tiny-vllm", extra: tuple[str, ...] = ()
+) -> VllmProcess:
     """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200), with
-    tool calls and structured outputs on."""
+    tool calls and structured outputs on, and `extra` engine options."""
     port = free_port()
     args = [
         str(vllm_python()),
@@ -123,6 +125,7 @@ def start_http_server(model: Path, log_dir: Path, name: str = "tiny-vllm") -> Vl
         str(port),
         *ENGINE_ARGS,
         *HTTP_ARGS,
+        *extra,
     ]
     server = VllmProcess(args, port, log_dir / "vllm-http.log", HTTP_ENV).start()
     end = time.monotonic() + START_GUARD

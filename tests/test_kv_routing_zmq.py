@@ -1,0 +1,281 @@
+"""KV events over ZMQ (vLLM's publisher, `gateway.protocol.kv_zmq`) for `upstream: openai`
+workers named in `routing.kv_events`: a real gateway under uvicorn in front of a real
+OpenAI-compatible server, and a pyzmq PUB socket in the test speaking vLLM's wire (topic,
+8-byte sequence, msgpack batch), then lying on it: garbage, a frame past the size bound,
+sequences out of order. The index follows the valid batches, the rest is refused,
+counted and logged, and routing never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from gateway.config import ConfigError, ModelConfig, RoutingConfig, parse_config
+from gateway.fleet.kv_index import KvIndex
+from gateway.protocol.kv_blocks import BlocksRemoved, BlocksStored, CacheCleared, EngineLoad
+from gateway.protocol.kv_zmq import MAX_MESSAGE_BYTES, Malformed, ZmqKvSubscriber, decode
+from gateway.protocol.types import Message
+from gateway.tokenization import load_tokenizer
+from gateway.worker.demo import DemoEngine
+from gateway.worker.kv_events import ForwardedCache, KvPublisher
+from gateway.worker.server import WorkerServer
+from tests.support.certs import CertificateAuthority
+from tests.support.openai_server import OpenAIServer
+from tests.support.processes import free_port
+from tests.support.servers import Gateway, ServerLoop
+from tests.support.tiny_model import build_tokenizer
+from tests.support.waiting import HANG_GUARD, wait_until
+
+MODEL = "kv-zmq"
+KEY_ENV = "FURNACE_TEST_KV_ZMQ_KEY"
+BLOCK = 16
+DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(30))
+
+
+def _message(sequence: int, events: list[dict[str, object]]) -> list[bytes]:
+    payload = msgpack.packb([1.7e9, events, 0])
+    return [b"", sequence.to_bytes(8, "big"), payload]
+
+
+def _stored(ids: list[int], first_hash: int = 1000) -> dict[str, object]:
+    count = len(ids) // BLOCK
+    return {
+        "type": "BlockStored",
+        "block_hashes": [(first_hash + i).to_bytes(32, "big") for i in range(count)],
+        "parent_block_hash": None,
+        "token_ids": ids[: count * BLOCK],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+@pytest.fixture
+def upstream(
+    server_loop: ServerLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[OpenAIServer, CertificateAuthority]]:
+    ca = CertificateAuthority(tmp_path, "upstream-ca")
+    server = OpenAIServer(MODEL, "sk-" + secrets.token_hex(8), ca.issue("u", ips=("127.0.0.1",)))
+    monkeypatch.setenv(KEY_ENV, server.key)
+    server_loop.call(server.start())
+    yield server, ca
+    server_loop.call(server.stop())
+
+
+@pytest.fixture
+def publisher() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    port = free_port()
+    socket.bind(f"tcp://127.0.0.1:{port}")
+    yield socket, f"tcp://127.0.0.1:{port}"
+    socket.close(linger=0)
+
+
+def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
+    upstream: tuple[OpenAIServer, CertificateAuthority],
+    publisher: tuple[zmq.Socket[bytes], str],
+    gateway_with: Callable[..., Gateway],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, ca = upstream
+    pub, endpoint = publisher
+    build_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    tokenizer = str(tmp_path / "tokenizer")
+    model = ModelConfig(
+        MODEL,
+        workers=(server.url,),
+        upstream="openai",
+        api_key_env=KEY_ENV,
+        ca_file=ca.ca_file,
+        tokenizer=tokenizer,
+        routing=RoutingConfig(kv_events=((server.url, endpoint),)),
+    )
+    gw = gateway_with(models=(model,))
+    pool = gw.state.fleet.models[MODEL]
+    router = pool.router
+    assert router is not None
+    index = router.index
+    subscriber = router.zmq[server.url]
+    messages = [Message("user", DOCUMENT)]
+    ids = load_tokenizer(tokenizer).prompt_ids(None, messages)
+    assert len(ids) >= 2 * BLOCK
+
+    def publish_until(frames: list[bytes], seen: Callable[[], bool], what: str) -> None:
+        """Sends until the gateway saw it (a SUB socket misses what comes before it
+        connects, as any of vLLM's subscribers does)."""
+        wait_until(lambda: pub.send_multipart(frames) is None and seen(), what, HANG_GUARD)
+
+    def chat() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": DOCUMENT}]}
+        response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+        assert response.status_code == 200, response.text
+
+    publish_until(_message(0, [_stored(ids)]), lambda: bool(index.holders), "the first batch")
+    kv = index.workers[server.url]
+    assert router.states[server.url] == "events"
+    assert len(kv.blocks) == len(ids) // BLOCK
+    chat()  # tokenized as vLLM would: the whole prefix is a hit
+    assert router.last.cache_hit_blocks == len(ids) // BLOCK
+
+    garbage = [
+        [b"one frame"],
+        [b"", b"short", b"\x90"],
+        [b"", (1).to_bytes(8, "big"), b"\xc1 not msgpack"],
+        [b"", (2).to_bytes(8, "big"), msgpack.packb({"not": "a batch"})],
+        _message(3, [{"type": "BlockStored", "token_ids": ["a"], "block_hashes": [1]}]),
+        _message(4, [{"type": "BlockStored", "token_ids": [-1], "block_size": 1}]),
+        _message(5, [[1, 2, 3]]),
+        [b"", (6).to_bytes(8, "big"), msgpack.packb([0, [None] * 10])],
+    ]
+    for frames in garbage:
+        pub.send_multipart(frames)
+    pub.send_multipart([b"", (7).to_bytes(8, "big"), b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+    # after a gap (the refused numbers), a store: the index drops what it had first
+    second = ids[: 2 * BLOCK]
+    publish_until(
+        _message(9, [{"type": "AllBlocksCleared"}, _stored(second, 5000)]),
+        lambda: kv.sequence >= 9,
+        "a valid batch after the garbage and the huge frame",
+    )
+    assert subscriber.malformed >= len(garbage) - 1  # the last two may come in any order
+    assert len(kv.blocks) == 2
+    assert any("a message refused" in r.getMessage() for r in caplog.records)
+    chat()
+    assert router.last.cache_hit_blocks == 2
+
+    # a number below the last: the publisher restarted; its first batch resets
+    publish_until(
+        _message(0, [_stored(ids[:BLOCK], 9000)]),
+        lambda: kv.sequence == 0,
+        "a restarted publisher's batch",
+    )
+    assert list(kv.blocks) == [9000]
+    chat()
+    assert router.last.cache_hit_blocks == 1
+    assert server.refused == 0
+
+
+class _ForwardingEngine(DemoEngine):
+    """The demo engine, with the KV events of an engine publishing on vLLM's ZMQ wire
+    (the test's PUB socket), forwarded as the vLLM engine forwards its engine's."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(MODEL, max_context=100_000, kv_blocks=0)
+        self.cache = ForwardedCache()
+        self.subscriber = ZmqKvSubscriber(endpoint)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._forward())
+
+    async def _forward(self) -> None:
+        async for batch in self.subscriber.batches():
+            self.cache.apply(batch, EngineLoad(running=self.running))
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def kv_events(self) -> KvPublisher | None:
+        return self.cache.publisher
+
+
+def test_a_worker_forwards_its_engines_zmq_events_with_a_snapshot(
+    publisher: tuple[zmq.Socket[bytes], str],
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+) -> None:
+    pub, endpoint = publisher
+    engine = _ForwardingEngine(endpoint)
+    (server,) = serve_engines(engine)
+    model = ModelConfig(MODEL, workers=(server.address,), routing=RoutingConfig())
+    first = gateway_with(models=(model,))
+    prompt = f"a prompt {DOCUMENT}"  # our workers' blocks: the prompt's bytes
+    data = list(prompt.encode())
+    blocks = len(data) // BLOCK
+
+    def index(gw: Gateway) -> KvIndex:
+        router = gw.state.fleet.models[MODEL].router
+        assert router is not None
+        return router.index
+
+    def holds(gw: Gateway, count: int) -> bool:
+        kv = index(gw).workers.get(server.address)
+        return kv is not None and len(kv.blocks) == count
+
+    wait_until(
+        lambda: (
+            pub.send_multipart(_message(0, [_stored(data)])) is None and bool(engine.cache.blocks)
+        ),
+        "the engine's first batch at the worker",
+    )
+    wait_until(lambda: holds(first, blocks), "the first gateway's index")
+    # a gateway that subscribes later gets the blocks as the worker's snapshot
+    second = gateway_with(models=(model,))
+    wait_until(lambda: holds(second, blocks), "the second gateway's index, from the snapshot")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    response = httpx.post(second.url + "/v1/completions", json=body, timeout=HANG_GUARD)
+    assert response.status_code == 200, response.text
+    router = second.state.fleet.models[MODEL].router
+    assert router is not None and router.last.cache_hit_blocks == blocks
+    # a gap in the engine's stream: the worker clears, the gateways follow from there
+    pub.send_multipart(_message(5, [_stored(data[: 2 * BLOCK], 7000)]))
+    for gw in (first, second):
+        wait_until(lambda g=gw: holds(g, 2), "the gateways to drop what came before the gap")
+    assert list(engine.cache.blocks) == [7000, 7001]  # 32-byte hashes, their low 64 bits
+
+
+def test_decode_reads_vllm_batches_and_keeps_what_the_index_can_use() -> None:
+    gpu = _stored(list(range(2 * BLOCK)), 7)
+    gpu["parent_block_hash"] = 3
+    host = {**gpu, "medium": "CPU"}
+    adapter = {**gpu, "lora_name": "sql"}
+    salted = {**gpu, "extra_keys": [None, ("salt",)]}
+    other_group = {**gpu, "group_idx": 1}
+    removed = {"type": "BlockRemoved", "block_hashes": [7, 2**64 - 1], "medium": "GPU"}
+    later = {"type": "BlockPinned", "block_hashes": [7]}
+    events = [gpu, host, adapter, salted, other_group, removed, later, {"type": "AllBlocksCleared"}]
+    sequence, stamp, decoded = decode(_message(41, events))
+    assert (sequence, stamp) == (41, 1.7e9)
+    assert decoded == (
+        BlocksStored((7, 8), 3, list(range(2 * BLOCK)), BLOCK),
+        BlocksRemoved((7, -1)),  # hashes folded to 64 signed bits, as the protocol has them
+        CacheCleared(),
+    )
+    for bad in (
+        [b"", b"\x00" * 8, msgpack.packb([0, [{"type": 3}]])],
+        [b"", b"\x00" * 8, msgpack.packb([0, [gpu | {"block_size": 0}]])],
+        [b"", b"\x00" * 8, msgpack.packb([0, [gpu | {"extra_keys": 5}]])],
+        [b"", b"\x00" * 8, msgpack.packb([0, [0] * ((1 << 20) + 1)])],
+    ):
+        with pytest.raises(Malformed):
+            decode(bad)
+
+
+def test_the_config_names_each_workers_endpoint(tmp_path: Path) -> None:
+    build_tokenizer().save_pretrained(tmp_path)
+    url = "http://10.0.0.1:8000/v1"
+    row = {"name": MODEL, "upstream": "openai", "workers": [url], "tokenizer": str(tmp_path)}
+
+    def parse(**changes: object) -> RoutingConfig | None:
+        return parse_config({"models": [{**row, **changes}]}).models[0].routing
+
+    routing = parse(routing={"kv_events": {url: "tcp://10.0.0.1:5557"}})
+    assert routing is not None and routing.kv_events == ((url, "tcp://10.0.0.1:5557"),)
+    for changes, where in (
+        ({"routing": {"kv_events": {url: "tcp://*:5557"}}}, "kv_events"),
+        ({"routing": {"kv_events": {url: "10.0.0.1:5557"}}}, "kv_events"),
+        ({"routing": {"kv_events": {"http://other/v1": "tcp://h:1"}}}, "kv_events"),
+        ({"routing": {"kv_events": {url: "tcp://h:1"}}, "tokenizer": None}, "tokenizer"),
+    ):
+        with pytest.raises(ConfigError, match=where):
+            parse(**changes)
