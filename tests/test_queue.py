@@ -24,7 +24,7 @@ from tests.support.metrics import scrape, value
 from tests.support.requests import opened
 from tests.support.scripted_worker import script
 from tests.support.servers import make_config
-from tests.support.waiting import HANG_GUARD, wait_until
+from tests.support.waiting import HANG_GUARD, until, wait_until
 
 
 def queued(workers, queue: QueueConfig, **overrides: Any) -> dict[str, Any]:
@@ -464,12 +464,12 @@ def test_waiters_that_left_leave_nothing_behind():
             # one waiter stays at the head of the queue, so those behind it that leave
             # are not simply popped off the top
             first = asyncio.create_task(queue.hold("m", settings, priority=1).__aenter__())
-            await asyncio.sleep(0)
+            await until(lambda: queue.waiting() == 1, "the first waiter to queue")
             for _ in range(10):
                 tasks = [
                     asyncio.create_task(queue.hold("m", settings).__aenter__()) for _ in range(500)
                 ]
-                await asyncio.sleep(0)
+                await until(lambda: queue.waiting() == 501, "500 more waiters to queue")
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
