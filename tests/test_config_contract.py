@@ -287,3 +287,26 @@ def test_helm_refuses_what_the_gateway_would_refuse(name: str):
     assert "values don't meet the specifications of the schema" in refused.stderr
     accepted = _helm("--set-json", f"gateway.config.{name}={json.dumps(minimum)}")
     assert accepted.returncode == 0, accepted.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "refused", "accepted"),
+    [
+        ("gateway.config.queue", "queue.max_wait", {"max_wait": 0.0005}, {"max_wait": 0.001}),
+        ("gateway.teams", "teams.t.weight", {"t": {"weight": 0.0005}}, {"t": {"weight": 0.001}}),
+        ("gateway.teams", "teams.t.priority", {"t": {"priority": 1001}}, {"t": {"priority": 1000}}),
+    ],
+)
+def test_helm_refuses_the_nested_values_the_gateway_would_refuse(
+    value: str, field: str, refused: Any, accepted: Any
+):
+    top = field.split(".", 1)[0]
+    with pytest.raises(ConfigError, match=f"^{re.escape(field)}: must be at "):
+        parse_config({top: refused}, env={})
+    parse_config({top: accepted}, env={})
+    open_ = ("--set", "gateway.allowUnauthenticated=true")  # teams without keys
+    result = _helm(*open_, "--set-json", f"{value}={json.dumps(refused)}")
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    result = _helm(*open_, "--set-json", f"{value}={json.dumps(accepted)}")
+    assert result.returncode == 0, result.stderr
