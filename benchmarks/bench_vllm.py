@@ -26,8 +26,9 @@ that cannot be installed or started is reported, not measured.
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
 [--paths HTTP,gRPC] [--no-peers] [--json PATH]` (`make bench-vllm`; 10-30 minutes on a
 shared 2-core machine with the defaults, most of it the two vLLM servers' start, up to
-4 minutes each under load; `--quick` is 1 round of 8 requests). Each path's table is
-printed as soon as it is measured. Not collected by pytest.
+4 minutes each under load (`--start-timeout`, 600 s); `--quick` is 1 round of 8
+requests). Each path's table is printed as soon as it is measured. Not collected by
+pytest.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from benchmarks.bench_peers import (  # noqa: E402
     router_command,
     tree_cpu,
 )
+from tests.support import vllm as vllm_support  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     build_vllm_model,
@@ -87,13 +89,13 @@ async def one_chat(
     """TTFT (seconds) and completion tokens of one streamed chat completion (`extra`:
     more fields of the request)."""
     body = {
-        **(extra or {}),
         "model": MODEL,
         "messages": MESSAGES,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.perf_counter()
     ttft = None
@@ -419,6 +421,9 @@ def main() -> None:
     parser.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     parser.add_argument("--quick", action="store_true", help="1 round of 8 requests")
     parser.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds a vLLM server may take to start"
+    )
+    parser.add_argument(
         "--paths", default="HTTP,gRPC", help="the paths to measure, of HTTP and gRPC"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -435,6 +440,7 @@ def main() -> None:
     }
     if args.quick:
         args.rounds, args.requests = 1, 8
+    vllm_support.START_GUARD = args.start_timeout
     # a SIGTERM (a timeout's) unwinds like Ctrl-C, so the vLLM servers are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[Row] = []

@@ -6,7 +6,7 @@ stand-ins of the engines, so the engine takes no core from it and the figure mov
   one chunk a token as vLLM sends them;
 - `http`: `upstream: openai` in front of `benchmarks/fake_openai.py`.
 
-Streamed chat completions (`max_tokens` 64, usage chunk on), 1 stream and 8 at once,
+Streamed chat completions (`--max-tokens`, 64 by default; usage chunk on), 1 stream and 8 at once,
 `--requests` each; the gateway's process CPU (/proc) per request and per token. With
 `--tools` the requests carry a tool (`tool_choice: auto`, the model's `hermes` format),
 so the tool-call parser scans the text. With `--py-spy DIR` each load also runs once
@@ -14,8 +14,9 @@ under `py-spy record` (sampling the gateway from outside; its figures then are n
 measured ones) and the top functions by own and by inclusive time are printed, from
 py-spy's collapsed stacks (kept in DIR, with a speedscope file to browse).
 
-Run: `python -m benchmarks.profile_gateway [--path grpc|http] [--requests N] [--tools]
-[--py-spy DIR]` (py-spy: `pip install py-spy`, not a dependency of the project).
+Run: `python -m benchmarks.profile_gateway [--path grpc|http] [--requests N] [--rounds R]
+[--max-tokens N] [--tools] [--baseline REV|DIR] [--py-spy DIR]` (py-spy: `pip install
+py-spy`, not a dependency of the project).
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop, process_cpu  # noqa: E402
 from benchmarks.bench_vllm import MODEL, HttpCalls, Sample, run_load, spread  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
+from tests.support.tiny_model import tools_tokenizer  # noqa: E402
 from tests.support.vllm import build_vllm_model  # noqa: E402
 
 LOADS = (1, 8)
+#: Milliseconds between two tokens of the stand-in vLLM (`--step-ms`).
+STEP_MS = 2.0
 TOOL = {
     "type": "function",
     "function": {
@@ -60,17 +64,31 @@ def _wait(check: object, process: subprocess.Popen[bytes], what: str) -> None:
         time.sleep(0.1)
 
 
-def start_engine(stack: ExitStack, path: str, model_dir: Path) -> dict[str, object]:
-    """The stand-in engine; the gateway's model entry in front of it."""
+def start_engine(
+    stack: ExitStack, path: str, model_dir: Path, tools: bool, step_ms: float = STEP_MS
+) -> dict[str, object]:
+    """The stand-in engine; the gateway's model entry in front of it (with a chat template
+    that shows the model its tools, for `tools`)."""
     port = free_port()
     if path == "grpc":
         engine = _spawn(
-            ["-m", "benchmarks.fake_vllm_grpc", "--port", str(port), "--model-dir", str(model_dir)]
+            [
+                "-m",
+                "benchmarks.fake_vllm_grpc",
+                "--port",
+                str(port),
+                "--model-dir",
+                str(model_dir),
+                "--step-ms",
+                str(step_ms),
+            ]
         )
         model: dict[str, object] = {
             "name": MODEL,
             "upstream": "vllm-grpc",
-            "tokenizer": str(model_dir),
+            "tokenizer": str(
+                tools_tokenizer(model_dir, model_dir.parent / "tools") if tools else model_dir
+            ),
             "tool_call_parser": "hermes",
             "workers": [f"127.0.0.1:{port}"],
         }
@@ -115,8 +133,12 @@ def export(revision: str, into: Path) -> Path:
     return into
 
 
+#: More fields of every request (`--max-tokens`).
+EXTRA: dict[str, object] = {}
+
+
 def load(url: str, streams: int, requests: int, tools: bool) -> Sample:
-    extra = {"tools": [TOOL], "tool_choice": "auto"} if tools else {}
+    extra = {"tools": [TOOL], "tool_choice": "auto", **EXTRA} if tools else EXTRA
     return asyncio.run(run_load(lambda: HttpCalls(url, extra), streams, requests))
 
 
@@ -171,6 +193,10 @@ def main() -> None:
     parser.add_argument("--path", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--requests", type=int, default=200, help="requests per load")
     parser.add_argument("--tools", action="store_true", help="requests carry a tool")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens an answer")
+    parser.add_argument(
+        "--step-ms", type=float, default=STEP_MS, help="grpc: the stand-in's ms per token"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--baseline",
@@ -179,10 +205,14 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
     args = parser.parse_args()
+    EXTRA["max_tokens"] = args.max_tokens
+    if args.path == "http":  # fake_openai echoes the message's words, one a token
+        EXTRA["messages"] = [{"role": "user", "content": " ".join(["word"] * args.max_tokens)}]
     with tempfile.TemporaryDirectory(prefix="profile-gateway-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")
-        model = start_engine(stack, args.path, model_dir)
+        (work / "tools").mkdir()
+        model = start_engine(stack, args.path, model_dir, args.tools, args.step_ms)
         gateways = {"working tree": start_gateway(stack, model, work, ROOT)}
         if args.baseline:
             source = export(args.baseline, work / "baseline")
@@ -192,9 +222,10 @@ def main() -> None:
         print(f"\n{args.path} path, {args.requests} requests a load and round, tools: {args.tools}")
         cpu: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         tokens: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for streams in LOADS:
-                for name, (url, pid) in gateways.items():
+                turns = list(gateways.items())
+                for name, (url, pid) in turns[::-1] if round_ % 2 else turns:  # A B, B A
                     seconds, sample = measure(pid, url, streams, args.requests, args.tools)
                     cpu[name, streams].append(seconds / sample.requests * 1e6)
                     tokens[name, streams].append(seconds / sample.tokens * 1e6)

@@ -21,7 +21,7 @@ from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.types import Finished, GenerateRequest, Message, SamplingParams, Started
 from gateway.tokenization import load_tokenizer
-from gateway.upstreams.vllm_grpc import MAX_PROMPT_CHARS, VllmGrpcUpstream
+from gateway.upstreams.vllm_grpc import INLINE_CHARS, MAX_PROMPT_CHARS, VllmGrpcUpstream
 from tests.support.requests import sse_events, user
 from tests.support.servers import Gateway
 from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
@@ -235,8 +235,9 @@ def test_a_prompt_past_the_character_cap_is_a_400_naming_it(http, path, field):
     assert error["param"] == field and str(MAX_PROMPT_CHARS) in error["message"]
 
 
-def test_templates_and_tokenization_run_in_the_pool_off_the_event_loop(http):
+def test_templates_and_tokenization_of_a_long_prompt_run_in_the_pool_off_the_event_loop(http):
+    # a prompt up to INLINE_CHARS is cheaper on the loop than the hop to the pool
     before = {t.name for t in threading.enumerate()}
-    chat(http, "hello", max_tokens=1)
+    chat(http, "hello " * (INLINE_CHARS // 6 + 1), max_tokens=1)
     names = {t.name for t in threading.enumerate()} | before
     assert any(name.startswith("furnace-tokenize") for name in names)

@@ -25,10 +25,12 @@ the one table below (`_from_rpc_error`, `FINISH_ERRORS`). SGLang's scheduler pro
 (`SglangScheduler`, same package) would be one more module of this shape: its own
 proto messages around the same tokenization.
 
-Rendering and tokenizing run in a small pool of threads (`TOKENIZE_THREADS`), never on
-the event loop: a 4 MB prompt took 2.3-3.2 s of the loop, stalling every stream of the
-process. A request's text is capped (`MAX_PROMPT_CHARS`, a 400 naming the parameter), so
-no one request holds a thread for long. Embeddings are tokenized in one `encode_batch`
+Rendering and tokenizing a prompt past `INLINE_CHARS` characters run in a small pool of
+threads (`TOKENIZE_THREADS`), never on the event loop: a 4 MB prompt took 2.3-3.2 s of
+the loop, stalling every stream of the process. A shorter one (the usual chat turn) is
+done on the loop: tens of µs, less than the hop to the pool and back costs the loop. A
+request's text is capped (`MAX_PROMPT_CHARS`, a 400 naming the parameter), so no one
+request holds a thread for long. Embeddings are tokenized in one `encode_batch`
 (Rust's threads); `Embed` takes one input per call, so at most `EMBED_CONCURRENCY` calls
 of a request are in flight at once (2,048 inputs were 2,048 calls at once).
 
@@ -85,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 #: The engine's finish reasons: answers, or errors of the one tree.
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-FINISH_ERRORS: dict[str, type[errors.EngineError]] = {
+FINISH_ERRORS: dict[str, type[errors.GatewayError]] = {
     "abort": errors.Unavailable,  # aborted by the engine (shutdown, preemption)
     "error": errors.Failed,
 }
@@ -114,6 +116,13 @@ _TOKENIZE = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="furnace-tok
 #: one request may give to be tokenized: ~256k tokens at 4 characters a token, more than
 #: the models' contexts; 0.6-1.2 s of one pool thread (measured on the tiny test tokenizer).
 MAX_PROMPT_CHARS = 1 << 20
+#: Prompts of at most this many characters (as `prompt_chars` counts them) are rendered
+#: and tokenized on the event loop: a short chat took 64 µs of CPU there, the hop to the
+#: pool and back more of the loop's own (the pool's submit, the thread's wake-up and
+#: GIL hand-offs: 9 % of the gateway's CPU per request, the vllm-grpc profile of
+#: `benchmarks/profile_gateway.py`); 1 Ki characters take at most ~0.5 ms (the tiny test
+#: tokenizer, whose small vocabulary makes many tokens of a word).
+INLINE_CHARS = 1024
 #: `Embed` calls of one request in flight at once.
 EMBED_CONCURRENCY = 32
 
@@ -142,7 +151,7 @@ async def _off_loop(function: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, function)
 
 
-def _from_rpc_error(error: grpc.RpcError) -> errors.EngineError:
+def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     """The one table from vLLM's statuses to our errors: ours, plus its wording of
     a prompt too long for the context."""
     if not isinstance(error, grpc.aio.AioRpcError):
@@ -227,7 +236,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 failure = _from_rpc_error(error)
                 self.close(failure)
                 raise failure from None
-            except errors.EngineError as failure:
+            except errors.GatewayError as failure:
                 self.close(failure)
                 raise
             if message is grpc.aio.EOF:
@@ -236,7 +245,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 raise cut
             try:
                 self._take(message)  # type: ignore[arg-type]
-            except errors.EngineError as failure:
+            except errors.GatewayError as failure:
                 self.cancel(failure)
                 raise
         return self._pending.popleft()
@@ -317,17 +326,22 @@ class VllmGrpcCall(StreamBookkeeping):
         return tuple(out)
 
     def _text(self, choice: _Choice, token_ids: Iterable[int], logprobs: pb.OutputLogProbs) -> None:
+        hidden, request = self._hidden, self._request
         ids = list(token_ids)
-        scores = None if self._request.logprobs is None else self._logprobs(ids, logprobs)
+        scores = None if request.logprobs is None else self._logprobs(ids, logprobs)
+        received, count = choice.received, len(ids)
+        choice.received = received + count
         # as vLLM, the text of the first min_tokens tokens is never cut by a stop string
-        exempt = max(0, min(len(ids), (self._request.sampling.min_tokens or 0) - choice.received))
-        choice.received += len(ids)
-        shown = [i for i in ids[:exempt] if i not in self._hidden]
-        released = choice.detok.feed(shown) if shown else ""
-        text = choice.detok.feed([i for i in ids[exempt:] if i not in self._hidden])
+        exempt = (request.sampling.min_tokens or 0) - received
+        released = ""
+        if exempt > 0:
+            shown = [i for i in ids[:exempt] if i not in hidden]
+            released = choice.detok.feed(shown) if shown else ""
+            ids = ids[exempt:]
+        text = choice.detok.feed([i for i in ids if i not in hidden])
         more, stopped = choice.stop.feed(text)
         released += more
-        self._pending.extend(choice.calls.feed(released, len(ids), scores))
+        self._pending.extend(choice.calls.feed(released, count, scores))
         if stopped:  # a stop string: the choice ends here
             self._finish(choice, FinishReason.STOP, choice.received, flush=False)
 
@@ -524,7 +538,7 @@ class VllmGrpcUpstream:
     async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
         """The engine's KV-cache events and load records (`SubscribeKvEvents`, which
         vLLM serves when started with `--kv-events-config`), ours (`vllm_kv`), until
-        the stream ends; an `EngineError` when it breaks (`Invalid`: UNIMPLEMENTED)."""
+        the stream ends; a `GatewayError` when it breaks (`Invalid`: UNIMPLEMENTED)."""
         call = self.stub.SubscribeKvEvents(subscribe_request())
         first = True
         try:
@@ -537,12 +551,13 @@ class VllmGrpcUpstream:
             call.cancel()
 
     async def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The ids of the request's prompt, made in the tokenizing pool (a 400 past
-        `MAX_PROMPT_CHARS`)."""
+        """The ids of the request's prompt, made on the loop up to `INLINE_CHARS`
+        characters, else in the tokenizing pool (a 400 past `MAX_PROMPT_CHARS`)."""
         # the template shows the tools unless none may be called (as our other engines)
         tools = request.tools if request.tool_choice != "none" else ()
         param = "prompt" if request.messages is None else "messages"
-        _check_chars(prompt_chars(request.prompt, request.messages, tools), param)
+        chars = prompt_chars(request.prompt, request.messages, tools)
+        _check_chars(chars, param)
         make = functools.partial(
             self.tokenizer.prompt_ids,
             request.prompt,
@@ -550,7 +565,7 @@ class VllmGrpcUpstream:
             tools,
             plain_contents=self.plain_contents,
         )
-        return await _off_loop(make)
+        return make() if chars <= INLINE_CHARS else await _off_loop(make)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
@@ -626,7 +641,7 @@ class VllmGrpcUpstream:
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Serving when both its grpc.health.v1 and its own HealthCheck say so,
-        every `poll_interval`; an `EngineError` when it cannot be reached."""
+        every `poll_interval`; a `GatewayError` when it cannot be reached."""
         request = health_pb2.HealthCheckRequest(service="")
         serving = health_pb2.HealthCheckResponse.SERVING
         while True:
