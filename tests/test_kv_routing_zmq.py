@@ -36,6 +36,7 @@ from tests.support.waiting import HANG_GUARD, wait_until
 MODEL = "kv-zmq"
 KEY_ENV = "FURNACE_TEST_KV_ZMQ_KEY"
 BLOCK = 16
+REFUSED = "furnace_gateway_worker_kv_events_refused_total{"
 DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(30))
 
 
@@ -149,6 +150,9 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
     assert subscriber.malformed >= len(garbage) - 1  # the last two may come in any order
     assert len(kv.blocks) == 2
     assert any("a message refused" in r.getMessage() for r in caplog.records)
+    metrics = httpx.get(gw.url + "/metrics", timeout=HANG_GUARD).text
+    (line,) = [m for m in metrics.splitlines() if m.startswith(REFUSED)]
+    assert float(line.split()[-1]) >= subscriber.malformed
     chat()
     assert router.last.cache_hit_blocks == 2
 

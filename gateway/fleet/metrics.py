@@ -102,6 +102,8 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
             blocks.add_metric([pool.name, address], 0 if kv is None else len(kv.blocks))
             if kv is not None:
                 lag.add_metric([pool.name, address], kv.lag)
-                refused.add_metric([pool.name, address], kv.refused)
+                subscriber = router.zmq.get(address)  # and its ZMQ messages refused whole
+                malformed = 0 if subscriber is None else subscriber.malformed
+                refused.add_metric([pool.name, address], kv.refused + malformed)
                 evicted.add_metric([pool.name, address], kv.evicted)
     yield from (blocks, events, lag, refused, evicted, memory, fallbacks)

@@ -15,8 +15,10 @@
   prompt tokens (one decode step of a batch costs about as much as a short prefill
   chunk) and a full cache as 256 (eviction ahead). The cached prefix comes from
   `KvIndex.match` over the request's chain (`gateway.protocol.kv_blocks`): the token
-  ids the gateway encodes for `vllm-grpc` workers (`prompt_ids`), the prompt's bytes
-  for every other kind (the text fallback, as the demo engine caches). Ties (within
+  ids the gateway encodes for `vllm-grpc` workers (`prompt_ids`), or by the model's
+  `tokenizer` when it has one (vLLM's HTTP servers over ZMQ, our workers on
+  `--engine vllm`: their engines name blocks by ids, as vLLM's front end encodes),
+  else the prompt's bytes (the text fallback, as the demo engine caches). Ties (within
   one block of prefill) go to the worker with fewer calls in flight, then at random,
   so equal workers share the load instead of herding on the first.
 - `least_load`: the same cost without the cache term.
@@ -99,10 +101,11 @@ class Router:
         rng: random.Random | None = None,
         tokenizer: str | None = None,
     ) -> None:
-        """`tokenizer`: the model's, for workers whose events come over ZMQ
-        (`config.kv_events`): their engines name blocks by token ids."""
+        """`tokenizer`: the model's, when it has one: its workers' engines name blocks
+        by token ids (vLLM's, over ZMQ or through our worker), so the prompt is hashed
+        as ids, not as text."""
         self.config = config
-        self._tokenizer = load_tokenizer(tokenizer) if tokenizer and config.kv_events else None
+        self._tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         self.policy = config.policy
         self.index = KvIndex(model, cap=config.max_blocks_per_worker)
         self._encoded: tuple[GenerateRequest, Sequence[int]] | None = None
