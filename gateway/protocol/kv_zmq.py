@@ -156,7 +156,12 @@ def decode(frames: Sequence[bytes]) -> tuple[int, float, tuple[KvEvent, ...]]:
     stamp = payload[0]
     if not isinstance(stamp, int | float) or isinstance(stamp, bool) or not math.isfinite(stamp):
         stamp = 0.0
-    events = tuple(e for raw in payload[1] if (e := _event(raw)) is not None)
+    try:
+        events = tuple(e for raw in payload[1] if (e := _event(raw)) is not None)
+    except Malformed:
+        raise
+    except (TypeError, ValueError) as error:  # a shape the checks above did not foresee
+        raise Malformed(f"an event of another shape ({error})") from None
     return sequence, float(stamp), events
 
 
