@@ -297,7 +297,7 @@ class Fleet:
         record: RequestRecord | None = None,
     ) -> tuple[Started, UpstreamCall]:
         """Starts the request on a worker and waits for its `Started`, retrying
-        retryable refusals on other workers; returns that event and the stream
+        retryable refusals on other workers; returns that event and the call
         (`record` gets the routing decision, with `models[].routing`)."""
 
         def attempt(tried: set[Worker]) -> Awaitable[tuple[Started, UpstreamCall]]:
@@ -316,6 +316,8 @@ class Fleet:
         tried: set[Worker],
         record: RequestRecord | None = None,
     ) -> tuple[Started, UpstreamCall]:
+        """One try: a call on a worker of `pool` not yet `tried`, and its `Started`
+        within `start_timeout`."""
         if pool.router is not None:
             await pool.router.prepare(request, pool.workers.values())
         worker = pool.pick(request, tried)
@@ -326,35 +328,35 @@ class Fleet:
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
         worker.outstanding += 1
-        stream = worker.upstream.call(
+        call = worker.upstream.call(
             request, deadline.remaining(), metadata, on_close=worker.release
         )
         start_timeout = self.config.start_timeout
         bounded_by_deadline = deadline.remaining() <= start_timeout
         try:
             async with asyncio.timeout(min(start_timeout, deadline.remaining())):
-                first = await anext(stream, None)
+                first = await anext(call, None)
         except TimeoutError:
             if bounded_by_deadline:
-                stream.cancel()
+                call.cancel()
                 raise errors.Timeout(
                     "The engine worker did not start the answer in time."
                 ) from None
-            failure: errors.GatewayError = errors.Unavailable(
+            failure: errors.EngineError = errors.Unavailable(
                 f"The engine worker did not start the answer within {start_timeout:g} seconds."
             )
-            stream.cancel(failure)
+            call.cancel(failure)
             raise failure from None
         except errors.GatewayError:
             raise
         except BaseException:
-            stream.cancel()
+            call.cancel()
             raise
         if not isinstance(first, Started):
             failure = errors.Failed("The engine worker did not start the answer properly.")
-            stream.cancel(failure)
+            call.cancel(failure)
             raise failure
-        return first, stream
+        return first, call
 
     def snapshot(self) -> dict[str, object]:
         """Every model's workers and their state, for operators."""
