@@ -1,14 +1,16 @@
 """A fast stand-in of vLLM's gRPC server (`vllm.grpc.engine.VllmEngine`), for measuring
 and profiling the gateway's own work on the `upstream: vllm-grpc` path without an engine
 eating the cores: `Generate` streams one chunk per token (as vLLM does, one per engine
-step) every `--step-ms` milliseconds, the tokens of a fixed English text encoded with the
+step; `--tokens-per-chunk` N after the first, as vLLM's `--stream-interval N`) every
+`--step-ms` milliseconds a token, the tokens of a fixed English text encoded with the
 model's own tokenizer (so the gateway's detokenizer and stop matching see real text),
 until `max_tokens`; then a `complete` with finish reason `length`. `GetModelInfo`,
 `HealthCheck`, `GetLoads`, `Abort` and `grpc.health.v1` answer as vLLM's do.
 
 Not an engine: the prompt's ids are only counted. Used by `benchmarks/profile_gateway.py`.
 
-Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS]`.
+Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS]
+[--tokens-per-chunk N]`.
 """
 
 from __future__ import annotations
@@ -37,26 +39,30 @@ CONTEXT = 1024
 class FakeVllm(pb_grpc.VllmEngineServicer):
     """Answers every request with the text's ids, one chunk per step."""
 
-    def __init__(self, ids: list[int], eos: list[int], step: float) -> None:
-        self.ids, self.eos, self.step = ids, eos, step
+    def __init__(self, ids: list[int], eos: list[int], step: float, per_chunk: int) -> None:
+        self.ids, self.eos, self.step, self.per_chunk = ids, eos, step, per_chunk
 
     async def Generate(
         self, request: pb.GenerateRequest, context: object
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.tokenized.input_ids)
         wanted = request.sampling_params.max_tokens or 16
-        ids = itertools.islice(itertools.cycle(self.ids), wanted)
-        for sent, token in enumerate(ids, 1):
+        ids = list(itertools.islice(itertools.cycle(self.ids), wanted))
+        sent = 0
+        while sent < wanted:
+            # the first token alone, then `per_chunk` a chunk (vLLM's --stream-interval)
+            tokens = ids[sent : sent + (self.per_chunk if sent else 1)]
+            sent += len(tokens)
             if self.step:
-                await asyncio.sleep(self.step)
+                await asyncio.sleep(self.step * len(tokens))
             chunk = pb.GenerateStreamChunk(
-                token_ids=[token], prompt_tokens=prompt, completion_tokens=sent
+                token_ids=tokens, prompt_tokens=prompt, completion_tokens=sent
             )
             if sent < wanted:
                 yield pb.GenerateResponse(chunk=chunk)
-            else:  # the last token comes with the end, as vLLM sends it
+            else:  # the last tokens come with the end, as vLLM sends them
                 done = pb.GenerateComplete(
-                    output_ids=[token],
+                    output_ids=tokens,
                     finish_reason="length",
                     prompt_tokens=prompt,
                     completion_tokens=sent,
@@ -81,7 +87,7 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
         return pb.AbortResponse()
 
 
-async def serve(port: int, model_dir: Path, step: float) -> None:
+async def serve(port: int, model_dir: Path, step: float, per_chunk: int) -> None:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     eos = config.get("eos_token")
@@ -89,7 +95,8 @@ async def serve(port: int, model_dir: Path, step: float) -> None:
     eos_ids = [i for i in [tokenizer.token_to_id(eos)] if i is not None] if eos else []
     server = grpc.aio.server()
     pb_grpc.add_VllmEngineServicer_to_server(
-        FakeVllm(tokenizer.encode(TEXT, add_special_tokens=False).ids, eos_ids, step), server
+        FakeVllm(tokenizer.encode(TEXT, add_special_tokens=False).ids, eos_ids, step, per_chunk),
+        server,
     )
     checks = health.aio.HealthServicer()
     await checks.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -104,8 +111,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--step-ms", type=float, default=2.0, help="milliseconds per token")
+    parser.add_argument(
+        "--tokens-per-chunk", type=int, default=1, help="tokens a chunk after the first"
+    )
     args = parser.parse_args()
-    uvloop.run(serve(args.port, args.model_dir, args.step_ms / 1e3))
+    uvloop.run(serve(args.port, args.model_dir, args.step_ms / 1e3, args.tokens_per_chunk))
 
 
 if __name__ == "__main__":

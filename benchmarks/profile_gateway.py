@@ -65,24 +65,20 @@ def _wait(check: object, process: subprocess.Popen[bytes], what: str) -> None:
 
 
 def start_engine(
-    stack: ExitStack, path: str, model_dir: Path, tools: bool, step_ms: float = STEP_MS
+    stack: ExitStack,
+    path: str,
+    model_dir: Path,
+    tools: bool,
+    step_ms: float = STEP_MS,
+    per_chunk: int = 1,
 ) -> dict[str, object]:
     """The stand-in engine; the gateway's model entry in front of it (with a chat template
     that shows the model its tools, for `tools`)."""
     port = free_port()
     if path == "grpc":
-        engine = _spawn(
-            [
-                "-m",
-                "benchmarks.fake_vllm_grpc",
-                "--port",
-                str(port),
-                "--model-dir",
-                str(model_dir),
-                "--step-ms",
-                str(step_ms),
-            ]
-        )
+        command = ["-m", "benchmarks.fake_vllm_grpc", "--port", str(port)]
+        command += ["--model-dir", str(model_dir), "--step-ms", str(step_ms)]
+        engine = _spawn([*command, "--tokens-per-chunk", str(per_chunk)])
         model: dict[str, object] = {
             "name": MODEL,
             "upstream": "vllm-grpc",
@@ -197,6 +193,9 @@ def main() -> None:
     parser.add_argument(
         "--step-ms", type=float, default=STEP_MS, help="grpc: the stand-in's ms per token"
     )
+    parser.add_argument(
+        "--tokens-per-chunk", type=int, default=1, help="grpc: the stand-in's tokens a message"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--baseline",
@@ -212,7 +211,9 @@ def main() -> None:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")
         (work / "tools").mkdir()
-        model = start_engine(stack, args.path, model_dir, args.tools, args.step_ms)
+        model = start_engine(
+            stack, args.path, model_dir, args.tools, args.step_ms, args.tokens_per_chunk
+        )
         gateways = {"working tree": start_gateway(stack, model, work, ROOT)}
         if args.baseline:
             source = export(args.baseline, work / "baseline")
