@@ -9,15 +9,17 @@ import logging
 import math
 import random
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.config import AliasConfig, ConfigError, ModelConfig, parse_config
+from gateway.config import AliasConfig, ConfigError, ModelConfig, QueueConfig, parse_config
 from gateway.fleet.aliases import Aliases, draw
 from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.waiting import HANG_GUARD, wait_until
 
 SPLIT = (("llama-70b-v2", 90.0), ("llama-70b-v3", 10.0))
@@ -217,3 +219,62 @@ def test_fallback_serves_every_request_when_the_first_models_workers_die(
         server_loop.call(primary.stop(0))  # mid-run: the gateway has not noticed yet
         after = [ask(client) for _ in range(10)]
         assert set(after) == {"furnace-demo"}
+
+
+def test_a_queue_refusal_sends_the_request_to_the_fallback_charged_at_its_prices(
+    gateway_with, workers
+) -> None:
+    alpha, beta = new_key("alpha"), new_key("beta")
+    models = (
+        ModelConfig(
+            "furnace-demo",
+            workers=(workers.demo.address,),
+            queue=QueueConfig(max_wait=0.2),
+            fallbacks=("furnace-slow",),
+            prices=(1.0, 1.0),
+        ),
+        ModelConfig(
+            "furnace-slow",
+            workers=(workers.slow.address,),
+            queue=QueueConfig(max_wait=30),
+            prices=(2.0, 3.0),
+        ),
+    )
+    teams = {
+        "alpha": {"budgets": [{"window": "day", "spend": 1.0}]},
+        "beta": {"models": ["furnace-demo", SCRIPTED_MODEL]},
+    }
+    gw = gateway_with(
+        **keyed(teams, {alpha: "alpha", beta: "beta"}), models=models, max_concurrent_requests=1
+    )
+    # the slow model echoes its prompt, a word each 0.05 s
+    hold = {"model": "furnace-slow", "prompt": "w " * 30, "max_tokens": 30, "stream": True}
+    body = {"model": "furnace-demo", "prompt": "a b c", "max_tokens": 3}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        # the one slot held by a stream of ~1.5 s: furnace-demo's queue gives up at 0.2 s
+        holding = pool.submit(client.post, "/v1/completions", json=hold, headers=bearer(alpha))
+        wait_until(lambda: gw.state.slots.in_use == 1, "the slot held")
+        moved = client.post("/v1/completions", json=body, headers=bearer(alpha))
+        assert moved.status_code == 200, moved.text
+        assert moved.headers["x-furnace-model"] == moved.json()["model"] == "furnace-slow"
+        assert holding.result().status_code == 200
+        # a team that may not use the fallback gets the first queue's refusal
+        holding = pool.submit(client.post, "/v1/completions", json=hold, headers=bearer(alpha))
+        wait_until(lambda: gw.state.slots.in_use == 1, "the slot held again")
+        refused = client.post("/v1/completions", json=body, headers=bearer(beta))
+        assert refused.status_code == 503, refused.text
+        assert holding.result().status_code == 200
+    accounts = gw.state.teams.accounts
+    wait_until(lambda: not gw.state.inflight.running, "every request ended")
+    totals = accounts.ledger.totals
+    assert ("alpha", "furnace-demo") not in totals  # charged where it was served
+    usage = moved.json()["usage"]
+    moved_spend = (usage["prompt_tokens"] * 2.0 + usage["completion_tokens"] * 3.0) / 1e6
+    served = totals[("alpha", "furnace-slow")]
+    assert served["requests"] == 3
+    assert served["spend"] >= moved_spend
+    (level,) = [used for _, used in gw.state.teams.by_name["alpha"].budget.values()]
+    assert level == pytest.approx(served["spend"])  # the budget settled to the ledger

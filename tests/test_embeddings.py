@@ -300,6 +300,34 @@ def test_a_refusing_worker_costs_no_request(gateway_with, serve_engines):
     assert gw.state.fleet.models["furnace-twin"].retries_total == busy.refusals
 
 
+def test_fallbacks_serve_embeddings_when_the_model_cannot(gateway_with, serve_engines):
+    busy, plain, good = serve_engines(
+        BusyEmbedder("furnace-busy"), PlainEmbedder("furnace-plain"), DemoEngine("furnace-good")
+    )
+    models = (
+        ModelConfig(
+            "furnace-busy",
+            workers=(busy.address,),
+            fallbacks=("furnace-plain", "furnace-good"),
+        ),
+        ModelConfig("furnace-plain", workers=(plain.address,)),
+        ModelConfig("furnace-good", workers=(good.address,)),
+    )
+    gw = gateway_with(models=models, retry_attempts=1)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+
+        def served(**body: object) -> str:
+            reply = client.post(EMBEDDINGS, json={"model": "furnace-busy", "input": "x", **body})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["model"] == reply.headers["x-furnace-model"]
+            return str(reply.json()["model"])
+
+        assert served() == "furnace-plain"  # the first fallback
+        # one that does not serve `dimensions` is passed over
+        assert served(dimensions=4) == "furnace-good"
+    assert busy.engine.refusals == 2
+
+
 class HeldEmbedder(DemoEngine):
     """Embeds only after `HANG_GUARD` seconds; counts the calls cancelled before."""
 

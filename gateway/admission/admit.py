@@ -15,7 +15,8 @@ gateway (`routers/grpc/pipeline.rs`): a newcomer reads the order here, once.
                                             budgets      the team's spend over its
                                                          windows, reserved
                                             slot         through the model's queue, or by
-                                                         the teams' fair share, or plain
+                                                         the teams' fair share, or plain;
+                                                         a queue's refusal: a fallback's
     serves (the fleet, the encoder)         ── the body of `async with admit(ctx)` ─────
     one ending: status and outcome known ─▶ end(ctx)     the team's usage settled, the
                                                          client-gone watch dropped
@@ -26,7 +27,7 @@ edge's request frame once per request however it ended (served, refused at any s
 the client gone: 499, the gateway failed), with the record's status, outcome and token
 counts final: what is owed is settled there, and only there.
 
-Each stage is a plain method: a refusal is an `EngineError` (`Draining`, `Busy`,
+Each stage is a plain method: a refusal is a `Refusal` (`Draining`, `Busy`,
 `ModelNotFound`, `RateLimited`) that the edge turns into its API's shape. Cost: a few
 attribute reads and one context object per request; the token path pays nothing.
 """
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -50,7 +51,7 @@ from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.requests import InFlight, UnaryCall
 from gateway.config import Config
 from gateway.fleet import Fleet, ModelPool
-from gateway.protocol import errors
+from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import EmbedRequest, GenerateRequest, Started
 from gateway.teams import Team, Teams
@@ -65,6 +66,8 @@ T = TypeVar("T")
 
 #: Names the 404 of an unknown model lists at most.
 LISTED = 32
+#: A queue's refusals (gateway.admission.queue) after which a request goes to a fallback.
+QUEUE_REFUSALS = frozenset({"queue_full", "queue_wait", "queue_timeout"})
 
 
 class RequestContext:
@@ -274,7 +277,8 @@ class Admission:
         self.saturation(ctx)
         await self.team_limits(ctx)
         await self.budgets(ctx)
-        async with self.slot(ctx):
+        async with contextlib.AsyncExitStack() as stack:
+            await self._slot_or_fallback(ctx, stack)
             yield
 
     async def end(self, ctx: RequestContext) -> None:
@@ -315,9 +319,49 @@ class Admission:
             fallback = self.fleet.models.get(name)
             if fallback is None or fallback.kind != pool.kind or not Teams.sees(ctx.team, name):
                 continue
+            if not _serves(fallback, ctx.request):
+                continue
             if ready and (fallback.saturated() or not fallback.available(set())):
                 continue
             yield fallback
+
+    async def _slot_or_fallback(
+        self, ctx: RequestContext, stack: contextlib.AsyncExitStack[bool | None]
+    ) -> None:
+        """The slot stage, entered on `stack`; when the model's queue refuses (full, or
+        no slot within its wait) and the route may fall back, the same stage on each of
+        its fallbacks in turn, after the team's checks for it (`_move`). The first
+        refusal is raised when none has a slot."""
+        pool = _pool(ctx)
+        try:
+            await stack.enter_async_context(self.slot(ctx))
+            return
+        except errors.Busy as error:
+            if error.reason not in QUEUE_REFUSALS or not (ctx.fallbacks and self.falls_back(ctx)):
+                raise
+            refused = error
+        for fallback in list(self._fallbacks(ctx, pool, ready=False)):
+            await self._move(ctx, fallback)
+            try:
+                await stack.enter_async_context(self.slot(ctx))
+                return
+            except errors.Busy as error:
+                if error.reason not in QUEUE_REFUSALS:
+                    raise
+        raise refused
+
+    async def _move(self, ctx: RequestContext, pool: ModelPool) -> None:
+        """The request goes to `pool` (a fallback) once its budgets are reserved: when
+        the prices differ, what was reserved at the first model's is given back and
+        reserved again at `pool`'s (`BudgetExceeded` when that has no room), so the
+        budgets are charged for the model that serves."""
+        self._land(ctx, pool)
+        held = ctx.reservation
+        if held is None or held.prices == self.accounts.budgets.prices.get(pool.name):
+            return
+        ctx.reservation = None
+        await self.accounts.budgets.settle(held, 0, 0)
+        await self.budgets(ctx)
 
     @staticmethod
     def _land(ctx: RequestContext, pool: ModelPool) -> None:
@@ -343,23 +387,36 @@ class Admission:
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
     ) -> tuple[Started, UpstreamCall]:
-        """Starts the request on its model; when every worker tried failed before the
-        first event (a retryable refusal: unreachable, busy, not started in time), on
-        its fallbacks in order, each as the fleet starts any request. Never later: the
-        first event is where it ends. `ctx.pool` is the model that serves."""
+        """Starts the request on its model, or on its fallbacks (`on_fallbacks`), each as
+        the fleet starts any request. Never later than the first event: that is where it
+        ends. `ctx.pool` is the model that serves."""
+
+        def call(pool: ModelPool) -> Awaitable[tuple[Started, UpstreamCall]]:
+            named = request if pool.name == request.model else replace(request, model=pool.name)
+            return self.fleet.start_call(pool, named, deadline, metadata, ctx.record)
+
+        return await self.on_fallbacks(ctx, deadline, call)
+
+    async def on_fallbacks(
+        self, ctx: RequestContext, deadline: Deadline, call: Callable[[ModelPool], Awaitable[T]]
+    ) -> T:
+        """`call` on the request's model; when it fails before any answer (a retryable
+        refusal: no worker reachable, all busy, none started in time: the fleet's retries
+        spent), on its fallbacks in order, each after the team's checks for it (`_move`),
+        while the deadline lasts. The first failure is raised when all fail so.
+        `ctx.pool` is the model that served."""
         pool = _pool(ctx)
         try:
-            return await self.fleet.start_call(pool, request, deadline, metadata, ctx.record)
-        except errors.EngineError as error:
+            return await call(pool)
+        except errors.GatewayError as error:
             if not error.retryable or deadline.remaining() <= 0:
                 raise
             first = error
         for fallback in self._fallbacks(ctx, pool, ready=False):
-            self._land(ctx, fallback)
+            await self._move(ctx, fallback)
             try:
-                again = replace(request, model=fallback.name)
-                return await self.fleet.start_call(fallback, again, deadline, metadata, ctx.record)
-            except errors.EngineError as error:
+                return await call(fallback)
+            except errors.GatewayError as error:
                 if not error.retryable or deadline.remaining() <= 0:
                     raise
         raise first
@@ -443,6 +500,20 @@ def usable(fleet: Fleet, team: Team | None) -> list[ModelPool]:
     """The pools `team` may use, language models first, each group in config order."""
     pools = [pool for pool in fleet.models.values() if Teams.sees(team, pool.name)]
     return sorted(pools, key=lambda pool: pool.kind != "llm")
+
+
+def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | None) -> bool:
+    """Whether `pool`'s workers, as far as they described themselves, serve what an
+    embeddings request asks (a fallback that does not is passed over)."""
+    served = pool.features()
+    if not isinstance(request, EmbedRequest) or served is None:
+        return True
+    asked = {features.EMBEDDINGS}
+    if request.dimensions is not None:
+        asked.add(features.DIMENSIONS)
+    if request.user:
+        asked.add(features.USER)
+    return asked <= served
 
 
 def _pool(ctx: RequestContext) -> ModelPool:

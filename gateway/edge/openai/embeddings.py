@@ -11,13 +11,19 @@ at most 2048 of them, no empty one, ids in the worker protocol's uint32; the bod
 them. A client that goes away cancels the worker's call, `request_timeout` bounds the whole
 call, and the request leaves one record in the metrics and the access log (its inputs'
 tokens as prompt tokens, which a team's tokens per minute are charged once known).
+
+A model's `fallbacks` serve its embeddings as they serve a generation (admission: every
+worker full, the queue refusing, every worker tried failing; a fallback whose workers do
+not serve embeddings, or the `dimensions` or `user` asked, is passed over): the answer's
+`model` and its `x-furnace-model` header name the model that served.
 """
 
 from __future__ import annotations
 
 import base64
 import struct
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -172,6 +178,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         admission = self.admission
         meter = admission.before_body(ctx)
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
+        ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         pool = admission.visibility(ctx, model_of(body))
         parsed = parse_embeddings(body)
         request = EmbedRequest(
@@ -184,19 +191,29 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ctx.priority = priority(ex.scope)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         async with admission.admit(ctx):
-            embeddings = await self._call(pool, request, ex)
-        body_bytes = answer(pool.name, embeddings, parsed.base64)
+            embeddings = await self._call(ctx.pool or pool, request, ex)
+        body_bytes = answer(record.model, embeddings, parsed.base64)
         record.status, record.outcome = 200, Outcome.COMPLETED
-        request_id = record.request_id.encode("latin-1")
-        await send_json(ex.send, 200, body_bytes, [(b"x-request-id", request_id)])
+        headers = [
+            (b"x-furnace-model", record.model.encode("latin-1")),
+            (b"x-request-id", record.request_id.encode("latin-1")),
+        ]
+        await send_json(ex.send, 200, body_bytes, headers)
 
     async def _call(self, pool: ModelPool, request: EmbedRequest, ex: Exchange) -> Embeddings:
-        """The worker's embeddings; cancelled when the client leaves, the drain ends it
-        or `request_timeout` passes."""
+        """The worker's embeddings, from `pool` or, when it cannot answer, its fallbacks
+        (`Admission.on_fallbacks`, as a generation's start); cancelled when the client
+        leaves, the drain ends it or `request_timeout` passes."""
         record = ex.record
         timeout = self.config.request_timeout
+        deadline = Deadline(timeout)
         with self.tracing.engine_call(pool.name, ex.metadata, EMBED) as (span, metadata):
-            work = embed(self.fleet, pool, request, Deadline(timeout), metadata)
+
+            def call(served: ModelPool) -> Awaitable[tuple[Embeddings, str]]:
+                named = request if served is pool else replace(request, model=served.name)
+                return embed(self.fleet, served, named, deadline, metadata)
+
+            work = self.admission.on_fallbacks(ex.ctx, deadline, call)
             embeddings, record.worker = await self.admission.unary(
                 ex.ctx, work, timeout, "The embeddings"
             )
