@@ -19,6 +19,7 @@ from gateway.config import AliasConfig, ConfigError, ModelConfig, QueueConfig, p
 from gateway.fleet.aliases import Aliases, draw
 from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.metrics import scrape, value
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -175,9 +176,20 @@ def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(
         names = (json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access")
         return [{"asked": line.get("asked_model"), "model": line["model"]} for line in names]
 
-    wait_until(lambda: len(logged()) >= 60, "every request's access-log line")
+    wait_until(lambda: len(logged()) >= 66, "every request's access-log line")
     assert {line["asked"] for line in logged()} == {"chat"}  # both names, on every line
     assert {line["model"] for line in logged()} == served
+    # and in the metrics, with a configured name alone as `asked`
+    httpx.post(f"{gw.url}/v1/completions", json={"model": "nope", "prompt": "a"})
+    samples = scrape(gw.url)
+    routed = {
+        labels: count
+        for (name, labels), count in samples.items()
+        if name == "furnace_gateway_routed_requests_total"
+    }
+    assert sum(routed.values()) == 66
+    assert {dict(labels)["asked"] for labels in routed} == {"chat"}
+    assert {dict(labels)["model"] for labels in routed} == served
 
 
 def test_a_team_sees_an_alias_only_through_models_it_may_use(gateway_with) -> None:
@@ -219,6 +231,13 @@ def test_fallback_serves_every_request_when_the_first_models_workers_die(
         server_loop.call(primary.stop(0))  # mid-run: the gateway has not noticed yet
         after = [ask(client) for _ in range(10)]
         assert set(after) == {"furnace-demo"}
+    routed = value(
+        scrape(gw.url),
+        "furnace_gateway_routed_requests_total",
+        asked="furnace-primary",
+        model="furnace-demo",
+    )
+    assert routed == 10
 
 
 def test_a_queue_refusal_sends_the_request_to_the_fallback_charged_at_its_prices(

@@ -64,11 +64,19 @@ class RequestMetrics:
         #: Label children already looked up, by model and by (model, outcome, status).
         self._series: dict[str, _ModelSeries] = {}
         self._requests: dict[tuple[str, str, str, int], Any] = {}
+        self._routed: dict[tuple[str, str], Any] = {}
         r = registry
         self.requests = Counter(
             f"{PREFIX}_requests",
             "Requests by model, API route, outcome and HTTP status.",
             ["model", "route", "outcome", "status"],
+            registry=r,
+        )
+        self.routed = Counter(
+            f"{PREFIX}_routed_requests",
+            "Requests served by another model than the one they named: an alias's target, "
+            "or a fallback; `asked` is a configured alias or model, never a client's string.",
+            ["asked", "model"],
             registry=r,
         )
         self.rejections = Counter(
@@ -156,6 +164,11 @@ class RequestMetrics:
                 model, record.route, outcome, str(record.status)
             )
         requests.inc()
+        if record.asked:  # an alias (admission found it configured), or a fallback's model
+            routed = self._routed.get((record.asked, model))
+            if routed is None:
+                routed = self._routed[record.asked, model] = self.routed.labels(record.asked, model)
+            routed.inc()
         if outcome is Outcome.REJECTED:
             self.rejections.labels(model, record.reason).inc()
         ttft = None
