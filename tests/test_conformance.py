@@ -141,6 +141,8 @@ def test_models_list_has_the_context(served):
 
 def test_client_leaving_stops_the_engine(served):
     engine, front = served
+    if engine.unseen_stops:
+        pytest.skip(engine.unseen_stops)
     before = engine.progress()
     body = {"model": engine.slow_model, **engine.defaults, **engine.long_request, "stream": True}
     with (
@@ -160,6 +162,8 @@ def test_client_leaving_stops_the_engine(served):
 
 def test_timeout_is_a_504_that_stops_the_engine(server_loop, served):
     engine, _ = served
+    if engine.unseen_stops:
+        pytest.skip(engine.unseen_stops)
     front = conformance.start_gateway_for(server_loop, engine, request_timeout=0.5)
     try:
         before = engine.progress()

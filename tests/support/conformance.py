@@ -15,14 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb_grpc
 
 from gateway.config import Config, ModelConfig
 from tests.support.servers import Gateway, ServerLoop, assert_nothing_left, start_gateway
+from tests.support.tiny_model import tools_tokenizer
 from tests.support.vllm import MAX_MODEL_LEN, VllmProcess
 from tests.support.vllm_worker import MODEL as VLLM_WORKER_MODEL
 from tests.support.vllm_worker import VllmWorker
@@ -56,6 +61,9 @@ class Engine:
     defaults: dict[str, Any] = field(default_factory=dict)
     #: Its model's chat template takes `tool` messages (the tiny vLLM model's refuses them).
     tool_messages: bool = True
+    #: Why the suite cannot see this engine stop a request early, if it cannot (the test
+    #: that checks it another way is named there).
+    unseen_stops: str | None = None
 
 
 Factory = Callable[[pytest.FixtureRequest], Engine]
@@ -139,19 +147,59 @@ def _vllm_engine(request: pytest.FixtureRequest) -> Engine:
     )
 
 
+def _vllm_grpc(request: pytest.FixtureRequest) -> Engine:
+    """vLLM's own gRPC server (`upstream: vllm-grpc`): the gateway renders the tiny
+    model's tools template (so tool turns are served) and parses its calls."""
+    server: VllmProcess = request.getfixturevalue("vllm_grpc")
+    model: Path = request.getfixturevalue("vllm_model")
+    tokenizer = tools_tokenizer(model, request.getfixturevalue("tmp_path_factory").mktemp("tools"))
+    address = f"127.0.0.1:{server.port}"
+
+    def running() -> int:
+        with grpc.insecure_channel(address) as channel:
+            loads = vllm_pb_grpc.VllmEngineStub(channel).GetLoads(
+                vllm_pb.GetLoadsRequest(), timeout=HANG_GUARD
+            )
+        return sum(load.num_running_reqs + load.num_waiting_reqs for load in loads.loads)
+
+    return Engine(
+        models=(
+            ModelConfig(
+                "tiny-vllm-grpc",
+                workers=(address,),
+                upstream="vllm-grpc",
+                tokenizer=str(tokenizer),
+                tool_call_parser="hermes",
+            ),
+        ),
+        model="tiny-vllm-grpc",
+        slow_model="tiny-vllm-grpc",
+        max_context=MAX_MODEL_LEN,
+        running=running,
+        progress=lambda: 0.0,
+        stopped_early=lambda before: False,
+        long_request={"prompt": "one two three", "max_tokens": MAX_MODEL_LEN - 64},
+        defaults={"temperature": 0},
+        unseen_stops=(
+            "vLLM's gRPC server counts no aborts where a client can read them (no metrics "
+            "port; its log is at WARNING); tests/test_vllm_grpc.py checks the abort"
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class Kind:
     factory: Factory
     marks: tuple[pytest.MarkDecorator, ...] = ()
 
 
-#: Worker kind → how to reach it. The vLLM kind still to come: "vllm-grpc"
-#: (`upstream: vllm-grpc`).
+#: Worker kind → how to reach it.
 KINDS: dict[str, Kind] = {
     "grpc-demo": Kind(_demo),
     "openai-fake": Kind(_openai_fake),
     "vllm-http": Kind(_vllm_http, (pytest.mark.vllm,)),
     "vllm-engine": Kind(_vllm_engine, (pytest.mark.vllm,)),
+    "vllm-grpc": Kind(_vllm_grpc, (pytest.mark.vllm,)),
 }
 
 
