@@ -7,6 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.edge.errors import ERROR_TABLE
+from gateway.protocol import errors
+from gateway.protocol.status import ERROR_TO_STATUS
 from tests.support.requests import sse_events
 from tests.support.scripted_worker import script
 from tests.support.servers import Gateway, ServerLoop, Workers, make_config, start_gateway
@@ -139,3 +142,26 @@ def test_context_length_from_the_demo_engine(client):
     assert "maximum context length is 64" in response.json()["error"]["message"]
     response = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 63})
     check_error(response, 400, "invalid_request_error", "context_length_exceeded")
+
+
+def test_the_gateways_refusals_are_not_engine_errors_and_each_error_has_its_rows():
+    """One tree (`gateway/protocol/errors.py`): each error is a `Refusal` (the request
+    refused as asked: the gateway's checks, limits, drain and capacity, or a worker's of
+    those kinds) or an `EngineError` (the worker or its engine failed), never both; each
+    has its row in the HTTP table and a status a worker sends for it."""
+    bases = {errors.GatewayError, errors.Refusal, errors.EngineError}
+    kinds = [
+        kind
+        for kind in vars(errors).values()
+        if isinstance(kind, type) and issubclass(kind, errors.GatewayError) and kind not in bases
+    ]
+    assert len(kinds) == len(ERROR_TABLE)
+    for kind in kinds:
+        assert issubclass(kind, errors.Refusal) != issubclass(kind, errors.EngineError), kind
+        assert kind in ERROR_TABLE, kind
+        assert any(issubclass(kind, known) for known in ERROR_TO_STATUS), kind
+    refused_here = (errors.Invalid, errors.TooLong, errors.ModelNotFound, errors.NotAnLLM)
+    refused_here += (errors.Busy, errors.Draining, errors.RateLimited, errors.BudgetExceeded)
+    assert all(issubclass(kind, errors.Refusal) for kind in refused_here)
+    failed = (errors.Unavailable, errors.Timeout, errors.AuthFailed, errors.Failed)
+    assert all(issubclass(kind, errors.EngineError) for kind in failed)
