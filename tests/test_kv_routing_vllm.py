@@ -20,6 +20,7 @@ from gateway.fleet.kv_index import KvIndex
 from tests.support.processes import free_port
 from tests.support.servers import Gateway
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
+from tests.support.vllm_worker import start_vllm_worker
 from tests.support.waiting import HANG_GUARD, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -153,3 +154,39 @@ def test_vllm_http_servers_events_over_zmq_route_a_long_prefix_to_its_holder(
         others = [w for w in urls if w != holder]
         assert all(not index.workers[w].blocks for w in others if w in index.workers)
         assert all(subscriber.malformed == 0 for subscriber in router.zmq.values())
+
+
+def test_the_vllm_worker_forwards_its_engines_events(
+    vllm_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    gateway_with: Callable[..., Gateway],
+) -> None:
+    """Our worker on `--engine vllm` with vLLM's `--kv-events-config`: it reads its
+    engine's ZMQ publisher and serves the events on `SubscribeKvEvents`; a gateway with
+    the model's `tokenizer` hashes the prompt's ids and finds the blocks."""
+    logs = tmp_path_factory.mktemp("vllm-worker-kv")
+    worker = start_vllm_worker(vllm_model, logs, *_events_args(), name=MODEL)
+    try:
+        address = f"127.0.0.1:{worker.port}"
+        model = ModelConfig(
+            MODEL, workers=(address,), tokenizer=str(vllm_model), routing=RoutingConfig()
+        )
+        gw = gateway_with(models=(model,))
+        router = gw.state.fleet.models[MODEL].router
+        assert router is not None
+        wait_until(lambda: router.states.get(address) == "events", "the worker's stream", 60)
+        document = " ".join(f"line {i} of the shared document," for i in range(40))
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD * 4) as http:
+
+            def ask(prompt: str) -> None:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                assert http.post("/v1/completions", json=body).status_code == 200
+
+            ask(f"{document} first")
+            index = router.index
+            wait_until(lambda: bool(index.holders), "the engine's blocks, forwarded", 60)
+            assert index.workers[address].load is not None
+            ask(f"{document} again")
+            assert router.last.cache_hit_blocks >= 1
+    finally:
+        worker.stop()
