@@ -14,6 +14,7 @@ import dns.rrset
 import httpx
 
 from gateway.config import ModelConfig
+from gateway.protocol import errors
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
@@ -121,6 +122,39 @@ class HangingEngine(Engine):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         await asyncio.sleep(3600)
         yield  # pragma: no cover
+
+
+class BusyEngine(Engine):
+    """Refuses every call: it is full."""
+
+    model = "m"
+    max_context = 100
+
+    def __init__(self) -> None:
+        self.refusals = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.refusals += 1
+        raise errors.Busy("This worker is full.")
+        yield  # pragma: no cover
+
+
+def test_retries_stop_at_retry_attempts_and_count_only_the_tries_that_follow(
+    gateway_with, serve_engines
+):
+    engines = [BusyEngine() for _ in range(3)]
+    servers = serve_engines(*engines)
+    gw = gateway_with(
+        models=(ModelConfig("m", workers=tuple(s.address for s in servers)),),
+        retry_attempts=2,
+        retry_budget=1.0,
+    )
+    response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=HANG_GUARD)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "server_busy"
+    # two tries on two workers; the third worker, free, is not tried past retry_attempts,
+    # and the last refusal is no retry: one counted
+    assert sorted(engine.refusals for engine in engines) == [0, 1, 1]
+    assert gw.state.fleet.models["m"].retries_total == 1
 
 
 def test_hanging_worker_is_retried_elsewhere_and_ejected_longer_each_time(
