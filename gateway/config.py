@@ -298,8 +298,9 @@ class ModelConfig:
     )
     fallbacks: tuple[str, ...] = setting(
         (),
-        "models (or aliases) that serve a request, in order, when this one has no healthy "
-        "worker, every worker is full, or every worker tried failed before the first token",
+        "models (or aliases) that serve a request (generation or embeddings), in order, when "
+        "this one has no healthy worker, every worker is full, its queue refuses, or every "
+        "worker tried failed before the first token; not for tensor models",
         min_length=1,
     )
     prices: tuple[float, float] | None = setting(
@@ -1011,6 +1012,11 @@ def _routing(values: dict[str, Any]) -> None:
                 raise ConfigError(f"{where}.{name}: the weights sum to 0")
             _no_cycle(f"{where}.{name}", name, known, ())
     for i, model in enumerate(values["models"]):
+        if model.fallbacks and model.kind == "tensor":
+            raise ConfigError(
+                f"models[{i}].fallbacks: a tensor model has no fallbacks (another model's "
+                "inputs and outputs differ)"
+            )
         for j, target in enumerate(model.fallbacks):
             if target == model.name or (target not in models and target not in top):
                 raise ConfigError(f"models[{i}].fallbacks[{j}]: not another model: {target!r}")

@@ -87,6 +87,10 @@ def test_aliases_resolve_through_aliases_and_a_teams_own_win() -> None:
         ({"models": models("a", "b", a={"fallbacks": ["zz"]})}, "models[0].fallbacks[0]"),
         ({"models": models("a", "b", a={"fallbacks": ["a"]})}, "models[0].fallbacks[0]"),
         (
+            {"models": [*models("a"), {"name": "t", "kind": "tensor", "fallbacks": ["a"]}]},
+            "models[1].fallbacks: a tensor model has no fallbacks",
+        ),
+        (
             {"teams": {"t": {"aliases": {"x": [{"model": "x"}]}}}},
             "teams.t.aliases.x: an alias cycle",
         ),
