@@ -18,8 +18,10 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
+from gateway.fleet.balancing import PrefixAffinity
 from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.pool import ModelPool
+from gateway.fleet.routing import LOAD_FRESH, Router
 from gateway.protocol.kv_blocks import (
     BlocksRemoved,
     BlocksStored,
@@ -417,3 +419,22 @@ def test_an_engine_whose_kv_cache_is_full_makes_its_worker_full(
     workers = gw.state.fleet.snapshot()["models"]
     (model,) = [m for m in workers if m["name"] == MODEL]  # type: ignore[index]
     assert all(w["routing"]["engine_full"] for w in model["workers"])  # type: ignore[index]
+
+
+def test_a_load_record_makes_a_worker_full_only_past_its_bounds_and_while_fresh() -> None:
+    """Router.engine_full as a value: `max_engine_waiting` (more waiting than it),
+    `max_kv_usage` (at least it), a record older than LOAD_FRESH no longer counts, and
+    without either setting no record makes a worker full."""
+    config = RoutingConfig(max_engine_waiting=2, max_kv_usage=0.9)
+    router = Router(MODEL, config, PrefixAffinity(256, 1.5))
+    loads = {"two": EngineLoad(waiting=2), "three": EngineLoad(waiting=3)}
+    loads |= {"used": EngineLoad(kv_usage=0.9), "room": EngineLoad(waiting=1, kv_usage=0.5)}
+    for address, load in loads.items():
+        router.index.apply(address, KvBatch(1, (), True, load), now=100.0)
+    full = {a for a in loads if router.engine_full(a, now=100.0)}
+    assert full == {"three", "used"}
+    assert not router.engine_full("three", now=100.0 + LOAD_FRESH + 1)
+    assert not router.engine_full("unknown", now=100.0)
+    unbounded = Router(MODEL, RoutingConfig(), PrefixAffinity(256, 1.5))
+    unbounded.index.apply("three", KvBatch(1, (), True, EngineLoad(waiting=1000)), now=0.0)
+    assert not unbounded.sheds
