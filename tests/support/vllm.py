@@ -7,6 +7,7 @@ the session fixtures start each once, when a test first asks for it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -66,10 +67,15 @@ class VllmProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmProcess:
+        """Starts the server; it gets a SIGTERM (its clean shutdown, which stops its
+        engine process too) when the test process dies, even by SIGKILL, so a run cut
+        by a timeout leaves no vLLM behind (util-linux's setpriv, where there is one)."""
         env = {**os.environ, **ENV, **self.env}
+        setpriv = shutil.which("setpriv")
+        args = [setpriv, "--pdeathsig", "TERM", *self.args] if setpriv else self.args
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                self.args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+                args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
             )
         return self
 
