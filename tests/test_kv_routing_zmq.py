@@ -2,8 +2,9 @@
 workers named in `routing.kv_events`: a real gateway under uvicorn in front of a real
 OpenAI-compatible server, and a pyzmq PUB socket in the test speaking vLLM's wire (topic,
 8-byte sequence, msgpack batch), then lying on it: garbage, a frame past the size bound,
-sequences out of order. The index follows the valid batches, the rest is refused,
-counted and logged, and routing never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
+sequences out of order, a restart. The index follows the valid batches, the rest is
+refused, counted and logged, a stopped publisher's part is dropped at once, and routing
+never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
 
 from __future__ import annotations
 
@@ -165,6 +166,23 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
     assert list(kv.blocks) == [9000]
     chat()
     assert router.last.cache_hit_blocks == 1
+
+    # the engine stops (its socket closes): its part goes at once, not at its next batch;
+    # one started again on the same port is followed from its first batch
+    pub.close(linger=0)
+    wait_until(lambda: not kv.blocks, "the worker's part dropped with its publisher")
+    restarted: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        restarted.bind(endpoint)
+        frames = _message(0, [_stored(ids, 100)])
+        wait_until(
+            lambda: restarted.send_multipart(frames) is None and bool(kv.blocks),
+            "the restarted publisher's first batch",
+        )
+        chat()
+        assert router.last.cache_hit_blocks == len(ids) // BLOCK
+    finally:
+        restarted.close(linger=0)
     assert server.refused == 0
 
 

@@ -21,7 +21,9 @@ signed, as the worker protocol carries them. No snapshot and no load record trav
 this wire: a subscriber learns the blocks stored after it subscribed.
 
 Sequence numbers: the first batch of a subscription says `reset`; a number at or below
-the last one means the publisher restarted (or lies): `reset` too. A gap (messages ZMQ
+the last one means the publisher restarted (or lies): `reset` too. A lost connection
+(the engine stopped, or a frame was refused) yields an empty `reset` batch at once, so
+the index stops counting on blocks a restarted engine no longer holds. A gap (messages ZMQ
 dropped past its high-water mark, or refused here) is left to the index, which drops
 the worker's part and follows the live events from there (vLLM's replay socket is not
 used: its buffer holds only what the publisher kept, and a reset costs only the hits
@@ -196,6 +198,9 @@ class ZmqKvSubscriber:
                     # libzmq does not connect again by itself after it refused a frame
                     socket.disconnect(self.endpoint)
                     socket.connect(self.endpoint)
+                    if last is not None:  # the engine may be gone, or its messages lost
+                        yield KvBatch(last, (), True)
+                        last = None
                 if socket not in ready:
                     continue
                 frames = await socket.recv_multipart()
