@@ -119,8 +119,8 @@ def _ready(admin: int, process: subprocess.Popen[str]) -> bool:
         return False
 
 
-def _chat(port: int, words: int = 3) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(["w"] * words)}]}
+def _chat(port: int, words: int = 3, model: str = MODEL) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": " ".join(["w"] * words)}]}
     with httpx.Client(timeout=HANG_GUARD) as client:  # a new connection each time
         return client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
 
@@ -177,6 +177,28 @@ def test_two_processes_share_the_port_and_the_slots_and_drain_on_a_signal(
         assert gateway.wait(HANG_GUARD) == 0
         assert not listening(port)
         assert not listening(admin)
+
+
+def test_every_process_reads_the_config_file_again_when_it_changes(tmp_path: Path) -> None:
+    worker_port = free_port()
+    with (
+        worker_process(worker_port),
+        gateway_processes(tmp_path, worker_port) as (_, port, admin),
+    ):
+        assert _chat(port, model="chat").status_code == 404
+        config = tmp_path / "config.yaml"
+        draft = tmp_path / "config.new"
+        draft.write_text(config.read_text() + f"aliases:\n  chat: [{{model: {MODEL}}}]\n")
+        os.replace(draft, config)  # a new file at once, as a ConfigMap's volume swaps it
+        # each process looks every 10 s; 20 new connections reach both (all on one: 2^-19)
+        wait_until(
+            lambda: all(_chat(port, model="chat").status_code == 200 for _ in range(20)),
+            "both processes to serve the new alias",
+            2 * HANG_GUARD,
+        )
+        routed = _metric(admin, "furnace_gateway_routed_requests_total")
+        assert {dict(labels)["process"] for labels in routed} == {"0", "1"}
+        assert {dict(labels)["asked"] for labels in routed} == {"chat"}
 
 
 def _children(pid: int) -> list[int]:
