@@ -155,6 +155,32 @@ def test_spend_budgets_weigh_tokens_by_the_models_prices() -> None:
     asyncio.run(main())
 
 
+def test_a_reservation_moves_to_a_fallbacks_prices_only_if_it_fits() -> None:
+    cfg = config(
+        models=[
+            {"name": "cheap", "workers": ["127.0.0.1:1"], "prices": {"prompt": 1}},
+            {"name": "dear", "workers": ["127.0.0.1:1"], "prices": {"prompt": 4}},
+            {"name": "dearer", "workers": ["127.0.0.1:1"], "prices": {"prompt": 20}},
+        ],
+        teams={"alpha": {"budgets": [{"window": "day", "spend": 0.01, "tokens": 5000}]}},
+    )
+    alpha = Team(cfg.teams[0])
+    budgets = Budgets(cfg, None)
+
+    async def main() -> None:
+        held = await budgets.reserve(alpha, None, "cheap", 1000, 0)  # 0.001 spent
+        assert held is not None
+        with pytest.raises(errors.BudgetExceeded, match="spend"):
+            await budgets.reprice(held, "dearer", 1000, 0)  # 0.02: no room
+        assert sorted(budgets.used.values()) == [0.001, 1000]  # unchanged
+        await budgets.reprice(held, "dear", 1000, 0)  # 0.004: room
+        assert sorted(budgets.used.values()) == [pytest.approx(0.004), 1000]
+        await budgets.settle(held, 500, 0)  # settled at the prices of the model that served
+        assert sorted(budgets.used.values()) == [pytest.approx(0.002), 500]
+
+    asyncio.run(main())
+
+
 def test_a_key_budget_counts_that_key_alone() -> None:
     alpha = team([{"window": "day", "tokens": 100, "key": "abcdef01"}])
     budgets = Budgets(config(), None)

@@ -351,17 +351,14 @@ class Admission:
         raise refused
 
     async def _move(self, ctx: RequestContext, pool: ModelPool) -> None:
-        """The request goes to `pool` (a fallback) once its budgets are reserved: when
-        the prices differ, what was reserved at the first model's is given back and
-        reserved again at `pool`'s (`BudgetExceeded` when that has no room), so the
-        budgets are charged for the model that serves."""
+        """The request goes to `pool` (a fallback) once its budgets are reserved: its
+        reservation moves to `pool`'s prices, in one change of its counters
+        (`BudgetExceeded` when what that adds has no room), so the budgets are charged
+        for the model that serves. Shielded: a client leaving meanwhile (this may run in
+        a unary task) does not leave the counters and the reservation apart."""
         self._land(ctx, pool)
-        held = ctx.reservation
-        if held is None or held.prices == self.accounts.budgets.prices.get(pool.name):
-            return
-        ctx.reservation = None
-        await self.accounts.budgets.settle(held, 0, 0)
-        await self.budgets(ctx)
+        if ctx.reservation is not None:
+            await asyncio.shield(self.accounts.reprice(ctx.reservation, pool.name, ctx.request))
 
     @staticmethod
     def _land(ctx: RequestContext, pool: ModelPool) -> None:

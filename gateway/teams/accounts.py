@@ -118,6 +118,14 @@ class Accounts:
         prompt, completion = reservation_of(request)
         return await self.budgets.reserve(team, key, model, prompt, completion)
 
+    async def reprice(
+        self, held: Reservation, model: str, request: GenerateRequest | EmbedRequest | None
+    ) -> None:
+        """A fallback serves: `held` is reserved at `model`'s prices instead, if it fits
+        (`BudgetExceeded` otherwise), so budgets are charged for the model that served."""
+        prompt, completion = reservation_of(request)
+        await self.budgets.reprice(held, model, prompt, completion)
+
     async def settle(
         self,
         team: Team | None,

@@ -244,6 +244,21 @@ class Budgets:
         self._mark(team, meters)
         return held
 
+    async def reprice(self, held: Reservation, model: str, prompt: int, completion: int) -> None:
+        """Moves `held` to `model`'s prices (a fallback serves the request): every counter
+        changes by the difference at once, and only if what it adds fits
+        (`BudgetExceeded` otherwise, `held` unchanged)."""
+        prices = self.prices.get(model)
+        if prices == held.prices:
+            return
+        amounts = [m.cost(prices, prompt, completion) for m in held.meters]
+        deltas = [a - r for a, r in zip(amounts, held.reserved, strict=True)]
+        refused = await self._apply_all(held, deltas, check=True)
+        if refused is not None:
+            raise self._exceeded(held.team, held.meters[refused], time.time())
+        held.prices, held.reserved = prices, amounts
+        self._mark(held.team, held.meters)
+
     async def settle(self, held: Reservation, prompt: int, completion: int) -> None:
         """Charges what the request used instead of what it reserved."""
         used = [m.cost(held.prices, prompt, completion) for m in held.meters]
