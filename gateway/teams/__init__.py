@@ -118,9 +118,12 @@ class Teams:
     async def _reload_keys(self) -> None:
         while True:
             await asyncio.sleep(KEYS_RELOAD_INTERVAL)
-            self.keys.reload_if_changed()
-            if self.settings is not None:
-                self.settings.reload_if_changed()
+            try:
+                self.keys.reload_if_changed()
+                if self.settings is not None:
+                    self.settings.reload_if_changed()
+            except Exception:  # the look must outlive any surprise, or keys stop rotating
+                log.exception("reading the keys file or the config file again failed")
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Team | None:
         """The caller's team, or None (counted) when its key is missing or unknown."""
