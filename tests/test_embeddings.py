@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import logging
 import math
 import struct
 import threading
@@ -300,7 +302,8 @@ def test_a_refusing_worker_costs_no_request(gateway_with, serve_engines):
     assert gw.state.fleet.models["furnace-twin"].retries_total == busy.refusals
 
 
-def test_fallbacks_serve_embeddings_when_the_model_cannot(gateway_with, serve_engines):
+def test_fallbacks_serve_embeddings_when_the_model_cannot(gateway_with, serve_engines, caplog):
+    caplog.set_level(logging.INFO, logger="furnace.access")
     busy, plain, good = serve_engines(
         BusyEmbedder("furnace-busy"), PlainEmbedder("furnace-plain"), DemoEngine("furnace-good")
     )
@@ -326,6 +329,13 @@ def test_fallbacks_serve_embeddings_when_the_model_cannot(gateway_with, serve_en
         # one that does not serve `dimensions` is passed over
         assert served(dimensions=4) == "furnace-good"
     assert busy.engine.refusals == 2
+
+    def logged() -> list[tuple[str, str]]:
+        lines = (json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access")
+        return [(line.get("asked_model", ""), line["model"]) for line in lines]
+
+    wait_until(lambda: len(logged()) == 2, "both access-log lines")
+    assert logged() == [("furnace-busy", "furnace-plain"), ("furnace-busy", "furnace-good")]
 
 
 class HeldEmbedder(DemoEngine):
