@@ -46,7 +46,7 @@ ALONE = {
     "protocol": set(),
     "worker": {"protocol"},
     "tokenization": {"protocol"},
-    "bench": set(),
+    "bench": {"protocol"},
 }
 #: What importing the worker SDK or the protocol must not load.
 SERVER_ONLY = ("starlette", "uvicorn", "httpx", "redis", "prometheus_client", "yaml")

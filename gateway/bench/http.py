@@ -1,20 +1,21 @@
-"""A small HTTP/1.1 client for load generation: asyncio protocols over httptools.
+"""A small HTTP/1.1 client for load generation, over the gateway's own pooled
+connections (`gateway.protocol.http1`: httptools inside the transport's callback).
 
 httpx spends about 2 ms of CPU per streamed request on a small machine, which a
 benchmark on the same machine would count against the server. Here a response is
-parsed by httptools inside the transport's callback and handed straight to the
-request's `Sink`: no task switch, queue or copy per chunk. Connections are kept
-alive and reused; http and https, nothing else (no redirects, no proxies).
+handed straight to the request's `Sink`: no task switch, queue or copy per chunk.
+Connections are kept alive and reused; http and https, nothing else (no redirects,
+no proxies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Protocol, cast
+from typing import Protocol
 from urllib.parse import urlsplit
 
-import httptools
+from gateway.protocol.http1 import Connection, Pool
 
 
 class TransportError(Exception):
@@ -57,92 +58,32 @@ class Collect:
         return b"".join(self.chunks)
 
 
-class Connection(asyncio.Protocol):
-    """One keep-alive connection, one request at a time."""
+class _Exchange:
+    """One request's response: the connection's callbacks fed to its `Sink`, and
+    its end told to the task that sent it."""
 
-    def __init__(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._sink: Sink | None = None
-        self._done: asyncio.Future[None] | None = None
-        self._keep_alive = True
+    __slots__ = ("done", "sink")
 
-    @classmethod
-    async def open(cls, host: str, port: int, tls: ssl.SSLContext | None = None) -> Connection:
-        """A new connection."""
-        loop = asyncio.get_running_loop()
-        server_hostname = host if tls is not None else None
-        try:
-            _, connection = await loop.create_connection(
-                cls, host, port, ssl=tls, server_hostname=server_hostname
-            )
-        except OSError as error:
-            raise TransportError(type(error).__name__, str(error)) from error
-        return connection
+    def __init__(self, sink: Sink, done: asyncio.Future[None]) -> None:
+        self.sink = sink
+        self.done = done
 
-    @property
-    def usable(self) -> bool:
-        """Open, kept alive, and not in the middle of a response."""
-        transport = self._transport
-        return (
-            transport is not None
-            and not transport.is_closing()
-            and self._done is None
-            and self._keep_alive
-        )
+    def head(self, status: int) -> None:
+        self.sink.start(status)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+    def body(self, data: bytes) -> None:
+        self.sink.feed(data)
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except Exception as error:  # a bad response, or a bug in a sink: fail the request
-            self._fail(TransportError("bad_response", f"{type(error).__name__}: {error}"))
+    def read(self) -> None:
+        pass
 
-    def on_headers_complete(self) -> None:
-        if self._sink is not None:
-            self._sink.start(self._parser.get_status_code())
+    def complete(self, connection: Connection) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        if self._sink is not None:
-            self._sink.feed(body)
-
-    def on_message_complete(self) -> None:
-        self._keep_alive = self._parser.should_keep_alive()
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        kind = type(exc).__name__ if exc else "closed"
-        self._fail(TransportError(kind, str(exc or "the server closed the connection")))
-
-    def _fail(self, error: BaseException) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(error)
-        if self._transport is not None:
-            self._transport.abort()
-
-    async def send(self, request: bytes, sink: Sink) -> None:
-        """Writes one whole request and waits for the whole response; a cancelled
-        wait drops the connection, so the server sees the client leave."""
-        assert self._transport is not None and self._done is None
-        self._sink = sink
-        self._done = asyncio.get_running_loop().create_future()
-        self._transport.write(request)
-        try:
-            await self._done
-        except BaseException:
-            self._transport.abort()
-            raise
-        finally:
-            self._sink = None
-            self._done = None
-
-    def close(self) -> None:
-        """Drops the connection."""
-        if self._transport is not None:
-            self._transport.abort()
+    def broken(self, kind: str, detail: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(TransportError(kind, detail))
 
 
 class HttpClient:
@@ -156,13 +97,12 @@ class HttpClient:
         self.host = url.hostname
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.path = url.path.rstrip("/")
-        self._tls = ssl.create_default_context() if url.scheme == "https" else None
+        tls = ssl.create_default_context() if url.scheme == "https" else None
         default_port = self.port == (443 if url.scheme == "https" else 80)
         host = self.host if default_port else f"{self.host}:{self.port}"
         lines = [f"Host: {host}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
         self._headers = "".join(f"{line}\r\n" for line in lines)
-        self._idle: list[Connection] = []
-        self._all: set[Connection] = set()
+        self._pool = Pool(self.host, self.port, tls)
 
     def head(self, method: str, path: str, length: int | None = None, extra: str = "") -> bytes:
         """The request line and headers for `path` under the base URL; `extra`: more
@@ -171,28 +111,22 @@ class HttpClient:
         head = f"{method} {self.path}{path} HTTP/1.1\r\n{self._headers}{extra}{body}\r\n"
         return head.encode()
 
-    async def _connection(self) -> Connection:
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.usable:
-                return connection
-            self._all.discard(connection)
-        connection = await Connection.open(self.host, self.port, self._tls)
-        self._all.add(connection)
-        return connection
-
     async def send(self, request: bytes, sink: Sink) -> None:
         """Sends `request` (from `head` and a body) on an idle connection, or a
-        new one, and feeds the response to `sink`. Raises `TransportError`."""
-        connection = await self._connection()
+        new one, and feeds the response to `sink`. Raises `TransportError`; a
+        cancelled wait drops the connection, so the server sees the client leave."""
         try:
-            await connection.send(request, sink)
-        finally:
-            if connection.usable:
-                self._idle.append(connection)
-            else:
-                connection.close()
-                self._all.discard(connection)
+            connection = await self._pool.take()
+        except OSError as error:
+            raise TransportError(type(error).__name__, str(error)) from error
+        done = asyncio.get_running_loop().create_future()
+        connection.send(request, _Exchange(sink, done))
+        try:
+            await done
+        except BaseException:
+            self._pool.drop(connection)
+            raise
+        self._pool.give_back(connection)
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """A GET's status and body."""
@@ -202,7 +136,4 @@ class HttpClient:
 
     def close(self) -> None:
         """Drops every connection."""
-        for connection in self._all:
-            connection.close()
-        self._all.clear()
-        self._idle.clear()
+        self._pool.close()

@@ -24,4 +24,6 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     tensors.py       KServe v2 tensors: datatypes, JSON tensors checked, raw contents packed
     inference.py     a KServe v2 inference, its result and a model's metadata, our types
     tool_calls/      tool calls in a model's text, per format, and the schema that forces them
+    http1.py         HTTP/1.1 client connections over httptools, pooled (raw HTTP
+                     upstreams and the benchmark's load generator)
 """

@@ -29,7 +29,7 @@ One job a module:
                     logprobs and embeddings answers → ours
     sse.py          their event stream (SSE bytes) → our events (`_Stream`)
     connections.py  plain http:// streams over our own kept-alive connections
-                    (httptools): `_Pool`, `_Connection`, `_RawCall`
+                    (`gateway.protocol.http1`): `_RawCall`
     upstream.py     `OpenAIHttpUpstream` (the worker) and `OpenAIHttpCall` (a
                     stream over the fleet's httpx client: https, proxies)
 

@@ -1,6 +1,6 @@
 """Streamed completions to a plain http:// upstream (the in-cluster case), over the
-upstream's own kept-alive HTTP/1.1 connections: `_Pool`, `_Connection` (an asyncio
-protocol over httptools) and `_RawCall`, the call reading one.
+upstream's own kept-alive HTTP/1.1 connections (`gateway.protocol.http1`: a pool of
+asyncio protocols over httptools): `_RawCall` is the call reading one.
 
 Why not httpx: its stack (httpcore, h11, three async generators) cost tens of
 microseconds per SSE event, as every event is its own HTTP chunk. Here a network read
@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import ClassVar, cast
-
-import httptools
+from typing import ClassVar
 
 from gateway.protocol import errors
+from gateway.protocol.http1 import BAD_RESPONSE, Connection, Pool
 from gateway.protocol.types import Event, Started, Text
 from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
 from gateway.upstreams.openai_http.sse import _Stream
@@ -39,130 +38,14 @@ from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_
 #: Reading pauses while more than this many events wait for the reader (with
 #: `sse._MERGE_CHARS`: a reader that falls behind holds at most about 1 MiB of a stream).
 _PAUSE_AT = 64
-#: Idle kept-alive connections an upstream keeps (as the fleet's httpx client does).
-_MAX_IDLE = 256
 #: Seconds a call's socket rests after a read, among other open calls (as the
 #: edge's write turns: `gateway.admission.turns.PACE`).
 REST = 0.001
 
 
-class _Connection(asyncio.Protocol):
-    """One kept-alive HTTP/1.1 connection to a plain-HTTP upstream, one request
-    at a time. httptools undoes the chunked encoding inside the transport's
-    callback and hands the body to the call reading it (`_RawCall`): a network
-    read of many SSE events is one `data_received`, one `_Stream.feed`, one
-    wake-up."""
-
-    def __init__(self, pool: _Pool) -> None:
-        self._pool = pool
-        self._parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.call: _RawCall | None = None
-        self.reusable = False  # its last response ended whole, with keep-alive
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        call = self.call
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as error:
-            if call is not None:
-                call.flush()  # what came before it goes out first
-                call.fail(errors.Failed(f"The upstream sent bad HTTP: {error}"))
-            else:
-                self.abort()  # bytes on an idle connection: it is not usable
-        if call is not None:
-            call.wake()
-
-    def on_headers_complete(self) -> None:
-        if self.call is not None:
-            self.call.head(self._parser.get_status_code())
-
-    def on_body(self, body: bytes) -> None:
-        if self.call is not None:
-            self.call.body(body)
-
-    def on_message_complete(self) -> None:
-        call, self.call = self.call, None
-        self.reusable = self._parser.should_keep_alive()
-        if call is not None:
-            call.complete(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.reusable = False
-        self._pool.forget(self)
-        call, self.call = self.call, None
-        if call is not None:
-            call.fail(errors.Unavailable(f"upstream closed the connection: {exc}"))
-            call.wake()
-
-    def abort(self) -> None:
-        """Drops the connection: the upstream sees its client leave."""
-        self.reusable = False
-        self.call = None
-        if self.transport is not None:
-            self.transport.abort()
-
-
-class _Pool:
-    """An upstream's idle kept-alive connections; a request takes one or opens one."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.idle: list[_Connection] = []
-        self.open: set[_Connection] = set()
-        self.closed = False
-
-    async def take(self, connect_timeout: float) -> _Connection:
-        while self.idle:
-            connection = self.idle.pop()
-            transport = connection.transport
-            if connection.reusable and transport is not None and not transport.is_closing():
-                connection.reusable = False
-                return connection
-            self.drop(connection)
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(connect_timeout):
-                _, connection = await loop.create_connection(
-                    lambda: _Connection(self), self.host, self.port
-                )
-        except (OSError, TimeoutError) as error:
-            raise errors.Unavailable(f"upstream unreachable: {error!r}") from None
-        self.open.add(connection)
-        return connection
-
-    def give_back(self, connection: _Connection) -> None:
-        """A connection whose response ended: kept for the next request if it can
-        be (up to `_MAX_IDLE` of them)."""
-        if connection.reusable and not self.closed and len(self.idle) < _MAX_IDLE:
-            self.idle.append(connection)
-        else:
-            self.drop(connection)
-
-    def drop(self, connection: _Connection) -> None:
-        connection.abort()
-        self.open.discard(connection)
-
-    def forget(self, connection: _Connection) -> None:
-        """A connection the upstream (or we) closed."""
-        self.open.discard(connection)
-        if connection in self.idle:
-            self.idle.remove(connection)
-
-    def close(self) -> None:
-        """Drops every connection, idle or not."""
-        self.closed = True
-        for connection in self.open:
-            connection.abort()
-        self.open.clear()
-        self.idle.clear()
-
-
 class _RawCall(StreamBookkeeping):
-    """One streamed call over a pooled connection (`_Connection`): the request is
+    """One streamed call over a pooled connection, the reader of its response
+    (`gateway.protocol.http1.Reader`): the request is
     written whole; the response's body goes to `_Stream` as it arrives, and
     `__anext__` hands on what it made. Reading pauses while more than
     `_PAUSE_AT` events wait for the reader. `timeout` is the call's deadline.
@@ -177,7 +60,7 @@ class _RawCall(StreamBookkeeping):
 
     def __init__(
         self,
-        pool: _Pool,
+        pool: Pool,
         request: bytes,
         stream: _Stream,
         timeout: float,
@@ -191,7 +74,7 @@ class _RawCall(StreamBookkeeping):
         self._ready = stream.ready
         self._timeout = timeout
         self._opened = False  # the request was sent (once: a dropped call is not sent again)
-        self._connection: _Connection | None = None
+        self._connection: Connection | None = None
         self._status = 0
         self._pieces: list[bytes] = []  # the body pieces of the read in progress
         self._error_body: list[bytes] = []
@@ -250,14 +133,15 @@ class _RawCall(StreamBookkeeping):
         self._opened = True
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(self._timeout, self._expire)
-        connection = await self._pool.take(min(self._timeout, 5.0))
+        try:
+            connection = await self._pool.take(min(self._timeout, 5.0))
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"upstream unreachable: {error!r}") from None
         if self._closed:  # cancelled while connecting
             self._pool.drop(connection)
             raise errors.Unavailable("The call was cancelled.")
         self._connection = connection
-        connection.call = self
-        assert connection.transport is not None
-        connection.transport.write(self._request)
+        connection.send(self._request, self)
         self._counted = True
         _RawCall.reading += 1
         await self._wait()
@@ -276,7 +160,7 @@ class _RawCall(StreamBookkeeping):
 
     # -- the connection's callbacks -------------------------------------------------
 
-    def wake(self) -> None:
+    def read(self) -> None:
         """After a read: what it brought is parsed, the reader goes on; too much
         waiting pauses reading, and once every choice's first text came, among other
         calls, the socket rests for `REST`."""
@@ -349,7 +233,14 @@ class _RawCall(StreamBookkeeping):
             if self._stream.done:
                 self._end(None)  # [DONE]: the call is over; its last events wait to be read
 
-    def complete(self, connection: _Connection) -> None:
+    def broken(self, kind: str, detail: str) -> None:
+        if kind == BAD_RESPONSE:
+            self.flush()  # what came before it goes out first
+            self.fail(errors.Failed(f"The upstream sent bad HTTP: {detail}"))
+        else:
+            self.fail(errors.Unavailable(f"upstream closed the connection: {detail}"))
+
+    def complete(self, connection: Connection) -> None:
         """Their response ended: the connection goes back to the pool if it can."""
         self.flush()
         self._connection = None
@@ -371,7 +262,7 @@ class _RawCall(StreamBookkeeping):
 
     def _expire(self) -> None:
         self.fail(errors.Timeout(f"upstream did not answer within {self._timeout:g} s"))
-        self.wake()
+        self.read()  # the reader learns it as after a read
 
     # -- ending -----------------------------------------------------------------------
 

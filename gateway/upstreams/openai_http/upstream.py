@@ -16,6 +16,7 @@ import httpx
 import orjson
 
 from gateway.protocol import errors, features
+from gateway.protocol.http1 import Pool
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
 from gateway.upstreams.base import (
     CANCELLED,
@@ -24,7 +25,7 @@ from gateway.upstreams.base import (
     StreamBookkeeping,
     UpstreamCall,
 )
-from gateway.upstreams.openai_http.connections import _Pool, _RawCall
+from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
@@ -154,7 +155,7 @@ class OpenAIHttpUpstream:
         host, port = url.hostname or "", url.port or 80
         if raw_http is None:
             raw_http = url.scheme == "http" and not _proxied(host)
-        self._pool = _Pool(host, port) if raw_http else None
+        self._pool = Pool(host, port) if raw_http else None
         lines = [f"Host: {url.netloc}", "Content-Type: application/json"]
         lines += [f"Authorization: {value}" for value in self._auth.values()]
         self._head = "".join(f"{line}\r\n" for line in lines)

@@ -1,0 +1,172 @@
+"""HTTP/1.1 client connections over httptools, kept alive in a pool: the one client
+under the raw OpenAI-HTTP upstream (`gateway.upstreams.openai_http.connections`) and
+the benchmark's load generator (`gateway.bench.http`).
+
+Why not httpx or aiohttp: a response is parsed by httptools inside the transport's
+callback (the chunked encoding undone in C) and handed straight to its `Reader`, with no
+task switch, queue or copy per chunk; a network read of many SSE events is one
+`data_received` and one `Reader.read`. `benchmarks/bench_http_clients.py` measures the
+CPU per streamed response of this client against httpx's and aiohttp's.
+
+A connection carries one request at a time; its reader learns the status, the body's
+pieces, and then either that the response ended (`complete`, and whether the
+connection may carry the next request: `Connection.reusable`) or that it broke
+(`broken`: bad HTTP, or the connection lost). `Pool` keeps the idle connections of one
+host and port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Protocol, cast
+
+import httptools
+
+#: Idle kept-alive connections a pool keeps at most.
+MAX_IDLE = 256
+#: The kind of a break where the server sent what is not HTTP.
+BAD_RESPONSE = "bad_response"
+
+
+class Reader(Protocol):
+    """What a connection tells the request reading it, inside its callbacks."""
+
+    def head(self, status: int) -> None:
+        """The response's status line and headers have arrived."""
+
+    def body(self, data: bytes) -> None:
+        """A piece of the body (chunked encoding undone)."""
+
+    def read(self) -> None:
+        """A network read has been parsed (whatever it held was told before this)."""
+
+    def complete(self, connection: Connection) -> None:
+        """The response ended whole; the connection is no longer this reader's."""
+
+    def broken(self, kind: str, detail: str) -> None:
+        """The response will not end: the server sent bad HTTP (`kind` is
+        `BAD_RESPONSE`) or the connection was lost (the exception's name, or
+        "closed" when the server closed it)."""
+
+
+class Connection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection, one request at a time: `reader` is the
+    request reading the response now."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.reader: Reader | None = None
+        self.reusable = False  # its last response ended whole, with keep-alive
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def send(self, request: bytes, reader: Reader) -> None:
+        """Writes one whole request; its response goes to `reader`."""
+        assert self.transport is not None and self.reader is None
+        self.reader = reader
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            if reader is not None:
+                reader.broken(BAD_RESPONSE, str(error))
+            else:
+                self.abort()  # bytes on an idle connection: it is not usable
+        if reader is not None:
+            reader.read()
+
+    def on_headers_complete(self) -> None:
+        if self.reader is not None:
+            self.reader.head(self._parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.reader is not None:
+            self.reader.body(body)
+
+    def on_message_complete(self) -> None:
+        reader, self.reader = self.reader, None
+        self.reusable = self._parser.should_keep_alive()
+        if reader is not None:
+            reader.complete(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        self._pool.forget(self)
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            kind = type(exc).__name__ if exc else "closed"
+            reader.broken(kind, str(exc or "the server closed the connection"))
+            reader.read()
+
+    def abort(self) -> None:
+        """Drops the connection: the server sees its client leave."""
+        self.reusable = False
+        self.reader = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Pool:
+    """One host's idle kept-alive connections; a request takes one or opens one."""
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self.host, self.port, self.tls = host, port, tls
+        self.idle: list[Connection] = []
+        self.open: set[Connection] = set()
+        self.closed = False
+
+    async def take(self, connect_timeout: float | None = None) -> Connection:
+        """An idle connection that can carry a request, or a new one; `OSError` or
+        `TimeoutError` when none can be opened."""
+        while self.idle:
+            connection = self.idle.pop()
+            transport = connection.transport
+            if connection.reusable and transport is not None and not transport.is_closing():
+                connection.reusable = False
+                return connection
+            self.drop(connection)
+        loop = asyncio.get_running_loop()
+        hostname = self.host if self.tls is not None else None
+        async with asyncio.timeout(connect_timeout):
+            _, connection = await loop.create_connection(
+                lambda: Connection(self),
+                self.host,
+                self.port,
+                ssl=self.tls,
+                server_hostname=hostname,
+            )
+        self.open.add(connection)
+        return connection
+
+    def give_back(self, connection: Connection) -> None:
+        """A connection whose response ended: kept for the next request if it can
+        be (up to `MAX_IDLE` of them)."""
+        if connection.reusable and not self.closed and len(self.idle) < MAX_IDLE:
+            self.idle.append(connection)
+        else:
+            self.drop(connection)
+
+    def drop(self, connection: Connection) -> None:
+        connection.abort()
+        self.open.discard(connection)
+
+    def forget(self, connection: Connection) -> None:
+        """A connection the server (or we) closed."""
+        self.open.discard(connection)
+        if connection in self.idle:
+            self.idle.remove(connection)
+
+    def close(self) -> None:
+        """Drops every connection, idle or not."""
+        self.closed = True
+        for connection in self.open:
+            connection.abort()
+        self.open.clear()
+        self.idle.clear()
