@@ -376,7 +376,10 @@ def test_sigterm_lets_50_streams_finish_refuses_new_ones_and_exits_0(tmp_path):
         async def scenario() -> tuple[list, list[int]]:
             limits = httpx.Limits(max_connections=100)
             async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD, limits=limits) as client:
-                body = {"prompt": "w " * 30, "stream": True}
+                # 100 tokens at 0.05 s: a drain of about 5 s, so the checks below see it
+                # running even when this process's loop is slow on a loaded machine (at 30
+                # tokens it once ended first: the gateway's listener was closed, ConnectError)
+                body = {"prompt": "w " * 100, "stream": True}
                 starts = [asyncio.Event() for _ in range(50)]
                 tasks = [asyncio.create_task(stream_text(client, body, s)) for s in starts]
                 for started in starts:
@@ -397,7 +400,7 @@ def test_sigterm_lets_50_streams_finish_refuses_new_ones_and_exits_0(tmp_path):
         assert statuses == [200, 503]
         assert len(results) == 50
         for text, last, done in results:
-            assert done and text == "w " * 29 + "w"
+            assert done and text == "w " * 99 + "w"
             assert last["choices"][0]["finish_reason"] == "stop"
         assert gateway.wait(HANG_GUARD) == 0
 
