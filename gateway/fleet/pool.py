@@ -13,6 +13,7 @@ from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
+from gateway.protocol import errors
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import Upstream
 
@@ -94,6 +95,10 @@ class ModelPool:
         if not candidates:
             return None
         return self.balancer.pick(candidates, request)
+
+    def no_worker(self) -> errors.Unavailable:
+        """The refusal of a call when no worker is left to try."""
+        return errors.Unavailable(f"No healthy worker is available for the model `{self.name}`.")
 
     def pick_for_unary(self, exclude: set[Worker]) -> Worker | None:
         """The worker for a unary call (an embedding, a tensor inference: no prompt prefix

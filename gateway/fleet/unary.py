@@ -32,7 +32,7 @@ def pick(pool: ModelPool, tried: set[Worker]) -> Worker:
     """A worker for a unary call among those not yet tried, or `Unavailable`."""
     worker = pool.pick_for_unary(tried)
     if worker is None:
-        raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+        raise pool.no_worker()
     return worker
 
 
