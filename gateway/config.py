@@ -185,6 +185,14 @@ class RoutingConfig:
         minimum=0,
         maximum=1,
     )
+    load_interval: float = setting(
+        1.0,
+        "seconds between two reads of an `upstream: openai` worker's Prometheus `/metrics` "
+        "for its engine's load record (vLLM's requests running and waiting, KV-cache use), "
+        "with `policy` `kv_aware` or `least_load` (a read times out after 2 s)",
+        minimum=0.1,
+        maximum=5.0,
+    )
     kv_events: tuple[tuple[str, str], ...] = setting(
         (),
         "`upstream: openai` workers (vLLM's HTTP server), `{workers entry: tcp://host:port}`: "

@@ -42,7 +42,7 @@ import httpx
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.discovery import Target, resolve
-from gateway.fleet.kv_follow import follow_kv
+from gateway.fleet.kv_follow import follow_kv, follow_loads
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.retry import RetryBudget, with_retries
 from gateway.fleet.worker import Worker
@@ -218,6 +218,7 @@ class Fleet:
         described = False
         self._spawn(self._follow_load(pool, worker))
         self._spawn(follow_kv(pool, worker))  # returns at once unless routing reads events
+        self._spawn(follow_loads(pool, worker))  # and unless it reads /metrics (openai)
         while not worker.leaving:
             try:
                 async for serving in worker.upstream.watch_health(interval):

@@ -121,6 +121,9 @@ class Router:
         #: object whose follower owns its part of the index.
         self.states: dict[str, str] = {}
         self.owners: dict[str, Worker] = {}
+        #: Per `upstream: openai` worker address: its `/metrics` read's state
+        #: (`kv_follow.follow_loads`: loads, unsupported, broken).
+        self.scrapes: dict[str, str] = {}
         #: Workers whose engine publishes over ZMQ: address -> its subscriber.
         self.zmq = {entry: ZmqKvSubscriber(endpoint) for entry, endpoint in config.kv_events}
 
@@ -181,7 +184,7 @@ class Router:
         index = self.index
         if self.sheds:  # a worker whose engine queue is full only while none has room
             candidates = [w for w in candidates if not self.engine_full(w.address)] or candidates
-        if not any(w.address in index.workers for w in candidates):
+        if not any(self._routable(w.address) for w in candidates):
             self.fallbacks_total += 1
             self.last = Route(policy, 0, "fallback")
             if policy == "kv_aware":
@@ -200,6 +203,15 @@ class Router:
             holders = [w for w in candidates if w.address in hits]
             candidates = holders + self._rng.sample(candidates, SAMPLED)
         return self._cheapest(candidates, prompt, hits)
+
+    def _routable(self, address: str) -> bool:
+        """Whether the policy has something of the worker's engine to route on: events
+        (kv_aware), or events or a load record (least_load; an `upstream: openai`
+        worker's `/metrics` gives a load without events, numbered below any batch)."""
+        kv = self.index.workers.get(address)
+        if kv is None:
+            return False
+        return kv.sequence >= 0 or (self.policy == "least_load" and kv.load is not None)
 
     def _cheapest(self, candidates: list[Worker], prompt: int, hits: dict[str, int]) -> Worker:
         config, workers, size = self.config, self.index.workers, self.index.block_size
@@ -282,5 +294,6 @@ class Router:
             "events": self.states.get(address, "none" if self.uses_events else "off"),
             "cached_blocks": 0 if kv is None else len(kv.blocks),
             "load": load,
+            "load_scrape": self.scrapes.get(address, "off"),
             "engine_full": self.engine_full(address),
         }

@@ -44,12 +44,17 @@ class OpenAIServer:
         self.model, self.key, self.reply = model, key, reply
         self.refused = 0
         self.last_body: dict[str, Any] = {}
+        #: What its Prometheus /metrics says, in vLLM's names (two engines, as a
+        #: data-parallel server's): requests running and waiting, KV-cache use; None:
+        #: no /metrics (404), as a server that is not a vLLM.
+        self.load: tuple[int, int, float] | None = None
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}/v1"
         app = Starlette(
             routes=[
                 Route("/health", self._health),
                 Route("/v1/models", self._models),
+                Route("/metrics", self._metrics),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/embeddings", self._embeddings, methods=["POST"]),
             ]
@@ -79,6 +84,31 @@ class OpenAIServer:
     async def _models(self, request: Request) -> Response:
         refusal = self._refusal(request)
         return refusal or JSONResponse({"data": [{"id": self.model, "max_model_len": 4096}]})
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.load is None:
+            return Response(status_code=404)
+        running, waiting, usage = self.load
+        model = self.model
+
+        def labels(engine: int) -> str:
+            return f'engine="{engine}",model_name="{model}"'
+
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels(0)}}} {running - running // 2}.0",
+            f"vllm:num_requests_running{{{labels(1)}}} {running // 2}.0",
+            "# TYPE vllm:num_requests_waiting_by_reason gauge",
+            f'vllm:num_requests_waiting_by_reason{{{labels(0)},reason="capacity"}} 99.0',
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels(0)}}} {waiting}.0",
+            f"vllm:num_requests_waiting{{{labels(1)}}} 0.0",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels(0)}}} {usage}",
+            f"vllm:kv_cache_usage_perc{{{labels(1)}}} 0.0",
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _chat(self, request: Request) -> Response:
         refusal = self._refusal(request)

@@ -32,8 +32,10 @@ One job a module:
                     (`gateway.protocol.http1`): `_RawCall`
     upstream.py     `OpenAIHttpUpstream` (the worker) and `OpenAIHttpCall` (a
                     stream over the fleet's httpx client: https, proxies)
+    loads.py        their Prometheus `/metrics` → the engine's load record (vLLM's
+                    running, waiting, KV-cache use), for routing
 
-https, a proxy from the environment, embeddings, /models and /health go through
+https, a proxy from the environment, embeddings, /models, /health and /metrics go through
 the fleet's httpx client (TLS and its CA, proxies).
 """
 

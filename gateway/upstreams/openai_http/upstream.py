@@ -17,6 +17,7 @@ import orjson
 
 from gateway.protocol import errors, features
 from gateway.protocol.http1 import Pool
+from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
 from gateway.upstreams.base import (
     CANCELLED,
@@ -26,6 +27,7 @@ from gateway.upstreams.base import (
     UpstreamCall,
 )
 from gateway.upstreams.openai_http.connections import _RawCall
+from gateway.upstreams.openai_http.loads import MAX_METRICS_BYTES, engine_load
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
@@ -151,6 +153,7 @@ class OpenAIHttpUpstream:
         self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
         root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
+        self._metrics_url = f"{root}/metrics"
         url = urlsplit(self.address)
         host, port = url.hostname or "", url.port or 80
         if raw_http is None:
@@ -290,6 +293,20 @@ class OpenAIHttpUpstream:
             ModelDescription(m["id"], int(m.get("max_model_len") or 0), features=features.ALL)
             for m in models
         ]
+
+    async def engine_load(self, timeout: float) -> EngineLoad | None:  # noqa: ASYNC109
+        """Their engine's load from their Prometheus `/metrics` (beside `/v1`; `loads`),
+        within `timeout` seconds; None when the page has no vLLM scheduler gauges or
+        there is no such page (404): not a vLLM."""
+        request = self._http.build_request(
+            "GET", self._metrics_url, headers=self._auth, timeout=timeout
+        )
+        status, content = await self._send(request, timeout, MAX_METRICS_BYTES)
+        if status == 404:
+            return None
+        if status != 200:
+            raise error_from_response(status, content[:MAX_ERROR_BYTES])
+        return engine_load(content, truncated=len(content) >= MAX_METRICS_BYTES)
 
     async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
         """Their /health every `poll_interval`: 200 is serving (its body is not read

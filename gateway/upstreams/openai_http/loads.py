@@ -1,0 +1,63 @@
+"""A vLLM OpenAI-HTTP server's load record, read from its Prometheus `/metrics`.
+
+vLLM's HTTP server sends no load record with its KV events (its ZMQ publisher carries
+blocks only), but its `/metrics` has the scheduler's gauges, one sample per engine (data
+parallel ranks are labelled `engine`): `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (a fraction, 0 to 1;
+`vllm:gpu_cache_usage_perc` before vLLM 0.10). `engine_load` turns them into the
+`EngineLoad` the other kinds of workers stream: running and waiting summed over the
+engines, the fullest engine's KV use; no uncached-token count (vLLM does not export it).
+
+The body is read up to `MAX_METRICS_BYTES` and scanned with one regular expression for
+those names only, not parsed whole: vLLM's document is mostly histograms, and a full
+parse (prometheus_client's text parser) costs milliseconds of the event loop per scrape.
+A server whose page has no running and waiting gauges is not a vLLM: None.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from gateway.protocol.kv_blocks import EngineLoad
+
+#: Bytes of `/metrics` read at most (vLLM's is ~100-300 KB, most of it histograms).
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+#: A count above this is not believed (a hostile or broken server): clamped.
+MAX_COUNT = 1 << 31
+
+_RUNNING, _WAITING = b"num_requests_running", b"num_requests_waiting"
+#: `vllm:NAME{labels} value [timestamp]` at a line's start; label values may hold `}`.
+_SAMPLE = re.compile(
+    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|"
+    rb'gpu_cache_usage_perc)(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
+    re.MULTILINE,
+)
+
+
+def engine_load(body: bytes, truncated: bool = False) -> EngineLoad | None:
+    """The load record in a `/metrics` page (None: no vLLM scheduler gauges in it);
+    `truncated`: the page was cut at the read bound, so its last line is not read."""
+    if truncated:
+        body = body[: body.rfind(b"\n") + 1]
+    running = waiting = 0
+    usage = 0.0
+    seen: set[bytes] = set()
+    for match in _SAMPLE.finditer(body):
+        name = match[1]
+        try:
+            value = float(match[2])
+        except ValueError:
+            continue
+        if not math.isfinite(value) or value < 0:
+            continue
+        seen.add(name)
+        if name == _RUNNING:
+            running = min(running + int(value), MAX_COUNT)
+        elif name == _WAITING:
+            waiting = min(waiting + int(value), MAX_COUNT)
+        else:
+            usage = max(usage, min(value, 1.0))
+    if _RUNNING not in seen or _WAITING not in seen:
+        return None
+    return EngineLoad(running=running, waiting=waiting, kv_usage=usage)

@@ -1,0 +1,197 @@
+"""Load records of `upstream: openai` workers, read from their Prometheus `/metrics`
+(`gateway.upstreams.openai_http.loads`, `kv_follow.follow_loads`): a real gateway under
+uvicorn in front of real OpenAI-compatible servers (tests/support/openai_server.py, whose
+`/metrics` says what the test sets, in vLLM's names), and real vLLM's HTTP server for
+the names themselves. A worker whose engine queues past `max_engine_waiting` is routed
+around, and the model sheds once every worker is; a server without the gauges keeps no
+load record, visibly, and serves on."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig, RoutingConfig
+from gateway.fleet.routing import Router
+from gateway.protocol.kv_blocks import EngineLoad
+from gateway.upstreams.openai_http.loads import engine_load
+from tests.support.certs import CertificateAuthority
+from tests.support.openai_server import OpenAIServer
+from tests.support.servers import Gateway, ServerLoop
+from tests.support.vllm import VllmProcess
+from tests.support.waiting import HANG_GUARD, wait_until
+
+MODEL = "http-loads"
+KEY_ENV = "FURNACE_TEST_HTTP_LOADS_KEY"
+
+
+@pytest.fixture
+def servers(
+    server_loop: ServerLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[list[OpenAIServer], CertificateAuthority]]:
+    """Two fake OpenAI servers sharing one key, each answering its own name."""
+    ca = CertificateAuthority(tmp_path, "upstream-ca")
+    key = "sk-" + secrets.token_hex(8)
+    started = [
+        OpenAIServer(MODEL, key, ca.issue(name, ips=("127.0.0.1",)), reply=name)
+        for name in ("first", "second")
+    ]
+    monkeypatch.setenv(KEY_ENV, key)
+    for server in started:
+        server_loop.call(server.start())
+    yield started, ca
+    for server in started:
+        server_loop.call(server.stop())
+
+
+def _gateway(
+    gateway_with: Callable[..., Gateway],
+    servers: list[OpenAIServer],
+    ca: CertificateAuthority,
+    **routing: object,
+) -> tuple[Gateway, Router]:
+    model = ModelConfig(
+        MODEL,
+        workers=tuple(s.url for s in servers),
+        upstream="openai",
+        api_key_env=KEY_ENV,
+        ca_file=ca.ca_file,
+        routing=RoutingConfig(load_interval=0.1, **routing),  # type: ignore[arg-type]
+    )
+    gw = gateway_with(models=(model,))
+    router = gw.state.fleet.models[MODEL].router
+    assert router is not None
+    return gw, router
+
+
+def _chat(gw: Gateway) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+
+
+def _served_by(gw: Gateway) -> str:
+    response = _chat(gw)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def test_a_worker_whose_engine_queues_past_the_bound_is_routed_around_then_shed(
+    servers: tuple[list[OpenAIServer], CertificateAuthority],
+    gateway_with: Callable[..., Gateway],
+) -> None:
+    (first, second), ca = servers
+    first.load = second.load = (1, 0, 0.25)
+    gw, router = _gateway(gateway_with, [first, second], ca, max_engine_waiting=2)
+
+    def load(server: OpenAIServer) -> EngineLoad | None:
+        kv = router.index.workers.get(server.url)
+        return None if kv is None else kv.load
+
+    wait_until(lambda: load(first) is not None and load(second) is not None, "both loads")
+    assert load(first) == EngineLoad(running=1, waiting=0, kv_usage=0.25)
+    assert router.scrapes == {first.url: "loads", second.url: "loads"}
+
+    first.load = (3, 5, 0.5)  # 5 waiting: past max_engine_waiting
+    wait_until(lambda: router.engine_full(first.url), "the first engine's queue in its record")
+    assert load(first) == EngineLoad(running=3, waiting=5, kv_usage=0.5)
+    assert {_served_by(gw) for _ in range(6)} == {"second"}
+
+    second.load = (0, 3, 0.1)
+    wait_until(lambda: router.engine_full(second.url), "the second engine's queue")
+    shed = _chat(gw)
+    assert shed.status_code == 503, shed.text
+    assert shed.json()["error"]["code"] == "server_busy"
+    metrics = httpx.get(gw.url + "/metrics", timeout=HANG_GUARD).text
+    assert f'model="{MODEL}",reason="workers_saturated"' in metrics
+    workers = httpx.get(gw.url + "/admin/workers", timeout=HANG_GUARD).json()
+    (model,) = [m for m in workers["models"] if m["name"] == MODEL]
+    assert all(w["routing"]["engine_full"] for w in model["workers"])
+    assert all(w["routing"]["load_scrape"] == "loads" for w in model["workers"])
+
+    first.load = (0, 0, 0.0)  # its queue drained: it takes requests again
+    wait_until(lambda: not router.engine_full(first.url), "the first engine's room")
+    assert _served_by(gw) == "first"
+
+
+def test_a_server_without_vllm_gauges_keeps_no_load_record_visibly_and_serves(
+    servers: tuple[list[OpenAIServer], CertificateAuthority],
+    gateway_with: Callable[..., Gateway],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (server, _), ca = servers  # its load is None: /metrics answers 404
+    caplog.set_level(logging.INFO, logger="furnace.fleet.kv")
+    gw, router = _gateway(gateway_with, [server], ca, policy="least_load", max_kv_usage=0.5)
+    wait_until(lambda: router.scrapes.get(server.url) == "unsupported", "the first read")
+    assert server.url not in router.index.workers
+    for _ in range(3):
+        assert _served_by(gw) == "first"  # never an error per request, never shed
+    assert router.last.reason == "fallback"  # least_load without a record: p2c
+    workers = httpx.get(gw.url + "/admin/workers", timeout=HANG_GUARD).json()
+    (model,) = [m for m in workers["models"] if m["name"] == MODEL]
+    (worker,) = model["workers"]
+    assert worker["routing"]["load_scrape"] == "unsupported"
+    assert worker["routing"]["load"] is None
+    said = [r for r in caplog.records if "no vLLM load gauges" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
+    """The parser as a value: vLLM's samples summed over engines (the fullest engine's
+    KV use), look-alike names and comments ignored, a cut last line not read, values
+    that are not counts skipped, a page without the gauges None."""
+    page = (
+        b"# HELP vllm:num_requests_running Number of requests.\n"
+        b'vllm:num_requests_running{engine="0",model_name="a}b"} 2.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="a}b"} 1.0 1700000000\n'
+        b'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 50.0\n'
+        b'vllm:num_requests_waiting{engine="0"} 4.0\n'
+        b'vllm:num_requests_waiting{engine="1"} NaN\n'
+        b'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+        b'vllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+        b"other:num_requests_waiting 9.0\n"
+    )
+    assert engine_load(page) == EngineLoad(running=3, waiting=4, kv_usage=0.75)
+    cut = page + b'vllm:num_requests_waiting{engine="2"} 7'
+    assert engine_load(cut, truncated=True) == EngineLoad(running=3, waiting=4, kv_usage=0.75)
+    old = page.replace(b"kv_cache_usage_perc", b"gpu_cache_usage_perc")
+    assert engine_load(old) == EngineLoad(running=3, waiting=4, kv_usage=0.75)
+    assert engine_load(b"vllm:kv_cache_usage_perc 2.0\nvllm:num_requests_running 1\n") is None
+    assert engine_load(b"vllm:num_requests_running 1e30\nvllm:num_requests_waiting -1\n") is None
+    huge = engine_load(b"vllm:num_requests_running 1e30\nvllm:num_requests_waiting 0\n")
+    assert huge is not None and huge.running == 1 << 31
+    assert engine_load(b"<html>not found</html>") is None
+
+
+def test_real_vllm_http_servers_metrics_give_a_load_record(
+    vllm_http: VllmProcess, gateway_with: Callable[..., Gateway]
+) -> None:
+    """vLLM's own `/metrics` names, read through the gateway: the record arrives, and a
+    request it served counts in it while it runs or after (running + waiting >= 0)."""
+    url = f"http://127.0.0.1:{vllm_http.port}/v1"
+    model = ModelConfig(
+        "tiny-vllm",
+        upstream="openai",
+        workers=(url,),
+        routing=RoutingConfig(policy="least_load", load_interval=0.2),
+    )
+    gw = gateway_with(models=(model,))
+    router = gw.state.fleet.models["tiny-vllm"].router
+    assert router is not None
+
+    def record() -> EngineLoad | None:
+        kv = router.index.workers.get(url)
+        return None if kv is None else kv.load
+
+    wait_until(lambda: record() is not None, "vLLM's load record from its /metrics", HANG_GUARD)
+    assert router.scrapes[url] == "loads"
+    load = record()
+    assert load is not None and 0.0 <= load.kv_usage <= 1.0
+    body = {"model": "tiny-vllm", "prompt": "hello", "max_tokens": 2}
+    response = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD * 4)
+    assert response.status_code == 200, response.text
+    assert router.last.reason == ""  # least_load routed on the record, not the fallback
