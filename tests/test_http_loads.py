@@ -136,6 +136,9 @@ def test_a_server_without_vllm_gauges_keeps_no_load_record_visibly_and_serves(
     (worker,) = model["workers"]
     assert worker["routing"]["load_scrape"] == "unsupported"
     assert worker["routing"]["load"] is None
+    metrics = httpx.get(gw.url + "/metrics", timeout=HANG_GUARD).text
+    state = f'load_scrape{{model="{MODEL}",state="unsupported",worker="{server.url}"}} 1.0'
+    assert state in metrics
     said = [r for r in caplog.records if "no vLLM load gauges" in r.getMessage()]
     assert len(said) == 1
 
@@ -167,6 +170,8 @@ def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
     assert engine_load(b"<html>not found</html>") is None
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
 def test_real_vllm_http_servers_metrics_give_a_load_record(
     vllm_http: VllmProcess, gateway_with: Callable[..., Gateway]
 ) -> None:

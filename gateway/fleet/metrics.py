@@ -65,6 +65,12 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
         "1 for the state of the worker's KV-event stream (events, unsupported, broken, none).",
         labels=[*labels, "state"],
     )
+    scrape = GaugeMetricFamily(
+        f"{PREFIX}_worker_load_scrape",
+        "1 for the state of an openai worker's /metrics read for its engine's load record "
+        "(loads, unsupported, broken).",
+        labels=[*labels, "state"],
+    )
     lag = GaugeMetricFamily(
         f"{PREFIX}_worker_kv_event_lag_seconds",
         "Seconds between the worker sending its last KV batch and the gateway applying it.",
@@ -99,6 +105,9 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
             kv = index.workers.get(address)
             state = router.view(address)["events"]
             events.add_metric([pool.name, address, str(state)], 1)
+            scraped = router.scrapes.get(address)
+            if scraped is not None:
+                scrape.add_metric([pool.name, address, scraped], 1)
             blocks.add_metric([pool.name, address], 0 if kv is None else len(kv.blocks))
             if kv is not None:
                 lag.add_metric([pool.name, address], kv.lag)
@@ -106,4 +115,4 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
                 malformed = 0 if subscriber is None else subscriber.malformed
                 refused.add_metric([pool.name, address], kv.refused + malformed)
                 evicted.add_metric([pool.name, address], kv.evicted)
-    yield from (blocks, events, lag, refused, evicted, memory, fallbacks)
+    yield from (blocks, events, scrape, lag, refused, evicted, memory, fallbacks)
