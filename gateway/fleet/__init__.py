@@ -10,7 +10,8 @@
     aliases.py       aliases, weighted splits and fallbacks: which model serves a request
     embedding.py     an embedding, on that rule
     inference.py     a tensor inference and a model's metadata, on that rule
-    kv_follow.py     a worker's KV events followed into the index
+    kv_follow.py     a worker's KV events followed into the index, and an `openai`
+                     worker's load record read from its /metrics
     kv_index.py      which worker holds which KV-cache blocks, from the engines' events
     metrics.py       retries, and each worker's calls, health and ejections, for /metrics
     routing.py       routing on what the engines hold and have queued

@@ -10,7 +10,8 @@ engines, the fullest engine's KV use; no uncached-token count (vLLM does not exp
 
 The body is read up to `MAX_METRICS_BYTES` and scanned with one regular expression for
 those names only, not parsed whole: vLLM's document is mostly histograms, and a full
-parse (prometheus_client's text parser) costs milliseconds of the event loop per scrape.
+parse costs the event loop far more (vLLM 0.32's 57 KB page, idle: 48 µs here,
+prometheus_client's text parser 37 ms).
 A server whose page has no running and waiting gauges is not a vLLM: None.
 """
 
@@ -21,17 +22,18 @@ import re
 
 from gateway.protocol.kv_blocks import EngineLoad
 
-#: Bytes of `/metrics` read at most (vLLM's is ~100-300 KB, most of it histograms).
-MAX_METRICS_BYTES = 4 * 1024 * 1024
+#: Bytes of `/metrics` read at most (vLLM 0.32's page is ~60 KB, most of it histograms;
+#: it grows with more label values, such as LoRA adapters).
+MAX_METRICS_BYTES = 1024 * 1024
 #: A count above this is not believed (a hostile or broken server): clamped.
 MAX_COUNT = 1 << 31
 
 _RUNNING, _WAITING = b"num_requests_running", b"num_requests_waiting"
-#: `vllm:NAME{labels} value [timestamp]` at a line's start; label values may hold `}`.
+#: `vllm:NAME{labels} value [timestamp]` after a newline (a literal start lets the engine
+#: skip to candidates: 20x faster than `^` with MULTILINE); label values may hold `}`.
 _SAMPLE = re.compile(
-    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|"
+    rb"\nvllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|"
     rb'gpu_cache_usage_perc)(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
-    re.MULTILINE,
 )
 
 
@@ -43,7 +45,7 @@ def engine_load(body: bytes, truncated: bool = False) -> EngineLoad | None:
     running = waiting = 0
     usage = 0.0
     seen: set[bytes] = set()
-    for match in _SAMPLE.finditer(body):
+    for match in _SAMPLE.finditer(b"\n" + body):
         name = match[1]
         try:
             value = float(match[2])
