@@ -151,6 +151,10 @@ async def follow_loads(pool: ModelPool, worker: Worker) -> None:
                     log.warning(
                         "worker %s: no load record from /metrics: %s", address, error.message
                     )
+            except Exception:  # a bug (or an answer httpx cannot decode) must not stop it
+                load, state = None, BROKEN
+                if before != BROKEN:
+                    log.exception("worker %s: reading its load record failed", address)
             else:
                 state = LOADS if load is not None else UNSUPPORTED
             if load is not None:
