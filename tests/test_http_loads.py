@@ -117,6 +117,13 @@ def test_a_worker_whose_engine_queues_past_the_bound_is_routed_around_then_shed(
     wait_until(lambda: not router.engine_full(first.url), "the first engine's room")
     assert _served_by(gw) == "first"
 
+    second.metrics_status = 500  # a failing read drops the record: not full by it
+    wait_until(lambda: router.scrapes[second.url] == "broken", "the failed read")
+    assert load(second) is None and not router.engine_full(second.url)
+    second.metrics_status = 200
+    wait_until(lambda: router.scrapes[second.url] == "loads", "the next read")
+    assert router.engine_full(second.url)
+
 
 def test_a_server_without_vllm_gauges_keeps_no_load_record_visibly_and_serves(
     servers: tuple[list[OpenAIServer], CertificateAuthority],

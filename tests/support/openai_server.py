@@ -48,6 +48,8 @@ class OpenAIServer:
         #: data-parallel server's): requests running and waiting, KV-cache use; None:
         #: no /metrics (404), as a server that is not a vLLM.
         self.load: tuple[int, int, float] | None = None
+        #: Set to answer /metrics with this status instead (a failing page).
+        self.metrics_status = 200
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}/v1"
         app = Starlette(
@@ -86,6 +88,8 @@ class OpenAIServer:
         return refusal or JSONResponse({"data": [{"id": self.model, "max_model_len": 4096}]})
 
     async def _metrics(self, request: Request) -> Response:
+        if self.metrics_status != 200:
+            return Response(status_code=self.metrics_status)
         if self.load is None:
             return Response(status_code=404)
         running, waiting, usage = self.load
