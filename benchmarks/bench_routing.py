@@ -1,160 +1,287 @@
-"""Benchmark: routing policies on real vLLM CPU workers (issue 26), one run, every policy
-interleaved. Two (or `--workers`) of vLLM's own gRPC servers, prefix caching and KV-cache
-events on, the tiny model; one furnace-gateway per policy in front of the same workers:
-`round_robin`, `prefix` (today's prefix affinity) and `kv_aware` (the engines' events).
+"""Benchmark: routing policies on real vLLM CPU workers (issue 26), one run, every row
+interleaved. Two (`--workers`) of vLLM's OpenAI HTTP servers, each pinned to a core of its
+own (vLLM's `VLLM_CPU_OMP_THREADS_BIND`), prefix caching and KV-cache events (ZMQ) on,
+serving a random-weight model the benchmark builds (`--size`, hidden size and layers: at
+256x4 a cold 2,000-token prefill measured 2.7-4.3 s here, a cached one 0.4-0.6 s).
 
-Workload: multi-turn conversations over a set of long shared documents (a system prompt
-each). Each policy gets its own documents and conversations (a salt in every prompt), so
-one policy's blocks are never another's hits; turns are interleaved across the policies
-(A B C, A B C, ...), so each sees the same load on the same engines. A turn is the
-conversation so far plus a new question, streamed, `max_tokens` 8; the answer is appended.
+Rows, in front of the same engines: furnace-gateway with `round_robin`, `prefix` (its text
+prefix affinity) and `kv_aware` (the engines' events over `routing.kv_events`, the model's
+`tokenizer`); smg (`--policy cache_aware`) and vllm-router (`--policy cache_aware`), started
+as bench_vllm starts them.
 
-Columns: TTFT p50 and p99 (to the first streamed chunk), the share of each request's prompt
-the picked worker held by the gateway's index (`cache_hit_blocks`, kv_aware's own view;
-vLLM's gRPC server exposes no prefix-cache counter to read per policy), requests/s, and
-the gateway's CPU per request is not measured here.
+Workload: `--documents` long shared documents (~`--doc-tokens` tokens each, a system
+prompt) and `--conversations` conversations per row over them, `--turns` turns each: the
+conversation so far plus a new user message of ~`--turn-tokens` tokens, streamed, greedy,
+`max_tokens` 16 (the model's output layer is zero, `ordered`: it answers its first token,
+printable, so the first text is the first token); the turn's answer is kept as a fixed
+text. Each row has its own documents (a salt in their first block),
+so one row's blocks are never another's hits; requests go one at a time, rows interleaved
+(A B C D E, A B C D E, ...), so every row sees the same engines under the same load. An odd
+number of conversations keeps round robin from pinning each one to an engine by accident.
+`--kv-blocks` bounds each engine's KV cache to about half of what all rows need, as a
+fleet's cache is in production (the rows together fit in both engines, not in one):
+placing a prefix where it already is saves its prefill and the room for a second copy.
 
-On a shared 2-core VM the engines, the gateways and the client share the cores: figures
-are indicative, not the issue's targets' machine. The tiny model's prefill is fast, so
-cache hits move TTFT less than on a GPU-sized model.
+Columns: the engines' prefix-cache hit rate (vLLM's own `vllm:prefix_cache_hits_total` over
+`..._queries_total`, both engines' deltas around each request) and the oracle's (the
+hits of a router that knows every cache, without evictions: every whole 128-token block
+seen before in the row is a hit), TTFT p50/p99 (to the first streamed text), completion
+tokens/s over the row's request time, and the router's CPU (its process tree) per request.
 
-Run: `.venv/bin/python -m benchmarks.bench_routing [--workers 2] [--documents 4]
-[--conversations 8] [--turns 4]`. Not collected by pytest.
+On a shared 2-core VM the client, the gateways and the routers share the cores with the
+engines: figures are indicative.
+
+Run: `.venv/bin/python -m benchmarks.bench_routing [--quick] [--size 256x4]
+[--no-peers]` (`--quick`: 1 document, 3 conversations of 2 turns, for development).
+Not collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop
-from tests.support.processes import free_port
-from tests.support.vllm import build_vllm_model, start_grpc_server
+from benchmarks.bench_peers import PEERS_VENV, install_peers, tree_cpu  # noqa: E402
+from benchmarks.bench_vllm import MODEL, Target, one_chat, start_gateway, start_router  # noqa: E402
+from gateway.protocol.types import Message  # noqa: E402
+from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noqa: E402
+from tests.support.processes import free_port  # noqa: E402
+from tests.support.tiny_model import build_tiny_model  # noqa: E402
+from tests.support.vllm import VllmProcess, start_http_server  # noqa: E402
 
-MODEL = "tiny-routing"
 POLICIES = ("round_robin", "prefix", "kv_aware")
-STARTUP_TIMEOUT = 120.0
+PEER_POLICY = "cache_aware"
+BLOCK = 128  # vLLM's KV block on CPU, in tokens
+MAX_TOKENS = 16
+ANSWER = "noted, thank you."
+COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
-def _events_args() -> tuple[str, ...]:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq"}
-    config["endpoint"] = f"tcp://*:{free_port()}"
-    return (
+@dataclass
+class Row:
+    """What one row measured, request by request."""
+
+    name: str
+    url: str = ""
+    pid: int | None = None
+    missing: str | None = None
+    ttfts: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    cpu: float = 0.0
+    hits: float = 0.0
+    queries: float = 0.0
+    oracle_hits: int = 0
+    oracle_queries: int = 0
+    seen: set[tuple[int, ...]] = field(default_factory=set)
+
+
+def _engine(model: Path, work: Path, core: int, blocks: int) -> tuple[VllmProcess, str]:
+    """vLLM's OpenAI server on core `core` with prefix caching and ZMQ KV events bound on
+    a free port; the server and its publisher's address."""
+    events = free_port()
+    config = (
+        f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events}"}}'
+    )
+    extra: tuple[str, ...] = (
         "--enable-prefix-caching",
         "--kv-events-config",
-        json.dumps(config),
+        config,
         "--max-model-len",
         "4096",
-        "--served-model-name",
-        MODEL,
     )
+    if blocks:  # vLLM's CPU backend takes its cache's size from the environment, 1 GiB
+        extra += ("--num-gpu-blocks-override", str(blocks))
+    logs = work / f"vllm-{core}"
+    logs.mkdir()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
+    try:
+        server = start_http_server(model, logs, MODEL, extra)
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    return server, f"tcp://127.0.0.1:{events}"
 
 
-def _gateway(stack: ExitStack, work: Path, policy: str, workers: list[str], tokenizer: Path) -> str:
-    port = free_port()
-    model = {
-        "name": MODEL,
-        "upstream": "vllm-grpc",
-        "tokenizer": str(tokenizer),
-        "workers": workers,
-        "routing": {"policy": policy},
-    }
-    config = {"host": "127.0.0.1", "port": port, "log_level": "warning", "models": [model]}
-    path = work / f"{policy}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = _spawn(["-m", "gateway", "serve", "--config", str(path)])
-    stack.callback(_stop, process)
-    end = time.monotonic() + STARTUP_TIMEOUT
-    while not _gateway_ready(port):
-        if time.monotonic() > end or process.poll() is not None:
-            raise RuntimeError(f"the {policy} gateway did not start")
-        time.sleep(0.2)
-    return f"http://127.0.0.1:{port}"
+def _counters(client: httpx.Client, engines: list[str]) -> tuple[float, float]:
+    """Prefix-cache hits and queries (tokens) of all engines, from their /metrics."""
+    hits = queries = 0.0
+    for url in engines:
+        for kind, value in COUNTER.findall(client.get(url + "/metrics").text):
+            if kind == "hits":
+                hits += float(value)
+            else:
+                queries += float(value)
+    return hits, queries
 
 
-async def _turn(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, str]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True}
-    start = time.perf_counter()
-    first = None
-    text = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if first is None:
-                first = time.perf_counter() - start
-            text.append(json.loads(line[6:])["choices"][0]["text"])
-    return first or 0.0, "".join(text)
+def _documents(tokenizer: ModelTokenizer, row: str, count: int, tokens: int) -> list[str]:
+    """`count` documents of about `tokens` tokens each, salted with the row's name."""
+    rng = random.Random(row)
+    words = [f"{w}{i}" for i in range(400) for w in ("data", "node", "fleet")]
+    docs = []
+    for d in range(count):
+        text = f"[{row} document {d}]"
+        while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
+            text += " " + " ".join(rng.choice(words) for _ in range(50))
+        docs.append(text)
+    return docs
 
 
-async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[float]]:
+def _oracle(row: Row, ids: list[int]) -> None:
+    """Counts the request's tokens an all-knowing router would find cached: its whole
+    blocks seen before in this row (the last token is always computed)."""
+    hit = 0
+    for end in range(BLOCK, len(ids), BLOCK):
+        key = tuple(ids[:end])
+        if key in row.seen:
+            hit = end
+        row.seen.add(key)
+    row.oracle_hits += hit
+    row.oracle_queries += len(ids)
+
+
+async def _measure(
+    args: argparse.Namespace, rows: list[Row], engines: list[str], model: Path
+) -> None:
+    tokenizer = load_tokenizer(str(model))
     rng = random.Random(7)
-    ttft: dict[str, list[float]] = {p: [] for p in POLICIES}
-    words = [f"w{i}" for i in range(500)]
-    conversations: dict[str, list[str]] = {}
-    for policy in POLICIES:
-        docs = [
-            f"[{policy} document {d}] " + " ".join(rng.choice(words) for _ in range(args.words))
-            for d in range(args.documents)
+    talks: dict[str, list[list[dict[str, str]]]] = {}
+    for row in rows:
+        docs = _documents(tokenizer, row.name, args.documents, args.doc_tokens)
+        talks[row.name] = [
+            [{"role": "system", "content": docs[c % len(docs)]}] for c in range(args.conversations)
         ]
-        conversations[policy] = [rng.choice(docs) for _ in range(args.conversations)]
-    async with httpx.AsyncClient(timeout=120) as client:
-        for turn in range(args.turns):
-            for c in range(args.conversations):
-                for policy in POLICIES:  # interleaved: the same load on the same engines
-                    prompt = conversations[policy][c] + f"\nQ{turn}: question {c}-{turn}?\nA:"
-                    seconds, answer = await _turn(client, urls[policy], prompt)
-                    ttft[policy].append(seconds)
-                    conversations[policy][c] = prompt + answer
-    return ttft
+    filler = [f"item{i}" for i in range(300)]
+    with httpx.Client(timeout=30) as metrics:
+        async with httpx.AsyncClient(timeout=300) as client:
+            for turn in range(args.turns):
+                for c in range(args.conversations):
+                    words = " ".join(rng.choice(filler) for _ in range(args.turn_tokens // 3))
+                    for row in rows:  # interleaved: the same engines, the same load
+                        talk = talks[row.name][c]
+                        talk.append({"role": "user", "content": f"Q{turn}: {words}?"})
+                        prompt = [Message(m["role"], m["content"]) for m in talk]
+                        _oracle(row, tokenizer.prompt_ids(None, prompt))
+                        hits, queries = _counters(metrics, engines)
+                        cpu = tree_cpu(row.pid) if row.pid else None
+                        start = time.perf_counter()
+                        extra = {"messages": talk, "max_tokens": MAX_TOKENS}
+                        ttft, tokens = await one_chat(client, row.url, extra)
+                        row.seconds += time.perf_counter() - start
+                        after = tree_cpu(row.pid) if row.pid else None
+                        if cpu is not None and after is not None:
+                            row.cpu += after - cpu
+                        now_hits, now_queries = _counters(metrics, engines)
+                        row.hits += now_hits - hits
+                        row.queries += now_queries - queries
+                        row.ttfts.append(ttft)
+                        row.tokens += tokens
+                        talk.append({"role": "assistant", "content": ANSWER})
+                print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
+
+
+def _table(rows: list[Row]) -> str:
+    lines = [
+        "| row | requests | hit rate (oracle) | TTFT p50 | TTFT p99 | tokens/s | CPU/request |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        if row.missing:
+            lines.append(f"| {row.name} | not measured: {row.missing} | | | | | |")
+            continue
+        values = sorted(row.ttfts)
+        p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
+        hit = row.hits / row.queries if row.queries else 0.0
+        oracle = row.oracle_hits / row.oracle_queries
+        lines.append(
+            f"| {row.name} | {len(values)} | {hit:.1%} ({oracle:.1%}) "
+            f"| {statistics.median(values) * 1000:.0f} ms | {p99 * 1000:.0f} ms "
+            f"| {row.tokens / row.seconds:.1f} | {row.cpu / len(values) * 1e3:.1f} ms |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--documents", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--size", default="256x4", help="the model's hidden size x layers")
+    parser.add_argument("--documents", type=int, default=3)
+    parser.add_argument("--doc-tokens", type=int, default=1800)
+    parser.add_argument("--conversations", type=int, default=5)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--words", type=int, default=400, help="words of a document")
+    parser.add_argument("--turn-tokens", type=int, default=150)
+    parser.add_argument("--kv-blocks", type=int, default=200, help="per engine; 0: vLLM's")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    with ExitStack() as stack, tempfile.TemporaryDirectory() as raw:
+    if args.quick:
+        args.documents, args.conversations, args.turns = 1, 3, 2
+    hidden, layers = (int(n) for n in args.size.split("x"))
+    with tempfile.TemporaryDirectory() as raw, ExitStack() as stack:
         work = Path(raw)
-        model = build_vllm_model(work / "model")
-        servers = []
-        for i in range(args.workers):
-            logs = work / f"vllm-{i}"
-            logs.mkdir()
-            server = start_grpc_server(model, logs, _events_args())
+        model = build_tiny_model(work / "model", ordered=True, for_vllm=True, size=(hidden, layers))
+        publishers = {}
+        for core in range(args.workers):
+            server, publisher = _engine(model, work, core, args.kv_blocks)
             stack.callback(server.stop)
-            servers.append(server)
-        workers = [f"127.0.0.1:{s.port}" for s in servers]
-        urls = {p: _gateway(stack, work, p, workers, model) for p in POLICIES}
-        time.sleep(2)  # the gateways subscribe to the workers' events
-        ttft = asyncio.run(run(args, urls))
-    print("| policy | requests | TTFT p50 | TTFT p99 |")
-    print("| --- | --- | --- | --- |")
-    for policy in POLICIES:
-        values = sorted(ttft[policy])
-        p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
-        print(
-            f"| {policy} | {len(values)} | {statistics.median(values) * 1000:.1f} ms "
-            f"| {p99 * 1000:.1f} ms |"
-        )
+            publishers[f"http://127.0.0.1:{server.port}/v1"] = publisher
+        workers = list(publishers)
+        rows = []
+        for policy in POLICIES:
+            routing: dict[str, object] = {"policy": policy}
+            if policy == "kv_aware":
+                routing["kv_events"] = publishers
+            upstream: dict[str, object] = {
+                "name": MODEL,
+                "upstream": "openai",
+                "tokenizer": str(model),
+                "workers": workers,
+                "routing": routing,
+            }
+            target = start_gateway(stack, work, policy, upstream)
+            rows.append(_row(f"furnace {policy}", target))
+        peers = {} if args.no_peers else install_peers(PEERS_VENV)
+        engines = [w.removesuffix("/v1") for w in workers]
+        for name, executable in peers.items():
+            extra = ["--worker-urls", *engines, "--policy", PEER_POLICY]
+            target = start_router(stack, name, executable, work, engines[0], extra)
+            rows.append(_row(f"{name} {PEER_POLICY}", target))
+        time.sleep(2)  # the kv_aware gateway subscribes to the engines' events
+        measured = [row for row in rows if not row.missing]
+        asyncio.run(_measure(args, measured, engines, model))
+        with httpx.Client() as client:
+            blocks = re.findall(
+                r"num_gpu_blocks=\"(\d+)\"", client.get(engines[0] + "/metrics").text
+            )
+    load = os.getloadavg()
+    print(
+        f"model {args.size}, {args.workers} engines of {blocks[:1] or '?'} KV blocks, "
+        f"{args.documents} documents of ~{args.doc_tokens} tokens, {args.conversations} "
+        f"conversations x {args.turns} turns a row; load average {load[0]:.1f} {load[1]:.1f}"
+    )
+    print(_table(rows))
+
+
+def _row(name: str, target: Target) -> Row:
+    """The row of a started target (its URL is its calls' URL) or why it is missing."""
+    if target.missing or target.calls is None:
+        return Row(name, missing=target.missing or "no calls")
+    return Row(name, url=target.calls().url, pid=target.pid)
 
 
 if __name__ == "__main__":

@@ -90,18 +90,23 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(path: Path, *, ordered: bool = False, for_vllm: bool = False) -> Path:
-    """Saves a 2-layer Llama (random weights) and the tokenizer to `path`: hidden size 32,
-    or, `for_vllm`, the shapes vLLM's CPU kernels take (head size 64, bfloat16)."""
+def build_tiny_model(
+    path: Path, *, ordered: bool = False, for_vllm: bool = False, size: tuple[int, int] = (256, 2)
+) -> Path:
+    """Saves a Llama (random weights) and the tokenizer to `path`: 2 layers of hidden size
+    32, or, `for_vllm`, the shapes vLLM's CPU kernels take (head size 64, bfloat16) at
+    `size` (hidden size, layers; a benchmark wants a prefill that costs something)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
+    hidden, layers = size if for_vllm else (32, 2)
+    heads = max(4, hidden // 64) if for_vllm else 4
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=256 if for_vllm else 32,
-        intermediate_size=512 if for_vllm else 64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=CONTEXT,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
