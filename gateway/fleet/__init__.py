@@ -324,7 +324,7 @@ class Fleet:
             await pool.router.prepare(request, pool.workers.values())
         worker = pool.pick(request, tried)
         if worker is None:
-            raise errors.Unavailable(f"No healthy worker is available for the model `{pool.name}`.")
+            raise pool.no_worker()
         if record is not None and pool.router is not None:
             route = pool.router.last
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
