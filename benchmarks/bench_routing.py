@@ -69,6 +69,7 @@ PEER_POLICY = "cache_aware"
 BLOCK = 128  # vLLM's KV block on CPU, in tokens
 MAX_TOKENS = 16
 ANSWER = "noted, thank you."
+INDEX_METRICS = r"^furnace_gateway_(?:worker_kv_\w+|routing_fallbacks_total)(?:\{.*\})? .*$"
 COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -265,6 +266,10 @@ def main() -> None:
         measured = [row for row in rows if not row.missing]
         asyncio.run(_measure(args, measured, engines, model))
         with httpx.Client() as client:
+            for row in measured:  # the kv_aware gateway's index: were events followed?
+                if row.name.endswith("kv_aware"):
+                    text = client.get(row.url + "/metrics").text
+                    print(*re.findall(INDEX_METRICS, text, re.M), sep="\n", file=sys.stderr)
             blocks = re.findall(
                 r"num_gpu_blocks=\"(\d+)\"", client.get(engines[0] + "/metrics").text
             )
