@@ -14,10 +14,10 @@ prompt) and `--conversations` conversations per row over them, `--turns` turns e
 conversation so far plus a new user message of ~`--turn-tokens` tokens, streamed, greedy,
 `max_tokens` 16 (the model's output layer is zero, `ordered`: it answers its first token,
 printable, so the first text is the first token); the turn's answer is kept as a fixed
-text. Each row has its own documents (a salt in their first block),
-so one row's blocks are never another's hits; requests go one at a time, rows interleaved
-(A B C D E, A B C D E, ...), so every row sees the same engines under the same load. An odd
-number of conversations keeps round robin from pinning each one to an engine by accident.
+text. Each row has its own documents (a salt in their first block), so one row's blocks are
+never another's hits; requests go one at a time, rows interleaved (A B C D E, A B C D E,
+...), so every row sees the same engines under the same load. An odd number of
+conversations keeps round robin from pinning each one to an engine by accident.
 `--kv-blocks` bounds each engine's KV cache to about half of what all rows need, as a
 fleet's cache is in production (the rows together fit in both engines, not in one):
 placing a prefix where it already is saves its prefill and the room for a second copy.
@@ -31,9 +31,12 @@ tokens/s over the row's request time, and the router's CPU (its process tree) pe
 On a shared 2-core VM the client, the gateways and the routers share the cores with the
 engines: figures are indicative.
 
+After the table, the kv_aware gateway's index metrics go to stderr (cached blocks per
+worker, event state, evictions, fallbacks): whether its events were followed.
+
 Run: `.venv/bin/python -m benchmarks.bench_routing [--quick] [--size 256x4]
-[--no-peers]` (`--quick`: 1 document, 3 conversations of 2 turns, for development).
-Not collected by pytest.
+[--kv-blocks 200] [--no-peers]` (`--quick`: 1 document, 3 conversations of 2 turns, for
+development; 3-7 minutes here, most of it the engines' start). Not collected by pytest.
 """
 
 from __future__ import annotations
