@@ -12,7 +12,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -22,6 +22,7 @@ from gateway.fleet.balancing import PrefixAffinity
 from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.routing import LOAD_FRESH, Router
+from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.protocol.kv_blocks import (
     BlocksRemoved,
     BlocksStored,
@@ -30,6 +31,7 @@ from gateway.protocol.kv_blocks import (
     KvBatch,
     chain,
 )
+from gateway.protocol.types import GenerateRequest
 from gateway.worker.demo import DemoEngine
 from gateway.worker.kv_events import KvPublisher
 from gateway.worker.server import WorkerServer
@@ -438,3 +440,35 @@ def test_a_load_record_makes_a_worker_full_only_past_its_bounds_and_while_fresh(
     unbounded = Router(MODEL, RoutingConfig(), PrefixAffinity(256, 1.5))
     unbounded.index.apply("three", KvBatch(1, (), True, EngineLoad(waiting=1000)), now=0.0)
     assert not unbounded.sheds
+
+
+def test_a_prefix_no_worker_holds_lands_on_one_worker_on_every_replica() -> None:
+    """kv_aware's tie-break among workers that hold none of a prompt: a rendezvous hash of
+    the prompt's first block that no worker holds. Every request for one new document
+    picks the same worker, on each of two replicas alike (so a document is not copied
+    into every cache before any of them holds it), and several documents spread."""
+    addresses = [f"10.0.0.{i}:8000" for i in range(4)]
+    workers = [Worker(a, cast(Any, None), EjectionPolicy()) for a in addresses]
+    other = bytes(16)  # a block of another prompt: the index learns the block size
+
+    def replica() -> Router:
+        router = Router(MODEL, RoutingConfig(), PrefixAffinity(256, 1.5))
+        for address in addresses:
+            router.index.apply(address, KvBatch(1, (), True))
+        stored = BlocksStored((7,), None, other, 16)
+        router.index.apply(addresses[0], KvBatch(2, (stored,)))
+        return router
+
+    first, second = replica(), replica()
+    documents = [f"document {d}: " + "words of a long shared system prompt " * 4 for d in range(8)]
+    chosen = {}
+    for document in documents:
+        picks = {
+            router.pick(workers, GenerateRequest(MODEL, prompt=f"{document} question {q}")).address
+            for router in (first, second)
+            for q in range(3)
+        }
+        assert len(picks) == 1, (document, picks)
+        chosen[document] = picks.pop()
+    assert first.last.policy == "kv_aware"
+    assert len(set(chosen.values())) > 1  # 8 documents over 4 workers do not all herd

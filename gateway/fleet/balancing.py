@@ -51,7 +51,9 @@ class LeastOutstanding:
         return a if a.outstanding / a.weight <= b.outstanding / b.weight else b
 
 
-def _hash(key: str) -> int:
+def stable_hash(key: str) -> int:
+    """64 bits of `key`, the same in every process (Python's own `hash` of a string is
+    salted per process)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
@@ -84,7 +86,7 @@ class PrefixAffinity:
         if members == self._members:
             return
         ring = sorted(
-            (_hash(f"{w.address}#{i}"), w)
+            (stable_hash(f"{w.address}#{i}"), w)
             for w in members
             for i in range(max(1, round(VIRTUAL_NODES * w.weight)))
         )
@@ -99,7 +101,7 @@ class PrefixAffinity:
         self._ring(candidates)
         total = sum(w.outstanding for w in candidates) + 1
         bound = math.ceil(self.load_factor * total / len(candidates))
-        start = bisect.bisect(self._points, _hash(prefix_key(request, self.prefix_chars)))
+        start = bisect.bisect(self._points, stable_hash(prefix_key(request, self.prefix_chars)))
         n = len(self._owners)
         for i in range(n):
             owner = self._owners[(start + i) % n]

@@ -49,12 +49,12 @@ import itertools
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from functools import partial
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from gateway.config import RoutingConfig
-from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity
+from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity, stable_hash
 from gateway.fleet.kv_index import KvIndex
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
@@ -84,6 +84,24 @@ class Route(NamedTuple):
     cache_hit_blocks: int = 0
     #: "session": kept on its session's worker; "fallback": no events to route on.
     reason: str = ""
+
+
+_MASK = (1 << 64) - 1
+
+
+@lru_cache(maxsize=4096)
+def _address_hash(address: str) -> int:
+    return stable_hash(address)
+
+
+def _rendezvous(anchor: int, address: str) -> float:
+    """The worker's weight for a prompt whose new content starts at block `anchor`
+    (highest random weight hashing: the same on every replica, and only the prompts
+    of a worker that leaves move): splitmix64 of the two hashes, in [0, 1)."""
+    x = (anchor ^ _address_hash(address)) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (x ^ (x >> 31)) / 2.0**64
 
 
 def _text_tokens(request: GenerateRequest) -> Sequence[int]:
@@ -192,17 +210,25 @@ class Router:
             return self._p2c.pick(candidates, request)
         hits: dict[str, int] = {}
         prompt = 0
+        anchor: int | None = None  # the prompt's first block no worker holds (or its last)
+
+        def walked(blocks: Iterator[int]) -> Iterator[int]:
+            nonlocal anchor
+            for block in blocks:  # the walk's last block is the anchor
+                anchor = block
+                yield block
+
         if policy == "kv_aware" and index.block_size:
             encoded = self._encoded
             tokens = encoded[1] if encoded is not None and encoded[0] is request else None
             if tokens is None:
                 tokens = _text_tokens(request)
             prompt = len(tokens)
-            hits = index.match(iter_chain(tokens, index.block_size))
+            hits = index.match(walked(iter_chain(tokens, index.block_size)))
         if len(candidates) > SAMPLE_ABOVE:  # every holder, and a few others at random
             holders = [w for w in candidates if w.address in hits]
             candidates = holders + self._rng.sample(candidates, SAMPLED)
-        return self._cheapest(candidates, prompt, hits)
+        return self._cheapest(candidates, prompt, hits, anchor)
 
     def _routable(self, address: str) -> bool:
         """Whether the policy has something of the worker's engine to route on: events
@@ -213,7 +239,9 @@ class Router:
             return False
         return kv.sequence >= 0 or (self.policy == "least_load" and kv.load is not None)
 
-    def _cheapest(self, candidates: list[Worker], prompt: int, hits: dict[str, int]) -> Worker:
+    def _cheapest(
+        self, candidates: list[Worker], prompt: int, hits: dict[str, int], anchor: int | None
+    ) -> Worker:
         config, workers, size = self.config, self.index.workers, self.index.block_size
         best: Worker | None = None
         best_key = (0.0, 0, 0.0)
@@ -228,12 +256,12 @@ class Router:
                 cost += config.usage_cost * load.kv_usage
                 running = max(running, load.running + load.waiting)
             cost += config.running_cost * running
-            # within a block of prefill counts as a tie; then fewer calls, then chance
-            key = (
-                cost // max(size * config.prefill_weight, 1.0),
-                worker.outstanding,
-                self._rng.random(),
-            )
+            # within a block of prefill counts as a tie; then fewer calls; then the worker
+            # the prompt's new content hashes to (rendezvous), so that a prefix no worker
+            # holds yet lands on one worker, the same from every replica, and is not copied
+            # into every cache; chance for a prompt shorter than a block
+            spread = self._rng.random() if anchor is None else _rendezvous(anchor, worker.address)
+            key = (cost // max(size * config.prefill_weight, 1.0), worker.outstanding, spread)
             if best is None or key < best_key:
                 best, best_key = worker, key
         assert best is not None
