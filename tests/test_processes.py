@@ -41,10 +41,20 @@ def test_each_process_gets_its_share_of_slots_connections_and_local_team_limits(
             "max_concurrent_requests": 9,
             "max_connections": 100,
             "admin_port": 9090,
-            "teams": {"search": {"max_concurrent_requests": 5, "requests_per_minute": 60}},
+            "teams": {
+                "search": {
+                    "max_concurrent_requests": 5,
+                    "requests_per_minute": 60,
+                    "budgets": [{"window": "day", "tokens": 1001, "spend": 3.0}],
+                }
+            },
         }
     )
     parts = [process_config(config, 2, i) for i in range(2)]
+    # without Redis each process counts alone, so each holds its share of a budget
+    # (a reloaded config file gets the same share: GatewayServer's `share`)
+    assert [p.teams[0].budgets[0].tokens for p in parts] == [501, 500]
+    assert [p.teams[0].budgets[0].spend for p in parts] == [1.5, 1.5]
     assert [p.max_concurrent_requests for p in parts] == [5, 4]
     assert [p.max_connections for p in parts] == [50, 50]
     assert [p.teams[0].max_concurrent_requests for p in parts] == [3, 2]
@@ -58,6 +68,13 @@ def test_with_redis_team_limits_stay_whole_in_every_process() -> None:
     )
     check_split(config, 4)  # Redis holds the limit: exact across processes
     assert process_config(config, 4, 3).teams[0].max_concurrent_requests == 1
+    budgeted = parse_config(
+        {
+            "redis_url": "redis://127.0.0.1:1",
+            "teams": {"s": {"budgets": [{"window": "month", "tokens": 9}]}},
+        }
+    )
+    assert process_config(budgeted, 4, 3).teams[0].budgets[0].tokens == 9
 
 
 def test_a_limit_smaller_than_the_processes_is_refused_without_redis() -> None:

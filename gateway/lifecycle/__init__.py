@@ -80,7 +80,12 @@ class Gateway:
     `config_file` (the file `config` was read from), the teams read it again when it
     changes (budgets, prices, aliases, fallbacks: `gateway.teams.reload`)."""
 
-    def __init__(self, config: Config, config_file: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        config_file: str | None = None,
+        share: Callable[[Config], Config] | None = None,
+    ) -> None:
         self.config = config
         self.ready = False
         self.slots = Slots(config.max_concurrent_requests)
@@ -89,7 +94,7 @@ class Gateway:
         self.tracing = Tracing(config.tracing)
         self.fleet = Fleet(config)
         registry = self.telemetry.registry
-        self.teams = Teams(config, registry, config_file)
+        self.teams = Teams(config, registry, config_file, share)
         self.admission = Admission(
             config, self.inflight, self.fleet, self.teams, self.telemetry, registry
         )
@@ -161,11 +166,15 @@ class GatewayServer:
     public listener shares the port with the other processes of the gateway."""
 
     def __init__(
-        self, config: Config, reuse_port: bool = False, config_file: str | None = None
+        self,
+        config: Config,
+        reuse_port: bool = False,
+        config_file: str | None = None,
+        share: Callable[[Config], Config] | None = None,
     ) -> None:
         self.config = config
         self.reuse_port = reuse_port
-        self.gateway = Gateway(config, config_file)
+        self.gateway = Gateway(config, config_file, share)
         self.uvicorn = self._server(self.gateway.app, config.host, config.port)
         #: The admin listener (`admin_port`), with the same protocol and limits.
         self.admin: uvicorn.Server | None = None

@@ -47,6 +47,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -98,7 +100,8 @@ def check_split(config: Config, count: int) -> None:
 
 def process_config(config: Config, count: int, index: int) -> Config:
     """Process `index`'s config: its share of the slots, the connections and (without
-    Redis) each team's limits; its admin listener, if any, on a loopback port."""
+    Redis) each team's limits and budgets; its admin listener, if any, on a loopback
+    port. A reloaded config file gets the same share (`GatewayServer`'s `share`)."""
     teams = config.teams
     if config.redis_url is None:
         teams = tuple(_team_share(team, count, index) for team in teams)
@@ -123,7 +126,15 @@ def _team_share(team: TeamConfig, count: int, index: int) -> TeamConfig:
         for name in TEAM_LIMITS
         if (limit := getattr(team, name)) is not None
     }
-    return dataclasses.replace(team, **limits)
+    budgets = tuple(
+        dataclasses.replace(
+            budget,
+            tokens=None if budget.tokens is None else share(budget.tokens, count, index),
+            spend=None if budget.spend is None else budget.spend / count,
+        )
+        for budget in team.budgets
+    )
+    return dataclasses.replace(team, budgets=budgets, **limits)
 
 
 # --- one of the processes ----------------------------------------------------------------
@@ -136,7 +147,11 @@ def _die_with_parent() -> None:
 
 
 def _process_main(
-    config: Config, index: int, ready: Connection, config_file: str | None = None
+    config: Config,
+    index: int,
+    ready: Connection,
+    config_file: str | None = None,
+    count: int = 1,
 ) -> None:
     """A spawned process: one gateway on the shared port (reading `config_file` again
     when it changes, as a single gateway does); sends its admin port (or None) on
@@ -149,11 +164,20 @@ def _process_main(
     if sys.platform == "linux":
         _die_with_parent()
     with contextlib.suppress(KeyboardInterrupt):
-        run(_serve_process(config, ready, config_file))
+        run(
+            _serve_process(
+                config, ready, config_file, partial(process_config, count=count, index=index)
+            )
+        )
 
 
-async def _serve_process(config: Config, ready: Connection, config_file: str | None) -> None:
-    server = GatewayServer(config, reuse_port=True, config_file=config_file)
+async def _serve_process(
+    config: Config,
+    ready: Connection,
+    config_file: str | None,
+    share: Callable[[Config], Config],
+) -> None:
+    server = GatewayServer(config, reuse_port=True, config_file=config_file, share=share)
     await server.serve(on_ready=lambda: ready.send(server.admin_port))
 
 
@@ -241,7 +265,7 @@ class Supervisor:
             config = process_config(self.config, self.count, index)
             process = context.Process(
                 target=_process_main,
-                args=(config, index, sender, self.config_file),
+                args=(config, index, sender, self.config_file, self.count),
                 name=f"furnace-gateway-{index}",
             )
             process.start()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -63,7 +63,11 @@ class Teams:
     is read again from it when it changes, as `keys_file` is."""
 
     def __init__(
-        self, config: Config, registry: CollectorRegistry, config_file: str | None = None
+        self,
+        config: Config,
+        registry: CollectorRegistry,
+        config_file: str | None = None,
+        share: Callable[[Config], Config] | None = None,
     ) -> None:
         self.by_name = {t.name: Team(t) for t in config.teams}
         self.keyed = bool(config.keys) or config.keys_file is not None
@@ -81,6 +85,7 @@ class Teams:
                 self.by_name,
                 self.accounts.budgets,
                 self.aliases,
+                share,
             )
         self.auth_failures = 0
         self._reload: asyncio.Task[None] | None = None

@@ -18,7 +18,7 @@ the prices it was made at.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, replace
 
 from gateway.config import Config, ConfigError, load_config
@@ -79,15 +79,18 @@ class SettingsReload:
         teams: Mapping[str, Team],
         budgets: Budgets,
         aliases: Aliases,
+        share: Callable[[Config], Config] | None = None,
     ) -> None:
         self.path = path
+        #: This process's share of what the file says (one of several processes).
+        self.share = share or (lambda config: config)
         self.served = frozenset(served)
         self.teams = teams
         self.budgets = budgets
         self.aliases = aliases
         self._stamp = file_stamp(path)
         #: What the file said last (what runs, as far as a reload goes).
-        self._last = load_config(path)
+        self._last = self.share(load_config(path))
         #: Reloads applied, and refused (for tests and the log).
         self.applied = 0
         self.refused = 0
@@ -99,7 +102,7 @@ class SettingsReload:
             return
         self._stamp = stamp
         try:
-            config = load_config(self.path)
+            config = self.share(load_config(self.path))
             check_served(config, self.served)
         except ConfigError as error:
             log.error("config file not reloaded, the settings in force stay: %s", error)
