@@ -116,7 +116,7 @@ if [[ "$(cat "$project_stamp" 2>/dev/null)" != "$ROOT" ]]; then
 fi
 # The worker SDK reads vLLM's ZMQ KV events with msgpack, which vLLM does not bring.
 "$TOOLS/vllm/bin/python" -c "import msgpack" 2>/dev/null ||
-  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check "msgpack==1.2.4"
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps "msgpack==1.2.4"
 
 # --- KServe's Python model server in a virtualenv of its own: .tools/kserve -----------------
 # The tensor tests start it as a real third-party KServe v2 gRPC server (tests/support/
