@@ -201,6 +201,15 @@ class RoutingConfig:
         "token ids)",
         pattern=(r"tcp://[^\s:/*]+:\d{1,5}", "tcp://host:port"),
     )
+    kv_replay: tuple[tuple[str, str], ...] = setting(
+        (),
+        "workers of `kv_events` whose engine also keeps its events for replay (vLLM's "
+        "`--kv-events-config` `replay_endpoint`), `{workers entry: tcp://host:port}`: the "
+        "gateway asks that socket for the events it missed (those before it connected, "
+        "across an engine's restart, in a gap), so it knows the blocks an engine stored "
+        "before it listened, as far as the engine's `buffer_steps` reach",
+        pattern=(r"tcp://[^\s:/*]+:\d{1,5}", "tcp://host:port"),
+    )
 
 
 @dataclass(frozen=True)
@@ -968,6 +977,13 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
             )
         if model.tokenizer is None:
             raise ConfigError(f"{where}.tokenizer: required with routing.kv_events")
+    if model.routing is not None:
+        events = dict(model.routing.kv_events)
+        for entry, _ in model.routing.kv_replay:
+            if entry not in events:
+                raise ConfigError(
+                    f"{where}.routing.kv_replay.{entry}: not one of routing.kv_events' workers"
+                )
     _upstream_credentials(where, model)
     return model
 

@@ -17,9 +17,11 @@ import httpx
 import msgpack
 import pytest
 import zmq
+import zmq.asyncio
 
 from gateway.config import ConfigError, ModelConfig, RoutingConfig, parse_config
 from gateway.fleet.kv_index import KvIndex
+from gateway.protocol import kv_zmq
 from gateway.protocol.kv_blocks import BlocksRemoved, BlocksStored, CacheCleared, EngineLoad
 from gateway.protocol.kv_zmq import MAX_MESSAGE_BYTES, Malformed, ZmqKvSubscriber, decode
 from gateway.protocol.types import Message
@@ -293,11 +295,136 @@ def test_the_config_names_each_workers_endpoint(tmp_path: Path) -> None:
 
     routing = parse(routing={"kv_events": {url: "tcp://10.0.0.1:5557"}})
     assert routing is not None and routing.kv_events == ((url, "tcp://10.0.0.1:5557"),)
+    routing = parse(
+        routing={"kv_events": {url: "tcp://h:1"}, "kv_replay": {url: "tcp://10.0.0.1:5558"}}
+    )
+    assert routing is not None and routing.kv_replay == ((url, "tcp://10.0.0.1:5558"),)
     for changes, where in (
         ({"routing": {"kv_events": {url: "tcp://*:5557"}}}, "kv_events"),
         ({"routing": {"kv_events": {url: "10.0.0.1:5557"}}}, "kv_events"),
         ({"routing": {"kv_events": {"http://other/v1": "tcp://h:1"}}}, "kv_events"),
         ({"routing": {"kv_events": {url: "tcp://h:1"}}, "tokenizer": None}, "tokenizer"),
+        ({"routing": {"kv_replay": {url: "tcp://h:2"}}}, "kv_replay"),
     ):
         with pytest.raises(ConfigError, match=where):
             parse(**changes)
+
+
+class _ReplayingPublisher:
+    """vLLM's publisher as the test plays it: a PUB socket, and a ROUTER replay socket
+    that sends back the kept messages from a number on, then the end marker (-1);
+    `answer` may lie: None (no answer at all), or a number of extra messages."""
+
+    def __init__(self, answer: int | None = 0) -> None:
+        context = zmq.asyncio.Context.instance()
+        self.pub = context.socket(zmq.PUB)
+        self.router = context.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+        self.pub.bind(self.endpoint)
+        self.router.bind(self.replay)
+        self.kept: list[list[bytes]] = []
+        self.answer = answer
+        self.requests: list[int] = []
+
+    def publish(self, sequence: int, events: list[dict[str, object]], live: bool = True) -> None:
+        frames = _message(sequence, events)
+        self.kept.append(frames)
+        if live:
+            self.pub.send_multipart(frames)
+
+    async def serve(self) -> None:
+        while True:
+            client, empty, start = await self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            if self.answer is None:
+                continue
+            for frames in self.kept:
+                if int.from_bytes(frames[1], "big") >= self.requests[-1]:
+                    await self.router.send_multipart([client, empty, *frames])
+            for extra in range(self.answer):
+                await self.router.send_multipart([client, empty, *_message(100 + extra, [])])
+            await self.router.send_multipart([client, empty, b"", b"\xff" * 8, b""])
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def test_a_replay_socket_brings_what_the_subscriber_missed() -> None:
+    """Subscribed late, the gateway asks for the publisher's kept batches first; after a
+    gap it asks for the missing numbers; live batches a replay brought are not applied
+    twice, and nothing says reset but the first."""
+    ids = list(range(4 * BLOCK))
+
+    async def scenario() -> list[tuple[int, bool, int]]:
+        publisher = _ReplayingPublisher()
+        server = asyncio.create_task(publisher.serve())
+        for sequence in range(3):  # before anyone listens
+            publisher.publish(sequence, [_stored(ids[: (sequence + 1) * BLOCK], 10 * sequence)])
+        subscriber = ZmqKvSubscriber(publisher.endpoint, publisher.replay)
+        seen: list[tuple[int, bool, int]] = []
+        batches = subscriber.batches()
+        try:
+            for _ in range(3):
+                batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
+                seen.append((batch.sequence, batch.reset, len(batch.events)))
+            publisher.publish(3, [], live=False)  # lost on the way: a gap
+            while True:  # until the live socket is subscribed: it misses what comes before
+                publisher.publish(len(publisher.kept), [])
+                batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
+                seen.append((batch.sequence, batch.reset, len(batch.events)))
+                if batch.sequence >= 4:
+                    break
+            assert subscriber.replays >= 1 and subscriber.malformed == 0
+            assert publisher.requests[0] == 0
+            return seen
+        finally:
+            await batches.aclose()
+            server.cancel()
+            publisher.close()
+
+    seen = asyncio.run(scenario())
+    assert seen[:3] == [(0, True, 1), (1, False, 1), (2, False, 1)]
+    numbers = [sequence for sequence, _, _ in seen]
+    assert numbers == list(range(len(numbers)))  # each once, the gap's number replayed
+    assert not any(reset for _, reset, _ in seen[1:])
+
+
+@pytest.mark.parametrize("answer", [None, 50])
+def test_a_replay_that_never_ends_or_never_answers_is_cut(
+    answer: int | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kv_zmq, "MAX_REPLAY", 10)
+    monkeypatch.setattr(kv_zmq, "REPLAY_WAIT", 0.3)
+
+    async def scenario() -> list[int]:
+        publisher = _ReplayingPublisher(answer)
+        server = asyncio.create_task(publisher.serve())
+        subscriber = ZmqKvSubscriber(publisher.endpoint, publisher.replay)
+        batches = subscriber.batches()
+        seen: list[int] = []
+
+        async def live() -> None:
+            while True:
+                await publisher.pub.send_multipart(_message(1000, []))
+                await asyncio.sleep(0.05)
+
+        sender = asyncio.create_task(live())
+        try:
+            while 1000 not in seen:  # the live stream goes on after the replay is cut
+                batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
+                seen.append(batch.sequence)
+            return seen
+        finally:
+            await batches.aclose()
+            sender.cancel()
+            server.cancel()
+            publisher.close()
+
+    seen = asyncio.run(scenario())
+    # at most MAX_REPLAY on connecting, as many for the gap the lie leaves (one a
+    # REPLAY_WAIT), then the live one
+    assert len(seen) <= 2 * 10 + 1
+    why = "within" if answer is None else "past 10 messages"
+    assert any(why in r.getMessage() for r in caplog.records)

@@ -143,7 +143,11 @@ class Router:
         #: (`kv_follow.follow_loads`: loads, unsupported, broken).
         self.scrapes: dict[str, str] = {}
         #: Workers whose engine publishes over ZMQ: address -> its subscriber.
-        self.zmq = {entry: ZmqKvSubscriber(endpoint) for entry, endpoint in config.kv_events}
+        replay = dict(config.kv_replay)
+        self.zmq = {
+            entry: ZmqKvSubscriber(endpoint, replay.get(entry))
+            for entry, endpoint in config.kv_events
+        }
 
     @property
     def uses_events(self) -> bool:

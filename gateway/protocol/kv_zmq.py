@@ -25,9 +25,15 @@ the last one means the publisher restarted (or lies): `reset` too. A lost connec
 (the engine stopped, or a frame was refused) yields an empty `reset` batch at once, so
 the index stops counting on blocks a restarted engine no longer holds. A gap (messages ZMQ
 dropped past its high-water mark, or refused here) is left to the index, which drops
-the worker's part and follows the live events from there (vLLM's replay socket is not
-used: its buffer holds only what the publisher kept, and a reset costs only the hits
-of blocks stored before the gap).
+the worker's part and follows the live events from there, unless the publisher has a
+replay socket (vLLM's `replay_endpoint`, a ROUTER that sends back the batches it still
+keeps, `buffer_steps` of them, from a sequence number on): given one, the subscriber asks
+it for everything each time it connects (so a gateway started
+after its engines, or one whose engine restarted, learns the blocks stored before it
+listened, as far as the publisher's buffer reaches), and for the missed numbers on a gap
+(at most one replay every `REPLAY_WAIT` seconds: a publisher that always skips numbers
+costs a reset, not a replay each message). Live messages the replay already brought
+are skipped.
 
 Bounds, since whatever answers at the endpoint is not trusted: a frame over
 `MAX_MESSAGE_BYTES` makes libzmq drop the connection (ZMQ_MAXMSGSIZE; the subscriber
@@ -35,7 +41,9 @@ then connects again itself, as libzmq does not after such a refusal), at most
 `RECEIVE_QUEUE` messages wait in the socket, a payload is unpacked under msgpack's
 limits on arrays, maps, strings and binaries, and a message of another shape is refused
 whole: counted in `malformed`, logged at most once a minute, its sequence number skipped
-(a gap for the index).
+(a gap for the index). A replay brings at most `MAX_REPLAY` messages, each waited for
+at most `REPLAY_WAIT` seconds, under the same frame bound; past either it is given up
+(logged) and the live stream goes on.
 """
 
 from __future__ import annotations
@@ -43,12 +51,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.protocol.kv_blocks import (
     BlocksRemoved,
@@ -68,6 +77,12 @@ RECEIVE_QUEUE = 256
 MAX_ARRAY = 1 << 20
 #: Seconds between two warnings about one endpoint.
 WARN_EVERY = 60.0
+#: Messages one replay brings at most (vLLM keeps 10,000 steps by default).
+MAX_REPLAY = 16_384
+#: Seconds a replay waits for its next message; also the least time between two.
+REPLAY_WAIT = 5.0
+#: The sequence number of vLLM's end-of-replay marker.
+_END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _LIMITS: dict[str, Any] = {
     "max_str_len": 1024,
     "max_bin_len": 1024,
@@ -168,19 +183,25 @@ def decode(frames: Sequence[bytes]) -> tuple[int, float, tuple[KvEvent, ...]]:
 
 
 class ZmqKvSubscriber:
-    """Follows one vLLM publisher at `endpoint` (`tcp://host:port`): `batches()`."""
+    """Follows one vLLM publisher at `endpoint` (`tcp://host:port`), asking its replay
+    socket at `replay` (when given) for what it missed: `batches()`."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay: str | None = None) -> None:
         self.endpoint = endpoint
+        self.replay = replay
         #: Messages refused (not a batch, past a bound), since this object was made.
         self.malformed = 0
+        #: Replays that ran to their end, and the batches they brought.
+        self.replays = 0
+        self.replayed = 0
         self._warned_at = -WARN_EVERY
+        self._replayed_at = -REPLAY_WAIT
 
-    async def batches(self) -> AsyncIterator[KvBatch]:
+    async def batches(self) -> AsyncGenerator[KvBatch]:
         """The publisher's batches as they come, until closed (ZMQ reconnects by
         itself: the stream never ends on its own)."""
         socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         try:
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
@@ -191,16 +212,23 @@ class ZmqKvSubscriber:
             poller.register(socket, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             last: int | None = None
+            #: The last number a replay brought: live messages up to it are not new.
+            replayed: int | None = None
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:
-                    await monitor.recv_multipart()
-                    # libzmq does not connect again by itself after it refused a frame
-                    socket.disconnect(self.endpoint)
-                    socket.connect(self.endpoint)
-                    if last is not None:  # the engine may be gone, or its messages lost
-                        yield KvBatch(last, (), True)
-                        last = None
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        # libzmq does not connect again by itself after it refused a frame
+                        socket.disconnect(self.endpoint)
+                        socket.connect(self.endpoint)
+                        if last is not None:  # the engine may be gone, or its messages lost
+                            yield KvBatch(last, (), True)
+                            last = replayed = None
+                    elif self.replay is not None:  # connected: what the engine kept so far
+                        async for batch in self._replay(0, last):
+                            last = replayed = batch.sequence
+                            yield batch
                 if socket not in ready:
                     continue
                 frames = await socket.recv_multipart()
@@ -209,6 +237,17 @@ class ZmqKvSubscriber:
                 except Malformed as error:
                     self._refused(str(error))
                     continue
+                if replayed is not None:
+                    if sequence <= replayed:
+                        continue  # a replay brought it
+                    replayed = None
+                if last is not None and sequence > last + 1 and self._may_replay():
+                    self._replayed_at = time.monotonic()
+                    async for batch in self._replay(last + 1, last):
+                        last = replayed = batch.sequence
+                        yield batch
+                    if sequence <= last:
+                        continue
                 reset = last is None or sequence <= last
                 last = sequence
                 yield KvBatch(sequence, events, reset, None, stamp)
@@ -217,9 +256,48 @@ class ZmqKvSubscriber:
             monitor.close(linger=0)
             socket.close(linger=0)
 
+    def _may_replay(self) -> bool:
+        """A gap's replay: given a socket, and none in the last `REPLAY_WAIT` seconds."""
+        return self.replay is not None and time.monotonic() - self._replayed_at >= REPLAY_WAIT
+
+    async def _replay(self, start: int, last: int | None) -> AsyncGenerator[KvBatch]:
+        """The batches the publisher kept from number `start` on, in order, each saying
+        `reset` as a live one would after `last`; nothing past the bounds."""
+        assert self.replay is not None
+        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.replay)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            for _ in range(MAX_REPLAY):
+                if not await dealer.poll(REPLAY_WAIT * 1000):
+                    self._warn(f"no replay from {self.replay} within {REPLAY_WAIT:g} s")
+                    return
+                frames = await dealer.recv_multipart()
+                if len(frames) == 4 and frames[2] == _END_OF_REPLAY:
+                    self.replays += 1
+                    return
+                try:
+                    sequence, stamp, events = decode(frames[1:])
+                except Malformed as error:
+                    self._refused(f"in a replay: {error}")
+                    continue
+                if last is not None and start <= sequence <= last:
+                    continue  # already applied (a replay from 0 after a reconnection)
+                self.replayed += 1
+                yield KvBatch(sequence, events, last is None or sequence <= last, None, stamp)
+                last = sequence
+            self._warn(f"a replay from {self.replay} past {MAX_REPLAY} messages: cut")
+        finally:
+            dealer.close(linger=0)
+
     def _refused(self, why: str) -> None:
         self.malformed += 1
+        self._warn(f"a message refused: {why}")
+
+    def _warn(self, what: str) -> None:
         now = time.monotonic()
         if now - self._warned_at >= WARN_EVERY:
             self._warned_at = now
-            log.warning("KV events from %s: a message refused: %s", self.endpoint, why)
+            log.warning("KV events from %s: %s", self.endpoint, what)
