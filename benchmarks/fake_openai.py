@@ -5,8 +5,14 @@ It echoes the words of the last message (or of the completion prompt), at most
 `max_tokens` of them, one word per token and one SSE event per token, each written
 in its own send on its own turn of the loop, as an engine that emits a token per
 step does; then the finish chunk, the usage chunk (with `stream_options.include_usage`)
-and `[DONE]`. Not streamed: one JSON answer. It answers `GET /health` and
-`GET /v1/models` (with `max_model_len`, as vLLM does) for the gateways' probes.
+and `[DONE]`. A chat answer opens with vLLM's chunk of the role and empty content,
+and its chunks are spelled as vLLM's (`"logprobs":null`). With `--step-ms` a token
+goes out every that many milliseconds, as a real engine's steps pace them: a gateway
+then reads about one event a read, as it does in front of vLLM, where without it
+(as fast as the loop turns) one read carries many and hides the cost of each. The
+streams share the steps, as a batch does: their tokens of a step go out together. Not
+streamed: one JSON answer. It answers `GET /health` and `GET /v1/models` (with
+`max_model_len`, as vLLM does) for the gateways' probes.
 
 A request whose `user` is `first-token-ms=N` waits N milliseconds before its first
 token (a streamed answer's head goes out at once), as a GPU engine's prefill would;
@@ -18,7 +24,7 @@ gateways in front of it, not the engine, set the pace. It honours the socket's
 flow control (a reader that falls behind pauses its streams) as vLLM's uvicorn
 does, so a slow gateway cannot hide its backlog in the engine's buffers.
 
-Run: `python -m benchmarks.fake_openai --port N [--model NAME]`.
+Run: `python -m benchmarks.fake_openai --port N [--model NAME] [--step-ms MS]`.
 """
 
 from __future__ import annotations
@@ -39,13 +45,19 @@ MAX_MODEL_LEN = 4096
 class Engine:
     """The answers' constant parts, built once for the model name."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, step: float = 0.0) -> None:
         name = orjson.dumps(model)
+        self.step = step  # seconds between two tokens (0: a turn of the loop)
+        self._stepping: list[asyncio.Future[None]] = []  # the streams waiting for the step
         self.chat_head = (
             b'data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,'
             b'"model":' + name + b',"choices":[{"index":0,"delta":{"content":'
         )
-        self.chat_tail = b'},"finish_reason":null}]}\n\n'
+        self.chat_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        self.chat_role = _chunk(
+            self.chat_head.replace(b'"content":', b'"role":"assistant","content":""')
+            + self.chat_tail
+        )
         self.text_head = (
             b'data: {"id":"cmpl-fake","object":"text_completion","created":1,"model":'
             + name
@@ -67,6 +79,24 @@ class Engine:
             }
         )
         self.model = model
+
+    def next_step(self) -> asyncio.Future[None] | None:
+        """Done at the engine's next step, which every stream waiting for it shares (a
+        batch: their tokens go out together, as vLLM's do); None without `step`."""
+        if not self.step:
+            return None
+        loop = asyncio.get_running_loop()
+        if not self._stepping:
+            loop.call_later(self.step, self._stepped)
+        waiter = loop.create_future()
+        self._stepping.append(waiter)
+        return waiter
+
+    def _stepped(self) -> None:
+        waiters, self._stepping = self._stepping, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 def _chunk(data: bytes) -> bytes:
@@ -213,11 +243,15 @@ class EngineProtocol(asyncio.Protocol):
         head, tail = (
             (engine.chat_head, engine.chat_tail) if chat else (engine.text_head, engine.text_tail)
         )
-        transport.write(STREAM_HEAD)
+        transport.write(STREAM_HEAD + engine.chat_role if chat else STREAM_HEAD)
         if wait:
             await asyncio.sleep(wait)
         for i, word in enumerate(words):
-            await asyncio.sleep(0)  # one token per step: every stream gets its turn
+            step = engine.next_step()
+            if step is None:
+                await asyncio.sleep(0)  # one token per turn: every stream gets its turn
+            else:
+                await step
             if self.writable is not None:
                 await self.writable
             if transport.is_closing():
@@ -238,9 +272,9 @@ class EngineProtocol(asyncio.Protocol):
             transport.write(b"".join(_chunk(e) for e in ending) + DONE)
 
 
-async def serve(host: str, port: int, model: str) -> None:
+async def serve(host: str, port: int, model: str, step_ms: float = 0.0) -> None:
     """Serves until the process is terminated."""
-    engine = Engine(model)
+    engine = Engine(model, step_ms / 1000)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: EngineProtocol(engine), host, port, backlog=1024)
     async with server:
@@ -252,8 +286,11 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default=MODEL)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="ms between two tokens (0: a turn of the loop)"
+    )
     args = parser.parse_args()
-    uvloop.run(serve(args.host, args.port, args.model))
+    uvloop.run(serve(args.host, args.port, args.model, args.step_ms))
 
 
 if __name__ == "__main__":
