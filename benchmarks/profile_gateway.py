@@ -177,11 +177,23 @@ def profile(pid: int, out: Path, url: str, streams: int, requests: int, tools: b
     print(top_functions(out / f"{streams}-streams.txt"))
 
 
-def measure(pid: int, url: str, streams: int, requests: int, tools: bool) -> tuple[float, Sample]:
-    """One load; the gateway's CPU seconds over it."""
-    before = process_cpu(pid) or 0.0
+def loop_cpu(pid: int) -> float:
+    """CPU seconds of the process's main thread, the one that runs the event loop (the
+    rest of `process_cpu` is gRPC's threads: its I/O and its completion-queue poller)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as stat:
+            return int(stat.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def measure(
+    pid: int, url: str, streams: int, requests: int, tools: bool
+) -> tuple[float, float, Sample]:
+    """One load; the gateway's CPU seconds over it, all threads and the loop's."""
+    before, loop_before = process_cpu(pid) or 0.0, loop_cpu(pid)
     sample = load(url, streams, requests, tools)
-    return (process_cpu(pid) or 0.0) - before, sample
+    return (process_cpu(pid) or 0.0) - before, loop_cpu(pid) - loop_before, sample
 
 
 def main() -> None:
@@ -223,19 +235,22 @@ def main() -> None:
         print(f"\n{args.path} path, {args.requests} requests a load and round, tools: {args.tools}")
         cpu: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         tokens: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
+        looped: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         for round_ in range(args.rounds):
             for streams in LOADS:
                 turns = list(gateways.items())
                 for name, (url, pid) in turns[::-1] if round_ % 2 else turns:  # A B, B A
-                    seconds, sample = measure(pid, url, streams, args.requests, args.tools)
+                    seconds, loop, sample = measure(pid, url, streams, args.requests, args.tools)
                     cpu[name, streams].append(seconds / sample.requests * 1e6)
                     tokens[name, streams].append(seconds / sample.tokens * 1e6)
-        print("| gateway | streams | CPU per request | CPU per token |")
-        print("| --- | --- | --- | --- |")
+                    looped[name, streams].append(loop / sample.tokens * 1e6)
+        print("| gateway | streams | CPU per request | CPU per token | of it the loop's |")
+        print("| --- | --- | --- | --- | --- |")
         for (name, streams), per_request in cpu.items():
             print(
                 f"| {name} | {streams} | {spread(per_request, '.0f')} µs "
-                f"| {spread(tokens[name, streams], '.1f')} µs |"
+                f"| {spread(tokens[name, streams], '.1f')} µs "
+                f"| {spread(looped[name, streams], '.1f')} µs |"
             )
         pid = gateways["working tree"][1]
         url = gateways["working tree"][0]
