@@ -30,6 +30,12 @@ every engine (one semantics and one held-back rule for all workers); its cut
 closes this generator, which aborts the request in the engine. The cost is at
 most the engine step already under way for that request.
 
+With KV events (`--kv-events-config` publishing over ZMQ), the engine's blocks are
+read back from its publisher and served on our `SubscribeKvEvents`, with a load record
+(requests running and waiting, KV-cache use) from vLLM's scheduler statistics each
+step (`SchedulerLoads`), so a gateway routes on the engine's queue as it does for
+vLLM's gRPC server.
+
 A closed generator (the call was cancelled, its deadline passed, the client
 left, or a stop string matched) aborts the request in the engine. The engine
 starts in `start` (seconds to minutes), while the worker already answers health
@@ -47,11 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -195,6 +202,7 @@ class VllmEngine(Engine):
         self._kv_endpoint = _events_endpoint(getattr(args, "kv_events_config", None))
         self._kv = None if self._kv_endpoint is None else ForwardedCache()
         self._kv_task: asyncio.Task[None] | None = None
+        self._loads = SchedulerLoads()
         # Tokenization runs here, off the event loop (one thread: tokenizers are not
         # safe to share between threads).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="furnace-vllm-tokenize")
@@ -204,7 +212,10 @@ class VllmEngine(Engine):
         so the worker answers health checks meanwhile."""
         began = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._building = loop.run_in_executor(None, AsyncLLM.from_engine_args, self.args)
+        # with KV events, vLLM's scheduler statistics each step become the load record
+        loggers = None if self._kv is None else [self._loads.logger]
+        build = functools.partial(AsyncLLM.from_engine_args, self.args, stat_loggers=loggers)
+        self._building = loop.run_in_executor(None, build)
         llm = await asyncio.shield(self._building)
         config = llm.model_config
         self.tokenizer = llm.get_tokenizer()
@@ -222,6 +233,7 @@ class VllmEngine(Engine):
         if self._kv_endpoint is not None:
             subscriber = ZmqKvSubscriber(self._kv_endpoint)
             self._kv_task = asyncio.create_task(self._forward_kv(subscriber))
+            self._loads.changed = self._publish_load
         log.info(
             "vLLM engine for %s up in %.1f s: max_model_len %d, max_num_seqs %d, serves %s",
             self.model,
@@ -241,9 +253,14 @@ class VllmEngine(Engine):
         assert self._kv is not None
         try:
             async for batch in subscriber.batches():
-                self._kv.apply(batch, EngineLoad(running=self.load()))
+                self._kv.apply(batch, self._loads.load)
         except Exception:  # the answers go on without events; say why once
             log.exception("vLLM's KV events from %s: no longer forwarded", subscriber.endpoint)
+
+    def _publish_load(self, load: EngineLoad) -> None:
+        assert self._kv is not None
+        if self._kv.publisher.subscribers:
+            self._kv.publisher.publish((), load)
 
     async def wait_dead(self) -> None:
         """Returns once the engine has died (vLLM's `errored`)."""
@@ -476,6 +493,53 @@ class VllmEngine(Engine):
         finally:
             if not done:
                 await llm.abort(request_id)
+
+
+class SchedulerLoads:
+    """vLLM's scheduler statistics as our load record: a stat logger of its engine
+    (`stat_loggers`, called on the event loop with each engine step's statistics) that
+    keeps the last record and calls `changed` when the queue moved or the KV-cache use
+    moved by `USAGE_STEP`, so subscribers hear of a busy engine between KV events, as
+    vLLM's gRPC server tells its own each step. vLLM does not count the uncached
+    prompt tokens of its waiting requests there: that field stays 0."""
+
+    #: The smallest change of KV-cache use worth a record.
+    USAGE_STEP = 0.01
+
+    def __init__(self) -> None:
+        self.load = self._sent = EngineLoad()
+        self.changed: Callable[[EngineLoad], None] | None = None
+
+    def logger(self, vllm_config: Any, engine_index: int = 0) -> SchedulerLoads:
+        """vLLM's stat-logger factory: this object serves every engine of the process."""
+        return self
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is None:
+            return
+        load = EngineLoad(
+            running=int(scheduler_stats.num_running_reqs),
+            waiting=int(scheduler_stats.num_waiting_reqs)
+            + int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)),
+            kv_usage=min(max(float(scheduler_stats.kv_cache_usage), 0.0), 1.0),
+        )
+        self.load, sent = load, self._sent
+        moved = abs(load.kv_usage - sent.kv_usage) >= self.USAGE_STEP
+        if self.changed is not None and (load[:2] != sent[:2] or moved):
+            self._sent = load
+            self.changed(load)
+
+    def log(self) -> None:
+        """vLLM's periodic log: nothing to say."""
+
+    def log_engine_initialized(self) -> None:
+        """vLLM's start notice: nothing to say."""
 
 
 def _events_endpoint(config: Any) -> str | None:
