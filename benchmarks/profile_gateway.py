@@ -15,14 +15,17 @@ measured ones) and the top functions by own and by inclusive time are printed, f
 py-spy's collapsed stacks (kept in DIR, with a speedscope file to browse).
 
 Run: `python -m benchmarks.profile_gateway [--path grpc|http] [--requests N] [--rounds R]
-[--max-tokens N] [--tools] [--baseline REV|DIR] [--py-spy DIR]` (py-spy: `pip install
-py-spy`, not a dependency of the project).
+[--max-tokens N] [--tools] [--baseline REV|DIR] [--env NAME=VALUE] [--py-spy DIR]`
+(py-spy: `pip install py-spy`, not a dependency of the project). `--env` sets a variable
+in the working tree's gateway only: with `--baseline` naming the same tree (a directory),
+the table is that setting's effect (e.g. `GRPC_EXPERIMENTS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -96,9 +99,14 @@ def start_engine(
 
 
 def start_gateway(
-    stack: ExitStack, model: dict[str, object], work: Path, source: Path
+    stack: ExitStack,
+    model: dict[str, object],
+    work: Path,
+    source: Path,
+    env: dict[str, str] | None = None,
 ) -> tuple[str, int]:
-    """A gateway (the package in `source`) serving `model`, ready: its URL and pid."""
+    """A gateway (the package in `source`, with `env` over this process's environment)
+    serving `model`, ready: its URL and pid."""
     port = free_port()
     config = {"host": "127.0.0.1", "port": port, "log_level": "warning", "models": [model]}
     (work / f"gateway-{port}.yaml").write_text(yaml.safe_dump(config))
@@ -110,7 +118,7 @@ def start_gateway(
         "--config",
         str(work / f"gateway-{port}.yaml"),
     ]
-    gateway = subprocess.Popen(command, cwd=source)
+    gateway = subprocess.Popen(command, cwd=source, env={**os.environ, **(env or {})})
     stack.callback(_stop, gateway)
     _wait(lambda: _gateway_ready(port), gateway, "the gateway")
     return f"http://127.0.0.1:{port}", gateway.pid
@@ -214,6 +222,13 @@ def main() -> None:
         metavar="REV",
         help="also measure the gateway as committed at REV, interleaved",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the working tree's gateway only (against --baseline: a setting's effect)",
+    )
     parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
     args = parser.parse_args()
     EXTRA["max_tokens"] = args.max_tokens
@@ -226,7 +241,8 @@ def main() -> None:
         model = start_engine(
             stack, args.path, model_dir, args.tools, args.step_ms, args.tokens_per_chunk
         )
-        gateways = {"working tree": start_gateway(stack, model, work, ROOT)}
+        env = dict(item.split("=", 1) for item in args.env)
+        gateways = {"working tree": start_gateway(stack, model, work, ROOT, env)}
         if args.baseline:
             source = export(args.baseline, work / "baseline")
             gateways[args.baseline] = start_gateway(stack, model, work, source)
