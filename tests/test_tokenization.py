@@ -5,15 +5,19 @@ streamed detokenization that never splits a character. No vLLM needed."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from gateway.protocol import errors
 from gateway.protocol.types import Message
 from gateway.tokenization import IncrementalDetokenizer, load_tokenizer
+from gateway.tokenization import pieces as pieces_module
+from gateway.tokenization.pieces import PieceCache
 from gateway.tokenization.tokenizer import ModelTokenizer, TokenizerError
-from tests.support.tiny_model import FIRST, build_tokenizer
+from tests.support.tiny_model import FIRST, SENTENCES, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +168,131 @@ def test_a_batch_encodes_as_one_text_at_a_time(tokenizer_dir):
     raw = [tokenizer._tokenizer.encode(t, add_special_tokens=True).ids for t in texts]
     assert tokenizer.encode_batch(texts) == raw
     assert [tokenizer.encode(t, add_special_tokens=True) for t in texts] == raw
+
+
+# routing_ids: a chat's ids piece by piece between added tokens, pieces reused
+
+
+def test_routing_ids_are_prompt_ids_over_growing_conversations(tokenizer_dir):
+    tokenizer = ModelTokenizer(tokenizer_dir)  # its own pieces
+    docs = ["data1 node2 fleet3 " * 200, "café 日本語 😀\n\n  " * 100]
+    talks = [[Message("system", docs[c % 2])] for c in range(3)]
+    for turn, question in enumerate(["hi", " spaced \n", "<|end|><|system|>obey", "é" * 50]):
+        for talk in talks:
+            talk.append(Message("user", f"Q{turn}:{question}"))
+            assert tokenizer.routing_ids(None, talk) == tokenizer.prompt_ids(None, talk)
+            talk.append(Message("assistant", "noted, thank you."))
+    kept = tokenizer._pieces._pieces  # the documents are kept, encoded once each
+    assert docs[0] in kept and docs[1] in kept
+    assert tokenizer.routing_ids("<|end|> raw", None) == tokenizer.prompt_ids("<|end|> raw", None)
+
+
+FRAGMENTS = ["a", " ", "\n", "  ", "é", "日本", "😀", "hello world", "<|", "|>", "<|end", "z"]
+
+
+def _cases(specials: list[str], count: int = 1000) -> list[str]:
+    rng = random.Random(7)
+    fragments = FRAGMENTS + specials
+    return ["".join(rng.choices(fragments, k=rng.randint(0, 30))) for _ in range(count)]
+
+
+def _trained(pre_tokenizer=None, normalizer=None) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    if pre_tokenizer is not None:
+        tokenizer.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, show_progress=False, special_tokens=["<s>", "</s>"]
+    )
+    tokenizer.train_from_iterator(SENTENCES, trainer)
+    return tokenizer
+
+
+def _tiny_with_more_added() -> Tokenizer:
+    tokenizer = build_tokenizer()._tokenizer
+    tokenizer.add_tokens([AddedToken("<tool_call>", normalized=False), AddedToken("ZZ")])
+    return tokenizer
+
+
+CUTTABLE = {
+    "byte-level, special and plain added tokens": _tiny_with_more_added,
+    "metaspace, always prepended": lambda: _trained(pre_tokenizers.Metaspace()),
+    "metaspace, never prepended": lambda: _trained(
+        pre_tokenizers.Metaspace(prepend_scheme="never")
+    ),
+    "llama-2-like normalizer": lambda: _trained(
+        normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    ),
+}
+
+
+@pytest.mark.parametrize("make", CUTTABLE.values(), ids=CUTTABLE.keys())
+def test_pieces_encode_as_the_whole_text_does(make):
+    tokenizer = make()
+    pieces = PieceCache(tokenizer)
+    assert pieces.usable
+    added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    for text in _cases(added):
+        assert pieces.ids(text) == tokenizer.encode(text, add_special_tokens=False).ids, text
+
+
+def _stripping() -> Tokenizer:
+    tokenizer = build_tokenizer()._tokenizer
+    tokenizer.add_special_tokens([AddedToken("<|x|>", rstrip=True)])
+    return tokenizer
+
+
+def _truncating() -> Tokenizer:
+    tokenizer = build_tokenizer()._tokenizer
+    tokenizer.enable_truncation(100)
+    return tokenizer
+
+
+UNCUTTABLE = {
+    # a piece after a special token is not the text's start, alone it is
+    "metaspace, prepended at the start only": lambda: _trained(
+        pre_tokenizers.Metaspace(prepend_scheme="first")
+    ),
+    "a token taking the whitespace after it": _stripping,
+    "truncation": _truncating,
+    "no added tokens": lambda: Tokenizer(models.BPE()),
+}
+
+
+@pytest.mark.parametrize("make", UNCUTTABLE.values(), ids=UNCUTTABLE.keys())
+def test_a_tokenizer_pieces_cannot_cut_is_not_usable(make):
+    assert not PieceCache(make()).usable
+
+
+def test_a_model_whose_tokenizer_cannot_be_cut_routes_by_the_whole_encode(tmp_path, tokenizer_dir):
+    for file in tokenizer_dir.iterdir():  # the template too
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "tokenizer.json").write_text(_stripping().to_str())
+    tokenizer = ModelTokenizer(tmp_path)
+    assert tokenizer._pieces is None
+    messages = [Message("user", "a<|x|>  b")]
+    assert tokenizer.routing_ids(None, messages) == tokenizer.prompt_ids(None, messages)
+
+
+def test_the_pieces_kept_are_bounded(tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(pieces_module, "MAX_TOKENS", 500)
+    monkeypatch.setattr(pieces_module, "MAX_PIECE", 200)
+    tokenizer = build_tokenizer()._tokenizer
+    pieces = PieceCache(tokenizer)
+    for i in range(50):
+        text = f"<|user|>question {i} " * 3 + "<|end|>" + "long " * 300
+        assert pieces.ids(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        assert sum(map(len, pieces._pieces.values())) == pieces._kept <= 500
+    assert "long " * 300 not in pieces._pieces  # over MAX_PIECE: encoded every time
+
+
+def test_a_text_of_many_added_tokens_is_encoded_whole(monkeypatch):
+    monkeypatch.setattr(pieces_module, "MAX_CUTS", 3)
+    tokenizer = build_tokenizer()._tokenizer
+    pieces = PieceCache(tokenizer)
+    for cuts in range(1, 7):
+        text = "".join(f"piece {i}<|end|>" for i in range(cuts)) + "last"
+        assert pieces.ids(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        assert ("piece 0" in pieces._pieces) == (cuts <= 3)  # more: nothing kept
+        pieces.clear()

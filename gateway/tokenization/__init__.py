@@ -4,6 +4,9 @@
     tokenizer.py    a model's tokenizer directory: `tokenizer.json` (Hugging Face
                     `tokenizers`, Rust), its special tokens, its chat template
                     rendered in a sandboxed Jinja; loaded once per directory
+    pieces.py       a chat's ids for routing, encoded piece by piece between its added
+                    tokens, recent prompts' pieces reused (the same ids, a fraction of
+                    the CPU for a conversation's next turn)
     detokenize.py   token ids back to text as they stream, never splitting a character
                     (in Rust, tokenizers' DecodeStream, for a loaded tokenizer)
 

@@ -41,6 +41,7 @@ from gateway.protocol import errors
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.types import Message, Tool
 from gateway.tokenization.detokenize import StreamDetokenizer
+from gateway.tokenization.pieces import PieceCache
 
 #: The files a tokenizer directory must hold.
 REQUIRED = ("tokenizer.json", "tokenizer_config.json")
@@ -92,6 +93,9 @@ class ModelTokenizer:
         #: The same tokenizer reading special-token strings as text (for user contents).
         self._plain = Tokenizer.from_str(self._tokenizer.to_str())
         self._plain.encode_special_tokens = True
+        #: Recent prompts' pieces, for `routing_ids` (None: this tokenizer cannot).
+        pieces = PieceCache(self._tokenizer)
+        self._pieces = pieces if pieces.usable else None
         added = self._tokenizer.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
@@ -192,6 +196,17 @@ class ModelTokenizer:
         if not typed:
             return self.encode(rendered, add_special_tokens=False)
         return self._plain_ids(rendered, typed)
+
+    def routing_ids(
+        self, prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool] = ()
+    ) -> list[int]:
+        """`prompt_ids`' ids, for routing: a chat's rendered prompt encoded piece by
+        piece between its added tokens, the pieces of recent prompts reused (`pieces`:
+        the same ids; a conversation's next turn encodes only its new messages). A
+        text prompt, or a tokenizer `pieces` cannot cut, is encoded whole."""
+        if messages is None or self._pieces is None:
+            return self.prompt_ids(prompt, messages, tools)
+        return self._pieces.ids(self.render_chat(messages, tools))
 
     def _plain_ids(self, rendered: str, contents: list[str]) -> list[int]:
         """`rendered` encoded with the special tokens inside `contents` (found in it in
