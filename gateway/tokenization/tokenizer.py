@@ -19,7 +19,10 @@ without such a string, the usual case, costs one regex search of its contents mo
 
 Cost: the load reads and parses the files once (milliseconds for a 150k vocabulary:
 `tokenizer.json` is the bulk); encoding and decoding run in Rust, rendering in Python:
-the caller runs `prompt_ids` off its event loop.
+the caller runs `prompt_ids` off its event loop. Encoding is nearly all of it (about
+1 µs a token with the tests' tokenizer; rendering a 3,000-token chat, 0.1 ms): routing,
+which encodes every turn of a conversation again, calls `routing_ids`, which encodes
+only the pieces between added tokens that recent prompts did not have (`pieces`).
 """
 
 from __future__ import annotations
