@@ -330,12 +330,16 @@ def test_the_index_alone_refuses_what_is_wrong() -> None:
     kv = index.workers["a"]
     assert len(kv.blocks) <= 80 and kv.evicted >= 20  # the cap, oldest first
     assert 100 not in kv.blocks and 249 in kv.blocks
-    hashes = chain(tuple(tokens), 16)
-    assert index.match(hashes).get("a", 0) == 0  # its start was evicted
+    assert index.match(tokens)[0].get("a", 0) == 0  # its start was evicted
     assert index.apply("b", KvBatch(5, (stored,)))
-    assert index.match(hashes) == {"b": 50}
+    # the walk: each worker's blocks from the start, and the block it stopped at
+    longer = tokens + bytes(range(2, 18)) * 2
+    hashes = chain(longer, 16)
+    assert index.match(tokens) == ({"b": 50}, hashes[49])  # held to its last block
+    assert index.match(list(longer)) == ({"b": 50}, hashes[50])  # ids as bytes alike
+    assert index.match(tokens[:15]) == ({}, None)  # shorter than a block
     assert not index.apply("b", KvBatch(6, (BlocksStored(tuple(range(2000)), None, b"", 16),)))
-    assert index.match(hashes) == {}  # refused whole: b's part dropped
+    assert index.match(tokens) == ({}, hashes[0])  # refused whole: b's part dropped
     index.drop("a")
     index.drop("b")
     assert not index.holders and not index.workers

@@ -5,8 +5,8 @@ bit), its blocks as {engine hash: gateway hash} (removals name the engine's hash
 last batch's sequence number and its last load record. `holders` maps a gateway hash
 (`gateway.protocol.kv_blocks.chain`, computed from the events' token ids) to the bits of
 the workers that hold it, so `match` walks a request's chain once for the whole fleet:
-O(blocks matched) big-int ANDs, whatever the number of workers (1,000 workers are
-16 machine words a block).
+a dict lookup a block matched, and a big-int AND where the holders change, whatever the
+number of workers (1,000 workers are 16 machine words a block).
 
 Resynchronization: a batch whose sequence is not the next one (a gap: events lost) or
 that says `reset` drops what the index knew of the worker before applying it; a batch
@@ -21,8 +21,9 @@ and the worker's part dropped, as for a gap), token ids that do not fill the blo
 they claim refuse the event. Each refusal is counted and logged at most once a minute a
 worker; none raises into routing.
 
-Memory: 74-107 bytes a (worker, block) pair in CPython, distinct blocks included, as
-`benchmarks/sim_routing.py` measured it (142 MiB for 1,000 workers x 2,000 blocks).
+Memory: 74-115 bytes a (worker, block) pair in CPython, distinct blocks included, as
+`benchmarks/sim_routing.py` measured it (142-219 MiB for 1,000 workers x 2,000 blocks,
+as few or many of them are distinct).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from gateway.protocol.kv_blocks import (
@@ -96,13 +97,22 @@ class KvIndex:
     """The blocks every worker of one model holds; fed by `apply`, read by `match`."""
 
     def __init__(
-        self, model: str, cap: int = DEFAULT_CAP, max_batch: int = MAX_BATCH_BLOCKS
+        self,
+        model: str,
+        cap: int = DEFAULT_CAP,
+        max_batch: int = MAX_BATCH_BLOCKS,
+        full: Callable[[EngineLoad], bool] | None = None,
     ) -> None:
+        """`full`: whether a load record says its engine is full (the router's bounds);
+        the workers whose last record does are kept in `full`, so that the router looks
+        at them alone, not at every worker, for each request."""
         self.model = model
         self.cap = cap
         self.max_batch = max_batch
         self.holders: dict[int, int] = {}
         self.workers: dict[str, WorkerKv] = {}
+        self.full: set[str] = set()
+        self._full = full
         self._free: list[int] = []
         self._by_slot: list[str] = []  # slot -> address ("" when free)
         #: Tokens per block, from the first worker's events (0: none yet).
@@ -130,6 +140,7 @@ class KvIndex:
         if kv is None:
             return
         self._forget_blocks(kv)
+        self.full.discard(address)
         self._free.append(kv.slot)
         self._by_slot[kv.slot] = ""
 
@@ -160,6 +171,10 @@ class KvIndex:
             if not 0.0 <= load.kv_usage <= 1.0:  # NaN, or out of range: no use to a cost
                 load = load._replace(kv_usage=0.0 if math.isnan(load.kv_usage) else 1.0)
             kv.load, kv.load_at = load, now
+            if self._full is not None and self._full(load):
+                self.full.add(address)
+            else:
+                self.full.discard(address)
         if batch.sequence <= kv.sequence and not batch.reset:
             if batch.events:
                 self._warn(kv, f"batch {batch.sequence} after {kv.sequence}: ignored", now)
@@ -233,36 +248,42 @@ class KvIndex:
 
     # -- reading -----------------------------------------------------------------------
 
-    def match(self, hashes: Iterable[int]) -> dict[str, int]:
-        """Blocks of the request's chain each worker holds from its start, for the
-        workers holding at least its first block; reads `hashes` (an `iter_chain`) only
-        as far as some worker holds the prefix."""
-        holders = self.holders
-        hashes = iter(hashes)
-        alive = holders.get(next(hashes, ROOT), 0)
-        if not alive:
-            return {}
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], int | None]:
+        """Blocks of the request's chain each worker holds from its start (for the
+        workers holding at least its first block), and the walk's last block: the
+        prompt's first block that no worker holds with all before it, else its last
+        (None for a prompt shorter than a block).
+
+        The chain is hashed as `chain` names blocks, and only as far as some worker holds
+        the prefix: a new prompt costs one block, a held one a block each (a tuple of its
+        ids, a hash, a dict lookup; a big-int AND only where the holders change), whatever
+        the number of workers."""
+        size, get = self.block_size, self.holders.get
+        if not size or len(tokens) < size:
+            return {}, None
         groups: list[tuple[int, int]] = []  # (bits of workers that stop here, depth)
-        depth = 1
-        for ours in hashes:
-            bits = holders.get(ours, 0) & alive
+        ours, alive = ROOT, -1  # alive -1: every worker, before the first block
+        for depth, start in enumerate(range(0, len(tokens) - size + 1, size)):
+            ours = hash((ours, tuple(tokens[start : start + size])))  # as `chain`
+            bits = get(ours, 0)
             if bits != alive:
-                groups.append((alive & ~bits, depth))
-                if not bits:
-                    alive = 0
-                    break
-                alive = bits
-            depth += 1
-        if alive:
-            groups.append((alive, depth))
+                bits &= alive
+                if bits != alive:
+                    if depth:
+                        groups.append((alive & ~bits, depth))
+                    alive = bits
+                    if not bits:
+                        break
+        else:
+            groups.append((alive, len(tokens) // size))
         found: dict[str, int] = {}
         by_slot = self._by_slot
-        for bits, blocks in groups:
+        for bits, held in groups:
             while bits:
                 low = bits & -bits
                 bits ^= low
-                found[by_slot[low.bit_length() - 1]] = blocks
-        return found
+                found[by_slot[low.bit_length() - 1]] = held
+        return found, ours
 
     def memory_bytes(self) -> int:
         """An estimate of the index's memory (dict slots and the ints they hold)."""

@@ -20,7 +20,7 @@ events are the engine's; only its removals need them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from gateway.protocol.types import GenerateRequest
@@ -29,18 +29,15 @@ from gateway.protocol.types import GenerateRequest
 ROOT = 0
 
 
-def iter_chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> Iterator[int]:
-    """The gateway's hashes of the full blocks of `tokens`, in order, as they are needed
-    (a request's walk through the index stops at the first block no worker holds; a
-    partial last block is not cached by engines, so it is not named)."""
+def chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
+    """The gateway's hashes of the full blocks of `tokens`, in order (a partial last
+    block is not cached by engines, so it is not named). `KvIndex.match` hashes a
+    request's blocks the same way as it walks, only as far as some worker holds them."""
+    hashes = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
-        yield parent
-
-
-def chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
-    """Every hash of `iter_chain` at once (an event's blocks are all stored)."""
-    return list(iter_chain(tokens, block_size, parent))
+        hashes.append(parent)
+    return hashes
 
 
 def prompt_bytes(request: GenerateRequest, limit: int | None = None) -> bytes:
