@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,17 @@ def test_a_text_of_many_added_tokens_is_encoded_whole(monkeypatch):
         assert pieces.ids(text) == tokenizer.encode(text, add_special_tokens=False).ids
         assert ("piece 0" in pieces._pieces) == (cuts <= 3)  # more: nothing kept
         pieces.clear()
+
+
+def test_routing_ids_from_many_threads_at_once(tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(pieces_module, "MAX_TOKENS", 2000)  # evictions while others read
+    tokenizer = ModelTokenizer(tokenizer_dir)
+    chats = [
+        [Message("system", f"doc {c % 3} " * 200), Message("user", f"question {c} {turn}")]
+        for c in range(8)
+        for turn in range(6)
+    ]
+    expected = [tokenizer.prompt_ids(None, chat) for chat in chats]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            assert list(pool.map(lambda chat: tokenizer.routing_ids(None, chat), chats)) == expected
