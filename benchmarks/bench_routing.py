@@ -1,13 +1,22 @@
 """Benchmark: routing policies on real vLLM CPU workers (issue 26), one run, every row
-interleaved. Two (`--workers`) of vLLM's OpenAI HTTP servers, each pinned to a core of its
-own (vLLM's `VLLM_CPU_OMP_THREADS_BIND`), prefix caching and KV-cache events (ZMQ) on,
-serving a random-weight model the benchmark builds (`--size`, hidden size and layers: at
-256x4 a cold 2,000-token prefill measured 2.7-4.3 s here, a cached one 0.4-0.6 s).
+interleaved. Two (`--workers`) vLLM servers, each pinned to a core of its own (vLLM's
+`VLLM_CPU_OMP_THREADS_BIND`), prefix caching and KV-cache events on, serving a random-weight
+model the benchmark builds (`--size`, hidden size and layers: at 256x4 a cold 2,000-token
+prefill measured 2.7-4.3 s here, a cached one 0.4-0.6 s).
 
-Rows, in front of the same engines: furnace-gateway with `round_robin`, `prefix` (its text
-prefix affinity) and `kv_aware` (the engines' events over `routing.kv_events`, the model's
-`tokenizer`); smg (`--policy cache_aware`) and vllm-router (`--policy cache_aware`), started
-as bench_vllm starts them.
+`--engines http` (the default): vLLM's OpenAI HTTP servers. Rows, in front of the same
+engines: furnace-gateway with `round_robin`, `prefix` (its text prefix affinity) and
+`kv_aware` (the engines' events over ZMQ, `routing.kv_events`, the model's `tokenizer`);
+smg (`--policy cache_aware`, its approximate tree on HTTP workers) and vllm-router
+(`--policy cache_aware`), started as bench_vllm starts them.
+
+`--engines grpc`: vLLM's gRPC servers (the smg servicer). Rows: furnace-gateway with
+`upstream: vllm-grpc` and the same three policies (`kv_aware` subscribes to each engine's
+`SubscribeKvEvents` over its own channel), and smg in gRPC mode (`--worker-urls grpc://...
+--model-path`, `--policy cache_aware`), whose event-driven KV index subscribes to the same
+RPC with no flag (it learns vLLM's 128-token block from the events; its `smg_kv_*` metrics
+and cache-aware branches, event hit or miss, go to stderr with furnace's). vllm-router has
+no gRPC mode: its row says so.
 
 Workload: `--documents` long shared documents (~`--doc-tokens` tokens each, a system
 prompt) and `--conversations` conversations per row over them, `--turns` turns each: the
@@ -23,20 +32,23 @@ fleet's cache is in production (the rows together fit in both engines, not in on
 placing a prefix where it already is saves its prefill and the room for a second copy.
 
 Columns: the engines' prefix-cache hit rate (vLLM's own `vllm:prefix_cache_hits_total` over
-`..._queries_total`, both engines' deltas around each request) and the oracle's (the
-hits of a router that knows every cache, without evictions: every whole 128-token block
-seen before in the row is a hit), TTFT p50/p99 (to the first streamed text), completion
-tokens/s over the row's request time, and the router's CPU (its process tree) per request.
+`..._queries_total`, both engines' deltas around each request; a gRPC server serves no
+/metrics and its `GetLoads` gives only a hit rate over its last 64 requests, so its
+engine's counters are read from Prometheus's multiprocess files, `PROMETHEUS_MULTIPROC_DIR`
+set for it alone) and the oracle's (the hits of a router that knows every cache, without
+evictions: every whole 128-token block seen before in the row is a hit), TTFT p50/p99 (to
+the first streamed text), completion tokens/s over the row's request time, and the router's
+CPU (its process tree) per request.
 
 On a shared 2-core VM the client, the gateways and the routers share the cores with the
 engines: figures are indicative.
 
-After the table, the kv_aware gateway's index metrics go to stderr (cached blocks per
+Before the table, the kv_aware gateway's index metrics go to stderr (cached blocks per
 worker, event state, evictions, fallbacks): whether its events were followed.
 
-Run: `.venv/bin/python -m benchmarks.bench_routing [--quick] [--size 256x4]
-[--kv-blocks 200] [--no-peers]` (`--quick`: 1 document, 3 conversations of 2 turns, for
-development; 3-7 minutes here, most of it the engines' start). Not collected by pytest.
+Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc] [--quick]
+[--size 256x4] [--kv-blocks 200] [--no-peers]` (`--quick`: 1 document, 3 conversations of
+2 turns, for development; 3-7 minutes here, most of it the engines' start). Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +78,7 @@ from gateway.protocol.types import Message  # noqa: E402
 from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
-from tests.support.vllm import VllmProcess, start_http_server  # noqa: E402
+from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server  # noqa: E402
 
 POLICIES = ("round_robin", "prefix", "kv_aware")
 PEER_POLICY = "cache_aware"
@@ -73,6 +86,7 @@ BLOCK = 128  # vLLM's KV block on CPU, in tokens
 MAX_TOKENS = 16
 ANSWER = "noted, thank you."
 INDEX_METRICS = r"^furnace_gateway_(?:worker_kv_\w+|routing_fallbacks_total)(?:\{.*\})? .*$"
+SMG_KV = r"^smg_(?:kv_(?!\w+_bucket)\w+|cache_aware_policy_branch_total)(?:\{.*\})? .*$"
 COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -95,9 +109,20 @@ class Row:
     seen: set[tuple[int, ...]] = field(default_factory=set)
 
 
-def _engine(model: Path, work: Path, core: int, blocks: int) -> tuple[VllmProcess, str]:
-    """vLLM's OpenAI server on core `core` with prefix caching and ZMQ KV events bound on
-    a free port; the server and its publisher's address."""
+@dataclass
+class Engine:
+    """One vLLM server: how routers reach it (`http://HOST:PORT`, or `HOST:PORT` for a
+    gRPC server), its ZMQ publisher and its Prometheus text."""
+
+    server: VllmProcess
+    url: str
+    publisher: str
+    metrics: Callable[[], str]
+
+
+def _engine(model: Path, work: Path, core: int, blocks: int, grpc: bool) -> Engine:
+    """vLLM's OpenAI (or gRPC) server on core `core` with prefix caching and KV events
+    published on a free port (a gRPC server relays them on its `SubscribeKvEvents`)."""
     events = free_port()
     config = (
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events}"}}'
@@ -113,19 +138,41 @@ def _engine(model: Path, work: Path, core: int, blocks: int) -> tuple[VllmProces
         extra += ("--num-gpu-blocks-override", str(blocks))
     logs = work / f"vllm-{core}"
     logs.mkdir()
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    if grpc:  # its counters, in files this process reads (it serves no /metrics)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(logs / "prometheus")
+        (logs / "prometheus").mkdir()
+    os.environ.update(env)
     try:
-        server = start_http_server(model, logs, MODEL, extra)
+        if grpc:
+            server = start_grpc_server(model, logs, ("--served-model-name", MODEL, *extra))
+        else:
+            server = start_http_server(model, logs, MODEL, extra)
     finally:
-        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-    return server, f"tcp://127.0.0.1:{events}"
+        for name in env:
+            del os.environ[name]
+    publisher = f"tcp://127.0.0.1:{events}"
+    if grpc:
+        files = env["PROMETHEUS_MULTIPROC_DIR"]
+        return Engine(server, f"127.0.0.1:{server.port}", publisher, lambda: _files(files))
+    url = f"http://127.0.0.1:{server.port}"
+    return Engine(server, url, publisher, lambda: httpx.get(url + "/metrics", timeout=30).text)
 
 
-def _counters(client: httpx.Client, engines: list[str]) -> tuple[float, float]:
-    """Prefix-cache hits and queries (tokens) of all engines, from their /metrics."""
+def _files(path: str) -> str:
+    """The Prometheus text of a process's multiprocess files in `path`."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    return generate_latest(registry).decode()
+
+
+def _counters(engines: list[Engine]) -> tuple[float, float]:
+    """Prefix-cache hits and queries (tokens) of all engines, from their counters."""
     hits = queries = 0.0
-    for url in engines:
-        for kind, value in COUNTER.findall(client.get(url + "/metrics").text):
+    for engine in engines:
+        for kind, value in COUNTER.findall(engine.metrics()):
             if kind == "hits":
                 hits += float(value)
             else:
@@ -160,7 +207,7 @@ def _oracle(row: Row, ids: list[int]) -> None:
 
 
 async def _measure(
-    args: argparse.Namespace, rows: list[Row], engines: list[str], model: Path
+    args: argparse.Namespace, rows: list[Row], engines: list[Engine], model: Path
 ) -> None:
     tokenizer = load_tokenizer(str(model))
     rng = random.Random(7)
@@ -171,32 +218,31 @@ async def _measure(
             [{"role": "system", "content": docs[c % len(docs)]}] for c in range(args.conversations)
         ]
     filler = [f"item{i}" for i in range(300)]
-    with httpx.Client(timeout=30) as metrics:
-        async with httpx.AsyncClient(timeout=300) as client:
-            for turn in range(args.turns):
-                for c in range(args.conversations):
-                    words = " ".join(rng.choice(filler) for _ in range(args.turn_tokens // 3))
-                    for row in rows:  # interleaved: the same engines, the same load
-                        talk = talks[row.name][c]
-                        talk.append({"role": "user", "content": f"Q{turn}: {words}?"})
-                        prompt = [Message(m["role"], m["content"]) for m in talk]
-                        _oracle(row, tokenizer.prompt_ids(None, prompt))
-                        hits, queries = _counters(metrics, engines)
-                        cpu = tree_cpu(row.pid) if row.pid else None
-                        start = time.perf_counter()
-                        extra = {"messages": talk, "max_tokens": MAX_TOKENS}
-                        ttft, tokens = await one_chat(client, row.url, extra)
-                        row.seconds += time.perf_counter() - start
-                        after = tree_cpu(row.pid) if row.pid else None
-                        if cpu is not None and after is not None:
-                            row.cpu += after - cpu
-                        now_hits, now_queries = _counters(metrics, engines)
-                        row.hits += now_hits - hits
-                        row.queries += now_queries - queries
-                        row.ttfts.append(ttft)
-                        row.tokens += tokens
-                        talk.append({"role": "assistant", "content": ANSWER})
-                print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
+    async with httpx.AsyncClient(timeout=300) as client:
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                words = " ".join(rng.choice(filler) for _ in range(args.turn_tokens // 3))
+                for row in rows:  # interleaved: the same engines, the same load
+                    talk = talks[row.name][c]
+                    talk.append({"role": "user", "content": f"Q{turn}: {words}?"})
+                    prompt = [Message(m["role"], m["content"]) for m in talk]
+                    _oracle(row, tokenizer.prompt_ids(None, prompt))
+                    hits, queries = _counters(engines)
+                    cpu = tree_cpu(row.pid) if row.pid else None
+                    start = time.perf_counter()
+                    extra = {"messages": talk, "max_tokens": MAX_TOKENS}
+                    ttft, tokens = await one_chat(client, row.url, extra)
+                    row.seconds += time.perf_counter() - start
+                    after = tree_cpu(row.pid) if row.pid else None
+                    if cpu is not None and after is not None:
+                        row.cpu += after - cpu
+                    now_hits, now_queries = _counters(engines)
+                    row.hits += now_hits - hits
+                    row.queries += now_queries - queries
+                    row.ttfts.append(ttft)
+                    row.tokens += tokens
+                    talk.append({"role": "assistant", "content": ANSWER})
+            print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
 
 
 def _table(rows: list[Row]) -> str:
@@ -231,6 +277,7 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=150)
     parser.add_argument("--kv-blocks", type=int, default=200, help="per engine; 0: vLLM's")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--engines", choices=("http", "grpc"), default="http")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -239,46 +286,54 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as raw, ExitStack() as stack:
         work = Path(raw)
         model = build_tiny_model(work / "model", ordered=True, for_vllm=True, size=(hidden, layers))
-        publishers = {}
+        grpc = args.engines == "grpc"
+        engines = []
         for core in range(args.workers):
-            server, publisher = _engine(model, work, core, args.kv_blocks)
-            stack.callback(server.stop)
-            publishers[f"http://127.0.0.1:{server.port}/v1"] = publisher
-        workers = list(publishers)
+            engines.append(_engine(model, work, core, args.kv_blocks, grpc))
+            stack.callback(engines[-1].server.stop)
         rows = []
         for policy in POLICIES:
             routing: dict[str, object] = {"policy": policy}
-            if policy == "kv_aware":
-                routing["kv_events"] = publishers
+            if policy == "kv_aware" and not grpc:  # gRPC workers' ride their own channel
+                routing["kv_events"] = {f"{e.url}/v1": e.publisher for e in engines}
             upstream: dict[str, object] = {
                 "name": MODEL,
-                "upstream": "openai",
+                "upstream": "vllm-grpc" if grpc else "openai",
                 "tokenizer": str(model),
-                "workers": workers,
+                "workers": [e.url if grpc else f"{e.url}/v1" for e in engines],
                 "routing": routing,
             }
             target = start_gateway(stack, work, policy, upstream)
             rows.append(_row(f"furnace {policy}", target))
         peers = {} if args.no_peers else install_peers(PEERS_VENV)
-        engines = [w.removesuffix("/v1") for w in workers]
+        smg_metrics = ""
         for name, executable in peers.items():
-            extra = ["--worker-urls", *engines, "--policy", PEER_POLICY]
-            target = start_router(stack, name, executable, work, engines[0], extra)
+            if grpc and name != "smg":
+                rows.append(Row(f"{name} {PEER_POLICY}", missing="it has no gRPC mode"))
+                continue
+            urls = [f"grpc://{e.url}" if grpc else e.url for e in engines]
+            extra = ["--worker-urls", *urls, "--policy", PEER_POLICY]
+            if grpc:  # it tokenizes; its KV metrics say whether it followed the events
+                port = free_port()
+                smg_metrics = f"http://127.0.0.1:{port}/metrics"
+                extra += ["--model-path", str(model), "--prometheus-port", str(port)]
+            target = start_router(stack, name, executable, work, urls[0], extra)
             rows.append(_row(f"{name} {PEER_POLICY}", target))
         time.sleep(2)  # the kv_aware gateway subscribes to the engines' events
         measured = [row for row in rows if not row.missing]
         asyncio.run(_measure(args, measured, engines, model))
-        with httpx.Client() as client:
-            for row in measured:  # the kv_aware gateway's index: were events followed?
-                if row.name.endswith("kv_aware"):
-                    text = client.get(row.url + "/metrics").text
-                    print(*re.findall(INDEX_METRICS, text, re.M), sep="\n", file=sys.stderr)
-            blocks = re.findall(
-                r"num_gpu_blocks=\"(\d+)\"", client.get(engines[0] + "/metrics").text
-            )
+        for row in measured:  # the kv_aware gateway's index: were events followed?
+            if row.name.endswith("kv_aware"):
+                text = httpx.get(row.url + "/metrics").text
+                print(*re.findall(INDEX_METRICS, text, re.M), sep="\n", file=sys.stderr)
+        if smg_metrics:  # smg's index: did its gRPC router subscribe to the events?
+            text = httpx.get(smg_metrics).text
+            print(*re.findall(SMG_KV, text, re.M), sep="\n", file=sys.stderr)
+        blocks = re.findall(r"num_gpu_blocks=\"(\d+)\"", engines[0].metrics())
     load = os.getloadavg()
     print(
-        f"model {args.size}, {args.workers} engines of {blocks[:1] or '?'} KV blocks, "
+        f"model {args.size}, {args.workers} {args.engines} engines of {blocks[:1] or '?'} "
+        "KV blocks, "
         f"{args.documents} documents of ~{args.doc_tokens} tokens, {args.conversations} "
         f"conversations x {args.turns} turns a row; load average {load[0]:.1f} {load[1]:.1f}"
     )
