@@ -41,7 +41,9 @@ each phase only ever moving to a later one but for streaming and full, which alt
 as the buffer fills and the edge takes it. How the events come is the call's own kind:
 a pushing call is kept as the one the pump listens to, a reader task otherwise. When a
 stream is paced, it waits for the loop's next write turn, which turns.py keeps for every
-stream of the process.
+stream of the process: the event that ends the edge's wait puts its waiter in the turn
+(`_arrived`), so the edge wakes once per write, at the turn, rather than once for the
+event and again for the turn (each wake resumes the request's whole chain of coroutines).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class EventPump:
         self._timer_at = math.inf  # when `_timer` fires
         self._idle_timeout = math.inf  # the first `next_batch`'s, which bounds the start
         self._reading = False  # counted in `EventPump.reading`
+        self._paced = False  # the edge's waiter waits for the next write turn
         EventPump.live += 1
 
     async def _begin(self, idle_timeout: float) -> None:
@@ -197,7 +200,7 @@ class EventPump:
             raise failure
         self._ready.append(event)
         self._last_event = self._loop.time()
-        self._wake()
+        self._arrived()
         if type(event) is Text or type(event) is ToolCallDelta:
             self.buffered += event_size(event)  # logprobs and arguments count too
         elif type(event) is Finished:
@@ -286,6 +289,19 @@ class EventPump:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _arrived(self) -> None:
+        """An event is ready: the waiting edge wakes at once, or, when its stream is
+        paced (it wrote its first text, other streams are open), at the next write
+        turn, and then writes at once: one wake of the edge per write, not two."""
+        waiter = self._waiter
+        if waiter is None or waiter.done() or self._paced:
+            return
+        if self._texted and EventPump.live > 1:
+            self._paced = True
+            write_turns(self._loop).add(waiter)
+        else:
+            waiter.set_result(None)
+
     def _arm(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -331,17 +347,19 @@ class EventPump:
                 await waiter
             finally:
                 self._waiter = None
+                paced, self._paced = self._paced, False
             woken_by_tick = (
                 not self._ready and self.phase < Phase.ENDED and self._loop.time() < idle_at
             )
             if tick is not None and woken_by_tick:
                 return []
-            if self._ready and self.phase < Phase.ENDED and self._texted:
+            if self._ready and self.phase < Phase.ENDED and self._texted and not paced:
                 # Not before the first text: the first token goes out at once. After
-                # it, among other streams, the next write turn (turns.py); alone, one
-                # more turn of the loop lets the reader add what the worker has already
-                # sent, so the edge writes it in one send (1 token per gRPC message:
-                # 1.0 -> ~1.7 tokens per SSE chunk, make bench).
+                # it, among other streams, the next write turn (turns.py; `_arrived`
+                # mostly has the waiter woken at it already); alone, one more turn of
+                # the loop lets the reader add what the worker has already sent, so
+                # the edge writes it in one send (1 token per gRPC message: 1.0 -> ~1.7
+                # tokens per SSE chunk, make bench).
                 if EventPump.live > 1:
                     await write_turns(self._loop).next()
                 else:

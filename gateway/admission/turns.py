@@ -36,11 +36,15 @@ class WriteTurns:
 
     def next(self) -> asyncio.Future[None]:
         """A future done at the next turn."""
-        waiter = self._loop.create_future()
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self.add(waiter)
+        return waiter
+
+    def add(self, waiter: asyncio.Future[None]) -> None:
+        """Sets `waiter`'s result at the next turn (unless it is done by then)."""
         if not self._waiting:
             self._loop.call_later(PACE, self._end)
         self._waiting.append(waiter)
-        return waiter
 
     def _end(self) -> None:
         waiting, self._waiting = self._waiting, []
