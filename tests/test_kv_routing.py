@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -444,6 +445,51 @@ def test_a_load_record_makes_a_worker_full_only_past_its_bounds_and_while_fresh(
     unbounded = Router(MODEL, RoutingConfig(), PrefixAffinity(256, 1.5))
     unbounded.index.apply("three", KvBatch(1, (), True, EngineLoad(waiting=1000)), now=0.0)
     assert not unbounded.sheds
+
+
+def test_a_busy_load_record_stops_costing_its_worker_once_it_is_stale(
+    serve_engines: Callable[..., list[WorkerServer]],
+    gateway_with: Callable[..., Gateway],
+    http_of: Callable[[Gateway], httpx.Client],
+    server_loop: ServerLoop,
+) -> None:
+    """kv_aware's cost reads an engine's load record only while it is fresh (LOAD_FRESH),
+    as `engine_full` does: an idle engine sends none, so its last, busy one would cost it
+    as busy for ever. A demo engine whose record says its cache is full is routed around
+    even for the prompt it holds; once that record is older than LOAD_FRESH (applied
+    with the `now` the index takes, not slept for) it gets the prompt again, and its next
+    record, fresh, counts again."""
+    engines = _engines(2, kv_blocks=8)  # a DOCUMENT prompt fills a cache
+    servers = serve_engines(*engines)
+    gw = gateway_with(models=(_model(servers, usage_cost=100_000),))
+    http = http_of(gw)
+    index = _index(gw)
+    wait_until(lambda: len(index.workers) == 2, "both workers' event streams")
+    _ask(http, DOCUMENT)
+    (first,) = [e for e in engines if e.served]
+    (other,) = [e for e in engines if e is not first]
+    address = servers[engines.index(first)].address
+
+    def usage() -> float | None:
+        kv = index.workers.get(address)
+        return None if kv is None or kv.load is None else kv.load.kv_usage
+
+    wait_until(lambda: _index_holds(index, DOCUMENT[: 8 * 16]), "the first stores")
+    _ask(http, DOCUMENT)  # to the holder; its record now says its cache is full
+    assert first.served == 2
+    wait_until(lambda: usage() == 1.0, "the first engine's full cache in its load record")
+    stale = time.monotonic() - LOAD_FRESH - 1
+
+    async def age() -> None:  # on the gateway's loop, as its followers apply batches
+        kv = index.workers[address]
+        index.apply(address, KvBatch(kv.sequence, load=kv.load), now=stale)
+
+    server_loop.call(age())
+    _ask(http, DOCUMENT)  # the stale record no longer costs it: its cached prefix wins
+    assert (first.served, other.served) == (3, 0)
+    wait_until(lambda: index.workers[address].load_at > stale, "its fresh record")
+    _ask(http, DOCUMENT)  # fresh again: a full cache costs more than the prefix saves
+    assert (first.served, other.served) == (3, 1)
 
 
 def test_a_prefix_no_worker_holds_lands_on_one_worker_on_every_replica() -> None:

@@ -11,7 +11,10 @@
            + usage_cost     * its KV-cache use (0 to 1)
 
   as NVIDIA Dynamo's KV router (prefill blocks to do plus decode load) and llm-d's
-  precise prefix-cache scorer weigh them. The defaults count a running request as 64
+  precise prefix-cache scorer weigh them. The engine's terms read its last load record
+  only while it is fresh (`LOAD_FRESH`, as for shedding): an idle engine sends none, so
+  past that its last, busy one no longer costs it (its requests: this gateway's calls
+  to it). The defaults count a running request as 64
   prompt tokens (one decode step of a batch costs about as much as a short prefill
   chunk) and a full cache as 256 (eviction ahead). The cached prefix comes from
   `KvIndex.match` over the request's chain (`gateway.protocol.kv_blocks`): the token
@@ -58,7 +61,7 @@ from typing import NamedTuple
 
 from gateway.config import RoutingConfig
 from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity, stable_hash
-from gateway.fleet.kv_index import KvIndex
+from gateway.fleet.kv_index import KvIndex, WorkerKv
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import EngineLoad, prompt_bytes
@@ -74,8 +77,9 @@ SAMPLE_ABOVE = 32
 SAMPLED = 8
 #: Bytes of a prompt the text fallback hashes at most (a 32k-token prompt's worth).
 TEXT_LIMIT = 128 * 1024
-#: Seconds a load record counts for `engine_full` (an engine sends one a scheduler step
-#: while it works; an idle one sends none, and its last record is no longer true).
+#: Seconds a load record counts, for the cost and for `engine_full` (an engine sends one
+#: a scheduler step while it works; an idle one sends none, and its last record, busy, is
+#: no longer true).
 LOAD_FRESH = 10.0
 
 
@@ -105,6 +109,13 @@ def _rendezvous(anchor: int, address: str) -> float:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return (x ^ (x >> 31)) / 2.0**64
+
+
+def _fresh(kv: WorkerKv | None, now: float) -> EngineLoad | None:
+    """The worker's last load record while it is fresh (`LOAD_FRESH`), else None."""
+    if kv is None or kv.load is None or now - kv.load_at > LOAD_FRESH:
+        return None
+    return kv.load
 
 
 def _text_tokens(request: GenerateRequest) -> Sequence[int]:
@@ -235,7 +246,7 @@ class Router:
             members = self._by_addresses(candidates)
             holders = [w for address in hits if (w := members.get(address)) is not None]
             candidates = holders + self._rng.sample(candidates, SAMPLED)
-        return self._cheapest(candidates, prompt, hits, anchor)
+        return self._cheapest(candidates, prompt, hits, anchor, now)
 
     def _by_addresses(self, candidates: list[Worker]) -> dict[str, Worker]:
         """The candidates by address, made again only when they are not the same workers
@@ -255,7 +266,12 @@ class Router:
         return kv.sequence >= 0 or (self.policy == "least_load" and kv.load is not None)
 
     def _cheapest(
-        self, candidates: list[Worker], prompt: int, hits: dict[str, int], anchor: int | None
+        self,
+        candidates: list[Worker],
+        prompt: int,
+        hits: dict[str, int],
+        anchor: int | None,
+        now: float,
     ) -> Worker:
         config, workers, size = self.config, self.index.workers, self.index.block_size
         prefill, unit = config.prefill_weight, max(size * config.prefill_weight, 1.0)
@@ -267,9 +283,8 @@ class Router:
             uncached = prompt - hits.get(address, 0) * size
             cost = prefill * uncached if uncached > 0 else 0.0
             running = worker.outstanding
-            kv = workers.get(address)
-            if kv is not None and kv.load is not None:
-                load = kv.load
+            load = _fresh(workers.get(address), now)
+            if load is not None:
                 cost += config.queue_weight * load.waiting_uncached_tokens
                 cost += config.usage_cost * load.kv_usage
                 running = max(running, load.running + load.waiting)
@@ -314,8 +329,8 @@ class Router:
         last `LOAD_FRESH` seconds; False without such a record."""
         if address not in self.index.full:
             return False
-        kv = self.index.workers[address]
-        return (time.monotonic() if now is None else now) - kv.load_at <= LOAD_FRESH
+        now = time.monotonic() if now is None else now
+        return _fresh(self.index.workers[address], now) is not None
 
     # -- sessions ---------------------------------------------------------------------
 
