@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,10 @@ import yaml
 
 import gateway.teams
 from gateway.config import load_config
-from gateway.teams.reload import check_served
+from gateway.teams.reload import SettingsReload, check_served
 from gateway.worker.demo import DEMO_MODEL
 from tests.support.keys import bearer, new_key, sha256
-from tests.support.servers import Gateway, ServerLoop, Workers, start_gateway
+from tests.support.servers import ServerLoop, Workers, start_gateway
 from tests.support.waiting import HANG_GUARD, wait_until
 
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 2}
@@ -33,27 +34,26 @@ def write(path: Path, raw: dict[str, Any]) -> None:
     os.replace(draft, path)
 
 
-@pytest.fixture
-def reloading(
-    server_loop: ServerLoop, workers: Workers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Callable[[dict[str, Any]], tuple[Gateway, Path]]]:
-    """Starts a gateway from a config file it reads again every 0.05 s."""
-    monkeypatch.setattr(gateway.teams, "KEYS_RELOAD_INTERVAL", 0.05)
-    started: list[Gateway] = []
+@dataclass
+class Reloading:
+    """A gateway started from a config file (`raw`, at `path`) that it reads again every
+    0.05 s, its settings' reloader, and a client with team alpha's key."""
 
-    def start(raw: dict[str, Any]) -> tuple[Gateway, Path]:
-        path = tmp_path / "config.yaml"
-        write(path, raw)
-        gw = start_gateway(server_loop, load_config(path, env={}), str(path))
-        started.append(gw)
-        return gw, path
+    raw: dict[str, Any]
+    path: Path
+    settings: SettingsReload
+    client: httpx.Client
 
-    yield start
-    for gw in started:
-        gw.stop()
+    def write(self, raw: dict[str, Any] | None = None) -> None:
+        """Replaces the file with `raw` (by default `self.raw`, as changed)."""
+        write(self.path, self.raw if raw is None else raw)
+
+    def ask(self) -> httpx.Response:
+        return self.client.post("/v1/chat/completions", json=CHAT)
 
 
-def base(workers: Workers, key: str, tokens: int, target: str) -> dict[str, Any]:
+def base(workers: Workers, key: str) -> dict[str, Any]:
+    """Two models, team alpha's key and a day's budget, alias `chat` on the demo model."""
     return {
         "host": "127.0.0.1",
         "port": 0,
@@ -62,105 +62,109 @@ def base(workers: Workers, key: str, tokens: int, target: str) -> dict[str, Any]
             {"name": DEMO_MODEL, "workers": [workers.demo.address]},
             {"name": "furnace-slow", "workers": [workers.slow.address]},
         ],
-        "teams": {"alpha": {"budgets": [{"window": "day", "tokens": tokens}]}},
+        "teams": {"alpha": {"budgets": [{"window": "day", "tokens": 100_000}]}},
         "keys": [{"sha256": sha256(key), "team": "alpha"}],
-        "aliases": {"chat": [{"model": target}]},
+        "aliases": {"chat": [{"model": DEMO_MODEL}]},
     }
 
 
+@pytest.fixture
+def reloading(
+    server_loop: ServerLoop, workers: Workers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Reloading]:
+    """A gateway started from `base`'s file, read again every 0.05 s."""
+    monkeypatch.setattr(gateway.teams, "KEYS_RELOAD_INTERVAL", 0.05)
+    key, path = new_key("alpha"), tmp_path / "config.yaml"
+    raw = base(workers, key)
+    write(path, raw)
+    gw = start_gateway(server_loop, load_config(path, env={}), str(path))
+    try:
+        settings = gw.state.teams.settings
+        assert settings is not None
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
+            yield Reloading(raw, path, settings, client)
+    finally:
+        gw.stop()
+
+
 def test_a_changed_budget_and_alias_apply_without_restart_and_a_bad_file_is_refused(
-    reloading: Any, workers: Workers, caplog: pytest.LogCaptureFixture
+    reloading: Reloading, workers: Workers, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="furnace.reload")
-    key = new_key("alpha")
-    raw = base(workers, key, 100_000, DEMO_MODEL)
-    gw, path = reloading(raw)
-    settings = gw.state.teams.settings
-    assert settings is not None
-    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
+    raw, settings, ask = reloading.raw, reloading.settings, reloading.ask
+    first = ask()
+    assert first.headers["x-furnace-model"] == DEMO_MODEL
+    used = first.json()["usage"]["total_tokens"]
 
-        def ask() -> httpx.Response:
-            return client.post("/v1/chat/completions", json=CHAT)
+    # the split moves to the other model
+    raw["aliases"] = {"chat": [{"model": "furnace-slow"}]}
+    reloading.write()
+    wait_until(lambda: settings.applied == 1, "the new file applied")
+    second = ask()
+    assert second.status_code == 200, second.text
+    assert second.headers["x-furnace-model"] == "furnace-slow"
+    used += second.json()["usage"]["total_tokens"]
 
-        first = ask()
-        assert first.headers["x-furnace-model"] == DEMO_MODEL
-        used = first.json()["usage"]["total_tokens"]
+    # a budget under what the window used: what was counted stays, so it is spent
+    raw["teams"]["alpha"]["budgets"] = [{"window": "day", "tokens": used}]
+    reloading.write()
+    wait_until(lambda: settings.applied == 2, "the lower budget applied")
+    spent = ask()
+    assert spent.status_code == 429, spent.text
+    assert spent.json()["error"]["code"] == "budget_exceeded"
+    assert "Retry-After" in spent.headers
 
-        # the split moves to the other model
-        raw["aliases"] = {"chat": [{"model": "furnace-slow"}]}
-        write(path, raw)
-        wait_until(lambda: settings.applied == 1, "the new file applied")
-        second = ask()
-        assert second.status_code == 200, second.text
-        assert second.headers["x-furnace-model"] == "furnace-slow"
-        used += second.json()["usage"]["total_tokens"]
+    # raised again: served, the remaining budget counted from what was used
+    raw["teams"]["alpha"]["budgets"] = [{"window": "day", "tokens": used + 1000}]
+    reloading.write()
+    wait_until(lambda: settings.applied == 3, "the higher budget applied")
+    again = ask()
+    assert again.status_code == 200, again.text
+    remaining = int(again.headers["x-furnace-budget-remaining-tokens-day"])
+    assert 0 < remaining < 1000
 
-        # a budget under what the window used: what was counted stays, so it is spent
-        raw["teams"]["alpha"]["budgets"] = [{"window": "day", "tokens": used}]
-        write(path, raw)
-        wait_until(lambda: settings.applied == 2, "the lower budget applied")
-        spent = ask()
-        assert spent.status_code == 429, spent.text
-        assert spent.json()["error"]["code"] == "budget_exceeded"
-        assert "Retry-After" in spent.headers
-
-        # raised again: served, the remaining budget counted from what was used
-        raw["teams"]["alpha"]["budgets"] = [{"window": "day", "tokens": used + 1000}]
-        write(path, raw)
-        wait_until(lambda: settings.applied == 3, "the higher budget applied")
-        again = ask()
-        assert again.status_code == 200, again.text
-        remaining = int(again.headers["x-furnace-budget-remaining-tokens-day"])
-        assert 0 < remaining < 1000
-
-        # bad files are refused, naming the field; the settings in force stay
-        bad_files = [
-            ({"aliases": {"chat": [{"model": "nope"}]}}, "aliases.chat[0].model"),
-            ({"aliases": {"chat": [{"model": DEMO_MODEL, "weight": 0}]}}, "aliases.chat"),
-            (
-                {"teams": {"alpha": {"budgets": [{"window": "week", "tokens": 1}]}}},
-                "teams.alpha.budgets[0].window",
-            ),
-            (
-                {
-                    "models": [
-                        *raw["models"],
-                        {"name": "new-model", "workers": [workers.demo.address]},
-                    ],
-                    "aliases": {"chat": [{"model": "new-model"}]},
-                },
-                "aliases.chat[0].model: 'new-model' is not served by this gateway",
-            ),
-        ]
-        for change, field in bad_files:
-            caplog.clear()
-            refused = settings.refused
-            write(path, {**raw, **change})
-            wait_until(lambda r=refused: settings.refused == r + 1, "the bad file refused")
-            assert field in caplog.text
-            assert "not reloaded" in caplog.text
-            still = ask()
-            assert still.status_code == 200, still.text
-            assert still.headers["x-furnace-model"] == "furnace-slow"
-        assert settings.applied == 3
+    # bad files are refused, naming the field; the settings in force stay
+    bad_files = [
+        ({"aliases": {"chat": [{"model": "nope"}]}}, "aliases.chat[0].model"),
+        ({"aliases": {"chat": [{"model": DEMO_MODEL, "weight": 0}]}}, "aliases.chat"),
+        (
+            {"teams": {"alpha": {"budgets": [{"window": "week", "tokens": 1}]}}},
+            "teams.alpha.budgets[0].window",
+        ),
+        (
+            {
+                "models": [
+                    *raw["models"],
+                    {"name": "new-model", "workers": [workers.demo.address]},
+                ],
+                "aliases": {"chat": [{"model": "new-model"}]},
+            },
+            "aliases.chat[0].model: 'new-model' is not served by this gateway",
+        ),
+    ]
+    for change, field in bad_files:
+        caplog.clear()
+        refused = settings.refused
+        reloading.write({**raw, **change})
+        wait_until(lambda r=refused: settings.refused == r + 1, "the bad file refused")
+        assert field in caplog.text
+        assert "not reloaded" in caplog.text
+        still = ask()
+        assert still.status_code == 200, still.text
+        assert still.headers["x-furnace-model"] == "furnace-slow"
+    assert settings.applied == 3
 
 
 def test_a_change_that_needs_a_restart_is_logged_and_the_rest_applies(
-    reloading: Any, workers: Workers, caplog: pytest.LogCaptureFixture
+    reloading: Reloading, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="furnace.reload")
-    key = new_key("alpha")
-    raw = base(workers, key, 100_000, DEMO_MODEL)
-    gw, path = reloading(raw)
-    settings = gw.state.teams.settings
-    raw["max_body_bytes"] = 12345
-    raw["aliases"] = {"chat": [{"model": "furnace-slow"}]}
-    write(path, raw)
-    wait_until(lambda: settings.applied == 1, "the new file applied")
+    reloading.raw["max_body_bytes"] = 12345
+    reloading.raw["aliases"] = {"chat": [{"model": "furnace-slow"}]}
+    reloading.write()
+    wait_until(lambda: reloading.settings.applied == 1, "the new file applied")
     assert "max_body_bytes changed; that takes effect at the next restart" in caplog.text
-    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
-        answer = client.post("/v1/chat/completions", json=CHAT)
-        assert answer.headers["x-furnace-model"] == "furnace-slow"
+    assert reloading.ask().headers["x-furnace-model"] == "furnace-slow"
 
 
 def test_fallbacks_and_prices_are_checked_against_the_models_served(tmp_path: Path) -> None:
