@@ -7,7 +7,10 @@ stand-ins of the engines, so the engine takes no core from it and the figure mov
 - `http`: `upstream: openai` in front of `benchmarks/fake_openai.py`.
 
 Streamed chat completions (`--max-tokens`, 64 by default; usage chunk on), 1 stream and 8 at once,
-`--requests` each; the gateway's process CPU (/proc) per request and per token. With
+`--requests` each; the gateway's process CPU (/proc) per request and per token, and of it the
+event loop's thread (the rest is gRPC's own threads). With `--raw` (grpc) a row for the raw
+grpc.aio client of `bench_vllm` in this process against the same stand-in: the floor a Python
+client pays per message (its answers are 64 tokens whatever `--max-tokens` says). With
 `--tools` the requests carry a tool (`tool_choice: auto`, the model's `hermes` format),
 so the tool-call parser scans the text. With `--py-spy DIR` each load also runs once
 under `py-spy record` (sampling the gateway from outside; its figures then are not the
@@ -15,7 +18,7 @@ measured ones) and the top functions by own and by inclusive time are printed, f
 py-spy's collapsed stacks (kept in DIR, with a speedscope file to browse).
 
 Run: `python -m benchmarks.profile_gateway [--path grpc|http] [--requests N] [--rounds R]
-[--max-tokens N] [--tools] [--baseline REV|DIR] [--env NAME=VALUE] [--py-spy DIR]`
+[--max-tokens N] [--tools] [--baseline REV|DIR] [--env NAME=VALUE] [--raw] [--py-spy DIR]`
 (py-spy: `pip install py-spy`, not a dependency of the project). `--env` sets a variable
 in the working tree's gateway only: with `--baseline` naming the same tree (a directory),
 the table is that setting's effect (e.g. `GRPC_EXPERIMENTS`).
@@ -32,8 +35,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import cast
 
 import yaml
 
@@ -41,7 +46,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop, process_cpu  # noqa: E402
-from benchmarks.bench_vllm import MODEL, HttpCalls, Sample, run_load, spread  # noqa: E402
+from benchmarks.bench_vllm import (  # noqa: E402
+    MODEL,
+    GrpcCalls,
+    HttpCalls,
+    Sample,
+    run_load,
+    spread,
+)
+from gateway.tokenization import load_tokenizer  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.tiny_model import tools_tokenizer  # noqa: E402
 from tests.support.vllm import build_vllm_model  # noqa: E402
@@ -195,12 +208,30 @@ def loop_cpu(pid: int) -> float:
         return 0.0
 
 
-def measure(
-    pid: int, url: str, streams: int, requests: int, tools: bool
-) -> tuple[float, float, Sample]:
-    """One load; the gateway's CPU seconds over it, all threads and the loop's."""
+#: One load of a target: streams, requests -> what was measured.
+Load = Callable[[int, int], Sample]
+
+
+def gateway_load(url: str, tools: bool) -> Load:
+    """Streamed chat completions through the gateway at `url` (clients in this process)."""
+    return lambda streams, requests: load(url, streams, requests, tools)
+
+
+def raw_grpc_load(address: str, model_dir: Path) -> Load:
+    """`bench_vllm`'s raw client (grpc.aio, token ids in, incremental decoding), in this
+    process, against the stand-in at `address`: its CPU is the floor a Python client of
+    the gRPC stream pays, one `read` a message, before any of the gateway's work."""
+    tokenizer = load_tokenizer(str(model_dir))
+    ids = tokenizer.encode("Tell me about the gateway.", add_special_tokens=True)
+    return lambda streams, requests: asyncio.run(
+        run_load(lambda: GrpcCalls(address, ids, tokenizer), streams, requests)
+    )
+
+
+def measure(pid: int, run: Load, streams: int, requests: int) -> tuple[float, float, Sample]:
+    """One load; the CPU seconds of process `pid` over it, all threads and the loop's."""
     before, loop_before = process_cpu(pid) or 0.0, loop_cpu(pid)
-    sample = load(url, streams, requests, tools)
+    sample = run(streams, requests)
     return (process_cpu(pid) or 0.0) - before, loop_cpu(pid) - loop_before, sample
 
 
@@ -229,6 +260,11 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="set in the working tree's gateway only (against --baseline: a setting's effect)",
     )
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="grpc: also a raw grpc.aio client in this process, the floor of a Python client",
+    )
     parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
     args = parser.parse_args()
     EXTRA["max_tokens"] = args.max_tokens
@@ -242,12 +278,19 @@ def main() -> None:
             stack, args.path, model_dir, args.tools, args.step_ms, args.tokens_per_chunk
         )
         env = dict(item.split("=", 1) for item in args.env)
-        gateways = {"working tree": start_gateway(stack, model, work, ROOT, env)}
+        url, pid = start_gateway(stack, model, work, ROOT, env)
+        gateways: dict[str, tuple[Load, int]] = {
+            "working tree": (gateway_load(url, args.tools), pid)
+        }
         if args.baseline:
             source = export(args.baseline, work / "baseline")
-            gateways[args.baseline] = start_gateway(stack, model, work, source)
-        for url, _ in gateways.values():
-            load(url, 8, 32, args.tools)  # warm
+            other, other_pid = start_gateway(stack, model, work, source)
+            gateways[args.baseline] = (gateway_load(other, args.tools), other_pid)
+        if args.raw and args.path == "grpc":
+            workers = cast(list[str], model["workers"])
+            gateways["raw grpc.aio client"] = (raw_grpc_load(workers[0], model_dir), os.getpid())
+        for run, _ in gateways.values():
+            run(8, 32)  # warm
         print(f"\n{args.path} path, {args.requests} requests a load and round, tools: {args.tools}")
         cpu: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         tokens: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
@@ -255,12 +298,12 @@ def main() -> None:
         for round_ in range(args.rounds):
             for streams in LOADS:
                 turns = list(gateways.items())
-                for name, (url, pid) in turns[::-1] if round_ % 2 else turns:  # A B, B A
-                    seconds, loop, sample = measure(pid, url, streams, args.requests, args.tools)
+                for name, (run, measured) in turns[::-1] if round_ % 2 else turns:  # A B, B A
+                    seconds, loop, sample = measure(measured, run, streams, args.requests)
                     cpu[name, streams].append(seconds / sample.requests * 1e6)
                     tokens[name, streams].append(seconds / sample.tokens * 1e6)
                     looped[name, streams].append(loop / sample.tokens * 1e6)
-        print("| gateway | streams | CPU per request | CPU per token | of it the loop's |")
+        print("| target | streams | CPU per request | CPU per token | of it the loop's |")
         print("| --- | --- | --- | --- | --- |")
         for (name, streams), per_request in cpu.items():
             print(
@@ -268,8 +311,6 @@ def main() -> None:
                 f"| {spread(tokens[name, streams], '.1f')} µs "
                 f"| {spread(looped[name, streams], '.1f')} µs |"
             )
-        pid = gateways["working tree"][1]
-        url = gateways["working tree"][0]
         if args.py_spy:
             args.py_spy.mkdir(parents=True, exist_ok=True)
             for streams in LOADS:
