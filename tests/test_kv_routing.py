@@ -492,6 +492,33 @@ def test_a_busy_load_record_stops_costing_its_worker_once_it_is_stale(
     assert (first.served, other.served) == (3, 1)
 
 
+def test_past_32_candidates_the_holders_are_found_by_address() -> None:
+    """Past SAMPLE_ABOVE candidates the router costs the holders the walk found (by
+    address, not by a scan of the candidates) and SAMPLED others: the holder of a
+    document wins among 40 workers, a candidate list without it (a retry's) never gets
+    it, and its engine's fresh full record routes around it while a stale one does not."""
+    addresses = [f"10.0.1.{i}:8000" for i in range(40)]
+    workers = [Worker(a, cast(Any, None), EjectionPolicy()) for a in addresses]
+    router = Router(MODEL, RoutingConfig(max_kv_usage=0.9), PrefixAffinity(256, 1.5))
+    for address in addresses:
+        router.index.apply(address, KvBatch(1, (), True))
+    holder = addresses[17]
+    document = b"a long shared document, " * 8  # 12 blocks
+    stored = BlocksStored(tuple(range(12)), None, document, 16)
+    router.index.apply(holder, KvBatch(2, (stored,)))
+    request = GenerateRequest(MODEL, prompt=f"{document.decode()} and a question")
+    assert {router.pick(list(workers), request).address for _ in range(5)} == {holder}
+    assert router.last.cache_hit_blocks == 12
+    others = [w for w in workers if w.address != holder]
+    assert all(router.pick(others, request) in others for _ in range(5))
+    assert router.pick(list(workers), request).address == holder
+    router.index.apply(holder, KvBatch(2, load=EngineLoad(kv_usage=0.95)))
+    assert router.pick(list(workers), request).address != holder  # full, while fresh
+    stale = time.monotonic() - LOAD_FRESH - 1
+    router.index.apply(holder, KvBatch(2, load=EngineLoad(kv_usage=0.95)), now=stale)
+    assert router.pick(list(workers), request).address == holder
+
+
 def test_a_prefix_no_worker_holds_lands_on_one_worker_on_every_replica() -> None:
     """kv_aware's tie-break among workers that hold none of a prompt: a rendezvous hash of
     the prompt's first block that no worker holds. Every request for one new document
