@@ -39,6 +39,11 @@ template and the encoding of a short chat (~64 µs) are 2 % of the gateway's CPU
 gRPC call 27 %; per token, the DecodeStream step (1.5-2 µs) and the tool-call parser are small
 beside grpc.aio's cost per message (a third of the samples) and the SSE write per chunk, so the
 gateway's CPU follows the messages the engine sends (vLLM's `--stream-interval`), not the tokens.
+A choice with nothing between the detokenizer and its events (no tool-call parser, stop
+strings, logprobs or min_tokens: `_Choice.plain`) turns a message's text into one `Text`
+directly. grpc.aio has no read of several messages: each `read` is a batch of gRPC core's
+completion queue, handed to the loop by its poller thread, so a message received while the
+gateway was busy costs the same as one it waited for.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from gateway.protocol.types import (
     GenerateRequest,
     Message,
     Started,
+    Text,
     TokenLogprob,
     Tool,
 )
@@ -168,16 +174,34 @@ class _Choice:
     """One choice's way from the engine's token ids to our events: its own
     detokenizer, stop strings and tool-call parser."""
 
-    __slots__ = ("calls", "completed", "detok", "done", "index", "received", "stop")
+    __slots__ = (
+        "calls",
+        "completed",
+        "detok",
+        "done",
+        "held",
+        "index",
+        "plain",
+        "received",
+        "stop",
+    )
 
     def __init__(self, call: VllmGrpcCall, index: int) -> None:
         upstream, request = call._upstream, call._request
         self.index = index
         self.detok = upstream.tokenizer.detokenizer()
         self.stop = StopMatcher(request.stop)
-        self.calls = ChoiceToolCalls(
-            tool_calls.for_request(request, upstream.tool_call_parser), index
+        parser = tool_calls.for_request(request, upstream.tool_call_parser)
+        self.calls = ChoiceToolCalls(parser, index)
+        #: Nothing between the detokenizer and our events (no tool-call parser, stop
+        #: strings, logprobs or min_tokens): each message's text is one `Text` at once.
+        self.plain = (
+            parser is None
+            and not any(request.stop)
+            and request.logprobs is None
+            and not request.sampling.min_tokens
         )
+        self.held = 0  # plain: tokens whose text is not out yet (a character's pieces)
         self.received = 0  # completion tokens seen
         self.done = False  # its Finished is out
         self.completed = False  # the engine said it ended
@@ -327,8 +351,19 @@ class VllmGrpcCall(StreamBookkeeping):
             out.append(TokenLogprob(text(token_id), value, tuple(top)))
         return tuple(out)
 
-    def _text(self, choice: _Choice, token_ids: Iterable[int], logprobs: pb.OutputLogProbs) -> None:
-        hidden, request = self._hidden, self._request
+    def _text(self, choice: _Choice, token_ids: Sequence[int], logprobs: pb.OutputLogProbs) -> None:
+        hidden = self._hidden
+        if choice.plain:  # the usual answer: what `ChoiceToolCalls` would give, directly
+            count = len(token_ids)
+            choice.received += count
+            text = choice.detok.feed([i for i in token_ids if i not in hidden])
+            if text:
+                self._pending.append(Text(text, choice.held + count, choice.index))
+                choice.held = 0
+            else:
+                choice.held += count
+            return
+        request = self._request
         ids = list(token_ids)
         scores = None if request.logprobs is None else self._logprobs(ids, logprobs)
         received, count = choice.received, len(ids)
@@ -353,7 +388,8 @@ class VllmGrpcCall(StreamBookkeeping):
         if flush:
             released, stopped = choice.stop.feed(choice.detok.flush())
             rest = released if stopped else released + choice.stop.flush()
-            self._pending.extend(choice.calls.feed(rest, 0))
+            self._pending.extend(choice.calls.feed(rest, choice.held))
+            choice.held = 0
             if stopped:
                 reason = FinishReason.STOP
         self._pending.extend(choice.calls.finish())
