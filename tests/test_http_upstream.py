@@ -35,7 +35,7 @@ from gateway.protocol.types import (
 )
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
-from gateway.upstreams.openai_http.connections import _RawCall
+from gateway.upstreams.openai_http.connections import REST, _RawCall
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD, until
@@ -658,11 +658,14 @@ def test_embed_connect_failure_is_unavailable():
 class ScriptedHttp:
     """A loopback HTTP/1.1 server answering each request with the next scripted
     response: (status, body pieces, then hang?). A 200's pieces go chunked, one
-    send each (`gap` seconds apart), as an engine streams; it keeps the requests
-    and counts connections."""
+    send each (`gap` seconds apart, 0: a turn of the loop; None: back to back), as
+    an engine streams; it keeps the requests and counts connections."""
 
     def __init__(
-        self, *responses: tuple[int, list[bytes], bool], keep_alive: bool = True, gap: float = 0
+        self,
+        *responses: tuple[int, list[bytes], bool],
+        keep_alive: bool = True,
+        gap: float | None = None,
     ) -> None:
         self.responses = list(responses)
         self.keep_alive = keep_alive
@@ -695,7 +698,7 @@ class ScriptedHttp:
                 for piece in pieces:
                     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
-                    if self.gap:
+                    if self.gap is not None:
                         await asyncio.sleep(self.gap)
                 self.sent_all = True
                 if hang:
@@ -916,7 +919,8 @@ def test_plain_http_a_call_past_its_deadline_is_not_sent_again():
 
 def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
     # an engine's token per send, read per token, is a system call each: among other
-    # calls a call reads what came in REST; alone it reads every send at once
+    # calls a call whose sends come faster than REST reads what came in REST; alone it
+    # reads every send at once
     def answer(word: str) -> tuple[int, list[bytes], bool]:
         return (
             200,
@@ -924,7 +928,7 @@ def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
             False,
         )
 
-    server = ScriptedHttp(answer("a"), answer("b"), answer("c"), gap=0.0005)
+    server = ScriptedHttp(answer("a"), answer("b"), answer("c"), gap=0)
 
     async def two_then_one() -> tuple:
         url = await server.start()
@@ -957,6 +961,43 @@ def test_plain_http_a_call_among_others_rests_its_socket_after_its_first_text():
     assert server.connections == 2  # a rested connection went back reading: reused
 
 
+def test_plain_http_a_call_whose_sends_come_further_apart_than_a_rest_never_rests():
+    # an engine's steps longer than REST: a rest would merge nothing, only cost. A read
+    # the loaded loop serves late may see the next come soon after it, and rest once
+    def answer(word: str) -> tuple[int, list[bytes], bool]:
+        return (
+            200,
+            events_of(*(chunk(word) for _ in range(10)), chunk(finish="stop"), "[DONE]"),
+            False,
+        )
+
+    server = ScriptedHttp(answer("a"), answer("b"), gap=10 * REST)
+
+    async def two() -> tuple:
+        url = await server.start()
+        rested = 0
+
+        async def read(call: _RawCall) -> str:
+            nonlocal rested
+            texts = []
+            async for event in call:
+                rested += call._resting
+                if type(event) is Text:
+                    texts.append(event.text)
+            return "".join(texts)
+
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            calls = [upstream.call(CHAT, HANG_GUARD) for _ in range(2)]
+            together = await asyncio.gather(*(read(c) for c in calls))
+            await upstream.close()
+        server.close()
+        return together, rested
+
+    together, rested = anyio.run(two)
+    assert sorted(together) == ["a" * 10, "b" * 10] and rested <= 2  # of 24 events
+
+
 def test_plain_http_a_call_of_several_choices_rests_only_once_each_has_had_its_first_text():
     # choice 1's first text comes after 40 of choice 0's: no rest may hold it back
     def of(index: int, content: str | None = None, finish: str | None = None) -> dict:
@@ -974,7 +1015,7 @@ def test_plain_http_a_call_of_several_choices_rests_only_once_each_has_had_its_f
         ),
         False,
     )
-    server = ScriptedHttp(late_second, late_second, gap=0.0005)
+    server = ScriptedHttp(late_second, late_second, gap=0)
 
     async def two() -> tuple:
         url = await server.start()
