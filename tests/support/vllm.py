@@ -2,7 +2,8 @@
 (.tools/vllm, made by deploy/install-tools.sh), serving the tiny model built on the
 spot: the gRPC server (`vllm.grpc.engine.VllmEngine`), the OpenAI HTTP server, and
 our worker with `--engine vllm`. Each starts in 15-20 s and holds 1.3-2.4 GiB, so
-the session fixtures start each once, when a test first asks for it."""
+the session fixtures start each once, when a test first asks for it. `restart` starts a
+server again on its port (a new engine: its cache and KV-event publisher start empty)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -65,6 +67,8 @@ class VllmProcess:
         self.log = log
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
+        #: Waits until the server answers (set by the `start_*` helper that made it).
+        self.ready: Callable[[VllmProcess], None] | None = None
 
     def start(self) -> VllmProcess:
         """Starts the server; it gets a SIGTERM (its clean shutdown, which stops its
@@ -73,7 +77,7 @@ class VllmProcess:
         env = {**os.environ, **ENV, **self.env}
         setpriv = shutil.which("setpriv")
         args = [setpriv, "--pdeathsig", "TERM", *self.args] if setpriv else self.args
-        with self.log.open("wb") as out:
+        with self.log.open("ab") as out:  # a restart's output follows the first run's
             self.process = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
             )
@@ -95,6 +99,15 @@ class VllmProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
+
+    def restart(self) -> VllmProcess:
+        """Stops the server and starts it again with the same options on the same port
+        (its KV-event endpoint included), ready: a new engine, its cache empty."""
+        self.stop()
+        self.start()
+        if self.ready is not None:
+            self.ready(self)
+        return self
 
 
 #: The OpenAI server's tools and structured outputs, as the shared notes found them to
@@ -134,17 +147,35 @@ def start_http_server(
         *extra,
     ]
     server = VllmProcess(args, port, log_dir / "vllm-http.log", HTTP_ENV).start()
+    server.ready = wait_http_ready
+    wait_http_ready(server)
+    return server
+
+
+def _wait_ready(server: VllmProcess, ready: Callable[[], bool], what: str) -> None:
+    """Asks `ready` every 0.5 s until it says yes; stops the server and fails when it
+    exits or after `START_GUARD` seconds."""
     end = time.monotonic() + START_GUARD
     while time.monotonic() < end:
         server.check_alive()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
+        if ready():
+            return
         time.sleep(0.5)
     server.stop()
-    raise RuntimeError(f"vLLM's HTTP server did not start in {START_GUARD:g} s")
+    raise RuntimeError(f"{what} did not start in {START_GUARD:g} s")
+
+
+def wait_http_ready(server: VllmProcess) -> None:
+    """Waits until the OpenAI server's GET /health answers 200."""
+
+    def healthy() -> bool:
+        try:
+            url = f"http://127.0.0.1:{server.port}/health"
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait_ready(server, healthy, "vLLM's HTTP server")
 
 
 #: The gRPC server's structured outputs (the gateway sends the schemas: response_format
@@ -172,6 +203,7 @@ def start_grpc_server(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -
         *extra,
     ]
     server = VllmProcess(args, port, log_dir / "vllm-grpc.log").start()
+    server.ready = wait_grpc_serving
     wait_grpc_serving(server)
     return server
 
@@ -181,20 +213,17 @@ def wait_grpc_serving(server: VllmProcess, service: str = "") -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    end = time.monotonic() + START_GUARD
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < end:
-            server.check_alive()
+
+        def serving() -> bool:
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
             except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"the vLLM gRPC server did not start in {START_GUARD:g} s")
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        _wait_ready(server, serving, "the vLLM gRPC server")
 
 
 __all__ = [
@@ -205,4 +234,5 @@ __all__ = [
     "start_http_server",
     "vllm_python",
     "wait_grpc_serving",
+    "wait_http_ready",
 ]
