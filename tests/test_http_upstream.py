@@ -1138,6 +1138,20 @@ def test_a_template_chunk_reads_as_the_whole_parse_would(size, spelling):
         assert templated._head
 
 
+@pytest.mark.parametrize("per_read", [1, 2, 3])
+def test_events_read_a_few_at_a_time_read_as_the_whole_parse_would(per_read):
+    # in front of an engine that sends a token a step, a read is one whole event
+    events = [
+        f"data: {p if isinstance(p, str) else orjson.dumps(p).decode()}\n\n".encode()
+        for p in TEMPLATED
+    ]
+    templated, whole = _Stream(True, 2), WholeStream(True, 2)
+    for stream in (templated, whole):
+        for i in range(0, len(events), per_read):
+            stream.feed(b"".join(events[i : i + per_read]))
+    assert list(templated.ready) == list(whole.ready) and templated.done
+
+
 def test_a_line_that_only_looks_like_the_template_is_parsed_whole():
     # the template's head and tail around more than one JSON string: a tool call too
     looks_alike = (

@@ -11,7 +11,10 @@ same JSON with another text, and only the string is parsed. Any other line (a fi
 usage, logprobs, tool calls, another choice, another spelling) is parsed whole and may
 become the next template. Per token that is two byte comparisons and the parse of a
 short string instead of the parse of the whole chunk and the walk through its dicts:
-with a fake engine, 32 streams, about a third of the gateway's CPU per token.
+with a fake engine, 32 streams, about a third of the gateway's CPU per token. A read
+that is one such event whole, as an engine that sends a token a step gives them, is
+matched before any line is cut: the gateway's CPU for parsing a read, in front of
+fake_openai paced at 2 ms (each read a cold cache), about 17 -> 12 us.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class _Stream:
     __slots__ = (
         "_chat",
         "_counted",
+        "_ending",
         "_head",
         "_key",
         "_parts",
@@ -99,10 +103,23 @@ class _Stream:
         self._key = b'"content":' if chat else b'"text":'
         self._head = b""
         self._tail = b""
+        self._ending = b"\n\n"  # the tail and the blank line that ends an event
         self._template_index = 0
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
+        head = self._head
+        if head and not self._parts and data.startswith(head) and data.endswith(self._ending):
+            # The read in front of an engine that sends a token a step: one template
+            # event, whole (were it more, what lies between could not be one string).
+            try:
+                text = orjson.loads(data[len(head) : -len(self._ending)])
+            except orjson.JSONDecodeError:
+                text = None
+            if type(text) is str:
+                if text:
+                    self._texts([text])
+                return
         if b"\n" not in data:
             self._parts.append(data)
             self._size += len(data)
@@ -201,6 +218,7 @@ class _Stream:
         if not line.startswith(spelled, at):
             return False
         self._head, self._tail = line[:at], line[at + len(spelled) :]
+        self._ending = self._tail + b"\n\n"
         self._template_index = choice.get("index") or 0
         return True
 
