@@ -346,6 +346,31 @@ def test_the_index_alone_refuses_what_is_wrong() -> None:
     assert not index.holders and not index.workers
 
 
+def test_the_index_shares_one_int_for_each_set_of_holders() -> None:
+    """Blocks with the same holders share one int (`KvIndex._sets`), and the sets no block
+    has any more are forgotten once they are many, without changing what `match` finds:
+    13 workers store 1,500 one-block documents, each on its own set of workers, three
+    times over (each time a reset and other sets: thousands of sets made, 1,500 left)."""
+    index = KvIndex(MODEL)
+    documents = [i.to_bytes(16, "big") for i in range(1500)]
+    made = 0
+    for turn in range(3):
+        owners = [((d + 1500 * turn) * 2_654_435_761) % 8191 + 1 for d in range(1500)]
+        for w in range(13):  # owners[d]: a bit for each worker
+            mine = [d for d in range(1500) if owners[d] >> w & 1]
+            stored = tuple(BlocksStored((d,), None, documents[d], 16) for d in mine)
+            assert index.apply(f"w{w}", KvBatch(turn + 1, stored, True))
+            made = max(made, len(index._sets))
+    assert made > 4096 and len(index._sets) == 1500  # pruned to the sets in use
+    assert all(index._sets[bits] is bits for bits in index.holders.values())
+    for d in (0, 1, 777, 1499):
+        held = {f"w{w}": 1 for w in range(13) if owners[d] >> w & 1}
+        assert index.match(documents[d] + b"more") == (held, chain(documents[d], 16)[0])
+    for w in range(13):
+        index.drop(f"w{w}")
+    assert not index.holders
+
+
 def test_vllm_batches_translate_to_what_the_index_can_use() -> None:
     """vLLM's relayed batches (smg-grpc-proto common.proto) as ours: device blocks of the
     base model kept, offloaded, remote, adapter and salted ones left out, the load read."""

@@ -21,9 +21,9 @@ and the worker's part dropped, as for a gap), token ids that do not fill the blo
 they claim refuse the event. Each refusal is counted and logged at most once a minute a
 worker; none raises into routing.
 
-Memory: 74-115 bytes a (worker, block) pair in CPython, distinct blocks included, as
-`benchmarks/sim_routing.py` measured it (142-219 MiB for 1,000 workers x 2,000 blocks,
-as few or many of them are distinct).
+Memory: 80-86 bytes a (worker, block) pair in CPython, distinct blocks included (their
+sets of holders shared: one int for each set), as `benchmarks/sim_routing.py` measured
+it (160 MiB for 1,000 workers x 2,000 blocks, a quarter of them distinct).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ log = logging.getLogger("furnace.fleet.kv")
 DEFAULT_CAP = 200_000
 #: Blocks one batch may store or remove (vLLM sends a step's worth: tens to hundreds).
 MAX_BATCH_BLOCKS = 65_536
+#: Sets of holders kept past those in use before they are counted again (`_prune_sets`).
+SETS_SLACK = 4096
 #: Seconds between two warnings about one worker's events.
 WARN_EVERY = 60.0
 
@@ -110,6 +112,11 @@ class KvIndex:
         self.cap = cap
         self.max_batch = max_batch
         self.holders: dict[int, int] = {}
+        #: One int for each set of holders: `holders` shares them, so a block has no int
+        #: of its own (one bit at slot 999 takes 160 bytes), and `match` knows the same
+        #: holders as the same object without reading it.
+        self._sets: dict[int, int] = {}
+        self._sets_limit = SETS_SLACK
         self.workers: dict[str, WorkerKv] = {}
         self.full: set[str] = set()
         self._full = full
@@ -143,17 +150,26 @@ class KvIndex:
         self.full.discard(address)
         self._free.append(kv.slot)
         self._by_slot[kv.slot] = ""
+        self._prune_sets()
 
     def _forget_blocks(self, kv: WorkerKv, hashes: Iterable[int] | None = None) -> None:
-        holders, keep = self.holders, ~kv.bit
+        holders, keep, sets = self.holders, ~kv.bit, self._sets
         for ours in kv.blocks.values() if hashes is None else hashes:
             bits = holders.get(ours, 0) & keep
             if bits:
-                holders[ours] = bits
+                holders[ours] = sets.setdefault(bits, bits)
             else:
                 holders.pop(ours, None)
         if hashes is None:
             kv.blocks = {}
+
+    def _prune_sets(self) -> None:
+        """Forgets the sets of holders that no block has any more, once there are more
+        than twice those kept plus a quarter of the blocks: at most a quarter of an int a
+        block is garbage, and the pass over the blocks comes once in a quarter of them."""
+        if len(self._sets) > self._sets_limit:
+            self._sets = {bits: bits for bits in self.holders.values()}
+            self._sets_limit = 2 * len(self._sets) + len(self.holders) // 4 + SETS_SLACK
 
     # -- events ------------------------------------------------------------------------
 
@@ -198,6 +214,7 @@ class KvIndex:
                 self._reset(kv)
         if len(kv.blocks) > self.cap:
             self._evict(kv)
+        self._prune_sets()
         return True
 
     def _reset(self, kv: WorkerKv) -> None:
@@ -223,10 +240,11 @@ class KvIndex:
                 kv.refused += 1
                 return
             parent = found
-        holders, bit, blocks = self.holders, kv.bit, kv.blocks
+        holders, bit, blocks, sets = self.holders, kv.bit, kv.blocks, self._sets
         for engine_hash, ours in zip(hashes, chain(tokens, size, parent), strict=True):
             blocks[engine_hash] = ours
-            holders[ours] = holders.get(ours, 0) | bit
+            bits = holders.get(ours, 0) | bit
+            holders[ours] = sets.setdefault(bits, bits)
 
     def _removed(self, kv: WorkerKv, event: BlocksRemoved) -> None:
         blocks = kv.blocks
@@ -256,8 +274,8 @@ class KvIndex:
 
         The chain is hashed as `chain` names blocks, and only as far as some worker holds
         the prefix: a new prompt costs one block, a held one a block each (a tuple of its
-        ids, a hash, a dict lookup; a big-int AND only where the holders change), whatever
-        the number of workers."""
+        ids, a hash, a dict lookup; a big-int AND only where the holders change: the same
+        holders are the same object), whatever the number of workers."""
         size, get = self.block_size, self.holders.get
         if not size or len(tokens) < size:
             return {}, None
@@ -266,14 +284,14 @@ class KvIndex:
         for depth, start in enumerate(range(0, len(tokens) - size + 1, size)):
             ours = hash((ours, tuple(tokens[start : start + size])))  # as `chain`
             bits = get(ours, 0)
-            if bits != alive:
-                bits &= alive
-                if bits != alive:
+            if bits is not alive:
+                common = bits & alive
+                if common != alive:
                     if depth:
-                        groups.append((alive & ~bits, depth))
-                    alive = bits
-                    if not bits:
+                        groups.append((alive & ~common, depth))
+                    if not common:
                         break
+                    alive = bits if common == bits else common
         else:
             groups.append((alive, len(tokens) // size))
         found: dict[str, int] = {}
@@ -288,4 +306,5 @@ class KvIndex:
     def memory_bytes(self) -> int:
         """An estimate of the index's memory (dict slots and the ints they hold)."""
         pairs = sum(len(kv.blocks) for kv in self.workers.values())
-        return pairs * 2 * 48 + pairs * 2 * 36 + len(self.holders) * (48 + 36 + 36)
+        shared = len(self.holders) + len(self._sets)
+        return pairs * 2 * 48 + pairs * 2 * 36 + shared * (48 + 36)

@@ -44,8 +44,8 @@ Cost per request, whatever the fleet's size: the chain as far as some worker hol
 (`KvIndex.match`: a hash and a dict lookup a block), and the cost of each candidate;
 past `SAMPLE_ABOVE` candidates only the holders (by address, from the walk) and `SAMPLED`
 others are costed, and shedding looks only at the engines that said they are full
-(`KvIndex.full`). `benchmarks/sim_routing.py` has the curve: ~40-50 µs a new 8,000-token
-prompt at 10 to 1,000 workers on a loaded 2-core VM, plus ~1.5 µs a held block.
+(`KvIndex.full`). `benchmarks/sim_routing.py` has the curve: 17-30 µs a new 8,000-token
+prompt at 10 to 1,000 workers on a loaded 2-core VM, plus about 1 µs a held block.
 """
 
 from __future__ import annotations
