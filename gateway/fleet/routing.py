@@ -20,7 +20,8 @@
   `KvIndex.match` over the request's chain (`gateway.protocol.kv_blocks`): the token
   ids the gateway encodes for `vllm-grpc` workers (`prompt_ids`), or by the model's
   `tokenizer` when it has one (vLLM's HTTP servers over ZMQ, our workers on
-  `--engine vllm`: their engines name blocks by ids, as vLLM's front end encodes),
+  `--engine vllm`: their engines name blocks by ids, as vLLM's front end encodes;
+  `routing_ids`, which reuses the encoded pieces of a conversation's earlier turns),
   else the prompt's bytes (the text fallback, as the demo engine caches). Ties (within
   one block of prefill) go to the worker with fewer calls in flight, then at random,
   so equal workers share the load instead of herding on the first.
@@ -197,7 +198,7 @@ class Router:
         tools = request.tools if request.tool_choice != "none" else ()
         if prompt_chars(request.prompt, request.messages, tools) > MAX_PROMPT_CHARS:
             raise errors.Invalid("The prompt is too long to route by its tokens.")
-        make = partial(self._tokenizer.prompt_ids, request.prompt, request.messages, tools)
+        make = partial(self._tokenizer.routing_ids, request.prompt, request.messages, tools)
         return await asyncio.to_thread(make)
 
     def pick(self, candidates: list[Worker], request: GenerateRequest) -> Worker:
