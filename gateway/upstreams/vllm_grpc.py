@@ -311,7 +311,9 @@ class VllmGrpcCall(StreamBookkeeping):
             if not self._started:
                 self._started = True
                 self._pending.append(Started(chunk.prompt_tokens))
-            if not choice.done:
+            if choice.plain:  # its logprobs field is not read (a message object each)
+                self._plain(choice, chunk.token_ids)
+            elif not choice.done:
                 self._text(choice, chunk.token_ids, chunk.output_logprobs)
         elif kind == "complete":
             done = message.complete
@@ -351,19 +353,28 @@ class VllmGrpcCall(StreamBookkeeping):
             out.append(TokenLogprob(text(token_id), value, tuple(top)))
         return tuple(out)
 
-    def _text(self, choice: _Choice, token_ids: Sequence[int], logprobs: pb.OutputLogProbs) -> None:
-        hidden = self._hidden
-        if choice.plain:  # the usual answer: what `ChoiceToolCalls` would give, directly
-            count = len(token_ids)
-            choice.received += count
-            text = choice.detok.feed([i for i in token_ids if i not in hidden])
-            if text:
-                self._pending.append(Text(text, choice.held + count, choice.index))
-                choice.held = 0
-            else:
-                choice.held += count
+    def _plain(self, choice: _Choice, token_ids: Sequence[int]) -> None:
+        """A plain choice's tokens: what `ChoiceToolCalls` would give, directly."""
+        if choice.done:
             return
-        request = self._request
+        ids = list(token_ids)
+        count = len(ids)
+        choice.received += count
+        hidden = self._hidden
+        if not hidden.isdisjoint(ids):  # in C, where a comprehension is a Python loop
+            ids = [i for i in ids if i not in hidden]
+        text = choice.detok.feed(ids)
+        if text:
+            self._pending.append(Text(text, choice.held + count, choice.index))
+            choice.held = 0
+        else:
+            choice.held += count
+
+    def _text(self, choice: _Choice, token_ids: Sequence[int], logprobs: pb.OutputLogProbs) -> None:
+        if choice.plain:
+            self._plain(choice, token_ids)
+            return
+        hidden, request = self._hidden, self._request
         ids = list(token_ids)
         scores = None if request.logprobs is None else self._logprobs(ids, logprobs)
         received, count = choice.received, len(ids)
