@@ -173,6 +173,7 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
     # one started again on the same port is followed from its first batch
     pub.close(linger=0)
     wait_until(lambda: not kv.blocks, "the worker's part dropped with its publisher")
+    assert router.states[server.url] == "broken"  # in /admin/workers and the metric too
     restarted: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     try:
         restarted.bind(endpoint)
@@ -183,6 +184,7 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
         )
         chat()
         assert router.last.cache_hit_blocks == len(ids) // BLOCK
+        assert router.states[server.url] == "events"
     finally:
         restarted.close(linger=0)
     assert server.refused == 0

@@ -103,7 +103,8 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
         try:
             router.owners[address] = worker
             async for batch in source.kv_events(pool.name):
-                router.states[address] = EVENTS
+                # a ZMQ publisher that went away: its reset batch, then silence
+                router.states[address] = EVENTS if zmq is None or zmq.connected else BROKEN
                 index.apply(address, batch)
                 delay = 0.1
         except errors.Invalid as error:

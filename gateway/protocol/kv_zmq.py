@@ -191,6 +191,8 @@ class ZmqKvSubscriber:
         self.replay = replay
         #: Messages refused (not a batch, past a bound), since this object was made.
         self.malformed = 0
+        #: Whether the publisher is connected now (False until it first is).
+        self.connected = False
         #: Replays that ran to their end, and the batches they brought.
         self.replays = 0
         self.replayed = 0
@@ -218,6 +220,7 @@ class ZmqKvSubscriber:
                 ready = dict(await poller.poll())
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    self.connected = event == zmq.EVENT_CONNECTED
                     if event == zmq.EVENT_DISCONNECTED:
                         # libzmq does not connect again by itself after it refused a frame
                         socket.disconnect(self.endpoint)
@@ -232,6 +235,7 @@ class ZmqKvSubscriber:
                 if socket not in ready:
                     continue
                 frames = await socket.recv_multipart()
+                self.connected = True  # whatever the monitor has told yet
                 try:
                     sequence, stamp, events = decode(frames)
                 except Malformed as error:
@@ -252,6 +256,7 @@ class ZmqKvSubscriber:
                 last = sequence
                 yield KvBatch(sequence, events, reset, None, stamp)
         finally:
+            self.connected = False
             socket.disable_monitor()
             monitor.close(linger=0)
             socket.close(linger=0)
