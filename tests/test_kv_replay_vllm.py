@@ -6,7 +6,6 @@ subscriber learns only blocks stored after it connected (tests/test_kv_routing_v
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from gateway.config import ModelConfig, RoutingConfig
 from tests.support.processes import free_port
 from tests.support.servers import Gateway
-from tests.support.vllm import start_http_server
+from tests.support.vllm import kv_events_args, start_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -30,14 +29,8 @@ def test_a_gateway_started_late_learns_the_engines_blocks_from_its_replay(
     gateway_with: Callable[..., Gateway],
 ) -> None:
     events, replay = free_port(), free_port()
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{events}",  # bind addresses, or vLLM connects out
-        "replay_endpoint": f"tcp://*:{replay}",
-    }
     logs = tmp_path_factory.mktemp("vllm-kv-replay")
-    extra = ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
+    extra = kv_events_args(events, replay)
     server = start_http_server(vllm_model, logs, MODEL, extra)
     try:
         url = f"http://127.0.0.1:{server.port}/v1"

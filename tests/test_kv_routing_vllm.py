@@ -11,7 +11,6 @@ small-cache engine and our worker only for their specs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +27,12 @@ from gateway.fleet.pool import ModelPool
 from gateway.fleet.routing import Router
 from tests.support.processes import free_port
 from tests.support.servers import Gateway
-from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
+from tests.support.vllm import (
+    VllmProcess,
+    kv_events_args,
+    start_grpc_server,
+    start_http_server,
+)
 from tests.support.vllm_worker import start_vllm_worker
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -40,16 +44,6 @@ DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(40))
 #: Seconds between the restart specs' gateways' health checks: a stopped engine shows
 #: soon (it is also each check's timeout: at 0.5 s, engines on a loaded machine flapped).
 HEALTH = 2.0
-
-
-def _events_args(port: int | None = None) -> tuple[str, ...]:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        # a bind address, or vLLM loses every event
-        "endpoint": f"tcp://*:{port or free_port()}",
-    }
-    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
 
 
 @dataclass
@@ -175,7 +169,7 @@ def engines(
     try:
         for i in range(2):
             logs = tmp_path_factory.mktemp(f"vllm-kv-{i}")
-            servers.append(start_grpc_server(vllm_model, logs, _events_args()))
+            servers.append(start_grpc_server(vllm_model, logs, kv_events_args()))
         yield servers
     finally:
         for server in servers:
@@ -235,7 +229,7 @@ def test_blocks_a_small_vllm_cache_evicts_leave_the_index(
     no longer scored as a hit."""
     logs = tmp_path_factory.mktemp("vllm-kv-small")
     small = ("--num-gpu-blocks-override", str(SMALL_CACHE))
-    server = start_grpc_server(vllm_model, logs, (*_events_args(), *small))
+    server = start_grpc_server(vllm_model, logs, (*kv_events_args(), *small))
     address = _grpc_address(server)
     try:
         with routed(gateway_with, _grpc_model(vllm_model, server)) as kv:
@@ -269,7 +263,7 @@ def http_engines(
     try:
         for i in range(2):
             logs, port = tmp_path_factory.mktemp(f"vllm-http-kv-{i}"), free_port()
-            server = start_http_server(vllm_model, logs, MODEL, _events_args(port))
+            server = start_http_server(vllm_model, logs, MODEL, kv_events_args(port))
             servers.append((server, f"tcp://127.0.0.1:{port}"))
         yield servers
     finally:
@@ -341,7 +335,7 @@ def test_the_vllm_worker_forwards_its_engines_events(
     engine's ZMQ publisher and serves the events on `SubscribeKvEvents`; a gateway with
     the model's `tokenizer` hashes the prompt's ids and finds the blocks."""
     logs = tmp_path_factory.mktemp("vllm-worker-kv")
-    worker = start_vllm_worker(vllm_model, logs, *_events_args(), name=MODEL)
+    worker = start_vllm_worker(vllm_model, logs, *kv_events_args(), name=MODEL)
     try:
         address = f"127.0.0.1:{worker.port}"
         model = ModelConfig(

@@ -5,7 +5,6 @@ answer streams and sees it idle again after, without a KV event in between."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.protocol.kv_blocks import EngineLoad
-from tests.support.processes import free_port
 from tests.support.servers import Gateway
+from tests.support.vllm import kv_events_args
 from tests.support.vllm_worker import start_vllm_worker
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -29,13 +28,8 @@ def test_the_vllm_worker_forwards_its_schedulers_load(
     tmp_path_factory: pytest.TempPathFactory,
     gateway_with: Callable[..., Gateway],
 ) -> None:
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
-    }
     logs = tmp_path_factory.mktemp("vllm-worker-loads")
-    options = ("--enable-prefix-caching", "--kv-events-config", json.dumps(events))
+    options = kv_events_args()
     worker = start_vllm_worker(vllm_model, logs, *options, name=MODEL)
     try:
         address = f"127.0.0.1:{worker.port}"

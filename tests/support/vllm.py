@@ -7,6 +7,7 @@ server again on its port (a new engine: its cache and KV-event publisher start e
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -122,6 +123,20 @@ HTTP_ARGS = (
     '{"backend": "xgrammar", "disable_any_whitespace": true}',
 )
 HTTP_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+
+
+def kv_events_args(port: int | None = None, replay: int | None = None) -> tuple[str, ...]:
+    """Prefix caching, and KV events published over ZMQ on `port` (a free one when None),
+    with vLLM's replay socket on `replay` when given; bind addresses, or vLLM connects
+    out and loses every event."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port or free_port()}",
+    }
+    if replay is not None:
+        config["replay_endpoint"] = f"tcp://*:{replay}"
+    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
 
 
 def start_http_server(
