@@ -599,6 +599,13 @@ class Config:
         "reconnect waits)",
         minimum=0.01,
     )
+    health_check_timeout: float = setting(
+        5.0,
+        "seconds one health check of a worker may take before the worker counts as "
+        "unreachable, whatever `health_check_interval` is (a short interval does not make "
+        "a slow answer a failure)",
+        minimum=0.01,
+    )
     start_timeout: float = setting(
         10.0,
         "seconds a worker may take to start an answer (its first event) before another worker "

@@ -255,7 +255,7 @@ def test_describe_and_health():
         async with httpx.AsyncClient() as http:
             upstream = OpenAIHttpUpstream(BASE + "/", http, raw_http=False)
             models = await upstream.describe(1.0)
-            health = upstream.watch_health(0.01)
+            health = upstream.watch_health(0.01, 1.0)
             serving = await anext(health)
             await health.aclose()
             return models, serving
@@ -1202,7 +1202,7 @@ def test_models_and_health_answers_are_read_up_to_a_bound():
             upstream = OpenAIHttpUpstream(f"http://127.0.0.1:{port}/v1", http, raw_http=False)
             with pytest.raises(errors.Failed) as failed:
                 await upstream.describe(HANG_GUARD)
-            health = upstream.watch_health(HANG_GUARD)
+            health = upstream.watch_health(HANG_GUARD, HANG_GUARD)
             serving = await anext(health)
             await health.aclose()
             return failed.value, serving

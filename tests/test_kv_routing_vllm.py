@@ -42,7 +42,7 @@ MODEL = "tiny-kv"
 #: A long prompt: ~950 of the tiny model's tokens, 7 of vLLM's CPU KV blocks (128 tokens).
 DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(40))
 #: Seconds between the restart specs' gateways' health checks: a stopped engine shows
-#: soon (it is also each check's timeout: at 0.5 s, engines on a loaded machine flapped).
+#: soon (each check may take `health_check_timeout`, 5 s by default).
 HEALTH = 2.0
 
 

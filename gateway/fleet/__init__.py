@@ -222,7 +222,8 @@ class Fleet:
         self._spawn(follow_loads(pool, worker))  # and unless it reads /metrics (openai)
         while not worker.leaving:
             try:
-                async for serving in worker.upstream.watch_health(interval):
+                checks = worker.upstream.watch_health(interval, self.config.health_check_timeout)
+                async for serving in checks:
                     if serving and not described:
                         described = await self._describe(pool, worker)
                     if serving != worker.serving:

@@ -107,8 +107,10 @@ class Upstream(Protocol):
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models it serves."""
 
-    def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
-        """Whether it serves, as that changes; raises `GatewayError` when unreachable."""
+    def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
+        """Whether it serves, as that changes (a check every `poll_interval` where it
+        cannot be watched, each allowed `deadline` seconds); raises `GatewayError` when
+        unreachable."""
 
     async def close(self) -> None:
         """Releases its connections."""

@@ -184,11 +184,11 @@ class FurnaceGrpcUpstream:
         finally:
             call.cancel()
 
-    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+    async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
         """Whether the worker is serving, each time that changes: the health
-        Watch stream where the worker has it, else a Check every `poll_interval`
-        (a worker without the health service counts as serving). Ends with an
-        `GatewayError` when the worker cannot be reached."""
+        Watch stream where the worker has it, else a Check every `poll_interval` of
+        at most `deadline` seconds (a worker without the health service counts as
+        serving). Ends with an `GatewayError` when the worker cannot be reached."""
         request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
         serving = health_pb2.HealthCheckResponse.SERVING
         try:
@@ -201,7 +201,7 @@ class FurnaceGrpcUpstream:
         while True:
             try:
                 reply = await self._health.Check(  # type: ignore[attr-defined]
-                    request, timeout=poll_interval
+                    request, timeout=deadline
                 )
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNIMPLEMENTED:

@@ -215,10 +215,11 @@ class KServeGrpcUpstream:
         """The model, when the worker has it ready; no context length for tensors."""
         return [ModelDescription(self.model, 0)] if await self.ready(deadline) else []
 
-    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
-        """ServerReady and ModelReady every `poll_interval`; a `GatewayError` when unreachable."""
+    async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
+        """ServerReady and ModelReady every `poll_interval`, each within `deadline` seconds; a
+        `GatewayError` when unreachable."""
         while True:
-            yield await self.ready(poll_interval)
+            yield await self.ready(deadline)
             await asyncio.sleep(poll_interval)
 
     async def close(self) -> None:

@@ -688,7 +688,7 @@ class VllmGrpcUpstream:
         _ABORTS.add(task)
         task.add_done_callback(_ABORTS.discard)
 
-    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+    async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
         """Serving when both its grpc.health.v1 and its own HealthCheck say so,
         every `poll_interval`; a `GatewayError` when it cannot be reached."""
         request = health_pb2.HealthCheckRequest(service="")
@@ -696,9 +696,9 @@ class VllmGrpcUpstream:
         while True:
             try:
                 reply = await self._health.Check(  # type: ignore[attr-defined]
-                    request, timeout=poll_interval
+                    request, timeout=deadline
                 )
-                engine = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=poll_interval)
+                engine = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=deadline)
             except grpc.RpcError as error:
                 raise _from_rpc_error(error) from None
             yield reply.status == serving and engine.healthy

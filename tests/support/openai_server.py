@@ -50,6 +50,8 @@ class OpenAIServer:
         self.load: tuple[int, int, float] | None = None
         #: Set to answer /metrics with this status instead (a failing page).
         self.metrics_status = 200
+        #: Seconds its /health takes to answer (a loaded server's).
+        self.health_delay = 0.0
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}/v1"
         app = Starlette(
@@ -81,6 +83,7 @@ class OpenAIServer:
         return JSONResponse({"error": error}, status_code=401)
 
     async def _health(self, request: Request) -> Response:
+        await asyncio.sleep(self.health_delay)
         return self._refusal(request) or Response(status_code=200)
 
     async def _models(self, request: Request) -> Response:

@@ -308,14 +308,14 @@ class OpenAIHttpUpstream:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
         return engine_load(content, truncated=len(content) >= MAX_METRICS_BYTES)
 
-    async def watch_health(self, poll_interval: float) -> AsyncIterator[bool]:
+    async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
         """Their /health every `poll_interval`: 200 is serving (its body is not read
         past `MAX_ERROR_BYTES`)."""
         while True:
             request = self._http.build_request(
-                "GET", self._health_url, headers=self._auth, timeout=poll_interval
+                "GET", self._health_url, headers=self._auth, timeout=deadline
             )
-            status, _ = await self._send(request, poll_interval, MAX_ERROR_BYTES)
+            status, _ = await self._send(request, deadline, MAX_ERROR_BYTES)
             yield status == 200
             await asyncio.sleep(poll_interval)
 
