@@ -144,27 +144,59 @@ def start_http_server(
 ) -> VllmProcess:
     """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200), with
     tool calls and structured outputs on, and `extra` engine options."""
-    port = free_port()
-    args = [
-        str(vllm_python()),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *ENGINE_ARGS,
-        *HTTP_ARGS,
-        *extra,
-    ]
-    server = VllmProcess(args, port, log_dir / "vllm-http.log", HTTP_ENV).start()
-    server.ready = wait_http_ready
-    wait_http_ready(server)
-    return server
+
+    def args(port: int) -> list[str]:
+        return [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *ENGINE_ARGS,
+            *HTTP_ARGS,
+            *extra,
+        ]
+
+    return _start(args, log_dir / "vllm-http.log", wait_http_ready, HTTP_ENV)
+
+
+#: Starts of a server whose port was taken meanwhile: vLLM builds its engine (tens of
+#: seconds) before its server binds the port `free_port` found free, and the kernel may
+#: give it to another socket first (seen in CI: "Address already in use").
+START_TRIES = 3
+_PORT_TAKEN = "Address already in use"
+
+
+def _start(
+    args: Callable[[int], list[str]],
+    log: Path,
+    ready: Callable[[VllmProcess], None],
+    env: dict[str, str] | None = None,
+) -> VllmProcess:
+    """The server started on a free port and ready; on another port when the first was
+    taken before the server bound it."""
+    for attempt in range(1, START_TRIES + 1):
+        port = free_port()
+        logged = log.stat().st_size if log.exists() else 0
+        server = VllmProcess(args(port), port, log, env).start()
+        server.ready = ready
+        try:
+            ready(server)
+            return server
+        except RuntimeError:
+            server.stop()
+            with log.open("rb") as out:
+                out.seek(logged)
+                taken = _PORT_TAKEN in out.read().decode(errors="replace")
+            if not taken or attempt == START_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _wait_ready(server: VllmProcess, ready: Callable[[], bool], what: str) -> None:
@@ -202,25 +234,24 @@ def start_grpc_server(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -
     """vLLM's own gRPC server (service vllm.grpc.engine.VllmEngine) on a free loopback
     port, ready (its grpc.health.v1 says SERVING), with structured outputs on and
     `extra` engine options."""
-    port = free_port()
-    args = [
-        str(vllm_python()),
-        "-m",
-        "vllm.entrypoints.grpc_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *ENGINE_ARGS,
-        *GRPC_ARGS,
-        *extra,
-    ]
-    server = VllmProcess(args, port, log_dir / "vllm-grpc.log").start()
-    server.ready = wait_grpc_serving
-    wait_grpc_serving(server)
-    return server
+
+    def args(port: int) -> list[str]:
+        return [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.grpc_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *ENGINE_ARGS,
+            *GRPC_ARGS,
+            *extra,
+        ]
+
+    return _start(args, log_dir / "vllm-grpc.log", wait_grpc_serving)
 
 
 def wait_grpc_serving(server: VllmProcess, service: str = "") -> None:
