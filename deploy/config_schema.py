@@ -71,7 +71,18 @@ CHART_MODEL_FIELDS = {
     "weights": "weights",
     "fallbacks": "fallbacks",
     "prices": "prices",
+    "toolCallParser": "tool_call_parser",
+    "plainTextContents": "plain_text_contents",
+    "queue": "queue",
+    "routing": "routing",
 }
+#: The other fields of a model's entry, by the chart's value that sets each in a shape of
+#: its own: files the chart mounts in the gateway's pods (`tokenizer`, `ca`) and a Secret
+#: it passes as an environment variable (`apiKey`).
+CHART_MODEL_WIRED = {"tokenizer": "tokenizer", "api_key_env": "apiKey", "ca_file": "ca"}
+#: `models[]` sections whose fields go over the top-level section's (`queue`): in the
+#: chart's values none is required, since `gateway.config` may hold them.
+CHART_MODEL_OVERRIDES = ("queue",)
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", bytes: "string"}
 
 
@@ -157,6 +168,8 @@ def field_schema(hint: Any, spec: Spec) -> dict[str, Any]:
     schema = _value_schema(inner, spec)
     if nullable:
         schema["type"] = [schema["type"], "null"]
+        if "enum" in schema:
+            schema["enum"].append(None)
     if schema.get("minItems") == 0:
         del schema["minItems"]
     return _described(schema, spec)
@@ -260,6 +273,8 @@ def render_schema(text: str) -> str:
     specs = {f.name: spec_of(f) for f in fields(ModelConfig)}
     for chart_name, name in CHART_MODEL_FIELDS.items():
         model[chart_name] = field_schema(types[name], specs[name])
+        if name in CHART_MODEL_OVERRIDES:
+            model[chart_name].pop("required")
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 

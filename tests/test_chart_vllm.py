@@ -3,7 +3,10 @@ the real helm: it lints and validates against the Kubernetes schemas, the vLLM p
 `python3 -m vllm.entrypoints.grpc_server` on its port with its GPUs and gRPC health
 probes, its model reaches it with `upstream: vllm-grpc` and the tokenizer files mounted
 from a ConfigMap or a volume, the gateway's loader takes the rendered config, and the
-mistakes (no model, no image, TLS, no tokenizer, mixed engines) fail to render."""
+mistakes (no model, no image, TLS, no tokenizer, mixed engines) fail to render. Every
+setting of a model's entry (`routing`, `queue`, tool calls, an HTTP upstream's key, CA and
+KV events) goes through `models[]`: the schema refuses what the loader would, the chart
+mounts the files and passes the Secret the entry names, and the loader takes the result."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import parse_config
+from gateway.config import QueueConfig, RoutingConfig, parse_config
+from tests.support.certs import CertificateAuthority
 from tests.support.k8s_tools import (
     KUBERNETES_VERSIONS,
     ROOT,
@@ -52,6 +56,40 @@ VALUES: dict[str, Any] = {
             "shmSize": "8Gi",
         }
     },
+}
+
+
+HOSTED_URL = "https://vllm-0.inference.svc:8000/v1"
+#: Every setting of a model's entry through the chart's `models[]`: routing on our workers
+#: (issue 26's contract, `routing: {policy: kv_aware}`) and, with its weights, on the vLLM
+#: pool; a queue over the top-level one; vLLM's tool calls; and a vLLM HTTP server with
+#: its key, its private CA and its ZMQ KV events.
+EVERY_SETTING: dict[str, Any] = {
+    **copy.deepcopy(VALUES),
+    "gateway": {"config": {"queue": {"max_wait": 5}}},
+    "models": [
+        {"name": "furnace-demo", "pools": ["demo"], "routing": {"policy": "kv_aware"}},
+        {
+            **VALUES["models"][1],
+            "routing": {"policy": "kv_aware", "running_cost": 32, "max_engine_waiting": 8},
+            "queue": {"max_depth": 64},
+            "toolCallParser": "hermes",
+            "plainTextContents": False,
+        },
+        {
+            "name": "hosted",
+            "upstream": "openai",
+            "workers": [HOSTED_URL],
+            "apiKey": {"existingSecret": "hosted-key", "key": "token"},
+            "ca": {"configMap": "internal-ca", "key": "bundle.pem"},
+            "tokenizer": {"configMap": "qwen-tokenizer"},
+            "routing": {
+                "policy": "least_load",
+                "kv_events": {HOSTED_URL: "tcp://vllm-0.inference.svc:5557"},
+                "kv_replay": {HOSTED_URL: "tcp://vllm-0.inference.svc:5558"},
+            },
+        },
+    ],
 }
 
 
@@ -151,9 +189,100 @@ def test_the_gateway_loader_takes_the_rendered_config(tmp_path: Path):
     assert (llama.name, llama.upstream, llama.tokenizer) == (MODEL, "vllm-grpc", str(mounted))
 
 
+def test_every_model_setting_reaches_the_gateway_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    manifests = render(EVERY_SETTING, tmp_path)
+    raw = yaml.safe_load(one(manifests, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    # the files and the Secret as the pod would have them, where the chart puts them
+    tokenizer = build_tiny_model(tmp_path / "model", for_vllm=True)
+    for entry in raw["models"][1:]:
+        mounted = tmp_path / entry["tokenizer"].lstrip("/")
+        entry["tokenizer"] = str(shutil.copytree(tokenizer, mounted))
+    hosted = raw["models"][2]
+    rendered_ca = Path(hosted["ca_file"])
+    ca_file = tmp_path / hosted["ca_file"].lstrip("/")
+    ca_file.parent.mkdir(parents=True)
+    shutil.copy(CertificateAuthority(tmp_path, "internal-ca").ca_file, ca_file)
+    monkeypatch.setenv(hosted["api_key_env"], "sk-upstream")
+    hosted["ca_file"] = str(ca_file)
+
+    demo, llama, openai = parse_config(raw, env={}).models
+    assert demo.routing == RoutingConfig(policy="kv_aware")
+    assert demo.queue == QueueConfig(max_wait=5)
+    assert llama.routing == RoutingConfig(running_cost=32, max_engine_waiting=8)
+    assert llama.queue == QueueConfig(max_wait=5, max_depth=64)
+    assert (llama.tool_call_parser, llama.plain_text_contents) == ("hermes", False)
+    assert openai.routing is not None and openai.routing.policy == "least_load"
+    assert openai.routing.kv_events == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),)
+    assert openai.routing.kv_replay == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5558"),)
+    assert openai.tokenizer is not None and openai.ca_file == str(ca_file)
+    # the pod holds what the entry names: the key's variable, the CA's directory
+    spec = gateway_pod(manifests)
+    (container,) = spec["containers"]
+    (key,) = [e for e in container["env"] if e["name"] == openai.api_key_env]
+    assert key["valueFrom"] == {"secretKeyRef": {"name": "hosted-key", "key": "token"}}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"].startswith("upstream-ca")]
+    assert (mount["mountPath"], mount["readOnly"]) == (str(rendered_ca.parent), True)
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    items = [{"key": "bundle.pem", "path": rendered_ca.name}]
+    assert volume["configMap"] == {"name": "internal-ca", "items": items}
+    assert schema_problems(manifests, KUBERNETES_VERSIONS[-1], tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        {"routing": {"policy": "fastest"}},
+        {"routing": {"max_kv_usage": 1.5}},
+        {"routing": {"kv_event": {}}},
+        {"routing": {"kv_events": {HOSTED_URL: "vllm-0:5557"}}},
+        {"queue": {"max_depth": 0}},
+        {"queue": {"max_wait": 1, "depth": 4}},
+        {"toolCallParser": "mistral"},
+        {"plainTextContents": "no"},
+        {"apiKey": {"key": "token"}},
+        {"ca": {"configMap": "a", "existingSecret": "b"}},
+    ],
+)
+def test_the_schema_refuses_bad_model_settings(edits: dict[str, Any], tmp_path: Path):
+    result = render(changed(model=edits), tmp_path, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("index", "edits", "message"),
+    [
+        (0, {"toolCallParser": "hermes"}, "models[0].toolCallParser: only for upstream vllm-grpc"),
+        (0, {"plainTextContents": True}, "models[0].plainTextContents: only for upstream"),
+        (1, {"apiKey": {"existingSecret": "k"}}, "apiKey and ca are for upstream openai"),
+        (1, {"ca": {"configMap": "ca"}}, "apiKey and ca are for upstream openai"),
+        (2, {"tokenizer": None}, "routing.kv_events needs tokenizer"),
+        (2, {"routing": None}, "tokenizer is for upstream vllm-grpc (the gateway tokenizes) or"),
+        (2, {"workers": ["https://other:8000/v1"]}, "is not one of the model's workers"),
+        (2, {"routing": {"kv_replay": {HOSTED_URL: "tcp://h:1"}}}, "not one of routing.kv_events"),
+    ],
+)
+def test_model_setting_mistakes_fail_to_render(
+    index: int, edits: dict[str, Any], message: str, tmp_path: Path
+):
+    values = copy.deepcopy(EVERY_SETTING)
+    model = values["models"][index]
+    for key, value in edits.items():
+        if value is None:
+            del model[key]
+        else:
+            model[key] = value
+    result = render(values, tmp_path, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
 @pytest.mark.parametrize(
     ("edits", "message"),
     [
+        ({"model": {"queue": {"max_depth": 4}}}, "needs max_wait, as gateway.config has no queue"),
         ({"pool": {"vllm": None}}, "needs vllm.model"),
         ({"pool": {"vllm": {}}}, "missing property 'model'"),
         ({"pool": {"image": {"tag": "v1"}}}, "image.repository"),

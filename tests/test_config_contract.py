@@ -27,6 +27,7 @@ from gateway.config import (
     ModelConfig,
     Prices,
     QueueConfig,
+    RoutingConfig,
     TeamConfig,
     WorkerTLS,
     hints,
@@ -176,6 +177,18 @@ def test_every_config_field_the_chart_names_exists():
     assert set(named) <= FIELDS, sorted(set(named) - FIELDS)
 
 
+def test_the_chart_sets_every_field_of_a_model():
+    # each field of a model's entry from one value of the chart's `models[]`, copied or
+    # wired (a file it mounts, a Secret it passes), and values.yaml names each value
+    copied, wired = GENERATOR.CHART_MODEL_FIELDS, GENERATOR.CHART_MODEL_WIRED
+    assert set(copied.values()) | set(wired) == {f.name for f in fields(ModelConfig)}
+    assert not set(copied.values()) & set(wired)
+    values = set(SCHEMA["definitions"]["model"]["properties"])
+    assert values == set(copied) | set(wired.values()) | {"pools"}
+    comment = VALUES_TEXT.split("# -- The models the gateway serves", 1)[1].split("\nmodels:")[0]
+    assert values <= set(re.findall(r"`(\w+)`", comment)), sorted(values)
+
+
 def test_the_charts_defaults_pass_the_schema_and_the_loader():
     config = VALUES["gateway"]["config"]
     for name, value in config.items():
@@ -207,8 +220,8 @@ def test_the_loader_and_the_schema_refuse_the_same_numbers(name: str):
 
 def _nested_numbers() -> list[tuple[str, str, Any, dict[str, Any]]]:
     """(path, field, its type, its schema) of each number of a section the chart's values
-    hold as the config does: the queue, a team, a team's budget, and a model's weights and
-    prices (as `models[]` in the chart)."""
+    hold as the config does: the queue, a team, a team's budget, and a model's weights,
+    prices, queue and routing (as `models[]` in the chart)."""
     gateway = SCHEMA["properties"]["gateway"]["properties"]
     team = gateway["teams"]["additionalProperties"]["properties"]
     model = SCHEMA["definitions"]["model"]["properties"]
@@ -218,6 +231,8 @@ def _nested_numbers() -> list[tuple[str, str, Any, dict[str, Any]]]:
         ("teams.t", TeamConfig, team),
         ("teams.t.budgets[0]", BudgetConfig, team["budgets"]["items"]["properties"]),
         ("models[0].prices", Prices, model["prices"]["properties"]),
+        ("models[0].queue", QueueConfig, model["queue"]["properties"]),
+        ("models[0].routing", RoutingConfig, model["routing"]["properties"]),
     ):
         types = hints(section)
         for declared in fields(section):

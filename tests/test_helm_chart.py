@@ -183,6 +183,7 @@ def test_models_reach_their_own_pools_and_outside_workers():
     models = {m["name"]: m for m in gateway_config(render(*VALUES["gpu-fleet"]))["models"]}
     pool = f"dns:///{FULLNAME}-worker-qwen-2-72b.{NAMESPACE}.svc.cluster.local:50052"
     assert models["qwen-2-72b"]["workers"] == [pool, "10.20.0.7:50051", "10.20.0.8:50051"]
+    assert models["qwen-2-72b"]["routing"] == {"policy": "kv_aware"}  # issue 26's contract
     assert models["llama-3-8b"]["max_model_len"] == 8192
     assert models["llama-3-8b"]["balance"] == "prefix_affinity"
     assert models["resnet-50"]["kind"] == "tensor"

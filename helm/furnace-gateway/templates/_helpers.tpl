@@ -112,6 +112,58 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- end }}
 {{- end }}
 
+{{/* The environment variable holding a model's upstream API key (`models[].apiKey`);
+argument: the model's index. Not FURNACE_*: those override the config's fields. */}}
+{{- define "furnace-gateway.apiKeyEnv" -}}
+{{- printf "UPSTREAM_API_KEY_%d" (int .) }}
+{{- end }}
+
+{{/* Where the gateway's pod mounts a model's upstream CA bundle (`models[].ca`);
+argument: the model's index. */}}
+{{- define "furnace-gateway.upstreamCADir" -}}
+{{- printf "/etc/furnace-upstream-ca/%d" (int .) }}
+{{- end }}
+
+{{/* The gateway's environment variables of models' upstream API keys, from their Secrets. */}}
+{{- define "furnace-gateway.apiKeyEnvs" -}}
+{{- range $i, $model := .Values.models }}
+{{- with $model.apiKey }}
+- name: {{ include "furnace-gateway.apiKeyEnv" $i }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret }}
+      key: {{ .key | default "api-key" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's volumes (with `volumes`) or mounts (without) of models' upstream CA
+bundles, each as `ca.crt` in a directory of its own (a directory mount: a new version of
+the Secret or ConfigMap reaches the file). */}}
+{{- define "furnace-gateway.upstreamCAVolumes" -}}
+{{- $volumes := .volumes }}
+{{- range $i, $model := .root.Values.models }}
+{{- with $model.ca }}
+- name: upstream-ca-{{ $i }}
+{{- if $volumes }}
+  {{- $items := list (dict "key" (.key | default "ca.crt") "path" "ca.crt") }}
+  {{- if .configMap }}
+  configMap:
+    name: {{ .configMap }}
+    items: {{ toYaml $items | nindent 6 }}
+  {{- else }}
+  secret:
+    secretName: {{ .existingSecret }}
+    items: {{ toYaml $items | nindent 6 }}
+  {{- end }}
+{{- else }}
+  mountPath: {{ include "furnace-gateway.upstreamCADir" $i }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The address the gateway resolves to reach every ready pod of a pool. */}}
 {{- define "furnace-gateway.poolAddress" -}}
 {{- printf "dns:///%s.%s.svc.%s:%d" (include "furnace-gateway.poolFullname" .) .root.Release.Namespace .root.Values.clusterDomain (int (.pool.port | default 50051)) }}
@@ -148,9 +200,10 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- if and $engines (ne $upstream $poolUpstream) (ne $upstream "openai") }}
 {{- fail (printf "models[%d] (%s): upstream %s, but its pools run %s" $i $model.name $upstream (first $engines)) }}
 {{- end }}
+{{- $routing := hasKey $model "routing" }}
 {{- with $model.tokenizer }}
-{{- if ne $upstream "vllm-grpc" }}
-{{- fail (printf "models[%d] (%s): tokenizer is for upstream vllm-grpc (the gateway tokenizes)" $i $model.name) }}
+{{- if and (ne $upstream "vllm-grpc") (not $routing) }}
+{{- fail (printf "models[%d] (%s): tokenizer is for upstream vllm-grpc (the gateway tokenizes) or routing (it hashes token ids)" $i $model.name) }}
 {{- end }}
 {{- if eq (len (compact (list .configMap .volume))) 1 | not }}
 {{- fail (printf "models[%d].tokenizer: name exactly one of configMap and volume" $i) }}
@@ -199,6 +252,47 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- end }}
 {{- with $model.prices }}
 {{- $_ := set $entry "prices" . }}
+{{- end }}
+{{- range $name, $key := dict "toolCallParser" "tool_call_parser" "plainTextContents" "plain_text_contents" }}
+{{- if hasKey $model $name }}
+{{- if ne $upstream "vllm-grpc" }}
+{{- fail (printf "models[%d].%s: only for upstream vllm-grpc" $i $name) }}
+{{- end }}
+{{- $_ := set $entry $key (index $model $name) }}
+{{- end }}
+{{- end }}
+{{- if hasKey $model "queue" }}
+{{- if not (or (hasKey ($model.queue | default dict) "max_wait") $root.Values.gateway.config.queue) }}
+{{- fail (printf "models[%d].queue: needs max_wait, as gateway.config has no queue" $i) }}
+{{- end }}
+{{- $_ := set $entry "queue" $model.queue }}
+{{- end }}
+{{- if $routing }}
+{{- range $worker, $endpoint := ($model.routing | default dict).kv_events }}
+{{- if not (has $worker $workers) }}
+{{- fail (printf "models[%d].routing.kv_events: %q is not one of the model's workers" $i $worker) }}
+{{- end }}
+{{- if not $model.tokenizer }}
+{{- fail (printf "models[%d] (%s): routing.kv_events needs tokenizer (the events name blocks by token ids)" $i $model.name) }}
+{{- end }}
+{{- end }}
+{{- range $worker, $endpoint := ($model.routing | default dict).kv_replay }}
+{{- if not (hasKey ($model.routing.kv_events | default dict) $worker) }}
+{{- fail (printf "models[%d].routing.kv_replay: %q is not one of routing.kv_events' workers" $i $worker) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $entry "routing" $model.routing }}
+{{- end }}
+{{- if or $model.apiKey $model.ca }}
+{{- if ne $upstream "openai" }}
+{{- fail (printf "models[%d] (%s): apiKey and ca are for upstream openai" $i $model.name) }}
+{{- end }}
+{{- end }}
+{{- if $model.apiKey }}
+{{- $_ := set $entry "api_key_env" (include "furnace-gateway.apiKeyEnv" $i) }}
+{{- end }}
+{{- if $model.ca }}
+{{- $_ := set $entry "ca_file" (printf "%s/ca.crt" (include "furnace-gateway.upstreamCADir" $i)) }}
 {{- end }}
 {{- $models = append $models $entry }}
 {{- end }}
