@@ -42,6 +42,7 @@ from gateway.protocol.kv_blocks import (
     EngineLoad,
     KvBatch,
     chain,
+    walk,
 )
 
 log = logging.getLogger("furnace.fleet.kv")
@@ -272,28 +273,12 @@ class KvIndex:
         prompt's first block that no worker holds with all before it, else its last
         (None for a prompt shorter than a block).
 
-        The chain is hashed as `chain` names blocks, and only as far as some worker holds
-        the prefix: a new prompt costs one block, a held one a block each (a tuple of its
-        ids, a hash, a dict lookup; a big-int AND only where the holders change: the same
-        holders are the same object), whatever the number of workers."""
-        size, get = self.block_size, self.holders.get
+        `walk` hashes the chain as `chain` names blocks, only as far as some worker holds
+        the prefix, whatever the number of workers: a new prompt costs one block."""
+        size = self.block_size
         if not size or len(tokens) < size:
             return {}, None
-        groups: list[tuple[int, int]] = []  # (bits of workers that stop here, depth)
-        ours, alive = ROOT, -1  # alive -1: every worker, before the first block
-        for depth, start in enumerate(range(0, len(tokens) - size + 1, size)):
-            ours = hash((ours, tuple(tokens[start : start + size])))  # as `chain`
-            bits = get(ours, 0)
-            if bits is not alive:
-                common = bits & alive
-                if common != alive:
-                    if depth:
-                        groups.append((alive & ~common, depth))
-                    if not common:
-                        break
-                    alive = bits if common == bits else common
-        else:
-            groups.append((alive, len(tokens) // size))
+        groups, ours = walk(tokens, size, self.holders)
         found: dict[str, int] = {}
         by_slot = self._by_slot
         for bits, held in groups:

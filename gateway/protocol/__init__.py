@@ -16,6 +16,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     features.py      what a model's workers serve beyond plain text, by OpenAI's names
     kserve_v2/       the generated stubs of the KServe v2 inference protocol
     kv_blocks.py     KV-cache blocks as the gateway names them, and the events about them
+    _kv_blocks.c     kv_blocks' chain and walk in C, built where a compiler is
     kv_proto.py      those events to the worker protocol's KvEventBatch and back
     kv_zmq.py        vLLM's KV-cache events as its ZMQ publisher sends them, as ours
     multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends

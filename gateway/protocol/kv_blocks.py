@@ -9,6 +9,12 @@ block itself, from the token ids the events carry: `chain` over tuples of ints, 
 only str and bytes hashes are salted), so two gateway replicas name every block alike.
 A 64-bit chain collides once in ~2^32 blocks of one worker: a wrong cache hit at worst.
 
+`chain` and `walk` run for every request the router scores and every block an engine
+stores: `_kv_blocks.c` is them in C (a token a hash round, a block a dict lookup), built
+with the package where a compiler is; the Python functions here are their definition, and
+the fallback elsewhere (about 1 µs a block). Both give the same names to the bit, so
+replicas built either way agree.
+
 Token ids: an engine's own for `vllm-grpc` workers (the gateway tokenizes for them); the
 UTF-8 bytes of the prompt as `prompt_bytes` renders it for every other kind (the text
 fallback), which the demo engine's cache model uses too, so tests see the same blocks.
@@ -29,15 +35,52 @@ from gateway.protocol.types import GenerateRequest
 ROOT = 0
 
 
-def chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
+def _chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
     """The gateway's hashes of the full blocks of `tokens`, in order (a partial last
-    block is not cached by engines, so it is not named). `KvIndex.match` hashes a
-    request's blocks the same way as it walks, only as far as some worker holds them."""
+    block is not cached by engines, so it is not named)."""
     hashes = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         hashes.append(parent)
     return hashes
+
+
+def _walk(
+    tokens: Sequence[int], block_size: int, holders: dict[int, int]
+) -> tuple[list[tuple[int, int]], int | None]:
+    """Follows the request's chain through `holders` (a block's name -> the bits of the
+    workers holding it) only as far as some worker holds it with all before it, hashing
+    each block as `chain` does: a new prompt costs one block. Returns the groups of
+    workers that stop holding it together, as (their bits, blocks they hold), and the
+    walk's last name (None when the prompt is shorter than a block).
+
+    Where the holders do not change the step is a dict lookup (the same holders are the
+    same int object: `KvIndex` shares them); where they do, a big-int AND, whatever the
+    number of workers."""
+    groups: list[tuple[int, int]] = []
+    ours: int | None = None
+    name, alive = ROOT, -1  # alive -1: every worker, before the first block
+    for depth, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
+        ours = name = hash((name, tuple(tokens[start : start + block_size])))  # as `chain`
+        bits = holders.get(name, 0)
+        if bits is not alive:
+            common = bits & alive
+            if common != alive:
+                if depth:
+                    groups.append((alive & ~common, depth))
+                if not common:
+                    return groups, ours
+                alive = bits if common == bits else common
+    if ours is not None:
+        groups.append((alive, len(tokens) // block_size))
+    return groups, ours
+
+
+try:  # the same two functions in C, where the package was built with a compiler
+    from gateway.protocol._kv_blocks import chain as chain
+    from gateway.protocol._kv_blocks import walk as walk
+except ImportError:  # pragma: no cover - an install without a compiler
+    chain, walk = _chain, _walk
 
 
 def prompt_bytes(request: GenerateRequest, limit: int | None = None) -> bytes:
