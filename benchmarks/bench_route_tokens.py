@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.bench_routing import ANSWER, _documents
+from benchmarks.bench_routing import ANSWER, _documents, user_turn, workload_arguments
 from gateway.protocol.types import Message
 from gateway.tokenization.tokenizer import ModelTokenizer
 from tests.support.tiny_model import build_tokenizer
@@ -69,14 +69,12 @@ async def _run(directory: Path, args: argparse.Namespace) -> None:
     ]
     lengths: list[int] = []
     rng = random.Random(7)
-    filler = [f"item{i}" for i in range(300)]
     for round_ in range(args.rounds):
         docs = _documents(tokenizer, f"round {round_}", args.documents, args.doc_tokens)
         talks = [[Message("system", docs[c % len(docs)])] for c in range(args.conversations)]
         for turn in range(args.turns):
             for talk in talks:
-                words = " ".join(rng.choice(filler) for _ in range(args.turn_tokens // 3))
-                talk.append(Message("user", f"Q{turn}: {words}?"))
+                talk.append(Message("user", user_turn(rng, turn, args.turn_tokens)))
                 expected = await ways[0](talk)
                 for way in ways[1:]:
                     assert await way(talk) == expected, f"{way.name} differs from prompt_ids"
@@ -101,11 +99,7 @@ async def _run(directory: Path, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--documents", type=int, default=3)
-    parser.add_argument("--doc-tokens", type=int, default=1800)
-    parser.add_argument("--conversations", type=int, default=5)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=150)
+    workload_arguments(parser)
     parser.add_argument("--serial", action="store_true", help="TOKENIZERS_PARALLELISM=false")
     args = parser.parse_args()
     if args.serial:

@@ -85,6 +85,7 @@ PEER_POLICY = "cache_aware"
 BLOCK = 128  # vLLM's KV block on CPU, in tokens
 MAX_TOKENS = 16
 ANSWER = "noted, thank you."
+FILLER = [f"item{i}" for i in range(300)]
 INDEX_METRICS = r"^furnace_gateway_(?:worker_kv_\w+|routing_fallbacks_total)(?:\{.*\})? .*$"
 SMG_KV = r"^smg_(?:kv_(?!\w+_bucket)\w+|cache_aware_policy_branch_total)(?:\{.*\})? .*$"
 COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -180,6 +181,22 @@ def _counters(engines: list[Engine]) -> tuple[float, float]:
     return hits, queries
 
 
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's options, which bench_route_tokens shares: shared documents, and
+    conversations over them that grow a user turn at a time."""
+    parser.add_argument("--documents", type=int, default=3)
+    parser.add_argument("--doc-tokens", type=int, default=1800)
+    parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=150)
+
+
+def user_turn(rng: random.Random, turn: int, tokens: int) -> str:
+    """A user turn of about `tokens` tokens of filler words, numbered by its turn."""
+    words = " ".join(rng.choice(FILLER) for _ in range(tokens // 3))
+    return f"Q{turn}: {words}?"
+
+
 def _documents(tokenizer: ModelTokenizer, row: str, count: int, tokens: int) -> list[str]:
     """`count` documents of about `tokens` tokens each, salted with the row's name."""
     rng = random.Random(row)
@@ -217,14 +234,13 @@ async def _measure(
         talks[row.name] = [
             [{"role": "system", "content": docs[c % len(docs)]}] for c in range(args.conversations)
         ]
-    filler = [f"item{i}" for i in range(300)]
     async with httpx.AsyncClient(timeout=300) as client:
         for turn in range(args.turns):
             for c in range(args.conversations):
-                words = " ".join(rng.choice(filler) for _ in range(args.turn_tokens // 3))
+                question = user_turn(rng, turn, args.turn_tokens)
                 for row in rows:  # interleaved: the same engines, the same load
                     talk = talks[row.name][c]
-                    talk.append({"role": "user", "content": f"Q{turn}: {words}?"})
+                    talk.append({"role": "user", "content": question})
                     prompt = [Message(m["role"], m["content"]) for m in talk]
                     _oracle(row, tokenizer.prompt_ids(None, prompt))
                     hits, queries = _counters(engines)
@@ -270,11 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--size", default="256x4", help="the model's hidden size x layers")
-    parser.add_argument("--documents", type=int, default=3)
-    parser.add_argument("--doc-tokens", type=int, default=1800)
-    parser.add_argument("--conversations", type=int, default=5)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=150)
+    workload_arguments(parser)
     parser.add_argument("--kv-blocks", type=int, default=200, help="per engine; 0: vLLM's")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--engines", choices=("http", "grpc"), default="http")
