@@ -6,20 +6,51 @@ the same least-loaded worker. `PrefixAffinity` sends prompts that share a
 prefix to the same worker, so its KV cache is reused, by consistent hashing
 with bounded loads: a worker already above `load_factor` times the average
 passes the request on along the ring.
+
+Both take a `Roster` as the pool keeps it (the same list until a worker changes), so
+what they would count over every worker on every pick (the weights, the calls in
+flight, the ring) is counted once: a pick costs the same at 10 workers or 1,000.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 import random
+from collections.abc import Iterable
+from functools import cached_property
 from typing import Protocol
 
 from gateway.fleet.worker import Worker
 from gateway.protocol.types import GenerateRequest
 
 VIRTUAL_NODES = 64  # ring points per unit of weight
+
+
+class Roster(list[Worker]):
+    """The workers available now, as `ModelPool.available` keeps them between changes
+    (never changed in place: a change makes a new one), with `outstanding`, the sum of
+    their calls in flight, which the pool keeps up to date as each call starts and ends."""
+
+    def __init__(self, workers: Iterable[Worker]) -> None:
+        super().__init__(workers)
+        self.members = set(self)
+        self.outstanding = sum(w.outstanding for w in self)
+
+    @cached_property
+    def cum_weights(self) -> list[float] | None:
+        """Their weights cumulated for `random.choices` (`cum_weights`: made once, not
+        on every pick), or None when they weigh the same."""
+        return _cum_weights(self)
+
+
+def _cum_weights(workers: list[Worker]) -> list[float] | None:
+    first = workers[0].weight
+    if all(w.weight == first for w in workers):
+        return None
+    return list(itertools.accumulate(w.weight for w in workers))
 
 
 class Balancer(Protocol):
@@ -44,10 +75,14 @@ class LeastOutstanding:
         """As `pick`, for a call with no request to look at (a unary call)."""
         if len(candidates) == 1:
             return candidates[0]
-        if all(w.weight == candidates[0].weight for w in candidates):
+        if isinstance(candidates, Roster):
+            cum_weights = candidates.cum_weights
+        else:
+            cum_weights = _cum_weights(candidates)
+        if cum_weights is None:
             a, b = self._rng.sample(candidates, 2)
         else:
-            a, b = self._rng.choices(candidates, weights=[w.weight for w in candidates], k=2)
+            a, b = self._rng.choices(candidates, cum_weights=cum_weights, k=2)
         return a if a.outstanding / a.weight <= b.outstanding / b.weight else b
 
 
@@ -78,10 +113,14 @@ class PrefixAffinity:
         self.prefix_chars = prefix_chars
         self.load_factor = load_factor
         self._members: tuple[Worker, ...] = ()
+        self._roster: Roster | None = None  # the roster the ring was last checked for
         self._points: list[int] = []
         self._owners: list[Worker] = []
 
     def _ring(self, candidates: list[Worker]) -> None:
+        if candidates is self._roster:
+            return
+        self._roster = candidates if isinstance(candidates, Roster) else None
         members = tuple(candidates)
         if members == self._members:
             return
@@ -99,7 +138,10 @@ class PrefixAffinity:
         if len(candidates) == 1:
             return candidates[0]
         self._ring(candidates)
-        total = sum(w.outstanding for w in candidates) + 1
+        if isinstance(candidates, Roster):
+            total = candidates.outstanding + 1
+        else:
+            total = sum(w.outstanding for w in candidates) + 1
         bound = math.ceil(self.load_factor * total / len(candidates))
         start = bisect.bisect(self._points, stable_hash(prefix_key(request, self.prefix_chars)))
         n = len(self._owners)

@@ -1,15 +1,23 @@
 """A model as the gateway serves it: its workers, found from the config's
-entries, and the balancer that picks among those available."""
+entries, and the balancer that picks among those available.
+
+What a request asks of the pool costs the same whatever the fleet's size: who is
+available (`available`, a `Roster`), what the workers serve (`features`) are kept
+until a worker changes (its `watcher` says so; membership changes here) or an
+ejection ends, and `saturated` asks first the worker that had room the last time.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 from gateway.config import Config, ModelConfig
-from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity
+from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity, Roster
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
@@ -58,11 +66,41 @@ class ModelPool:
         self._weight_of: dict[str, float] = {}
         #: Workers whose upstream was replaced, finishing their calls on the old one.
         self.retired: list[Worker] = []
+        # kept between changes (`_changed`): who is available, until the first ejection
+        # among them ends; what they serve; the worker that had room at the last look
+        self._roster: Roster | None = None
+        self._roster_until = math.inf
+        self._features: frozenset[str] | None = None
+        self._features_stale = True
+        self._room: Worker | None = None
+
+    def _changed(self, worker: Worker, name: str, old: object) -> None:
+        """A worker's watched field changed (`Worker.watcher`), or it joined or left: a
+        call in flight more or less counts in the roster; anything else makes the roster
+        and the features be made again when next asked."""
+        roster = self._roster
+        if name == "outstanding":
+            if roster is not None and worker in roster.members:
+                roster.outstanding += worker.outstanding - cast(int, old)
+            return
+        self._roster = None
+        self._features_stale = True
+
+    def _current(self, now: float) -> Roster:
+        """The workers available at `now`: the kept roster, or a new one."""
+        roster = self._roster
+        if roster is None or now >= self._roster_until:
+            workers = self.workers.values()
+            roster = self._roster = Roster(w for w in workers if w.available(now))
+            ends = (w.ejected_until for w in workers if w.ejected_until > now)
+            self._roster_until = min(ends, default=math.inf)
+        return roster
 
     def available(self, exclude: set[Worker]) -> list[Worker]:
-        """Workers that may take a new request now."""
-        now = time.monotonic()
-        return [w for w in self.workers.values() if w not in exclude and w.available(now)]
+        """Workers that may take a new request now (the pool's `Roster` when `exclude` is
+        empty: read it, never change it)."""
+        roster = self._current(time.monotonic())
+        return [w for w in roster if w not in exclude] if exclude else roster
 
     def saturated(self) -> bool:
         """Whether every worker that may take a request is full: it says so (a vLLM engine
@@ -70,24 +108,35 @@ class ModelPool:
         gateway's calls now and every client's at its last report (other replicas'), or
         its engine's load record says its queue or KV cache is full (`routing`'s
         `max_engine_waiting`, `max_kv_usage`); False while any of them does not report.
-        O(workers)."""
+        The worker that had room at the last look is asked first: a look over the fleet
+        only once it is full."""
         now = time.monotonic()
-        up = [w for w in self.workers.values() if w.available(now)]
-        router = self.router if self.router is not None and self.router.sheds else None
-        return bool(up) and all(
-            w.full
-            or (w.capacity is not None and max(w.outstanding, w.reported_load) >= w.capacity)
-            or (router is not None and router.engine_full(w.address, now))
-            for w in up
+        roster = self._current(now)
+        room = self._room
+        if room is not None and room in roster.members and self._has_room(room, now):
+            return False
+        self._room = next((w for w in roster if self._has_room(w, now)), None)
+        return bool(roster) and self._room is None
+
+    def _has_room(self, worker: Worker, now: float) -> bool:
+        router = self.router
+        return not (
+            worker.full
+            or (
+                worker.capacity is not None
+                and max(worker.outstanding, worker.reported_load) >= worker.capacity
+            )
+            or (router is not None and router.sheds and router.engine_full(worker.address, now))
         )
 
     def features(self) -> frozenset[str] | None:
         """What every described worker of the model serves (`gateway.protocol.features`);
         None while none has described itself (the worker then refuses for itself)."""
-        described = [w.features for w in self.workers.values() if w.features is not None]
-        if not described:
-            return None
-        return frozenset.intersection(*described)
+        if self._features_stale:
+            described = [w.features for w in self.workers.values() if w.features is not None]
+            self._features = frozenset.intersection(*described) if described else None
+            self._features_stale = False
+        return self._features
 
     def pick(self, request: GenerateRequest, exclude: set[Worker]) -> Worker | None:
         """The worker for a request among those not yet tried, or None."""
@@ -121,8 +170,10 @@ class ModelPool:
             self._weight_of[address] = weight
             worker = self.workers.get(address)
             if worker is None:
-                worker = Worker(address, self.make_upstream(address), self.policy, weight)
+                upstream = self.make_upstream(address)
+                worker = Worker(address, upstream, self.policy, weight, watcher=self._changed)
                 self.workers[address] = worker
+                self._changed(worker, "joined", None)
                 log.info("model %s: worker %s joins", self.name, address)
                 on_join(worker)
             elif worker.leaving:
@@ -146,6 +197,7 @@ class ModelPool:
             new = replace(old, upstream=make_upstream(address), outstanding=0)
             old.leaving = True
             self.workers[address] = new
+            self._changed(new, "joined", None)
             self.retired.append(old)
             fresh.append(new)
         return fresh
@@ -156,6 +208,7 @@ class ModelPool:
         gone = [w for w in self.workers.values() if w.leaving and w.outstanding == 0]
         for worker in gone:
             del self.workers[worker.address]
+            self._changed(worker, "left", None)
         retired = [w for w in self.retired if w.outstanding == 0]
         self.retired = [w for w in self.retired if w.outstanding > 0]
         return gone + retired

@@ -7,18 +7,29 @@ nothing about the worker, and a full worker is busy, not broken. A call that
 carries many requests (the multiplexed one) counts once when it breaks: its
 other requests end `SHARED_FAILURE`, which counts for nothing here, so one
 broken call cannot eject a worker by the number of requests it carried.
+
+A worker tells its `watcher` (its pool) when one of the `WATCHED` fields takes a
+new value, wherever it is set (health checks, discovery, ejection, each call): the
+pool keeps who is available, their calls in flight and what they serve between
+changes, instead of a loop over the fleet on every request.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gateway.protocol import errors
 from gateway.upstreams.base import CANCELLED, CallEnd, Upstream
 
 #: Errors that count against a worker.
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
+
+#: What `Worker.available` reads, its calls in flight and what it serves.
+WATCHED = frozenset(
+    {"serving", "leaving", "wrong_model", "ejected_until", "outstanding", "features"}
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,19 @@ class Worker:
     #: Every ejection since start, for metrics.
     ejections_total: int = 0
     ejected_until: float = 0.0
+    #: Called with (worker, field, old value) when a `WATCHED` field changes; declared
+    #: last, so that `__init__` (and `dataclasses.replace`) sets the others unwatched.
+    watcher: Callable[[Worker, str, object], None] | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        watcher = self.watcher
+        if watcher is None or name not in WATCHED:
+            object.__setattr__(self, name, value)
+            return
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        if old != value:
+            watcher(self, name, old)
 
     def available(self, now: float) -> bool:
         """Whether it may take a new request now (unknown health counts as serving)."""
