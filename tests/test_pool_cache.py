@@ -150,3 +150,5 @@ def test_saturation_follows_each_workers_room(gateway_with, serve_engines):
 
     assert asyncio.run(load()) == [503, "server_busy", True, 200]
     assert [e.served for e in engines] in ([2, 1], [1, 2])
+    wait_until(lambda: all(w.outstanding == 0 for w in pool.workers.values()), "the calls' ends")
+    assert pool.available(set()).outstanding == 0  # the roster counted each start and end
