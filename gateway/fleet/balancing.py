@@ -7,9 +7,10 @@ prefix to the same worker, so its KV cache is reused, by consistent hashing
 with bounded loads: a worker already above `load_factor` times the average
 passes the request on along the ring.
 
-Both take a `Roster` as the pool keeps it (the same list until a worker changes), so
-what they would count over every worker on every pick (the weights, the calls in
-flight, the ring) is counted once: a pick costs the same at 10 workers or 1,000.
+Both are handed the pool's `Roster` (the same list until a worker changes) and read
+from it what they would otherwise count over every worker on every pick (the weights,
+the calls in flight, whether the ring is still right): a pick costs the same at 10
+workers or 1,000. Any other list (a retry's, less the workers tried) is counted.
 """
 
 from __future__ import annotations
