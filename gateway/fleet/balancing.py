@@ -41,10 +41,22 @@ class Roster(list[Worker]):
         self.outstanding = sum(w.outstanding for w in self)
 
     @cached_property
+    def by_address(self) -> dict[str, Worker]:
+        """Them by address (made once, for the router's holders)."""
+        return {w.address: w for w in self}
+
+    @cached_property
     def cum_weights(self) -> list[float] | None:
         """Their weights cumulated for `random.choices` (`cum_weights`: made once, not
         on every pick), or None when they weigh the same."""
         return _cum_weights(self)
+
+
+def outstanding(workers: list[Worker]) -> int:
+    """Their calls in flight: kept by a `Roster`, else counted."""
+    if isinstance(workers, Roster):
+        return workers.outstanding
+    return sum(w.outstanding for w in workers)
 
 
 def _cum_weights(workers: list[Worker]) -> list[float] | None:
@@ -139,10 +151,7 @@ class PrefixAffinity:
         if len(candidates) == 1:
             return candidates[0]
         self._ring(candidates)
-        if isinstance(candidates, Roster):
-            total = candidates.outstanding + 1
-        else:
-            total = sum(w.outstanding for w in candidates) + 1
+        total = outstanding(candidates) + 1
         bound = math.ceil(self.load_factor * total / len(candidates))
         start = bisect.bisect(self._points, stable_hash(prefix_key(request, self.prefix_chars)))
         n = len(self._owners)

@@ -61,7 +61,13 @@ from functools import lru_cache, partial
 from typing import NamedTuple
 
 from gateway.config import RoutingConfig
-from gateway.fleet.balancing import LeastOutstanding, PrefixAffinity, stable_hash
+from gateway.fleet.balancing import (
+    LeastOutstanding,
+    PrefixAffinity,
+    Roster,
+    outstanding,
+    stable_hash,
+)
 from gateway.fleet.kv_index import KvIndex, WorkerKv
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
@@ -250,8 +256,11 @@ class Router:
         return self._cheapest(candidates, prompt, hits, anchor, now)
 
     def _by_addresses(self, candidates: list[Worker]) -> dict[str, Worker]:
-        """The candidates by address, made again only when they are not the same workers
-        as the last time (a comparison of identities in C, not a loop in Python)."""
+        """The candidates by address: the pool's `Roster` keeps them; other lists are
+        made again only when they are not the same workers as the last time (a
+        comparison of identities in C, not a loop in Python)."""
+        if isinstance(candidates, Roster):
+            return candidates.by_address
         if candidates != self._members:
             self._members = list(candidates)
             self._by_address = {w.address: w for w in candidates}
@@ -342,7 +351,7 @@ class Router:
         worker = self._by_addresses(candidates).get(address)
         if worker is None:
             return None
-        average = sum(w.outstanding for w in candidates) / len(candidates)
+        average = outstanding(candidates) / len(candidates)
         if worker.outstanding > self.config.session_load_factor * average + 1:
             self.session_moves_total += 1
             return None
