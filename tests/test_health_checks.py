@@ -8,7 +8,6 @@ gateway."""
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,8 +15,7 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig
-from tests.support.certs import CertificateAuthority
-from tests.support.openai_server import OpenAIServer
+from tests.support.openai_server import OpenAIServer, serving
 from tests.support.requests import user
 from tests.support.servers import Gateway, ServerLoop
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -32,13 +30,10 @@ DELAY = 0.3
 def slow_server(
     server_loop: ServerLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[OpenAIServer, str]]:
-    ca = CertificateAuthority(tmp_path, "health-ca")
-    server = OpenAIServer(MODEL, "sk-" + secrets.token_hex(8), ca.issue("h", ips=("127.0.0.1",)))
-    server.health_delay = DELAY
-    monkeypatch.setenv(KEY_ENV, server.key)
-    server_loop.call(server.start())
-    yield server, ca.ca_file
-    server_loop.call(server.stop())
+    with serving(server_loop, tmp_path, MODEL) as (server, ca):
+        server.health_delay = DELAY
+        monkeypatch.setenv(KEY_ENV, server.key)
+        yield server, ca.ca_file
 
 
 def _gateway(

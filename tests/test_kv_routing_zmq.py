@@ -9,7 +9,6 @@ never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import ConfigError, ModelConfig, RoutingConfig, parse_config
-from gateway.fleet.kv_index import KvIndex
 from gateway.protocol import kv_zmq
 from gateway.protocol.kv_blocks import BlocksRemoved, BlocksStored, CacheCleared, EngineLoad
 from gateway.protocol.kv_zmq import MAX_MESSAGE_BYTES, Malformed, ZmqKvSubscriber, decode
@@ -30,7 +28,7 @@ from gateway.worker.demo import DemoEngine
 from gateway.worker.kv_events import ForwardedCache, KvPublisher
 from gateway.worker.server import WorkerServer
 from tests.support.certs import CertificateAuthority
-from tests.support.openai_server import OpenAIServer
+from tests.support.openai_server import OpenAIServer, serving
 from tests.support.processes import free_port
 from tests.support.servers import Gateway, ServerLoop
 from tests.support.tiny_model import build_tokenizer
@@ -66,12 +64,9 @@ def _stored(ids: list[int], first_hash: int = 1000) -> dict[str, object]:
 def upstream(
     server_loop: ServerLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[OpenAIServer, CertificateAuthority]]:
-    ca = CertificateAuthority(tmp_path, "upstream-ca")
-    server = OpenAIServer(MODEL, "sk-" + secrets.token_hex(8), ca.issue("u", ips=("127.0.0.1",)))
-    monkeypatch.setenv(KEY_ENV, server.key)
-    server_loop.call(server.start())
-    yield server, ca
-    server_loop.call(server.stop())
+    with serving(server_loop, tmp_path, MODEL) as (server, ca):
+        monkeypatch.setenv(KEY_ENV, server.key)
+        yield server, ca
 
 
 @pytest.fixture
@@ -104,9 +99,7 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
         routing=RoutingConfig(kv_events=((server.url, endpoint),)),
     )
     gw = gateway_with(models=(model,))
-    pool = gw.state.fleet.models[MODEL]
-    router = pool.router
-    assert router is not None
+    router = gw.router(MODEL)
     index = router.index
     subscriber = router.zmq[server.url]
     messages = [Message("user", DOCUMENT)]
@@ -229,13 +222,8 @@ def test_a_worker_forwards_its_engines_zmq_events_with_a_snapshot(
     data = list(prompt.encode())
     blocks = len(data) // BLOCK
 
-    def index(gw: Gateway) -> KvIndex:
-        router = gw.state.fleet.models[MODEL].router
-        assert router is not None
-        return router.index
-
     def holds(gw: Gateway, count: int) -> bool:
-        kv = index(gw).workers.get(server.address)
+        kv = gw.router(MODEL).index.workers.get(server.address)
         return kv is not None and len(kv.blocks) == count
 
     wait_until(
@@ -251,8 +239,7 @@ def test_a_worker_forwards_its_engines_zmq_events_with_a_snapshot(
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     response = httpx.post(second.url + "/v1/completions", json=body, timeout=HANG_GUARD)
     assert response.status_code == 200, response.text
-    router = second.state.fleet.models[MODEL].router
-    assert router is not None and router.last.cache_hit_blocks == blocks
+    assert second.router(MODEL).last.cache_hit_blocks == blocks
     # a gap in the engine's stream: the worker clears, the gateways follow from there
     pub.send_multipart(_message(5, [_stored(data[: 2 * BLOCK], 7000)]))
     for gw in (first, second):

@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.support.certs import Issued
+from tests.support.certs import CertificateAuthority, Issued
 from tests.support.processes import free_port
+from tests.support.servers import ServerLoop
 from tests.support.waiting import HANG_GUARD
 
 #: The width of the server's embeddings.
@@ -170,3 +175,18 @@ class OpenAIServer:
         self._server.should_exit = True
         if self._task is not None:
             await self._task
+
+
+@contextmanager
+def serving(
+    loop: ServerLoop, folder: Path, model: str
+) -> Iterator[tuple[OpenAIServer, CertificateAuthority]]:
+    """An `OpenAIServer` of `model` with a key of its own and a certificate of a CA made
+    in `folder` (for the gateway's `ca_file`), listening on `loop`; stopped after."""
+    ca = CertificateAuthority(folder, "upstream-ca")
+    server = OpenAIServer(model, "sk-" + secrets.token_hex(8), ca.issue("u", ips=("127.0.0.1",)))
+    loop.call(server.start())
+    try:
+        yield server, ca
+    finally:
+        loop.call(server.stop())

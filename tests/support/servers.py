@@ -12,6 +12,7 @@ from typing import Any
 import uvloop
 
 from gateway.config import Config, ModelConfig
+from gateway.fleet.routing import Router
 from gateway.lifecycle import Gateway as GatewayParts
 from gateway.lifecycle import GatewayServer
 from gateway.upstreams.openai_http.connections import _RawCall
@@ -59,6 +60,12 @@ class Gateway:
     state: GatewayParts
     stop: Callable[[], None]
     admin_url: str | None = None
+
+    def router(self, model: str) -> Router:
+        """The `routing:` of `model`: its KV index, its subscribers, its last decision."""
+        router = self.state.fleet.models[model].router
+        assert router is not None, f"{model} has no routing"
+        return router
 
 
 async def start_workers() -> Workers:

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -58,7 +59,8 @@ def build_vllm_model(path: Path) -> Path:
 
 
 class VllmProcess:
-    """One server process: started with `start`, ready when `wait_ready` returns."""
+    """One server process: started with `start`, ready when `wait_ready` returns; a
+    `with` block stops it at its end."""
 
     def __init__(
         self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None
@@ -100,6 +102,12 @@ class VllmProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
     def restart(self) -> VllmProcess:
         """Stops the server and starts it again with the same options on the same port
