@@ -138,8 +138,7 @@ argument: the model's index. */}}
 {{- end }}
 
 {{/* The gateway's volumes (with `volumes`) or mounts (without) of models' upstream CA
-bundles, each as `ca.crt` in a directory of its own (a directory mount: a new version of
-the Secret or ConfigMap reaches the file). */}}
+bundles, each as `ca.crt` in a directory of its own. */}}
 {{- define "furnace-gateway.upstreamCAVolumes" -}}
 {{- $volumes := .volumes }}
 {{- range $i, $model := .root.Values.models }}
