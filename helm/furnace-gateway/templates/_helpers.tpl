@@ -199,7 +199,8 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- if and $engines (ne $upstream $poolUpstream) (ne $upstream "openai") }}
 {{- fail (printf "models[%d] (%s): upstream %s, but its pools run %s" $i $model.name $upstream (first $engines)) }}
 {{- end }}
-{{- $routing := hasKey $model "routing" }}
+{{- /* `routing: {}` is every default (kv_aware); `routing: null` is none. */}}
+{{- $routing := kindIs "map" $model.routing }}
 {{- with $model.tokenizer }}
 {{- if and (ne $upstream "vllm-grpc") (not $routing) }}
 {{- fail (printf "models[%d] (%s): tokenizer is for upstream vllm-grpc (the gateway tokenizes) or routing (it hashes token ids)" $i $model.name) }}
