@@ -357,13 +357,17 @@ class VllmGrpcCall(StreamBookkeeping):
         """A plain choice's tokens: what `ChoiceToolCalls` would give, directly."""
         if choice.done:
             return
-        ids = list(token_ids)
-        count = len(ids)
+        count = len(token_ids)
         choice.received += count
         hidden = self._hidden
-        if not hidden.isdisjoint(ids):  # in C, where a comprehension is a Python loop
-            ids = [i for i in ids if i not in hidden]
-        text = choice.detok.feed(ids)
+        if count == 1:  # vLLM's usual message: no list made of the repeated field
+            token = token_ids[0]
+            text = "" if token in hidden else choice.detok.feed_one(token)
+        else:
+            ids = list(token_ids)
+            if not hidden.isdisjoint(ids):  # in C, where a comprehension is a Python loop
+                ids = [i for i in ids if i not in hidden]
+            text = choice.detok.feed(ids)
         if text:
             self._pending.append(Text(text, choice.held + count, choice.index))
             choice.held = 0
