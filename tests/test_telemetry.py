@@ -6,7 +6,10 @@ import logging
 from collections import Counter
 
 import httpx
+from prometheus_client import CollectorRegistry, Histogram
 
+from gateway.telemetry.metrics import ITL_BUCKETS, GapHistogram
+from gateway.telemetry.record import ITL_BATCH
 from tests.support.metrics import scrape, value
 from tests.support.scripted_worker import script
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -148,3 +151,53 @@ def test_json_view(client):
     assert demo["completion_tokens"] >= 2
     assert demo["e2e_request_latency_mean_ms"] > 0
     assert body["slots"]["total"] == 256
+
+
+def test_inter_token_gaps_reach_the_histogram_as_a_long_answer_goes_and_all_by_its_end(
+    gateway_with,
+):
+    gw = gateway_with()
+    count = "furnace_gateway_inter_token_latency_seconds_count"
+    texts = ITL_BATCH + 16
+    expected = "".join(f"t{i} " for i in range(texts))
+    # every text, 10 ms apart, then the answer stays open
+    prompt = script(texts=texts, delay=0.01, hang="after")
+    body = {"model": "scripted", "prompt": prompt, "stream": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client,
+        client.stream("POST", "/v1/completions", json=body) as answer,
+    ):
+        written, chunks = "", 0
+        lines = answer.iter_lines()
+        while written != expected:
+            line = next(lines)
+            if line.startswith("data: {"):
+                text = json.loads(line[6:])["choices"][0]["text"]
+                written += text
+                chunks += bool(text)
+        gaps = chunks - 1  # one a write after the first, each its time per token
+        # observed in batches while the answer goes on
+        assert value(scrape(gw.url), count, model="scripted") == gaps - gaps % ITL_BATCH
+    wait_until(lambda: gw.state.slots.in_use == 0, "the stream to end")
+    samples = scrape(gw.url)
+    assert value(samples, count, model="scripted") == gaps  # the rest at its end
+    bucket = "furnace_gateway_inter_token_latency_seconds_bucket"
+    assert value(samples, bucket, model="scripted", le="+Inf") == gaps
+    assert value(samples, "furnace_gateway_inter_token_latency_seconds_sum", model="scripted") > 0
+
+
+def test_a_batch_of_gaps_fills_the_histogram_as_one_observation_each_would():
+    samples = [0.0, 0.001, 0.0011, 0.0025, 0.004, 0.04, 0.7, 10, 11, 3600] * 3
+    registry = CollectorRegistry()
+    family = Histogram("gaps", "Gaps.", ["way"], buckets=ITL_BUCKETS, registry=registry)
+    for sample in samples:
+        family.labels("one").observe(sample)
+    GapHistogram(family.labels("batch")).observe_all(samples)
+    (metric,) = registry.collect()
+    by_way: dict[str, list[tuple[str, tuple, float]]] = {"one": [], "batch": []}
+    for sample in metric.samples:
+        if not sample.name.endswith("_created"):
+            rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "way"))
+            by_way[sample.labels["way"]].append((sample.name, rest, sample.value))
+    assert by_way["batch"] == by_way["one"]
+    assert len(by_way["one"]) == len(ITL_BUCKETS) + 3  # the buckets, +Inf, count and sum

@@ -1,6 +1,6 @@
 """The request metrics: Prometheus families in the gateway's own registry, filled
-once per request from its `RequestRecord` (and per written batch, the
-inter-token histogram through the label child the record holds).
+once per request from its `RequestRecord` (and the inter-token histogram, as the
+record observes its gaps in batches, through the model's `GapHistogram`).
 
 Label values come from the config (model names) and from the error tree
 (outcomes, refusal reasons), never from what a client sends, so a client cannot
@@ -11,6 +11,7 @@ once and kept (`labels()` validates, locks and builds a tuple every call: about
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,6 +44,34 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800, 3600)
 
 
+class GapHistogram:
+    """A histogram's label child that takes a batch of observations in one call:
+    each sample's bucket found by bisection and each bucket's count added once,
+    where `observe` walks the buckets in Python and takes two locks a sample.
+    It adds to the child's own values, so the series reads as `observe` fills it;
+    prometheus-client has no such call, so this reads the child's `_upper_bounds`,
+    `_buckets` and `_sum` (its names through 0.x; test_telemetry checks the result
+    against `observe`'s)."""
+
+    __slots__ = ("_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._bounds = child._upper_bounds  # ascending, +Inf last
+        self._buckets = child._buckets  # one count each, not cumulative
+        self._sum = child._sum
+
+    def observe_all(self, samples: list[float]) -> None:
+        """Observes each of `samples` (into the first bucket whose bound is >= it)."""
+        bounds = self._bounds
+        counts = [0] * len(bounds)
+        for sample in samples:
+            counts[bisect_left(bounds, sample)] += 1
+        self._sum.inc(sum(samples))
+        for bucket, count in zip(self._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
+
+
 class _ModelSeries:
     """One model's label children of the per-request families."""
 
@@ -51,7 +80,7 @@ class _ModelSeries:
     def __init__(self, metrics: RequestMetrics, model: str) -> None:
         self.inflight = metrics.inflight.labels(model)
         self.ttft = metrics.ttft.labels(model)
-        self.itl = metrics.itl.labels(model)
+        self.itl = GapHistogram(metrics.itl.labels(model))
         self.e2e = metrics.e2e.labels(model)
         self.prompt_tokens = metrics.prompt_tokens.labels(model)
         self.completion_tokens = metrics.completion_tokens.labels(model)
@@ -157,6 +186,7 @@ class RequestMetrics:
         series = self._series.get(model)  # None: never begun, no series of its own
         if record.itl is not None and series is not None:  # begun: it held a slot
             series.inflight.dec()
+            record.observe_gaps()
         key = (model, record.route, outcome, record.status)
         requests = self._requests.get(key)
         if requests is None:

@@ -3,18 +3,31 @@ timings, the worker's counts), read once at the end by the metrics and the
 access log, and while it runs by a team's token billing.
 
 `take` is on the token path: one call per written batch, no allocation beyond
-the joined text, and at most one histogram observation. A request for n
-choices is `finished` at the last of its n `Finished` events; its completion
-tokens are their counts summed, and tool calls' tokens count as sent.
+the joined text; its inter-token gap joins a list, observed into the histogram
+`ITL_BATCH` at a time and at the request's end (prometheus-client's `observe`
+walks the buckets in Python and takes two locks: 2-3 % of the vllm-grpc path's
+CPU when it ran every write). A request for n choices is `finished` at the last
+of its n `Finished` events; its completion tokens are their counts summed, and
+tool calls' tokens count as sent.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.protocol.errors import Outcome
 from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
+
+#: Inter-token gaps a record keeps before it observes them in one go (a long answer's
+#: figures reach the histogram as it goes, not only at its end).
+ITL_BATCH = 64
+
+
+class Observer(Protocol):
+    """A histogram that takes many observations in one call."""
+
+    def observe_all(self, samples: list[float]) -> None: ...
 
 
 class RequestRecord:
@@ -27,6 +40,7 @@ class RequestRecord:
         "completion_tokens",
         "finished",
         "first_token_at",
+        "gaps",
         "granted_tokens",
         "itl",
         "last_token_at",
@@ -68,7 +82,8 @@ class RequestRecord:
         self.finished: Finished | None = None  # the last choice's, once all have finished
         self.choices_left = 1
         self.prompt: Any = None
-        self.itl: Any = None  # the model's inter-token-latency histogram child
+        self.itl: Observer | None = None  # the model's inter-token-latency histogram
+        self.gaps: list[float] = []  # inter-token gaps not observed yet
         #: The routing decision (`models[].routing`): its policy ("" without routing)
         #: and the prefix blocks the picked worker held.
         self.policy = ""
@@ -107,6 +122,15 @@ class RequestRecord:
             if self.first_token_at is None:
                 self.first_token_at = now
             elif self.itl is not None:
-                self.itl.observe((now - self.last_token_at) / tokens)
+                gaps = self.gaps
+                gaps.append((now - self.last_token_at) / tokens)
+                if len(gaps) >= ITL_BATCH:
+                    self.observe_gaps()
             self.last_token_at = now
         return "".join(pieces)
+
+    def observe_gaps(self) -> None:
+        """Observes the inter-token gaps kept so far (at the end, the rest)."""
+        if self.gaps and self.itl is not None:
+            self.itl.observe_all(self.gaps)
+            self.gaps = []
