@@ -299,7 +299,15 @@ def measure_path(path: str, targets: list[Target], rounds: int, requests: int) -
 def start_gateway(stack: ExitStack, work: Path, name: str, model: dict[str, object]) -> Target:
     """A furnace-gateway process serving `model`, ready."""
     port = free_port()
-    config = {"host": "127.0.0.1", "port": port, "log_level": "warning", "models": [model]}
+    # start_timeout: a CPU engine's first event after a cold 2,000-token prefill takes
+    # seconds, past the 10 s default on a loaded machine; the peers wait without a bound
+    config = {
+        "host": "127.0.0.1",
+        "port": port,
+        "log_level": "warning",
+        "start_timeout": 300,
+        "models": [model],
+    }
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
     gateway = _spawn(["-m", "gateway", "serve", "--config", str(work / f"{name}.yaml")])
     stack.callback(_stop, gateway)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from gateway.config import RoutingConfig
 from gateway.fleet import kv_index
-from gateway.fleet.balancing import PrefixAffinity
+from gateway.fleet.balancing import PrefixAffinity, Roster
 from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.protocol import kv_blocks
@@ -115,14 +115,16 @@ def simulate(workers: int, blocks_per_worker: int, holders: int, seed: int = 1) 
 
 
 def _score(router: Router, fleet: list[Worker], prompts: list[bytes]) -> float:
-    """Microseconds of CPU a `pick`, each over a new list of the fleet (as a pool's): the
-    best of several rounds over every prompt, as other work on the machine only adds."""
+    """Microseconds of CPU a `pick` over the fleet as the pool passes it (its `Roster`,
+    kept between changes): the best of several rounds over every prompt, as other work
+    on the machine only adds."""
     requests = [GenerateRequest("sim", prompt=p.decode()) for p in prompts]
+    roster = Roster(fleet)
     best = float("inf")
     for _ in range(max(7, 2000 // len(fleet), 128 // len(prompts))):
         start = time.process_time()
         for request in requests:
-            router.pick(list(fleet), request)
+            router.pick(roster, request)
         best = min(best, time.process_time() - start)
     return best / len(requests) * 1e6
 
