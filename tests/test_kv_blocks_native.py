@@ -84,6 +84,27 @@ def test_bad_input_raises_as_python_would() -> None:
         native.chain(b"abcd", 2, 2**64)
 
 
+class _Shrinking:
+    """A token whose hash empties the list it is in (hostile, or a bug): the C walk
+    must not read the list's freed items."""
+
+    def __init__(self, tokens: list[object]) -> None:
+        self.tokens = tokens
+
+    def __hash__(self) -> int:
+        self.tokens.clear()
+        return 7
+
+
+def test_a_list_changed_while_hashed_is_refused_not_read() -> None:
+    for function in (native.chain, native.walk):
+        tokens: list[object] = list(range(64))
+        tokens[3] = _Shrinking(tokens)
+        args = (tokens, 16, {}) if function is native.walk else (tokens, 16)
+        with pytest.raises(RuntimeError, match="changed size"):
+            function(*args)
+
+
 def test_the_index_uses_the_c_functions() -> None:
     from gateway.fleet import kv_index
 

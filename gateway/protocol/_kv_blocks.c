@@ -82,28 +82,47 @@ xx_finish(uint64_t acc, Py_ssize_t length)
     return acc == (uint64_t)-1 ? 1546275796 : acc;
 }
 
-/* hash(item) for a token: a small int's hash is itself (-1 made -2) without a call. */
-static inline Py_hash_t
-item_hash(PyObject *item)
+/* hash(item) for a token that is a small int: itself (-1 made -2), without a call.
+ * 0 when the item is not one. */
+static inline int
+small_int_hash(PyObject *item, Py_hash_t *lane)
 {
-    if (PyLong_CheckExact(item)) {
-#if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
-            Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)item);
-            return value == -1 ? -2 : value;
-        }
-#else
-        Py_ssize_t digits = Py_SIZE(item);
-        if (digits == 0) {
-            return 0;
-        }
-        if (digits == 1 || digits == -1) {
-            Py_hash_t value = (Py_hash_t)((PyLongObject *)item)->ob_digit[0];
-            return digits == 1 ? value : (value == 1 ? -2 : -value);
-        }
-#endif
+    if (!PyLong_CheckExact(item)) {
+        return 0;
     }
-    return PyObject_Hash(item);
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        return 0;
+    }
+    Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)item);
+    *lane = value == -1 ? -2 : value;
+#else
+    Py_ssize_t digits = Py_SIZE(item);
+    if (digits < -1 || digits > 1) {
+        return 0;
+    }
+    Py_hash_t value = digits == 0 ? 0 : (Py_hash_t)((PyLongObject *)item)->ob_digit[0];
+    *lane = digits >= 0 ? value : (value == 1 ? -2 : -value);
+#endif
+    return 1;
+}
+
+/* hash(item) for any other token: a call that may run Python code (a __hash__, a
+ * __del__) which may change a list of tokens under us. The item is held while it runs,
+ * the list must keep its length, and its items are read again after. -1 with an
+ * exception set on error. */
+static Py_hash_t
+other_hash(Tokens *t, Py_ssize_t index)
+{
+    PyObject *item = Py_NewRef(t->items[index]);
+    Py_hash_t lane = PyObject_Hash(item);
+    Py_DECREF(item);
+    if (lane != -1 && PySequence_Fast_GET_SIZE(t->owner) != t->length) {
+        PyErr_SetString(PyExc_RuntimeError, "the tokens changed size while they were hashed");
+        return -1;
+    }
+    t->items = PySequence_Fast_ITEMS(t->owner);
+    return lane;
 }
 
 #define LANES 4 /* blocks hashed side by side: their rounds do not wait on each other */
@@ -113,7 +132,7 @@ item_hash(PyObject *item)
  * multiplies, so LANES blocks go through the loop together. -1 with an exception set
  * when a token has no hash. */
 static int
-blocks_hash(const Tokens *t, Py_ssize_t first, Py_ssize_t count, Py_ssize_t size,
+blocks_hash(Tokens *t, Py_ssize_t first, Py_ssize_t count, Py_ssize_t size,
             uint64_t hashes[LANES])
 {
     Py_ssize_t start[LANES];
@@ -131,12 +150,14 @@ blocks_hash(const Tokens *t, Py_ssize_t first, Py_ssize_t count, Py_ssize_t size
         }
     }
     else {
-        PyObject **items = t->items;
         for (Py_ssize_t i = 0; i < size; i++) {
             for (int k = 0; k < LANES; k++) {
-                Py_hash_t lane = item_hash(items[start[k] + i]);
-                if (lane == -1) {
-                    return -1;
+                Py_hash_t lane;
+                if (!small_int_hash(t->items[start[k] + i], &lane)) {
+                    lane = other_hash(t, start[k] + i);
+                    if (lane == -1) {
+                        return -1;
+                    }
                 }
                 acc[k] = xx_round(acc[k], (uint64_t)lane);
             }
@@ -333,7 +354,9 @@ kv_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             bits = zero;
         }
         if (bits != alive) {
+            Py_INCREF(bits); /* borrowed from a dict that only ints key, but held anyway */
             ends = holders_change(bits, &alive, groups, depth);
+            Py_DECREF(bits);
             if (ends < 0) {
                 goto fail;
             }
