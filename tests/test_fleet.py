@@ -7,7 +7,8 @@ import asyncio
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import dns.message
 import dns.rrset
@@ -259,20 +260,29 @@ class DnsServer(asyncio.DatagramProtocol):
         self.transport.sendto(reply.to_wire(), addr)
 
 
+@contextmanager
+def serving_dns(server_loop) -> Iterator[tuple[DnsServer, int]]:
+    """A `DnsServer` on the server loop, and its port, closed after."""
+    dns_server = DnsServer()
+
+    async def start() -> asyncio.DatagramTransport:
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: dns_server, local_addr=("127.0.0.1", 0)
+        )
+        return transport
+
+    transport = server_loop.call(start())
+    try:
+        yield dns_server, transport.get_extra_info("sockname")[1]
+    finally:
+        server_loop.loop.call_soon_threadsafe(transport.close)
+
+
 def test_dns_answers_add_and_remove_workers(gateway_with, serve_engines, server_loop):
     port = free_port_on("127.0.0.2", "127.0.0.3")
     serve_engines(DemoEngine("m"), host="127.0.0.2", port=port)
     serve_engines(DemoEngine("m"), host="127.0.0.3", port=port)
-    dns_server = DnsServer()
-
-    async def start_dns() -> tuple[asyncio.DatagramTransport, int]:
-        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: dns_server, local_addr=("127.0.0.1", 0)
-        )
-        return transport, transport.get_extra_info("sockname")[1]
-
-    transport, dns_port = server_loop.call(start_dns())
-    try:
+    with serving_dns(server_loop) as (dns_server, dns_port):
         dns_server.records["workers.test."] = ["127.0.0.2"]
         entry = f"dns://127.0.0.1:{dns_port}/workers.test:{port}"
         gw = gateway_with(models=(ModelConfig("m", workers=(entry,)),), discovery_interval=0.05)
@@ -287,8 +297,6 @@ def test_dns_answers_add_and_remove_workers(gateway_with, serve_engines, server_
         wait_until(lambda: set(admin_workers(gw.url, "m")) == {f"127.0.0.3:{port}"}, "a leave")
         response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
         assert response.status_code == 200
-    finally:
-        server_loop.loop.call_soon_threadsafe(transport.close)
 
 
 def test_equal_workers_get_equal_shares(gateway_with, serve_engines):

@@ -16,7 +16,7 @@ from gateway.protocol import errors
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.worker.demo import DemoEngine
 from tests.support.waiting import HANG_GUARD, until, wait_until
-from tests.test_fleet import DnsServer, admin_workers, free_port_on
+from tests.test_fleet import admin_workers, free_port_on, serving_dns
 
 
 class FailingFirst(DemoEngine):
@@ -86,16 +86,7 @@ def test_workers_joining_leaving_and_coming_back_are_seen_at_the_next_pick(
     serve_engines(a, host="127.0.0.2", port=port)
     serve_engines(b, host="127.0.0.3", port=port)
     ips = {a: "127.0.0.2", b: "127.0.0.3"}
-    dns_server = DnsServer()
-
-    async def start_dns() -> tuple[asyncio.DatagramTransport, int]:
-        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: dns_server, local_addr=("127.0.0.1", 0)
-        )
-        return transport, transport.get_extra_info("sockname")[1]
-
-    transport, dns_port = server_loop.call(start_dns())
-    try:
+    with serving_dns(server_loop) as (dns_server, dns_port):
         dns_server.records["workers.test."] = [ips[a]]
         entry = f"dns://127.0.0.1:{dns_port}/workers.test:{port}"
         gw = gateway_with(models=(ModelConfig("m", workers=(entry,)),), discovery_interval=0.05)
@@ -119,8 +110,6 @@ def test_workers_joining_leaving_and_coming_back_are_seen_at_the_next_pick(
         move_to(a)  # a comes back, b leaves
         assert (a.served, b.served) == (6, 5)
         client.close()
-    finally:
-        server_loop.loop.call_soon_threadsafe(transport.close)
 
 
 def test_saturation_follows_each_workers_room(gateway_with, serve_engines):
