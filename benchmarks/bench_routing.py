@@ -32,13 +32,24 @@ fleet's cache is in production (the rows together fit in both engines, not in on
 placing a prefix where it already is saves its prefill and the room for a second copy.
 
 Columns: the engines' prefix-cache hit rate (vLLM's own `vllm:prefix_cache_hits_total` over
-`..._queries_total`, both engines' deltas around each request; a gRPC server serves no
-/metrics and its `GetLoads` gives only a hit rate over its last 64 requests, so its
-engine's counters are read from Prometheus's multiprocess files, `PROMETHEUS_MULTIPROC_DIR`
-set for it alone) and the oracle's (the hits of a router that knows every cache, without
-evictions: every whole 128-token block seen before in the row is a hit), TTFT p50/p99 (to
-the first streamed text), completion tokens/s over the row's request time, and the router's
-CPU (its process tree) per request.
+`..._queries_total`, both engines' deltas around each request: tokens found cached over
+the prompt's tokens, a hit being whole blocks from the start and never the prompt's last
+token, which vLLM always computes; a gRPC server serves no /metrics and its `GetLoads`
+gives only a hit rate over its last 64 requests, so its engine's counters are read from
+Prometheus's multiprocess files, `PROMETHEUS_MULTIPROC_DIR` set for it alone); the
+oracle's, a router that knows every cache: for each request, the most tokens of its
+prompt that any engine holds when it is sent, counted as vLLM counts them, over the
+prompt's tokens (`CacheOracle`: the engines' own KV events, followed by the benchmark as a
+`kv_aware` gateway follows them, into a `KvIndex`; it is the best choice among the caches
+as they are, evictions by every row included, so a router can reach it, not pass it);
+and "no evictions", the hits if caches kept everything (every whole block seen before in
+the row is a hit: an upper bound no router reaches, whose gap to the oracle is what the
+bounded caches cost). Then TTFT p50/p99 (to the first streamed text), completion tokens/s
+over the row's request time, the router's CPU (its process tree) per request, during its
+own requests, and its CPU per second between them (while the other rows' requests run: a
+cost of following busy engines, not of requests). A request whose engine hit more than
+the oracle's best, or counted other tokens than the benchmark's own tokenization of the
+prompt, is reported on stderr (none is expected: the oracle would be wrong).
 
 On a shared 2-core VM the client, the gateways and the routers share the cores with the
 engines: figures are indicative.
@@ -62,7 +73,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +85,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_peers import PEERS_VENV, install_peers, tree_cpu  # noqa: E402
 from benchmarks.bench_vllm import MODEL, Target, one_chat, start_gateway, start_router  # noqa: E402
+from gateway.fleet.kv_index import KvIndex  # noqa: E402
+from gateway.protocol.kv_blocks import KvBatch  # noqa: E402
+from gateway.protocol.kv_zmq import ZmqKvSubscriber  # noqa: E402
 from gateway.protocol.types import Message  # noqa: E402
 from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noqa: E402
+from gateway.upstreams.vllm_grpc import VllmGrpcUpstream  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server  # noqa: E402
@@ -105,9 +120,21 @@ class Row:
     cpu: float = 0.0
     hits: float = 0.0
     queries: float = 0.0
+    #: The best engine's cached tokens for each prompt when it was sent (`CacheOracle`).
     oracle_hits: int = 0
-    oracle_queries: int = 0
+    #: Whole blocks seen before in the row: caches that never evict (`_unbounded`).
+    unbounded_hits: int = 0
+    prompt_tokens: int = 0
     seen: set[tuple[int, ...]] = field(default_factory=set)
+    #: Requests whose engine hit more tokens than the oracle said any engine held, and
+    #: whose engines counted other than the prompt's tokens: both 0 when the oracle and
+    #: the engines see the same prompts and blocks.
+    beyond: int = 0
+    miscounted: int = 0
+    #: The router's CPU over the whole measure, in and out of its own requests, and the
+    #: measure's wall time.
+    cpu_total: float = 0.0
+    wall: float = 0.0
 
 
 @dataclass
@@ -210,21 +237,91 @@ def _documents(tokenizer: ModelTokenizer, row: str, count: int, tokens: int) -> 
     return docs
 
 
-def _oracle(row: Row, ids: list[int]) -> None:
-    """Counts the request's tokens an all-knowing router would find cached: its whole
-    blocks seen before in this row (the last token is always computed)."""
+def _unbounded(row: Row, ids: list[int]) -> int:
+    """The request's tokens a router would find cached if caches never evicted: its
+    whole blocks seen before in this row (the last token is always computed)."""
     hit = 0
     for end in range(BLOCK, len(ids), BLOCK):
         key = tuple(ids[:end])
         if key in row.seen:
             hit = end
         row.seen.add(key)
-    row.oracle_hits += hit
-    row.oracle_queries += len(ids)
+    return hit
+
+
+class CacheOracle:
+    """The engines' caches as their own KV events say they are, followed as a `kv_aware`
+    gateway follows them (each engine's ZMQ publisher, or its gRPC `SubscribeKvEvents`,
+    into a `KvIndex`): `cached` is what a router that knows every cache would find."""
+
+    def __init__(self, engines: list[Engine], grpc: bool, model: Path) -> None:
+        self.index = KvIndex(MODEL)
+        self.zmq = {e.url: ZmqKvSubscriber(e.publisher) for e in engines if not grpc}
+        self.grpc = {
+            e.url: VllmGrpcUpstream(e.url, model=MODEL, tokenizer=str(model))
+            for e in engines
+            if grpc
+        }
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Subscribes to every engine, and waits (10 s at most) until each is followed."""
+        streams: dict[str, AsyncIterator[KvBatch]] = {
+            url: subscriber.batches() for url, subscriber in self.zmq.items()
+        }
+        streams |= {url: upstream.kv_events(MODEL) for url, upstream in self.grpc.items()}
+        self.tasks = [asyncio.create_task(self._follow(u, s)) for u, s in streams.items()]
+        for _ in range(200):  # polled: the subscribers signal nothing
+            if self._followed():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            print("the oracle does not follow every engine's events", file=sys.stderr)
+        await asyncio.sleep(0.5)  # a ZMQ subscription reaches the publisher after connecting
+
+    def _followed(self) -> bool:
+        """Whether every publisher is connected and every gRPC stream has begun (its
+        first message is a load record)."""
+        zmq = all(s.connected for s in self.zmq.values())
+        return zmq and all(url in self.index.workers for url in self.grpc)
+
+    async def _follow(self, address: str, batches: AsyncIterator[KvBatch]) -> None:
+        async for batch in batches:
+            self.index.apply(address, batch)
+
+    def cached(self, ids: list[int]) -> int:
+        """The most tokens of the prompt any engine holds now, as vLLM counts a hit: whole
+        blocks from the start, the last token excepted (it is always computed)."""
+        held, _ = self.index.match(ids)
+        return min(max(held.values(), default=0), (len(ids) - 1) // BLOCK) * BLOCK
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for upstream in self.grpc.values():
+            await upstream.close()
 
 
 async def _measure(
     args: argparse.Namespace, rows: list[Row], engines: list[Engine], model: Path
+) -> None:
+    oracle = CacheOracle(engines, args.engines == "grpc", model)
+    await oracle.start()
+    try:
+        await _requests(args, rows, engines, model, oracle)
+    finally:
+        await oracle.close()
+    if oracle.index.block_size not in (0, BLOCK):
+        print(f"the engines' blocks are of {oracle.index.block_size} tokens", file=sys.stderr)
+
+
+async def _requests(
+    args: argparse.Namespace,
+    rows: list[Row],
+    engines: list[Engine],
+    model: Path,
+    oracle: CacheOracle,
 ) -> None:
     tokenizer = load_tokenizer(str(model))
     rng = random.Random(7)
@@ -234,6 +331,8 @@ async def _measure(
         talks[row.name] = [
             [{"role": "system", "content": docs[c % len(docs)]}] for c in range(args.conversations)
         ]
+    start_cpu = {row.name: tree_cpu(row.pid) if row.pid else None for row in rows}
+    began = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as client:
         for turn in range(args.turns):
             for c in range(args.conversations):
@@ -242,7 +341,12 @@ async def _measure(
                     talk = talks[row.name][c]
                     talk.append({"role": "user", "content": question})
                     prompt = [Message(m["role"], m["content"]) for m in talk]
-                    _oracle(row, tokenizer.prompt_ids(None, prompt))
+                    ids = tokenizer.prompt_ids(None, prompt)
+                    await asyncio.sleep(0.05)  # the last request's last events, applied
+                    best = oracle.cached(ids)
+                    row.oracle_hits += best
+                    row.unbounded_hits += _unbounded(row, ids)
+                    row.prompt_tokens += len(ids)
                     hits, queries = _counters(engines)
                     cpu = tree_cpu(row.pid) if row.pid else None
                     start = time.perf_counter()
@@ -255,31 +359,56 @@ async def _measure(
                     now_hits, now_queries = _counters(engines)
                     row.hits += now_hits - hits
                     row.queries += now_queries - queries
+                    row.beyond += now_hits - hits > best
+                    row.miscounted += now_queries - queries != len(ids)
                     row.ttfts.append(ttft)
                     row.tokens += tokens
                     talk.append({"role": "assistant", "content": ANSWER})
             print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
+    for row in rows:
+        row.wall = time.perf_counter() - began
+        before = start_cpu[row.name]
+        after = tree_cpu(row.pid) if row.pid else None
+        if before is not None and after is not None:
+            row.cpu_total = after - before
 
 
 def _table(rows: list[Row]) -> str:
     lines = [
-        "| row | requests | hit rate (oracle) | TTFT p50 | TTFT p99 | tokens/s | CPU/request |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | requests | hit rate | oracle | oracle, no evictions | TTFT p50 | TTFT p99 "
+        "| tokens/s | CPU/request | CPU/s between requests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         if row.missing:
-            lines.append(f"| {row.name} | not measured: {row.missing} | | | | | |")
+            lines.append(f"| {row.name} | not measured: {row.missing} | | | | | | | | |")
             continue
         values = sorted(row.ttfts)
         p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
         hit = row.hits / row.queries if row.queries else 0.0
-        oracle = row.oracle_hits / row.oracle_queries
+        idle = row.wall - row.seconds
+        between = (row.cpu_total - row.cpu) / idle if idle > 0 and row.cpu_total else 0.0
         lines.append(
-            f"| {row.name} | {len(values)} | {hit:.1%} ({oracle:.1%}) "
+            f"| {row.name} | {len(values)} | {hit:.1%} "
+            f"| {row.oracle_hits / row.prompt_tokens:.1%} "
+            f"| {row.unbounded_hits / row.prompt_tokens:.1%} "
             f"| {statistics.median(values) * 1000:.0f} ms | {p99 * 1000:.0f} ms "
-            f"| {row.tokens / row.seconds:.1f} | {row.cpu / len(values) * 1e3:.1f} ms |"
+            f"| {row.tokens / row.seconds:.1f} | {row.cpu / len(values) * 1e3:.1f} ms "
+            f"| {between * 1e3:.1f} ms |"
         )
     return "\n".join(lines)
+
+
+def _checks(rows: list[Row]) -> None:
+    """Requests the oracle could not account for (stderr): an engine that hit more than
+    the oracle saw anywhere, or that counted other tokens than the prompt's."""
+    for row in rows:
+        if row.beyond or row.miscounted:
+            print(
+                f"{row.name}: {row.beyond} requests hit more than the oracle's best engine, "
+                f"{row.miscounted} counted other than the prompt's tokens",
+                file=sys.stderr,
+            )
 
 
 def main() -> None:
@@ -349,6 +478,7 @@ def main() -> None:
         f"{args.documents} documents of ~{args.doc_tokens} tokens, {args.conversations} "
         f"conversations x {args.turns} turns a row; load average {load[0]:.1f} {load[1]:.1f}"
     )
+    _checks([row for row in rows if not row.missing])
     print(_table(rows))
 
 
