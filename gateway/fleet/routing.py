@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from collections import OrderedDict
@@ -283,30 +284,37 @@ class Router:
         anchor: int | None,
         now: float,
     ) -> Worker:
+        """The candidate of the lowest cost (see the module), costing only what can win:
+        a candidate whose prefill alone is past the best so far is left there (every other
+        term adds to it: the weights are at least 0, as a load's counts), and the
+        tie-break's hash is made on a tie only. The same pick as costing every one."""
         config, workers, size = self.config, self.index.workers, self.index.block_size
         prefill, unit = config.prefill_weight, max(size * config.prefill_weight, 1.0)
+        queue, usage, per_running = config.queue_weight, config.usage_cost, config.running_cost
         best = candidates[0]
-        best_key: tuple[float, int] | None = None
+        best_units, best_calls = math.inf, 0
         best_spread: float | None = None  # made on a tie only
         for worker in candidates:
             address = worker.address
             uncached = prompt - hits.get(address, 0) * size
             cost = prefill * uncached if uncached > 0 else 0.0
-            running = worker.outstanding
+            if cost // unit > best_units:
+                continue
+            calls = running = worker.outstanding
             load = _fresh(workers.get(address), now)
             if load is not None:
-                cost += config.queue_weight * load.waiting_uncached_tokens
-                cost += config.usage_cost * load.kv_usage
+                cost += queue * load.waiting_uncached_tokens
+                cost += usage * load.kv_usage
                 running = max(running, load.running + load.waiting)
-            cost += config.running_cost * running
+            cost += per_running * running
             # within a block of prefill counts as a tie; then fewer calls; then the worker
             # the prompt's new content hashes to (rendezvous), so that a prefix no worker
             # holds yet lands on one worker, the same from every replica, and is not copied
             # into every cache; chance for a prompt shorter than a block
-            key = (cost // unit, worker.outstanding)
-            if best_key is None or key < best_key:
-                best, best_key, best_spread = worker, key, None
-            elif key == best_key:
+            units = cost // unit
+            if units < best_units or (units == best_units and calls < best_calls):
+                best, best_units, best_calls, best_spread = worker, units, calls, None
+            elif units == best_units and calls == best_calls:
                 if best_spread is None:
                     best_spread = self._spread(anchor, best.address)
                 spread = self._spread(anchor, address)
