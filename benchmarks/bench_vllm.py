@@ -24,10 +24,11 @@ The routers are installed from PyPI into `.tools/peers` as `make bench-peers` do
 that cannot be installed or started is reported, not measured.
 
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
-[--paths HTTP,gRPC] [--no-peers] [--json PATH]` (`make bench-vllm`; 10-30 minutes on a
-shared 2-core machine with the defaults, most of it the two vLLM servers' start, up to
-4 minutes each under load (`--start-timeout`, 600 s); `--quick` is 1 round of 8
-requests). Each path's table is printed as soon as it is measured. Not collected by
+[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--json PATH]` (`make bench-vllm`;
+10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
+servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
+1 round of 8 requests; `--streams 1` measures the one-stream load alone). Each path's
+table is printed as soon as it is measured. Not collected by
 pytest.
 """
 
@@ -264,19 +265,21 @@ class Row:
     direct_ttft_ms: list[float]
 
 
-def measure_path(path: str, targets: list[Target], rounds: int, requests: int) -> list[Row]:
+def measure_path(
+    path: str, targets: list[Target], rounds: int, requests: int, loads: tuple[int, ...] = LOADS
+) -> list[Row]:
     """Rounds of every load over every target, interleaved; rows per target and load."""
     print(f"  {path}: warming every target up", file=sys.stderr, flush=True)
-    for streams in LOADS:  # warm every path once
+    for streams in loads:  # warm every path once
         measure_round(targets, streams, max(8, streams * 2))
     rows = {
         (t.name, s): Row(path, t.name, s, [], [], [], [], [])
         for t in targets
         if t.calls is not None and t.name != DIRECT
-        for s in LOADS
+        for s in loads
     }
     for round_ in range(rounds):
-        for streams in LOADS:
+        for streams in loads:
             print(f"  {path}: round {round_ + 1}/{rounds}, {streams} streams", file=sys.stderr)
             samples = measure_round(targets, streams, requests)
             direct = samples[DIRECT]
@@ -438,6 +441,9 @@ def main() -> None:
     parser.add_argument(
         "--paths", default="HTTP,gRPC", help="the paths to measure, of HTTP and gRPC"
     )
+    parser.add_argument(
+        "--streams", default="1,8", help="the loads to measure: streams at once, comma-separated"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     peers: dict[str, Path | str] = (
@@ -452,6 +458,7 @@ def main() -> None:
     }
     if args.quick:
         args.rounds, args.requests = 1, 8
+    loads = tuple(int(s) for s in args.streams.split(","))
     vllm_support.START_GUARD = args.start_timeout
     # a SIGTERM (a timeout's) unwinds like Ctrl-C, so the vLLM servers are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -465,7 +472,7 @@ def main() -> None:
             print(f"{path}: starting vLLM and the gateways", file=sys.stderr, flush=True)
             with paths[path](model_dir, work, peers) as targets:
                 missing += [t for t in targets if t.missing]
-                measured = measure_path(path, targets, args.rounds, args.requests)
+                measured = measure_path(path, targets, args.rounds, args.requests, loads)
             report(measured, [], args.rounds, args.requests)  # as soon as it is measured
             rows += measured
     if versions:
