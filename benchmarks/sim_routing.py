@@ -6,7 +6,7 @@ request (`Router.pick` over every worker). It prints, for each fleet size:
 - the index's memory (traced by `tracemalloc`, and per (worker, block) pair),
 - events ingested per second on one core (blocks stored through `apply`, chains hashed;
   CPU time of the process, so other load on a shared machine counts less),
-- the scorer's CPU per request (`Router.pick`, the best of several rounds; an 8,000-token
+- the scorer's CPU per request (`Router.pick`, the best of 31 rounds or more; an 8,000-token
   prompt: 500 blocks of 16 tokens) with every worker a candidate, for two prompts: a new
   one that no worker holds (the walk through the index stops at its first block), and one
   that starts with a document (100 blocks) that `--holders` workers hold, then a new
@@ -121,7 +121,7 @@ def _score(router: Router, fleet: list[Worker], prompts: list[bytes]) -> float:
     requests = [GenerateRequest("sim", prompt=p.decode()) for p in prompts]
     roster = Roster(fleet)
     best = float("inf")
-    for _ in range(max(7, 2000 // len(fleet), 128 // len(prompts))):
+    for _ in range(max(31, 2000 // len(fleet), 128 // len(prompts))):
         start = time.process_time()
         for request in requests:
             router.pick(roster, request)
