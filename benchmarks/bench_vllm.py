@@ -85,12 +85,10 @@ LOADS = (1, 8)
 # --- the clients -------------------------------------------------------------------------
 
 
-async def one_chat(
-    client: httpx.AsyncClient, url: str, extra: dict[str, Any] | None = None
-) -> tuple[float, int]:
-    """TTFT (seconds) and completion tokens of one streamed chat completion (`extra`:
-    more fields of the request)."""
-    body = {
+def chat_body(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The benchmark's streamed chat request, greedy, with its usage (`extra`: more
+    fields, or fields replaced)."""
+    return {
         "model": MODEL,
         "messages": MESSAGES,
         "max_tokens": MAX_TOKENS,
@@ -99,6 +97,14 @@ async def one_chat(
         "stream_options": {"include_usage": True},
         **(extra or {}),
     }
+
+
+async def one_chat(
+    client: httpx.AsyncClient, url: str, extra: dict[str, Any] | None = None
+) -> tuple[float, int]:
+    """TTFT (seconds) and completion tokens of one streamed chat completion (`extra`:
+    more fields of the request)."""
+    body = chat_body(extra)
     start = time.perf_counter()
     ttft = None
     tokens = 0

@@ -224,15 +224,9 @@ async def _raw(stub: Any, ids: list[int], tokenizer: Any) -> dict[str, int]:
 
 async def _through(client: Any, url: str) -> dict[str, int]:
     """A streamed chat completion through a gateway: its start and first text."""
-    from benchmarks.bench_vllm import MAX_TOKENS, MESSAGES, MODEL
+    from benchmarks.bench_vllm import chat_body
 
-    body = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = chat_body()
     marks = {"t0": time.monotonic_ns()}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         async for line in response.aiter_lines():
