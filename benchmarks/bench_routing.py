@@ -27,9 +27,10 @@ text. Each row has its own documents (a salt in their first block), so one row's
 never another's hits; requests go one at a time, rows interleaved (A B C D E, A B C D E,
 ...), so every row sees the same engines under the same load. An odd number of
 conversations keeps round robin from pinning each one to an engine by accident.
-`--kv-blocks` bounds each engine's KV cache to about half of what all rows need, as a
-fleet's cache is in production (the rows together fit in both engines, not in one):
-placing a prefix where it already is saves its prefill and the room for a second copy.
+`--kv-blocks` bounds each engine's KV cache to about a quarter of the distinct blocks all
+rows' prompts fill (printed above the table: 1,241 at the defaults, 300 blocks an engine),
+as a fleet's cache is in production (the two caches hold about half of them): placing a
+prefix where it already is saves its prefill and the room for a second copy.
 
 Columns: the engines' prefix-cache hit rate (vLLM's own `vllm:prefix_cache_hits_total` over
 `..._queries_total`, both engines' deltas around each request: tokens found cached over
@@ -44,7 +45,9 @@ prompt's tokens (`CacheOracle`: the engines' own KV events, followed by the benc
 as they are, evictions by every row included, so a router can reach it, not pass it);
 and "no evictions", the hits if caches kept everything (every whole block seen before in
 the row is a hit: an upper bound no router reaches, whose gap to the oracle is what the
-bounded caches cost). Then TTFT p50/p99 (to the first streamed text), completion tokens/s
+bounded caches cost). Then TTFT p50, with a 95 % confidence interval of it that assumes
+nothing of the distribution (order statistics), and p99 (to the first streamed text),
+completion tokens/s
 over the row's request time, the router's CPU (its process tree) per request, during its
 own requests, and its CPU per second between them (while the other rows' requests run: a
 cost of following busy engines, not of requests). A request whose engine hit more than
@@ -58,14 +61,21 @@ Before the table, the kv_aware gateway's index metrics go to stderr (cached bloc
 worker, event state, evictions, fallbacks): whether its events were followed.
 
 Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc] [--quick]
-[--size 256x4] [--kv-blocks 200] [--no-peers]` (`--quick`: 1 document, 3 conversations of
-2 turns, for development; 3-7 minutes here, most of it the engines' start). Not collected by pytest.
+[--size 256x4] [--kv-blocks 300] [--conversations 15] [--turns 5] [--no-peers]`. The
+defaults, 75 requests a row (375 in all), took 7-9 minutes here (load average 4-9); with the
+earlier 20 a row (5 conversations of 4 turns) the p50 of one row moved by 100-300 ms
+between runs, as much as kv_aware, prefix and smg differ (the p50's interval now says
+whether one run separates two rows). More turns than 5 make the
+longest prompt pass the engines' 4,096-token context at these sizes. `--quick`: 1
+document, 3 conversations of 2 turns, for development (2-3 minutes, most of it the
+engines' start). Not collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import re
@@ -373,9 +383,22 @@ async def _requests(
             row.cpu_total = after - before
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95 % confidence interval of the median of sorted `values` that assumes nothing
+    of their distribution: the order statistics j and n+1-j (1-based), j the largest
+    with P(Binomial(n, 1/2) < j) <= 2.5 % (the whole range when n < 6)."""
+    n, j = len(values), 1
+    below = 0.5**n  # P(Binomial(n, 1/2) < j)
+    while j < n // 2 and below + math.comb(n, j) * 0.5**n <= 0.025:
+        below += math.comb(n, j) * 0.5**n
+        j += 1
+    return values[j - 1], values[n - j]
+
+
 def _table(rows: list[Row]) -> str:
     lines = [
-        "| row | requests | hit rate | oracle | oracle, no evictions | TTFT p50 | TTFT p99 "
+        "| row | requests | hit rate | oracle | oracle, no evictions | TTFT p50 (95 % CI) "
+        "| TTFT p99 "
         "| tokens/s | CPU/request | CPU/s between requests |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -386,13 +409,15 @@ def _table(rows: list[Row]) -> str:
         values = sorted(row.ttfts)
         p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
         hit = row.hits / row.queries if row.queries else 0.0
+        low, high = median_interval(values)
         idle = row.wall - row.seconds
         between = (row.cpu_total - row.cpu) / idle if idle > 0 and row.cpu_total else 0.0
         lines.append(
             f"| {row.name} | {len(values)} | {hit:.1%} "
             f"| {row.oracle_hits / row.prompt_tokens:.1%} "
             f"| {row.unbounded_hits / row.prompt_tokens:.1%} "
-            f"| {statistics.median(values) * 1000:.0f} ms | {p99 * 1000:.0f} ms "
+            f"| {statistics.median(values) * 1000:.0f} ms ({low * 1000:.0f}-{high * 1000:.0f}) "
+            f"| {p99 * 1000:.0f} ms "
             f"| {row.tokens / row.seconds:.1f} | {row.cpu / len(values) * 1e3:.1f} ms "
             f"| {between * 1e3:.1f} ms |"
         )
@@ -416,11 +441,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--size", default="256x4", help="the model's hidden size x layers")
     workload_arguments(parser)
-    parser.add_argument("--kv-blocks", type=int, default=200, help="per engine; 0: vLLM's")
+    parser.set_defaults(conversations=15, turns=5)  # 75 requests a row: `Run` below
+    parser.add_argument("--kv-blocks", type=int, default=300, help="per engine; 0: vLLM's")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--engines", choices=("http", "grpc"), default="http")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    began = time.monotonic()
     if args.quick:
         args.documents, args.conversations, args.turns = 1, 3, 2
     hidden, layers = (int(n) for n in args.size.split("x"))
@@ -472,11 +499,14 @@ def main() -> None:
             print(*re.findall(SMG_KV, text, re.M), sep="\n", file=sys.stderr)
         blocks = re.findall(r"num_gpu_blocks=\"(\d+)\"", engines[0].metrics())
     load = os.getloadavg()
+    needed = sum(len(row.seen) for row in rows)  # the blocks all rows' prompts fill
+    minutes = (time.monotonic() - began) / 60
     print(
         f"model {args.size}, {args.workers} {args.engines} engines of {blocks[:1] or '?'} "
         "KV blocks, "
         f"{args.documents} documents of ~{args.doc_tokens} tokens, {args.conversations} "
-        f"conversations x {args.turns} turns a row; load average {load[0]:.1f} {load[1]:.1f}"
+        f"conversations x {args.turns} turns a row ({needed} distinct blocks in all); load "
+        f"average {load[0]:.1f} {load[1]:.1f}; {minutes:.1f} minutes"
     )
     _checks([row for row in rows if not row.missing])
     print(_table(rows))
