@@ -47,12 +47,13 @@ and "no evictions", the hits if caches kept everything (every whole block seen b
 the row is a hit: an upper bound no router reaches, whose gap to the oracle is what the
 bounded caches cost). Then TTFT p50, with a 95 % confidence interval of it that assumes
 nothing of the distribution (order statistics), and p99 (to the first streamed text),
-completion tokens/s
-over the row's request time, the router's CPU (its process tree) per request, during its
-own requests, and its CPU per second between them (while the other rows' requests run: a
-cost of following busy engines, not of requests). A request whose engine hit more than
-the oracle's best, or counted other tokens than the benchmark's own tokenization of the
-prompt, is reported on stderr (none is expected: the oracle would be wrong).
+completion tokens/s over the row's request time, the router's CPU (its process tree) per
+request, during its own requests, and its CPU per second between them (while the other
+rows' requests run: a cost of following engines, not of requests: for kv_aware over HTTP,
+its `/metrics` load scrape, about 2 ms of CPU a read, one read an engine a second). A
+request whose engine hit more than the oracle's best, or counted other tokens than the
+benchmark's own tokenization of the prompt, is reported on stderr (none is expected: the
+oracle would be wrong).
 
 On a shared 2-core VM the client, the gateways and the routers share the cores with the
 engines: figures are indicative.
@@ -62,7 +63,8 @@ worker, event state, evictions, fallbacks): whether its events were followed.
 
 Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc] [--quick]
 [--size 256x4] [--kv-blocks 300] [--conversations 15] [--turns 5] [--no-peers]`. The
-defaults, 75 requests a row (375 in all), took 7-9 minutes here (load average 4-9); with the
+defaults, 75 requests a row (375 in all), took 3.8 minutes here on a quiet machine (load
+average 1-3), 7.4-9.2 while other work ran (load 4-16); with the
 earlier 20 a row (5 conversations of 4 turns) the p50 of one row moved by 100-300 ms
 between runs, as much as kv_aware, prefix and smg differ (the p50's interval now says
 whether one run separates two rows). More turns than 5 make the
