@@ -4,7 +4,8 @@ uvicorn in front of real OpenAI-compatible servers (tests/support/openai_server.
 `/metrics` says what the test sets, in vLLM's names), and real vLLM's HTTP server for
 the names themselves. A worker whose engine queues past `max_engine_waiting` is routed
 around, and the model sheds once every worker is; a server without the gauges keeps no
-load record, visibly, and serves on."""
+load record, visibly, and serves on. The gateway asks vLLM for those gauges alone
+(`LOAD_QUERY`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.fleet.routing import Router
 from gateway.protocol.kv_blocks import EngineLoad
-from gateway.upstreams.openai_http.loads import engine_load
+from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_load
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.servers import Gateway, ServerLoop
@@ -95,6 +96,9 @@ def test_a_worker_whose_engine_queues_past_the_bound_is_routed_around_then_shed(
     wait_until(lambda: load(first) is not None and load(second) is not None, "both loads")
     assert load(first) == EngineLoad(running=1, waiting=0, kv_usage=0.25)
     assert router.scrapes == {first.url: "loads", second.url: "loads"}
+    # these servers do not filter at /metrics/ (a redirect): their whole page is read
+    upstream = gw.state.fleet.models[MODEL].workers[first.url].upstream
+    assert getattr(upstream, "metrics_url", None) == first.url.removesuffix("/v1") + "/metrics"
 
     first.load = (3, 5, 0.5)  # 5 waiting: past max_engine_waiting
     wait_until(lambda: router.engine_full(first.url), "the first engine's queue in its record")
@@ -207,3 +211,11 @@ def test_real_vllm_http_servers_metrics_give_a_load_record(
     response = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD * 4)
     assert response.status_code == 200, response.text
     assert router.last.reason == ""  # least_load routed on the record, not the fallback
+    # the gateway asks for its gauges alone: vLLM's page, filtered, still gives the record
+    root = f"http://127.0.0.1:{vllm_http.port}"
+    whole = httpx.get(root + "/metrics", timeout=HANG_GUARD).content
+    page = httpx.get(f"{root}/metrics/?{LOAD_QUERY}", timeout=HANG_GUARD).content
+    assert engine_load(page) is not None
+    upstream = gw.state.fleet.models["tiny-vllm"].workers[url].upstream
+    assert getattr(upstream, "metrics_url", None) == f"{root}/metrics/?{LOAD_QUERY}"
+    assert b"_bucket" not in page and len(page) * 10 < len(whole), (len(page), len(whole))

@@ -27,7 +27,7 @@ from gateway.upstreams.base import (
     UpstreamCall,
 )
 from gateway.upstreams.openai_http.connections import _RawCall
-from gateway.upstreams.openai_http.loads import MAX_METRICS_BYTES, engine_load
+from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES, engine_load
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
@@ -153,7 +153,8 @@ class OpenAIHttpUpstream:
         self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
         root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
-        self._metrics_url = f"{root}/metrics"
+        self._metrics_page = f"{root}/metrics"
+        self.metrics_url = f"{root}/metrics/?{LOAD_QUERY}"  # the page, until refused
         url = urlsplit(self.address)
         host, port = url.hostname or "", url.port or 80
         if raw_http is None:
@@ -297,16 +298,22 @@ class OpenAIHttpUpstream:
     async def engine_load(self, timeout: float) -> EngineLoad | None:  # noqa: ASYNC109
         """Their engine's load from their Prometheus `/metrics` (beside `/v1`; `loads`),
         within `timeout` seconds; None when the page has no vLLM scheduler gauges or
-        there is no such page (404): not a vLLM."""
-        request = self._http.build_request(
-            "GET", self._metrics_url, headers=self._auth, timeout=timeout
-        )
+        there is no such page (404): not a vLLM. It asks for those gauges alone
+        (`LOAD_QUERY` at `/metrics/`, where vLLM mounts prometheus-client's own app,
+        which filters; its `/metrics` does not); a server that answers that with
+        anything but the gauges is read whole at `/metrics` from then on."""
+        url = self.metrics_url
+        request = self._http.build_request("GET", url, headers=self._auth, timeout=timeout)
         status, content = await self._send(request, timeout, MAX_METRICS_BYTES)
+        load = engine_load(content, len(content) >= MAX_METRICS_BYTES) if status == 200 else None
+        if load is None and url != self._metrics_page:
+            self.metrics_url = self._metrics_page
+            return await self.engine_load(timeout)
         if status == 404:
             return None
         if status != 200:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
-        return engine_load(content, truncated=len(content) >= MAX_METRICS_BYTES)
+        return load
 
     async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
         """Their /health every `poll_interval`: 200 is serving (its body is not read
