@@ -2,8 +2,7 @@
 SSE it reads (text, tool calls, logprobs, n choices), the errors it maps, what
 it sends, and embeddings; then plain http:// upstreams over its own connections,
 against a scripted loopback server: keep-alive, refusals, cancel, the deadline,
-and reading paused for a reader that falls behind, and its polls of health and load.
-tests/test_http_upstream_surface.py runs the same
+and reading paused for a reader that falls behind. tests/test_http_upstream_surface.py runs the same
 surface against vLLM's own server through the gateway."""
 
 import asyncio
@@ -18,7 +17,6 @@ import pytest
 import respx
 
 from gateway.protocol import errors
-from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
     Embeddings,
     EmbedRequest,
@@ -38,7 +36,6 @@ from gateway.protocol.types import (
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
 from gateway.upstreams.openai_http.connections import REST, _RawCall
-from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD, until
@@ -1203,59 +1200,3 @@ def test_models_and_health_answers_are_read_up_to_a_bound():
     # what the sockets' buffers hold
     assert sent["/v1/models"] < 16 * 1024 * 1024
     assert sent["/health"] < 16 * 1024 * 1024
-
-
-GAUGES = (
-    b"vllm:num_requests_running 2.0\nvllm:num_requests_waiting 1.0\nvllm:kv_cache_usage_perc 0.5\n"
-)
-
-
-def test_plain_http_polls_health_and_load_over_our_connection_within_their_bounds():
-    """A plain http:// upstream's health and load polls are GETs over its own kept-alive
-    connections (`http1.fetch`), with its key: the gauges asked for by name; a page
-    past the bound is read up to it and its connection dropped; a silent server is a
-    timeout."""
-    pages = [GAUGES, GAUGES + b"# " + b"x" * (2 * MAX_METRICS_BYTES) + b"\n", None]
-    heads: list[bytes] = []
-    connections = 0
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        try:
-            while True:
-                heads.append(await reader.readuntil(b"\r\n\r\n"))
-                page = pages.pop(0) if heads[-1].startswith(b"GET /metrics/") else b""
-                if page is None:
-                    await reader.read()  # never answers
-                    return
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def polls() -> list:
-        server = await asyncio.start_server(answer, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-        async with httpx.AsyncClient() as http:
-            upstream = OpenAIHttpUpstream(url, http, api_key="sk-1")
-            results: list = [await upstream.engine_load(5.0)]
-            results.append(await anext(upstream.watch_health(0.01, 5.0)))
-            results.append(await upstream.engine_load(5.0))  # cut at the bound
-            try:
-                await upstream.engine_load(0.3)
-            except errors.GatewayError as error:
-                results.append(error)
-            await upstream.close()
-        server.close()
-        return results
-
-    first, healthy, cut, silent = anyio.run(polls)
-    assert first == cut == EngineLoad(running=2, waiting=1, kv_usage=0.5)
-    assert healthy is True and type(silent) is errors.Timeout
-    assert heads[0].startswith(f"GET /metrics/?{LOAD_QUERY} HTTP/1.1\r\n".encode())
-    assert b"\r\nAuthorization: Bearer sk-1\r\n" in heads[0]
-    assert heads[1].startswith(b"GET /health HTTP/1.1\r\n")
-    assert connections == 2  # one kept alive for three polls; the cut one was dropped

@@ -12,8 +12,7 @@ A connection carries one request at a time; its reader learns the status, the bo
 pieces, and then either that the response ended (`complete`, and whether the
 connection may carry the next request: `Connection.reusable`) or that it broke
 (`broken`: bad HTTP, or the connection lost). `Pool` keeps the idle connections of one
-host and port. `fetch` sends one request and keeps its whole answer (a bounded read):
-the polls of a worker's health and load, about ten times cheaper in CPU than httpx's.
+host and port.
 """
 
 from __future__ import annotations
@@ -171,60 +170,3 @@ class Pool:
             connection.abort()
         self.open.clear()
         self.idle.clear()
-
-
-class _Whole:
-    """The reader of `fetch`: the status and up to `limit` bytes of the body. `done`
-    holds the connection once the response ended whole, None once `limit` bytes came
-    (the rest is not read) or the server closed a response it delimits by closing."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.status = 0
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.done: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
-
-    def head(self, status: int) -> None:
-        self.status = status
-
-    def body(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.size += len(data)
-        if self.size >= self.limit and not self.done.done():
-            self.done.set_result(None)
-
-    def read(self) -> None:
-        pass
-
-    def complete(self, connection: Connection) -> None:
-        if not self.done.done():
-            self.done.set_result(connection)
-
-    def broken(self, kind: str, detail: str) -> None:
-        if self.done.done():
-            return
-        if kind == "closed" and self.status:  # HTTP/1.0's end of a body: the close
-            self.done.set_result(None)
-        else:
-            self.done.set_exception(ConnectionError(f"{kind}: {detail}"))
-
-
-async def fetch(pool: Pool, request: bytes, limit: int, timeout: float) -> tuple[int, bytes]:  # noqa: ASYNC109
-    """`request` (whole) on one of `pool`'s connections, answered within `timeout`
-    seconds: the status and at most `limit` bytes of the body. `TimeoutError`, or
-    `OSError` (`ConnectionError` for a response that broke) when there is none."""
-    reader = _Whole(limit)
-    async with asyncio.timeout(timeout):
-        connection = await pool.take()
-        connection.send(request, reader)
-        try:
-            ended = await reader.done
-        except BaseException:
-            pool.drop(connection)
-            raise
-    if ended is None:
-        pool.drop(connection)
-    else:
-        pool.give_back(ended)
-    return reader.status, b"".join(reader.parts)[:limit]
