@@ -27,4 +27,6 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     tool_calls/      tool calls in a model's text, per format, and the schema that forces them
     http1.py         HTTP/1.1 client connections over httptools, pooled (raw HTTP
                      upstreams and the benchmark's load generator)
+    grpc_h2.py       server-streaming gRPC calls over an HTTP/2 client on the loop
+                     (vLLM's Generate stream, half grpc.aio's CPU a message)
 """

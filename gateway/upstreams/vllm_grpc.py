@@ -42,9 +42,12 @@ the samples) and the SSE write per chunk, so the gateway's CPU follows the messa
 engine sends (vLLM's `--stream-interval`), not the tokens.
 A choice with nothing between the detokenizer and its events (no tool-call parser, stop
 strings, logprobs or min_tokens: `_Choice.plain`) turns a message's text into one `Text`
-directly. grpc.aio has no read of several messages: each `read` is a batch of gRPC core's
-completion queue, handed to the loop by its poller thread, so a message received while the
-gateway was busy costs the same as one it waited for.
+directly. `Generate`'s stream is read by the gateway's own HTTP/2 client on the loop
+(`gateway.protocol.grpc_h2`): a grpc.aio read is a batch of gRPC core's completion queue,
+handed to the loop by its poller thread, two wake-ups a token; ours is parsed in the
+transport's callback (`benchmarks/bench_grpc_stream.py`: half grpc.aio's CPU a message at
+one stream, under 0.4x at eight). The unary calls (model info, health, loads, Abort,
+Embed) and the KV-event stream stay on grpc.aio, as does everything over TLS.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.protocol import errors, features, tool_calls
+from gateway.protocol.grpc_h2 import ServerStream, StreamChannel
 from gateway.protocol.kv_blocks import KvBatch
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
@@ -160,6 +164,10 @@ async def _off_loop(function: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, function)
 
 
+#: Generate's HTTP/2 path.
+GENERATE = "/{}/Generate".format(pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name)
+
+
 def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     """The one table from vLLM's statuses to our errors: ours, plus its wording of
     a prompt too long for the context."""
@@ -241,7 +249,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._metadata = metadata
         #: The engine's id of the request (unique per attempt), for `Abort`.
         self.request_id = f"{request.request_id or 'furnace'}-{uuid.uuid4().hex[:12]}"
-        self._call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
+        self._call: ServerStream[pb.GenerateResponse] | None = None
         self._pending: deque[Event] = deque()
         self._choices: list[_Choice] = []
         self._left = 0  # choices whose Finished is not out yet
@@ -277,7 +285,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 raise
         return self._pending.popleft()
 
-    async def _start(self) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+    async def _start(self) -> ServerStream[pb.GenerateResponse]:
         upstream, request = self._upstream, self._request
         self._choices = [_Choice(self, i) for i in range(request.n)]  # refuses tools first
         self._left = request.n
@@ -299,9 +307,7 @@ class VllmGrpcCall(StreamBookkeeping):
         timeout = self._deadline - time.monotonic()
         if timeout <= 0:
             raise errors.Timeout("The request's deadline passed before it reached the engine.")
-        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]
-        call = upstream.stub.Generate(message, timeout=timeout, metadata=self._metadata)
-        return call
+        return upstream.generate(message, timeout, self._metadata)
 
     def _take(self, message: pb.GenerateResponse) -> None:
         """Our events for one message of the engine: deltas, then how a choice ended."""
@@ -527,6 +533,13 @@ class VllmGrpcUpstream:
         #: The format the model writes tool calls in; None: it takes no tools.
         self.tool_call_parser = tool_call_parser
         self._channel = open_channel(address, credentials)
+        #: Generate's streams, read on the loop (`gateway.protocol.grpc_h2`): half
+        #: grpc.aio's CPU a token. Over TLS, and to an address that is not host:port
+        #: (a `dns:///` target), they stay on the grpc.aio channel.
+        self._streams: StreamChannel | None = None
+        if credentials is None:
+            with contextlib.suppress(ValueError):
+                self._streams = StreamChannel(address)
         self.stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.GetModelInfoResponse | None = None
@@ -540,6 +553,18 @@ class VllmGrpcUpstream:
     ) -> VllmGrpcCall:
         """A call that starts on its first read, within `timeout` seconds."""
         return VllmGrpcCall(self, request, timeout, metadata, on_close)
+
+    def generate(
+        self, message: pb.GenerateRequest, timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> ServerStream[pb.GenerateResponse]:
+        """`Generate`'s stream of `message`, started on its first read."""
+        if self._streams is None:
+            call: ServerStream[pb.GenerateResponse]
+            call = self.stub.Generate(message, timeout=timeout, metadata=metadata)
+            return call
+        return self._streams.unary_stream(
+            GENERATE, message.SerializeToString(), pb.GenerateResponse.FromString, timeout, metadata
+        )
 
     async def model_info(self, deadline: float) -> pb.GetModelInfoResponse:
         """The engine's GetModelInfo (context length, EOS ids), asked once."""
@@ -710,5 +735,7 @@ class VllmGrpcUpstream:
             await asyncio.sleep(poll_interval)
 
     async def close(self) -> None:
-        """Closes the channel, cancelling calls still on it."""
+        """Closes the channels, cancelling calls still on them."""
+        if self._streams is not None:
+            await self._streams.close()
         await self._channel.close()

@@ -1,0 +1,790 @@
+"""gRPC server-streaming calls over an HTTP/2 client written on the event loop: how
+the gateway reads vLLM's `Generate` stream (`gateway.upstreams.vllm_grpc`), where
+the engine sends one message a token.
+
+Why not grpc.aio for that stream: each message grpc.aio reads is a batch of gRPC
+core's completion queue, polled by a thread of its own and handed to the event loop,
+so every token wakes two threads. Here the loop's own transport receives the frames
+and `data_received` parses them in place: the message reaches the waiting reader in
+the same callback. `benchmarks/bench_grpc_stream.py` measures both clients' CPU a
+message against a grpc.aio server in one run.
+
+What it speaks: HTTP/2 over cleartext TCP (prior knowledge, as gRPC does without
+TLS), one connection per worker opened on first use and opened again after it is
+lost or the worker sends GOAWAY; request headers and a unary request body out (DATA
+frames under the worker's flow-control windows and frame size), length-prefixed
+messages in, the status from the trailers (or a trailers-only answer, or an HTTP
+status, as gRPC maps them). Failures are `grpc.aio.AioRpcError`s with gRPC's codes and
+details, so the worker kinds' tables (`furnace_channel.from_rpc_error`, vLLM's) read
+them as they read grpc.aio's. The deadline goes out as `grpc-timeout` and is kept here
+as well (a timer that resets the stream); a cancel is a RST_STREAM. A dead peer is
+found by TCP keepalive, not HTTP/2 pings, which gRPC servers count against a client
+that pings while idle.
+
+What a worker can make it hold is bounded: a stream's unread messages by its window
+(`STREAM_WINDOW`: the worker waits until the reader takes them), a message by
+`MAX_MESSAGE_BYTES` (RESOURCE_EXHAUSTED, as grpc.aio words it), a header block by
+`MAX_HEADER_BLOCK`, a frame by HTTP/2's default size; a worker that breaks the protocol
+loses the connection (GOAWAY, every call on it UNAVAILABLE), never the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar, cast
+from urllib.parse import unquote
+
+import grpc
+import hpack
+
+from gateway.protocol.grpc_options import MAX_MESSAGE_BYTES
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class ServerStream(Protocol[T_co]):
+    """What a reader of a server stream uses, of this module's calls and grpc.aio's alike."""
+
+    async def read(self) -> T_co | object:
+        """The next message, or `grpc.aio.EOF`."""
+
+    def cancel(self) -> bool:
+        """Stops the call; False if it had ended."""
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Frame types, flags and error codes of RFC 9113 that this client uses.
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PUSH_PROMISE = 0x0, 0x1, 0x3, 0x4, 0x5
+_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x6, 0x7, 0x8, 0x9
+_END_STREAM = _ACK = 0x1
+_END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
+_NO_ERROR, _PROTOCOL_ERROR, _FLOW_CONTROL_ERROR, _FRAME_SIZE_ERROR = 0x0, 0x1, 0x3, 0x6
+_REFUSED_STREAM, _CANCEL, _ENHANCE_YOUR_CALM = 0x7, 0x8, 0xB
+# SETTINGS identifiers.
+_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
+_INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE, _MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
+
+#: HTTP/2's default (and largest) window and frame size before SETTINGS say otherwise.
+_DEFAULT_WINDOW = 65_535
+_DEFAULT_FRAME = 16_384
+_MAX_WINDOW = 2**31 - 1
+_MAX_STREAM_ID = 2**31 - 1
+
+#: The bytes of a stream's messages the worker may send before the reader takes them
+#: (HTTP/2's default window, as the gateway's grpc.aio channels keep it: no BDP probe).
+STREAM_WINDOW = _DEFAULT_WINDOW
+#: The connection's receive window: every stream's window together, many times over.
+CONNECTION_WINDOW = 16 * 1024 * 1024
+#: The largest header block (headers or trailers) a worker may send.
+MAX_HEADER_BLOCK = 64 * 1024
+
+#: An RST_STREAM's code as the call's gRPC status (gRPC's HTTP/2 transport spec).
+_RESET_CODES = {
+    _NO_ERROR: grpc.StatusCode.INTERNAL,
+    _REFUSED_STREAM: grpc.StatusCode.UNAVAILABLE,
+    _CANCEL: grpc.StatusCode.CANCELLED,
+    _ENHANCE_YOUR_CALM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+#: An HTTP status other than 200 as the call's gRPC status (same spec).
+_HTTP_CODES = {
+    400: grpc.StatusCode.INTERNAL,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.UNIMPLEMENTED,
+    429: grpc.StatusCode.UNAVAILABLE,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.UNAVAILABLE,
+}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big")
+        + bytes((kind, flags))
+        + stream_id.to_bytes(4, "big")
+        + payload
+    )
+
+
+class _ProtocolError(Exception):
+    """The worker broke HTTP/2: the connection ends with a GOAWAY of this code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StreamCall(Generic[T]):
+    """One server-streaming call: `await read()` for each message, then
+    `grpc.aio.EOF`; a failed call raises its `AioRpcError`; `cancel()` resets it."""
+
+    __slots__ = (
+        "_body",
+        "_channel",
+        "_conn",
+        "_deadline",
+        "_deserialize",
+        "_done",
+        "_ended",
+        "_error",
+        "_headers",
+        "_inbox",
+        "_messages",
+        "_queued",
+        "_started",
+        "_timer",
+        "_unacked",
+        "_waiter",
+        "id",
+        "send_window",
+    )
+
+    def __init__(
+        self,
+        channel: StreamChannel,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        deserialize: Callable[[bytes], T],
+        deadline: float,
+    ) -> None:
+        self._channel = channel
+        self._headers: list[tuple[str, str]] | None = headers
+        self._body = memoryview(body)
+        self._deserialize = deserialize
+        self._deadline = deadline
+        self._conn: _Connection | None = None
+        self.id = 0
+        self.send_window = 0
+        self._inbox = bytearray()  # DATA not yet a whole message
+        self._messages: deque[bytes] = deque()
+        self._queued = 0  # bytes in `_messages`
+        self._unacked = 0  # bytes received and not yet given back to the worker's window
+        self._started = False  # the worker's response headers arrived
+        self._ended = False  # the worker ended the stream with OK
+        self._done = False  # nothing more arrives: ended, failed or cancelled
+        self._error: grpc.aio.AioRpcError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def read(self) -> T | object:
+        """The next message, or `grpc.aio.EOF` once the worker ended with OK."""
+        if self._headers is not None:
+            await self._start()
+        while not self._messages:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                return grpc.aio.EOF
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._messages.popleft()
+        self._queued -= len(data)
+        if self._conn is not None and not self._done:
+            self._conn.give_back(self)
+        try:
+            return self._deserialize(data)
+        except Exception as error:  # as grpc.aio words it: the call fails, INTERNAL
+            self.fail(grpc.StatusCode.INTERNAL, f"Exception deserializing response! {error}", True)
+            raise self._error from None  # type: ignore[misc]
+
+    def cancel(self) -> bool:
+        """Stops the call (RST_STREAM CANCEL to the worker); False if it had ended."""
+        if self._done:
+            return False
+        self.fail(grpc.StatusCode.CANCELLED, "Locally cancelled by application!", reset=True)
+        return True
+
+    async def _start(self) -> None:
+        headers, self._headers = self._headers, None
+        assert headers is not None
+        loop = asyncio.get_running_loop()
+        left = self._deadline - loop.time()
+        if self._error is not None:
+            raise self._error
+        if left <= 0:
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            raise self._error  # type: ignore[misc]
+        self._timer = loop.call_at(self._deadline, self._expire)
+        conn = self._channel.ready()
+        if conn is None:
+            try:  # a worker that never answers the connect (a lost node) is bounded too
+                conn = await asyncio.wait_for(self._channel.connection(self), left)
+            except grpc.aio.AioRpcError as error:
+                self._error = self._error or error
+            except TimeoutError:
+                self._error = self._error or _failure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+                )
+        if self._error is not None or conn is None:  # failed while connecting
+            self._finish()
+            raise self._error  # type: ignore[misc]
+        headers.append(("grpc-timeout", f"{max(1, int(left * 1000))}m"))
+        conn.start(self, headers)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", reset=True)
+
+    # -- what the connection tells the call, inside its callbacks --------------------
+
+    def pending_body(self) -> memoryview:
+        return self._body
+
+    def sent(self, count: int) -> None:
+        self._body = self._body[count:]
+
+    def data(self, payload: bytes, flow: int) -> None:
+        """A DATA frame's payload (`flow`: the bytes it counted against the window)."""
+        self._unacked += flow
+        if self._done:
+            return
+        inbox = self._inbox
+        inbox += payload
+        while len(inbox) >= 5:
+            if inbox[0] != 0:
+                self.fail(grpc.StatusCode.INTERNAL, "The worker sent a compressed message.", True)
+                return
+            size = int.from_bytes(inbox[1:5], "big")
+            if size > MAX_MESSAGE_BYTES:
+                self.fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})",
+                    reset=True,
+                )
+                return
+            if len(inbox) < 5 + size:
+                break
+            self._messages.append(bytes(inbox[5 : 5 + size]))
+            self._queued += size
+            del inbox[: 5 + size]
+        self._wake()
+
+    def owed(self) -> int:
+        """The window to give back to the worker now: what was received, once half a
+        window of it is out and the reader holds less than half a window unread."""
+        if self._unacked < STREAM_WINDOW // 2 or self._queued >= STREAM_WINDOW // 2:
+            return 0
+        owed, self._unacked = self._unacked, 0
+        return owed
+
+    def headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
+        """A header block: the response's headers, then (with END_STREAM) its trailers."""
+        if self._done:
+            return
+        fields = dict(headers)
+        if not self._started:
+            self._started = True
+            status = fields.get(":status", "")
+            if status != "200":
+                code = _HTTP_CODES.get(int(status) if status.isdigit() else 0)
+                self.fail(code or grpc.StatusCode.UNKNOWN, f"HTTP status {status or '?'}", True)
+                return
+            if not fields.get("content-type", "").startswith("application/grpc"):
+                kind = fields.get("content-type", "none")
+                self.fail(grpc.StatusCode.UNKNOWN, f"The worker answered {kind}, not gRPC.", True)
+                return
+            if not end_stream:
+                return
+        elif not end_stream:
+            self.fail(grpc.StatusCode.INTERNAL, "The worker sent headers twice.", reset=True)
+            return
+        raw = fields.get("grpc-status")
+        code = _CODES.get(int(raw)) if raw is not None and raw.isdigit() else None
+        if code is None:
+            self.fail(grpc.StatusCode.UNKNOWN, f"The worker sent no valid grpc-status ({raw}).")
+        elif code is not grpc.StatusCode.OK:
+            self.fail(code, unquote(fields.get("grpc-message", "")))
+        elif self._inbox:
+            self.fail(grpc.StatusCode.INTERNAL, "The worker ended inside a message.")
+        else:
+            self._ended = True
+            self._finish()
+
+    def reset(self, code: int) -> None:
+        """The worker reset the stream (RST_STREAM)."""
+        status = _RESET_CODES.get(code, grpc.StatusCode.INTERNAL)
+        self.fail(status, f"The worker reset the stream (HTTP/2 error {code}).")
+
+    def fail(self, code: grpc.StatusCode, details: str, reset: bool = False) -> None:
+        """Ends the call with `code`; `reset`: tell the worker (RST_STREAM CANCEL)."""
+        if self._done:
+            return
+        self._error = _failure(code, details)
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._messages.clear()  # ours to stop: nothing more is read
+            self._queued = 0
+        if reset and self._conn is not None:
+            self._conn.reset(self, _CANCEL)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._conn is not None:
+            self._conn.forget(self)
+        self._channel.forget(self)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def attach(self, conn: _Connection, stream_id: int, window: int) -> None:
+        self._conn, self.id, self.send_window = conn, stream_id, window
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/2 connection to a worker and the calls on it."""
+
+    def __init__(self, channel: StreamChannel) -> None:
+        self._channel = channel
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, StreamCall[Any]] = {}
+        self._next_id = 1
+        self.usable = True  # no GOAWAY, no break, stream ids left
+        self.why = "The connection to the worker is closing."  # once not usable
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._encoder = hpack.Encoder()
+        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
+        self._buffer = bytearray()
+        self._block: bytearray | None = None  # a header block awaiting CONTINUATION
+        self._block_stream = 0
+        self._block_end = False
+        self._peer_frame = _DEFAULT_FRAME
+        self._peer_window = _DEFAULT_WINDOW  # each new stream's send window
+        self._peer_streams = 2**31  # MAX_CONCURRENT_STREAMS
+        self._send_window = _DEFAULT_WINDOW  # the connection's
+        self._unacked = 0  # bytes received, not yet given back to the connection's window
+        self._blocked: dict[int, StreamCall[Any]] = {}  # calls with body left to send
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _keepalive(sock)
+        settings = b"".join(
+            key.to_bytes(2, "big") + value.to_bytes(4, "big")
+            for key, value in (
+                (_ENABLE_PUSH, 0),
+                (_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+                (_MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+            )
+        )
+        increment = (CONNECTION_WINDOW - _DEFAULT_WINDOW).to_bytes(4, "big")
+        transport.write(
+            _PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(_WINDOW_UPDATE, 0, 0, increment)
+        )
+
+    def has_room(self) -> bool:
+        return self.usable and len(self.streams) < self._peer_streams
+
+    def start(self, call: StreamCall[Any], headers: list[tuple[str, str]]) -> None:
+        """Opens `call`'s stream: its headers, then as much of its body as the windows allow."""
+        assert self.transport is not None
+        if not self.usable:  # it broke between the pick and now
+            call.fail(grpc.StatusCode.UNAVAILABLE, self.why)
+            return
+        stream_id = self._next_id
+        self._next_id += 2
+        if self._next_id > _MAX_STREAM_ID:
+            self.usable = False
+        call.attach(self, stream_id, self._peer_window)
+        self.streams[stream_id] = call
+        block = self._encoder.encode(headers)
+        frames = []
+        first, block = block[: self._peer_frame], block[self._peer_frame :]
+        frames.append(_frame(_HEADERS, 0 if block else _END_HEADERS, stream_id, first))
+        while block:
+            piece, block = block[: self._peer_frame], block[self._peer_frame :]
+            frames.append(_frame(_CONTINUATION, 0 if block else _END_HEADERS, stream_id, piece))
+        self.transport.write(b"".join(frames))
+        self._blocked[stream_id] = call
+        self._push(call)
+
+    def _push(self, call: StreamCall[Any]) -> None:
+        """Sends what the windows allow of `call`'s body; the last frame ends the stream."""
+        assert self.transport is not None
+        body = call.pending_body()
+        frames = []
+        while True:
+            size = min(len(body), self._peer_frame, call.send_window, self._send_window)
+            if size < len(body) and size <= 0:
+                break
+            last = size == len(body)
+            frames.append(_frame(_DATA, _END_STREAM if last else 0, call.id, bytes(body[:size])))
+            call.send_window -= size
+            self._send_window -= size
+            call.sent(size)
+            body = body[size:]
+            if last:
+                del self._blocked[call.id]
+                break
+        if frames:
+            self.transport.write(b"".join(frames))
+
+    def give_back(self, call: StreamCall[Any]) -> None:
+        owed = call.owed()
+        if owed and self.transport is not None and call.id in self.streams:
+            self.transport.write(_frame(_WINDOW_UPDATE, 0, call.id, owed.to_bytes(4, "big")))
+
+    def reset(self, call: StreamCall[Any], code: int) -> None:
+        if self.transport is not None and call.id in self.streams:
+            self.transport.write(_frame(_RST_STREAM, 0, call.id, code.to_bytes(4, "big")))
+
+    def forget(self, call: StreamCall[Any]) -> None:
+        self.streams.pop(call.id, None)
+        self._blocked.pop(call.id, None)
+        self._channel.room_freed()
+        if not self.usable and not self.streams and self.transport is not None:
+            self.transport.close()
+
+    def close(self, error: grpc.aio.AioRpcError | None = None) -> None:
+        """Ends the connection (a GOAWAY first), failing the calls still on it."""
+        self.usable = False
+        if self.transport is not None and not self.transport.is_closing():
+            goaway = (self._next_id - 2 if self._next_id > 1 else 0).to_bytes(4, "big")
+            self.transport.write(_frame(_GOAWAY, 0, 0, goaway + _NO_ERROR.to_bytes(4, "big")))
+            self.transport.close()
+        self._fail_all(error or _failure(grpc.StatusCode.CANCELLED, "The channel was closed."))
+
+    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        for call in list(self.streams.values()):
+            call.fail(error.code(), error.details() or "")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.usable:
+            self.usable = False
+            self.why = "Connection to the worker lost" + (f": {exc}" if exc else ".")
+        self._fail_all(_failure(grpc.StatusCode.UNAVAILABLE, self.why))
+        self._channel.lost(self)
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    # -- frames in ------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at, end = 0, len(buffer)
+        try:
+            while end - at >= 9:
+                size = int.from_bytes(buffer[at : at + 3], "big")
+                if size > _DEFAULT_FRAME:
+                    raise _ProtocolError(_FRAME_SIZE_ERROR, f"a frame of {size} bytes")
+                if end - at < 9 + size:
+                    break
+                kind, flags = buffer[at + 3], buffer[at + 4]
+                stream_id = int.from_bytes(buffer[at + 5 : at + 9], "big") & _MAX_STREAM_ID
+                payload = bytes(buffer[at + 9 : at + 9 + size])
+                at += 9 + size
+                self._frame(kind, flags, stream_id, payload)
+        except _ProtocolError as error:
+            self._broken(error)
+            return
+        finally:
+            del buffer[:at]
+        if self._unacked >= CONNECTION_WINDOW // 2 and self.transport is not None:
+            owed, self._unacked = self._unacked, 0
+            self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, owed.to_bytes(4, "big")))
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._block is not None and kind != _CONTINUATION:
+            raise _ProtocolError(_PROTOCOL_ERROR, "a header block cut by another frame")
+        if kind == _DATA:
+            self._unacked += len(payload)
+            call = self.streams.get(stream_id)
+            body = _unpad(payload, flags)
+            if call is not None:
+                call.data(body, len(payload))
+                self.give_back(call)
+                if flags & _END_STREAM and not call._done:
+                    call.fail(grpc.StatusCode.INTERNAL, "The worker ended without trailers.")
+        elif kind == _HEADERS:
+            block = _unpad(payload, flags)
+            if flags & _PRIORITY:
+                block = block[5:]
+            self._block, self._block_stream = bytearray(block), stream_id
+            self._block_end = bool(flags & _END_STREAM)
+            if flags & _END_HEADERS:
+                self._headers_done()
+        elif kind == _CONTINUATION:
+            if self._block is None or stream_id != self._block_stream:
+                raise _ProtocolError(_PROTOCOL_ERROR, "a CONTINUATION out of place")
+            self._block += payload
+            if len(self._block) > MAX_HEADER_BLOCK:
+                raise _ProtocolError(_ENHANCE_YOUR_CALM, "a header block past the bound")
+            if flags & _END_HEADERS:
+                self._headers_done()
+        elif kind == _RST_STREAM:
+            call = self.streams.get(stream_id)
+            if call is not None and len(payload) == 4:
+                call.reset(int.from_bytes(payload, "big"))
+        elif kind == _SETTINGS:
+            if stream_id or len(payload) % 6 or (flags & _ACK and payload):
+                raise _ProtocolError(_FRAME_SIZE_ERROR, "a malformed SETTINGS frame")
+            if not flags & _ACK:
+                self._settings(payload)
+        elif kind == _PING:
+            if len(payload) != 8:
+                raise _ProtocolError(_FRAME_SIZE_ERROR, "a PING not of 8 bytes")
+            if not flags & _ACK and self.transport is not None:
+                self.transport.write(_frame(_PING, _ACK, 0, payload))
+        elif kind == _GOAWAY:
+            self._goaway(payload)
+        elif kind == _WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == _PUSH_PROMISE:
+            raise _ProtocolError(_PROTOCOL_ERROR, "a PUSH_PROMISE, which we disabled")
+        # PRIORITY and unknown frame types are ignored, as HTTP/2 asks.
+
+    def _headers_done(self) -> None:
+        block, self._block = self._block, None
+        assert block is not None
+        try:  # every block is decoded: the HPACK table follows them all
+            headers = self._decoder.decode(bytes(block))
+        except hpack.HPACKError as error:
+            raise _ProtocolError(
+                _PROTOCOL_ERROR, f"a header block HPACK refuses: {error}"
+            ) from None
+        call = self.streams.get(self._block_stream)
+        if call is not None:
+            call.headers([(str(k), str(v)) for k, v in headers], self._block_end)
+
+    def _settings(self, payload: bytes) -> None:
+        for at in range(0, len(payload), 6):
+            key = int.from_bytes(payload[at : at + 2], "big")
+            value = int.from_bytes(payload[at + 2 : at + 6], "big")
+            if key == _HEADER_TABLE_SIZE:
+                self._encoder.header_table_size = value
+            elif key == _MAX_CONCURRENT_STREAMS:
+                self._peer_streams = value
+            elif key == _INITIAL_WINDOW_SIZE:
+                if value > _MAX_WINDOW:
+                    raise _ProtocolError(_FLOW_CONTROL_ERROR, "a window past 2^31-1")
+                for call in self.streams.values():
+                    call.send_window += value - self._peer_window
+                self._peer_window = value
+            elif key == _MAX_FRAME_SIZE:
+                if not _DEFAULT_FRAME <= value <= 2**24 - 1:
+                    raise _ProtocolError(_PROTOCOL_ERROR, f"a MAX_FRAME_SIZE of {value}")
+                self._peer_frame = value
+        assert self.transport is not None
+        self.transport.write(_frame(_SETTINGS, _ACK, 0))
+        self._unblock()
+        self._channel.room_freed()
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ProtocolError(_FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
+        increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+        if stream_id == 0:
+            self._send_window += increment
+            if self._send_window > _MAX_WINDOW:
+                raise _ProtocolError(_FLOW_CONTROL_ERROR, "a connection window past 2^31-1")
+        else:
+            call = self.streams.get(stream_id)
+            if call is None:
+                return
+            call.send_window += increment
+            if call.send_window > _MAX_WINDOW:
+                call.fail(grpc.StatusCode.INTERNAL, "The worker's window passed 2^31-1.", True)
+                return
+        self._unblock()
+
+    def _unblock(self) -> None:
+        for call in list(self._blocked.values()):
+            if self._send_window <= 0:
+                break
+            self._push(call)
+
+    def _goaway(self, payload: bytes) -> None:
+        if len(payload) < 8:
+            raise _ProtocolError(_FRAME_SIZE_ERROR, "a GOAWAY under 8 bytes")
+        last = int.from_bytes(payload[:4], "big") & _MAX_STREAM_ID
+        code = int.from_bytes(payload[4:8], "big")
+        self.usable = False
+        self.why = f"The worker is going away (HTTP/2 code {code})."
+        self._channel.lost(self)
+        for stream_id, call in list(self.streams.items()):
+            if stream_id > last:  # never processed: another connection may take it
+                call.fail(grpc.StatusCode.UNAVAILABLE, f"The worker is going away ({code}).")
+        if not self.streams and self.transport is not None:
+            self.transport.close()
+
+    def _broken(self, error: _ProtocolError) -> None:
+        """The worker broke the protocol: GOAWAY with its code, every call UNAVAILABLE."""
+        self.usable = False
+        self.why = f"The worker broke HTTP/2: {error}."
+        self._channel.lost(self)
+        if self.transport is not None and not self.transport.is_closing():
+            last = (self._next_id - 2 if self._next_id > 1 else 0).to_bytes(4, "big")
+            self.transport.write(_frame(_GOAWAY, 0, 0, last + error.code.to_bytes(4, "big")))
+            self.transport.close()
+        self._fail_all(_failure(grpc.StatusCode.UNAVAILABLE, f"The worker broke HTTP/2: {error}."))
+
+
+def _unpad(payload: bytes, flags: int) -> bytes:
+    if not flags & _PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise _ProtocolError(_PROTOCOL_ERROR, "padding past the frame")
+    return payload[1 : len(payload) - payload[0]]
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive: a peer gone silent (a node lost) is found within a minute."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+class StreamChannel:
+    """Server-streaming gRPC calls to one cleartext `host:port`, on one connection at
+    a time; it opens the connection on first use and again after one is lost."""
+
+    def __init__(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or "/" in host or host.startswith("unix:"):
+            raise ValueError(f"not a host:port address: {address!r}")
+        self.address = address
+        self._host, self._port = host.strip("[]"), int(port)
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Task[_Connection] | None = None
+        self._old: set[_Connection] = set()  # draining after a GOAWAY, until they close
+        self._waiting: deque[tuple[StreamCall[Any], asyncio.Future[None]]] = deque()
+        self._closed = False
+        self._why = "The connection to the worker closed."  # the last one's end
+
+    def unary_stream(
+        self,
+        method: str,
+        request: bytes,
+        deserialize: Callable[[bytes], T],
+        timeout: float,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> StreamCall[T]:
+        """A call of `method` (`/package.Service/Method`) with the serialized
+        `request`; it starts on its first read and must end within `timeout` s."""
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", method),
+            (":authority", self.address),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *((key.lower(), value) for key, value in metadata),
+        ]
+        body = b"\x00" + len(request).to_bytes(4, "big") + request
+        deadline = asyncio.get_running_loop().time() + timeout
+        return StreamCall(self, headers, body, deserialize, deadline)
+
+    def ready(self) -> _Connection | None:
+        """The open connection, when it has room for one more stream."""
+        conn = self._conn
+        return conn if conn is not None and conn.has_room() else None
+
+    async def connection(self, call: StreamCall[Any]) -> _Connection:
+        """A connection with room for one more stream: the open one, or one this call
+        opens (UNAVAILABLE if it does not open, or breaks before the call starts)."""
+        tried = False
+        while True:
+            if call._error is not None:  # it ended while it waited
+                raise call._error
+            if self._closed:
+                raise _failure(grpc.StatusCode.CANCELLED, "The channel was closed.")
+            conn = self._conn
+            if conn is not None and conn.has_room():
+                return conn
+            if conn is not None and conn.usable:  # the worker's stream limit: wait a turn
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiting.append((call, waiter))
+                await waiter
+                continue
+            if tried:
+                raise _failure(grpc.StatusCode.UNAVAILABLE, self._why)
+            tried = True
+            if self._connecting is None:
+                self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            try:
+                await asyncio.shield(self._connecting)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._closed or (task is not None and task.cancelling()):
+                    raise
+            except OSError as error:
+                raise _failure(
+                    grpc.StatusCode.UNAVAILABLE, f"Cannot connect to {self.address}: {error}"
+                ) from None
+
+    async def _connect(self) -> _Connection:
+        try:
+            loop = asyncio.get_running_loop()
+            _, conn = await loop.create_connection(
+                lambda: _Connection(self), self._host, self._port
+            )
+            if self._closed:
+                conn.close()
+            else:
+                self._conn = conn
+            return conn
+        finally:
+            self._connecting = None
+
+    def room_freed(self) -> None:
+        """A stream ended or the limit rose: the next waiting call may go."""
+        while self._waiting:
+            _, waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def forget(self, call: StreamCall[Any]) -> None:
+        for entry in self._waiting:
+            if entry[0] is call and not entry[1].done():
+                entry[1].set_result(None)  # it wakes, sees its end and leaves
+
+    def lost(self, conn: _Connection) -> None:
+        self._why = conn.why
+        if self._conn is conn:
+            self._conn = None
+            if conn.streams and not conn.lost.done():
+                self._old.add(conn)
+                conn.lost.add_done_callback(lambda _: self._old.discard(conn))
+        self.room_freed()
+
+    async def close(self) -> None:
+        """Ends every call (CANCELLED) and the connections, and waits until they are closed."""
+        self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        conns = [c for c in (self._conn, *self._old) if c is not None]
+        self._conn = None
+        for conn in conns:
+            conn.close()
+        for _, waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+        if conns:
+            await asyncio.wait([c.lost for c in conns], timeout=1.0)
+            for conn in conns:
+                if not conn.lost.done() and conn.transport is not None:
+                    conn.transport.abort()

@@ -1,0 +1,373 @@
+"""The gateway's own HTTP/2 client for server-streaming gRPC calls
+(`gateway.protocol.grpc_h2`), against a real grpc.aio server on loopback: messages in
+order, bodies and messages past every window, statuses with their details, deadlines,
+cancellation the server sees, flow control that holds a worker back, GOAWAY and
+reconnects; and against a scripted TCP server that breaks HTTP/2, which costs the
+connection and never the loop. After each spec the channel is closed and its socket
+with it (warnings are errors here: an unclosed socket fails the spec)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.protocol import grpc_h2
+from gateway.protocol.grpc_h2 import StreamChannel
+from tests.support.servers import ServerLoop
+
+EOF = grpc.aio.EOF
+
+
+@dataclass
+class Seen:
+    """What the server saw, for the specs to check."""
+
+    sent: int = 0
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    metadata: dict[str, str] = field(default_factory=dict)
+    bodies: list[int] = field(default_factory=list)
+
+
+def _handlers(seen: Seen) -> grpc.GenericRpcHandler:
+    async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        n, size, pause = (float(x) for x in request.decode().split(","))
+        seen.metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        for i in range(int(n)):
+            if pause:
+                await asyncio.sleep(pause)
+            seen.sent += 1
+            yield str(i).encode().ljust(int(size), b".")
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        seen.bodies.append(len(request))
+        yield request
+
+    async def fail(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        before, code = (int(x) for x in request.decode().split(","))
+        for i in range(before):
+            yield b"%d" % i
+        await context.abort(grpc.StatusCode(_code(code)), "bad ∂ input: 100% wrong")
+
+    async def hang(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        yield b"first"
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen.cancelled.set()
+            raise
+
+    methods = {"Count": count, "Echo": echo, "Fail": fail, "Hang": hang}
+    return grpc.method_handlers_generic_handler(
+        "t.S", {name: grpc.unary_stream_rpc_method_handler(f) for name, f in methods.items()}
+    )
+
+
+def _code(number: int) -> tuple[int, str]:
+    return next(c.value for c in grpc.StatusCode if c.value[0] == number)
+
+
+@asynccontextmanager
+async def _server(port: int = 0) -> AsyncIterator[tuple[grpc.aio.Server, int, Seen]]:
+    seen = Seen()
+    big = 64 * 1024 * 1024
+    server = grpc.aio.server(
+        options=[("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)]
+    )
+    server.add_generic_rpc_handlers((_handlers(seen),))
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        yield server, port, seen
+    finally:
+        await server.stop(None)
+
+
+async def _all(channel: StreamChannel, method: str, body: bytes, within: float = 10) -> list[bytes]:
+    """Every message of one call that must end `within` seconds."""
+    call = channel.unary_stream(f"/t.S/{method}", body, bytes, within)
+    out = []
+    while (message := await call.read()) is not EOF:
+        out.append(message)
+    return out
+
+
+@pytest.fixture
+def run(server_loop: ServerLoop) -> Iterator[Callable[[Callable[[], Awaitable[Any]]], Any]]:
+    def runner(spec: Callable[[], Awaitable[Any]]) -> Any:
+        return server_loop.call(spec())
+
+    yield runner
+
+
+def test_messages_arrive_in_order_with_the_metadata(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Count", b"50,8,0", bytes, 10, (("X-Api-Key", "k1"),))
+            got = []
+            while (message := await call.read()) is not EOF:
+                got.append(message)
+            assert got == [str(i).encode().ljust(8, b".") for i in range(50)]
+            assert seen.metadata["x-api-key"] == "k1"
+            assert "grpc-timeout" not in seen.metadata  # gRPC takes it as the deadline
+            assert await call.read() is EOF
+            assert not call.cancel()  # it had ended
+            await channel.close()
+
+    run(spec)
+
+
+def test_bodies_and_messages_past_every_window_get_through(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            body = bytes(range(256)) * 12_000  # 3 MB: many frames, the windows refilled
+            assert await _all(channel, "Echo", body) == [body]
+            assert seen.bodies == [len(body)]
+            messages = await _all(channel, "Count", b"3,300000,0")  # each past a window
+            assert [len(m) for m in messages] == [300_000] * 3
+            await channel.close()
+
+    run(spec)
+
+
+def test_many_calls_share_one_connection(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            answers = await asyncio.gather(
+                *(_all(channel, "Count", b"20,4,0.001") for _ in range(64))
+            )
+            assert all(len(a) == 20 for a in answers)
+            assert len(grpc_connections(channel)) == 1
+            await channel.close()
+
+    run(spec)
+
+
+def grpc_connections(channel: StreamChannel) -> list[Any]:
+    conn = channel._conn
+    return [conn] if conn is not None else []
+
+
+@pytest.mark.parametrize("before", [0, 2])
+def test_a_status_arrives_with_its_code_and_details(run: Any, before: int) -> None:
+    """Before any message (trailers only) or after some: the messages first, then the
+    status, its details percent-decoded as gRPC sends them."""
+
+    async def spec() -> None:
+        async with _server() as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Fail", b"%d,3" % before, bytes, 10)
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                while (message := await call.read()) is not EOF:
+                    got.append(message)
+            assert got == [b"%d" % i for i in range(before)]
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details() == "bad ∂ input: 100% wrong"
+            with pytest.raises(grpc.aio.AioRpcError):  # and again on the next read
+                await call.read()
+            unknown = channel.unary_stream("/t.S/Nope", b"", bytes, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await unknown.read()
+            assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await channel.close()
+
+    run(spec)
+
+
+def test_the_deadline_ends_the_call_and_the_worker_hears_it(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Hang", b"", bytes, 0.3)
+            assert await call.read() == b"first"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(seen.cancelled.wait(), 10)
+            await channel.close()
+
+    run(spec)
+
+
+def test_a_cancel_stops_the_read_and_the_worker(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Hang", b"", bytes, 30)
+            assert await call.read() == b"first"
+            reader = asyncio.ensure_future(call.read())
+            await asyncio.sleep(0.05)
+            assert call.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await reader
+            assert caught.value.code() == grpc.StatusCode.CANCELLED
+            await asyncio.wait_for(seen.cancelled.wait(), 10)
+            assert await _all(channel, "Count", b"2,1,0") == [b"0", b"1"]  # the link serves on
+            await channel.close()
+
+    run(spec)
+
+
+def test_a_reader_that_stops_holds_the_worker_back(run: Any) -> None:
+    """Flow control: the worker sends about a window (64 KiB) past what was read, then
+    waits; reading on takes every message."""
+
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Count", b"5000,1000,0", bytes, 30)
+            assert await call.read() is not EOF
+            await asyncio.sleep(1.0)
+            assert seen.sent < 500, seen.sent  # 500 KB: several windows, not 5 MB
+            count = 1
+            while await call.read() is not EOF:
+                count += 1
+            assert count == seen.sent == 5000
+            await channel.close()
+
+    run(spec)
+
+
+def test_a_message_past_the_bound_fails_the_call_not_the_link(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grpc_h2, "MAX_MESSAGE_BYTES", 100_000)
+
+    async def spec() -> None:
+        async with _server() as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _all(channel, "Count", b"1,200000,0")
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Received message larger than max" in (caught.value.details() or "")
+            assert await _all(channel, "Count", b"1,10,0") == [b"0".ljust(10, b".")]
+            await channel.close()
+
+    run(spec)
+
+
+def test_a_worker_that_goes_away_finishes_its_calls_and_the_next_one_reconnects(
+    run: Any,
+) -> None:
+    async def spec() -> None:
+        async with _server() as (server, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            running = asyncio.ensure_future(_all(channel, "Count", b"10,4,0.05"))
+            await asyncio.sleep(0.1)
+            await server.stop(5)  # GOAWAY, then the call may finish
+            assert len(await running) == 10
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # nobody listens now
+            await _all(channel, "Count", b"1,1,0")
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with _server(port) as (_, _port, _seen):
+            assert await _all(channel, "Count", b"1,1,0") == [b"0"]
+        await channel.close()
+
+    run(spec)
+
+
+def test_a_closed_channel_ends_its_calls(run: Any) -> None:
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Hang", b"", bytes, 30)
+            assert await call.read() == b"first"
+            await channel.close()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            assert caught.value.code() == grpc.StatusCode.CANCELLED
+            await asyncio.wait_for(seen.cancelled.wait(), 10)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await _all(channel, "Count", b"1,1,0")
+
+    run(spec)
+
+
+@asynccontextmanager
+async def _scripted(answer: bytes) -> AsyncIterator[int]:
+    """A TCP server that answers any connection with `answer`, then holds it open."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        writer.write(answer)
+        await writer.drain()
+        await reader.read(1 << 20)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(b"HTTP/1.1 400 Bad Request\r\n\r\n", id="not-http2"),
+        pytest.param(_frame(4, 0, 0, b"") + _frame(0, 0, 1, b"x" * 20_000), id="oversized-frame"),
+        pytest.param(
+            _frame(4, 0, 0, b"")
+            + _frame(1, 0, 1, b"\x88")
+            + b"".join(_frame(9, 0, 1, b"\x00" * 16_000) for _ in range(6)),
+            id="endless-headers",
+        ),
+        pytest.param(_frame(4, 0, 0, b"") + _frame(5, 4, 1, b"\x00" * 8), id="push-promise"),
+        pytest.param(_frame(4, 0, 0, b"\x00\x04\xff\xff\xff\xff"), id="window-past-2^31"),
+    ],
+)
+def test_a_worker_that_breaks_http2_costs_its_connection_only(run: Any, answer: bytes) -> None:
+    async def spec() -> None:
+        async with _scripted(answer) as port:
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _all(channel, "Count", b"1,1,0", within=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            await channel.close()
+
+    run(spec)
+
+
+def test_a_silent_worker_and_a_closed_port_are_bounded(run: Any) -> None:
+    async def spec() -> None:
+        async with _scripted(b"") as port:
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _all(channel, "Count", b"1,1,0", within=0.3)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await channel.close()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            free = sock.getsockname()[1]
+        channel = StreamChannel(f"127.0.0.1:{free}")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _all(channel, "Count", b"1,1,0")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await channel.close()
+
+    run(spec)
+
+
+def test_an_address_that_is_not_host_and_port_is_refused() -> None:
+    for target in ("dns:///engine", "dns:///engine:50051", "unix:engine:1", "engine"):
+        with pytest.raises(ValueError):
+            StreamChannel(target)
