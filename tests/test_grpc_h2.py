@@ -276,6 +276,26 @@ def test_a_worker_that_goes_away_finishes_its_calls_and_the_next_one_reconnects(
     run(spec)
 
 
+def test_a_connection_whose_stream_ids_are_spent_gives_way_to_a_new_one(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grpc_h2, "LAST_STREAM_ID", 7)  # ids 1, 3, 5, 7
+
+    async def spec() -> None:
+        async with _server() as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            running = asyncio.ensure_future(_all(channel, "Count", b"5,1,0.1"))
+            await asyncio.sleep(0.05)
+            first = channel._conn
+            for _ in range(5):
+                assert await _all(channel, "Count", b"1,1,0") == [b"0"]
+            assert channel._conn is not first
+            assert len(await running) == 5  # the old connection served its call to the end
+            await channel.close()
+
+    run(spec)
+
+
 def test_a_closed_channel_ends_its_calls(run: Any) -> None:
     async def spec() -> None:
         async with _server() as (_, port, seen):

@@ -73,6 +73,8 @@ _DEFAULT_WINDOW = 65_535
 _DEFAULT_FRAME = 16_384
 _MAX_WINDOW = 2**31 - 1
 _MAX_STREAM_ID = 2**31 - 1
+#: The last stream id a connection opens; the next call opens a new connection.
+LAST_STREAM_ID = _MAX_STREAM_ID
 
 #: The bytes of a stream's messages the worker may send before the reader takes them
 #: (HTTP/2's default window, as the gateway's grpc.aio channels keep it: no BDP probe).
@@ -402,10 +404,12 @@ class _Connection(asyncio.Protocol):
             return
         stream_id = self._next_id
         self._next_id += 2
-        if self._next_id > _MAX_STREAM_ID:
-            self.usable = False
         call.attach(self, stream_id, self._peer_window)
         self.streams[stream_id] = call
+        if self._next_id > LAST_STREAM_ID:  # ids spent: the next call opens a new connection
+            self.usable = False
+            self.why = "The connection's stream ids are spent."
+            self._channel.lost(self)
         block = self._encoder.encode(headers)
         frames = []
         first, block = block[: self._peer_frame], block[self._peer_frame :]
