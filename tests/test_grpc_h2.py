@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 
 from gateway.protocol import grpc_h2
-from gateway.protocol.grpc_h2 import StreamChannel
+from gateway.protocol.grpc_h2 import StreamChannel, grpc_timeout
 from tests.support.servers import ServerLoop
 
 EOF = grpc.aio.EOF
@@ -33,12 +34,14 @@ class Seen:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     metadata: dict[str, str] = field(default_factory=dict)
     bodies: list[int] = field(default_factory=list)
+    time_remaining: float | None = None
 
 
 def _handlers(seen: Seen) -> grpc.GenericRpcHandler:
     async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         n, size, pause = (float(x) for x in request.decode().split(","))
         seen.metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        seen.time_remaining = context.time_remaining()
         for i in range(int(n)):
             if pause:
                 await asyncio.sleep(pause)
@@ -89,7 +92,9 @@ async def _server(port: int = 0) -> AsyncIterator[tuple[grpc.aio.Server, int, Se
         await server.stop(None)
 
 
-async def _all(channel: StreamChannel, method: str, body: bytes, within: float = 10) -> list[bytes]:
+async def _all(
+    channel: StreamChannel, method: str, body: bytes, within: float | None = 10
+) -> list[bytes]:
     """Every message of one call that must end `within` seconds."""
     call = channel.unary_stream(f"/t.S/{method}", body, bytes, within)
     out = []
@@ -122,6 +127,32 @@ def test_messages_arrive_in_order_with_the_metadata(run: Any) -> None:
             await channel.close()
 
     run(spec)
+
+
+def test_a_call_without_a_deadline_sends_none(run: Any) -> None:
+    """A subscription (`timeout=None`): no `grpc-timeout`, no timer; it ends when the
+    worker ends it or when it is cancelled."""
+
+    async def spec() -> None:
+        async with _server() as (_, port, seen):
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            assert await _all(channel, "Count", b"3,1,0", within=None) == [b"0", b"1", b"2"]
+            assert seen.time_remaining is None
+            await _all(channel, "Count", b"1,1,0", within=30)
+            assert seen.time_remaining is not None and 25 < seen.time_remaining <= 30
+            await channel.close()
+
+    run(spec)
+
+
+def test_grpc_timeout_keeps_to_eight_digits() -> None:
+    assert [grpc_timeout(s) for s in (0.0001, 2.5, 99_999.999, 100_000, 1e12)] == [
+        "1m",
+        "2500m",
+        "99999999m",
+        "100000S",
+        "99999999H",
+    ]
 
 
 def test_bodies_and_messages_past_every_window_get_through(run: Any) -> None:
@@ -320,6 +351,8 @@ async def _scripted(answer: bytes) -> AsyncIterator[int]:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
+        await reader.read(1)  # the client's preface: its call starts right after
+        await asyncio.sleep(0.1)
         writer.write(answer)
         await writer.drain()
         await reader.read(1 << 20)
@@ -362,6 +395,34 @@ def test_a_worker_that_breaks_http2_costs_its_connection_only(run: Any, answer: 
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _all(channel, "Count", b"1,1,0", within=10)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            await channel.close()
+
+    run(spec)
+
+
+def _answer_head() -> bytes:
+    """SETTINGS, then stream 1's response headers, as a gRPC server sends them."""
+    block = hpack.Encoder().encode([(":status", "200"), ("content-type", "application/grpc")])
+    return _frame(4, 0, 0, b"") + _frame(1, 4, 1, block)
+
+
+def test_a_worker_that_sends_past_its_window_fails_that_call(run: Any) -> None:
+    """100 messages of 1 KB in one write, while the reader is away: past 64 KiB
+    unread the call fails, after the messages the window covered."""
+    message = b"\x00" + (1000).to_bytes(4, "big") + b"x" * 1000
+    flood = b"".join(_frame(0, 0, 1, message) for _ in range(100))
+
+    async def spec() -> None:
+        async with _scripted(_answer_head() + flood) as port:
+            channel = StreamChannel(f"127.0.0.1:{port}")
+            call = channel.unary_stream("/t.S/Count", b"", bytes, 10)
+            got = 0
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                while await call.read() is not EOF:
+                    got += 1
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+            assert "window" in (caught.value.details() or "")
+            assert 32 <= got < 70
             await channel.close()
 
     run(spec)

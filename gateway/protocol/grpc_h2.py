@@ -1,6 +1,6 @@
 """gRPC server-streaming calls over an HTTP/2 client written on the event loop: how
 the gateway reads vLLM's `Generate` stream (`gateway.upstreams.vllm_grpc`), where
-the engine sends one message a token.
+the engine sends one message a token, and its `SubscribeKvEvents`, one a step.
 
 Why not grpc.aio for that stream: each message grpc.aio reads is a batch of gRPC
 core's completion queue, polled by a thread of its own and handed to the event loop,
@@ -81,6 +81,8 @@ LAST_STREAM_ID = _MAX_STREAM_ID
 STREAM_WINDOW = _DEFAULT_WINDOW
 #: The connection's receive window: every stream's window together, many times over.
 CONNECTION_WINDOW = 16 * 1024 * 1024
+#: How long a call without a deadline waits for its connection to open.
+CONNECT_TIMEOUT = 20.0
 #: The largest header block (headers or trailers) a worker may send.
 MAX_HEADER_BLOCK = 64 * 1024
 
@@ -103,6 +105,16 @@ _HTTP_CODES = {
     504: grpc.StatusCode.UNAVAILABLE,
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def grpc_timeout(seconds: float) -> str:
+    """`seconds` as gRPC's `grpc-timeout` value: at most 8 digits, in the finest unit
+    that fits (rounded down, at least 1)."""
+    for unit, per_second in (("m", 1000.0), ("S", 1.0), ("M", 1 / 60), ("H", 1 / 3600)):
+        value = max(1, int(seconds * per_second))
+        if value <= 99_999_999:
+            return f"{value}{unit}"
+    return "99999999H"
 
 
 def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -157,7 +169,7 @@ class StreamCall(Generic[T]):
         headers: list[tuple[str, str]],
         body: bytes,
         deserialize: Callable[[bytes], T],
-        deadline: float,
+        deadline: float | None,
     ) -> None:
         self._channel = channel
         self._headers: list[tuple[str, str]] | None = headers
@@ -213,27 +225,31 @@ class StreamCall(Generic[T]):
         headers, self._headers = self._headers, None
         assert headers is not None
         loop = asyncio.get_running_loop()
-        left = self._deadline - loop.time()
         if self._error is not None:
             raise self._error
-        if left <= 0:
-            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            raise self._error  # type: ignore[misc]
-        self._timer = loop.call_at(self._deadline, self._expire)
+        left = None if self._deadline is None else self._deadline - loop.time()
+        if left is not None:
+            if left <= 0:
+                self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                raise self._error  # type: ignore[misc]
+            self._timer = loop.call_at(loop.time() + left, self._expire)
+            headers.append(("grpc-timeout", grpc_timeout(left)))
         conn = self._channel.ready()
         if conn is None:
             try:  # a worker that never answers the connect (a lost node) is bounded too
-                conn = await asyncio.wait_for(self._channel.connection(self), left)
+                wait = CONNECT_TIMEOUT if left is None else left
+                conn = await asyncio.wait_for(self._channel.connection(self), wait)
             except grpc.aio.AioRpcError as error:
                 self._error = self._error or error
             except TimeoutError:
-                self._error = self._error or _failure(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+                self._error = self._error or (
+                    _failure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                    if left is not None
+                    else _failure(grpc.StatusCode.UNAVAILABLE, "The connect timed out.")
                 )
         if self._error is not None or conn is None:  # failed while connecting
             self._finish()
             raise self._error  # type: ignore[misc]
-        headers.append(("grpc-timeout", f"{max(1, int(left * 1000))}m"))
         conn.start(self, headers)
 
     def _expire(self) -> None:
@@ -252,6 +268,11 @@ class StreamCall(Generic[T]):
         """A DATA frame's payload (`flow`: the bytes it counted against the window)."""
         self._unacked += flow
         if self._done:
+            return
+        if self._unacked > STREAM_WINDOW:  # past the window it was given: a broken worker
+            self.fail(
+                grpc.StatusCode.INTERNAL, "The worker sent past its flow-control window.", True
+            )
             return
         inbox = self._inbox
         inbox += payload
@@ -512,6 +533,8 @@ class _Connection(asyncio.Protocol):
             raise _ProtocolError(_PROTOCOL_ERROR, "a header block cut by another frame")
         if kind == _DATA:
             self._unacked += len(payload)
+            if self._unacked > CONNECTION_WINDOW:
+                raise _ProtocolError(_FLOW_CONTROL_ERROR, "DATA past the connection's window")
             call = self.streams.get(stream_id)
             body = _unpad(payload, flags)
             if call is not None:
@@ -682,11 +705,12 @@ class StreamChannel:
         method: str,
         request: bytes,
         deserialize: Callable[[bytes], T],
-        timeout: float,
+        timeout: float | None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> StreamCall[T]:
         """A call of `method` (`/package.Service/Method`) with the serialized
-        `request`; it starts on its first read and must end within `timeout` s."""
+        `request`; it starts on its first read and must end within `timeout` s
+        (None: a subscription, no deadline, its connect bounded by `CONNECT_TIMEOUT`)."""
         headers = [
             (":method", "POST"),
             (":scheme", "http"),
@@ -697,7 +721,7 @@ class StreamChannel:
             *((key.lower(), value) for key, value in metadata),
         ]
         body = b"\x00" + len(request).to_bytes(4, "big") + request
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return StreamCall(self, headers, body, deserialize, deadline)
 
     def ready(self) -> _Connection | None:

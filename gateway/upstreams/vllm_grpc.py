@@ -46,8 +46,9 @@ directly. `Generate`'s stream is read by the gateway's own HTTP/2 client on the 
 (`gateway.protocol.grpc_h2`): a grpc.aio read is a batch of gRPC core's completion queue,
 handed to the loop by its poller thread, two wake-ups a token; ours is parsed in the
 transport's callback (`benchmarks/bench_grpc_stream.py`: half grpc.aio's CPU a message at
-one stream, under 0.4x at eight). The unary calls (model info, health, loads, Abort,
-Embed) and the KV-event stream stay on grpc.aio, as does everything over TLS.
+one stream, under 0.4x at eight), and so is `SubscribeKvEvents` (a message a scheduler
+step). The unary calls (model info, health, loads, Abort, Embed) stay on grpc.aio, as does
+everything over TLS.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import common_pb2 as common
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -164,8 +166,10 @@ async def _off_loop(function: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, function)
 
 
-#: Generate's HTTP/2 path.
-GENERATE = "/{}/Generate".format(pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name)
+#: The HTTP/2 paths of the streams read on the loop.
+_SERVICE = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+GENERATE = f"/{_SERVICE}/Generate"
+SUBSCRIBE_KV_EVENTS = f"/{_SERVICE}/SubscribeKvEvents"
 
 
 def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
@@ -618,11 +622,21 @@ class VllmGrpcUpstream:
         """The engine's KV-cache events and load records (`SubscribeKvEvents`, which
         vLLM serves when started with `--kv-events-config`), ours (`vllm_kv`), until
         the stream ends; a `GatewayError` when it breaks (`Invalid`: UNIMPLEMENTED)."""
-        call = self.stub.SubscribeKvEvents(subscribe_request())
+        request = subscribe_request()
+        call: ServerStream[common.KvEventBatch]
+        if self._streams is None:
+            call = self.stub.SubscribeKvEvents(request)
+        else:  # a message a scheduler step: read on the loop, as Generate is
+            call = self._streams.unary_stream(
+                SUBSCRIBE_KV_EVENTS,
+                request.SerializeToString(),
+                common.KvEventBatch.FromString,
+                None,
+            )
         first = True
         try:
-            async for message in call:
-                yield batch_from_vllm(message, first)
+            while (message := await call.read()) is not grpc.aio.EOF:
+                yield batch_from_vllm(message, first)  # type: ignore[arg-type]
                 first = False
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
