@@ -92,6 +92,17 @@ async def _server(port: int = 0) -> AsyncIterator[tuple[grpc.aio.Server, int, Se
         await server.stop(None)
 
 
+@asynccontextmanager
+async def _served() -> AsyncIterator[tuple[StreamChannel, Seen]]:
+    """A server and a channel to it, closed after the spec."""
+    async with _server() as (_, port, seen):
+        channel = StreamChannel(f"127.0.0.1:{port}")
+        try:
+            yield channel, seen
+        finally:
+            await channel.close()
+
+
 async def _all(
     channel: StreamChannel, method: str, body: bytes, within: float | None = 10
 ) -> list[bytes]:
@@ -113,8 +124,7 @@ def run(server_loop: ServerLoop) -> Iterator[Callable[[Callable[[], Awaitable[An
 
 def test_messages_arrive_in_order_with_the_metadata(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             call = channel.unary_stream("/t.S/Count", b"50,8,0", bytes, 10, (("X-Api-Key", "k1"),))
             got = []
             while (message := await call.read()) is not EOF:
@@ -124,7 +134,6 @@ def test_messages_arrive_in_order_with_the_metadata(run: Any) -> None:
             assert "grpc-timeout" not in seen.metadata  # gRPC takes it as the deadline
             assert await call.read() is EOF
             assert not call.cancel()  # it had ended
-            await channel.close()
 
     run(spec)
 
@@ -134,13 +143,11 @@ def test_a_call_without_a_deadline_sends_none(run: Any) -> None:
     worker ends it or when it is cancelled."""
 
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             assert await _all(channel, "Count", b"3,1,0", within=None) == [b"0", b"1", b"2"]
             assert seen.time_remaining is None
             await _all(channel, "Count", b"1,1,0", within=30)
             assert seen.time_remaining is not None and 25 < seen.time_remaining <= 30
-            await channel.close()
 
     run(spec)
 
@@ -157,28 +164,24 @@ def test_grpc_timeout_keeps_to_eight_digits() -> None:
 
 def test_bodies_and_messages_past_every_window_get_through(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             body = bytes(range(256)) * 12_000  # 3 MB: many frames, the windows refilled
             assert await _all(channel, "Echo", body) == [body]
             assert seen.bodies == [len(body)]
             messages = await _all(channel, "Count", b"3,300000,0")  # each past a window
             assert [len(m) for m in messages] == [300_000] * 3
-            await channel.close()
 
     run(spec)
 
 
 def test_many_calls_share_one_connection(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, _seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, _seen):
             answers = await asyncio.gather(
                 *(_all(channel, "Count", b"20,4,0.001") for _ in range(64))
             )
             assert all(len(a) == 20 for a in answers)
             assert len(grpc_connections(channel)) == 1
-            await channel.close()
 
     run(spec)
 
@@ -194,8 +197,7 @@ def test_a_status_arrives_with_its_code_and_details(run: Any, before: int) -> No
     status, its details percent-decoded as gRPC sends them."""
 
     async def spec() -> None:
-        async with _server() as (_, port, _seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, _seen):
             call = channel.unary_stream("/t.S/Fail", b"%d,3" % before, bytes, 10)
             got = []
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -210,30 +212,26 @@ def test_a_status_arrives_with_its_code_and_details(run: Any, before: int) -> No
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await unknown.read()
             assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            await channel.close()
 
     run(spec)
 
 
 def test_the_deadline_ends_the_call_and_the_worker_hears_it(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             call = channel.unary_stream("/t.S/Hang", b"", bytes, 0.3)
             assert await call.read() == b"first"
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call.read()
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.wait_for(seen.cancelled.wait(), 10)
-            await channel.close()
 
     run(spec)
 
 
 def test_a_cancel_stops_the_read_and_the_worker(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             call = channel.unary_stream("/t.S/Hang", b"", bytes, 30)
             assert await call.read() == b"first"
             reader = asyncio.ensure_future(call.read())
@@ -244,7 +242,6 @@ def test_a_cancel_stops_the_read_and_the_worker(run: Any) -> None:
             assert caught.value.code() == grpc.StatusCode.CANCELLED
             await asyncio.wait_for(seen.cancelled.wait(), 10)
             assert await _all(channel, "Count", b"2,1,0") == [b"0", b"1"]  # the link serves on
-            await channel.close()
 
     run(spec)
 
@@ -254,8 +251,7 @@ def test_a_reader_that_stops_holds_the_worker_back(run: Any) -> None:
     waits; reading on takes every message."""
 
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             call = channel.unary_stream("/t.S/Count", b"5000,1000,0", bytes, 30)
             assert await call.read() is not EOF
             await asyncio.sleep(1.0)
@@ -264,7 +260,6 @@ def test_a_reader_that_stops_holds_the_worker_back(run: Any) -> None:
             while await call.read() is not EOF:
                 count += 1
             assert count == seen.sent == 5000
-            await channel.close()
 
     run(spec)
 
@@ -275,14 +270,12 @@ def test_a_message_past_the_bound_fails_the_call_not_the_link(
     monkeypatch.setattr(grpc_h2, "MAX_MESSAGE_BYTES", 100_000)
 
     async def spec() -> None:
-        async with _server() as (_, port, _seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, _seen):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _all(channel, "Count", b"1,200000,0")
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "Received message larger than max" in (caught.value.details() or "")
             assert await _all(channel, "Count", b"1,10,0") == [b"0".ljust(10, b".")]
-            await channel.close()
 
     run(spec)
 
@@ -313,8 +306,7 @@ def test_a_connection_whose_stream_ids_are_spent_gives_way_to_a_new_one(
     monkeypatch.setattr(grpc_h2, "LAST_STREAM_ID", 7)  # ids 1, 3, 5, 7
 
     async def spec() -> None:
-        async with _server() as (_, port, _seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, _seen):
             running = asyncio.ensure_future(_all(channel, "Count", b"5,1,0.1"))
             await asyncio.sleep(0.05)
             first = channel._conn
@@ -322,15 +314,13 @@ def test_a_connection_whose_stream_ids_are_spent_gives_way_to_a_new_one(
                 assert await _all(channel, "Count", b"1,1,0") == [b"0"]
             assert channel._conn is not first
             assert len(await running) == 5  # the old connection served its call to the end
-            await channel.close()
 
     run(spec)
 
 
 def test_a_closed_channel_ends_its_calls(run: Any) -> None:
     async def spec() -> None:
-        async with _server() as (_, port, seen):
-            channel = StreamChannel(f"127.0.0.1:{port}")
+        async with _served() as (channel, seen):
             call = channel.unary_stream("/t.S/Hang", b"", bytes, 30)
             assert await call.read() == b"first"
             await channel.close()
