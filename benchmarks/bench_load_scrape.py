@@ -1,9 +1,11 @@
 """What one read of a vLLM HTTP server's load record costs: `OpenAIHttpUpstream.engine_load`
 against a real vLLM CPU server (the tiny model), the page filtered to the scheduler's gauges
 (`/metrics/?name[]=...`, what the gateway asks for) against the whole page (`/metrics`,
-~57 KB of mostly histograms, what it read before). A `kv_aware` or `least_load` gateway
-makes one such read an engine every `routing.load_interval` (1 s), busy or not: a cost per
-engine-second, not per request.
+~57 KB of mostly histograms, what it read before), each over the upstream's own kept-alive
+connections (`gateway.protocol.http1.fetch`, what a plain http:// upstream uses) and over
+httpx (what an https or proxied one uses, and what every read used before). A `kv_aware`
+or `least_load` gateway makes one such read an engine every `routing.load_interval` (1 s),
+busy or not, and a health poll as often: a cost per engine-second, not per request.
 
 Columns: the gateway's CPU a read (this process, `time.process_time`) and the read's wall
 time (most of it vLLM's API server rendering the page), the mean of `--reads` reads, for
@@ -29,10 +31,10 @@ from gateway.upstreams.openai_http.upstream import OpenAIHttpUpstream  # noqa: E
 from tests.support.vllm import build_vllm_model, start_http_server  # noqa: E402
 
 
-async def _reads(url: str, whole: bool, reads: int) -> tuple[float, float]:
+async def _reads(url: str, whole: bool, raw: bool, reads: int) -> tuple[float, float]:
     """CPU and wall seconds a read, the mean of `reads` after one to warm up."""
     async with httpx.AsyncClient() as http:
-        upstream = OpenAIHttpUpstream(url, http)
+        upstream = OpenAIHttpUpstream(url, http, raw_http=raw)
         if whole:
             upstream.metrics_url = url.removesuffix("/v1") + "/metrics"
         if await upstream.engine_load(2.0) is None:
@@ -52,15 +54,14 @@ def main() -> None:
     model = build_vllm_model(work / "model")
     with start_http_server(model, work) as server:
         url = f"http://127.0.0.1:{server.port}/v1"
-        print("| round | page | gateway CPU a read | wall a read |")
-        print("| ---: | --- | ---: | ---: |")
+        print("| round | client | page | gateway CPU a read | wall a read |")
+        print("| ---: | --- | --- | ---: | ---: |")
         for round_ in range(1, args.rounds + 1):
-            for page, whole in (
-                ("whole `/metrics`", True),
-                ("filtered `/metrics/?name[]=`", False),
-            ):
-                cpu, wall = asyncio.run(_reads(url, whole, args.reads))
-                print(f"| {round_} | {page} | {cpu * 1e3:.2f} ms | {wall * 1e3:.2f} ms |")
+            for client, raw in (("httpx", False), ("own connections", True)):
+                for page, whole in (("whole", True), ("filtered", False)):
+                    cpu, wall = asyncio.run(_reads(url, whole, raw, args.reads))
+                    figures = f"{cpu * 1e3:.2f} ms | {wall * 1e3:.2f} ms"
+                    print(f"| {round_} | {client} | {page} | {figures} |")
 
 
 if __name__ == "__main__":

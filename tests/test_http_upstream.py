@@ -2,10 +2,13 @@
 SSE it reads (text, tool calls, logprobs, n choices), the errors it maps, what
 it sends, and embeddings; then plain http:// upstreams over its own connections,
 against a scripted loopback server: keep-alive, refusals, cancel, the deadline,
-and reading paused for a reader that falls behind. tests/test_http_upstream_surface.py runs the same
+and reading paused for a reader that falls behind, and its polls of health and load
+(none leaves a socket behind when the upstream closes under it).
+tests/test_http_upstream_surface.py runs the same
 surface against vLLM's own server through the gateway."""
 
 import asyncio
+import gc
 import json
 import re
 from dataclasses import replace
@@ -17,6 +20,7 @@ import pytest
 import respx
 
 from gateway.protocol import errors
+from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
     Embeddings,
     EmbedRequest,
@@ -36,6 +40,7 @@ from gateway.protocol.types import (
 from gateway.upstreams.base import CANCELLED
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, request_body
 from gateway.upstreams.openai_http.connections import REST, _RawCall
+from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
 from tests.support.waiting import HANG_GUARD, until
@@ -1200,3 +1205,103 @@ def test_models_and_health_answers_are_read_up_to_a_bound():
     # what the sockets' buffers hold
     assert sent["/v1/models"] < 16 * 1024 * 1024
     assert sent["/health"] < 16 * 1024 * 1024
+
+
+GAUGES = (
+    b"vllm:num_requests_running 2.0\nvllm:num_requests_waiting 1.0\nvllm:kv_cache_usage_perc 0.5\n"
+)
+
+
+def test_plain_http_polls_health_and_load_over_our_connection_within_their_bounds():
+    """A plain http:// upstream's health and load polls are GETs over its own kept-alive
+    connections (`http1.fetch`), with its key: the gauges asked for by name; a page
+    past the bound is read up to it and its connection dropped; a silent server is a
+    timeout."""
+    pages = [GAUGES, GAUGES + b"# " + b"x" * (2 * MAX_METRICS_BYTES) + b"\n", None]
+    heads: list[bytes] = []
+    connections = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            while True:
+                heads.append(await reader.readuntil(b"\r\n\r\n"))
+                page = pages.pop(0) if heads[-1].startswith(b"GET /metrics/") else b""
+                if page is None:
+                    await reader.read()  # never answers
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def polls() -> list:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http, api_key="sk-1")
+            results: list = [await upstream.engine_load(5.0)]
+            results.append(await anext(upstream.watch_health(0.01, 5.0)))
+            results.append(await upstream.engine_load(5.0))  # cut at the bound
+            try:
+                await upstream.engine_load(0.3)
+            except errors.GatewayError as error:
+                results.append(error)
+            await upstream.close()
+        server.close()
+        return results
+
+    first, healthy, cut, silent = anyio.run(polls)
+    assert first == cut == EngineLoad(running=2, waiting=1, kv_usage=0.5)
+    assert healthy is True and type(silent) is errors.Timeout
+    assert heads[0].startswith(f"GET /metrics/?{LOAD_QUERY} HTTP/1.1\r\n".encode())
+    assert b"\r\nAuthorization: Bearer sk-1\r\n" in heads[0]
+    assert heads[1].startswith(b"GET /health HTTP/1.1\r\n")
+    assert connections == 2  # one kept alive for three polls; the cut one was dropped
+
+
+def test_polls_in_flight_when_the_upstream_closes_leave_no_socket():
+    """A poll cancelled mid-answer (as `Fleet.close` cancels its tasks before it closes
+    the upstreams) and one whose upstream is closed under it (a worker that left) each
+    drop their connection there: the server reads its end, and a full collection after
+    the loop finds no socket left to warn of (the suite's warnings are errors)."""
+    heads: list[bytes] = []
+    ends: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            ends.append(await reader.read())  # never answers: b"" once the client closes
+        except ConnectionError as error:
+            ends.append(type(error).__name__.encode())
+        finally:
+            writer.close()
+
+    async def close_in_flight() -> tuple[list, int]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            assert upstream._pool is not None
+            load = asyncio.create_task(upstream.engine_load(HANG_GUARD))
+            await until(lambda: len(heads) == 1, "the load poll's GET")
+            load.cancel()
+            outcomes: list = await asyncio.gather(load, return_exceptions=True)
+            health = asyncio.create_task(anext(upstream.watch_health(HANG_GUARD, HANG_GUARD)))
+            await until(lambda: len(heads) == 2, "the health poll's GET")
+            await upstream.close()
+            outcomes += await asyncio.gather(health, return_exceptions=True)
+            await until(lambda: len(ends) == 2, "the server to read both ends")
+            left = len(upstream._pool.open) + len(upstream._pool.idle)
+        server.close()
+        return outcomes, left
+
+    (cancelled, closed), left = anyio.run(close_in_flight)
+    gc.collect()  # an unclosed socket would warn here, and fail the test
+    assert type(cancelled) is asyncio.CancelledError
+    assert type(closed) is errors.Unavailable
+    assert heads[0].startswith(b"GET /metrics/?") and heads[1].startswith(b"GET /health ")
+    assert ends == [b"", b""] and left == 0

@@ -12,7 +12,8 @@ A connection carries one request at a time; its reader learns the status, the bo
 pieces, and then either that the response ended (`complete`, and whether the
 connection may carry the next request: `Connection.reusable`) or that it broke
 (`broken`: bad HTTP, or the connection lost). `Pool` keeps the idle connections of one
-host and port.
+host and port. `fetch` sends one request and keeps its whole answer (a bounded read):
+the polls of a worker's health and load, about ten times cheaper in CPU than httpx's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import httptools
 MAX_IDLE = 256
 #: The kind of a break where the server sent what is not HTTP.
 BAD_RESPONSE = "bad_response"
+#: The kind of a break where the pool was closed under the request (`Pool.close`).
+POOL_CLOSED = "pool_closed"
 
 
 class Reader(Protocol):
@@ -46,8 +49,8 @@ class Reader(Protocol):
 
     def broken(self, kind: str, detail: str) -> None:
         """The response will not end: the server sent bad HTTP (`kind` is
-        `BAD_RESPONSE`) or the connection was lost (the exception's name, or
-        "closed" when the server closed it)."""
+        `BAD_RESPONSE`), the connection was lost (the exception's name, or
+        "closed" when the server closed it), or its pool was closed (`POOL_CLOSED`)."""
 
 
 class Connection(asyncio.Protocol):
@@ -164,9 +167,71 @@ class Pool:
             self.idle.remove(connection)
 
     def close(self) -> None:
-        """Drops every connection, idle or not."""
+        """Drops every connection, idle or not; a request still reading one learns it
+        now (`POOL_CLOSED`), not at its deadline (a poll of a worker that left)."""
         self.closed = True
-        for connection in self.open:
+        for connection in list(self.open):
+            reader = connection.reader
             connection.abort()
+            if reader is not None:
+                reader.broken(POOL_CLOSED, "the gateway closed its connections to the upstream")
+                reader.read()
         self.open.clear()
         self.idle.clear()
+
+
+class _Whole:
+    """The reader of `fetch`: the status and up to `limit` bytes of the body. `done`
+    holds the connection once the response ended whole, None once `limit` bytes came
+    (the rest is not read) or the server closed a response it delimits by closing."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.status = 0
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.done: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
+
+    def head(self, status: int) -> None:
+        self.status = status
+
+    def body(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+        if self.size >= self.limit and not self.done.done():
+            self.done.set_result(None)
+
+    def read(self) -> None:
+        pass
+
+    def complete(self, connection: Connection) -> None:
+        if not self.done.done():
+            self.done.set_result(connection)
+
+    def broken(self, kind: str, detail: str) -> None:
+        if self.done.done():
+            return
+        if kind == "closed" and self.status:  # HTTP/1.0's end of a body: the close
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(ConnectionError(f"{kind}: {detail}"))
+
+
+async def fetch(pool: Pool, request: bytes, limit: int, timeout: float) -> tuple[int, bytes]:  # noqa: ASYNC109
+    """`request` (whole) on one of `pool`'s connections, answered within `timeout`
+    seconds: the status and at most `limit` bytes of the body. `TimeoutError`, or
+    `OSError` (`ConnectionError` for a response that broke) when there is none."""
+    reader = _Whole(limit)
+    async with asyncio.timeout(timeout):
+        connection = await pool.take()
+        connection.send(request, reader)
+        try:
+            ended = await reader.done
+        except BaseException:
+            pool.drop(connection)
+            raise
+    if ended is None:
+        pool.drop(connection)
+    else:
+        pool.give_back(ended)
+    return reader.status, b"".join(reader.parts)[:limit]

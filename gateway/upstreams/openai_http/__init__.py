@@ -35,7 +35,8 @@ One job a module:
     loads.py        their Prometheus `/metrics` → the engine's load record (vLLM's
                     running, waiting, KV-cache use), for routing
 
-https, a proxy from the environment, embeddings, /models, /health and /metrics go through
+A plain http:// upstream's /health and /metrics polls go over the same connections
+(`http1.fetch`); https, a proxy from the environment, embeddings and /models go through
 the fleet's httpx client (TLS and its CA, proxies).
 """
 

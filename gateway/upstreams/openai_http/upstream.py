@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from gateway.protocol import errors, features
-from gateway.protocol.http1 import Pool
+from gateway.protocol.http1 import Pool, fetch
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
 from gateway.upstreams.base import (
@@ -145,9 +145,9 @@ class OpenAIHttpUpstream:
         api_key: str | None = None,
         raw_http: bool | None = None,
     ) -> None:
-        """`raw_http`: stream completions over our own connections (`_RawCall`);
-        None: for a plain http:// URL that no proxy variable covers. Everything
-        else (https, embeddings, models, health) goes through `http`."""
+        """`raw_http`: stream completions, and poll health and load, over our own
+        connections (`_RawCall`, `fetch`); None: for a plain http:// URL that no proxy
+        variable covers. Everything else (https, embeddings, models) goes through `http`."""
         self.address = base_url.rstrip("/")
         self._http = http
         self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
@@ -262,6 +262,23 @@ class OpenAIHttpUpstream:
             raise errors.Unavailable(f"upstream unreachable: {error}") from None
         return response.status_code, content
 
+    async def _get(self, url: str, timeout: float, limit: int) -> tuple[int, bytes]:  # noqa: ASYNC109
+        """GET `url` (theirs) within `timeout` seconds: its status and at most `limit`
+        bytes of its answer; over our own connections where the calls use them
+        (`fetch`: a poll of health or load costs about a tenth of httpx's CPU)."""
+        if self._pool is None:
+            request = self._http.build_request("GET", url, headers=self._auth, timeout=timeout)
+            return await self._send(request, timeout, limit)
+        target = urlsplit(url)
+        path = target.path + (f"?{target.query}" if target.query else "")
+        raw = f"GET {path} HTTP/1.1\r\n{self._head}\r\n".encode("latin-1")
+        try:
+            return await fetch(self._pool, raw, limit, timeout)
+        except TimeoutError as error:
+            raise errors.Timeout(f"upstream timed out: {error!r}") from None
+        except OSError as error:
+            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+
     def _post(
         self, path: str, body: dict[str, Any], timeout: float, metadata: tuple[tuple[str, str], ...]
     ) -> httpx.Request:
@@ -303,8 +320,7 @@ class OpenAIHttpUpstream:
         which filters; its `/metrics` does not); a server that answers that with
         anything but the gauges is read whole at `/metrics` from then on."""
         url = self.metrics_url
-        request = self._http.build_request("GET", url, headers=self._auth, timeout=timeout)
-        status, content = await self._send(request, timeout, MAX_METRICS_BYTES)
+        status, content = await self._get(url, timeout, MAX_METRICS_BYTES)
         load = engine_load(content, len(content) >= MAX_METRICS_BYTES) if status == 200 else None
         if load is None and url != self._metrics_page:
             self.metrics_url = self._metrics_page
@@ -319,10 +335,7 @@ class OpenAIHttpUpstream:
         """Their /health every `poll_interval`: 200 is serving (its body is not read
         past `MAX_ERROR_BYTES`)."""
         while True:
-            request = self._http.build_request(
-                "GET", self._health_url, headers=self._auth, timeout=deadline
-            )
-            status, _ = await self._send(request, deadline, MAX_ERROR_BYTES)
+            status, _ = await self._get(self._health_url, deadline, MAX_ERROR_BYTES)
             yield status == 200
             await asyncio.sleep(poll_interval)
 
