@@ -1263,6 +1263,51 @@ def test_plain_http_polls_health_and_load_over_our_connection_within_their_bound
     assert connections == 2  # one kept alive for three polls; the cut one was dropped
 
 
+def test_a_poll_whose_kept_alive_connection_the_server_closed_goes_again_on_a_new_one():
+    """The server's idle close crossing the next poll's GET (uvicorn closes idle
+    connections after 5 s, as long as a poll's interval): the GET breaks before any
+    answer on the reused connection and goes again, once, on a new one."""
+    page = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(GAUGES), GAUGES)
+    connections = 0
+    closing = True
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        served = 0
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                if served and closing:  # the second GET on this connection: closed under it
+                    return
+                served += 1
+                writer.write(page)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def polls() -> list:
+        nonlocal closing
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            results: list = [await upstream.engine_load(5.0), await upstream.engine_load(5.0)]
+            seen = connections
+            closing = False
+            results.append(await upstream.engine_load(5.0))
+            results.append(seen)
+            await upstream.close()
+        server.close()
+        return results
+
+    first, second, third, seen = anyio.run(polls)
+    assert first == second == third == EngineLoad(running=2, waiting=1, kv_usage=0.5)
+    assert seen == 2  # the second poll: its reused connection closed, then a new one
+
+
 def test_polls_in_flight_when_the_upstream_closes_leave_no_socket():
     """A poll cancelled mid-answer (as `Fleet.close` cancels its tasks before it closes
     the upstreams) and one whose upstream is closed under it (a worker that left) each

@@ -63,6 +63,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader: Reader | None = None
         self.reusable = False  # its last response ended whole, with keep-alive
+        self.requests = 0  # sent on it so far: past 0, it was taken from the idle ones
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -71,6 +72,7 @@ class Connection(asyncio.Protocol):
         """Writes one whole request; its response goes to `reader`."""
         assert self.transport is not None and self.reader is None
         self.reader = reader
+        self.requests += 1
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
@@ -125,10 +127,10 @@ class Pool:
         self.open: set[Connection] = set()
         self.closed = False
 
-    async def take(self, connect_timeout: float | None = None) -> Connection:
-        """An idle connection that can carry a request, or a new one; `OSError` or
-        `TimeoutError` when none can be opened."""
-        while self.idle:
+    async def take(self, connect_timeout: float | None = None, fresh: bool = False) -> Connection:
+        """An idle connection that can carry a request, or a new one (`fresh`: always
+        a new one); `OSError` or `TimeoutError` when none can be opened."""
+        while self.idle and not fresh:
             connection = self.idle.pop()
             transport = connection.transport
             if connection.reusable and transport is not None and not transport.is_closing():
@@ -218,18 +220,30 @@ class _Whole:
 
 
 async def fetch(pool: Pool, request: bytes, limit: int, timeout: float) -> tuple[int, bytes]:  # noqa: ASYNC109
-    """`request` (whole) on one of `pool`'s connections, answered within `timeout`
-    seconds: the status and at most `limit` bytes of the body. `TimeoutError`, or
-    `OSError` (`ConnectionError` for a response that broke) when there is none."""
-    reader = _Whole(limit)
+    """`request` (whole, and safe to send twice: a GET) on one of `pool`'s
+    connections, answered within `timeout` seconds: the status and at most `limit`
+    bytes of the body. `TimeoutError`, or `OSError` (`ConnectionError` for a response
+    that broke) when there is none. A kept-alive connection the server closed as the
+    request went out (its idle timeout: uvicorn's is 5 s, as long as a poll's interval)
+    breaks before any answer; the request goes again, once, on a new connection."""
     async with asyncio.timeout(timeout):
-        connection = await pool.take()
-        connection.send(request, reader)
-        try:
-            ended = await reader.done
-        except BaseException:
-            pool.drop(connection)
-            raise
+        fresh = False
+        while True:
+            reader = _Whole(limit)
+            connection = await pool.take(fresh=fresh)
+            connection.send(request, reader)
+            try:
+                ended = await reader.done
+            except ConnectionError:
+                pool.drop(connection)
+                if fresh or connection.requests < 2 or reader.status or pool.closed:
+                    raise
+                fresh = True  # it had served before: the server's close crossed our send
+                continue
+            except BaseException:
+                pool.drop(connection)
+                raise
+            break
     if ended is None:
         pool.drop(connection)
     else:
