@@ -206,7 +206,7 @@ class StreamCall(Generic[T]):
                 self._waiter = None
         data = self._messages.popleft()
         self._queued -= len(data)
-        if self._conn is not None and not self._done:
+        if self._unacked >= STREAM_WINDOW // 2 and self._conn is not None and not self._done:
             self._conn.give_back(self)
         try:
             return self._deserialize(data)
@@ -275,6 +275,13 @@ class StreamCall(Generic[T]):
             )
             return
         inbox = self._inbox
+        if not inbox and payload[:1] == b"\x00":  # the usual frame: one whole message
+            size = int.from_bytes(payload[1:5], "big")
+            if size == len(payload) - 5 and size <= MAX_MESSAGE_BYTES:
+                self._messages.append(payload[5:])
+                self._queued += size
+                self._wake()
+                return
         inbox += payload
         while len(inbox) >= 5:
             if inbox[0] != 0:
@@ -505,44 +512,58 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
-        buffer += data
-        at, end = 0, len(buffer)
+        if buffer:
+            buffer += data
+            view: bytes | bytearray = buffer
+        else:  # the usual read: whole frames, parsed from the bytes as they came
+            view = data
+        at, end = 0, len(view)
+        streams = self.streams
         try:
             while end - at >= 9:
-                size = int.from_bytes(buffer[at : at + 3], "big")
+                size = int.from_bytes(view[at : at + 3], "big")
                 if size > _DEFAULT_FRAME:
                     raise _ProtocolError(_FRAME_SIZE_ERROR, f"a frame of {size} bytes")
                 if end - at < 9 + size:
                     break
-                kind, flags = buffer[at + 3], buffer[at + 4]
-                stream_id = int.from_bytes(buffer[at + 5 : at + 9], "big") & _MAX_STREAM_ID
-                payload = bytes(buffer[at + 9 : at + 9 + size])
+                kind, flags = view[at + 3], view[at + 4]
+                stream_id = int.from_bytes(view[at + 5 : at + 9], "big") & _MAX_STREAM_ID
+                payload = bytes(view[at + 9 : at + 9 + size])
                 at += 9 + size
-                self._frame(kind, flags, stream_id, payload)
+                if kind == _DATA and self._block is None:  # a stream's message: inline
+                    self._unacked += size
+                    if self._unacked > CONNECTION_WINDOW:
+                        raise _ProtocolError(
+                            _FLOW_CONTROL_ERROR, "DATA past the connection's window"
+                        )
+                    call = streams.get(stream_id)
+                    if call is not None:
+                        call.data(_unpad(payload, flags) if flags & _PADDED else payload, size)
+                        if call._unacked >= STREAM_WINDOW // 2:
+                            self.give_back(call)
+                        if flags & _END_STREAM and not call._done:
+                            call.fail(
+                                grpc.StatusCode.INTERNAL, "The worker ended without trailers."
+                            )
+                else:
+                    self._frame(kind, flags, stream_id, payload)
         except _ProtocolError as error:
             self._broken(error)
             return
         finally:
-            del buffer[:at]
+            if buffer:
+                del buffer[:at]
+            elif at < end:
+                buffer += data[at:]
         if self._unacked >= CONNECTION_WINDOW // 2 and self.transport is not None:
             owed, self._unacked = self._unacked, 0
             self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, owed.to_bytes(4, "big")))
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        """Every frame but DATA outside a header block (`data_received` reads those)."""
         if self._block is not None and kind != _CONTINUATION:
             raise _ProtocolError(_PROTOCOL_ERROR, "a header block cut by another frame")
-        if kind == _DATA:
-            self._unacked += len(payload)
-            if self._unacked > CONNECTION_WINDOW:
-                raise _ProtocolError(_FLOW_CONTROL_ERROR, "DATA past the connection's window")
-            call = self.streams.get(stream_id)
-            body = _unpad(payload, flags)
-            if call is not None:
-                call.data(body, len(payload))
-                self.give_back(call)
-                if flags & _END_STREAM and not call._done:
-                    call.fail(grpc.StatusCode.INTERNAL, "The worker ended without trailers.")
-        elif kind == _HEADERS:
+        if kind == _HEADERS:
             block = _unpad(payload, flags)
             if flags & _PRIORITY:
                 block = block[5:]
