@@ -26,13 +26,13 @@ def test_demo_serves_curl_style_requests_and_the_openai_sdk():
         ).json()
         assert reply["choices"][0]["message"]["content"] == "hi there"
 
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        chunks = sdk.chat.completions.create(
-            model="furnace-demo",
-            messages=[{"role": "user", "content": "one two three"}],
-            stream=True,
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "one two three"
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as sdk:
+            chunks = sdk.chat.completions.create(
+                model="furnace-demo",
+                messages=[{"role": "user", "content": "one two three"}],
+                stream=True,
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == "one two three"
 
         async def async_sdk() -> str:
             async with openai.AsyncOpenAI(

@@ -68,11 +68,13 @@ def test_openai_sdk_with_a_key(gateway_with):
 
     key = new_key("search")
     gw = gateway_with(**keyed({"search": {}}, {key: "search"}))
-    sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-    reply = sdk.chat.completions.create(model=DEMO_MODEL, messages=user("one two"))
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) as sdk:
+        reply = sdk.chat.completions.create(model=DEMO_MODEL, messages=user("one two"))
     assert reply.choices[0].message.content == "one two"
-    bad = openai.OpenAI(base_url=gw.url + "/v1", api_key=key.lower(), max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as raised:
+    with (
+        openai.OpenAI(base_url=gw.url + "/v1", api_key=key.lower(), max_retries=0) as bad,
+        pytest.raises(openai.AuthenticationError) as raised,
+    ):
         bad.models.list()
     assert raised.value.code == "invalid_api_key"
 

@@ -142,11 +142,11 @@ def open_front(
         base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
     )
     http = httpx.Client(base_url=gw.url, timeout=HANG_GUARD)
-    wait_until(
-        lambda: set(served) <= {m.id for m in sdk.models.list().data},
-        "the gateway to list the workers",
-    )
-    try:
+    try:  # closed even when the gateway never lists the workers
+        wait_until(
+            lambda: set(served) <= {m.id for m in sdk.models.list().data},
+            "the gateway to list the workers",
+        )
         yield Front(worker, gw, sdk, http, AutoTokenizer.from_pretrained(model))
     finally:
         http.close()
