@@ -23,8 +23,14 @@ request and per token streamed.
 The routers are installed from PyPI into `.tools/peers` as `make bench-peers` does; a router
 that cannot be installed or started is reported, not measured.
 
+With `--stand-in STEP_MS` every target fronts the engines' stand-ins in place of vLLM
+(`benchmarks/fake_openai.py` and `benchmarks/fake_vllm_grpc.py`, serving the same model's
+tokens, one every STEP_MS milliseconds): no engine takes the cores, so what differs between
+the targets is their own work, what a machine with cores for each process would show.
+
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
-[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--json PATH]` (`make bench-vllm`;
+[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--json PATH]`
+(`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
 servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
 1 round of 8 requests; `--streams 1` measures the one-stream load alone). Each path's
@@ -69,9 +75,12 @@ from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noq
 from tests.support import vllm as vllm_support  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
+    VllmProcess,
     build_vllm_model,
     start_grpc_server,
     start_http_server,
+    wait_grpc_serving,
+    wait_http_ready,
 )
 
 MODEL = "tiny-vllm"
@@ -126,6 +135,8 @@ async def one_chat(
 
 
 OneCall = Callable[[], Awaitable[tuple[float, int]]]
+#: Fields of a request over the benchmark's own (`chat_body`), or None.
+Body = dict[str, Any] | None
 
 
 async def run_load(make_call: Callable[[], Any], streams: int, requests: int) -> Sample:
@@ -197,6 +208,8 @@ class GrpcCalls:
                     if decoder.feed(reply.chunk.token_ids) and ttft is None:
                         ttft = time.perf_counter() - start
                     count += len(reply.chunk.token_ids)
+                else:  # the end, which may carry the last tokens
+                    count = max(count, reply.complete.completion_tokens)
             if ttft is None:
                 raise RuntimeError("vLLM's gRPC server sent no text")
             return ttft, count
@@ -305,8 +318,11 @@ def measure_path(
 # --- processes ---------------------------------------------------------------------------
 
 
-def start_gateway(stack: ExitStack, work: Path, name: str, model: dict[str, object]) -> Target:
-    """A furnace-gateway process serving `model`, ready."""
+def start_gateway(
+    stack: ExitStack, work: Path, name: str, model: dict[str, object], body: Body = None
+) -> Target:
+    """A furnace-gateway process serving `model`, ready (`body`: fields of the requests
+    sent to it)."""
     port = free_port()
     # start_timeout: a CPU engine's first event after a cold 2,000-token prefill takes
     # seconds, past the 10 s default on a loaded machine; the peers wait without a bound
@@ -326,13 +342,20 @@ def start_gateway(stack: ExitStack, work: Path, name: str, model: dict[str, obje
             return Target(FURNACE, missing="the gateway did not start")
         time.sleep(0.2)
     url = f"http://127.0.0.1:{port}"
-    return Target(FURNACE, lambda: HttpCalls(url), gateway.pid)
+    return Target(FURNACE, lambda: HttpCalls(url, body), gateway.pid)
 
 
 def start_router(
-    stack: ExitStack, name: str, executable: Path | str, work: Path, worker: str, extra: list[str]
+    stack: ExitStack,
+    name: str,
+    executable: Path | str,
+    work: Path,
+    worker: str,
+    extra: list[str],
+    body: Body = None,
 ) -> Target:
-    """A Rust router in front of `worker`, ready (it answers a chat), or why not."""
+    """A Rust router in front of `worker` (`extra`: more of its options), ready (it
+    answers a chat), or why not (`body`: fields of the requests sent to it)."""
     if isinstance(executable, str):
         return Target(name, missing=executable)
     port = free_port()
@@ -348,39 +371,80 @@ def start_router(
             tail = log.read_text(errors="replace").strip().splitlines()[-1:]
             return Target(name, missing=f"exited ({process.returncode}): {' '.join(tail)[:160]}")
         try:
-            asyncio.run(run_load(lambda: HttpCalls(url), 1, 1))
-            return Target(name, lambda: HttpCalls(url), process.pid)
+            asyncio.run(run_load(lambda: HttpCalls(url, body), 1, 1))
+            return Target(name, lambda: HttpCalls(url, body), process.pid)
         except (httpx.HTTPError, RuntimeError):
             time.sleep(0.5)
     return Target(name, missing=f"did not serve within {STARTUP_TIMEOUT:g} s")
 
 
+@dataclass
+class Engine:
+    """What the gateways front: vLLM's CPU build, or (`step_ms` set) a stand-in of it
+    that paces a token each `step_ms` and takes almost no CPU, so that what is left
+    between the targets is their own work (the stand-ins of `profile_gateway`)."""
+
+    model_dir: Path
+    work: Path
+    step_ms: float | None = None
+
+    @property
+    def http_body(self) -> Body:
+        """Fields of the HTTP path's requests: the HTTP stand-in echoes the prompt's
+        words, so it is given as many as an answer's tokens."""
+        if self.step_ms is None:
+            return None
+        words = " ".join(f"w{i}" for i in range(MAX_TOKENS))
+        return {"messages": [{"role": "user", "content": words}]}
+
+    def http(self) -> VllmProcess:
+        """vLLM's OpenAI server, or `benchmarks/fake_openai.py`, ready."""
+        if self.step_ms is None:
+            return start_http_server(self.model_dir, self.work, MODEL)
+        command = ["-m", "benchmarks.fake_openai", "--model", MODEL]
+        return self._stand_in([*command, "--step-ms", str(self.step_ms)], wait_http_ready)
+
+    def grpc(self) -> VllmProcess:
+        """vLLM's gRPC server, or `benchmarks/fake_vllm_grpc.py`, ready."""
+        if self.step_ms is None:
+            return start_grpc_server(self.model_dir, self.work, ("--served-model-name", MODEL))
+        command = ["-m", "benchmarks.fake_vllm_grpc", "--model-dir", str(self.model_dir)]
+        command += ["--served-model-name", MODEL, "--step-ms", str(self.step_ms)]
+        return self._stand_in(command, wait_grpc_serving)
+
+    def _stand_in(self, args: list[str], ready: Callable[[VllmProcess], None]) -> VllmProcess:
+        port = free_port()
+        command = [sys.executable, *args, "--port", str(port)]
+        server = VllmProcess(command, port, self.work / f"stand-in-{port}.log").start()
+        ready(server)
+        return server
+
+
 @contextmanager
-def http_targets(
-    model_dir: Path, work: Path, peers: dict[str, Path | str]
-) -> Iterator[list[Target]]:
+def http_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[Target]]:
     """vLLM's OpenAI server and everything in front of it."""
+    work = engine.work
     with ExitStack() as stack:
-        vllm = start_http_server(model_dir, work, MODEL)
+        vllm = engine.http()
         stack.callback(vllm.stop)
         direct_url = f"http://127.0.0.1:{vllm.port}"
-        targets = [Target(DIRECT, lambda: HttpCalls(direct_url))]
+        body = engine.http_body
+        targets = [Target(DIRECT, lambda: HttpCalls(direct_url, body))]
         upstream = {"name": MODEL, "upstream": "openai", "workers": [f"{direct_url}/v1"]}
-        targets.append(start_gateway(stack, work, "http", upstream))
+        targets.append(start_gateway(stack, work, "http", upstream, body))
         for name, executable in peers.items():
-            targets.append(start_router(stack, name, executable, work, direct_url, []))
+            targets.append(start_router(stack, name, executable, work, direct_url, [], body))
         yield targets
 
 
 @contextmanager
-def grpc_targets(
-    model_dir: Path, work: Path, peers: dict[str, Path | str]
-) -> Iterator[list[Target]]:
+def grpc_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[Target]]:
     """vLLM's gRPC server, a raw client, furnace's `vllm-grpc` and smg's gRPC mode."""
     from gateway.protocol.types import Message
 
+    model_dir, work = engine.model_dir, engine.work
     with ExitStack() as stack:
-        vllm = start_grpc_server(model_dir, work, ("--served-model-name", MODEL))
+        vllm = engine.grpc()
         stack.callback(vllm.stop)
         address = f"127.0.0.1:{vllm.port}"
         tokenizer = load_tokenizer(str(model_dir))
@@ -451,6 +515,12 @@ def main() -> None:
         "--streams", default="1,8", help="the loads to measure: streams at once, comma-separated"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--stand-in",
+        type=float,
+        metavar="STEP_MS",
+        help="front the engines' stand-ins, a token every STEP_MS ms, in place of vLLM",
+    )
     args = parser.parse_args()
     peers: dict[str, Path | str] = (
         dict.fromkeys(PEERS, "skipped (--no-peers)")
@@ -473,10 +543,10 @@ def main() -> None:
     paths = {"HTTP": http_targets, "gRPC": grpc_targets}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
-        model_dir = build_vllm_model(work / "model")
+        engine = Engine(build_vllm_model(work / "model"), work, args.stand_in)
         for path in args.paths.split(","):
             print(f"{path}: starting vLLM and the gateways", file=sys.stderr, flush=True)
-            with paths[path](model_dir, work, peers) as targets:
+            with paths[path](engine, peers) as targets:
                 missing += [t for t in targets if t.missing]
                 measured = measure_path(path, targets, args.rounds, args.requests, loads)
             report(measured, [], args.rounds, args.requests)  # as soon as it is measured

@@ -10,7 +10,7 @@ until `max_tokens`; then a `complete` with finish reason `length`. `GetModelInfo
 Not an engine: the prompt's ids are only counted. Used by `benchmarks/profile_gateway.py`.
 
 Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS]
-[--tokens-per-chunk N]`.
+[--tokens-per-chunk N] [--served-model-name NAME]`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ CONTEXT = 1024
 class FakeVllm(pb_grpc.VllmEngineServicer):
     """Answers every request with the text's ids, one chunk per step."""
 
-    def __init__(self, ids: list[int], eos: list[int], step: float, per_chunk: int) -> None:
+    def __init__(
+        self, ids: list[int], eos: list[int], step: float, per_chunk: int, model: tuple[str, str]
+    ) -> None:
         self.ids, self.eos, self.step, self.per_chunk = ids, eos, step, per_chunk
+        self.model_dir, self.name = model
 
     async def Generate(
         self, request: pb.GenerateRequest, context: object
@@ -71,7 +74,9 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request: object, context: object) -> pb.GetModelInfoResponse:
         return pb.GetModelInfoResponse(
-            model_path="fake",
+            model_path=self.model_dir,
+            tokenizer_path=self.model_dir,
+            served_model_name=self.name,
             is_generation=True,
             max_context_length=CONTEXT,
             eos_token_ids=self.eos,
@@ -87,7 +92,7 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
         return pb.AbortResponse()
 
 
-async def serve(port: int, model_dir: Path, step: float, per_chunk: int) -> None:
+async def serve(port: int, model_dir: Path, step: float, per_chunk: int, name: str) -> None:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     eos = config.get("eos_token")
@@ -95,7 +100,13 @@ async def serve(port: int, model_dir: Path, step: float, per_chunk: int) -> None
     eos_ids = [i for i in [tokenizer.token_to_id(eos)] if i is not None] if eos else []
     server = grpc.aio.server()
     pb_grpc.add_VllmEngineServicer_to_server(
-        FakeVllm(tokenizer.encode(TEXT, add_special_tokens=False).ids, eos_ids, step, per_chunk),
+        FakeVllm(
+            tokenizer.encode(TEXT, add_special_tokens=False).ids,
+            eos_ids,
+            step,
+            per_chunk,
+            (str(model_dir), name),
+        ),
         server,
     )
     checks = health.aio.HealthServicer()
@@ -114,8 +125,13 @@ def main() -> None:
     parser.add_argument(
         "--tokens-per-chunk", type=int, default=1, help="tokens a chunk after the first"
     )
+    parser.add_argument(
+        "--served-model-name", default="fake", help="the model's name in GetModelInfo"
+    )
     args = parser.parse_args()
-    uvloop.run(serve(args.port, args.model_dir, args.step_ms / 1e3, args.tokens_per_chunk))
+    step = args.step_ms / 1e3
+    name = args.served_model_name
+    uvloop.run(serve(args.port, args.model_dir, step, args.tokens_per_chunk, name))
 
 
 if __name__ == "__main__":
