@@ -53,6 +53,12 @@ A refused connection says so, half-closes (FIN), then reads and drops what the
 client still sends for `LINGER` seconds before closing, so the client reads the
 answer instead of a reset (NGINX's lingering close, shorter).
 
+A response's head goes out with its first body bytes, in one write, when they are
+sent in the same turn of the loop (as hyper, under the Rust routers, writes them):
+uvicorn writes each ASGI message at once, and on loopback a write costs the sender
+the receiver's TCP work too. `_HeadHold` keeps the request's first write until the
+second or the end of the turn, then hands the cycle back the transport.
+
 The cost: a length addition per read and per header, one timer per request.
 """
 
@@ -120,6 +126,43 @@ class _Pipeline(list[Any]):
     def pop(self, index: int = 0) -> Any:  # type: ignore[override]
         """The oldest request queued."""
         return super().pop(index)
+
+
+class _HeadHold:
+    """The transport a request's cycle writes its first bytes to: it keeps them until the
+    next write (sent together) or the end of the loop's turn (sent alone), then gives the
+    cycle the real transport, so the later writes (a stream's tokens) cost nothing
+    more. Order is kept either way: nothing else writes to the connection meanwhile."""
+
+    __slots__ = ("_cycle", "_held", "_transport")
+
+    def __init__(self, cycle: Any, transport: asyncio.Transport) -> None:
+        self._cycle, self._transport = cycle, transport
+        self._held = b""
+
+    def write(self, data: bytes) -> None:
+        """Holds the first write; sends it with the second."""
+        if self._held:
+            self._release(data)
+        else:
+            self._held = bytes(data)
+            asyncio.get_running_loop().call_soon(self._release)
+
+    def _release(self, data: bytes = b"") -> None:
+        if self._cycle.transport is self:
+            self._cycle.transport = self._transport
+            self._transport.write(self._held + data)
+            self._held = b""
+
+    def close(self) -> None:
+        self._release()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class _Refused(Exception):
@@ -271,7 +314,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._fed = 0
         self._started = False
         self._arm(self.limits.body_timeout)
+        before = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:  # the same one: an upgrade, refused
+            cycle.transport = cast(asyncio.Transport, _HeadHold(cycle, self.transport))
         if self.pipeline:  # queued behind a response, reading paused: its turn starts the clock
             self._disarm()
 

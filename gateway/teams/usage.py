@@ -24,6 +24,7 @@ Without Redis the ledger is this gateway's alone, for the same retention.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import logging
 import secrets
@@ -70,7 +71,14 @@ Rows = dict[tuple[str, str, str, str], dict[str, float]]
 
 def day_of(now: float) -> str:
     """The UTC day of `now` (unix seconds)."""
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    return _day_name(int(now // 86_400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day_name(day: int) -> str:
+    """The name of the `day`-th UTC day since the epoch: kept, as every request's
+    usage asks it and formatting a date costs ~15 µs here."""
+    return datetime.fromtimestamp(day * 86_400, UTC).strftime("%Y-%m-%d")
 
 
 def _add(rows: Rows, where: tuple[str, str, str, str], amounts: dict[str, float]) -> None:

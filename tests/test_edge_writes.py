@@ -1,0 +1,140 @@
+"""The edge writes a response's head with its first body bytes (edge/http_protocol.py,
+`_HeadHold`): one write, not two, for every answer, as hyper does under the Rust
+routers. A write held for that goes out at the end of the loop's turn when nothing
+follows it, so a lone head (or uvicorn's `100 Continue`) is never kept waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from urllib.parse import urlsplit
+
+import orjson
+
+from gateway.edge.http_protocol import _HeadHold
+from tests.support.waiting import HANG_GUARD
+
+
+class _Cycle:
+    """What `_HeadHold` uses of uvicorn's cycle: the attribute it writes through."""
+
+    transport: object
+
+
+class _Transport:
+    """The writes an asyncio transport was given, in order."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _held() -> tuple[_Cycle, _HeadHold, _Transport]:
+    cycle, transport = _Cycle(), _Transport()
+    hold = _HeadHold(cycle, transport)  # type: ignore[arg-type]
+    cycle.transport = hold
+    return cycle, hold, transport
+
+
+def test_the_head_and_the_first_body_bytes_go_out_in_one_write():
+    async def scenario() -> tuple[list[bytes], object, object]:
+        cycle, hold, transport = _held()
+        hold.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        hold.write(b"5\r\nhello\r\n")  # the same turn: joined
+        after_two = cycle.transport
+        await asyncio.sleep(0)  # the turn's end finds nothing held
+        return transport.writes, after_two, transport
+
+    writes, after, transport = asyncio.run(scenario())
+    assert writes == [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n"]
+    assert after is transport  # the later writes go straight to the transport
+
+
+def test_a_lone_first_write_goes_out_at_the_end_of_the_turn():
+    async def scenario() -> tuple[list[bytes], list[bytes], object, object]:
+        cycle, hold, transport = _held()
+        hold.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        during = list(transport.writes)
+        await asyncio.sleep(0)
+        return during, transport.writes, cycle.transport, transport
+
+    during, writes, after, transport = asyncio.run(scenario())
+    assert during == []
+    assert writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    assert after is transport
+
+
+def test_closing_sends_what_is_held_first():
+    async def scenario() -> _Transport:
+        _, hold, transport = _held()
+        hold.write(b"HTTP/1.1 500 Internal Server Error\r\n\r\n")
+        hold.close()
+        await asyncio.sleep(0)  # the turn's flush finds it sent
+        return transport
+
+    transport = asyncio.run(scenario())
+    assert transport.writes == [b"HTTP/1.1 500 Internal Server Error\r\n\r\n"]
+    assert transport.closed
+    assert _held()[1].get_write_buffer_size() == 0  # the rest is the transport's own
+
+
+def _chat(stream: bool) -> bytes:
+    body = {"messages": [{"role": "user", "content": "one two three"}], "stream": stream}
+    return orjson.dumps(body)
+
+
+def test_a_streamed_answer_begins_with_its_head_and_first_event_together(gateway):
+    url = urlsplit(gateway.url)
+    chat = _chat(stream=True)
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(chat), chat)
+    )
+    with socket.create_connection((url.hostname, url.port), timeout=HANG_GUARD) as sock:
+        sock.sendall(request)
+        first = whole = sock.recv(65536)
+        while not whole.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            data = sock.recv(65536)
+            assert data, "the gateway closed the connection"
+            whole += data
+    head, _, body = first.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    assert b"data: " in body  # the first event came with the head
+    assert b"data: [DONE]" in whole
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent(gateway):
+    url = urlsplit(gateway.url)
+    chat = _chat(stream=False)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Expect: 100-continue\r\n\r\n" % len(chat)
+    )
+    with socket.create_connection((url.hostname, url.port), timeout=HANG_GUARD) as sock:
+        sock.sendall(head)
+        interim = b""
+        while b"\r\n\r\n" not in interim:  # held for a turn, then sent alone
+            data = sock.recv(65536)
+            assert data, "the gateway closed the connection"
+            interim += data
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(chat)
+        answer = interim.partition(b"\r\n\r\n")[2]
+        while b"one two three" not in answer:
+            data = sock.recv(65536)
+            assert data, "the gateway closed the connection"
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 200 OK")
