@@ -55,6 +55,11 @@ request whose engine hit more than the oracle's best, or counted other tokens th
 benchmark's own tokenization of the prompt, is reported on stderr (none is expected: the
 oracle would be wrong).
 
+After the table, each request's TTFT is fitted against its prefill still to do (its prompt's
+tokens its engine did not find cached), a least-squares line over every row, with each row's
+median and mean prefill to do and the oracle's mean: what a router as good as the caches
+allow could show over round robin on these engines, read off the line.
+
 On a shared 2-core VM the client, the gateways and the routers share the cores with the
 engines: figures are indicative.
 
@@ -147,6 +152,9 @@ class Row:
     #: measure's wall time.
     cpu_total: float = 0.0
     wall: float = 0.0
+    #: Each request's prompt tokens the engine did not find cached (its prefill to do)
+    #: and its TTFT in seconds, for `_cost_line`.
+    prefills: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -374,6 +382,7 @@ async def _requests(
                     row.beyond += now_hits - hits > best
                     row.miscounted += now_queries - queries != len(ids)
                     row.ttfts.append(ttft)
+                    row.prefills.append((len(ids) - round(now_hits - hits), ttft))
                     row.tokens += tokens
                     talk.append({"role": "assistant", "content": ANSWER})
             print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
@@ -423,6 +432,40 @@ def _table(rows: list[Row]) -> str:
             f"| {row.tokens / row.seconds:.1f} | {row.cpu / len(values) * 1e3:.1f} ms "
             f"| {between * 1e3:.1f} ms |"
         )
+    return "\n".join(lines)
+
+
+def _cost_line(rows: list[Row]) -> str:
+    """What a cache hit can buy on these engines: TTFT against the prefill still to do
+    (the prompt's tokens its engine did not find cached), a least-squares line over every
+    row's requests; then each row's median prefill to do, and the TTFT p50 the line
+    gives for the oracle's (a router as good as the caches allow), so the best TTFT ratio
+    over round robin this workload can show on these engines is read off the line."""
+    pairs = [pair for row in rows for pair in row.prefills]
+    if len(pairs) < 3 or len({todo for todo, _ in pairs}) < 2:
+        return ""
+    slope, intercept = statistics.linear_regression(
+        [float(todo) for todo, _ in pairs], [ttft * 1e3 for _, ttft in pairs]
+    )
+    r = statistics.correlation([float(t) for t, _ in pairs], [ttft for _, ttft in pairs])
+    lines = [
+        f"\nTTFT against the prefill to do, over all {len(pairs)} requests: "
+        f"{intercept:.0f} ms + {slope * 1e3:.0f} ms per 1,000 uncached tokens (r² {r * r:.2f})",
+        "| row | median prefill to do | mean prefill to do | line at the mean |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        todo = [float(t) for t, _ in row.prefills]
+        mean = statistics.fmean(todo)
+        lines.append(
+            f"| {row.name} | {statistics.median(todo):.0f} | {mean:.0f} "
+            f"| {intercept + slope * mean:.0f} ms |"
+        )
+    oracle = rows[0].prompt_tokens - rows[0].oracle_hits  # the first row's prompts
+    mean = oracle / len(rows[0].prefills)
+    lines.append(
+        f"| oracle (the first row's prompts) | | {mean:.0f} | {intercept + slope * mean:.0f} ms |"
+    )
     return "\n".join(lines)
 
 
@@ -512,6 +555,7 @@ def main() -> None:
     )
     _checks([row for row in rows if not row.missing])
     print(_table(rows))
+    print(_cost_line([row for row in rows if row.prefills]))
 
 
 def _row(name: str, target: Target) -> Row:
