@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +22,8 @@ import pytest
 
 from gateway.protocol import grpc_h2
 from gateway.protocol.grpc_h2 import StreamChannel, grpc_timeout
+from gateway.protocol.tls import client_credentials
+from tests.support.certs import CertificateAuthority, Issued
 from tests.support.servers import ServerLoop
 
 EOF = grpc.aio.EOF
@@ -77,19 +80,33 @@ def _code(number: int) -> tuple[int, str]:
 
 
 @asynccontextmanager
-async def _server(port: int = 0) -> AsyncIterator[tuple[grpc.aio.Server, int, Seen]]:
+async def _server(
+    port: int = 0, tls: grpc.ServerCredentials | None = None
+) -> AsyncIterator[tuple[grpc.aio.Server, int, Seen]]:
+    """A grpc.aio server of the specs' methods; with `tls`, over TLS (`_mutual_tls`)."""
     seen = Seen()
     big = 64 * 1024 * 1024
     server = grpc.aio.server(
         options=[("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)]
     )
     server.add_generic_rpc_handlers((_handlers(seen),))
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    if tls is None:
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+    else:
+        port = server.add_secure_port(f"127.0.0.1:{port}", tls)
     await server.start()
     try:
         yield server, port, seen
     finally:
         await server.stop(None)
+
+
+def _mutual_tls(issued: Issued, client_ca: str) -> grpc.ServerCredentials:
+    """A server's TLS: its certificate, and the CA its clients' certificates must come from."""
+    pair = (Path(issued.key_file).read_bytes(), Path(issued.cert_file).read_bytes())
+    return grpc.ssl_server_credentials(
+        [pair], Path(client_ca).read_bytes(), require_client_auth=True
+    )
 
 
 @asynccontextmanager
@@ -434,6 +451,51 @@ def test_a_silent_worker_and_a_closed_port_are_bounded(run: Any) -> None:
             await _all(channel, "Count", b"1,1,0")
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         await channel.close()
+
+    run(spec)
+
+
+def test_calls_over_mutual_tls_to_a_certificate_of_another_name(run: Any, tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path, "furnace-ca")
+    worker = ca.issue("worker", dns=("engine.furnace.internal",))
+    gateway = ca.issue("gateway", client=True)
+    tls = client_credentials(
+        ca.ca_file, gateway.cert_file, gateway.key_file, "engine.furnace.internal"
+    )
+    assert tls.context is not None
+    served = _mutual_tls(worker, ca.ca_file)
+
+    async def spec() -> None:
+        async with _server(tls=served) as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}", tls.context, tls.server_name)
+            try:
+                got = await _all(channel, "Count", b"20,4,0")
+                assert got == [str(i).encode().ljust(4, b".") for i in range(20)]
+                assert await _all(channel, "Echo", b"x" * 300_000) == [b"x" * 300_000]
+            finally:
+                await channel.close()
+
+    run(spec)
+
+
+def test_a_worker_whose_certificate_is_not_trusted_is_unavailable(run: Any, tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path, "furnace-ca")
+    stranger = CertificateAuthority(tmp_path, "stranger-ca")
+    worker = stranger.issue("worker", ips=("127.0.0.1",))
+    gateway = ca.issue("gateway", client=True)
+    tls = client_credentials(ca.ca_file, gateway.cert_file, gateway.key_file)
+    served = _mutual_tls(worker, ca.ca_file)
+
+    async def spec() -> None:
+        async with _server(tls=served) as (_, port, _seen):
+            channel = StreamChannel(f"127.0.0.1:{port}", tls.context)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await _all(channel, "Count", b"1,1,0")
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "certificate" in (refused.value.details() or "")
+            finally:
+                await channel.close()
 
     run(spec)
 

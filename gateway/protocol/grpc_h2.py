@@ -10,7 +10,8 @@ the same callback. `benchmarks/bench_grpc_stream.py` measures both clients' CPU 
 message against a grpc.aio server in one run.
 
 What it speaks: HTTP/2 over cleartext TCP (prior knowledge, as gRPC does without
-TLS), one connection per worker opened on first use and opened again after it is
+TLS) or over TLS (the worker must agree to `h2` by ALPN, as gRPC servers do), one
+connection per worker opened on first use and opened again after it is
 lost or the worker sends GOAWAY; request headers and a unary request body out (DATA
 frames under the worker's flow-control windows and frame size), length-prefixed
 messages in, the status from the trailers (or a trailers-only answer, or an HTTP
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -705,15 +707,21 @@ def _keepalive(sock: socket.socket) -> None:
 
 
 class StreamChannel:
-    """Server-streaming gRPC calls to one cleartext `host:port`, on one connection at
-    a time; it opens the connection on first use and again after one is lost."""
+    """Server-streaming gRPC calls to one `host:port`, on one connection at a time; it
+    opens the connection on first use and again after one is lost. With `tls`, over
+    TLS, the worker's certificate checked for `server_name` (None: the host)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self, address: str, tls: ssl.SSLContext | None = None, server_name: str | None = None
+    ) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or "/" in host or host.startswith("unix:"):
             raise ValueError(f"not a host:port address: {address!r}")
         self.address = address
         self._host, self._port = host.strip("[]"), int(port)
+        self._tls = tls
+        self._server_name = (server_name or self._host) if tls is not None else None
+        self._scheme = "http" if tls is None else "https"
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
         self._old: set[_Connection] = set()  # draining after a GOAWAY, until they close
@@ -734,7 +742,7 @@ class StreamChannel:
         (None: a subscription, no deadline, its connect bounded by `CONNECT_TIMEOUT`)."""
         headers = [
             (":method", "POST"),
-            (":scheme", "http"),
+            (":scheme", self._scheme),
             (":path", method),
             (":authority", self.address),
             ("content-type", "application/grpc"),
@@ -786,9 +794,18 @@ class StreamChannel:
     async def _connect(self) -> _Connection:
         try:
             loop = asyncio.get_running_loop()
-            _, conn = await loop.create_connection(
-                lambda: _Connection(self), self._host, self._port
+            transport, conn = await loop.create_connection(
+                lambda: _Connection(self),
+                self._host,
+                self._port,
+                ssl=self._tls,
+                server_hostname=self._server_name,
             )
+            if self._tls is not None:
+                agreed = transport.get_extra_info("ssl_object").selected_alpn_protocol()
+                if agreed != "h2":
+                    conn.close()
+                    raise OSError(f"the worker did not agree to HTTP/2 over TLS (ALPN {agreed})")
             if self._closed:
                 conn.close()
             else:

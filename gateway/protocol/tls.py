@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,14 @@ FilesStamp = tuple[tuple[int, int, int] | None, ...]
 
 @dataclass(frozen=True)
 class WorkerCredentials:
-    """What a secure channel to a worker needs: credentials and channel options."""
+    """What a secure channel to a worker needs: credentials and channel options; and
+    the same as an `ssl` context (`context`, with `server_name`) for the gateway's own
+    HTTP/2 client (`gateway.protocol.grpc_h2`), None where the files make none."""
 
     credentials: grpc.ChannelCredentials
     options: tuple[tuple[str, str], ...] = ()
+    context: ssl.SSLContext | None = None
+    server_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,17 @@ def client_credentials(
         certificate_chain=_read(cert_file),
     )
     options = () if server_name is None else (("grpc.ssl_target_name_override", server_name),)
-    return WorkerCredentials(credentials, options)
+    context: ssl.SSLContext | None = None
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+        if cert_file is not None:
+            context.load_cert_chain(cert_file, key_file)
+        context.set_alpn_protocols(["h2"])  # gRPC's servers speak HTTP/2 only after it
+    except (OSError, ValueError) as error:
+        # gRPC reads the same bytes only at a handshake, and fails the calls then
+        log.warning("worker TLS: %s; vllm-grpc streams stay on grpc.aio", error)
+        context = None
+    return WorkerCredentials(credentials, options, context, server_name)
 
 
 def files_stamp(*paths: str | None) -> FilesStamp:

@@ -47,8 +47,8 @@ directly. `Generate`'s stream is read by the gateway's own HTTP/2 client on the 
 handed to the loop by its poller thread, two wake-ups a token; ours is parsed in the
 transport's callback (`benchmarks/bench_grpc_stream.py`: half grpc.aio's CPU a message at
 one stream, under 0.4x at eight), and so is `SubscribeKvEvents` (a message a scheduler
-step). The unary calls (model info, health, loads, Abort, Embed) stay on grpc.aio, as does
-everything over TLS.
+step), in cleartext or over TLS (`worker_tls`: the same files, read by the `ssl`
+module). The unary calls (model info, health, loads, Abort, Embed) stay on grpc.aio.
 """
 
 from __future__ import annotations
@@ -538,12 +538,15 @@ class VllmGrpcUpstream:
         self.tool_call_parser = tool_call_parser
         self._channel = open_channel(address, credentials)
         #: Generate's streams, read on the loop (`gateway.protocol.grpc_h2`): half
-        #: grpc.aio's CPU a token. Over TLS, and to an address that is not host:port
-        #: (a `dns:///` target), they stay on the grpc.aio channel.
+        #: grpc.aio's CPU a token. To an address that is not host:port (a `dns:///`
+        #: target), or TLS files the `ssl` module cannot read, they stay on the
+        #: grpc.aio channel.
         self._streams: StreamChannel | None = None
-        if credentials is None:
+        if credentials is None or credentials.context is not None:
+            tls = None if credentials is None else credentials.context
+            name = None if credentials is None else credentials.server_name
             with contextlib.suppress(ValueError):
-                self._streams = StreamChannel(address)
+                self._streams = StreamChannel(address, tls, name)
         self.stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.GetModelInfoResponse | None = None
