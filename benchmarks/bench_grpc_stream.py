@@ -7,9 +7,11 @@ token's message of vLLM's) paced like an engine's steps (`--interval`, 10 ms by
 default), to 1 and to 8 concurrent streams; each client runs on uvloop, as the
 gateway does, and counts its process's CPU over the whole run. At one stream most of
 a message's cost is waking the loop after the pause (a bare asyncio read of the same
-pacing is printed as the floor); at eight the wake-ups are shared.
+pacing is printed as the floor); at eight the wake-ups are shared. With `--tls` the
+server serves TLS (a certificate of a CA made for the run) and both clients trust it, as
+with `worker_tls`.
 
-    .venv/bin/python -m benchmarks.bench_grpc_stream [--messages 64] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_grpc_stream [--messages 64] [--rounds 3] [--tls]
 """
 
 from __future__ import annotations
@@ -21,21 +23,24 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import uvloop
 
 from gateway.protocol.grpc_h2 import ServerStream, StreamChannel
+from gateway.protocol.tls import WorkerCredentials, client_credentials
 
 METHOD = "/bench.Stream/Tokens"
 PAYLOAD = b"\x12\x1c" + b"x" * 28
 
 
-def serve(port: int, messages: int, interval: float) -> None:
-    """The paced grpc.aio server (run in a child process)."""
+def serve(port: int, messages: int, interval: float, cert: str = "", key: str = "") -> None:
+    """The paced grpc.aio server (run in a child process); over TLS with `cert`."""
 
     async def tokens(request: bytes, context: Any) -> AsyncIterator[bytes]:
         for _ in range(messages):
@@ -48,7 +53,11 @@ def serve(port: int, messages: int, interval: float) -> None:
             "bench.Stream", {"Tokens": grpc.unary_stream_rpc_method_handler(tokens)}
         )
         server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        if cert:
+            pair = (Path(key).read_bytes(), Path(cert).read_bytes())  # noqa: ASYNC240
+            server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([pair]))
+        else:
+            server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
 
@@ -73,14 +82,22 @@ async def _measure(
     return total, time.process_time() - begin
 
 
-async def _aio(address: str, streams: int, requests: int) -> tuple[int, float]:
-    async with grpc.aio.insecure_channel(address) as channel:
+Tls = WorkerCredentials | None
+
+
+async def _aio(address: str, tls: Tls, streams: int, requests: int) -> tuple[int, float]:
+    channel = (
+        grpc.aio.insecure_channel(address)
+        if tls is None
+        else grpc.aio.secure_channel(address, tls.credentials, tls.options)
+    )
+    async with channel:
         method: Any = channel.unary_stream(METHOD)
         return await _measure(lambda: method(b""), streams, requests)
 
 
-async def _native(address: str, streams: int, requests: int) -> tuple[int, float]:
-    channel = StreamChannel(address)
+async def _native(address: str, tls: Tls, streams: int, requests: int) -> tuple[int, float]:
+    channel = StreamChannel(address, None if tls is None else tls.context)
     try:
         return await _measure(
             lambda: channel.unary_stream(METHOD, b"", bytes, 60.0), streams, requests
@@ -138,16 +155,32 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.01, help="seconds between them")
     parser.add_argument("--requests", type=int, default=6, help="calls a client, per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tls", action="store_true", help="the calls over TLS")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        tls, served = _certificates(Path(folder)) if args.tls else (None, ("", ""))
+        _run(args, tls, served)
+
+
+def _certificates(folder: Path) -> tuple[WorkerCredentials, tuple[str, str]]:
+    """The clients' TLS and the server's certificate and key, of a CA made for the run."""
+    from tests.support.certs import CertificateAuthority
+
+    ca = CertificateAuthority(folder, "bench-ca")
+    server = ca.issue("server", ips=("127.0.0.1",))
+    return client_credentials(ca.ca_file), (server.cert_file, server.key_file)
+
+
+def _run(args: argparse.Namespace, tls: Tls, served: tuple[str, str]) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = (
         "import sys; from benchmarks.bench_grpc_stream import serve; "
-        "serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))"
+        "serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:])"
     )
     server = subprocess.Popen(
-        [sys.executable, "-c", code, str(port), str(args.messages), str(args.interval)]
+        [sys.executable, "-c", code, str(port), str(args.messages), str(args.interval), *served]
     )
     address = f"127.0.0.1:{port}"
     try:
@@ -156,7 +189,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for streams in (1, 8):
                 for name, client in CLIENTS.items():
-                    total, cpu = uvloop.run(client(address, streams, args.requests))
+                    total, cpu = uvloop.run(client(address, tls, streams, args.requests))
                     results.setdefault((name, streams), []).append(cpu / total * 1e6)
             reads, cpu = bare(args.messages * args.requests, args.interval)
             results.setdefault(("bare asyncio read", 1), []).append(cpu / reads * 1e6)
@@ -164,7 +197,8 @@ def main() -> None:
         server.terminate()
         server.wait()
     print(f"{args.messages} messages a stream, one every {args.interval * 1000:g} ms, ", end="")
-    print(f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
+    print(f"{args.rounds} rounds, {'TLS' if tls else 'cleartext'}, ", end="")
+    print(f"load {os.getloadavg()[0]:.1f}")
     print("| client | streams | CPU µs a message, median | rounds |")
     print("| --- | ---: | ---: | --- |")
     for (name, streams), values in results.items():
