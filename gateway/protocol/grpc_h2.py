@@ -447,13 +447,20 @@ class _Connection(asyncio.Protocol):
         while block:
             piece, block = block[: self._peer_frame], block[self._peer_frame :]
             frames.append(_frame(_CONTINUATION, 0 if block else _END_HEADERS, stream_id, piece))
-        self.transport.write(b"".join(frames))
         self._blocked[stream_id] = call
-        self._push(call)
+        # the headers and what the windows allow of the body: one write, not two
+        self.transport.write(b"".join(frames + self._body_frames(call)))
 
     def _push(self, call: StreamCall[Any]) -> None:
         """Sends what the windows allow of `call`'s body; the last frame ends the stream."""
         assert self.transport is not None
+        frames = self._body_frames(call)
+        if frames:
+            self.transport.write(b"".join(frames))
+
+    def _body_frames(self, call: StreamCall[Any]) -> list[bytes]:
+        """The DATA frames of what the windows allow of `call`'s body, counted as sent;
+        the last one ends the stream."""
         body = call.pending_body()
         frames = []
         while True:
@@ -469,8 +476,7 @@ class _Connection(asyncio.Protocol):
             if last:
                 del self._blocked[call.id]
                 break
-        if frames:
-            self.transport.write(b"".join(frames))
+        return frames
 
     def give_back(self, call: StreamCall[Any]) -> None:
         owed = call.owed()
