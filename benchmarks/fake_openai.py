@@ -42,13 +42,37 @@ MODEL = "fake-engine"
 MAX_MODEL_LEN = 4096
 
 
+class Steps:
+    """An engine's steps, `step` seconds apart, shared by the streams as a batch shares
+    them: those waiting for the next one wake together (also `fake_vllm_grpc`'s)."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self._stepping: list[asyncio.Future[None]] = []  # the streams waiting for the step
+
+    def next(self) -> asyncio.Future[None]:
+        """Done at the engine's next step."""
+        loop = asyncio.get_running_loop()
+        if not self._stepping:
+            loop.call_later(self.step, self._stepped)
+        waiter = loop.create_future()
+        self._stepping.append(waiter)
+        return waiter
+
+    def _stepped(self) -> None:
+        waiters, self._stepping = self._stepping, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 class Engine:
     """The answers' constant parts, built once for the model name."""
 
     def __init__(self, model: str, step: float = 0.0) -> None:
         name = orjson.dumps(model)
         self.step = step  # seconds between two tokens (0: a turn of the loop)
-        self._stepping: list[asyncio.Future[None]] = []  # the streams waiting for the step
+        self._steps = Steps(step)
         self.chat_head = (
             b'data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,'
             b'"model":' + name + b',"choices":[{"index":0,"delta":{"content":'
@@ -83,20 +107,7 @@ class Engine:
     def next_step(self) -> asyncio.Future[None] | None:
         """Done at the engine's next step, which every stream waiting for it shares (a
         batch: their tokens go out together, as vLLM's do); None without `step`."""
-        if not self.step:
-            return None
-        loop = asyncio.get_running_loop()
-        if not self._stepping:
-            loop.call_later(self.step, self._stepped)
-        waiter = loop.create_future()
-        self._stepping.append(waiter)
-        return waiter
-
-    def _stepped(self) -> None:
-        waiters, self._stepping = self._stepping, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        return self._steps.next() if self.step else None
 
 
 def _chunk(data: bytes) -> bytes:

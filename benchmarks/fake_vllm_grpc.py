@@ -5,7 +5,8 @@ step; `--tokens-per-chunk` N after the first, as vLLM's `--stream-interval N`) e
 `--step-ms` milliseconds a token, the tokens of a fixed English text encoded with the
 model's own tokenizer (so the gateway's detokenizer and stop matching see real text),
 until `max_tokens`; then a `complete` with finish reason `length`. `GetModelInfo`,
-`HealthCheck`, `GetLoads`, `Abort` and `grpc.health.v1` answer as vLLM's do.
+`HealthCheck`, `GetLoads`, `Abort` and `grpc.health.v1` answer as vLLM's do. The streams
+share the steps, as a batch does: their tokens of a step go out together.
 
 Not an engine: the prompt's ids are only counted. Used by `benchmarks/profile_gateway.py`.
 
@@ -16,7 +17,6 @@ Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -28,6 +28,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
+
+from benchmarks.fake_openai import Steps
 
 TEXT = (
     "The gateway renders the chat template, tokenizes the prompt and streams the answer "
@@ -44,6 +46,7 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
     ) -> None:
         self.ids, self.eos, self.step, self.per_chunk = ids, eos, step, per_chunk
         self.model_dir, self.name = model
+        self.steps = Steps(step)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: object
@@ -57,7 +60,8 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
             tokens = ids[sent : sent + (self.per_chunk if sent else 1)]
             sent += len(tokens)
             if self.step:
-                await asyncio.sleep(self.step * len(tokens))
+                for _ in tokens:
+                    await self.steps.next()
             chunk = pb.GenerateStreamChunk(
                 token_ids=tokens, prompt_tokens=prompt, completion_tokens=sent
             )
