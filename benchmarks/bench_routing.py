@@ -1,6 +1,8 @@
 """Benchmark: routing policies on real vLLM CPU workers (issue 26), one run, every row
 interleaved. Two (`--workers`) vLLM servers, each pinned to a core of its own (vLLM's
-`VLLM_CPU_OMP_THREADS_BIND`), prefix caching and KV-cache events on, serving a random-weight
+`VLLM_CPU_OMP_THREADS_BIND`; with more workers than cores, engine i on core i mod cores:
+requests go one at a time, so only one engine computes at a time), prefix caching and
+KV-cache events on, serving a random-weight
 model the benchmark builds (`--size`, hidden size and layers: at 256x4 a cold 2,000-token
 prefill measured 2.7-4.3 s here, a cached one 0.4-0.6 s).
 
