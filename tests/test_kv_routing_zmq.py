@@ -9,6 +9,8 @@ never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -417,3 +419,48 @@ def test_a_replay_that_never_ends_or_never_answers_is_cut(
     assert len(seen) <= 2 * 10 + 1
     why = "within" if answer is None else "past 10 messages"
     assert any(why in r.getMessage() for r in caplog.records)
+
+
+def test_a_publisher_flooding_with_oversized_frames_never_aborts_the_process() -> None:
+    """A publisher sending without pause, an oversized frame now and then: each refusal
+    drops the connection, and the subscriber goes on with a socket of its own, never
+    reading the old one again (reading a socket after zmq_disconnect with messages queued
+    aborted the whole process in libzmq's fq.cpp, `!_more`, within a second or two here)."""
+    payload = msgpack.packb([1.7e9, [], 0])
+    stop = False
+
+    def flood(pub: zmq.Socket[bytes]) -> None:
+        sequence = 0
+        while not stop:
+            sequence += 1
+            if sequence % 2000 == 0:
+                pub.send_multipart([b"", b"\0" * 8, b"\0" * (MAX_MESSAGE_BYTES + 1)])
+            pub.send_multipart([b"", sequence.to_bytes(8, "big"), payload])
+            if sequence % 100 == 0:
+                time.sleep(0.001)
+
+    async def scenario(endpoint: str) -> tuple[int, int]:
+        subscriber = ZmqKvSubscriber(endpoint)
+        batches = subscriber.batches()
+        resets = received = 0
+        try:
+            while resets < 20:
+                batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
+                resets += batch.reset
+                received += 1
+            return resets, received
+        finally:
+            await batches.aclose()
+
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    sender = threading.Thread(target=flood, args=(pub,))
+    sender.start()
+    try:
+        resets, received = asyncio.run(scenario(endpoint))
+    finally:
+        stop = True
+        sender.join(HANG_GUARD)
+        pub.close(linger=0)
+    assert resets == 20 and received > resets

@@ -202,17 +202,8 @@ class ZmqKvSubscriber:
     async def batches(self) -> AsyncGenerator[KvBatch]:
         """The publisher's batches as they come, until closed (ZMQ reconnects by
         itself: the stream never ends on its own)."""
-        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        socket, monitor, poller = self._subscribe()
         try:
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SUBSCRIBE, b"")
-            socket.connect(self.endpoint)
-            poller = zmq.asyncio.Poller()
-            poller.register(socket, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
             last: int | None = None
             #: The last number a replay brought: live messages up to it are not new.
             replayed: int | None = None
@@ -222,9 +213,12 @@ class ZmqKvSubscriber:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     self.connected = event == zmq.EVENT_CONNECTED
                     if event == zmq.EVENT_DISCONNECTED:
-                        # libzmq does not connect again by itself after it refused a frame
-                        socket.disconnect(self.endpoint)
-                        socket.connect(self.endpoint)
+                        # a socket of its own for the next connection: libzmq does not
+                        # connect again by itself after it refused a frame, and reading a
+                        # socket after zmq_disconnect can abort the process (libzmq
+                        # #2163: a message whose pipe went mid-read asserts in fq.cpp)
+                        _close(socket, monitor)
+                        socket, monitor, poller = self._subscribe()
                         if last is not None:  # the engine may be gone, or its messages lost
                             yield KvBatch(last, (), True)
                             last = replayed = None
@@ -257,9 +251,22 @@ class ZmqKvSubscriber:
                 yield KvBatch(sequence, events, reset, None, stamp)
         finally:
             self.connected = False
-            socket.disable_monitor()
-            monitor.close(linger=0)
-            socket.close(linger=0)
+            _close(socket, monitor)
+
+    def _subscribe(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Poller]:
+        """A SUB socket connecting to the publisher, bounded, its monitor, and a poller
+        of both."""
+        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return socket, monitor, poller
 
     def _may_replay(self) -> bool:
         """A gap's replay: given a socket, and none in the last `REPLAY_WAIT` seconds."""
@@ -306,3 +313,9 @@ class ZmqKvSubscriber:
         if now - self._warned_at >= WARN_EVERY:
             self._warned_at = now
             log.warning("KV events from %s: %s", self.endpoint, what)
+
+
+def _close(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=0)
