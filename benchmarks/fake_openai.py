@@ -6,7 +6,9 @@ It echoes the words of the last message (or of the completion prompt), at most
 in its own send on its own turn of the loop, as an engine that emits a token per
 step does; then the finish chunk, the usage chunk (with `stream_options.include_usage`)
 and `[DONE]`. A chat answer opens with vLLM's chunk of the role and empty content,
-and its chunks are spelled as vLLM's (`"logprobs":null`). With `--step-ms` a token
+written with the first token as vLLM's server writes it (the head goes out at once, the
+role when the engine's first output comes), and its chunks are spelled as vLLM's
+(`"logprobs":null`). With `--step-ms` a token
 goes out every that many milliseconds, as a real engine's steps pace them: a gateway
 then reads about one event a read, as it does in front of vLLM, where without it
 (as fast as the loop turns) one read carries many and hides the cost of each. The
@@ -254,7 +256,9 @@ class EngineProtocol(asyncio.Protocol):
         head, tail = (
             (engine.chat_head, engine.chat_tail) if chat else (engine.text_head, engine.text_tail)
         )
-        transport.write(STREAM_HEAD + engine.chat_role if chat else STREAM_HEAD)
+        transport.write(STREAM_HEAD)
+        # vLLM's role chunk leaves with its first token (its first engine output)
+        opening = engine.chat_role if chat else b""
         if wait:
             await asyncio.sleep(wait)
         for i, word in enumerate(words):
@@ -268,7 +272,8 @@ class EngineProtocol(asyncio.Protocol):
             if transport.is_closing():
                 return
             token = word if i == 0 else " " + word
-            transport.write(_chunk(head + orjson.dumps(token) + tail))
+            transport.write(opening + _chunk(head + orjson.dumps(token) + tail))
+            opening = b""
         await asyncio.sleep(0)
         finish = (
             b'{"index":0,"delta":{},"finish_reason":%s}' % reason
@@ -280,7 +285,7 @@ class EngineProtocol(asyncio.Protocol):
         if options.get("include_usage"):
             ending.append(b'data: {"id":"fake","model":"x","choices":[],"usage":%s}\n\n' % usage)
         if not transport.is_closing():
-            transport.write(b"".join(_chunk(e) for e in ending) + DONE)
+            transport.write(opening + b"".join(_chunk(e) for e in ending) + DONE)
 
 
 async def serve(host: str, port: int, model: str, step_ms: float = 0.0) -> None:
