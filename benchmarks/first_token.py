@@ -1,26 +1,37 @@
-"""Where furnace-gateway's time to first token goes on the `vllm-grpc` path: one request
-at a time against a real vLLM gRPC server (its CPU build, the tiny model), each step of the
-request inside the gateway timed, beside a raw grpc.aio client's time to first text for the
-same prompt, alternating with it in the same run.
+"""Where furnace-gateway's time to first token goes: one request at a time, each step
+of the request inside the gateway timed, beside a raw client's time to first text for
+the same prompt, alternating with it in the same run. Two paths (`--path`):
+
+- `grpc` (the default): `upstream: vllm-grpc` in front of vLLM's gRPC server, beside a
+  raw grpc.aio client sending the token ids (the steps: the worker picked, the call's
+  start, the model's info, the template rendered, the prompt tokenized, the gRPC call
+  made, the engine's first message, the message with the first text);
+- `http`: `upstream: openai` in front of vLLM's OpenAI server, beside a streamed chat
+  sent to that server directly (the steps: the worker picked, the request built and
+  written on the kept-alive connection, the engine's first read, the read with the
+  first text).
+
+Both share the edge's steps: the request's first bytes read, its head parsed, the app
+called, the body read and parsed, admitted, the fleet's try; then the response's head and
+the first text's SSE write. With `--stand-in STEP_MS` the engine is `bench_vllm`'s
+stand-in (a token each STEP_MS, almost no CPU), so the gateway's own work is what is
+left.
 
 The gateway runs as `python -m benchmarks.first_token serve --config FILE`: `gateway serve`
 with the steps of its first-token path wrapped to note the time (`time.monotonic_ns`, one
 clock for every process of the machine, so the client's and the gateway's marks line up)
 and the process's CPU (`time.process_time_ns`, every thread, gRPC's own too) at some of
-them; each request's marks go to `$FIRST_TOKEN_MARKS` as a JSON line. The steps: the
-request's first bytes read, its head parsed, the app called, the body read and parsed,
-admitted, the fleet's try, the worker picked, the call's start, the model's info, the
-template rendered, the prompt tokenized, the gRPC call made, the engine's first message,
-the message with the first text, the `Started` out of the fleet, the response's head and
-the first text's SSE write. The wrappers cost a few µs a step.
+them; each request's marks go to `$FIRST_TOKEN_MARKS` as a JSON line. The wrappers cost a
+few µs a step.
 
 On a 2-core machine vLLM's CPU build runs its forward passes on both cores (OpenMP), so
 any CPU another process takes while the engine works delays the engine's steps: the
 gateway's CPU between the call and the first text is time added to the first token, not
 only its own wall time before the call.
 
-Run: `.venv/bin/python -m benchmarks.first_token [--requests N]` (about 2 minutes on a
-quiet 2-core machine, most of it vLLM's start). Not collected by pytest.
+Run: `.venv/bin/python -m benchmarks.first_token [--path grpc|http] [--stand-in STEP_MS]
+[--requests N]` (about 2 minutes on a quiet 2-core machine against vLLM, most of it
+vLLM's start; under a minute against a stand-in). Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -43,10 +54,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MARKS_ENV = "FIRST_TOKEN_MARKS"
+PATH_ENV = "FIRST_TOKEN_PATH"
 #: The marks at which the gateway's CPU is read too.
 CPU_AT = ("recv", "app", "tokenized", "call_made", "msg1", "resp_start", "msg_text", "sse_sent")
-#: The steps reported, in the order of a request (a pair of marks each).
-STEPS = (
+#: The edge's steps, on both paths (a pair of marks each).
+EDGE_STEPS = (
     ("t0", "recv", "client's write, loopback, the loop's wake-up"),
     ("recv", "head", "head parsed (httptools)"),
     ("head", "app", "uvicorn's task to the route"),
@@ -55,16 +67,30 @@ STEPS = (
     ("parsed", "admitted", "limits, admission"),
     ("admitted", "try", "the fleet's start"),
     ("try", "picked", "routing, pick"),
-    ("picked", "start", "call object, first read"),
-    ("start", "model_info", "choices, model info (cached)"),
-    ("model_info", "rendered", "chat template"),
-    ("rendered", "tokenized", "tokenizing"),
-    ("tokenized", "call_made", "message, grpc.aio call made"),
-    ("call_made", "msg1", "engine: prefill, first message"),
-    ("msg1", "msg_text", "engine: messages up to the first text"),
-    ("msg_text", "sse_sent", "Started, reader, head, first SSE write"),
-    ("sse_sent", "text", "client reads the text"),
 )
+#: The steps reported, in the order of a request, by path.
+STEPS = {
+    "grpc": (
+        *EDGE_STEPS,
+        ("picked", "start", "call object, first read"),
+        ("start", "model_info", "choices, model info (cached)"),
+        ("model_info", "rendered", "chat template"),
+        ("rendered", "tokenized", "tokenizing"),
+        ("tokenized", "call_made", "message, grpc.aio call made"),
+        ("call_made", "msg1", "engine: prefill, first message"),
+        ("msg1", "msg_text", "engine: messages up to the first text"),
+        ("msg_text", "sse_sent", "Started, reader, head, first SSE write"),
+        ("sse_sent", "text", "client reads the text"),
+    ),
+    "http": (
+        *EDGE_STEPS,
+        ("picked", "call_made", "request built, written on a kept-alive connection"),
+        ("call_made", "msg1", "engine: its first read (the response's head)"),
+        ("msg1", "msg_text", "engine: prefill, the read with the first text"),
+        ("msg_text", "sse_sent", "parsed, Started, head, first SSE write"),
+        ("sse_sent", "text", "client reads the text"),
+    ),
+}
 
 
 # --- inside the gateway --------------------------------------------------------------------
@@ -121,14 +147,11 @@ def _wrap(owner: Any, attribute: str, marks: Marks, before: str = "", after: str
     setattr(owner, attribute, timed)
 
 
-def instrument(marks: Marks) -> None:
-    """Wraps the steps of the first-token path of chat completions on `vllm-grpc`."""
+def instrument(marks: Marks, path: str) -> None:
+    """Wraps the steps of the first-token path of chat completions on `path`."""
     from gateway import fleet
     from gateway.edge import http_protocol, request
     from gateway.edge.openai import generation
-    from gateway.protocol.types import Text
-    from gateway.tokenization import tokenizer
-    from gateway.upstreams import vllm_grpc
 
     protocol = http_protocol.GuardedHttpProtocol
     data_received, headers_complete = protocol.data_received, protocol.on_headers_complete
@@ -154,7 +177,7 @@ def instrument(marks: Marks) -> None:
         async def timed_send(message: Any) -> None:
             if message["type"] == "http.response.start":
                 marks.mark("resp_start")
-            elif b'"content"' in message.get("body", b""):
+            elif (body := message.get("body", b"")).count(_HAS_TEXT) > body.count(_NO_TEXT):
                 await send(message)
                 marks.mark("sse_sent")
                 return
@@ -170,6 +193,21 @@ def instrument(marks: Marks) -> None:
     _wrap(generation.GenerationRoute, "parse_body", marks, after="parsed")
     _wrap(generation.GenerationRoute, "_serve", marks, before="admitted")
     _wrap(fleet.Fleet, "_try", marks, before="try", after="started")
+    (_instrument_grpc if path == "grpc" else _instrument_http)(marks)
+
+
+#: What a chunk with text (not the role's empty content) holds, in the gateway's
+#: answer and in an OpenAI server's.
+_HAS_TEXT = b'"content":"'
+_NO_TEXT = b'"content":""'
+
+
+def _instrument_grpc(marks: Marks) -> None:
+    """The `vllm-grpc` upstream's steps."""
+    from gateway.protocol.types import Text
+    from gateway.tokenization import tokenizer
+    from gateway.upstreams import vllm_grpc
+
     _wrap(vllm_grpc.VllmGrpcUpstream, "call", marks, before="picked")
     _wrap(vllm_grpc.VllmGrpcCall, "_start", marks, before="start", after="call_made")
     _wrap(vllm_grpc.VllmGrpcUpstream, "model_info", marks, after="model_info")
@@ -187,9 +225,27 @@ def instrument(marks: Marks) -> None:
     vllm_grpc.VllmGrpcCall._take = taken  # type: ignore[method-assign]
 
 
+def _instrument_http(marks: Marks) -> None:
+    """The `openai` upstream's steps, on its raw HTTP/1.1 connections."""
+    from gateway.protocol import http1
+    from gateway.upstreams.openai_http import upstream
+
+    _wrap(upstream.OpenAIHttpUpstream, "call", marks, before="picked")
+    _wrap(http1.Connection, "send", marks, after="call_made")
+    read = http1.Connection.data_received
+
+    def read_timed(self: Any, data: bytes) -> None:
+        marks.mark("msg1")
+        if data.count(_HAS_TEXT) > data.count(_NO_TEXT):
+            marks.mark("msg_text")
+        read(self, data)
+
+    http1.Connection.data_received = read_timed  # type: ignore[method-assign]
+
+
 def serve(argv: list[str]) -> None:
     """`gateway serve`, instrumented."""
-    instrument(Marks(Path(os.environ[MARKS_ENV])))
+    instrument(Marks(Path(os.environ[MARKS_ENV])), os.environ.get(PATH_ENV, "grpc"))
     from gateway.cli import main
 
     main(["serve", *argv])
@@ -222,11 +278,12 @@ async def _raw(stub: Any, ids: list[int], tokenizer: Any) -> dict[str, int]:
     return marks
 
 
-async def _through(client: Any, url: str) -> dict[str, int]:
-    """A streamed chat completion through a gateway: its start and first text."""
+async def _through(client: Any, url: str, extra: Any = None) -> dict[str, int]:
+    """A streamed chat completion to `url` (a gateway, or the OpenAI server directly):
+    its start and first text (`extra`: fields of the request)."""
     from benchmarks.bench_vllm import chat_body
 
-    body = chat_body()
+    body = chat_body(extra)
     marks = {"t0": time.monotonic_ns()}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         async for line in response.aiter_lines():
@@ -235,8 +292,11 @@ async def _through(client: Any, url: str) -> dict[str, int]:
     return marks
 
 
-async def measure(address: str, url: str, model_dir: Path, requests: int) -> list[Any]:
-    """`requests` pairs (raw, through the gateway), after 3 to warm up."""
+async def measure(
+    path: str, engine: str, url: str, model_dir: Path, requests: int, extra: Any = None
+) -> list[Any]:
+    """`requests` pairs (raw, through the gateway), after 3 to warm up; the raw client
+    is grpc.aio at `engine` (an address) or a streamed chat to `engine` (a URL)."""
     import grpc
     import httpx
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
@@ -249,19 +309,22 @@ async def measure(address: str, url: str, model_dir: Path, requests: int) -> lis
     ids = tokenizer.prompt_ids(None, [Message(m["role"], m["content"]) for m in MESSAGES])
     pairs = []
     async with (
-        grpc.aio.insecure_channel(address) as channel,
+        grpc.aio.insecure_channel(engine) as channel,
         httpx.AsyncClient(timeout=120) as client,
     ):
         stub = pb_grpc.VllmEngineStub(channel)
         for i in range(requests + 3):
-            raw = await _raw(stub, ids, tokenizer)
-            through = await _through(client, url)
+            if path == "grpc":
+                raw = await _raw(stub, ids, tokenizer)
+            else:
+                raw = await _through(client, engine, extra)
+            through = await _through(client, url, extra)
             if i >= 3:
                 pairs.append((raw, through))
     return pairs
 
 
-def report(pairs: list[Any], inside: list[dict[str, int]]) -> None:
+def report(path: str, pairs: list[Any], inside: list[dict[str, int]]) -> None:
     """Each step's median, the TTFTs and the gateway's CPU by stretch."""
 
     def us(values: list[float]) -> str:
@@ -271,10 +334,10 @@ def report(pairs: list[Any], inside: list[dict[str, int]]) -> None:
         {**marks, "t0": through["t0"], "text": through["text"]}
         for (_, through), marks in zip(pairs, inside, strict=True)
     ]
-    print(f"\n{len(pairs)} requests, one at a time; medians\n")
+    print(f"\n{path}: {len(pairs)} requests, one at a time; medians\n")
     print("| step | what | p50 |")
     print("| --- | --- | --- |")
-    for start, end, what in STEPS:
+    for start, end, what in STEPS[path]:
         values = [m[end] - m[start] for m in joined if start in m and end in m]
         print(f"| {start} → {end} | {what} | {us(values)} |")
     raw_ttft = [r["text"] - r["t0"] for r, _ in pairs]
@@ -283,11 +346,12 @@ def report(pairs: list[Any], inside: list[dict[str, int]]) -> None:
         f"\nraw client TTFT {us(raw_ttft)}, through the gateway {us(gateway_ttft)}, "
         f"added (paired) {us([g - r for g, r in zip(gateway_ttft, raw_ttft, strict=True)])}"
     )
-    print(
-        f"raw client to its first message {us([r['msg1'] - r['t0'] for r, _ in pairs])}, "
-        f"first message to text {us([r['text'] - r['msg1'] for r, _ in pairs])}, "
-        f"its CPU to the first text {us([r['cpu_text'] - r['cpu_t0'] for r, _ in pairs])}"
-    )
+    if path == "grpc":
+        print(
+            f"raw client to its first message {us([r['msg1'] - r['t0'] for r, _ in pairs])}, "
+            f"first message to text {us([r['text'] - r['msg1'] for r, _ in pairs])}, "
+            f"its CPU to the first text {us([r['cpu_text'] - r['cpu_t0'] for r, _ in pairs])}"
+        )
 
     def cpu(a: str, b: str) -> str:
         values = [
@@ -295,9 +359,11 @@ def report(pairs: list[Any], inside: list[dict[str, int]]) -> None:
         ]
         return f"{a} → {b} {us(values).strip()}"
 
-    stretches = [("recv", "call_made"), ("call_made", "msg1"), ("msg1", "msg_text")]
-    stretches += [("msg_text", "sse_sent"), ("recv", "sse_sent")]
+    stretches = [("recv", "app"), ("recv", "call_made"), ("call_made", "msg1")]
+    stretches += [("msg1", "msg_text"), ("msg_text", "sse_sent"), ("recv", "sse_sent")]
     print("gateway CPU: " + ", ".join(cpu(a, b) for a, b in stretches))
+    wall = [m["call_made"] - m["recv"] for m in joined if "call_made" in m]
+    print(f"gateway wall time from the request's bytes to the call made: {us(wall).strip()}")
 
 
 def main() -> None:
@@ -305,14 +371,21 @@ def main() -> None:
         serve(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--requests", type=int, default=40, help="requests of each kind")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--stand-in",
+        type=float,
+        metavar="STEP_MS",
+        help="front bench_vllm's stand-in of the engine, a token every STEP_MS ms",
+    )
     args = parser.parse_args()
 
     import yaml
 
     from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop
-    from benchmarks.bench_vllm import MODEL, STARTUP_TIMEOUT
+    from benchmarks.bench_vllm import MODEL, STARTUP_TIMEOUT, Engine
     from tests.support import vllm as vllm_support
     from tests.support.processes import free_port
 
@@ -320,21 +393,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="first-token-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = vllm_support.build_vllm_model(work / "model")
-        print("starting vLLM's gRPC server", file=sys.stderr, flush=True)
-        vllm = vllm_support.start_grpc_server(model_dir, work, ("--served-model-name", MODEL))
-        stack.callback(vllm.stop)
-        address, port = f"127.0.0.1:{vllm.port}", free_port()
-        model = {"name": MODEL, "upstream": "vllm-grpc", "tokenizer": str(model_dir)}
+        engine = Engine(model_dir, work, args.stand_in)
+        print(f"starting the engine ({args.path})", file=sys.stderr, flush=True)
+        server = engine.grpc() if args.path == "grpc" else engine.http()
+        stack.callback(server.stop)
+        if args.path == "grpc":
+            address = f"127.0.0.1:{server.port}"
+            model = {"name": MODEL, "upstream": "vllm-grpc", "tokenizer": str(model_dir)}
+            model["workers"] = [address]
+            extra = None
+        else:
+            address = f"http://127.0.0.1:{server.port}"
+            model = {"name": MODEL, "upstream": "openai", "workers": [address + "/v1"]}
+            extra = engine.http_body
+        port = free_port()
         config = {
             "host": "127.0.0.1",
             "port": port,
             "log_level": "warning",
             "start_timeout": 300,
-            "models": [{**model, "workers": [address]}],
+            "models": [model],
         }
         (work / "gateway.yaml").write_text(yaml.safe_dump(config))
         marks_file = work / "marks.jsonl"
-        os.environ[MARKS_ENV] = str(marks_file)
+        os.environ[MARKS_ENV], os.environ[PATH_ENV] = str(marks_file), args.path
         gateway = _spawn(
             ["-m", "benchmarks.first_token", "serve", "--config", str(work / "gateway.yaml")]
         )
@@ -345,9 +427,10 @@ def main() -> None:
                 raise SystemExit("the gateway did not start")
             time.sleep(0.2)
         print("measuring", file=sys.stderr, flush=True)
-        pairs = asyncio.run(measure(address, f"http://127.0.0.1:{port}", model_dir, args.requests))
+        url = f"http://127.0.0.1:{port}"
+        pairs = asyncio.run(measure(args.path, address, url, model_dir, args.requests, extra))
         inside = [json.loads(line) for line in marks_file.read_text().splitlines()]
-        report(pairs, inside[-len(pairs) :])
+        report(args.path, pairs, inside[-len(pairs) :])
 
 
 if __name__ == "__main__":
