@@ -57,8 +57,8 @@ def _chat(gw: Gateway) -> httpx.Response:
 
 
 def test_a_health_check_slower_than_the_interval_is_not_a_failure(
+    slow_server: tuple[OpenAIServer, str],  # before the gateway: stopped after it
     gateway_with: Callable[..., Gateway],
-    slow_server: tuple[OpenAIServer, str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server, ca_file = slow_server
@@ -71,8 +71,8 @@ def test_a_health_check_slower_than_the_interval_is_not_a_failure(
 
 
 def test_a_health_check_slower_than_its_timeout_is_unreachable(
+    slow_server: tuple[OpenAIServer, str],  # before the gateway: stopped after it
     gateway_with: Callable[..., Gateway],
-    slow_server: tuple[OpenAIServer, str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server, ca_file = slow_server

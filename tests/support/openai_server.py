@@ -28,6 +28,8 @@ from tests.support.waiting import HANG_GUARD
 
 #: The width of the server's embeddings.
 DIMENSIONS = 16
+#: Seconds `stop` waits for the connections to close before it ends them.
+STOP_GRACE = 2.0
 
 
 def embedding(item: str | list[int], dimensions: int = DIMENSIONS) -> list[float]:
@@ -76,6 +78,9 @@ class OpenAIServer:
             ssl_keyfile=cert.key_file,
             log_level="warning",
             lifespan="off",
+            # a client's idle kept-alive connection never answers the TLS close_notify,
+            # and the ssl module waits 30 s for it: stop after this many seconds anyway
+            timeout_graceful_shutdown=STOP_GRACE,
         )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
