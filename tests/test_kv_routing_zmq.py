@@ -464,3 +464,22 @@ def test_a_publisher_flooding_with_oversized_frames_never_aborts_the_process() -
         sender.join(HANG_GUARD)
         pub.close(linger=0)
     assert resets == 10 and received > resets
+
+
+def test_an_endpoint_zmq_refuses_is_an_error_that_leaves_no_socket_open() -> None:
+    """An endpoint libzmq cannot connect to fails the subscription at once, and neither
+    its SUB socket nor the socket's monitor is left open for the garbage collector."""
+    context = zmq.asyncio.Context.instance()
+
+    def open_sockets() -> int:
+        return sum(not socket.closed for socket in list(context._sockets))
+
+    async def subscribe() -> None:
+        async for _ in ZmqKvSubscriber("tcp://no-port-here").batches():
+            pass
+
+    before = open_sockets()
+    with pytest.raises(zmq.ZMQError) as raised:
+        asyncio.run(subscribe())
+    assert "Invalid argument" in str(raised.value)
+    assert open_sockets() == before  # the traceback holds the sockets: closed, not leaked

@@ -257,12 +257,20 @@ class ZmqKvSubscriber:
         """A SUB socket connecting to the publisher, bounded, its monitor, and a poller
         of both."""
         socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(self.endpoint)
+        try:
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+        try:
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.connect(self.endpoint)
+        except BaseException:  # a bad endpoint: neither socket is left to the collector
+            _close(socket, monitor)
+            raise
         poller = zmq.asyncio.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
