@@ -15,7 +15,10 @@ Both share the edge's steps: the request's first bytes read, its head parsed, th
 called, the body read and parsed, admitted, the fleet's try; then the response's head and
 the first text's SSE write. With `--stand-in STEP_MS` the engine is `bench_vllm`'s
 stand-in (a token each STEP_MS, almost no CPU), so the gateway's own work is what is
-left.
+left. With `--relay` (`http`) the same pairs are then measured with `bench_edge_floor`'s
+bare TCP relay in the gateway's place: a uvloop process that copies bytes both ways and
+parses nothing, so its added TTFT is what the two extra hops and any Python process on
+the path cost, before any work.
 
 The gateway runs as `python -m benchmarks.first_token serve --config FILE`: `gateway serve`
 with the steps of its first-token path wrapped to note the time (`time.monotonic_ns`, one
@@ -30,7 +33,7 @@ gateway's CPU between the call and the first text is time added to the first tok
 only its own wall time before the call.
 
 Run: `.venv/bin/python -m benchmarks.first_token [--path grpc|http] [--stand-in STEP_MS]
-[--requests N]` (about 2 minutes on a quiet 2-core machine against vLLM, most of it
+[--requests N] [--relay]` (about 2 minutes on a quiet 2-core machine against vLLM, most of it
 vLLM's start; under a minute against a stand-in). Not collected by pytest.
 """
 
@@ -61,7 +64,9 @@ CPU_AT = ("recv", "app", "tokenized", "call_made", "msg1", "resp_start", "msg_te
 EDGE_STEPS = (
     ("t0", "recv", "client's write, loopback, the loop's wake-up"),
     ("recv", "head", "head parsed (httptools)"),
-    ("head", "app", "uvicorn's task to the route"),
+    ("head", "headed", "uvicorn's scope, cycle and task; the edge's timers"),
+    ("headed", "checks", "body callbacks, the loop's turn, the task's start"),
+    ("checks", "app", "host, key and content-type checks"),
     ("app", "body", "body read"),
     ("body", "parsed", "body parsed and checked"),
     ("parsed", "admitted", "limits, admission"),
@@ -150,7 +155,7 @@ def _wrap(owner: Any, attribute: str, marks: Marks, before: str = "", after: str
 def instrument(marks: Marks, path: str) -> None:
     """Wraps the steps of the first-token path of chat completions on `path`."""
     from gateway import fleet
-    from gateway.edge import http_protocol, request
+    from gateway.edge import http_protocol, middleware, request
     from gateway.edge.openai import generation
 
     protocol = http_protocol.GuardedHttpProtocol
@@ -164,9 +169,18 @@ def instrument(marks: Marks, path: str) -> None:
     def head(self: Any) -> None:
         marks.pending.setdefault("head", time.monotonic_ns())
         headers_complete(self)
+        marks.pending.setdefault("headed", time.monotonic_ns())
 
     protocol.data_received, protocol.on_headers_complete = received, head  # type: ignore[method-assign]
 
+    exact_call = middleware.ExactRoutes.__call__
+
+    async def exact(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"].endswith("/chat/completions"):
+            marks.pending.setdefault("checks", time.monotonic_ns())
+        await exact_call(self, scope, receive, send)
+
+    middleware.ExactRoutes.__call__ = exact  # type: ignore[method-assign]
     route_call = request.RequestRoute.__call__
 
     async def routed(self: Any, scope: Any, receive: Any, send: Any) -> None:
@@ -324,6 +338,13 @@ async def measure(
     return pairs
 
 
+def added_ttft(pairs: list[Any]) -> tuple[list[int], list[int], list[int]]:
+    """The raw client's TTFTs, those through the front, and the paired differences (ns)."""
+    raw = [r["text"] - r["t0"] for r, _ in pairs]
+    through = [t["text"] - t["t0"] for _, t in pairs]
+    return raw, through, [t - r for t, r in zip(through, raw, strict=True)]
+
+
 def report(path: str, pairs: list[Any], inside: list[dict[str, int]]) -> None:
     """Each step's median, the TTFTs and the gateway's CPU by stretch."""
 
@@ -340,11 +361,10 @@ def report(path: str, pairs: list[Any], inside: list[dict[str, int]]) -> None:
     for start, end, what in STEPS[path]:
         values = [m[end] - m[start] for m in joined if start in m and end in m]
         print(f"| {start} → {end} | {what} | {us(values)} |")
-    raw_ttft = [r["text"] - r["t0"] for r, _ in pairs]
-    gateway_ttft = [t["text"] - t["t0"] for _, t in pairs]
+    raw_ttft, gateway_ttft, added = added_ttft(pairs)
     print(
         f"\nraw client TTFT {us(raw_ttft)}, through the gateway {us(gateway_ttft)}, "
-        f"added (paired) {us([g - r for g, r in zip(gateway_ttft, raw_ttft, strict=True)])}"
+        f"added (paired) {us(added)}"
     )
     if path == "grpc":
         print(
@@ -374,6 +394,11 @@ def main() -> None:
     parser.add_argument("--path", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--requests", type=int, default=40, help="requests of each kind")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="http: then the same pairs through a bare TCP relay in the gateway's place",
+    )
     parser.add_argument(
         "--stand-in",
         type=float,
@@ -431,6 +456,40 @@ def main() -> None:
         pairs = asyncio.run(measure(args.path, address, url, model_dir, args.requests, extra))
         inside = [json.loads(line) for line in marks_file.read_text().splitlines()]
         report(args.path, pairs, inside[-len(pairs) :])
+        if args.relay and args.path == "http":
+            relay_ttft(stack, server.port, model_dir, args.requests, extra)
+
+
+def relay_ttft(
+    stack: ExitStack, engine_port: int, model_dir: Path, requests: int, extra: Any
+) -> None:
+    """The same pairs with `bench_edge_floor`'s bare TCP relay in the gateway's place."""
+    import socket
+
+    from benchmarks.bench_gateway import _spawn, _stop
+    from tests.support.processes import free_port
+
+    port = free_port()
+    relay = _spawn(["-m", "benchmarks.bench_edge_floor", "--relay", str(port), str(engine_port)])
+    stack.callback(_stop, relay)
+    end = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > end or relay.poll() is not None:
+                raise SystemExit("the relay did not start") from None
+            time.sleep(0.1)
+    engine, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    pairs = asyncio.run(measure("http", engine, url, model_dir, requests, extra))
+    raw, through, added = added_ttft(pairs)
+    ms = statistics.median
+    print(
+        f"\nbare TCP relay in its place ({len(pairs)} pairs): raw client TTFT "
+        f"{ms(raw) / 1e3:.1f} µs, through the relay {ms(through) / 1e3:.1f} µs, "
+        f"added (paired) {ms(added) / 1e3:.1f} µs"
+    )
 
 
 if __name__ == "__main__":
