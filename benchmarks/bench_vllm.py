@@ -28,8 +28,13 @@ With `--stand-in STEP_MS` every target fronts the engines' stand-ins in place of
 tokens, one every STEP_MS milliseconds): no engine takes the cores, so what differs between
 the targets is their own work, what a machine with cores for each process would show.
 
+With `--relay` the HTTP path has one more target: `bench_edge_floor`'s bare TCP relay, a
+uvloop process that copies the bytes both ways and parses nothing: what the extra hop
+costs any gateway in Python before it does any work.
+
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
-[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--json PATH]`
+[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
+[--json PATH]`
 (`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
 servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import signal
 import statistics
@@ -87,6 +93,8 @@ MODEL = "tiny-vllm"
 MAX_TOKENS = 64
 MESSAGES = [{"role": "user", "content": "one two three"}]
 DIRECT, FURNACE = "direct", "furnace-gateway"
+#: The HTTP path's floor, with `--relay`.
+RELAY = "bare TCP relay"
 STARTUP_TIMEOUT = 90.0
 LOADS = (1, 8)
 
@@ -364,6 +372,28 @@ def start_router(
     with log.open("wb") as output:
         process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     stack.callback(_stop, process)
+    return _serving(name, process, port, log, body)
+
+
+def start_relay(stack: ExitStack, work: Path, engine_port: int, body: Body = None) -> Target:
+    """`bench_edge_floor`'s bare TCP relay in front of the engine's port, ready: a uvloop
+    process that copies bytes both ways and parses nothing, the floor of any gateway in
+    Python (what the extra hop costs before any work)."""
+    port = free_port()
+    command = [sys.executable, "-m", "benchmarks.bench_edge_floor", "--relay", str(port)]
+    log = work / f"relay-{port}.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [*command, str(engine_port)], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
+        )
+    stack.callback(_stop, process)
+    return _serving(RELAY, process, port, log, body)
+
+
+def _serving(
+    name: str, process: subprocess.Popen[bytes], port: int, log: Path, body: Body
+) -> Target:
+    """The target at `port` once it answers a chat, or why not (it exited, or too slow)."""
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < end:
@@ -421,8 +451,11 @@ class Engine:
 
 
 @contextmanager
-def http_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[Target]]:
-    """vLLM's OpenAI server and everything in front of it."""
+def http_targets(
+    engine: Engine, peers: dict[str, Path | str], relay: bool = False
+) -> Iterator[list[Target]]:
+    """vLLM's OpenAI server and everything in front of it (`relay`: the bare TCP relay
+    too)."""
     work = engine.work
     with ExitStack() as stack:
         vllm = engine.http()
@@ -434,6 +467,8 @@ def http_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[
         targets.append(start_gateway(stack, work, "http", upstream, body))
         for name, executable in peers.items():
             targets.append(start_router(stack, name, executable, work, direct_url, [], body))
+        if relay:
+            targets.append(start_relay(stack, work, vllm.port, body))
         yield targets
 
 
@@ -516,6 +551,11 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="HTTP: a bare TCP relay in Python too, the floor of any gateway in Python",
+    )
+    parser.add_argument(
         "--stand-in",
         type=float,
         metavar="STEP_MS",
@@ -540,7 +580,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[Row] = []
     missing: list[Target] = []
-    paths = {"HTTP": http_targets, "gRPC": grpc_targets}
+    paths = {"HTTP": functools.partial(http_targets, relay=args.relay), "gRPC": grpc_targets}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         engine = Engine(build_vllm_model(work / "model"), work, args.stand_in)
