@@ -249,9 +249,9 @@ class Servers:
     gateway_port: int
 
 
-def _spawn(args: Sequence[str]) -> subprocess.Popen[bytes]:
+def _spawn(args: Sequence[str], python: str = sys.executable) -> subprocess.Popen[bytes]:
     preexec = _die_with_parent if sys.platform == "linux" else None
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, preexec_fn=preexec)
+    return subprocess.Popen([python, *args], cwd=ROOT, preexec_fn=preexec)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

@@ -30,11 +30,13 @@ the targets is their own work, what a machine with cores for each process would 
 
 With `--relay` the HTTP path has one more target: `bench_edge_floor`'s bare TCP relay, a
 uvloop process that copies the bytes both ways and parses nothing: what the extra hop
-costs any gateway in Python before it does any work.
+costs any gateway in Python before it does any work. With `--gateway-pythons PY[,PY]`
+each path has the gateway run by those interpreters too (a venv of each with the project
+installed: `python3.12 -m venv DIR && DIR/bin/pip install -e .`), beside this one's.
 
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
 [--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
-[--json PATH]`
+[--gateway-pythons PY[,PY]] [--json PATH]`
 (`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
 servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
@@ -55,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,10 +329,25 @@ def measure_path(
 
 
 def start_gateway(
-    stack: ExitStack, work: Path, name: str, model: dict[str, object], body: Body = None
+    stack: ExitStack,
+    work: Path,
+    name: str,
+    model: Mapping[str, object],
+    body: Body = None,
+    python: str = sys.executable,
 ) -> Target:
     """A furnace-gateway process serving `model`, ready (`body`: fields of the requests
-    sent to it)."""
+    sent to it), run by `python` (another interpreter, with the project installed: the
+    target is named by its version)."""
+    label = FURNACE
+    if python != sys.executable:
+        version = subprocess.run(
+            [python, "-c", "import platform; print(platform.python_version())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        label, name = f"{FURNACE} (Python {version})", f"{name}-{version}"
     port = free_port()
     # start_timeout: a CPU engine's first event after a cold 2,000-token prefill takes
     # seconds, past the 10 s default on a loaded machine; the peers wait without a bound
@@ -342,15 +359,16 @@ def start_gateway(
         "models": [model],
     }
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    gateway = _spawn(["-m", "gateway", "serve", "--config", str(work / f"{name}.yaml")])
+    args = ["-m", "gateway", "serve", "--config", str(work / f"{name}.yaml")]
+    gateway = _spawn(args, python)
     stack.callback(_stop, gateway)
     end = time.monotonic() + STARTUP_TIMEOUT
     while not _gateway_ready(port):
         if time.monotonic() > end or gateway.poll() is not None:
-            return Target(FURNACE, missing="the gateway did not start")
+            return Target(label, missing="the gateway did not start")
         time.sleep(0.2)
     url = f"http://127.0.0.1:{port}"
-    return Target(FURNACE, lambda: HttpCalls(url, body), gateway.pid)
+    return Target(label, lambda: HttpCalls(url, body), gateway.pid)
 
 
 def start_router(
@@ -452,10 +470,13 @@ class Engine:
 
 @contextmanager
 def http_targets(
-    engine: Engine, peers: dict[str, Path | str], relay: bool = False
+    engine: Engine,
+    peers: dict[str, Path | str],
+    relay: bool = False,
+    pythons: Sequence[str] = (),
 ) -> Iterator[list[Target]]:
     """vLLM's OpenAI server and everything in front of it (`relay`: the bare TCP relay
-    too)."""
+    too; `pythons`: the gateway run by those interpreters too)."""
     work = engine.work
     with ExitStack() as stack:
         vllm = engine.http()
@@ -464,7 +485,8 @@ def http_targets(
         body = engine.http_body
         targets = [Target(DIRECT, lambda: HttpCalls(direct_url, body))]
         upstream = {"name": MODEL, "upstream": "openai", "workers": [f"{direct_url}/v1"]}
-        targets.append(start_gateway(stack, work, "http", upstream, body))
+        for python in (sys.executable, *pythons):
+            targets.append(start_gateway(stack, work, "http", upstream, body, python))
         for name, executable in peers.items():
             targets.append(start_router(stack, name, executable, work, direct_url, [], body))
         if relay:
@@ -473,8 +495,11 @@ def http_targets(
 
 
 @contextmanager
-def grpc_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[Target]]:
-    """vLLM's gRPC server, a raw client, furnace's `vllm-grpc` and smg's gRPC mode."""
+def grpc_targets(
+    engine: Engine, peers: dict[str, Path | str], pythons: Sequence[str] = ()
+) -> Iterator[list[Target]]:
+    """vLLM's gRPC server, a raw client, furnace's `vllm-grpc` (`pythons`: run by those
+    interpreters too) and smg's gRPC mode."""
     from gateway.protocol.types import Message
 
     model_dir, work = engine.model_dir, engine.work
@@ -491,7 +516,8 @@ def grpc_targets(engine: Engine, peers: dict[str, Path | str]) -> Iterator[list[
             "tokenizer": str(model_dir),
             "workers": [address],
         }
-        targets.append(start_gateway(stack, work, "grpc", upstream))
+        for python in (sys.executable, *pythons):
+            targets.append(start_gateway(stack, work, "grpc", upstream, None, python))
         smg = peers.get("smg")
         if smg is not None:
             extra = ["--model-path", str(model_dir)]
@@ -556,6 +582,12 @@ def main() -> None:
         help="HTTP: a bare TCP relay in Python too, the floor of any gateway in Python",
     )
     parser.add_argument(
+        "--gateway-pythons",
+        default="",
+        metavar="PY[,PY]",
+        help="the gateway run by these interpreters too (each with the project installed)",
+    )
+    parser.add_argument(
         "--stand-in",
         type=float,
         metavar="STEP_MS",
@@ -580,7 +612,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[Row] = []
     missing: list[Target] = []
-    paths = {"HTTP": functools.partial(http_targets, relay=args.relay), "gRPC": grpc_targets}
+    pythons = [p for p in args.gateway_pythons.split(",") if p]
+    paths = {
+        "HTTP": functools.partial(http_targets, relay=args.relay, pythons=pythons),
+        "gRPC": functools.partial(grpc_targets, pythons=pythons),
+    }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         engine = Engine(build_vllm_model(work / "model"), work, args.stand_in)
