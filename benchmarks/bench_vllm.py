@@ -398,12 +398,11 @@ def start_relay(stack: ExitStack, work: Path, engine_port: int, body: Body = Non
     process that copies bytes both ways and parses nothing, the floor of any gateway in
     Python (what the extra hop costs before any work)."""
     port = free_port()
-    command = [sys.executable, "-m", "benchmarks.bench_edge_floor", "--relay", str(port)]
+    command = [sys.executable, "-m", "benchmarks.bench_edge_floor"]
+    command += ["--relay", str(port), str(engine_port)]
     log = work / f"relay-{port}.log"
     with log.open("wb") as output:
-        process = subprocess.Popen(
-            [*command, str(engine_port)], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
-        )
+        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     stack.callback(_stop, process)
     return _serving(RELAY, process, port, log, body)
 
