@@ -28,9 +28,11 @@ With `--stand-in STEP_MS` every target fronts the engines' stand-ins in place of
 tokens, one every STEP_MS milliseconds): no engine takes the cores, so what differs between
 the targets is their own work, what a machine with cores for each process would show.
 
-With `--relay` the HTTP path has one more target: `bench_edge_floor`'s bare TCP relay, a
-uvloop process that copies the bytes both ways and parses nothing: what the extra hop
-costs any gateway in Python before it does any work. With `--gateway-pythons PY[,PY]`
+With `--relay` the HTTP path has two more targets, the floors of a gateway in Python:
+`bench_edge_floor`'s bare TCP relay, a uvloop process that copies the bytes both ways and
+parses nothing (what the extra hop costs before any work), and `openai_relay`, one that
+parses the request and re-encodes each SSE event with nothing else (what parsing and
+re-encoding add to the hop). With `--gateway-pythons PY[,PY]`
 each path has the gateway run by those interpreters too (a venv of each with the project
 installed: `python3.12 -m venv DIR && DIR/bin/pip install -e .`), beside this one's.
 
@@ -95,8 +97,13 @@ MODEL = "tiny-vllm"
 MAX_TOKENS = 64
 MESSAGES = [{"role": "user", "content": "one two three"}]
 DIRECT, FURNACE = "direct", "furnace-gateway"
-#: The HTTP path's floor, with `--relay`.
-RELAY = "bare TCP relay"
+#: The HTTP path's floors, with `--relay`: their names and modules (each served as
+#: `python -m MODULE [--relay] PORT ENGINE_PORT`).
+RELAYS = {
+    "bare TCP relay": ["benchmarks.bench_edge_floor", "--relay"],
+    "minimal OpenAI relay": ["benchmarks.openai_relay"],
+    "minimal OpenAI relay, head at once": ["benchmarks.openai_relay", "--head-at-once"],
+}
 STARTUP_TIMEOUT = 90.0
 LOADS = (1, 8)
 
@@ -393,18 +400,18 @@ def start_router(
     return _serving(name, process, port, log, body)
 
 
-def start_relay(stack: ExitStack, work: Path, engine_port: int, body: Body = None) -> Target:
-    """`bench_edge_floor`'s bare TCP relay in front of the engine's port, ready: a uvloop
-    process that copies bytes both ways and parses nothing, the floor of any gateway in
-    Python (what the extra hop costs before any work)."""
+def start_relay(
+    stack: ExitStack, work: Path, name: str, engine_port: int, body: Body = None
+) -> Target:
+    """The floor `name` of `RELAYS` in front of the engine's port, ready: a uvloop process
+    that copies bytes both ways, or one that parses and re-encodes with nothing else."""
     port = free_port()
-    command = [sys.executable, "-m", "benchmarks.bench_edge_floor"]
-    command += ["--relay", str(port), str(engine_port)]
+    command = [sys.executable, "-m", *RELAYS[name], str(port), str(engine_port)]
     log = work / f"relay-{port}.log"
     with log.open("wb") as output:
         process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     stack.callback(_stop, process)
-    return _serving(RELAY, process, port, log, body)
+    return _serving(name, process, port, log, body)
 
 
 def _serving(
@@ -474,8 +481,8 @@ def http_targets(
     relay: bool = False,
     pythons: Sequence[str] = (),
 ) -> Iterator[list[Target]]:
-    """vLLM's OpenAI server and everything in front of it (`relay`: the bare TCP relay
-    too; `pythons`: the gateway run by those interpreters too)."""
+    """vLLM's OpenAI server and everything in front of it (`relay`: the floors of
+    `RELAYS` too; `pythons`: the gateway run by those interpreters too)."""
     work = engine.work
     with ExitStack() as stack:
         vllm = engine.http()
@@ -489,7 +496,7 @@ def http_targets(
         for name, executable in peers.items():
             targets.append(start_router(stack, name, executable, work, direct_url, [], body))
         if relay:
-            targets.append(start_relay(stack, work, vllm.port, body))
+            targets += [start_relay(stack, work, name, vllm.port, body) for name in RELAYS]
         yield targets
 
 
@@ -578,7 +585,7 @@ def main() -> None:
     parser.add_argument(
         "--relay",
         action="store_true",
-        help="HTTP: a bare TCP relay in Python too, the floor of any gateway in Python",
+        help="HTTP: two floors in Python too: a bare TCP relay, and one that parses and re-encodes",
     )
     parser.add_argument(
         "--gateway-pythons",

@@ -854,6 +854,29 @@ def test_plain_http_refusal_streamed_as_the_first_event_is_a_refusal():
     assert events == [] and type(failure) is errors.Invalid and failure.param == "logit_bias"
 
 
+def test_plain_http_started_comes_after_their_200_head_while_the_engine_prefills():
+    # their head at once, then nothing (an engine's prefill): `Started` still comes, so
+    # the edge's head reaches the client before the first token, as vLLM's own does
+    server = ScriptedHttp((200, [], True))
+
+    async def first_event() -> tuple:
+        url = await server.start()
+        outcomes: list = []
+        async with httpx.AsyncClient() as http:
+            upstream = OpenAIHttpUpstream(url, http)
+            call = upstream.call(CHAT, 5.0, on_close=outcomes.append)
+            with anyio.fail_after(HANG_GUARD):
+                first = await anext(call)
+            call.cancel()
+            with anyio.fail_after(HANG_GUARD):
+                await server.closed_by_client.wait()
+            await upstream.close()
+        server.close()
+        return first, outcomes
+
+    assert anyio.run(first_event) == (Started(0), [CANCELLED])
+
+
 def test_plain_http_cancel_closes_the_connection_the_upstream_sees_it():
     server = ScriptedHttp((200, events_of(chunk("a")), True))
 
