@@ -155,6 +155,28 @@ def test_messages_arrive_in_order_with_the_metadata(run: Any) -> None:
     run(spec)
 
 
+def test_arrived_tells_a_worker_still_at_work_from_one_that_answered(run: Any) -> None:
+    """`arrived` starts the call and waits at most its seconds for a message, taking none:
+    a worker still at work (an engine's prefill) says no, one that answered says yes, and
+    the messages are all read after either."""
+
+    async def spec() -> None:
+        async with _served() as (channel, _):
+            slow = channel.unary_stream("/t.S/Count", b"2,4,1.0", bytes, 10)
+            assert not await slow.arrived(0.05)
+            assert [await slow.read(), await slow.read(), await slow.read()] == [
+                b"0...",
+                b"1...",
+                EOF,
+            ]
+            fast = channel.unary_stream("/t.S/Count", b"1,4,0", bytes, 10)
+            assert await fast.arrived(10)
+            assert await fast.arrived(10)  # nothing was taken
+            assert [await fast.read(), await fast.read()] == [b"0...", EOF]
+
+    run(spec)
+
+
 def test_a_call_without_a_deadline_sends_none(run: Any) -> None:
     """A subscription (`timeout=None`): no `grpc-timeout`, no timer; it ends when the
     worker ends it or when it is cancelled."""

@@ -216,6 +216,22 @@ class StreamCall(Generic[T]):
             self.fail(grpc.StatusCode.INTERNAL, f"Exception deserializing response! {error}", True)
             raise self._error from None  # type: ignore[misc]
 
+    async def arrived(self, within: float) -> bool:
+        """Starts the call; whether a message or its end came within `within` seconds
+        (nothing is taken: the next `read` has it)."""
+        if self._headers is not None:
+            await self._start()
+        if not self._messages and not self._done:
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            timer = loop.call_later(within, self._wake)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                timer.cancel()
+        return bool(self._messages) or self._done
+
     def cancel(self) -> bool:
         """Stops the call (RST_STREAM CANCEL to the worker); False if it had ended."""
         if self._done:

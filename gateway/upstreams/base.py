@@ -19,6 +19,16 @@ CANCELLED = "cancelled"
 #: reports the call's failure: one broken call is one failure of its worker.
 SHARED_FAILURE = "shared_failure"
 CallEnd = errors.GatewayError | str | None
+#: Seconds a call whose engine took the request (an HTTP upstream's 200 head, a gRPC
+#: call sent) waits for its first event before it says `Started` all the same. A
+#: refusal an engine streams as its first event comes within it and is answered as its
+#: status (vLLM's CPU build on a 2-core VM streamed an out-of-vocabulary `logit_bias`
+#: refusal 1.1-1.9 ms after its head, 5.5 ms for its first request); past it, the edge's
+#: head goes out while the engine prefills (its first token came 11-30 ms after its
+#: head), as vLLM's own server and the Rust routers send theirs, and the client's work
+#: on a head (httpx's, the SDK's) overlaps the prefill instead of delaying the first
+#: token: about 1 ms on that VM (`benchmarks/bench_vllm.py --relay`).
+HEAD_GRACE = 0.005
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,13 @@ from gateway.protocol.types import (
     Tool,
 )
 from gateway.tokenization import ModelTokenizer, load_tokenizer
-from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
+from gateway.upstreams.base import (
+    CANCELLED,
+    HEAD_GRACE,
+    CallEnd,
+    ModelDescription,
+    StreamBookkeeping,
+)
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import batch_from_vllm, subscribe_request
 from gateway.worker.engine import check_context
@@ -172,6 +178,14 @@ GENERATE = f"/{_SERVICE}/Generate"
 SUBSCRIBE_KV_EVENTS = f"/{_SERVICE}/SubscribeKvEvents"
 
 
+async def _arrived(call: ServerStream[pb.GenerateResponse], within: float) -> bool:
+    """Whether the engine's first message (or its refusal) came within `within` seconds
+    of the call; a grpc.aio call, whose read cannot be waited on apart from taking it,
+    says yes."""
+    arrived = getattr(call, "arrived", None)
+    return True if arrived is None else bool(await arrived(within))
+
+
 def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     """The one table from vLLM's statuses to our errors: ours, plus its wording of
     a prompt too long for the context."""
@@ -232,6 +246,7 @@ class VllmGrpcCall(StreamBookkeeping):
         "_left",
         "_metadata",
         "_pending",
+        "_prompt_tokens",
         "_request",
         "_started",
         "_upstream",
@@ -259,6 +274,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._left = 0  # choices whose Finished is not out yet
         self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
         self._started = False
+        self._prompt_tokens = 0  # the ids sent, which the engine counts as the prompt
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -269,7 +285,10 @@ class VllmGrpcCall(StreamBookkeeping):
                 raise StopAsyncIteration
             try:
                 if self._call is None:
-                    self._call = await self._start()
+                    call = self._call = await self._start()
+                    if not await _arrived(call, HEAD_GRACE):  # the engine prefills
+                        self._started = True
+                        return Started(self._prompt_tokens)
                 message = await self._call.read()
             except grpc.RpcError as error:
                 failure = _from_rpc_error(error)
@@ -295,6 +314,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._left = request.n
         info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
         ids = _kept_ids(request) or await upstream.prompt_ids(request)
+        self._prompt_tokens = len(ids)
         max_tokens = check_context(request, len(ids), info.max_context_length)
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:

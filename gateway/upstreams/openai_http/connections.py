@@ -36,7 +36,7 @@ from typing import ClassVar
 from gateway.protocol import errors
 from gateway.protocol.http1 import BAD_RESPONSE, Connection, Pool
 from gateway.protocol.types import Event, Started, Text
-from gateway.upstreams.base import CANCELLED, CallEnd, StreamBookkeeping
+from gateway.upstreams.base import CANCELLED, HEAD_GRACE, CallEnd, StreamBookkeeping
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_response
 
@@ -46,13 +46,6 @@ _PAUSE_AT = 64
 #: Seconds a call's socket rests after a read, among other open calls (as the
 #: edge's write turns: `gateway.admission.turns.PACE`).
 REST = 0.001
-#: Seconds `Started` waits, once their head said 200, for their first event: a refusal
-#: they stream as their first event (vLLM's, of an out-of-vocabulary `logit_bias` or
-#: `stop_token_ids` id) comes within it and is answered as its status; past it, `Started`
-#: goes out, so the client has the answer's head while the engine prefills, as from
-#: vLLM's own server. vLLM's CPU build on a 2-core VM streamed such a refusal 1.1-1.9 ms
-#: after its head (5.5 ms for its first request), its first token 11-30 ms after.
-HEAD_GRACE = 0.005
 
 
 class _RawCall(StreamBookkeeping):
