@@ -84,7 +84,7 @@ STEPS = {
         ("tokenized", "call_made", "message, grpc.aio call made"),
         ("call_made", "msg1", "engine: prefill, first message"),
         ("msg1", "msg_text", "engine: messages up to the first text"),
-        ("msg_text", "sse_sent", "Started, reader, head, first SSE write"),
+        ("msg_text", "sse_sent", "reader, first SSE write (Started, head: at the grace)"),
         ("sse_sent", "text", "client reads the text"),
     ),
     "http": (
@@ -92,7 +92,7 @@ STEPS = {
         ("picked", "call_made", "request built, written on a kept-alive connection"),
         ("call_made", "msg1", "engine: its first read (the response's head)"),
         ("msg1", "msg_text", "engine: prefill, the read with the first text"),
-        ("msg_text", "sse_sent", "parsed, Started, head, first SSE write"),
+        ("msg_text", "sse_sent", "parsed, first SSE write (Started, head: at the grace)"),
         ("sse_sent", "text", "client reads the text"),
     ),
 }
