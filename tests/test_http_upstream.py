@@ -3,7 +3,8 @@ SSE it reads (text, tool calls, logprobs, n choices), the errors it maps, what
 it sends, and embeddings; then plain http:// upstreams over its own connections,
 against a scripted loopback server: keep-alive, refusals, cancel, the deadline,
 and reading paused for a reader that falls behind, and its polls of health and load
-(none leaves a socket behind when the upstream closes under it).
+(none leaves a socket behind when the upstream closes under it); through the gateway, a
+stream's head that reaches the client while the engine is still silent.
 tests/test_http_upstream_surface.py runs the same
 surface against vLLM's own server through the gateway."""
 
@@ -19,6 +20,7 @@ import orjson
 import pytest
 import respx
 
+from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
@@ -43,7 +45,8 @@ from gateway.upstreams.openai_http.connections import REST, _RawCall
 from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES
 from gateway.upstreams.openai_http.sse import _Stream
 from tests.support.processes import free_port
-from tests.support.waiting import HANG_GUARD, until
+from tests.support.requests import user
+from tests.support.waiting import HANG_GUARD, until, wait_until
 
 BASE = "http://upstream.test/v1"
 
@@ -689,6 +692,9 @@ class ScriptedHttp:
         try:
             while self.responses:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET "):  # a gateway's health and load polls
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
                 length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
                 self.requests.append((head, await reader.readexactly(length)))
                 status, pieces, hang = self.responses.pop(0)
@@ -875,6 +881,28 @@ def test_plain_http_started_comes_after_their_200_head_while_the_engine_prefills
         return first, outcomes
 
     assert anyio.run(first_event) == (Started(0), [CANCELLED])
+
+
+def test_a_streams_head_reaches_the_client_while_the_engine_is_silent(gateway_with, server_loop):
+    # through the gateway: the engine's 200 head at once, then nothing (a prefill that
+    # does not end); the client has the gateway's head all the same, and leaving then
+    # closes the upstream's call and leaves nothing behind (gateway_with checks)
+    server = ScriptedHttp((200, [], True))
+    url = server_loop.call(server.start())
+    gw = gateway_with(models=(ModelConfig("scripted", workers=(url,), upstream="openai"),))
+    body = {"model": "scripted", "messages": user("hi"), "stream": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+    wait_until(server.closed_by_client.is_set, "the upstream to see the client leave")
+
+    async def close() -> None:
+        server.close()
+
+    server_loop.call(close())
 
 
 def test_plain_http_cancel_closes_the_connection_the_upstream_sees_it():
