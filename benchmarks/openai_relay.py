@@ -47,7 +47,7 @@ class _Engine(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.client.head_at_once and self.parser.get_status_code() == 200:
-            self.client._write(b"")
+            self.client.write(b"")
 
     def on_body(self, body: bytes) -> None:
         self.client.relay(body)
@@ -126,13 +126,14 @@ class _Client(asyncio.Protocol):
             out.append(_DONE if data == _DONE else orjson.dumps(orjson.loads(data)))
         if out:
             chunk = b"".join(b"data: %s\n\n" % data for data in out)
-            self._write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
 
     def finish(self) -> None:
         self.pending = b""
-        self._write(b"0\r\n\r\n")
+        self.write(b"0\r\n\r\n")
 
-    def _write(self, data: bytes) -> None:
+    def write(self, data: bytes) -> None:
+        """`data` to the client, after the answer's head if it has not gone yet."""
         if not self.head_sent:
             self.head_sent = True
             data = _HEAD + data

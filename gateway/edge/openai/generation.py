@@ -1,8 +1,9 @@
 """The generation routes, as raw ASGI endpoints: read and check the body, take a
 slot, start the request on the fleet, and answer with JSON or SSE.
 
-A stream's status waits for the worker's first event (a plain HTTP upstream's: its
-200 head, then at most 5 ms for a refusal it streams), so refusals arrive as real
+A stream's status waits for the worker's first event (an `openai` or `vllm-grpc`
+upstream's: at most `HEAD_GRACE`, 5 ms, once the engine took the request, for a refusal
+it streams; `gateway.upstreams.base`), so refusals arrive as real
 4xx/5xx; after that an error is one SSE error payload and `[DONE]`. A client
 that goes away cancels the worker's call at once, one that stops reading does
 after `write_timeout` (see write_guard.py), and the slot comes back on every

@@ -154,9 +154,7 @@ class _RawCall(StreamBookkeeping):
         self._counted = True
         _RawCall.reading += 1
         await self._wait(self._started)
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
+        self._disarm_grace()
 
     def _has_event(self) -> bool:
         return bool(self._ready) or self._stream.done
@@ -180,6 +178,11 @@ class _RawCall(StreamBookkeeping):
         self._grace = None
         self._accepted = True
         self._wake()
+
+    def _disarm_grace(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -308,9 +311,7 @@ class _RawCall(StreamBookkeeping):
         self._uncount()  # over: no other call rests on its account
         if self._deadline is not None:
             self._deadline.cancel()
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
+        self._disarm_grace()
         if outcome is not None or not self._stream.done:
             self._drop()  # mid-response: the connection cannot be reused
         self.close(outcome)
