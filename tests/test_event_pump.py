@@ -315,6 +315,38 @@ def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once(
     assert all(0 < wait <= PACE for wait in paced)
 
 
+def test_a_stream_slower_than_the_turns_writes_each_event_at_once():
+    """Behind an engine that takes longer than a turn a token, the turn would merge
+    nothing: the edge writes when the event comes, among other streams or alone."""
+
+    async def waited(others: int) -> list[float]:
+        loop = asyncio.get_running_loop()
+        open_pumps = [pump_over(FakeStream()) for _ in range(others)]
+        stream = PushingStream()
+
+        async def start() -> tuple[Started, PushingStream]:
+            return Started(1), stream
+
+        pump = EventPump(start())
+        waits = []
+        try:
+            stream.ready.append(Text("first", 1))
+            await pump.next_batch(5.0)
+            for text in "ab":
+                loop.call_later(3 * PACE, stream.push, Text(text, 1))
+                began = loop.time()
+                assert await pump.next_batch(5.0) == [Text(text, 1)]
+                waits.append(loop.time() - began)
+            return waits
+        finally:
+            await pump.aclose()
+            for other in open_pumps:
+                await other.aclose()
+
+    assert run_virtual(waited(others=0)) == [3 * PACE, 3 * PACE]
+    assert run_virtual(waited(others=1)) == [3 * PACE, 3 * PACE]
+
+
 def test_a_write_turn_lets_a_few_streams_write_in_each_turn_of_the_loop():
     async def main() -> list[int]:
         turns = write_turns(asyncio.get_running_loop())

@@ -44,6 +44,9 @@ stream is paced, it waits for the loop's next write turn, which turns.py keeps f
 stream of the process: the event that ends the edge's wait puts its waiter in the turn
 (`_arrived`), so the edge wakes once per write, at the turn, rather than once for the
 event and again for the turn (each wake resumes the request's whole chain of coroutines).
+A stream is paced only while its events come faster than the turns (`_hot`): behind an
+engine that takes longer than a turn for each token the turn would merge nothing, and a
+timer that wakes the idle loop costs more than the write it delays.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from collections.abc import Callable, Coroutine
 from time import perf_counter
 from typing import Any, ClassVar, Protocol, cast
 
-from gateway.admission.turns import write_turns
+from gateway.admission.turns import PACE, write_turns
 from gateway.protocol import errors
 from gateway.protocol.sizes import event_size
 from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
@@ -138,6 +141,7 @@ class EventPump:
         self._idle_timeout = math.inf  # the first `next_batch`'s, which bounds the start
         self._reading = False  # counted in `EventPump.reading`
         self._paced = False  # the edge's waiter waits for the next write turn
+        self._waiting_since = 0.0  # when the edge's current wait began
         EventPump.live += 1
 
     async def _begin(self, idle_timeout: float) -> None:
@@ -296,11 +300,18 @@ class EventPump:
         waiter = self._waiter
         if waiter is None or waiter.done() or self._paced:
             return
-        if self._texted and EventPump.live > 1:
+        if self._texted and EventPump.live > 1 and self._hot():
             self._paced = True
             write_turns(self._loop).add(waiter)
         else:
             waiter.set_result(None)
+
+    def _hot(self) -> bool:
+        """Whether this event came within `PACE` of the edge's wait: the worker sends
+        faster than a write turn, so waiting for the turn merges writes. After a longer
+        wait (an engine's step per token) the turn would merge nothing and only cost a
+        wake-up of the loop, which on a VM is most of a paced token's CPU."""
+        return self._loop.time() - self._waiting_since < PACE
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -343,6 +354,7 @@ class EventPump:
             if self._timer_at > wake_at:
                 self._arm(wake_at)
             waiter = self._waiter = self._loop.create_future()
+            self._waiting_since = now
             try:
                 await waiter
             finally:
@@ -353,13 +365,15 @@ class EventPump:
             )
             if tick is not None and woken_by_tick:
                 return []
-            if self._ready and self.phase < Phase.ENDED and self._texted and not paced:
-                # Not before the first text: the first token goes out at once. After
-                # it, among other streams, the next write turn (turns.py; `_arrived`
-                # mostly has the waiter woken at it already); alone, one more turn of
-                # the loop lets the reader add what the worker has already sent, so
-                # the edge writes it in one send (1 token per gRPC message: 1.0 -> ~1.7
-                # tokens per SSE chunk, make bench).
+            hot = self._texted and not paced and self._hot()
+            if hot and self._ready and self.phase < Phase.ENDED:
+                # Not before the first text: the first token goes out at once; nor
+                # after a wait longer than a turn (`_hot`). Else, among other streams,
+                # the next write turn (turns.py; `_arrived` mostly has the waiter woken
+                # at it already); alone, one more turn of the loop lets the reader add
+                # what the worker has already sent, so the edge writes it in one send
+                # (1 token per gRPC message: 1.0 -> ~1.7 tokens per SSE chunk, make
+                # bench).
                 if EventPump.live > 1:
                     await write_turns(self._loop).next()
                 else:
