@@ -193,8 +193,9 @@ class PushingStream(FakeStream):
     async def __anext__(self) -> Event:
         raise AssertionError("a pushing stream is not read by a task")
 
-    def listen(self, listener: Callable[[], None] | None) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> bool:
         self.listener = listener
+        return True
 
     def poll(self) -> Event | None:
         self.polls += 1

@@ -177,6 +177,50 @@ def test_arrived_tells_a_worker_still_at_work_from_one_that_answered(run: Any) -
     run(spec)
 
 
+def test_a_listener_hears_each_message_in_the_callback_and_poll_takes_it(run: Any) -> None:
+    """Once started, a listener runs in the connection's callback that brought messages
+    (or the call's end); `poll` takes what came, None while nothing has, then EOF, or
+    raises the call's status: no task waits on the call."""
+
+    async def spec() -> None:
+        async with _served() as (channel, _):
+            call = channel.unary_stream("/t.S/Count", b"3,4,0.01", bytes, 10)
+            assert not await call.arrived(0.001)  # started, nothing yet
+            assert call.poll() is None
+            got: list[object] = []
+            ended = asyncio.Event()
+
+            def heard() -> None:
+                while not ended.is_set() and (message := call.poll()) is not None:
+                    got.append(message)
+                    if message is EOF:
+                        ended.set()
+
+            call.listen(heard)
+            await asyncio.wait_for(ended.wait(), 10)
+            assert got == [b"0...", b"1...", b"2...", EOF]
+
+            failing = channel.unary_stream("/t.S/Fail", b"1,5", bytes, 10)
+            assert await failing.arrived(10)
+            told = asyncio.Event()
+            failing.listen(told.set)
+            assert failing.poll() == b"0"
+
+            async def status() -> grpc.StatusCode:
+                while True:
+                    try:
+                        failing.poll()
+                    except grpc.aio.AioRpcError as error:
+                        return error.code()
+                    told.clear()
+                    await told.wait()
+
+            assert await asyncio.wait_for(status(), 10) == grpc.StatusCode.NOT_FOUND
+            failing.listen(None)
+
+    run(spec)
+
+
 def test_a_call_without_a_deadline_sends_none(run: Any) -> None:
     """A subscription (`timeout=None`): no `grpc-timeout`, no timer; it ends when the
     worker ends it or when it is cancelled."""

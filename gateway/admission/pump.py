@@ -13,9 +13,10 @@ edge sees the reason, as a write guard's timeout does).
 After the start, the events come one of two ways:
 
 - A call that pushes (`Pushing`: the raw HTTP upstream parses each network read in
-  the transport's callback) gets a listener: the events of a read go to the edge
-  in that same callback, without a task in between. Per read that is one call.
-- Any other call (gRPC) is read by a task of its own. Reading in the edge's task
+  the transport's callback, as the furnace multiplex and vLLM's gRPC streams read on
+  the loop do each message) gets a listener: the events of a read go to the edge in
+  that same callback, without a task in between. Per read that is one call.
+- Any other call (a grpc.aio stream) is read by a task of its own. Reading in the edge's task
   would not do: cancelling a pending gRPC read cancels the call, so a read cannot
   be interrupted for a keep-alive. That reader never waits on anything but the
   worker, and the edge waits on a future that the reader, a timer or `cancel()`
@@ -90,8 +91,9 @@ class Phase(enum.IntEnum):
 class Pushing(Protocol):
     """A worker call that says when it has events, so no task need wait on it."""
 
-    def listen(self, listener: Callable[[], None] | None) -> None:
-        """Calls `listener` whenever events may be ready or the call ended (None: stop)."""
+    def listen(self, listener: Callable[[], None] | None) -> bool:
+        """Calls `listener` whenever events may be ready or the call ended (None: stop);
+        False where this call cannot push after all (it is read by a task then)."""
 
     def poll(self) -> Event | None:
         """The next event ready, or None while there is none; raises the call's
@@ -177,9 +179,9 @@ class EventPump:
         self.phase = Phase.STREAMING
         self._ready.append(first)
         self._last_event = self._loop.time()
-        if getattr(call, "listen", None) is not None:  # `Pushing` (isinstance: ~3-6 us)
-            pushing = self._pushing = cast(Pushing, call)
-            pushing.listen(self._pushed)
+        listen = getattr(call, "listen", None)  # `Pushing` (isinstance: ~3-6 us)
+        if listen is not None and listen(self._pushed):
+            self._pushing = cast(Pushing, call)
             self._pushed()  # what came with the first event
         else:
             self._reading = True

@@ -142,7 +142,9 @@ class _ProtocolError(Exception):
 
 class StreamCall(Generic[T]):
     """One server-streaming call: `await read()` for each message, then
-    `grpc.aio.EOF`; a failed call raises its `AioRpcError`; `cancel()` resets it."""
+    `grpc.aio.EOF`; a failed call raises its `AioRpcError`; `cancel()` resets it.
+    Or, once started, `listen` and `poll`: the messages are taken in the connection's
+    callback that brought them, with no task waiting on the call."""
 
     __slots__ = (
         "_body",
@@ -155,6 +157,7 @@ class StreamCall(Generic[T]):
         "_error",
         "_headers",
         "_inbox",
+        "_listener",
         "_messages",
         "_queued",
         "_started",
@@ -190,22 +193,33 @@ class StreamCall(Generic[T]):
         self._done = False  # nothing more arrives: ended, failed or cancelled
         self._error: grpc.aio.AioRpcError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     async def read(self) -> T | object:
         """The next message, or `grpc.aio.EOF` once the worker ended with OK."""
         if self._headers is not None:
             await self._start()
-        while not self._messages:
-            if self._error is not None:
-                raise self._error
-            if self._ended:
-                return grpc.aio.EOF
+        while (message := self.poll()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return message
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Calls `listener` whenever messages came or the call ended (None: stop), in
+        the callback that brought them; `poll` takes them."""
+        self._listener = listener
+
+    def poll(self) -> T | object | None:
+        """The next message that came, `grpc.aio.EOF` once the worker ended with OK,
+        or None while there is none; raises the call's `AioRpcError`."""
+        if not self._messages:
+            if self._error is not None:
+                raise self._error
+            return grpc.aio.EOF if self._ended else None
         data = self._messages.popleft()
         self._queued -= len(data)
         if self._unacked >= STREAM_WINDOW // 2 and self._conn is not None and not self._done:
@@ -389,6 +403,10 @@ class StreamCall(Generic[T]):
         self._wake()
 
     def _wake(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

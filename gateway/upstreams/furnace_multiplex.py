@@ -121,10 +121,11 @@ class MultiplexedCall(StreamBookkeeping):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def listen(self, listener: Callable[[], None] | None) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> bool:
         """Calls `listener` (in the link's reader) whenever events may be ready
         (None: stop); the event pump's way of reading without a task of its own."""
         self._listener = listener
+        return True
 
     def poll(self) -> Event | None:
         """The next event ready, or None while there is none; raises the request's

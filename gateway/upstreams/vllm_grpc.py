@@ -64,7 +64,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -73,7 +73,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.protocol import errors, features, tool_calls
-from gateway.protocol.grpc_h2 import ServerStream, StreamChannel
+from gateway.protocol.grpc_h2 import ServerStream, StreamCall, StreamChannel
 from gateway.protocol.kv_blocks import KvBatch
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
@@ -244,8 +244,10 @@ class VllmGrpcCall(StreamBookkeeping):
         "_deadline",
         "_hidden",
         "_left",
+        "_listener",
         "_metadata",
         "_pending",
+        "_polling",
         "_prompt_tokens",
         "_request",
         "_started",
@@ -275,6 +277,8 @@ class VllmGrpcCall(StreamBookkeeping):
         self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
         self._started = False
         self._prompt_tokens = 0  # the ids sent, which the engine counts as the prompt
+        self._listener: Callable[[], None] | None = None
+        self._polling = False  # inside `poll`, which hears its own call's end itself
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -291,22 +295,69 @@ class VllmGrpcCall(StreamBookkeeping):
                         return Started(self._prompt_tokens)
                 message = await self._call.read()
             except grpc.RpcError as error:
-                failure = _from_rpc_error(error)
-                self.close(failure)
-                raise failure from None
+                raise self._failed(error) from None
             except errors.GatewayError as failure:
                 self.close(failure)
                 raise
-            if message is grpc.aio.EOF:
-                cut = errors.Unavailable("The vLLM worker ended the answer without finishing.")
-                self.close(cut)
-                raise cut
-            try:
-                self._take(message)  # type: ignore[arg-type]
-            except errors.GatewayError as failure:
-                self.cancel(failure)
-                raise
+            self._took(message)
         return self._pending.popleft()
+
+    def listen(self, listener: Callable[[], None] | None) -> bool:
+        """Once started, calls `listener` whenever events may be ready (None: stop), in
+        the connection's callback that brought the engine's messages: no task reads
+        the call, and the engine's message reaches the edge in one wake of the loop.
+        False where the stream cannot push (a grpc.aio call): read it instead."""
+        listen = getattr(self._call, "listen", None)
+        if listen is None:
+            return False
+        self._listener = listener
+        listen(None if listener is None else self._pushed)
+        return True
+
+    def _pushed(self) -> None:
+        if not self._polling and self._listener is not None:
+            self._listener()
+
+    def poll(self) -> Event | None:
+        """The next event ready, or None while there is none; raises the call's
+        error, or StopAsyncIteration at its end, as `__anext__` would."""
+        pending = self._pending
+        if pending:
+            return pending.popleft()
+        call = cast(StreamCall[pb.GenerateResponse], self._call)
+        self._polling = True
+        try:
+            while not pending:
+                if self._closed:
+                    raise StopAsyncIteration
+                try:
+                    message = call.poll()
+                except grpc.RpcError as error:
+                    raise self._failed(error) from None
+                if message is None:
+                    return None
+                self._took(message)
+        finally:
+            self._polling = False
+        return pending.popleft()
+
+    def _failed(self, error: grpc.RpcError) -> errors.GatewayError:
+        """The call failed: our error for it, told to the owner."""
+        failure = _from_rpc_error(error)
+        self.close(failure)
+        return failure
+
+    def _took(self, message: object) -> None:
+        """Our events for one message of the stream, or its end, which is too early."""
+        if message is grpc.aio.EOF:
+            cut = errors.Unavailable("The vLLM worker ended the answer without finishing.")
+            self.close(cut)
+            raise cut
+        try:
+            self._take(message)  # type: ignore[arg-type]
+        except errors.GatewayError as failure:
+            self.cancel(failure)
+            raise
 
     async def _start(self) -> ServerStream[pb.GenerateResponse]:
         upstream, request = self._upstream, self._request

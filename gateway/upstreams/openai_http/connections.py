@@ -132,9 +132,10 @@ class _RawCall(StreamBookkeeping):
             raise failure
         return None
 
-    def listen(self, listener: Callable[[], None] | None) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> bool:
         """Calls `listener` after each read (and when the call fails); None stops."""
         self._listener = listener
+        return True
 
     async def _open(self) -> None:
         """Sends the request; returns at their first event, or `HEAD_GRACE` after
