@@ -286,66 +286,48 @@ def test_a_start_that_sends_nothing_ends_at_the_idle_timeout():
     assert run_virtual(main()) == 0.5
 
 
-def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once():
-    async def waited(others: int) -> list[float]:
-        loop = asyncio.get_running_loop()
-        open_pumps = [pump_over(FakeStream()) for _ in range(others)]
-        stream = PushingStream()
+async def _waits_for_events(others: int, every: float) -> list[float]:
+    """How long the edge waits for each of two events a worker sends `every` seconds
+    after the edge's wait began, with `others` more streams open."""
+    loop = asyncio.get_running_loop()
+    open_pumps = [pump_over(FakeStream()) for _ in range(others)]
+    stream = PushingStream()
 
-        async def start() -> tuple[Started, PushingStream]:
-            return Started(1), stream
+    async def start() -> tuple[Started, PushingStream]:
+        return Started(1), stream
 
-        pump = EventPump(start())
-        waits = []
-        try:
-            stream.ready.append(Text("first", 1))
-            assert await pump.next_batch(5.0) == [Started(1), Text("first", 1)]  # at once
-            for text in "ab":
+    pump = EventPump(start())
+    waits = []
+    try:
+        stream.ready.append(Text("first", 1))
+        assert await pump.next_batch(5.0) == [Started(1), Text("first", 1)]  # at once
+        for text in "ab":
+            if every:
+                loop.call_later(every, stream.push, Text(text, 1))
+            else:
                 loop.call_soon(stream.push, Text(text, 1))
-                began = loop.time()
-                assert await pump.next_batch(5.0) == [Text(text, 1)]
-                waits.append(loop.time() - began)
-            return waits
-        finally:
-            await pump.aclose()
-            for other in open_pumps:
-                await other.aclose()
+            began = loop.time()
+            assert await pump.next_batch(5.0) == [Text(text, 1)]
+            waits.append(loop.time() - began)
+        return waits
+    finally:
+        await pump.aclose()
+        for other in open_pumps:
+            await other.aclose()
 
-    assert run_virtual(waited(others=0)) == [0.0, 0.0]
-    paced = run_virtual(waited(others=1))
+
+def test_among_other_streams_a_stream_writes_in_the_next_turn_and_alone_at_once():
+    assert run_virtual(_waits_for_events(others=0, every=0)) == [0.0, 0.0]
+    paced = run_virtual(_waits_for_events(others=1, every=0))
     assert all(0 < wait <= PACE for wait in paced)
 
 
 def test_a_stream_slower_than_the_turns_writes_each_event_at_once():
     """Behind an engine that takes longer than a turn a token, the turn would merge
     nothing: the edge writes when the event comes, among other streams or alone."""
-
-    async def waited(others: int) -> list[float]:
-        loop = asyncio.get_running_loop()
-        open_pumps = [pump_over(FakeStream()) for _ in range(others)]
-        stream = PushingStream()
-
-        async def start() -> tuple[Started, PushingStream]:
-            return Started(1), stream
-
-        pump = EventPump(start())
-        waits = []
-        try:
-            stream.ready.append(Text("first", 1))
-            await pump.next_batch(5.0)
-            for text in "ab":
-                loop.call_later(3 * PACE, stream.push, Text(text, 1))
-                began = loop.time()
-                assert await pump.next_batch(5.0) == [Text(text, 1)]
-                waits.append(loop.time() - began)
-            return waits
-        finally:
-            await pump.aclose()
-            for other in open_pumps:
-                await other.aclose()
-
-    assert run_virtual(waited(others=0)) == [3 * PACE, 3 * PACE]
-    assert run_virtual(waited(others=1)) == [3 * PACE, 3 * PACE]
+    slow = 3 * PACE
+    assert run_virtual(_waits_for_events(others=0, every=slow)) == [slow, slow]
+    assert run_virtual(_waits_for_events(others=1, every=slow)) == [slow, slow]
 
 
 def test_a_write_turn_lets_a_few_streams_write_in_each_turn_of_the_loop():
