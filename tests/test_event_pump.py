@@ -207,6 +207,42 @@ class PushingStream(FakeStream):
         self.listener()
 
 
+class BrokenStream(PushingStream):
+    """A pushing stream whose reading fails in the gateway's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled_with: object = None
+
+    def poll(self) -> Event | None:
+        if self.ready:
+            raise RuntimeError("a bug in reading the worker's answer")
+        return None
+
+    def cancel(self, outcome: object = None) -> None:
+        self.cancelled_with = outcome
+
+
+def test_a_bug_in_reading_a_call_fails_the_request_and_stops_the_call():
+    async def main() -> None:
+        stream = BrokenStream()
+
+        async def start() -> tuple[Started, BrokenStream]:
+            return Started(1), stream
+
+        pump = EventPump(start())
+        try:
+            assert await pump.next_batch(5.0) == [Started(1)]
+            stream.push(Text("a", 1))
+            with pytest.raises(errors.Failed, match="gateway failed"):
+                await pump.next_batch(5.0)
+            assert isinstance(stream.cancelled_with, errors.Failed)  # the worker hears it
+        finally:
+            await pump.aclose()
+
+    run_virtual(main())
+
+
 def test_a_pushing_stream_is_read_without_a_task_and_within_the_bound():
     async def main() -> None:
         stream = PushingStream()

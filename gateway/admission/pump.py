@@ -237,8 +237,7 @@ class EventPump:
         except errors.GatewayError as error:
             self._end(error)
         except Exception:
-            log.exception("reading from the engine worker failed")
-            self._end(errors.Failed("The gateway failed while reading the worker's answer."))
+            self._broke()
 
     async def _read(self, call: UpstreamCall) -> None:
         """The reader task of a call that does not push."""
@@ -272,11 +271,21 @@ class EventPump:
         except errors.GatewayError as error:
             failure = error
         except Exception:
-            log.exception("reading from the engine worker failed")
-            failure = errors.Failed("The gateway failed while reading the worker's answer.")
+            failure = self._broke()
         finally:
             self._stop_reading()
         self._end(failure)
+
+    def _broke(self) -> errors.GatewayError:
+        """Reading the call failed in the gateway itself (a bug): logged, the pump
+        ended, and the call stopped, so that the worker hears it rather than
+        generating on to the deadline."""
+        log.exception("reading from the engine worker failed")
+        failure = errors.Failed("The gateway failed while reading the worker's answer.")
+        self._end(failure)  # first: the call's end wakes a pushing call's listener
+        if self._call is not None:
+            self._call.cancel(failure)
+        return failure
 
     def _end(self, error: errors.GatewayError | None) -> None:
         """No more events: `error` (if any) comes after those ready."""
