@@ -860,16 +860,18 @@ def test_plain_http_refusal_streamed_as_the_first_event_is_a_refusal():
     assert events == [] and type(failure) is errors.Invalid and failure.param == "logit_bias"
 
 
-def test_plain_http_started_comes_after_their_200_head_while_the_engine_prefills():
+@pytest.mark.parametrize("raw_http", [None, False], ids=["our connections", "httpx"])
+def test_started_comes_after_their_200_head_while_the_engine_prefills(raw_http):
     # their head at once, then nothing (an engine's prefill): `Started` still comes, so
-    # the edge's head reaches the client before the first token, as vLLM's own does
+    # the edge's head reaches the client before the first token, as vLLM's own does;
+    # cancelling the call then closes the connection, a pending httpx read too
     server = ScriptedHttp((200, [], True))
 
     async def first_event() -> tuple:
         url = await server.start()
         outcomes: list = []
         async with httpx.AsyncClient() as http:
-            upstream = OpenAIHttpUpstream(url, http)
+            upstream = OpenAIHttpUpstream(url, http, raw_http=raw_http)
             call = upstream.call(CHAT, 5.0, on_close=outcomes.append)
             with anyio.fail_after(HANG_GUARD):
                 first = await anext(call)

@@ -20,9 +20,9 @@ as `Text`, `delta.tool_calls` as `ToolCallDelta`, each choice's finish reason
 as its `Finished`; `embed` is their `/embeddings`.
 
 Their stream has no `Started` with the prompt's size: `Started(0)` goes out
-with their first event, so an error event in its place is still a refusal; over
-our own connections (plain http://), at most `HEAD_GRACE` (5 ms) after their head
-said 200, so that the edge's head reaches the client while the engine prefills, as
+with their first event, so an error event in its place is still a refusal; at most
+`HEAD_GRACE` (5 ms) after their head said 200 (over our own connections or httpx),
+so that the edge's head reaches the client while the engine prefills, as
 vLLM's own server sends it (the client's work on a head then overlaps the prefill:
 about 1 ms of added TTFT on a 2-core VM, `benchmarks/bench_vllm.py --relay`). The
 prompt tokens ride on `Finished` from their usage chunk.

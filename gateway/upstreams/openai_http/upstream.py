@@ -21,6 +21,7 @@ from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
 from gateway.upstreams.base import (
     CANCELLED,
+    HEAD_GRACE,
     CallEnd,
     ModelDescription,
     StreamBookkeeping,
@@ -65,6 +66,7 @@ class OpenAIHttpCall(StreamBookkeeping):
         self._response: httpx.Response | None = None
         self._chunks: AsyncIterator[bytes] | None = None
         self._failure: errors.GatewayError | None = None  # found after events still to give
+        self._first: asyncio.Task[None] | None = None  # the first read, past the grace
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -77,7 +79,8 @@ class OpenAIHttpCall(StreamBookkeeping):
         try:
             if self._response is None:
                 return await self._open()
-            await self._read()
+            first, self._first = self._first, None
+            await (self._read() if first is None else first)
             return self._ready.popleft()
         except errors.GatewayError as error:
             await self._finish(error)
@@ -96,9 +99,22 @@ class OpenAIHttpCall(StreamBookkeeping):
             body = await read_capped(response, MAX_ERROR_BYTES)
             raise error_from_response(response.status_code, body)
         self._chunks = response.aiter_bytes()
-        # Started waits for their first event: a refusal they stream (vLLM's 400s
-        # found after its headers) is then still a refusal, answered as its status.
-        await self._read()
+        # Started waits for their first event, at most `HEAD_GRACE`: a refusal they
+        # stream (vLLM's 400s found after its headers) is then still a refusal,
+        # answered as its status, and past it the edge's head goes out while the engine
+        # prefills. A pending httpx read cannot be interrupted: it runs as a task, which
+        # the next read awaits (or `cancel()` cancels).
+        first = asyncio.ensure_future(self._read())
+        first.add_done_callback(_retrieved)
+        try:
+            done, _ = await asyncio.wait((first,), timeout=HEAD_GRACE)
+        except asyncio.CancelledError:
+            first.cancel()
+            raise
+        if done:
+            first.result()  # their refusal raises here
+        else:
+            self._first = first
         return Started(0)
 
     async def _read(self) -> None:
@@ -128,11 +144,21 @@ class OpenAIHttpCall(StreamBookkeeping):
     def cancel(self, outcome: CallEnd = CANCELLED) -> None:
         """Closes the upstream connection (the upstream sees the client leave)."""
         self._ready.clear()
+        if self._first is not None:
+            self._first.cancel()
+            self._first = None
         if self._response is not None:
             closing = asyncio.get_running_loop().create_task(self._response.aclose())
             _CLOSING.add(closing)  # the loop keeps only a weak reference to a task
             closing.add_done_callback(_CLOSING.discard)
         self.close(outcome)
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """A first read's failure is raised by the read that awaits it; one that no read
+    awaits (the call was cancelled) is marked seen, so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
 
 
 class OpenAIHttpUpstream:
