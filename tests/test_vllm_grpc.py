@@ -17,9 +17,17 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
+from gateway.admission.pump import EventPump
 from gateway.config import ModelConfig
 from gateway.protocol import errors
-from gateway.protocol.types import Finished, GenerateRequest, Message, SamplingParams, Started
+from gateway.protocol.types import (
+    Finished,
+    GenerateRequest,
+    Message,
+    SamplingParams,
+    Started,
+    Text,
+)
 from gateway.tokenization import load_tokenizer
 from gateway.upstreams.vllm_grpc import INLINE_CHARS, MAX_PROMPT_CHARS, VllmGrpcUpstream
 from tests.support.requests import sse_events, user
@@ -203,6 +211,44 @@ def test_an_abort_reaches_the_engine_and_its_abort_reason_is_an_error(
     assert isinstance(first, Started) and first.prompt_tokens > 0
     assert isinstance(error, errors.Unavailable) and "abort" in error.message
     assert error.retryable
+
+
+def test_the_engines_stream_is_pushed_on_the_loop_or_read_by_a_task_to_the_same_events(
+    server_loop, vllm_grpc: VllmProcess, vllm_model: Path
+):
+    """Over our own HTTP/2 client the engine's messages become events in the callback that
+    read them (no reader task); a grpc.aio stream (a `dns:///` target) has a task read
+    it. The same greedy answer either way."""
+
+    async def answer(target: str) -> tuple[list[Any], int]:
+        upstream = VllmGrpcUpstream(target, model=MODEL, tokenizer=str(vllm_model))
+        sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        request = GenerateRequest(model=MODEL, prompt="one two three four", sampling=sampling)
+        call = upstream.call(request, timeout=HANG_GUARD)
+
+        async def start() -> tuple[Started, Any]:
+            return await anext(call), call
+
+        pump, events, reading = EventPump(start()), [], -1
+        try:
+            while not any(isinstance(event, Finished) for event in events):
+                events += await pump.next_batch(HANG_GUARD)
+                if reading < 0:
+                    reading = EventPump.reading
+        finally:
+            await pump.aclose()
+            await upstream.close()
+        return events, reading
+
+    address = f"127.0.0.1:{vllm_grpc.port}"
+    pushed, readers = server_loop.call(answer(address))
+    assert readers == 0
+    read, readers = server_loop.call(answer(f"dns:///{address}"))
+    assert readers == 1
+    assert read == pushed
+    assert isinstance(pushed[0], Started) and isinstance(pushed[-1], Finished)
+    assert pushed[-1].completion_tokens == 12
+    assert "".join(event.text for event in pushed if isinstance(event, Text))
 
 
 def test_models_show_the_engines_context_length(http):
