@@ -19,15 +19,8 @@ from tokenizers import Tokenizer
 
 from gateway.admission.pump import EventPump
 from gateway.config import ModelConfig
-from gateway.protocol import errors
-from gateway.protocol.types import (
-    Finished,
-    GenerateRequest,
-    Message,
-    SamplingParams,
-    Started,
-    Text,
-)
+from gateway.protocol import errors, types
+from gateway.protocol.types import Finished, GenerateRequest, Message, SamplingParams, Started
 from gateway.tokenization import load_tokenizer
 from gateway.upstreams.vllm_grpc import INLINE_CHARS, MAX_PROMPT_CHARS, VllmGrpcUpstream
 from tests.support.requests import sse_events, user
@@ -248,7 +241,7 @@ def test_the_engines_stream_is_pushed_on_the_loop_or_read_by_a_task_to_the_same_
     assert read == pushed
     assert isinstance(pushed[0], Started) and isinstance(pushed[-1], Finished)
     assert pushed[-1].completion_tokens == 12
-    assert "".join(event.text for event in pushed if isinstance(event, Text))
+    assert "".join(event.text for event in pushed if isinstance(event, types.Text))
 
 
 def test_models_show_the_engines_context_length(http):
