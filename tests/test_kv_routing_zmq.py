@@ -361,12 +361,23 @@ def test_a_replay_socket_brings_what_the_subscriber_missed() -> None:
                 batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
                 seen.append((batch.sequence, batch.reset, len(batch.events)))
             publisher.publish(3, [], live=False)  # lost on the way: a gap
-            while True:  # until the live socket is subscribed: it misses what comes before
-                publisher.publish(len(publisher.kept), [])
-                batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
-                seen.append((batch.sequence, batch.reset, len(batch.events)))
-                if batch.sequence >= 4:
-                    break
+
+            async def keep_publishing() -> None:
+                # until the live socket is subscribed it misses what is published (ZMQ's
+                # slow joiner): one message and a wait for it could wait forever
+                while True:
+                    publisher.publish(len(publisher.kept), [])
+                    await asyncio.sleep(0.05)
+
+            ticker = asyncio.create_task(keep_publishing())
+            try:
+                while True:
+                    batch = await asyncio.wait_for(anext(batches), HANG_GUARD)
+                    seen.append((batch.sequence, batch.reset, len(batch.events)))
+                    if batch.sequence >= 4:
+                        break
+            finally:
+                ticker.cancel()
             assert subscriber.replays >= 1 and subscriber.malformed == 0
             assert publisher.requests[0] == 0
             return seen
