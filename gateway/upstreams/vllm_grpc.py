@@ -249,6 +249,7 @@ class VllmGrpcCall(StreamBookkeeping):
         "_pending",
         "_polling",
         "_prompt_tokens",
+        "_pushing",
         "_request",
         "_started",
         "_upstream",
@@ -279,6 +280,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._prompt_tokens = 0  # the ids sent, which the engine counts as the prompt
         self._listener: Callable[[], None] | None = None
         self._polling = False  # inside `poll`, which hears its own call's end itself
+        self._pushing: StreamCall[pb.GenerateResponse] | None = None  # once `listen` said so
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -311,6 +313,7 @@ class VllmGrpcCall(StreamBookkeeping):
         if listen is None:
             return False
         self._listener = listener
+        self._pushing = cast(StreamCall[pb.GenerateResponse], self._call)
         listen(None if listener is None else self._pushed)
         return True
 
@@ -324,7 +327,8 @@ class VllmGrpcCall(StreamBookkeeping):
         pending = self._pending
         if pending:
             return pending.popleft()
-        call = cast(StreamCall[pb.GenerateResponse], self._call)
+        call = self._pushing
+        assert call is not None, "poll() before listen() said the call pushes"
         self._polling = True
         try:
             while not pending:
