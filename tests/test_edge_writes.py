@@ -1,7 +1,9 @@
 """The edge writes a response's head with its first body bytes (edge/http_protocol.py,
 `_HeadHold`): one write, not two, for every answer, as hyper does under the Rust
 routers. A write held for that goes out at the end of the loop's turn when nothing
-follows it, so a lone head (or uvicorn's `100 Continue`) is never kept waiting."""
+follows it, so a lone head (or uvicorn's `100 Continue`) is never kept waiting.
+A paced stream's later tokens are written in the callback that brought them
+(`_WriteNow`), the same bytes the request's task would have written."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import asyncio
 import socket
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
+import pytest
 
-from gateway.edge.http_protocol import _HeadHold
+from gateway.edge.http_protocol import _HeadHold, _WriteNow
 from tests.support.waiting import HANG_GUARD
 
 
@@ -138,3 +142,38 @@ def test_expect_100_continue_is_answered_before_the_body_is_sent(gateway):
             assert data, "the gateway closed the connection"
             answer += data
     assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_paced_streams_tokens_are_written_in_the_callback_that_brought_them(
+    gateway, monkeypatch: pytest.MonkeyPatch
+):
+    written: list[bytes] = []
+    write_now = _WriteNow.__call__
+
+    def noted(self: _WriteNow, body: bytes) -> bool:
+        if write_now(self, body):
+            written.append(body)
+            return True
+        return False
+
+    monkeypatch.setattr(_WriteNow, "__call__", noted)
+    words = "one two three four five"
+    body = {
+        "model": "furnace-slow",  # a token every 50 ms: each comes while the edge waits
+        "messages": [{"role": "user", "content": words}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with (
+        httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [orjson.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == words
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    # the tokens after the first, each an event of its own as it came
+    assert len(written) >= 3
+    assert all(w.startswith(b"data: {") and w.endswith(b"\n\n") for w in written)

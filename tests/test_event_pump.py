@@ -381,3 +381,68 @@ def test_a_write_turn_lets_a_few_streams_write_in_each_turn_of_the_loop():
     # the cancelled one is skipped; the next few in the next turn of the loop, and so on
     few = TURN_STREAMS
     assert run_virtual(main()) == [few, 2 * few - 1, 2 * few, 2 * few]
+
+
+def test_events_pushed_while_the_edge_waits_go_to_its_sink_and_the_tick_follows_them():
+    """The edge's sink writes what is pushed while the edge waits, in the callback
+    that brought it: the edge's wait goes on, its keep-alive tick a tick after the
+    last event written, not after the wait began; a batch the sink refuses (an end)
+    wakes the edge with it."""
+    tick = 0.25
+
+    async def main() -> tuple[list[list[Event]], float, list[Event]]:
+        loop = asyncio.get_running_loop()
+        stream = PushingStream()
+
+        async def start() -> tuple[Started, PushingStream]:
+            return Started(1), stream
+
+        pump = EventPump(start())
+        written: list[list[Event]] = []
+
+        def sink(batch: list[Event]) -> bool:
+            if any(type(event) is not Text for event in batch):
+                return False
+            written.append(batch)
+            return True
+
+        try:
+            assert await pump.next_batch(5.0) == [Started(1)]
+            pump.sink = sink
+            for i in range(4):  # every half tick: the tick set when the wait began passes
+                loop.call_later(tick / 2 * (i + 1), stream.push, Text(str(i), 1))
+            began = loop.time()
+            assert await pump.next_batch(5.0, tick) == []  # woken by the tick alone
+            waited = loop.time() - began
+            end = Finished(FinishReason.STOP, 5, 1)
+            loop.call_soon(stream.push, Text("e", 1), end)
+            return written, waited, await pump.next_batch(5.0, tick)
+        finally:
+            await pump.aclose()
+
+    written, waited, last = run_virtual(main())
+    assert written == [[Text(str(i), 1)] for i in range(4)]
+    assert waited == 3 * tick  # the last event at 2 ticks, then a tick of quiet
+    assert last == [Text("e", 1), Finished(FinishReason.STOP, 5, 1)]
+
+
+def test_the_sink_sleeps_while_events_come_faster_than_the_turns():
+    """Pushed back to back (`_hot`), events go to the edge's task, whose write turns
+    merge them, not to the sink one by one."""
+
+    async def main() -> list[Event]:
+        stream = PushingStream()
+
+        async def start() -> tuple[Started, PushingStream]:
+            return Started(1), stream
+
+        pump = EventPump(start())
+        pump.sink = lambda batch: pytest.fail("a hot stream's events went to the sink")
+        try:
+            assert await pump.next_batch(5.0) == [Started(1)]
+            asyncio.get_running_loop().call_soon(stream.push, Text("a", 1))
+            return await pump.next_batch(5.0)
+        finally:
+            await pump.aclose()
+
+    assert run_virtual(main()) == [Text("a", 1)]

@@ -140,10 +140,16 @@ class EventPump:
         self._wake_at = math.inf  # when the current wait ends without an event
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf  # when `_timer` fires
-        self._idle_timeout = math.inf  # the first `next_batch`'s, which bounds the start
+        self._idle_timeout = (
+            math.inf
+        )  # the current wait's (the first `next_batch`'s bounds the start)
         self._reading = False  # counted in `EventPump.reading`
         self._paced = False  # the edge's waiter waits for the next write turn
         self._waiting_since = 0.0  # when the edge's current wait began
+        self._tick: float | None = None  # the current wait's keep-alive tick
+        #: The edge's writer for events pushed while it waits (see `_deliver`): takes a
+        #: batch and says whether it wrote it; None: the edge's task is woken instead.
+        self.sink: Callable[[list[Event]], bool] | None = None
         EventPump.live += 1
 
     async def _begin(self, idle_timeout: float) -> None:
@@ -206,7 +212,6 @@ class EventPump:
             raise failure
         self._ready.append(event)
         self._last_event = self._loop.time()
-        self._arrived()
         if type(event) is Text or type(event) is ToolCallDelta:
             self.buffered += event_size(event)  # logprobs and arguments count too
         elif type(event) is Finished:
@@ -224,20 +229,49 @@ class EventPump:
             return
         poll = pushing.poll
         try:
-            while self.buffered <= self._buffer_chars:
+            while True:
+                if self.buffered > self._buffer_chars:
+                    self.phase = Phase.FULL  # the rest waits in the call (which stops reading)
+                    break
                 event = poll()
                 if event is None:
-                    return
+                    break
                 if self._accept(event):
                     self._end(None)
                     return
-            self.phase = Phase.FULL  # the rest waits in the call (which stops reading)
+            if self._ready:
+                self._deliver()
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
         except errors.GatewayError as error:
             self._end(error)
         except Exception:
             self._broke()
+
+    def _deliver(self) -> None:
+        """Pushed events are ready: while the edge waits for them, its `sink` writes
+        them here, in the callback that brought them, and the edge's task sleeps on
+        (a wake of the task and its chain of coroutines is about a third of a paced
+        token's CPU); else, or when the sink cannot, the edge is woken (`_arrived`).
+        Not while paced (`_hot`: the write turns merge those) nor full."""
+        sink, waiter = self.sink, self._waiter
+        if (
+            sink is not None
+            and waiter is not None
+            and not waiter.done()
+            and not self._paced
+            and self.phase is Phase.STREAMING
+            and not self._hot()
+            and sink(self._ready)
+        ):
+            self._ready = []
+            self.buffered = 0
+            # the wait goes on as if the edge had written and waited again
+            now = self._waiting_since = self._loop.time()
+            idle_at = self._last_event + self._idle_timeout
+            self._wake_at = idle_at if self._tick is None else min(idle_at, now + self._tick)
+            return
+        self._arrived()
 
     async def _read(self, call: UpstreamCall) -> None:
         """The reader task of a call that does not push."""
@@ -260,6 +294,7 @@ class EventPump:
                 if self._accept(event):
                     self._end(None)
                     return
+                self._arrived()
                 if self.buffered > self._buffer_chars:
                     # Full: read no more until the edge takes a batch.
                     self.phase = Phase.FULL
@@ -366,11 +401,13 @@ class EventPump:
                 self._arm(wake_at)
             waiter = self._waiter = self._loop.create_future()
             self._waiting_since = now
+            self._idle_timeout, self._tick = idle_timeout, tick
             try:
                 await waiter
             finally:
                 self._waiter = None
                 paced, self._paced = self._paced, False
+            idle_at = self._last_event + idle_timeout  # later, if a sink wrote meanwhile
             woken_by_tick = (
                 not self._ready and self.phase < Phase.ENDED and self._loop.time() < idle_at
             )

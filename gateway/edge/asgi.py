@@ -21,6 +21,10 @@ ABORT_EXTENSION = "furnace.abort"
 #: ... and a future it resolves when the connection is lost: a route learns that its
 #: client went away without a task of its own waiting on `receive()`.
 LOST_EXTENSION = "furnace.lost"
+#: ... and a callable that writes a body chunk of the started, chunked response at
+#: once, when `send` would not wait (the client reads, the response is open), and
+#: says whether it did: a stream's token written in the callback that brought it.
+WRITE_NOW_EXTENSION = "furnace.write_now"
 
 
 async def send_json(

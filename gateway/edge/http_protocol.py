@@ -72,7 +72,7 @@ from typing import Any, ClassVar, cast
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION
+from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, WRITE_NOW_EXTENSION
 from gateway.edge.errors import SERVER, APIError
 
 #: Seconds a refused connection keeps reading (and dropping) before it closes.
@@ -163,6 +163,30 @@ class _HeadHold:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+class _WriteNow:
+    """`WRITE_NOW_EXTENSION`: a body chunk written as uvicorn's `send` would write it,
+    but outside a task, and only when that `send` would not wait (the client reads:
+    no paused flow) and the response is open and chunked; False otherwise, and the
+    caller awaits `send`, under its write guard."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def __call__(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            cycle.disconnected
+            or cycle.flow.write_paused
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
 
 class _Refused(Exception):
@@ -319,6 +343,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle is not before:  # the same one: an upgrade, refused
             cycle.transport = cast(asyncio.Transport, _HeadHold(cycle, self.transport))
+            extensions[WRITE_NOW_EXTENSION] = _WriteNow(cycle)
         if self.pipeline:  # queued behind a response, reading paused: its turn starts the clock
             self._disarm()
 

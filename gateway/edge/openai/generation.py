@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
-from gateway.edge.asgi import Scope, Send, send_json
+from gateway.edge.asgi import WRITE_NOW_EXTENSION, Scope, Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import KEEPALIVE, Encoder
@@ -31,7 +31,7 @@ from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import Event, GenerateRequest, Text
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -214,7 +214,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         record.expect(parsed.generate.n)
         try:
             with self.inflight.track(pump):
-                await self._relay_events(pump, encoder, parsed.stream, record, ex.send, gone)
+                write_now = ex.scope.get("extensions", {}).get(WRITE_NOW_EXTENSION)
+                await self._relay_events(
+                    pump, encoder, parsed.stream, record, ex.send, gone, write_now
+                )
         finally:
             record.worker = pump.worker
             await pump.aclose()
@@ -227,9 +230,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         record: RequestRecord,
         send: Send,
         gone: asyncio.Future[None],
+        write_now: WriteNow | None = None,
     ) -> None:
         if stream:
-            await self._stream(pump, encoder, record, send, gone)
+            await self._stream(pump, encoder, record, send, gone, write_now)
         else:
             await self._answer(pump, encoder, record, send)
 
@@ -269,10 +273,12 @@ class GenerationRoute(RequestRoute[Exchange]):
         record: RequestRecord,
         send: Send,
         gone: asyncio.Future[None],
+        write_now: WriteNow | None = None,
     ) -> None:
         """Writes each batch as it comes: the one-choice path joins its text
         into one delta; the others write `encoder.events`. Ends after the last
-        choice's `Finished`."""
+        choice's `Finished`. Once the first text is out, the one-choice path's
+        texts may be written by the pump's sink instead (`_sink`)."""
         config = self.config
         batch = await pump.next_batch(config.request_timeout)
         request_id = record.request_id.encode("latin-1")
@@ -293,6 +299,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         # vLLM's server sends it: the first token costs one write, not two.
         opening = encoder.opening() if plain else b""
         body = b""
+        sinking = False
         while True:
             if plain:
                 text = record.take(batch)
@@ -306,6 +313,8 @@ class GenerationRoute(RequestRoute[Exchange]):
                 break
             if body:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
+            if not sinking and plain and not opening and write_now is not None:
+                pump.sink, sinking = _sink(record, encoder, write_now), True
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
             except errors.GatewayError as error:
@@ -324,3 +333,31 @@ class GenerationRoute(RequestRoute[Exchange]):
             body += encoder.end(prompt_tokens, completion_tokens)
         record.outcome = Outcome.COMPLETED
         await send({"type": "http.response.body", "body": body})
+
+
+#: `WRITE_NOW_EXTENSION`'s callable: a body chunk written at once, if it can be.
+WriteNow = Callable[[bytes], bool]
+
+
+def _sink(
+    record: RequestRecord, encoder: Encoder, write_now: WriteNow
+) -> Callable[[list[Event]], bool]:
+    """The pump's sink of a one-choice stream whose first text is out: a batch of
+    texts alone, written in the callback that brought it, as `_stream`'s loop would
+    write it; False for any other batch (an end, an error), or while the connection
+    cannot take a write at once (the loop writes it then, under the write guard)."""
+    delta = encoder.delta
+
+    def write(batch: list[Event]) -> bool:
+        pieces = []
+        for event in batch:
+            if type(event) is not Text:
+                return False
+            pieces.append(event.text)
+        text = "".join(pieces)
+        if text and not write_now(delta(text)):
+            return False
+        record.take(batch)
+        return True
+
+    return write

@@ -177,14 +177,16 @@ class ResponsesRoute(GenerationRoute):
         record: Any,
         send: Send,
         gone: asyncio.Future[None],
+        write_now: Any = None,
     ) -> None:
         """The generation route's relay, with the response stored before the answer's
-        last bytes go out."""
+        last bytes go out (a text written at once skips `send_stored`: it is never
+        the last)."""
         assert isinstance(encoder, ResponsesEncoder)
         request = encoder.request
         assert isinstance(request, ResponsesRequest) and request.body is not None
         if not request.body.store:
-            await super()._relay_events(pump, encoder, stream, record, send, gone)
+            await super()._relay_events(pump, encoder, stream, record, send, gone, write_now)
             return
 
         async def send_stored(message: Message) -> None:
@@ -193,7 +195,7 @@ class ResponsesRoute(GenerationRoute):
                 await self._store(request, encoder.final, pump.worker)
             await send(message)
 
-        await super()._relay_events(pump, encoder, stream, record, send_stored, gone)
+        await super()._relay_events(pump, encoder, stream, record, send_stored, gone, write_now)
 
     async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
         assert request.body is not None
