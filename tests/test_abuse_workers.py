@@ -429,6 +429,59 @@ def test_the_limits_count_every_schema_of_a_request_together(client):
         assert "the request's schemas hold" not in response.text, response.text
 
 
+NOT_SCHEMAS = {
+    "required a number": ({"type": "object", "required": 5}, "(at required)"),
+    "properties a list": ({"type": "object", "properties": []}, "(at properties)"),
+    "minimum a string": ({"type": "integer", "minimum": "x"}, "(at minimum)"),
+    "minItems a string": ({"type": "array", "minItems": "x"}, "(at minItems)"),
+    "a misspelt type": (
+        {"type": "object", "properties": {"a": {"type": "strin"}}},
+        "(at properties/a/type)",
+    ),
+    "an item not a schema": ({"type": "array", "items": [{}, 5]}, "(at items/1)"),
+    "an empty anyOf": ({"anyOf": []}, "(at anyOf)"),
+}
+
+
+@pytest.mark.parametrize(("schema", "says"), NOT_SCHEMAS.values(), ids=NOT_SCHEMAS.keys())
+def test_what_is_not_a_schema_is_a_400_saying_where_and_no_worker_is_ejected(
+    client, workers, schema, says
+):
+    """Handed to a worker, `"required": 5` failed in it (a 500), and three such requests
+    ejected a model's only worker for every client."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    calls = workers.demo_engine.calls
+    for extra, param in (
+        ({"response_format": format_}, "response_format.json_schema.schema"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools[0].function.parameters"),
+    ):
+        for _ in range(4):
+            body = {"model": DEMO_MODEL, "messages": user("hi"), **extra}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            error = assert_openai_error(response)
+            assert error["param"] == param
+            assert f"Invalid schema for '{param}' {says}" in error["message"]
+    assert workers.demo_engine.calls == calls  # refused at the edge
+    answer = client.post("/v1/chat/completions", json={"model": DEMO_MODEL, "messages": user("hi")})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_schema_whose_smallest_value_is_huge_is_refused_by_the_demo(client):
+    """A valid schema may ask for a terabyte (`minLength`): the demo engine, which
+    writes a schema's smallest value, says it cannot, as a 400."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 10**12}}}
+    schema["required"] = ["a"]
+    format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    body = {"model": DEMO_MODEL, "messages": user("hi"), "response_format": format_}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = assert_openai_error(response)
+    assert error["param"] == "response_format"
+    assert "more than 65536 characters" in error["message"]
+
+
 # -- what one request may make: n x max_tokens x logprobs ----------------------------
 
 

@@ -109,6 +109,8 @@ def test_system_blocks_sampling_and_metadata_are_taken(claude):
         stop_sequences=["zzz"],
         metadata={"user_id": "user-1"},
         cache_control={"type": "ephemeral"},
+        thinking={"type": "disabled"},  # what asks nothing is taken
+        service_tier="standard_only",
         # sampling the SDK no longer names, which older clients send
         extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5},
     )
@@ -272,7 +274,8 @@ def test_count_tokens_refuses_like_messages(gateway):
         ({"max_tokens": 4, "messages": []}, "messages"),
         ({"max_tokens": 4, "messages": say("a"), "temperature": 1.5}, "temperature"),
         ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "enabled"}}, "thinking"),
-        ({"max_tokens": 4, "messages": say("a"), "service_tier": "auto"}, "service_tier"),
+        ({"max_tokens": 4, "messages": say("a"), "service_tier": "priority"}, "service_tier"),
+        ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "x"}}, "thinking"),
         ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},

@@ -165,6 +165,9 @@ def test_2048_inputs_are_served(client):
         ({"input": "a", "user": 5}, "user"),
         ({"input": "a", "user": "u" * 257}, "user"),
         ({"input": "a", "model": 5}, "model"),
+        ({"input": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+        ({"input": "a", "normalize": False}, "normalize"),
+        ({"input": "a", "embed_dtype": "float16"}, "embed_dtype"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_parameter(client, workers, body, param):

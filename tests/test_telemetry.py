@@ -80,6 +80,8 @@ def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):
     )
     assert value(samples, "furnace_gateway_prompt_tokens_total", model="furnace-demo") == 8
     assert value(samples, "furnace_gateway_completion_tokens_total", model="furnace-demo") == 8
+    # the streams whose clients left count the token each wrote, as their teams' ledger does
+    assert value(samples, "furnace_gateway_completion_tokens_total", model="scripted") == 2
     assert (
         value(samples, "furnace_gateway_time_to_first_token_seconds_count", model="furnace-demo")
         == 3
@@ -128,6 +130,8 @@ def test_every_outcome_is_counted_and_logged(gateway_with, workers, caplog):
     assert streamed["prompt_tokens"] == 2 and streamed["completion_tokens"] == 2
     assert streamed["ttft_ms"] > 0 and streamed["duration_ms"] >= streamed["ttft_ms"]
     assert len(streamed["request_id"]) == 32
+    gone = [line for line in lines if line["outcome"] == "client_gone"]
+    assert [line["completion_tokens"] for line in gone] == [1, 1]
     assert all("prompt" not in line for line in lines)  # prompts stay out by default
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "a b c" not in text and "x y z" not in text

@@ -16,12 +16,15 @@ changes, instead of a loop over the fleet on every request.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.protocol import errors
 from gateway.upstreams.base import CANCELLED, CallEnd, Upstream
+
+log = logging.getLogger("furnace.fleet")
 
 #: Errors that count against a worker.
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
@@ -126,3 +129,9 @@ class Worker:
         self.ejections_total += 1
         seconds = min(self.policy.longest, self.policy.base * 2 ** (self.ejection_streak - 1))
         self.ejected_until = time.monotonic() + seconds
+        log.warning(
+            "worker %s ejected for %g s: %d calls failed in a row",
+            self.address,
+            seconds,
+            self.policy.after_failures,
+        )

@@ -68,14 +68,6 @@ def reservation_of(request: GenerateRequest | EmbedRequest | None) -> tuple[int,
     return prompt, request.sampling.max_tokens * request.n
 
 
-def used_by(record: RequestRecord) -> tuple[int, int]:
-    """What the engine counted of a request: prompt and completion tokens (those it
-    wrote, when the answer was cut before its `Finished` counts)."""
-    if record.finished is not None:
-        return record.prompt_tokens, record.completion_tokens
-    return record.prompt_tokens, max(record.completion_tokens, record.tokens_sent)
-
-
 class Accounts:
     """Budgets and ledger of one gateway; start and close it on the serving loop."""
 
@@ -136,7 +128,7 @@ class Accounts:
     ) -> None:
         """The ending: settles the budgets to what the request used, and writes it
         in the ledger."""
-        prompt, completion = used_by(record)
+        prompt, completion = record.used()
         if held is not None:
             await self.budgets.settle(held, prompt, completion)
         cost = spend(self.budgets.prices.get(model), prompt, completion)

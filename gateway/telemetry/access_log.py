@@ -25,6 +25,7 @@ class AccessLog:
         """The request's line, once it is over (nothing built when the log is off)."""
         if not access_log.isEnabledFor(logging.INFO):
             return
+        prompt_tokens, completion_tokens = record.used()
         line: dict[str, Any] = {
             "request_id": record.request_id,
             "model": record.model,
@@ -33,8 +34,8 @@ class AccessLog:
             "status": record.status,
             "outcome": record.outcome or Outcome.ENGINE_ERROR,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
-            "prompt_tokens": record.prompt_tokens,
-            "completion_tokens": record.completion_tokens,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
             "duration_ms": round((end - record.started_at) * 1000, 3),
         }
         if record.asked:  # an alias, or a model a fallback served instead

@@ -209,6 +209,7 @@ class RequestMetrics:
         if model and record.status == 200:
             series = series or self._of(model)
             series.e2e.observe(end - record.started_at)
-            series.prompt_tokens.inc(record.prompt_tokens)
-            series.completion_tokens.inc(record.completion_tokens)
+            prompt, completion = record.used()
+            series.prompt_tokens.inc(prompt)
+            series.completion_tokens.inc(completion)
         return ttft

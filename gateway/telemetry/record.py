@@ -129,6 +129,14 @@ class RequestRecord:
             self.last_token_at = now
         return "".join(pieces)
 
+    def used(self) -> tuple[int, int]:
+        """The prompt and completion tokens the engine counted: the completion's
+        tokens written, when the answer was cut (a client gone) before its `Finished`
+        counted them. Ledger, metrics and log line all count these."""
+        if self.finished is not None:
+            return self.prompt_tokens, self.completion_tokens
+        return self.prompt_tokens, max(self.completion_tokens, self.tokens_sent)
+
     def observe_gaps(self) -> None:
         """Observes the inter-token gaps kept so far (at the end, the rest)."""
         if self.gaps and self.itl is not None:

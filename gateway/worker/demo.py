@@ -78,6 +78,9 @@ DEMO_MODEL = "furnace-demo"
 DEMO_DIMENSIONS = 32
 #: The longest piece of JSON (a tool call's arguments, a structured answer) per token.
 JSON_PIECE = 8
+#: The most characters and items, in all, of the smallest value the demo writes for a
+#: schema (a valid schema's `minLength` may ask for a terabyte).
+MAX_INSTANCE = 1 << 16
 
 _WORD = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -86,52 +89,75 @@ def minimal_instance(schema: Any) -> Any:
     """The smallest value a JSON Schema takes: its enum's first value, "" for a
     string, 0 for a number, false, [], null, an object with its required
     properties; a string's `minLength`, a number's `minimum` and an array's
-    `minItems` are met."""
-    if not isinstance(schema, dict):
+    `minItems` are met. ValueError past `MAX_INSTANCE` characters and items in all,
+    TypeError (or ValueError) where a keyword's value is not of its type."""
+    left = MAX_INSTANCE
+
+    def take(value: Any) -> int:
+        nonlocal left
+        count = int(value)
+        left -= count
+        if left < 0:
+            raise ValueError(f"its smallest value holds more than {MAX_INSTANCE} characters")
+        return count
+
+    def smallest(schema: Any) -> Any:
+        if not isinstance(schema, dict):
+            return None
+        if schema.get("enum"):
+            return schema["enum"][0]
+        if "const" in schema:
+            return schema["const"]
+        for key in ("anyOf", "oneOf", "allOf"):
+            if schema.get(key):
+                return smallest(schema[key][0])
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "null")
+        if kind is None and "properties" in schema:
+            kind = "object"
+        if kind == "string":
+            return "a" * take(schema.get("minLength", 0))
+        if kind in ("integer", "number"):
+            low, high = schema.get("minimum"), schema.get("maximum")
+            if low is not None and low > 0:
+                return low
+            return high if high is not None and high < 0 else 0
+        if kind == "boolean":
+            return False
+        if kind == "array":
+            count = take(schema.get("minItems", 0))
+            if not count:
+                return []
+            before = left
+            item = smallest(schema.get("items", {}))
+            take((count - 1) * (before - left))  # the item's characters, once per copy
+            return [item] * count
+        if kind == "object":
+            properties = schema.get("properties", {})
+            return {name: smallest(properties.get(name, {})) for name in schema.get("required", ())}
         return None
-    if schema.get("enum"):
-        return schema["enum"][0]
-    if "const" in schema:
-        return schema["const"]
-    for key in ("anyOf", "oneOf", "allOf"):
-        if schema.get(key):
-            return minimal_instance(schema[key][0])
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind is None and "properties" in schema:
-        kind = "object"
-    if kind == "string":
-        return "a" * int(schema.get("minLength", 0))
-    if kind in ("integer", "number"):
-        low, high = schema.get("minimum"), schema.get("maximum")
-        if low is not None and low > 0:
-            return low
-        return high if high is not None and high < 0 else 0
-    if kind == "boolean":
-        return False
-    if kind == "array":
-        return [minimal_instance(schema.get("items", {}))] * int(schema.get("minItems", 0))
-    if kind == "object":
-        properties = schema.get("properties", {})
-        return {
-            name: minimal_instance(properties.get(name, {})) for name in schema.get("required", ())
-        }
-    return None
+
+    return smallest(schema)
 
 
 def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _schema(text: str, param: str) -> Any:
-    """A schema in JSON text ("" is no schema: an object of nothing)."""
-    if not text:
-        return {"type": "object"}
+def _smallest(text: str, param: str) -> str:
+    """The compact JSON of the smallest value of the schema in JSON text ("" is no
+    schema: an object of nothing); a refusal naming `param` for what is not a schema
+    the demo can answer (the gateway's edge refuses most of them before)."""
     try:
-        return json.loads(text)
+        schema = json.loads(text) if text else {"type": "object"}
     except ValueError:
         raise errors.Invalid("The schema is not valid JSON.", param=param) from None
+    try:
+        return _compact(minimal_instance(schema))
+    except (TypeError, ValueError, RecursionError) as error:
+        message = f"The demo engine cannot answer this schema: {error}."
+        raise errors.Invalid(message, param=param) from None
 
 
 def demo_vector(item: str | tuple[int, ...], dimensions: int | None = None) -> tuple[float, ...]:
@@ -280,15 +306,14 @@ class DemoEngine(Engine):
         if calls:
             deltas: list[ToolCallDelta] = []
             for i, tool in enumerate(calls):
-                arguments = _compact(minimal_instance(_schema(tool.parameters, "tools")))
+                arguments = _smallest(tool.parameters, "tools")
                 deltas.append(ToolCallDelta(0, i, "call_" + secrets.token_hex(12), tool.name, ""))
                 deltas.extend(ToolCallDelta(0, i, "", "", p, 1) for p in _pieces(arguments))
             return iter(deltas)
         words: Iterator[str]
         answer = request.response_format
         if answer is not None and answer.type == "json_schema":
-            schema = _schema(answer.schema, "response_format")
-            words = iter(_pieces(_compact(minimal_instance(schema))))
+            words = iter(_pieces(_smallest(answer.schema, "response_format")))
         elif answer is not None:
             words = iter(["{}"])
         else:

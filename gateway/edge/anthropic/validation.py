@@ -8,10 +8,12 @@ here) or refused by name, and so is every content block type but `text`,
 `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`, `tools`,
 `tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`)
-and `stream`. `cache_control` (on the body, a block or a tool) is accepted: it
-is a hint about prompt caching, which the engines do by themselves for every
-prefix. The SDK's newest version no longer names `temperature`, `top_p` and
-`top_k`; older clients (and `extra_body`) send them, so they are served.
+and `stream`; `thinking` disabled and `service_tier` `auto` or `standard_only`
+(what asks nothing; extended thinking is a 400). `cache_control` (on the body,
+a block or a tool) is accepted: it is a hint about prompt caching, which the
+engines do by themselves for every prefix. The SDK's newest version no longer
+names `temperature`, `top_p` and `top_k`; older clients (and `extra_body`) send
+them, so they are served.
 
 A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
@@ -60,10 +62,16 @@ MESSAGE_FIELDS = frozenset(
         "tool_choice",
         "stream",
         "cache_control",
+        "thinking",
+        "service_tier",
     }
 )
 #: ... and of a count_tokens body (what shapes the prompt).
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "cache_control"})
+COUNT_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "cache_control", "thinking"}
+)
+#: `service_tier` values that ask nothing of a self-hosted model.
+SERVICE_TIERS = frozenset({"auto", "standard_only"})
 #: Image types Anthropic takes inline.
 MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 #: Keys of a block besides its own that ask nothing of us.
@@ -318,12 +326,28 @@ def _user(body: Mapping[str, Any]) -> str:
     return user
 
 
+def _asks_nothing(body: Mapping[str, Any]) -> None:
+    """`thinking` and `service_tier` are served at the values that ask nothing of a
+    self-hosted model (thinking disabled, no priority capacity); else a 400."""
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, Mapping) or thinking.get("type") not in ("enabled", "disabled"):
+            raise invalid("thinking.type", "Invalid 'thinking': 'enabled' or 'disabled'.")
+        if thinking["type"] == "enabled":
+            raise invalid("thinking", "Extended thinking is not supported by this gateway.")
+        _refuse_unknown(thinking, frozenset({"type"}), "thinking.")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid("service_tier", "Invalid 'service_tier': 'auto' or 'standard_only'.")
+
+
 def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | None, dict[str, Any]]:
     """The model, and the GenerateRequest fields that shape the prompt."""
     model = model_of(body)
     if not model:
         raise invalid("model", "Field required: 'model'.")
     _refuse_unknown(body, known)
+    _asks_nothing(body)
     tools = _tools(body)
     choice, parallel = _tool_choice(body, tools)
     fields = {

@@ -31,7 +31,7 @@ import orjson
 from gateway.edge.asgi import send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.validation import UINT32_MAX, model_of
+from gateway.edge.openai.validation import UINT32_MAX, _unserved, model_of
 from gateway.edge.request import Exchange, RequestRoute, priority
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import embed
@@ -101,10 +101,21 @@ def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:
     raise invalid("input", _INPUT_TYPES)
 
 
+#: vLLM's embedding parameters not served, with the value that asks nothing of them.
+UNSERVED_EMBEDDINGS: dict[str, Any] = {
+    "truncate_prompt_tokens": None,
+    "normalize": True,
+    "embed_dtype": "float32",
+    "add_special_tokens": True,
+    "priority": 0,
+}
+
+
 def parse_embeddings(body: Any) -> EmbeddingsBody:
     """The body checked, or a 400 naming the parameter at fault. Unknown fields are
     ignored, as on the generation routes."""
     model = model_of(body)
+    _unserved(body, UNSERVED_EMBEDDINGS)
     if "input" not in body:
         raise invalid("input", "Missing required parameter: 'input'.")
     inputs = _inputs(body["input"])

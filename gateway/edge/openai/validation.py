@@ -76,7 +76,27 @@ UNSERVED: dict[str, Any] = {
     "skip_special_tokens": True,
     "continue_final_message": False,
     "add_generation_prompt": True,
+    # more of vLLM's: what they ask changes the answer or how the engine runs it
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "spaces_between_special_tokens": True,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "logits_processors": None,
+    "thinking_token_budget": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "priority": 0,  # the gateway's own is the x-furnace-priority header
+    # OpenAI's that ask for what a self-hosted model does not do
+    "store": False,
+    "verbosity": "medium",
+    "safety_identifier": None,  # as on /v1/responses
 }
+#: `service_tier` values that ask nothing of a self-hosted model.
+SERVICE_TIERS = frozenset({"auto", "default"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +295,8 @@ def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest
     """What both routes share; `fields` are the route's own GenerateRequest fields."""
     model = model_of(body)
     _unserved(body, UNSERVED)
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
     n = _int(body, "n", 1, MAX_N) or 1
     stream = _flag(body, "stream")
     include_usage = _stream_options(body, stream)
@@ -496,7 +518,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/chat/completions body, checked (for the request `request_id`)."""
     model_of(body)
-    _unserved(body, {"best_of": None, "suffix": None, "echo": False})
+    _unserved(body, {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False})
     schemas = SchemaBudget()  # the tools' and response_format's, together
     tools = _tools(body, schemas)
     parallel = body.get("parallel_tool_calls")
@@ -519,8 +541,9 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
 def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/completions body, checked (for the request `request_id`)."""
     model_of(body)
-    for name in ("tools", "tool_choice", "messages"):
+    for name in ("tools", "tool_choice", "messages", "prompt_embeds"):
         _unserved(body, {name: None})
+    _unserved(body, {"add_special_tokens": True})
     if body.get("suffix"):
         raise invalid("suffix", "'suffix' is not supported.")
     prompt = body.get("prompt")

@@ -34,6 +34,7 @@ from gateway.edge.openai.validation import (
     _NAME,
     MAX_IMAGES,
     MAX_TOOLS,
+    SERVICE_TIERS,
     UINT32_MAX,
     _flag,
     _int,
@@ -80,8 +81,6 @@ UNSERVED: dict[str, Any] = {
     "top_logprobs": 0,
     "context_management": None,
 }
-#: `service_tier` values that ask nothing of a self-hosted model.
-SERVICE_TIERS = frozenset({"auto", "default"})
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 
