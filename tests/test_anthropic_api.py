@@ -276,6 +276,10 @@ def test_count_tokens_refuses_like_messages(gateway):
         ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "enabled"}}, "thinking"),
         ({"max_tokens": 4, "messages": say("a"), "service_tier": "priority"}, "service_tier"),
         ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "x"}}, "thinking"),
+        (  # a prefill Anthropic would continue: here a 400, not a new turn
+            {"max_tokens": 4, "messages": [*say("a"), {"role": "assistant", "content": "b"}]},
+            "prefill",
+        ),
         ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},

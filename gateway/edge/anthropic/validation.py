@@ -363,6 +363,15 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
 def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/messages body, checked (for the request `request_id`)."""
     model, fields = _prompt(body, request_id, MESSAGE_FIELDS)
+    last = len(body["messages"]) - 1
+    if body["messages"][last].get("role") == "assistant":
+        # Anthropic continues a final assistant message; the engines here start a new
+        # turn after it, which would answer something else than was asked
+        raise invalid(
+            f"messages[{last}].role",
+            "A final assistant message (a prefill to continue) is not supported by this "
+            "gateway: end the conversation with a user message.",
+        )
     max_tokens = _int(body, "max_tokens", 1, UINT32_MAX)
     if max_tokens is None:
         raise invalid("max_tokens", "Field required: 'max_tokens'.")
