@@ -5,7 +5,8 @@ Tensors travel raw both ways (`raw_input_contents` in; typed `contents` in are p
 `raw_output_contents` out): the engine gets each input as (datatype, shape, raw bytes) and
 decodes them its own way (numpy views for onnxruntime, `struct` for the demo), so this module
 needs no numpy. BYTES elements are 4-byte little-endian length prefixes. A bad request is
-INVALID_ARGUMENT, an unknown model NOT_FOUND. TLS as the LLM worker's (`--tls-cert`,
+INVALID_ARGUMENT, an unknown model NOT_FOUND, and so is a version but the one it serves
+("1"; none named: that one). TLS as the LLM worker's (`--tls-cert`,
 `--tls-key`, `--tls-client-ca`; the files are reloaded when they change).
 """
 
@@ -24,6 +25,9 @@ from gateway.protocol.tensors import TYPED_CONTENTS, Tensor, to_raw
 from gateway.protocol.tls import ServerTLS, server_credentials
 from gateway.worker.tensor.engine import RawTensor, TensorEngine
 
+#: The one version of the engine's model.
+VERSION = "1"
+
 
 class _Invalid(Exception):
     pass
@@ -35,8 +39,8 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, engine: TensorEngine) -> None:
         self.engine = engine
 
-    def _check_model(self, name: str) -> bool:
-        return name == self.engine.name
+    def _check_model(self, name: str, version: str = "") -> bool:
+        return name == self.engine.name and version in ("", VERSION)
 
     async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -48,13 +52,13 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name="furnace-tensor-worker", version="1")
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
-        if not self._check_model(request.name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.name}")
+        if not self._check_model(request.name, request.version):
+            await context.abort(grpc.StatusCode.NOT_FOUND, _no_model(request.name, request.version))
         return pb.ModelReadyResponse(ready=True)
 
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
-        if not self._check_model(request.name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.name}")
+        if not self._check_model(request.name, request.version):
+            await context.abort(grpc.StatusCode.NOT_FOUND, _no_model(request.name, request.version))
         engine = self.engine
 
         def specs(items: Any) -> list[pb.ModelMetadataResponse.TensorMetadata]:
@@ -67,15 +71,16 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         return pb.ModelMetadataResponse(
             name=engine.name,
-            versions=["1"],
+            versions=[VERSION],
             platform=engine.platform,
             inputs=specs(engine.inputs),
             outputs=specs(engine.outputs),
         )
 
     async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
-        if not self._check_model(request.model_name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.model_name}")
+        if not self._check_model(request.model_name, request.model_version):
+            name, version = request.model_name, request.model_version
+            await context.abort(grpc.StatusCode.NOT_FOUND, _no_model(name, version))
         declared = {t.name: t.datatype for t in self.engine.outputs}
         try:
             inputs = self._inputs(request)
@@ -91,7 +96,9 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
         except Exception as error:  # the runtime's own errors: a shape it refuses, say
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the model refused: {error}")
-        reply = pb.ModelInferResponse(model_name=self.engine.name, model_version="1", id=request.id)
+        reply = pb.ModelInferResponse(
+            model_name=self.engine.name, model_version=VERSION, id=request.id
+        )
         for name, (datatype, shape, raw) in results:
             reply.outputs.add(name=name, datatype=datatype, shape=shape)
             reply.raw_output_contents.append(raw)
@@ -117,6 +124,10 @@ class TensorServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise _Invalid(f"{tensor.name}: contents do not fit {tensor.datatype}") from None
             out[tensor.name] = (tensor.datatype, shape, packed)
         return out
+
+
+def _no_model(name: str, version: str) -> str:
+    return f"no model {name} version {version}" if version else f"no model {name}"
 
 
 async def start_tensor_server(
