@@ -140,9 +140,7 @@ class EventPump:
         self._wake_at = math.inf  # when the current wait ends without an event
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf  # when `_timer` fires
-        self._idle_timeout = (
-            math.inf
-        )  # the current wait's (the first `next_batch`'s bounds the start)
+        self._idle_timeout = math.inf  # the current wait's (the first one bounds the start)
         self._reading = False  # counted in `EventPump.reading`
         self._paced = False  # the edge's waiter waits for the next write turn
         self._waiting_since = 0.0  # when the edge's current wait began
@@ -251,8 +249,8 @@ class EventPump:
     def _deliver(self) -> None:
         """Pushed events are ready: while the edge waits for them, its `sink` writes
         them here, in the callback that brought them, and the edge's task sleeps on
-        (a wake of the task and its chain of coroutines is about a third of a paced
-        token's CPU); else, or when the sink cannot, the edge is woken (`_arrived`).
+        (waking the task and its chain of coroutines cost a paced token a fifth of its
+        CPU over HTTP); else, or when the sink cannot, the edge is woken (`_arrived`).
         Not while paced (`_hot`: the write turns merge those) nor full."""
         sink, waiter = self.sink, self._waiter
         if (

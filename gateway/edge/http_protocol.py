@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
@@ -169,17 +170,20 @@ class _WriteNow:
     """`WRITE_NOW_EXTENSION`: a body chunk written as uvicorn's `send` would write it,
     but outside a task, and only when that `send` would not wait (the client reads:
     no paused flow) and the response is open and chunked; False otherwise, and the
-    caller awaits `send`, under its write guard."""
+    caller awaits `send`, under its write guard. It holds its cycle weakly: the
+    cycle's scope holds it, and a cycle of references would outlive the request
+    until the collector's next pass."""
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)
 
     def __call__(self, body: bytes) -> bool:
-        cycle = self._cycle
+        cycle = self._cycle()
         if (
-            cycle.disconnected
+            cycle is None
+            or cycle.disconnected
             or cycle.flow.write_paused
             or cycle.response_complete
             or not cycle.chunked_encoding

@@ -57,7 +57,9 @@ def _is_number(value: Any) -> bool:
 
 def _is_count(value: Any) -> bool:
     """A non-negative integer, as JSON Schema counts them (2.0 is one)."""
-    return _is_number(value) and value >= 0 and float(value).is_integer()
+    if isinstance(value, float):
+        return value >= 0 and value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_type(value: Any) -> bool:
