@@ -224,6 +224,34 @@ def test_a_tool_use_round_trip(claude, stream):
     assert second.content[0].text == "sunny and mild"
 
 
+def _turns(result_id: str | None) -> list[dict]:
+    """A tool round: the call, then the user's turn (with a result for `result_id`)."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    reply: list[dict] = [{"type": "text", "text": "and?"}]
+    if result_id is not None:
+        reply.insert(0, {"type": "tool_result", "tool_use_id": result_id, "content": "sunny"})
+    return [
+        *say("weather?"),
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": reply},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("result_id", "says"),
+    [("toolu_2", "Unexpected `tool_use_id`"), (None, "without `tool_result` blocks")],
+    ids=["a result for another call", "no result"],
+)
+def test_a_tool_call_and_its_result_come_in_pairs(claude, result_id, says):
+    """As Anthropic's API: each tool_use answered by a tool_result in the next turn,
+    and no result for a call that was not made."""
+    body = {"model": DEMO_MODEL, "max_tokens": 8, "tools": [WEATHER_TOOL]}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(**body, messages=_turns(result_id))
+    assert says in raised.value.body["error"]["message"]
+    assert claude.messages.create(**body, messages=_turns("toolu_1")).stop_reason == "end_turn"
+
+
 def test_tool_choice_any_tool_and_none(claude):
     base = {"model": DEMO_MODEL, "max_tokens": 32, "tools": [WEATHER_TOOL], "messages": say("hi")}
     forced = claude.messages.create(**base, tool_choice={"type": "tool", "name": "get_weather"})

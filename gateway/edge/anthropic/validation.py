@@ -226,6 +226,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     system = _system(body)
     out = [Message("system", system)] if system else []
     images = 0
+    calls: list[str] = []  # the ids of the previous message's tool_use blocks
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -238,8 +239,32 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         images += count
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
+        _pair(calls, parsed, f"{where}.content")
+        calls = [call.id for m in parsed for call in m.tool_calls]
         out += parsed
     return tuple(out)
+
+
+def _pair(calls: list[str], parsed: list[Message], where: str) -> None:
+    """A 400, as Anthropic's API answers, unless the message after one with `tool_use`
+    blocks (`calls`, their ids) holds a `tool_result` for each, and only for those."""
+    results = [m.tool_call_id for m in parsed if m.role == "tool"]
+    unexpected = [r for r in results if r not in calls]
+    if unexpected:
+        raise invalid(
+            where,
+            f"Unexpected `tool_use_id` found in `tool_result` blocks: {unexpected[0][:64]}. "
+            "Each `tool_result` block must have a corresponding `tool_use` block in the "
+            "previous message.",
+        )
+    missing = [c for c in calls if c not in results]
+    if missing:
+        raise invalid(
+            where,
+            f"`tool_use` ids were found without `tool_result` blocks immediately after: "
+            f"{missing[0][:64]}. Each `tool_use` block must have a corresponding "
+            "`tool_result` block in the next message.",
+        )
 
 
 def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
