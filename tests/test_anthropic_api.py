@@ -352,6 +352,9 @@ def test_not_json_and_wrong_content_type_are_anthropic_shaped(gateway):
 def test_another_method_is_refused_in_anthropics_shape_and_other_routes_keep_openais(gateway):
     answer = httpx.get(gateway.url + "/v1/messages", timeout=HANG_GUARD)
     assert answer.status_code == 405 and anthropic_error(answer)["type"] == "invalid_request_error"
+    # below Anthropic's path: what its SDK calls and the gateway does not serve
+    batches = httpx.post(gateway.url + "/v1/messages/batches", json={}, timeout=HANG_GUARD)
+    assert batches.status_code == 404 and anthropic_error(batches)["type"] == "not_found_error"
     other = httpx.get(gateway.url + "/v1/models/no-such-model", timeout=HANG_GUARD)
     assert other.status_code == 404 and "param" in other.json()["error"]
 

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from gateway.admission import Admission, InFlight
 from gateway.config import Config
 from gateway.edge.anthropic.errors import AnthropicShape
-from gateway.edge.anthropic.routes import anthropic_paths, anthropic_routes
+from gateway.edge.anthropic.routes import MESSAGES, anthropic_paths, anthropic_routes
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
@@ -175,6 +175,7 @@ def create_app(
     for path in anthropic_paths():  # every refusal in Anthropic's shape, the checks' too
         hot_checked[path] = AnthropicShape(hot_checked[path])
     # Starlette's types say MutableMapping where ours say dict
-    # the router's refusals on Anthropic's paths (a GET: 405) in Anthropic's shape too
-    others = AnthropicShape(checked(cast(ASGIApp, rest)), frozenset(anthropic_paths()))
+    # the router's refusals on Anthropic's paths and below (a GET: 405; /v1/messages/batches:
+    # 404) in Anthropic's shape too
+    others = AnthropicShape(checked(cast(ASGIApp, rest)), MESSAGES)
     return ExactRoutes(others, hot_checked, rest.routes)

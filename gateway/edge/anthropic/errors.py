@@ -68,15 +68,17 @@ def anthropic_body(error: APIError) -> bytes:
 
 class AnthropicShape:
     """Turns the OpenAI-shaped error responses of the app it wraps into Anthropic's
-    (status and body); anything else passes as is. With `paths`, only the requests to
-    those paths (the rest of the app keeps OpenAI's shape)."""
+    (status and body); anything else passes as is. With `root`, only the requests to
+    that path and below it (Anthropic's API: a 404 for `/v1/messages/batches`, which
+    its SDK calls, in its shape); the rest of the app keeps OpenAI's shape."""
 
-    def __init__(self, app: ASGIApp, paths: frozenset[str] | None = None) -> None:
+    def __init__(self, app: ASGIApp, root: str | None = None) -> None:
         self.app = app
-        self.paths = paths
+        self.root = root
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.paths is not None and scope.get("path") not in self.paths:
+        root, path = self.root, scope.get("path", "")
+        if root is not None and path != root and not path.startswith(root + "/"):
             await self.app(scope, receive, send)
             return
         held: dict[str, Any] | None = None
