@@ -12,10 +12,11 @@ gateway's cost a read (the HTTP path read 41 µs a token so, against 290 µs pac
 in front of vLLM).
 
 Streamed chat completions (`--max-tokens`, 64 by default; usage chunk on), 1 stream and 8 at once,
-`--requests` each; the gateway's process CPU (/proc) per request and per token, and of it the
-event loop's thread (the rest is gRPC's own threads). With `--raw` (grpc) a row for the raw
-grpc.aio client of `bench_vllm` in this process against the same stand-in: the floor a Python
-client pays per message (its answers are 64 tokens whatever `--max-tokens` says). With
+`--requests` each; the median time to first token the client saw, the gateway's process CPU
+(/proc) per request and per token, and of it the event loop's thread (the rest is gRPC's own
+threads). With `--raw` (grpc) a row for the raw grpc.aio client of `bench_vllm` in this
+process against the same stand-in: the floor a Python client pays per message (its answers
+are 64 tokens whatever `--max-tokens` says). With
 `--tools` the requests carry a tool (`tool_choice: auto`, the model's `hermes` format),
 so the tool-call parser scans the text. With `--py-spy DIR` each load also runs once
 under `py-spy record` (sampling the gateway from outside; its figures then are not the
@@ -301,6 +302,7 @@ def main() -> None:
         cpu: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         tokens: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         looped: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
+        ttft: dict[tuple[str, int], list[float]] = {(g, s): [] for g in gateways for s in LOADS}
         for round_ in range(args.rounds):
             for streams in LOADS:
                 turns = list(gateways.items())
@@ -309,11 +311,14 @@ def main() -> None:
                     cpu[name, streams].append(seconds / sample.requests * 1e6)
                     tokens[name, streams].append(seconds / sample.tokens * 1e6)
                     looped[name, streams].append(loop / sample.tokens * 1e6)
-        print("| target | streams | CPU per request | CPU per token | of it the loop's |")
-        print("| --- | --- | --- | --- | --- |")
+                    ttft[name, streams].append(sample.p50 * 1e3)
+        columns = "TTFT p50 | CPU per request | CPU per token | of it the loop's"
+        print(f"| target | streams | {columns} |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for (name, streams), per_request in cpu.items():
             print(
-                f"| {name} | {streams} | {spread(per_request, '.0f')} µs "
+                f"| {name} | {streams} | {spread(ttft[name, streams], '.2f')} ms "
+                f"| {spread(per_request, '.0f')} µs "
                 f"| {spread(tokens[name, streams], '.1f')} µs "
                 f"| {spread(looped[name, streams], '.1f')} µs |"
             )
