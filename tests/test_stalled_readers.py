@@ -129,7 +129,8 @@ def test_a_stalled_reader_pushes_back_then_is_cut_off(gateway_with, serve_engine
     wait_until(lambda: any(r.name == "furnace.access" for r in caplog.records), "the access log")
     (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
     assert line["outcome"] == "client_gone" and line["status"] == 200
-    assert line["completion_tokens"] == 0  # no Finished reached the edge
+    # no Finished reached the edge: the tokens written before the cut, as the ledger counts
+    assert 0 < line["completion_tokens"] <= engine.produced
 
 
 def test_a_reader_that_keeps_up_gets_every_token(gateway_with, serve_engines):
