@@ -468,6 +468,42 @@ def test_what_is_not_a_schema_is_a_400_saying_where_and_no_worker_is_ejected(
     assert answer.status_code == 200, answer.text
 
 
+def test_what_is_not_a_schema_is_refused_on_the_responses_and_anthropic_routes(client, workers):
+    """The other APIs' schemas go through the same checks (and OpenAI's limits)."""
+    schema = {"type": "object", "required": 5}
+    calls = workers.demo_engine.calls
+    responses = {"model": DEMO_MODEL, "input": "hi"}
+    for extra, param in (
+        (
+            {"text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}},
+            "text.format.schema",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "name": "f", "parameters": schema}],
+                "tool_choice": "required",
+            },
+            "tools[0].parameters",
+        ),
+    ):
+        for _ in range(4):
+            response = client.post("/v1/responses", json={**responses, **extra})
+            assert response.status_code == 400, response.text
+            assert assert_openai_error(response)["param"] == param
+    tool = {"name": "f", "input_schema": schema}
+    messages = {"model": DEMO_MODEL, "max_tokens": 8, "messages": user("hi")}
+    for _ in range(4):
+        body = {**messages, "tools": [tool], "tool_choice": {"type": "any"}}
+        response = client.post("/v1/messages", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "Invalid schema for 'tools[0].input_schema' (at required)" in error["message"]
+    assert workers.demo_engine.calls == calls  # refused at the edge
+    answer = client.post("/v1/chat/completions", json={"model": DEMO_MODEL, "messages": user("hi")})
+    assert answer.status_code == 200, answer.text
+
+
 def test_a_schema_whose_smallest_value_is_huge_is_refused_by_the_demo(client):
     """A valid schema may ask for a terabyte (`minLength`): the demo engine, which
     writes a schema's smallest value, says it cannot, as a 400."""

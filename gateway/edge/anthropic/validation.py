@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import invalid
+from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
     _NAME,
     MAX_IMAGES,
@@ -274,6 +275,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise invalid("tools", f"Invalid 'tools': a list of at most {MAX_TOOLS}.")
     parsed = []
+    schemas = SchemaBudget()  # OpenAI's bounds, over the request's tools together
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, Mapping):
@@ -289,6 +291,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
         schema = tool.get("input_schema")
         if not isinstance(schema, Mapping):
             raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
+        schemas.check(schema, f"{where}.input_schema")
         description = _string(tool, "description", where + ".") or ""
         parsed.append(Tool(name, description, orjson.dumps(schema).decode()))
     if len({tool.name for tool in parsed}) != len(parsed):

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import invalid
+from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
     _IMAGE_URL,
     _NAME,
@@ -284,7 +285,9 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
 # -- tools and formats ------------------------------------------------------------
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], list[dict[str, Any]]]:
+def _tools(
+    body: Mapping[str, Any], budget: SchemaBudget
+) -> tuple[tuple[Tool, ...], list[dict[str, Any]]]:
     """The function tools, and each as the response object shows it."""
     tools = body.get("tools")
     if tools is None:
@@ -305,6 +308,8 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], list[dict[str, An
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise invalid(f"{where}.parameters", "Invalid type: expected an object.")
+        if parameters is not None:
+            budget.check(parameters, f"{where}.parameters")
         description = _string(tool, "description", f"{where}.") or ""
         # OpenAI's default for a Responses function tool is strict
         strict = tool.get("strict") is None or _flag(tool, "strict", f"{where}.")
@@ -357,7 +362,9 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str,
     return str(choice), choice
 
 
-def _text(body: Mapping[str, Any]) -> tuple[ResponseFormat | None, dict[str, Any]]:
+def _text(
+    body: Mapping[str, Any], budget: SchemaBudget
+) -> tuple[ResponseFormat | None, dict[str, Any]]:
     """`text.format` in our terms, and `text` as the response object shows it."""
     text = body.get("text")
     if text is None:
@@ -385,6 +392,7 @@ def _text(body: Mapping[str, Any]) -> tuple[ResponseFormat | None, dict[str, Any
     schema = spec.get("schema")
     if not isinstance(schema, Mapping):
         raise invalid("text.format.schema", "'text.format.schema' is required: an object.")
+    budget.check(schema, "text.format.schema")
     strict = _flag(spec, "strict", "text.format.")
     description = _string(spec, "description", "text.format.")
     shown = {
@@ -450,12 +458,13 @@ def parse(body: Any) -> ResponsesBody:
     _refuse_unserved(body)
     instructions = _string(body, "instructions")
     items = _items(body)
-    tools, shown_tools = _tools(body)
+    schemas = SchemaBudget()  # the tools' and the format's, together
+    tools, shown_tools = _tools(body, schemas)
     tool_choice, shown_choice = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
-    response_format, text = _text(body)
+    response_format, text = _text(body, schemas)
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
     max_output_tokens = _int(body, "max_output_tokens", 1, UINT32_MAX)
