@@ -9,18 +9,18 @@ and `data_received` parses them in place: the message reaches the waiting reader
 the same callback. `benchmarks/bench_grpc_stream.py` measures both clients' CPU a
 message against a grpc.aio server in one run.
 
-What it speaks: HTTP/2 over cleartext TCP (prior knowledge, as gRPC does without
-TLS) or over TLS (the worker must agree to `h2` by ALPN, as gRPC servers do), one
-connection per worker opened on first use and opened again after it is
-lost or the worker sends GOAWAY; request headers and a unary request body out (DATA
-frames under the worker's flow-control windows and frame size), length-prefixed
-messages in, the status from the trailers (or a trailers-only answer, or an HTTP
-status, as gRPC maps them). Failures are `grpc.aio.AioRpcError`s with gRPC's codes and
-details, so the worker kinds' tables (`furnace_channel.from_rpc_error`, vLLM's) read
-them as they read grpc.aio's. The deadline goes out as `grpc-timeout` and is kept here
-as well (a timer that resets the stream); a cancel is a RST_STREAM. A dead peer is
-found by TCP keepalive, not HTTP/2 pings, which gRPC servers count against a client
-that pings while idle.
+What it speaks: HTTP/2 over cleartext TCP (prior knowledge, as gRPC does without TLS) or
+over TLS (the worker must agree to `h2` by ALPN, as gRPC servers do), one connection per
+worker opened on first use and opened again after it is lost or the worker sends GOAWAY;
+request headers and a unary request body out (DATA frames under the worker's
+flow-control windows and frame size), length-prefixed messages in, the status from the
+trailers (or a trailers-only answer, or an HTTP status, as gRPC maps them; HPACK by
+`h2_fields`). Failures are `grpc.aio.AioRpcError`s with gRPC's codes and details, so the
+worker kinds' tables (`furnace_channel.from_rpc_error`, vLLM's) read them as they read
+grpc.aio's. The deadline goes out as `grpc-timeout` and is kept here as well (a timer
+that resets the stream); a cancel is a RST_STREAM. A dead peer is found by TCP
+keepalive, not HTTP/2 pings, which gRPC servers count against a client that pings while
+idle.
 
 What a worker can make it hold is bounded: a stream's unread messages by its window
 (`STREAM_WINDOW`: the worker waits until the reader takes them), a message by
@@ -43,6 +43,7 @@ import grpc
 import hpack
 
 from gateway.protocol.grpc_options import MAX_MESSAGE_BYTES
+from gateway.protocol.h2_fields import EMPTY_TABLE, BlockDecoder, Fields, field, fields
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -155,7 +156,7 @@ class StreamCall(Generic[T]):
         "_done",
         "_ended",
         "_error",
-        "_headers",
+        "_head",
         "_inbox",
         "_listener",
         "_messages",
@@ -171,13 +172,13 @@ class StreamCall(Generic[T]):
     def __init__(
         self,
         channel: StreamChannel,
-        headers: list[tuple[str, str]],
+        head: bytes,
         body: bytes,
         deserialize: Callable[[bytes], T],
         deadline: float | None,
     ) -> None:
         self._channel = channel
-        self._headers: list[tuple[str, str]] | None = headers
+        self._head: bytes | None = head  # the header block but `grpc-timeout`; None once sent
         self._body = memoryview(body)
         self._deserialize = deserialize
         self._deadline = deadline
@@ -198,7 +199,7 @@ class StreamCall(Generic[T]):
 
     async def read(self) -> T | object:
         """The next message, or `grpc.aio.EOF` once the worker ended with OK."""
-        if self._headers is not None:
+        if self._head is not None:
             await self._start()
         while (message := self.poll()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -233,7 +234,7 @@ class StreamCall(Generic[T]):
     async def arrived(self, within: float) -> bool:
         """Starts the call; whether a message or its end came within `within` seconds
         (nothing is taken: the next `read` has it)."""
-        if self._headers is not None:
+        if self._head is not None:
             await self._start()
         if not self._messages and not self._done:
             loop = asyncio.get_running_loop()
@@ -254,8 +255,8 @@ class StreamCall(Generic[T]):
         return True
 
     async def _start(self) -> None:
-        headers, self._headers = self._headers, None
-        assert headers is not None
+        block, self._head = self._head, None
+        assert block is not None
         loop = asyncio.get_running_loop()
         if self._error is not None:
             raise self._error
@@ -265,7 +266,7 @@ class StreamCall(Generic[T]):
                 self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 raise self._error  # type: ignore[misc]
             self._timer = loop.call_at(loop.time() + left, self._expire)
-            headers.append(("grpc-timeout", grpc_timeout(left)))
+            block += field("grpc-timeout", grpc_timeout(left))
         conn = self._channel.ready()
         if conn is None:
             try:  # a worker that never answers the connect (a lost node) is bounded too
@@ -282,7 +283,7 @@ class StreamCall(Generic[T]):
         if self._error is not None or conn is None:  # failed while connecting
             self._finish()
             raise self._error  # type: ignore[misc]
-        conn.start(self, headers)
+        conn.start(self, block)
 
     def _expire(self) -> None:
         self._timer = None
@@ -342,7 +343,7 @@ class StreamCall(Generic[T]):
         owed, self._unacked = self._unacked, 0
         return owed
 
-    def headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
+    def headers(self, headers: Fields, end_stream: bool) -> None:
         """A header block: the response's headers, then (with END_STREAM) its trailers."""
         if self._done:
             return
@@ -426,8 +427,8 @@ class _Connection(asyncio.Protocol):
         self.usable = True  # no GOAWAY, no break, stream ids left
         self.why = "The connection to the worker is closing."  # once not usable
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._encoder = hpack.Encoder()
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
+        self._table_note = EMPTY_TABLE  # what the next header block starts with
+        self._decoder = BlockDecoder(MAX_HEADER_BLOCK)
         self._buffer = bytearray()
         self._block: bytearray | None = None  # a header block awaiting CONTINUATION
         self._block_stream = 0
@@ -460,8 +461,9 @@ class _Connection(asyncio.Protocol):
     def has_room(self) -> bool:
         return self.usable and len(self.streams) < self._peer_streams
 
-    def start(self, call: StreamCall[Any], headers: list[tuple[str, str]]) -> None:
-        """Opens `call`'s stream: its headers, then as much of its body as the windows allow."""
+    def start(self, call: StreamCall[Any], block: bytes) -> None:
+        """Opens `call`'s stream: its header `block` (`h2_fields`), then as much of its
+        body as the windows allow."""
         assert self.transport is not None
         if not self.usable:  # it broke between the pick and now
             call.fail(grpc.StatusCode.UNAVAILABLE, self.why)
@@ -474,7 +476,8 @@ class _Connection(asyncio.Protocol):
             self.usable = False
             self.why = "The connection's stream ids are spent."
             self._channel.lost(self)
-        block = self._encoder.encode(headers)
+        if self._table_note:
+            block, self._table_note = self._table_note + block, b""
         frames = []
         first, block = block[: self._peer_frame], block[self._peer_frame :]
         frames.append(_frame(_HEADERS, 0 if block else _END_HEADERS, stream_id, first))
@@ -654,14 +657,14 @@ class _Connection(asyncio.Protocol):
             ) from None
         call = self.streams.get(self._block_stream)
         if call is not None:
-            call.headers([(str(k), str(v)) for k, v in headers], self._block_end)
+            call.headers(headers, self._block_end)
 
     def _settings(self, payload: bytes) -> None:
         for at in range(0, len(payload), 6):
             key = int.from_bytes(payload[at : at + 2], "big")
             value = int.from_bytes(payload[at + 2 : at + 6], "big")
-            if key == _HEADER_TABLE_SIZE:
-                self._encoder.header_table_size = value
+            if key == _HEADER_TABLE_SIZE:  # whatever it is, we say our table is empty
+                self._table_note = EMPTY_TABLE
             elif key == _MAX_CONCURRENT_STREAMS:
                 self._peer_streams = value
             elif key == _INITIAL_WINDOW_SIZE:
@@ -768,6 +771,7 @@ class StreamChannel:
         self._waiting: deque[tuple[StreamCall[Any], asyncio.Future[None]]] = deque()
         self._closed = False
         self._why = "The connection to the worker closed."  # the last one's end
+        self._fixed: dict[str, bytes] = {}  # a method's fixed header fields, encoded
 
     def unary_stream(
         self,
@@ -780,18 +784,23 @@ class StreamChannel:
         """A call of `method` (`/package.Service/Method`) with the serialized
         `request`; it starts on its first read and must end within `timeout` s
         (None: a subscription, no deadline, its connect bounded by `CONNECT_TIMEOUT`)."""
-        headers = [
-            (":method", "POST"),
-            (":scheme", self._scheme),
-            (":path", method),
-            (":authority", self.address),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-            *((key.lower(), value) for key, value in metadata),
-        ]
+        fixed = self._fixed.get(method)
+        if fixed is None:
+            fixed = self._fixed[method] = fields(
+                [
+                    (":method", "POST"),
+                    (":scheme", self._scheme),
+                    (":path", method),
+                    (":authority", self.address),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                ]
+            )
+        if metadata:  # never indexed: it may carry a credential
+            fixed += fields([(key.lower(), value) for key, value in metadata], sensitive=True)
         body = b"\x00" + len(request).to_bytes(4, "big") + request
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        return StreamCall(self, headers, body, deserialize, deadline)
+        return StreamCall(self, fixed, body, deserialize, deadline)
 
     def ready(self) -> _Connection | None:
         """The open connection, when it has room for one more stream."""

@@ -1,0 +1,102 @@
+"""HPACK (RFC 7541) for the gateway's gRPC client (`gateway.protocol.grpc_h2`): a
+call's header block assembled from bytes made once per method, and a worker's header
+blocks decoded once per form.
+
+Why: in the gateway, between a request's other work, hpack's `Encoder` took about
+100 µs of CPU a call and its `Decoder` as much again for the call's two blocks back
+(its headers and its trailers): a tenth of a streamed request's CPU on the vllm-grpc
+path, all of it before the first token reaches the client.
+
+Out: every field is a literal that does not enter the peer's dynamic table
+(§6.2.2; a metadata value, which may be a credential, "never indexed", §6.2.3), its
+name from the static table where the table has it, its value not Huffman-coded. So a
+method's fixed fields (`:method`, `:scheme`, `:path`, `:authority`, `content-type`,
+`te`) are encoded once, and a call adds only its metadata and `grpc-timeout`. Our
+table is said to be empty (a size update to 0, §6.3) at the start of a connection's
+first block and of the first block after the worker sets its
+SETTINGS_HEADER_TABLE_SIZE, as a decoder that lowered it may require.
+
+In: hpack's `Decoder`, whose dynamic table the worker's blocks write. A block made
+only of indexed fields of one byte each (every byte with its top bit set: the usual
+headers and trailers of a gRPC server after a connection's first call) reads that
+table and does not change it, so its decoding is kept, by its bytes, until a block of
+another form is decoded.
+"""
+
+from __future__ import annotations
+
+import hpack
+
+#: Fields of the static table (RFC 7541 Appendix A) this client sends: an index of a
+#: whole field (name and value), or of a name.
+_STATIC_FIELDS = {(":method", "POST"): 3, (":scheme", "http"): 6, (":scheme", "https"): 7}
+_STATIC_NAMES = {":authority": 1, ":path": 4, "content-type": 31}
+#: The first byte's flags: an indexed field; literals without indexing, never indexed.
+_INDEXED, _WITHOUT_INDEXING, _NEVER_INDEXED = 0x80, 0x00, 0x10
+#: A dynamic table size update to 0: our table holds nothing.
+EMPTY_TABLE = b"\x20"
+#: A decoded block's fields, in order (kept ones are shared: a tuple).
+Fields = tuple[tuple[str, str], ...]
+#: Decoded indexed-only blocks kept at most (a gRPC server sends two or three forms).
+_KEPT_BLOCKS = 32
+
+
+def _integer(value: int, prefix_bits: int, flags: int) -> bytes:
+    """`value` in HPACK's integer form (§5.1) behind `flags` in the first byte."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((flags | value,))
+    out = bytearray((flags | limit,))
+    value -= limit
+    while value >= 0x80:
+        out.append(0x80 | (value & 0x7F))
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return _integer(len(data), 7, 0) + data
+
+
+def field(name: str, value: str, *, sensitive: bool = False) -> bytes:
+    """One field (`name` in lower case) as a literal the peer does not index."""
+    whole = _STATIC_FIELDS.get((name, value))
+    if whole is not None:
+        return _integer(whole, 7, _INDEXED)
+    flags = _NEVER_INDEXED if sensitive else _WITHOUT_INDEXING
+    index = _STATIC_NAMES.get(name)
+    if index is not None:
+        return _integer(index, 4, flags) + _string(value)
+    return bytes((flags,)) + _string(name) + _string(value)
+
+
+def fields(pairs: list[tuple[str, str]], *, sensitive: bool = False) -> bytes:
+    """`pairs`, in order, as one piece of a header block."""
+    return b"".join(field(name, value, sensitive=sensitive) for name, value in pairs)
+
+
+class BlockDecoder:
+    """A connection's decoder of the worker's header blocks (hpack's, with its limit on
+    a block's decoded size), indexed-only blocks decoded once while the table holds."""
+
+    __slots__ = ("_decoder", "_known")
+
+    def __init__(self, max_header_list_size: int) -> None:
+        self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
+        self._known: dict[bytes, Fields] = {}
+
+    def decode(self, block: bytes) -> Fields:
+        """The block's fields as text; raises `hpack.HPACKError` for one HPACK refuses."""
+        known = self._known.get(block)
+        if known is not None:
+            return known
+        decoded = tuple((str(name), str(value)) for name, value in self._decoder.decode(block))
+        if block and min(block) >= _INDEXED:  # read the table, left it as it was
+            if len(self._known) >= _KEPT_BLOCKS:
+                self._known.clear()
+            self._known[block] = decoded
+        else:  # it may have written the table: what was kept may now read otherwise
+            self._known.clear()
+        return decoded
