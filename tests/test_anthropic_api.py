@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.keys import keyed, new_key
+from tests.support.metrics import scrape, value
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
@@ -275,6 +276,18 @@ def test_count_tokens_counts_what_the_answer_bills(claude):
         model=DEMO_MODEL, max_tokens=8, system="be brief", messages=messages
     )
     assert counted.input_tokens == answered.usage.input_tokens == 7
+
+
+def test_count_tokens_uses_no_tokens(claude, gateway):
+    """A count is not a prompt the engine took: the token counters (and the ledger and
+    budgets, which read the same record) do not move, the request is counted."""
+    before = scrape(gateway.url)
+    claude.messages.count_tokens(model=DEMO_MODEL, messages=say("five words are counted here"))
+    after = scrape(gateway.url)
+    tokens = "furnace_gateway_prompt_tokens_total"
+    assert value(after, tokens, model=DEMO_MODEL) == value(before, tokens, model=DEMO_MODEL)
+    requests = [k for k in after if k[0] == "furnace_gateway_requests_total"]
+    assert sum(after[k] for k in requests) == sum(before.get(k, 0) for k in requests) + 1
 
 
 def test_count_tokens_refuses_like_messages(gateway):

@@ -6,14 +6,15 @@ tokenizer for a `vllm-grpc` model, else by a worker (our workers' `CountTokens`
 RPC, an OpenAI-compatible server's `/tokenize`), through the fleet's unary call
 (`gateway.fleet.counting`). The request is admitted like any other (drain, team
 limits, a slot), bounded by `request_timeout`, cancelled when its client leaves,
-and leaves one record in the metrics and the access log (its count as prompt
-tokens).
+and leaves one record in the metrics and the access log. It uses no tokens: a
+count is not a prompt the engine took, so the ledger, the budgets, the team's
+token limits and the token counters see none (Anthropic does not bill counting
+either); the count is on the request's span.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import orjson
 
@@ -25,7 +26,6 @@ from gateway.edge.request import Exchange, RequestRoute, priority
 from gateway.fleet.counting import count_tokens
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
 #: The CLIENT span's name for a worker call: the gRPC method it is.
@@ -36,9 +36,6 @@ class CountTokensRoute(RequestRoute[Exchange]):
     """`POST /v1/messages/count_tokens` in the edge's request frame (request.py)."""
 
     exchange = Exchange
-
-    def _usage(self, record: RequestRecord) -> dict[str, Any]:
-        return {"gen_ai.usage.input_tokens": record.prompt_tokens}
 
     async def serve(self, ex: Exchange) -> None:
         """Reads and checks the body, admits it through admission's stages, has the
@@ -57,8 +54,7 @@ class CountTokensRoute(RequestRoute[Exchange]):
             with self.tracing.engine_call(pool.name, ex.metadata, COUNT_TOKENS) as (span, meta):
                 work = count_tokens(self.fleet, pool, request, Deadline(timeout), meta)
                 tokens, record.worker = await admission.unary(ctx, work, timeout, "The count")
-                annotate(span, {"furnace.worker": record.worker})
-        record.prompt_tokens = tokens
+                annotate(span, {"furnace.worker": record.worker, "furnace.counted_tokens": tokens})
         record.status, record.outcome = 200, Outcome.COMPLETED
         request_id = record.request_id.encode("latin-1")
         answer = orjson.dumps({"input_tokens": tokens})
