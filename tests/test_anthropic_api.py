@@ -184,6 +184,30 @@ def test_the_stream_on_the_wire_names_each_event(gateway):
 # -- tools ---------------------------------------------------------------------
 
 
+def test_a_tool_use_cut_by_max_tokens_has_the_same_input_whole_and_streamed(claude):
+    """`input` is an object even when `max_tokens` cut the call's JSON: what a whole
+    answer holds is what the SDK reads from the stream's partial JSON."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "bbbbbbbbbbb": {"type": "string"}},
+        "required": ["a", "bbbbbbbbbbb"],
+    }
+    ask = {
+        "model": DEMO_MODEL,
+        "max_tokens": 1,
+        "tools": [{"name": "f", "input_schema": schema}],
+        "tool_choice": {"type": "any"},
+        "messages": say("x"),
+    }
+    whole = claude.messages.create(**ask)
+    with claude.messages.stream(**ask) as events:
+        streamed = events.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    (cut,) = [block.input for block in whole.content if block.type == "tool_use"]
+    assert isinstance(cut, dict)
+    assert cut == [b.input for b in streamed.content if b.type == "tool_use"][0]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_tool_use_round_trip(claude, stream):
     ask = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+import jiter
 import orjson
 
 from gateway.edge.anthropic.errors import error_payload
@@ -53,13 +54,15 @@ def _tool_id(given: str) -> str:
 
 
 def _input(arguments: str) -> Any:
-    """A call's arguments as the object Anthropic's `input` is; text that is not a JSON
-    object (a model's malformed call) stays text, for the client to see."""
+    """A call's arguments as the object Anthropic's `input` is. Arguments cut short
+    (by `max_tokens`) are read as far as they go, as Anthropic's SDK reads a stream's
+    `input_json_delta`s (jiter's partial mode: an unfinished string is left out), so a
+    whole answer and a stream give the client the same `input`; text that is not JSON
+    at all (a model's malformed call) stays text, for the client to see."""
     try:
-        value = orjson.loads(arguments or "{}")
-    except orjson.JSONDecodeError:
+        return jiter.from_json((arguments or "{}").encode(), partial_mode=True)
+    except ValueError:
         return arguments
-    return value
 
 
 class MessagesEncoder(Encoder):
