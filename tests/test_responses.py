@@ -273,3 +273,16 @@ def test_a_chat_stream_sends_its_role_chunk_with_the_first_token(client):
         first = next(response.iter_raw())
     assert b'"delta":{"role":"assistant","content":""}' in first
     assert b'"delta":{"content":"t0 "}' in first
+
+
+def test_a_chat_stream_failing_before_its_first_token_sends_its_role_chunk_first(client):
+    """The role chunk held for the first token goes out before a failure that comes
+    first, as it does before one after a token: the stream's head is the same."""
+    from tests.support.scripted_worker import script
+
+    body = {"model": "scripted", "messages": user(script(started=True, status="INTERNAL"))}
+    answer = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert answer.status_code == 200
+    role, error, done = sse_events(answer.text)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert error["error"]["code"] == "engine_error" and done == "[DONE]"

@@ -24,7 +24,7 @@ from gateway.edge.responses.store import Stored
 from gateway.worker.demo import DemoEngine
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
-from tests.support.scripted_worker import SCRIPTED_MODEL
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
 
@@ -155,6 +155,22 @@ def test_a_worker_failing_mid_stream_ends_it_with_error_and_response_failed(api)
         api.responses.create(model=SCRIPTED_MODEL, input=json.dumps({"status": "INTERNAL"}))
 
 
+@pytest.mark.parametrize("plan", [{"hang": "after"}, {"status": "INTERNAL"}])
+def test_a_stream_failing_before_its_first_text_still_opens_the_response(gateway_with, plan):
+    """A timeout or a worker's failure after the head but before any text: the held
+    opening goes out before the failure, so the SDK's stream reads it (it raised on an
+    `output_text.done` before `response.created`) and no item is closed unopened."""
+    gw = gateway_with(request_timeout=0.5)
+    prompt = script(started=True, **plan)
+    with sdk(gw.url) as api, api.responses.stream(model=SCRIPTED_MODEL, input=prompt) as stream:
+        events = list(stream)
+    assert _kinds(events) == [*MESSAGE_EVENTS, *MESSAGE_END, "error", "response.failed"]
+    _assert_sequenced(events)
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.output[0].status == "incomplete"
+    assert failed.id == events[0].response.id
+
+
 # -- tools and formats ----------------------------------------------------------------
 
 
@@ -214,6 +230,29 @@ def test_a_streamed_function_call(api):
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert done.arguments == call.arguments and json.loads(call.arguments) == {"city": ""}
     assert final.tool_choice == "required"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call_cut_by_max_output_tokens_is_incomplete(api, stream):
+    """A call cut off mid-arguments (not valid JSON) is `incomplete`, as OpenAI marks it,
+    alike in the stream's `output_item.done`, the whole answer and the stored one."""
+    body = {"model": DEMO_MODEL, "input": "get_weather now", "tools": [WEATHER]}
+    if stream:
+        events = list(api.responses.create(**body, max_output_tokens=1, stream=True))
+        [done] = [e for e in events if e.type == "response.output_item.done"]
+        assert done.item.status == "incomplete"
+        response = events[-1].response
+    else:
+        response = api.responses.create(**body, max_output_tokens=1)
+    assert response.status == "incomplete"
+    [call] = response.output
+    assert call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    assert api.responses.retrieve(response.id).output[0].status == "incomplete"
+    # one that ends whole is still completed
+    whole = api.responses.create(**body)
+    assert whole.output[0].status == "completed" and json.loads(whole.output[0].arguments)
 
 
 def test_json_schema_output(api):
@@ -456,6 +495,29 @@ def test_store_reads_refuse_bad_queries(client, api):
         assert answer.status_code == 400 and assert_openai_error(answer)["param"] == param
     answer = client.get(f"/v1/responses/{created.id}?stream=true")
     assert answer.status_code == 400 and assert_openai_error(answer)["param"] == "stream"
+
+
+def test_store_reads_take_the_sdks_include_brackets_as_include(api):
+    """The SDK sends a list as `include[]=...`: refused by name like `include=...`, not
+    served as if nothing was asked."""
+    created = api.responses.create(model=DEMO_MODEL, input="q")
+    include = ["message.output_text.logprobs"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.retrieve(created.id, include=include)
+    assert refused.value.body["param"] == "include"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.input_items.list(created.id, include=include)
+    assert refused.value.body["param"] == "include"
+
+
+def test_counting_input_tokens_is_refused_in_openai_shape(api, client):
+    """`POST /v1/responses/input_tokens` (the SDK's `input_tokens.count`) is not served:
+    a 404 saying so, not the retrieve route's bare 405."""
+    with pytest.raises(openai.NotFoundError) as refused:
+        api.responses.input_tokens.count(model=DEMO_MODEL, input="hi")
+    assert "input_tokens" in refused.value.body["message"]
+    answer = client.post("/v1/responses/input_tokens", json={"model": DEMO_MODEL, "input": "hi"})
+    assert answer.status_code == 404 and assert_openai_error(answer)["code"] == "not_found"
 
 
 def test_an_unknown_model_is_a_404_in_openai_shape(client):

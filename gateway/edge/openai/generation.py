@@ -322,7 +322,9 @@ class GenerationRoute(RequestRoute[Exchange]):
                     raise
                 api_error = self._to_api_error(error, record)
                 record.outcome = api_error.outcome
-                await send({"type": "http.response.body", "body": encoder.failure(api_error)})
+                # a held opening goes first: the failure may close what it opened
+                failure = opening + encoder.failure(api_error)
+                await send({"type": "http.response.body", "body": failure})
                 return
             body = b"" if batch else KEEPALIVE
         prompt_tokens, completion_tokens = record.prompt_tokens, record.completion_tokens

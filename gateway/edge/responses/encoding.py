@@ -186,12 +186,14 @@ class ResponsesEncoder(Encoder):
             )
         )
 
-    def _close_call(self, stream: bool = True) -> bytes:
+    def _close_call(self, status: str, stream: bool = True) -> bytes:
+        """The open call's closing events (none open: nothing); `incomplete` when the
+        answer was cut or failed, its arguments perhaps not whole."""
         call = self._open_call
         if call is None:
             return b""
         self._open_call = None
-        item = call.item("completed")
+        item = call.item(status)
         self.output.append(item)
         if not stream:
             return b""
@@ -218,7 +220,7 @@ class ResponsesEncoder(Encoder):
     def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
         status = self._status()
         item_status = "incomplete" if status == "incomplete" else "completed"
-        out = self._close_message(item_status, stream) + self._close_call(stream)
+        out = self._close_message(item_status, stream) + self._close_call(item_status, stream)
         self.final = self._object(status, prompt_tokens, completion_tokens)
         if not stream:
             return b""
@@ -268,7 +270,7 @@ class ResponsesEncoder(Encoder):
                 if not item.text:
                     continue
                 if not self._message_id:
-                    out.append(self._close_call(stream))
+                    out.append(self._close_call("completed", stream))
                     opening = self._open_message()
                     if stream:
                         out.append(opening)
@@ -285,7 +287,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         call = self._calls.get(piece.call_index)
         if call is None:
-            out = self._close_message("completed", stream) + self._close_call(stream)
+            out = self._close_message("completed", stream) + self._close_call("completed", stream)
             index = len(self.output)
             call_id = piece.id or new_id("call")
             call = self._calls[piece.call_index] = _Call(call_id, piece.name, index)
@@ -326,8 +328,9 @@ class ResponsesEncoder(Encoder):
 
     def failure(self, error: APIError) -> bytes:
         """After the stream began, the worker failed: an `error` event, then
-        `response.failed` with what was said so far."""
-        out = self._close_message("incomplete") + self._close_call()
+        `response.failed` with what was said so far (the head first, if it has not gone
+        out)."""
+        out = self._heading() + self._close_message("incomplete") + self._close_call("incomplete")
         failed = self._object("failed")
         failed["error"] = {"code": error.code or error.type, "message": error.message}
         self.final = failed

@@ -2,7 +2,8 @@
 completions (`gateway.edge.openai.generation`) with this API's parser and encoder, so
 it takes the same admission, slots, deadlines, cancellation, limits, metrics, access
 log and traces; `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
-`DELETE /v1/responses/{id}` read the store (store.py), the caller's team's only.
+`DELETE /v1/responses/{id}` read the store (store.py), the caller's team's only;
+`POST /v1/responses/input_tokens` is refused, a 404 in OpenAI's shape.
 
 What this route adds to the generation route: before admission, a continuation
 (`previous_response_id`) reads its conversation from the store, bounded in depth
@@ -219,8 +220,10 @@ def _json(value: Any, status: int = 200) -> Response:
 
 
 def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
-    """Query parameters of OpenAI's that ask what is not served, refused by name."""
-    for name, value in request.query_params.multi_items():
+    """Query parameters of OpenAI's that ask what is not served, refused by name; a
+    list's `name[]` (as the SDK sends `include`) is `name`."""
+    for raw, value in request.query_params.multi_items():
+        name = raw.removesuffix("[]")
         if name in served:
             continue
         if name == "include" and not value:
@@ -290,8 +293,18 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
             }
         )
 
+    async def input_tokens(request: Request) -> Response:
+        # matched before `{response_id}`, whose GET and DELETE made this a bare 405
+        raise APIError(
+            404,
+            "Counting a response's input tokens (POST /v1/responses/input_tokens) "
+            "is not supported by this gateway.",
+            code="not_found",
+        )
+
     endpoint = Callable[[Request], Awaitable[Response]]
     handlers: list[tuple[str, endpoint, list[str]]] = [
+        (RESPONSES + "/input_tokens", input_tokens, ["POST"]),
         (RESPONSES + "/{response_id}", one, ["GET", "DELETE"]),
         (RESPONSES + "/{response_id}/input_items", input_items, ["GET"]),
     ]
