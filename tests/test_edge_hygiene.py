@@ -2,8 +2,10 @@
 fixed messages for server-side failures, one 404 for unseen and unknown models,
 and config errors that never print the offending line."""
 
+import json
 import logging
 import secrets
+import socket
 
 import httpx
 import pytest
@@ -58,6 +60,29 @@ def test_json_with_parameters_is_served(client):
 
 
 # -- no slash redirects -------------------------------------------------------
+
+
+def test_a_whole_answer_says_its_length_and_an_http_1_0_client_gets_no_chunks(gateway):
+    """A whole answer or refusal carries `content-length`; an HTTP/1.0 request (which
+    cannot read chunks, RFC 9112 6.1) gets the body as it is, then the close."""
+    host, port = "127.0.0.1", int(_port(gateway.url))
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "x y"}]}' % (
+        DEMO_MODEL.encode()
+    )
+    for path, status in ((b"/v1/chat/completions", b"200"), (b"/v1/completions", b"400")):
+        head = b"POST %s HTTP/1.0\r\nHost: %s:%d\r\n" % (path, host.encode(), port)
+        head += b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        with socket.create_connection((host, port), timeout=HANG_GUARD) as sock:
+            sock.sendall(head + body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        top, _, payload = answer.partition(b"\r\n\r\n")
+        lines = top.lower().split(b"\r\n")
+        assert lines[0].split()[1] == status
+        assert b"transfer-encoding: chunked" not in lines
+        assert b"content-length: %d" % len(payload) in lines
+        assert json.loads(payload)
 
 
 def test_a_trailing_slash_is_a_plain_404(client):

@@ -30,8 +30,11 @@ WRITE_NOW_EXTENSION = "furnace.write_now"
 async def send_json(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
-    """A whole JSON response."""
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + headers})
+    """A whole JSON response, its length said (not chunked: an HTTP/1.0 client could not
+    read chunks, and a length lets any client size its read)."""
+    length = (b"content-length", b"%d" % len(body))
+    headers = [*JSON_HEADERS, length, *headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
