@@ -361,6 +361,47 @@ def test_count_tokens_refuses_like_messages(gateway):
         ({"max_tokens": 4, "messages": say("a"), "tool_choice": {"type": "any"}}, "tool_choice"),
         ({"max_tokens": 4, "messages": say("a"), "metadata": {"other": 1}}, "metadata.other"),
         ({"max_tokens": 4, "messages": say("a"), "stop_sequences": "x"}, "stop_sequences"),
+        # an unhashable value looked up in a set was a 500
+        ({"max_tokens": 4, "messages": say("a"), "service_tier": {"a": 1}}, "service_tier"),
+        ({"max_tokens": 4, "messages": say("a"), "service_tier": ["auto"]}, "service_tier"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": {}, "data": PIXEL},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "media_type",
+        ),
+        # empty content, which Anthropic's API refuses, was taken
+        ({"max_tokens": 4, "messages": say("")}, "non-empty content"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": []}]}, "non-empty content"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": ""},
+                    {"role": "user", "content": "b"},
+                ],
+            },
+            "messages[1].content: all messages must have non-empty content",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}],
+            },
+            "text content blocks must be non-empty",
+        ),
     ],
 )
 def test_bad_bodies_are_invalid_request_errors_naming_the_field(claude, body, named):

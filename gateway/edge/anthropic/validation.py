@@ -15,6 +15,9 @@ engines do by themselves for every prefix. The SDK's newest version no longer
 names `temperature`, `top_p` and `top_k`; older clients (and `extra_body`) send
 them, so they are served.
 
+As Anthropic's API does, a message with empty content (but a final assistant one)
+and an empty text block are refused.
+
 A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
 `is_error` marks that text as an error), images go in as URLs or data URIs. The
@@ -126,7 +129,7 @@ def _image(block: Mapping[str, Any], where: str) -> str:
     if kind != "base64" or not isinstance(source, Mapping):
         raise invalid(f"{where}.source.type", "An image source is of type 'base64' or 'url'.")
     media_type = source.get("media_type")
-    if media_type not in MEDIA_TYPES:
+    if not isinstance(media_type, str) or media_type not in MEDIA_TYPES:
         raise invalid(
             f"{where}.source.media_type",
             f"Invalid 'media_type': one of {', '.join(sorted(MEDIA_TYPES))}.",
@@ -196,7 +199,10 @@ def _blocks(
         if not isinstance(block, Mapping):
             raise invalid(at, "Invalid type: expected a content block (an object).")
         if kind == "text":
-            texts.append(_text_of(block, at))
+            text = _text_of(block, at)
+            if not text:  # as Anthropic's API refuses it
+                raise invalid(at, f"{at}: text content blocks must be non-empty")
+            texts.append(text)
         elif kind == "image":
             images.append(_image(block, at))
             count += 1
@@ -236,7 +242,15 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         role = message.get("role")
         if role not in ("user", "assistant"):
             raise invalid(f"{where}.role", "Invalid value: 'user' or 'assistant'.")
-        parsed, count = _blocks(message.get("content"), f"{where}.content", role)
+        content = message.get("content")
+        if content in ("", []) and not (role == "assistant" and i == len(messages) - 1):
+            # as Anthropic's API refuses it (a final assistant message is a prefill)
+            raise invalid(
+                f"{where}.content",
+                f"{where}.content: all messages must have non-empty content except for the "
+                "optional final assistant message",
+            )
+        parsed, count = _blocks(content, f"{where}.content", role)
         images += count
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
@@ -365,7 +379,7 @@ def _asks_nothing(body: Mapping[str, Any]) -> None:
             raise invalid("thinking", "Extended thinking is not supported by this gateway.")
         _refuse_unknown(thinking, frozenset({"type"}), "thinking.")
     tier = body.get("service_tier")
-    if tier is not None and tier not in SERVICE_TIERS:
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
         raise invalid("service_tier", "Invalid 'service_tier': 'auto' or 'standard_only'.")
 
 
