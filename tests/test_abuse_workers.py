@@ -547,6 +547,60 @@ def test_n_times_max_tokens_times_logprobs_past_the_bound_is_a_400(client, worke
     assert client.post("/v1/chat/completions", json=body).is_success
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": user("x")}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": user("x")}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x"}, "max_tokens"),
+        ("/v1/responses", {"input": "x"}, "max_output_tokens"),
+        ("/v1/messages", {"messages": user("x")}, "max_tokens"),
+    ],
+)
+def test_the_bound_names_the_length_as_the_client_did_in_its_apis_words(client, route, body, param):
+    """A length past the bound alone was refused naming `max_tokens` and talking of
+    'n' and logprobs, whatever the client sent and whether its API has them."""
+    answer = client.post(route, json={"model": DEMO_MODEL, **body, param: 10_000_000})
+    assert answer.status_code == 400, answer.text
+    if route == "/v1/messages":
+        error = answer.json()["error"]  # Anthropic's shape: no param, the message names it
+        assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    else:
+        error = assert_openai_error(answer)
+        assert error["param"] == param
+    message = error["message"]
+    assert f"'{param}'" in message and "10000000" in message, message
+    others = {"max_tokens", "max_completion_tokens", "max_output_tokens"} - {param}
+    assert not any(f"'{other}'" in message for other in others), message
+    assert "'n'" not in message and "logprobs" not in message, message
+
+
+def test_the_bound_names_n_and_logprobs_where_the_request_asked_for_them(client):
+    """Each factor the client may lower, by its API's name for it."""
+    body = {"messages": user("x"), "n": 64, "max_completion_tokens": 10_000}
+    error = assert_openai_error(client.post("/v1/chat/completions", json=body))
+    assert error["param"] == "max_completion_tokens"
+    assert "'n' (64) x 'max_completion_tokens' (10000)" in error["message"]
+    assert "logprobs" not in error["message"]
+    legacy = {"prompt": "x", "max_tokens": 50_000, "logprobs": 5}
+    error = assert_openai_error(client.post("/v1/completions", json=legacy))
+    assert error["param"] == "max_tokens"
+    assert "'max_tokens' (50000) x (2 + 'logprobs' (5))" in error["message"]
+    assert "'n'" not in error["message"] and "top_logprobs" not in error["message"]
+
+
+def test_a_models_cap_names_the_length_as_the_client_did(gateway_with, workers):
+    """The model's `max_tokens_limit` refused `max_completion_tokens` as `max_tokens`."""
+    capped = ModelConfig(DEMO_MODEL, workers=(workers.demo.address,), max_tokens_limit=4)
+    gw = gateway_with(models=(capped,))
+    body = {"messages": user("x"), "max_completion_tokens": 5}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        error = assert_openai_error(http.post("/v1/chat/completions", json=body))
+    assert error["param"] == "max_completion_tokens"
+    assert "'max_completion_tokens'" in error["message"]
+    assert "'max_tokens'" not in error["message"]
+
+
 def test_without_max_tokens_a_request_gets_the_most_that_fits(gateway_with):
     # 4 choices with 5 alternatives: 4 x (2 + 5) = 28 units a token; 280 fit 10 tokens,
     # and the demo model's context (64) could pass that

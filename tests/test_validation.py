@@ -1,6 +1,16 @@
 """Every validation rule: a 400 invalid_request_error naming the parameter."""
 
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import httpx
 import pytest
+
+from gateway.config import ModelConfig
+from gateway.protocol import features
+from gateway.protocol.types import Event, GenerateRequest
+from gateway.worker.demo import DemoEngine
+from tests.support.waiting import HANG_GUARD
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -81,6 +91,24 @@ INVALID = [
     (CHAT, chat(logit_bias={"x": 1}), "logit_bias"),
     (CHAT, chat(logit_bias={"1" * 5000: 1}), "logit_bias"),
     (CHAT, chat(logit_bias={"7": 101}), "logit_bias"),
+    # '²' is a digit to str.isdigit but not to int(): these were a 500
+    (CHAT, chat(logit_bias={"²": 1}), "logit_bias"),
+    (COMPLETIONS, completion(logit_bias={"²": 1}), "logit_bias"),
+    # an unhashable value looked up in a set was a 500
+    (
+        CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "http://x/y.png", "detail": {}}}
+                    ],
+                }
+            ]
+        ),
+        "messages[0].content[0].image_url.detail",
+    ),
     (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
     (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
     (CHAT, chat(min_p=1.5), "min_p"),
@@ -106,6 +134,10 @@ INVALID = [
     (CHAT, chat(max_tokens=-3), "max_tokens"),
     (CHAT, chat(max_tokens=1.5), "max_tokens"),
     (CHAT, chat(max_completion_tokens=0, max_tokens=5), "max_completion_tokens"),
+    # the deprecated max_tokens is checked too when max_completion_tokens wins
+    (CHAT, chat(max_completion_tokens=5, max_tokens="abc"), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=5, max_tokens=0), "max_tokens"),
+    (COMPLETIONS, completion(max_completion_tokens=5, max_tokens=[5]), "max_tokens"),
     (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
     (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (CHAT, chat(stop=[1]), "stop"),
@@ -163,6 +195,33 @@ INVALID = [
         chat(stream=True, stream_options={"include_usage": "y"}),
         "stream_options.include_usage",
     ),
+    # what stream_options asks is served or refused by name, never ignored
+    (
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        COMPLETIONS,
+        completion(stream=True, stream_options={"continuous_usage_stats": True}),
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        CHAT,
+        chat(stream=True, stream_options={"continuous_usage_stats": "yes"}),
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        CHAT,
+        chat(stream=True, stream_options={"include_obfuscation": True}),
+        "stream_options.include_obfuscation",
+    ),
+    (CHAT, chat(stream=True, stream_options={"usage": True}), "stream_options.usage"),
+    (
+        COMPLETIONS,
+        completion(stream=False, stream_options={"include_usage": True, "x": None}),
+        "stream_options.x",
+    ),
     (CHAT, chat(top_k=-2), "top_k"),
     (CHAT, chat(top_k=2**32), "top_k"),
     (CHAT, chat(max_tokens=2**32), "max_tokens"),
@@ -193,7 +252,7 @@ ACCEPTED = [
     (CHAT, chat(temperature=2, top_k=0, seed=1234)),
     (CHAT, chat(top_k=-1)),
     (CHAT, chat(top_k=40)),
-    (CHAT, chat(stop="x", max_completion_tokens=3, max_tokens=0)),
+    (CHAT, chat(stop="x", max_completion_tokens=3, max_tokens=9)),
     (CHAT, chat(stop=["a", "b", "c", "d"])),
     (CHAT, chat(unknown_field={"deep": [1, 2]}, user="team-a", parallel_tool_calls=False)),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a b"}]}])),
@@ -201,6 +260,17 @@ ACCEPTED = [
     (COMPLETIONS, completion(echo=False, suffix="", best_of=1, logprobs=None)),
     (CHAT, chat(stream_options={"include_usage": True})),  # accepted, as OpenAI does
     (CHAT, chat(stream=False, stream_options={"include_usage": False})),
+    (
+        CHAT,
+        chat(
+            stream=True,
+            stream_options={
+                "include_usage": True,
+                "continuous_usage_stats": False,
+                "include_obfuscation": False,
+            },
+        ),
+    ),
     (CHAT, chat(min_p=0, repetition_penalty=1, logit_bias={}, stop_token_ids=[], min_tokens=0)),
     (CHAT, chat(ignore_eos=False, skip_special_tokens=True, use_beam_search=False, echo=False)),
     (CHAT, chat(tool_choice="none", functions=None)),
@@ -243,3 +313,37 @@ def test_one_model_is_listed_by_its_id(client):
     missing = client.get("/v1/models/org/no-such-model")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+class BiasedEngine(DemoEngine):
+    """The demo, also taking `logit_bias`: keeps the biases each request asked for."""
+
+    features = DemoEngine.features | {features.LOGIT_BIAS}
+
+    def __init__(self) -> None:
+        super().__init__("furnace-biased")
+        self.biases: list[tuple[tuple[int, float], ...]] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.biases.append(request.sampling.logit_bias)
+        sampling = replace(request.sampling, logit_bias=())
+        async for event in super().generate(replace(request, sampling=sampling)):
+            yield event
+
+
+def test_logit_bias_keys_are_token_ids_in_ascii_digits(gateway_with, serve_engines):
+    """OpenAI's keys are token ids as strings: an Arabic-Indic one (U+0661) is a digit
+    to str.isdigit and 1 to int(), so it reached the worker as a bias on token 1."""
+    engine = BiasedEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(models=(ModelConfig("furnace-biased", workers=(worker.address,)),))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for route, body in ((CHAT, chat()), (COMPLETIONS, completion())):
+            body = {**body, "model": "furnace-biased"}
+            for key in ("\u0661", "\u00b2", "\u0663\u0664", "1\u0660", "+1", " 1", ""):
+                response = http.post(route, json={**body, "logit_bias": {key: 1}})
+                assert response.status_code == 400, (key, response.text)
+                assert response.json()["error"]["param"] == "logit_bias"
+            served = http.post(route, json={**body, "logit_bias": {"7": 5}})
+            assert served.status_code == 200, served.text
+    assert engine.biases == [((7, 5.0),)] * 2

@@ -38,9 +38,8 @@ class InputLimits:
             return parsed
         asked = generate.sampling.max_tokens
         if asked is not None and asked > cap:
-            raise invalid(
-                "max_tokens", f"Invalid 'max_tokens': the model `{model}` allows at most {cap}."
-            )
+            name = parsed.max_tokens_param
+            raise invalid(name, f"Invalid '{name}': the model `{model}` allows at most {cap}.")
         if asked is None:
             sampling = replace(generate.sampling, max_tokens=cap)
             parsed = replace(parsed, generate=replace(generate, sampling=sampling))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
 import orjson
@@ -109,6 +109,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+    #: The name the client gave the answer's length (`max_completion_tokens` or
+    #: `max_tokens`), for the refusals of the checks after parsing to name it.
+    max_tokens_param: str = "max_tokens"
 
 
 def _is_number(value: Any) -> bool:
@@ -176,11 +179,14 @@ def _unserved(body: Mapping[str, Any], names: Mapping[str, Any]) -> None:
             raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    return _int(body, name, 1, UINT32_MAX)
+def _max_tokens(body: Mapping[str, Any]) -> tuple[int | None, str]:
+    """The answer's length and the name it was given: `max_completion_tokens` wins
+    (vLLM's order; OpenAI deprecates `max_tokens` for it), and both are checked."""
+    deprecated = _int(body, "max_tokens", 1, UINT32_MAX)
+    value = _int(body, "max_completion_tokens", 1, UINT32_MAX)
+    if value is not None:
+        return value, "max_completion_tokens"
+    return deprecated, "max_tokens"
 
 
 def _top_k(body: Mapping[str, Any]) -> int | None:
@@ -230,7 +236,9 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         raise invalid("logit_bias", f"Invalid value for 'logit_bias': at most {MAX_LOGIT_BIAS}.")
     pairs = []
     for key, bias in value.items():
-        if not (key.isdigit() and len(key) <= 10 and int(key) <= UINT32_MAX):
+        # token ids in ASCII digits only: str.isdigit also takes superscripts (which
+        # int() refuses) and other scripts' digits (which int() reads as numbers)
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32_MAX):
             raise invalid("logit_bias", f"Invalid key in 'logit_bias': {key[:32]!r}: no token id.")
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise invalid("logit_bias", "Invalid value in 'logit_bias': must be in [-100, 100].")
@@ -238,11 +246,10 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _sampling(body: Mapping[str, Any]) -> SamplingParams:
-    max_tokens = _max_tokens(body)
+def _sampling(body: Mapping[str, Any], max_tokens: int | None, name: str) -> SamplingParams:
     min_tokens = _int(body, "min_tokens", 0, UINT32_MAX) or None
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
-        raise invalid("min_tokens", "Invalid value for 'min_tokens': more than 'max_tokens'.")
+        raise invalid("min_tokens", f"Invalid value for 'min_tokens': more than '{name}'.")
     repetition_penalty = _number(body, "repetition_penalty", 0, 2, low_open=True)
     return SamplingParams(
         temperature=_number(body, "temperature", 0, 2),
@@ -261,14 +268,33 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
     )
 
 
+#: `stream_options` keys that are not served, refused when true: vLLM's usage on every
+#: chunk (the stream's fast path writes text without counting it) and OpenAI's padding
+#: of each chunk against length side channels.
+UNSERVED_STREAM_OPTIONS = ("continuous_usage_stats", "include_obfuscation")
+
+
 def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     """Whether to add a usage chunk; options without `stream` ask nothing (OpenAI's servers
-    accept and drop them)."""
+    accept and drop them). A key OpenAI and vLLM do not define is refused by name, as
+    OpenAI refuses it, and so is one that asks for what is not served."""
     options = body.get("stream_options")
     if options is None:
         return False
     if not isinstance(options, Mapping):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
+    for key in options:
+        if key != "include_usage" and key not in UNSERVED_STREAM_OPTIONS:
+            raise invalid(
+                f"stream_options.{key[:64]}",
+                f"Unrecognized key in 'stream_options': {key[:64]!r}.",
+            )
+    for name in UNSERVED_STREAM_OPTIONS:
+        if _flag(options, name, "stream_options."):
+            raise invalid(
+                f"stream_options.{name}",
+                f"'stream_options.{name}' is not supported by this gateway.",
+            )
     include_usage = _flag(options, "include_usage", "stream_options.")
     return stream and include_usage
 
@@ -300,16 +326,17 @@ def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest
     n = _int(body, "n", 1, MAX_N) or 1
     stream = _flag(body, "stream")
     include_usage = _stream_options(body, stream)
+    max_tokens, max_tokens_param = _max_tokens(body)
     request = GenerateRequest(
         model or "",
-        sampling=_sampling(body),
+        sampling=_sampling(body, max_tokens, max_tokens_param),
         stop=_stop(body),
         n=n,
         user=_user(body),
         request_id=request_id,
         **fields,
     )
-    return ParsedRequest(model, request, stream, include_usage)
+    return ParsedRequest(model, request, stream, include_usage, max_tokens_param=max_tokens_param)
 
 
 # -- chat -------------------------------------------------------------------
@@ -328,7 +355,7 @@ def _image(part: Mapping[str, Any], where: str) -> ContentPart:
             "Invalid 'image_url': expected {\"url\": an http(s) URL or a data:image/ URI}.",
         )
     detail = image.get("detail") if isinstance(image, Mapping) else None
-    if detail is not None and detail not in _DETAILS:
+    if detail is not None and (not isinstance(detail, str) or detail not in _DETAILS):
         raise invalid(
             f"{where}.image_url.detail", "Invalid 'detail': expected 'auto', 'low' or 'high'."
         )
@@ -567,4 +594,4 @@ def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != parsed.generate.n:
         raise invalid("best_of", "'best_of' other than 'n' is not supported.")
-    return ParsedRequest(parsed.model, parsed.generate, parsed.stream, parsed.include_usage, echo)
+    return replace(parsed, echo=echo)
