@@ -68,6 +68,14 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         help="transformers, vllm: the format the model writes tool calls in, for tool_choice "
         "auto (the gateway's hermes or llama3_json; vllm: else a vLLM tool parser's name)",
     )
+    worker.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="after SIGTERM, seconds calls in flight get to finish while new ones are refused "
+        "(keep it under the pod's grace period; the chart derives it from the pool's)",
+    )
     worker.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     worker.add_argument("--tls-key", help="the PEM private key of --tls-cert")
     worker.add_argument(
@@ -85,6 +93,17 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
         add_arguments(bench)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A non-negative, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return value
 
 
 def _demo_options(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +166,7 @@ def _tensor_worker(args: argparse.Namespace, tls: ServerTLS | None) -> None:
     from gateway.worker.serve import run_worker
 
     engine = OnnxEngine(args.model_path, args.model)
-    run_worker(serve_tensor_worker(engine, args.host, args.port, tls))
+    run_worker(serve_tensor_worker(engine, args.host, args.port, tls, args.drain_timeout))
 
 
 def _worker_tls(args: argparse.Namespace) -> ServerTLS | None:
@@ -180,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.engine == "onnx":
                 _tensor_worker(args, tls)
                 return
-            run_worker(serve_worker(_worker_engine(args, options), args.host, args.port, tls))
+            engine = _worker_engine(args, options)
+            run_worker(serve_worker(engine, args.host, args.port, tls, args.drain_timeout))
         else:
             _gateway_command(args)
     except KeyboardInterrupt:

@@ -1,9 +1,10 @@
 """The Helm chart, checked with the real helm: lint, render with the default values and a
 GPU fleet's, validate every object against the Kubernetes schemas, and read the rendered
 objects: the gateway's own loader accepts the config, every pool has the headless Service
-the config points at, the probes hit real routes, the grace period covers pause and drain,
-the schema refuses wrong types, a config change rolls the pods, and the product teams' keys,
-Redis URL and TLS files come from Secrets, never the ConfigMap."""
+the config points at, the probes hit real routes, the grace period covers pause and drain
+(a worker's drain fits its pod's), the schema refuses wrong types, a config change rolls
+the pods, and the product teams' keys, Redis URL and TLS files come from Secrets, never the
+ConfigMap."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import yaml
 from starlette.routing import Route
 
 from gateway import lifecycle
+from gateway.cli import _parser
 from gateway.config import Config, load_config, parse_config
 from tests.support.k8s_tools import (
     KUBERNETES_VERSIONS,
@@ -224,6 +226,35 @@ def test_the_grace_period_follows_the_drain_timeout():
     pod = gateway_pod(manifests)["spec"]
     assert parse_config(gateway_config(manifests), env={}).drain_timeout == 300
     assert pod["terminationGracePeriodSeconds"] > prestop_sleep(pod["containers"][0]) + 300
+
+
+def _demo_pool(*args: str) -> tuple[int, list[str]]:
+    """The demo pool's grace period and its worker's args, rendered with `args`."""
+    workload = one(render(*args), "Deployment", f"{FULLNAME}-worker-demo")
+    spec = workload["spec"]["template"]["spec"]
+    return spec["terminationGracePeriodSeconds"], spec["containers"][0]["args"]
+
+
+def test_a_worker_drains_for_its_pods_grace_period():
+    """A stopping worker lets answers in flight finish for its pod's grace period less
+    5 s (for the engine's shutdown before the kubelet's SIGKILL), not a fixed 5 s: the
+    chart passes `--drain-timeout` to our worker, keeps one its args pass, and gives
+    other images' args none."""
+    grace, args = _demo_pool()
+    assert (grace, args[args.index("--drain-timeout") + 1]) == (30, "25")
+    parsed, _ = _parser().parse_known_args(args[1:])  # as the worker reads it
+    assert parsed.drain_timeout == 25.0
+
+    grace, args = _demo_pool("--set", "workerPools.demo.terminationGracePeriodSeconds=300")
+    assert (grace, args[args.index("--drain-timeout") + 1]) == (300, "295")
+
+    own = '["furnace-gateway", "worker", "--drain-timeout", "7"]'
+    _, args = _demo_pool("--set-json", f"workerPools.demo.args={own}")
+    assert args == ["furnace-gateway", "worker", "--drain-timeout", "7"]
+
+    triton = '["tritonserver", "--model-repository=/models"]'
+    _, args = _demo_pool("--set-json", f"workerPools.demo.args={triton}")
+    assert args == ["tritonserver", "--model-repository=/models"]
 
 
 @pytest.mark.parametrize(

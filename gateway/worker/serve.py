@@ -21,9 +21,16 @@ from gateway.worker.server import WorkerServer
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | None = None) -> None:
-    """A worker until SIGTERM or SIGINT; then calls in flight get a grace period.
-    A signal while the engine starts stops the start."""
+async def serve_worker(
+    engine: Engine,
+    host: str,
+    port: int,
+    tls: ServerTLS | None = None,
+    drain_timeout: float = 5.0,
+) -> None:
+    """A worker until SIGTERM or SIGINT; then calls in flight get `drain_timeout`
+    seconds (`worker --drain-timeout`; the chart's from a pool's grace period) while
+    new ones are refused. A signal while the engine starts stops the start."""
     worker = WorkerServer(engine, host, port, tls)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -48,7 +55,7 @@ async def serve_worker(engine: Engine, host: str, port: int, tls: ServerTLS | No
         stopping.cancel()
         for sig in SIGNALS:
             loop.remove_signal_handler(sig)
-        await worker.stop()
+        await worker.stop(drain_timeout)
 
 
 def run_worker(main: Coroutine[Any, Any, None]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +26,52 @@ log = logging.getLogger("furnace.worker")
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 _SERVER_OPTIONS = (("grpc.so_reuseport", 0), *SERVER_OPTIONS)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class _Health(health.aio.HealthServicer):
+    """The standard health service, reporting one status for the whole worker ("" and
+    the Engine service), whose Watch streams end once the worker stops (`end_watches`)
+    after they told NOT_SERVING: a watch, which every gateway keeps open, would
+    otherwise hold a stopping server to the end of its drain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._serving = False
+        self._changed = asyncio.Condition()
+        self._ended = False
+
+    async def set_all(self, serving: bool) -> None:
+        """What Check and Watch report for both names."""
+        for name in ("", SERVICE_NAME):
+            await self.set(name, SERVING if serving else NOT_SERVING)
+        async with self._changed:
+            self._serving = serving
+            self._changed.notify_all()
+
+    async def end_watches(self) -> None:
+        """Ends every Watch stream once it has sent the current status."""
+        async with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        """The status, then each change of it; SERVICE_UNKNOWN for another name."""
+        unknown = request.service not in ("", SERVICE_NAME)
+        sent = None
+        async with self._changed:
+            while True:
+                status = UNKNOWN if unknown else SERVING if self._serving else NOT_SERVING
+                if status != sent:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    sent = status
+                if self._ended:
+                    return
+                await self._changed.wait()
 
 
 class WorkerServer:
@@ -41,7 +88,7 @@ class WorkerServer:
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
-        self._health = health.aio.HealthServicer()
+        self._health = _Health()
         self._server: grpc.aio.Server | None = None
         self._watch: asyncio.Task[None] | None = None
         #: The engine died: the worker stays NOT_SERVING.
@@ -49,13 +96,7 @@ class WorkerServer:
 
     async def set_serving(self, serving: bool) -> None:
         """What the health service reports: SERVING or NOT_SERVING."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, status)
+        await self._health.set_all(serving)
 
     async def start(self) -> None:
         """Listens (on the running loop), serves, reports NOT_SERVING while the engine
@@ -92,14 +133,17 @@ class WorkerServer:
         await self.set_serving(False)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Reports NOT_SERVING, lets calls finish for `grace` seconds, then cancels
-        them, then shuts the engine down."""
+        """Reports NOT_SERVING, refuses new calls, lets calls in flight finish for
+        `grace` seconds (None: as long as they take), then cancels them, then shuts
+        the engine down. Health watches end at once: the server stops as soon as the
+        engine's calls have ended."""
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self.set_serving(False)
         self.service.drain()
+        await self._health.end_watches()
         if self._server is not None:
             await self._server.stop(grace)
         await self.engine.shutdown()

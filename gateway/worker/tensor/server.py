@@ -159,9 +159,14 @@ async def start_tensor_server(
 
 
 async def serve_tensor_worker(
-    engine: TensorEngine, host: str, port: int, tls: ServerTLS | None = None
+    engine: TensorEngine,
+    host: str,
+    port: int,
+    tls: ServerTLS | None = None,
+    drain_timeout: float = 5.0,
 ) -> None:
-    """The tensor worker until SIGTERM or SIGINT; calls in flight get 5 seconds."""
+    """The tensor worker until SIGTERM or SIGINT; calls in flight get `drain_timeout`
+    seconds (`worker --drain-timeout`)."""
     import asyncio
     import signal
 
@@ -173,4 +178,4 @@ async def serve_tensor_worker(
     try:
         await stop.wait()
     finally:
-        await server.stop(5.0)
+        await server.stop(drain_timeout)
