@@ -205,7 +205,7 @@ def test_a_tool_use_cut_by_max_tokens_has_the_same_input_whole_and_streamed(clau
     assert whole.stop_reason == streamed.stop_reason == "max_tokens"
     (cut,) = [block.input for block in whole.content if block.type == "tool_use"]
     assert isinstance(cut, dict)
-    assert cut == [b.input for b in streamed.content if b.type == "tool_use"][0]
+    assert cut == next(b.input for b in streamed.content if b.type == "tool_use")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
