@@ -66,6 +66,37 @@ def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway
     )
 
 
+def test_a_stream_the_drain_cuts_ends_as_a_shutdown_not_an_engine_error(gateway_with, server_loop):
+    """A drain whose grace runs out cuts the answers in flight: the client reads that the
+    gateway shut down (not that the engine failed), and the request counts as `shutdown`,
+    which the error-ratio alert leaves out (a rollout is not an outage)."""
+    gw = gateway_with()
+    body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
+    first_line = threading.Event()
+    lines: list[str] = []
+
+    def hold_a_stream() -> None:
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=GUARD) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first_line.set()
+
+    holder = threading.Thread(target=hold_a_stream)
+    holder.start()
+    assert first_line.wait(GUARD)
+    asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.05), server_loop.loop).result(GUARD)
+    holder.join(GUARD)
+    errors = [line for line in lines if '"error"' in line]
+    assert len(errors) == 1 and '"gateway_shutdown"' in errors[0]
+    assert "shut down before the answer was complete" in errors[0]
+    outcomes = {
+        dict(labels)["outcome"]
+        for (name, labels), value in scrape(gw.url).items()
+        if name == "furnace_gateway_requests_total" and value
+    }
+    assert outcomes == {"shutdown"}
+
+
 def test_a_start_that_fails_to_bind_closes_what_it_opened(server_loop, workers):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

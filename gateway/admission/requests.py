@@ -84,7 +84,9 @@ class InFlight:
                 await self.slots.wait_idle()
         if self.running:
             log.warning("cancelling %d requests still in flight", len(self.running))
-            reason = errors.Unavailable("The gateway shut down before the answer was complete.")
+            reason = errors.ShutDown(
+                "The gateway shut down before the answer was complete; send the request again."
+            )
             for request in list(self.running):
                 request.cancel(reason)
         with contextlib.suppress(TimeoutError):

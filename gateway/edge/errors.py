@@ -34,6 +34,7 @@ ERROR_TABLE: dict[type[errors.GatewayError], tuple[int, str, str | None]] = {
     errors.Timeout: (504, SERVER, "timeout"),
     errors.AuthFailed: (502, SERVER, "engine_auth_failed"),
     errors.Failed: (500, SERVER, "engine_error"),
+    errors.ShutDown: (503, SERVER, "gateway_shutdown"),
 }
 
 #: The fixed message the client sees for a server-side failure; the original is logged.

@@ -13,17 +13,20 @@ to clients in `gateway.edge.errors`).
     │   ├── Draining       the gateway is shutting down                rejected
     │   └── RateLimited    a team's limit is reached                   rejected
     │       └── BudgetExceeded  a team's budget is spent               rejected
-    └── EngineError    the worker or its engine failed to answer
+    ├── EngineError    the worker or its engine failed to answer
         ├── Unavailable    worker down, unreachable, or gave up  retry engine_error
         ├── Timeout        a deadline passed                           timeout
         ├── AuthFailed     the worker refused the gateway              engine_error
         └── Failed         anything else went wrong in the engine      engine_error
+    └── ShutDown       the gateway's drain ran out mid-answer          shutdown
 
 A refusal is mostly the gateway's own (its checks of the body, its slots, queue, limits,
 budgets and drain); a worker's refusals of the same kinds (a parameter its engine
 refuses, its own capacity, a model it does not serve) arrive as the same classes, so
 one answer stands for each whoever refused. An `EngineError` is always a failure of the
-worker's side (or of reaching it). Code that handles any of ours catches `GatewayError`.
+worker's side (or of reaching it). `ShutDown` is neither: the gateway itself stopped
+(its drain's grace ran out) while the answer was under way; counting it as an engine's
+failure paged on every rollout. Code that handles any of ours catches `GatewayError`.
 
 "Retry" means another worker may answer, and only before the first event.
 Each class says the `outcome` it counts as (the `outcome` label of the request
@@ -45,6 +48,7 @@ class Outcome(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     REJECTED = "rejected"
     INVALID = "invalid"
+    SHUTDOWN = "shutdown"
 
 
 class GatewayError(Exception):
@@ -150,3 +154,9 @@ class AuthFailed(EngineError):
 
 class Failed(EngineError):
     """The engine failed in a way the client cannot fix."""
+
+
+class ShutDown(GatewayError):
+    """The gateway shut down (its drain's grace ran out) before the answer was complete."""
+
+    outcome = Outcome.SHUTDOWN

@@ -41,6 +41,7 @@ for _code, _error in STATUS_TO_ERROR.items():
     ERROR_TO_STATUS.setdefault(_error, _code)
 ERROR_TO_STATUS[errors.NotAnLLM] = C.INVALID_ARGUMENT
 ERROR_TO_STATUS[errors.Draining] = C.UNAVAILABLE
+ERROR_TO_STATUS[errors.ShutDown] = C.UNAVAILABLE
 ERROR_TO_STATUS[errors.RateLimited] = C.RESOURCE_EXHAUSTED
 
 
