@@ -463,6 +463,14 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
         ({"input": []}, "input"),
         ({"store": "yes"}, "store"),
+        (
+            {"stream": True, "stream_options": {"include_usage": True}},
+            "stream_options.include_usage",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+        ),
     ],
 )
 def test_what_is_not_served_is_refused_by_name(client, extra, param):

@@ -438,6 +438,12 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
     if options is not None:
         if not isinstance(options, Mapping):
             raise invalid("stream_options", "Invalid type for 'stream_options': an object.")
+        for key in options:  # the Responses API defines one key; others are refused by name
+            if key != "include_obfuscation":
+                raise invalid(
+                    f"stream_options.{key[:64]}",
+                    f"Unrecognized key in 'stream_options': {key[:64]!r}.",
+                )
         if _flag(options, "include_obfuscation", "stream_options."):
             raise invalid(
                 "stream_options.include_obfuscation",
