@@ -19,6 +19,7 @@ from gateway.protocol import errors
 from gateway.protocol.types import Event, GenerateRequest
 from gateway.worker import Engine
 from gateway.worker.demo import DemoEngine
+from tests.support.metrics import scrape, value
 from tests.support.processes import config_file, free_port, running, wait_ready, worker_process
 from tests.support.requests import sse_events
 from tests.support.scripted_worker import SCRIPTED_MODEL, ScriptedWorker, script
@@ -297,6 +298,27 @@ def test_dns_answers_add_and_remove_workers(gateway_with, serve_engines, server_
         wait_until(lambda: set(admin_workers(gw.url, "m")) == {f"127.0.0.3:{port}"}, "a leave")
         response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
         assert response.status_code == 200
+
+
+def test_a_model_whose_workers_all_left_counts_none_healthy(
+    gateway_with, serve_engines, server_loop
+):
+    """Once DNS names no worker, a model has no per-worker series left: the per-model
+    gauge still says 0, for the no-healthy-worker alert to fire on."""
+    port = free_port_on("127.0.0.2")
+    serve_engines(DemoEngine("m"), host="127.0.0.2", port=port)
+    with serving_dns(server_loop) as (dns_server, dns_port):
+        dns_server.records["workers.test."] = ["127.0.0.2"]
+        entry = f"dns://127.0.0.1:{dns_port}/workers.test:{port}"
+        gw = gateway_with(models=(ModelConfig("m", workers=(entry,)),), discovery_interval=0.05)
+        healthy = "furnace_gateway_model_healthy_workers"
+        assert value(scrape(gw.url), healthy, model="m") == 1
+        dns_server.records["workers.test."] = []
+        wait_until(lambda: admin_workers(gw.url, "m") == {}, "the worker to leave")
+        samples = scrape(gw.url)
+        assert not [key for key in samples if key[0] == "furnace_gateway_worker_healthy"]
+        assert (healthy, (("model", "m"),)) in samples
+        assert value(samples, healthy, model="m") == 0
 
 
 def test_equal_workers_get_equal_shares(gateway_with, serve_engines):

@@ -1,6 +1,6 @@
-"""The fleet's figures for `/metrics`: retries per model, and each worker's
-calls in flight, health and ejections, read from the live pools at scrape time
-(nothing is counted twice on the request path)."""
+"""The fleet's figures for `/metrics`: retries and healthy workers per model, and
+each worker's calls in flight, health and ejections, read from the live pools at
+scrape time (nothing is counted twice on the request path)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ class FleetCollector(LiveCollector):
             "1 when the worker takes new requests.",
             labels=["model", "worker", "state"],
         )
+        # per model, 0 included: a model without a worker (none discovered, every pod
+        # gone) has no worker series at all, and an alert on those would stay silent
+        model_healthy = GaugeMetricFamily(
+            f"{PREFIX}_model_healthy_workers",
+            "Workers of the model that take new requests (0: none).",
+            labels=["model"],
+        )
         ejections = CounterMetricFamily(
             f"{PREFIX}_worker_ejections",
             "Passive ejections per worker.",
@@ -44,12 +51,16 @@ class FleetCollector(LiveCollector):
         now = time.monotonic()
         for pool in self.fleet.models.values():
             retries.add_metric([pool.name], pool.retries_total)
+            available = 0
             for worker in pool.workers.values():
                 labels = [pool.name, worker.address]
                 inflight.add_metric(labels, worker.outstanding)
-                healthy.add_metric([*labels, worker.state], 1 if worker.available(now) else 0)
+                up = 1 if worker.available(now) else 0
+                available += up
+                healthy.add_metric([*labels, worker.state], up)
                 ejections.add_metric(labels, worker.ejections_total)
-        yield from (retries, inflight, healthy, ejections)
+            model_healthy.add_metric([pool.name], available)
+        yield from (retries, inflight, healthy, model_healthy, ejections)
         yield from _routing(self.fleet)
 
 
