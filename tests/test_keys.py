@@ -2,17 +2,19 @@
 team's models, the keys file and its reload, and no key in logs or metrics."""
 
 import hashlib
+import json
 import logging
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.worker.demo import DEMO_MODEL
-from tests.support.keys import MODELS, bearer, keyed, new_key, sha256
+from tests.support.keys import MODELS, ask, bearer, keyed, new_key, sha256
 from tests.support.requests import user
 from tests.support.scripted_worker import SCRIPTED_MODEL
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 CHAT = {"model": DEMO_MODEL, "messages": user("hello there")}
 
@@ -216,3 +218,24 @@ def test_teams_keys_and_redis_from_the_environment():
     assert config.keys[0].sha256 == hashlib.sha256(key.encode()).digest()
     assert config.redis_url == "redis://redis:6379/0"
     assert config.max_messages == 10
+
+
+def test_the_access_log_says_whose_request_it_was_and_what_refused_it(gateway_with, caplog):
+    """On a keyed gateway each access line names the route, the team and the key's id
+    (the ledger's digest, never the key), and a rejection says which limit refused it."""
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {"requests_per_minute": 1}}, {key: "search"}))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        assert ask(client, key).status_code == 200
+        assert ask(client, key).status_code == 429
+    wait_until(lambda: len(_access_lines(caplog)) >= 2, "both access-log lines")
+    served, refused = _access_lines(caplog)[-2:]
+    for line in (served, refused):
+        assert line["route"] == "/v1/completions" and line["team"] == "search"
+        assert line["key_id"] == sha256(key)[: len(line["key_id"])] and key not in str(line)
+    assert "reason" not in served and refused["reason"] == "team_requests"
+
+
+def _access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]

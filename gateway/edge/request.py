@@ -179,6 +179,7 @@ class RequestRoute(Generic[X]):
         ctx = RequestContext(record, team_of(scope))
         if ctx.team is not None:  # a keyed gateway's: the ledger's and key budgets' key id
             ctx.key_id = key_id(scope["headers"])
+            record.team, record.key_id = ctx.team.name, ctx.key_id or ""
         # every write waits at most `write_timeout` on the client (see write_guard.py)
         abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
         send = guard = WriteGuard(send, self.config.write_timeout, abort)

@@ -28,6 +28,7 @@ class AccessLog:
         prompt_tokens, completion_tokens = record.used()
         line: dict[str, Any] = {
             "request_id": record.request_id,
+            "route": record.route,
             "model": record.model,
             "worker": record.worker,
             "stream": record.stream,
@@ -38,6 +39,11 @@ class AccessLog:
             "completion_tokens": completion_tokens,
             "duration_ms": round((end - record.started_at) * 1000, 3),
         }
+        if record.reason:  # a rejection's: which limit or stage refused it
+            line["reason"] = record.reason
+        if record.team:  # a keyed gateway's: whose request it was
+            line["team"] = record.team
+            line["key_id"] = record.key_id
         if record.asked:  # an alias, or a model a fallback served instead
             line["asked_model"] = record.asked
         if record.policy:  # routed on the engines' state: why this worker

@@ -43,6 +43,7 @@ class RequestRecord:
         "gaps",
         "granted_tokens",
         "itl",
+        "key_id",
         "last_token_at",
         "model",
         "outcome",
@@ -55,6 +56,7 @@ class RequestRecord:
         "started_at",
         "status",
         "stream",
+        "team",
         "tokens_sent",
         "worker",
     )
@@ -65,6 +67,10 @@ class RequestRecord:
         #: `/v2/models/{model}/infer`...); "" where none set it.
         self.route = ""
         self.started_at = time.perf_counter()
+        #: Whose request it is, on a keyed gateway: the key's team, and the key's id
+        #: (a digest, never the key); "" on an open one.
+        self.team = ""
+        self.key_id = ""
         self.model = ""
         #: The model the request named, when another served it (an alias's target, a
         #: fallback); "" otherwise.
