@@ -3,7 +3,8 @@ deploy/prometheus/alerts_test.yaml against the PrometheusRule's groups as `helm 
 renders them (default thresholds), so an alert's PromQL, its `for`, labels and annotations
 are checked on series that should fire it and on near misses that should not. promtool comes
 with Debian's `prometheus` package (`bash deploy/install-tools.sh`); test_dashboard.py checks
-the other half: every metric the rules query is one the gateway exports."""
+the other half: every metric the rules query is one the gateway exports. The queue alert is
+rendered whenever a queue is configured, a model's own included."""
 
 from __future__ import annotations
 
@@ -63,3 +64,29 @@ def test_every_alert_has_a_test_that_fires_it():
         if case["exp_alerts"]
     }
     assert alerts == fired
+
+
+@pytest.mark.parametrize(
+    ("queue", "alerted"),
+    [
+        ((), False),
+        (("--set-json", 'gateway.config.queue={"max_wait": 300}'), True),
+        # a model's own queue alone: the alert must come with it too
+        (
+            (
+                "--set-json",
+                'models=[{"name": "furnace-demo", "pools": ["demo"], "queue": {"max_wait": 300}}]',
+            ),
+            True,
+        ),
+    ],
+)
+def test_the_queue_alert_comes_with_any_queue(queue: tuple[str, ...], alerted: bool):
+    """The queue alert reads waits as shares of each model's own max_wait, so it needs no
+    max_wait of its own: rendered whenever any queue is configured, top-level or a model's."""
+    args = [tool("helm"), "template", "llm", str(CHART), "--set", "prometheusRule.enabled=true"]
+    rule = one(load_manifests(run([*args, *queue]).stdout), "PrometheusRule", "llm-furnace-gateway")
+    rules = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert ("FurnaceGatewayQueueWaitNearMax" in rules) == alerted
+    if alerted:
+        assert "300" not in rules["FurnaceGatewayQueueWaitNearMax"]["expr"]

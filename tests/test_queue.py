@@ -486,3 +486,42 @@ def test_waiters_that_left_leave_nothing_behind():
     left, waiting = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
     assert waiting == 1  # the first
     assert left <= 2 * 1 + 16
+
+
+def test_waits_are_also_counted_as_shares_of_max_wait():
+    """With a max_wait past the seconds histogram's top bucket (60 s) a quantile of the
+    seconds never gets near it; the shares of max_wait do, whatever it is (the chart's
+    queue alert reads them). On a virtual clock: one waits 270 s of 300, one waits it out."""
+    from gateway.admission.metrics import QueueCollector
+    from gateway.admission.queue import Queue, QueueSettings
+    from gateway.admission.slots import Slots
+    from gateway.protocol import errors
+    from tests.support.virtual_time import run_virtual
+
+    async def run() -> Queue:
+        queue = Queue(Slots(1), clock=asyncio.get_running_loop().time)
+        settings = QueueSettings(max_wait=300.0, max_depth=10, max_starvation=600.0)
+
+        async def hold(seconds: float) -> None:
+            async with queue.hold("m", settings):
+                await asyncio.sleep(seconds)
+
+        first = asyncio.create_task(hold(270))
+        await asyncio.sleep(0)  # it has the slot
+        second = asyncio.create_task(hold(400))  # waits 270 s for it
+        await asyncio.sleep(1)
+        with pytest.raises(errors.Busy, match="within 300s"):
+            await hold(0)  # waits its 300 s out
+        await asyncio.gather(first, second)
+        return queue
+
+    queue = run_virtual(run())
+    buckets = {
+        (family.name, sample.labels["le"]): sample.value
+        for family in QueueCollector(queue).collect()
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
+    ratio, seconds = "furnace_gateway_queue_wait_ratio", "furnace_gateway_queue_wait_seconds"
+    assert [buckets[ratio, le] for le in ("0.8", "0.9", "0.95", "1", "+Inf")] == [0, 1, 1, 2, 2]
+    assert [buckets[seconds, le] for le in ("60", "+Inf")] == [0, 2]

@@ -13,7 +13,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from gateway.admission.queue import WAIT_BUCKETS, Queue
+from gateway.admission.queue import Queue, WaitHistogram
 from gateway.admission.requests import InFlight
 from gateway.telemetry import PREFIX, LiveCollector
 
@@ -50,19 +50,16 @@ class QueueCollector(LiveCollector):
         for (model, priority), n in sorted(queue.depth.items()):
             depth.add_metric([model, str(priority)], n)
         yield depth
-        waits = HistogramMetricFamily(
+        yield _histogram(
             f"{PREFIX}_queue_wait_seconds",
             "Seconds requests waited in the queue (served, timed out or gone).",
-            labels=labels,
+            queue.waits,
         )
-        for (model, priority), histogram in sorted(queue.waits.items()):
-            buckets, running = [], 0
-            for bound, count in zip(WAIT_BUCKETS, histogram.counts, strict=True):
-                running += count
-                buckets.append((f"{bound:g}", running))
-            buckets.append(("+Inf", histogram.total))
-            waits.add_metric([model, str(priority)], buckets, histogram.sum)
-        yield waits
+        yield _histogram(
+            f"{PREFIX}_queue_wait_ratio",
+            "Waits in the queue as shares of its max_wait (1: waited it out).",
+            queue.wait_ratios,
+        )
         admitted = CounterMetricFamily(
             f"{PREFIX}_queue_admissions",
             "Requests given a slot with a queue configured: at once or after waiting.",
@@ -79,3 +76,18 @@ class QueueCollector(LiveCollector):
         for (model, priority, reason), n in sorted(queue.refused.items()):
             refused.add_metric([model, str(priority), reason], n)
         yield refused
+
+
+def _histogram(
+    name: str, documentation: str, histograms: dict[tuple[str, int], WaitHistogram]
+) -> HistogramMetricFamily:
+    """Histograms by (model, priority) as one family."""
+    family = HistogramMetricFamily(name, documentation, labels=["model", "priority"])
+    for (model, priority), histogram in sorted(histograms.items()):
+        buckets, running = [], 0
+        for bound, count in zip(histogram.bounds, histogram.counts, strict=True):
+            running += count
+            buckets.append((f"{bound:g}", running))
+        buckets.append(("+Inf", histogram.total))
+        family.add_metric([model, str(priority)], buckets, histogram.sum)
+    return family

@@ -42,6 +42,10 @@ from gateway.protocol import errors
 
 #: Upper bounds (seconds) of the wait-time histogram.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds of the waits as shares of their queue's `max_wait`: exact near the
+#: bound whatever `max_wait` is (a quantile of the seconds never passes 60), and one
+#: alert threshold for models whose queues differ.
+WAIT_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 #: Weight of the newest sample in the mean time a slot is held.
 _EWMA = 0.2
 
@@ -67,19 +71,20 @@ class _Waiter:
     gone: bool = field(default=False, compare=False)
 
 
-@dataclass
 class WaitHistogram:
-    """Cumulative-ready counts of waits for one (model, priority)."""
+    """Cumulative-ready counts of waits for one (model, priority), in `bounds`."""
 
-    counts: list[int] = field(default_factory=lambda: [0] * len(WAIT_BUCKETS))
-    total: int = 0
-    sum: float = 0.0
+    def __init__(self, bounds: tuple[float, ...] = WAIT_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0
+        self.sum = 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, value: float) -> None:
         self.total += 1
-        self.sum += seconds
-        for i, bound in enumerate(WAIT_BUCKETS):
-            if seconds <= bound:
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
                 self.counts[i] += 1
                 break
 
@@ -104,6 +109,8 @@ class Queue:
         self.admitted: Counter[tuple[str, int, str]] = Counter()
         self.refused: Counter[tuple[str, int, str]] = Counter()
         self.waits: dict[tuple[str, int], WaitHistogram] = {}
+        #: The same waits, each over its queue's `max_wait`.
+        self.wait_ratios: dict[tuple[str, int], WaitHistogram] = {}
 
     def waiting(self, model: str | None = None) -> int:
         """Requests waiting (for `model`, or all)."""
@@ -218,7 +225,10 @@ class Queue:
         histogram = self.waits.get(key)
         if histogram is None:
             histogram = self.waits[key] = WaitHistogram()
-        histogram.observe(self.clock() - waiter.arrived)
+            self.wait_ratios[key] = WaitHistogram(WAIT_RATIO_BUCKETS)
+        waited = self.clock() - waiter.arrived
+        histogram.observe(waited)
+        self.wait_ratios[key].observe(waited / waiter.settings.max_wait)
 
     def _leave(self, waiter: _Waiter) -> None:
         """Takes a waiter out (lazily from the heap, at once from the counts)."""
