@@ -22,14 +22,15 @@ from tests.support.metrics import scrape
 GUARD = 30.0
 
 
-def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway_with, server_loop):
-    gw = gateway_with()
+def _a_stream_under_way(url: str) -> tuple[threading.Thread, list[str]]:
+    """A slow streamed completion read on a thread, once its first line came: the
+    thread, and the lines it reads."""
     body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
     first_line = threading.Event()
     lines: list[str] = []
 
     def hold_a_stream() -> None:
-        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=GUARD) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=GUARD) as r:
             for line in r.iter_lines():
                 lines.append(line)
                 first_line.set()
@@ -37,6 +38,12 @@ def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway
     holder = threading.Thread(target=hold_a_stream)
     holder.start()
     assert first_line.wait(GUARD)
+    return holder, lines
+
+
+def test_a_request_refused_while_draining_counts_as_a_draining_rejection(gateway_with, server_loop):
+    gw = gateway_with()
+    holder, lines = _a_stream_under_way(gw.url)
     drain = asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(GUARD), server_loop.loop)
 
     refused = httpx.post(
@@ -71,19 +78,7 @@ def test_a_stream_the_drain_cuts_ends_as_a_shutdown_not_an_engine_error(gateway_
     gateway shut down (not that the engine failed), and the request counts as `shutdown`,
     which the error-ratio alert leaves out (a rollout is not an outage)."""
     gw = gateway_with()
-    body = {"model": "furnace-slow", "prompt": "a b c d e f g h", "stream": True}
-    first_line = threading.Event()
-    lines: list[str] = []
-
-    def hold_a_stream() -> None:
-        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=GUARD) as r:
-            for line in r.iter_lines():
-                lines.append(line)
-                first_line.set()
-
-    holder = threading.Thread(target=hold_a_stream)
-    holder.start()
-    assert first_line.wait(GUARD)
+    holder, lines = _a_stream_under_way(gw.url)
     asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.05), server_loop.loop).result(GUARD)
     holder.join(GUARD)
     errors = [line for line in lines if '"error"' in line]
