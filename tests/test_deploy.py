@@ -1,6 +1,7 @@
 """What ships besides the chart: the Dockerfile (read, since no Docker engine runs here,
-and its commands run through the real CLI), the kustomize base (built with the real
-kubectl, schema-validated) and the example configs (through the gateway's own loader)."""
+and its commands run through the real CLI; it installs what the chart's options need), the
+kustomize base (built with the real kubectl, schema-validated) and the example configs
+(through the gateway's own loader)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,27 @@ def test_the_build_context_admits_what_the_build_copies():
     assert sources and set(sources) <= admitted
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
     assert readme in sources  # the package build reads it
+
+
+def test_the_image_installs_what_the_charts_tracing_option_needs():
+    """The chart's values take `gateway.config.tracing: true`, and a gateway with tracing on
+    and no OpenTelemetry refuses to start: the image installs the `otel` extra (the SDK and
+    the OTLP exporter the gateway imports) and fails its build if the exporter is missing."""
+    schema = json.loads((ROOT / "helm/furnace-gateway/values.schema.json").read_text())
+    assert "tracing" in schema["properties"]["gateway"]["properties"]["config"]["properties"]
+    build = dockerfile_stages()[1][0]
+    runs = " ".join(a for k, a in build if k == "RUN")
+    installed = re.search(r'pip install [^&]* "?/src\[([a-z,]+)\]"?', runs)
+    assert installed, runs
+    extras = installed.group(1).split(",")
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = {
+        re.split(r"[=<>~!\[ ;]", requirement)[0]
+        for extra in extras
+        for requirement in optional["optional-dependencies"][extra]
+    }
+    assert {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc"} <= required
+    assert "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter" in runs
 
 
 def test_the_image_exposes_the_ports_the_manifests_use():
