@@ -275,6 +275,7 @@ def test_a_worker_drains_for_its_pods_grace_period():
         ("--set", "gateway.teams.search.budget=1"),
         ("--set", "gateway.keys.existingSecret=true"),
         ("--set", "gateway.redis.url=http://redis:6379"),
+        ("--set", "gateway.allowLocalLimits=yes"),
         ("--set", "workerPools.demo.tls.verifyClients=yes"),
         ("--set-json", 'models=[{"name": "m", "upstream": "http", "workers": ["x:1"]}]'),
         ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "maxTokensLimit": "lots"}]'),
@@ -314,6 +315,31 @@ def test_team_and_model_mistakes_fail_to_render(args: tuple[str, str], message: 
     result = helm("template", RELEASE, str(CHART), *args, check=False)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "teams",
+    [
+        'gateway.teams={"search": {"tokens_per_minute": 1000}}',
+        'gateway.teams={"ads": {"budgets": [{"window": "day", "tokens": 5000}]}}',
+    ],
+)
+def test_teams_limits_without_redis_on_several_pods_fail_to_render(teams: str):
+    """Without Redis each gateway pod enforces a team's limits in full (two pods let it
+    through twice) and a restart forgets its budgets: with several pods the chart refuses,
+    unless Redis shares them or `gateway.allowLocalLimits` keeps them per pod."""
+    args = ("--set", "gateway.keys.existingSecret=furnace-keys", "--set-json", teams)
+    no_hpa = ("--set", "autoscaling.enabled=false")
+    for pods in ((), (*no_hpa, "--set", "gateway.replicaCount=2")):  # the autoscaler, or 2
+        result = helm("template", RELEASE, str(CHART), *args, *pods, check=False)
+        assert result.returncode != 0
+        assert "without Redis on more than one gateway pod" in result.stderr
+        assert "gateway.allowLocalLimits=true" in result.stderr
+    assert gateway_pod(render(*args, *no_hpa, "--set", "gateway.replicaCount=1"))
+    assert gateway_pod(render(*args, "--set", "gateway.redis.existingSecret=furnace-redis"))
+    assert gateway_pod(render(*args, "--set", "gateway.allowLocalLimits=true"))
+    free = 'gateway.teams={"free": {"weight": 2}}'  # no limit to share
+    assert gateway_pod(render(*args[:2], "--set-json", free))
 
 
 def test_the_config_checksum_rolls_the_pods_on_a_config_change():

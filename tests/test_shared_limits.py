@@ -136,3 +136,25 @@ def test_tokens_and_concurrency_are_shared_and_a_lost_redis_is_logged(
         redis_server.start()
         wait_until(lambda: four.state.teams.limiter.redis_up, "Redis to be back")
         assert "limits are shared by every replica" in caplog.text
+
+
+def test_limits_and_budgets_without_redis_are_said_per_process_at_start(
+    gateway_with, redis_server, caplog
+):
+    """Without Redis each replica enforces a team's limits in full and a restart forgets
+    its budgets, silently until now: the gateway says so at start, naming the teams."""
+    caplog.set_level(logging.WARNING, logger="furnace.teams")
+    teams = {
+        "search": {"requests_per_minute": 60},
+        "ads": {"budgets": [{"window": "day", "tokens": 5000}]},
+        "free": {"weight": 2},  # nothing to share
+    }
+    keys = {new_key(team): team for team in teams}
+    said = "teams' limits and budgets"
+    gateway_with(**keyed(teams, keys))
+    (line,) = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    assert "(search, ads)" in line and "set redis_url" in line
+    caplog.clear()
+    gateway_with(**keyed(teams, keys, redis_url=redis_server.url))
+    gateway_with(**keyed({"free": {}}, {new_key("free"): "free"}))
+    assert said not in caplog.text

@@ -57,6 +57,16 @@ def team_of(scope: Mapping[str, Any]) -> Team | None:
     return scope.get(SCOPE_KEY)
 
 
+def _limited(config: Config) -> list[str]:
+    """The teams with a limit or a budget."""
+    limits = ("max_concurrent_requests", "requests_per_minute", "tokens_per_minute")
+    return [
+        team.name
+        for team in config.teams
+        if team.budgets or any(getattr(team, name) is not None for name in limits)
+    ]
+
+
 class Teams:
     """The teams of one gateway; start and close it on the serving loop. With
     `config_file` (the file `config` was read from), what `SettingsReload` may change
@@ -90,6 +100,8 @@ class Teams:
         self.auth_failures = 0
         self._reload: asyncio.Task[None] | None = None
         self._has_keys_file = config.keys_file is not None
+        #: Teams with limits or budgets that live in this process alone (no Redis).
+        self._local = [] if config.redis_url is not None else _limited(config)
         registry.register(TeamsCollector(self))
         registry.register(AccountsCollector(self.accounts))
 
@@ -105,6 +117,13 @@ class Teams:
                 "API keys required on /v1/*: %d keys, %d teams",
                 self.keys.count,
                 len(self.by_name),
+            )
+        if self._local:
+            log.warning(
+                "teams' limits and budgets (%s) are kept in this process's memory: every "
+                "replica enforces each in full (two replicas let a team through twice), and "
+                "a restart forgets what budgets have counted (set redis_url to share them)",
+                ", ".join(self._local),
             )
         await self.limiter.start()
         await self.accounts.start()

@@ -330,6 +330,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- end }}
 {{- end }}
 {{- include "furnace-gateway.failClosed" . }}
+{{- include "furnace-gateway.sharedLimits" . }}
 {{- toYaml $config }}
 {{- end }}
 
@@ -346,6 +347,25 @@ LoadBalancer) or product teams with no API keys is refused, unless
 {{- end }}
 {{- if .Values.gateway.teams }}
 {{- fail "gateway.teams is set with no API keys to name the teams: set gateway.keys.existingSecret (a Secret with the keys file), or gateway.allowUnauthenticated=true" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Teams' limits and budgets without Redis live in each gateway's memory: with more than
+one gateway pod (replicaCount > 1, or the autoscaler) each enforces every limit in full, and
+a restart (any `helm upgrade`) forgets what budgets have counted. Refused, unless
+`gateway.allowLocalLimits` says so out loud. */}}
+{{- define "furnace-gateway.sharedLimits" -}}
+{{- $redis := .Values.gateway.redis }}
+{{- $pods := or .Values.autoscaling.enabled (gt (int .Values.gateway.replicaCount) 1) }}
+{{- if and $pods (not (or $redis.url $redis.existingSecret)) (not .Values.gateway.allowLocalLimits) }}
+{{- range $name, $team := .Values.gateway.teams }}
+{{- $team = $team | default dict }}
+{{- range $field := list "max_concurrent_requests" "requests_per_minute" "tokens_per_minute" "budgets" }}
+{{- if index $team $field }}
+{{- fail (printf "gateway.teams.%s.%s without Redis on more than one gateway pod (replicaCount > 1 or autoscaling): each pod would enforce it in full, and a restart forgets budgets; set gateway.redis.existingSecret (or url) to share limits and budgets, or gateway.allowLocalLimits=true to keep them per pod" $name $field) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
