@@ -41,6 +41,7 @@ ALERTS = {
     "FurnaceGatewayNoHealthyWorker",
     "FurnaceGatewayWorkerFlapping",
     "FurnaceGatewayLimitsStoreDown",
+    "FurnaceGatewayAccountsStoreDown",
     "FurnaceGatewayBudgetNearlySpent",
     "FurnaceGatewayBudgetSpent",
 }
@@ -92,7 +93,16 @@ def test_the_chart_ships_the_repository_dashboard_and_the_alerts():
     manifests = rendered()
     configmap = one(manifests, "ConfigMap", "llm-furnace-gateway-dashboard")
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(configmap["data"]["furnace-gateway.json"]) == dashboard
+    shipped = json.loads(configmap["data"]["furnace-gateway.json"])
+    # the release names its copy: two releases' dashboards keep apart in one Grafana
+    assert shipped.pop("title") == "Furnace gateway (default/llm-furnace-gateway)"
+    assert shipped.pop("uid").startswith("furnace-gateway-")
+    assert shipped == {k: v for k, v in dashboard.items() if k not in ("title", "uid")}
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "namespace", "job"}
+    for expr in panel_exprs(dashboard):  # every series of a panel is the chosen gateways'
+        for name in METRIC.findall(expr):
+            assert f'{name}{{job=~"$job", namespace=~"$namespace"' in expr, expr
     assert {p["title"] for p in dashboard["panels"] if p["type"] == "row"} == ROWS
     rule = one(manifests, "PrometheusRule", "llm-furnace-gateway")
     alerts = {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
