@@ -128,12 +128,19 @@ async def load(url: str, seconds: float) -> dict[str, int]:
     return counts
 
 
+def grafana_vars(expr: str) -> str:
+    """`expr` with Grafana's variables as the dashboard's defaults set them: the rate
+    interval, and every namespace and job (All)."""
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    return expr.replace("$namespace", ".*").replace("$job", ".*")
+
+
 def query_range(prometheus: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
     """The panel's query over the run, at a 1 s step."""
     response = httpx.get(
         f"{prometheus}/api/v1/query_range",
         params={
-            "query": expr.replace("$__rate_interval", RATE_INTERVAL),
+            "query": grafana_vars(expr),
             "start": start,
             "end": end,
             "step": SCRAPE,
