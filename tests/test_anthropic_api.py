@@ -402,6 +402,13 @@ def test_count_tokens_refuses_like_messages(gateway):
             },
             "text content blocks must be non-empty",
         ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}],
+            },
+            "text content blocks must contain non-whitespace text",
+        ),
     ],
 )
 def test_bad_bodies_are_invalid_request_errors_naming_the_field(claude, body, named):

@@ -202,6 +202,8 @@ def _blocks(
             text = _text_of(block, at)
             if not text:  # as Anthropic's API refuses it
                 raise invalid(at, f"{at}: text content blocks must be non-empty")
+            if text.isspace():
+                raise invalid(at, f"{at}: text content blocks must contain non-whitespace text")
             texts.append(text)
         elif kind == "image":
             images.append(_image(block, at))
