@@ -213,6 +213,27 @@ def test_not_serving_worker_leaves_and_returns(gateway_with, serve_engines, serv
     assert engines[0].served > before
 
 
+def test_a_model_served_only_by_a_worker_of_another_model_keeps_following_it(
+    gateway_with, serve_engines, server_loop
+):
+    """The worker is described again every health interval (its load): a worker of
+    another model is said wrong once and stays out, and its follow-up goes on (it
+    raised a KeyError, and the task that follows the worker's load died)."""
+    (wrong,) = serve_engines(DemoEngine("other"))
+    gw = gateway_with(
+        models=(ModelConfig("m", workers=(wrong.address,)),), health_check_interval=0.1
+    )
+    wait_until(lambda: admin_workers(gw.url, "m")[wrong.address]["state"] == "wrong_model", "out")
+    fleet = gw.state.fleet
+    pool = fleet.models["m"]
+    worker = pool.workers[wrong.address]
+    for _ in range(2):  # as the follow-up describes it: quietly, again and again
+        assert server_loop.call(fleet._describe(pool, worker, quiet=True))
+    assert worker.wrong_model and pool.max_context is None
+    response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=HANG_GUARD)
+    assert response.status_code == 503
+
+
 def test_no_healthy_worker_is_503_at_once(gateway_with, serve_engines, server_loop):
     (a,) = serve_engines(DemoEngine("m"))
     gw = gateway_with(models=(ModelConfig("m", workers=(a.address,)),))

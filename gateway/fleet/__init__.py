@@ -264,13 +264,14 @@ class Fleet:
             worker.features = mine.features
             worker.reported_load = mine.load or 0
         wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
-        if worker.wrong_model and not (quiet and wrong_before):
-            log.error(
-                "worker %s serves %s, not %s: kept out of the rotation",
-                worker.address,
-                ", ".join(sorted(served)) or "nothing",
-                pool.name,
-            )
+        if worker.wrong_model:
+            if not (quiet and wrong_before):  # said once, not at every load follow-up
+                log.error(
+                    "worker %s serves %s, not %s: kept out of the rotation",
+                    worker.address,
+                    ", ".join(sorted(served)) or "nothing",
+                    pool.name,
+                )
         elif pool.max_context is None:
             pool.max_context = served[pool.name]
         return True
