@@ -210,6 +210,27 @@ def test_a_team_sees_an_alias_only_through_models_it_may_use(gateway_with) -> No
         assert answer.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_team_is_served_by_the_targets_of_an_alias_it_may_use_and_never_refused(
+    gateway_with,
+) -> None:
+    """An alias with targets a team may use and one it may not: the team's requests are
+    drawn among the first (it was refused at random, whenever the draw fell on the other)."""
+    key = new_key("alpha")
+    split = AliasConfig("chat", (("furnace-demo", 1.0), ("furnace-slow", 1.0)))
+    gw = gateway_with(
+        **keyed({"alpha": {"models": ["furnace-demo"]}}, {key: "alpha"}), aliases=(split,)
+    )
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
+        assert "chat" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        body = {"model": "chat", "prompt": "a b", "max_tokens": 1}
+        served = set()
+        for _ in range(12):
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            served.add(answer.headers["x-furnace-model"])
+        assert served == {"furnace-demo"}
+
+
 def test_fallback_serves_every_request_when_the_first_models_workers_die(
     gateway_with, serve_engines, workers, server_loop
 ) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -49,7 +49,7 @@ from gateway.admission.fair_share import FairShare
 from gateway.admission.metrics import QueueCollector
 from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.requests import InFlight, UnaryCall
-from gateway.config import Config
+from gateway.config import AliasConfig, Config
 from gateway.fleet import Fleet, ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
@@ -300,8 +300,8 @@ class Admission:
     def _alias(self, ctx: RequestContext, name: str) -> ModelPool:
         """The pool of the target an alias draws (for the request's session); a target
         the team may not see is as missing as the alias."""
-        own = ctx.team.config.aliases if ctx.team is not None else ()
-        target = self.aliases.resolve(name, ctx.session, own)
+        own, usable = _team_aliases(ctx.team)
+        target = self.aliases.resolve(name, ctx.session, own, usable)
         try:
             pool = resolve(self.fleet, ctx.team, target)
         except errors.ModelNotFound:
@@ -314,8 +314,8 @@ class Admission:
     def _fallbacks(self, ctx: RequestContext, pool: ModelPool, ready: bool) -> Iterator[ModelPool]:
         """`pool`'s fallbacks the team may use, in order (with `ready`: only those with
         a worker free now)."""
-        own = ctx.team.config.aliases if ctx.team is not None else ()
-        for name in self.aliases.chain(pool.name, ctx.session, own):
+        own, usable = _team_aliases(ctx.team)
+        for name in self.aliases.chain(pool.name, ctx.session, own, usable):
             fallback = self.fleet.models.get(name)
             if fallback is None or fallback.kind != pool.kind or not Teams.sees(ctx.team, name):
                 continue
@@ -460,6 +460,15 @@ class Admission:
 
 class ClientGone(Exception):
     """The client went away: the request ends as a 499, nothing more written."""
+
+
+def _team_aliases(
+    team: Team | None,
+) -> tuple[Sequence[AliasConfig], Callable[[str], bool] | None]:
+    """A team's own aliases, and whether it may use a model (None: everyone may)."""
+    if team is None:
+        return (), None
+    return team.config.aliases, lambda model: Teams.sees(team, model)
 
 
 def resolve(fleet: Fleet, team: Team | None, name: str | None) -> ModelPool:

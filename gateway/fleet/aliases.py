@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from gateway.config import AliasConfig, Config
 
@@ -74,23 +74,46 @@ class Aliases:
         """The alias names a caller may send, in config order."""
         return list(self.scope(own))
 
-    def resolve(self, name: str, session: str | None, own: Sequence[AliasConfig] = ()) -> str:
+    def resolve(
+        self,
+        name: str,
+        session: str | None,
+        own: Sequence[AliasConfig] = (),
+        usable: Callable[[str], bool] | None = None,
+    ) -> str:
         """The model `name` stands for: itself when it is no alias, else a target drawn
-        (and drawn again while the target is an alias)."""
+        (and drawn again while the target is an alias). With `usable` (a team's: may it
+        use this model?), only targets that lead to a model it may use are drawn, by
+        their weights: a team that may use some of an alias's targets is always served
+        by one of those, not refused at random (when it may use none, `name` is drawn
+        as it is, and its caller refuses it)."""
         aliases = self.scope(own) if own else self.top
         alias = aliases.get(name)
         while alias is not None:
-            name = draw(alias.targets, session, alias.name)
+            targets: Sequence[tuple[str, float]] = alias.targets
+            if usable is not None:
+                kept = [
+                    (target, weight)
+                    for target, weight in targets
+                    if weight > 0 and any(usable(m) for m in self.targets(target, own))
+                ]
+                targets = kept or targets
+            name = draw(targets, session, alias.name)
             alias = aliases.get(name)
         return name
 
     def chain(
-        self, model: str, session: str | None, own: Sequence[AliasConfig] = ()
+        self,
+        model: str,
+        session: str | None,
+        own: Sequence[AliasConfig] = (),
+        usable: Callable[[str], bool] | None = None,
     ) -> Iterator[str]:
-        """`model`'s fallbacks, each resolved, in order, without repeats or `model`."""
+        """`model`'s fallbacks, each resolved (`resolve`), in order, without repeats or
+        `model`."""
         seen = {model}
         for fallback in self.fallbacks.get(model, ()):
-            name = self.resolve(fallback, session, own)
+            name = self.resolve(fallback, session, own, usable)
             if name not in seen:
                 seen.add(name)
                 yield name
