@@ -231,6 +231,26 @@ def test_a_team_is_served_by_the_targets_of_an_alias_it_may_use_and_never_refuse
         assert served == {"furnace-demo"}
 
 
+def test_a_fallback_serves_only_within_its_own_max_tokens_limit(gateway_with, workers) -> None:
+    """A fallback with a `max_tokens_limit` is passed over for a request that asks more,
+    or sets no bound (it was served past the cap); within it, the fallback serves."""
+    models = (
+        ModelConfig("furnace-primary", workers=("127.0.0.1:1",), fallbacks=("furnace-demo",)),
+        ModelConfig("furnace-demo", workers=(workers.demo.address,), max_tokens_limit=3),
+    )
+    gw = gateway_with(models=models)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        for asked in (10, None):
+            body = {"model": "furnace-primary", "prompt": "a b c d e f", "max_tokens": asked}
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 503, answer.text
+        body = {"model": "furnace-primary", "prompt": "a b c d e f", "max_tokens": 2}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-furnace-model"] == "furnace-demo"
+        assert answer.json()["usage"]["completion_tokens"] == 2
+
+
 def test_fallback_serves_every_request_when_the_first_models_workers_die(
     gateway_with, serve_engines, workers, server_loop
 ) -> None:

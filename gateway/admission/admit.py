@@ -509,8 +509,14 @@ def usable(fleet: Fleet, team: Team | None) -> list[ModelPool]:
 
 
 def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | None) -> bool:
-    """Whether `pool`'s workers, as far as they described themselves, serve what an
-    embeddings request asks (a fallback that does not is passed over)."""
+    """Whether `pool` serves what the request asks (a fallback that does not is passed
+    over): a generation within its `max_tokens_limit` (one with no bound of its own, or
+    a larger one, would go past it), an embeddings request with what its workers, as far
+    as they described themselves, serve."""
+    cap = pool.max_tokens_limit
+    if isinstance(request, GenerateRequest) and cap is not None:
+        asked = request.sampling.max_tokens
+        return asked is not None and asked <= cap
     served = pool.features()
     if not isinstance(request, EmbedRequest) or served is None:
         return True

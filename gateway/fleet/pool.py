@@ -48,6 +48,8 @@ class ModelPool:
         self.make_upstream = make_upstream
         self.kind = model.kind
         self.max_context = model.max_model_len
+        #: The operator's cap on a request's `max_tokens` (`models[].max_tokens_limit`).
+        self.max_tokens_limit = model.max_tokens_limit
         #: Whether the answers' finish reasons are the upstream's own (an OpenAI-compatible
         #: server decided them), rather than events the gateway turns into an answer.
         self.relays_answers = model.upstream == "openai"
