@@ -397,7 +397,7 @@ def test_the_drain_cancels_a_call_past_its_grace(gateway_with, serve_engines, se
         server_loop.call(gw.state.inflight.drain(0.2))
         caller.join(HANG_GUARD)
         assert replies[0].status_code == 503
-        assert replies[0].json()["error"]["code"] == "engine_unavailable"
+        assert replies[0].json()["error"]["code"] == "gateway_shutdown"
         refused = client.post(EMBEDDINGS, json=body)  # the door is shut
         assert refused.status_code == 503
     wait_until(lambda: engine.cancelled == 1, "the worker's call to be cancelled")

@@ -473,7 +473,7 @@ def test_drain_timeout_cancels_the_rest(gateway_with, serve_engines, server_loop
 
     aborted = engine.aborted
     results = asyncio.run(scenario())
-    assert all(done and last["error"]["code"] == "engine_unavailable" for _, last, done in results)
+    assert all(done and last["error"]["code"] == "gateway_shutdown" for _, last, done in results)
     wait_until(lambda: engine.aborted == aborted + 5, "the worker to see the cancellations")
     assert_nothing_left(gw, None)
     assert httpx.get(gw.url + "/ready").status_code == 503

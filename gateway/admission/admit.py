@@ -515,8 +515,8 @@ def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | None) -> 
     as they described themselves, serve."""
     cap = pool.max_tokens_limit
     if isinstance(request, GenerateRequest) and cap is not None:
-        asked = request.sampling.max_tokens
-        return asked is not None and asked <= cap
+        bound = request.sampling.max_tokens
+        return bound is not None and bound <= cap
     served = pool.features()
     if not isinstance(request, EmbedRequest) or served is None:
         return True
