@@ -496,8 +496,8 @@ class Config:
     port: int = setting(8000, "the port the gateway listens on", minimum=0, maximum=65535)
     admin_port: int | None = setting(
         None,
-        "the port of the admin listener (`/metrics`, `/metrics/json`, `/admin/workers`, and the "
-        "probes), as Envoy's admin port; none: no admin listener, and a keyed gateway serves "
+        "the port of the admin listener (`/metrics`, `/metrics/json`, `/admin/workers`, "
+        "`/admin/usage`, and the probes), as Envoy's admin port; none: no admin listener, and a keyed gateway serves "
         "those routes nowhere",
         minimum=0,
         maximum=65535,

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000/v1",
-        help="the OpenAI base URL (http or https; /v1 is added to a bare host:port)",
+        help="the OpenAI base URL: http:// or https://, /v1 added when it has no path",
     )
     target.add_argument("--model", help="the model (default: the first of GET /v1/models)")
     target.add_argument("--endpoint", choices=tuple(workload.ENDPOINTS), default="chat")
