@@ -497,8 +497,8 @@ class Config:
     admin_port: int | None = setting(
         None,
         "the port of the admin listener (`/metrics`, `/metrics/json`, `/admin/workers`, "
-        "`/admin/usage`, and the probes), as Envoy's admin port; none: no admin listener, and a keyed gateway serves "
-        "those routes nowhere",
+        "`/admin/usage`, and the probes), as Envoy's admin port; none: no admin listener, and "
+        "a keyed gateway serves those routes nowhere",
         minimum=0,
         maximum=65535,
     )
