@@ -546,7 +546,8 @@ class Config:
     max_output_units: int = setting(
         262_144,
         "what one request may make: `n` x `max_tokens` x (1, or 2 + `top_logprobs` with "
-        "logprobs); more is a 400 naming `max_tokens` (without `max_tokens`, the most that "
+        "logprobs); more is a 400 naming the length the client sent (`max_tokens`, "
+        "`max_completion_tokens`, `max_output_tokens`; without one, the most that "
         "fits is its `max_tokens` where the model's context could pass it)",
         minimum=1,
     )
