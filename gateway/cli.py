@@ -129,7 +129,13 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
         sys.exit(f"furnace-gateway: --engine {args.engine} needs --model-path")
     if args.engine == "vllm":
         # vLLM sizes its own batch (--max-num-seqs is the capacity) and device.
-        from gateway.worker.vllm_engine import VllmEngine, engine_args
+        try:
+            from gateway.worker.vllm_engine import VllmEngine, engine_args
+        except ImportError as error:
+            sys.exit(
+                f"furnace-gateway: --engine vllm runs in vLLM's own environment, with the "
+                f"gateway installed there with --no-deps (docs: vLLM behind the gateway) ({error})"
+            )
 
         if args.dtype != "auto":
             options = ["--dtype", args.dtype, *options]
@@ -139,7 +145,10 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
         except (FileNotFoundError, ValueError) as error:
             sys.exit(f"furnace-gateway: {error}")
     # Imported here so the gateway and the demo run without torch installed.
-    from gateway.worker.transformers_engine import TransformersEngine
+    try:
+        from gateway.worker.transformers_engine import TransformersEngine
+    except ImportError as error:
+        sys.exit(f"furnace-gateway: --engine transformers needs the transformers extra ({error})")
 
     try:
         return TransformersEngine(

@@ -1,6 +1,7 @@
 """The commands as a newcomer runs them: real processes, real clients."""
 
 import asyncio
+import importlib.util
 import json
 import re
 import signal
@@ -10,6 +11,7 @@ import threading
 
 import httpx
 import openai
+import pytest
 
 from tests.support.processes import config_file, free_port, running, wait_ready, worker_process
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -71,6 +73,23 @@ def test_invalid_config_names_the_field(tmp_path):
     )
     assert result.returncode != 0
     assert "max_concurrent_requests" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_engine_whose_library_is_not_installed_says_where_it_runs(tmp_path):
+    """`worker --engine vllm` outside vLLM's environment: a line saying where it runs,
+    not an import's traceback."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    command = [sys.executable, "-m", "gateway", "worker", "--engine", "vllm"]
+    result = subprocess.run(
+        [*command, "--model-path", str(tmp_path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    assert result.returncode != 0
+    assert "vLLM's own environment" in result.stderr
     assert "Traceback" not in result.stderr
 
 
