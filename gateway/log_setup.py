@@ -123,3 +123,6 @@ def configure(level: int | str, *, batched: bool = False) -> None:
     handler = BatchedStreamHandler() if batched else logging.StreamHandler()
     handler.setFormatter(LineFormatter())
     logging.basicConfig(level=level, handlers=[handler])
+    # httpx logs every request it makes at INFO: an `upstream: openai` model's health
+    # check would write a line every interval
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -118,6 +118,12 @@ def test_a_team_sees_and_uses_only_its_models(gateway_with):
             headers=bearer(ads),
         )
         assert other.status_code == 200
+        # the 404 lists the language models the team may use, not its tensor models
+        tensor = client.post(
+            "/v1/completions", json={"model": "nope", "prompt": "x"}, headers=bearer(ads)
+        )
+        message = tensor.json()["error"]["message"]
+        assert "furnace-demo" in message and "resnet-50" not in message
 
 
 def test_keys_file_is_read_and_read_again_when_it_changes(gateway_with, tmp_path):

@@ -485,8 +485,9 @@ def resolve(fleet: Fleet, team: Team | None, name: str | None) -> ModelPool:
         if name is None:
             raise errors.ModelNotFound("No model is named, and none is served.", param="model")
     if not any(pool.name == name for pool in pools):
-        names = [pool.name for pool in pools[:LISTED]]
-        more = ", ..." if len(pools) > LISTED else ""
+        llms = [pool.name for pool in pools if pool.kind == "llm"]  # what these routes serve
+        names = llms[:LISTED]
+        more = ", ..." if len(llms) > LISTED else ""
         listing = f" Models you can use: {', '.join(names)}{more}." if names else ""
         raise errors.ModelNotFound(
             f"The model `{name[:256]}` does not exist.{listing}", param="model"

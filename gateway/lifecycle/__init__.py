@@ -212,6 +212,8 @@ class GatewayServer:
             await gateway.teams.start()
             # 3. Bind, the public listener then the admin one. uvicorn exits
             #    (SystemExit) when a port is taken.
+            if not self.config.models:
+                log.warning("no models configured (models): every request is a 404")
             if not admin_on_public(self.config) and self.admin is None:
                 log.warning(
                     "keys are on and admin_port is not set: /metrics, /metrics/json and "
