@@ -238,22 +238,22 @@ def open_body(url: str, size: int, key: str | None = None) -> socket.socket:
 
 
 def read_answer(sock: socket.socket) -> tuple[int, dict[str, str]]:
-    """The status and error of one chunked answer (the connection may stay open)."""
+    """The status and error of one whole answer, its length said (the connection may
+    stay open)."""
     data = b""
-    while not data.endswith(b"\r\n0\r\n\r\n"):
+    while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         assert chunk, data
         data += chunk
-    head, _, chunked = data.partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower(), head
-    body = b""
-    while True:
-        size_line, _, chunked = chunked.partition(b"\r\n")
-        size = int(size_line, 16)
-        if not size:
-            break
-        body, chunked = body + chunked[:size], chunked[size + 2 :]
-    return status_and_error(head + b"\r\n\r\n" + body)
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.lower().split(b"\r\n")[1:] if b": " in line)
+    assert b"transfer-encoding" not in fields, head
+    length = int(fields[b"content-length"])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, data + body
+        body += chunk
+    return status_and_error(head + b"\r\n\r\n" + body[:length])
 
 
 def padded(size: int) -> bytes:

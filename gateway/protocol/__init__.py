@@ -29,4 +29,5 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
                      upstreams and the benchmark's load generator)
     grpc_h2.py       server-streaming gRPC calls over an HTTP/2 client on the loop
                      (vLLM's Generate stream, half grpc.aio's CPU a message)
+    h2_fields.py     its HPACK: fixed header fields encoded once, indexed blocks decoded once
 """
