@@ -65,15 +65,8 @@ def test_worker_and_serve_with_a_config_file(tmp_path):
 def test_invalid_config_names_the_field(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("max_concurrent_requests: lots\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD,
-    )
-    assert result.returncode != 0
-    assert "max_concurrent_requests" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = _refused("serve", "--config", str(config))
+    assert "max_concurrent_requests" in stderr
 
 
 def test_an_engine_whose_library_is_not_installed_says_where_it_runs(tmp_path):
@@ -81,16 +74,20 @@ def test_an_engine_whose_library_is_not_installed_says_where_it_runs(tmp_path):
     not an import's traceback."""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    command = [sys.executable, "-m", "gateway", "worker", "--engine", "vllm"]
+    port = str(free_port())
+    stderr = _refused("worker", "--engine", "vllm", "--model-path", str(tmp_path), "--port", port)
+    assert "vLLM's own environment" in stderr
+
+
+def _refused(*args: str) -> str:
+    """`python -m gateway ARGS` that must exit with a line of its own, not a traceback:
+    its stderr."""
     result = subprocess.run(
-        [*command, "--model-path", str(tmp_path), "--port", str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD,
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=HANG_GUARD
     )
     assert result.returncode != 0
-    assert "vLLM's own environment" in result.stderr
     assert "Traceback" not in result.stderr
+    return result.stderr
 
 
 def _demo_with_output() -> tuple[subprocess.Popen[str], str]:
