@@ -38,7 +38,7 @@ installed: `python3.12 -m venv DIR && DIR/bin/pip install -e .`), beside this on
 
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
 [--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
-[--gateway-pythons PY[,PY]] [--json PATH]`
+[--gateway-pythons PY[,PY]] [--model-dir DIR] [--json PATH]`
 (`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
 servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -547,7 +548,7 @@ def spread(values: list[float], fmt: str) -> str:
 def report(rows: list[Row], missing: list[Target], rounds: int, requests: int) -> None:
     print(
         f"\n{requests} streamed chat completions per target, load and round; {rounds} rounds, "
-        f"targets interleaved; {MAX_TOKENS}-token greedy answers\n"
+        f"targets interleaved; {MAX_TOKENS}-token greedy answers; {os.cpu_count()} cores\n"
     )
     print(
         "| path | target | streams | direct TTFT p50 | added TTFT p50 | tokens/s ÷ direct "
@@ -582,6 +583,11 @@ def main() -> None:
         "--streams", default="1,8", help="the loads to measure: streams at once, comma-separated"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="this model folder (config, tokenizer, template) in place of the tiny one built",
+    )
     parser.add_argument(
         "--relay",
         action="store_true",
@@ -625,7 +631,8 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
-        engine = Engine(build_vllm_model(work / "model"), work, args.stand_in)
+        model_dir = args.model_dir or build_vllm_model(work / "model")
+        engine = Engine(model_dir.resolve(), work, args.stand_in)
         for path in args.paths.split(","):
             print(f"{path}: starting vLLM and the gateways", file=sys.stderr, flush=True)
             with paths[path](engine, peers) as targets:
