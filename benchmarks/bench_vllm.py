@@ -35,10 +35,14 @@ parses the request and re-encodes each SSE event with nothing else (what parsing
 re-encoding add to the hop). With `--gateway-pythons PY[,PY]`
 each path has the gateway run by those interpreters too (a venv of each with the project
 installed: `python3.12 -m venv DIR && DIR/bin/pip install -e .`), beside this one's.
+With `--processes N[,N]` each path has the gateway as N processes on one port too
+(`processes: N`, SO_REUSEPORT): the Rust routers spread a load over every core by their
+threads, a gateway in Python by its processes, so on a machine with cores to spare this
+is the like-for-like row.
 
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
 [--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
-[--gateway-pythons PY[,PY]] [--model-dir DIR] [--json PATH]`
+[--gateway-pythons PY[,PY]] [--processes N[,N]] [--model-dir DIR] [--json PATH]`
 (`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
 servers' start, up to 4 minutes each under load (`--start-timeout`, 600 s); `--quick` is
@@ -343,11 +347,14 @@ def start_gateway(
     model: Mapping[str, object],
     body: Body = None,
     python: str = sys.executable,
+    processes: int = 1,
 ) -> Target:
     """A furnace-gateway process serving `model`, ready (`body`: fields of the requests
     sent to it), run by `python` (another interpreter, with the project installed: the
-    target is named by its version)."""
+    target is named by its version), as `processes` processes on its port."""
     label = FURNACE
+    if processes > 1:
+        label, name = f"{FURNACE}, {processes} processes", f"{name}-x{processes}"
     if python != sys.executable:
         version = subprocess.run(
             [python, "-c", "import platform; print(platform.python_version())"],
@@ -364,6 +371,7 @@ def start_gateway(
         "port": port,
         "log_level": "warning",
         "start_timeout": 300,
+        "processes": processes,
         "models": [model],
     }
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
@@ -481,9 +489,11 @@ def http_targets(
     peers: dict[str, Path | str],
     relay: bool = False,
     pythons: Sequence[str] = (),
+    processes: Sequence[int] = (),
 ) -> Iterator[list[Target]]:
     """vLLM's OpenAI server and everything in front of it (`relay`: the floors of
-    `RELAYS` too; `pythons`: the gateway run by those interpreters too)."""
+    `RELAYS` too; `pythons`: the gateway run by those interpreters too; `processes`: as
+    that many processes too)."""
     work = engine.work
     with ExitStack() as stack:
         vllm = engine.http()
@@ -494,6 +504,8 @@ def http_targets(
         upstream = {"name": MODEL, "upstream": "openai", "workers": [f"{direct_url}/v1"]}
         for python in (sys.executable, *pythons):
             targets.append(start_gateway(stack, work, "http", upstream, body, python))
+        for count in processes:
+            targets.append(start_gateway(stack, work, "http", upstream, body, processes=count))
         for name, executable in peers.items():
             targets.append(start_router(stack, name, executable, work, direct_url, [], body))
         if relay:
@@ -503,10 +515,13 @@ def http_targets(
 
 @contextmanager
 def grpc_targets(
-    engine: Engine, peers: dict[str, Path | str], pythons: Sequence[str] = ()
+    engine: Engine,
+    peers: dict[str, Path | str],
+    pythons: Sequence[str] = (),
+    processes: Sequence[int] = (),
 ) -> Iterator[list[Target]]:
     """vLLM's gRPC server, a raw client, furnace's `vllm-grpc` (`pythons`: run by those
-    interpreters too) and smg's gRPC mode."""
+    interpreters too; `processes`: as that many processes too) and smg's gRPC mode."""
     from gateway.protocol.types import Message
 
     model_dir, work = engine.model_dir, engine.work
@@ -525,6 +540,8 @@ def grpc_targets(
         }
         for python in (sys.executable, *pythons):
             targets.append(start_gateway(stack, work, "grpc", upstream, None, python))
+        for count in processes:
+            targets.append(start_gateway(stack, work, "grpc", upstream, processes=count))
         smg = peers.get("smg")
         if smg is not None:
             extra = ["--model-path", str(model_dir)]
@@ -600,6 +617,12 @@ def main() -> None:
         help="the gateway run by these interpreters too (each with the project installed)",
     )
     parser.add_argument(
+        "--processes",
+        default="",
+        metavar="N[,N]",
+        help="the gateway as N processes on its port too (`processes: N`), for machines with cores",
+    )
+    parser.add_argument(
         "--stand-in",
         type=float,
         metavar="STEP_MS",
@@ -625,9 +648,12 @@ def main() -> None:
     rows: list[Row] = []
     missing: list[Target] = []
     pythons = [p for p in args.gateway_pythons.split(",") if p]
+    counts = [int(n) for n in args.processes.split(",") if n]
     paths = {
-        "HTTP": functools.partial(http_targets, relay=args.relay, pythons=pythons),
-        "gRPC": functools.partial(grpc_targets, pythons=pythons),
+        "HTTP": functools.partial(
+            http_targets, relay=args.relay, pythons=pythons, processes=counts
+        ),
+        "gRPC": functools.partial(grpc_targets, pythons=pythons, processes=counts),
     }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
