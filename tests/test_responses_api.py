@@ -503,6 +503,25 @@ def test_store_reads_refuse_bad_queries(client, api):
         assert answer.status_code == 400 and assert_openai_error(answer)["param"] == param
     answer = client.get(f"/v1/responses/{created.id}?stream=true")
     assert answer.status_code == 400 and assert_openai_error(answer)["param"] == "stream"
+    # a bracketed name is the name: served, or refused, not passed over
+    answer = client.get(f"/v1/responses/{created.id}/input_items?limit[]=0")
+    assert answer.status_code == 400 and assert_openai_error(answer)["param"] == "limit"
+
+
+def test_store_reads_take_bracketed_page_names(client, api):
+    """`limit[]=1&order[]=asc` pages as `limit=1&order=asc` does."""
+    created = api.responses.create(
+        model=DEMO_MODEL,
+        input=[
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": "second"},
+        ],
+    )
+    answer = client.get(f"/v1/responses/{created.id}/input_items?limit[]=1&order[]=asc")
+    assert answer.status_code == 200, answer.text
+    page = answer.json()
+    assert len(page["data"]) == 1 and page["has_more"] is True
+    assert page["data"][0]["content"][0]["text"] == "first"
 
 
 def test_store_reads_take_the_sdks_include_brackets_as_include(api):

@@ -263,7 +263,8 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
 
     async def input_items(request: Request) -> Response:
         _refuse_query(request, ("after", "limit", "order"))
-        query = request.query_params
+        # a `name[]` is `name`, as `_refuse_query` reads it (the last one given wins)
+        query = {k.removesuffix("[]"): v for k, v in request.query_params.multi_items()}
         try:
             limit = int(query.get("limit", DEFAULT_PAGE))
         except ValueError:
