@@ -225,19 +225,26 @@ class EventPump:
         pushing = self._pushing
         if self.phase >= Phase.ENDED or pushing is None:
             return
-        poll = pushing.poll
+        poll, ready, limit = pushing.poll, self._ready, self._buffer_chars
+        took = False
         try:
             while True:
-                if self.buffered > self._buffer_chars:
+                if self.buffered > limit:
                     self.phase = Phase.FULL  # the rest waits in the call (which stops reading)
                     break
                 event = poll()
                 if event is None:
                     break
-                if self._accept(event):
+                took = True
+                if type(event) is Text and not event.logprobs:  # `_accept`'s usual event
+                    ready.append(event)
+                    self.buffered += len(event.text)
+                elif self._accept(event):
                     self._end(None)
                     return
-            if self._ready:
+            if took:  # one callback: the time of its last event is that of each
+                self._last_event = self._loop.time()
+            if ready:
                 self._deliver()
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
@@ -253,19 +260,20 @@ class EventPump:
         CPU over HTTP); else, or when the sink cannot, the edge is woken (`_arrived`).
         Not while paced (`_hot`: the write turns merge those) nor full."""
         sink, waiter = self.sink, self._waiter
+        if waiter is None:  # the edge is busy: it takes them when it next waits
+            return
         if (
             sink is not None
-            and waiter is not None
             and not waiter.done()
             and not self._paced
             and self.phase is Phase.STREAMING
-            and not self._hot()
+            and (now := self._loop.time()) - self._waiting_since >= PACE  # not `_hot()`
             and sink(self._ready)
         ):
             self._ready = []
             self.buffered = 0
             # the wait goes on as if the edge had written and waited again
-            now = self._waiting_since = self._loop.time()
+            self._waiting_since = now
             idle_at = self._last_event + self._idle_timeout
             self._wake_at = idle_at if self._tick is None else min(idle_at, now + self._tick)
             return

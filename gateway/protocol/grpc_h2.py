@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -76,6 +77,10 @@ _DEFAULT_WINDOW = 65_535
 _DEFAULT_FRAME = 16_384
 _MAX_WINDOW = 2**31 - 1
 _MAX_STREAM_ID = 2**31 - 1
+#: A frame's head (length in 3 bytes: its high 2, its low 1; type, flags, stream id) and
+#: a gRPC message's prefix (compressed flag, length), each read in one call.
+_FRAME_HEAD = struct.Struct(">HBBBL")
+_MESSAGE_PREFIX = struct.Struct(">BL")
 #: The last stream id a connection opens; the next call opens a new connection.
 LAST_STREAM_ID = _MAX_STREAM_ID
 
@@ -298,7 +303,9 @@ class StreamCall(Generic[T]):
         self._body = self._body[count:]
 
     def data(self, payload: bytes, flow: int) -> None:
-        """A DATA frame's payload (`flow`: the bytes it counted against the window)."""
+        """A DATA frame's payload (`flow`: the bytes it counted against the window).
+        The reader is not woken here: the connection wakes each call once a read,
+        after its DATA frames (`_Connection.data_received`)."""
         self._unacked += flow
         if self._done:
             return
@@ -308,12 +315,11 @@ class StreamCall(Generic[T]):
             )
             return
         inbox = self._inbox
-        if not inbox and payload[:1] == b"\x00":  # the usual frame: one whole message
-            size = int.from_bytes(payload[1:5], "big")
-            if size == len(payload) - 5 and size <= MAX_MESSAGE_BYTES:
+        if not inbox and len(payload) >= 5:  # the usual frame: one whole message
+            compressed, size = _MESSAGE_PREFIX.unpack_from(payload)
+            if not compressed and size == len(payload) - 5 and size <= MAX_MESSAGE_BYTES:
                 self._messages.append(payload[5:])
                 self._queued += size
-                self._wake()
                 return
         inbox += payload
         while len(inbox) >= 5:
@@ -333,7 +339,6 @@ class StreamCall(Generic[T]):
             self._messages.append(bytes(inbox[5 : 5 + size]))
             self._queued += size
             del inbox[: 5 + size]
-        self._wake()
 
     def owed(self) -> int:
         """The window to give back to the worker now: what was received, once half a
@@ -414,6 +419,13 @@ class StreamCall(Generic[T]):
 
     def attach(self, conn: _Connection, stream_id: int, window: int) -> None:
         self._conn, self.id, self.send_window = conn, stream_id, window
+
+
+def _wake_all(calls: list[StreamCall[Any]]) -> None:
+    """Wakes the reader of each call (its messages came), and forgets them."""
+    for call in calls:
+        call._wake()
+    calls.clear()
 
 
 class _Connection(asyncio.Protocol):
@@ -563,17 +575,24 @@ class _Connection(asyncio.Protocol):
         else:  # the usual read: whole frames, parsed from the bytes as they came
             view = data
         at, end = 0, len(view)
-        streams = self.streams
+        streams, head = self.streams, _FRAME_HEAD.unpack_from
+        copy = view is buffer  # a payload must not be a view of the buffer cut below
+        # The calls that got DATA, woken once each after the read's frames (or before any
+        # other frame, so their messages come first): their readers take a read's messages
+        # in one go, a wake and a write to the client a read rather than a message.
+        woken: list[StreamCall[Any]] = []
         try:
             while end - at >= 9:
-                size = int.from_bytes(view[at : at + 3], "big")
+                high, low, kind, flags, stream_id = head(view, at)
+                size = high << 8 | low
                 if size > _DEFAULT_FRAME:
                     raise _ProtocolError(_FRAME_SIZE_ERROR, f"a frame of {size} bytes")
                 if end - at < 9 + size:
                     break
-                kind, flags = view[at + 3], view[at + 4]
-                stream_id = int.from_bytes(view[at + 5 : at + 9], "big") & _MAX_STREAM_ID
-                payload = bytes(view[at + 9 : at + 9 + size])
+                stream_id &= _MAX_STREAM_ID
+                payload = (
+                    bytes(view[at + 9 : at + 9 + size]) if copy else data[at + 9 : at + 9 + size]
+                )
                 at += 9 + size
                 if kind == _DATA and self._block is None:  # a stream's message: inline
                     self._unacked += size
@@ -584,6 +603,8 @@ class _Connection(asyncio.Protocol):
                     call = streams.get(stream_id)
                     if call is not None:
                         call.data(_unpad(payload, flags) if flags & _PADDED else payload, size)
+                        if call not in woken:
+                            woken.append(call)
                         if call._unacked >= STREAM_WINDOW // 2:
                             self.give_back(call)
                         if flags & _END_STREAM and not call._done:
@@ -591,8 +612,11 @@ class _Connection(asyncio.Protocol):
                                 grpc.StatusCode.INTERNAL, "The worker ended without trailers."
                             )
                 else:
+                    if woken:
+                        _wake_all(woken)
                     self._frame(kind, flags, stream_id, payload)
         except _ProtocolError as error:
+            _wake_all(woken)
             self._broken(error)
             return
         finally:
@@ -600,6 +624,8 @@ class _Connection(asyncio.Protocol):
                 del buffer[:at]
             elif at < end:
                 buffer += data[at:]
+        if woken:
+            _wake_all(woken)
         if self._unacked >= CONNECTION_WINDOW // 2 and self.transport is not None:
             owed, self._unacked = self._unacked, 0
             self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, owed.to_bytes(4, "big")))

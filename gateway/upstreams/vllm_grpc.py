@@ -123,6 +123,10 @@ _ENCODED: OrderedDict[int, tuple[GenerateRequest, list[int]]] = OrderedDict()
 ENCODED_KEPT = 256
 
 
+#: `Text(text, tokens, index, None)` without the Python frame of a NamedTuple's `__new__`.
+_new_text = cast(Callable[[type[Text], tuple[str, int, int, None]], Text], tuple.__new__)
+
+
 def _kept_ids(request: GenerateRequest) -> list[int] | None:
     kept = _ENCODED.pop(id(request), None)
     return kept[1] if kept is not None and kept[0] is request else None
@@ -251,6 +255,7 @@ class VllmGrpcCall(StreamBookkeeping):
         "_prompt_tokens",
         "_pushing",
         "_request",
+        "_sole",
         "_started",
         "_upstream",
         "request_id",
@@ -274,6 +279,8 @@ class VllmGrpcCall(StreamBookkeeping):
         self._call: ServerStream[pb.GenerateResponse] | None = None
         self._pending: deque[Event] = deque()
         self._choices: list[_Choice] = []
+        #: The one choice, when it is plain (`_Choice.plain`): `poll`'s inline path.
+        self._sole: _Choice | None = None
         self._left = 0  # choices whose Finished is not out yet
         self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
         self._started = False
@@ -329,6 +336,11 @@ class VllmGrpcCall(StreamBookkeeping):
             return pending.popleft()
         call = self._pushing
         assert call is not None, "poll() before listen() said the call pushes"
+        if self._closed:
+            raise StopAsyncIteration
+        if not call._messages and not call._done:  # the usual last poll of a push
+            return None
+        sole = self._sole
         self._polling = True
         try:
             while not pending:
@@ -340,7 +352,34 @@ class VllmGrpcCall(StreamBookkeeping):
                     raise self._failed(error) from None
                 if message is None:
                     return None
-                self._took(message)
+                if (
+                    sole is None
+                    or message is grpc.aio.EOF
+                    or message.WhichOneof("response") != "chunk"  # type: ignore[attr-defined]
+                ):
+                    self._took(message)
+                    continue
+                # the one plain choice's chunk, the usual message: `_take` and `_plain`
+                # inline (a token's CPU is mostly its Python calls)
+                chunk = message.chunk  # type: ignore[attr-defined]
+                if chunk.index:
+                    self._took(message)  # refused there
+                    continue
+                if not self._started:
+                    self._started = True
+                    pending.append(Started(chunk.prompt_tokens))
+                token_ids = chunk.token_ids
+                if len(token_ids) != 1 or sole.done:
+                    self._plain(sole, token_ids)
+                    continue
+                sole.received += 1
+                token = token_ids[0]
+                text = "" if token in self._hidden else sole.detok.feed_one(token)
+                if text:
+                    pending.append(_new_text(Text, (text, sole.held + 1, 0, None)))
+                    sole.held = 0
+                else:
+                    sole.held += 1
         finally:
             self._polling = False
         return pending.popleft()
@@ -367,6 +406,8 @@ class VllmGrpcCall(StreamBookkeeping):
         upstream, request = self._upstream, self._request
         self._choices = [_Choice(self, i) for i in range(request.n)]  # refuses tools first
         self._left = request.n
+        if request.n == 1 and self._choices[0].plain:
+            self._sole = self._choices[0]
         info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
         ids = _kept_ids(request) or await upstream.prompt_ids(request)
         self._prompt_tokens = len(ids)
@@ -455,7 +496,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 ids = [i for i in ids if i not in hidden]
             text = choice.detok.feed(ids)
         if text:
-            self._pending.append(Text(text, choice.held + count, choice.index))
+            self._pending.append(_new_text(Text, (text, choice.held + count, choice.index, None)))
             choice.held = 0
         else:
             choice.held += count
