@@ -243,5 +243,25 @@ def test_the_access_log_says_whose_request_it_was_and_what_refused_it(gateway_wi
     assert "reason" not in served and refused["reason"] == "team_requests"
 
 
+def test_a_refused_key_has_its_access_line(gateway_with, caplog):
+    """A 401 is logged as any refusal is: its route (any path reaches the check),
+    status, outcome and reason, and the client's request id; no team, no key."""
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    key = new_key("search")
+    gw = gateway_with(**keyed({"search": {}}, {key: "search"}))
+    wrong = new_key("search")
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        headers = {**bearer(wrong), "x-request-id": "probe-1"}
+        assert client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 401
+        assert client.get("/v1/" + "x" * 300).status_code == 401
+    wait_until(lambda: len(_access_lines(caplog)) >= 2, "both access-log lines")
+    chat, other = _access_lines(caplog)[-2:]
+    assert chat["route"] == "/v1/chat/completions" and chat["request_id"] == "probe-1"
+    for line in (chat, other):
+        assert (line["status"], line["outcome"], line["reason"]) == (401, "rejected", "invalid_key")
+        assert "team" not in line and wrong not in str(line) and key not in str(line)
+    assert other["route"] == "/v1/" + "x" * 196
+
+
 def _access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]

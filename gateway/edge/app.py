@@ -168,7 +168,8 @@ def create_app(
     def checked(app: ASGIApp) -> ASGIApp:
         """Host, key and content type checked, in this order, before `app`."""
         loopback = is_loopback(config.host)
-        return HostCheck(KeyGate(JsonOnly(app), teams=teams), config.allowed_hosts, loopback)
+        gate = KeyGate(JsonOnly(app), teams, telemetry.access_log)
+        return HostCheck(gate, config.allowed_hosts, loopback)
 
     rest = _starlette(routes, [])
     hot_checked = {path: checked(route) for path, route in hot.items()}

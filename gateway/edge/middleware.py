@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -32,7 +33,11 @@ from starlette.routing import BaseRoute
 
 from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
+from gateway.edge.request import request_context, route_label
+from gateway.protocol.errors import Outcome
 from gateway.teams import SCOPE_KEY, Teams, rate_limit_headers
+from gateway.telemetry import RequestRecord
+from gateway.telemetry.access_log import AccessLog
 
 INVALID_KEY = APIError(
     401,
@@ -158,12 +163,13 @@ def _keyed_path(path: str) -> bool:
 
 class KeyGate:
     """On /v1/* and /v2/* (not /v2/health/*) of a keyed gateway: 401 without a
-    known key; else the team goes into the scope and its x-ratelimit-* headers
-    onto the response."""
+    known key (with its access-log line, `access_log`); else the team goes into the
+    scope and its x-ratelimit-* headers onto the response."""
 
-    def __init__(self, app: ASGIApp, teams: Teams) -> None:
+    def __init__(self, app: ASGIApp, teams: Teams, access_log: AccessLog | None = None) -> None:
         self.app = app
         self.teams = teams
+        self.access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.teams.keyed or not _keyed_path(scope["path"]):
@@ -171,7 +177,10 @@ class KeyGate:
             return
         team = self.teams.authenticate(scope["headers"])
         if team is None:
+            record = _refusal_record(scope, INVALID_KEY.status, "invalid_key")
             await send_error(send, INVALID_KEY)
+            if self.access_log is not None:
+                self.access_log.write(record, time.perf_counter(), None)
             return
         scope[SCOPE_KEY] = team
 
@@ -182,6 +191,17 @@ class KeyGate:
             await send(message)
 
         await self.app(scope, receive, send_with_limits)
+
+
+def _refusal_record(scope: Scope, status: int, reason: str) -> RequestRecord:
+    """The record of a request refused before any route (its access-log line): the
+    client's x-request-id or a new one, the path as the route (the first 200
+    characters: any path reaches this check)."""
+    request_id, _ = request_context(scope)
+    record = RequestRecord(request_id.decode("latin-1"))
+    record.route = route_label(scope["path"])[:200]
+    record.status, record.outcome, record.reason = status, Outcome.REJECTED, reason
+    return record
 
 
 class ExactRoutes:
