@@ -225,6 +225,7 @@ def _gateway_command(args: argparse.Namespace) -> None:
         if args.command == "serve":
             config = load_config(args.config)
             logging.getLogger().setLevel(config.log_level.upper())
+            log_setup.use_format(config.log_format)
             processes = config.processes if args.workers is None else args.workers
             if processes < 1:
                 sys.exit("furnace-gateway: --workers must be at least 1")

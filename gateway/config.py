@@ -34,6 +34,7 @@ UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
 #: The tool-call formats of `vllm-grpc` models (gateway.protocol.tool_calls.PARSERS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LOG_FORMATS = ("text", "json")
 #: A budget's calendar windows (UTC).
 BUDGET_WINDOWS = ("day", "month")
 #: What a budget does while its shared store (Redis) does not answer.
@@ -570,6 +571,12 @@ class Config:
     )
     retry_after: int = setting(1, "seconds sent in the `Retry-After` of a 503", minimum=0)
     log_level: str = setting("info", "how much the gateway logs", choices=LOG_LEVELS)
+    log_format: str = setting(
+        "text",
+        "each line as `time level logger message` (text), or as one JSON object (json: `time`, "
+        "`level`, `logger`, then an access line's fields or `message`)",
+        choices=LOG_FORMATS,
+    )
     log_prompts: bool = setting(False, "put prompts in the access log (never completions or keys)")
     tracing: bool = setting(
         False, "OpenTelemetry spans for requests and worker calls (the `otel` extra)"

@@ -129,6 +129,43 @@ def test_the_served_gateway_logs_one_access_line_per_request_in_the_log_format()
     ]
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_log_format_json_writes_every_line_as_one_json_object(tmp_path, workers):
+    """`log_format: json`, in one process and in several: every line on stderr is a JSON
+    object with time, level and logger; an access line's fields are its own."""
+    worker_port, port = free_port(), free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"host: 127.0.0.1\nport: {port}\nlog_level: info\nlog_format: json\n"
+        f"models:\n  - name: echo\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    url = f"http://127.0.0.1:{port}"
+    with worker_process(worker_port, "--engine", "demo", "--model", "echo"):
+        serve = ["serve", "--config", str(config), "--workers", workers]
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "gateway", *serve],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            wait_ready(url, gateway)
+            response = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+            assert response.status_code == 200
+        finally:
+            gateway.send_signal(signal.SIGTERM)
+            output = gateway.communicate(timeout=HANG_GUARD)[0]
+    assert gateway.returncode == 0, output
+    lines = [json.loads(text) for text in output.splitlines()]  # every line is JSON
+    stamp = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+    assert lines and all(stamp.fullmatch(line["time"]) and line["level"] for line in lines)
+    access = [line for line in lines if line["logger"] == "furnace.access"]
+    assert [(a["request_id"], a["route"], a["status"]) for a in access] == [
+        (response.headers["x-request-id"], "/v1/completions", 200)
+    ]
+    assert any("message" in line for line in lines if line["logger"] != "furnace.access")
+
+
 def test_a_running_gateway_writes_its_lines_while_it_runs_not_only_at_exit():
     # lines are written in batches (gateway/log_setup.py): a request's access line must
     # reach stderr within the batch interval, not wait for the process to end

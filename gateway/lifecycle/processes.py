@@ -157,6 +157,7 @@ def _process_main(
     when it changes, as a single gateway does); sends its admin port (or None) on
     `ready` once it serves."""
     log_setup.configure(config.log_level.upper(), batched=True)
+    log_setup.use_format(config.log_format)
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes
     # one SIGTERM on (the process would otherwise take the parent's as a second signal
     # and cut its drain short).
