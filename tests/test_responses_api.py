@@ -297,6 +297,26 @@ def test_retrieve_input_items_and_delete(api):
         api.responses.delete(created.id)
 
 
+def test_input_items_keep_the_ids_they_were_given(api, client):
+    """An agent sends back an answer's items with their ids: the store keeps them, and
+    gives new ids only to items sent without one; a bad or repeated id is refused."""
+    given = [
+        {"type": "message", "id": "msg_mine", "role": "user", "content": "call f"},
+        {"type": "function_call", "id": "fc_mine", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"},
+    ]
+    created = api.responses.create(model=DEMO_MODEL, input=given)
+    ids = [item.id for item in api.responses.input_items.list(created.id, order="asc").data]
+    assert ids[:2] == ["msg_mine", "fc_mine"] and ids[2].startswith("fco_")
+    for items, param in (
+        ([{**given[0], "id": 7}], "input[0].id"),
+        ([{**given[0], "id": ""}], "input[0].id"),
+        ([given[0], {**given[0], "content": "again"}], "input[1].id"),
+    ):
+        answer = client.post("/v1/responses", json={"model": DEMO_MODEL, "input": items})
+        assert answer.status_code == 400 and assert_openai_error(answer)["param"] == param
+
+
 def test_an_unstored_response_cannot_be_read_or_continued(api):
     created = api.responses.create(model=DEMO_MODEL, input="x y", store=False)
     assert created.store is False

@@ -169,7 +169,20 @@ def _message(item: Mapping[str, Any], where: str, images: list[int]) -> Item:
             else p
             for p in content
         ]
-    return {"type": "message", "id": new_id("msg"), "role": role, "content": content}
+    return {"type": "message", "id": _item_id(item, where, "msg"), "role": role, "content": content}
+
+
+def _item_id(item: Mapping[str, Any], where: str, prefix: str) -> str:
+    """The item's own id, kept as given (an agent sends back an answer's items, ids and
+    all, and reads them back by it), or a new one."""
+    value = item.get("id")
+    if value is None:
+        return new_id(prefix)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise invalid(
+            f"{where}.id", f"Invalid '{where}.id': a string of 1 to {MAX_ID_CHARS} chars."
+        )
+    return value
 
 
 def _call_id(item: Mapping[str, Any], where: str) -> str:
@@ -194,7 +207,7 @@ def _function_call(item: Mapping[str, Any], where: str) -> Item:
         raise invalid(f"{where}.arguments", "Invalid type: expected a string of JSON.")
     return {
         "type": "function_call",
-        "id": new_id("fc"),
+        "id": _item_id(item, where, "fc"),
         "call_id": _call_id(item, where),
         "name": name,
         "arguments": arguments,
@@ -211,7 +224,7 @@ def _function_output(item: Mapping[str, Any], where: str, images: list[int]) -> 
         output = "".join(p["text"] for p in parts)
     return {
         "type": "function_call_output",
-        "id": new_id("fco"),
+        "id": _item_id(item, where, "fco"),
         "call_id": _call_id(item, where),
         "output": output,
         "status": "completed",
@@ -226,6 +239,7 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
         raise invalid("input", "'input' is required: a string or a non-empty list of items.")
     images = [0]
     items = []
+    seen: set[str] = set()
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, Mapping):
@@ -244,6 +258,9 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
                 f"Input items of type {shown} are not supported: only 'message', "
                 "'function_call' and 'function_call_output'.",
             )
+        if items[-1]["id"] in seen:  # the store's pages are read `after` an id
+            raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in 'input'.")
+        seen.add(items[-1]["id"])
     return tuple(items)
 
 
