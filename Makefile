@@ -53,5 +53,5 @@ bench-vllm:
 # The pinned versions CI and the image install; run after changing a dependency (the venv
 # holds the dev and otel extras, so the image's exporter is pinned too).
 constraints: $(PY)
-	$(VENV)/bin/pip install -q -c constraints.txt -e '.[dev,otel]'
+	$(VENV)/bin/pip install -q -e '.[dev,otel]'
 	{ sed -n '1,3p' constraints.txt; $(VENV)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -v '^furnace'; } > constraints.new && mv constraints.new constraints.txt
