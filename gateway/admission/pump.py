@@ -100,6 +100,15 @@ class Pushing(Protocol):
         error, or StopAsyncIteration at its end, as `__anext__` would."""
 
 
+class Draining(Protocol):
+    """A pushing call that can also hand over a run of plain texts in one call."""
+
+    def drain(self, ready: list[Event], room: int) -> int:
+        """Appends to `ready` the `Text`s (no logprobs) it has ready, until their
+        characters pass `room` or another event is next (`poll` gives that); their
+        characters."""
+
+
 class EventPump:
     """The events of one request, in batches of what is ready.
 
@@ -128,6 +137,8 @@ class EventPump:
         self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
         self._call: UpstreamCall | None = None
         self._pushing: Pushing | None = None  # the call, when it pushes: no reader task
+        #: A pushing call's `Draining.drain`, where it has one.
+        self._drain: Callable[[list[Event], int], int] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
         self.buffered = 0  # `event_size` of what `_ready` holds
@@ -186,6 +197,7 @@ class EventPump:
         listen = getattr(call, "listen", None)  # `Pushing` (isinstance: ~3-6 us)
         if listen is not None and listen(self._pushed):
             self._pushing = cast(Pushing, call)
+            self._drain = getattr(call, "drain", None)
             self._pushed()  # what came with the first event
         else:
             self._reading = True
@@ -226,12 +238,20 @@ class EventPump:
         if self.phase >= Phase.ENDED or pushing is None:
             return
         poll, ready, limit = pushing.poll, self._ready, self._buffer_chars
+        drain = self._drain
         took = False
         try:
             while True:
                 if self.buffered > limit:
                     self.phase = Phase.FULL  # the rest waits in the call (which stops reading)
                     break
+                if drain is not None:
+                    added = drain(ready, limit - self.buffered)
+                    if added:
+                        took = True
+                        self.buffered += added
+                        if self.buffered > limit:
+                            continue
                 event = poll()
                 if event is None:
                     break

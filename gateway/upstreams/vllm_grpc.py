@@ -384,6 +384,44 @@ class VllmGrpcCall(StreamBookkeeping):
             self._polling = False
         return pending.popleft()
 
+    def drain(self, ready: list[Event], room: int) -> int:
+        """The texts of the one plain choice's chunks that came, appended to `ready` (the
+        pump's list) until their characters pass `room` or a message of another kind is
+        next (`poll` then gives its events): a read's tokens in one call, not a `poll`
+        each. Their characters."""
+        sole, call = self._sole, self._pushing
+        if sole is None or call is None or self._pending or self._closed or not self._started:
+            return 0
+        messages, hidden, feed_one = call._messages, self._hidden, sole.detok.feed_one
+        taken = 0
+        self._polling = True
+        try:
+            while messages and taken <= room and not sole.done:
+                try:
+                    message: pb.GenerateResponse = call.poll()  # type: ignore[assignment]
+                except grpc.RpcError as error:
+                    raise self._failed(error) from None
+                if message.WhichOneof("response") != "chunk":
+                    self._took(message)  # its events wait in `_pending` for `poll`
+                    break
+                chunk = message.chunk
+                token_ids = chunk.token_ids
+                if chunk.index or len(token_ids) != 1:
+                    self._took(message)
+                    break
+                sole.received += 1
+                token = token_ids[0]
+                text = "" if token in hidden else feed_one(token)
+                if text:
+                    ready.append(_new_text(Text, (text, sole.held + 1, 0, None)))
+                    sole.held = 0
+                    taken += len(text)
+                else:
+                    sole.held += 1
+        finally:
+            self._polling = False
+        return taken
+
     def _failed(self, error: grpc.RpcError) -> errors.GatewayError:
         """The call failed: our error for it, told to the owner."""
         failure = _from_rpc_error(error)
