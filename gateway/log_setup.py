@@ -22,12 +22,11 @@ pipelines (Loki, Elasticsearch, Cloud Logging) that read fields without a parse 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from typing import TextIO
-
-import orjson
 
 #: Every line the gateway and its workers log: time, level, logger, message.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -75,7 +74,7 @@ class JsonFormatter(logging.Formatter):
             self._second = second
         head = (
             f'{{"time":"{self._stamp}.{int(record.msecs):03d}Z",'
-            f'"level":"{record.levelname}","logger":{orjson.dumps(record.name).decode()}'
+            f'"level":"{record.levelname}","logger":{json.dumps(record.name)}'
         )
         message = record.getMessage()
         if record.name == ACCESS_LOGGER and message.startswith("{"):
@@ -83,7 +82,9 @@ class JsonFormatter(logging.Formatter):
         fields: dict[str, str] = {"message": message}
         if record.exc_info:
             fields["exception"] = self.formatException(record.exc_info)
-        return f"{head},{orjson.dumps(fields).decode()[1:]}"
+        # the standard library's json: a worker imports this module in an engine's own
+        # environment, where the gateway's dependencies (orjson) need not be
+        return f"{head},{json.dumps(fields, ensure_ascii=False)[1:]}"
 
 
 def use_format(name: str) -> None:
