@@ -312,6 +312,22 @@ def _cases() -> list[tuple[str, str | None, Any]]:
     return cases
 
 
+def test_an_integer_past_64_bits_is_out_of_range_not_of_the_wrong_type(client):
+    """JSON reads such an integer as a float: the refusal says its range, as for any
+    integer out of range; a fraction is still the wrong type."""
+    for field, value, says in (
+        ("seed", 10**20, "must be in"),
+        ("seed", -(10**20), "must be in"),
+        ("max_tokens", 10**30, "must be in"),
+        ("max_tokens", 1.5, "expected an integer"),
+    ):
+        body = {"model": DEMO_MODEL, "messages": user("a"), field: value}
+        response = client.post("/v1/chat/completions", json=body)
+        error = assert_openai_error(response)
+        assert response.status_code == 400 and error["param"] == field
+        assert says in error["message"], error
+
+
 def test_a_fuzz_of_bad_bodies_gets_4xx_in_openai_shape_and_reaches_no_worker(client, workers):
     cases = _cases()
     assert len(cases) >= 300
