@@ -479,7 +479,10 @@ def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with, sdk):
     assert raised.value.response.headers.get("retry-after")
 
 
-def test_a_full_worker_is_overloaded_error(claude):
+def test_a_full_worker_is_overloaded_error(claude, gateway):
+    requests = "furnace_gateway_requests_total"
+    labels = {"model": SCRIPTED_MODEL, "route": "/v1/messages", "outcome": "rejected"}
+    before = scrape(gateway.url)
     with pytest.raises(anthropic.APIStatusError) as raised:
         claude.messages.create(
             model=SCRIPTED_MODEL, max_tokens=4, messages=say(script(status="RESOURCE_EXHAUSTED"))
@@ -487,6 +490,11 @@ def test_a_full_worker_is_overloaded_error(claude):
     assert raised.value.status_code == 529
     assert raised.value.body["error"]["type"] == "overloaded_error"
     assert raised.value.response.headers.get("retry-after")
+    # the metrics (and the access line, from the same record) say what the client got
+    after = scrape(gateway.url)
+    for status, more in (("529", 1), ("503", 0)):
+        counted = value(after, requests, **labels, status=status)
+        assert counted - value(before, requests, **labels, status=status) == more
 
 
 def test_a_failure_mid_stream_is_an_error_event(gateway):

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -56,6 +57,10 @@ def request_context(scope: Scope) -> tuple[bytes, Metadata]:
         request_id = secrets.token_hex(16).encode()
     metadata.append(("x-request-id", request_id.decode("ascii")))
     return request_id, tuple(metadata)
+
+
+def _as_is(status: int) -> int:
+    return status
 
 
 def route_label(path: str) -> str:
@@ -167,6 +172,10 @@ class RequestRoute(Generic[X]):
         self.admission = parts.admission
         self.telemetry = parts.telemetry
         self.tracing = parts.tracing
+        #: The status a refusal reaches the client with, which its record keeps: an API
+        #: whose shape is made around the route sends some as its own codes (Anthropic's
+        #: 529 for a 503: `anthropic.errors.sent_status`).
+        self.sent_status: Callable[[int], int] = _as_is
 
     async def serve(self, ex: X) -> None:
         """The route's own work: read, check, admit, call the worker, answer."""
@@ -256,7 +265,11 @@ class RequestRoute(Generic[X]):
     async def _refuse(self, ex: X, error: APIError) -> None:
         """Records the refusal and sends it, in OpenAI's shape."""
         record = ex.record
-        record.status, record.outcome, record.reason = error.status, error.outcome, error.reason
+        record.status, record.outcome, record.reason = (
+            self.sent_status(error.status),
+            error.outcome,
+            error.reason,
+        )
         await send_error(ex.send, error, record.request_id.encode("latin-1"))
 
     def _usage(self, record: RequestRecord) -> dict[str, Any]:

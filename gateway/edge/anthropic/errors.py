@@ -47,6 +47,11 @@ def translate(status: int) -> tuple[int, str]:
     return status, "invalid_request_error" if status < 500 else "api_error"
 
 
+def sent_status(status: int) -> int:
+    """The status an edge status goes out with on Anthropic's routes (for the record)."""
+    return translate(status)[0]
+
+
 def error_payload(status: int, message: str) -> dict[str, Any]:
     """The error object Anthropic's clients parse (also a stream's `error` event)."""
     return {"type": "error", "error": {"type": translate(status)[1], "message": message}}

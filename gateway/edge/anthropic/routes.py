@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gateway.edge.anthropic.count_tokens import CountTokensRoute
 from gateway.edge.anthropic.encoding import MessagesEncoder
+from gateway.edge.anthropic.errors import sent_status
 from gateway.edge.anthropic.validation import parse_messages
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.openai.generation import GenerationRoute
@@ -23,10 +24,11 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 
 def anthropic_routes(parts: Parts, limits: InputLimits) -> dict[str, ASGIApp]:
     """Path → route, for the app's hot routes."""
-    return {
-        MESSAGES: GenerationRoute(parse_messages, MessagesEncoder, parts, limits),
-        COUNT_TOKENS: CountTokensRoute(parts),
-    }
+    messages = GenerationRoute(parse_messages, MessagesEncoder, parts, limits)
+    count = CountTokensRoute(parts)
+    for route in (messages, count):  # `AnthropicShape` sends their refusals' own codes
+        route.sent_status = sent_status
+    return {MESSAGES: messages, COUNT_TOKENS: count}
 
 
 def anthropic_paths() -> tuple[str, ...]:
