@@ -63,16 +63,22 @@ def test_the_identity_model_round_trips_each_datatype(http):
 
 def test_a_version_the_worker_does_not_serve_is_a_404(http):
     """The worker serves version 1 (its metadata lists it); another is not found, as
-    Triton answers, not served as version 1."""
+    Triton answers, not served as version 1, nor said ready."""
     x = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}
     assert http.get("/v2/models/affine").json()["versions"] == ["1"]
     served = http.post("/v2/models/affine/versions/1/infer", json={"inputs": [x]})
     assert served.status_code == 200, served.text
     assert served.json()["model_version"] == "1"
-    for path in ("/v2/models/affine/versions/9/infer", "/v2/models/affine/versions/9"):
+    for path in (
+        "/v2/models/affine/versions/9/infer",
+        "/v2/models/affine/versions/9",
+        "/v2/models/affine/versions/9/ready",
+    ):
         answer = http.post(path, json={"inputs": [x]}) if "infer" in path else http.get(path)
         assert answer.status_code == 404, answer.text
         assert set(answer.json()) == {"error"}
+    ready = http.get("/v2/models/affine/versions/1/ready")
+    assert ready.status_code == 200 and ready.json() == {"name": "affine", "ready": True}
 
 
 def test_a_wrong_shape_is_400_before_the_worker(http):

@@ -9,7 +9,8 @@ leaves cancels the worker's call, one record in the metrics and the access log, 
 `tracing` a SERVER span for the request and a CLIENT span for the worker call, whose
 `traceparent` travels to the worker as gRPC metadata. `GET /v2/models/{m}[/versions/{v}]`
 (the metadata, which may cost a worker call: the version is the client's) is admitted and
-counted the same way. Errors are
+counted the same way, and so is `GET /v2/models/{m}/versions/{v}/ready`, which asks for that
+version's metadata (a worker that does not serve it makes it a 404, as for infer). Errors are
 `{"error": "..."}` with the status of the one error table (`edge/errors.py`). No grpc here:
 the upstream converts. Cost: the tensors are Python lists (see protocol/tensors.py).
 """
@@ -199,6 +200,7 @@ class KServeRoutes:
         self.is_ready = is_ready
         self.infer = InferRoute(parts)
         self.metadata = MetadataRoute(parts)
+        self.version_ready = VersionReadyRoute(parts)
 
     def routes(self) -> list[Route]:
         model = "/v2/models/{model}"
@@ -208,10 +210,11 @@ class KServeRoutes:
             Route("/v2/health/ready", self._asgi(self.ready), methods=["GET"]),
             Route("/v2", self._asgi(self.server), methods=["GET"]),
         ]
+        ready: dict[str, Any] = {model: self._asgi(self.model_ready), versioned: self.version_ready}
         for path in (model, versioned):
             out += [
                 Route(path, self.metadata, methods=["GET"]),
-                Route(path + "/ready", self._asgi(self.model_ready), methods=["GET"]),
+                Route(path + "/ready", ready[path], methods=["GET"]),
                 Route(path + "/infer", self.infer, methods=["POST"]),
             ]
         return out
@@ -240,6 +243,7 @@ class KServeRoutes:
         return 200, {"name": "furnace-gateway", "version": __version__, "extensions": []}
 
     async def model_ready(self, scope: Scope) -> tuple[int, Any]:
+        """`GET /v2/models/{m}/ready`: a healthy worker (`VersionReadyRoute` for a version)."""
         pool = tensor_pool(self.fleet, team_of(scope), _model_and_version(scope)[0])
         ready = bool(pool.available(set()))
         return (200 if ready else 503), {"name": pool.name, "ready": ready}
@@ -277,6 +281,25 @@ class MetadataRoute(_TensorRoute):
         ex.record.status, ex.record.outcome = 200, Outcome.COMPLETED
         request_id = ex.record.request_id.encode("latin-1")
         ex.sent = await _send(ex.send, 200, meta.to_json(), request_id)
+
+
+class VersionReadyRoute(_TensorRoute):
+    """`GET /v2/models/{m}/versions/{v}/ready`: a healthy worker that serves the version.
+    The version is checked as the metadata route reads it (a version the worker lists is
+    cached; another is asked of the worker, whose refusal is a 404), so it is admitted and
+    counted as that route is."""
+
+    async def serve(self, ex: _Tensors) -> None:
+        name, version = _model_and_version(ex.scope)
+        self.admission.draining(ex.ctx)
+        pool = self.admission.visibility(ex.ctx, name, "tensor")
+        if not pool.available(set()):
+            raise pool.no_worker()
+        async with self.admission.admit(ex.ctx):
+            await model_metadata(pool, version)
+        ex.record.status, ex.record.outcome = 200, Outcome.COMPLETED
+        request_id = ex.record.request_id.encode("latin-1")
+        ex.sent = await _send(ex.send, 200, {"name": pool.name, "ready": True}, request_id)
 
 
 class InferRoute(_TensorRoute):
