@@ -211,11 +211,24 @@ def test_prompt_beyond_the_context_is_refused(tiny: Tiny):
     assert tiny.random.running == 0
 
 
+#: A tool call and its answer, as the gateway takes them.
+CALLED_AND_ANSWERED = [
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+]
+
+
 def test_messages_the_chat_template_refuses_are_a_bad_request(tiny: Tiny):
     with pytest.raises(openai.BadRequestError) as refused:
         tiny.sdk.chat.completions.create(
             model=RANDOM,
-            messages=[*MESSAGES, {"role": "tool", "content": "42", "tool_call_id": "call_1"}],
+            messages=[*MESSAGES, *CALLED_AND_ANSWERED],
         )
     assert "This model knows no tools." in refused.value.message
     assert refused.value.param == "messages"

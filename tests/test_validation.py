@@ -17,6 +17,19 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
 
+def called(*ids: str) -> list[dict]:
+    """An assistant message calling a tool once for each id."""
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids
+    ]
+    return [{"role": "assistant", "content": None, "tool_calls": calls}]
+
+
+def answer(call_id: str) -> dict:
+    """A tool message answering the call `call_id`."""
+    return {"role": "tool", "content": "42", "tool_call_id": call_id}
+
+
 def chat(**fields):
     return {"model": "furnace-demo", "messages": MESSAGES, **fields}
 
@@ -184,6 +197,16 @@ INVALID = [
         chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]),
         "messages[0].tool_calls[0].function.name",
     ),
+    # tool calls and their answers pair up, as OpenAI checks them
+    (CHAT, chat(messages=[*MESSAGES, *called("c1"), answer("c2")]), "messages[2].tool_call_id"),
+    (CHAT, chat(messages=[*MESSAGES, *called("c1"), *MESSAGES]), "messages[1].tool_calls"),
+    (CHAT, chat(messages=[*MESSAGES, *called("c1")]), "messages[1].tool_calls"),
+    (
+        CHAT,
+        chat(messages=[*MESSAGES, *called("c1"), answer("c1"), answer("c1")]),
+        "messages[3].tool_call_id",
+    ),
+    (CHAT, chat(messages=[*MESSAGES, *called("")]), "messages[1].tool_calls[0].id"),
     (COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
     (COMPLETIONS, completion(prompt=[1, 2, 3]), "prompt"),
     (COMPLETIONS, completion(prompt=None), "prompt"),

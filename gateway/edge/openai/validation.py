@@ -405,7 +405,7 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
             raise invalid(f"{where}[{k}].function", "Invalid type: expected an object.")
         parsed.append(
             ToolCall(
-                _string(call, "id", f"{where}[{k}].") or "",
+                _required_string(call, "id", f"{where}[{k}]."),
                 _required_string(function, "name", f"{where}[{k}].function."),
                 _string(function, "arguments", f"{where}[{k}].function.") or "{}",
             )
@@ -447,7 +447,36 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
             raise invalid(f"{where}.tool_call_id", "A tool message needs 'tool_call_id'.")
         name = _string(message, "name", f"{where}.") or ""
         parsed.append(Message(role, text, pictures, calls, call_id, name, parts))
+    _check_tool_answers(parsed)
     return tuple(parsed)
+
+
+def _check_tool_answers(messages: list[Message]) -> None:
+    """As OpenAI checks them: an assistant message's tool calls are answered, each by a
+    `tool` message naming its id, right after it; and a `tool` message answers one of
+    those calls (a chat template would otherwise render a conversation no model saw)."""
+    waiting: dict[str, None] = {}  # the ids of the calls not yet answered, in order
+    asked_at = 0  # the assistant message that made them
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id not in waiting:
+                raise invalid(
+                    f"messages[{i}].tool_call_id",
+                    "A 'tool' message must answer a tool call of the assistant message "
+                    f"before it: no call '{message.tool_call_id[:64]}' is waiting for one.",
+                )
+            del waiting[message.tool_call_id]
+        elif waiting:
+            break
+        elif message.tool_calls:
+            waiting, asked_at = dict.fromkeys(call.id for call in message.tool_calls), i
+    if waiting:
+        unanswered = ", ".join(call_id[:64] for call_id in waiting)
+        raise invalid(
+            f"messages[{asked_at}].tool_calls",
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            f"answering each 'tool_call_id'; these have none: {unanswered}.",
+        )
 
 
 def _tools(body: Mapping[str, Any], budget: SchemaBudget) -> tuple[Tool, ...]:
