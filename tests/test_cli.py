@@ -140,23 +140,16 @@ def test_log_format_json_writes_every_line_as_one_json_object(tmp_path, workers)
         f"models:\n  - name: echo\n    workers: ['127.0.0.1:{worker_port}']\n"
     )
     url = f"http://127.0.0.1:{port}"
-    with worker_process(worker_port, "--engine", "demo", "--model", "echo"):
-        serve = ["serve", "--config", str(config), "--workers", workers]
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", *serve],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            wait_ready(url, gateway)
-            response = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-            assert response.status_code == 200
-        finally:
-            gateway.send_signal(signal.SIGTERM)
-            output = gateway.communicate(timeout=HANG_GUARD)[0]
-    assert gateway.returncode == 0, output
-    lines = [json.loads(text) for text in output.splitlines()]  # every line is JSON
+    written: list[str] = []
+    serve = ["serve", "--config", str(config), "--workers", workers]
+    with (
+        worker_process(worker_port, "--engine", "demo", "--model", "echo"),
+        running(*serve, output=written) as gateway,
+    ):
+        wait_ready(url, gateway)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert response.status_code == 200
+    lines = [json.loads(text) for text in written[0].splitlines()]  # every line is JSON
     stamp = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
     assert lines and all(stamp.fullmatch(line["time"]) and line["level"] for line in lines)
     access = [line for line in lines if line["logger"] == "furnace.access"]

@@ -196,6 +196,32 @@ def test_two_processes_share_the_port_and_the_slots_and_drain_on_a_signal(
         assert not listening(admin)
 
 
+def test_a_signal_while_the_processes_start_stops_them_once_they_are_up(tmp_path: Path) -> None:
+    """SIGTERM as soon as the first of four processes serves (the others still starting):
+    the gateway takes it once they are up and exits 0, rather than dying of it."""
+    worker_port, port = free_port(), free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"host: 127.0.0.1\nport: {port}\nlog_level: info\n"
+        f"models:\n  - name: {MODEL}\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "4"]
+    with worker_process(worker_port):
+        gateway = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            wait_until(lambda: listening(port) or gateway.poll() is not None, "the first process")
+            gateway.send_signal(signal.SIGTERM)
+            output = gateway.communicate(timeout=2 * HANG_GUARD)[0]
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+    assert gateway.returncode == 0, output
+    assert "stopping: every process drains" in output
+    assert not listening(port)
+
+
 def test_every_process_reads_the_config_file_again_when_it_changes(tmp_path: Path) -> None:
     worker_port = free_port()
     with (

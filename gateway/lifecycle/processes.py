@@ -216,22 +216,24 @@ class Supervisor:
         self.admin: uvicorn.Server | None = None
 
     async def serve(self) -> int:
-        """Starts every process, then waits for a signal (or a process's death)."""
-        holder = shared_port_socket(self.config.host, self.config.port)  # the port, held
-        try:
-            if not await self._start():
-                self._signal_all(signal.SIGTERM)
-                await self._wait_all()
-                return 1
-        finally:
-            holder.close()
-        if self.config.admin_port is not None:
-            self.admin = self._admin_server()
-            await _bind(self.admin)
-        self.ready = True
-        log.info("serving with %d processes on port %d", self.count, self.config.port)
-        failed = False
+        """Starts every process, then waits for a signal (or a process's death). A signal
+        that comes while they start is taken once they are up: the default action would
+        end this process at once and its children with it, with no drain."""
         async with _StopSignals() as signals:
+            holder = shared_port_socket(self.config.host, self.config.port)  # the port, held
+            try:
+                if not await self._start():
+                    self._signal_all(signal.SIGTERM)
+                    await self._wait_all()
+                    return 1
+            finally:
+                holder.close()
+            if self.config.admin_port is not None:
+                self.admin = self._admin_server()
+                await _bind(self.admin)
+            self.ready = True
+            log.info("serving with %d processes on port %d", self.count, self.config.port)
+            failed = False
             first_exit = asyncio.ensure_future(self._first_exit())
             stop = asyncio.ensure_future(signals.next())
             await asyncio.wait((first_exit, stop), return_when=asyncio.FIRST_COMPLETED)

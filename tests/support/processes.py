@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(*args: str) -> Iterator[subprocess.Popen]:
-    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit 0."""
+def running(*args: str, output: list[str] | None = None) -> Iterator[subprocess.Popen]:
+    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit 0
+    (`output`: gets what it wrote, stdout and stderr together)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", *args],
         stdout=subprocess.PIPE,
@@ -36,8 +37,10 @@ def running(*args: str) -> Iterator[subprocess.Popen]:
         yield process
     finally:
         process.send_signal(signal.SIGTERM)
-        output = process.communicate(timeout=HANG_GUARD)[0]
-    assert process.returncode == 0, output
+        written = process.communicate(timeout=HANG_GUARD)[0]
+        if output is not None:
+            output.append(written)
+    assert process.returncode == 0, written
 
 
 def config_file(tmp_path: Path, port: int, model: str, worker_port: int, extra: str = "") -> str:
