@@ -24,6 +24,7 @@ from gateway.protocol import grpc_h2
 from gateway.protocol.grpc_h2 import StreamChannel, grpc_timeout
 from gateway.protocol.tls import client_credentials
 from tests.support.certs import CertificateAuthority, Issued
+from tests.support.h2_script import frame, scripted
 from tests.support.servers import ServerLoop
 
 EOF = grpc.aio.EOF
@@ -417,53 +418,24 @@ def test_a_closed_channel_ends_its_calls(run: Any) -> None:
     run(spec)
 
 
-@asynccontextmanager
-async def _scripted(answer: bytes) -> AsyncIterator[int]:
-    """A TCP server that answers any connection with `answer`, then holds it open."""
-    writers: list[asyncio.StreamWriter] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        await reader.read(1)  # the client's preface: its call starts right after
-        await asyncio.sleep(0.1)
-        writer.write(answer)
-        await writer.drain()
-        await reader.read(1 << 20)
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        for writer in writers:
-            writer.close()
-        server.close()
-        await server.wait_closed()
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
 @pytest.mark.parametrize(
     "answer",
     [
         pytest.param(b"HTTP/1.1 400 Bad Request\r\n\r\n", id="not-http2"),
-        pytest.param(_frame(4, 0, 0, b"") + _frame(0, 0, 1, b"x" * 20_000), id="oversized-frame"),
+        pytest.param(frame(4, 0, 0, b"") + frame(0, 0, 1, b"x" * 20_000), id="oversized-frame"),
         pytest.param(
-            _frame(4, 0, 0, b"")
-            + _frame(1, 0, 1, b"\x88")
-            + b"".join(_frame(9, 0, 1, b"\x00" * 16_000) for _ in range(6)),
+            frame(4, 0, 0, b"")
+            + frame(1, 0, 1, b"\x88")
+            + b"".join(frame(9, 0, 1, b"\x00" * 16_000) for _ in range(6)),
             id="endless-headers",
         ),
-        pytest.param(_frame(4, 0, 0, b"") + _frame(5, 4, 1, b"\x00" * 8), id="push-promise"),
-        pytest.param(_frame(4, 0, 0, b"\x00\x04\xff\xff\xff\xff"), id="window-past-2^31"),
+        pytest.param(frame(4, 0, 0, b"") + frame(5, 4, 1, b"\x00" * 8), id="push-promise"),
+        pytest.param(frame(4, 0, 0, b"\x00\x04\xff\xff\xff\xff"), id="window-past-2^31"),
     ],
 )
 def test_a_worker_that_breaks_http2_costs_its_connection_only(run: Any, answer: bytes) -> None:
     async def spec() -> None:
-        async with _scripted(answer) as port:
+        async with scripted(answer) as port:
             channel = StreamChannel(f"127.0.0.1:{port}")
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _all(channel, "Count", b"1,1,0", within=10)
@@ -476,17 +448,17 @@ def test_a_worker_that_breaks_http2_costs_its_connection_only(run: Any, answer: 
 def _answer_head() -> bytes:
     """SETTINGS, then stream 1's response headers, as a gRPC server sends them."""
     block = hpack.Encoder().encode([(":status", "200"), ("content-type", "application/grpc")])
-    return _frame(4, 0, 0, b"") + _frame(1, 4, 1, block)
+    return frame(4, 0, 0, b"") + frame(1, 4, 1, block)
 
 
 def test_a_worker_that_sends_past_its_window_fails_that_call(run: Any) -> None:
     """100 messages of 1 KB in one write, while the reader is away: past 64 KiB
     unread the call fails, after the messages the window covered."""
     message = b"\x00" + (1000).to_bytes(4, "big") + b"x" * 1000
-    flood = b"".join(_frame(0, 0, 1, message) for _ in range(100))
+    flood = b"".join(frame(0, 0, 1, message) for _ in range(100))
 
     async def spec() -> None:
-        async with _scripted(_answer_head() + flood) as port:
+        async with scripted(_answer_head() + flood) as port:
             channel = StreamChannel(f"127.0.0.1:{port}")
             call = channel.unary_stream("/t.S/Count", b"", bytes, 10)
             got = 0
@@ -503,7 +475,7 @@ def test_a_worker_that_sends_past_its_window_fails_that_call(run: Any) -> None:
 
 def test_a_silent_worker_and_a_closed_port_are_bounded(run: Any) -> None:
     async def spec() -> None:
-        async with _scripted(b"") as port:
+        async with scripted(b"") as port:
             channel = StreamChannel(f"127.0.0.1:{port}")
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _all(channel, "Count", b"1,1,0", within=0.3)

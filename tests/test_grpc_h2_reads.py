@@ -8,8 +8,7 @@ drops what was not taken) comes after the messages before it were taken."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -17,6 +16,7 @@ import hpack
 import pytest
 
 from gateway.protocol.grpc_h2 import StreamChannel
+from tests.support.h2_script import frame, scripted
 from tests.support.servers import ServerLoop
 
 EOF = grpc.aio.EOF
@@ -31,49 +31,19 @@ def run(server_loop: ServerLoop) -> Iterator[Callable[[Callable[[], Awaitable[An
     yield runner
 
 
-@asynccontextmanager
-async def _scripted(answer: bytes) -> AsyncIterator[int]:
-    """A TCP server that answers a connection with `answer` in one write, once the client's
-    call has had time to start, then holds it open."""
-    writers: list[asyncio.StreamWriter] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        await reader.read(1)
-        await asyncio.sleep(0.2)
-        writer.write(answer)
-        await writer.drain()
-        await reader.read(1 << 20)
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        for writer in writers:
-            writer.close()
-        server.close()
-        await server.wait_closed()
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
 def _message(i: int) -> bytes:
     body = b"message %d" % i
-    return _frame(0, 0, 1, b"\x00" + len(body).to_bytes(4, "big") + body)
+    return frame(0, 0, 1, b"\x00" + len(body).to_bytes(4, "big") + body)
 
 
 def _answer(end: bytes) -> bytes:
     head = hpack.Encoder().encode([(":status", "200"), ("content-type", "application/grpc")])
     messages = b"".join(_message(i) for i in range(MESSAGES))
-    return _frame(4, 0, 0, b"") + _frame(1, 4, 1, head) + messages + end
+    return frame(4, 0, 0, b"") + frame(1, 4, 1, head) + messages + end
 
 
-TRAILERS = _frame(1, 5, 1, hpack.Encoder().encode([("grpc-status", "0")]))  # END_STREAM
-RESET = _frame(3, 0, 1, (8).to_bytes(4, "big"))  # RST_STREAM, CANCEL
+TRAILERS = frame(1, 5, 1, hpack.Encoder().encode([("grpc-status", "0")]))  # END_STREAM
+RESET = frame(3, 0, 1, (8).to_bytes(4, "big"))  # RST_STREAM, CANCEL
 
 
 async def _listened(port: int) -> tuple[list[object], int]:
@@ -109,7 +79,7 @@ async def _listened(port: int) -> tuple[list[object], int]:
 
 def test_a_read_of_many_messages_wakes_the_listener_once_for_them(run: Any) -> None:
     async def spec() -> tuple[list[object], int]:
-        async with _scripted(_answer(TRAILERS)) as port:
+        async with scripted(_answer(TRAILERS), delay=0.2) as port:
             return await _listened(port)
 
     got, wakes = run(spec)
@@ -123,7 +93,7 @@ def test_the_messages_before_a_reset_in_the_same_read_are_taken_first(run: Any) 
     messages before it, as when each message woke it, and the call then fails."""
 
     async def spec() -> tuple[list[object], int]:
-        async with _scripted(_answer(RESET)) as port:
+        async with scripted(_answer(RESET), delay=0.2) as port:
             return await _listened(port)
 
     got, _ = run(spec)

@@ -19,6 +19,7 @@ import pytest
 
 from gateway.protocol.grpc_h2 import StreamChannel
 from gateway.protocol.h2_fields import EMPTY_TABLE, BlockDecoder, field, fields
+from tests.support.h2_script import frame
 
 PAIRS = [
     (":method", "POST"),
@@ -65,12 +66,6 @@ def test_a_block_past_the_limit_is_refused_and_not_kept() -> None:
             decoder.decode(indexed)
 
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
 @asynccontextmanager
 async def _recording(settings: bytes) -> AsyncIterator[tuple[int, list[bytes]]]:
     """An HTTP/2 server that sends SETTINGS with `settings` once it has a call's headers,
@@ -89,12 +84,12 @@ async def _recording(settings: bytes) -> AsyncIterator[tuple[int, list[bytes]]]:
             if kind == 0x1:
                 blocks.append(payload)
                 if len(blocks) == 1:
-                    writer.write(_frame(0x4, 0, 0, settings))
+                    writer.write(frame(0x4, 0, 0, settings))
                 fields = [(":status", "200"), ("content-type", "application/grpc")]
-                writer.write(_frame(0x1, 0x4, stream, ok.encode(fields)))
-                writer.write(_frame(0x1, 0x5, stream, ok.encode([("grpc-status", "0")])))
+                writer.write(frame(0x1, 0x4, stream, ok.encode(fields)))
+                writer.write(frame(0x1, 0x5, stream, ok.encode([("grpc-status", "0")])))
             elif kind == 0x4 and not flags & 0x1:
-                writer.write(_frame(0x4, 0x1, 0))
+                writer.write(frame(0x4, 0x1, 0))
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     try:
