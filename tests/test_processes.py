@@ -104,18 +104,26 @@ def test_merged_metrics_name_each_process_and_keep_each_family_once() -> None:
     assert merged.count("# TYPE furnace_gateway_slots gauge") == 1
 
 
+def _serve(tmp_path: Path, port: int, worker_port: int, extra: str, processes: int) -> list[str]:
+    """The command serving MODEL from one worker on `port` as `processes` processes, its
+    config written (`extra`: more of its lines)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"host: 127.0.0.1\nport: {port}\n{extra}"
+        f"models:\n  - name: {MODEL}\n    workers: ['127.0.0.1:{worker_port}']\n"
+    )
+    serve = ["serve", "--config", str(config), "--workers", str(processes)]
+    return [sys.executable, "-m", "gateway", *serve]
+
+
 @contextmanager
 def gateway_processes(
     tmp_path: Path, worker_port: int, extra: str = ""
 ) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
     """`serve --workers 2` with an admin port, until the block ends (then killed if alive)."""
     port, admin = free_port(), free_port()
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"host: 127.0.0.1\nport: {port}\nadmin_port: {admin}\nlog_level: warning\n{extra}"
-        f"models:\n  - name: {MODEL}\n    workers: ['127.0.0.1:{worker_port}']\n"
-    )
-    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"]
+    extra = f"admin_port: {admin}\nlog_level: warning\n{extra}"
+    command = _serve(tmp_path, port, worker_port, extra, processes=2)
     process = subprocess.Popen(  # a session of its own, as a terminal's job: its group
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -200,12 +208,7 @@ def test_a_signal_while_the_processes_start_stops_them_once_they_are_up(tmp_path
     """SIGTERM as soon as the first of four processes serves (the others still starting):
     the gateway takes it once they are up and exits 0, rather than dying of it."""
     worker_port, port = free_port(), free_port()
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"host: 127.0.0.1\nport: {port}\nlog_level: info\n"
-        f"models:\n  - name: {MODEL}\n    workers: ['127.0.0.1:{worker_port}']\n"
-    )
-    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "4"]
+    command = _serve(tmp_path, port, worker_port, "log_level: info\n", processes=4)
     with worker_process(worker_port):
         gateway = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
