@@ -76,6 +76,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         help="after SIGTERM, seconds calls in flight get to finish while new ones are refused "
         "(keep it under the pod's grace period; the chart derives it from the pool's)",
     )
+    worker.add_argument(
+        "--log-format",
+        choices=log_setup.LOG_FORMATS,
+        default="text",
+        help="each line as `time level logger message` (text) or as one JSON object (json), "
+        "as the gateway's `log_format`",
+    )
     worker.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     worker.add_argument("--tls-key", help="the PEM private key of --tls-cert")
     worker.add_argument(
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "worker":
             from gateway.worker.serve import run_worker, serve_worker
+
+            log_setup.use_format(args.log_format)
 
             tls = _worker_tls(args)  # before a model loads
             if args.engine == "onnx":

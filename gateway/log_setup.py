@@ -55,6 +55,8 @@ class LineFormatter(logging.Formatter):
 
 #: The logger whose messages are JSON objects already (`telemetry/access_log.py`).
 ACCESS_LOGGER = "furnace.access"
+#: The lines' formats: `LOG_FORMAT`, or `JsonFormatter`'s objects.
+LOG_FORMATS = ("text", "json")
 
 
 class JsonFormatter(logging.Formatter):

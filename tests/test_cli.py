@@ -13,7 +13,14 @@ import httpx
 import openai
 import pytest
 
-from tests.support.processes import config_file, free_port, running, wait_ready, worker_process
+from tests.support.processes import (
+    config_file,
+    free_port,
+    listening,
+    running,
+    wait_ready,
+    worker_process,
+)
 from tests.support.waiting import HANG_GUARD, wait_until
 
 
@@ -157,6 +164,17 @@ def test_log_format_json_writes_every_line_as_one_json_object(tmp_path, workers)
         (response.headers["x-request-id"], "/v1/completions", 200)
     ]
     assert any("message" in line for line in lines if line["logger"] != "furnace.access")
+
+
+def test_a_worker_logs_json_with_log_format_json():
+    port = free_port()
+    written: list[str] = []
+    with running(
+        "worker", "--port", str(port), "--host", "127.0.0.1", "--log-format", "json", output=written
+    ) as worker:
+        wait_until(lambda: listening(port) or worker.poll() is not None, "the worker to listen")
+    lines = [json.loads(text) for text in written[0].splitlines()]  # every line is JSON
+    assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
 
 
 def test_a_running_gateway_writes_its_lines_while_it_runs_not_only_at_exit():
