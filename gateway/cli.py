@@ -78,7 +78,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--log-format",
-        choices=log_setup.LOG_FORMATS,
+        choices=tuple(log_setup.FORMATTERS),
         default="text",
         help="each line as `time level logger message` (text) or as one JSON object (json), "
         "as the gateway's `log_format`",

@@ -25,8 +25,6 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gateway.log_setup import LOG_FORMATS
-
 ENV_PREFIX = "FURNACE_"
 MODEL_KINDS = ("llm", "tensor")
 BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
@@ -36,6 +34,8 @@ UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
 #: The tool-call formats of `vllm-grpc` models (gateway.protocol.tool_calls.PARSERS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: `log_format`'s choices: `log_setup.FORMATTERS`' names (a layer of its own: not imported)
+LOG_FORMATS = ("text", "json")
 #: A budget's calendar windows (UTC).
 BUDGET_WINDOWS = ("day", "month")
 #: What a budget does while its shared store (Redis) does not answer.

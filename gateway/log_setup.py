@@ -55,8 +55,6 @@ class LineFormatter(logging.Formatter):
 
 #: The logger whose messages are JSON objects already (`telemetry/access_log.py`).
 ACCESS_LOGGER = "furnace.access"
-#: The lines' formats: `LOG_FORMAT`, or `JsonFormatter`'s objects.
-LOG_FORMATS = ("text", "json")
 
 
 class JsonFormatter(logging.Formatter):
@@ -89,10 +87,14 @@ class JsonFormatter(logging.Formatter):
         return f"{head},{json.dumps(fields, ensure_ascii=False)[1:]}"
 
 
+#: The lines' formats by name (the config's `log_format`, the worker's `--log-format`).
+FORMATTERS: dict[str, type[logging.Formatter]] = {"text": LineFormatter, "json": JsonFormatter}
+
+
 def use_format(name: str) -> None:
     """Sets the lines' format of the process's handlers: `text` (`LOG_FORMAT`) or
     `json` (`JsonFormatter`)."""
-    formatter = JsonFormatter() if name == "json" else LineFormatter()
+    formatter = FORMATTERS[name]()
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter)
 

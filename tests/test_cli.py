@@ -166,6 +166,12 @@ def test_log_format_json_writes_every_line_as_one_json_object(tmp_path, workers)
     assert any("message" in line for line in lines if line["logger"] != "furnace.access")
 
 
+def test_the_config_and_the_worker_offer_the_same_log_formats():
+    from gateway import config, log_setup
+
+    assert tuple(log_setup.FORMATTERS) == config.LOG_FORMATS
+
+
 def test_a_worker_logs_json_with_log_format_json():
     port = free_port()
     written: list[str] = []
