@@ -279,7 +279,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._call: ServerStream[pb.GenerateResponse] | None = None
         self._pending: deque[Event] = deque()
         self._choices: list[_Choice] = []
-        #: The one choice, when it is plain (`_Choice.plain`): `poll`'s inline path.
+        #: The one choice, when it is plain (`_Choice.plain`): `drain`'s path.
         self._sole: _Choice | None = None
         self._left = 0  # choices whose Finished is not out yet
         self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
@@ -340,7 +340,6 @@ class VllmGrpcCall(StreamBookkeeping):
             raise StopAsyncIteration
         if not call._messages and not call._done:  # the usual last poll of a push
             return None
-        sole = self._sole
         self._polling = True
         try:
             while not pending:
@@ -352,34 +351,7 @@ class VllmGrpcCall(StreamBookkeeping):
                     raise self._failed(error) from None
                 if message is None:
                     return None
-                if (
-                    sole is None
-                    or message is grpc.aio.EOF
-                    or message.WhichOneof("response") != "chunk"  # type: ignore[attr-defined]
-                ):
-                    self._took(message)
-                    continue
-                # the one plain choice's chunk, the usual message: `_take` and `_plain`
-                # inline (a token's CPU is mostly its Python calls)
-                chunk = message.chunk  # type: ignore[attr-defined]
-                if chunk.index:
-                    self._took(message)  # refused there
-                    continue
-                if not self._started:
-                    self._started = True
-                    pending.append(Started(chunk.prompt_tokens))
-                token_ids = chunk.token_ids
-                if len(token_ids) != 1 or sole.done:
-                    self._plain(sole, token_ids)
-                    continue
-                sole.received += 1
-                token = token_ids[0]
-                text = "" if token in self._hidden else sole.detok.feed_one(token)
-                if text:
-                    pending.append(_new_text(Text, (text, sole.held + 1, 0, None)))
-                    sole.held = 0
-                else:
-                    sole.held += 1
+                self._took(message)
         finally:
             self._polling = False
         return pending.popleft()
