@@ -2,8 +2,8 @@
 `_HeadHold`): one write, not two, for every answer, as hyper does under the Rust
 routers. A write held for that goes out at the end of the loop's turn when nothing
 follows it, so a lone head (or uvicorn's `100 Continue`) is never kept waiting.
-A paced stream's later tokens are written in the callback that brought them
-(`_WriteNow`), the same bytes the request's task would have written."""
+A paced stream's tokens, once its head is out, are written in the callback that
+brought them (`_WriteNow`), the same bytes the request's task would have written."""
 
 from __future__ import annotations
 
@@ -174,6 +174,12 @@ def test_a_paced_streams_tokens_are_written_in_the_callback_that_brought_them(
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == words
     assert chunks[-1]["usage"]["completion_tokens"] == 5
-    # the tokens after the first, each an event of its own as it came
-    assert len(written) >= 3
+    # every token, each an event of its own as it came; the first after the role's
+    # opening chunk, in the same write
+    assert len(written) >= 4
     assert all(w.startswith(b"data: {") and w.endswith(b"\n\n") for w in written)
+    first = [orjson.loads(line[6:]) for line in written[0].split(b"\n\n") if line]
+    assert [c["choices"][0]["delta"] for c in first] == [
+        {"role": "assistant", "content": ""},
+        {"content": "one"},
+    ]

@@ -292,6 +292,7 @@ class EventPump:
         ):
             self._ready = []
             self.buffered = 0
+            self._texted = True  # a sink writes texts alone
             # the wait goes on as if the edge had written and waited again
             self._waiting_since = now
             idle_at = self._last_event + self._idle_timeout

@@ -277,8 +277,9 @@ class GenerationRoute(RequestRoute[Exchange]):
     ) -> None:
         """Writes each batch as it comes: the one-choice path joins its text
         into one delta; the others write `encoder.events`. Ends after the last
-        choice's `Finished`. Once the first text is out, the one-choice path's
-        texts may be written by the pump's sink instead (`_sink`)."""
+        choice's `Finished`. Once the head is out, the one-choice path's texts,
+        the first one and its opening too, may be written by the pump's sink
+        instead (`_Sink`)."""
         config = self.config
         batch = await pump.next_batch(config.request_timeout)
         request_id = record.request_id.encode("latin-1")
@@ -297,15 +298,14 @@ class GenerationRoute(RequestRoute[Exchange]):
         plain = encoder.plain
         # The role-opening chunk goes out with the first text (or the end), as
         # vLLM's server sends it: the first token costs one write, not two.
-        opening = encoder.opening() if plain else b""
+        held = _Sink(record, encoder, write_now, encoder.opening() if plain else b"")
         body = b""
-        sinking = False
         while True:
             if plain:
                 text = record.take(batch)
                 if text:
-                    body += opening + encoder.delta(text)
-                    opening = b""
+                    body += held.opening + encoder.delta(text)
+                    held.opening = b""
             else:
                 record.take(batch)
                 body += encoder.events(batch)
@@ -313,8 +313,10 @@ class GenerationRoute(RequestRoute[Exchange]):
                 break
             if body:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-            if not sinking and plain and not opening and write_now is not None:
-                pump.sink, sinking = _sink(record, encoder, write_now), True
+            if plain and write_now is not None and pump.sink is None:
+                # from here a text that comes while this task waits is written in the
+                # callback that brought it, the first one too (with its opening)
+                pump.sink = held
             try:
                 batch = await pump.next_batch(config.request_timeout, config.keepalive_interval)
             except errors.GatewayError as error:
@@ -323,14 +325,14 @@ class GenerationRoute(RequestRoute[Exchange]):
                 api_error = self._to_api_error(error, record)
                 record.outcome = api_error.outcome
                 # a held opening goes first: the failure may close what it opened
-                failure = opening + encoder.failure(api_error)
+                failure = held.opening + encoder.failure(api_error)
                 await send({"type": "http.response.body", "body": failure})
                 return
             body = b"" if batch else KEEPALIVE
         prompt_tokens, completion_tokens = record.prompt_tokens, record.completion_tokens
         if plain:
             reason = record.finished.reason
-            body += opening + encoder.closing(reason, prompt_tokens, completion_tokens)
+            body += held.opening + encoder.closing(reason, prompt_tokens, completion_tokens)
         else:
             body += encoder.end(prompt_tokens, completion_tokens)
         record.outcome = Outcome.COMPLETED
@@ -341,25 +343,36 @@ class GenerationRoute(RequestRoute[Exchange]):
 WriteNow = Callable[[bytes], bool]
 
 
-def _sink(
-    record: RequestRecord, encoder: Encoder, write_now: WriteNow
-) -> Callable[[list[Event]], bool]:
-    """The pump's sink of a one-choice stream whose first text is out: a batch of
-    texts alone, written in the callback that brought it, as `_stream`'s loop would
-    write it; False for any other batch (an end, an error), or while the connection
-    cannot take a write at once (the loop writes it then, under the write guard)."""
-    delta = encoder.delta
+class _Sink:
+    """The pump's sink of a one-choice stream whose head is out: a batch of texts
+    alone, written in the callback that brought it, as `_stream`'s loop would write
+    it (the first text after the role's `opening`, which this holds until then, for
+    the loop too); False for any other batch (an end, an error), or while the
+    connection cannot take a write at once (the loop writes it then, under the write
+    guard). The first token so skips the wake of the request's task and its chain of
+    coroutines, as every later one does."""
 
-    def write(batch: list[Event]) -> bool:
+    __slots__ = ("delta", "opening", "record", "write_now")
+
+    def __init__(
+        self, record: RequestRecord, encoder: Encoder, write_now: WriteNow | None, opening: bytes
+    ) -> None:
+        self.record = record
+        self.delta = encoder.delta
+        self.write_now = write_now
+        self.opening = opening
+
+    def __call__(self, batch: list[Event]) -> bool:
         pieces = []
         for event in batch:
             if type(event) is not Text:
                 return False
             pieces.append(event.text)
         text = "".join(pieces)
-        if text and not write_now(delta(text)):
-            return False
-        record.take(batch)
+        if text:
+            assert self.write_now is not None  # installed only with one
+            if not self.write_now(self.opening + self.delta(text)):
+                return False
+            self.opening = b""
+        self.record.take(batch)
         return True
-
-    return write
