@@ -122,6 +122,30 @@ def test_an_unfinished_body_is_dropped_without_a_slot(gateway_with):
         assert client.post("/v1/completions", json={"prompt": "a b"}).is_success
 
 
+def test_a_small_bodys_request_reaches_the_app_once_its_body_is_whole(gateway_with):
+    # its task starts with the body there: one wake of the route, not one for the head
+    # and another for the body (clients such as httpx write the two apart)
+    gw = gateway_with(body_timeout=30)
+    bodies = gw.state.admission.bodies
+    body = json.dumps({"prompt": "a b", "max_tokens": 2}).encode()
+    with connect(gw.url) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body[:5])
+        )
+        time.sleep(0.3)  # a route started at the head would have metered those 5 bytes
+        assert bodies.in_flight == 0
+        sock.sendall(body[5:])
+        answer = b""
+        while not answer.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), answer
+    assert json.loads(payload)["choices"][0]["text"]
+
+
 def test_half_request_lines_are_all_closed(gateway_with):
     gw = gateway_with(header_timeout=1)
     socks = [connect(gw.url) for _ in range(300)]

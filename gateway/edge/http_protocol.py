@@ -59,6 +59,14 @@ uvicorn writes each ASGI message at once, and on loopback a write costs the send
 the receiver's TCP work too. `_HeadHold` keeps the request's first write until the
 second or the end of the turn, then hands the cycle back the transport.
 
+A request whose body is small (a `content-length` up to uvicorn's read buffer,
+`HIGH_WATER_LIMIT`, 64 KiB, and no `100-continue` asked) starts its task when its body is
+whole, not at its head: clients such as httpx write the head and the body apart, and a task
+started at the head ran up to its first `receive()`, slept, and was woken again by the body,
+a second wake of the request's chain of coroutines on the first token's path. uvicorn reads
+such a body into its buffer whatever the app does, so nothing more is held; a body that does
+not come whole within `body_timeout` gets its 408 without the app ever seeing the request.
+
 The cost: a length addition per read and per header, one timer per request.
 """
 
@@ -71,6 +79,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, WRITE_NOW_EXTENSION
@@ -193,6 +202,17 @@ class _WriteNow:
         return True
 
 
+def _whole_first(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's task should wait for its whole body: a declared length (or none:
+    no body) that uvicorn's buffer holds without pausing the reads."""
+    for name, value in headers:
+        if name == b"content-length":
+            return len(value) <= 6 and value.isdigit() and int(value) <= HIGH_WATER_LIMIT
+        if name == b"transfer-encoding":
+            return False
+    return True
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing: the head is over a limit."""
 
@@ -212,6 +232,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # of every connection (about 1.5 KiB each).
     __slots__ = (
         "_deadline",
+        "_deferred",
         "_evicted",
         "_fed",
         "_head_bytes",
@@ -241,6 +262,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._evicted = False  # closed to make room for a newer connection
         #: Resolved when the connection is lost (LOST_EXTENSION); made with the first head.
         self._lost: asyncio.Future[None] | None = None
+        #: The request whose task starts once its body is whole (`_start_asgi_task`).
+        self._deferred: tuple[Any, Any] | None = None
 
     # The connection
 
@@ -268,6 +291,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._deferred = None  # its body never came whole: the app never sees it
         self._disarm()
         self.heads.waiting.pop(self, None)
         if self._evicted:
@@ -355,6 +379,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase = _HEAD
         self._disarm()  # the app has the request: `request_timeout` governs it now
         super().on_message_complete()
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            super()._start_asgi_task(*deferred)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """Starts the request's task now if its body is whole (or large, chunked, or
+        awaited with `100-continue`), else when it is (`on_message_complete`)."""
+        if (
+            cycle.more_body
+            and not cycle.waiting_for_100_continue
+            and _whole_first(cycle.scope["headers"])
+        ):
+            self._deferred = (cycle, app)
+            return
+        super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -415,6 +454,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if self._phase == _BODY:
+            self._deferred = None  # a request not started: the app never sees it
             seconds, what = self.limits.body_timeout, "body"
             # Another response is (or will be) on the wire: no room for a 408.
             busy = cycle is None or cycle.response_started or bool(self.pipeline)
