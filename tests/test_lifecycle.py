@@ -1,15 +1,18 @@
 """The gateway's start and stop: a start that fails closes what it opened; a
 draining gateway refuses new requests as rejections with reason `draining`
 (they were once miscounted as engine errors), while the requests it holds finish;
-a serving process freezes what its start built (gc); a process of the package
-runs grpc's iomgr client and listener unless its operator says otherwise."""
+a serving process freezes what its start built (gc), and takes a SIGTERM that comes
+while it starts once it is up; a process of the package runs grpc's iomgr client and
+listener unless its operator says otherwise."""
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -136,6 +139,33 @@ def test_a_serving_process_freezes_what_its_start_built():
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[1]) > 10_000  # the modules, the app, the fleet
+
+
+def test_a_signal_while_the_gateway_starts_stops_it_once_it_is_up(tmp_path: Path):
+    # its worker takes the connection and says nothing: the start waits for the first
+    # health report (2 s), and the signal comes during that wait
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(GUARD)
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            "host: 127.0.0.1\nport: 0\nlog_level: info\nmodels:\n  - name: quiet\n"
+            f"    workers: ['127.0.0.1:{silent.getsockname()[1]}']\n"
+        )
+        command = [sys.executable, "-m", "gateway", "serve", "--config", str(config)]
+        gateway = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            health_check, _ = silent.accept()  # the fleet's start is under way
+            with health_check:
+                gateway.send_signal(signal.SIGTERM)
+                output = gateway.communicate(timeout=GUARD)[0]
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+                gateway.wait()
+    assert gateway.returncode == 0, output
+    assert "stopping: draining" in output
 
 
 _GRPC_CALL = (
