@@ -134,6 +134,52 @@ def test_n_choices_stream_interleaved_role_first_finish_each_usage_once(client):
     assert indexes != sorted(indexes)  # interleaved as the events came, not one after another
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_puts_each_choices_usage_so_far_in_every_chunk(client, path):
+    # vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far (the
+    # role's opening none of the answer yet, the finish all of it), as vLLM's server does
+    body = {
+        "model": "furnace-slow",
+        "n": 2,
+        "max_tokens": 8,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if path.endswith("chat/completions"):
+        body["messages"] = user("a b c")
+    else:
+        body["prompt"] = "a b c"
+    *content, last = chunks_of(client, path, body)
+    assert last["choices"] == []
+    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    seen: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
+    for chunk in content:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == 3
+        assert usage["total_tokens"] == 3 + usage["completion_tokens"]
+        text = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
+        seen[choice["index"]].append((text, usage["completion_tokens"]))
+    for said in seen.values():
+        words = 0
+        for text, so_far in said:
+            words += len(text.split())
+            assert so_far == words  # the demo's tokens are its words
+        assert said[-1][1] == 3  # the finish chunk counts the whole choice
+    if path.endswith("chat/completions"):
+        assert all(said[0] == ("", 0) for said in seen.values())  # the role's opening
+
+
+def test_continuous_usage_asks_nothing_without_include_usage(client):
+    # as vLLM's server reads it: a modifier of `include_usage`
+    body = {
+        "model": "furnace-demo",
+        "messages": user("a b"),
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    chunks = chunks_of(client, "/v1/chat/completions", body)
+    assert all("usage" not in chunk for chunk in chunks)
+
+
 def test_n_choices_stream_sdk_async(gateway):
     async def main() -> None:
         async with async_sdk(gateway) as sdk:

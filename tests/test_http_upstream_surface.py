@@ -480,6 +480,17 @@ def test_a_bad_image_detail_is_a_400_naming_it(embedder):
     assert refused.value.body["param"] == "messages[0].content[0].image_url.detail"
 
 
+def test_per_chunk_usage_is_a_400_naming_it_where_the_upstream_counts_at_the_end(embedder):
+    # an OpenAI-compatible upstream says the prompt's tokens in its last chunk only
+    client, _ = embedder
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=EMBEDDER, messages=user("hi"), max_tokens=4, stream=True, stream_options=options
+        )
+    assert refused.value.body["param"] == "stream_options.continuous_usage_stats"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_named_tool_choice_the_upstream_ends_with_tool_calls_is_relayed(embedder, stream):
     """The rule that a forced call ends with "stop" is the gateway's where it builds the

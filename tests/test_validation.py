@@ -221,16 +221,6 @@ INVALID = [
     # what stream_options asks is served or refused by name, never ignored
     (
         CHAT,
-        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
-        "stream_options.continuous_usage_stats",
-    ),
-    (
-        COMPLETIONS,
-        completion(stream=True, stream_options={"continuous_usage_stats": True}),
-        "stream_options.continuous_usage_stats",
-    ),
-    (
-        CHAT,
         chat(stream=True, stream_options={"continuous_usage_stats": "yes"}),
         "stream_options.continuous_usage_stats",
     ),

@@ -384,6 +384,21 @@ def test_n_choices_each_end_and_usage_is_their_sum(front: Front, stream: bool):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_continuous_usage_counts_the_engines_prompt_and_each_token(front: Front):
+    # vLLM's `continuous_usage_stats`: the prompt as the gateway tokenized it for the
+    # engine, and the tokens so far, in every chunk; the finish chunk has them all
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": user("hello"), "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    *content, last = list(_chat(front, **body, stream=True, stream_options=options))
+    prompt_tokens = _chat(front, messages=user("hello"), max_tokens=1).usage.prompt_tokens
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, 6)
+    counts = [chunk.usage.completion_tokens for chunk in content]
+    assert all(chunk.usage.prompt_tokens == last.usage.prompt_tokens for chunk in content)
+    assert counts[0] == 0  # the role's opening
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert content[-1].choices[0].finish_reason == "length"
+
+
 def test_min_tokens_holds_the_end_back(front: Front):
     reply = _chat(front, messages=user("hi"), max_tokens=24, extra_body={"min_tokens": 24})
     assert reply.usage.completion_tokens == 24

@@ -5,7 +5,8 @@ index, the delta, the logprobs) and keeps the bytes between them; a chunk is
 then those bytes around the JSON-escaped delta. The common answer, one choice
 of plain text, takes the fast path (`plain`): `delta` per written batch and
 nothing else built per token. Everything else (n choices, logprobs, tool
-calls, a completion's echo) reads the worker's events choice by choice
+calls, a completion's echo, vLLM's usage on every chunk) reads the worker's events
+choice by choice
 (`events` for streams, `add` then `answer` for whole answers): text still goes
 through the templates, one chunk per run of a choice's text in a batch; a
 choice's opening, its finish and its tool calls' pieces are built as dicts.
@@ -21,7 +22,15 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.edge.errors import APIError
-from gateway.protocol.types import Event, Finished, FinishReason, Text, TokenLogprob, ToolCallDelta
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    Started,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
@@ -30,6 +39,8 @@ _TEXT = "\x00delta-" + _SECRET
 _INDEX = "\x00index-" + _SECRET
 _LOGPROBS = "\x00logprobs-" + _SECRET
 _TEXT_JSON, _INDEX_JSON, _LOGPROBS_JSON = map(orjson.dumps, (_TEXT, _INDEX, _LOGPROBS))
+#: How a chunk's bytes end where its usage is null (the usage is its last key).
+_NULL_END = b"null}\n\n"
 #: OpenAI's floor for a logprob (vLLM's too): -inf is not JSON.
 MIN_LOGPROB = -9999.0
 
@@ -62,11 +73,12 @@ def _offsets(start: int, tokens: Sequence[TokenLogprob]) -> list[Logprob]:
 class _Choice:
     """What a choice has sent so far (streams) or gathered (whole answers)."""
 
-    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "prefix", "reason")
+    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "prefix", "reason", "tokens")
 
     def __init__(self, echo: str, prefix: bytes) -> None:
         self.prefix = prefix  # its text chunks' bytes before the delta
         self.opened = False  # streams: its opening went out
+        self.tokens = 0  # streams: the tokens it has sent (continuous usage)
         self.length = len(echo)  # characters of its text so far
         self.pieces = [echo] if echo else []
         self.logprobs: list[Logprob] = []
@@ -79,7 +91,10 @@ class Encoder:
 
     `choices`, `logprobs`, `tools` and `echo` (the prompt a completion's
     answer starts with) say what the request asked for; with none of them the
-    answer is `plain`."""
+    answer is `plain`. `continuous_usage` (vLLM's `continuous_usage_stats`, with
+    `include_usage`) puts in every chunk of a stream the usage so far of its choice:
+    the prompt's tokens (the worker's `Started`) and the choice's tokens sent, its
+    finish chunk counting all of them (the `Finished`)."""
 
     id_prefix: ClassVar[str]
     object_full: ClassVar[str]
@@ -95,6 +110,7 @@ class Encoder:
         tools: bool = False,
         echo: str | None = None,
         named_tool: bool = False,
+        continuous_usage: bool = False,
     ) -> None:
         self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
         # A call of the function tool_choice names ends with "stop", not "tool_calls"
@@ -104,9 +120,17 @@ class Encoder:
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage and include_usage
+        self._prompt_tokens = 0  # the worker's `Started` says it (continuous usage)
         self.logprobs = logprobs
         self.echo = echo or ""
-        self.plain = choices == 1 and not logprobs and not tools and echo is None
+        self.plain = (
+            choices == 1
+            and not logprobs
+            and not tools
+            and echo is None
+            and not self.continuous_usage
+        )
         head, rest = self._chunk(self.delta_choice(_TEXT), None, _INDEX).split(_INDEX_JSON, 1)
         middle, self._after = rest.split(_TEXT_JSON, 1)
         self._head, self._middle = head, middle
@@ -116,6 +140,7 @@ class Encoder:
             choice = {**self.delta_choice(_TEXT), "logprobs": _LOGPROBS}
             rest = self._chunk(choice, None, 0).split(_TEXT_JSON, 1)[1]
             self._between, self._after_logprobs = rest.split(_LOGPROBS_JSON, 1)
+        assert not self.continuous_usage or self._after.endswith(_NULL_END)
 
     def _head_of(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
@@ -124,8 +149,21 @@ class Encoder:
         chunk = self._head_of(self.object_chunk)
         chunk["choices"] = [{"index": index, **choice, "finish_reason": self._reason(reason)}]
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._usage_of(index) if self.continuous_usage else None
         return sse(chunk)
+
+    def _usage_of(self, index: Any) -> dict[str, int] | None:
+        """Choice `index`'s usage so far (None while the chunk is a template)."""
+        choice = self._choices.get(index) if type(index) is int else None
+        return None if choice is None else _usage(self._prompt_tokens, choice.tokens)
+
+    def _closed(self, tail: bytes, choice: _Choice) -> bytes:
+        """A text chunk's `tail` (its bytes after the delta or the logprobs), with the
+        choice's usage so far where that asks for it."""
+        if not self.continuous_usage:
+            return tail
+        usage = orjson.dumps(_usage(self._prompt_tokens, choice.tokens))
+        return tail[: -len(_NULL_END)] + usage + b"}\n\n"
 
     def _reason(self, reason: FinishReason | None) -> str | None:
         if reason is FinishReason.TOOL_CALLS and self._named_tool:
@@ -199,6 +237,9 @@ class Encoder:
         out = []
         run: list[Text] = []
         for event in batch:
+            if type(event) is Started:
+                self._prompt_tokens = event.prompt_tokens
+                continue
             if isinstance(event, Text):
                 if run and run[0].index != event.index:
                     out.append(self._text_chunk(run))
@@ -209,9 +250,13 @@ class Encoder:
                 out.append(self._text_chunk(run))
                 run = []
             if isinstance(event, ToolCallDelta):
-                out.append(self._opened(event.index) + self.tool_chunk(event))
+                opening = self._opened(event.index)
+                self._choices[event.index].tokens += event.tokens
+                out.append(opening + self.tool_chunk(event))
             elif isinstance(event, Finished):
                 opening = self._opened(event.index)
+                choice = self._choices[event.index]
+                choice.tokens = max(choice.tokens, event.completion_tokens)
                 finish = self._chunk(self.delta_choice(None), event.reason, event.index)
                 out.append(opening + finish)
         if run:
@@ -232,12 +277,13 @@ class Encoder:
         index = run[0].index
         opening = self._opened(index)
         choice = self._choices[index]
+        choice.tokens += sum(t.tokens for t in run)
         text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
         if not self.logprobs:
             if not text:
                 return opening
             choice.length += len(text)
-            return opening + choice.prefix + orjson.dumps(text) + self._after
+            return opening + choice.prefix + orjson.dumps(text) + self._closed(self._after, choice)
         logprobs = self._logprobs_of(choice, run)
         if not text and not logprobs:
             return opening
@@ -247,7 +293,7 @@ class Encoder:
             + orjson.dumps(text)
             + self._between
             + orjson.dumps(self.logprobs_json(logprobs))
-            + self._after_logprobs
+            + self._closed(self._after_logprobs, choice)
         )
 
     @staticmethod

@@ -135,6 +135,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             # an upstream that builds its own answer already chose its finish reason
             named_tool=not pool.relays_answers
             and generate.tool_choice not in ("", "none", "auto", "required"),
+            continuous_usage=parsed.continuous_usage,
         )
 
     async def serve(self, ex: Exchange) -> None:
@@ -157,6 +158,13 @@ class GenerationRoute(RequestRoute[Exchange]):
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
         _check_features(pool, parsed.generate)
+        if parsed.continuous_usage and pool.relays_answers:
+            raise invalid(
+                "stream_options.continuous_usage_stats",
+                f"The model `{pool.name}` is served by OpenAI-compatible servers, which "
+                "count the prompt's tokens only at the end of the answer: per-chunk usage "
+                "is not available for it.",
+            )
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
         ctx.request = parsed.generate
         ctx.priority = priority(ex.scope)

@@ -112,6 +112,9 @@ class ParsedRequest:
     #: The name the client gave the answer's length (`max_completion_tokens` or
     #: `max_tokens`), for the refusals of the checks after parsing to name it.
     max_tokens_param: str = "max_tokens"
+    #: vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): the
+    #: usage so far in every chunk.
+    continuous_usage: bool = False
 
 
 def _is_number(value: Any) -> bool:
@@ -270,23 +273,26 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, name: str) -> Sam
     )
 
 
-#: `stream_options` keys that are not served, refused when true: vLLM's usage on every
-#: chunk (the stream's fast path writes text without counting it) and OpenAI's padding
-#: of each chunk against length side channels.
-UNSERVED_STREAM_OPTIONS = ("continuous_usage_stats", "include_obfuscation")
+#: `stream_options` keys served: OpenAI's usage chunk, and vLLM's usage in every chunk.
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+#: `stream_options` keys that are not served, refused when true: OpenAI's padding of
+#: each chunk against length side channels.
+UNSERVED_STREAM_OPTIONS = ("include_obfuscation",)
 
 
-def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
-    """Whether to add a usage chunk; options without `stream` ask nothing (OpenAI's servers
-    accept and drop them). A key OpenAI and vLLM do not define is refused by name, as
-    OpenAI refuses it, and so is one that asks for what is not served."""
+def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """Whether to add a usage chunk, and whether to put the usage so far in every chunk
+    too; options without `stream` ask nothing (OpenAI's servers accept and drop them),
+    and `continuous_usage_stats` asks it only with `include_usage`, as vLLM's server
+    reads them. A key OpenAI and vLLM do not define is refused by name, as OpenAI
+    refuses it, and so is one that asks for what is not served."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, Mapping):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
     for key in options:
-        if key != "include_usage" and key not in UNSERVED_STREAM_OPTIONS:
+        if key not in STREAM_OPTIONS and key not in UNSERVED_STREAM_OPTIONS:
             raise invalid(
                 f"stream_options.{key[:64]}",
                 f"Unrecognized key in 'stream_options': {key[:64]!r}.",
@@ -297,8 +303,9 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
                 f"stream_options.{name}",
                 f"'stream_options.{name}' is not supported by this gateway.",
             )
-    include_usage = _flag(options, "include_usage", "stream_options.")
-    return stream and include_usage
+    include_usage = _flag(options, "include_usage", "stream_options.") and stream
+    continuous = _flag(options, "continuous_usage_stats", "stream_options.")
+    return include_usage, include_usage and continuous
 
 
 def model_of(body: Any) -> str | None:
@@ -327,7 +334,7 @@ def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
     n = _int(body, "n", 1, MAX_N) or 1
     stream = _flag(body, "stream")
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
     max_tokens, max_tokens_param = _max_tokens(body)
     request = GenerateRequest(
         model or "",
@@ -338,7 +345,14 @@ def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest
         request_id=request_id,
         **fields,
     )
-    return ParsedRequest(model, request, stream, include_usage, max_tokens_param=max_tokens_param)
+    return ParsedRequest(
+        model,
+        request,
+        stream,
+        include_usage,
+        max_tokens_param=max_tokens_param,
+        continuous_usage=continuous_usage,
+    )
 
 
 # -- chat -------------------------------------------------------------------
