@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import random
+import secrets
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,8 +19,10 @@ import pytest
 from gateway.config import AliasConfig, ConfigError, ModelConfig, QueueConfig, parse_config
 from gateway.fleet.aliases import Aliases, draw
 from gateway.worker.demo import DemoEngine
+from tests.support.certs import CertificateAuthority
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.metrics import scrape, value
+from tests.support.openai_server import OpenAIServer
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -249,6 +252,47 @@ def test_a_fallback_serves_only_within_its_own_max_tokens_limit(gateway_with, wo
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-furnace-model"] == "furnace-demo"
         assert answer.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_fallback_that_cannot_serve_per_chunk_usage_refuses_it_naming_it(
+    gateway_with, server_loop, tmp_path, monkeypatch
+) -> None:
+    """An OpenAI-compatible fallback says the prompt's tokens only at its end: a request
+    for usage in every chunk that lands there is refused, naming the option, and
+    nothing is left running."""
+    ca = CertificateAuthority(tmp_path, "hosted-ca")
+    server = OpenAIServer("hosted", "sk-" + secrets.token_hex(8), ca.issue("h", ips=("127.0.0.1",)))
+    server_loop.call(server.start())
+    monkeypatch.setenv("FURNACE_TEST_HOSTED_KEY", server.key)
+    try:
+        hosted = ModelConfig(
+            "hosted",
+            workers=(server.url,),
+            upstream="openai",
+            api_key_env="FURNACE_TEST_HOSTED_KEY",
+            ca_file=ca.ca_file,
+        )
+        models = (
+            ModelConfig("furnace-primary", workers=("127.0.0.1:1",), fallbacks=("hosted",)),
+            hosted,
+        )
+        gw = gateway_with(models=models)
+        body = {
+            "model": "furnace-primary",
+            "messages": [{"role": "user", "content": "a b"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+            refused = client.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+            del body["stream_options"]["continuous_usage_stats"]
+            served = client.post("/v1/chat/completions", json=body)
+            assert served.status_code == 200, served.text
+            assert served.headers["x-furnace-model"] == "hosted"
+    finally:
+        server_loop.call(server.stop())
 
 
 def test_fallback_serves_every_request_when_the_first_models_workers_die(

@@ -62,6 +62,18 @@ def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
 
 
+def _check_usage(parsed: ParsedRequest, pool: ModelPool) -> None:
+    """Refuses per-chunk usage (`continuous_usage_stats`) for a model on OpenAI-compatible
+    servers, whose prompt's tokens come only with their last chunk."""
+    if parsed.continuous_usage and pool.relays_answers:
+        raise invalid(
+            "stream_options.continuous_usage_stats",
+            f"The model `{pool.name}` is served by OpenAI-compatible servers, which count "
+            "the prompt's tokens only at the end of the answer: per-chunk usage is not "
+            "available for it.",
+        )
+
+
 #: The longest `x-session-id` taken (a conversation's key for session affinity).
 MAX_SESSION_ID = 256
 
@@ -158,13 +170,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
         _check_features(pool, parsed.generate)
-        if parsed.continuous_usage and pool.relays_answers:
-            raise invalid(
-                "stream_options.continuous_usage_stats",
-                f"The model `{pool.name}` is served by OpenAI-compatible servers, which "
-                "count the prompt's tokens only at the end of the answer: per-chunk usage "
-                "is not available for it.",
-            )
+        _check_usage(parsed, pool)
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
         ctx.request = parsed.generate
         ctx.priority = priority(ex.scope)
@@ -218,9 +224,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         record, gone = ex.record, ex.ctx.gone
         assert gone is not None
         gone.add_done_callback(lambda _: pump.cancel())
-        encoder = self.encoder(parsed, pool)
-        record.expect(parsed.generate.n)
         try:
+            _check_usage(parsed, pool)  # the pool that serves: a fallback's, maybe
+            encoder = self.encoder(parsed, pool)
+            record.expect(parsed.generate.n)
             with self.inflight.track(pump):
                 write_now = ex.scope.get("extensions", {}).get(WRITE_NOW_EXTENSION)
                 await self._relay_events(
