@@ -275,7 +275,20 @@ async def _one_stream(client: httpx.AsyncClient, url: str, key: str, cut: bool) 
 
 
 def _usage_rows(admin_url: str, **params: str) -> list[dict[str, Any]]:
-    answer = httpx.get(admin_url + "/admin/usage", params=params, timeout=HANG_GUARD)
+    """The ledger's rows. Its 503 `usage_store_unavailable` says "retry shortly": on a
+    busy machine a Redis call can pass `redis_timeout` (0.25 s), and the route is asked
+    again then, as a client would."""
+    answers: list[httpx.Response] = []
+
+    def answered() -> bool:
+        answer = httpx.get(admin_url + "/admin/usage", params=params, timeout=HANG_GUARD)
+        if answer.status_code == 503 and "usage_store_unavailable" in answer.text:
+            return False
+        answers.append(answer)
+        return True
+
+    wait_until(answered, "the usage ledger to answer")
+    (answer,) = answers
     assert answer.status_code == 200, answer.text
     rows: list[dict[str, Any]] = answer.json()["data"]
     return rows
