@@ -277,7 +277,8 @@ class Encoder:
         index = run[0].index
         opening = self._opened(index)
         choice = self._choices[index]
-        choice.tokens += sum(t.tokens for t in run)
+        if self.continuous_usage:  # the count only its usage reads
+            choice.tokens += sum(t.tokens for t in run)
         text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
         if not self.logprobs:
             if not text:
