@@ -352,7 +352,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         limits = self.limits
         if self._head_bytes > limits.max_header_bytes or self._header_count > limits.max_headers:
             raise _Refused
-        super().on_header(name, value)
+        # uvicorn's `on_header`, here rather than called: a call less for every header
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.heads.waiting.pop(self, None)

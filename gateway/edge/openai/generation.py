@@ -208,15 +208,16 @@ class GenerationRoute(RequestRoute[Exchange]):
             try:
                 await self._relay(pump, parsed, pool, ex)
             finally:
-                record = ex.record
-                annotate(
-                    span,
-                    {
-                        "furnace.worker": record.worker or None,
-                        "furnace.route.policy": record.policy or None,
-                        "furnace.route.cache_hit_blocks": record.cache_hit_blocks,
-                    },
-                )
+                if span is not None:
+                    record = ex.record
+                    annotate(
+                        span,
+                        {
+                            "furnace.worker": record.worker or None,
+                            "furnace.route.policy": record.policy or None,
+                            "furnace.route.cache_hit_blocks": record.cache_hit_blocks,
+                        },
+                    )
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange
