@@ -1,7 +1,8 @@
 """HPACK for the gateway's gRPC client (`gateway.protocol.h2_fields`): the blocks it
 builds read back, through hpack's decoder (an implementation not ours), as the fields
-they were made of and never write the peer's table; the worker's indexed-only blocks
-are decoded once and read again after its table changes; and over a connection
+they were made of and never write the peer's table; the worker's blocks that leave its
+table as it was (indexed fields, literals not indexed) are decoded once and read again
+after its table changes; and over a connection
 (`grpc_h2`, against a scripted HTTP/2 server that records what it gets) the table is
 said to be empty in the first block and again after the server sets its table size.
 Interop with gRPC's own HPACK is in `test_grpc_h2.py` (a grpc.aio server)."""
@@ -54,6 +55,22 @@ def test_an_indexed_block_is_decoded_once_and_again_after_the_table_changes() ->
     # a block that writes the table shifts its entries: the same bytes now read the new one
     decoder.decode(encoder.encode([("grpc-status", "0")]))
     assert decoder.decode(again) == ((":status", "200"), ("grpc-status", "0"))
+
+
+def test_a_block_of_indexed_fields_and_literals_not_indexed_is_decoded_once() -> None:
+    encoder, decoder = hpack.Encoder(), BlockDecoder(64 * 1024)
+    decoder.decode(encoder.encode([("grpc-status", "0")]))  # the table's first entry
+    # grpcio's trailers after a connection's first call: the status indexed and an empty
+    # message as a literal not indexed; then a never-indexed one, Huffman-coded and long
+    note = hpack.NeverIndexedHeaderTuple("x-note", "b" * 300)
+    trailers = b"\xbe" + field("grpc-message", "") + encoder.encode([note], huffman=True)
+    expected = (("grpc-status", "0"), ("grpc-message", ""), ("x-note", "b" * 300))
+    assert decoder.decode(trailers) == expected
+    assert decoder.decode(trailers) is decoder.decode(trailers)  # kept
+    # a literal with indexing writes the table: its block is decoded every time
+    indexing = encoder.encode([("x-new", "1")])
+    assert indexing[0] & 0xC0 == 0x40
+    assert decoder.decode(indexing) is not decoder.decode(indexing)
 
 
 def test_a_block_past_the_limit_is_refused_and_not_kept() -> None:

@@ -113,9 +113,11 @@ class Worker:
     def release(self, outcome: CallEnd) -> None:
         """Called once when one of its calls ends, however it ends."""
         self.outstanding -= 1
-        if outcome is None:
-            self.consecutive_failures = 0
-            self.ejection_streak = 0
+        if outcome is None:  # each write runs `__setattr__`: only those that change
+            if self.consecutive_failures:
+                self.consecutive_failures = 0
+            if self.ejection_streak:
+                self.ejection_streak = 0
         elif outcome is not CANCELLED and isinstance(outcome, TRANSPORT_FAILURES):
             self.record_failure()
 

@@ -17,10 +17,13 @@ first block and of the first block after the worker sets its
 SETTINGS_HEADER_TABLE_SIZE, as a decoder that lowered it may require.
 
 In: hpack's `Decoder`, whose dynamic table the worker's blocks write. A block made
-only of indexed fields of one byte each (every byte with its top bit set: the usual
-headers and trailers of a gRPC server after a connection's first call) reads that
-table and does not change it, so its decoding is kept, by its bytes, until a block of
-another form is decoded.
+only of indexed fields (§6.1) and literals not indexed (§6.2.2, §6.2.3) reads that
+table and does not change it, so its decoding is kept, by its bytes, until a block that
+writes the table (a literal with indexing, §6.2.1, or a size update, §6.3) is decoded.
+Those are the usual headers and trailers of a gRPC server after a connection's first
+call: grpcio's trailers are `grpc-status` indexed and an empty `grpc-message` as a
+literal not indexed, which, when only indexed fields were kept, made both blocks of
+every call miss (hpack's decoding of them: about 1,400 bytecodes a call).
 """
 
 from __future__ import annotations
@@ -93,10 +96,48 @@ class BlockDecoder:
         if known is not None:
             return known
         decoded = tuple((str(name), str(value)) for name, value in self._decoder.decode(block))
-        if block and min(block) >= _INDEXED:  # read the table, left it as it was
+        if _leaves_table(block):  # read the table, left it as it was
             if len(self._known) >= _KEPT_BLOCKS:
                 self._known.clear()
             self._known[block] = decoded
         else:  # it may have written the table: what was kept may now read otherwise
             self._known.clear()
         return decoded
+
+
+def _integer_at(block: bytes, at: int, prefix_bits: int) -> tuple[int, int]:
+    """The integer (§5.1) whose first byte is `block[at]`, and where it ends."""
+    limit = (1 << prefix_bits) - 1
+    value = block[at] & limit
+    at += 1
+    if value < limit:
+        return value, at
+    shift = 0
+    while True:
+        byte = block[at]
+        at += 1
+        value += (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _leaves_table(block: bytes) -> bool:
+    """Whether decoding `block` (one hpack has decoded) leaves the dynamic table as it
+    was: only indexed fields and literals not indexed, each walked over by its lengths."""
+    at, end = 0, len(block)
+    try:
+        while at < end:
+            first = block[at]
+            if first & _INDEXED:
+                _, at = _integer_at(block, at, 7)
+                continue
+            if first & 0x60:  # with indexing (01), or a table size update (001)
+                return False
+            name, at = _integer_at(block, at, 4)
+            for _ in range(1 if name else 2):  # the name's string, if new; the value's
+                length, at = _integer_at(block, at, 7)
+                at += length
+        return at == end
+    except IndexError:
+        return False

@@ -44,6 +44,8 @@ FLUSH_INTERVAL = 1.0
 AMOUNTS = ("prompt_tokens", "completion_tokens", "requests", "spend")
 OUTCOMES = ("completed", "client_gone", "timeout", "engine_error", "rejected", "invalid")
 FIELDS = (*AMOUNTS, *(f"outcome_{o}" for o in OUTCOMES))
+#: An outcome's field in a row.
+_OUTCOME_FIELDS = {o: f"outcome_{o}" for o in OUTCOMES}
 #: The columns of a row (JSON keys and CSV header).
 COLUMNS = ("day", "team", "model", "key_id", *FIELDS)
 #: The most days one query may span.
@@ -124,11 +126,14 @@ class Ledger:
             "requests": 1.0,
             "spend": spend,
         }
-        if outcome in OUTCOMES:
-            amounts[f"outcome_{outcome}"] = 1.0
+        outcome_field = _OUTCOME_FIELDS.get(outcome) if outcome is not None else None
+        if outcome_field is not None:
+            amounts[outcome_field] = 1.0
         day = day_of(time.time() if now is None else now)
         _add(self.rows, (day, team, model, key_id or NO_KEY), amounts)
-        total = self.totals.setdefault((team, model), dict.fromkeys(AMOUNTS, 0.0))
+        total = self.totals.get((team, model))
+        if total is None:
+            total = self.totals[team, model] = dict.fromkeys(AMOUNTS, 0.0)
         for name in AMOUNTS:
             total[name] += amounts[name]
 
