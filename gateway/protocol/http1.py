@@ -5,11 +5,12 @@ the benchmark's load generator (`gateway.bench.http`).
 Why not httpx or aiohttp: a response is parsed by httptools inside the transport's
 callback (the chunked encoding undone in C) and handed straight to its `Reader`, with no
 task switch, queue or copy per chunk; a network read of many SSE events is one
-`data_received` and one `Reader.read`. `benchmarks/bench_http_clients.py` measures the
-CPU per streamed response of this client against httpx's and aiohttp's.
+`data_received`, one `Reader.body` (its pieces joined) and one `Reader.read`: no Python
+runs per chunk. `benchmarks/bench_http_clients.py` measures the CPU per streamed
+response of this client against httpx's and aiohttp's.
 
-A connection carries one request at a time; its reader learns the status, the body's
-pieces, and then either that the response ended (`complete`, and whether the
+A connection carries one request at a time; its reader learns the status, the body a
+read at a time, and then either that the response ended (`complete`, and whether the
 connection may carry the next request: `Connection.reusable`) or that it broke
 (`broken`: bad HTTP, or the connection lost). `Pool` keeps the idle connections of one
 host and port. `fetch` sends one request and keeps its whole answer (a bounded read):
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from typing import Protocol, cast
 
 import httptools
@@ -39,7 +41,8 @@ class Reader(Protocol):
         """The response's status line and headers have arrived."""
 
     def body(self, data: bytes) -> None:
-        """A piece of the body (chunked encoding undone)."""
+        """The body that a network read brought (its pieces joined, the chunked
+        encoding undone): told before `read`, `complete` or `broken`."""
 
     def read(self) -> None:
         """A network read has been parsed (whatever it held was told before this)."""
@@ -59,6 +62,12 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
+        self._pieces: list[bytes] = []  # the body's pieces parsed off the read in progress
+        # httptools calls `on_body` for each piece of a chunked body (an SSE event a
+        # piece, often): the list's own `append` runs no Python for one; the reader
+        # gets them joined, once a read (`_hand_body`). Set before the parser, which
+        # looks its callbacks up once.
+        self.on_body: Callable[[bytes], None] = self._pieces.append
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.reader: Reader | None = None
@@ -81,21 +90,29 @@ class Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as error:
             if reader is not None:
+                self._hand_body()  # what came before it goes first
                 reader.broken(BAD_RESPONSE, str(error))
             else:
                 self.abort()  # bytes on an idle connection: it is not usable
+        if self._pieces:
+            self._hand_body()
         if reader is not None:
             reader.read()
+
+    def _hand_body(self) -> None:
+        """The body's pieces parsed so far, as one, to the reader (if any: the pieces
+        of no request are dropped)."""
+        reader = self.reader
+        if reader is not None and self._pieces:
+            reader.body(b"".join(self._pieces))  # one piece: that piece, not a copy
+        self._pieces.clear()
 
     def on_headers_complete(self) -> None:
         if self.reader is not None:
             self.reader.head(self._parser.get_status_code())
 
-    def on_body(self, body: bytes) -> None:
-        if self.reader is not None:
-            self.reader.body(body)
-
     def on_message_complete(self) -> None:
+        self._hand_body()
         reader, self.reader = self.reader, None
         self.reusable = self._parser.should_keep_alive()
         if reader is not None:

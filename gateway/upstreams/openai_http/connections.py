@@ -81,7 +81,6 @@ class _RawCall(StreamBookkeeping):
         self._opened = False  # the request was sent (once: a dropped call is not sent again)
         self._connection: Connection | None = None
         self._status = 0
-        self._pieces: list[bytes] = []  # the body pieces of the read in progress
         self._error_body: list[bytes] = []
         self._error_size = 0
         self._failure: errors.GatewayError | None = None
@@ -199,7 +198,6 @@ class _RawCall(StreamBookkeeping):
         now = monotonic()
         rest = now - self._read_at < REST
         self._read_at = now
-        self.flush()
         self._wake()
         listener = self._listener
         if listener is not None:
@@ -240,15 +238,7 @@ class _RawCall(StreamBookkeeping):
             self._grace = asyncio.get_running_loop().call_later(HEAD_GRACE, self._accept)
 
     def body(self, data: bytes) -> None:
-        self._pieces.append(data)  # parsed once per read, in `flush`
-
-    def flush(self) -> None:
-        """Parses the body pieces of the last read as one."""
-        pieces = self._pieces
-        if not pieces:
-            return
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
+        """Parses the body a read brought (the connection joined its pieces)."""
         if self._failure is not None or self._stream.done:
             return
         if self._status != 200:
@@ -270,15 +260,13 @@ class _RawCall(StreamBookkeeping):
                 self._end(None)  # [DONE]: the call is over; its last events wait to be read
 
     def broken(self, kind: str, detail: str) -> None:
-        if kind == BAD_RESPONSE:
-            self.flush()  # what came before it goes out first
+        if kind == BAD_RESPONSE:  # what came before it was parsed first (`body`)
             self.fail(errors.Failed(f"The upstream sent bad HTTP: {detail}"))
         else:
             self.fail(errors.Unavailable(f"upstream closed the connection: {detail}"))
 
     def complete(self, connection: Connection) -> None:
         """Their response ended: the connection goes back to the pool if it can."""
-        self.flush()
         self._connection = None
         self._uncount()
         if (self._paused or self._resting) and connection.transport is not None:

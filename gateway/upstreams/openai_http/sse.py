@@ -25,7 +25,14 @@ from typing import Any
 import orjson
 
 from gateway.protocol import errors
-from gateway.protocol.types import Event, Finished, FinishReason, Text, ToolCallDelta
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.upstreams.openai_http.translate import (
     _chat_logprobs,
     _completion_logprobs,
@@ -118,7 +125,7 @@ class _Stream:
                 text = None
             if type(text) is str:
                 if text:
-                    self._texts([text])
+                    self._text(text, 1, self._template_index)
                 return
         if b"\n" not in data:
             self._parts.append(data)
@@ -135,16 +142,17 @@ class _Stream:
         if rest:
             self._parts.append(rest)
         self._size = len(rest)
-        head, tail = self._head, self._tail
+        head = self._head or b"\n"  # none yet: a head that no line starts with
+        tail = self._tail
         texts: list[str] = []  # the template's texts in a row, one event at the end
         size = 0
-        cut = -len(tail)  # a template's tail is never empty: it closes the object
+        start, cut = len(head), -len(tail)  # a template's tail is never empty
         for line in lines:
             if not line:
                 continue  # the blank line after each event
-            if head and line.startswith(head) and line.endswith(tail):
+            if line.startswith(head) and line.endswith(tail):
                 try:
-                    text = orjson.loads(line[len(head) : cut])
+                    text = orjson.loads(line[start:cut])
                 except orjson.JSONDecodeError:
                     text = None
                 if type(text) is str:  # the template's chunk with this text
@@ -172,13 +180,12 @@ class _Stream:
             if type(payload) is not dict:
                 raise errors.Failed("The upstream sent an event that is not an object.")
             try:
-                self._chunk(payload)
-                learned = self._learn(line, payload)
+                learned = self._chunk(payload) and self._learn(line, payload)
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
                 head, tail = self._head, self._tail
-                cut = -len(tail)
+                start, cut = len(head), -len(tail)
         if texts:
             self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
@@ -186,31 +193,18 @@ class _Stream:
 
     def _texts(self, texts: list[str]) -> None:
         """The template's texts, in a row: one event, a token each (and emptied)."""
-        index = self._template_index
-        self._text(Text("".join(texts), len(texts), index))
-        self._counted[index] += len(texts)
+        self._text("".join(texts), len(texts), self._template_index)
         texts.clear()
 
     def _learn(self, line: bytes, payload: dict[str, Any]) -> bool:
-        """Keeps `line` (parsed: `payload`) as the template if it is a plain text chunk:
-        one choice whose only effect is its text (no finish, logprobs, tool calls or
-        usage), the text's key once in the line, its string spelled as orjson would."""
-        choices = payload.get("choices")
-        if type(choices) is not list or len(choices) != 1 or payload.get("usage"):
-            return False
-        choice = choices[0]
-        if choice.get("finish_reason") is not None or choice.get("logprobs"):
-            return False
-        if self._chat:
-            delta = choice.get("delta")
-            if type(delta) is not dict or delta.get("tool_calls"):
-                return False
-            text = delta.get("content")
-        else:
-            text = choice.get("text")
+        """Keeps `line` (parsed: `payload`, a plain text chunk as `_chunk` tells) as
+        the template if its text's key is once in the line and its string is spelled
+        as orjson would."""
         key = self._key
-        if type(text) is not str or not text or line.count(key) != 1:
+        if line.count(key) != 1:
             return False
+        choice = payload["choices"][0]
+        text = choice["delta"]["content"] if self._chat else choice["text"]
         at = line.index(key) + len(key)
         while line[at : at + 1] == b" ":
             at += 1
@@ -222,7 +216,10 @@ class _Stream:
         self._template_index = choice.get("index") or 0
         return True
 
-    def _chunk(self, payload: dict[str, Any]) -> None:
+    def _chunk(self, payload: dict[str, Any]) -> bool:
+        """Takes one chunk; whether it is a plain text chunk, a template (`_learn`):
+        one choice whose only effect is its text (no finish, logprobs, tool calls or
+        usage)."""
         if "error" in payload or payload.get("object") == "error":
             raise error_from_event(payload)
         choices = payload.get("choices")
@@ -234,35 +231,39 @@ class _Stream:
             elif len(choices) == 1 and "completion_tokens" in usage:  # per-chunk usage
                 self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
         if not choices:
-            return
-        for choice in choices:
-            self._choice(choice)
+            return False
+        plain = False
+        for choice in choices:  # a list: anything else fails on its items
+            plain = self._choice(choice)
+        return plain and len(choices) == 1 and not usage
 
-    def _choice(self, choice: dict[str, Any]) -> None:
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        """Takes one choice of a chunk; whether its text (not empty) is all it holds."""
         index = choice.get("index") or 0
         if not 0 <= index < self.n:
             raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
+        given = choice.get("logprobs")
         if self._chat:
             delta = choice.get("delta") or {}
             text = delta.get("content")
             calls = delta.get("tool_calls")
-            logprobs = _chat_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+            logprobs = _chat_logprobs(given) if given else None
         else:
             text = choice.get("text")
             calls = None
-            logprobs = _completion_logprobs(choice["logprobs"]) if choice.get("logprobs") else None
+            logprobs = _completion_logprobs(given) if given else None
         tokens = 1 if logprobs is None else len(logprobs)
         if text or logprobs:
-            self._text(Text(text or "", tokens, index, logprobs))
-            self._counted[index] += tokens
+            self._text(text or "", tokens, index, logprobs)
             tokens = 0
         if calls:
             for call in calls:
                 self._tool_call(index, call, tokens)
-                self._counted[index] += tokens
                 tokens = 0
         reason = choice.get("finish_reason")
-        if reason is not None and index not in self._reasons:
+        if reason is None:
+            return not given and not calls and type(text) is str and text != ""
+        if index not in self._reasons:
             failure = _FINISH_ERRORS.get(reason)
             if failure is not None:
                 raise failure(f"The upstream ended choice {index} with `{reason}`.")
@@ -270,23 +271,35 @@ class _Stream:
             stop = choice.get("stop_reason")  # vLLM's: the stop string, or a stop token id
             if reason == "stop" and isinstance(stop, str):
                 self._stops[index] = stop[:MAX_STOP_CHARS]
+        return False
 
-    def _text(self, text: Text) -> None:
+    def _text(
+        self,
+        text: str,
+        tokens: int,
+        index: int,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> None:
+        """A piece of choice `index`'s text, its tokens counted; merged into the last
+        event when that is the same choice's text (both with logprobs, or neither)."""
+        self._counted[index] += tokens
         ready = self.ready
         if ready:
             last = ready[-1]
-            if type(last) is Text and last.index == text.index and len(last.text) < _MERGE_CHARS:
-                if last.logprobs is None and text.logprobs is None:
-                    ready[-1] = Text(last.text + text.text, last.tokens + text.tokens, text.index)
+            if type(last) is Text and last.index == index and len(last.text) < _MERGE_CHARS:
+                if last.logprobs is None and logprobs is None:
+                    ready[-1] = Text(last.text + text, last.tokens + tokens, index)
                     return
-                if last.logprobs is not None and text.logprobs is not None:
-                    logprobs = last.logprobs + text.logprobs
-                    merged = last.text + text.text
-                    ready[-1] = Text(merged, last.tokens + text.tokens, text.index, logprobs)
+                if last.logprobs is not None and logprobs is not None:
+                    logprobs = last.logprobs + logprobs
+                    ready[-1] = Text(last.text + text, last.tokens + tokens, index, logprobs)
                     return
-        ready.append(text)
+        ready.append(Text(text, tokens, index, logprobs))
 
     def _tool_call(self, index: int, call: dict[str, Any], tokens: int) -> None:
+        """A piece of a tool call of choice `index`, its tokens counted; merged into
+        the last event when that is more of the same call's arguments."""
+        self._counted[index] += tokens
         function = call.get("function") or {}
         call_index = call.get("index") or 0
         call_id = call.get("id") or ""
@@ -311,15 +324,25 @@ class _Stream:
     def _end(self) -> None:
         """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
         self.done = True
-        order = [*self._reasons, *(i for i in range(self.n) if i not in self._reasons)]
-        counts = {i: self._usages.get(i, self._counted[i]) for i in order}
-        unknown = [i for i in order if i not in self._usages]
-        if self._total is not None and unknown:
-            for i in unknown:
-                counts[i] = 0
-            known = sum(self._usages.values())
-            counts[unknown[-1]] = max(0, self._total - known)
+        reasons, usages, total = self._reasons, self._usages, self._total
+        order = [*reasons]
+        if len(order) < self.n:
+            order += [i for i in range(self.n) if i not in reasons]
+        last = -1  # the choice that the usage chunk's total goes on
+        if total is not None:
+            for i in reversed(order):
+                if i not in usages:
+                    last = i
+                    break
         for i in order:
-            reason = self._reasons.get(i, FinishReason.STOP)
+            if i in usages:
+                count = usages[i]
+            elif total is None:
+                count = self._counted[i]
+            elif i == last:
+                count = max(0, total - sum(usages.values()))
+            else:
+                count = 0
+            reason = reasons.get(i, FinishReason.STOP)
             stop = self._stops.get(i, "")
-            self.ready.append(Finished(reason, counts[i], self._prompt_tokens, i, stop))
+            self.ready.append(Finished(reason, count, self._prompt_tokens, i, stop))
