@@ -8,13 +8,19 @@ parameter at its default value is accepted, since obeying it costs nothing.
 Unknown fields are ignored, as OpenAI-compatible servers ignore them, so SDKs
 sending extras keep working. Whether the model's workers serve a parameter is
 the route's check (`gateway.protocol.features`), after the model is resolved.
+
+This runs for every request, and most bodies give few of the parameters: a
+parameter's check is called only where the body has it (an `in` is a fraction
+of a call), in a fixed order, so a body with two faults is always refused for
+the same one.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeGuard
 
 import orjson
@@ -97,6 +103,8 @@ UNSERVED: dict[str, Any] = {
 }
 #: `service_tier` values that ask nothing of a self-hosted model.
 SERVICE_TIERS = frozenset({"auto", "default"})
+#: Those and null, compared with == (a list there is refused, not unhashable).
+_FREE_SERVICE_TIERS = (None, *SERVICE_TIERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +196,8 @@ def _max_tokens(body: Mapping[str, Any]) -> tuple[int | None, str]:
     """The answer's length and the name it was given: `max_completion_tokens` wins
     (vLLM's order; OpenAI deprecates `max_tokens` for it), and both are checked."""
     deprecated = _int(body, "max_tokens", 1, UINT32_MAX)
+    if "max_completion_tokens" not in body:
+        return deprecated, "max_tokens"
     value = _int(body, "max_completion_tokens", 1, UINT32_MAX)
     if value is not None:
         return value, "max_completion_tokens"
@@ -251,25 +261,40 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _repetition_penalty(body: Mapping[str, Any]) -> float | None:
+    value = _number(body, "repetition_penalty", 0, 2, low_open=True)
+    return None if value == 1 else value  # 1 penalizes nothing: the engine's default
+
+
+#: The sampling fields after `min_tokens` (checked first, against the answer's length),
+#: each with its check, in the order they are checked; each check's value is the
+#: `SamplingParams` field of the same name.
+_SAMPLING: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "repetition_penalty": _repetition_penalty,
+    "temperature": partial(_number, name="temperature", low=0, high=2),
+    "top_p": partial(_number, name="top_p", low=0, high=1, low_open=True),
+    "top_k": _top_k,
+    "presence_penalty": partial(_number, name="presence_penalty", low=-2, high=2),
+    "frequency_penalty": partial(_number, name="frequency_penalty", low=-2, high=2),
+    "seed": partial(_int, name="seed"),
+    "ignore_eos": lambda body: _flag(body, "ignore_eos") or None,
+    "min_p": lambda body: _number(body, "min_p", 0, 1) or None,
+    "logit_bias": _logit_bias,
+    "stop_token_ids": partial(_token_ids, name="stop_token_ids", limit=MAX_STOP_TOKEN_IDS),
+}
+_SAMPLING_ORDER = {name: i for i, name in enumerate(_SAMPLING)}
+
+
 def _sampling(body: Mapping[str, Any], max_tokens: int | None, name: str) -> SamplingParams:
-    min_tokens = _int(body, "min_tokens", 0, UINT32_MAX) or None
+    min_tokens = _int(body, "min_tokens", 0, UINT32_MAX) or None if "min_tokens" in body else None
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise invalid("min_tokens", f"Invalid value for 'min_tokens': more than '{name}'.")
-    repetition_penalty = _number(body, "repetition_penalty", 0, 2, low_open=True)
+    # the fields the body has, put in their order in C (the sort's key is dict lookups)
+    given = sorted(_SAMPLING.keys() & body.keys(), key=_SAMPLING_ORDER.__getitem__)
     return SamplingParams(
-        temperature=_number(body, "temperature", 0, 2),
-        top_p=_number(body, "top_p", 0, 1, low_open=True),
-        top_k=_top_k(body),
-        presence_penalty=_number(body, "presence_penalty", -2, 2),
-        frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        seed=_int(body, "seed"),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        ignore_eos=_flag(body, "ignore_eos") or None,
-        repetition_penalty=None if repetition_penalty == 1 else repetition_penalty,
-        min_p=_number(body, "min_p", 0, 1) or None,
-        logit_bias=_logit_bias(body),
-        stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+        **{field: _SAMPLING[field](body) for field in given},
     )
 
 
@@ -278,6 +303,7 @@ STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 #: `stream_options` keys that are not served, refused when true: OpenAI's padding of
 #: each chunk against length side channels.
 UNSERVED_STREAM_OPTIONS = ("include_obfuscation",)
+_STREAM_OPTION_KEYS = frozenset(STREAM_OPTIONS + UNSERVED_STREAM_OPTIONS)
 
 
 def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
@@ -292,19 +318,21 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
     if not isinstance(options, Mapping):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
     for key in options:
-        if key not in STREAM_OPTIONS and key not in UNSERVED_STREAM_OPTIONS:
+        if key not in _STREAM_OPTION_KEYS:
             raise invalid(
                 f"stream_options.{key[:64]}",
                 f"Unrecognized key in 'stream_options': {key[:64]!r}.",
             )
     for name in UNSERVED_STREAM_OPTIONS:
-        if _flag(options, name, "stream_options."):
+        if name in options and _flag(options, name, "stream_options."):
             raise invalid(
                 f"stream_options.{name}",
                 f"'stream_options.{name}' is not supported by this gateway.",
             )
     include_usage = _flag(options, "include_usage", "stream_options.") and stream
-    continuous = _flag(options, "continuous_usage_stats", "stream_options.")
+    continuous = "continuous_usage_stats" in options and _flag(
+        options, "continuous_usage_stats", "stream_options."
+    )
     return include_usage, include_usage and continuous
 
 
@@ -326,22 +354,25 @@ def _user(body: Mapping[str, Any]) -> str:
     return user
 
 
-def _common(body: Any, fields: dict[str, Any], request_id: str) -> ParsedRequest:
-    """What both routes share; `fields` are the route's own GenerateRequest fields."""
-    model = model_of(body)
+def _common(
+    body: Mapping[str, Any], model: str | None, fields: dict[str, Any], request_id: str
+) -> ParsedRequest:
+    """What both routes share, for the body naming `model`; `fields` are the route's own
+    GenerateRequest fields."""
     _unserved(body, UNSERVED)
-    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+    if "service_tier" in body and body["service_tier"] not in _FREE_SERVICE_TIERS:
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
-    n = _int(body, "n", 1, MAX_N) or 1
+    n = _int(body, "n", 1, MAX_N) or 1 if "n" in body else 1
     stream = _flag(body, "stream")
-    include_usage, continuous_usage = _stream_options(body, stream)
+    usage = _stream_options(body, stream) if "stream_options" in body else (False, False)
+    include_usage, continuous_usage = usage
     max_tokens, max_tokens_param = _max_tokens(body)
     request = GenerateRequest(
         model or "",
         sampling=_sampling(body, max_tokens, max_tokens_param),
-        stop=_stop(body),
+        stop=_stop(body) if "stop" in body else (),
         n=n,
-        user=_user(body),
+        user=_user(body) if "user" in body else "",
         request_id=request_id,
         **fields,
     )
@@ -379,12 +410,11 @@ def _image(part: Mapping[str, Any], where: str) -> ContentPart:
 
 
 def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[ContentPart, ...]]:
-    """A message's text, its parts joined, its images in order, and the parts themselves
-    in order when they hold an image (an OpenAI upstream gets them as they came)."""
+    """A message's content that is not a string (`_messages` takes those as they are):
+    its text, its parts joined, its images in order, and the parts themselves in order
+    when they hold an image (an OpenAI upstream gets them as they came)."""
     if content is None:
         return "", (), ()
-    if isinstance(content, str):
-        return content, (), ()
     if not isinstance(content, list):
         raise invalid(where, f"Invalid type for '{where}': expected a string or a list of parts.")
     parts = []
@@ -442,26 +472,44 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         raise invalid("messages", "'messages' must hold at least one message.")
     parsed = []
     images = 0
+    tool_use = False  # whether a message calls a tool or answers a call
+    # the parameter a refusal names is spelled only when there is one
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(message, Mapping):
-            raise invalid(where, "Invalid type: expected an object.")
+            raise invalid(f"messages[{i}]", "Invalid type: expected an object.")
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise invalid(
-                f"{where}.role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
+                f"messages[{i}].role", f"Invalid value: must be one of {', '.join(sorted(ROLES))}."
             )
-        text, pictures, parts = _content(message.get("content"), f"{where}.content")
-        images += len(pictures)
-        if images > MAX_IMAGES:
-            raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
-        calls = _tool_calls(message, f"{where}.tool_calls") if role == "assistant" else ()
-        call_id = _string(message, "tool_call_id", f"{where}.") or ""
-        if role == "tool" and not call_id:
-            raise invalid(f"{where}.tool_call_id", "A tool message needs 'tool_call_id'.")
-        name = _string(message, "name", f"{where}.") or ""
+        content = message.get("content")
+        pictures: tuple[str, ...]
+        parts: tuple[ContentPart, ...]
+        if isinstance(content, str):
+            text, pictures, parts = content, (), ()
+        else:
+            text, pictures, parts = _content(content, f"messages[{i}].content")
+            images += len(pictures)
+            if images > MAX_IMAGES:
+                raise invalid(
+                    f"messages[{i}].content", f"At most {MAX_IMAGES} images in a request."
+                )
+        calls: tuple[ToolCall, ...] = ()
+        if role == "assistant" and "tool_calls" in message:
+            calls = _tool_calls(message, f"messages[{i}].tool_calls")
+            tool_use = tool_use or bool(calls)
+        call_id = name = ""
+        if "tool_call_id" in message:
+            call_id = _string(message, "tool_call_id", f"messages[{i}].") or ""
+        if role == "tool":
+            tool_use = True
+            if not call_id:
+                raise invalid(f"messages[{i}].tool_call_id", "A tool message needs 'tool_call_id'.")
+        if "name" in message:
+            name = _string(message, "name", f"messages[{i}].") or ""
         parsed.append(Message(role, text, pictures, calls, call_id, name, parts))
-    _check_tool_answers(parsed)
+    if tool_use:
+        _check_tool_answers(parsed)
     return tuple(parsed)
 
 
@@ -587,10 +635,20 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return top or 0
 
 
+#: Completions' parameters, refused on chat where they ask for something.
+_CHAT_UNSERVED = {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False}
+#: Chat's parameters besides its messages and those `_common` reads.
+_CHAT_FIELDS = frozenset(
+    {"tools", "parallel_tool_calls", "logprobs", "top_logprobs", "tool_choice", "response_format"}
+)
+
+
 def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/chat/completions body, checked (for the request `request_id`)."""
-    model_of(body)
-    _unserved(body, {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False})
+    model = model_of(body)
+    _unserved(body, _CHAT_UNSERVED)
+    if _CHAT_FIELDS.isdisjoint(body):  # a plain chat: the checks below would find nothing
+        return _common(body, model, {"messages": _messages(body)}, request_id)
     schemas = SchemaBudget()  # the tools' and response_format's, together
     tools = _tools(body, schemas)
     parallel = body.get("parallel_tool_calls")
@@ -604,18 +662,26 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "parallel_tool_calls": parallel if tools else None,
         "response_format": _response_format(body, schemas),
     }
-    return _common(body, fields, request_id)
+    return _common(body, model, fields, request_id)
 
 
 # -- completions --------------------------------------------------------------
 
 
+#: Chat's parameters and vLLM's, refused on completions where they ask for something.
+_COMPLETION_UNSERVED = {
+    "tools": None,
+    "tool_choice": None,
+    "messages": None,
+    "prompt_embeds": None,
+    "add_special_tokens": True,
+}
+
+
 def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/completions body, checked (for the request `request_id`)."""
-    model_of(body)
-    for name in ("tools", "tool_choice", "messages", "prompt_embeds"):
-        _unserved(body, {name: None})
-    _unserved(body, {"add_special_tokens": True})
+    model = model_of(body)
+    _unserved(body, _COMPLETION_UNSERVED)
     if body.get("suffix"):
         raise invalid("suffix", "'suffix' is not supported.")
     prompt = body.get("prompt")
@@ -629,6 +695,7 @@ def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
         raise invalid("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported.")
     parsed = _common(
         body,
+        model,
         {
             "prompt": prompt,
             "logprobs": logprobs,
