@@ -10,6 +10,8 @@ which lists nothing, never sees a field it would silently drop.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from gateway.protocol.types import GenerateRequest
 
 GENERATE = "generate"
@@ -57,6 +59,15 @@ SAMPLING = frozenset(
 FIRST_VERSION = frozenset({GENERATE})
 
 
+#: What `used` can find in a request: a model serving all of them serves any request.
+OF_REQUESTS = frozenset({N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING)
+#: The sampling features, in the body's order, by `SamplingParams` field (the same name).
+_SAMPLING_ORDER = (MIN_TOKENS, IGNORE_EOS, REPETITION_PENALTY, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS)
+_sampling_values = attrgetter(*_SAMPLING_ORDER)
+#: Their values where a request uses none of them, compared at once (in C).
+_SAMPLING_UNUSED = (None, None, None, None, (), ())
+
+
 def used(request: GenerateRequest) -> list[tuple[str, str]]:
     """The features `request` uses, each with the parameter a refusal names
     (e.g. ("image_url", "messages[2].content[0]")), in the body's order."""
@@ -76,20 +87,16 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
         found.append((RESPONSE_FORMAT, "response_format"))
     if request.user:
         found.append((USER, "user"))
-    s = request.sampling
-    for name, value in (
-        (MIN_TOKENS, s.min_tokens),
-        (IGNORE_EOS, s.ignore_eos),
-        (REPETITION_PENALTY, s.repetition_penalty),
-        (MIN_P, s.min_p),
-        (LOGIT_BIAS, s.logit_bias or None),
-        (STOP_TOKEN_IDS, s.stop_token_ids or None),
-    ):
-        if value is not None:
-            found.append((name, name))
+    values = _sampling_values(request.sampling)
+    if values != _SAMPLING_UNUSED:
+        for name, value in zip(_SAMPLING_ORDER, values, strict=True):
+            if value is not None and value != ():
+                found.append((name, name))
     return found
 
 
 def missing(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str] | None:
     """The first feature `request` uses that `served` lacks, with its parameter; None if none."""
+    if served >= OF_REQUESTS:  # OpenAI-compatible upstreams list them all
+        return None
     return next((pair for pair in used(request) if pair[0] not in served), None)

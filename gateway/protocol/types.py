@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Any, NamedTuple
 
 
@@ -97,9 +99,10 @@ class SamplingParams:
 
     def given(self) -> dict[str, Any]:
         """The settings above that are None unless set, by name: those that are set."""
-        return {
-            name: value for name in OPTIONAL_SAMPLING if (value := getattr(self, name)) is not None
-        }
+        # in C, with no Python loop: it runs for every request sent to a worker
+        values = _optional_values(self)
+        is_set = map(is_not, values, repeat(None))
+        return dict(compress(zip(OPTIONAL_SAMPLING, values, strict=True), is_set))
 
 
 #: SamplingParams' settings that are None where the client set nothing.
@@ -116,6 +119,7 @@ OPTIONAL_SAMPLING = (
     "repetition_penalty",
     "min_p",
 )
+_optional_values = attrgetter(*OPTIONAL_SAMPLING)
 
 
 @dataclass(frozen=True, slots=True)
