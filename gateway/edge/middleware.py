@@ -197,8 +197,7 @@ def _refusal_record(scope: Scope, status: int, reason: str) -> RequestRecord:
     """The record of a request refused before any route (its access-log line): the
     client's x-request-id or a new one, the path as the route (the first 200
     characters: any path reaches this check)."""
-    request_id, _ = request_context(scope)
-    record = RequestRecord(request_id.decode("latin-1"))
+    record = RequestRecord(request_context(scope).request_id.decode("latin-1"))
     record.route = route_label(scope["path"])[:200]
     record.status, record.outcome, record.reason = status, Outcome.REJECTED, reason
     return record

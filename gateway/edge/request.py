@@ -17,12 +17,12 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from gateway.admission import Admission, ClientGone, InFlight, RequestContext
 from gateway.config import Config
 from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, Receive, Scope, Send, send_error
-from gateway.edge.errors import APIError, from_error, internal_error
+from gateway.edge.errors import APIError, from_error, internal_error, invalid
 from gateway.edge.write_guard import WriteGuard, WriteTimedOut
 from gateway.fleet import Fleet
 from gateway.protocol import errors
@@ -42,21 +42,41 @@ _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _PRIORITY = re.compile(rb"-?[0-9]{1,4}")
 
 
-def request_context(scope: Scope) -> tuple[bytes, Metadata]:
-    """The request's id (the client's x-request-id, or a new one) and the
-    metadata passed on to the worker; values that could not travel as gRPC
-    metadata (or are not W3C trace contexts) are replaced or dropped."""
+class RequestHeaders(NamedTuple):
+    """What the frame reads of a request's headers, in one pass over them: its id (the
+    client's x-request-id, or a new one) and the metadata passed on to its worker (values
+    that could not travel as gRPC metadata, or are not W3C trace contexts, are replaced
+    or dropped); the raw `x-furnace-priority` and `x-session-id`, which the routes that
+    take them check (`priority`, `session`)."""
+
+    request_id: bytes
+    metadata: Metadata
+    priority: bytes | None
+    session: bytes | None
+
+
+def request_context(scope: Scope) -> RequestHeaders:
+    """The headers the frame reads (`RequestHeaders`), in one pass."""
     request_id = b""
     metadata: list[tuple[str, str]] = []
+    priority = session = None
     for name, value in scope["headers"]:
-        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
-            request_id = value
-        elif name == b"traceparent" and _TRACEPARENT.fullmatch(value):
-            metadata.append(("traceparent", value.decode("ascii")))
+        if name[:2] != b"x-" and name != b"traceparent":
+            continue
+        if name == b"x-request-id":
+            if _REQUEST_ID.fullmatch(value):
+                request_id = value
+        elif name == b"traceparent":
+            if _TRACEPARENT.fullmatch(value):
+                metadata.append(("traceparent", value.decode("ascii")))
+        elif name == b"x-furnace-priority":
+            priority = value if priority is None else priority
+        elif name == b"x-session-id":
+            session = value if session is None else session
     if not request_id:
         request_id = os.urandom(16).hex().encode()  # secrets.token_hex's, without its calls
     metadata.append(("x-request-id", request_id.decode("ascii")))
-    return request_id, tuple(metadata)
+    return RequestHeaders(request_id, tuple(metadata), priority, session)
 
 
 def _as_is(status: int) -> int:
@@ -74,17 +94,31 @@ def route_label(path: str) -> str:
     return "/v2/models/{model}"
 
 
-def priority(scope: Scope) -> int | None:
+def priority(ex: Exchange) -> int | None:
     """The request's `x-furnace-priority` (an integer; its team's caps it), or None."""
-    for name, value in scope["headers"]:
-        if name == b"x-furnace-priority":
-            if not _PRIORITY.fullmatch(value.strip()):
-                raise errors.Invalid(
-                    "x-furnace-priority: expected an integer from -1000 to 1000.",
-                    param="x-furnace-priority",
-                )
-            return max(-1000, min(1000, int(value)))
-    return None
+    value = ex.headers.priority
+    if value is None:
+        return None
+    if not _PRIORITY.fullmatch(value.strip()):
+        raise errors.Invalid(
+            "x-furnace-priority: expected an integer from -1000 to 1000.",
+            param="x-furnace-priority",
+        )
+    return max(-1000, min(1000, int(value)))
+
+
+#: The longest `x-session-id` taken (a conversation's key for session affinity).
+MAX_SESSION_ID = 256
+
+
+def session(ex: Exchange) -> str:
+    """The request's `x-session-id` (routing keeps a conversation on one worker), or ""."""
+    value = ex.headers.session
+    if value is None:
+        return ""
+    if len(value) > MAX_SESSION_ID:
+        raise invalid("x-session-id", f"At most {MAX_SESSION_ID} characters.")
+    return value.decode("latin-1")
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -134,17 +168,23 @@ class Exchange:
     context (`ctx`, whose `record` is the request's tally) and the metadata for its
     worker call. A route subclasses it for what it counts per request."""
 
-    __slots__ = ("ctx", "metadata", "receive", "record", "scope", "send")
+    __slots__ = ("ctx", "headers", "metadata", "receive", "record", "scope", "send")
 
     def __init__(
-        self, scope: Scope, receive: Receive, send: Send, ctx: RequestContext, metadata: Metadata
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ctx: RequestContext,
+        headers: RequestHeaders,
     ) -> None:
         self.scope = scope
         self.receive = receive
         self.send = send
         self.ctx = ctx
         self.record = ctx.record
-        self.metadata = metadata
+        self.headers = headers
+        self.metadata = headers.metadata
 
     def watch_client(self) -> asyncio.Future[None]:
         """Starts watching for the client to go away (once the body is read): the
@@ -182,8 +222,8 @@ class RequestRoute(Generic[X]):
         raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id, metadata = request_context(scope)
-        record = RequestRecord(request_id.decode("latin-1"))
+        headers = request_context(scope)
+        record = RequestRecord(headers.request_id.decode("latin-1"))
         record.route = route_label(scope["path"])
         ctx = RequestContext(record, team_of(scope))
         if ctx.team is not None:  # a keyed gateway's: the ledger's and key budgets' key id
@@ -192,8 +232,8 @@ class RequestRoute(Generic[X]):
         # every write waits at most `write_timeout` on the client (see write_guard.py)
         abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
         send = guard = WriteGuard(send, self.config.write_timeout, abort)
-        ex = self.exchange(scope, receive, send, ctx, metadata)
-        traceparent = dict(metadata).get("traceparent")
+        ex = self.exchange(scope, receive, send, ctx, headers)
+        traceparent = dict(headers.metadata).get("traceparent")
         with self.tracing.request(f"{scope['method']} {scope['path']}", traceparent) as span:
             try:
                 refusal = await self._serve_to_the_end(ex)

@@ -47,7 +47,7 @@ class CountTokensRoute(RequestRoute[Exchange]):
         pool = admission.visibility(ctx, model_of(body))
         request = replace(parse_count(body, record.request_id), model=pool.name)
         ctx.request = request
-        ctx.priority = priority(ex.scope)
+        ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         timeout = self.config.request_timeout
         async with admission.admit(ctx):

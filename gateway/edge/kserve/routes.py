@@ -28,7 +28,7 @@ from gateway.admission.admit import tensor_pool
 from gateway.edge.asgi import Receive, Scope, Send, send_json
 from gateway.edge.errors import APIError, from_error
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.request import Exchange, Metadata, Parts, RequestRoute
+from gateway.edge.request import Exchange, Parts, RequestHeaders, RequestRoute
 from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
@@ -55,9 +55,14 @@ class _Tensors(Exchange):
     __slots__ = ("received", "sent")
 
     def __init__(
-        self, scope: Scope, receive: Receive, send: Send, ctx: RequestContext, metadata: Metadata
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ctx: RequestContext,
+        headers: RequestHeaders,
     ) -> None:
-        super().__init__(scope, receive, send, ctx, metadata)
+        super().__init__(scope, receive, send, ctx, headers)
         self.received = 0
         self.sent = 0
 

@@ -199,7 +199,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
             record.prompt = list(parsed.inputs)
         check_served(pool, request)
         ctx.request = request
-        ctx.priority = priority(ex.scope)
+        ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         async with admission.admit(ctx):
             embeddings = await self._call(ctx.pool or pool, request, ex)

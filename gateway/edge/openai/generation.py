@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
-from gateway.edge.asgi import WRITE_NOW_EXTENSION, Scope, Send, send_json
+from gateway.edge.asgi import WRITE_NOW_EXTENSION, Send, send_json
 from gateway.edge.errors import invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import KEEPALIVE, Encoder
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest, model_of
-from gateway.edge.request import Exchange, Parts, RequestRoute, priority
+from gateway.edge.request import Exchange, Parts, RequestRoute, priority, session
 from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
@@ -72,21 +72,6 @@ def _check_usage(parsed: ParsedRequest, pool: ModelPool) -> None:
             "the prompt's tokens only at the end of the answer: per-chunk usage is not "
             "available for it.",
         )
-
-
-#: The longest `x-session-id` taken (a conversation's key for session affinity).
-MAX_SESSION_ID = 256
-
-
-def _session(scope: Scope) -> str:
-    """The request's `x-session-id` (routing keeps a conversation on one worker), or ""."""
-    value: bytes
-    for name, value in scope["headers"]:
-        if name == b"x-session-id":
-            if len(value) > MAX_SESSION_ID:
-                raise invalid("x-session-id", f"At most {MAX_SESSION_ID} characters.")
-            return value.decode("latin-1")
-    return ""
 
 
 def _user(body: Any) -> str | None:
@@ -159,12 +144,12 @@ class GenerationRoute(RequestRoute[Exchange]):
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         if admission.aliases.every:  # an alias's draw keeps a session on one target
-            ctx.session = _session(ex.scope) or _user(body)
+            ctx.session = session(ex) or _user(body)
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse_body(body, ex)
-        session = _session(ex.scope)
-        if session and not parsed.generate.session:  # a route's own key comes first
-            parsed = replace(parsed, generate=replace(parsed.generate, session=session))
+        header = session(ex)
+        if header and not parsed.generate.session:  # a route's own key comes first
+            parsed = replace(parsed, generate=replace(parsed.generate, session=header))
         record.stream = parsed.stream
         if self.telemetry.log_prompts:
             generate = parsed.generate
@@ -173,7 +158,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         _check_usage(parsed, pool)
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
         ctx.request = parsed.generate
-        ctx.priority = priority(ex.scope)
+        ctx.priority = priority(ex)
         ex.watch_client()  # from here: a queued client that goes away leaves the queue
         async with admission.admit(ctx):
             await self._serve(parsed, _served(ctx, pool), ex)

@@ -30,10 +30,10 @@ from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
 from gateway.edge.errors import APIError, from_error, invalid
-from gateway.edge.openai.generation import GenerationRoute, _session
+from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
-from gateway.edge.request import Exchange, Parts
+from gateway.edge.request import Exchange, Parts, session
 from gateway.edge.responses.encoding import ResponsesEncoder
 from gateway.edge.responses.params import Item, ResponsesBody, generate_request, new_id, parse
 from gateway.edge.responses.store import ResponseStore, Stored, open_store
@@ -147,7 +147,7 @@ class ResponsesRoute(GenerationRoute):
                     f"The conversation is {previous.depth} turns deep; at most "
                     f"{self.max_depth} are served.",
                 )
-        header = _session(ex.scope)
+        header = session(ex)
         request = _request(parsed, ex.record.request_id, team, previous, header)
         if len(request.history) + len(parsed.items) > self.max_items:
             raise invalid(
