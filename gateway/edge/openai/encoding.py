@@ -1,8 +1,10 @@
 """OpenAI response bodies: whole JSON answers, and SSE chunks from templates.
 
-Each stream serializes its text chunk once with placeholders (the choice's
-index, the delta, the logprobs) and keeps the bytes between them; a chunk is
-then those bytes around the JSON-escaped delta. The common answer, one choice
+Each stream serializes its chunks' head (id, object, created, model) once, and
+each encoder class its text chunk's choices once with placeholders (the
+choice's index, the delta, the logprobs), keeping the bytes between them; a
+text chunk is then those bytes around the JSON-escaped delta, and every other
+chunk the head's bytes before its serialized choices. The common answer, one choice
 of plain text, takes the fast path (`plain`): `delta` per written batch and
 nothing else built per token. Everything else (n choices, logprobs, tool
 calls, a completion's echo, vLLM's usage on every chunk) reads the worker's events
@@ -17,7 +19,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
@@ -41,6 +43,10 @@ _LOGPROBS = "\x00logprobs-" + _SECRET
 _TEXT_JSON, _INDEX_JSON, _LOGPROBS_JSON = map(orjson.dumps, (_TEXT, _INDEX, _LOGPROBS))
 #: How a chunk's bytes end where its usage is null (the usage is its last key).
 _NULL_END = b"null}\n\n"
+#: A stream chunk's bytes after its choices: with a usage (null until the usage chunk)
+#: where the stream includes usage, without one otherwise.
+_USAGE_NULL_END = b',"usage":' + _NULL_END
+_END = b"}\n\n"
 #: OpenAI's floor for a logprob (vLLM's too): -inf is not JSON.
 MIN_LOGPROB = -9999.0
 
@@ -59,6 +65,21 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class _Template(NamedTuple):
+    """A text chunk's choices, split at the index, the delta and the logprobs."""
+
+    head: bytes  # before the index
+    middle: bytes  # between the index and the delta
+    after: bytes  # after the delta
+    between: bytes  # with logprobs: between the delta and the logprobs
+    after_logprobs: bytes  # with logprobs: after them
+
+
+#: Per encoder class, its text chunk's choices around the placeholders: the same bytes
+#: for every response of the class.
+_TEMPLATES: dict[type, _Template] = {}
 
 
 def _offsets(start: int, tokens: Sequence[TokenLogprob]) -> list[Logprob]:
@@ -131,31 +152,46 @@ class Encoder:
             and echo is None
             and not self.continuous_usage
         )
-        head, rest = self._chunk(self.delta_choice(_TEXT), None, _INDEX).split(_INDEX_JSON, 1)
-        middle, self._after = rest.split(_TEXT_JSON, 1)
-        self._head, self._middle = head, middle
-        self._before = head + b"0" + middle  # choice 0's bytes before its delta
+        # every stream chunk's bytes up to its choices, and after them where the usage is null
+        head = orjson.dumps(self._head_of(self.object_chunk))
+        self._start = b"data: " + head[:-1] + b',"choices":'
+        self._end = _USAGE_NULL_END if include_usage else _END
+        template = self._template()
+        self._head = self._start + template.head
+        self._middle = template.middle
+        self._after = template.after + self._end
+        self._before = self._head + b"0" + self._middle  # choice 0's bytes before its delta
         self._choices: dict[int, _Choice] = {}
         if logprobs:
-            choice = {**self.delta_choice(_TEXT), "logprobs": _LOGPROBS}
-            rest = self._chunk(choice, None, 0).split(_TEXT_JSON, 1)[1]
-            self._between, self._after_logprobs = rest.split(_LOGPROBS_JSON, 1)
-        assert not self.continuous_usage or self._after.endswith(_NULL_END)
+            self._between = template.between
+            self._after_logprobs = template.after_logprobs + self._end
+
+    def _template(self) -> _Template:
+        """This class's text chunk's choices, split once."""
+        template = _TEMPLATES.get(type(self))
+        if template is None:
+            choice = {"index": _INDEX, **self.delta_choice(_TEXT), "finish_reason": None}
+            head, rest = orjson.dumps([choice]).split(_INDEX_JSON, 1)
+            middle, after = rest.split(_TEXT_JSON, 1)
+            # its logprobs where delta_choice puts them, else after it (the finish last)
+            choice = {"index": 0, **self.delta_choice(_TEXT), "logprobs": _LOGPROBS}
+            rest = orjson.dumps([{**choice, "finish_reason": None}]).split(_TEXT_JSON, 1)[1]
+            between, after_logprobs = rest.split(_LOGPROBS_JSON, 1)
+            template = _Template(head, middle, after, between, after_logprobs)
+            _TEMPLATES[type(self)] = template
+        return template
 
     def _head_of(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: Any = 0) -> bytes:
-        chunk = self._head_of(self.object_chunk)
-        chunk["choices"] = [{"index": index, **choice, "finish_reason": self._reason(reason)}]
-        if self.include_usage:
-            chunk["usage"] = self._usage_of(index) if self.continuous_usage else None
-        return sse(chunk)
-
-    def _usage_of(self, index: Any) -> dict[str, int] | None:
-        """Choice `index`'s usage so far (None while the chunk is a template)."""
-        choice = self._choices.get(index) if type(index) is int else None
-        return None if choice is None else _usage(self._prompt_tokens, choice.tokens)
+    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0) -> bytes:
+        """A stream chunk of one choice (its bytes as `sse` would make them)."""
+        choices = [{"index": index, **choice, "finish_reason": self._reason(reason)}]
+        if not self.continuous_usage:
+            return self._start + orjson.dumps(choices) + self._end
+        opened = self._choices.get(index)
+        usage = None if opened is None else _usage(self._prompt_tokens, opened.tokens)
+        return self._start + orjson.dumps(choices) + b',"usage":' + orjson.dumps(usage) + _END
 
     def _closed(self, tail: bytes, choice: _Choice) -> bytes:
         """A text chunk's `tail` (its bytes after the delta or the logprobs), with the
@@ -166,9 +202,11 @@ class Encoder:
         return tail[: -len(_NULL_END)] + usage + b"}\n\n"
 
     def _reason(self, reason: FinishReason | None) -> str | None:
+        if reason is None:
+            return None
         if reason is FinishReason.TOOL_CALLS and self._named_tool:
             return FinishReason.STOP.value
-        return None if reason is None else reason.value
+        return reason.value
 
     # What subclasses say.
 
@@ -315,10 +353,8 @@ class Encoder:
         """The usage chunk if asked for (tokens summed over the choices), and [DONE]."""
         if not self.include_usage:
             return DONE
-        usage = self._head_of(self.object_chunk)
-        usage["choices"] = []
-        usage["usage"] = _usage(prompt_tokens, completion_tokens)
-        return sse(usage) + DONE
+        usage = orjson.dumps(_usage(prompt_tokens, completion_tokens))
+        return self._start + b'[],"usage":' + usage + _END + DONE
 
     def add(self, batch: list[Event]) -> None:
         """Gathers a batch of events, of any choices, for `answer`."""
