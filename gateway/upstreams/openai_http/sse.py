@@ -115,15 +115,15 @@ class _Stream:
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
-        head = self._head
-        if head and not self._parts and data.startswith(head) and data.endswith(self._ending):
+        head, ending = self._head, self._ending
+        if head and not self._parts and data.startswith(head) and data.endswith(ending):
             # The read in front of an engine that sends a token a step: one template
             # event, whole (were it more, what lies between could not be one string).
             try:
-                text = orjson.loads(data[len(head) : -len(self._ending)])
+                text = orjson.loads(data[len(head) - 1 : 1 - len(ending)])
             except orjson.JSONDecodeError:
-                text = None
-            if type(text) is str:
+                pass  # more than one string: cut into lines below
+            else:
                 if text:
                     self._text(text, 1, self._template_index)
                 return
@@ -144,35 +144,28 @@ class _Stream:
         self._size = len(rest)
         head = self._head or b"\n"  # none yet: a head that no line starts with
         tail = self._tail
-        texts: list[str] = []  # the template's texts in a row, one event at the end
-        size = 0
-        start, cut = len(head), -len(tail)  # a template's tail is never empty
-        for line in lines:
-            if not line:
-                continue  # the blank line after each event
+        texts: list[str] = []  # the template's texts in a row, their events at the end
+        start, cut = len(head) - 1, 1 - len(tail)  # the string, with its quotes
+        for line in filter(None, lines):  # not the blank line after each event
             if line.startswith(head) and line.endswith(tail):
                 try:
                     text = orjson.loads(line[start:cut])
                 except orjson.JSONDecodeError:
-                    text = None
-                if type(text) is str:  # the template's chunk with this text
+                    pass  # not one string: parsed whole
+                else:  # the template's chunk with this text
                     if text:
                         texts.append(text)
-                        size += len(text)
-                        if size >= _MERGE_CHARS:
-                            self._texts(texts)
-                            size = 0
                     continue
             if line[:5] != b"data:":
                 continue  # comments (keep-alives), event names, blank separators
-            if texts:  # the run ends: its event goes before this line's
+            if texts:  # the run ends: its events go before this line's
                 self._texts(texts)
-                size = 0
-            if len(line) > MAX_EVENT_BYTES:
-                raise errors.Failed(_TOO_LARGE)
-            if len(line) < 16 and line[5:].strip() == b"[DONE]":
+            length = len(line)
+            if length < 16 and line[5:].strip() == b"[DONE]":
                 self._end()
                 return
+            if length > MAX_EVENT_BYTES:
+                raise errors.Failed(_TOO_LARGE)
             try:
                 payload = orjson.loads(line[5:])
             except orjson.JSONDecodeError:
@@ -185,15 +178,26 @@ class _Stream:
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
                 head, tail = self._head, self._tail
-                start, cut = len(head), -len(tail)
+                start, cut = len(head) - 1, 1 - len(tail)
         if texts:
             self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
             raise errors.Failed(_TOO_LARGE)
 
     def _texts(self, texts: list[str]) -> None:
-        """The template's texts, in a row: one event, a token each (and emptied)."""
-        self._text("".join(texts), len(texts), self._template_index)
+        """The template's texts in a row (emptied), a token each: one event, or where
+        they reach `_MERGE_CHARS` (rare: not counted per text), one each time they do."""
+        index = self._template_index
+        text = "".join(texts)
+        if len(text) < _MERGE_CHARS:
+            self._text(text, len(texts), index)
+        else:
+            first = size = 0
+            for i, piece in enumerate(texts, 1):
+                size += len(piece)
+                if size >= _MERGE_CHARS or i == len(texts):
+                    self._text("".join(texts[first:i]), i - first, index)
+                    first, size = i, 0
         texts.clear()
 
     def _learn(self, line: bytes, payload: dict[str, Any]) -> bool:
@@ -211,7 +215,9 @@ class _Stream:
         spelled = orjson.dumps(text)
         if not line.startswith(spelled, at):
             return False
-        self._head, self._tail = line[:at], line[at + len(spelled) :]
+        # Cut inside the string's quotes: what is between them then parses as a string
+        # or not at all (no other JSON value starts and ends with a quote).
+        self._head, self._tail = line[: at + 1], line[at + len(spelled) - 1 :]
         self._ending = self._tail + b"\n\n"
         self._template_index = choice.get("index") or 0
         return True
@@ -224,7 +230,7 @@ class _Stream:
             raise error_from_event(payload)
         choices = payload.get("choices")
         usage = payload.get("usage")
-        if type(usage) is dict:
+        if usage and type(usage) is dict:
             self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
             if not choices:
                 self._total = usage.get("completion_tokens", self._total)
