@@ -12,11 +12,13 @@ for the head or the body, and only closes idle keep-alive connections. Here:
   parser delivers it; past `max_header_bytes` or `max_headers` the answer is a
   431 in OpenAI's shape and the connection closes, so at most one read (uvloop
   reads up to 256 KiB) more than the limit is ever held;
-- one timer per connection (`loop.call_at`), armed for `header_timeout` when
-  the connection opens and when a keep-alive response completes, re-armed for
-  `body_timeout` when the head is complete, cancelled when the body is: a
-  deadline for the whole head or body, not per read, so a client dribbling a
-  byte at a time is cut at the deadline. A late head gets 408 (nothing at all:
+- one deadline per connection, set for `header_timeout` when the connection
+  opens and when a keep-alive response completes, for `body_timeout` when the
+  head is complete, cleared when the body is: a deadline for the whole head or
+  body, not per read, so a client dribbling a byte at a time is cut at the
+  deadline. One timer (`loop.call_at`) watches it, moved only when a deadline
+  comes sooner than it is set for; when it fires before the deadline it is set
+  again for it. A late head gets 408 (nothing at all:
   just closed); a late body gets 408 and its request sees a disconnect (the
   route refuses it before taking a slot);
 - `max_connections` is counted here, on the connection, not with uvicorn's
@@ -67,12 +69,13 @@ a second wake of the request's chain of coroutines on the first token's path. uv
 such a body into its buffer whatever the app does, so nothing more is held; a body that does
 not come whole within `body_timeout` gets its 408 without the app ever seeing the request.
 
-The cost: a length addition per read and per header, one timer per request.
+The cost: a length addition per read and per header, a clock read per deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import resource
 import weakref
 from dataclasses import dataclass, replace
@@ -231,16 +234,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Slots, not uvicorn's instance dict: seven more keys there would double the dict
     # of every connection (about 1.5 KiB each).
     __slots__ = (
-        "_deadline",
         "_deferred",
+        "_due",
         "_evicted",
         "_fed",
         "_head_bytes",
         "_header_count",
+        "_lingering",
         "_phase",
         "_refused",
         "_started",
         "_timeout",
+        "_timer",
+        "_timer_at",
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -256,8 +262,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_count = 0
         #: Whether any byte of the current head arrived (a silent timeout gets no 408).
         self._started = False
-        self._deadline: asyncio.TimerHandle | None = None
-        self._timeout = 0.0  # the seconds `_deadline` was armed for
+        self._due = math.inf  # the current deadline (`_arm`); inf: none
+        self._timeout = 0.0  # the seconds it was armed for
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf  # when `_timer` fires
+        self._lingering = False  # refused: the deadline closes the connection
         self._refused = False
         self._evicted = False  # closed to make room for a newer connection
         #: Resolved when the connection is lost (LOST_EXTENSION); made with the first head.
@@ -292,7 +301,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deferred = None  # its body never came whole: the app never sees it
-        self._disarm()
+        self._stop_timer()
         self.heads.waiting.pop(self, None)
         if self._evicted:
             self.heads.closing -= 1
@@ -337,7 +346,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_bytes = 0
         self._header_count = 0
-        if self._deadline is None:  # pipelined behind a response still being sent
+        if self._due == math.inf:  # pipelined behind a response still being sent
             self._arm(self._head_timeout())
 
     def on_url(self, url: bytes) -> None:
@@ -405,7 +414,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # uvicorn resumed reading: not while requests still wait (their bodies
             # are whole; the one now started reads its own with `receive`).
             self.flow.pause_reading()
-        if self._deadline is not None or self.transport.is_closing():
+        if self._due != math.inf or self.transport.is_closing():
             return
         if self._phase == _BODY:
             if not self.pipeline:  # the queued request whose body is due just started
@@ -440,20 +449,49 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         self.transport.close()
 
-    # The timer
+    # The timer: one deadline at a time, on one timer that is moved only to fire sooner
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
+        """The deadline, `seconds` from now. The timer is set again only when it would
+        fire too late; one that fires early finds the later deadline and waits for it:
+        a request's head, body and the wait for the next head cost no timer of their
+        own on a busy connection (a timer set and cancelled is most of a microsecond
+        of the loop's each)."""
         self._timeout = seconds
-        self._deadline = self.loop.call_at(self.loop.time() + seconds, self._expired)
+        due = self._due = self.loop.time() + seconds
+        if due < self._timer_at:
+            self._set_timer(due)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._due = math.inf
+
+    def _set_timer(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _stop_timer(self) -> None:
+        self._due = math.inf
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+
+    def _on_timer(self) -> None:
+        fired_for, self._timer, self._timer_at = self._timer_at, None, math.inf
+        due = self._due
+        if due == math.inf:
+            return  # no deadline now; the next `_arm` sets the timer again
+        if fired_for < due:  # set for an earlier deadline than the current one
+            self._set_timer(due)
+            return
+        self._due = math.inf
+        if self._lingering:
+            self.transport.close()
+        else:
+            self._expired()
 
     def _expired(self) -> None:
-        self._deadline = None
         if self.transport.is_closing():
             return
         cycle = self.cycle
@@ -511,7 +549,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if transport.can_write_eof():
             transport.write_eof()
         self.flow.resume_reading()
-        self._deadline = self.loop.call_at(self.loop.time() + LINGER, transport.close)
+        self._lingering = True
+        self._arm(LINGER)
 
     def _write_error(self, error: APIError) -> None:
         body = error.body()
