@@ -9,6 +9,10 @@ become 400s here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from functools import partial
+from itertools import compress
+from operator import eq, itemgetter
 from typing import Any
 
 import orjson
@@ -16,6 +20,15 @@ import orjson
 from gateway.admission.bodies import BodyMeter
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.errors import APIError, invalid
+
+_name, _value = itemgetter(0), itemgetter(1)
+
+
+def _values(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> Iterator[bytes]:
+    """The values of the headers named `name`, in order, picked in C: a request has a
+    dozen headers, and a Python loop over them costs each request eight bytecodes a
+    header."""
+    return compress(map(_value, headers), map(partial(eq, name), map(_name, headers)))
 
 
 def _too_large(limit: int) -> APIError:
@@ -48,14 +61,13 @@ async def read_body(
     """The whole body, or an `APIError` (413 too large, 400 when the client left);
     `meter` counts its bytes while it is read (refusing past its bounds)."""
     declared = 0
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise invalid(None, "The Content-Length header is not a number.") from None
-            if declared > limit:
-                raise _too_large(limit)
+    for value in _values(scope["headers"], b"content-length"):
+        try:
+            declared = int(value)
+        except ValueError:
+            raise invalid(None, "The Content-Length header is not a number.") from None
+        if declared > limit:
+            raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     try:
