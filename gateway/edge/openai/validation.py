@@ -153,13 +153,13 @@ def _int(
     value = body.get(name)
     if value is None:
         return None
+    if _is_int(value) and low <= value <= high:
+        return int(value)
     # JSON's integers past 64 bits are read as floats: out of range, not of the wrong type
     huge = isinstance(value, float) and value.is_integer() and not low <= value <= high
     if not _is_int(value) and not huge:
         raise invalid(name, f"Invalid type for '{name}': expected an integer.")
-    if huge or not low <= value <= high:
-        raise invalid(name, f"Invalid value for '{name}': must be in [{low}, {high}].")
-    return int(value)
+    raise invalid(name, f"Invalid value for '{name}': must be in [{low}, {high}].")
 
 
 def _flag(body: Mapping[str, Any], name: str, where: str = "") -> bool:
