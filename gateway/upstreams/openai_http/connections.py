@@ -63,6 +63,23 @@ class _RawCall(StreamBookkeeping):
     #: its socket only among others.
     reading: ClassVar[int] = 0
 
+    # A call's state as it starts, read from the class until the call sets its own:
+    # set one by one in `__init__`, they were half the Python it ran.
+    _opened = False  # the request was sent (once: a dropped call is not sent again)
+    _connection: Connection | None = None
+    _status = 0
+    _error_size = 0
+    _failure: errors.GatewayError | None = None
+    _waiter: asyncio.Future[None] | None = None
+    _listener: Callable[[], None] | None = None
+    _deadline: asyncio.TimerHandle | None = None
+    _grace: asyncio.TimerHandle | None = None  # armed by their 200 head
+    _accepted = False  # their head said 200 and `HEAD_GRACE` passed
+    _paused = False  # reading paused: too much waits for the reader
+    _resting = False  # reading paused until the rest's timer
+    _read_at = 0.0  # when it last read, or its rest ended (`monotonic`)
+    _counted = False  # counted in `reading`
+
     def __init__(
         self,
         pool: Pool,
@@ -78,23 +95,9 @@ class _RawCall(StreamBookkeeping):
         self._stream = stream
         self._ready = stream.ready
         self._timeout = timeout
-        self._opened = False  # the request was sent (once: a dropped call is not sent again)
-        self._connection: Connection | None = None
-        self._status = 0
         self._error_body: list[bytes] = []
-        self._error_size = 0
-        self._failure: errors.GatewayError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._listener: Callable[[], None] | None = None
-        self._deadline: asyncio.TimerHandle | None = None
-        self._grace: asyncio.TimerHandle | None = None  # armed by their 200 head
-        self._accepted = False  # their head said 200 and `HEAD_GRACE` passed
-        self._paused = False  # reading paused: too much waits for the reader
-        self._resting = False  # reading paused until the rest's timer
-        self._read_at = 0.0  # when it last read, or its rest ended (`monotonic`)
         #: The choices whose first text is still due (a rest never delays one).
         self._untexted = set(range(stream.n))
-        self._counted = False  # counted in `reading`
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -107,7 +110,7 @@ class _RawCall(StreamBookkeeping):
             if not self._opened:
                 await self._open()
                 return Started(0)
-            await self._wait(self._has_event)
+            await self._wait()
         except errors.GatewayError as error:
             self._end(error)
             raise
@@ -153,18 +156,13 @@ class _RawCall(StreamBookkeeping):
         connection.send(self._request, self)
         self._counted = True
         _RawCall.reading += 1
-        await self._wait(self._started)
+        await self._wait(started=True)
         self._disarm_grace()
 
-    def _has_event(self) -> bool:
-        return bool(self._ready) or self._stream.done
-
-    def _started(self) -> bool:
-        return self._accepted or bool(self._ready) or self._stream.done
-
-    async def _wait(self, until: Callable[[], bool]) -> None:
-        """Until `until()` holds; raises the call's failure meanwhile."""
-        while not until():
+    async def _wait(self, started: bool = False) -> None:
+        """Until an event is ready or the stream is done (`started`: or `HEAD_GRACE`
+        passed after their 200 head); raises the call's failure meanwhile."""
+        while not (self._ready or self._stream.done or (started and self._accepted)):
             if self._failure is not None:
                 raise self._failure
             waiter = self._waiter = asyncio.get_running_loop().create_future()
@@ -204,15 +202,19 @@ class _RawCall(StreamBookkeeping):
             listener()  # takes what it can now: what is left counts towards the pause
         if self._paused or self._resting:
             return
+        pause = len(self._ready) > _PAUSE_AT
+        if not pause and not (
+            rest and not self._untexted and _RawCall.reading > 1 and not self._stream.done
+        ):
+            return
         connection = self._connection
         if connection is None or connection.transport is None:
             return
-        if len(self._ready) > _PAUSE_AT:
+        connection.transport.pause_reading()
+        if pause:
             self._paused = True
-            connection.transport.pause_reading()
-        elif rest and not self._untexted and _RawCall.reading > 1 and not self._stream.done:
+        else:
             self._resting = True
-            connection.transport.pause_reading()
             asyncio.get_running_loop().call_later(REST, self._rest_over)
 
     def _rest_over(self) -> None:
