@@ -61,36 +61,50 @@ FIRST_VERSION = frozenset({GENERATE})
 
 #: What `used` can find in a request: a model serving all of them serves any request.
 OF_REQUESTS = frozenset({N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING)
-#: The sampling features, in the body's order, by `SamplingParams` field (the same name).
-_SAMPLING_ORDER = (MIN_TOKENS, IGNORE_EOS, REPETITION_PENALTY, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS)
-_sampling_values = attrgetter(*_SAMPLING_ORDER)
-#: Their values where a request uses none of them, compared at once (in C).
+#: A request's fields that say whether it uses a feature, and their values (and its
+#: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
+_request_values = attrgetter(
+    "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user"
+)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "")
+_sampling_values = attrgetter(
+    "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
+)
 _SAMPLING_UNUSED = (None, None, None, None, (), ())
+_images = attrgetter("images")
 
 
 def used(request: GenerateRequest) -> list[tuple[str, str]]:
     """The features `request` uses, each with the parameter a refusal names
     (e.g. ("image_url", "messages[2].content[0]")), in the body's order."""
     found: list[tuple[str, str]] = []
-    if request.messages is not None:
+    if request.messages is not None and any(map(_images, request.messages)):
         for i, message in enumerate(request.messages):
             if message.images:
                 found.append((IMAGES, f"messages[{i}].content"))
                 break
-    if request.n != 1:
-        found.append((N, "n"))
-    if request.logprobs is not None:
-        found.append((LOGPROBS, "logprobs"))
-    if request.tools or request.tool_choice or request.parallel_tool_calls is not None:
-        found.append((TOOLS, "tools"))
-    if request.response_format is not None:
-        found.append((RESPONSE_FORMAT, "response_format"))
-    if request.user:
-        found.append((USER, "user"))
-    values = _sampling_values(request.sampling)
-    if values != _SAMPLING_UNUSED:
-        for name, value in zip(_SAMPLING_ORDER, values, strict=True):
-            if value is not None and value != ():
+    if _request_values(request) != _REQUEST_UNUSED:
+        if request.n != 1:
+            found.append((N, "n"))
+        if request.logprobs is not None:
+            found.append((LOGPROBS, "logprobs"))
+        if request.tools or request.tool_choice or request.parallel_tool_calls is not None:
+            found.append((TOOLS, "tools"))
+        if request.response_format is not None:
+            found.append((RESPONSE_FORMAT, "response_format"))
+        if request.user:
+            found.append((USER, "user"))
+    if _sampling_values(request.sampling) != _SAMPLING_UNUSED:
+        s = request.sampling
+        for name, value in (
+            (MIN_TOKENS, s.min_tokens),
+            (IGNORE_EOS, s.ignore_eos),
+            (REPETITION_PENALTY, s.repetition_penalty),
+            (MIN_P, s.min_p),
+            (LOGIT_BIAS, s.logit_bias or None),
+            (STOP_TOKEN_IDS, s.stop_token_ids or None),
+        ):
+            if value is not None:
                 found.append((name, name))
     return found
 
@@ -99,4 +113,7 @@ def missing(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str]
     """The first feature `request` uses that `served` lacks, with its parameter; None if none."""
     if served >= OF_REQUESTS:  # OpenAI-compatible upstreams list them all
         return None
-    return next((pair for pair in used(request) if pair[0] not in served), None)
+    for pair in used(request):
+        if pair[0] not in served:
+            return pair
+    return None
