@@ -75,6 +75,7 @@ class _Stream:
     __slots__ = (
         "_chat",
         "_counted",
+        "_cut",
         "_ending",
         "_head",
         "_key",
@@ -82,6 +83,7 @@ class _Stream:
         "_prompt_tokens",
         "_reasons",
         "_size",
+        "_start",
         "_stops",
         "_tail",
         "_template_index",
@@ -110,6 +112,7 @@ class _Stream:
         self._key = b'"content":' if chat else b'"text":'
         self._head = b""
         self._tail = b""
+        self._start = self._cut = 0  # where the string is, with its quotes, in such a line
         self._ending = b"\n\n"  # the tail and the blank line that ends an event
         self._template_index = 0
 
@@ -143,9 +146,8 @@ class _Stream:
             self._parts.append(rest)
         self._size = len(rest)
         head = self._head or b"\n"  # none yet: a head that no line starts with
-        tail = self._tail
+        tail, start, cut = self._tail, self._start, self._cut
         texts: list[str] = []  # the template's texts in a row, their events at the end
-        start, cut = len(head) - 1, 1 - len(tail)  # the string, with its quotes
         for line in filter(None, lines):  # not the blank line after each event
             if line.startswith(head) and line.endswith(tail):
                 try:
@@ -156,7 +158,7 @@ class _Stream:
                     if text:
                         texts.append(text)
                     continue
-            if line[:5] != b"data:":
+            if not line.startswith(b"data:"):
                 continue  # comments (keep-alives), event names, blank separators
             if texts:  # the run ends: its events go before this line's
                 self._texts(texts)
@@ -177,8 +179,7 @@ class _Stream:
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
-                head, tail = self._head, self._tail
-                start, cut = len(head) - 1, 1 - len(tail)
+                head, tail, start, cut = self._head, self._tail, self._start, self._cut
         if texts:
             self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
@@ -217,7 +218,9 @@ class _Stream:
             return False
         # Cut inside the string's quotes: what is between them then parses as a string
         # or not at all (no other JSON value starts and ends with a quote).
-        self._head, self._tail = line[: at + 1], line[at + len(spelled) - 1 :]
+        end = at + len(spelled)
+        self._head, self._tail = line[: at + 1], line[end - 1 :]
+        self._start, self._cut = at, end - len(line)  # the string, quoted
         self._ending = self._tail + b"\n\n"
         self._template_index = choice.get("index") or 0
         return True
@@ -246,7 +249,7 @@ class _Stream:
     def _choice(self, choice: dict[str, Any]) -> bool:
         """Takes one choice of a chunk; whether its text (not empty) is all it holds."""
         index = choice.get("index") or 0
-        if not 0 <= index < self.n:
+        if index and not 0 < index < self.n:  # 0 always is one
             raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
         given = choice.get("logprobs")
         if self._chat:
@@ -268,7 +271,8 @@ class _Stream:
                 tokens = 0
         reason = choice.get("finish_reason")
         if reason is None:
-            return not given and not calls and type(text) is str and text != ""
+            # its token went to a piece, with no logprobs or tool calls: to its text
+            return tokens == 0 and not given and not calls and type(text) is str
         if index not in self._reasons:
             failure = _FINISH_ERRORS.get(reason)
             if failure is not None:

@@ -135,7 +135,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
     }
     if request.messages is not None:
-        body["messages"] = [message_dict(m) for m in request.messages]
+        body["messages"] = list(map(message_dict, request.messages))
     else:
         body["prompt"] = request.prompt or ""
     body.update(s.given())

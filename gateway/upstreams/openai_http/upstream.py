@@ -205,11 +205,13 @@ class OpenAIHttpUpstream:
         stream = _Stream(chat, request.n)
         if self._pool is not None:
             body = orjson.dumps(request_body(request))
-            extra = "".join(
-                f"{name}: {value}\r\n"
-                for name, value in metadata
-                if not _BREAKS_HEADER.search(name + value)  # never valid; httpx refuses them
-            )
+            if _BREAKS_HEADER.search("".join(map("".join, metadata))):  # rare: one pass finds none
+                metadata = tuple(  # never valid; httpx refuses them
+                    (name, value)
+                    for name, value in metadata
+                    if not _BREAKS_HEADER.search(name + value)
+                )
+            extra = "".join(map("%s: %s\r\n".__mod__, metadata))  # each a (name, value)
             head = (
                 f"POST {self._path}/{path} HTTP/1.1\r\n{self._head}{extra}"
                 f"Content-Length: {len(body)}\r\n\r\n"
