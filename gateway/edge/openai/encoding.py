@@ -16,6 +16,7 @@ choice's opening, its finish and its tool calls' pieces are built as dicts.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -133,7 +134,8 @@ class Encoder:
         named_tool: bool = False,
         continuous_usage: bool = False,
     ) -> None:
-        self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
+        # secrets.token_hex(12) is this, through two Python frames
+        self.id = f"{self.id_prefix}-{os.urandom(12).hex()}"
         # A call of the function tool_choice names ends with "stop", not "tool_calls"
         # (OpenAI's reasons, as vLLM's server gives them), where the gateway builds the
         # answer: the route passes False for an upstream that chose its own reason.
@@ -206,7 +208,7 @@ class Encoder:
             return None
         if reason is FinishReason.TOOL_CALLS and self._named_tool:
             return FinishReason.STOP.value
-        return reason.value
+        return reason._value_  # what `value`, a property run in Python, reads
 
     # What subclasses say.
 
@@ -250,7 +252,7 @@ class Encoder:
         self, text: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int
     ) -> bytes:
         """A whole, non-streamed answer."""
-        choice = {"index": 0, **self.full_choice(text, None, []), "finish_reason": reason.value}
+        choice = {"index": 0, **self.full_choice(text, None, []), "finish_reason": reason._value_}
         return self._body([choice], prompt_tokens, completion_tokens)
 
     def _body(self, choices: list[Any], prompt_tokens: int, completion_tokens: int) -> bytes:
