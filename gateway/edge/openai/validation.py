@@ -183,9 +183,9 @@ def _string(body: Mapping[str, Any], name: str, where: str = "") -> str | None:
 def _unserved(body: Mapping[str, Any], names: Mapping[str, Any]) -> None:
     """Refuses, by name, a parameter we do not serve that asks for something (the
     first in `names`' order); a body that names none of them costs one set operation."""
-    present = names.keys() & body.keys()
-    if not present:
+    if names.keys().isdisjoint(body):
         return
+    present = names.keys() & body.keys()
     for name, default in names.items():
         value = body.get(name) if name in present else None
         if value is not None and value != default:
