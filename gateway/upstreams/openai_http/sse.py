@@ -72,49 +72,31 @@ class _Stream:
     `Finished` carries the prompt's tokens (the same number, not a share).
     """
 
-    __slots__ = (
-        "_chat",
-        "_counted",
-        "_cut",
-        "_ending",
-        "_head",
-        "_key",
-        "_parts",
-        "_prompt_tokens",
-        "_reasons",
-        "_size",
-        "_start",
-        "_stops",
-        "_tail",
-        "_template_index",
-        "_total",
-        "_usages",
-        "done",
-        "n",
-        "ready",
-    )
+    # The state of a stream as it starts, read from the class until a stream sets its
+    # own: set one by one for each stream, they were a third of its `__init__`.
+    done = False
+    _size = 0  # the unfinished line's bytes
+    _prompt_tokens: int | None = None
+    _total: int | None = None
+    # The template of a plain text chunk: the bytes before and after its text's JSON
+    # string, cut inside its quotes (b"" while there is none), where that string lies
+    # in such a line, and its choice.
+    _head = b""
+    _tail = b""
+    _start = _cut = 0
+    _ending = b"\n\n"  # the tail and the blank line that ends an event
+    _template_index = 0
 
     def __init__(self, chat: bool, n: int) -> None:
         self._chat = chat
         self.n = n  # choices
         self.ready: deque[Event] = deque()
-        self.done = False
         self._parts: list[bytes] = []  # an unfinished line, in the pieces it came in
-        self._size = 0
         self._counted = [0] * n  # pieces' tokens per choice
         self._usages: dict[int, int] = {}  # per-chunk usage's completion tokens per choice
         self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
         self._stops: dict[int, str] = {}  # the stop string that ended a choice (vLLM says)
-        self._prompt_tokens: int | None = None
-        self._total: int | None = None
-        # The template of a plain text chunk: the bytes before and after its text's
-        # JSON string, and its choice (b"" while there is none).
-        self._key = b'"content":' if chat else b'"text":'
-        self._head = b""
-        self._tail = b""
-        self._start = self._cut = 0  # where the string is, with its quotes, in such a line
-        self._ending = b"\n\n"  # the tail and the blank line that ends an event
-        self._template_index = 0
+        self._key = b'"content":' if chat else b'"text":'  # the template's text's key
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
