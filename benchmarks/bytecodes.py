@@ -69,7 +69,9 @@ def serve(argv: list[str]) -> None:
 
     def stop(*_: object) -> None:
         sys.settrace(None)
-        out = {f"{c.co_filename}:{c.co_firstlineno}:{c.co_name}": n for c, n in counts.items()}
+        out: collections.Counter[str] = collections.Counter()
+        for code, n in counts.items():  # summed: dataclasses' `__init__`s share a name
+            out[f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"] += n
         Path(os.environ[COUNTS_ENV]).write_text(json.dumps(out))
 
     signal.signal(signal.SIGUSR1, start)
@@ -140,7 +142,7 @@ def count(source: Path, model: dict[str, object], work: Path, args: argparse.Nam
             time.sleep(0.1)
     finally:
         _stop(gateway)
-    counts = json.loads(out.read_text())
+    counts: dict[str, int] = json.loads(out.read_text())
     print(report(counts, args.requests, args.top, source))
     return round(sum(counts.values()) / args.requests)
 
