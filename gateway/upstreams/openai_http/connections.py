@@ -196,7 +196,8 @@ class _RawCall(StreamBookkeeping):
         now = monotonic()
         rest = now - self._read_at < REST
         self._read_at = now
-        self._wake()
+        if self._waiter is not None:  # none while a listener takes the events
+            self._wake()
         listener = self._listener
         if listener is not None:
             listener()  # takes what it can now: what is left counts towards the pause

@@ -168,8 +168,9 @@ class _Stream:
             raise errors.Failed(_TOO_LARGE)
 
     def _texts(self, texts: list[str]) -> None:
-        """The template's texts in a row (emptied), a token each: one event, or where
-        they reach `_MERGE_CHARS` (rare: not counted per text), one each time they do."""
+        """The template's texts in a row, a token each (and emptied): one event; in the
+        rare run that reaches `_MERGE_CHARS`, one each time the texts since the last
+        reach it (measured here, not text by text as they come)."""
         index = self._template_index
         text = "".join(texts)
         if len(text) < _MERGE_CHARS:
