@@ -28,6 +28,8 @@ every call miss (hpack's decoding of them: about 1,400 bytecodes a call).
 
 from __future__ import annotations
 
+import functools
+
 import hpack
 
 #: Fields of the static table (RFC 7541 Appendix A) this client sends: an index of a
@@ -60,7 +62,19 @@ def _integer(value: int, prefix_bits: int, flags: int) -> bytes:
 
 def _string(text: str) -> bytes:
     data = text.encode()
-    return _integer(len(data), 7, 0) + data
+    size = len(data)
+    return (bytes((size,)) if size < 0x7F else _integer(size, 7, 0)) + data
+
+
+@functools.lru_cache(maxsize=256)
+def _name(name: str, sensitive: bool) -> bytes:
+    """A literal field's bytes before its value: kept, as every call sends the same few
+    names (its metadata's, `grpc-timeout`) with values of its own."""
+    flags = _NEVER_INDEXED if sensitive else _WITHOUT_INDEXING
+    index = _STATIC_NAMES.get(name)
+    if index is not None:
+        return _integer(index, 4, flags)
+    return bytes((flags,)) + _string(name)
 
 
 def field(name: str, value: str, *, sensitive: bool = False) -> bytes:
@@ -68,11 +82,7 @@ def field(name: str, value: str, *, sensitive: bool = False) -> bytes:
     whole = _STATIC_FIELDS.get((name, value))
     if whole is not None:
         return _integer(whole, 7, _INDEXED)
-    flags = _NEVER_INDEXED if sensitive else _WITHOUT_INDEXING
-    index = _STATIC_NAMES.get(name)
-    if index is not None:
-        return _integer(index, 4, flags) + _string(value)
-    return bytes((flags,)) + _string(name) + _string(value)
+    return _name(name, sensitive) + _string(value)
 
 
 def fields(pairs: list[tuple[str, str]], *, sensitive: bool = False) -> bytes:
