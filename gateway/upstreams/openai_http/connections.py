@@ -196,7 +196,9 @@ class _RawCall(StreamBookkeeping):
         now = monotonic()
         rest = now - self._read_at < REST
         self._read_at = now
-        if self._waiter is not None:  # none while a listener takes the events
+        if self._waiter is not None and (
+            self._ready or self._stream.done or self._failure is not None
+        ):  # what `_wait` waits for (their head's grace wakes it itself): not a bare head
             self._wake()
         listener = self._listener
         if listener is not None:
@@ -272,9 +274,10 @@ class _RawCall(StreamBookkeeping):
         """Their response ended: the connection goes back to the pool if it can."""
         self._connection = None
         self._uncount()
-        if (self._paused or self._resting) and connection.transport is not None:
-            connection.transport.resume_reading()
-        self._paused = self._resting = False
+        if self._paused or self._resting:
+            if connection.transport is not None:
+                connection.transport.resume_reading()
+            self._paused = self._resting = False
         self._pool.give_back(connection)
         if self._status != 200:
             body = b"".join(self._error_body)[:MAX_ERROR_BYTES]
