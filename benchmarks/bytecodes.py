@@ -151,7 +151,7 @@ def main() -> None:
     if sys.argv[1:2] == ["serve"]:
         serve(sys.argv[2:])
         return
-    from benchmarks.profile_gateway import EXTRA, export, start_engine
+    from benchmarks.profile_gateway import answer_length, export, start_engine
     from tests.support.vllm import build_vllm_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -161,9 +161,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="files and functions listed")
     parser.add_argument("--baseline", metavar="REV", help="also the gateway as at REV")
     args = parser.parse_args()
-    EXTRA["max_tokens"] = args.max_tokens
-    if args.path == "http":  # fake_openai echoes the message's words, one a token
-        EXTRA["messages"] = [{"role": "user", "content": " ".join(["word"] * args.max_tokens)}]
+    answer_length(args.path, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="bytecodes-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")

@@ -161,6 +161,14 @@ def export(revision: str, into: Path) -> Path:
 EXTRA: dict[str, object] = {}
 
 
+def answer_length(path: str, max_tokens: int) -> None:
+    """Every request asks `max_tokens` (`EXTRA`); and on the `http` path, where
+    fake_openai echoes the message's words, one a token, says as many words."""
+    EXTRA["max_tokens"] = max_tokens
+    if path == "http":
+        EXTRA["messages"] = [{"role": "user", "content": " ".join(["word"] * max_tokens)}]
+
+
 def load(url: str, streams: int, requests: int, tools: bool) -> Sample:
     extra = {"tools": [TOOL], "tool_choice": "auto", **EXTRA} if tools else EXTRA
     return asyncio.run(run_load(lambda: HttpCalls(url, extra), streams, requests))
@@ -274,9 +282,7 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
     args = parser.parse_args()
-    EXTRA["max_tokens"] = args.max_tokens
-    if args.path == "http":  # fake_openai echoes the message's words, one a token
-        EXTRA["messages"] = [{"role": "user", "content": " ".join(["word"] * args.max_tokens)}]
+    answer_length(args.path, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="profile-gateway-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")

@@ -23,12 +23,11 @@ import orjson
 from starlette.routing import Route
 
 from gateway import __version__
-from gateway.admission import RequestContext
 from gateway.admission.admit import tensor_pool
 from gateway.edge.asgi import Receive, Scope, Send, send_json
 from gateway.edge.errors import APIError, from_error
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.request import Exchange, Parts, RequestHeaders, RequestRoute
+from gateway.edge.request import Exchange, Parts, RequestRoute
 from gateway.fleet.inference import infer, model_metadata
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
@@ -54,15 +53,8 @@ class _Tensors(Exchange):
 
     __slots__ = ("received", "sent")
 
-    def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        ctx: RequestContext,
-        headers: RequestHeaders,
-    ) -> None:
-        super().__init__(scope, receive, send, ctx, headers)
+    def __init__(self, *args: Any) -> None:  # the frame's (`Exchange`)
+        super().__init__(*args)
         self.received = 0
         self.sent = 0
 
