@@ -124,6 +124,32 @@ class EventPump:
     #: Pumps not closed yet, in this process: a stream is paced only among others.
     live: ClassVar[int] = 0
 
+    # A new pump's state, as class attributes: a pump sets on itself only what it
+    # changes (every request makes one, and most of these keep their first value).
+    phase = Phase.NEW
+    _starting: asyncio.Task[Any] | None = None  # the task running the start, meanwhile
+    _call: UpstreamCall | None = None
+    _pushing: Pushing | None = None  # the call, when it pushes: no reader task
+    #: A pushing call's `Draining.drain`, where it has one.
+    _drain: Callable[[list[Event], int], int] | None = None
+    _reader: asyncio.Task[None] | None = None
+    buffered = 0  # `event_size` of what `_ready` holds
+    _taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
+    _error: errors.GatewayError | None = None
+    _waiter: asyncio.Future[None] | None = None
+    _texted = False  # whether a batch with text went to the edge yet
+    _wake_at = math.inf  # when the current wait ends without an event
+    _timer: asyncio.TimerHandle | None = None
+    _timer_at = math.inf  # when `_timer` fires
+    _idle_timeout = math.inf  # the current wait's (the first one bounds the start)
+    _reading = False  # counted in `EventPump.reading`
+    _paced = False  # the edge's waiter waits for the next write turn
+    _waiting_since = 0.0  # when the edge's current wait began
+    _tick: float | None = None  # the current wait's keep-alive tick
+    #: The edge's writer for events pushed while it waits (see `_deliver`): takes a
+    #: batch and says whether it wrote it; None: the edge's task is woken instead.
+    sink: Callable[[list[Event]], bool] | None = None
+
     def __init__(
         self,
         start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
@@ -133,32 +159,9 @@ class EventPump:
         self._unfinished = choices
         self._loop = asyncio.get_running_loop()
         self._start = start
-        self.phase = Phase.NEW
-        self._starting: asyncio.Task[Any] | None = None  # the task running it, meanwhile
-        self._call: UpstreamCall | None = None
-        self._pushing: Pushing | None = None  # the call, when it pushes: no reader task
-        #: A pushing call's `Draining.drain`, where it has one.
-        self._drain: Callable[[list[Event], int], int] | None = None
-        self._reader: asyncio.Task[None] | None = None
         self._ready: list[Event] = []
-        self.buffered = 0  # `event_size` of what `_ready` holds
         self._buffer_chars = buffer_chars
-        self._taken: asyncio.Future[None] | None = None  # set when the edge takes a batch
-        self._error: errors.GatewayError | None = None
-        self._waiter: asyncio.Future[None] | None = None
         self._last_event = self._loop.time()
-        self._texted = False  # whether a batch with text went to the edge yet
-        self._wake_at = math.inf  # when the current wait ends without an event
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf  # when `_timer` fires
-        self._idle_timeout = math.inf  # the current wait's (the first one bounds the start)
-        self._reading = False  # counted in `EventPump.reading`
-        self._paced = False  # the edge's waiter waits for the next write turn
-        self._waiting_since = 0.0  # when the edge's current wait began
-        self._tick: float | None = None  # the current wait's keep-alive tick
-        #: The edge's writer for events pushed while it waits (see `_deliver`): takes a
-        #: batch and says whether it wrote it; None: the edge's task is woken instead.
-        self.sink: Callable[[list[Event]], bool] | None = None
         EventPump.live += 1
 
     async def _begin(self, idle_timeout: float) -> None:
@@ -168,7 +171,7 @@ class EventPump:
         self._idle_timeout = idle_timeout
         idle_at = self._wake_at = self._last_event + idle_timeout
         self._arm(idle_at)  # past it, `_on_timer` cancels the start
-        task = self._starting = asyncio.current_task()
+        task = self._starting = asyncio.current_task(self._loop)
         assert task is not None
         try:
             first, call = await self._start
@@ -215,16 +218,17 @@ class EventPump:
 
     def _accept(self, event: Event) -> bool:
         """Takes one event of the call; True once it was the last `Finished`."""
-        if type(event) is Started:
+        kind = type(event)
+        if kind is Started:
             failure = errors.Failed("The engine worker started the answer twice.")
             assert self._call is not None
             self._call.cancel(failure)
             raise failure
         self._ready.append(event)
         self._last_event = self._loop.time()
-        if type(event) is Text or type(event) is ToolCallDelta:
+        if kind is Text or kind is ToolCallDelta:
             self.buffered += event_size(event)  # logprobs and arguments count too
-        elif type(event) is Finished:
+        elif kind is Finished:
             self._unfinished -= 1
             if not self._unfinished:
                 assert self._call is not None
@@ -456,7 +460,7 @@ class EventPump:
         if self._ready:
             batch, self._ready = self._ready, []
             if not self._texted:
-                self._texted = any(type(event) is Text for event in batch)
+                self._texted = Text in map(type, batch)  # `any()` without a generator
             self.buffered = 0
             taken = self._taken
             if taken is not None and not taken.done():

@@ -132,9 +132,9 @@ class Accounts:
         if held is not None:
             await self.budgets.settle(held, prompt, completion)
         cost = spend(self.budgets.prices.get(model), prompt, completion)
-        outcome = None if record.outcome is None else str(record.outcome)
         name = OPEN if team is None else team.name
-        self.ledger.record(name, model, key, prompt, completion, cost, outcome)
+        # an `Outcome` is its own name (a StrEnum): the ledger keys its field by it
+        self.ledger.record(name, model, key, prompt, completion, cost, record.outcome)
 
     @property
     def idle(self) -> bool:

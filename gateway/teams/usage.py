@@ -120,22 +120,21 @@ class Ledger:
         now: float | None = None,
     ) -> None:
         """Counts one request: what the engine counted of it, and how it ended."""
-        amounts = {
-            "prompt_tokens": float(prompt),
-            "completion_tokens": float(completion),
-            "requests": 1.0,
-            "spend": spend,
-        }
-        outcome_field = _OUTCOME_FIELDS.get(outcome) if outcome is not None else None
-        if outcome_field is not None:
-            amounts[outcome_field] = 1.0
-        day = day_of(time.time() if now is None else now)
-        _add(self.rows, (day, team, model, key_id or NO_KEY), amounts)
+        # added in place, into its row and its totals: every request passes here
+        where = (day_of(time.time() if now is None else now), team, model, key_id or NO_KEY)
+        row = self.rows.get(where)
+        if row is None:
+            row = self.rows[where] = dict.fromkeys(AMOUNTS, 0.0)
         total = self.totals.get((team, model))
         if total is None:
             total = self.totals[team, model] = dict.fromkeys(AMOUNTS, 0.0)
-        for name in AMOUNTS:
-            total[name] += amounts[name]
+        for amounts in (row, total):
+            amounts["prompt_tokens"] += prompt
+            amounts["completion_tokens"] += completion
+            amounts["requests"] += 1.0
+            amounts["spend"] += spend
+        if outcome is not None and (field := _OUTCOME_FIELDS.get(outcome)) is not None:
+            row[field] = row.get(field, 0.0) + 1.0
 
     # -- Redis ----------------------------------------------------------------------
 

@@ -33,70 +33,45 @@ class Observer(Protocol):
 class RequestRecord:
     """One request as it goes: filled by the edge, read once at the end."""
 
-    __slots__ = (
-        "asked",
-        "cache_hit_blocks",
-        "choices_left",
-        "completion_tokens",
-        "finished",
-        "first_token_at",
-        "gaps",
-        "granted_tokens",
-        "itl",
-        "key_id",
-        "last_token_at",
-        "model",
-        "outcome",
-        "policy",
-        "prompt",
-        "prompt_tokens",
-        "reason",
-        "request_id",
-        "route",
-        "started_at",
-        "status",
-        "stream",
-        "team",
-        "tokens_sent",
-        "worker",
-    )
+    # Its fields start as class attributes, so a request's record is made with the few
+    # that differ (every request makes one); each is set on the record when it changes.
+    #: The API route that served it, as a bounded label (`/v1/chat/completions`,
+    #: `/v2/models/{model}/infer`...); "" where none set it.
+    route = ""
+    #: Whose request it is, on a keyed gateway: the key's team, and the key's id
+    #: (a digest, never the key); "" on an open one.
+    team = ""
+    key_id = ""
+    model = ""
+    #: The model the request named, when another served it (an alias's target, a
+    #: fallback); "" otherwise.
+    asked = ""
+    stream = False
+    worker = ""
+    status = 0
+    outcome: Outcome | None = None
+    reason = ""
+    prompt_tokens = 0
+    completion_tokens = 0
+    tokens_sent = 0  # completion tokens written so far (a team's limits read it)
+    first_token_at: float | None = None
+    last_token_at = 0.0
+    finished: Finished | None = None  # the last choice's, once all have finished
+    choices_left = 1
+    prompt: Any = None
+    itl: Observer | None = None  # the model's inter-token-latency histogram
+    #: The routing decision (`models[].routing`): its policy ("" without routing)
+    #: and the prefix blocks the picked worker held.
+    policy = ""
+    cache_hit_blocks: int | None = None
+    #: Completion tokens per choice a team's tokens per minute granted a request that
+    #: set no bound (the worker is given it as max_tokens); None: no such grant.
+    granted_tokens: int | None = None
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        #: The API route that served it, as a bounded label (`/v1/chat/completions`,
-        #: `/v2/models/{model}/infer`...); "" where none set it.
-        self.route = ""
         self.started_at = time.perf_counter()
-        #: Whose request it is, on a keyed gateway: the key's team, and the key's id
-        #: (a digest, never the key); "" on an open one.
-        self.team = ""
-        self.key_id = ""
-        self.model = ""
-        #: The model the request named, when another served it (an alias's target, a
-        #: fallback); "" otherwise.
-        self.asked = ""
-        self.stream = False
-        self.worker = ""
-        self.status = 0
-        self.outcome: Outcome | None = None
-        self.reason = ""
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.tokens_sent = 0  # completion tokens written so far (a team's limits read it)
-        self.first_token_at: float | None = None
-        self.last_token_at = 0.0
-        self.finished: Finished | None = None  # the last choice's, once all have finished
-        self.choices_left = 1
-        self.prompt: Any = None
-        self.itl: Observer | None = None  # the model's inter-token-latency histogram
         self.gaps: list[float] = []  # inter-token gaps not observed yet
-        #: The routing decision (`models[].routing`): its policy ("" without routing)
-        #: and the prefix blocks the picked worker held.
-        self.policy = ""
-        self.cache_hit_blocks: int | None = None
-        #: Completion tokens per choice a team's tokens per minute granted a request that
-        #: set no bound (the worker is given it as max_tokens); None: no such grant.
-        self.granted_tokens: int | None = None
 
     def expect(self, choices: int) -> None:
         """The request asks for `choices` answers: it ends after as many `Finished`."""
