@@ -87,8 +87,11 @@ LAST_STREAM_ID = _MAX_STREAM_ID
 #: The bytes of a stream's messages the worker may send before the reader takes them
 #: (HTTP/2's default window, as the gateway's grpc.aio channels keep it: no BDP probe).
 STREAM_WINDOW = _DEFAULT_WINDOW
+#: Half a stream's window: once that much is received (and not held unread), it is given back.
+_HALF_WINDOW = STREAM_WINDOW // 2
 #: The connection's receive window: every stream's window together, many times over.
 CONNECTION_WINDOW = 16 * 1024 * 1024
+_HALF_CONNECTION_WINDOW = CONNECTION_WINDOW // 2
 #: How long a call without a deadline waits for its connection to open.
 CONNECT_TIMEOUT = 20.0
 #: The largest header block (headers or trailers) a worker may send.
@@ -222,13 +225,14 @@ class StreamCall(Generic[T]):
     def poll(self) -> T | object | None:
         """The next message that came, `grpc.aio.EOF` once the worker ended with OK,
         or None while there is none; raises the call's `AioRpcError`."""
-        if not self._messages:
+        messages = self._messages
+        if not messages:
             if self._error is not None:
                 raise self._error
             return grpc.aio.EOF if self._ended else None
-        data = self._messages.popleft()
+        data = messages.popleft()
         self._queued -= len(data)
-        if self._unacked >= STREAM_WINDOW // 2 and self._conn is not None and not self._done:
+        if self._unacked >= _HALF_WINDOW and self._conn is not None and not self._done:
             self._conn.give_back(self)
         try:
             return self._deserialize(data)
@@ -265,12 +269,13 @@ class StreamCall(Generic[T]):
         loop = asyncio.get_running_loop()
         if self._error is not None:
             raise self._error
-        left = None if self._deadline is None else self._deadline - loop.time()
-        if left is not None:
+        deadline, left = self._deadline, None
+        if deadline is not None:
+            left = deadline - loop.time()
             if left <= 0:
                 self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 raise self._error  # type: ignore[misc]
-            self._timer = loop.call_at(loop.time() + left, self._expire)
+            self._timer = loop.call_at(deadline, self._expire)
             block += field("grpc-timeout", grpc_timeout(left))
         conn = self._channel.ready()
         if conn is None:
@@ -296,28 +301,26 @@ class StreamCall(Generic[T]):
 
     # -- what the connection tells the call, inside its callbacks --------------------
 
-    def pending_body(self) -> memoryview:
-        return self._body
-
-    def sent(self, count: int) -> None:
-        self._body = self._body[count:]
-
     def data(self, payload: bytes, flow: int) -> None:
         """A DATA frame's payload (`flow`: the bytes it counted against the window).
         The reader is not woken here: the connection wakes each call once a read,
         after its DATA frames (`_Connection.data_received`)."""
-        self._unacked += flow
+        unacked = self._unacked = self._unacked + flow
         if self._done:
             return
-        if self._unacked > STREAM_WINDOW:  # past the window it was given: a broken worker
+        if unacked > STREAM_WINDOW:  # past the window it was given: a broken worker
             self.fail(
                 grpc.StatusCode.INTERNAL, "The worker sent past its flow-control window.", True
             )
             return
         inbox = self._inbox
-        if not inbox and len(payload) >= 5:  # the usual frame: one whole message
-            compressed, size = _MESSAGE_PREFIX.unpack_from(payload)
-            if not compressed and size == len(payload) - 5 and size <= MAX_MESSAGE_BYTES:
+        if not inbox:  # the usual frame: one whole message, uncompressed
+            size = len(payload) - 5
+            if (
+                size >= 0
+                and _MESSAGE_PREFIX.unpack_from(payload) == (0, size)
+                and size <= MAX_MESSAGE_BYTES
+            ):
                 self._messages.append(payload[5:])
                 self._queued += size
                 return
@@ -343,7 +346,7 @@ class StreamCall(Generic[T]):
     def owed(self) -> int:
         """The window to give back to the worker now: what was received, once half a
         window of it is out and the reader holds less than half a window unread."""
-        if self._unacked < STREAM_WINDOW // 2 or self._queued >= STREAM_WINDOW // 2:
+        if self._unacked < _HALF_WINDOW or self._queued >= _HALF_WINDOW:
             return 0
         owed, self._unacked = self._unacked, 0
         return owed
@@ -421,7 +424,7 @@ class StreamCall(Generic[T]):
         self._conn, self.id, self.send_window = conn, stream_id, window
 
 
-def _wake_all(calls: list[StreamCall[Any]]) -> None:
+def _wake_all(calls: dict[StreamCall[Any], None]) -> None:
     """Wakes the reader of each call (its messages came), and forgets them."""
     for call in calls:
         call._wake()
@@ -490,42 +493,46 @@ class _Connection(asyncio.Protocol):
             self._channel.lost(self)
         if self._table_note:
             block, self._table_note = self._table_note + block, b""
-        frames = []
-        first, block = block[: self._peer_frame], block[self._peer_frame :]
-        frames.append(_frame(_HEADERS, 0 if block else _END_HEADERS, stream_id, first))
-        while block:
-            piece, block = block[: self._peer_frame], block[self._peer_frame :]
-            frames.append(_frame(_CONTINUATION, 0 if block else _END_HEADERS, stream_id, piece))
+        limit = self._peer_frame
+        if len(block) <= limit:  # the usual block: one HEADERS frame
+            frames = [_frame(_HEADERS, _END_HEADERS, stream_id, block)]
+        else:
+            frames = [_frame(_HEADERS, 0, stream_id, block[:limit])]
+            for at in range(limit, len(block), limit):
+                piece = block[at : at + limit]
+                last = at + limit >= len(block)
+                frames.append(_frame(_CONTINUATION, _END_HEADERS if last else 0, stream_id, piece))
         self._blocked[stream_id] = call
         # the headers and what the windows allow of the body: one write, not two
-        self.transport.write(b"".join(frames + self._body_frames(call)))
+        self._body_frames(call, frames)
+        self.transport.write(b"".join(frames))
 
     def _push(self, call: StreamCall[Any]) -> None:
         """Sends what the windows allow of `call`'s body; the last frame ends the stream."""
         assert self.transport is not None
-        frames = self._body_frames(call)
+        frames: list[bytes] = []
+        self._body_frames(call, frames)
         if frames:
             self.transport.write(b"".join(frames))
 
-    def _body_frames(self, call: StreamCall[Any]) -> list[bytes]:
-        """The DATA frames of what the windows allow of `call`'s body, counted as sent;
-        the last one ends the stream."""
-        body = call.pending_body()
-        frames = []
+    def _body_frames(self, call: StreamCall[Any], frames: list[bytes]) -> None:
+        """The DATA frames of what the windows allow of `call`'s body, appended to
+        `frames` and counted as sent; the last one ends the stream."""
+        body = call._body
+        left = len(body)
         while True:
-            size = min(len(body), self._peer_frame, call.send_window, self._send_window)
-            if size < len(body) and size <= 0:
+            size = min(left, self._peer_frame, call.send_window, self._send_window)
+            if size < left and size <= 0:
                 break
-            last = size == len(body)
-            frames.append(_frame(_DATA, _END_STREAM if last else 0, call.id, bytes(body[:size])))
+            left -= size
+            frames.append(_frame(_DATA, 0 if left else _END_STREAM, call.id, bytes(body[:size])))
             call.send_window -= size
             self._send_window -= size
-            call.sent(size)
             body = body[size:]
-            if last:
+            if not left:
                 del self._blocked[call.id]
                 break
-        return frames
+        call._body = body
 
     def give_back(self, call: StreamCall[Any]) -> None:
         owed = call.owed()
@@ -572,28 +579,30 @@ class _Connection(asyncio.Protocol):
         if buffer:
             buffer += data
             view: bytes | bytearray = buffer
+            copy = True  # a payload must not be a view of the buffer cut below
         else:  # the usual read: whole frames, parsed from the bytes as they came
             view = data
+            copy = False
         at, end = 0, len(view)
         streams, head = self.streams, _FRAME_HEAD.unpack_from
-        copy = view is buffer  # a payload must not be a view of the buffer cut below
         # The calls that got DATA, woken once each after the read's frames (or before any
         # other frame, so their messages come first): their readers take a read's messages
-        # in one go, a wake and a write to the client a read rather than a message.
-        woken: list[StreamCall[Any]] = []
+        # in one go, a wake and a write to the client a read rather than a message. A dict
+        # as an ordered set: a call is put in once, however many of its frames came.
+        woken: dict[StreamCall[Any], None] = {}
         try:
             while end - at >= 9:
                 high, low, kind, flags, stream_id = head(view, at)
                 size = high << 8 | low
                 if size > _DEFAULT_FRAME:
                     raise _ProtocolError(_FRAME_SIZE_ERROR, f"a frame of {size} bytes")
-                if end - at < 9 + size:
+                start = at + 9
+                stop = start + size
+                if stop > end:
                     break
                 stream_id &= _MAX_STREAM_ID
-                payload = (
-                    bytes(view[at + 9 : at + 9 + size]) if copy else data[at + 9 : at + 9 + size]
-                )
-                at += 9 + size
+                payload = bytes(view[start:stop]) if copy else data[start:stop]
+                at = stop
                 if kind == _DATA and self._block is None:  # a stream's message: inline
                     self._unacked += size
                     if self._unacked > CONNECTION_WINDOW:
@@ -603,9 +612,8 @@ class _Connection(asyncio.Protocol):
                     call = streams.get(stream_id)
                     if call is not None:
                         call.data(_unpad(payload, flags) if flags & _PADDED else payload, size)
-                        if call not in woken:
-                            woken.append(call)
-                        if call._unacked >= STREAM_WINDOW // 2:
+                        woken[call] = None
+                        if call._unacked >= _HALF_WINDOW:
                             self.give_back(call)
                         if flags & _END_STREAM and not call._done:
                             call.fail(
@@ -624,9 +632,9 @@ class _Connection(asyncio.Protocol):
                 del buffer[:at]
             elif at < end:
                 buffer += data[at:]
-        if woken:
-            _wake_all(woken)
-        if self._unacked >= CONNECTION_WINDOW // 2 and self.transport is not None:
+        for call in woken:
+            call._wake()
+        if self._unacked >= _HALF_CONNECTION_WINDOW and self.transport is not None:
             owed, self._unacked = self._unacked, 0
             self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, owed.to_bytes(4, "big")))
 
@@ -634,14 +642,23 @@ class _Connection(asyncio.Protocol):
         """Every frame but DATA outside a header block (`data_received` reads those)."""
         if self._block is not None and kind != _CONTINUATION:
             raise _ProtocolError(_PROTOCOL_ERROR, "a header block cut by another frame")
+        # the kinds a call brings first: its headers and trailers, the worker's windows
         if kind == _HEADERS:
-            block = _unpad(payload, flags)
+            block = _unpad(payload, flags) if flags & _PADDED else payload
             if flags & _PRIORITY:
                 block = block[5:]
-            self._block, self._block_stream = bytearray(block), stream_id
-            self._block_end = bool(flags & _END_STREAM)
-            if flags & _END_HEADERS:
-                self._headers_done()
+            if flags & _END_HEADERS:  # the usual block: one frame, decoded as it came
+                self._headers_done(block, stream_id, flags & _END_STREAM)
+            else:
+                self._block, self._block_stream = bytearray(block), stream_id
+                self._block_end = bool(flags & _END_STREAM)
+        elif kind == _WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == _PING:
+            if len(payload) != 8:
+                raise _ProtocolError(_FRAME_SIZE_ERROR, "a PING not of 8 bytes")
+            if not flags & _ACK and self.transport is not None:
+                self.transport.write(_frame(_PING, _ACK, 0, payload))
         elif kind == _CONTINUATION:
             if self._block is None or stream_id != self._block_stream:
                 raise _ProtocolError(_PROTOCOL_ERROR, "a CONTINUATION out of place")
@@ -649,7 +666,8 @@ class _Connection(asyncio.Protocol):
             if len(self._block) > MAX_HEADER_BLOCK:
                 raise _ProtocolError(_ENHANCE_YOUR_CALM, "a header block past the bound")
             if flags & _END_HEADERS:
-                self._headers_done()
+                whole, self._block = self._block, None
+                self._headers_done(bytes(whole), self._block_stream, self._block_end)
         elif kind == _RST_STREAM:
             call = self.streams.get(stream_id)
             if call is not None and len(payload) == 4:
@@ -659,31 +677,23 @@ class _Connection(asyncio.Protocol):
                 raise _ProtocolError(_FRAME_SIZE_ERROR, "a malformed SETTINGS frame")
             if not flags & _ACK:
                 self._settings(payload)
-        elif kind == _PING:
-            if len(payload) != 8:
-                raise _ProtocolError(_FRAME_SIZE_ERROR, "a PING not of 8 bytes")
-            if not flags & _ACK and self.transport is not None:
-                self.transport.write(_frame(_PING, _ACK, 0, payload))
         elif kind == _GOAWAY:
             self._goaway(payload)
-        elif kind == _WINDOW_UPDATE:
-            self._window_update(stream_id, payload)
         elif kind == _PUSH_PROMISE:
             raise _ProtocolError(_PROTOCOL_ERROR, "a PUSH_PROMISE, which we disabled")
         # PRIORITY and unknown frame types are ignored, as HTTP/2 asks.
 
-    def _headers_done(self) -> None:
-        block, self._block = self._block, None
-        assert block is not None
+    def _headers_done(self, block: bytes, stream_id: int, end_stream: int) -> None:
+        """A whole header block of `stream_id` (`end_stream`: its frame ended the stream)."""
         try:  # every block is decoded: the HPACK table follows them all
-            headers = self._decoder.decode(bytes(block))
+            headers = self._decoder.decode(block)
         except hpack.HPACKError as error:
             raise _ProtocolError(
                 _PROTOCOL_ERROR, f"a header block HPACK refuses: {error}"
             ) from None
-        call = self.streams.get(self._block_stream)
+        call = self.streams.get(stream_id)
         if call is not None:
-            call.headers(headers, self._block_end)
+            call.headers(headers, bool(end_stream))
 
     def _settings(self, payload: bytes) -> None:
         for at in range(0, len(payload), 6):
