@@ -11,7 +11,8 @@ the upstreams that hold a `ModelTokenizer` use it (`ModelTokenizer.detokenizer`)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -26,11 +27,13 @@ class StreamDetokenizer:
     the window is kept in Rust; the ids of a character still incomplete are kept here
     too, so that `flush` gives what decoding the whole answer would (U+FFFD)."""
 
-    __slots__ = ("_held", "_last", "_stream", "_tokenizer")
+    __slots__ = ("_held", "_last", "_step", "_stream", "_tokenizer")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
+        #: `DecodeStream.step` bound to the tokenizer: a token's one call, in C.
+        self._step: Callable[[int], str | None] = partial(self._stream.step, tokenizer)
         self._held: list[int] = []  # ids fed since text was last released
         self._last: list[int] = []  # the ids of that text: the context to decode after
 
@@ -54,12 +57,16 @@ class StreamDetokenizer:
     def feed_one(self, token: int) -> str:
         """`feed` of one id, the engine's usual message: DecodeStream takes it as an
         int (a one-id list costs it twice the time) and no list is copied."""
-        text: str | None = self._stream.step(self._tokenizer, token)
-        held = self._held
-        held.append(token)
+        text = self._step(token)
         if text is None:
+            self._held.append(token)
             return ""
-        self._last, self._held = held, []
+        held = self._held
+        if held:  # the last piece of a character
+            held.append(token)
+            self._last, self._held = held, []
+        else:  # the usual token: its own text
+            self._last = [token]
         return text
 
     def flush(self) -> str:

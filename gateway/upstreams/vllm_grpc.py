@@ -362,24 +362,29 @@ class VllmGrpcCall(StreamBookkeeping):
         next (`poll` then gives its events): a read's tokens in one call, not a `poll`
         each. Their characters."""
         sole, call = self._sole, self._pushing
-        if sole is None or call is None or self._pending or self._closed or not self._started:
+        if (
+            sole is None
+            or call is None
+            or self._pending
+            or self._closed
+            or not self._started
+            or sole.done  # only `_took` ends it, and the loop stops there
+        ):
             return 0
         messages, hidden, feed_one = call._messages, self._hidden, sole.detok.feed_one
         taken = 0
         self._polling = True
         try:
-            while messages and taken <= room and not sole.done:
+            while messages and taken <= room:
                 try:
                     message: pb.GenerateResponse = call.poll()  # type: ignore[assignment]
                 except grpc.RpcError as error:
                     raise self._failed(error) from None
-                if message.WhichOneof("response") != "chunk":
-                    self._took(message)  # its events wait in `_pending` for `poll`
-                    break
+                # a message of another kind reads as an empty chunk: no one token in it
                 chunk = message.chunk
                 token_ids = chunk.token_ids
                 if chunk.index or len(token_ids) != 1:
-                    self._took(message)
+                    self._took(message)  # its events wait in `_pending` for `poll`
                     break
                 sole.received += 1
                 token = token_ids[0]
