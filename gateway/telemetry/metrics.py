@@ -63,13 +63,11 @@ class GapHistogram:
     def observe_all(self, samples: list[float]) -> None:
         """Observes each of `samples` (into the first bucket whose bound is >= it)."""
         bounds = self._bounds
-        counts = [0] * len(bounds)
-        for sample in samples:
-            counts[bisect_left(bounds, sample)] += 1
+        found = [bisect_left(bounds, sample) for sample in samples]  # each one's bucket
         self._sum.inc(sum(samples))
-        for bucket, count in zip(self._buckets, counts, strict=True):
-            if count:
-                bucket.inc(count)
+        buckets = self._buckets
+        for i in set(found):  # the few buckets hit, not every bucket
+            buckets[i].inc(found.count(i))
 
 
 class _ModelSeries:
