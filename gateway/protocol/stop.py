@@ -62,7 +62,7 @@ class StopMatcher:
     __slots__ = ("_automaton", "_held", "_state", "matched")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        stops = tuple(s for s in stops if s)
+        stops = tuple(filter(None, stops))  # the empty strings dropped
         self._automaton = _Automaton(stops) if stops else None
         self._state = 0
         self._held = ""

@@ -320,7 +320,8 @@ class VllmGrpcCall(StreamBookkeeping):
         if listen is None:
             return False
         self._listener = listener
-        self._pushing = cast(StreamCall[pb.GenerateResponse], self._call)
+        # the type as a string: a subscript of the generic class each call is typing's work
+        self._pushing = cast("StreamCall[pb.GenerateResponse]", self._call)
         listen(None if listener is None else self._pushed)
         return True
 
@@ -542,17 +543,25 @@ class VllmGrpcCall(StreamBookkeeping):
     def _finish(
         self, choice: _Choice, reason: FinishReason, completion_tokens: int, *, flush: bool = True
     ) -> None:
-        if flush:
-            released, stopped = choice.stop.feed(choice.detok.flush())
-            rest = released if stopped else released + choice.stop.flush()
-            self._pending.extend(choice.calls.feed(rest, choice.held))
-            choice.held = 0
-            if stopped:
-                reason = FinishReason.STOP
-        self._pending.extend(choice.calls.finish())
-        reason = choice.calls.finish_reason(reason)
+        if choice.plain:  # as `_plain`: what the stop strings and the parser would give
+            if flush:
+                rest = choice.detok.flush()
+                if rest:
+                    self._pending.append(_new_text(Text, (rest, choice.held, choice.index, None)))
+                choice.held = 0
+            stop = ""
+        else:
+            if flush:
+                released, stopped = choice.stop.feed(choice.detok.flush())
+                rest = released if stopped else released + choice.stop.flush()
+                self._pending.extend(choice.calls.feed(rest, choice.held))
+                choice.held = 0
+                if stopped:
+                    reason = FinishReason.STOP
+            self._pending.extend(choice.calls.finish())
+            reason = choice.calls.finish_reason(reason)
+            stop = choice.stop.matched if reason is FinishReason.STOP else ""
         tokens = max(completion_tokens, choice.received)
-        stop = choice.stop.matched if reason is FinishReason.STOP else ""
         self._pending.append(Finished(reason, tokens, None, choice.index, stop))
         choice.done = True
         self._left -= 1

@@ -17,7 +17,7 @@ from gateway.protocol.types import Event, FinishReason, Text, TokenLogprob, Tool
 
 
 class _Plain(ToolCallParser):
-    """No tools in play: all text, nothing held."""
+    """No tools in play: all text, nothing held (and no state: one serves every choice)."""
 
     def __init__(self) -> None:
         super().__init__(())
@@ -29,13 +29,16 @@ class _Plain(ToolCallParser):
         return Parsed("")
 
 
+_PLAIN = _Plain()
+
+
 class ChoiceToolCalls:
     """Feeds one choice's text through a parser, giving our events."""
 
     __slots__ = ("_index", "_logprobs", "_parser", "_tokens")
 
     def __init__(self, parser: ToolCallParser | None, index: int = 0) -> None:
-        self._parser = parser or _Plain()
+        self._parser = parser or _PLAIN
         self._index = index
         self._tokens = 0
         self._logprobs: list[TokenLogprob] | None = None
