@@ -38,10 +38,22 @@ class Slots:
         #: The requests waiting for a slot, when a queue is configured.
         self.queue: Waiters | None = None
 
-    def hold(self) -> _Held:
+    def hold(self) -> Slots:
         """Takes a slot or raises `Busy`, on entering the `with`; the slot comes back
-        on every exit path."""
-        return _Held(self)
+        on every exit path. (The slots are their own context manager, a plain one: a
+        hold keeps no state of its own, so a request makes no object for it.)"""
+        return self
+
+    def __enter__(self) -> None:
+        if self.in_use >= self.limit:
+            raise Busy(
+                f"The server is at its limit of {self.limit} concurrent requests.",
+                reason="slots_full",
+            )
+        self.in_use += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Gives a slot back: to the queue's head if one waits."""
@@ -56,25 +68,3 @@ class Slots:
         if self.in_use:
             self._idle = asyncio.Event()
             await self._idle.wait()
-
-
-class _Held:
-    """`Slots.hold()`'s context manager: a plain object, not a `@contextmanager`
-    generator, whose suspended frame every request would keep (about 0.7 KiB)."""
-
-    __slots__ = ("_slots",)
-
-    def __init__(self, slots: Slots) -> None:
-        self._slots = slots
-
-    def __enter__(self) -> None:
-        slots = self._slots
-        if slots.in_use >= slots.limit:
-            raise Busy(
-                f"The server is at its limit of {slots.limit} concurrent requests.",
-                reason="slots_full",
-            )
-        slots.in_use += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._slots.release()

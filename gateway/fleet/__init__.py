@@ -372,7 +372,7 @@ class Fleet:
             route = pool.router.last
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
-        worker.outstanding += 1
+        worker.count_call(1)
         call = worker.upstream.call(
             request, deadline.remaining(), metadata, on_close=worker.release
         )

@@ -51,11 +51,13 @@ class RetryBudget:
 
     def _bucket(self) -> list[int]:
         now = int(time.monotonic())
-        while self._buckets and self._buckets[0][0] <= now - self.window:
-            self._buckets.popleft()
-        if not self._buckets or self._buckets[-1][0] != now:
-            self._buckets.append([now, 0, 0])
-        return self._buckets[-1]
+        buckets = self._buckets
+        if buckets and buckets[-1][0] == now:
+            return buckets[-1]  # this second's: none expired since it was made
+        while buckets and buckets[0][0] <= now - self.window:
+            buckets.popleft()
+        buckets.append([now, 0, 0])
+        return buckets[-1]
 
     def record_request(self) -> None:
         """A request arrived (its first try)."""

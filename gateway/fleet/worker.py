@@ -88,6 +88,15 @@ class Worker:
         if old != value:
             watcher(self, name, old)
 
+    def count_call(self, step: int) -> None:
+        """One call more in flight (`step` 1) or fewer (-1): as `__setattr__` does for
+        any watched field, without its look-ups, as every call starts and ends here."""
+        old = self.outstanding
+        object.__setattr__(self, "outstanding", old + step)
+        watcher = self.watcher
+        if watcher is not None:
+            watcher(self, "outstanding", old)
+
     def available(self, now: float) -> bool:
         """Whether it may take a new request now (unknown health counts as serving)."""
         return (
@@ -112,7 +121,7 @@ class Worker:
 
     def release(self, outcome: CallEnd) -> None:
         """Called once when one of its calls ends, however it ends."""
-        self.outstanding -= 1
+        self.count_call(-1)
         if outcome is None:  # each write runs `__setattr__`: only those that change
             if self.consecutive_failures:
                 self.consecutive_failures = 0
