@@ -164,9 +164,13 @@ def prompt_chars(
     prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool]
 ) -> int:
     """The characters a prompt puts through the template and the tokenizer."""
-    chars = len(prompt or "") + sum(len(t.parameters) + len(t.description) for t in tools)
+    chars = len(prompt or "")
+    if tools:  # each generator below only where there is something to count
+        chars += sum(len(t.parameters) + len(t.description) for t in tools)
     for m in messages or ():
-        chars += len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+        chars += len(m.content)
+        if m.tool_calls:
+            chars += sum(len(c.arguments) for c in m.tool_calls)
     return chars
 
 
@@ -185,8 +189,7 @@ async def _arrived(call: ServerStream[pb.GenerateResponse], within: float) -> bo
     """Whether the engine's first message (or its refusal) came within `within` seconds
     of the call; a grpc.aio call, whose read cannot be waited on apart from taking it,
     says yes."""
-    arrived = getattr(call, "arrived", None)
-    return True if arrived is None else bool(await arrived(within))
+    return not isinstance(call, StreamCall) or await call.arrived(within)
 
 
 def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
@@ -220,9 +223,7 @@ class _Choice:
         upstream, request = call._upstream, call._request
         self.index = index
         self.detok = upstream.tokenizer.detokenizer()
-        self.stop = StopMatcher(request.stop)
         parser = tool_calls.for_request(request, upstream.tool_call_parser)
-        self.calls = ChoiceToolCalls(parser, index)
         #: Nothing between the detokenizer and our events (no tool-call parser, stop
         #: strings, logprobs or min_tokens): each message's text is one `Text` at once.
         self.plain = (
@@ -231,6 +232,9 @@ class _Choice:
             and request.logprobs is None
             and not request.sampling.min_tokens
         )
+        if not self.plain:  # a plain choice has neither: `_plain` and `_finish` stand in
+            self.stop = StopMatcher(request.stop)
+            self.calls = ChoiceToolCalls(parser, index)
         self.held = 0  # plain: tokens whose text is not out yet (a character's pieces)
         self.received = 0  # completion tokens seen
         self.done = False  # its Finished is out
@@ -316,13 +320,12 @@ class VllmGrpcCall(StreamBookkeeping):
         the connection's callback that brought the engine's messages: no task reads
         the call, and the engine's message reaches the edge in one wake of the loop.
         False where the stream cannot push (a grpc.aio call): read it instead."""
-        listen = getattr(self._call, "listen", None)
-        if listen is None:
+        call = self._call
+        if not isinstance(call, StreamCall):
             return False
         self._listener = listener
-        # the type as a string: a subscript of the generic class each call is typing's work
-        self._pushing = cast("StreamCall[pb.GenerateResponse]", self._call)
-        listen(None if listener is None else self._pushed)
+        self._pushing = call
+        call.listen(None if listener is None else self._pushed)
         return True
 
     def _pushed(self) -> None:
@@ -424,7 +427,9 @@ class VllmGrpcCall(StreamBookkeeping):
         self._left = request.n
         if request.n == 1 and self._choices[0].plain:
             self._sole = self._choices[0]
-        info = await upstream.model_info(max(0.001, self._deadline - time.monotonic()))
+        info = upstream._info or await upstream.model_info(  # asked once (kept: never falsy)
+            max(0.001, self._deadline - time.monotonic())
+        )
         ids = _kept_ids(request) or await upstream.prompt_ids(request)
         self._prompt_tokens = len(ids)
         max_tokens = check_context(request, len(ids), info.max_context_length)
