@@ -45,9 +45,10 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 
 
 
 class GapHistogram:
-    """A histogram's label child that takes a batch of observations in one call:
-    each sample's bucket found by bisection and each bucket's count added once,
-    where `observe` walks the buckets in Python and takes two locks a sample.
+    """A histogram's label child that observes without `observe`'s checks and its walk
+    over the buckets in Python: one sample (`observe`: a request's TTFT and e2e
+    latency), or a batch (`observe_all`: the inter-token gaps), each sample's bucket
+    found by bisection and each bucket's count added once.
     It adds to the child's own values, so the series reads as `observe` fills it;
     prometheus-client has no such call, so this reads the child's `_upper_bounds`,
     `_buckets` and `_sum` (its names through 0.x; test_telemetry checks the result
@@ -60,8 +61,13 @@ class GapHistogram:
         self._buckets = child._buckets  # one count each, not cumulative
         self._sum = child._sum
 
+    def observe(self, sample: float) -> None:
+        """Observes `sample` (into the first bucket whose bound is >= it)."""
+        self._sum.inc(sample)
+        self._buckets[bisect_left(self._bounds, sample)].inc(1)
+
     def observe_all(self, samples: list[float]) -> None:
-        """Observes each of `samples` (into the first bucket whose bound is >= it)."""
+        """Observes each of `samples`, as `observe` would."""
         bounds = self._bounds
         found = [bisect_left(bounds, sample) for sample in samples]  # each one's bucket
         self._sum.inc(sum(samples))
@@ -71,15 +77,17 @@ class GapHistogram:
 
 
 class _ModelSeries:
-    """One model's label children of the per-request families."""
+    """One model's label children of the per-request families. The in-flight gauge is
+    kept as its child's value (`_value`, as `GapHistogram` reads its child's), which
+    `Gauge.inc` and `dec` would add to after checks that hold for every child."""
 
     __slots__ = ("completion_tokens", "e2e", "inflight", "itl", "prompt_tokens", "ttft")
 
     def __init__(self, metrics: RequestMetrics, model: str) -> None:
-        self.inflight = metrics.inflight.labels(model)
-        self.ttft = metrics.ttft.labels(model)
+        self.inflight = metrics.inflight.labels(model)._value
+        self.ttft = GapHistogram(metrics.ttft.labels(model))
         self.itl = GapHistogram(metrics.itl.labels(model))
-        self.e2e = metrics.e2e.labels(model)
+        self.e2e = GapHistogram(metrics.e2e.labels(model))
         self.prompt_tokens = metrics.prompt_tokens.labels(model)
         self.completion_tokens = metrics.completion_tokens.labels(model)
 
@@ -175,7 +183,7 @@ class RequestMetrics:
         series = self._of(model)
         record.model = model
         record.itl = series.itl
-        series.inflight.inc()
+        series.inflight.inc(1)
 
     def finish(self, record: RequestRecord, end: float) -> float | None:
         """Records the request's figures; returns its time to first token."""
@@ -183,15 +191,15 @@ class RequestMetrics:
         outcome = record.outcome or Outcome.ENGINE_ERROR
         series = self._series.get(model)  # None: never begun, no series of its own
         if record.itl is not None and series is not None:  # begun: it held a slot
-            series.inflight.dec()
+            series.inflight.inc(-1)
             record.observe_gaps()
         key = (model, record.route, outcome, record.status)
         requests = self._requests.get(key)
         if requests is None:
             requests = self._requests[key] = self.requests.labels(
                 model, record.route, outcome, str(record.status)
-            )
-        requests.inc()
+            )._value  # its value, as `_ModelSeries.inflight`
+        requests.inc(1)
         if record.asked:  # an alias (admission found it configured), or a fallback's model
             routed = self._routed.get((record.asked, model))
             if routed is None:
