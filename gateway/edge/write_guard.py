@@ -44,7 +44,7 @@ class WriteGuard:
 
     def __init__(self, send: Send, timeout: float, abort: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
         self._task = task
         self._send = send

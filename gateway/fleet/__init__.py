@@ -35,7 +35,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
 
@@ -65,6 +65,10 @@ log = logging.getLogger("furnace.fleet")
 DESCRIBE_TIMEOUT = 2.0
 #: How often the `worker_tls` files are checked for a rotation (at most).
 TLS_CHECK_INTERVAL = 5.0
+
+
+def _retryable(error: errors.GatewayError) -> bool:
+    return error.retryable
 
 
 class _StartTimeout:
@@ -344,12 +348,9 @@ class Fleet:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the call
         (`record` gets the routing decision, with `models[].routing`)."""
-
-        def attempt(tried: set[Worker]) -> Awaitable[tuple[Started, UpstreamCall]]:
-            return self._try(pool, request, deadline, metadata, tried, record)
-
+        attempt = partial(self._try, pool, request, deadline, metadata, record=record)
         return await with_retries(
-            self, pool, deadline, attempt, lambda e: e.retryable, self.config.retry_backoff
+            self, pool, deadline, attempt, _retryable, self.config.retry_backoff
         )
 
     async def _try(
