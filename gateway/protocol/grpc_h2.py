@@ -80,6 +80,9 @@ _MAX_STREAM_ID = 2**31 - 1
 #: A frame's head (length in 3 bytes: its high 2, its low 1; type, flags, stream id) and
 #: a gRPC message's prefix (compressed flag, length), each read in one call.
 _FRAME_HEAD = struct.Struct(">HBBBL")
+_unpack_head = _FRAME_HEAD.unpack_from
+#: A frame's head written in one call: its length and type in 4 bytes, flags, stream id.
+_pack_head = struct.Struct(">LBL").pack
 _MESSAGE_PREFIX = struct.Struct(">BL")
 #: The last stream id a connection opens; the next call opens a new connection.
 LAST_STREAM_ID = _MAX_STREAM_ID
@@ -133,12 +136,7 @@ def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big")
-        + bytes((kind, flags))
-        + stream_id.to_bytes(4, "big")
-        + payload
-    )
+    return _pack_head(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 class _ProtocolError(Exception):
@@ -305,9 +303,8 @@ class StreamCall(Generic[T]):
         """A DATA frame's payload (`flow`: the bytes it counted against the window).
         The reader is not woken here: the connection wakes each call once a read,
         after its DATA frames (`_Connection.data_received`)."""
+        # the call is not done: its end took it out of the connection's streams
         unacked = self._unacked = self._unacked + flow
-        if self._done:
-            return
         if unacked > STREAM_WINDOW:  # past the window it was given: a broken worker
             self.fail(
                 grpc.StatusCode.INTERNAL, "The worker sent past its flow-control window.", True
@@ -420,9 +417,6 @@ class StreamCall(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def attach(self, conn: _Connection, stream_id: int, window: int) -> None:
-        self._conn, self.id, self.send_window = conn, stream_id, window
-
 
 def _wake_all(calls: dict[StreamCall[Any], None]) -> None:
     """Wakes the reader of each call (its messages came), and forgets them."""
@@ -485,7 +479,7 @@ class _Connection(asyncio.Protocol):
             return
         stream_id = self._next_id
         self._next_id += 2
-        call.attach(self, stream_id, self._peer_window)
+        call._conn, call.id, call.send_window = self, stream_id, self._peer_window
         self.streams[stream_id] = call
         if self._next_id > LAST_STREAM_ID:  # ids spent: the next call opens a new connection
             self.usable = False
@@ -584,7 +578,6 @@ class _Connection(asyncio.Protocol):
             view = data
             copy = False
         at, end = 0, len(view)
-        streams, head = self.streams, _FRAME_HEAD.unpack_from
         # The calls that got DATA, woken once each after the read's frames (or before any
         # other frame, so their messages come first): their readers take a read's messages
         # in one go, a wake and a write to the client a read rather than a message. A dict
@@ -592,7 +585,7 @@ class _Connection(asyncio.Protocol):
         woken: dict[StreamCall[Any], None] = {}
         try:
             while end - at >= 9:
-                high, low, kind, flags, stream_id = head(view, at)
+                high, low, kind, flags, stream_id = _unpack_head(view, at)
                 size = high << 8 | low
                 if size > _DEFAULT_FRAME:
                     raise _ProtocolError(_FRAME_SIZE_ERROR, f"a frame of {size} bytes")
@@ -609,7 +602,7 @@ class _Connection(asyncio.Protocol):
                         raise _ProtocolError(
                             _FLOW_CONTROL_ERROR, "DATA past the connection's window"
                         )
-                    call = streams.get(stream_id)
+                    call = self.streams.get(stream_id)
                     if call is not None:
                         call.data(_unpad(payload, flags) if flags & _PADDED else payload, size)
                         woken[call] = None
@@ -737,6 +730,8 @@ class _Connection(asyncio.Protocol):
         self._unblock()
 
     def _unblock(self) -> None:
+        if not self._blocked:  # the usual WINDOW_UPDATE: every body was sent whole
+            return
         for call in list(self._blocked.values()):
             if self._send_window <= 0:
                 break
