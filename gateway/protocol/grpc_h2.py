@@ -578,6 +578,7 @@ class _Connection(asyncio.Protocol):
             view = data
             copy = False
         at, end = 0, len(view)
+        received = self._unacked  # the connection's, kept here through the read
         # The calls that got DATA, woken once each after the read's frames (or before any
         # other frame, so their messages come first): their readers take a read's messages
         # in one go, a wake and a write to the client a read rather than a message. A dict
@@ -597,18 +598,19 @@ class _Connection(asyncio.Protocol):
                 payload = bytes(view[start:stop]) if copy else data[start:stop]
                 at = stop
                 if kind == _DATA and self._block is None:  # a stream's message: inline
-                    self._unacked += size
-                    if self._unacked > CONNECTION_WINDOW:
+                    received += size
+                    if received > CONNECTION_WINDOW:
                         raise _ProtocolError(
                             _FLOW_CONTROL_ERROR, "DATA past the connection's window"
                         )
                     call = self.streams.get(stream_id)
                     if call is not None:
-                        call.data(_unpad(payload, flags) if flags & _PADDED else payload, size)
+                        # flags on DATA are seldom any (PADDED, END_STREAM): tested once
+                        call.data(_unpad(payload, flags) if flags else payload, size)
                         woken[call] = None
                         if call._unacked >= _HALF_WINDOW:
                             self.give_back(call)
-                        if flags & _END_STREAM and not call._done:
+                        if flags and flags & _END_STREAM and not call._done:
                             call.fail(
                                 grpc.StatusCode.INTERNAL, "The worker ended without trailers."
                             )
@@ -621,15 +623,16 @@ class _Connection(asyncio.Protocol):
             self._broken(error)
             return
         finally:
+            self._unacked = received
             if buffer:
                 del buffer[:at]
             elif at < end:
                 buffer += data[at:]
         for call in woken:
             call._wake()
-        if self._unacked >= _HALF_CONNECTION_WINDOW and self.transport is not None:
-            owed, self._unacked = self._unacked, 0
-            self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, owed.to_bytes(4, "big")))
+        if received >= _HALF_CONNECTION_WINDOW and self.transport is not None:
+            self._unacked = 0
+            self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, received.to_bytes(4, "big")))
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         """Every frame but DATA outside a header block (`data_received` reads those)."""
