@@ -119,6 +119,8 @@ _HTTP_CODES = {
     504: grpc.StatusCode.UNAVAILABLE,
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+#: The statuses as gRPC writes them in `grpc-status` ("0"): most trailers found in one look.
+_STATUS_TEXTS = {str(value): code for value, code in _CODES.items()}
 
 
 def grpc_timeout(seconds: float) -> str:
@@ -370,7 +372,9 @@ class StreamCall(Generic[T]):
             self.fail(grpc.StatusCode.INTERNAL, "The worker sent headers twice.", reset=True)
             return
         raw = fields.get("grpc-status")
-        code = _CODES.get(int(raw)) if raw is not None and raw.isdigit() else None
+        code = _STATUS_TEXTS.get(raw)  # type: ignore[arg-type]
+        if code is None and raw is not None and raw.isdigit():  # written otherwise ("00")
+            code = _CODES.get(int(raw))
         if code is None:
             self.fail(grpc.StatusCode.UNKNOWN, f"The worker sent no valid grpc-status ({raw}).")
         elif code is not grpc.StatusCode.OK:
@@ -539,7 +543,8 @@ class _Connection(asyncio.Protocol):
 
     def forget(self, call: StreamCall[Any]) -> None:
         self.streams.pop(call.id, None)
-        self._blocked.pop(call.id, None)
+        if self._blocked:  # seldom: a body the windows held back
+            self._blocked.pop(call.id, None)
         self._channel.room_freed()
         if not self.usable and not self.streams and self.transport is not None:
             self.transport.close()
@@ -832,7 +837,7 @@ class StreamChannel:
             )
         if metadata:  # never indexed: it may carry a credential
             fixed += fields([(key.lower(), value) for key, value in metadata], sensitive=True)
-        body = b"\x00" + len(request).to_bytes(4, "big") + request
+        body = _MESSAGE_PREFIX.pack(0, len(request)) + request
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return StreamCall(self, fixed, body, deserialize, deadline)
 
