@@ -500,24 +500,26 @@ class _Connection(asyncio.Protocol):
                 piece = block[at : at + limit]
                 last = at + limit >= len(block)
                 frames.append(_frame(_CONTINUATION, _END_HEADERS if last else 0, stream_id, piece))
-        self._blocked[stream_id] = call
         # the headers and what the windows allow of the body: one write, not two
-        self._body_frames(call, frames)
+        if not self._body_frames(call, frames):
+            self._blocked[stream_id] = call
         self.transport.write(b"".join(frames))
 
     def _push(self, call: StreamCall[Any]) -> None:
         """Sends what the windows allow of `call`'s body; the last frame ends the stream."""
         assert self.transport is not None
         frames: list[bytes] = []
-        self._body_frames(call, frames)
+        if self._body_frames(call, frames):
+            del self._blocked[call.id]
         if frames:
             self.transport.write(b"".join(frames))
 
-    def _body_frames(self, call: StreamCall[Any], frames: list[bytes]) -> None:
+    def _body_frames(self, call: StreamCall[Any], frames: list[bytes]) -> bool:
         """The DATA frames of what the windows allow of `call`'s body, appended to
-        `frames` and counted as sent; the last one ends the stream."""
+        `frames` and counted as sent; the last one ends the stream. Whether it went."""
         body = call._body
         left = len(body)
+        went = False
         while True:
             size = min(left, self._peer_frame, call.send_window, self._send_window)
             if size < left and size <= 0:
@@ -528,9 +530,10 @@ class _Connection(asyncio.Protocol):
             self._send_window -= size
             body = body[size:]
             if not left:
-                del self._blocked[call.id]
+                went = True
                 break
         call._body = body
+        return went
 
     def give_back(self, call: StreamCall[Any]) -> None:
         owed = call.owed()

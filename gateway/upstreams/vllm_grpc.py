@@ -423,10 +423,11 @@ class VllmGrpcCall(StreamBookkeeping):
 
     async def _start(self) -> ServerStream[pb.GenerateResponse]:
         upstream, request = self._upstream, self._request
-        self._choices = [_Choice(self, i) for i in range(request.n)]  # refuses tools first
-        self._left = request.n
-        if request.n == 1 and self._choices[0].plain:
-            self._sole = self._choices[0]
+        n = request.n
+        self._choices = choices = [_Choice(self, i) for i in range(n)]  # refuses tools first
+        self._left = n
+        if n == 1 and choices[0].plain:
+            self._sole = choices[0]
         info = upstream._info or await upstream.model_info(  # asked once (kept: never falsy)
             max(0.001, self._deadline - time.monotonic())
         )
@@ -436,7 +437,7 @@ class VllmGrpcCall(StreamBookkeeping):
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             stop_ids.update(info.eos_token_ids)
-        self._hidden = frozenset(stop_ids) | frozenset(info.eos_token_ids)
+        self._hidden = frozenset(stop_ids).union(info.eos_token_ids)
         if request.user:  # taken for the record; the engine has no field for it
             logger.debug("request %s: user %r", request.request_id, request.user)
         message = pb.GenerateRequest(
