@@ -18,9 +18,20 @@ SIGUSR1 and SIGUSR2); the counts of the measured requests go to a JSON file, per
 object. Warm-up requests run before the count starts (first-call caches, the connection
 to the engine).
 
+The count is also cut at the loop's wakes: each callback the loop runs (a protocol's
+`data_received`, a task's step, a timer) is an activation, and a request's first token
+waits for some of them only. With the engine pacing its tokens (`--step-ms`, as a real
+engine's steps do), those are the edge's read of the request and its task up to the
+call's write to the engine (`protocol/http1.py`'s `send`, `protocol/grpc_h2.py`'s
+`start`: an activation is cut there), then the read that brings the first text, which
+the edge writes in the same callback; the rest runs while the engine works or after the
+answer. The report gives that sum, "on the first token's way", and the activations of
+the last request, in order.
+
 Run: `.venv/bin/python -m benchmarks.bytecodes [--path http|grpc] [--requests N]
-[--max-tokens N] [--top K] [--baseline REV]` (under a minute). With `--baseline` the same
-count for the gateway as committed at REV, beside it. Not collected by pytest.
+[--max-tokens N] [--step-ms MS] [--top K] [--baseline REV]` (under a minute). With
+`--baseline` the same count for the gateway as committed at REV, beside it. Not collected
+by pytest.
 """
 
 from __future__ import annotations
@@ -50,29 +61,78 @@ if sys.argv[1:2] != ["serve"]:  # the gateway counted is the one on its PYTHONPA
 COUNTS_ENV = "BYTECODE_COUNTS"
 
 
+#: Where an activation is cut: the call's write to the engine (file, function).
+CALL_WRITES = {("protocol/http1.py", "send"), ("protocol/grpc_h2.py", "start")}
+
+
+def _key(code: CodeType) -> str:
+    return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
+
+
+def _is_call_write(code: CodeType) -> bool:
+    return any(
+        code.co_name == name and code.co_filename.endswith(file) for file, name in CALL_WRITES
+    )
+
+
+def _names(key: str, file: str, name: str) -> bool:
+    """Whether a code's key (`_key`) is `name` in a file whose path ends with `file`."""
+    filename, _, function = key.rsplit(":", 2)
+    return function == name and filename.endswith(file)
+
+
 def serve(argv: list[str]) -> None:
-    """`gateway serve`, its loop's thread counted between SIGUSR1 and SIGUSR2."""
+    """`gateway serve`, its loop's thread counted between SIGUSR1 and SIGUSR2: by code
+    object, and by activation (`wakes`: the code the loop called, or the call's write,
+    and its counts by code object)."""
     counts: collections.Counter[CodeType] = collections.Counter()
+    wakes: list[tuple[CodeType | None, collections.Counter[CodeType]]] = []
+    wake: collections.Counter[CodeType] = collections.Counter()
+    outer: set[CodeType] = set()  # the frames under the loop's run, when it started
+    writes: dict[CodeType, bool] = {}
 
     def opcode(frame: FrameType, event: str, _: object) -> Any:
         if event == "opcode":
             counts[frame.f_code] += 1
+            wake[frame.f_code] += 1
         return opcode
 
     def call(frame: FrameType, _event: str, _arg: object) -> Any:
+        nonlocal wake
         frame.f_trace_opcodes = True
+        code, back = frame.f_code, frame.f_back
+        write = writes.get(code)
+        if write is None:
+            write = writes[code] = _is_call_write(code)
+        if write or back is None or back.f_code in outer:
+            wake = collections.Counter()
+            wakes.append((code, wake))
         return opcode
 
-    def start(*_: object) -> None:
+    def start(_: int, frame: FrameType | None) -> None:
+        nonlocal wake
+        while frame is not None:  # the loop is idle: these are the frames it runs in
+            outer.add(frame.f_code)
+            frame = frame.f_back
         counts.clear()
+        wake = collections.Counter()
+        wakes[:] = [(None, wake)]
         sys.settrace(call)
 
     def stop(*_: object) -> None:
         sys.settrace(None)
         out: collections.Counter[str] = collections.Counter()
         for code, n in counts.items():  # summed: dataclasses' `__init__`s share a name
-            out[f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"] += n
-        Path(os.environ[COUNTS_ENV]).write_text(json.dumps(out))
+            out[_key(code)] += n
+        activations = []
+        for code, functions in wakes:
+            named: collections.Counter[str] = collections.Counter()
+            for each, n in functions.items():
+                named[_key(each)] += n
+            activations.append([None if code is None else _key(code), dict(named)])
+        Path(os.environ[COUNTS_ENV]).write_text(
+            json.dumps({"functions": out, "wakes": activations})
+        )
 
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
@@ -101,6 +161,69 @@ def report(counts: dict[str, int], requests: int, top: int, source: Path) -> str
     lines += ["", "| function | a request |", "| --- | ---: |"]
     for key, n in sorted(counts.items(), key=lambda item: -item[1])[:top]:
         lines.append(f"| {_short(key, source)} | {n / requests:,.1f} |")
+    return "\n".join(lines)
+
+
+Activation = tuple[str | None, dict[str, int]]  # the code the loop called; counts by code
+
+#: The edge's parser callback that begins a request, and the encoder's step for a text.
+_REQUEST_BEGINS = ("edge/http_protocol.py", "on_message_begin")
+_TEXT_ENCODED = ("edge/openai/encoding.py", "delta")
+
+
+def _runs(activation: Activation, file: str, name: str) -> bool:
+    return any(_names(key, file, name) for key in activation[1])
+
+
+def _requests(wakes: list[Activation]) -> list[list[Activation]]:
+    """The activations split where a request begins (the first, partial, dropped)."""
+    requests: list[list[Activation]] = []
+    for activation in wakes:
+        if _runs(activation, *_REQUEST_BEGINS):
+            requests.append([])
+        if requests:
+            requests[-1].append(activation)
+    return requests[:-1]  # the last may be cut by the stop
+
+
+def first_token_way(request: list[Activation]) -> tuple[int, int] | None:
+    """The bytecodes of a request's activations up to the call's write, and of the one
+    that encodes its first text after it; None where either is missing."""
+    writes = [
+        i
+        for i, (code, _) in enumerate(request)
+        if code and any(_names(code, file, name) for file, name in CALL_WRITES)
+    ]
+    if not writes:
+        return None
+    before = sum(sum(counts.values()) for _, counts in request[: writes[0]])
+    for activation in request[writes[0] :]:
+        if _runs(activation, *_TEXT_ENCODED):
+            return before, sum(activation[1].values())
+    return None
+
+
+def wakes_report(wakes: list[Activation], source: Path) -> str:
+    """On the first token's way, a request (the means), and the last request's
+    activations in order, each with its three costliest functions."""
+    requests = _requests(wakes)
+    ways = [way for way in map(first_token_way, requests) if way is not None]
+    if not ways:
+        return "no request with a call's write and a text found"
+    before = sum(b for b, _ in ways) / len(ways)
+    first = sum(f for _, f in ways) / len(ways)
+    lines = [
+        f"On the first token's way: {before + first:,.0f} bytecodes a request "
+        f"({before:,.0f} up to the call's write, {first:,.0f} in the read that brings "
+        f"the first text), over {len(ways)} requests",
+        "",
+        "| the last request's activations | bytecodes | its costliest functions |",
+        "| --- | ---: | --- |",
+    ]
+    for code, counts in requests[-1]:
+        top = sorted(counts.items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{_short(k, source).rsplit(':', 1)[1]} {n}" for k, n in top)
+        lines.append(f"| {_short(code or '-', source)} | {sum(counts.values()):,} | {named} |")
     return "\n".join(lines)
 
 
@@ -142,8 +265,12 @@ def count(source: Path, model: dict[str, object], work: Path, args: argparse.Nam
             time.sleep(0.1)
     finally:
         _stop(gateway)
-    counts: dict[str, int] = json.loads(out.read_text())
+    counted = json.loads(out.read_text())
+    counts: dict[str, int] = counted["functions"]
+    wakes: list[Activation] = [(code, functions) for code, functions in counted["wakes"]]
     print(report(counts, args.requests, args.top, source))
+    print()
+    print(wakes_report(wakes, source))
     return round(sum(counts.values()) / args.requests)
 
 
@@ -158,6 +285,7 @@ def main() -> None:
     parser.add_argument("--path", choices=("grpc", "http"), default="http")
     parser.add_argument("--requests", type=int, default=200, help="requests counted")
     parser.add_argument("--max-tokens", type=int, default=1, help="tokens an answer")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="the engine's ms a token")
     parser.add_argument("--top", type=int, default=40, help="files and functions listed")
     parser.add_argument("--baseline", metavar="REV", help="also the gateway as at REV")
     args = parser.parse_args()
@@ -165,13 +293,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bytecodes-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")
-        model = start_engine(stack, args.path, model_dir, False, step_ms=0.0)
+        model = start_engine(stack, args.path, model_dir, False, step_ms=args.step_ms)
         totals = {"working tree": count(ROOT, model, work, args)}
         if args.baseline:
             print(f"\n--- {args.baseline}")
             source = export(args.baseline, work / "baseline")
             totals[args.baseline] = count(source, model, work, args)
-        print(f"\n{args.path} path, {args.max_tokens} tokens an answer, one request at a time")
+        print(
+            f"\n{args.path} path, {args.max_tokens} tokens an answer, a token every "
+            f"{args.step_ms:g} ms, one request at a time"
+        )
         for name, total in totals.items():
             print(f"{name}: {total:,} bytecodes a request")
 
