@@ -33,7 +33,7 @@ from starlette.routing import BaseRoute
 
 from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
-from gateway.edge.request import request_context, route_label
+from gateway.edge.request import request_headers, route_label
 from gateway.protocol.errors import Outcome
 from gateway.teams import SCOPE_KEY, Teams, rate_limit_headers
 from gateway.telemetry import RequestRecord
@@ -73,8 +73,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=256)
 def host_name(value: bytes) -> str:
-    """The name in a Host header, lowercased, without port or final dot."""
+    """The name in a Host header, lowercased, without port or final dot; cached, as every
+    request asks it (bounded, as `is_loopback`)."""
     text = value.decode("latin-1").strip().lower()
     if text.startswith("["):  # [::1]:8000
         return text[1 : text.find("]")] if "]" in text else ""
@@ -92,7 +94,6 @@ UNSUPPORTED_TENSOR_MEDIA_TYPE = orjson.dumps(
 _JSON = frozenset({b"application/json"})
 #: What a /v2 body may be declared as: JSON, or the binary tensor extension's bytes.
 _TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
-_INFERENCE_HEADER = b"inference-header-content-length"
 
 
 class JsonOnly:
@@ -106,23 +107,31 @@ class JsonOnly:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            path, headers = scope["path"], scope["headers"]
-            if path.startswith("/v1/") and not _declares(headers, _JSON):
+            path, headers = scope["path"], request_headers(scope)
+            if path.startswith("/v1/") and not _declares(headers.content_types, _JSON):
                 await send_error(send, UNSUPPORTED_MEDIA_TYPE)
                 return
             if (
                 path.startswith("/v2/")
-                and not _declares(headers, _TENSOR_TYPES)
-                and not any(name == _INFERENCE_HEADER for name, _ in headers)
+                and not _declares(headers.content_types, _TENSOR_TYPES)
+                and not headers.inference_header
             ):
                 await send_json(send, 415, UNSUPPORTED_TENSOR_MEDIA_TYPE, [])
                 return
         await self.app(scope, receive, send)
 
 
-def _declares(headers: Iterable[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> bool:
-    types = [value for name, value in headers if name == b"content-type"]
-    return bool(types) and all(t.partition(b";")[0].strip().lower() in allowed for t in types)
+def _declares(types: tuple[bytes, ...], allowed: frozenset[bytes]) -> bool:
+    """Whether the request declares a content type, and each one it declares is allowed."""
+    if len(types) == 1:  # the usual case, without a generator
+        return _media_type(types[0]) in allowed
+    return bool(types) and all(_media_type(t) in allowed for t in types)
+
+
+@functools.lru_cache(maxsize=64)
+def _media_type(value: bytes) -> bytes:
+    """A Content-Type's media type, lowercased, without parameters; cached (bounded)."""
+    return value.partition(b";")[0].strip().lower()
 
 
 class HostCheck:
@@ -134,12 +143,11 @@ class HostCheck:
         self.allowed = frozenset(h.strip("[]").rstrip(".").lower() for h in allowed)
         self.loopback = loopback and not self.allowed
 
-    def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-        """Whether the Host header (exactly one) names this gateway."""
-        hosts = [value for name, value in headers if name == b"host"]
-        if len(hosts) != 1:
+    def accepts(self, host: bytes | None) -> bool:
+        """Whether the Host header (None unless exactly one) names this gateway."""
+        if host is None:
             return False
-        name = host_name(hosts[0])
+        name = host_name(host)
         return is_loopback(name) if self.loopback else name in self.allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -147,7 +155,7 @@ class HostCheck:
             scope["type"] == "http"
             and (self.allowed or self.loopback)
             and scope["path"] not in HOST_EXEMPT
-            and not self.accepts(scope["headers"])
+            and not self.accepts(request_headers(scope).host)
         ):
             await send_error(send, MISDIRECTED)
             return
@@ -197,7 +205,7 @@ def _refusal_record(scope: Scope, status: int, reason: str) -> RequestRecord:
     """The record of a request refused before any route (its access-log line): the
     client's x-request-id or a new one, the path as the route (the first 200
     characters: any path reaches this check)."""
-    record = RequestRecord(request_context(scope).request_id.decode("latin-1"))
+    record = RequestRecord(request_headers(scope).request_id.decode("latin-1"))
     record.route = route_label(scope["path"])[:200]
     record.status, record.outcome, record.reason = status, Outcome.REJECTED, reason
     return record

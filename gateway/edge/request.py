@@ -43,40 +43,87 @@ _PRIORITY = re.compile(rb"-?[0-9]{1,4}")
 
 
 class RequestHeaders(NamedTuple):
-    """What the frame reads of a request's headers, in one pass over them: its id (the
-    client's x-request-id, or a new one) and the metadata passed on to its worker (values
-    that could not travel as gRPC metadata, or are not W3C trace contexts, are replaced
-    or dropped); the raw `x-furnace-priority` and `x-session-id`, which the routes that
-    take them check (`priority`, `session`)."""
+    """What the gateway reads of a request's headers, in one pass over them
+    (`request_headers`): its id (the client's x-request-id, or a new one) and the metadata
+    passed on to its worker (values that could not travel as gRPC metadata, or are not W3C
+    trace contexts, are replaced or dropped); the raw `x-furnace-priority` and
+    `x-session-id`, which the routes that take them check (`priority`, `session`); and
+    what the edge's checks read (gateway/edge/middleware.py): the Host header (None
+    unless there is exactly one), the declared content types, and whether the KServe
+    binary extension's Inference-Header-Content-Length is there."""
 
     request_id: bytes
     metadata: Metadata
     priority: bytes | None
     session: bytes | None
+    host: bytes | None
+    content_types: tuple[bytes, ...]
+    inference_header: bool
 
 
-def request_context(scope: Scope) -> RequestHeaders:
-    """The headers the frame reads (`RequestHeaders`), in one pass."""
+#: Where a request's scope keeps its `RequestHeaders` once read.
+HEADERS_KEY = "furnace.headers"
+
+_ID, _TRACEPARENT_, _PRIORITY_, _SESSION, _HOST, _TYPE, _INFERENCE = range(7)
+#: The headers read, by (lowercase) name; the rest cost one lookup each.
+_READ = {
+    b"host": _HOST,
+    b"content-type": _TYPE,
+    b"x-request-id": _ID,
+    b"traceparent": _TRACEPARENT_,
+    b"x-furnace-priority": _PRIORITY_,
+    b"x-session-id": _SESSION,
+    b"inference-header-content-length": _INFERENCE,
+}
+
+
+def request_headers(scope: Scope) -> RequestHeaders:
+    """The request's `RequestHeaders`: read in one pass the first time (by the edge's
+    checks, or the route's frame), then kept in the scope."""
+    known: RequestHeaders | None = scope.get(HEADERS_KEY)
+    if known is not None:
+        return known
     request_id = b""
     metadata: list[tuple[str, str]] = []
-    priority = session = None
+    priority = session = host = None
+    hosts = 0
+    types: list[bytes] = []
+    inference = False
+    read = _READ.get
     for name, value in scope["headers"]:
-        if name[:2] != b"x-" and name != b"traceparent":
+        kind = read(name)
+        if kind is None:
             continue
-        if name == b"x-request-id":
+        if kind == _HOST:
+            host = value
+            hosts += 1
+        elif kind == _TYPE:
+            types.append(value)
+        elif kind == _ID:
             if _REQUEST_ID.fullmatch(value):
                 request_id = value
-        elif name == b"traceparent":
+        elif kind == _TRACEPARENT_:
             if _TRACEPARENT.fullmatch(value):
                 metadata.append(("traceparent", value.decode("ascii")))
-        elif name == b"x-furnace-priority":
+        elif kind == _PRIORITY_:
             priority = value if priority is None else priority
-        elif name == b"x-session-id":
+        elif kind == _SESSION:
             session = value if session is None else session
+        else:
+            inference = True
     if not request_id:
         request_id = os.urandom(16).hex().encode()  # secrets.token_hex's, without its calls
     metadata.append(("x-request-id", request_id.decode("ascii")))
-    return RequestHeaders(request_id, tuple(metadata), priority, session)
+    headers = scope[HEADERS_KEY] = RequestHeaders(
+        request_id,
+        tuple(metadata),
+        priority,
+        session,
+        host if hosts == 1 else None,
+        tuple(types),
+        inference,
+    )
+    return headers
 
 
 def _as_is(status: int) -> int:
@@ -222,7 +269,7 @@ class RequestRoute(Generic[X]):
         raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = request_context(scope)
+        headers = request_headers(scope)
         record = RequestRecord(headers.request_id.decode("latin-1"))
         record.route = route_label(scope["path"])
         ctx = RequestContext(record, team_of(scope))
