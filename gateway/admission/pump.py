@@ -409,6 +409,14 @@ class EventPump:
         else:
             self._wake()
 
+    async def start(self, idle_timeout: float) -> None:
+        """Starts the call now, if `next_batch` has not: returns once it has started or
+        failed (its failure is `next_batch`'s to raise). What the edge needs only for the
+        answer is then built while the engine works on the request, not before its call
+        is written."""
+        if self.phase is Phase.NEW:
+            await self._begin(idle_timeout)
+
     async def next_batch(self, idle_timeout: float, tick: float | None = None) -> list[Event]:
         """The events ready now, waiting for at least one.
 

@@ -212,9 +212,12 @@ class GenerationRoute(RequestRoute[Exchange]):
         gone.add_done_callback(lambda _: pump.cancel())
         try:
             _check_usage(parsed, pool)  # the pool that serves: a fallback's, maybe
-            encoder = self.encoder(parsed, pool)
             record.expect(parsed.generate.n)
             with self.inflight.track(pump):
+                # the call is written first: the answer's encoder is built while the
+                # engine works, off the first token's way
+                await pump.start(self.config.request_timeout)
+                encoder = self.encoder(parsed, pool)
                 write_now = ex.scope.get("extensions", {}).get(WRITE_NOW_EXTENSION)
                 await self._relay_events(
                     pump, encoder, parsed.stream, record, ex.send, gone, write_now
