@@ -59,7 +59,8 @@ async def read_body(
     scope: Scope, receive: Receive, limit: int, meter: BodyMeter | None = None
 ) -> bytes:
     """The whole body, or an `APIError` (413 too large, 400 when the client left);
-    `meter` counts its bytes while it is read (refusing past its bounds)."""
+    `meter` counts the bytes of a body that is still coming while it is read (refusing
+    past its bounds), from its Content-Length on."""
     declared = 0
     for value in _values(scope["headers"], b"content-length"):
         try:
@@ -68,15 +69,25 @@ async def read_body(
             raise invalid(None, "The Content-Length header is not a number.") from None
         if declared > limit:
             raise _too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise _gone()
+    chunk = message.get("body", b"")
+    if len(chunk) > limit:
+        raise _too_large(limit)
+    if not message.get("more_body", False):
+        # Whole at once (a small body: the edge's protocol starts the task once it is):
+        # its bytes are all in memory already, so there is nothing left to meter.
+        return chunk
+    chunks = [chunk]
+    size = len(chunk)
     try:
-        if meter is not None and declared > 0:
-            meter.take(declared)
+        if meter is not None:
+            meter.take(max(declared, size))
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise APIError(400, "The client closed the connection before sending the body.")
+                raise _gone()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -90,3 +101,7 @@ async def read_body(
         if meter is not None:
             meter.release()
     return b"".join(chunks)
+
+
+def _gone() -> APIError:
+    return APIError(400, "The client closed the connection before sending the body.")
