@@ -44,7 +44,14 @@ import grpc
 import hpack
 
 from gateway.protocol.grpc_options import MAX_MESSAGE_BYTES
-from gateway.protocol.h2_fields import EMPTY_TABLE, BlockDecoder, Fields, field, fields
+from gateway.protocol.h2_fields import (
+    EMPTY_TABLE,
+    BlockDecoder,
+    Fields,
+    fields,
+    metadata_fields,
+    timeout_field,
+)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -126,7 +133,10 @@ _STATUS_TEXTS = {str(value): code for value, code in _CODES.items()}
 def grpc_timeout(seconds: float) -> str:
     """`seconds` as gRPC's `grpc-timeout` value: at most 8 digits, in the finest unit
     that fits (rounded down, at least 1)."""
-    for unit, per_second in (("m", 1000.0), ("S", 1.0), ("M", 1 / 60), ("H", 1 / 3600)):
+    millis = int(seconds * 1000.0)
+    if millis <= 99_999_999:  # every deadline under 27 hours: the loop's first unit, unrolled
+        return f"{max(1, millis)}m"
+    for unit, per_second in (("S", 1.0), ("M", 1 / 60), ("H", 1 / 3600)):
         value = max(1, int(seconds * per_second))
         if value <= 99_999_999:
             return f"{value}{unit}"
@@ -137,7 +147,7 @@ def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
     return _pack_head(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
@@ -187,7 +197,7 @@ class StreamCall(Generic[T]):
     ) -> None:
         self._channel = channel
         self._head: bytes | None = head  # the header block but `grpc-timeout`; None once sent
-        self._body = memoryview(body)
+        self._body: bytes | memoryview = body  # a memoryview once sent in part
         self._deserialize = deserialize
         self._deadline = deadline
         self._conn: _Connection | None = None
@@ -276,9 +286,9 @@ class StreamCall(Generic[T]):
                 self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 raise self._error  # type: ignore[misc]
             self._timer = loop.call_at(deadline, self._expire)
-            block += field("grpc-timeout", grpc_timeout(left))
+            block += timeout_field(grpc_timeout(left))
         conn = self._channel.ready()
-        if conn is None:
+        if conn is None:  # (with one, nothing above has failed the call)
             try:  # a worker that never answers the connect (a lost node) is bounded too
                 wait = CONNECT_TIMEOUT if left is None else left
                 conn = await asyncio.wait_for(self._channel.connection(self), wait)
@@ -290,9 +300,9 @@ class StreamCall(Generic[T]):
                     if left is not None
                     else _failure(grpc.StatusCode.UNAVAILABLE, "The connect timed out.")
                 )
-        if self._error is not None or conn is None:  # failed while connecting
-            self._finish()
-            raise self._error  # type: ignore[misc]
+            if self._error is not None or conn is None:  # failed while connecting
+                self._finish()
+                raise self._error  # type: ignore[misc]
         conn.start(self, block)
 
     def _expire(self) -> None:
@@ -519,6 +529,14 @@ class _Connection(asyncio.Protocol):
         `frames` and counted as sent; the last one ends the stream. Whether it went."""
         body = call._body
         left = len(body)
+        if left <= min(self._peer_frame, call.send_window, self._send_window):
+            # the usual body: whole in one frame (the loop's one turn, unrolled)
+            frames.append(_frame(_DATA, _END_STREAM, call.id, body))
+            call.send_window -= left
+            self._send_window -= left
+            call._body = b""
+            return True
+        body = memoryview(body)  # (sent in pieces: each a slice, not a copy of the rest)
         went = False
         while True:
             size = min(left, self._peer_frame, call.send_window, self._send_window)
@@ -839,15 +857,17 @@ class StreamChannel:
                 ]
             )
         if metadata:  # never indexed: it may carry a credential
-            fixed += fields([(key.lower(), value) for key, value in metadata], sensitive=True)
+            fixed += metadata_fields(metadata)
         body = _MESSAGE_PREFIX.pack(0, len(request)) + request
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         return StreamCall(self, fixed, body, deserialize, deadline)
 
     def ready(self) -> _Connection | None:
         """The open connection, when it has room for one more stream."""
-        conn = self._conn
-        return conn if conn is not None and conn.has_room() else None
+        conn = self._conn  # (`has_room`, inline: a call each request)
+        if conn is not None and conn.usable and len(conn.streams) < conn._peer_streams:
+            return conn
+        return None
 
     async def connection(self, call: StreamCall[Any]) -> _Connection:
         """A connection with room for one more stream: the open one, or one this call

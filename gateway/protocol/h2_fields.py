@@ -29,6 +29,7 @@ every call miss (hpack's decoding of them: about 1,400 bytecodes a call).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import hpack
 
@@ -88,6 +89,22 @@ def field(name: str, value: str, *, sensitive: bool = False) -> bytes:
 def fields(pairs: list[tuple[str, str]], *, sensitive: bool = False) -> bytes:
     """`pairs`, in order, as one piece of a header block."""
     return b"".join(field(name, value, sensitive=sensitive) for name, value in pairs)
+
+
+def metadata_fields(metadata: Iterable[tuple[str, str]]) -> bytes:
+    """A call's metadata (names in any case) as `fields` of their names in lower case,
+    never indexed (a value may be a credential): one list made, not two."""
+    return b"".join([field(name.lower(), value, sensitive=True) for name, value in metadata])
+
+
+#: `grpc-timeout`'s bytes before its value.
+_TIMEOUT_NAME = _name("grpc-timeout", False)
+
+
+def timeout_field(value: str) -> bytes:
+    """`field("grpc-timeout", value)` for `grpc_h2.grpc_timeout`'s value (at most 8 digits
+    and a unit: ASCII, its length one byte), every call's."""
+    return _TIMEOUT_NAME + bytes((len(value),)) + value.encode()
 
 
 class BlockDecoder:
