@@ -79,6 +79,7 @@ import math
 import resource
 import weakref
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any, ClassVar, cast
 
 import httptools
@@ -239,7 +240,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         "_evicted",
         "_fed",
         "_head_bytes",
-        "_header_count",
         "_lingering",
         "_phase",
         "_refused",
@@ -256,10 +256,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.pipeline = _Pipeline()  # type: ignore[assignment]
         #: What the parser reads now: the head (also between requests) or a body.
         self._phase = _HEAD
-        #: Bytes fed while the head is unfinished; the head's bytes and headers so far.
+        #: Bytes fed while the head is unfinished; the URL's bytes (the headers' are
+        #: added once the head is whole: `_head_too_large`).
         self._fed = 0
         self._head_bytes = 0
-        self._header_count = 0
         #: Whether any byte of the current head arrived (a silent timeout gets no 408).
         self._started = False
         self._due = math.inf  # the current deadline (`_arm`); inf: none
@@ -345,7 +345,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise _PipelineFull
         super().on_message_begin()
         self._head_bytes = 0
-        self._header_count = 0
         if self._due == math.inf:  # pipelined behind a response still being sent
             self._arm(self._head_timeout())
 
@@ -356,18 +355,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        self._header_count += 1
-        limits = self.limits
-        if self._head_bytes > limits.max_header_bytes or self._header_count > limits.max_headers:
+        # The count is bounded here; the bytes once the head is whole (`_head_too_large`),
+        # or, for a head that is not, after each read (`data_received`): a read parsed
+        # past the limit holds at most `max_headers` of them.
+        headers = self.headers
+        if len(headers) >= self.limits.max_headers:
             raise _Refused
         # uvicorn's `on_header`, here rather than called: a call less for every header
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
-        self.headers.append((name, value))
+        headers.append((name, value))
+
+    def _head_too_large(self) -> bool:
+        """Whether the whole head's URL and headers are over `max_header_bytes` (each
+        header counted with its ": " and CRLF), added up in C."""
+        headers = self.headers
+        size = self._head_bytes + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
+        return size > self.limits.max_header_bytes
 
     def on_headers_complete(self) -> None:
+        if self._head_too_large():
+            raise _Refused
         self.heads.waiting.pop(self, None)
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions narrowly
         extensions = scope.setdefault("extensions", {})

@@ -72,7 +72,7 @@ async def read_body(
     message = await receive()
     if message["type"] == "http.disconnect":
         raise _gone()
-    chunk = message.get("body", b"")
+    chunk: bytes = message.get("body", b"")
     if len(chunk) > limit:
         raise _too_large(limit)
     if not message.get("more_body", False):
