@@ -109,9 +109,14 @@ def serve(argv: list[str]) -> None:
             wakes.append((code, wake))
         return opcode
 
-    def start(_: int, frame: FrameType | None) -> None:
+    def start(*_: object) -> None:
+        # from a callback of the loop: a request's task may still be ending now
+        asyncio.get_running_loop().call_soon_threadsafe(begin)
+
+    def begin() -> None:
         nonlocal wake
-        while frame is not None:  # the loop is idle: these are the frames it runs in
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:  # the frames the loop runs its callbacks from
             outer.add(frame.f_code)
             frame = frame.f_back
         counts.clear()
