@@ -14,7 +14,10 @@ short string instead of the parse of the whole chunk and the walk through its di
 with a fake engine, 32 streams, about a third of the gateway's CPU per token. A read
 that is one such event whole, as an engine that sends a token a step gives them, is
 matched before any line is cut: the gateway's CPU for parsing a read, in front of
-fake_openai paced at 2 ms (each read a cold cache), about 17 -> 12 us.
+fake_openai paced at 2 ms (each read a cold cache), about 17 -> 12 us. A read of
+several, whole, as an engine gives them faster than they are read, is cut where one
+event ends and the next begins, and its texts parsed in C: 32 events, 1,319 -> 148
+bytecodes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 #: reading pauses while more than `connections._PAUSE_AT` events wait): a reader that
 #: falls behind holds at most about 1 MiB of a stream.
 _MERGE_CHARS = 16 * 1024
+_QUOTED = b'"%b"'.__mod__  # bytes, in quotes
 
 
 class _Stream:
@@ -83,8 +87,9 @@ class _Stream:
     # in such a line, and its choice.
     _head = b""
     _tail = b""
-    _start = _cut = 0
     _ending = b"\n\n"  # the tail and the blank line that ends an event
+    _between = b""  # what lies between two such events' texts: `_ending` and `_head`
+    _quoted = _string = slice(0)  # its text's string, quoted: in its line, in a read
     _template_index = 0
 
     def __init__(self, chat: bool, n: int) -> None:
@@ -100,17 +105,20 @@ class _Stream:
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
-        head, ending = self._head, self._ending
-        if head and not self._parts and data.startswith(head) and data.endswith(ending):
-            # The read in front of an engine that sends a token a step: one template
-            # event, whole (were it more, what lies between could not be one string).
-            try:
-                text = orjson.loads(data[len(head) - 1 : 1 - len(ending)])
-            except orjson.JSONDecodeError:
-                pass  # more than one string: cut into lines below
-            else:
-                if text:
-                    self._text(text, 1, self._template_index)
+        head = self._head
+        if head and not self._parts and data.startswith(head) and data.endswith(self._ending):
+            if self._between not in data:
+                # The read in front of an engine that sends a token a step: one
+                # template event, whole.
+                try:
+                    text = orjson.loads(data[self._string])
+                except orjson.JSONDecodeError:
+                    pass  # not one string: cut into lines below
+                else:
+                    if text:
+                        self._text(text, 1, self._template_index)
+                    return
+            elif self._templates(data):
                 return
         if b"\n" not in data:
             self._parts.append(data)
@@ -128,12 +136,12 @@ class _Stream:
             self._parts.append(rest)
         self._size = len(rest)
         head = self._head or b"\n"  # none yet: a head that no line starts with
-        tail, start, cut = self._tail, self._start, self._cut
+        tail, quoted = self._tail, self._quoted
         texts: list[str] = []  # the template's texts in a row, their events at the end
         for line in filter(None, lines):  # not the blank line after each event
             if line.startswith(head) and line.endswith(tail):
                 try:
-                    text = orjson.loads(line[start:cut])
+                    text = orjson.loads(line[quoted])
                 except orjson.JSONDecodeError:
                     pass  # not one string: parsed whole
                 else:  # the template's chunk with this text
@@ -161,11 +169,28 @@ class _Stream:
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
-                head, tail, start, cut = self._head, self._tail, self._start, self._cut
+                head, tail, quoted = self._head, self._tail, self._quoted
         if texts:
             self._texts(texts)
         if self._size > MAX_EVENT_BYTES:
             raise errors.Failed(_TOO_LARGE)
+
+    def _templates(self, data: bytes) -> bool:
+        """Whether `data` (the template's head, ..., `_between`, ..., its ending) is
+        template events alone, whole: then their texts are taken, as its lines would
+        be. Cut where one event's ending meets the next one's head, every piece must be
+        the inside of one JSON string: no such inside holds a quote or a line break,
+        so none holds `_between`, and each event is one line, that head, a string and
+        that tail. (The read of an engine whose tokens come faster than they are read:
+        in its lines, each cost about 30 bytecodes.)"""
+        pieces = data[len(self._head) : -len(self._ending)].split(self._between)
+        try:  # each piece quoted and parsed, in C; the empty texts count no token
+            texts = [*filter(None, map(orjson.loads, map(_QUOTED, pieces)))]
+        except orjson.JSONDecodeError:
+            return False
+        if texts:
+            self._texts(texts)
+        return True
 
     def _texts(self, texts: list[str]) -> None:
         """The template's texts in a row, a token each (and emptied): one event; in the
@@ -194,17 +219,22 @@ class _Stream:
         choice = payload["choices"][0]
         text = choice["delta"]["content"] if self._chat else choice["text"]
         at = line.index(key) + len(key)
-        while line[at : at + 1] == b" ":
-            at += 1
         spelled = orjson.dumps(text)
-        if not line.startswith(spelled, at):
-            return False
+        if not line.startswith(spelled, at):  # as a server spells it, mostly
+            while line[at : at + 1] == b" ":
+                at += 1
+            if not line.startswith(spelled, at):
+                return False
         # Cut inside the string's quotes: what is between them then parses as a string
         # or not at all (no other JSON value starts and ends with a quote).
         end = at + len(spelled)
-        self._head, self._tail = line[: at + 1], line[end - 1 :]
-        self._start, self._cut = at, end - len(line)  # the string, quoted
-        self._ending = self._tail + b"\n\n"
+        head = self._head = line[: at + 1]
+        tail = self._tail = line[end - 1 :]
+        ending = self._ending = tail + b"\n\n"
+        self._between = ending + head
+        cut = end - len(line)
+        self._quoted = slice(at, cut)  # the string, quoted
+        self._string = slice(at, cut - 2)  # in the read of that line alone
         self._template_index = choice.get("index") or 0
         return True
 
@@ -224,10 +254,11 @@ class _Stream:
                 self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
         if not choices:
             return False
-        plain = False
-        for choice in choices:  # a list: anything else fails on its items
-            plain = self._choice(choice)
-        return plain and len(choices) == 1 and not usage
+        if len(choices) != 1:
+            for choice in choices:  # a list: anything else fails on its items
+                self._choice(choice)
+            return False
+        return self._choice(choices[0]) and not usage
 
     def _choice(self, choice: dict[str, Any]) -> bool:
         """Takes one choice of a chunk; whether its text (not empty) is all it holds."""
@@ -235,14 +266,23 @@ class _Stream:
         if index and not 0 < index < self.n:  # 0 always is one
             raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
         given = choice.get("logprobs")
+        reason = choice.get("finish_reason")
         if self._chat:
             delta = choice.get("delta") or {}
             text = delta.get("content")
             calls = delta.get("tool_calls")
-            logprobs = _chat_logprobs(given) if given else None
         else:
             text = choice.get("text")
             calls = None
+        if not given and not calls and reason is None:
+            # most choices: a text (its token), or nothing (vLLM's first, of the role)
+            if not text:
+                return False
+            self._text(text, 1, index)
+            return type(text) is str
+        if self._chat:
+            logprobs = _chat_logprobs(given) if given else None
+        else:
             logprobs = _completion_logprobs(given) if given else None
         tokens = 1 if logprobs is None else len(logprobs)
         if text or logprobs:
@@ -252,10 +292,8 @@ class _Stream:
             for call in calls:
                 self._tool_call(index, call, tokens)
                 tokens = 0
-        reason = choice.get("finish_reason")
-        if reason is None:
-            # its token went to a piece, with no logprobs or tool calls: to its text
-            return tokens == 0 and not given and not calls and type(text) is str
+        if reason is None:  # with logprobs or tool calls: not a text alone
+            return False
         if index not in self._reasons:
             failure = _FINISH_ERRORS.get(reason)
             if failure is not None:
