@@ -266,10 +266,11 @@ class EventPump:
                 elif self._accept(event):
                     self._end(None)
                     return
+            now = self._loop.time()
             if took:  # one callback: the time of its last event is that of each
-                self._last_event = self._loop.time()
+                self._last_event = now
             if ready:
-                self._deliver()
+                self._deliver(now)
         except StopAsyncIteration:
             self._end(errors.Failed("The engine worker ended the stream without finishing."))
         except errors.GatewayError as error:
@@ -277,12 +278,13 @@ class EventPump:
         except Exception:
             self._broke()
 
-    def _deliver(self) -> None:
-        """Pushed events are ready: while the edge waits for them, its `sink` writes
-        them here, in the callback that brought them, and the edge's task sleeps on
-        (waking the task and its chain of coroutines cost a paced token a fifth of its
-        CPU over HTTP); else, or when the sink cannot, the edge is woken (`_arrived`).
-        Not while paced (`_hot`: the write turns merge those) nor full."""
+    def _deliver(self, now: float) -> None:
+        """Pushed events are ready (at `now`, the loop's time): while the edge waits for
+        them, its `sink` writes them here, in the callback that brought them, and the
+        edge's task sleeps on (waking the task and its chain of coroutines cost a paced
+        token a fifth of its CPU over HTTP); else, or when the sink cannot, the edge is
+        woken (`_arrived`). Not while paced (`_hot`: the write turns merge those) nor
+        full."""
         sink, waiter = self.sink, self._waiter
         if waiter is None:  # the edge is busy: it takes them when it next waits
             return
@@ -291,7 +293,7 @@ class EventPump:
             and not waiter.done()
             and not self._paced
             and self.phase is Phase.STREAMING
-            and (now := self._loop.time()) - self._waiting_since >= PACE  # not `_hot()`
+            and now - self._waiting_since >= PACE  # not `_hot()`
             and sink(self._ready)
         ):
             self._ready = []

@@ -2,14 +2,14 @@
 timings, the worker's counts), read once at the end by the metrics and the
 access log, and while it runs by a team's token billing.
 
-`take` is on the token path: one call per written batch, no allocation beyond the joined
-text (and the batch's kinds of events, with which its texts are picked out and counted
-in C rather than in a loop in Python); its inter-token gap joins a list, observed into
-the histogram `ITL_BATCH` at a time and at the request's end (prometheus-client's
-`observe` walks the buckets in Python and takes two locks: 2-3 % of the vllm-grpc path's
-CPU when it ran every write). A request for n choices is `finished` at the last of its n
-`Finished` events; its completion tokens are their counts summed, and tool calls' tokens
-count as sent.
+`take` (`take_texts` for the pump's sink) is on the token path: one call per written
+batch, no allocation beyond the joined text (and the batch's kinds of events, with which
+its texts are picked out and counted in C rather than in a loop in Python); its
+inter-token gap joins a list, observed into the histogram `ITL_BATCH` at a time and at
+the request's end (prometheus-client's `observe` walks the buckets in Python and takes two
+locks: 2-3 % of the vllm-grpc path's CPU when it ran every write). A request for n choices
+is `finished` at the last of its n `Finished` events; its completion tokens are their
+counts summed, and tool calls' tokens count as sent.
 """
 
 from __future__ import annotations
@@ -110,17 +110,29 @@ class RequestRecord:
                     tokens += event.tokens
         tokens += sum(map(_tokens, texts))
         if tokens:
-            self.tokens_sent += tokens
-            now = time.perf_counter()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            elif self.itl is not None:
-                gaps = self.gaps
-                gaps.append((now - self.last_token_at) / tokens)
-                if len(gaps) >= ITL_BATCH:
-                    self.observe_gaps()
-            self.last_token_at = now
+            self._sent(tokens)
         return "".join(map(_text, texts))
+
+    def take_texts(self, texts: list[Event]) -> None:
+        """Records a batch of `Text`s alone, as it is written (its text joined by the
+        writer: the pump's sink)."""
+        tokens: int = _tokens(texts[0]) if len(texts) == 1 else sum(map(_tokens, texts))
+        if tokens:
+            self._sent(tokens)
+
+    def _sent(self, tokens: int) -> None:
+        """`tokens` more completion tokens written now: the time to the first, the
+        gap since the last."""
+        self.tokens_sent += tokens
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.itl is not None:
+            gaps = self.gaps
+            gaps.append((now - self.last_token_at) / tokens)
+            if len(gaps) >= ITL_BATCH:
+                self.observe_gaps()
+        self.last_token_at = now
 
     def used(self) -> tuple[int, int]:
         """The prompt and completion tokens the engine counted: the completion's

@@ -367,16 +367,22 @@ class _Sink:
         self.opening = opening
 
     def __call__(self, batch: list[Event]) -> bool:
-        pieces = []
-        for event in batch:
+        if len(batch) == 1:  # the usual: a read brings a token
+            event = batch[0]
             if type(event) is not Text:
                 return False
-            pieces.append(event.text)
-        text = "".join(pieces)
+            text = event.text
+        else:
+            pieces = []
+            for event in batch:
+                if type(event) is not Text:
+                    return False
+                pieces.append(event.text)
+            text = "".join(pieces)
         if text:
             assert self.write_now is not None  # installed only with one
             if not self.write_now(self.opening + self.delta(text)):
                 return False
             self.opening = b""
-        self.record.take(batch)
+        self.record.take_texts(batch)
         return True
