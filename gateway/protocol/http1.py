@@ -94,8 +94,12 @@ class Connection(asyncio.Protocol):
                 reader.broken(BAD_RESPONSE, str(error))
             else:
                 self.abort()  # bytes on an idle connection: it is not usable
-        if self._pieces:
-            self._hand_body()
+        pieces = self._pieces
+        if pieces:  # `_hand_body`, written out: every read of a body takes this way
+            current = self.reader  # None if the response ended in this read
+            if current is not None:
+                current.body(b"".join(pieces))
+            pieces.clear()
         if reader is not None:
             reader.read()
 

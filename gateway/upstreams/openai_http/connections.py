@@ -203,6 +203,8 @@ class _RawCall(StreamBookkeeping):
         listener = self._listener
         if listener is not None:
             listener()  # takes what it can now: what is left counts towards the pause
+        if not rest and not self._ready:  # most reads: no rest due, nothing waits
+            return
         if self._paused or self._resting:
             return
         pause = len(self._ready) > _PAUSE_AT
