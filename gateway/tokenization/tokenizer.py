@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -52,6 +53,11 @@ REQUIRED = ("tokenizer.json", "tokenizer_config.json")
 
 class TokenizerError(ValueError):
     """The directory does not hold a usable tokenizer; the message says why."""
+
+
+#: A message as the chat template reads it (tool calls' arguments parsed).
+_message_dict = functools.partial(message_dict, parsed_arguments=True)
+_content = operator.attrgetter("content")
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -144,8 +150,8 @@ class ModelTokenizer:
             )
         try:
             return self._template.render(
-                messages=[message_dict(m, parsed_arguments=True) for m in messages],
-                tools=[tool_dict(t) for t in tools] or None,
+                messages=list(map(_message_dict, messages)),  # (in C: no comprehension)
+                tools=[tool_dict(t) for t in tools] if tools else None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -199,10 +205,10 @@ class ModelTokenizer:
         rendered = self.render_chat(messages, tools)
         if not plain_contents or self._special_text is None:
             return self.encode(rendered, add_special_tokens=False)
-        typed = [m.content for m in messages if self._special_text.search(m.content)]
-        if not typed:
+        search = self._special_text.search
+        if not any(map(search, map(_content, messages))):  # the usual chat: none, in C
             return self.encode(rendered, add_special_tokens=False)
-        return self._plain_ids(rendered, typed)
+        return self._plain_ids(rendered, [m.content for m in messages if search(m.content)])
 
     def routing_ids(
         self, prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool] = ()

@@ -424,26 +424,34 @@ class VllmGrpcCall(StreamBookkeeping):
     async def _start(self) -> ServerStream[pb.GenerateResponse]:
         upstream, request = self._upstream, self._request
         n = request.n
-        self._choices = choices = [_Choice(self, i) for i in range(n)]  # refuses tools first
+        # (refuses tools first; the usual one choice without a comprehension's frame)
+        choices = [_Choice(self, 0)] if n == 1 else [_Choice(self, i) for i in range(n)]
+        self._choices = choices
         self._left = n
         if n == 1 and choices[0].plain:
             self._sole = choices[0]
         info = upstream._info or await upstream.model_info(  # asked once (kept: never falsy)
             max(0.001, self._deadline - time.monotonic())
         )
-        ids = _kept_ids(request) or await upstream.prompt_ids(request)
-        self._prompt_tokens = len(ids)
-        max_tokens = check_context(request, len(ids), info.max_context_length)
-        stop_ids = set(request.sampling.stop_token_ids)
-        if not request.sampling.ignore_eos:
-            stop_ids.update(info.eos_token_ids)
-        self._hidden = frozenset(stop_ids).union(info.eos_token_ids)
+        # the ids the router encoded for this request (`routing_ids`), if any, else made here
+        ids = (_ENCODED and _kept_ids(request)) or await upstream.prompt_ids(request)
+        self._prompt_tokens = prompt_tokens = len(ids)
+        max_tokens = check_context(request, prompt_tokens, info.max_context_length)
+        sampling = request.sampling
+        if sampling.stop_token_ids or sampling.ignore_eos:
+            stop_ids = set(sampling.stop_token_ids)
+            if not sampling.ignore_eos:
+                stop_ids.update(info.eos_token_ids)
+            stops = sorted(stop_ids)
+            self._hidden = frozenset(stop_ids).union(info.eos_token_ids)
+        else:  # the usual request: the EOS ids alone, as both (made with `info`)
+            stops, self._hidden = upstream._eos
         if request.user:  # taken for the record; the engine has no field for it
             logger.debug("request %s: user %r", request.request_id, request.user)
         message = pb.GenerateRequest(
             request_id=self.request_id,
             tokenized=pb.TokenizedInput(input_ids=ids),
-            sampling_params=sampling_params(request, max_tokens, sorted(stop_ids)),
+            sampling_params=sampling_params(request, max_tokens, stops),
             stream=True,
         )
         timeout = self._deadline - time.monotonic()
@@ -599,26 +607,23 @@ def sampling_params(
     its place in vLLM's proto (0 there is the engine's default); the JSON schema
     of a forced tool call, or of `response_format`, is its constraint."""
     s = request.sampling
-    params = pb.SamplingParams(
-        max_tokens=max_tokens,
-        stop_token_ids=stop_token_ids,
-        top_p=s.top_p or 0.0,  # 0: the engine's default (1.0)
-        top_k=s.top_k or 0,
-        presence_penalty=s.presence_penalty or 0.0,
-        frequency_penalty=s.frequency_penalty or 0.0,
-        repetition_penalty=s.repetition_penalty or 0.0,  # 0: 1.0
-        min_p=s.min_p or 0.0,
-        min_tokens=s.min_tokens or 0,
-        ignore_eos=bool(s.ignore_eos),
-        n=request.n,
-        logit_bias=dict(s.logit_bias),
-    )
-    if s.temperature is not None:
-        params.temperature = s.temperature
-    if s.seed is not None:
-        if s.seed not in _SEED_RANGE:
+    # The settings the client gave (`SamplingParams.given`, made in C), each a field of the
+    # same name: temperature, top_p, top_k, presence_penalty, frequency_penalty, seed,
+    # min_tokens, ignore_eos, repetition_penalty, min_p. One left out is the engine's
+    # default (0 in a field without presence: top_p 1.0, repetition_penalty 1.0, ...);
+    # temperature and seed have presence, set only when given.
+    given = s.given()
+    given["max_tokens"] = max_tokens  # within the context (`check_context`)
+    seed = given.pop("seed", None)
+    if "ignore_eos" in given:
+        given["ignore_eos"] = bool(given["ignore_eos"])
+    if s.logit_bias:
+        given["logit_bias"] = dict(s.logit_bias)
+    params = pb.SamplingParams(stop_token_ids=stop_token_ids, n=request.n, **given)
+    if seed is not None:
+        if seed not in _SEED_RANGE:
             raise errors.Invalid("This model takes a seed that fits 32 bits.", param="seed")
-        params.seed = s.seed
+        params.seed = seed
     if request.logprobs is not None:
         params.logprobs = request.logprobs
     if request.tools and tool_calls.forced(request.tool_choice):
@@ -696,6 +701,9 @@ class VllmGrpcUpstream:
         self.stub = pb_grpc.VllmEngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.GetModelInfoResponse | None = None
+        #: The EOS ids of `_info`, sorted and as a set, made with it: the stop token ids of
+        #: a request that names none of its own, and the ids never shown (shared: unchanged).
+        self._eos: tuple[list[int], frozenset[int]] = ([], frozenset())
 
     def call(
         self,
@@ -723,11 +731,11 @@ class VllmGrpcUpstream:
         """The engine's GetModelInfo (context length, EOS ids), asked once."""
         if self._info is None:
             try:
-                self._info = await self.stub.GetModelInfo(
-                    pb.GetModelInfoRequest(), timeout=deadline
-                )
+                info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=deadline)
             except grpc.RpcError as error:
                 raise _from_rpc_error(error) from None
+            eos = set(info.eos_token_ids)
+            self._info, self._eos = info, (sorted(eos), frozenset(eos))
         return self._info
 
     def features(self, info: pb.GetModelInfoResponse) -> frozenset[str]:
@@ -797,17 +805,17 @@ class VllmGrpcUpstream:
         characters, else in the tokenizing pool (a 400 past `MAX_PROMPT_CHARS`)."""
         # the template shows the tools unless none may be called (as our other engines)
         tools = request.tools if request.tool_choice != "none" else ()
-        param = "prompt" if request.messages is None else "messages"
-        chars = prompt_chars(request.prompt, request.messages, tools)
-        _check_chars(chars, param)
+        prompt, messages = request.prompt, request.messages
+        chars = prompt_chars(prompt, messages, tools)
+        if chars <= INLINE_CHARS:  # (below MAX_PROMPT_CHARS: nothing to refuse)
+            return self.tokenizer.prompt_ids(
+                prompt, messages, tools, plain_contents=self.plain_contents
+            )
+        _check_chars(chars, "prompt" if messages is None else "messages")
         make = functools.partial(
-            self.tokenizer.prompt_ids,
-            request.prompt,
-            request.messages,
-            tools,
-            plain_contents=self.plain_contents,
+            self.tokenizer.prompt_ids, prompt, messages, tools, plain_contents=self.plain_contents
         )
-        return make() if chars <= INLINE_CHARS else await _off_loop(make)
+        return await _off_loop(make)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
