@@ -356,6 +356,11 @@ class _Stream:
         """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
         self.done = True
         reasons, usages, total = self._reasons, self._usages, self._total
+        if self.n == 1 and not usages:  # most calls: the same count as below, directly
+            count = self._counted[0] if total is None else max(0, total - sum(usages.values()))
+            reason, stop = reasons.get(0, FinishReason.STOP), self._stops.get(0, "")
+            self.ready.append(Finished(reason, count, self._prompt_tokens, 0, stop))
+            return
         order = [*reasons]
         if len(order) < self.n:
             order += [i for i in range(self.n) if i not in reasons]

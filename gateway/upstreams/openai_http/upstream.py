@@ -189,7 +189,11 @@ class OpenAIHttpUpstream:
         lines = [f"Host: {url.netloc}", "Content-Type: application/json"]
         lines += [f"Authorization: {value}" for value in self._auth.values()]
         self._head = "".join(f"{line}\r\n" for line in lines)
-        self._path = url.path
+        # A streamed call's request line and fixed headers, for a chat and for a completion.
+        self._starts = {
+            chat: f"POST {url.path}/{path} HTTP/1.1\r\n{self._head}"
+            for chat, path in ((True, "chat/completions"), (False, "completions"))
+        }
 
     def call(
         self,
@@ -201,7 +205,6 @@ class OpenAIHttpUpstream:
         """Starts their streamed completion within `timeout` seconds (over httpx:
         `timeout` bounds each read)."""
         chat = request.messages is not None
-        path = "chat/completions" if chat else "completions"
         stream = _Stream(chat, request.n)
         if self._pool is not None:
             body = orjson.dumps(request_body(request))
@@ -212,12 +215,10 @@ class OpenAIHttpUpstream:
                     if not _BREAKS_HEADER.search(name + value)
                 )
             extra = "".join(map("%s: %s\r\n".__mod__, metadata))  # each a (name, value)
-            head = (
-                f"POST {self._path}/{path} HTTP/1.1\r\n{self._head}{extra}"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            )
+            head = f"{self._starts[chat]}{extra}Content-Length: {len(body)}\r\n\r\n"
             raw = head.encode("latin-1") + body
             return _RawCall(self._pool, raw, stream, timeout, self.address, on_close)
+        path = "chat/completions" if chat else "completions"
         http_request = self._post(path, request_body(request), timeout, metadata)
         return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
 
