@@ -7,34 +7,13 @@ import json
 import socket
 import threading
 import time
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.raw_http import connect, read_to_end
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-def connect(url: str) -> socket.socket:
-    parts = urlsplit(url)
-    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), HANG_GUARD)
-    sock.settimeout(HANG_GUARD)
-    return sock
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    """Everything until the gateway closes (a reset counts as closed)."""
-    chunks = []
-    for _ in range(10_000):
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def status_and_error(answer: bytes) -> tuple[int, dict[str, str]]:

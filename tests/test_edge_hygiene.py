@@ -6,6 +6,8 @@ import json
 import logging
 import secrets
 import socket
+import time
+from email.utils import parsedate_to_datetime
 
 import httpx
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from gateway.config import ConfigError, load_config, parse_config
 from gateway.worker.demo import DEMO_MODEL
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.raw_http import connect, read_to_end
 from tests.support.requests import sse_events
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.waiting import HANG_GUARD
@@ -57,6 +60,28 @@ def test_json_with_parameters_is_served(client):
         headers={"content-type": "Application/JSON; charset=utf-8"},
     )
     assert response.status_code == 200, response.text
+
+
+# -- the Date header ---------------------------------------------------------
+
+
+def test_every_answer_says_the_date_and_no_server_name(gateway, client):
+    answers = [
+        client.post("/v1/completions", json={"model": "scripted", "prompt": "x"}),
+        client.get("/v1/models"),
+        client.post("/v1/completions", content=b"{}", headers={"content-type": "text/plain"}),
+    ]
+    with connect(gateway.url) as sock:  # a refusal of the HTTP protocol's own
+        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n" + b"x-many: 1\r\n" * 500 + b"\r\n")
+        refused = read_to_end(sock)
+    head = refused.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 431")
+    dates = [answer.headers["date"] for answer in answers]
+    dates.append(head.split("\r\ndate: ", 1)[1].split("\r\n", 1)[0])
+    for date in dates:  # RFC 9110's IMF-fixdate, this second's (give or take a few)
+        assert date.endswith(" gmt") or date.endswith(" GMT")
+        assert abs(parsedate_to_datetime(date).timestamp() - time.time()) < 10
+    assert not any("server" in answer.headers for answer in answers)
 
 
 # -- no slash redirects -------------------------------------------------------

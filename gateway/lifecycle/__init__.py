@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Coroutine
+from email.utils import formatdate
 from typing import Any, TypeVar
 
 import uvicorn
@@ -157,6 +158,7 @@ def uvicorn_config(
         # them, and it costs a middleware and an address parse per request.
         proxy_headers=False,
         timeout_graceful_shutdown=CLOSE_GRACE,
+        server_header=False,  # nothing to advertise; the Date header is `keep_dates`'
     )
 
 
@@ -182,6 +184,7 @@ class GatewayServer:
             host = config.admin_host or config.host
             self.admin = self._server(self.gateway.admin_app, host, config.admin_port)
         self._opened: list[str] = []
+        self._dates: asyncio.Task[None] | None = None
 
     def _server(self, app: ASGIApp | Starlette, host: str, port: int) -> uvicorn.Server:
         return uvicorn.Server(uvicorn_config(self.config, app, host, port))
@@ -224,6 +227,8 @@ class GatewayServer:
             if self.admin is not None:
                 await _bind(self.admin)
                 self._opened.append("admin")
+            servers = [self.uvicorn] if self.admin is None else [self.uvicorn, self.admin]
+            self._dates = asyncio.ensure_future(keep_dates(servers))
         except BaseException:
             await self._close()
             raise
@@ -242,6 +247,9 @@ class GatewayServer:
         await self._close()
 
     async def _close(self) -> None:
+        if self._dates is not None:
+            self._dates.cancel()
+            self._dates = None
         if "http" in self._opened:
             await self.uvicorn.shutdown()
         if "admin" in self._opened and self.admin is not None:
@@ -282,6 +290,17 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await drain
         await self._close()
+
+
+async def keep_dates(servers: list[uvicorn.Server]) -> None:
+    """The Date header of every response, set at each second's turn, as uvicorn's main
+    loop sets it (the gateway runs uvicorn's startup and shutdown, not that loop):
+    HTTP/1.1 asks it of a server with a clock."""
+    while True:
+        date = [(b"date", formatdate(usegmt=True).encode())]
+        for server in servers:
+            server.server_state.default_headers = date + server.config.encoded_headers
+        await asyncio.sleep(1.0 - time.time() % 1.0)
 
 
 async def _bind(server: uvicorn.Server, reuse_port: bool = False) -> None:

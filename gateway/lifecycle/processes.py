@@ -62,6 +62,7 @@ from gateway.lifecycle import (
     GatewayServer,
     _bind,
     _StopSignals,
+    keep_dates,
     run,
     shared_port_socket,
     uvicorn_config,
@@ -228,9 +229,11 @@ class Supervisor:
                     return 1
             finally:
                 holder.close()
+            dates: asyncio.Task[None] | None = None
             if self.config.admin_port is not None:
                 self.admin = self._admin_server()
                 await _bind(self.admin)
+                dates = asyncio.ensure_future(keep_dates([self.admin]))
             self.ready = True
             log.info("serving with %d processes on port %d", self.count, self.config.port)
             failed = False
@@ -254,6 +257,8 @@ class Supervisor:
                 else:
                     again.cancel()
             first_exit.cancel()
+        if dates is not None:
+            dates.cancel()
         if self.admin is not None:
             await self.admin.shutdown()
         codes = [p.exitcode for p in self.processes]
