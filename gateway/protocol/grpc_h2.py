@@ -128,6 +128,18 @@ _HTTP_CODES = {
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 #: The statuses as gRPC writes them in `grpc-status` ("0"): most trailers found in one look.
 _STATUS_TEXTS = {str(value): code for value, code in _CODES.items()}
+#: Response headers seen to open a call well (status 200, gRPC's content type), and
+#: trailers seen to end one with OK, by their fields: a worker sends a few forms of each,
+#: so a call's blocks are each one look, not their checks. At most `_KEPT_FORMS` each.
+_GOOD_HEADERS: set[Fields] = set()
+_OK_TRAILERS: set[Fields] = set()
+_KEPT_FORMS = 16
+
+
+def _keep(forms: set[Fields], block: Fields) -> None:
+    if len(forms) >= _KEPT_FORMS:
+        forms.clear()
+    forms.add(block)
 
 
 def grpc_timeout(seconds: float) -> str:
@@ -364,6 +376,14 @@ class StreamCall(Generic[T]):
         """A header block: the response's headers, then (with END_STREAM) its trailers."""
         if self._done:
             return
+        if self._started:  # the usual trailers: OK, of a form seen (`_OK_TRAILERS`)
+            if end_stream and headers in _OK_TRAILERS and not self._inbox:
+                self._ended = True
+                self._finish()
+                return
+        elif not end_stream and headers in _GOOD_HEADERS:  # the usual response headers
+            self._started = True
+            return
         fields = dict(headers)
         if not self._started:
             self._started = True
@@ -377,6 +397,7 @@ class StreamCall(Generic[T]):
                 self.fail(grpc.StatusCode.UNKNOWN, f"The worker answered {kind}, not gRPC.", True)
                 return
             if not end_stream:
+                _keep(_GOOD_HEADERS, headers)
                 return
         elif not end_stream:
             self.fail(grpc.StatusCode.INTERNAL, "The worker sent headers twice.", reset=True)
@@ -389,11 +410,13 @@ class StreamCall(Generic[T]):
             self.fail(grpc.StatusCode.UNKNOWN, f"The worker sent no valid grpc-status ({raw}).")
         elif code is not grpc.StatusCode.OK:
             self.fail(code, unquote(fields.get("grpc-message", "")))
-        elif self._inbox:
-            self.fail(grpc.StatusCode.INTERNAL, "The worker ended inside a message.")
         else:
-            self._ended = True
-            self._finish()
+            _keep(_OK_TRAILERS, headers)
+            if self._inbox:
+                self.fail(grpc.StatusCode.INTERNAL, "The worker ended inside a message.")
+            else:
+                self._ended = True
+                self._finish()
 
     def reset(self, code: int) -> None:
         """The worker reset the stream (RST_STREAM)."""
@@ -641,8 +664,10 @@ class _Connection(asyncio.Protocol):
                                 grpc.StatusCode.INTERNAL, "The worker ended without trailers."
                             )
                 else:
-                    if woken:
-                        _wake_all(woken)
+                    if woken:  # (`_wake_all`, inline)
+                        for woke in woken:
+                            woke._wake()
+                        woken.clear()
                     self._frame(kind, flags, stream_id, payload)
         except _ProtocolError as error:
             _wake_all(woken)
@@ -756,11 +781,10 @@ class _Connection(asyncio.Protocol):
             if call.send_window > _MAX_WINDOW:
                 call.fail(grpc.StatusCode.INTERNAL, "The worker's window passed 2^31-1.", True)
                 return
-        self._unblock()
+        if self._blocked:  # (seldom: the usual WINDOW_UPDATE finds every body sent whole)
+            self._unblock()
 
     def _unblock(self) -> None:
-        if not self._blocked:  # the usual WINDOW_UPDATE: every body was sent whole
-            return
         for call in list(self._blocked.values()):
             if self._send_window <= 0:
                 break
