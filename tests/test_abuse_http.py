@@ -4,6 +4,7 @@ size and header count, the head's and the body's deadlines, the connection cap."
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support.keys import bearer, keyed, new_key
+from tests.support.metrics import access_lines
 from tests.support.raw_http import connect, read_to_end
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -99,6 +101,33 @@ def test_an_unfinished_body_is_dropped_without_a_slot(gateway_with):
     assert gw.state.slots.in_use == 0
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
         assert client.post("/v1/completions", json={"prompt": "a b"}).is_success
+
+
+@pytest.mark.parametrize("declared", [100, 200_000], ids=["small", "large"])
+def test_a_body_that_never_comes_whole_leaves_its_408_in_the_access_log(
+    gateway_with, caplog, declared
+):
+    # a small body's task starts once the body is whole, a large one's at its head:
+    # both are recorded as the 408 the client got, with their route
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    gw = gateway_with(body_timeout=0.5)
+    with connect(gw.url) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nx-request-id: slow-1\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % declared
+            + b'{"prompt": "'
+        )
+        status, error = status_and_error(read_to_end(sock))
+    assert (status, error["code"]) == (408, "request_timeout")
+    wait_until(lambda: access_lines(caplog), "the request's access-log line")
+    [line] = access_lines(caplog)
+    assert (line["request_id"], line["status"], line["route"]) == (
+        "slow-1",
+        408,
+        "/v1/completions",
+    )
+    assert gw.state.slots.in_use == 0
 
 
 def test_a_small_bodys_request_reaches_the_app_once_its_body_is_whole(gateway_with):

@@ -4,7 +4,6 @@ config that refuses, naming the field, what cannot be served."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -21,7 +20,7 @@ from gateway.fleet.aliases import Aliases, draw
 from gateway.worker.demo import DemoEngine
 from tests.support.certs import CertificateAuthority
 from tests.support.keys import bearer, keyed, new_key
-from tests.support.metrics import scrape, value
+from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import OpenAIServer
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -180,8 +179,8 @@ def test_an_alias_is_listed_served_by_its_targets_and_sticky_per_session(
         assert f'"model":"{streamed.headers["x-furnace-model"]}"' in streamed.text
 
     def logged() -> list[dict[str, str]]:
-        names = (json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access")
-        return [{"asked": line.get("asked_model"), "model": line["model"]} for line in names]
+        lines = access_lines(caplog)
+        return [{"asked": line.get("asked_model"), "model": line["model"]} for line in lines]
 
     wait_until(lambda: len(logged()) >= 66, "every request's access-log line")
     assert {line["asked"] for line in logged()} == {"chat"}  # both names, on every line

@@ -20,6 +20,7 @@ from gateway.protocol.types import (
     ToolCallDelta,
 )
 from gateway.telemetry import RequestRecord
+from tests.support.metrics import access_lines
 from tests.support.requests import opened, sse_events, user
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -220,10 +221,6 @@ def test_n_choices_count_every_choice_in_metrics_and_the_access_log(client, capl
     for line in access_lines(caplog)[-2:]:
         assert (line["prompt_tokens"], line["completion_tokens"]) == (4, 9)
         assert line["outcome"] == "completed"
-
-
-def access_lines(caplog) -> list[dict]:
-    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "furnace.access"]
 
 
 def test_a_client_leaving_an_n_choice_stream_cancels_every_choice(client, workers):

@@ -25,6 +25,10 @@ LOST_EXTENSION = "furnace.lost"
 #: once, when `send` would not wait (the client reads, the response is open), and
 #: says whether it did: a stream's token written in the callback that brought it.
 WRITE_NOW_EXTENSION = "furnace.write_now"
+#: ... and, once a body's deadline passed before it came whole, that deadline's seconds:
+#: the protocol answers the 408 itself, and the route, which reads a disconnect, records
+#: the request as that 408 (its access-log line, its metrics).
+BODY_TIMEOUT_EXTENSION = "furnace.body_timeout"
 
 
 async def send_json(

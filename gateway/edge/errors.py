@@ -106,6 +106,16 @@ class APIError(Exception):
         return [(b"retry-after", str(self.retry_after).encode())]
 
 
+def request_timeout(what: str, seconds: float) -> APIError:
+    """The 408 of a request whose `what` ("headers", "body") did not come in time."""
+    return APIError(
+        408,
+        f"The request's {what} did not arrive within {seconds:g} seconds.",
+        code="request_timeout",
+        reason="request_timeout",
+    )
+
+
 def invalid(param: str | None, message: str) -> APIError:
     """A 400 naming the parameter at fault."""
     return APIError(400, message, param=param)

@@ -86,8 +86,13 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.edge.asgi import ABORT_EXTENSION, LOST_EXTENSION, WRITE_NOW_EXTENSION
-from gateway.edge.errors import SERVER, APIError
+from gateway.edge.asgi import (
+    ABORT_EXTENSION,
+    BODY_TIMEOUT_EXTENSION,
+    LOST_EXTENSION,
+    WRITE_NOW_EXTENSION,
+)
+from gateway.edge.errors import SERVER, APIError, request_timeout
 
 #: Seconds a refused connection keeps reading (and dropping) before it closes.
 LINGER = 1.0
@@ -505,14 +510,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if self._phase == _BODY:
-            self._deferred = None  # a request not started: the app never sees it
+            deferred, self._deferred = self._deferred, None
             seconds, what = self.limits.body_timeout, "body"
             # Another response is (or will be) on the wire: no room for a 408.
             busy = cycle is None or cycle.response_started or bool(self.pipeline)
             if cycle is not None and not cycle.response_complete:
-                # The route waiting on the body sees a disconnect, and refuses.
+                # The route waiting on the body sees a disconnect and records the 408
+                # (it writes nothing more: the cycle is disconnected).
+                extensions = cast(dict[str, Any], cycle.scope)["extensions"]
+                extensions[BODY_TIMEOUT_EXTENSION] = seconds
                 cycle.disconnected = True
                 cycle.message_event.set()
+                if deferred is not None:  # its task waited for the whole body: now
+                    super()._start_asgi_task(*deferred)
         else:
             seconds, what = self._timeout, "headers"
             busy = cycle is not None and not cycle.response_complete
@@ -521,13 +531,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if busy:
             self.transport.close()
             return
-        self._refuse(
-            APIError(
-                408,
-                f"The request's {what} did not arrive within {seconds:g} seconds.",
-                code="request_timeout",
-            )
-        )
+        self._refuse(request_timeout(what, seconds))
 
     # Refusing
 

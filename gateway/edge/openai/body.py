@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from gateway.admission.bodies import BodyMeter
-from gateway.edge.asgi import Receive, Scope
-from gateway.edge.errors import APIError, invalid
+from gateway.edge.asgi import BODY_TIMEOUT_EXTENSION, Receive, Scope
+from gateway.edge.errors import APIError, invalid, request_timeout
 
 _name, _value = itemgetter(0), itemgetter(1)
 
@@ -71,7 +71,7 @@ async def read_body(
             raise _too_large(limit)
     message = await receive()
     if message["type"] == "http.disconnect":
-        raise _gone()
+        raise _gone(scope)
     chunk: bytes = message.get("body", b"")
     if len(chunk) > limit:
         raise _too_large(limit)
@@ -87,7 +87,7 @@ async def read_body(
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _gone()
+                raise _gone(scope)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -103,5 +103,10 @@ async def read_body(
     return b"".join(chunks)
 
 
-def _gone() -> APIError:
+def _gone(scope: Scope) -> APIError:
+    """The refusal of a body that stopped coming: its deadline's 408, which the edge's
+    protocol has sent (`BODY_TIMEOUT_EXTENSION`), or a client gone."""
+    seconds = scope.get("extensions", {}).get(BODY_TIMEOUT_EXTENSION)
+    if seconds is not None:
+        return request_timeout("body", seconds)
     return APIError(400, "The client closed the connection before sending the body.")
