@@ -185,13 +185,6 @@ GENERATE = f"/{_SERVICE}/Generate"
 SUBSCRIBE_KV_EVENTS = f"/{_SERVICE}/SubscribeKvEvents"
 
 
-async def _arrived(call: ServerStream[pb.GenerateResponse], within: float) -> bool:
-    """Whether the engine's first message (or its refusal) came within `within` seconds
-    of the call; a grpc.aio call, whose read cannot be waited on apart from taking it,
-    says yes."""
-    return not isinstance(call, StreamCall) or await call.arrived(within)
-
-
 def _from_rpc_error(error: grpc.RpcError) -> errors.GatewayError:
     """The one table from vLLM's statuses to our errors: ours, plus its wording of
     a prompt too long for the context."""
@@ -303,7 +296,10 @@ class VllmGrpcCall(StreamBookkeeping):
             try:
                 if self._call is None:
                     call = self._call = await self._start()
-                    if not await _arrived(call, HEAD_GRACE):  # the engine prefills
+                    # the engine prefills: Started now, unless its first message (or its
+                    # refusal) comes within HEAD_GRACE (a grpc.aio call, whose read cannot
+                    # be waited on apart from taking it, is read at once)
+                    if isinstance(call, StreamCall) and not await call.arrived(HEAD_GRACE):
                         self._started = True
                         return Started(self._prompt_tokens)
                 message = await self._call.read()
