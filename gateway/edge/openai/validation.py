@@ -245,7 +245,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     value = body.get("logit_bias")
     if value is None:
         return ()
-    if not isinstance(value, Mapping):
+    if not isinstance(value, dict):
         raise invalid("logit_bias", "Invalid type for 'logit_bias': expected an object.")
     if len(value) > MAX_LOGIT_BIAS:
         raise invalid("logit_bias", f"Invalid value for 'logit_bias': at most {MAX_LOGIT_BIAS}.")
@@ -315,7 +315,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is None:
         return False, False
-    if not isinstance(options, Mapping):
+    if not isinstance(options, dict):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
     for key in options:
         if key not in _STREAM_OPTION_KEYS:
@@ -339,7 +339,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
 def model_of(body: Any) -> str | None:
     """The model a body names (None: it names none), checked first so that a
     request to an unknown model is a 404 whatever else is wrong with it."""
-    if not isinstance(body, Mapping):
+    if not isinstance(body, dict):
         raise invalid(None, "The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -395,13 +395,13 @@ _DETAILS = frozenset({"auto", "low", "high"})
 
 def _image(part: Mapping[str, Any], where: str) -> ContentPart:
     image = part.get("image_url")
-    url = image.get("url") if isinstance(image, Mapping) else image
+    url = image.get("url") if isinstance(image, dict) else image
     if not isinstance(url, str) or not _IMAGE_URL.match(url):
         raise invalid(
             f"{where}.image_url",
             "Invalid 'image_url': expected {\"url\": an http(s) URL or a data:image/ URI}.",
         )
-    detail = image.get("detail") if isinstance(image, Mapping) else None
+    detail = image.get("detail") if isinstance(image, dict) else None
     if detail is not None and (not isinstance(detail, str) or detail not in _DETAILS):
         raise invalid(
             f"{where}.image_url.detail", "Invalid 'detail': expected 'auto', 'low' or 'high'."
@@ -419,7 +419,7 @@ def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[Cont
         raise invalid(where, f"Invalid type for '{where}': expected a string or a list of parts.")
     parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
@@ -444,8 +444,8 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
         raise invalid(where, f"Invalid '{where}': expected a list of at most {MAX_TOOL_CALLS}.")
     parsed = []
     for k, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
             raise invalid(f"{where}[{k}].function", "Invalid type: expected an object.")
         parsed.append(
             ToolCall(
@@ -475,7 +475,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     tool_use = False  # whether a message calls a tool or answers a call
     # the parameter a refusal names is spelled only when there is one
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
+        if not isinstance(message, dict):
             raise invalid(f"messages[{i}]", "Invalid type: expected an object.")
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
@@ -550,16 +550,16 @@ def _tools(body: Mapping[str, Any], budget: SchemaBudget) -> tuple[Tool, ...]:
     parsed = []
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+        if not isinstance(tool, dict) or tool.get("type") != "function":
             raise invalid(f"{where}.type", "Only tools of type 'function' are supported.")
         function = tool.get("function")
-        if not isinstance(function, Mapping):
+        if not isinstance(function, dict):
             raise invalid(f"{where}.function", "Invalid type: expected an object.")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise invalid(f"{where}.function.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
         parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, Mapping):
+        if parameters is not None and not isinstance(parameters, dict):
             raise invalid(f"{where}.function.parameters", "Invalid type: expected an object.")
         if parameters is not None:
             budget.check(parameters, f"{where}.function.parameters")
@@ -580,9 +580,9 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> str:
     choice = body.get("tool_choice")
     if choice is None:
         return ""
-    if isinstance(choice, Mapping):
+    if isinstance(choice, dict):
         function = choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
+        name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise invalid("tool_choice", "Invalid 'tool_choice': expected a function by name.")
         if name not in {tool.name for tool in tools}:
@@ -601,7 +601,7 @@ def _response_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseF
     value = body.get("response_format")
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, Mapping) else None
+    kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
@@ -611,7 +611,7 @@ def _response_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseF
             "response_format", "Invalid 'response_format': type text, json_object or json_schema."
         )
     spec = value.get("json_schema")
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, dict):
         raise invalid("response_format.json_schema", "Invalid type: expected an object.")
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -619,7 +619,7 @@ def _response_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseF
             "response_format.json_schema.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -."
         )
     schema = spec.get("schema", {})
-    if not isinstance(schema, Mapping):
+    if not isinstance(schema, dict):
         raise invalid("response_format.json_schema.schema", "Invalid type: expected an object.")
     budget.check(schema, "response_format.json_schema.schema")
     strict = _flag(spec, "strict", "response_format.json_schema.")
