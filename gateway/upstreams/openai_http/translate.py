@@ -127,15 +127,14 @@ def _too_long(message: str, param: Any) -> bool:
 def request_body(request: GenerateRequest) -> dict[str, Any]:
     """Our request as an OpenAI body, streamed with usage: every field the way
     OpenAI and vLLM take it (vLLM's extra sampling fields by vLLM's names)."""
-    s = request.sampling
-    chat = request.messages is not None
+    s, messages = request.sampling, request.messages
     body: dict[str, Any] = {
         "model": request.model,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if request.messages is not None:
-        body["messages"] = list(map(message_dict, request.messages))
+    if messages is not None:
+        body["messages"] = list(map(message_dict, messages))
     else:
         body["prompt"] = request.prompt or ""
     body.update(s.given())
@@ -148,7 +147,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     if request.n != 1:
         body["n"] = request.n
     if request.logprobs is not None:
-        if chat:
+        if messages is not None:  # a chat
             body["logprobs"] = True
             body["top_logprobs"] = request.logprobs
         else:
