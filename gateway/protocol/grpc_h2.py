@@ -25,7 +25,8 @@ idle.
 What a worker can make it hold is bounded: a stream's unread messages by its window
 (`STREAM_WINDOW`: the worker waits until the reader takes them), a message by
 `MAX_MESSAGE_BYTES` (RESOURCE_EXHAUSTED, as grpc.aio words it), a header block by
-`MAX_HEADER_BLOCK`, a frame by HTTP/2's default size; a worker that breaks the protocol
+`MAX_HEADER_BLOCK` (the forms of good headers and OK trailers kept, `_KEPT_FORMS` of
+each), a frame by HTTP/2's default size; a worker that breaks the protocol
 loses the connection (GOAWAY, every call on it UNAVAILABLE), never the gateway.
 """
 
@@ -91,6 +92,7 @@ _unpack_head = _FRAME_HEAD.unpack_from
 #: A frame's head written in one call: its length and type in 4 bytes, flags, stream id.
 _pack_head = struct.Struct(">LBL").pack
 _MESSAGE_PREFIX = struct.Struct(">BL")
+_unpack_prefix = _MESSAGE_PREFIX.unpack_from
 #: The last stream id a connection opens; the next call opens a new connection.
 LAST_STREAM_ID = _MAX_STREAM_ID
 
@@ -337,11 +339,7 @@ class StreamCall(Generic[T]):
         inbox = self._inbox
         if not inbox:  # the usual frame: one whole message, uncompressed
             size = len(payload) - 5
-            if (
-                size >= 0
-                and _MESSAGE_PREFIX.unpack_from(payload) == (0, size)
-                and size <= MAX_MESSAGE_BYTES
-            ):
+            if size >= 0 and _unpack_prefix(payload) == (0, size) and size <= MAX_MESSAGE_BYTES:
                 self._messages.append(payload[5:])
                 self._queued += size
                 return

@@ -605,9 +605,9 @@ def sampling_params(
     s = request.sampling
     # The settings the client gave (`SamplingParams.given`, made in C), each a field of the
     # same name: temperature, top_p, top_k, presence_penalty, frequency_penalty, seed,
-    # min_tokens, ignore_eos, repetition_penalty, min_p. One left out is the engine's
-    # default (0 in a field without presence: top_p 1.0, repetition_penalty 1.0, ...);
-    # temperature and seed have presence, set only when given.
+    # min_tokens, ignore_eos, repetition_penalty, min_p. One not given stays unset: the
+    # engine's default (a field without presence reads 0, which vLLM takes as its default:
+    # top_p 1.0, repetition_penalty 1.0); temperature and seed have presence.
     given = s.given()
     given["max_tokens"] = max_tokens  # within the context (`check_context`)
     seed = given.pop("seed", None)
