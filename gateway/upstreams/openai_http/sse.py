@@ -120,7 +120,7 @@ class _Stream:
                         if text:
                             self._text(text, 1, self._template_index)
                         return
-            else:  # several
+            else:  # several: those it begins with taken at once, then its other lines
                 data = self._templates(data, texts)
                 if not data:
                     if texts:
@@ -372,7 +372,7 @@ class _Stream:
         """`[DONE]`: every choice's `Finished`, its tokens divided as the class says."""
         self.done = True
         reasons, usages, total = self._reasons, self._usages, self._total
-        if self.n == 1 and not usages:  # most calls: the same count as below, directly
+        if self.n == 1 and not usages:  # most calls: the count below, without its walk
             count = self._counted[0] if total is None else max(0, total - sum(usages.values()))
             reason, stop = reasons.get(0, FinishReason.STOP), self._stops.get(0, "")
             self.ready.append(Finished(reason, count, self._prompt_tokens, 0, stop))
