@@ -26,6 +26,13 @@ TEXTS = ["a", " world", "Ã©", '"q"', "back\\slash", "\\", "line\nbreak", "", "ðŸ
 MALFORMED = ['a","b', "a\\", '"', 'x" ,"y', 'a\\"', '\\"},"x":"', "\\u00"]
 
 
+# vLLM's first chunk of a chat: the role, and no text.
+ROLE = (
+    b'data: {"id":"x","model":"m","choices":[{"index":0,"delta":{"role":"assistant",'
+    b'"content":""},"logprobs":null,"finish_reason":null}]}'
+)
+
+
 def _line(r: random.Random, chat: bool, n: int) -> bytes:
     index = r.randrange(n) if r.random() < 0.2 else 0
     text = orjson.dumps("".join(r.choices(TEXTS, k=r.randint(0, 2)))).decode()
@@ -42,11 +49,13 @@ def _line(r: random.Random, chat: bool, n: int) -> bytes:
         return f'data: {{"id":"x","choices":[],"usage":{usage}}}'.encode()
     elif kind < 0.9:
         return b": ping"
+    elif kind < 0.93:  # vLLM's first of a chat (the role, no text), in either stream
+        return ROLE
     else:
         string, rest = '"z"', ',"logprobs":null,"finish_reason":null'
     content = f'"delta":{{"content":{string}}}' if chat else f'"text":{string}'
     choice = f'{{"index":{index},{content}{rest}}}'
-    if kind >= 0.9:
+    if kind >= 0.93:
         choice = choice.replace('":', '": ')  # spelled otherwise
     kind_name = "chat.completion.chunk" if chat else "text_completion"
     return f'data: {{"id":"x","object":"{kind_name}","model":"m","choices":[{choice}]}}'.encode()
@@ -105,3 +114,18 @@ def test_a_read_that_begins_with_template_events_takes_them_then_its_lines():
             stream.feed(run + rest)
         assert templated._head and list(templated.ready) == list(whole.ready), rest
         assert templated._counted == whole._counted and templated._parts == whole._parts
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_vllm_first_chunk_takes_nothing(chat):
+    # its role and an empty text: no event, no token, not a template
+    key = '"delta":{"content":"a"}' if chat else '"text":"a"'
+    text = f'data: {{"id":"x","choices":[{{"index":0,{key},"finish_reason":null}}]}}'.encode()
+    end = b'data: {"id":"x","choices":[{"index":0,"text":"","finish_reason":"stop"}]}'
+    events = [text, text, end, b"data: [DONE]"]
+    streams = _Stream(chat, 1), _Stream(chat, 1)
+    for stream, lines in zip(streams, ([ROLE, *events], events), strict=True):
+        stream.feed(b"".join(line + b"\n\n" for line in lines))
+    assert list(streams[0].ready) == list(streams[1].ready)
+    assert streams[0]._counted == streams[1]._counted == [2]
+    assert streams[0]._head == streams[1]._head

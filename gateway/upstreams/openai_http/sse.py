@@ -59,6 +59,14 @@ _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 #: falls behind holds at most about 1 MiB of a stream.
 _MERGE_CHARS = 16 * 1024
 _QUOTED = b'"%b"'.__mod__  # bytes, in quotes
+#: vLLM's first choice of a chat, its role and no text: nothing to take (`_chunk` knows
+#: it by one comparison, in C).
+_ROLE_ONLY = {
+    "index": 0,
+    "delta": {"role": "assistant", "content": ""},
+    "logprobs": None,
+    "finish_reason": None,
+}
 
 
 class _Stream:
@@ -274,7 +282,10 @@ class _Stream:
             for choice in choices:  # a list: anything else fails on its items
                 self._choice(choice)
             return False
-        return self._choice(choices[0]) and not usage
+        choice = choices[0]
+        if choice == _ROLE_ONLY:
+            return False
+        return self._choice(choice) and not usage
 
     def _choice(self, choice: dict[str, Any]) -> bool:
         """Takes one choice of a chunk; whether its text (not empty) is all it holds."""
