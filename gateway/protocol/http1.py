@@ -95,8 +95,8 @@ class Connection(asyncio.Protocol):
             else:
                 self.abort()  # bytes on an idle connection: it is not usable
         pieces = self._pieces
-        if pieces:  # `_hand_body`, written out: every read of a body takes this way
-            current = self.reader  # None if the response ended in this read
+        if pieces:  # `_hand_body`, written out: most reads of a body take this way
+            current = self.reader  # None if the response ended in this read (handed then)
             if current is not None:
                 current.body(b"".join(pieces))
             pieces.clear()
