@@ -65,16 +65,13 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
             chunk = pb.GenerateStreamChunk(
                 token_ids=tokens, prompt_tokens=prompt, completion_tokens=sent
             )
-            if sent < wanted:
-                yield pb.GenerateResponse(chunk=chunk)
-            else:  # the last tokens come with the end, as vLLM sends them
-                done = pb.GenerateComplete(
-                    output_ids=tokens,
-                    finish_reason="length",
-                    prompt_tokens=prompt,
-                    completion_tokens=sent,
-                )
-                yield pb.GenerateResponse(complete=done)
+            yield pb.GenerateResponse(chunk=chunk)
+        # the end repeats the last chunk's tokens, as vLLM's does (a streaming client
+        # adds up the chunks)
+        done = pb.GenerateComplete(
+            output_ids=tokens, finish_reason="length", prompt_tokens=prompt, completion_tokens=sent
+        )
+        yield pb.GenerateResponse(complete=done)
 
     async def GetModelInfo(self, request: object, context: object) -> pb.GetModelInfoResponse:
         return pb.GetModelInfoResponse(
