@@ -25,8 +25,8 @@ engine's steps do), those are the edge's read of the request and its task up to 
 call's write to the engine (`protocol/http1.py`'s `send`, `protocol/grpc_h2.py`'s
 `start`: an activation is cut there), then the read that brings the first text, which
 the edge writes in the same callback; the rest runs while the engine works or after the
-answer. The report gives that sum, "on the first token's way", and the activations of
-the last request, in order.
+answer. The report gives that sum, "on the first token's way", the median read of a
+later text (each paced token's), and the activations of the last request, in order.
 
 Run: `.venv/bin/python -m benchmarks.bytecodes [--path http|grpc] [--requests N]
 [--max-tokens N] [--step-ms MS] [--top K] [--baseline REV]` (under a minute). With
@@ -42,6 +42,7 @@ import collections
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -208,9 +209,19 @@ def first_token_way(request: list[Activation]) -> tuple[int, int] | None:
     return None
 
 
+def later_texts(request: list[Activation]) -> list[int]:
+    """The bytecodes of each activation that encodes a text after the first one's, but
+    the last (which mostly brings the answer's end too): a paced token's read."""
+    texts = [
+        sum(counts.values()) for code, counts in request if _runs((code, counts), *_TEXT_ENCODED)
+    ]
+    return texts[1:-1]
+
+
 def wakes_report(wakes: list[Activation], source: Path) -> str:
-    """On the first token's way, a request (the means), and the last request's
-    activations in order, each with its three costliest functions."""
+    """On the first token's way, a request (the means), a later token's read (the
+    median), and the last request's activations in order, each with its three costliest
+    functions."""
     requests = _requests(wakes)
     ways = [way for way in map(first_token_way, requests) if way is not None]
     if not ways:
@@ -221,6 +232,14 @@ def wakes_report(wakes: list[Activation], source: Path) -> str:
         f"On the first token's way: {before + first:,.0f} bytecodes a request "
         f"({before:,.0f} up to the call's write, {first:,.0f} in the read that brings "
         f"the first text), over {len(ways)} requests",
+    ]
+    later = [n for request in requests for n in later_texts(request)]
+    if later:
+        lines.append(
+            f"A later text's read: {statistics.median(later):,.0f} bytecodes (the median "
+            f"of {len(later)}; with --step-ms, a paced token's)"
+        )
+    lines += [
         "",
         "| the last request's activations | bytecodes | its costliest functions |",
         "| --- | ---: | --- |",
