@@ -64,16 +64,25 @@ class RequestHeaders(NamedTuple):
 #: Where a request's scope keeps its `RequestHeaders` once read.
 HEADERS_KEY = "furnace.headers"
 
-_ID, _TRACEPARENT_, _PRIORITY_, _SESSION, _HOST, _TYPE, _INFERENCE = range(7)
+#: Which header a name is, for `request_headers`.
+(
+    _ID_HEADER,
+    _TRACE_HEADER,
+    _PRIORITY_HEADER,
+    _SESSION_HEADER,
+    _HOST_HEADER,
+    _TYPE_HEADER,
+    _INFERENCE_HEADER,
+) = range(7)
 #: The headers read, by (lowercase) name; the rest cost one lookup each.
 _READ = {
-    b"host": _HOST,
-    b"content-type": _TYPE,
-    b"x-request-id": _ID,
-    b"traceparent": _TRACEPARENT_,
-    b"x-furnace-priority": _PRIORITY_,
-    b"x-session-id": _SESSION,
-    b"inference-header-content-length": _INFERENCE,
+    b"host": _HOST_HEADER,
+    b"content-type": _TYPE_HEADER,
+    b"x-request-id": _ID_HEADER,
+    b"traceparent": _TRACE_HEADER,
+    b"x-furnace-priority": _PRIORITY_HEADER,
+    b"x-session-id": _SESSION_HEADER,
+    b"inference-header-content-length": _INFERENCE_HEADER,
 }
 
 
@@ -94,20 +103,20 @@ def request_headers(scope: Scope) -> RequestHeaders:
         kind = read(name)
         if kind is None:
             continue
-        if kind == _HOST:
+        if kind == _HOST_HEADER:
             host = value
             hosts += 1
-        elif kind == _TYPE:
+        elif kind == _TYPE_HEADER:
             types.append(value)
-        elif kind == _ID:
+        elif kind == _ID_HEADER:
             if _REQUEST_ID.fullmatch(value):
                 request_id = value
-        elif kind == _TRACEPARENT_:
+        elif kind == _TRACE_HEADER:
             if _TRACEPARENT.fullmatch(value):
                 metadata.append(("traceparent", value.decode("ascii")))
-        elif kind == _PRIORITY_:
+        elif kind == _PRIORITY_HEADER:
             priority = value if priority is None else priority
-        elif kind == _SESSION:
+        elif kind == _SESSION_HEADER:
             session = value if session is None else session
         else:
             inference = True
