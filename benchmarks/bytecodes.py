@@ -25,8 +25,10 @@ engine's steps do), those are the edge's read of the request and its task up to 
 call's write to the engine (`protocol/http1.py`'s `send`, `protocol/grpc_h2.py`'s
 `start`: an activation is cut there), then the read that brings the first text, which
 the edge writes in the same callback; the rest runs while the engine works or after the
-answer. The report gives that sum, "on the first token's way", the median read of a
-later text (each paced token's), and the activations of the last request, in order.
+answer. The report gives that sum, "on the first token's way", and its costliest
+functions, the median read of a later text (each paced token's), and the activations of
+the last request, in order. Methods made by exec (a dataclass's `__init__`, `<string>`)
+are named by their class.
 
 Run: `.venv/bin/python -m benchmarks.bytecodes [--path http|grpc] [--requests N]
 [--max-tokens N] [--step-ms MS] [--top K] [--baseline REV]` (under a minute). With
@@ -66,8 +68,13 @@ COUNTS_ENV = "BYTECODE_COUNTS"
 CALL_WRITES = {("protocol/http1.py", "send"), ("protocol/grpc_h2.py", "start")}
 
 
-def _key(code: CodeType) -> str:
-    return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
+def _key(code: CodeType, owners: dict[CodeType, str]) -> str:
+    """A code's file, line and name; for a method made by exec (a dataclass's
+    `__init__`), its class's name before its own."""
+    name = code.co_name
+    if code in owners:
+        name = f"{owners[code]}.{name}"
+    return f"{code.co_filename}:{code.co_firstlineno}:{name}"
 
 
 def _is_call_write(code: CodeType) -> bool:
@@ -91,6 +98,7 @@ def serve(argv: list[str]) -> None:
     wake: collections.Counter[CodeType] = collections.Counter()
     outer: set[CodeType] = set()  # the frames under the loop's run, when it started
     writes: dict[CodeType, bool] = {}
+    owners: dict[CodeType, str] = {}  # made by exec: the class of their `self`
 
     def opcode(frame: FrameType, event: str, _: object) -> Any:
         if event == "opcode":
@@ -105,6 +113,8 @@ def serve(argv: list[str]) -> None:
         write = writes.get(code)
         if write is None:
             write = writes[code] = _is_call_write(code)
+            if code.co_filename == "<string>" and "self" in frame.f_locals:
+                owners[code] = type(frame.f_locals["self"]).__qualname__
         if write or back is None or back.f_code in outer:
             wake = collections.Counter()
             wakes.append((code, wake))
@@ -128,14 +138,14 @@ def serve(argv: list[str]) -> None:
     def stop(*_: object) -> None:
         sys.settrace(None)
         out: collections.Counter[str] = collections.Counter()
-        for code, n in counts.items():  # summed: dataclasses' `__init__`s share a name
-            out[_key(code)] += n
+        for each, n in counts.items():
+            out[_key(each, owners)] += n
         activations = []
-        for code, functions in wakes:
+        for called, functions in wakes:
             named: collections.Counter[str] = collections.Counter()
             for each, n in functions.items():
-                named[_key(each)] += n
-            activations.append([None if code is None else _key(code), dict(named)])
+                named[_key(each, owners)] += n
+            activations.append([None if called is None else _key(called, owners), dict(named)])
         Path(os.environ[COUNTS_ENV]).write_text(
             json.dumps({"functions": out, "wakes": activations})
         )
@@ -192,9 +202,9 @@ def _requests(wakes: list[Activation]) -> list[list[Activation]]:
     return requests[:-1]  # the last may be cut by the stop
 
 
-def first_token_way(request: list[Activation]) -> tuple[int, int] | None:
-    """The bytecodes of a request's activations up to the call's write, and of the one
-    that encodes its first text after it; None where either is missing."""
+def way_activations(request: list[Activation]) -> tuple[list[Activation], Activation] | None:
+    """A request's activations up to the call's write, and the one that encodes its
+    first text after it; None where either is missing."""
     writes = [
         i
         for i, (code, _) in enumerate(request)
@@ -202,11 +212,31 @@ def first_token_way(request: list[Activation]) -> tuple[int, int] | None:
     ]
     if not writes:
         return None
-    before = sum(sum(counts.values()) for _, counts in request[: writes[0]])
     for activation in request[writes[0] :]:
         if _runs(activation, *_TEXT_ENCODED):
-            return before, sum(activation[1].values())
+            return request[: writes[0]], activation
     return None
+
+
+def first_token_way(request: list[Activation]) -> tuple[int, int] | None:
+    """The bytecodes of a request's activations up to the call's write, and of the one
+    that encodes its first text after it; None where either is missing."""
+    way = way_activations(request)
+    if way is None:
+        return None
+    before, first = way
+    return sum(sum(counts.values()) for _, counts in before), sum(first[1].values())
+
+
+def way_functions(requests: list[list[Activation]]) -> collections.Counter[str]:
+    """The bytecodes on the first token's way by function, summed over `requests`."""
+    summed: collections.Counter[str] = collections.Counter()
+    for request in requests:
+        way = way_activations(request)
+        if way is not None:
+            for _, counts in [*way[0], way[1]]:
+                summed.update(counts)
+    return summed
 
 
 def later_texts(request: list[Activation]) -> list[int]:
@@ -218,10 +248,10 @@ def later_texts(request: list[Activation]) -> list[int]:
     return texts[1:-1]
 
 
-def wakes_report(wakes: list[Activation], source: Path) -> str:
-    """On the first token's way, a request (the means), a later token's read (the
-    median), and the last request's activations in order, each with its three costliest
-    functions."""
+def wakes_report(wakes: list[Activation], source: Path, top: int) -> str:
+    """On the first token's way, a request (the means) and its `top` functions, a later
+    token's read (the median), and the last request's activations in order, each with its
+    three costliest functions."""
     requests = _requests(wakes)
     ways = [way for way in map(first_token_way, requests) if way is not None]
     if not ways:
@@ -239,14 +269,17 @@ def wakes_report(wakes: list[Activation], source: Path) -> str:
             f"A later text's read: {statistics.median(later):,.0f} bytecodes (the median "
             f"of {len(later)}; with --step-ms, a paced token's)"
         )
+    lines += ["", "| on the first token's way: function | a request |", "| --- | ---: |"]
+    for key, n in way_functions(requests).most_common(top):
+        lines.append(f"| {_short(key, source)} | {n / len(ways):,.1f} |")
     lines += [
         "",
         "| the last request's activations | bytecodes | its costliest functions |",
         "| --- | ---: | --- |",
     ]
     for code, counts in requests[-1]:
-        top = sorted(counts.items(), key=lambda item: -item[1])[:3]
-        named = ", ".join(f"{_short(k, source).rsplit(':', 1)[1]} {n}" for k, n in top)
+        costliest = sorted(counts.items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{_short(k, source).rsplit(':', 1)[1]} {n}" for k, n in costliest)
         lines.append(f"| {_short(code or '-', source)} | {sum(counts.values()):,} | {named} |")
     return "\n".join(lines)
 
@@ -294,7 +327,7 @@ def count(source: Path, model: dict[str, object], work: Path, args: argparse.Nam
     wakes: list[Activation] = [(code, functions) for code, functions in counted["wakes"]]
     print(report(counts, args.requests, args.top, source))
     print()
-    print(wakes_report(wakes, source))
+    print(wakes_report(wakes, source, args.top))
     return round(sum(counts.values()) / args.requests)
 
 
