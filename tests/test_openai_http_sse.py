@@ -1,7 +1,8 @@
 """`openai_http.sse._Stream`'s ways through a read (one template event whole, a read
 that begins with several, the lines) against the lines alone, every one parsed whole:
-random streams of vLLM-shaped chunks, with the odd malformed or differently shaped line,
-cut at random and at their events' ends. The same events, errors and counts."""
+random streams of vLLM-shaped chunks (a reasoning model's too), with the odd malformed or
+differently shaped line, cut at random and at their events' ends. The same events, errors
+and counts."""
 
 import random
 
@@ -40,8 +41,15 @@ def _line(r: random.Random, chat: bool, n: int) -> bytes:
     if kind < 0.74:  # the plain text chunk, or one with what is not one string in its place
         string = text if kind < 0.7 else f'"{r.choice(MALFORMED)}"'
         rest = ',"logprobs":null,"finish_reason":null'
-    elif kind < 0.78:
+    elif kind < 0.76 or (kind < 0.78 and not chat):
         string, rest = text, ',"finish_reason":null'  # another shape
+    elif kind < 0.78:  # a reasoning model's: reasoning, under either name, and text maybe
+        name = r.choice(["reasoning", "reasoning_content"])
+        delta = {name: "".join(r.choices(TEXTS, k=r.randint(0, 2)))}
+        if r.random() < 0.3:
+            delta["content"] = "".join(r.choices(TEXTS, k=r.randint(0, 2)))
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return b'data: {"id":"x","choices":' + orjson.dumps([choice]) + b"}"
     elif kind < 0.84:
         string, rest = '""', f',"finish_reason":"{r.choice(["stop", "length"])}"'
     elif kind < 0.88:

@@ -63,7 +63,7 @@ from typing import Any, ClassVar, Protocol, cast
 from gateway.admission.turns import PACE, write_turns
 from gateway.protocol import errors
 from gateway.protocol.sizes import event_size
-from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
+from gateway.protocol.types import Event, Finished, Reasoning, Started, Text, ToolCallDelta
 from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.admission")
@@ -226,7 +226,7 @@ class EventPump:
             raise failure
         self._ready.append(event)
         self._last_event = self._loop.time()
-        if kind is Text or kind is ToolCallDelta:
+        if kind is Text or kind is ToolCallDelta or kind is Reasoning:
             self.buffered += event_size(event)  # logprobs and arguments count too
         elif kind is Finished:
             self._unfinished -= 1
@@ -470,7 +470,8 @@ class EventPump:
         if self._ready:
             batch, self._ready = self._ready, []
             if not self._texted:
-                self._texted = Text in map(type, batch)  # `any()` without a generator
+                kinds = set(map(type, batch))
+                self._texted = Text in kinds or Reasoning in kinds
             self.buffered = 0
             taken = self._taken
             if taken is not None and not taken.done():

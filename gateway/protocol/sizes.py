@@ -19,7 +19,7 @@ they were asked for.
 
 from __future__ import annotations
 
-from gateway.protocol.types import Event, Text, ToolCallDelta
+from gateway.protocol.types import Event, Reasoning, Text, ToolCallDelta
 
 #: What one logprob entry (a token's or an alternative's) costs beyond its token's
 #: text: the float and the framing around it (in the protocol, or in JSON).
@@ -40,6 +40,8 @@ def event_size(event: Event) -> int:
                 for token, _ in logprob.top:
                     size += LOGPROB_BYTES + len(token)
         return size
+    if kind is Reasoning:
+        return len(event.text)  # type: ignore[union-attr]
     if kind is ToolCallDelta:
         delta: ToolCallDelta = event  # type: ignore[assignment]
         return len(delta.arguments) + len(delta.name) + len(delta.id)

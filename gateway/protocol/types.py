@@ -191,6 +191,16 @@ class Text(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 
+class Reasoning(NamedTuple):
+    """A piece of choice `index`'s reasoning holding `tokens` tokens: the text a
+    reasoning model thinks before its answer, which its server parses apart from the
+    answer (vLLM's `reasoning`, with `--reasoning-parser`)."""
+
+    text: str
+    tokens: int
+    index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
+
+
 class ToolCallDelta(NamedTuple):
     """A piece of tool call `call_index` of choice `index`: its first piece has
     the id and name, the next ones more of the arguments' JSON text."""
@@ -216,4 +226,4 @@ class Finished(NamedTuple):
     stop_sequence: str = ""
 
 
-Event = Started | Text | ToolCallDelta | Finished
+Event = Started | Text | Reasoning | ToolCallDelta | Finished

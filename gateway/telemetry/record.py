@@ -20,7 +20,7 @@ from operator import attrgetter, is_, is_not
 from typing import Any, Protocol
 
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Event, Finished, Started, Text, ToolCallDelta
+from gateway.protocol.types import Event, Finished, Reasoning, Started, Text, ToolCallDelta
 
 #: Inter-token gaps a record keeps before it observes them in one go (a long answer's
 #: figures reach the histogram as it goes, not only at its end).
@@ -87,7 +87,8 @@ class RequestRecord:
 
     def take(self, batch: list[Event]) -> str:
         """Records a batch of events as it is written; returns its text, joined
-        (of every choice: the one-choice path writes it, the others ignore it)."""
+        (of every choice: the one-choice path writes it, the others ignore it; not
+        the reasoning, whose tokens it counts)."""
         # Texts are picked out and counted in C: a loop in Python costs ~20 bytecodes an
         # event, and a fast engine's batch holds a text a token (over gRPC).
         tokens = 0
@@ -106,7 +107,7 @@ class RequestRecord:
                         self.finished = event
                 elif isinstance(event, Started):
                     self.prompt_tokens = event.prompt_tokens
-                elif isinstance(event, ToolCallDelta):
+                elif isinstance(event, ToolCallDelta | Reasoning):
                     tokens += event.tokens
         tokens += sum(map(_tokens, texts))
         if tokens:

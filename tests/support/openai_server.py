@@ -47,8 +47,13 @@ class OpenAIServer:
     call of it and finish_reason "tool_calls", as OpenAI does), embeds every input
     (`embedding`), keeps the last body it was sent, and counts the calls it refused."""
 
-    def __init__(self, model: str, key: str, cert: Issued, reply: str = "hello") -> None:
+    def __init__(self, model: str, key: str, cert: Issued | None, reply: str = "hello") -> None:
         self.model, self.key, self.reply = model, key, reply
+        #: A reasoning model's: pieces of reasoning sent before the reply, each in a
+        #: chunk's delta under `reasoning_field` (vLLM's name; `reasoning_content` before
+        #: it), the last one in the chunk that starts the reply, as vLLM's parsers do.
+        self.reasoning: list[str] = []
+        self.reasoning_field = "reasoning"
         self.refused = 0
         self.last_body: dict[str, Any] = {}
         #: What its Prometheus /metrics says, in vLLM's names (two engines, as a
@@ -60,7 +65,8 @@ class OpenAIServer:
         #: Seconds its /health takes to answer (a loaded server's).
         self.health_delay = 0.0
         self.port = free_port()
-        self.url = f"https://127.0.0.1:{self.port}/v1"
+        scheme = "http" if cert is None else "https"  # without one: plain HTTP, in-cluster
+        self.url = f"{scheme}://127.0.0.1:{self.port}/v1"
         app = Starlette(
             routes=[
                 Route("/health", self._health),
@@ -74,8 +80,8 @@ class OpenAIServer:
             app,
             host="127.0.0.1",
             port=self.port,
-            ssl_certfile=cert.cert_file,
-            ssl_keyfile=cert.key_file,
+            ssl_certfile=None if cert is None else cert.cert_file,
+            ssl_keyfile=None if cert is None else cert.key_file,
             log_level="warning",
             lifespan="off",
             # a client's idle kept-alive connection never answers the TLS close_notify,
@@ -139,10 +145,18 @@ class OpenAIServer:
             delta, reason = {"tool_calls": [call]}, "tool_calls"
         else:
             delta, reason = {"content": self.reply}, "stop"
-        chunks = [
-            {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        deltas += [{self.reasoning_field: piece} for piece in self.reasoning[:-1]]
+        if self.reasoning:
+            delta = {self.reasoning_field: self.reasoning[-1], **delta}
+        deltas.append(delta)
+        chunks: list[dict[str, Any]] = [
+            {"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+        ]
+        tokens = len(deltas) - 1
+        chunks += [
             {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
-            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}},
         ]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
         return StreamingResponse(iter(lines), media_type="text/event-stream")

@@ -29,6 +29,7 @@ from gateway.protocol.types import (
     Event,
     Finished,
     FinishReason,
+    Reasoning,
     Started,
     Text,
     TokenLogprob,
@@ -95,7 +96,17 @@ def _offsets(start: int, tokens: Sequence[TokenLogprob]) -> list[Logprob]:
 class _Choice:
     """What a choice has sent so far (streams) or gathered (whole answers)."""
 
-    __slots__ = ("calls", "length", "logprobs", "opened", "pieces", "prefix", "reason", "tokens")
+    __slots__ = (
+        "calls",
+        "length",
+        "logprobs",
+        "opened",
+        "pieces",
+        "prefix",
+        "reason",
+        "thoughts",
+        "tokens",
+    )
 
     def __init__(self, echo: str, prefix: bytes) -> None:
         self.prefix = prefix  # its text chunks' bytes before the delta
@@ -106,6 +117,7 @@ class _Choice:
         self.logprobs: list[Logprob] = []
         self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
         self.reason: FinishReason | None = None
+        self.thoughts: list[str] = []  # whole answers: its reasoning's pieces
 
 
 class Encoder:
@@ -216,8 +228,11 @@ class Encoder:
         """A stream choice carrying `text` (None: carrying nothing)."""
         raise NotImplementedError
 
-    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """A whole answer's choice: its text, logprobs (JSON or None) and tool calls."""
+    def full_choice(
+        self, text: str, logprobs: Any, calls: list[dict[str, Any]], reasoning: str = ""
+    ) -> dict[str, Any]:
+        """A whole answer's choice: its text, logprobs (JSON or None), tool calls and
+        reasoning ("": none)."""
         raise NotImplementedError
 
     def logprobs_json(self, logprobs: Sequence[Logprob]) -> Any:
@@ -232,6 +247,11 @@ class Encoder:
         """A stream chunk carrying a piece of a tool call."""
         return b""
 
+    def reasoning_chunk(self, event: Reasoning) -> bytes:
+        """A stream chunk carrying a piece of reasoning (only chats have any: an
+        upstream's reasoning is read from chat chunks alone)."""
+        return b""
+
     # The fast path: one choice of plain text.
 
     def opening(self) -> bytes:
@@ -242,6 +262,27 @@ class Encoder:
         """A chunk carrying `text`."""
         return self._before + orjson.dumps(text) + self._after
 
+    def deltas(self, batch: list[Event]) -> bytes:
+        """The chunks of a batch that holds reasoning, in its order: a chunk for each
+        run of reasoning, one for each run of text between them."""
+        out: list[bytes] = []
+        texts: list[str] = []
+        for event in batch:
+            if type(event) is Text:
+                texts.append(event.text)
+            elif type(event) is Reasoning:
+                self._flush(texts, out)
+                out.append(self.reasoning_chunk(event))
+        self._flush(texts, out)
+        return b"".join(out)
+
+    def _flush(self, texts: list[str], out: list[bytes]) -> None:
+        """A run of texts as one chunk, if they hold any; the run emptied."""
+        text = "".join(texts)
+        if text:
+            out.append(self.delta(text))
+        texts.clear()
+
     def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last chunk, the usage chunk if asked for, and [DONE]."""
         return self._chunk(self.delta_choice(None), reason) + self.end(
@@ -249,10 +290,16 @@ class Encoder:
         )
 
     def response(
-        self, text: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int
+        self,
+        text: str,
+        reason: FinishReason,
+        prompt_tokens: int,
+        completion_tokens: int,
+        reasoning: str = "",
     ) -> bytes:
         """A whole, non-streamed answer."""
-        choice = {"index": 0, **self.full_choice(text, None, []), "finish_reason": reason._value_}
+        full = self.full_choice(text, None, [], reasoning)
+        choice = {"index": 0, **full, "finish_reason": reason._value_}
         return self._body([choice], prompt_tokens, completion_tokens)
 
     def _body(self, choices: list[Any], prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -293,6 +340,10 @@ class Encoder:
                 opening = self._opened(event.index)
                 self._choices[event.index].tokens += event.tokens
                 out.append(opening + self.tool_chunk(event))
+            elif isinstance(event, Reasoning):
+                opening = self._opened(event.index)
+                self._choices[event.index].tokens += event.tokens
+                out.append(opening + self.reasoning_chunk(event))
             elif isinstance(event, Finished):
                 opening = self._opened(event.index)
                 choice = self._choices[event.index]
@@ -373,6 +424,8 @@ class Encoder:
                     calls[event.call_index] = [event.id, event.name, event.arguments]
                 else:
                     call.append(event.arguments)
+            elif isinstance(event, Reasoning):
+                self._choice(event.index).thoughts.append(event.text)
             elif isinstance(event, Finished):
                 self._choice(event.index).reason = event.reason
 
@@ -390,7 +443,8 @@ class Encoder:
                 for _, call in sorted(choice.calls.items())
             ]
             logprobs = self.logprobs_json(choice.logprobs) if self.logprobs else None
-            full = self.full_choice("".join(choice.pieces), logprobs, calls)
+            reasoning = "".join(choice.thoughts)
+            full = self.full_choice("".join(choice.pieces), logprobs, calls, reasoning)
             choices.append({"index": index, **full, "finish_reason": self._reason(choice.reason)})
         return self._body(choices, prompt_tokens, completion_tokens)
 
@@ -409,8 +463,12 @@ class ChatEncoder(Encoder):
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         return {"delta": {} if text is None else {"content": text}, "logprobs": None}
 
-    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def full_choice(
+        self, text: str, logprobs: Any, calls: list[dict[str, Any]], reasoning: str = ""
+    ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        if reasoning:  # vLLM's field (formerly `reasoning_content`)
+            message["reasoning"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {"message": message, "logprobs": logprobs}
@@ -448,6 +506,13 @@ class ChatEncoder(Encoder):
             call["function"] = {"arguments": event.arguments}
         return self._chunk({"delta": {"tool_calls": [call]}, "logprobs": None}, None, event.index)
 
+    def reasoning_chunk(self, event: Reasoning) -> bytes:
+        """vLLM's: the piece in the delta's `reasoning`."""
+        if not event.text:
+            return b""
+        delta = {"reasoning": event.text}
+        return self._chunk({"delta": delta, "logprobs": None}, None, event.index)
+
 
 class CompletionEncoder(Encoder):
     """/v1/completions (no tool calls: the route refuses tools there)."""
@@ -459,7 +524,9 @@ class CompletionEncoder(Encoder):
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         return {"text": text or "", "logprobs": None}
 
-    def full_choice(self, text: str, logprobs: Any, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def full_choice(
+        self, text: str, logprobs: Any, calls: list[dict[str, Any]], reasoning: str = ""
+    ) -> dict[str, Any]:
         return {"text": text, "logprobs": logprobs}
 
     def logprobs_json(self, logprobs: Sequence[Logprob]) -> Any:

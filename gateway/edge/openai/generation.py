@@ -31,7 +31,7 @@ from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Event, GenerateRequest, Text
+from gateway.protocol.types import Event, GenerateRequest, Reasoning, Text
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -246,13 +246,16 @@ class GenerationRoute(RequestRoute[Exchange]):
     ) -> None:
         timeout = self.config.request_timeout
         plain = encoder.plain
-        texts = []
+        texts: list[str] = []
+        thoughts: list[str] = []
         try:
             async with asyncio.timeout(timeout):
                 while record.finished is None:
                     batch = await pump.next_batch(timeout)
                     if plain:
                         texts.append(record.take(batch))
+                        if Reasoning in map(type, batch):
+                            thoughts += [e.text for e in batch if type(e) is Reasoning]
                     else:
                         record.take(batch)
                         encoder.add(batch)
@@ -261,7 +264,11 @@ class GenerationRoute(RequestRoute[Exchange]):
         if plain:
             reason = record.finished.reason
             body = encoder.response(
-                "".join(texts), reason, record.prompt_tokens, record.completion_tokens
+                "".join(texts),
+                reason,
+                record.prompt_tokens,
+                record.completion_tokens,
+                "".join(thoughts),
             )
         else:
             body = encoder.answer(record.prompt_tokens, record.completion_tokens)
@@ -307,7 +314,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         while True:
             if plain:
                 text = record.take(batch)
-                if text:
+                if Reasoning in map(type, batch):  # a reasoning model's: in the batch's order
+                    body += held.opening + encoder.deltas(batch)
+                    held.opening = b""
+                elif text:
                     body += held.opening + encoder.delta(text)
                     held.opening = b""
             else:

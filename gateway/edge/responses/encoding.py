@@ -252,9 +252,15 @@ class ResponsesEncoder(Encoder):
         return self._heading() + self._finish(prompt_tokens, completion_tokens, True)
 
     def response(
-        self, text: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int
+        self,
+        text: str,
+        reason: FinishReason,
+        prompt_tokens: int,
+        completion_tokens: int,
+        reasoning: str = "",
     ) -> bytes:
-        """The whole response object of a plain answer."""
+        """The whole response object of a plain answer (a reasoning model's reasoning
+        left out, as on the events path: its tokens count in the usage)."""
         self._finish_reason = reason
         self._message_id = new_id("msg")
         self._pieces = [text]

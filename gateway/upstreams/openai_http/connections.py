@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from gateway.protocol import errors
 from gateway.protocol.http1 import BAD_RESPONSE, Connection, Pool
-from gateway.protocol.types import Event, Started, Text
+from gateway.protocol.types import Event, Reasoning, Started, Text
 from gateway.upstreams.base import CANCELLED, HEAD_GRACE, CallEnd, StreamBookkeeping
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_response
@@ -261,7 +261,7 @@ class _RawCall(StreamBookkeeping):
             untexted = self._untexted
             if untexted:
                 for event in self._ready:
-                    if type(event) is Text:
+                    if type(event) is Text or type(event) is Reasoning:
                         untexted.discard(event.index)
             if self._stream.done:
                 self._end(None)  # [DONE]: the call is over; its last events wait to be read

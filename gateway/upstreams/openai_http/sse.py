@@ -32,6 +32,7 @@ from gateway.protocol.types import (
     Event,
     Finished,
     FinishReason,
+    Reasoning,
     Text,
     TokenLogprob,
     ToolCallDelta,
@@ -294,14 +295,17 @@ class _Stream:
             raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
         given = choice.get("logprobs")
         reason = choice.get("finish_reason")
+        thought = None
         if self._chat:
             delta = choice.get("delta") or {}
             text = delta.get("content")
             calls = delta.get("tool_calls")
+            if len(delta) > 1 or text is None:  # more than a text: reasoning, maybe
+                thought = delta.get("reasoning") or delta.get("reasoning_content")
         else:
             text = choice.get("text")
             calls = None
-        if not given and not calls and reason is None:
+        if not given and not calls and reason is None and not thought:
             # most choices: a text (its token), or nothing (vLLM's first, of the role)
             if not text:
                 return False
@@ -312,6 +316,11 @@ class _Stream:
         else:
             logprobs = _completion_logprobs(given) if given else None
         tokens = 1 if logprobs is None else len(logprobs)
+        if thought:  # before the text: a chunk that holds both ends the reasoning
+            if type(thought) is not str:
+                raise errors.Failed("The upstream sent a reasoning that is not a string.")
+            self._reasoning(thought, tokens, index)
+            tokens = 0
         if text or logprobs:
             self._text(text or "", tokens, index, logprobs)
             tokens = 0
@@ -353,6 +362,18 @@ class _Stream:
                     ready[-1] = Text(last.text + text, last.tokens + tokens, index, logprobs)
                     return
         ready.append(Text(text, tokens, index, logprobs))
+
+    def _reasoning(self, text: str, tokens: int, index: int) -> None:
+        """A piece of choice `index`'s reasoning, its tokens counted; merged into the
+        last event when that is the same choice's reasoning."""
+        self._counted[index] += tokens
+        ready = self.ready
+        if ready:
+            last = ready[-1]
+            if type(last) is Reasoning and last.index == index and len(last.text) < _MERGE_CHARS:
+                ready[-1] = Reasoning(last.text + text, last.tokens + tokens, index)
+                return
+        ready.append(Reasoning(text, tokens, index))
 
     def _tool_call(self, index: int, call: dict[str, Any], tokens: int) -> None:
         """A piece of a tool call of choice `index`, its tokens counted; merged into

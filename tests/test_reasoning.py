@@ -1,0 +1,162 @@
+"""A reasoning model's reasoning through an `upstream: openai` model: vLLM's server, run
+with `--reasoning-parser`, sends the text the model thinks before its answer apart from
+the answer (the delta's `reasoning`; `reasoning_content` before vLLM renamed it), and
+chat clients get it as vLLM's own server gives it: streamed in order before the answer's
+text, whole in the message's `reasoning`, its tokens in the usage. Read with the official
+openai SDK, from our small OpenAI-compatible server (tests/support/openai_server.py), over
+plain HTTP (the gateway's own connections) and over TLS (httpx).
+
+The Responses and Messages routes answer with the text alone (the reasoning's tokens
+counted in the usage): they do not show reasoning yet."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.certs import CertificateAuthority
+from tests.support.openai_server import OpenAIServer
+from tests.support.requests import user
+from tests.support.servers import Gateway
+from tests.support.waiting import HANG_GUARD
+
+MODEL = "thinker"
+THOUGHTS = ["The user ", "says hi; ", "I greet back."]
+
+
+@pytest.fixture(params=["http", "https"])
+def thinker(request, server_loop, tmp_path, gateway_with) -> Iterator[tuple[OpenAIServer, Gateway]]:
+    """The upstream, thinking before its reply, and a gateway in front of it."""
+    key = "sk-" + secrets.token_hex(8)
+    ca = CertificateAuthority(tmp_path, "upstream-ca") if request.param == "https" else None
+    cert = None if ca is None else ca.issue("upstream", ips=("127.0.0.1",))
+    server = OpenAIServer(MODEL, key, cert)
+    server.reasoning = list(THOUGHTS)
+    server_loop.call(server.start())
+    credentials = {} if ca is None else {"ca_file": ca.ca_file}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("THINKER_KEY", key)
+        model = ModelConfig(
+            MODEL,
+            workers=(server.url,),
+            upstream="openai",
+            api_key_env="THINKER_KEY",
+            **credentials,
+        )
+        gw = gateway_with(models=(model,))
+        yield server, gw
+    server_loop.call(server.stop())
+
+
+def sdk(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", timeout=HANG_GUARD)
+
+
+def said(chunks: list[Any]) -> list[tuple[str, str]]:
+    """What a stream's deltas say, in order, as (field, text), runs of a field joined."""
+    out: list[tuple[str, str]] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump(exclude_none=True)
+            for field in ("reasoning", "content"):
+                text = delta.get(field)
+                if not text:
+                    continue
+                if out and out[-1][0] == field:
+                    out[-1] = (field, out[-1][1] + text)
+                else:
+                    out.append((field, text))
+    return out
+
+
+def test_a_stream_carries_the_reasoning_before_the_answer(thinker):
+    _, gw = thinker
+    with sdk(gw) as client:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=user("hi"),
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(THOUGHTS)  # the upstream's count
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+
+
+def test_a_whole_answer_holds_its_reasoning_in_the_message(thinker):
+    _, gw = thinker
+    with sdk(gw) as client:
+        answer = client.chat.completions.create(model=MODEL, messages=user("hi"))
+    message = answer.choices[0].message
+    assert message.content == "hello"
+    assert message.model_dump()["reasoning"] == "".join(THOUGHTS)
+    assert answer.usage is not None and answer.usage.completion_tokens == len(THOUGHTS)
+
+
+def test_an_older_server_s_reasoning_content_is_read_and_sent_as_reasoning(thinker):
+    server, gw = thinker
+    server.reasoning_field = "reasoning_content"
+    with sdk(gw) as client:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
+        answer = client.chat.completions.create(model=MODEL, messages=user("hi"))
+    assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
+    assert answer.choices[0].message.model_dump()["reasoning"] == "".join(THOUGHTS)
+
+
+def test_an_answer_that_is_all_reasoning_is_sent_whole(thinker):
+    # cut before the model stopped thinking (its max_tokens): reasoning and no text
+    server, gw = thinker
+    server.reply = ""
+    with sdk(gw) as client:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
+        answer = client.chat.completions.create(model=MODEL, messages=user("hi"))
+    assert said(chunks) == [("reasoning", "".join(THOUGHTS))]
+    assert answer.choices[0].message.content == ""
+    assert answer.choices[0].message.model_dump()["reasoning"] == "".join(THOUGHTS)
+
+
+def test_other_shapes_of_chat_carry_it_too(thinker):
+    # with tools: not the one-choice plain path, but the events path
+    _, gw = thinker
+    with sdk(gw) as client:
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=user("hi"), tools=[_tool()], stream=True
+            )
+        )
+        whole = client.chat.completions.create(model=MODEL, messages=user("hi"), tools=[_tool()])
+    assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
+    assert whole.choices[0].message.model_dump()["reasoning"] == "".join(THOUGHTS)
+
+
+def _tool() -> Any:
+    parameters = {"type": "object", "properties": {}}
+    return {"type": "function", "function": {"name": "noop", "parameters": parameters}}
+
+
+def test_responses_and_messages_answer_with_the_text(thinker):
+    _, gw = thinker
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        responses = http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        messages = http.post(
+            "/v1/messages",
+            json={"model": MODEL, "max_tokens": 16, "messages": user("hi")},
+        )
+    assert responses.status_code == 200, responses.text
+    items = responses.json()["output"]
+    assert [i["type"] for i in items] == ["message"]
+    assert items[0]["content"][0]["text"] == "hello"
+    assert responses.json()["usage"]["output_tokens"] == len(THOUGHTS)
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"] == [{"type": "text", "text": "hello"}]
+    assert messages.json()["usage"]["output_tokens"] == len(THOUGHTS)
