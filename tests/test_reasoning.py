@@ -7,7 +7,12 @@ openai SDK, from our small OpenAI-compatible server (tests/support/openai_server
 plain HTTP (the gateway's own connections) and over TLS (httpx).
 
 The Responses and Messages routes answer with the text alone (the reasoning's tokens
-counted in the usage): they do not show reasoning yet."""
+counted in the usage): they do not show reasoning yet.
+
+vLLM's reasoning parameters (`reasoning_effort`, `include_reasoning`, `chat_template_kwargs`)
+are checked and sent on to such a model's servers; a model whose workers do not take them
+(the gateway's own workers, vLLM's gRPC server: the gateway renders the template) refuses
+them by name, as it refuses any feature its workers lack."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from gateway.config import ModelConfig
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.requests import user
-from tests.support.servers import Gateway
+from tests.support.servers import DEMO_MODEL, Gateway
 from tests.support.waiting import HANG_GUARD
 
 MODEL = "thinker"
@@ -31,7 +36,9 @@ THOUGHTS = ["The user ", "says hi; ", "I greet back."]
 
 
 @pytest.fixture(params=["http", "https"])
-def thinker(request, server_loop, tmp_path, gateway_with) -> Iterator[tuple[OpenAIServer, Gateway]]:
+def thinker(
+    request, server_loop, tmp_path, gateway_with, workers
+) -> Iterator[tuple[OpenAIServer, Gateway]]:
     """The upstream, thinking before its reply, and a gateway in front of it."""
     key = "sk-" + secrets.token_hex(8)
     ca = CertificateAuthority(tmp_path, "upstream-ca") if request.param == "https" else None
@@ -49,7 +56,8 @@ def thinker(request, server_loop, tmp_path, gateway_with) -> Iterator[tuple[Open
             api_key_env="THINKER_KEY",
             **credentials,
         )
-        gw = gateway_with(models=(model,))
+        demo = ModelConfig(DEMO_MODEL, workers=(workers.demo.address,))
+        gw = gateway_with(models=(model, demo))
         yield server, gw
     server_loop.call(server.stop())
 
@@ -160,3 +168,63 @@ def test_responses_and_messages_answer_with_the_text(thinker):
     assert messages.status_code == 200, messages.text
     assert messages.json()["content"] == [{"type": "text", "text": "hello"}]
     assert messages.json()["usage"]["output_tokens"] == len(THOUGHTS)
+
+
+def test_the_reasoning_parameters_reach_the_server(thinker):
+    server, gw = thinker
+    kwargs = {"enable_thinking": False, "budget": {"steps": [1, 2]}}
+    extra = {"include_reasoning": False, "chat_template_kwargs": kwargs}
+    with sdk(gw) as client:
+        client.chat.completions.create(
+            model=MODEL, messages=user("hi"), reasoning_effort="low", extra_body=extra
+        )
+    sent = server.last_body
+    assert sent["reasoning_effort"] == "low"
+    assert sent["include_reasoning"] is False
+    assert sent["chat_template_kwargs"] == kwargs
+    with sdk(gw) as client:
+        client.chat.completions.create(model=MODEL, messages=user("hi"))
+    assert not {"reasoning_effort", "include_reasoning", "chat_template_kwargs"} & set(
+        server.last_body
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("reasoning_effort", "extreme"),
+        ("reasoning_effort", 3),
+        ("include_reasoning", "no"),
+        ("chat_template_kwargs", ["enable_thinking"]),
+        ("chat_template_kwargs", {"text": "x" * 20_000}),
+    ],
+)
+def test_a_bad_reasoning_parameter_is_refused_by_name(thinker, field, value):
+    _, gw = thinker
+    body = {"model": MODEL, "messages": user("hi"), field: value}
+    response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("reasoning_effort", "high"),
+        ("include_reasoning", False),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+    ],
+)
+def test_workers_that_do_not_take_them_refuse_them_by_name(thinker, field, value):
+    _, gw = thinker
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        chat = {"model": DEMO_MODEL, "messages": user("hi"), field: value}
+        refused = http.post("/v1/chat/completions", json=chat)
+        completion = {"model": MODEL, "prompt": "hi", field: value}
+        not_a_chat = http.post("/v1/completions", json=completion)
+        plain = {"model": DEMO_MODEL, "messages": user("hi"), "include_reasoning": True}
+        served = http.post("/v1/chat/completions", json=plain)
+    for response in (refused, not_a_chat):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+    assert served.status_code == 200, served.text

@@ -29,6 +29,11 @@ LOGIT_BIAS = "logit_bias"
 STOP_TOKEN_IDS = "stop_token_ids"
 USER = "user"
 DIMENSIONS = "dimensions"
+#: vLLM's reasoning parameters: only OpenAI-compatible servers are sent them.
+REASONING_EFFORT = "reasoning_effort"
+INCLUDE_REASONING = "include_reasoning"
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
+REASONING = frozenset({REASONING_EFFORT, INCLUDE_REASONING, CHAT_TEMPLATE_KWARGS})
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -49,6 +54,7 @@ ALL = frozenset(
         USER,
         DIMENSIONS,
     }
+    | REASONING
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -60,13 +66,22 @@ FIRST_VERSION = frozenset({GENERATE})
 
 
 #: What `used` can find in a request: a model serving all of them serves any request.
-OF_REQUESTS = frozenset({N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING)
+OF_REQUESTS = frozenset({N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING | REASONING)
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
 _request_values = attrgetter(
-    "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user"
+    "n",
+    "logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "user",
+    "reasoning_effort",
+    "include_reasoning",
+    "chat_template_kwargs",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "")
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", "", True, "")
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -94,6 +109,12 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((RESPONSE_FORMAT, "response_format"))
         if request.user:
             found.append((USER, "user"))
+        if request.reasoning_effort:
+            found.append((REASONING_EFFORT, "reasoning_effort"))
+        if not request.include_reasoning:
+            found.append((INCLUDE_REASONING, "include_reasoning"))
+        if request.chat_template_kwargs:
+            found.append((CHAT_TEMPLATE_KWARGS, "chat_template_kwargs"))
     if _sampling_values(request.sampling) != _SAMPLING_UNUSED:
         s = request.sampling
         for name, value in (

@@ -141,6 +141,13 @@ class GenerateRequest:
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     user: str = ""
+    #: vLLM's reasoning parameters, which a reasoning model's chat template and its
+    #: server's reasoning parser read: how hard it thinks ("": the model's default),
+    #: whether its reasoning is sent, and the template's own arguments (a JSON object's
+    #: text; "": none), such as `enable_thinking`.
+    reasoning_effort: str = ""
+    include_reasoning: bool = True
+    chat_template_kwargs: str = ""
     #: The conversation this request continues, for session affinity only (never sent to a
     #: worker): the `x-session-id` header, or a route's own key (the Responses API's
     #: `previous_response_id`); "": none, and the fleet falls back to `user`.

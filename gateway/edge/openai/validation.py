@@ -51,6 +51,10 @@ MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_IMAGES = 64
 MAX_USER_CHARS = 256
+#: vLLM's `reasoning_effort` values (OpenAI's, and DeepSeek's "max").
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+#: The most JSON text `chat_template_kwargs` may take.
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Image references a worker may take: web URLs and inline data.
 _IMAGE_URL = re.compile(r"(https?://|data:image/)", re.I)
@@ -64,7 +68,6 @@ UNSERVED: dict[str, Any] = {
     "modalities": None,
     "prediction": None,
     "web_search_options": None,
-    "reasoning_effort": None,
     "guided_json": None,  # vLLM's older structured-output fields: use response_format
     "guided_regex": None,
     "guided_choice": None,
@@ -74,7 +77,6 @@ UNSERVED: dict[str, Any] = {
     "allowed_token_ids": None,
     "bad_words": None,
     "chat_template": None,
-    "chat_template_kwargs": None,
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "length_penalty": None,
@@ -635,12 +637,55 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return top or 0
 
 
+#: vLLM's reasoning parameters (`_reasoning`).
+_REASONING_FIELDS = ("reasoning_effort", "include_reasoning", "chat_template_kwargs")
 #: Completions' parameters, refused on chat where they ask for something.
 _CHAT_UNSERVED = {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False}
 #: Chat's parameters besides its messages and those `_common` reads.
 _CHAT_FIELDS = frozenset(
-    {"tools", "parallel_tool_calls", "logprobs", "top_logprobs", "tool_choice", "response_format"}
+    {
+        "tools",
+        "parallel_tool_calls",
+        "logprobs",
+        "top_logprobs",
+        "tool_choice",
+        "response_format",
+        *_REASONING_FIELDS,
+    }
 )
+
+
+def _reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's reasoning parameters, as `GenerateRequest` fields (those given alone)."""
+    fields: dict[str, Any] = {}
+    effort = _string(body, "reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid(
+                "reasoning_effort",
+                "Invalid value for 'reasoning_effort': expected one of "
+                f"{', '.join(REASONING_EFFORTS)}.",
+            )
+        fields["reasoning_effort"] = effort
+    if body.get("include_reasoning") is not None:
+        fields["include_reasoning"] = _flag(body, "include_reasoning")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise invalid(
+                "chat_template_kwargs",
+                "Invalid type for 'chat_template_kwargs': expected an object.",
+            )
+        text = orjson.dumps(kwargs)  # a body's JSON, read by orjson: it writes it back
+        if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise invalid(
+                "chat_template_kwargs",
+                f"Invalid value for 'chat_template_kwargs': at most {MAX_TEMPLATE_KWARGS_BYTES} "
+                "bytes of JSON.",
+            )
+        if kwargs:
+            fields["chat_template_kwargs"] = text.decode()
+    return fields
 
 
 def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
@@ -661,6 +706,7 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "tool_choice": _tool_choice(body, tools),
         "parallel_tool_calls": parallel if tools else None,
         "response_format": _response_format(body, schemas),
+        **_reasoning(body),
     }
     return _common(body, model, fields, request_id)
 
@@ -670,6 +716,9 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
 
 #: Chat's parameters and vLLM's, refused on completions where they ask for something.
 _COMPLETION_UNSERVED = {
+    "reasoning_effort": None,  # a chat template's: a completion has none
+    "chat_template_kwargs": None,
+    "include_reasoning": True,
     "tools": None,
     "tool_choice": None,
     "messages": None,

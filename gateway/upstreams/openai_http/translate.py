@@ -167,6 +167,12 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["response_format"] = _response_format(request.response_format)
     if request.user:
         body["user"] = request.user
+    if request.reasoning_effort:
+        body["reasoning_effort"] = request.reasoning_effort
+    if not request.include_reasoning:
+        body["include_reasoning"] = False
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)
     return body
 
 
