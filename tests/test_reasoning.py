@@ -6,8 +6,10 @@ text, whole in the message's `reasoning`, its tokens in the usage. Read with the
 openai SDK, from our small OpenAI-compatible server (tests/support/openai_server.py), over
 plain HTTP (the gateway's own connections) and over TLS (httpx).
 
-The Responses and Messages routes answer with the text alone (the reasoning's tokens
-counted in the usage): they do not show reasoning yet.
+The Responses API shows it as a `reasoning` item before the message, as vLLM's server does;
+the Messages route answers with the text alone (Anthropic's API shows thinking only when
+asked, which this gateway does not serve). An assistant turn's reasoning, sent back in a
+conversation, reaches the model's template.
 
 vLLM's reasoning parameters (`reasoning_effort`, `include_reasoning`, `chat_template_kwargs`)
 are checked and sent on to such a model's servers; a model whose workers do not take them
@@ -97,6 +99,9 @@ def test_a_stream_carries_the_reasoning_before_the_answer(thinker):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == len(THOUGHTS)  # the upstream's count
+    # of them, the reasoning's (here the chunks that held some), as vLLM's server says
+    details = chunks[-1].usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == len(THOUGHTS)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "stop"
 
@@ -109,6 +114,8 @@ def test_a_whole_answer_holds_its_reasoning_in_the_message(thinker):
     assert message.content == "hello"
     assert message.model_dump()["reasoning"] == "".join(THOUGHTS)
     assert answer.usage is not None and answer.usage.completion_tokens == len(THOUGHTS)
+    details = answer.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == len(THOUGHTS)
 
 
 def test_an_older_server_s_reasoning_content_is_read_and_sent_as_reasoning(thinker):
@@ -152,22 +159,102 @@ def _tool() -> Any:
     return {"type": "function", "function": {"name": "noop", "parameters": parameters}}
 
 
-def test_responses_and_messages_answer_with_the_text(thinker):
+def test_responses_show_it_as_a_reasoning_item_before_the_message(thinker):
+    _, gw = thinker
+    thought = "".join(THOUGHTS)
+    with sdk(gw) as client:
+        whole = client.responses.create(model=MODEL, input="hi")
+        with client.responses.stream(model=MODEL, input="hi") as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        reasoning = response.output[0]
+        assert reasoning.content is not None and reasoning.content[0].text == thought
+        assert reasoning.summary == [] and reasoning.status == "completed"
+        assert response.output_text == "hello"
+        assert response.usage is not None and response.usage.output_tokens == len(THOUGHTS)
+        assert response.usage.output_tokens_details.reasoning_tokens == len(THOUGHTS)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_conversation_gives_the_reasoning_back_to_the_model(thinker):
+    # stored (previous_response_id), or sent back as items: the assistant turn's reasoning
+    # goes with it, as vLLM's templates of models that think between turns read it
+    server, gw = thinker
+    thought = "".join(THOUGHTS)
+    with sdk(gw) as client:
+        first = client.responses.create(model=MODEL, input="hi")
+        client.responses.create(model=MODEL, input="and?", previous_response_id=first.id)
+        stored = server.last_body["messages"]
+        items = [item.model_dump(exclude_none=True) for item in first.output]
+        turns = [{"role": "user", "content": "hi"}, *items, {"role": "user", "content": "and?"}]
+        client.responses.create(model=MODEL, input=turns)  # type: ignore[arg-type]
+        sent = server.last_body["messages"]
+    for messages in (stored, sent):
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[1]["reasoning"] == thought and messages[1]["content"] == "hello"
+
+
+def test_responses_reasoning_effort_reaches_the_server(thinker):
+    server, gw = thinker
+    with sdk(gw) as client:
+        response = client.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
+    assert server.last_body["reasoning_effort"] == "high"
+    assert response.reasoning is not None and response.reasoning.effort == "high"
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        summary = {"model": MODEL, "input": "hi", "reasoning": {"summary": "auto"}}
+        demo = {"model": DEMO_MODEL, "input": "hi", "reasoning": {"effort": "low"}}
+        bad = {"model": MODEL, "input": "hi", "reasoning": {"effort": "extreme"}}
+        item = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
+        encrypted = {"model": MODEL, "input": [item, {"role": "user", "content": "hi"}]}
+        for body, param in [
+            (summary, "reasoning.summary"),
+            (demo, "reasoning_effort"),
+            (bad, "reasoning.effort"),
+            (encrypted, "input[0].encrypted_content"),
+        ]:
+            refused = http.post("/v1/responses", json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == param
+
+
+def test_messages_answer_with_the_text(thinker):
+    # Anthropic's API shows thinking only when asked for it, which this gateway does not
+    # serve: the text alone, the reasoning's tokens in the usage
     _, gw = thinker
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
-        responses = http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
         messages = http.post(
             "/v1/messages",
             json={"model": MODEL, "max_tokens": 16, "messages": user("hi")},
         )
-    assert responses.status_code == 200, responses.text
-    items = responses.json()["output"]
-    assert [i["type"] for i in items] == ["message"]
-    assert items[0]["content"][0]["text"] == "hello"
-    assert responses.json()["usage"]["output_tokens"] == len(THOUGHTS)
     assert messages.status_code == 200, messages.text
     assert messages.json()["content"] == [{"type": "text", "text": "hello"}]
     assert messages.json()["usage"]["output_tokens"] == len(THOUGHTS)
+
+
+def test_a_chat_gives_an_assistant_s_reasoning_back_to_the_model(thinker):
+    server, gw = thinker
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning": "greet"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "so", "reasoning_content": "older name"},
+        {"role": "user", "content": "ok"},
+    ]
+    with sdk(gw) as client:
+        client.chat.completions.create(model=MODEL, messages=history)  # type: ignore[arg-type]
+    sent = server.last_body["messages"]
+    assert [m.get("reasoning") for m in sent] == [None, "greet", None, "older name", None]
+    history[1]["reasoning"] = 7
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "messages[1].reasoning"
 
 
 def test_the_reasoning_parameters_reach_the_server(thinker):

@@ -38,7 +38,9 @@ def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[st
     parts when the message holds images: the client's parts in their order when
     it sent them (`parts`), else images first, then the text.
     Tool calls' arguments stay JSON text (OpenAI's shape) unless
-    `parsed_arguments`, which chat templates such as Qwen's and Hermes' want."""
+    `parsed_arguments`, which chat templates such as Qwen's and Hermes' want; an
+    assistant's reasoning is `reasoning` (vLLM's), and for them `reasoning_content` too,
+    as vLLM hands it to a template."""
     content: Any = message.content
     if message.parts:
         content = [part_dict(part) for part in message.parts]
@@ -63,6 +65,10 @@ def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[st
         out["tool_call_id"] = message.tool_call_id
     if message.name:
         out["name"] = message.name
+    if message.reasoning:
+        out["reasoning"] = message.reasoning
+        if parsed_arguments:  # for a template: also by the name Qwen's templates read
+            out["reasoning_content"] = message.reasoning
     return out
 
 

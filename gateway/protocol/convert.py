@@ -59,6 +59,7 @@ def _message_to_proto(m: Message) -> pb.ChatMessage:
             pb.ContentPart(type=p.type, text=p.text, image_url=p.url, detail=p.detail)
             for p in m.parts
         ],
+        reasoning=m.reasoning,
     )
 
 
@@ -71,6 +72,7 @@ def _message_from_proto(m: pb.ChatMessage) -> Message:
         m.tool_call_id,
         m.name,
         tuple(ContentPart(p.type, p.text, p.image_url, p.detail) for p in m.parts),
+        m.reasoning,
     )
 
 

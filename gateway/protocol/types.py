@@ -77,6 +77,9 @@ class Message:
     tool_call_id: str = ""
     name: str = ""
     parts: tuple[ContentPart, ...] = ()
+    #: An assistant message's reasoning, sent back by the client (vLLM's `reasoning`):
+    #: the chat templates of models that think between tool calls render it.
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)

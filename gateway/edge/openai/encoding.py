@@ -61,12 +61,17 @@ def sse(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; with the reasoning's tokens among the completion's, where there
+    were any, as vLLM's server counts them with a reasoning parser."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class _Template(NamedTuple):
@@ -157,6 +162,7 @@ class Encoder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage and include_usage
         self._prompt_tokens = 0  # the worker's `Started` says it (continuous usage)
+        self.reasoning_tokens = 0  # of the answer's tokens, its reasoning's
         self.logprobs = logprobs
         self.echo = echo or ""
         self.plain = (
@@ -295,17 +301,18 @@ class Encoder:
         reason: FinishReason,
         prompt_tokens: int,
         completion_tokens: int,
-        reasoning: str = "",
+        reasoning: Sequence[Reasoning] = (),
     ) -> bytes:
-        """A whole, non-streamed answer."""
-        full = self.full_choice(text, None, [], reasoning)
+        """A whole, non-streamed answer (with its reasoning's pieces, if any)."""
+        self.reasoning_tokens += sum(piece.tokens for piece in reasoning)
+        full = self.full_choice(text, None, [], "".join(piece.text for piece in reasoning))
         choice = {"index": 0, **full, "finish_reason": reason._value_}
         return self._body([choice], prompt_tokens, completion_tokens)
 
     def _body(self, choices: list[Any], prompt_tokens: int, completion_tokens: int) -> bytes:
         body = self._head_of(self.object_full)
         body["choices"] = choices
-        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        body["usage"] = _usage(prompt_tokens, completion_tokens, self.reasoning_tokens)
         return orjson.dumps(body)
 
     # Every other answer: events choice by choice.
@@ -406,7 +413,7 @@ class Encoder:
         """The usage chunk if asked for (tokens summed over the choices), and [DONE]."""
         if not self.include_usage:
             return DONE
-        usage = orjson.dumps(_usage(prompt_tokens, completion_tokens))
+        usage = orjson.dumps(_usage(prompt_tokens, completion_tokens, self.reasoning_tokens))
         return self._start + b'[],"usage":' + usage + _END + DONE
 
     def add(self, batch: list[Event]) -> None:
@@ -426,6 +433,7 @@ class Encoder:
                     call.append(event.arguments)
             elif isinstance(event, Reasoning):
                 self._choice(event.index).thoughts.append(event.text)
+                self.reasoning_tokens += event.tokens
             elif isinstance(event, Finished):
                 self._choice(event.index).reason = event.reason
 
@@ -508,6 +516,7 @@ class ChatEncoder(Encoder):
 
     def reasoning_chunk(self, event: Reasoning) -> bytes:
         """vLLM's: the piece in the delta's `reasoning`."""
+        self.reasoning_tokens += event.tokens
         if not event.text:
             return b""
         delta = {"reasoning": event.text}

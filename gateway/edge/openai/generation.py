@@ -247,7 +247,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         timeout = self.config.request_timeout
         plain = encoder.plain
         texts: list[str] = []
-        thoughts: list[str] = []
+        thoughts: list[Reasoning] = []
         try:
             async with asyncio.timeout(timeout):
                 while record.finished is None:
@@ -255,7 +255,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                     if plain:
                         texts.append(record.take(batch))
                         if Reasoning in map(type, batch):
-                            thoughts += [e.text for e in batch if type(e) is Reasoning]
+                            thoughts += [e for e in batch if type(e) is Reasoning]
                     else:
                         record.take(batch)
                         encoder.add(batch)
@@ -268,7 +268,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                 reason,
                 record.prompt_tokens,
                 record.completion_tokens,
-                "".join(thoughts),
+                thoughts,
             )
         else:
             body = encoder.answer(record.prompt_tokens, record.completion_tokens)

@@ -509,10 +509,26 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
                 raise invalid(f"messages[{i}].tool_call_id", "A tool message needs 'tool_call_id'.")
         if "name" in message:
             name = _string(message, "name", f"messages[{i}].") or ""
-        parsed.append(Message(role, text, pictures, calls, call_id, name, parts))
+        reasoning = ""
+        if role == "assistant" and not _REASONING_KEYS.isdisjoint(message):
+            reasoning = _message_reasoning(message, f"messages[{i}].")
+        parsed.append(Message(role, text, pictures, calls, call_id, name, parts, reasoning))
     if tool_use:
         _check_tool_answers(parsed)
     return tuple(parsed)
+
+
+#: An assistant message's reasoning: vLLM's name, and the name it had before.
+_REASONING_KEYS = frozenset({"reasoning", "reasoning_content"})
+
+
+def _message_reasoning(message: Mapping[str, Any], where: str) -> str:
+    """An assistant message's reasoning, under vLLM's name or its former one."""
+    for name in ("reasoning", "reasoning_content"):
+        value = _string(message, name, where)
+        if value:
+            return value
+    return ""
 
 
 def _check_tool_answers(messages: list[Message]) -> None:

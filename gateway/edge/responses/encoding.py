@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -26,7 +27,7 @@ import orjson
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import Encoder
 from gateway.edge.responses.params import ResponsesBody, new_id
-from gateway.protocol.types import Event, Finished, FinishReason, Text, ToolCallDelta
+from gateway.protocol.types import Event, Finished, FinishReason, Reasoning, Text, ToolCallDelta
 
 _SECRET = secrets.token_hex(8)
 _SEQ = "\x00seq-" + _SECRET
@@ -41,13 +42,13 @@ def event(kind: str, fields: dict[str, Any]) -> bytes:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The response's `usage`, in OpenAI's shape (no cache or reasoning counts here)."""
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The response's `usage`, in OpenAI's shape (no cache counts here)."""
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -75,6 +76,31 @@ class _Call:
         }
 
 
+class _Thought:
+    """A reasoning item of the answer, as its pieces come."""
+
+    __slots__ = ("id", "output_index", "pieces")
+
+    def __init__(self, output_index: int) -> None:
+        self.id = new_id("rs")
+        self.output_index = output_index
+        self.pieces: list[str] = []
+
+    def item(self, status: str) -> dict[str, Any]:
+        """vLLM's reasoning item: the text whole, as one `reasoning_text` part."""
+        return {
+            "type": "reasoning",
+            "id": self.id,
+            "summary": [],
+            "content": [_reasoning_part("".join(self.pieces))],
+            "status": status,
+        }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 class ResponsesEncoder(Encoder):
     """One response: its stream's events, or the whole object, from the worker's events.
 
@@ -99,6 +125,8 @@ class ResponsesEncoder(Encoder):
         self._pieces: list[str] = []
         self._calls: dict[int, _Call] = {}
         self._open_call: _Call | None = None
+        self._thought: _Thought | None = None  # the open reasoning item
+        self.reasoning_tokens = 0
         self._finish_reason: FinishReason | None = None
         #: The response object once the answer is over (or failed).
         self.final: dict[str, Any] | None = None
@@ -125,7 +153,9 @@ class ResponsesEncoder(Encoder):
             "model": self.model,
             "output": list(self.output),
             **self.body.echo,
-            "usage": None if prompt_tokens is None else usage(prompt_tokens, completion_tokens),
+            "usage": None
+            if prompt_tokens is None
+            else usage(prompt_tokens, completion_tokens, self.reasoning_tokens),
         }
 
     def _open_message(self) -> bytes:
@@ -205,6 +235,65 @@ class ResponsesEncoder(Encoder):
             "response.output_item.done", {"output_index": call.output_index, "item": item}
         )
 
+    def _think(self, text: str, tokens: int, stream: bool) -> bytes:
+        """A piece of reasoning: in the open reasoning item, or one opened for it
+        (closing the message or the call before it)."""
+        self.reasoning_tokens += tokens
+        if not text:
+            return b""
+        out = b""
+        thought = self._thought
+        if thought is None:
+            out = self._close_message("completed", stream) + self._close_call("completed", stream)
+            thought = self._thought = _Thought(len(self.output))
+            if stream:
+                added = {
+                    "type": "reasoning",
+                    "id": thought.id,
+                    "summary": [],
+                    "status": "in_progress",
+                }
+                where = {"item_id": thought.id, "output_index": thought.output_index}
+                out += self._event(
+                    "response.output_item.added",
+                    {"output_index": thought.output_index, "item": added},
+                ) + self._event(
+                    "response.content_part.added",
+                    {**where, "content_index": 0, "part": _reasoning_part("")},
+                )
+        thought.pieces.append(text)
+        if not stream:
+            return out
+        return out + self._event(
+            "response.reasoning_text.delta",
+            {
+                "item_id": thought.id,
+                "output_index": thought.output_index,
+                "content_index": 0,
+                "delta": text,
+            },
+        )
+
+    def _close_thought(self, status: str, stream: bool = True) -> bytes:
+        """The open reasoning item's closing events (none open: nothing)."""
+        thought = self._thought
+        if thought is None:
+            return b""
+        self._thought = None
+        item = thought.item(status)
+        self.output.append(item)
+        if not stream:
+            return b""
+        where = {"item_id": thought.id, "output_index": thought.output_index, "content_index": 0}
+        part = item["content"][0]
+        return (
+            self._event("response.reasoning_text.done", {**where, "text": part["text"]})
+            + self._event("response.content_part.done", {**where, "part": part})
+            + self._event(
+                "response.output_item.done", {"output_index": thought.output_index, "item": item}
+            )
+        )
+
     def _heading(self) -> bytes:
         """`response.created` and `response.in_progress`, once."""
         if self.seq:
@@ -220,7 +309,11 @@ class ResponsesEncoder(Encoder):
     def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
         status = self._status()
         item_status = "incomplete" if status == "incomplete" else "completed"
-        out = self._close_message(item_status, stream) + self._close_call(item_status, stream)
+        out = (
+            self._close_thought(item_status, stream)
+            + self._close_message(item_status, stream)
+            + self._close_call(item_status, stream)
+        )
         self.final = self._object(status, prompt_tokens, completion_tokens)
         if not stream:
             return b""
@@ -230,26 +323,39 @@ class ResponsesEncoder(Encoder):
     # -- the plain path: one message of text ----------------------------------------
 
     def opening(self) -> bytes:
-        """The stream's head and the message's opening, before its first text."""
-        return self._heading() + self._open_message()
+        """The stream's head, before its first text (or reasoning)."""
+        return self._heading()
 
     def delta(self, text: str) -> bytes:
-        """A `response.output_text.delta` carrying `text`."""
+        """A `response.output_text.delta` carrying `text`, after the message's opening
+        where none is open (closing the reasoning before it)."""
+        opening = b""
+        if not self._message_id:
+            opening = self._close_thought("completed") + self._open_message()
         self._pieces.append(text)
         seq = self.seq
         self.seq += 1
         return (
-            self._delta_head
+            opening
+            + self._delta_head
             + str(seq).encode()
             + self._delta_between
             + orjson.dumps(text)
             + self._delta_tail
         )
 
+    def reasoning_chunk(self, event: Reasoning) -> bytes:
+        """A `response.reasoning_text.delta` carrying a piece of reasoning."""
+        return self._think(event.text, event.tokens, True)
+
     def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
-        """The message's closing events and the response's last event."""
+        """The open item's closing events and the response's last event: an answer
+        with neither text nor reasoning still has its (empty) message."""
         self._finish_reason = reason
-        return self._heading() + self._finish(prompt_tokens, completion_tokens, True)
+        opening = b""
+        if not self._message_id and self._thought is None and not self.output:
+            opening = self._open_message()
+        return self._heading() + opening + self._finish(prompt_tokens, completion_tokens, True)
 
     def response(
         self,
@@ -257,13 +363,18 @@ class ResponsesEncoder(Encoder):
         reason: FinishReason,
         prompt_tokens: int,
         completion_tokens: int,
-        reasoning: str = "",
+        reasoning: Sequence[Reasoning] = (),
     ) -> bytes:
-        """The whole response object of a plain answer (a reasoning model's reasoning
-        left out, as on the events path: its tokens count in the usage)."""
+        """The whole response object of a plain answer: its reasoning item, if any,
+        then its message (left out where reasoning was all it said)."""
         self._finish_reason = reason
-        self._message_id = new_id("msg")
-        self._pieces = [text]
+        for piece in reasoning:
+            self._think(piece.text, piece.tokens, False)
+        if text or not reasoning:
+            self._close_thought("completed", False)
+            self._message_id = new_id("msg")
+            self._message_index = len(self.output)
+            self._pieces = [text]
         self._finish(prompt_tokens, completion_tokens, False)
         return orjson.dumps(self.final)
 
@@ -277,12 +388,15 @@ class ResponsesEncoder(Encoder):
                     continue
                 if not self._message_id:
                     out.append(self._close_call("completed", stream))
+                    out.append(self._close_thought("completed", stream))
                     opening = self._open_message()
                     if stream:
                         out.append(opening)
                 out.append(self.delta(item.text) if stream else b"")
                 if not stream:
                     self._pieces.append(item.text)
+            elif isinstance(item, Reasoning):
+                out.append(self._think(item.text, item.tokens, stream))
             elif isinstance(item, ToolCallDelta):
                 out.append(self._call_piece(item, stream))
             elif isinstance(item, Finished):
@@ -293,7 +407,11 @@ class ResponsesEncoder(Encoder):
         out = b""
         call = self._calls.get(piece.call_index)
         if call is None:
-            out = self._close_message("completed", stream) + self._close_call("completed", stream)
+            out = (
+                self._close_thought("completed", stream)
+                + self._close_message("completed", stream)
+                + self._close_call("completed", stream)
+            )
             index = len(self.output)
             call_id = piece.id or new_id("call")
             call = self._calls[piece.call_index] = _Call(call_id, piece.name, index)
@@ -336,7 +454,12 @@ class ResponsesEncoder(Encoder):
         """After the stream began, the worker failed: an `error` event, then
         `response.failed` with what was said so far (the head first, if it has not gone
         out)."""
-        out = self._heading() + self._close_message("incomplete") + self._close_call("incomplete")
+        out = (
+            self._heading()
+            + self._close_thought("incomplete")
+            + self._close_message("incomplete")
+            + self._close_call("incomplete")
+        )
         failed = self._object("failed")
         failed["error"] = {"code": error.code or error.type, "message": error.message}
         self.final = failed

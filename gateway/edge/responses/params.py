@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -35,6 +35,7 @@ from gateway.edge.openai.validation import (
     _NAME,
     MAX_IMAGES,
     MAX_TOOLS,
+    REASONING_EFFORTS,
     SERVICE_TIERS,
     UINT32_MAX,
     _flag,
@@ -75,7 +76,6 @@ UNSERVED: dict[str, Any] = {
     "background": False,
     "conversation": None,
     "prompt": None,
-    "reasoning": None,
     "max_tool_calls": None,
     "safety_identifier": None,
     "prompt_cache_retention": None,
@@ -105,6 +105,7 @@ class ResponsesBody:
     user: str
     session: str
     echo: dict[str, Any]
+    reasoning_effort: str = ""
 
 
 def new_id(prefix: str) -> str:
@@ -231,6 +232,43 @@ def _function_output(item: Mapping[str, Any], where: str, images: list[int]) -> 
     }
 
 
+def _texts(value: Any, where: str, kind: str) -> list[str]:
+    """The texts of a list of `{"type": kind, "text": ...}` parts (None: no parts)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid(where, f"Invalid type for '{where}': expected a list of parts.")
+    texts = []
+    for j, part in enumerate(value):
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if not isinstance(text, str) or part.get("type") != kind:
+            raise invalid(
+                f"{where}[{j}]", f'Invalid part: expected {{"type": "{kind}", "text": ...}}.'
+            )
+        texts.append(text)
+    return texts
+
+
+def _reasoning_item(item: Mapping[str, Any], where: str) -> Item:
+    """A reasoning item an agent sends back with an answer's other output items: kept,
+    and its text given to the assistant turn after it (`messages_of`). OpenAI's
+    encrypted reasoning means nothing to these models: refused."""
+    if item.get("encrypted_content") is not None:
+        raise invalid(
+            f"{where}.encrypted_content",
+            "Encrypted reasoning (OpenAI's) is not supported by this gateway.",
+        )
+    summary = _texts(item.get("summary"), f"{where}.summary", "summary_text")
+    content = _texts(item.get("content"), f"{where}.content", "reasoning_text")
+    return {
+        "type": "reasoning",
+        "id": _item_id(item, where, "rs"),
+        "summary": [{"type": "summary_text", "text": t} for t in summary],
+        "content": [{"type": "reasoning_text", "text": t} for t in content],
+        "status": "completed",
+    }
+
+
 def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
     value = body.get("input")
     if isinstance(value, str):
@@ -251,12 +289,14 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
             items.append(_function_call(item, where))
         elif kind == "function_call_output":
             items.append(_function_output(item, where, images))
+        elif kind == "reasoning":
+            items.append(_reasoning_item(item, where))
         else:
             shown = repr(kind[:40]) if isinstance(kind, str) else "this type"
             raise invalid(
                 f"{where}.type",
                 f"Input items of type {shown} are not supported: only 'message', "
-                "'function_call' and 'function_call_output'.",
+                "'function_call', 'function_call_output' and 'reasoning'.",
             )
         if items[-1]["id"] in seen:  # the store's pages are read `after` an id
             raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in 'input'.")
@@ -275,6 +315,7 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
     order; function calls join the assistant message just before them (or make one);
     a function's output is a `tool` message."""
     messages: list[Message] = []
+    thought = ""  # a reasoning item's text, for the assistant turn after it
     for item in items:
         kind = item["type"]
         if kind == "message":
@@ -282,20 +323,24 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             images = tuple(p.url for p in parts if p.type == "image_url")
             text = "".join(p.text for p in parts)
             # the parts as they came (order, detail) where an image is among them, as chat's
-            messages.append(
-                Message(item["role"], text, images, parts=tuple(parts) if images else ())
-            )
+            shown = tuple(parts) if images else ()
+            role = item["role"]
+            reasoning = thought if role == "assistant" else ""
+            messages.append(Message(role, text, images, parts=shown, reasoning=reasoning))
+            thought = ""
         elif kind == "function_call":
             call = ToolCall(item["call_id"], item["name"], item["arguments"])
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":
-                messages[-1] = Message(
-                    "assistant", last.content, last.images, (*last.tool_calls, call)
-                )
+            if last is not None and last.role == "assistant" and not thought:
+                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
             else:
-                messages.append(Message("assistant", "", (), (call,)))
+                messages.append(Message("assistant", "", (), (call,), reasoning=thought))
+            thought = ""
         elif kind == "function_call_output":
             messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
+            thought = ""
+        elif kind == "reasoning":
+            thought += "".join(part["text"] for part in item["content"])
     return tuple(messages)
 
 
@@ -498,6 +543,7 @@ def parse(body: Any) -> ResponsesBody:
     user = _user(body)
     previous = _id(body, "previous_response_id")
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
+    effort = _reasoning(body)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
@@ -513,7 +559,7 @@ def parse(body: Any) -> ResponsesBody:
         "user": user or None,
         "store": store is not False,
         "background": False,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": effort or None, "summary": None},
         "service_tier": "default",
     }
     return ResponsesBody(
@@ -531,7 +577,30 @@ def parse(body: Any) -> ResponsesBody:
         user=user,
         session=session,
         echo=echo,
+        reasoning_effort=effort,
     )
+
+
+def _reasoning(body: Mapping[str, Any]) -> str:
+    """`reasoning`'s `effort` ("": none given); its summaries are not served."""
+    value = body.get("reasoning")
+    if value is None:
+        return ""
+    if not isinstance(value, Mapping):
+        raise invalid("reasoning", "Invalid type for 'reasoning': expected an object.")
+    for name in ("summary", "generate_summary"):
+        if value.get(name) is not None:
+            raise invalid(
+                f"reasoning.{name}", f"'reasoning.{name}' is not supported by this gateway."
+            )
+    effort = _string(value, "effort", "reasoning.")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise invalid(
+            "reasoning.effort",
+            "Invalid value for 'reasoning.effort': expected one of "
+            f"{', '.join(REASONING_EFFORTS)}.",
+        )
+    return effort or ""
 
 
 def generate_request(
@@ -554,4 +623,5 @@ def generate_request(
         response_format=body.response_format,
         user=body.user,
         session=session,
+        reasoning_effort=body.reasoning_effort,
     )
