@@ -19,6 +19,8 @@ SENTENCES = [
     "café, naïve, 日本語, emoji 🔥 too",
 ]
 SPECIALS = ["<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+#: A thinking model's markers (`build_tiny_model(thinking=True)`), after the others.
+THINKING = ["<think>", "</think>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'tool' %}{{ raise_exception('This model knows no tools.') }}{% endif %}"
@@ -63,9 +65,13 @@ def _byte_chars() -> dict[int, str]:
     return {byte: chr(code) for byte, code in chars.items()}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(thinking: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on a few sentences (any text round-trips), its ids
-    reordered so the bytes of FIRST come first and the special tokens last."""
+    reordered so the bytes of FIRST come first and the special tokens last. `thinking`:
+    with `<think>` and `</think>` last (added tokens, not special ones, as DeepSeek-R1's),
+    and a template whose answer begins in thought (DeepSeek-R1's way), for vLLM's
+    `deepseek_r1` reasoning parser."""
+    specials = [*SPECIALS, *THINKING] if thinking else SPECIALS
     trainer = trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
@@ -77,26 +83,36 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     first = [byte_chars[b] for b in FIRST.encode()]
     merged = sorted((t for t in bpe["vocab"] if len(t) > 1), key=bpe["vocab"].get)
     rest = [c for c in byte_chars.values() if c not in first]
-    vocab = {token: i for i, token in enumerate([*first, *rest, *merged, *SPECIALS])}
+    vocab = {token: i for i, token in enumerate([*first, *rest, *merged, *specials])}
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in bpe["merges"]]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIALS)
+    if thinking:  # added, not special, as DeepSeek-R1's: their text stays in the output
+        tokenizer.add_tokens(THINKING)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|end|>"
     )
     fast.chat_template = CHAT_TEMPLATE
+    if thinking:
+        fast.chat_template = CHAT_TEMPLATE.replace("<|assistant|>{%", "<|assistant|><think>{%")
     return fast
 
 
 def build_tiny_model(
-    path: Path, *, ordered: bool = False, for_vllm: bool = False, size: tuple[int, int] = (256, 2)
+    path: Path,
+    *,
+    ordered: bool = False,
+    for_vllm: bool = False,
+    size: tuple[int, int] = (256, 2),
+    thinking: bool = False,
 ) -> Path:
     """Saves a Llama (random weights) and the tokenizer to `path`: 2 layers of hidden size
     32, or, `for_vllm`, the shapes vLLM's CPU kernels take (head size 64, bfloat16) at
-    `size` (hidden size, layers; a benchmark wants a prefill that costs something)."""
-    tokenizer = build_tokenizer()
+    `size` (hidden size, layers; a benchmark wants a prefill that costs something);
+    `thinking`: the tokenizer's (`build_tokenizer`)."""
+    tokenizer = build_tokenizer(thinking)
     torch.manual_seed(0)
     hidden, layers = size if for_vllm else (32, 2)
     heads = max(4, hidden // 64) if for_vllm else 4

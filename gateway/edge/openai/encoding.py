@@ -474,7 +474,9 @@ class ChatEncoder(Encoder):
     def full_choice(
         self, text: str, logprobs: Any, calls: list[dict[str, Any]], reasoning: str = ""
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        # no text: null beside calls or reasoning, as vLLM's server says it
+        content = text or (None if calls or reasoning else "")
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:  # vLLM's field (formerly `reasoning_content`)
             message["reasoning"] = reasoning
         if calls:

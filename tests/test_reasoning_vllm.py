@@ -1,0 +1,133 @@
+"""A reasoning model's answer through the gateway against vLLM's own OpenAI server run
+with `--reasoning-parser deepseek_r1` (its CPU build; the tiny model with `<think>` and
+`</think>` in its vocabulary and a template whose answer begins in thought, as
+DeepSeek-R1's): what the gateway relays is what vLLM says directly, streamed and whole,
+reasoning and text alike, each in its field and order; and `include_reasoning: false`
+reaches vLLM, which then sends the text alone. Greedy, so both answers are the same
+tokens. After each test nothing is left in the gateway or in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.config import Config, ModelConfig
+from tests.support.conformance import vllm_metric
+from tests.support.requests import user
+from tests.support.servers import Gateway, assert_nothing_left, start_gateway
+from tests.support.tiny_model import THINKING, build_tiny_model
+from tests.support.vllm import VllmProcess, start_http_server
+from tests.support.waiting import HANG_GUARD, wait_until
+
+MODEL = "tiny-thinker"
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("thinker"), for_vllm=True, thinking=True)
+
+
+@pytest.fixture(scope="module")
+def thinker(thinking_model: Path) -> Iterator[VllmProcess]:
+    extra = ("--reasoning-parser", "deepseek_r1")
+    server = start_http_server(thinking_model, thinking_model, name=MODEL, extra=extra)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(server_loop, thinker: VllmProcess) -> Iterator[Gateway]:
+    url = f"http://127.0.0.1:{thinker.port}/v1"
+    model = ModelConfig(MODEL, workers=(url,), upstream="openai")
+    config = Config(host="127.0.0.1", port=0, log_level="warning", models=(model,))
+    gw = start_gateway(server_loop, config)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def clients(front: Gateway, thinker: VllmProcess) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    """The SDK through the gateway and straight to vLLM; after the test, nothing left."""
+    with (
+        openai.OpenAI(base_url=front.url + "/v1", api_key="x", timeout=HANG_GUARD) as through,
+        openai.OpenAI(
+            base_url=f"http://127.0.0.1:{thinker.port}/v1", api_key="x", timeout=HANG_GUARD
+        ) as direct,
+    ):
+        yield through, direct
+    assert_nothing_left(front, None)
+    running = lambda: vllm_metric(thinker.port, "vllm:num_requests_running")  # noqa: E731
+    wait_until(lambda: running() == 0, "vLLM to be idle")
+
+
+def said(chunks: list[Any]) -> list[tuple[str, str]]:
+    """A stream's deltas, in order, as (field, text), runs of a field joined."""
+    out: list[tuple[str, str]] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump(exclude_none=True)
+            for field in ("reasoning", "content"):
+                text = delta.get(field)
+                if text and out and out[-1][0] == field:
+                    out[-1] = (field, out[-1][1] + text)
+                elif text:
+                    out.append((field, text))
+    return out
+
+
+def whole(answer: Any) -> tuple[str | None, str | None]:
+    """A whole answer's reasoning and text, empty as None: the gateway reads an answer
+    from vLLM's stream, where an empty reasoning says nothing, and vLLM's own whole answer
+    may say `""` for it."""
+    message = answer.choices[0].message.model_dump()
+    return message.get("reasoning") or None, message["content"] or None
+
+
+def ask(client: openai.OpenAI, **request: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=user("hi"), **GREEDY, **request)
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        None,  # the model never ends its thought: all of it reasoning
+        0.9,  # `</think>` made likelier: whatever vLLM's parser makes of the answer
+    ],
+)
+def test_the_gateway_relays_what_vllm_says(clients, thinking_model, bias):
+    through, direct = clients
+    extra = {} if bias is None else {"logit_bias": {str(end_of_thought(thinking_model)): bias}}
+    answers = [whole(ask(client, **extra)) for client in (through, direct)]
+    assert answers[0] == answers[1]
+    assert answers[0] != (None, None)
+    fields = {"stream": True, "stream_options": {"include_usage": True}, **extra}
+    streams = [list(ask(client, **fields)) for client in (through, direct)]
+    assert said(streams[0]) == said(streams[1])
+    if bias is None:
+        assert [field for field, _ in said(streams[0])] == ["reasoning"]
+    else:
+        assert said(streams[0])
+    ours, theirs = (s[-1].usage for s in streams)
+    assert ours.completion_tokens == theirs.completion_tokens
+    assert ours.prompt_tokens == theirs.prompt_tokens
+
+
+def test_include_reasoning_false_reaches_vllm(clients):
+    through, direct = clients
+    extra = {"extra_body": {"include_reasoning": False}}
+    answers = [whole(ask(client, **extra)) for client in (through, direct)]
+    assert answers[0] == answers[1]
+    assert not answers[0][0]
+
+
+def end_of_thought(model: Path) -> int:
+    """`</think>`'s id in the model's vocabulary."""
+    token = Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id(THINKING[1])
+    assert token is not None
+    return token
