@@ -183,3 +183,29 @@ def test_a_paced_streams_tokens_are_written_in_the_callback_that_brought_them(
         {"role": "assistant", "content": ""},
         {"content": "one"},
     ]
+
+
+def test_a_write_the_connection_cannot_take_now_is_left_to_the_task_whole(
+    gateway, monkeypatch: pytest.MonkeyPatch
+):
+    # a client that reads slowly pauses the writes now and then: the sink then leaves the
+    # tokens to the request's task, and nothing of them was encoded twice (a Responses
+    # stream's encoder counts its events and keeps its text as it encodes)
+    writable = _WriteNow.writable
+    turns = iter(range(1_000))
+    monkeypatch.setattr(_WriteNow, "writable", lambda self: next(turns) % 2 and writable(self))
+    words = "one two three four five"
+    body = {"model": "furnace-slow", "input": words, "stream": True}
+    with (
+        httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http,
+        http.stream("POST", "/v1/responses", json=body) as response,
+    ):
+        events = [orjson.loads(line[6:]) for line in response.iter_lines() if line[:6] == "data: "]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == words
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == words
+    with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http:
+        stored = http.get(f"/v1/responses/{final['id']}").json()
+    assert stored["output"][0]["content"][0]["text"] == words

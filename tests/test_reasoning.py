@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.edge.http_protocol import _WriteNow
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.requests import user
@@ -104,6 +105,29 @@ def test_a_stream_carries_the_reasoning_before_the_answer(thinker):
     assert details is not None and details.reasoning_tokens == len(THOUGHTS)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "stop"
+
+
+def test_paced_reasoning_is_written_in_the_callback_that_brought_it(thinker, monkeypatch):
+    # an engine's steps apart: each piece comes while the edge waits, and the pump's sink
+    # writes it (edge/openai/generation.py `_Sink`), reasoning as text, where the upstream's
+    # call pushes what it reads (the gateway's own connections: plain HTTP)
+    server, gw = thinker
+    server.pace = 0.03
+    written: list[bytes] = []
+    write_now = _WriteNow.__call__
+
+    def noted(self: _WriteNow, body: bytes) -> bool:
+        done = write_now(self, body)
+        if done:
+            written.append(body)
+        return done
+
+    monkeypatch.setattr(_WriteNow, "__call__", noted)
+    with sdk(gw) as client:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
+    assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
+    if server.url.startswith("http:"):
+        assert sum(b'"reasoning":' in body for body in written) >= 2
 
 
 def test_a_whole_answer_holds_its_reasoning_in_the_message(thinker):

@@ -197,7 +197,8 @@ class _WriteNow:
     def __init__(self, cycle: Any) -> None:
         self._cycle = weakref.ref(cycle)
 
-    def __call__(self, body: bytes) -> bool:
+    def _open(self) -> Any:
+        """The cycle, where a chunk would be written now; else None."""
         cycle = self._cycle()
         if (
             cycle is None
@@ -206,6 +207,17 @@ class _WriteNow:
             or cycle.response_complete
             or not cycle.chunked_encoding
         ):
+            return None
+        return cycle
+
+    def writable(self) -> bool:
+        """Whether a chunk would be written now: asked before one is built, since
+        building it may count it (a Responses stream's sequence numbers)."""
+        return self._open() is not None
+
+    def __call__(self, body: bytes) -> bool:
+        cycle = self._open()
+        if cycle is None:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True

@@ -115,8 +115,8 @@ class RequestRecord:
         return "".join(map(_text, texts))
 
     def take_texts(self, texts: list[Event]) -> None:
-        """Records a batch of `Text`s alone, as it is written (its text joined by the
-        writer: the pump's sink)."""
+        """Records a batch of `Text`s (and `Reasoning`) alone, as it is written (its
+        text joined by the writer: the pump's sink)."""
         tokens: int = _tokens(texts[0]) if len(texts) == 1 else sum(map(_tokens, texts))
         if tokens:
             self._sent(tokens)

@@ -9,7 +9,7 @@ import asyncio
 import hashlib
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,8 @@ class OpenAIServer:
         #: it), the last one in the chunk that starts the reply, as vLLM's parsers do.
         self.reasoning: list[str] = []
         self.reasoning_field = "reasoning"
+        #: Seconds between a chat stream's chunks (an engine's steps); 0: all at once.
+        self.pace = 0.0
         self.refused = 0
         self.last_body: dict[str, Any] = {}
         #: What its Prometheus /metrics says, in vLLM's names (two engines, as a
@@ -159,7 +161,16 @@ class OpenAIServer:
             {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}},
         ]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
-        return StreamingResponse(iter(lines), media_type="text/event-stream")
+        if not self.pace:
+            return StreamingResponse(iter(lines), media_type="text/event-stream")
+        pace = self.pace
+
+        async def paced() -> AsyncIterator[bytes]:
+            for line in lines:
+                yield line
+                await asyncio.sleep(pace)
+
+        return StreamingResponse(paced(), media_type="text/event-stream")
 
     async def _embeddings(self, request: Request) -> Response:
         refusal = self._refusal(request)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
@@ -353,46 +353,71 @@ class GenerationRoute(RequestRoute[Exchange]):
         await send({"type": "http.response.body", "body": body})
 
 
-#: `WRITE_NOW_EXTENSION`'s callable: a body chunk written at once, if it can be.
-WriteNow = Callable[[bytes], bool]
+class WriteNow(Protocol):
+    """`WRITE_NOW_EXTENSION`'s object: a body chunk written at once, if it can be."""
+
+    def writable(self) -> bool:
+        """Whether a chunk would be written now."""
+        ...
+
+    def __call__(self, body: bytes) -> bool:
+        """Writes `body` if it can now; whether it did."""
+        ...
 
 
 class _Sink:
     """The pump's sink of a one-choice stream whose head is out: a batch of texts
-    alone, written in the callback that brought it, as `_stream`'s loop would write
-    it (the first text after the role's `opening`, which this holds until then, for
-    the loop too); False for any other batch (an end, an error), or while the
-    connection cannot take a write at once (the loop writes it then, under the write
-    guard). The first token so skips the wake of the request's task and its chain of
+    (and a reasoning model's reasoning) alone, written in the callback that brought it,
+    as `_stream`'s loop would write it (the first after the role's `opening`, which this
+    holds until then, for the loop too); False for any other batch (an end, an error),
+    or while the connection cannot take a write at once (the loop writes it then, under
+    the write guard), asked before anything is encoded: an encoder may count what it
+    encodes. The first token so skips the wake of the request's task and its chain of
     coroutines, as every later one does."""
 
-    __slots__ = ("delta", "opening", "record", "write_now")
+    __slots__ = ("delta", "encoder", "opening", "record", "write_now")
 
     def __init__(
         self, record: RequestRecord, encoder: Encoder, write_now: WriteNow | None, opening: bytes
     ) -> None:
         self.record = record
+        self.encoder = encoder
         self.delta = encoder.delta
         self.write_now = write_now
         self.opening = opening
 
     def __call__(self, batch: list[Event]) -> bool:
+        write_now = self.write_now
+        assert write_now is not None  # installed only with one
         if len(batch) == 1:  # the usual: a read brings a token
             event = batch[0]
             if type(event) is not Text:
-                return False
+                return type(event) is Reasoning and self._thoughts(batch, write_now)
             text = event.text
         else:
             pieces = []
             for event in batch:
                 if type(event) is not Text:
-                    return False
+                    return self._thoughts(batch, write_now)
                 pieces.append(event.text)
             text = "".join(pieces)
         if text:
-            assert self.write_now is not None  # installed only with one
-            if not self.write_now(self.opening + self.delta(text)):
+            if not write_now.writable():
                 return False
+            write_now(self.opening + self.delta(text))
+            self.opening = b""
+        self.record.take_texts(batch)
+        return True
+
+    def _thoughts(self, batch: list[Event], write_now: WriteNow) -> bool:
+        """A batch of texts and reasoning, in its order; False for any other."""
+        if not all(type(event) is Text or type(event) is Reasoning for event in batch):
+            return False
+        if not write_now.writable():
+            return False
+        chunks = self.encoder.deltas(batch)
+        if chunks:
+            write_now(self.opening + chunks)
             self.opening = b""
         self.record.take_texts(batch)
         return True
