@@ -6,10 +6,9 @@ text, whole in the message's `reasoning`, its tokens in the usage. Read with the
 openai SDK, from our small OpenAI-compatible server (tests/support/openai_server.py), over
 plain HTTP (the gateway's own connections) and over TLS (httpx).
 
-The Responses API shows it as a `reasoning` item before the message, as vLLM's server does;
-the Messages route answers with the text alone (Anthropic's API shows thinking only when
-asked, which this gateway does not serve). An assistant turn's reasoning, sent back in a
-conversation, reaches the model's template.
+The Responses API shows it as a `reasoning` item before the message, and the Messages API
+as a `thinking` block before the text, as vLLM's own servers do. An assistant turn's
+reasoning, sent back in a conversation, reaches the model's template.
 
 vLLM's reasoning parameters (`reasoning_effort`, `include_reasoning`, `chat_template_kwargs`)
 are checked and sent on to such a model's servers; a model whose workers do not take them
@@ -22,6 +21,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -247,18 +247,86 @@ def test_responses_reasoning_effort_reaches_the_server(thinker):
             assert refused.json()["error"]["param"] == param
 
 
-def test_messages_answer_with_the_text(thinker):
-    # Anthropic's API shows thinking only when asked for it, which this gateway does not
-    # serve: the text alone, the reasoning's tokens in the usage
+def anthropic_sdk(gw: Gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key="unused", timeout=HANG_GUARD)
+
+
+def test_messages_show_it_as_a_thinking_block_before_the_text(thinker):
+    # as vLLM's own Messages server does: thinking blocks whether or not `thinking` asked
     _, gw = thinker
-    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
-        messages = http.post(
-            "/v1/messages",
-            json={"model": MODEL, "max_tokens": 16, "messages": user("hi")},
+    thought = "".join(THOUGHTS)
+    request: dict[str, Any] = {"model": MODEL, "max_tokens": 2048, "messages": user("hi")}
+    with anthropic_sdk(gw) as client:
+        whole = client.messages.create(**request)
+        with client.messages.stream(**request) as stream:
+            events = list(stream)
+            streamed = stream.get_final_message()
+        enabled = client.messages.create(
+            **request, thinking={"type": "enabled", "budget_tokens": 1024}
         )
-    assert messages.status_code == 200, messages.text
-    assert messages.json()["content"] == [{"type": "text", "text": "hello"}]
-    assert messages.json()["usage"]["output_tokens"] == len(THOUGHTS)
+    for message in (whole, streamed, enabled):
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        thinking, text = message.content
+        assert thinking.thinking == thought and thinking.signature  # type: ignore[union-attr]
+        assert text.text == "hello"  # type: ignore[union-attr]
+        assert message.usage.output_tokens == len(THOUGHTS)
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas[: len(THOUGHTS)] == ["thinking_delta"] * len(THOUGHTS)
+    assert deltas[len(THOUGHTS)] == "signature_delta"  # the thinking block's last
+
+
+def test_messages_thinking_budget_and_display(thinker):
+    server, gw = thinker
+    request: dict[str, Any] = {"model": MODEL, "max_tokens": 4096, "messages": user("hi")}
+    with anthropic_sdk(gw) as client:
+        client.messages.create(**request, thinking={"type": "enabled", "budget_tokens": 2000})
+        assert server.last_body["thinking_token_budget"] == 2000
+        for thinking in ({"type": "disabled"}, {"type": "adaptive", "display": "omitted"}):
+            hidden = client.messages.create(**request, thinking=thinking)  # type: ignore[arg-type]
+            assert "thinking_token_budget" not in server.last_body
+            assert [block.type for block in hidden.content] == ["text"]
+            assert hidden.usage.output_tokens == len(THOUGHTS)
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for thinking, param in [
+            ({"type": "enabled", "budget_tokens": 4096}, "thinking.budget_tokens"),  # >= max
+            ({"type": "enabled", "budget_tokens": 100}, "thinking.budget_tokens"),
+            ({"type": "enabled"}, "thinking.budget_tokens"),
+            ({"type": "adaptive", "display": "full"}, "thinking.display"),
+            ({"type": "sometimes"}, "thinking.type"),
+        ]:
+            refused = http.post("/v1/messages", json={**request, "thinking": thinking})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["message"].startswith(param + ":")
+        # workers that take no budget (the gateway's own) refuse it; disabled asks nothing
+        demo = {**request, "model": DEMO_MODEL}
+        budget = {"type": "enabled", "budget_tokens": 1024}
+        refused = http.post("/v1/messages", json={**demo, "thinking": budget})
+        assert refused.status_code == 400, refused.text
+        assert "thinking_token_budget" in refused.json()["error"]["message"]
+        disabled = {**demo, "max_tokens": 8, "thinking": {"type": "disabled"}}
+        shown = http.post("/v1/messages", json=disabled)
+        assert shown.status_code == 200, shown.text
+
+
+def test_messages_give_thinking_blocks_back_to_the_model(thinker):
+    server, gw = thinker
+    with anthropic_sdk(gw) as client:
+        first = client.messages.create(model=MODEL, max_tokens=64, messages=user("hi"))
+        history: list[Any] = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": "and?"},
+        ]
+        client.messages.create(model=MODEL, max_tokens=64, messages=history)
+    sent = server.last_body["messages"]
+    assert sent[1]["reasoning"] == "".join(THOUGHTS) and sent[1]["content"] == "hello"
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgB"}
+    history[1] = {"role": "assistant", "content": [redacted, {"type": "text", "text": "x"}]}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        body = {"model": MODEL, "max_tokens": 64, "messages": history}
+        refused = http.post("/v1/messages", json=body)
+    assert refused.status_code == 400, refused.text
+    assert "redacted" in refused.text.lower()
 
 
 def test_a_chat_gives_an_assistant_s_reasoning_back_to_the_model(thinker):
@@ -284,7 +352,11 @@ def test_a_chat_gives_an_assistant_s_reasoning_back_to_the_model(thinker):
 def test_the_reasoning_parameters_reach_the_server(thinker):
     server, gw = thinker
     kwargs = {"enable_thinking": False, "budget": {"steps": [1, 2]}}
-    extra = {"include_reasoning": False, "chat_template_kwargs": kwargs}
+    extra = {
+        "include_reasoning": False,
+        "chat_template_kwargs": kwargs,
+        "thinking_token_budget": 64,
+    }
     with sdk(gw) as client:
         client.chat.completions.create(
             model=MODEL, messages=user("hi"), reasoning_effort="low", extra_body=extra
@@ -293,11 +365,12 @@ def test_the_reasoning_parameters_reach_the_server(thinker):
     assert sent["reasoning_effort"] == "low"
     assert sent["include_reasoning"] is False
     assert sent["chat_template_kwargs"] == kwargs
+    assert sent["thinking_token_budget"] == 64
     with sdk(gw) as client:
         client.chat.completions.create(model=MODEL, messages=user("hi"))
-    assert not {"reasoning_effort", "include_reasoning", "chat_template_kwargs"} & set(
-        server.last_body
-    )
+    sent_now = set(server.last_body)
+    assert not sent_now & {"reasoning_effort", "include_reasoning", "chat_template_kwargs"}
+    assert "thinking_token_budget" not in sent_now
 
 
 @pytest.mark.parametrize(
@@ -308,6 +381,8 @@ def test_the_reasoning_parameters_reach_the_server(thinker):
         ("include_reasoning", "no"),
         ("chat_template_kwargs", ["enable_thinking"]),
         ("chat_template_kwargs", {"text": "x" * 20_000}),
+        ("thinking_token_budget", -2),
+        ("thinking_token_budget", 1.5),
     ],
 )
 def test_a_bad_reasoning_parameter_is_refused_by_name(thinker, field, value):
@@ -324,6 +399,7 @@ def test_a_bad_reasoning_parameter_is_refused_by_name(thinker, field, value):
         ("reasoning_effort", "high"),
         ("include_reasoning", False),
         ("chat_template_kwargs", {"enable_thinking": True}),
+        ("thinking_token_budget", 100),
     ],
 )
 def test_workers_that_do_not_take_them_refuse_them_by_name(thinker, field, value):

@@ -33,7 +33,10 @@ DIMENSIONS = "dimensions"
 REASONING_EFFORT = "reasoning_effort"
 INCLUDE_REASONING = "include_reasoning"
 CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
-REASONING = frozenset({REASONING_EFFORT, INCLUDE_REASONING, CHAT_TEMPLATE_KWARGS})
+THINKING_TOKEN_BUDGET = "thinking_token_budget"
+REASONING = frozenset(
+    {REASONING_EFFORT, INCLUDE_REASONING, CHAT_TEMPLATE_KWARGS, THINKING_TOKEN_BUDGET}
+)
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -80,8 +83,9 @@ _request_values = attrgetter(
     "reasoning_effort",
     "include_reasoning",
     "chat_template_kwargs",
+    "thinking_token_budget",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", "", True, "")
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", "", True, "", None)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -115,6 +119,8 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((INCLUDE_REASONING, "include_reasoning"))
         if request.chat_template_kwargs:
             found.append((CHAT_TEMPLATE_KWARGS, "chat_template_kwargs"))
+        if request.thinking_token_budget is not None:
+            found.append((THINKING_TOKEN_BUDGET, "thinking_token_budget"))
     if _sampling_values(request.sampling) != _SAMPLING_UNUSED:
         s = request.sampling
         for name, value in (

@@ -151,6 +151,8 @@ class GenerateRequest:
     reasoning_effort: str = ""
     include_reasoning: bool = True
     chat_template_kwargs: str = ""
+    #: The most tokens it may think (vLLM's `thinking_token_budget`); None: no bound.
+    thinking_token_budget: int | None = None
     #: The conversation this request continues, for session affinity only (never sent to a
     #: worker): the `x-session-id` header, or a route's own key (the Responses API's
     #: `previous_response_id`); "": none, and the fleet falls back to `user`.

@@ -2,10 +2,11 @@
 Anthropic's named SSE events, from our events.
 
 A stream goes `message_start` (with the prompt's tokens when the worker said
-them in `Started`) and a `ping`; then for each block of the answer, text or a
-tool call, `content_block_start`, its `content_block_delta`s (`text_delta`, or
-`input_json_delta` with a piece of the call's arguments) and
-`content_block_stop`; then `message_delta` (the `stop_reason`, `stop_sequence`
+them in `Started`) and a `ping`; then for each block of the answer, thinking (a
+reasoning model's reasoning, as vLLM's own Messages server shows it), text or a
+tool call, `content_block_start`, its `content_block_delta`s (`thinking_delta` and,
+last, a `signature_delta`; `text_delta`; or `input_json_delta` with a piece of the
+call's arguments) and `content_block_stop`; then `message_delta` (the `stop_reason`, `stop_sequence`
 when the worker says which stop string ended the answer, and the usage) and
 `message_stop`. A failure after the head is an `error` event. A text delta is
 built from pre-serialized bytes around the JSON-escaped text: no dict per token.
@@ -27,7 +28,15 @@ import orjson
 from gateway.edge.anthropic.errors import error_payload
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import Encoder
-from gateway.protocol.types import Event, Finished, FinishReason, Started, Text, ToolCallDelta
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    Reasoning,
+    Started,
+    Text,
+    ToolCallDelta,
+)
 
 #: Our finish reasons → Anthropic's stop_reason.
 STOP_REASONS = {
@@ -49,6 +58,12 @@ _TEXT_MIDDLE = b',"delta":{"type":"text_delta","text":'
 _TEXT_END = b"}}\n\n"
 
 
+def _signature() -> str:
+    """A thinking block's `signature`: Anthropic's proves its thinking unaltered; here,
+    as vLLM's server gives it, an opaque value a client keeps and sends back."""
+    return secrets.token_hex(16)
+
+
 def _tool_id(given: str) -> str:
     return given or f"toolu_{secrets.token_hex(12)}"
 
@@ -68,7 +83,9 @@ def _input(arguments: str) -> Any:
 class MessagesEncoder(Encoder):
     """One /v1/messages answer (one choice: Anthropic has no `n`)."""
 
-    def __init__(self, model: str, include_usage: bool = False, **_: Any) -> None:
+    def __init__(
+        self, model: str, include_usage: bool = False, *, reasoning: bool = True, **_: Any
+    ) -> None:
         # Nothing of the OpenAI templates is used: the route calls only the methods below.
         self.id = f"msg_{secrets.token_hex(12)}"
         self.model = model
@@ -76,11 +93,13 @@ class MessagesEncoder(Encoder):
         self.reason: FinishReason | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the answer
         self.input_tokens = 0
+        self.show_reasoning = reasoning  # False: thinking left out (`thinking` disabled)
+        self.reasoning_tokens = 0
         # streams: whether message_start went out, the open block's index and kind
         self._started = False
         self._index = -1
-        self._open: str | int | None = None  # "text", a call's index, or None
-        # whole answers: the blocks, each [kind, pieces...] ("text") or
+        self._open: str | int | None = None  # "text", "thinking", a call's index, or None
+        # whole answers: the blocks, each [kind, pieces...] ("text", "thinking") or
         # ["tool_use", id, name, arguments pieces...]
         self._blocks: list[list[str]] = []
         self._calls: dict[int, list[str]] = {}
@@ -112,8 +131,14 @@ class MessagesEncoder(Encoder):
     def _close_block(self) -> bytes:
         if self._open is None:
             return b""
+        out = b""
+        if self._open == "thinking":  # its signature last, as Anthropic's stream gives it
+            delta = {"type": "signature_delta", "signature": _signature()}
+            payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
+            out = event("content_block_delta", payload)
         self._open = None
-        return event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        stop = {"type": "content_block_stop", "index": self._index}
+        return out + event("content_block_stop", stop)
 
     def _open_block(self, key: str | int, block: dict[str, Any]) -> bytes:
         out = self._close_block()
@@ -141,6 +166,15 @@ class MessagesEncoder(Encoder):
                 index = str(self._index).encode()
                 text = orjson.dumps(item.text)
                 out.append(_TEXT_DELTA + index + _TEXT_MIDDLE + text + _TEXT_END)
+            elif type(item) is Reasoning:
+                self.reasoning_tokens += item.tokens
+                if not item.text or not self.show_reasoning:
+                    continue
+                if self._open != "thinking":
+                    out.append(self._open_block("thinking", {"type": "thinking", "thinking": ""}))
+                delta = {"type": "thinking_delta", "thinking": item.text}
+                payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
+                out.append(event("content_block_delta", payload))
             elif isinstance(item, ToolCallDelta):
                 if self._open != item.call_index:
                     block = {
@@ -184,6 +218,13 @@ class MessagesEncoder(Encoder):
                 if not blocks or blocks[-1][0] != "text":
                     blocks.append(["text"])
                 blocks[-1].append(item.text)
+            elif type(item) is Reasoning:
+                self.reasoning_tokens += item.tokens
+                if not item.text or not self.show_reasoning:
+                    continue
+                if not blocks or blocks[-1][0] != "thinking":
+                    blocks.append(["thinking"])
+                blocks[-1].append(item.text)
             elif isinstance(item, ToolCallDelta):
                 call = self._calls.get(item.call_index)
                 if call is None:
@@ -199,6 +240,11 @@ class MessagesEncoder(Encoder):
         for block in self._blocks:
             if block[0] == "text":
                 content.append({"type": "text", "text": "".join(block[1:])})
+            elif block[0] == "thinking":
+                thinking = "".join(block[1:])
+                content.append(
+                    {"type": "thinking", "thinking": thinking, "signature": _signature()}
+                )
             else:
                 arguments = _input("".join(block[3:]))
                 content.append(

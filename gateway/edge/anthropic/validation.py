@@ -4,12 +4,14 @@ the field at fault, with Anthropic's rules.
 Anthropic's API refuses a field it does not know ("Extra inputs are not
 permitted"), so this does too: every top-level field is either served (parsed
 here) or refused by name, and so is every content block type but `text`,
-`image`, `tool_use` and `tool_result`, and every tool but a custom one. Served:
-`system` (a string or text blocks), `messages`, `max_tokens` (required),
+`image`, `tool_use`, `tool_result` and `thinking`, and every tool but a custom one.
+Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`, `tools`,
-`tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`)
-and `stream`; `thinking` disabled and `service_tier` `auto` or `standard_only`
-(what asks nothing; extended thinking is a 400). `cache_control` (on the body,
+`tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`),
+`stream`, `thinking` (as vLLM's own Messages server reads it: `enabled` with
+`budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, and `display:
+"omitted"`, leave a reasoning model's thinking out of the answer) and `service_tier`
+`auto` or `standard_only` (what asks nothing). `cache_control` (on the body,
 a block or a tool) is accepted: it is a hint about prompt caching, which the
 engines do by themselves for every prefix. The SDK's newest version no longer
 names `temperature`, `top_p` and `top_k`; older clients (and `extra_body`) send
@@ -20,7 +22,9 @@ and an empty text block are refused.
 
 A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
-`is_error` marks that text as an error), images go in as URLs or data URIs. The
+`is_error` marks that text as an error), a `thinking` block the assistant message's
+reasoning (`redacted_thinking`, Anthropic's encrypted thinking, is refused), images go
+in as URLs or data URIs. The
 value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`).
 """
 
@@ -44,6 +48,7 @@ from gateway.edge.openai.validation import (
     ParsedRequest,
     _flag,
     _int,
+    _is_int,
     _number,
     _string,
     model_of,
@@ -184,14 +189,19 @@ def _blocks(
     texts: list[str] = []
     images: list[str] = []
     calls: list[ToolCall] = []
+    thoughts: list[str] = []
     count = 0
 
     def flush() -> None:
-        if texts or images or calls:
-            out.append(Message(role, "".join(texts), tuple(images), tuple(calls)))
+        if texts or images or calls or thoughts:
+            reasoning = "".join(thoughts)
+            out.append(
+                Message(role, "".join(texts), tuple(images), tuple(calls), reasoning=reasoning)
+            )
             texts.clear()
             images.clear()
             calls.clear()
+            thoughts.clear()
 
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
@@ -210,6 +220,13 @@ def _blocks(
             count += 1
         elif kind == "tool_use" and role == "assistant" and not nested:
             calls.append(_tool_use(block, at))
+        elif kind == "thinking" and role == "assistant" and not nested:
+            _refuse_unknown(block, _HINTS | {"thinking", "signature"}, at + ".")
+            thoughts.append(_string(block, "thinking", at + ".") or "")
+        elif kind == "redacted_thinking" and role == "assistant" and not nested:
+            raise invalid(
+                f"{at}.type", "Redacted thinking (Anthropic's) is not supported by this gateway."
+            )
         elif kind == "tool_result" and role == "user" and not nested:
             flush()
             message, pictures = _tool_result(block, at)
@@ -218,7 +235,9 @@ def _blocks(
         else:
             allowed = "'text' and 'image'"
             if not nested:
-                allowed += ", and 'tool_use'" if role == "assistant" else ", and 'tool_result'"
+                allowed += (
+                    ", 'tool_use' and 'thinking'" if role == "assistant" else ", and 'tool_result'"
+                )
             raise invalid(
                 f"{at}.type", f"Block type {str(kind)[:64]!r} is not supported here: {allowed}."
             )
@@ -370,16 +389,45 @@ def _user(body: Mapping[str, Any]) -> str:
     return user
 
 
-def _asks_nothing(body: Mapping[str, Any]) -> None:
-    """`thinking` and `service_tier` are served at the values that ask nothing of a
-    self-hosted model (thinking disabled, no priority capacity); else a 400."""
+#: `thinking`'s types, and the fields each takes besides its type.
+_THINKING = {
+    "enabled": frozenset({"type", "budget_tokens", "display"}),
+    "adaptive": frozenset({"type", "display"}),
+    "disabled": frozenset({"type"}),
+}
+#: `thinking.display` values: shown (Anthropic's "summarized": here the whole of it), or
+#: left out.
+_DISPLAYS = ("summarized", "omitted")
+
+
+def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """`thinking`, as vLLM's own Messages server reads it: the budget of `enabled`
+    (vLLM's `thinking_token_budget`), and whether thinking is shown (not when
+    `disabled` or its `display` is "omitted")."""
     thinking = body.get("thinking")
-    if thinking is not None:
-        if not isinstance(thinking, Mapping) or thinking.get("type") not in ("enabled", "disabled"):
-            raise invalid("thinking.type", "Invalid 'thinking': 'enabled' or 'disabled'.")
-        if thinking["type"] == "enabled":
-            raise invalid("thinking", "Extended thinking is not supported by this gateway.")
-        _refuse_unknown(thinking, frozenset({"type"}), "thinking.")
+    if thinking is None:
+        return None, True
+    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+    if not isinstance(thinking, Mapping) or kind not in _THINKING:
+        raise invalid("thinking.type", "thinking.type: 'enabled', 'adaptive' or 'disabled'.")
+    _refuse_unknown(thinking, _THINKING[kind], "thinking.")
+    display = _string(thinking, "display", "thinking.")
+    if display is not None and display not in _DISPLAYS:
+        raise invalid("thinking.display", "thinking.display: 'summarized' or 'omitted'.")
+    budget = None
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not _is_int(budget) or not 1024 <= budget <= UINT32_MAX:
+            raise invalid(
+                "thinking.budget_tokens",
+                "thinking.budget_tokens: an integer of at least 1024 is required.",
+            )
+    return budget, kind != "disabled" and display != "omitted"
+
+
+def _asks_nothing(body: Mapping[str, Any]) -> None:
+    """`service_tier` is served at the values that ask nothing of a self-hosted model
+    (no priority capacity); else a 400."""
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
         raise invalid("service_tier", "Invalid 'service_tier': 'auto' or 'standard_only'.")
@@ -392,6 +440,7 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
         raise invalid("model", "Field required: 'model'.")
     _refuse_unknown(body, known)
     _asks_nothing(body)
+    _thinking(body)  # checked for both; its budget is the answer's (`parse_messages`)
     tools = _tools(body)
     choice, parallel = _tool_choice(body, tools)
     fields = {
@@ -426,14 +475,20 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         top_k=top_k,
         max_tokens=max_tokens,
     )
+    budget, shown = _thinking(body)
+    if budget is not None and budget >= max_tokens:
+        raise invalid(
+            "thinking.budget_tokens", "thinking.budget_tokens: must be less than max_tokens."
+        )
     request = GenerateRequest(
         model or "",
         sampling=sampling,
         stop=_stop_sequences(body),
         user=_user(body),
+        thinking_token_budget=budget,
         **fields,
     )
-    return ParsedRequest(model, request, _flag(body, "stream"), False)
+    return ParsedRequest(model, request, _flag(body, "stream"), False, show_reasoning=shown)
 
 
 def parse_count(body: Any, request_id: str = "") -> GenerateRequest:

@@ -133,7 +133,8 @@ class Encoder:
     answer is `plain`. `continuous_usage` (vLLM's `continuous_usage_stats`, with
     `include_usage`) puts in every chunk of a stream the usage so far of its choice:
     the prompt's tokens (the worker's `Started`) and the choice's tokens sent, its
-    finish chunk counting all of them (the `Finished`)."""
+    finish chunk counting all of them (the `Finished`). `reasoning` False leaves a
+    reasoning model's reasoning out (its tokens still counted)."""
 
     id_prefix: ClassVar[str]
     object_full: ClassVar[str]
@@ -150,6 +151,7 @@ class Encoder:
         echo: str | None = None,
         named_tool: bool = False,
         continuous_usage: bool = False,
+        reasoning: bool = True,
     ) -> None:
         # secrets.token_hex(12) is this, through two Python frames
         self.id = f"{self.id_prefix}-{os.urandom(12).hex()}"
@@ -163,6 +165,7 @@ class Encoder:
         self.continuous_usage = continuous_usage and include_usage
         self._prompt_tokens = 0  # the worker's `Started` says it (continuous usage)
         self.reasoning_tokens = 0  # of the answer's tokens, its reasoning's
+        self.show_reasoning = reasoning  # False: left out (its tokens still counted)
         self.logprobs = logprobs
         self.echo = echo or ""
         self.plain = (
@@ -474,6 +477,7 @@ class ChatEncoder(Encoder):
     def full_choice(
         self, text: str, logprobs: Any, calls: list[dict[str, Any]], reasoning: str = ""
     ) -> dict[str, Any]:
+        reasoning = reasoning if self.show_reasoning else ""
         # no text: null beside calls or reasoning, as vLLM's server says it
         content = text or (None if calls or reasoning else "")
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -519,7 +523,7 @@ class ChatEncoder(Encoder):
     def reasoning_chunk(self, event: Reasoning) -> bytes:
         """vLLM's: the piece in the delta's `reasoning`."""
         self.reasoning_tokens += event.tokens
-        if not event.text:
+        if not event.text or not self.show_reasoning:
             return b""
         delta = {"reasoning": event.text}
         return self._chunk({"delta": delta, "logprobs": None}, None, event.index)

@@ -133,6 +133,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             named_tool=not pool.relays_answers
             and generate.tool_choice not in ("", "none", "auto", "required"),
             continuous_usage=parsed.continuous_usage,
+            reasoning=parsed.show_reasoning,
         )
 
     async def serve(self, ex: Exchange) -> None:

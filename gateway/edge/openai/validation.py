@@ -91,7 +91,6 @@ UNSERVED: dict[str, Any] = {
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "logits_processors": None,
-    "thinking_token_budget": None,
     "documents": None,
     "mm_processor_kwargs": None,
     "cache_salt": None,
@@ -125,6 +124,9 @@ class ParsedRequest:
     #: vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): the
     #: usage so far in every chunk.
     continuous_usage: bool = False
+    #: Whether a reasoning model's reasoning is shown (Anthropic's `thinking` disabled,
+    #: or its display omitted: it is left out, its tokens counted).
+    show_reasoning: bool = True
 
 
 def _is_number(value: Any) -> bool:
@@ -654,7 +656,12 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 #: vLLM's reasoning parameters (`_reasoning`).
-_REASONING_FIELDS = ("reasoning_effort", "include_reasoning", "chat_template_kwargs")
+_REASONING_FIELDS = (
+    "reasoning_effort",
+    "include_reasoning",
+    "chat_template_kwargs",
+    "thinking_token_budget",
+)
 #: Completions' parameters, refused on chat where they ask for something.
 _CHAT_UNSERVED = {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False}
 #: Chat's parameters besides its messages and those `_common` reads.
@@ -701,6 +708,9 @@ def _reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
             )
         if kwargs:
             fields["chat_template_kwargs"] = text.decode()
+    budget = _int(body, "thinking_token_budget", -1, UINT32_MAX)
+    if budget is not None and budget != -1:  # vLLM's -1: no bound
+        fields["thinking_token_budget"] = budget
     return fields
 
 
@@ -735,6 +745,7 @@ _COMPLETION_UNSERVED = {
     "reasoning_effort": None,  # a chat template's: a completion has none
     "chat_template_kwargs": None,
     "include_reasoning": True,
+    "thinking_token_budget": None,
     "tools": None,
     "tool_choice": None,
     "messages": None,

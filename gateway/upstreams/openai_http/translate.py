@@ -173,6 +173,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["include_reasoning"] = False
     if request.chat_template_kwargs:
         body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)
+    if request.thinking_token_budget is not None:
+        body["thinking_token_budget"] = request.thinking_token_budget
     return body
 
 
