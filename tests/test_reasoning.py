@@ -114,15 +114,13 @@ def test_paced_reasoning_is_written_in_the_callback_that_brought_it(thinker, mon
     server, gw = thinker
     server.pace = 0.03
     written: list[bytes] = []
-    write_now = _WriteNow.__call__
+    write = _WriteNow.write
 
-    def noted(self: _WriteNow, body: bytes) -> bool:
-        done = write_now(self, body)
-        if done:
-            written.append(body)
-        return done
+    def noted(self: _WriteNow, body: bytes) -> None:
+        write(self, body)
+        written.append(body)
 
-    monkeypatch.setattr(_WriteNow, "__call__", noted)
+    monkeypatch.setattr(_WriteNow, "write", noted)
     with sdk(gw) as client:
         chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
     assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]

@@ -187,7 +187,7 @@ class _HeadHold:
 class _WriteNow:
     """`WRITE_NOW_EXTENSION`: a body chunk written as uvicorn's `send` would write it,
     but outside a task, and only when that `send` would not wait (the client reads:
-    no paused flow) and the response is open and chunked; False otherwise, and the
+    no paused flow) and the response is open and chunked (`writable`); otherwise the
     caller awaits `send`, under its write guard. It holds its cycle weakly: the
     cycle's scope holds it, and a cycle of references would outlive the request
     until the collector's next pass."""
@@ -197,30 +197,23 @@ class _WriteNow:
     def __init__(self, cycle: Any) -> None:
         self._cycle = weakref.ref(cycle)
 
-    def _open(self) -> Any:
-        """The cycle, where a chunk would be written now; else None."""
+    def writable(self) -> bool:
+        """Whether a chunk would be written now: asked before one is built, since
+        building it may count it (a Responses stream's sequence numbers)."""
         cycle = self._cycle()
-        if (
+        return not (
             cycle is None
             or cycle.disconnected
             or cycle.flow.write_paused
             or cycle.response_complete
             or not cycle.chunked_encoding
-        ):
-            return None
-        return cycle
+        )
 
-    def writable(self) -> bool:
-        """Whether a chunk would be written now: asked before one is built, since
-        building it may count it (a Responses stream's sequence numbers)."""
-        return self._open() is not None
-
-    def __call__(self, body: bytes) -> bool:
-        cycle = self._open()
-        if cycle is None:
-            return False
+    def write(self, body: bytes) -> None:
+        """Writes a chunk, once `writable` said it would be, in the same callback."""
+        cycle = self._cycle()
+        assert cycle is not None  # writable
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
 
 
 def _whole_first(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -80,12 +80,9 @@ _request_values = attrgetter(
     "parallel_tool_calls",
     "response_format",
     "user",
-    "reasoning_effort",
-    "include_reasoning",
-    "chat_template_kwargs",
-    "thinking_token_budget",
+    "reasoning",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", "", True, "", None)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -113,14 +110,16 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((RESPONSE_FORMAT, "response_format"))
         if request.user:
             found.append((USER, "user"))
-        if request.reasoning_effort:
-            found.append((REASONING_EFFORT, "reasoning_effort"))
-        if not request.include_reasoning:
-            found.append((INCLUDE_REASONING, "include_reasoning"))
-        if request.chat_template_kwargs:
-            found.append((CHAT_TEMPLATE_KWARGS, "chat_template_kwargs"))
-        if request.thinking_token_budget is not None:
-            found.append((THINKING_TOKEN_BUDGET, "thinking_token_budget"))
+        reasoning = request.reasoning
+        if reasoning is not None:
+            for name, used_ in (
+                (REASONING_EFFORT, reasoning.effort),
+                (INCLUDE_REASONING, not reasoning.include),
+                (CHAT_TEMPLATE_KWARGS, reasoning.template_kwargs),
+                (THINKING_TOKEN_BUDGET, reasoning.budget is not None),
+            ):
+                if used_:
+                    found.append((name, name))
     if _sampling_values(request.sampling) != _SAMPLING_UNUSED:
         s = request.sampling
         for name, value in (

@@ -126,6 +126,22 @@ _optional_values = attrgetter(*OPTIONAL_SAMPLING)
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningParams:
+    """vLLM's reasoning parameters, which a reasoning model's chat template and its
+    server's reasoning parser read; each at the value that asks nothing by default."""
+
+    #: How hard it thinks ("": the model's default).
+    effort: str = ""
+    #: Whether its reasoning is sent (vLLM's `include_reasoning`).
+    include: bool = True
+    #: The chat template's own arguments, such as `enable_thinking` (a JSON object's
+    #: text; "": none).
+    template_kwargs: str = ""
+    #: The most tokens it may think (vLLM's `thinking_token_budget`); None: no bound.
+    budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One request for `n` answers (choices): a text prompt or chat messages,
     never both. Fields past `request_id` are the additive ones of the worker
@@ -144,15 +160,8 @@ class GenerateRequest:
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     user: str = ""
-    #: vLLM's reasoning parameters, which a reasoning model's chat template and its
-    #: server's reasoning parser read: how hard it thinks ("": the model's default),
-    #: whether its reasoning is sent, and the template's own arguments (a JSON object's
-    #: text; "": none), such as `enable_thinking`.
-    reasoning_effort: str = ""
-    include_reasoning: bool = True
-    chat_template_kwargs: str = ""
-    #: The most tokens it may think (vLLM's `thinking_token_budget`); None: no bound.
-    thinking_token_budget: int | None = None
+    #: vLLM's reasoning parameters; None: none given (most requests).
+    reasoning: ReasoningParams | None = None
     #: The conversation this request continues, for session affinity only (never sent to a
     #: worker): the `x-session-id` header, or a route's own key (the Responses API's
     #: `previous_response_id`); "": none, and the fleet falls back to `user`.

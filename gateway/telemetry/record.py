@@ -107,7 +107,7 @@ class RequestRecord:
                         self.finished = event
                 elif isinstance(event, Started):
                     self.prompt_tokens = event.prompt_tokens
-                elif isinstance(event, ToolCallDelta | Reasoning):
+                elif type(event) is ToolCallDelta or type(event) is Reasoning:
                     tokens += event.tokens
         tokens += sum(map(_tokens, texts))
         if tokens:

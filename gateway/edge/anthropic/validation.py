@@ -53,7 +53,14 @@ from gateway.edge.openai.validation import (
     _string,
     model_of,
 )
-from gateway.protocol.types import GenerateRequest, Message, SamplingParams, Tool, ToolCall
+from gateway.protocol.types import (
+    GenerateRequest,
+    Message,
+    ReasoningParams,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
 
 #: Fields of a Messages body this gateway serves.
 MESSAGE_FIELDS = frozenset(
@@ -485,7 +492,7 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         sampling=sampling,
         stop=_stop_sequences(body),
         user=_user(body),
-        thinking_token_budget=budget,
+        reasoning=None if budget is None else ReasoningParams(budget=budget),
         **fields,
     )
     return ParsedRequest(model, request, _flag(body, "stream"), False, show_reasoning=shown)

@@ -361,8 +361,8 @@ class WriteNow(Protocol):
         """Whether a chunk would be written now."""
         ...
 
-    def __call__(self, body: bytes) -> bool:
-        """Writes `body` if it can now; whether it did."""
+    def write(self, body: bytes) -> None:
+        """Writes `body`, once `writable` said it would be, in the same callback."""
         ...
 
 
@@ -376,7 +376,7 @@ class _Sink:
     encodes. The first token so skips the wake of the request's task and its chain of
     coroutines, as every later one does."""
 
-    __slots__ = ("delta", "encoder", "opening", "record", "write_now")
+    __slots__ = ("delta", "encoder", "opening", "record", "writable", "write")
 
     def __init__(
         self, record: RequestRecord, encoder: Encoder, write_now: WriteNow | None, opening: bytes
@@ -384,41 +384,49 @@ class _Sink:
         self.record = record
         self.encoder = encoder
         self.delta = encoder.delta
-        self.write_now = write_now
         self.opening = opening
+        # installed as the pump's sink only with one; the loop's holder of `opening` else
+        self.writable = _never if write_now is None else write_now.writable
+        self.write = _nowhere if write_now is None else write_now.write
 
     def __call__(self, batch: list[Event]) -> bool:
-        write_now = self.write_now
-        assert write_now is not None  # installed only with one
         if len(batch) == 1:  # the usual: a read brings a token
             event = batch[0]
             if type(event) is not Text:
-                return type(event) is Reasoning and self._thoughts(batch, write_now)
+                return type(event) is Reasoning and self._thoughts(batch)
             text = event.text
         else:
             pieces = []
             for event in batch:
                 if type(event) is not Text:
-                    return self._thoughts(batch, write_now)
+                    return self._thoughts(batch)
                 pieces.append(event.text)
             text = "".join(pieces)
         if text:
-            if not write_now.writable():
+            if not self.writable():
                 return False
-            write_now(self.opening + self.delta(text))
+            self.write(self.opening + self.delta(text))
             self.opening = b""
         self.record.take_texts(batch)
         return True
 
-    def _thoughts(self, batch: list[Event], write_now: WriteNow) -> bool:
+    def _thoughts(self, batch: list[Event]) -> bool:
         """A batch of texts and reasoning, in its order; False for any other."""
         if not all(type(event) is Text or type(event) is Reasoning for event in batch):
             return False
-        if not write_now.writable():
+        if not self.writable():
             return False
         chunks = self.encoder.deltas(batch)
         if chunks:
-            write_now(self.opening + chunks)
+            self.write(self.opening + chunks)
             self.opening = b""
         self.record.take_texts(batch)
         return True
+
+
+def _never() -> bool:
+    return False
+
+
+def _nowhere(body: bytes) -> None:
+    raise AssertionError("written without a connection to write to")

@@ -31,6 +31,7 @@ from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
     Message,
+    ReasoningParams,
     ResponseFormat,
     SamplingParams,
     Tool,
@@ -678,8 +679,8 @@ _CHAT_FIELDS = frozenset(
 )
 
 
-def _reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's reasoning parameters, as `GenerateRequest` fields (those given alone)."""
+def _reasoning(body: Mapping[str, Any]) -> ReasoningParams | None:
+    """vLLM's reasoning parameters (None: none that asks anything)."""
     fields: dict[str, Any] = {}
     effort = _string(body, "reasoning_effort")
     if effort is not None:
@@ -689,9 +690,9 @@ def _reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
                 "Invalid value for 'reasoning_effort': expected one of "
                 f"{', '.join(REASONING_EFFORTS)}.",
             )
-        fields["reasoning_effort"] = effort
+        fields["effort"] = effort
     if body.get("include_reasoning") is not None:
-        fields["include_reasoning"] = _flag(body, "include_reasoning")
+        fields["include"] = _flag(body, "include_reasoning")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
@@ -707,11 +708,15 @@ def _reasoning(body: Mapping[str, Any]) -> dict[str, Any]:
                 "bytes of JSON.",
             )
         if kwargs:
-            fields["chat_template_kwargs"] = text.decode()
+            fields["template_kwargs"] = text.decode()
     budget = _int(body, "thinking_token_budget", -1, UINT32_MAX)
     if budget is not None and budget != -1:  # vLLM's -1: no bound
-        fields["thinking_token_budget"] = budget
-    return fields
+        fields["budget"] = budget
+    reasoning = ReasoningParams(**fields)
+    return None if reasoning == _NO_REASONING else reasoning
+
+
+_NO_REASONING = ReasoningParams()
 
 
 def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
@@ -732,7 +737,7 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "tool_choice": _tool_choice(body, tools),
         "parallel_tool_calls": parallel if tools else None,
         "response_format": _response_format(body, schemas),
-        **_reasoning(body),
+        "reasoning": _reasoning(body),
     }
     return _common(body, model, fields, request_id)
 

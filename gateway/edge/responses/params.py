@@ -50,6 +50,7 @@ from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
     Message,
+    ReasoningParams,
     ResponseFormat,
     SamplingParams,
     Tool,
@@ -105,7 +106,7 @@ class ResponsesBody:
     user: str
     session: str
     echo: dict[str, Any]
-    reasoning_effort: str = ""
+    reasoning: ReasoningParams | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -577,7 +578,7 @@ def parse(body: Any) -> ResponsesBody:
         user=user,
         session=session,
         echo=echo,
-        reasoning_effort=effort,
+        reasoning=ReasoningParams(effort=effort) if effort else None,
     )
 
 
@@ -623,5 +624,5 @@ def generate_request(
         response_format=body.response_format,
         user=body.user,
         session=session,
-        reasoning_effort=body.reasoning_effort,
+        reasoning=body.reasoning,
     )

@@ -19,6 +19,7 @@ from gateway.protocol.types import (
     Embeddings,
     EmbedRequest,
     GenerateRequest,
+    ReasoningParams,
     ResponseFormat,
     TokenLogprob,
 )
@@ -167,18 +168,26 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["response_format"] = _response_format(request.response_format)
     if request.user:
         body["user"] = request.user
-    if request.reasoning_effort:
-        body["reasoning_effort"] = request.reasoning_effort
-    if not request.include_reasoning:
-        body["include_reasoning"] = False
-    if request.chat_template_kwargs:
-        body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)
-    if request.thinking_token_budget is not None:
-        body["thinking_token_budget"] = request.thinking_token_budget
+    if request.reasoning is not None:
+        body.update(_reasoning(request.reasoning))
     return body
 
 
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+def _reasoning(reasoning: ReasoningParams) -> dict[str, Any]:
+    """vLLM's reasoning fields, those that ask something."""
+    fields: dict[str, Any] = {}
+    if reasoning.effort:
+        fields["reasoning_effort"] = reasoning.effort
+    if not reasoning.include:
+        fields["include_reasoning"] = False
+    if reasoning.template_kwargs:
+        fields["chat_template_kwargs"] = orjson.loads(reasoning.template_kwargs)
+    if reasoning.budget is not None:
+        fields["thinking_token_budget"] = reasoning.budget
+    return fields
 
 
 def _response_format(format: ResponseFormat) -> dict[str, Any]:
