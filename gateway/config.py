@@ -33,6 +33,8 @@ TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 UPSTREAMS = ("grpc", "openai", "vllm-grpc", "kserve-grpc")
 #: The tool-call formats of `vllm-grpc` models (gateway.protocol.tool_calls.PARSERS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+#: `reasoning_parser` values (`gateway.protocol.reasoning.PARSERS`).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: `log_format`'s choices: `log_setup.FORMATTERS`' names (a layer of its own: not imported)
 LOG_FORMATS = ("text", "json")
@@ -282,6 +284,14 @@ class ModelConfig:
         "(Hermes, Qwen 2.5/3) or `llama3_json` (Llama 3.x), as vLLM's `--tool-call-parser`; "
         "none: the model takes no `tools` (forced calls neither)",
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "with `upstream: vllm-grpc`: how a reasoning model opens its thought, as vLLM's "
+        "`--reasoning-parser`: `deepseek_r1` (the template opens it: the answer is "
+        "reasoning up to `</think>`) or `qwen3` (the model opens it with `<think>`); its "
+        "reasoning then reaches clients apart from its text; none: the answer is all text",
+        choices=REASONING_PARSERS,
     )
     plain_text_contents: bool = setting(
         True,
@@ -974,6 +984,11 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
         raise ConfigError(
             f"{where}.tool_call_parser: with upstream: vllm-grpc, one of "
             f"{', '.join(TOOL_CALL_PARSERS)}"
+        )
+    if model.reasoning_parser is not None and model.upstream != "vllm-grpc":
+        raise ConfigError(
+            f"{where}.reasoning_parser: with upstream: vllm-grpc (an OpenAI-compatible "
+            "server parses its own), one of " + ", ".join(REASONING_PARSERS)
         )
     for i, entry in enumerate(model.workers):
         is_url = entry.startswith(("http://", "https://"))

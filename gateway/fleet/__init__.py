@@ -136,6 +136,7 @@ class Fleet:
                 model=model.name,
                 tokenizer=model.tokenizer,
                 tool_call_parser=model.tool_call_parser,
+                reasoning_parser=model.reasoning_parser,
                 plain_text_contents=model.plain_text_contents,
                 credentials=self._credentials(),
             )

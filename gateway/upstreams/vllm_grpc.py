@@ -16,7 +16,9 @@ token ids, so the gateway does what vLLM's own front end would:
   here), response_format and forced tool calls as the proto's JSON constraints
   (`gateway.protocol.tool_calls.required_schema`), tools through the chat
   template and the model's tool-call format (`tool_call_parser`) over each
-  choice's text, the extra sampling fields and seed; `user` is logged only;
+  choice's text, a reasoning model's reasoning cut from its text
+  (`reasoning_parser`, `gateway.protocol.reasoning`), the extra sampling fields and
+  seed; `user` is logged only;
   embeddings through `Embed` for an embedding model. Images are not served
   (see `VllmGrpcUpstream.features`).
 
@@ -74,6 +76,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from gateway.protocol import errors, features, tool_calls
 from gateway.protocol.grpc_h2 import ServerStream, StreamCall, StreamChannel
 from gateway.protocol.kv_blocks import KvBatch
+from gateway.protocol.reasoning import ReasoningSplitter
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
@@ -86,6 +89,7 @@ from gateway.protocol.types import (
     FinishReason,
     GenerateRequest,
     Message,
+    Reasoning,
     Started,
     Text,
     TokenLogprob,
@@ -210,6 +214,7 @@ class _Choice:
         "plain",
         "received",
         "stop",
+        "thoughts",
     )
 
     def __init__(self, call: VllmGrpcCall, index: int) -> None:
@@ -217,13 +222,21 @@ class _Choice:
         self.index = index
         self.detok = upstream.tokenizer.detokenizer()
         parser = tool_calls.for_request(request, upstream.tool_call_parser)
+        #: A reasoning model's: its reasoning cut from its text; None: no parser.
+        self.thoughts = (
+            None
+            if upstream.reasoning_parser is None
+            else ReasoningSplitter(upstream.reasoning_parser)
+        )
         #: Nothing between the detokenizer and our events (no tool-call parser, stop
-        #: strings, logprobs or min_tokens): each message's text is one `Text` at once.
+        #: strings, logprobs, min_tokens or reasoning): each message's text is one `Text`
+        #: at once.
         self.plain = (
             parser is None
             and not any(request.stop)
             and request.logprobs is None
             and not request.sampling.min_tokens
+            and self.thoughts is None
         )
         if not self.plain:  # a plain choice has neither: `_plain` and `_finish` stand in
             self.stop = StopMatcher(request.stop)
@@ -546,9 +559,24 @@ class VllmGrpcCall(StreamBookkeeping):
         text = choice.detok.feed([i for i in ids if i not in hidden])
         more, stopped = choice.stop.feed(text)
         released += more
+        if choice.thoughts is not None:
+            released, count = self._think(choice, choice.thoughts.feed(released), count)
         self._pending.extend(choice.calls.feed(released, count, scores))
         if stopped:  # a stop string: the choice ends here
             self._finish(choice, FinishReason.STOP, choice.received, flush=False)
+
+    def _think(self, choice: _Choice, split: tuple[str, str], tokens: int) -> tuple[str, int]:
+        """A piece's reasoning as a `Reasoning` (with the piece's tokens where it holds
+        no text), unless the request asked for none (vLLM's `include_reasoning`); the
+        text and the tokens left for it."""
+        thought, text = split
+        if thought:
+            shown = self._request.reasoning is None or self._request.reasoning.include
+            if shown:
+                self._pending.append(Reasoning(thought, 0 if text else tokens, choice.index))
+            if not text:
+                return "", 0 if shown else tokens
+        return text, tokens
 
     def _finish(
         self, choice: _Choice, reason: FinishReason, completion_tokens: int, *, flush: bool = True
@@ -564,6 +592,10 @@ class VllmGrpcCall(StreamBookkeeping):
             if flush:
                 released, stopped = choice.stop.feed(choice.detok.flush())
                 rest = released if stopped else released + choice.stop.flush()
+                if choice.thoughts is not None:
+                    thought, text = choice.thoughts.feed(rest)
+                    more_thought, more_text = choice.thoughts.flush()
+                    rest, _ = self._think(choice, (thought + more_thought, text + more_text), 0)
                 self._pending.extend(choice.calls.feed(rest, choice.held))
                 choice.held = 0
                 if stopped:
@@ -675,6 +707,7 @@ class VllmGrpcUpstream:
         tool_call_parser: str | None = None,
         credentials: WorkerCredentials | None = None,
         plain_text_contents: bool = True,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.address = address
         self.model = model
@@ -683,6 +716,9 @@ class VllmGrpcUpstream:
         self.plain_contents = plain_text_contents
         #: The format the model writes tool calls in; None: it takes no tools.
         self.tool_call_parser = tool_call_parser
+        #: How the model opens its thought (`gateway.protocol.reasoning`); None: its
+        #: answer is all text.
+        self.reasoning_parser = reasoning_parser
         self._channel = open_channel(address, credentials)
         #: Generate's streams, read on the loop (`gateway.protocol.grpc_h2`): half
         #: grpc.aio's CPU a token. To an address that is not host:port (a `dns:///`
@@ -749,6 +785,8 @@ class VllmGrpcUpstream:
         served = GENERATIVE
         if self.tool_call_parser is not None and self.tokenizer.reads_tools:
             served |= {features.TOOLS}
+        if self.reasoning_parser is not None:
+            served |= {features.INCLUDE_REASONING}
         return served
 
     async def count_tokens(
