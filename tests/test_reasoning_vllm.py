@@ -173,3 +173,23 @@ def test_over_vllm_s_grpc_server_the_gateway_parses_as_vllm_s_server_does(
     assert streams[0][-1].usage.completion_tokens == streams[1][-1].usage.completion_tokens
     hidden = whole(ask(through, GRPC_MODEL, extra_body={"include_reasoning": False}, **extra))
     assert hidden[0] is None and hidden[1] == ours[1]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"reasoning_effort": "none"},  # vLLM: enable_thinking off for the template
+        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+    ],
+)
+def test_over_vllm_s_grpc_server_the_template_takes_its_variables_as_vllm_s_does(clients, extra):
+    # the tiny thinking model's template opens the thought unless `enable_thinking` is
+    # false: the gateway renders it so, as vLLM's server does for the same request
+    through, direct = clients
+    ours, theirs = (
+        ask(through, GRPC_MODEL, max_tokens=20, **extra),
+        ask(direct, max_tokens=20, **extra),
+    )
+    opened = ask(through, GRPC_MODEL, max_tokens=20)
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens == opened.usage.prompt_tokens - 1
+    assert whole(ours) == whole(theirs)

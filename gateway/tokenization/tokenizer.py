@@ -31,7 +31,7 @@ import functools
 import json
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,6 +57,7 @@ class TokenizerError(ValueError):
 
 #: A message as the chat template reads it (tool calls' arguments parsed).
 _message_dict = functools.partial(message_dict, parsed_arguments=True)
+_NO_OPTIONS: Mapping[str, Any] = {}
 _content = operator.attrgetter("content")
 
 
@@ -140,21 +141,31 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] = (),
+        options: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt the chat template makes of `messages` (and the `tools` the
         model may call: None to the template when there are none, as
-        transformers passes them), ready for the answer."""
+        transformers passes them), ready for the answer; `options`: the client's own
+        template variables (`chat_template_kwargs`, such as `enable_thinking`), which
+        never replace the ones set here."""
         if self._template is None:
             raise errors.Invalid(
                 "This model has no chat template; use /v1/completions.", param="messages"
             )
         try:
             return self._template.render(
-                messages=list(map(_message_dict, messages)),  # (in C: no comprehension)
-                tools=[tool_dict(t) for t in tools] if tools else None,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+                {
+                    **(options or _NO_OPTIONS),
+                    "messages": list(map(_message_dict, messages)),  # (in C: no comprehension)
+                    "tools": [tool_dict(t) for t in tools] if tools else None,
+                    "add_generation_prompt": True,
+                    "bos_token": self.bos_token,
+                    "eos_token": self.eos_token,
+                }
             )
         except errors.GatewayError:
             raise
@@ -196,13 +207,14 @@ class ModelTokenizer:
         tools: Sequence[Tool] = (),
         *,
         plain_contents: bool = False,
+        options: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The ids of a request's prompt: its text, or its messages (with its
-        tools) through the template; with `plain_contents`, special-token strings in
-        the messages' contents stay text."""
+        tools and template `options`) through the template; with `plain_contents`,
+        special-token strings in the messages' contents stay text."""
         if messages is None:
             return self.encode(prompt or "", add_special_tokens=True)
-        rendered = self.render_chat(messages, tools)
+        rendered = self.render_chat(messages, tools, options)
         if not plain_contents or self._special_text is None:
             return self.encode(rendered, add_special_tokens=False)
         search = self._special_text.search

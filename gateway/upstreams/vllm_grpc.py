@@ -65,9 +65,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import grpc
+import orjson
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as common
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -90,6 +91,7 @@ from gateway.protocol.types import (
     GenerateRequest,
     Message,
     Reasoning,
+    ReasoningParams,
     Started,
     Text,
     TokenLogprob,
@@ -162,6 +164,19 @@ def _check_chars(chars: int, param: str) -> None:
             f"{MAX_PROMPT_CHARS}.",
             param=param,
         )
+
+
+def template_options(reasoning: ReasoningParams) -> dict[str, Any] | None:
+    """The chat template's variables a request's reasoning parameters set, as vLLM's
+    server sets them: `chat_template_kwargs`, and `reasoning_effort` (with
+    `enable_thinking` off for "none", unless the kwargs say otherwise)."""
+    options: dict[str, Any] = {}
+    if reasoning.template_kwargs:
+        options = orjson.loads(reasoning.template_kwargs)
+    if reasoning.effort:
+        options.setdefault("reasoning_effort", reasoning.effort)
+        options.setdefault("enable_thinking", reasoning.effort != "none")
+    return options or None
 
 
 def prompt_chars(
@@ -787,6 +802,8 @@ class VllmGrpcUpstream:
             served |= {features.TOOLS}
         if self.reasoning_parser is not None:
             served |= {features.INCLUDE_REASONING}
+        if self.tokenizer.has_chat_template:  # the template's variables, as vLLM sets them
+            served |= {features.REASONING_EFFORT, features.CHAT_TEMPLATE_KWARGS}
         return served
 
     async def count_tokens(
@@ -841,13 +858,20 @@ class VllmGrpcUpstream:
         tools = request.tools if request.tool_choice != "none" else ()
         prompt, messages = request.prompt, request.messages
         chars = prompt_chars(prompt, messages, tools)
+        reasoning = request.reasoning
+        options = None if reasoning is None else template_options(reasoning)
         if chars <= INLINE_CHARS:  # (below MAX_PROMPT_CHARS: nothing to refuse)
             return self.tokenizer.prompt_ids(
-                prompt, messages, tools, plain_contents=self.plain_contents
+                prompt, messages, tools, plain_contents=self.plain_contents, options=options
             )
         _check_chars(chars, "prompt" if messages is None else "messages")
         make = functools.partial(
-            self.tokenizer.prompt_ids, prompt, messages, tools, plain_contents=self.plain_contents
+            self.tokenizer.prompt_ids,
+            prompt,
+            messages,
+            tools,
+            plain_contents=self.plain_contents,
+            options=options,
         )
         return await _off_loop(make)
 

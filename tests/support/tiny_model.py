@@ -69,8 +69,9 @@ def build_tokenizer(thinking: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on a few sentences (any text round-trips), its ids
     reordered so the bytes of FIRST come first and the special tokens last. `thinking`:
     with `<think>` and `</think>` last (added tokens, not special ones, as DeepSeek-R1's),
-    and a template whose answer begins in thought (DeepSeek-R1's way), for vLLM's
-    `deepseek_r1` reasoning parser."""
+    and a template whose answer begins in thought (DeepSeek-R1's way) unless its
+    `enable_thinking` is false (Qwen3's variable), for vLLM's `deepseek_r1` reasoning
+    parser."""
     specials = [*SPECIALS, *THINKING] if thinking else SPECIALS
     trainer = trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -96,7 +97,10 @@ def build_tokenizer(thinking: bool = False) -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHAT_TEMPLATE
     if thinking:
-        fast.chat_template = CHAT_TEMPLATE.replace("<|assistant|>{%", "<|assistant|><think>{%")
+        thought = "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}"
+        fast.chat_template = CHAT_TEMPLATE.replace(
+            "<|assistant|>{%", "<|assistant|>" + thought + "{%"
+        )
     return fast
 
 
