@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from gateway.edge.http_protocol import _HeadHold, _WriteNow
+from tests.support.streams import noted_writes
 from tests.support.waiting import HANG_GUARD
 
 
@@ -147,14 +148,7 @@ def test_expect_100_continue_is_answered_before_the_body_is_sent(gateway):
 def test_a_paced_streams_tokens_are_written_in_the_callback_that_brought_them(
     gateway, monkeypatch: pytest.MonkeyPatch
 ):
-    written: list[bytes] = []
-    write = _WriteNow.write
-
-    def noted(self: _WriteNow, body: bytes) -> None:
-        write(self, body)
-        written.append(body)
-
-    monkeypatch.setattr(_WriteNow, "write", noted)
+    written = noted_writes(monkeypatch)
     words = "one two three four five"
     body = {
         "model": "furnace-slow",  # a token every 50 ms: each comes while the edge waits

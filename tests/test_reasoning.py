@@ -27,11 +27,11 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.edge.http_protocol import _WriteNow
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.requests import user
 from tests.support.servers import DEMO_MODEL, Gateway
+from tests.support.streams import noted_writes, said
 from tests.support.waiting import HANG_GUARD
 
 MODEL = "thinker"
@@ -69,21 +69,11 @@ def sdk(gw: Gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", timeout=HANG_GUARD)
 
 
-def said(chunks: list[Any]) -> list[tuple[str, str]]:
-    """What a stream's deltas say, in order, as (field, text), runs of a field joined."""
-    out: list[tuple[str, str]] = []
-    for chunk in chunks:
-        for choice in chunk.choices:
-            delta = choice.delta.model_dump(exclude_none=True)
-            for field in ("reasoning", "content"):
-                text = delta.get(field)
-                if not text:
-                    continue
-                if out and out[-1][0] == field:
-                    out[-1] = (field, out[-1][1] + text)
-                else:
-                    out.append((field, text))
-    return out
+def streamed_and_whole(gw: Gateway) -> tuple[list[Any], Any]:
+    """A chat's stream's chunks and its whole answer, for the same request."""
+    with sdk(gw) as client:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
+        return chunks, client.chat.completions.create(model=MODEL, messages=user("hi"))
 
 
 def test_a_stream_carries_the_reasoning_before_the_answer(thinker):
@@ -113,14 +103,7 @@ def test_paced_reasoning_is_written_in_the_callback_that_brought_it(thinker, mon
     # call pushes what it reads (the gateway's own connections: plain HTTP)
     server, gw = thinker
     server.pace = 0.03
-    written: list[bytes] = []
-    write = _WriteNow.write
-
-    def noted(self: _WriteNow, body: bytes) -> None:
-        write(self, body)
-        written.append(body)
-
-    monkeypatch.setattr(_WriteNow, "write", noted)
+    written = noted_writes(monkeypatch)
     with sdk(gw) as client:
         chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
     assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
@@ -143,9 +126,7 @@ def test_a_whole_answer_holds_its_reasoning_in_the_message(thinker):
 def test_an_older_server_s_reasoning_content_is_read_and_sent_as_reasoning(thinker):
     server, gw = thinker
     server.reasoning_field = "reasoning_content"
-    with sdk(gw) as client:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
-        answer = client.chat.completions.create(model=MODEL, messages=user("hi"))
+    chunks, answer = streamed_and_whole(gw)
     assert said(chunks) == [("reasoning", "".join(THOUGHTS)), ("content", "hello")]
     assert answer.choices[0].message.model_dump()["reasoning"] == "".join(THOUGHTS)
 
@@ -154,9 +135,7 @@ def test_an_answer_that_is_all_reasoning_is_sent_whole(thinker):
     # cut before the model stopped thinking (its max_tokens): reasoning and no text
     server, gw = thinker
     server.reply = ""
-    with sdk(gw) as client:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), stream=True))
-        answer = client.chat.completions.create(model=MODEL, messages=user("hi"))
+    chunks, answer = streamed_and_whole(gw)
     assert said(chunks) == [("reasoning", "".join(THOUGHTS))]
     assert answer.choices[0].message.content is None  # as vLLM's server says it
     assert answer.choices[0].message.model_dump()["reasoning"] == "".join(THOUGHTS)

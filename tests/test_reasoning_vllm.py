@@ -20,6 +20,7 @@ from gateway.config import Config, ModelConfig
 from tests.support.conformance import vllm_metric
 from tests.support.requests import user
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
+from tests.support.streams import said
 from tests.support.tiny_model import THINKING, build_tiny_model
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -83,21 +84,6 @@ def clients(front: Gateway, thinker: VllmProcess) -> Iterator[tuple[openai.OpenA
     assert_nothing_left(front, None)
     running = lambda: vllm_metric(thinker.port, "vllm:num_requests_running")  # noqa: E731
     wait_until(lambda: running() == 0, "vLLM to be idle")
-
-
-def said(chunks: list[Any]) -> list[tuple[str, str]]:
-    """A stream's deltas, in order, as (field, text), runs of a field joined."""
-    out: list[tuple[str, str]] = []
-    for chunk in chunks:
-        for choice in chunk.choices:
-            delta = choice.delta.model_dump(exclude_none=True)
-            for field in ("reasoning", "content"):
-                text = delta.get(field)
-                if text and out and out[-1][0] == field:
-                    out[-1] = (field, out[-1][1] + text)
-                elif text:
-                    out.append((field, text))
-    return out
 
 
 def whole(answer: Any) -> tuple[str | None, str | None]:
