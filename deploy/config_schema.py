@@ -72,6 +72,7 @@ CHART_MODEL_FIELDS = {
     "fallbacks": "fallbacks",
     "prices": "prices",
     "toolCallParser": "tool_call_parser",
+    "reasoningParser": "reasoning_parser",
     "plainTextContents": "plain_text_contents",
     "queue": "queue",
     "routing": "routing",

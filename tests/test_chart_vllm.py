@@ -74,6 +74,7 @@ EVERY_SETTING: dict[str, Any] = {
             "routing": {"policy": "kv_aware", "running_cost": 32, "max_engine_waiting": 8},
             "queue": {"max_depth": 64},
             "toolCallParser": "hermes",
+            "reasoningParser": "qwen3",
             "plainTextContents": False,
         },
         {
@@ -213,6 +214,7 @@ def test_every_model_setting_reaches_the_gateway_loader(
     assert llama.routing == RoutingConfig(running_cost=32, max_engine_waiting=8)
     assert llama.queue == QueueConfig(max_wait=5, max_depth=64)
     assert (llama.tool_call_parser, llama.plain_text_contents) == ("hermes", False)
+    assert llama.reasoning_parser == "qwen3"
     assert openai.routing is not None and openai.routing.policy == "least_load"
     assert openai.routing.kv_events == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),)
     assert openai.routing.kv_replay == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5558"),)
@@ -240,6 +242,7 @@ def test_every_model_setting_reaches_the_gateway_loader(
         {"queue": {"max_depth": 0}},
         {"queue": {"max_wait": 1, "depth": 4}},
         {"toolCallParser": "mistral"},
+        {"reasoningParser": "granite"},
         {"plainTextContents": "no"},
         {"apiKey": {"key": "token"}},
         {"ca": {"configMap": "a", "existingSecret": "b"}},
@@ -255,6 +258,7 @@ def test_the_schema_refuses_bad_model_settings(edits: dict[str, Any], tmp_path: 
     ("index", "edits", "message"),
     [
         (0, {"toolCallParser": "hermes"}, "models[0].toolCallParser: only for upstream vllm-grpc"),
+        (0, {"reasoningParser": "qwen3"}, "models[0].reasoningParser: only for upstream vllm-grpc"),
         (0, {"plainTextContents": True}, "models[0].plainTextContents: only for upstream"),
         (1, {"apiKey": {"existingSecret": "k"}}, "apiKey and ca are for upstream openai"),
         (1, {"ca": {"configMap": "ca"}}, "apiKey and ca are for upstream openai"),

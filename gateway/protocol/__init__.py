@@ -21,6 +21,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     kv_zmq.py        vLLM's KV-cache events as its ZMQ publisher sends them, as ours
     multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends
     stop.py          stop strings over a stream of text pieces, in linear time
+    reasoning.py     a reasoning model's answer cut into reasoning and text at `</think>`
     detokenize.py    ids to text as they come, never half a character (gateway and worker)
     tensors.py       KServe v2 tensors: datatypes, JSON tensors checked, raw contents packed
     inference.py     a KServe v2 inference, its result and a model's metadata, our types

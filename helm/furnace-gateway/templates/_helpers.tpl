@@ -253,7 +253,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- with $model.prices }}
 {{- $_ := set $entry "prices" . }}
 {{- end }}
-{{- range $name, $key := dict "toolCallParser" "tool_call_parser" "plainTextContents" "plain_text_contents" }}
+{{- range $name, $key := dict "toolCallParser" "tool_call_parser" "reasoningParser" "reasoning_parser" "plainTextContents" "plain_text_contents" }}
 {{- if hasKey $model $name }}
 {{- if ne $upstream "vllm-grpc" }}
 {{- fail (printf "models[%d].%s: only for upstream vllm-grpc" $i $name) }}
