@@ -11,13 +11,17 @@ from gateway.protocol.reasoning import ReasoningSplitter
 
 
 def split(parser: str, pieces: list[str]) -> tuple[str, str]:
+    """The answer in `pieces`, the last given as the last (`last`, as after a stop string)."""
     splitter = ReasoningSplitter(parser)
     thought, text = "", ""
-    for piece in pieces:
-        more_thought, more_text = splitter.feed(piece)
+    for i, piece in enumerate(pieces):
+        more_thought, more_text = (
+            splitter.last(piece) if i == len(pieces) - 1 else splitter.feed(piece)
+        )
         thought, text = thought + more_thought, text + more_text
-    more_thought, more_text = splitter.flush()
-    return thought + more_thought, text + more_text
+    if not pieces:
+        thought, text = splitter.flush()
+    return thought, text
 
 
 @pytest.mark.parametrize(

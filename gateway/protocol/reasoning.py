@@ -66,6 +66,12 @@ class ReasoningSplitter:
             text = text[:-keep]
         return text, ""
 
+    def last(self, text: str) -> tuple[str, str]:
+        """`feed` of the answer's last piece: nothing is held back after it."""
+        thought, answer = self.feed(text)
+        more_thought, more_answer = self.flush()
+        return thought + more_thought, answer + more_answer
+
     def flush(self) -> tuple[str, str]:
         """What was held back, once the answer ended."""
         held, self._held = self._held, ""

@@ -574,8 +574,10 @@ class VllmGrpcCall(StreamBookkeeping):
         text = choice.detok.feed([i for i in ids if i not in hidden])
         more, stopped = choice.stop.feed(text)
         released += more
-        if choice.thoughts is not None:
-            released, count = self._think(choice, choice.thoughts.feed(released), count)
+        thoughts = choice.thoughts
+        if thoughts is not None:  # after a stop string nothing follows: nothing held back
+            split = thoughts.last(released) if stopped else thoughts.feed(released)
+            released, count = self._think(choice, split, count)
         self._pending.extend(choice.calls.feed(released, count, scores))
         if stopped:  # a stop string: the choice ends here
             self._finish(choice, FinishReason.STOP, choice.received, flush=False)
@@ -608,9 +610,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 released, stopped = choice.stop.feed(choice.detok.flush())
                 rest = released if stopped else released + choice.stop.flush()
                 if choice.thoughts is not None:
-                    thought, text = choice.thoughts.feed(rest)
-                    more_thought, more_text = choice.thoughts.flush()
-                    rest, _ = self._think(choice, (thought + more_thought, text + more_text), 0)
+                    rest, _ = self._think(choice, choice.thoughts.last(rest), 0)
                 self._pending.extend(choice.calls.feed(rest, choice.held))
                 choice.held = 0
                 if stopped:
