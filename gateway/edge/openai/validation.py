@@ -679,17 +679,23 @@ _CHAT_FIELDS = frozenset(
 )
 
 
+def reasoning_effort(body: Mapping[str, Any], name: str, where: str = "") -> str | None:
+    """`body[name]`, one of vLLM's reasoning efforts (None: not given); `where` is the
+    path before the name, in a refusal."""
+    effort = _string(body, name, where)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise invalid(
+            where + name,
+            f"Invalid value for '{where}{name}': expected one of {', '.join(REASONING_EFFORTS)}.",
+        )
+    return effort
+
+
 def _reasoning(body: Mapping[str, Any]) -> ReasoningParams | None:
     """vLLM's reasoning parameters (None: none that asks anything)."""
     fields: dict[str, Any] = {}
-    effort = _string(body, "reasoning_effort")
+    effort = reasoning_effort(body, "reasoning_effort")
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise invalid(
-                "reasoning_effort",
-                "Invalid value for 'reasoning_effort': expected one of "
-                f"{', '.join(REASONING_EFFORTS)}.",
-            )
         fields["effort"] = effort
     if body.get("include_reasoning") is not None:
         fields["include"] = _flag(body, "include_reasoning")

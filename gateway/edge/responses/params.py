@@ -35,7 +35,6 @@ from gateway.edge.openai.validation import (
     _NAME,
     MAX_IMAGES,
     MAX_TOOLS,
-    REASONING_EFFORTS,
     SERVICE_TIERS,
     UINT32_MAX,
     _flag,
@@ -45,6 +44,7 @@ from gateway.edge.openai.validation import (
     _unserved,
     _user,
     model_of,
+    reasoning_effort,
 )
 from gateway.protocol.types import (
     ContentPart,
@@ -594,14 +594,7 @@ def _reasoning(body: Mapping[str, Any]) -> str:
             raise invalid(
                 f"reasoning.{name}", f"'reasoning.{name}' is not supported by this gateway."
             )
-    effort = _string(value, "effort", "reasoning.")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise invalid(
-            "reasoning.effort",
-            "Invalid value for 'reasoning.effort': expected one of "
-            f"{', '.join(REASONING_EFFORTS)}.",
-        )
-    return effort or ""
+    return reasoning_effort(value, "effort", "reasoning.") or ""
 
 
 def generate_request(
