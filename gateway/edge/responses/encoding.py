@@ -244,7 +244,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         thought = self._thought
         if thought is None:
-            out = self._close_message("completed", stream) + self._close_call("completed", stream)
+            out = self._close_item("completed", stream)
             thought = self._thought = _Thought(len(self.output))
             if stream:
                 added = {
@@ -272,6 +272,14 @@ class ResponsesEncoder(Encoder):
                 "content_index": 0,
                 "delta": text,
             },
+        )
+
+    def _close_item(self, status: str, stream: bool = True) -> bytes:
+        """The open item's closing events, whichever it is (one is open at a time)."""
+        return (
+            self._close_thought(status, stream)
+            + self._close_message(status, stream)
+            + self._close_call(status, stream)
         )
 
     def _close_thought(self, status: str, stream: bool = True) -> bytes:
@@ -309,11 +317,7 @@ class ResponsesEncoder(Encoder):
     def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
         status = self._status()
         item_status = "incomplete" if status == "incomplete" else "completed"
-        out = (
-            self._close_thought(item_status, stream)
-            + self._close_message(item_status, stream)
-            + self._close_call(item_status, stream)
-        )
+        out = self._close_item(item_status, stream)
         self.final = self._object(status, prompt_tokens, completion_tokens)
         if not stream:
             return b""
@@ -387,8 +391,7 @@ class ResponsesEncoder(Encoder):
                 if not item.text:
                     continue
                 if not self._message_id:
-                    out.append(self._close_call("completed", stream))
-                    out.append(self._close_thought("completed", stream))
+                    out.append(self._close_item("completed", stream))
                     opening = self._open_message()
                     if stream:
                         out.append(opening)
@@ -407,11 +410,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         call = self._calls.get(piece.call_index)
         if call is None:
-            out = (
-                self._close_thought("completed", stream)
-                + self._close_message("completed", stream)
-                + self._close_call("completed", stream)
-            )
+            out = self._close_item("completed", stream)
             index = len(self.output)
             call_id = piece.id or new_id("call")
             call = self._calls[piece.call_index] = _Call(call_id, piece.name, index)
@@ -454,12 +453,7 @@ class ResponsesEncoder(Encoder):
         """After the stream began, the worker failed: an `error` event, then
         `response.failed` with what was said so far (the head first, if it has not gone
         out)."""
-        out = (
-            self._heading()
-            + self._close_thought("incomplete")
-            + self._close_message("incomplete")
-            + self._close_call("incomplete")
-        )
+        out = self._heading() + self._close_item("incomplete")
         failed = self._object("failed")
         failed["error"] = {"code": error.code or error.type, "message": error.message}
         self.final = failed
