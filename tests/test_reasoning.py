@@ -215,7 +215,7 @@ def test_responses_reasoning_effort_reaches_the_server(thinker):
         encrypted = {"model": MODEL, "input": [item, {"role": "user", "content": "hi"}]}
         for body, param in [
             (summary, "reasoning.summary"),
-            (demo, "reasoning_effort"),
+            (demo, "reasoning.effort"),  # the gateway's own workers take no effort
             (bad, "reasoning.effort"),
             (encrypted, "input[0].encrypted_content"),
         ]:
@@ -279,7 +279,9 @@ def test_messages_thinking_budget_and_display(thinker):
         budget = {"type": "enabled", "budget_tokens": 1024}
         refused = http.post("/v1/messages", json={**demo, "thinking": budget})
         assert refused.status_code == 400, refused.text
-        assert "thinking_token_budget" in refused.json()["error"]["message"]
+        # named as this API names it, not as the check shared with chat does
+        assert "'thinking.budget_tokens'" in refused.json()["error"]["message"]
+        assert "thinking_token_budget" not in refused.json()["error"]["message"]
         disabled = {**demo, "max_tokens": 8, "thinking": {"type": "disabled"}}
         shown = http.post("/v1/messages", json=disabled)
         assert shown.status_code == 200, shown.text

@@ -473,7 +473,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         # the demo's workers take no reasoning effort (OpenAI-compatible servers do)
-        ({"reasoning": {"effort": "high"}}, "reasoning_effort"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 2}, "top_logprobs"),

@@ -20,11 +20,17 @@ from gateway.edge.request import Parts
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
+#: Chat's parameters (as the checks shared with chat name them) → this API's.
+CHAT_PARAMS = {
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "thinking_token_budget": "thinking.budget_tokens",
+}
 
 
 def anthropic_routes(parts: Parts, limits: InputLimits) -> dict[str, ASGIApp]:
     """Path → route, for the app's hot routes."""
-    messages = GenerationRoute(parse_messages, MessagesEncoder, parts, limits)
+    messages = GenerationRoute(parse_messages, MessagesEncoder, parts, limits, CHAT_PARAMS)
     count = CountTokensRoute(parts)
     for route in (messages, count):  # `AnthropicShape` sends their refusals' own codes
         route.sent_status = sent_status

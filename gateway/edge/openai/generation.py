@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
 from gateway.edge.asgi import WRITE_NOW_EXTENSION, Send, send_json
-from gateway.edge.errors import invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import KEEPALIVE, Encoder
 from gateway.edge.openai.input_limits import InputLimits
@@ -92,7 +92,9 @@ async def _ready(started: _T) -> _T:
 
 class GenerationRoute(RequestRoute[Exchange]):
     """/v1/chat/completions or /v1/completions, by its parser and encoder, in the edge's
-    request frame (request.py)."""
+    request frame (request.py). Another API's route (Responses, Messages) gives `params`:
+    chat's parameter names, as the checks it shares with chat (the model's features, the
+    limits, the worker) name them, to its own, which its refusals name instead."""
 
     exchange = Exchange
 
@@ -102,17 +104,30 @@ class GenerationRoute(RequestRoute[Exchange]):
         encoder_type: type[Encoder],
         parts: Parts,
         limits: InputLimits,
+        params: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(parts)
         self.parse = parse
         self.encoder_type = encoder_type
         self.limits = limits
+        self.params = params or {}
 
     def _usage(self, record: RequestRecord) -> dict[str, Any]:
         return {
             "gen_ai.usage.input_tokens": record.prompt_tokens,
             "gen_ai.usage.output_tokens": record.completion_tokens,
         }
+
+    async def _refuse(self, ex: Exchange, error: APIError) -> None:
+        """The refusal, naming this API's parameter where a shared check named chat's
+        (its leading name: `messages[2].content` is `input`'s on the Responses API)."""
+        param = error.param
+        if param and self.params:
+            ours = self.params.get(param.split("[", 1)[0].split(".", 1)[0])
+            if ours is not None:
+                error.message = error.message.replace(f"'{param}'", f"'{ours}'")
+                error.param = ours
+        await super()._refuse(ex, error)
 
     async def parse_body(self, body: Any, ex: Exchange) -> ParsedRequest:
         """The body as our request; a route whose parsing needs more than the body (the

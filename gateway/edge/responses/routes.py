@@ -50,6 +50,7 @@ CHAT_PARAMS = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 #: `GET .../input_items`: OpenAI's page size bounds and default.
 MAX_PAGE = 100
@@ -122,7 +123,7 @@ class ResponsesRoute(GenerationRoute):
     """`POST /v1/responses`."""
 
     def __init__(self, parts: Parts, limits: InputLimits, store: ResponseStore) -> None:
-        super().__init__(_parse_alone, ResponsesEncoder, parts, limits)
+        super().__init__(_parse_alone, ResponsesEncoder, parts, limits, CHAT_PARAMS)
         self.store = store
         self.max_depth = parts.config.responses_max_depth
         self.max_items = parts.config.max_messages
@@ -155,16 +156,6 @@ class ResponsesRoute(GenerationRoute):
                 f"Invalid 'input': the conversation would hold more than {self.max_items} items.",
             )
         return request
-
-    async def _refuse(self, ex: Exchange, error: APIError) -> None:
-        """The refusal, naming this API's parameter where a shared check (the model's
-        features, the limits, the worker) named chat's."""
-        param = error.param or ""
-        ours = CHAT_PARAMS.get(param.split("[", 1)[0].split(".", 1)[0])
-        if ours is not None:
-            error.message = error.message.replace(f"'{param}'", f"'{ours}'")
-            error.param = ours
-        await super()._refuse(ex, error)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
