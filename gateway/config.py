@@ -717,6 +717,13 @@ class Config:
         "seconds for each Redis call; past it the gateway serves with its local limits",
         minimum=0.001,
     )
+    redis_lease_ttl: float = setting(
+        10.0,
+        "seconds a request's concurrency lease lives in Redis unless its gateway renews "
+        "it (every third of this): how long a replica killed without draining keeps "
+        "counting its requests against their teams' `max_concurrent_requests`",
+        minimum=2.0,
+    )
     redis_key_prefix: str = setting(
         "furnace",
         "prefix of the Redis keys, so gateways of several deployments can share a Redis",

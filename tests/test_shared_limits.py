@@ -2,6 +2,8 @@
 processes), and what happens when Redis goes away and comes back."""
 
 import logging
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,20 @@ def store_up(admin_url: str) -> float | None:
     return None
 
 
+def replicas(tmp_path: Path, config: dict) -> tuple[list[str], list[str], list[Path]]:
+    """Two gateways' config files on `config`, each with its ports: their URLs, their
+    admin URLs and the files."""
+    urls, admins, paths = [], [], []
+    for name in ("one", "two"):
+        port, admin_port = free_port(), free_port()
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**config, "port": port, "admin_port": admin_port}))
+        urls.append(f"http://127.0.0.1:{port}")
+        admins.append(f"http://127.0.0.1:{admin_port}")
+        paths.append(path)
+    return urls, admins, paths
+
+
 def test_two_gateway_processes_enforce_one_limit_through_redis(
     redis_server, workers, tmp_path: Path
 ):
@@ -37,15 +53,7 @@ def test_two_gateway_processes_enforce_one_limit_through_redis(
             {"sha256": sha256(other), "team": "other"},
         ],
     }
-    urls, admins, paths = [], [], []
-    for name in ("one", "two"):
-        port = free_port()
-        path = tmp_path / f"{name}.yaml"
-        admin_port = free_port()
-        path.write_text(yaml.safe_dump({**config, "port": port, "admin_port": admin_port}))
-        urls.append(f"http://127.0.0.1:{port}")
-        admins.append(f"http://127.0.0.1:{admin_port}")
-        paths.append(path)
+    urls, admins, paths = replicas(tmp_path, config)
     with (
         running("serve", "--config", str(paths[0])) as one,
         running("serve", "--config", str(paths[1])) as two,
@@ -83,6 +91,49 @@ def test_two_gateway_processes_enforce_one_limit_through_redis(
             wait_until(lambda a=admin: store_up(a) == 1.0, "the metric to say Redis is back")
         statuses = [ask_at(url, shared).status_code for url in (*urls, *urls, *urls)]
         assert statuses == [200, 200, 200, 200, 429, 429]
+
+
+def test_a_killed_replica_s_requests_stop_counting_once_their_leases_expire(
+    redis_server, workers, tmp_path: Path
+):
+    # one concurrent request for the team, on either gateway; a lease lives 2 s
+    key = new_key("search")
+    config = {
+        "host": "127.0.0.1",
+        "log_level": "warning",
+        "redis_url": redis_server.url,
+        "redis_lease_ttl": 2,
+        "models": [{"name": SCRIPTED_MODEL, "workers": [workers.scripted.address]}],
+        "teams": {"search": {"max_concurrent_requests": 1}},
+        "keys": [{"sha256": sha256(key), "team": "search"}],
+    }
+    urls, _, paths = replicas(tmp_path, config)
+    hold = {"model": SCRIPTED_MODEL, "prompt": script(texts=1, hang="after"), "stream": True}
+    quick = {"model": SCRIPTED_MODEL, "prompt": script(texts=1)}
+    with (
+        running("serve", "--config", str(paths[0]), returncode=-signal.SIGKILL) as one,
+        running("serve", "--config", str(paths[1])) as two,
+        httpx.Client(timeout=HANG_GUARD) as client,
+        httpx.Client(base_url=urls[1], timeout=HANG_GUARD) as other,
+    ):
+        wait_ready(urls[0], one)
+        wait_ready(urls[1], two)
+        with client.stream(
+            "POST", urls[0] + "/v1/completions", json=hold, headers=bearer(key)
+        ) as held_stream:
+            held = opened(held_stream)
+            time.sleep(2.5)  # past a lease's first life: it is held by its renewals
+            assert_rate_limited(ask(other, key, **quick), "concurrent requests")
+            one.kill()  # no drain: its lease stays in Redis, unrenewed
+            one.wait(timeout=HANG_GUARD)
+            assert_rate_limited(ask(other, key, **quick), "concurrent requests")
+            # the lease's 2 s, not the 30 s leases lived before they could be set
+            wait_until(
+                lambda: ask(other, key, **quick).status_code == 200,
+                "the lease to expire",
+                timeout=10,
+            )
+            del held
 
 
 def test_tokens_and_concurrency_are_shared_and_a_lost_redis_is_logged(

@@ -28,8 +28,9 @@ A call to Redis that times out may still run when a stalled Redis resumes. An
 admission that timed out (or a release that failed) leaves its lease's member
 "uncertain": the next probes that find Redis up remove it from the team's
 leases (ZREM, twice, so an admit script that runs late is undone too). Leases
-are short-lived besides (`redis_store.LEASE_TTL`, renewed while the request
-runs), but 30 s of a phantom lease is a team refused for 30 s.
+are short-lived besides (`redis_lease_ttl`, 10 s, renewed every third of it while
+the request runs), but a phantom lease is a team held back that long: the same
+bound as a replica killed with requests in flight.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ log = logging.getLogger("furnace.limits")
 TICK = 0.5
 #: Seconds between checks that Redis answers.
 PROBE_INTERVAL = 1.0
-#: Seconds between renewals of the Redis leases of requests in flight (a third
-#: of their life, `redis_store.LEASE_TTL`).
-RENEW_INTERVAL = 10.0
+#: Renewals of the Redis leases of requests in flight in a lease's life
+#: (`redis_lease_ttl`): one missed (a Redis call that timed out) loses none.
+RENEWALS = 3
 #: Successful probes that remove an uncertain lease member (see above).
 UNCERTAIN_SWEEPS = 2
 #: How the store fails: `StoreDown` is a ConnectionError, so an OSError.
@@ -143,7 +144,12 @@ class Limiter:
         if config.redis_url is not None:
             from gateway.teams.redis_store import RedisStore
 
-            self.redis = RedisStore(config.redis_url, config.redis_timeout, config.redis_key_prefix)
+            self.redis = RedisStore(
+                config.redis_url,
+                config.redis_timeout,
+                config.redis_key_prefix,
+                config.redis_lease_ttl,
+            )
         #: Whether Redis answered last time (None: not asked yet).
         self.redis_up: bool | None = None
         self.leases: set[Lease] = set()
@@ -173,6 +179,7 @@ class Limiter:
 
     async def _run(self) -> None:
         probed = renewed = time.monotonic()
+        renew_interval = self.config.redis_lease_ttl / RENEWALS
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
@@ -181,7 +188,7 @@ class Limiter:
                 if self.redis is not None and now - probed >= PROBE_INTERVAL:
                     probed = now
                     await self._probe()
-                if now - renewed >= RENEW_INTERVAL:
+                if now - renewed >= renew_interval:
                     renewed = now
                     await self._renew()
             except Exception:  # the tick must outlive any surprise

@@ -16,7 +16,7 @@ left of the minute) and concurrency, and only if all fit, charge them and add
 the lease. Tokens charged later (as the answer streams) and refunds are one
 script each. Keys expire once drained. A lease is renewed by its gateway while
 the request lasts, so a gateway that dies stops holding its team's concurrency
-once its leases expire.
+once its leases expire (`redis_lease_ttl`, 10 s).
 
 Every call has a short timeout and no retries: the limiter falls back to local
 limits instead of waiting. Failures leave as `StoreDown` (an OSError) or
@@ -37,8 +37,9 @@ from redis.exceptions import RedisError
 
 from gateway.teams.team import Team
 
-#: Seconds a concurrency lease lives without renewal (renewed every 10 s).
-LEASE_TTL = 30.0
+#: Seconds a concurrency lease lives without renewal, unless the store is given
+#: another (`redis_lease_ttl`); its gateway renews it every third of that.
+LEASE_TTL = 10.0
 
 _DRAIN = """
 local now_t = redis.call('TIME')
@@ -128,9 +129,12 @@ class Admission:
 class RedisStore:
     """The shared store; every method raises `StoreDown` or `TimeoutError` on failure."""
 
-    def __init__(self, url: str, timeout: float, prefix: str) -> None:
+    def __init__(
+        self, url: str, timeout: float, prefix: str, lease_ttl: float = LEASE_TTL
+    ) -> None:
         self.timeout = timeout
         self.prefix = prefix
+        self.lease_ms = int(lease_ttl * 1000)
         self.client = Redis.from_url(
             url,
             socket_timeout=timeout,
@@ -178,7 +182,7 @@ class RedisStore:
             cost,
             config.max_concurrent_requests or 0,
             member,
-            int(LEASE_TTL * 1000),
+            self.lease_ms,
             -1 if reserve is None else reserve,
         ]
         async with self._bounded():
@@ -207,12 +211,12 @@ class RedisStore:
         """Pushes back the expiry of the leases still held, in one round trip."""
         async with self._bounded():
             now_ms = int((await self.client.time())[0]) * 1000
-            expiry = now_ms + int(LEASE_TTL * 1000)
+            expiry = now_ms + self.lease_ms
             pipe = self.client.pipeline(transaction=False)
             for team, member in leases:
                 key = self._key(team, "inflight")
                 pipe.zadd(key, {member: expiry}, xx=True)
-                pipe.pexpire(key, int(LEASE_TTL * 1000))
+                pipe.pexpire(key, self.lease_ms)
             await pipe.execute()
 
     async def close(self) -> None:

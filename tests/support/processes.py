@@ -24,9 +24,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(*args: str, output: list[str] | None = None) -> Iterator[subprocess.Popen]:
-    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit 0
-    (`output`: gets what it wrote, stdout and stderr together)."""
+def running(
+    *args: str, output: list[str] | None = None, returncode: int = 0
+) -> Iterator[subprocess.Popen]:
+    """`python -m gateway ARGS` until the block ends; then SIGTERM, and it must exit with
+    `returncode` (0; a block that kills it says how) (`output`: gets what it wrote,
+    stdout and stderr together)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", *args],
         stdout=subprocess.PIPE,
@@ -40,7 +43,7 @@ def running(*args: str, output: list[str] | None = None) -> Iterator[subprocess.
         written = process.communicate(timeout=HANG_GUARD)[0]
         if output is not None:
             output.append(written)
-    assert process.returncode == 0, written
+    assert process.returncode == returncode, written
 
 
 def config_file(tmp_path: Path, port: int, model: str, worker_port: int, extra: str = "") -> str:
