@@ -129,9 +129,7 @@ class Admission:
 class RedisStore:
     """The shared store; every method raises `StoreDown` or `TimeoutError` on failure."""
 
-    def __init__(
-        self, url: str, timeout: float, prefix: str, lease_ttl: float = LEASE_TTL
-    ) -> None:
+    def __init__(self, url: str, timeout: float, prefix: str, lease_ttl: float = LEASE_TTL) -> None:
         self.timeout = timeout
         self.prefix = prefix
         self.lease_ms = int(lease_ttl * 1000)
