@@ -14,6 +14,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import pydantic
 import pytest
 
 from tests.support.keys import keyed, new_key
@@ -290,6 +291,52 @@ def test_tool_choice_any_tool_and_none(claude):
     assert [b.type for b in none.content] == ["text"] and none.stop_reason == "end_turn"
 
 
+class Forecast(pydantic.BaseModel):
+    city: str
+    days: int
+    sunny: bool
+
+
+def test_output_config_format_answers_json_that_follows_the_schema(claude):
+    # the SDK's structured outputs: `parse` sends the model's schema as output_config.format
+    base = {"model": DEMO_MODEL, "max_tokens": 32, "messages": say("the forecast please")}
+    parsed = claude.messages.parse(**base, output_format=Forecast)
+    assert parsed.parsed_output == Forecast(city="", days=0, sunny=False)  # the demo's minimal
+    assert parsed.stop_reason == "end_turn"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    with claude.messages.stream(
+        **base, output_config={"format": {"type": "json_schema", "schema": schema}}
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in streamed.content] == ["text"]
+    assert json.loads(streamed.content[0].text) == {"n": 0}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("output_config", "named"),
+    [
+        ("json", "output_config"),
+        ({"format": {"type": "json_object"}}, "output_config.format.type"),
+        ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+        (
+            {"format": {"type": "json_schema", "schema": {}, "name": "x"}},
+            "output_config.format.name",
+        ),
+        ({"effort": "none"}, "output_config.effort"),
+        ({"effort": "low", "verbosity": "low"}, "output_config.verbosity"),
+        # the demo's workers take no effort (models on OpenAI-compatible servers do)
+        ({"effort": "high"}, "'output_config.effort'"),
+    ],
+)
+def test_output_config_refusals_name_its_field(claude, output_config, named):
+    body = {"model": DEMO_MODEL, "max_tokens": 8, "messages": say("a")}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.post(
+            "/v1/messages", body={**body, "output_config": output_config}, cast_to=httpx.Response
+        )
+    assert named in raised.value.body["error"]["message"]
+
+
 # -- count_tokens --------------------------------------------------------------------
 
 
@@ -300,6 +347,14 @@ def test_count_tokens_counts_what_the_answer_bills(claude):
         model=DEMO_MODEL, max_tokens=8, system="be brief", messages=messages
     )
     assert counted.input_tokens == answered.usage.input_tokens == 7
+    schema = {"type": "object", "properties": {}}
+    shaped = claude.messages.count_tokens(  # a format asks nothing of the prompt here
+        model=DEMO_MODEL,
+        system="be brief",
+        messages=messages,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert shaped.input_tokens == 7
 
 
 def test_count_tokens_uses_no_tokens(claude, gateway):

@@ -287,6 +287,26 @@ def test_messages_thinking_budget_and_display(thinker):
         assert shown.status_code == 200, shown.text
 
 
+def test_messages_output_config_reaches_the_server_as_vllm_s_messages_server_sends_it(
+    thinker,
+):
+    server, gw = thinker
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    with anthropic_sdk(gw) as client:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=4096,
+            messages=user("hi"),
+            thinking={"type": "enabled", "budget_tokens": 2000},
+            output_config={"effort": "high", "format": {"type": "json_schema", "schema": schema}},
+        )
+    sent = server.last_body
+    assert sent["reasoning_effort"] == "high" and sent["thinking_token_budget"] == 2000
+    assert sent["response_format"]["type"] == "json_schema"
+    assert sent["response_format"]["json_schema"]["schema"] == schema
+    assert sent["response_format"]["json_schema"]["strict"] is True
+
+
 def test_messages_give_thinking_blocks_back_to_the_model(thinker):
     server, gw = thinker
     with anthropic_sdk(gw) as client:

@@ -25,6 +25,8 @@ CHAT_PARAMS = {
     "stop": "stop_sequences",
     "user": "metadata.user_id",
     "thinking_token_budget": "thinking.budget_tokens",
+    "reasoning_effort": "output_config.effort",
+    "response_format": "output_config.format",
 }
 
 

@@ -10,8 +10,10 @@ Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`),
 `stream`, `thinking` (as vLLM's own Messages server reads it: `enabled` with
 `budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, and `display:
-"omitted"`, leave a reasoning model's thinking out of the answer) and `service_tier`
-`auto` or `standard_only` (what asks nothing). `cache_control` (on the body,
+"omitted"`, leave a reasoning model's thinking out of the answer), `output_config`
+(`format`, a JSON schema the answer follows: chat's `response_format`; `effort`,
+vLLM's `reasoning_effort`, as vLLM's own Messages server reads both) and
+`service_tier` `auto` or `standard_only` (what asks nothing). `cache_control` (on the body,
 a block or a tool) is accepted: it is a hint about prompt caching, which the
 engines do by themselves for every prefix. The SDK's newest version no longer
 names `temperature`, `top_p` and `top_k`; older clients (and `extra_body`) send
@@ -57,6 +59,7 @@ from gateway.protocol.types import (
     GenerateRequest,
     Message,
     ReasoningParams,
+    ResponseFormat,
     SamplingParams,
     Tool,
     ToolCall,
@@ -79,12 +82,22 @@ MESSAGE_FIELDS = frozenset(
         "stream",
         "cache_control",
         "thinking",
+        "output_config",
         "service_tier",
     }
 )
 #: ... and of a count_tokens body (what shapes the prompt).
 COUNT_FIELDS = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "cache_control", "thinking"}
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "cache_control",
+        "thinking",
+        "output_config",
+    }
 )
 #: `service_tier` values that ask nothing of a self-hosted model.
 SERVICE_TIERS = frozenset({"auto", "standard_only"})
@@ -310,14 +323,15 @@ def _pair(calls: list[str], parsed: list[Message], where: str) -> None:
         )
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
+    """The custom tools; their schemas count in `schemas` (OpenAI's bounds, over the
+    request's schemas together)."""
     tools = body.get("tools")
     if tools is None:
         return ()
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise invalid("tools", f"Invalid 'tools': a list of at most {MAX_TOOLS}.")
     parsed = []
-    schemas = SchemaBudget()  # OpenAI's bounds, over the request's tools together
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, Mapping):
@@ -432,6 +446,43 @@ def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool]:
     return budget, kind != "disabled" and display != "omitted"
 
 
+#: `output_config.effort` values: Anthropic's, each one of vLLM's reasoning efforts.
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_OUTPUT_CONFIG = frozenset({"effort", "format"})
+_FORMAT = frozenset({"type", "schema"})
+
+
+def _output_config(
+    body: Mapping[str, Any], schemas: SchemaBudget
+) -> tuple[ResponseFormat | None, str]:
+    """`output_config`, as vLLM's own Messages server reads it: its `format` (a JSON
+    schema the answer follows, which Anthropic guarantees: strict) and its `effort`
+    (vLLM's `reasoning_effort`; "": not given)."""
+    config = body.get("output_config")
+    if config is None:
+        return None, ""
+    if not isinstance(config, Mapping):
+        raise invalid("output_config", "output_config: expected an object.")
+    _refuse_unknown(config, _OUTPUT_CONFIG, "output_config.")
+    effort = _string(config, "effort", "output_config.") or ""
+    if effort and effort not in EFFORTS:
+        raise invalid("output_config.effort", f"output_config.effort: one of {', '.join(EFFORTS)}.")
+    spec = config.get("format")
+    if spec is None:
+        return None, effort
+    if not isinstance(spec, Mapping) or spec.get("type") != "json_schema":
+        raise invalid("output_config.format.type", "output_config.format.type: 'json_schema'.")
+    _refuse_unknown(spec, _FORMAT, "output_config.format.")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise invalid(
+            "output_config.format.schema", "output_config.format.schema: an object is required."
+        )
+    schemas.check(schema, "output_config.format.schema")
+    text = orjson.dumps(schema).decode()
+    return ResponseFormat("json_schema", text, "json_schema", strict=True), effort
+
+
 def _asks_nothing(body: Mapping[str, Any]) -> None:
     """`service_tier` is served at the values that ask nothing of a self-hosted model
     (no priority capacity); else a 400."""
@@ -448,13 +499,17 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
     _refuse_unknown(body, known)
     _asks_nothing(body)
     _thinking(body)  # checked for both; its budget is the answer's (`parse_messages`)
-    tools = _tools(body)
+    schemas = SchemaBudget()
+    tools = _tools(body, schemas)
     choice, parallel = _tool_choice(body, tools)
+    answer, effort = _output_config(body, schemas)  # the effort shapes a template's prompt
     fields = {
         "messages": _messages(body),
         "tools": tools,
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
+        "response_format": answer,
+        "reasoning": ReasoningParams(effort=effort) if effort else None,
         "request_id": request_id,
     }
     return model, fields
@@ -483,16 +538,18 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         max_tokens=max_tokens,
     )
     budget, shown = _thinking(body)
-    if budget is not None and budget >= max_tokens:
-        raise invalid(
-            "thinking.budget_tokens", "thinking.budget_tokens: must be less than max_tokens."
-        )
+    if budget is not None:
+        if budget >= max_tokens:
+            raise invalid(
+                "thinking.budget_tokens", "thinking.budget_tokens: must be less than max_tokens."
+            )
+        effort = fields["reasoning"].effort if fields["reasoning"] is not None else ""
+        fields["reasoning"] = ReasoningParams(effort=effort, budget=budget)
     request = GenerateRequest(
         model or "",
         sampling=sampling,
         stop=_stop_sequences(body),
         user=_user(body),
-        reasoning=None if budget is None else ReasoningParams(budget=budget),
         **fields,
     )
     return ParsedRequest(model, request, _flag(body, "stream"), False, show_reasoning=shown)
