@@ -34,15 +34,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def _answer(
-    model_dir: Path, target: str, buffer_chars: int, stop: tuple[str, ...] = ()
+    model_dir: Path,
+    target: str,
+    buffer_chars: int,
+    stop: tuple[str, ...] = (),
+    per_chunk: int = 1,
 ) -> tuple[list[Event], bool, int]:
     """A greedy answer's events through a pump from a stand-in engine at `target` (its port
-    filled in); whether the pump was ever full, and how many pumps read by a task."""
+    filled in), `per_chunk` tokens a message after the first; whether the pump was ever
+    full, and how many pumps read by a task."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     server = grpc.aio.server()
     pb_grpc.add_VllmEngineServicer_to_server(
-        FakeVllm(ids, [], 0.0, 1, (str(model_dir), MODEL)), server
+        FakeVllm(ids, [], 0.0, per_chunk, (str(model_dir), MODEL)), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -101,3 +106,26 @@ def test_a_stop_string_ends_the_answer_as_when_read_by_a_task(
     assert isinstance(end, Finished) and end.stop_sequence == "one token"
     text = "".join(event.text for event in pushed if isinstance(event, Text))
     assert text == TEXT[: TEXT.index("one token")]
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:%d", "dns:///127.0.0.1:%d"])
+def test_at_a_stop_string_tokens_after_the_one_that_completed_it_are_not_counted(
+    server_loop: ServerLoop, model_dir: Path, target: str
+) -> None:
+    """vLLM's engine puts several tokens in a message when its steps outrun the stream
+    (its outputs merge while the server is busy); at a stop string its own server counts
+    the tokens up to the one whose text completed it, the rest of that message dropped,
+    and so does the gateway: `completion_tokens` as vLLM's HTTP server gives it."""
+    stop = "one token"
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    needed = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    # a message (the first token alone, then `per_chunk` a message) that goes on past it
+    per_chunk = next(n for n in (4, 5, 6) if (needed - 1) % n)
+    events, _, _ = server_loop.call(_answer(model_dir, target, 1 << 20, (stop,), per_chunk))
+    end = events[-1]
+    assert isinstance(end, Finished) and end.stop_sequence == stop
+    assert end.completion_tokens == needed
+    assert sum(event.tokens for event in events if isinstance(event, Text)) <= needed
+    text = "".join(event.text for event in events if isinstance(event, Text))
+    assert text == TEXT[: TEXT.index(stop)]

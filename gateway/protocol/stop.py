@@ -59,7 +59,7 @@ class _Automaton:
 class StopMatcher:
     """Feeds text through; says when a stop string appeared."""
 
-    __slots__ = ("_automaton", "_held", "_state", "matched")
+    __slots__ = ("_automaton", "_held", "_state", "end", "matched")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         stops = tuple(filter(None, stops))  # the empty strings dropped
@@ -68,6 +68,14 @@ class StopMatcher:
         self._held = ""
         #: The stop string that matched ("" until one does).
         self.matched = ""
+        #: The characters of the last text fed up to the matched stop string's end: where
+        #: in that piece the answer was complete (vLLM counts the tokens up to there).
+        self.end = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether there is a stop string to match."""
+        return self._automaton is not None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The text safe to release, and whether a stop string matched."""
@@ -80,7 +88,7 @@ class StopMatcher:
             state = step(state, ch)
             if match[state]:
                 seen = self._held + text[: i + 1]
-                self._held, self._state = "", 0
+                self._held, self._state, self.end = "", 0, i + 1
                 self.matched = seen[len(seen) - match[state] :]
                 return seen[: len(seen) - match[state]], True
         self._state = state

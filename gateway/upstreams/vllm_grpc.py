@@ -5,8 +5,9 @@ token ids, so the gateway does what vLLM's own front end would:
 
 - the chat template and tokenization (`gateway.tokenization`, the model's
   directory named by `tokenizer:`), then one streamed `Generate` per request;
-- incremental detokenization, stop strings (`StopMatcher`), the EOS ids from
-  `GetModelInfo` as stop token ids; usage from the engine's counts;
+- incremental detokenization, stop strings (`StopMatcher`; the tokens counted up to the
+  one that completed one, as vLLM's server counts them), the EOS ids from `GetModelInfo` as
+  stop token ids; usage from the engine's counts;
 - `GetModelInfo` for `describe`, `grpc.health.v1` and `HealthCheck` for health,
   `GetLoads` for the admin view;
 - cancellation as the call's cancel plus an `Abort` of its request id;
@@ -130,6 +131,19 @@ ENCODED_KEPT = 256
 
 #: `Text(text, tokens, index, None)` without the Python frame of a NamedTuple's `__new__`.
 _new_text = cast(Callable[[type[Text], tuple[str, int, int, None]], Text], tuple.__new__)
+
+
+def _tokens_to(pieces: Sequence[str], end: int) -> int:
+    """How many of a message's tokens, of these texts, it takes to reach `end` characters:
+    where vLLM cuts a message its stop string ended in (`BaseIncrementalDetokenizer.update`,
+    the tokens up to the one whose text completed it; the engine may put several in a
+    message)."""
+    reached = 0
+    for taken, piece in enumerate(pieces, 1):
+        reached += len(piece)
+        if reached >= end:
+            return taken
+    return len(pieces)
 
 
 def _kept_ids(request: GenerateRequest) -> list[int] | None:
@@ -571,8 +585,19 @@ class VllmGrpcCall(StreamBookkeeping):
             shown = [i for i in ids[:exempt] if i not in hidden]
             released = choice.detok.feed(shown) if shown else ""
             ids = ids[exempt:]
-        text = choice.detok.feed([i for i in ids if i not in hidden])
-        more, stopped = choice.stop.feed(text)
+        stop = choice.stop
+        if len(ids) > 1 and stop.active:  # a stop string may end at any of them: each's text
+            feed_one = choice.detok.feed_one
+            pieces = ["" if i in hidden else feed_one(i) for i in ids]
+            more, stopped = stop.feed("".join(pieces))
+            if stopped:  # the tokens after the one that completed it are not the answer's
+                dropped = len(ids) - _tokens_to(pieces, stop.end)
+                choice.received -= dropped
+                count -= dropped
+                if scores:
+                    scores = scores[: len(scores) - dropped]
+        else:
+            more, stopped = stop.feed(choice.detok.feed([i for i in ids if i not in hidden]))
         released += more
         thoughts = choice.thoughts
         if thoughts is not None:  # after a stop string nothing follows: nothing held back
