@@ -491,7 +491,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
             "stream_options.include_usage",
         ),
         (
-            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            {"stream": True, "stream_options": {"include_obfuscation": "yes"}},
             "stream_options.include_obfuscation",
         ),
     ],

@@ -226,7 +226,7 @@ INVALID = [
     ),
     (
         CHAT,
-        chat(stream=True, stream_options={"include_obfuscation": True}),
+        chat(stream=True, stream_options={"include_obfuscation": "yes"}),
         "stream_options.include_obfuscation",
     ),
     (CHAT, chat(stream=True, stream_options={"usage": True}), "stream_options.usage"),
@@ -284,6 +284,8 @@ ACCEPTED = [
             },
         ),
     ),
+    (CHAT, chat(stream=True, stream_options={"include_obfuscation": True})),
+    (COMPLETIONS, completion(stream=True, stream_options={"include_obfuscation": True})),
     (CHAT, chat(min_p=0, repetition_penalty=1, logit_bias={}, stop_token_ids=[], min_tokens=0)),
     (CHAT, chat(ignore_eos=False, skip_special_tokens=True, use_beam_search=False, echo=False)),
     (CHAT, chat(tool_choice="none", functions=None)),

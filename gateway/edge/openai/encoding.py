@@ -12,10 +12,15 @@ choice by choice
 (`events` for streams, `add` then `answer` for whole answers): text still goes
 through the templates, one chunk per run of a choice's text in a batch; a
 choice's opening, its finish and its tool calls' pieces are built as dicts.
+
+A stream that asks for OpenAI's padding (`stream_options.include_obfuscation`) has
+encoder classes of their own (`OBFUSCATED`), which pad every chunk they make
+(`obfuscated`): a stream that does not ask runs none of it.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import time
@@ -54,6 +59,29 @@ MIN_LOGPROB = -9999.0
 
 #: A token's logprob and where it starts in its choice's text (completions' text_offset).
 Logprob = tuple[TokenLogprob, int]
+
+
+#: What a padding's random base64 characters become: alphanumeric, as OpenAI's are.
+_ALPHANUMERIC = bytes.maketrans(b"-_", b"xQ")
+#: The padding's bucket, in bytes: a chunk and its padding end on a multiple of it, plus
+#: a random tail of less than it.
+PAD_BUCKET = 16
+
+
+def obfuscated(chunk: bytes) -> bytes:
+    """`chunk` (one SSE event, its JSON object last, as `}\\n\\n`) with OpenAI's
+    `obfuscation` key last in the object: random alphanumeric characters, as many as
+    take the chunk's bytes to the next multiple of `PAD_BUCKET`, and a random tail of
+    0 to `PAD_BUCKET` - 1 more. What goes over the wire is padded, not the text: the
+    bytes of a JSON-escaped (or multi-byte) delta count as they are sent, and every
+    chunk (a role, a tool call's piece, a finish) is padded alike. The bucket hides a
+    delta's length within it, and the tail blurs the bucket's edges, so a chunk's size
+    no longer says how long its token was; one read of the OS's random source a chunk
+    pays for both."""
+    raw = os.urandom(25)
+    size = -len(chunk) % PAD_BUCKET + (raw[0] & (PAD_BUCKET - 1))
+    padding = base64.urlsafe_b64encode(raw[1:])[:size].translate(_ALPHANUMERIC)
+    return chunk[:-3] + b',"obfuscation":"' + padding + b'"}\n\n'
 
 
 def sse(payload: Any) -> bytes:
@@ -563,3 +591,46 @@ class CompletionEncoder(Encoder):
         if not self.echo:
             return b""
         return self._chunk(self.delta_choice(self.echo), None, index)
+
+
+class _Obfuscating(Encoder):
+    """An encoder whose every stream chunk is `obfuscated` (OpenAI's
+    `stream_options.include_obfuscation`, which pads every chunk of a chat's stream, the
+    role's and the finish's and the usage's too): a class of its own, chosen once per
+    request, so a stream that does not ask for it runs none of it. A chunk is made by
+    `delta` (the one-choice path's text), `_chunk` (a choice's opening, a tool call's or
+    a reasoning's piece, a finish), `_text_chunk` (the events path's text) or `end` (the
+    usage chunk); each pads what it makes."""
+
+    def delta(self, text: str) -> bytes:
+        return obfuscated(super().delta(text))
+
+    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0) -> bytes:
+        return obfuscated(super()._chunk(choice, reason, index))
+
+    def _text_chunk(self, run: list[Text]) -> bytes:
+        opening = self._opened(run[0].index)  # padded by `_chunk`; the base's is then b""
+        chunk = super()._text_chunk(run)
+        return opening + obfuscated(chunk) if chunk else opening
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        if not self.include_usage:
+            return DONE
+        usage = super().end(prompt_tokens, completion_tokens)[: -len(DONE)]
+        return obfuscated(usage) + DONE
+
+
+class ObfuscatedChatEncoder(_Obfuscating, ChatEncoder):
+    """/v1/chat/completions, every chunk padded."""
+
+
+class ObfuscatedCompletionEncoder(_Obfuscating, CompletionEncoder):
+    """/v1/completions, every chunk padded: OpenAI's completions take the same
+    `stream_options` as its chats."""
+
+
+#: An encoder's class whose chunks are padded, for a stream that asks for it.
+OBFUSCATED: dict[type[Encoder], type[Encoder]] = {
+    ChatEncoder: ObfuscatedChatEncoder,
+    CompletionEncoder: ObfuscatedCompletionEncoder,
+}

@@ -23,7 +23,7 @@ from gateway.admission.admit import RequestContext
 from gateway.edge.asgi import WRITE_NOW_EXTENSION, Send, send_json
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.encoding import KEEPALIVE, Encoder
+from gateway.edge.openai.encoding import KEEPALIVE, OBFUSCATED, Encoder
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest, model_of
 from gateway.edge.request import Exchange, Parts, RequestRoute, priority, session
@@ -137,7 +137,9 @@ class GenerationRoute(RequestRoute[Exchange]):
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> Encoder:
         """The answer's encoder; a route whose answer repeats its request overrides it."""
         generate = parsed.generate
-        return self.encoder_type(
+        # a stream that asks for padding has an encoder of its own: one that does not
+        # runs none of it
+        return (OBFUSCATED[self.encoder_type] if parsed.obfuscate else self.encoder_type)(
             pool.name,
             parsed.include_usage,
             choices=generate.n,

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeGuard
+from typing import Any, ClassVar, TypeGuard
 
 import orjson
 
@@ -128,6 +128,16 @@ class ParsedRequest:
     #: Whether a reasoning model's reasoning is shown (Anthropic's `thinking` disabled,
     #: or its display omitted: it is left out, its tokens counted).
     show_reasoning: bool = True
+    #: OpenAI's `stream_options.include_obfuscation`: every chunk of the stream padded
+    #: (`ObfuscatedRequest`'s; a class's, so a request that does not ask sets no field).
+    obfuscate: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True)
+class ObfuscatedRequest(ParsedRequest):
+    """A request whose stream's chunks are all padded (`include_obfuscation`)."""
+
+    obfuscate: ClassVar[bool] = True
 
 
 def _is_number(value: Any) -> bool:
@@ -303,42 +313,37 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, name: str) -> Sam
     )
 
 
-#: `stream_options` keys served: OpenAI's usage chunk, and vLLM's usage in every chunk.
-STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
-#: `stream_options` keys that are not served, refused when true: OpenAI's padding of
-#: each chunk against length side channels.
-UNSERVED_STREAM_OPTIONS = ("include_obfuscation",)
-_STREAM_OPTION_KEYS = frozenset(STREAM_OPTIONS + UNSERVED_STREAM_OPTIONS)
+#: `stream_options` keys served: OpenAI's usage chunk and padding of every chunk (against
+#: length side channels), and vLLM's usage in every chunk.
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation", "continuous_usage_stats"})
 
 
-def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
-    """Whether to add a usage chunk, and whether to put the usage so far in every chunk
-    too; options without `stream` ask nothing (OpenAI's servers accept and drop them),
-    and `continuous_usage_stats` asks it only with `include_usage`, as vLLM's server
-    reads them. A key OpenAI and vLLM do not define is refused by name, as OpenAI
-    refuses it, and so is one that asks for what is not served."""
+def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool, bool]:
+    """Whether to add a usage chunk, whether to put the usage so far in every chunk too,
+    and whether to pad every chunk (`include_obfuscation`); options without `stream` ask
+    nothing (OpenAI's servers accept and drop them), and `continuous_usage_stats` asks
+    it only with `include_usage`, as vLLM's server reads them. Padding is off unless
+    asked for, as vLLM's server has it (it sends none; OpenAI's default is on): it costs
+    bandwidth. A key OpenAI and vLLM do not define is refused by name, as OpenAI
+    refuses it."""
     options = body.get("stream_options")
     if options is None:
-        return False, False
+        return False, False, False
     if not isinstance(options, dict):
         raise invalid("stream_options", "Invalid type for 'stream_options': expected an object.")
-    for key in options:
-        if key not in _STREAM_OPTION_KEYS:
-            raise invalid(
-                f"stream_options.{key[:64]}",
-                f"Unrecognized key in 'stream_options': {key[:64]!r}.",
-            )
-    for name in UNSERVED_STREAM_OPTIONS:
-        if name in options and _flag(options, name, "stream_options."):
-            raise invalid(
-                f"stream_options.{name}",
-                f"'stream_options.{name}' is not supported by this gateway.",
-            )
+    if not STREAM_OPTIONS.issuperset(options):  # one call, where a loop runs per key
+        key = next(key for key in options if key not in STREAM_OPTIONS)
+        raise invalid(
+            f"stream_options.{key[:64]}", f"Unrecognized key in 'stream_options': {key[:64]!r}."
+        )
     include_usage = _flag(options, "include_usage", "stream_options.") and stream
     continuous = "continuous_usage_stats" in options and _flag(
         options, "continuous_usage_stats", "stream_options."
     )
-    return include_usage, include_usage and continuous
+    obfuscate = "include_obfuscation" in options and _flag(
+        options, "include_obfuscation", "stream_options."
+    )
+    return include_usage, include_usage and continuous, obfuscate and stream
 
 
 def model_of(body: Any) -> str | None:
@@ -369,8 +374,8 @@ def _common(
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
     n = _int(body, "n", 1, MAX_N) or 1 if "n" in body else 1
     stream = _flag(body, "stream")
-    usage = _stream_options(body, stream) if "stream_options" in body else (False, False)
-    include_usage, continuous_usage = usage
+    options = _stream_options(body, stream) if "stream_options" in body else (False, False, False)
+    include_usage, continuous_usage, obfuscate = options
     max_tokens, max_tokens_param = _max_tokens(body)
     request = GenerateRequest(
         model or "",
@@ -381,7 +386,7 @@ def _common(
         request_id=request_id,
         **fields,
     )
-    return ParsedRequest(
+    return (ObfuscatedRequest if obfuscate else ParsedRequest)(
         model,
         request,
         stream,

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import APIError
-from gateway.edge.openai.encoding import Encoder
+from gateway.edge.openai.encoding import Encoder, obfuscated
 from gateway.edge.responses.params import ResponsesBody, new_id
 from gateway.protocol.types import Event, Finished, FinishReason, Reasoning, Text, ToolCallDelta
 
@@ -463,3 +463,33 @@ class ResponsesEncoder(Encoder):
             + self._event("error", fields)
             + self._event("response.failed", {"response": failed})
         )
+
+
+def _last_obfuscated(events: bytes) -> bytes:
+    """`events` with the last of them `obfuscated` (an event's JSON never holds a blank
+    line: the events end where `\\n\\n` is)."""
+    start = events.rfind(b"\n\n", 0, len(events) - 2) + 2
+    if start == 1:  # the only one
+        start = 0
+    return events[:start] + obfuscated(events[start:])
+
+
+class ObfuscatedResponsesEncoder(ResponsesEncoder):
+    """A response whose stream's delta events (`response.output_text.delta`,
+    `response.reasoning_text.delta`, `response.function_call_arguments.delta`) carry
+    OpenAI's `obfuscation` padding (`stream_options.include_obfuscation`), as OpenAI
+    pads the delta events alone (the others come once an item, not once a token). A class
+    of its own, chosen once per request, so a stream that does not ask runs none of it.
+    Each method that makes a delta event makes it last, after the events that open its
+    item."""
+
+    def delta(self, text: str) -> bytes:
+        return _last_obfuscated(super().delta(text))
+
+    def _think(self, text: str, tokens: int, stream: bool) -> bytes:
+        out = super()._think(text, tokens, stream)
+        return _last_obfuscated(out) if stream and text else out
+
+    def _call_piece(self, piece: ToolCallDelta, stream: bool) -> bytes:
+        out = super()._call_piece(piece, stream)
+        return _last_obfuscated(out) if stream and piece.arguments else out

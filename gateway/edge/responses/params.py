@@ -107,6 +107,8 @@ class ResponsesBody:
     session: str
     echo: dict[str, Any]
     reasoning: ReasoningParams | None = None
+    #: `stream_options.include_obfuscation`: the stream's delta events padded.
+    obfuscate: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -497,21 +499,24 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("truncation", "'truncation' other than 'disabled' is not supported.")
+
+
+def _obfuscate(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether the stream's delta events are padded (`stream_options.include_obfuscation`,
+    OpenAI's one key there): off unless asked for, as vLLM's server sends no padding
+    (OpenAI's default is on); options without `stream` ask nothing."""
     options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, Mapping):
-            raise invalid("stream_options", "Invalid type for 'stream_options': an object.")
-        for key in options:  # the Responses API defines one key; others are refused by name
-            if key != "include_obfuscation":
-                raise invalid(
-                    f"stream_options.{key[:64]}",
-                    f"Unrecognized key in 'stream_options': {key[:64]!r}.",
-                )
-        if _flag(options, "include_obfuscation", "stream_options."):
+    if options is None:
+        return False
+    if not isinstance(options, Mapping):
+        raise invalid("stream_options", "Invalid type for 'stream_options': an object.")
+    for key in options:  # the Responses API defines one key; others are refused by name
+        if key != "include_obfuscation":
             raise invalid(
-                "stream_options.include_obfuscation",
-                "'stream_options.include_obfuscation' is not supported by this gateway.",
+                f"stream_options.{key[:64]}",
+                f"Unrecognized key in 'stream_options': {key[:64]!r}.",
             )
+    return _flag(options, "include_obfuscation", "stream_options.") and stream
 
 
 def _id(body: Mapping[str, Any], name: str, limit: int = MAX_ID_CHARS) -> str | None:
@@ -538,6 +543,7 @@ def parse(body: Any) -> ResponsesBody:
     top_p = _number(body, "top_p", 0, 1, low_open=True)
     max_output_tokens = _int(body, "max_output_tokens", 1, UINT32_MAX)
     stream = _flag(body, "stream")
+    obfuscate = _obfuscate(body, stream)
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise invalid("store", "Invalid type for 'store': expected a boolean.")
@@ -579,6 +585,7 @@ def parse(body: Any) -> ResponsesBody:
         session=session,
         echo=echo,
         reasoning=ReasoningParams(effort=effort) if effort else None,
+        obfuscate=obfuscate,
     )
 
 

@@ -34,7 +34,7 @@ from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, session
-from gateway.edge.responses.encoding import ResponsesEncoder
+from gateway.edge.responses.encoding import ObfuscatedResponsesEncoder, ResponsesEncoder
 from gateway.edge.responses.params import Item, ResponsesBody, generate_request, new_id, parse
 from gateway.edge.responses.store import ResponseStore, Stored, open_store
 from gateway.fleet import ModelPool
@@ -159,7 +159,9 @@ class ResponsesRoute(GenerationRoute):
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
-        return ResponsesEncoder(pool.name, parsed.body, parsed.response_id, parsed)
+        # a stream that asks for padding has an encoder of its own
+        kind = ObfuscatedResponsesEncoder if parsed.body.obfuscate else ResponsesEncoder
+        return kind(pool.name, parsed.body, parsed.response_id, parsed)
 
     async def _relay_events(
         self,
@@ -219,10 +221,11 @@ def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
             continue
         if name == "include" and not value:
             continue
-        if name in ("include", "stream", "starting_after", "include_obfuscation") and value not in (
-            "false",
-            "",
-        ):
+        if name == "include_obfuscation":  # it shapes a stream alone, and `stream` is refused
+            if value not in ("true", "false", ""):
+                raise invalid(name, f"Invalid value for '{name}': expected a boolean.")
+            continue
+        if name in ("include", "stream", "starting_after") and value not in ("false", ""):
             raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
