@@ -15,6 +15,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from benchmarks.fake_vllm_grpc import TEXT, FakeVllm
 from gateway.admission.pump import EventPump, Phase
@@ -39,12 +40,16 @@ async def _answer(
     buffer_chars: int,
     stop: tuple[str, ...] = (),
     per_chunk: int = 1,
+    ids: list[int] | None = None,
+    min_tokens: int | None = None,
 ) -> tuple[list[Event], bool, int]:
     """A greedy answer's events through a pump from a stand-in engine at `target` (its port
-    filled in), `per_chunk` tokens a message after the first; whether the pump was ever
-    full, and how many pumps read by a task."""
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    filled in), `per_chunk` tokens a message after the first (`ids`, else `TOKENS` of
+    `TEXT`'s); whether the pump was ever full, and how many pumps read by a task."""
+    tokens = TOKENS if ids is None else len(ids)
+    if ids is None:
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     server = grpc.aio.server()
     pb_grpc.add_VllmEngineServicer_to_server(
         FakeVllm(ids, [], 0.0, per_chunk, (str(model_dir), MODEL)), server
@@ -52,7 +57,7 @@ async def _answer(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     upstream = VllmGrpcUpstream(target % port, model=MODEL, tokenizer=str(model_dir))
-    sampling = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, min_tokens=min_tokens)
     request = GenerateRequest(model=MODEL, prompt="hello", sampling=sampling, stop=stop)
     call = upstream.call(request, timeout=HANG_GUARD)
 
@@ -129,3 +134,32 @@ def test_at_a_stop_string_tokens_after_the_one_that_completed_it_are_not_counted
     assert sum(event.tokens for event in events if isinstance(event, Text)) <= needed
     text = "".join(event.text for event in events if isinstance(event, Text))
     assert text == TEXT[: TEXT.index(stop)]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {},  # plain: each message's ids to the detokenizer at once
+        {"min_tokens": 1},  # through the stop strings and the parser, none of them given
+        {"stop": ("never said",)},  # each id of a message on its own (where a stop ends)
+    ],
+)
+def test_an_answer_of_several_tokens_a_message_reads_as_vllm_steps_its_detokenizer(
+    server_loop: ServerLoop, model_dir: Path, choice: dict[str, Any]
+) -> None:
+    """vLLM's detokenizer steps its DecodeStream a token at a time, whatever a message holds:
+    a message that ends in a character's first bytes gives the characters before it at once,
+    and an answer that ends in them drops them for good (vLLM's text is what its stream
+    released); the gateway's text is the same, never a U+FFFD of its own at the end."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    whole = tokenizer.encode("one 日本語 two 語 three 日本", add_special_tokens=False).ids
+    ids = whole[:-2]  # the last character's first byte
+    stream = DecodeStream(skip_special_tokens=True)
+    expected = "".join(stream.step(tokenizer, i) or "" for i in ids)  # as vLLM's
+    assert expected == "one 日本語 two 語 three 日"
+    events, _, _ = server_loop.call(
+        _answer(model_dir, "127.0.0.1:%d", 1 << 20, per_chunk=4, ids=ids, **choice)
+    )
+    assert "".join(event.text for event in events if isinstance(event, Text)) == expected
+    end = events[-1]
+    assert isinstance(end, Finished) and end.completion_tokens == len(ids)

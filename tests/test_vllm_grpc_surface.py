@@ -311,7 +311,10 @@ def test_chat_logprobs_have_one_entry_a_token_and_the_alternatives_asked(
         tokens = reply.usage.completion_tokens
         text = reply.choices[0].message.content
     assert len(entries) == tokens == 6
-    assert "".join(entry.token for entry in entries) == text
+    # each token named by its own text; the first bytes of a character the answer ends in
+    # are not in its text (vLLM's server drops them) but their tokens have their entries
+    named = "".join(entry.token for entry in entries)
+    assert named == text or (named.startswith(text) and named.endswith("\ufffd"))
     for entry in entries:
         tops = [top.logprob for top in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
@@ -352,8 +355,10 @@ def test_n_choices_come_interleaved_each_with_its_own_end(
     assert sorted(e.index for e in finished) == [0, 1, 2]
     assert all(e.reason is FinishReason.LENGTH and e.completion_tokens == 5 for e in finished)
     for index in range(3):
+        # the tokens of a character's first bytes the answer ends in have no text (vLLM's
+        # server drops it): its Finished alone counts them
         tokens = [e.tokens for e in out if isinstance(e, Text) and e.index == index]
-        assert sum(tokens) == 5
+        assert 0 < sum(tokens) <= 5
     indices = [e.index for e in out if isinstance(e, Text)]
     assert indices != sorted(indices), "the choices' text comes as the engine makes it"
 

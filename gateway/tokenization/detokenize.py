@@ -25,7 +25,8 @@ __all__ = ["REPLACEMENT", "IncrementalDetokenizer", "StreamDetokenizer"]
 class StreamDetokenizer:
     """`IncrementalDetokenizer`'s `feed` and `flush` over `tokenizers`' DecodeStream:
     the window is kept in Rust; the ids of a character still incomplete are kept here
-    too, so that `flush` gives what decoding the whole answer would (U+FFFD)."""
+    too, so that `flush` gives what decoding the whole answer would (U+FFFD). Several ids
+    fed at once give the text they would one at a time, as vLLM's detokenizer steps them."""
 
     __slots__ = ("_held", "_last", "_step", "_stream", "_tokenizer")
 
@@ -45,9 +46,8 @@ class StreamDetokenizer:
             return ""
         batch = list(ids)  # the one copy: kept as the context of what follows
         text: str | None = self._stream.step(self._tokenizer, batch)
-        if text is None:
-            self._held += batch
-            return ""
+        if text is None:  # it ends in an incomplete character: those before it are out
+            return self._one_by_one(batch)
         if self._held:
             self._held += batch
             batch = self._held
@@ -68,6 +68,17 @@ class StreamDetokenizer:
         else:  # the usual token: its own text
             self._last = [token]
         return text
+
+    def _one_by_one(self, batch: list[int]) -> str:
+        """`batch`, which ended in an incomplete character, as if fed an id at a time (as
+        vLLM's detokenizer steps its DecodeStream): the text of the characters it completed
+        before that one, else held back until the end and lost there when the answer ends
+        in it. The stream, which took the batch whole, is made again from the released
+        text's ids (its window) and steps the held ids and the batch one by one."""
+        self._stream = DecodeStream(ids=self._last, skip_special_tokens=True)
+        self._step = partial(self._stream.step, self._tokenizer)
+        held, self._held = self._held, []
+        return "".join(map(self.feed_one, held + batch))
 
     def flush(self) -> str:
         """The text still held back (an incomplete character decodes as U+FFFD)."""

@@ -5,9 +5,10 @@ token ids, so the gateway does what vLLM's own front end would:
 
 - the chat template and tokenization (`gateway.tokenization`, the model's
   directory named by `tokenizer:`), then one streamed `Generate` per request;
-- incremental detokenization, stop strings (`StopMatcher`; the tokens counted up to the
-  one that completed one, as vLLM's server counts them), the EOS ids from `GetModelInfo` as
-  stop token ids; usage from the engine's counts;
+- incremental detokenization as vLLM's (an answer that ends in a character's first bytes
+  ends without them), stop strings (`StopMatcher`; the tokens counted up to the one that
+  completed one, as vLLM's server counts them), the EOS ids from `GetModelInfo` as stop
+  token ids; usage from the engine's counts;
 - `GetModelInfo` for `describe`, `grpc.health.v1` and `HealthCheck` for health,
   `GetLoads` for the admin view;
 - cancellation as the call's cancel plus an `Abort` of its request id;
@@ -623,23 +624,16 @@ class VllmGrpcCall(StreamBookkeeping):
     def _finish(
         self, choice: _Choice, reason: FinishReason, completion_tokens: int, *, flush: bool = True
     ) -> None:
-        if choice.plain:  # as `_plain`: what the stop strings and the parser would give
-            if flush:
-                rest = choice.detok.flush()
-                if rest:
-                    self._pending.append(_new_text(Text, (rest, choice.held, choice.index, None)))
-                choice.held = 0
+        # The detokenizer is not flushed: the first bytes of a character the answer ended in
+        # are dropped, as vLLM's server drops them (its detokenizer's text is all it says).
+        if choice.plain:
             stop = ""
         else:
-            if flush:
-                released, stopped = choice.stop.feed(choice.detok.flush())
-                rest = released if stopped else released + choice.stop.flush()
+            if flush:  # what the stop strings and the reasoning held back
+                rest = choice.stop.flush()
                 if choice.thoughts is not None:
                     rest, _ = self._think(choice, choice.thoughts.last(rest), 0)
-                self._pending.extend(choice.calls.feed(rest, choice.held))
-                choice.held = 0
-                if stopped:
-                    reason = FinishReason.STOP
+                self._pending.extend(choice.calls.feed(rest, 0))
             self._pending.extend(choice.calls.finish())
             reason = choice.calls.finish_reason(reason)
             stop = choice.stop.matched if reason is FinishReason.STOP else ""
