@@ -258,9 +258,13 @@ def test_messages_thinking_budget_and_display(thinker):
     with anthropic_sdk(gw) as client:
         client.messages.create(**request, thinking={"type": "enabled", "budget_tokens": 2000})
         assert server.last_body["thinking_token_budget"] == 2000
-        for thinking in ({"type": "disabled"}, {"type": "adaptive", "display": "omitted"}):
+        for thinking, effort in (
+            ({"type": "disabled"}, "none"),  # turned off, as vLLM's Messages server does
+            ({"type": "adaptive", "display": "omitted"}, None),  # thought, left out
+        ):
             hidden = client.messages.create(**request, thinking=thinking)  # type: ignore[arg-type]
             assert "thinking_token_budget" not in server.last_body
+            assert server.last_body.get("reasoning_effort") == effort
             assert [block.type for block in hidden.content] == ["text"]
             assert hidden.usage.output_tokens == len(THOUGHTS)
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -185,3 +186,36 @@ def test_over_vllm_s_grpc_server_the_template_takes_its_variables_as_vllm_s_does
     opened = ask(through, GRPC_MODEL, max_tokens=20)
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens == opened.usage.prompt_tokens - 1
     assert whole(ours) == whole(theirs)
+
+
+@pytest.mark.parametrize("model", [MODEL, GRPC_MODEL])
+def test_messages_thinking_disabled_turns_it_off_as_vllm_s_messages_server_does(
+    clients, front, thinker, model
+):
+    # vLLM's own /v1/messages sends `thinking: disabled` to the template as effort "none"
+    # (its `enable_thinking` off); the gateway does so for its OpenAI-compatible and its
+    # vLLM gRPC upstreams alike: the same prompt, the same greedy answer
+    request: dict[str, Any] = {
+        "max_tokens": 20,
+        "extra_body": {"temperature": 0},  # the SDK no longer names it
+        "messages": user("hi"),
+        "thinking": {"type": "disabled"},
+    }
+    direct_url = f"http://127.0.0.1:{thinker.port}"
+    with (
+        anthropic.Anthropic(base_url=front.url, api_key="x", timeout=HANG_GUARD) as through,
+        anthropic.Anthropic(base_url=direct_url, api_key="x", timeout=HANG_GUARD) as direct,
+    ):
+        ours = through.messages.create(model=model, **request)
+        theirs = direct.messages.create(model=MODEL, **request)
+        thinking = through.messages.create(model=model, **{**request, "thinking": None})
+    assert ours.usage.input_tokens == theirs.usage.input_tokens
+    assert ours.usage.input_tokens == thinking.usage.input_tokens - 1  # the thought not opened
+    # the answer's text alike; its thought (deepseek_r1's parser takes what comes before
+    # `</think>` for one, opened or not) vLLM shows, and the gateway leaves out, as
+    # `disabled` asks (vLLM's server shows thinking whatever `thinking` says)
+    texts = ["".join(b.text for b in m.content if b.type == "text") for m in (ours, theirs)]
+    assert texts[0] == texts[1]
+    assert ours.usage.output_tokens == theirs.usage.output_tokens
+    assert ours.stop_reason == theirs.stop_reason
+    assert [b.type for b in ours.content] == ["text"]

@@ -139,6 +139,10 @@ class ReasoningParams:
     template_kwargs: str = ""
     #: The most tokens it may think (vLLM's `thinking_token_budget`); None: no bound.
     budget: int | None = None
+    #: Thinking turned off (Anthropic's `thinking: disabled`), as vLLM's Messages server
+    #: turns it off: effort "none" for the workers that take an effort; a hint the others,
+    #: which take none, pass over (their answers' thinking is left out all the same).
+    off: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -184,13 +184,15 @@ def _check_chars(chars: int, param: str) -> None:
 def template_options(reasoning: ReasoningParams) -> dict[str, Any] | None:
     """The chat template's variables a request's reasoning parameters set, as vLLM's
     server sets them: `chat_template_kwargs`, and `reasoning_effort` (with
-    `enable_thinking` off for "none", unless the kwargs say otherwise)."""
+    `enable_thinking` off for "none", unless the kwargs say otherwise; thinking turned
+    off is "none")."""
     options: dict[str, Any] = {}
     if reasoning.template_kwargs:
         options = orjson.loads(reasoning.template_kwargs)
-    if reasoning.effort:
-        options.setdefault("reasoning_effort", reasoning.effort)
-        options.setdefault("enable_thinking", reasoning.effort != "none")
+    effort = reasoning.effort or ("none" if reasoning.off else "")
+    if effort:
+        options.setdefault("reasoning_effort", effort)
+        options.setdefault("enable_thinking", effort != "none")
     return options or None
 
 

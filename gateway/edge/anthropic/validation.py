@@ -9,8 +9,9 @@ Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`, `tools`,
 `tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`),
 `stream`, `thinking` (as vLLM's own Messages server reads it: `enabled` with
-`budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, and `display:
-"omitted"`, leave a reasoning model's thinking out of the answer), `output_config`
+`budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, vLLM's effort
+"none" where the workers take one; it and `display: "omitted"` leave a reasoning model's
+thinking out of the answer), `output_config`
 (`format`, a JSON schema the answer follows: chat's `response_format`; `effort`,
 vLLM's `reasoning_effort`, as vLLM's own Messages server reads both) and
 `service_tier` `auto` or `standard_only` (what asks nothing). `cache_control` (on the body,
@@ -421,13 +422,13 @@ _THINKING = {
 _DISPLAYS = ("summarized", "omitted")
 
 
-def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool]:
+def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool, bool]:
     """`thinking`, as vLLM's own Messages server reads it: the budget of `enabled`
-    (vLLM's `thinking_token_budget`), and whether thinking is shown (not when
-    `disabled` or its `display` is "omitted")."""
+    (vLLM's `thinking_token_budget`), whether thinking is shown (not when `disabled` or
+    its `display` is "omitted"), and whether it is turned off (`disabled`)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return None, True
+        return None, True, False
     kind = thinking.get("type") if isinstance(thinking, Mapping) else None
     if not isinstance(thinking, Mapping) or kind not in _THINKING:
         raise invalid("thinking.type", "thinking.type: 'enabled', 'adaptive' or 'disabled'.")
@@ -443,7 +444,7 @@ def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool]:
                 "thinking.budget_tokens",
                 "thinking.budget_tokens: an integer of at least 1024 is required.",
             )
-    return budget, kind != "disabled" and display != "omitted"
+    return budget, kind != "disabled" and display != "omitted", kind == "disabled"
 
 
 #: `output_config.effort` values: Anthropic's, each one of vLLM's reasoning efforts.
@@ -498,7 +499,9 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
         raise invalid("model", "Field required: 'model'.")
     _refuse_unknown(body, known)
     _asks_nothing(body)
-    _thinking(body)  # checked for both; its budget is the answer's (`parse_messages`)
+    # checked for both; its budget is the answer's (`parse_messages`), its turning
+    # off shapes a template's prompt as an effort does
+    _, _, off = _thinking(body)
     schemas = SchemaBudget()
     tools = _tools(body, schemas)
     choice, parallel = _tool_choice(body, tools)
@@ -509,7 +512,10 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
         "response_format": answer,
-        "reasoning": ReasoningParams(effort=effort) if effort else None,
+        # as vLLM's Messages server: `disabled` wins over `output_config.effort`
+        "reasoning": (
+            ReasoningParams(off=True) if off else ReasoningParams(effort=effort) if effort else None
+        ),
         "request_id": request_id,
     }
     return model, fields
@@ -537,7 +543,7 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         top_k=top_k,
         max_tokens=max_tokens,
     )
-    budget, shown = _thinking(body)
+    budget, shown, _ = _thinking(body)
     if budget is not None:
         if budget >= max_tokens:
             raise invalid(

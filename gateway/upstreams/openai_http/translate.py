@@ -179,8 +179,8 @@ _TOOL_CHOICES = frozenset({"none", "auto", "required"})
 def _reasoning(reasoning: ReasoningParams) -> dict[str, Any]:
     """vLLM's reasoning fields, those that ask something."""
     fields: dict[str, Any] = {}
-    if reasoning.effort:
-        fields["reasoning_effort"] = reasoning.effort
+    if reasoning.effort or reasoning.off:
+        fields["reasoning_effort"] = reasoning.effort or "none"
     if not reasoning.include:
         fields["include_reasoning"] = False
     if reasoning.template_kwargs:
