@@ -244,6 +244,15 @@ def test_a_session_stays_on_its_worker_until_it_is_overloaded(
     for i in range(4):  # the OpenAI `user` is a session key too
         _ask(http, f"turn {i}", body={"user": "someone"})
     assert sorted(e.served for e in engines) in ([4, 6], [0, 10])
+    before = [e.served for e in engines]
+    for i in range(4):  # and OpenAI's `prompt_cache_key`, before `user`
+        _ask(http, f"turn {i}", body={"prompt_cache_key": "prefix-1", "user": f"u{i}"})
+    assert sorted(e.served - n for e, n in zip(engines, before, strict=True)) == [0, 4]
+    refused = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "a", "prompt_cache_key": "k" * 257},
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_key"
     # 8 turns of one session at once: past 1.5x the average load, it moves
     before = [e.served for e in engines]
     with ThreadPoolExecutor(8) as pool:

@@ -167,8 +167,9 @@ class GenerateRequest:
     #: vLLM's reasoning parameters; None: none given (most requests).
     reasoning: ReasoningParams | None = None
     #: The conversation this request continues, for session affinity only (never sent to a
-    #: worker): the `x-session-id` header, or a route's own key (the Responses API's
-    #: `previous_response_id`); "": none, and the fleet falls back to `user`.
+    #: worker): the body's `prompt_cache_key`, a route's own key (the Responses API's
+    #: `previous_response_id`) or the `x-session-id` header; "": none, and the fleet falls
+    #: back to `user`.
     session: str = ""
 
 

@@ -75,9 +75,12 @@ def _check_usage(parsed: ParsedRequest, pool: ModelPool) -> None:
 
 
 def _user(body: Any) -> str | None:
-    """The body's `user`, when it is a string: a session key for an alias's draw."""
-    user = body.get("user") if isinstance(body, dict) else None
-    return user if isinstance(user, str) and user else None
+    """The body's session key for an alias's draw, as routing reads it: its
+    `prompt_cache_key` (chat's and the Responses API's), else its `user`, when a string."""
+    if not isinstance(body, dict):
+        return None
+    key = body.get("prompt_cache_key") or body.get("user")
+    return key if isinstance(key, str) and key else None
 
 
 def _served(ctx: RequestContext, pool: ModelPool) -> ModelPool:

@@ -364,6 +364,23 @@ def _user(body: Mapping[str, Any]) -> str:
     return user
 
 
+#: The longest `prompt_cache_key`.
+MAX_CACHE_KEY_CHARS = 256
+
+
+def _cache_key(body: Mapping[str, Any]) -> str:
+    """`prompt_cache_key`, OpenAI's key for requests that share a prompt's prefix (its
+    replacement for `user` there): the request's session key, which routes the requests
+    that share it to the worker that served them last, where their prefix is cached."""
+    key = _string(body, "prompt_cache_key") or ""
+    if len(key) > MAX_CACHE_KEY_CHARS:
+        raise invalid(
+            "prompt_cache_key",
+            f"Invalid value for 'prompt_cache_key': at most {MAX_CACHE_KEY_CHARS} characters.",
+        )
+    return key
+
+
 def _common(
     body: Mapping[str, Any], model: str | None, fields: dict[str, Any], request_id: str
 ) -> ParsedRequest:
@@ -384,6 +401,7 @@ def _common(
         n=n,
         user=_user(body) if "user" in body else "",
         request_id=request_id,
+        session=_cache_key(body) if "prompt_cache_key" in body else "",
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(
