@@ -69,6 +69,10 @@ UNSERVED: dict[str, Any] = {
     "modalities": None,
     "prediction": None,
     "web_search_options": None,
+    "moderation": None,  # OpenAI's moderation of the input and the output
+    # OpenAI's prompt caching: the engines cache every prefix in memory by themselves
+    "prompt_cache_retention": "in_memory",
+    "prompt_cache_options": None,
     "guided_json": None,  # vLLM's older structured-output fields: use response_format
     "guided_regex": None,
     "guided_choice": None,
