@@ -9,7 +9,11 @@ the index and the nulls do not change within a stream. So the first plain text c
 text's JSON string; a line that is that head, one JSON string and that tail is the
 same JSON with another text, and only the string is parsed. Any other line (a finish,
 usage, logprobs, tool calls, another choice, another spelling) is parsed whole and may
-become the next template. Per token that is two byte comparisons and the parse of a
+become the next template. A reasoning model's thought (its server's `--reasoning-parser`)
+comes first as such chunks with a delta of `reasoning` (`reasoning_content` before vLLM
+0.11) alone: one of them is as good a template, its strings `Reasoning` events, until
+the answer's first text chunk, parsed whole, takes its place (one template at a time:
+a stream thinks, then answers). Per token that is two byte comparisons and the parse of a
 short string instead of the parse of the whole chunk and the walk through its dicts:
 with a fake engine, 32 streams, about a third of the gateway's CPU per token. A read
 that is one such event whole, as an engine that sends a token a step gives them, is
@@ -60,6 +64,13 @@ _TOO_LARGE = "The upstream sent an event larger than the gateway takes."
 #: falls behind holds at most about 1 MiB of a stream.
 _MERGE_CHARS = 16 * 1024
 _QUOTED = b'"%b"'.__mod__  # bytes, in quotes
+_loads = orjson.loads  # a template's string, a token: one lookup, not two
+#: The keys of a thought's string in its delta, as a template's (`_Stream._learn`).
+_REASONING = b'"reasoning":'
+_REASONING_CONTENT = b'"reasoning_content":'
+#: A chunk that may be the template, as `_Stream._choice` found it: the key of its one
+#: string, the string, its choice, and the kind of event the string is.
+_Found = tuple[bytes, str, int, type[Text] | type[Reasoning]]
 #: vLLM's first choice of a chat, its role and no text: nothing to take (`_chunk` knows
 #: it by one comparison, in C).
 _ROLE_ONLY = {
@@ -91,15 +102,16 @@ class _Stream:
     _size = 0  # the unfinished line's bytes
     _prompt_tokens: int | None = None
     _total: int | None = None
-    # The template of a plain text chunk: the bytes before and after its text's JSON
-    # string, cut inside its quotes (b"" while there is none), where that string lies
-    # in such a line, and its choice.
+    # The template of a plain text chunk (or a thought's): the bytes before and after its
+    # text's JSON string, cut inside its quotes (b"" while there is none), where that
+    # string lies in such a line, its choice, and its kind.
     _head = b""
     _tail = b""
     _ending = b"\n\n"  # the tail and the blank line that ends an event
     _between = b""  # what lies between two such events' texts: `_ending` and `_head`
     _quoted = _string = slice(0)  # its text's string, quoted: in its line, in a read
     _template_index = 0
+    _kind: type[Text] | type[Reasoning] = Text  # what its strings are
 
     def __init__(self, chat: bool, n: int) -> None:
         self._chat = chat
@@ -122,12 +134,12 @@ class _Stream:
                     # The read in front of an engine that sends a token a step: one
                     # template event, whole.
                     try:
-                        text = orjson.loads(data[self._string])
+                        text = _loads(data[self._string])
                     except orjson.JSONDecodeError:
                         pass  # not one string: cut into lines below
                     else:
                         if text:
-                            self._text(text, 1, self._template_index)
+                            self._put(text, self._template_index, self._kind)
                         return
             else:  # several: those it begins with taken at once, then its other lines
                 data = self._templates(data, texts)
@@ -157,7 +169,7 @@ class _Stream:
         for line in filter(None, lines):  # not the blank line after each event
             if line.startswith(head) and line.endswith(tail):
                 try:
-                    text = orjson.loads(line[quoted])
+                    text = _loads(line[quoted])
                 except orjson.JSONDecodeError:
                     pass  # not one string: parsed whole
                 else:  # the template's chunk with this text
@@ -181,7 +193,7 @@ class _Stream:
             if type(payload) is not dict:
                 raise errors.Failed("The upstream sent an event that is not an object.")
             try:
-                learned = self._chunk(payload) and self._learn(line, payload)
+                learned = self._chunk(payload, line)
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise errors.Failed("The upstream sent an event of an unknown shape.") from None
             if learned:
@@ -218,31 +230,29 @@ class _Stream:
         return data[end + len(ending) :]
 
     def _texts(self, texts: list[str]) -> None:
-        """The template's texts in a row, a token each (and emptied): one event; in the
-        rare run that reaches `_MERGE_CHARS`, one each time the texts since the last
-        reach it (measured here, not text by text as they come)."""
-        index = self._template_index
+        """The template's strings in a row, a token each (and emptied): one event; in the
+        rare run that reaches `_MERGE_CHARS`, one each time the strings since the last
+        reach it (measured here, not string by string as they come)."""
         text = "".join(texts)
         if len(text) < _MERGE_CHARS:
-            self._text(text, len(texts), index)
+            self._put(text, self._template_index, self._kind, len(texts))
         else:
+            index, kind = self._template_index, self._kind
             first = size = 0
             for i, piece in enumerate(texts, 1):
                 size += len(piece)
                 if size >= _MERGE_CHARS or i == len(texts):
-                    self._text("".join(texts[first:i]), i - first, index)
+                    self._put("".join(texts[first:i]), index, kind, i - first)
                     first, size = i, 0
         texts.clear()
 
-    def _learn(self, line: bytes, payload: dict[str, Any]) -> bool:
-        """Keeps `line` (parsed: `payload`, a plain text chunk as `_chunk` tells) as
-        the template if its text's key is once in the line and its string is spelled
-        as orjson would."""
-        key = self._key
+    def _learn(self, line: bytes, found: _Found) -> bool:
+        """Keeps `line` (a plain chunk, as `_choice` found it: its one effect is a text,
+        or a thought; b"" where the chunk cannot be one) as the template if the key of
+        that string is once in the line and the string is spelled as orjson would."""
+        key, text, index, kind = found
         if line.count(key) != 1:
             return False
-        choice = payload["choices"][0]
-        text = choice["delta"]["content"] if self._chat else choice["text"]
         at = line.index(key) + len(key)
         spelled = orjson.dumps(text)
         if not line.startswith(spelled, at):  # as a server spells it, mostly
@@ -260,13 +270,14 @@ class _Stream:
         cut = end - len(line)
         self._quoted = slice(at, cut)  # the string, quoted
         self._string = slice(at, cut - 2)  # in the read of that line alone
-        self._template_index = choice.get("index") or 0
+        self._template_index = index
+        self._kind = kind
         return True
 
-    def _chunk(self, payload: dict[str, Any]) -> bool:
-        """Takes one chunk; whether it is a plain text chunk, a template (`_learn`):
-        one choice whose only effect is its text (no finish, logprobs, tool calls or
-        usage)."""
+    def _chunk(self, payload: dict[str, Any], line: bytes) -> bool:
+        """Takes one chunk (`line`, parsed); whether it is now the template (`_learn`):
+        one choice whose only effect is its text, or its thought (no finish, logprobs,
+        tool calls or usage)."""
         if "error" in payload or payload.get("object") == "error":
             raise error_from_event(payload)
         choices = payload.get("choices")
@@ -275,21 +286,25 @@ class _Stream:
             self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
             if not choices:
                 self._total = usage.get("completion_tokens", self._total)
-            elif len(choices) == 1 and "completion_tokens" in usage:  # per-chunk usage
-                self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
+            else:
+                line = b""  # not a template: its usage would be taken once
+                if len(choices) == 1 and "completion_tokens" in usage:  # per-chunk usage
+                    self._usages[choices[0].get("index") or 0] = usage["completion_tokens"]
         if not choices:
             return False
         if len(choices) != 1:
             for choice in choices:  # a list: anything else fails on its items
-                self._choice(choice)
+                self._choice(choice, b"")
             return False
         choice = choices[0]
         if choice == _ROLE_ONLY:
             return False
-        return self._choice(choice) and not usage
+        return self._choice(choice, line)
 
-    def _choice(self, choice: dict[str, Any]) -> bool:
-        """Takes one choice of a chunk; whether its text (not empty) is all it holds."""
+    def _choice(self, choice: dict[str, Any], line: bytes) -> bool:
+        """Takes one choice of a chunk (`line`; b"" where it cannot be the template);
+        whether it is now the template (`_learn`): its text (not empty) all it holds, or
+        its thought alone in its delta."""
         index = choice.get("index") or 0
         if index and not 0 < index < self.n:  # 0 always is one
             raise errors.Failed(f"The upstream sent choice {index} of {self.n}.")
@@ -310,7 +325,7 @@ class _Stream:
             if not text:
                 return False
             self._text(text, 1, index)
-            return type(text) is str
+            return type(text) is str and self._learn(line, (self._key, text, index, Text))
         if self._chat:
             logprobs = _chat_logprobs(given) if given else None
         else:
@@ -319,7 +334,7 @@ class _Stream:
         if thought:  # before the text: a chunk that holds both ends the reasoning
             if type(thought) is not str:
                 raise errors.Failed("The upstream sent a reasoning that is not a string.")
-            self._reasoning(thought, tokens, index)
+            self._put(thought, index, Reasoning, tokens)
             tokens = 0
         if text or logprobs:
             self._text(text or "", tokens, index, logprobs)
@@ -328,7 +343,13 @@ class _Stream:
             for call in calls:
                 self._tool_call(index, call, tokens)
                 tokens = 0
-        if reason is None:  # with logprobs or tool calls: not a text alone
+        if reason is None:  # with logprobs, tool calls or a thought: not a text alone
+            # A thought alone (a chat's) is the template while it thinks: nothing else in
+            # its delta, where an empty thought would leave a text or the other name's
+            # (the vLLMs that send both names, the same string twice, are parsed whole).
+            if thought and not given and len(delta) == 1:
+                key = _REASONING if "reasoning" in delta else _REASONING_CONTENT
+                return self._learn(line, (key, thought, index, Reasoning))
             return False
         if index not in self._reasons:
             failure = _FINISH_ERRORS.get(reason)
@@ -363,17 +384,32 @@ class _Stream:
                     return
         ready.append(Text(text, tokens, index, logprobs))
 
-    def _reasoning(self, text: str, tokens: int, index: int) -> None:
-        """A piece of choice `index`'s reasoning, its tokens counted; merged into the
-        last event when that is the same choice's reasoning."""
+    def _put(
+        self, text: str, index: int, kind: type[Text] | type[Reasoning], tokens: int = 1
+    ) -> None:
+        """A piece of choice `index`'s reasoning, or of its text without logprobs
+        (`kind`), its tokens counted; merged into the last event when that is the same
+        choice's, of that kind (a text without logprobs). The template's strings come
+        here, a lone one in as many steps as `_text` took: `kind` is an argument, as
+        `self._kind(...)` (an instance's attribute, called) is a lookup that 3.11 does
+        not specialize."""
         self._counted[index] += tokens
         ready = self.ready
         if ready:
             last = ready[-1]
-            if type(last) is Reasoning and last.index == index and len(last.text) < _MERGE_CHARS:
+            if kind is Text:
+                if (
+                    type(last) is Text
+                    and last.index == index
+                    and len(last.text) < _MERGE_CHARS
+                    and last.logprobs is None
+                ):
+                    ready[-1] = Text(last.text + text, last.tokens + tokens, index)
+                    return
+            elif type(last) is Reasoning and last.index == index and len(last.text) < _MERGE_CHARS:
                 ready[-1] = Reasoning(last.text + text, last.tokens + tokens, index)
                 return
-        ready.append(Reasoning(text, tokens, index))
+        ready.append(kind(text, tokens, index))
 
     def _tool_call(self, index: int, call: dict[str, Any], tokens: int) -> None:
         """A piece of a tool call of choice `index`, its tokens counted; merged into
