@@ -208,7 +208,7 @@ def test_responses_reasoning_effort_reaches_the_server(thinker):
     assert server.last_body["reasoning_effort"] == "high"
     assert response.reasoning is not None and response.reasoning.effort == "high"
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
-        summary = {"model": MODEL, "input": "hi", "reasoning": {"summary": "auto"}}
+        summary = {"model": MODEL, "input": "hi", "reasoning": {"summary": "brief"}}
         demo = {"model": DEMO_MODEL, "input": "hi", "reasoning": {"effort": "low"}}
         bad = {"model": MODEL, "input": "hi", "reasoning": {"effort": "extreme"}}
         item = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}

@@ -471,7 +471,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"reasoning": {"summary": "brief"}}, "reasoning.summary"),
         # the demo's workers take no reasoning effort (OpenAI-compatible servers do)
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"conversation": "conv_1"}, "conversation"),

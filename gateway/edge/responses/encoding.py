@@ -4,7 +4,11 @@ events, each with its `sequence_number`.
 A stream goes `response.created`, `response.in_progress`, then per output item
 `response.output_item.added`, its content (a message: `response.content_part.added`,
 `response.output_text.delta`..., `.done`, `response.content_part.done`; a function
-call: `response.function_call_arguments.delta`..., `.done`), `response.output_item.done`,
+call: `response.function_call_arguments.delta`..., `.done`; a reasoning item: as a
+message's, with `response.reasoning_text.*`, or, with `reasoning.summary` asked, as
+its one summary part: `response.reasoning_summary_part.added`,
+`response.reasoning_summary_text.delta`..., `.done`, `response.reasoning_summary_part.done`),
+`response.output_item.done`,
 and last `response.completed` (or `response.incomplete` when `max_output_tokens` cut
 it, or `error` and `response.failed` when the worker failed). An item is open until
 the next one starts or the answer ends. The text delta, the event of every token, is
@@ -12,7 +16,9 @@ bytes around the JSON-escaped text (its template made once per response); the re
 are built as dicts, a few per response.
 
 The encoder keeps the answer's output items: `final` is the response object once the
-answer is over, which the route stores.
+answer is over, which the route stores. What a request asks beyond the plain answer is
+chosen once, when its encoder is made (a summary's event names, an encoder class for
+padding), so a request that asks none of it runs none of it.
 """
 
 from __future__ import annotations
@@ -86,19 +92,27 @@ class _Thought:
         self.output_index = output_index
         self.pieces: list[str] = []
 
-    def item(self, status: str) -> dict[str, Any]:
-        """vLLM's reasoning item: the text whole, as one `reasoning_text` part."""
-        return {
-            "type": "reasoning",
-            "id": self.id,
-            "summary": [],
-            "content": [_reasoning_part("".join(self.pieces))],
-            "status": status,
-        }
+    def item(self, status: str, summary: bool) -> dict[str, Any]:
+        """vLLM's reasoning item: the text whole, as one `reasoning_text` part; with a
+        `summary` asked, the text whole as its one `summary_text` part instead (the
+        models do not summarize; the text is not sent twice)."""
+        text = "".join(self.pieces)
+        item: dict[str, Any] = {"type": "reasoning", "id": self.id}
+        if summary:
+            item["summary"] = [_summary_part(text)]
+        else:
+            item["summary"] = []
+            item["content"] = [_reasoning_part(text)]
+        item["status"] = status
+        return item
 
 
 def _reasoning_part(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
+
+
+def _summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}
 
 
 class ResponsesEncoder(Encoder):
@@ -126,6 +140,13 @@ class ResponsesEncoder(Encoder):
         self._calls: dict[int, _Call] = {}
         self._open_call: _Call | None = None
         self._thought: _Thought | None = None  # the open reasoning item
+        # a reasoning delta's event and its index's name: the summary's, where one is asked
+        self._summary = body.summary is not None
+        self._thought_delta, self._thought_index = (
+            ("response.reasoning_summary_text.delta", "summary_index")
+            if self._summary
+            else ("response.reasoning_text.delta", "content_index")
+        )
         self.reasoning_tokens = 0
         self._finish_reason: FinishReason | None = None
         #: The response object once the answer is over (or failed).
@@ -206,11 +227,13 @@ class ResponsesEncoder(Encoder):
         self._message_id = ""
         if not stream:
             return b""
-        text = item["content"][0]["text"]
+        part = item["content"][0]
         where = {"item_id": item["id"], "output_index": self._message_index, "content_index": 0}
         return (
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
-            + self._event("response.content_part.done", {**where, "part": self._part(text)})
+            self._event(
+                "response.output_text.done", {**where, "text": part["text"], "logprobs": []}
+            )
+            + self._event("response.content_part.done", {**where, "part": part})
             + self._event(
                 "response.output_item.done", {"output_index": self._message_index, "item": item}
             )
@@ -257,19 +280,26 @@ class ResponsesEncoder(Encoder):
                 out += self._event(
                     "response.output_item.added",
                     {"output_index": thought.output_index, "item": added},
-                ) + self._event(
-                    "response.content_part.added",
-                    {**where, "content_index": 0, "part": _reasoning_part("")},
+                ) + (
+                    self._event(
+                        "response.reasoning_summary_part.added",
+                        {**where, "summary_index": 0, "part": _summary_part("")},
+                    )
+                    if self._summary
+                    else self._event(
+                        "response.content_part.added",
+                        {**where, "content_index": 0, "part": _reasoning_part("")},
+                    )
                 )
         thought.pieces.append(text)
         if not stream:
             return out
         return out + self._event(
-            "response.reasoning_text.delta",
+            self._thought_delta,
             {
                 "item_id": thought.id,
                 "output_index": thought.output_index,
-                "content_index": 0,
+                self._thought_index: 0,
                 "delta": text,
             },
         )
@@ -288,18 +318,27 @@ class ResponsesEncoder(Encoder):
         if thought is None:
             return b""
         self._thought = None
-        item = thought.item(status)
+        item = thought.item(status, self._summary)
         self.output.append(item)
         if not stream:
             return b""
-        where = {"item_id": thought.id, "output_index": thought.output_index, "content_index": 0}
-        part = item["content"][0]
-        return (
-            self._event("response.reasoning_text.done", {**where, "text": part["text"]})
-            + self._event("response.content_part.done", {**where, "part": part})
-            + self._event(
-                "response.output_item.done", {"output_index": thought.output_index, "item": item}
-            )
+        where = {"item_id": thought.id, "output_index": thought.output_index}
+        if self._summary:
+            part = item["summary"][0]
+            where["summary_index"] = 0
+            # OpenAI marks a summary cut short; one that completed has no status
+            cut = {} if status == "completed" else {"status": "incomplete"}
+            out = self._event(
+                "response.reasoning_summary_text.done", {**where, "text": part["text"]}
+            ) + self._event("response.reasoning_summary_part.done", {**where, "part": part, **cut})
+        else:
+            part = item["content"][0]
+            where["content_index"] = 0
+            out = self._event(
+                "response.reasoning_text.done", {**where, "text": part["text"]}
+            ) + self._event("response.content_part.done", {**where, "part": part})
+        return out + self._event(
+            "response.output_item.done", {"output_index": thought.output_index, "item": item}
         )
 
     def _heading(self) -> bytes:
@@ -476,7 +515,8 @@ def _last_obfuscated(events: bytes) -> bytes:
 
 class ObfuscatedResponsesEncoder(ResponsesEncoder):
     """A response whose stream's delta events (`response.output_text.delta`,
-    `response.reasoning_text.delta`, `response.function_call_arguments.delta`) carry
+    `response.reasoning_text.delta` or `response.reasoning_summary_text.delta`,
+    `response.function_call_arguments.delta`) carry
     OpenAI's `obfuscation` padding (`stream_options.include_obfuscation`), as OpenAI
     pads the delta events alone (the others come once an item, not once a token). A class
     of its own, chosen once per request, so a stream that does not ask runs none of it.

@@ -12,11 +12,12 @@ text and image parts, `function_call`, `function_call_output`), `instructions`,
 function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
 (`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`,
 `top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
-`previous_response_id`, and `prompt_cache_key` (the conversation's key for
-session affinity). Everything else OpenAI defines is refused by name unless it
-is at the value that asks nothing (`UNSERVED`); other tool types, item types and
-content parts are refused by the path that names them. Unknown fields are
-ignored, as the chat route ignores them.
+`previous_response_id`, `prompt_cache_key` (the conversation's key for
+session affinity), and `reasoning` (`effort`, and `summary`: the whole reasoning as its
+one part, as these models do not summarize). Everything else OpenAI defines is
+refused by name unless it is at the value that asks nothing (`UNSERVED`, `include`);
+other tool types, item types and content parts are refused by the path that names
+them. Unknown fields are ignored, as the chat route ignores them.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ UNSERVED: dict[str, Any] = {
     "top_logprobs": 0,
     "context_management": None,
 }
+#: `reasoning.summary`'s values (OpenAI's; each is served as the whole reasoning).
+SUMMARIES = ("auto", "concise", "detailed")
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 
@@ -109,6 +112,8 @@ class ResponsesBody:
     reasoning: ReasoningParams | None = None
     #: `stream_options.include_obfuscation`: the stream's delta events padded.
     obfuscate: bool = False
+    #: `reasoning.summary` as asked (None: none): the reasoning shown as its summary.
+    summary: str | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -272,6 +277,13 @@ def _reasoning_item(item: Mapping[str, Any], where: str) -> Item:
     }
 
 
+def thought_of(item: Item) -> str:
+    """A reasoning item's text: its content's, else its summary's (ours, with a summary
+    asked, holds the whole reasoning there)."""
+    parts = item.get("content") or item["summary"]
+    return "".join(part["text"] for part in parts)
+
+
 def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
     value = body.get("input")
     if isinstance(value, str):
@@ -343,7 +355,7 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
             thought = ""
         elif kind == "reasoning":
-            thought += "".join(part["text"] for part in item["content"])
+            thought += thought_of(item)
     return tuple(messages)
 
 
@@ -550,7 +562,7 @@ def parse(body: Any) -> ResponsesBody:
     user = _user(body)
     previous = _id(body, "previous_response_id")
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
-    effort = _reasoning(body)
+    effort, summary = _reasoning(body)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
@@ -566,7 +578,7 @@ def parse(body: Any) -> ResponsesBody:
         "user": user or None,
         "store": store is not False,
         "background": False,
-        "reasoning": {"effort": effort or None, "summary": None},
+        "reasoning": {"effort": effort or None, "summary": summary},
         "service_tier": "default",
     }
     return ResponsesBody(
@@ -586,22 +598,29 @@ def parse(body: Any) -> ResponsesBody:
         echo=echo,
         reasoning=ReasoningParams(effort=effort) if effort else None,
         obfuscate=obfuscate,
+        summary=summary,
     )
 
 
-def _reasoning(body: Mapping[str, Any]) -> str:
-    """`reasoning`'s `effort` ("": none given); its summaries are not served."""
+def _reasoning(body: Mapping[str, Any]) -> tuple[str, str | None]:
+    """`reasoning`'s `effort` ("": none given) and `summary` (or the deprecated
+    `generate_summary`; None: none asked)."""
     value = body.get("reasoning")
     if value is None:
-        return ""
+        return "", None
     if not isinstance(value, Mapping):
         raise invalid("reasoning", "Invalid type for 'reasoning': expected an object.")
-    for name in ("summary", "generate_summary"):
-        if value.get(name) is not None:
-            raise invalid(
-                f"reasoning.{name}", f"'reasoning.{name}' is not supported by this gateway."
-            )
-    return reasoning_effort(value, "effort", "reasoning.") or ""
+    summary = None
+    for name in ("generate_summary", "summary"):  # `summary` wins where both are given
+        asked = value.get(name)
+        if asked is not None:
+            if asked not in SUMMARIES:
+                raise invalid(
+                    f"reasoning.{name}",
+                    f"Invalid value for 'reasoning.{name}': auto, concise or detailed.",
+                )
+            summary = str(asked)
+    return reasoning_effort(value, "effort", "reasoning.") or "", summary
 
 
 def generate_request(

@@ -1,0 +1,196 @@
+"""What agent frameworks on the Responses API (Codex, the Agents SDK with reasoning
+models) ask of a reasoning model, through the official `openai` SDK against the real
+gateway: `reasoning.summary` (the whole reasoning as the item's one summary part,
+streamed as OpenAI streams summaries).
+
+The reasoning comes from a small OpenAI-compatible server that thinks before its reply
+(tests/support/openai_server.py), which records the last body it was sent."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.openai_server import OpenAIServer
+from tests.support.requests import assert_openai_error
+from tests.support.servers import DEMO_MODEL, Gateway
+from tests.support.waiting import HANG_GUARD
+from tests.test_obfuscation import PADDED, assert_padded, events, padding
+
+MODEL = "thinker"
+THOUGHTS = ["The user ", "says hi; ", "I greet back."]
+THOUGHT = "".join(THOUGHTS)
+ENCRYPTED = "reasoning.encrypted_content"
+#: A summary's events on a reasoning item, in OpenAI's order (deltas between).
+SUMMARY_EVENTS = [
+    "response.output_item.added",
+    "response.reasoning_summary_part.added",
+    "response.reasoning_summary_text.delta",
+    "response.reasoning_summary_text.done",
+    "response.reasoning_summary_part.done",
+    "response.output_item.done",
+]
+
+
+@pytest.fixture
+def thinker(server_loop, gateway_with, workers) -> Iterator[tuple[OpenAIServer, Gateway]]:
+    """The upstream, thinking before its reply, and a gateway in front of it (and of the
+    demo's workers)."""
+    key = "sk-" + secrets.token_hex(8)
+    server = OpenAIServer(MODEL, key, None)
+    server.reasoning = list(THOUGHTS)
+    server_loop.call(server.start())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("THINKER_KEY", key)
+        model = ModelConfig(
+            MODEL, workers=(server.url,), upstream="openai", api_key_env="THINKER_KEY"
+        )
+        demo = ModelConfig(DEMO_MODEL, workers=(workers.demo.address,))
+        yield server, gateway_with(models=(model, demo))
+    server_loop.call(server.stop())
+
+
+def sdk(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD)
+
+
+def _whole_and_streamed(client: openai.OpenAI, **body: Any) -> tuple[Any, list[Any], Any]:
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as stream:
+        seen = list(stream)
+        streamed = stream.get_final_response()
+    return whole, seen, streamed
+
+
+# -- reasoning.summary ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reasoning",
+    [
+        {"summary": "auto"},
+        {"summary": "concise", "effort": "low"},
+        {"summary": "detailed"},
+        {"generate_summary": "auto"},  # the deprecated name
+    ],
+)
+def test_a_summary_holds_the_whole_reasoning_whole_and_streamed(thinker, reasoning):
+    _, gw = thinker
+    asked = reasoning.get("summary") or reasoning["generate_summary"]
+    with sdk(gw) as client:
+        whole, seen, streamed = _whole_and_streamed(
+            client, model=MODEL, input="hi", reasoning=reasoning
+        )
+        kept = client.responses.retrieve(whole.id)
+    for response in (whole, streamed, kept):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        item = response.output[0]
+        assert [(s.type, s.text) for s in item.summary] == [("summary_text", THOUGHT)]
+        assert item.content is None  # the text is not sent twice
+        assert item.encrypted_content is None and item.status == "completed"
+        assert response.output_text == "hello"
+        assert response.reasoning is not None and response.reasoning.summary == asked
+        assert response.usage is not None
+        assert response.usage.output_tokens_details.reasoning_tokens == len(THOUGHTS)
+    assert kept.output == whole.output
+    kinds = [e.type for e in seen]
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    assert not [k for k in kinds if "reasoning_text" in k]
+    item_id = streamed.output[0].id
+    on_item = [e for e in seen if getattr(e, "item_id", None) == item_id or _item_is(e, item_id)]
+    # the item's events, each kind once (the deltas are a run)
+    runs = [e.type for i, e in enumerate(on_item) if not i or e.type != on_item[i - 1].type]
+    assert runs == SUMMARY_EVENTS
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+    deltas = [e for e in seen if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(e.delta for e in deltas) == THOUGHT
+    for event in on_item[1:-1]:
+        assert event.summary_index == 0 and event.output_index == 0
+    added = next(e for e in seen if e.type == "response.reasoning_summary_part.added")
+    done = next(e for e in seen if e.type == "response.reasoning_summary_part.done")
+    assert (added.part.text, done.part.text) == ("", THOUGHT)
+    assert done.status is None  # it completed
+    text_done = next(e for e in seen if e.type == "response.reasoning_summary_text.done")
+    assert text_done.text == THOUGHT
+
+
+def _item_is(event: Any, item_id: str) -> bool:
+    item = getattr(event, "item", None)
+    return item is not None and item.id == item_id
+
+
+def test_without_a_summary_nothing_changes(thinker):
+    _, gw = thinker
+    with sdk(gw) as client:
+        whole, seen, _ = _whole_and_streamed(client, model=MODEL, input="hi")
+    item = whole.output[0]
+    assert item.summary == [] and item.content is not None and item.content[0].text == THOUGHT
+    assert whole.reasoning is not None and whole.reasoning.summary is None
+    kinds = {e.type for e in seen}
+    assert "response.reasoning_text.delta" in kinds
+    assert not any("summary" in kind for kind in kinds)
+
+
+def test_a_stored_summary_gives_the_reasoning_back_to_the_model(thinker):
+    server, gw = thinker
+    with sdk(gw) as client:
+        first = client.responses.create(model=MODEL, input="hi", reasoning={"summary": "auto"})
+        client.responses.create(model=MODEL, input="and?", previous_response_id=first.id)
+    messages = server.last_body["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["reasoning"] == THOUGHT and messages[1]["content"] == "hello"
+
+
+def test_a_summary_on_the_events_path(thinker):
+    """With tools, the answer takes the events path: the same item and events."""
+    _, gw = thinker
+    tool = {"type": "function", "name": "noop", "parameters": {"type": "object"}}
+    with sdk(gw) as client:
+        whole, seen, streamed = _whole_and_streamed(
+            client, model=MODEL, input="hi", tools=[tool], reasoning={"summary": "auto"}
+        )
+    for response in (whole, streamed):
+        assert response.output[0].summary[0].text == THOUGHT
+        assert response.output[0].content is None and response.output_text == "hello"
+    kinds = [e.type for e in seen]
+    assert kinds.count("response.reasoning_summary_part.done") == 1
+    assert "response.reasoning_text.delta" not in kinds
+
+
+def test_a_summary_s_deltas_are_padded(thinker):
+    _, gw = thinker
+    body = {
+        "model": MODEL,
+        "input": "hi",
+        "stream": True,
+        "stream_options": PADDED,
+        "reasoning": {"summary": "auto"},
+    }
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        raw = events(http, "/v1/responses", body)
+    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
+    assert b"response.reasoning_summary_text.delta" in kinds
+    for kind, event in zip(kinds, raw, strict=True):
+        if kind.endswith(b".delta"):
+            assert_padded(event)
+        else:
+            assert padding(event) is None
+
+
+def test_a_summary_that_is_not_openai_s_is_refused_by_name(thinker):
+    _, gw = thinker
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for reasoning, param in (
+            ({"summary": "brief"}, "reasoning.summary"),
+            ({"generate_summary": 1}, "reasoning.generate_summary"),
+        ):
+            body = {"model": MODEL, "input": "hi", "reasoning": reasoning}
+            answer = http.post("/v1/responses", json=body)
+            assert answer.status_code == 400, answer.text
+            assert assert_openai_error(answer)["param"] == param
