@@ -470,7 +470,9 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        # `include`'s values other than the encrypted reasoning
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
         ({"reasoning": {"summary": "brief"}}, "reasoning.summary"),
         # the demo's workers take no reasoning effort (OpenAI-compatible servers do)
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),

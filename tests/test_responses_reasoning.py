@@ -1,14 +1,18 @@
 """What agent frameworks on the Responses API (Codex, the Agents SDK with reasoning
 models) ask of a reasoning model, through the official `openai` SDK against the real
 gateway: `reasoning.summary` (the whole reasoning as the item's one summary part,
-streamed as OpenAI streams summaries).
+streamed as OpenAI streams summaries), `include: ["reasoning.encrypted_content"]` (an
+opaque string of ours that a stateless agent sends back, read as the reasoning it holds;
+anyone else's refused by name).
 
 The reasoning comes from a small OpenAI-compatible server that thinks before its reply
 (tests/support/openai_server.py), which records the last body it was sent."""
 
 from __future__ import annotations
 
+import base64
 import secrets
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +21,7 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.edge.responses.params import MAX_OPAQUE_BYTES, OPAQUE_PREFIX, opaque
 from tests.support.openai_server import OpenAIServer
 from tests.support.requests import assert_openai_error
 from tests.support.servers import DEMO_MODEL, Gateway
@@ -194,3 +199,94 @@ def test_a_summary_that_is_not_openai_s_is_refused_by_name(thinker):
             answer = http.post("/v1/responses", json=body)
             assert answer.status_code == 400, answer.text
             assert assert_openai_error(answer)["param"] == param
+
+
+# -- reasoning.encrypted_content ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("summary", [None, "auto"])
+def test_a_stateless_conversation_sends_its_reasoning_back(thinker, summary):
+    """Codex's way: `store: false`, the reasoning asked as `encrypted_content`, and the
+    answer's items sent back on the next turn; the model's template gets the reasoning on
+    the assistant's turn, from the opaque string alone."""
+    server, gw = thinker
+    extra: dict[str, Any] = {"store": False, "include": [ENCRYPTED]}
+    if summary is not None:
+        extra["reasoning"] = {"summary": summary}
+    with sdk(gw) as client:
+        whole, seen, streamed = _whole_and_streamed(client, model=MODEL, input="hi", **extra)
+        for response in (whole, streamed):
+            item = response.output[0]
+            assert item.encrypted_content is not None
+            assert item.encrypted_content.startswith(OPAQUE_PREFIX)
+        added = next(e for e in seen if e.type == "response.output_item.added")
+        done = next(e for e in seen if e.type == "response.output_item.done")
+        assert added.item.encrypted_content is None  # whole once the item is
+        assert done.item.encrypted_content == streamed.output[0].encrypted_content
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(whole.id)
+        # the SDK's own items sent back as they came (OpenAI's advice), and the items with
+        # their readable text left out: the opaque string alone carries the reasoning
+        stripped = [item.model_dump(exclude_none=True) for item in streamed.output]
+        stripped[0] = {k: v for k, v in stripped[0].items() if k != "content"} | {"summary": []}
+        for items in (whole.output, stripped):
+            turns = [{"role": "user", "content": "hi"}, *items, {"role": "user", "content": "and?"}]
+            again = client.responses.create(model=MODEL, input=turns, **extra)  # type: ignore[arg-type]
+            assert again.output_text == "hello"
+            messages = server.last_body["messages"]
+            assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+            assert messages[1]["reasoning"] == THOUGHT and messages[1]["content"] == "hello"
+
+
+def test_a_stored_input_item_keeps_its_encrypted_content(thinker):
+    server, gw = thinker
+    item = {"type": "reasoning", "summary": [], "encrypted_content": opaque("kept thought")}
+    turns = [
+        {"role": "user", "content": "hi"},
+        item,
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and?"},
+    ]
+    with sdk(gw) as client:
+        first = client.responses.create(model=MODEL, input=turns)  # type: ignore[arg-type]
+        listed = client.responses.input_items.list(first.id, order="asc")
+        assert listed.data[1].encrypted_content == item["encrypted_content"]  # type: ignore[union-attr]
+        client.responses.create(model=MODEL, input="more?", previous_response_id=first.id)
+    messages = server.last_body["messages"]
+    assert messages[1]["reasoning"] == "kept thought"
+
+
+def _sealed(raw: bytes) -> str:
+    return OPAQUE_PREFIX + base64.urlsafe_b64encode(zlib.compress(raw)).decode().rstrip("=")
+
+
+def test_encrypted_content_not_ours_damaged_or_too_big_is_refused_by_name(thinker):
+    _, gw = thinker
+    ours = opaque(THOUGHT)
+    big = "a" * (MAX_OPAQUE_BYTES // 2 + 1)
+    cases = [
+        ("gAAAAABoOpenAIsEncryptedReasoning", 0, "not made by this gateway"),  # OpenAI's
+        (ours[:-6] + "AAAAAA", 0, "damaged"),  # tampered
+        (ours[: len(OPAQUE_PREFIX) + 8], 0, "damaged"),  # cut
+        (OPAQUE_PREFIX + "!!!not base64!!!", 0, "damaged"),
+        (_sealed(b"\xff\xfe not UTF-8"), 0, "damaged"),
+        (_sealed(b"a" * (MAX_OPAQUE_BYTES + 1)), 0, "bytes"),  # a small bomb
+    ]
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for sealed, at, said in cases:
+            item = {"type": "reasoning", "summary": [], "encrypted_content": sealed}
+            body = {"model": MODEL, "input": [item, {"role": "user", "content": "hi"}]}
+            answer = http.post("/v1/responses", json=body)
+            assert answer.status_code == 400, answer.text
+            error = assert_openai_error(answer)
+            assert error["param"] == f"input[{at}].encrypted_content", error
+            assert said in error["message"]
+        # the bound is on all of a request's items together
+        half = {"type": "reasoning", "summary": [], "encrypted_content": opaque(big)}
+        body = {"model": MODEL, "input": [half, half | {"id": "rs_2"}, "hi"]}
+        body["input"][2] = {"role": "user", "content": "hi"}
+        answer = http.post("/v1/responses", json=body)
+        assert answer.status_code == 400, answer.text
+        assert assert_openai_error(answer)["param"] == "input[1].encrypted_content"
+        one = {"model": MODEL, "input": [half, {"role": "user", "content": "hi"}]}
+        assert http.post("/v1/responses", json=one).status_code == 200

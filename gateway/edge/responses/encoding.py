@@ -32,7 +32,7 @@ import orjson
 
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import Encoder, obfuscated
-from gateway.edge.responses.params import ResponsesBody, new_id
+from gateway.edge.responses.params import ResponsesBody, new_id, opaque
 from gateway.protocol.types import Event, Finished, FinishReason, Reasoning, Text, ToolCallDelta
 
 _SECRET = secrets.token_hex(8)
@@ -92,10 +92,11 @@ class _Thought:
         self.output_index = output_index
         self.pieces: list[str] = []
 
-    def item(self, status: str, summary: bool) -> dict[str, Any]:
+    def item(self, status: str, summary: bool, sealed: bool) -> dict[str, Any]:
         """vLLM's reasoning item: the text whole, as one `reasoning_text` part; with a
         `summary` asked, the text whole as its one `summary_text` part instead (the
-        models do not summarize; the text is not sent twice)."""
+        models do not summarize; the text is not sent twice); `sealed`: with its
+        `encrypted_content`."""
         text = "".join(self.pieces)
         item: dict[str, Any] = {"type": "reasoning", "id": self.id}
         if summary:
@@ -103,6 +104,8 @@ class _Thought:
         else:
             item["summary"] = []
             item["content"] = [_reasoning_part(text)]
+        if sealed:
+            item["encrypted_content"] = opaque(text)
         item["status"] = status
         return item
 
@@ -142,6 +145,7 @@ class ResponsesEncoder(Encoder):
         self._thought: _Thought | None = None  # the open reasoning item
         # a reasoning delta's event and its index's name: the summary's, where one is asked
         self._summary = body.summary is not None
+        self._sealed = body.encrypted
         self._thought_delta, self._thought_index = (
             ("response.reasoning_summary_text.delta", "summary_index")
             if self._summary
@@ -318,7 +322,7 @@ class ResponsesEncoder(Encoder):
         if thought is None:
             return b""
         self._thought = None
-        item = thought.item(status, self._summary)
+        item = thought.item(status, self._summary, self._sealed)
         self.output.append(item)
         if not stream:
             return b""

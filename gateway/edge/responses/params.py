@@ -13,16 +13,21 @@ function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
 (`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`,
 `top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
 `previous_response_id`, `prompt_cache_key` (the conversation's key for
-session affinity), and `reasoning` (`effort`, and `summary`: the whole reasoning as its
-one part, as these models do not summarize). Everything else OpenAI defines is
-refused by name unless it is at the value that asks nothing (`UNSERVED`, `include`);
-other tool types, item types and content parts are refused by the path that names
-them. Unknown fields are ignored, as the chat route ignores them.
+session affinity), `reasoning` (`effort`, and `summary`: the whole reasoning as its one
+part, as these models do not summarize), and `include`'s `reasoning.encrypted_content`
+(the reasoning as an opaque string of ours, which a stateless agent sends back).
+Everything else OpenAI defines is refused by name unless it is at the value that asks
+nothing (`UNSERVED`; `include`'s other values); other tool types, item types and
+content parts are refused by the path that names them. Unknown fields are ignored, as
+the chat route ignores them.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -84,8 +89,16 @@ UNSERVED: dict[str, Any] = {
     "top_logprobs": 0,
     "context_management": None,
 }
+#: `include`'s value served: the reasoning as an opaque string.
+ENCRYPTED = "reasoning.encrypted_content"
 #: `reasoning.summary`'s values (OpenAI's; each is served as the whole reasoning).
 SUMMARIES = ("auto", "concise", "detailed")
+#: What begins an `encrypted_content` of ours: the format's version.
+OPAQUE_PREFIX = "furnace.r1."
+#: The most reasoning (UTF-8 bytes, decompressed) the `encrypted_content` of one request's
+#: items may hold, all together: a body's size by default (`max_body_bytes`), so what
+#: decompressing costs is what reading the body could cost.
+MAX_OPAQUE_BYTES = 4 * 1024 * 1024
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 
@@ -114,6 +127,8 @@ class ResponsesBody:
     obfuscate: bool = False
     #: `reasoning.summary` as asked (None: none): the reasoning shown as its summary.
     summary: str | None = None
+    #: `include: ["reasoning.encrypted_content"]`: reasoning items carry it.
+    encrypted: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -257,29 +272,78 @@ def _texts(value: Any, where: str, kind: str) -> list[str]:
     return texts
 
 
-def _reasoning_item(item: Mapping[str, Any], where: str) -> Item:
-    """A reasoning item an agent sends back with an answer's other output items: kept,
-    and its text given to the assistant turn after it (`messages_of`). OpenAI's
-    encrypted reasoning means nothing to these models: refused."""
-    if item.get("encrypted_content") is not None:
+def opaque(text: str) -> str:
+    """A reasoning's `encrypted_content`: opaque, not encrypted (no secret: the reasoning
+    is shown to the client anyway), so that a stateless agent can send it back: the
+    version prefix, then the compressed UTF-8 text in base64url."""
+    packed = zlib.compress(text.encode(), 6)
+    return OPAQUE_PREFIX + base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
+
+
+def unopaque(value: str, where: str, budget: list[int]) -> str:
+    """The reasoning an `encrypted_content` of ours holds; a 400 naming `where` for one
+    that is not ours (OpenAI's encrypted reasoning), is damaged, or holds more than the
+    request's `budget` (the bytes left of `MAX_OPAQUE_BYTES`; it is spent)."""
+    if not value.startswith(OPAQUE_PREFIX):
         raise invalid(
-            f"{where}.encrypted_content",
-            "Encrypted reasoning (OpenAI's) is not supported by this gateway.",
+            where,
+            f"Invalid '{where}': it was not made by this gateway. Encrypted reasoning from "
+            "another service (OpenAI's) cannot be read by these models: send the reasoning "
+            "item without it.",
         )
+    encoded = value[len(OPAQUE_PREFIX) :]
+    inflate = zlib.decompressobj()
+    try:
+        packed = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        raw = inflate.decompress(packed, budget[0] + 1)
+    except (binascii.Error, ValueError, zlib.error):
+        raw, inflate = b"", zlib.decompressobj()
+    if len(raw) > budget[0] or inflate.unconsumed_tail:
+        raise invalid(
+            where,
+            f"Invalid '{where}': the reasoning it holds is over {MAX_OPAQUE_BYTES} bytes "
+            "(all of a request's reasoning items together).",
+        )
+    try:
+        if not inflate.eof or inflate.unused_data:
+            raise ValueError
+        text = raw.decode()
+    except ValueError:
+        raise invalid(
+            where, f"Invalid '{where}': damaged; send it back as this gateway gave it."
+        ) from None
+    budget[0] -= len(raw)
+    return text
+
+
+def _reasoning_item(item: Mapping[str, Any], where: str, budget: list[int]) -> Item:
+    """A reasoning item an agent sends back with an answer's other output items: kept,
+    and its text given to the assistant turn after it (`messages_of`). Its
+    `encrypted_content` must be one of ours (read here, so a damaged one is a 400 now)."""
     summary = _texts(item.get("summary"), f"{where}.summary", "summary_text")
     content = _texts(item.get("content"), f"{where}.content", "reasoning_text")
-    return {
+    kept: Item = {
         "type": "reasoning",
         "id": _item_id(item, where, "rs"),
         "summary": [{"type": "summary_text", "text": t} for t in summary],
         "content": [{"type": "reasoning_text", "text": t} for t in content],
         "status": "completed",
     }
+    sealed = item.get("encrypted_content")
+    if sealed is not None:
+        if not isinstance(sealed, str):
+            raise invalid(f"{where}.encrypted_content", "Invalid type: expected a string.")
+        unopaque(sealed, f"{where}.encrypted_content", budget)
+        kept["encrypted_content"] = sealed
+    return kept
 
 
 def thought_of(item: Item) -> str:
-    """A reasoning item's text: its content's, else its summary's (ours, with a summary
-    asked, holds the whole reasoning there)."""
+    """A reasoning item's text: its `encrypted_content`'s (one of ours, read when it came
+    in), else its content's, else its summary's (ours holds the whole reasoning)."""
+    sealed = item.get("encrypted_content")
+    if sealed:
+        return unopaque(sealed, "encrypted_content", [MAX_OPAQUE_BYTES])
     parts = item.get("content") or item["summary"]
     return "".join(part["text"] for part in parts)
 
@@ -291,6 +355,7 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
     if not isinstance(value, list) or not value:
         raise invalid("input", "'input' is required: a string or a non-empty list of items.")
     images = [0]
+    budget = [MAX_OPAQUE_BYTES]  # the reasoning that `encrypted_content` may hold
     items = []
     seen: set[str] = set()
     for i, item in enumerate(value):
@@ -305,7 +370,7 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
         elif kind == "function_call_output":
             items.append(_function_output(item, where, images))
         elif kind == "reasoning":
-            items.append(_reasoning_item(item, where))
+            items.append(_reasoning_item(item, where, budget))
         else:
             shown = repr(kind[:40]) if isinstance(kind, str) else "this type"
             raise invalid(
@@ -504,13 +569,27 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     _unserved(body, UNSERVED)
-    include = body.get("include")
-    if include is not None and include != []:
-        raise invalid("include", "'include' is not supported by this gateway.")
     if body.get("service_tier") not in (None, *SERVICE_TIERS):
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("truncation", "'truncation' other than 'disabled' is not supported.")
+
+
+def _include(body: Mapping[str, Any]) -> frozenset[str]:
+    """`include`'s values: the one served; any other is refused, naming it."""
+    value = body.get("include")
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list):
+        raise invalid("include", "Invalid type for 'include': expected a list of strings.")
+    for name in value:
+        if name != ENCRYPTED:
+            shown = repr(name[:64]) if isinstance(name, str) else "this value"
+            raise invalid(
+                "include",
+                f"'include' of {shown} is not supported by this gateway: only '{ENCRYPTED}'.",
+            )
+    return frozenset(value)
 
 
 def _obfuscate(body: Mapping[str, Any], stream: bool) -> bool:
@@ -563,6 +642,7 @@ def parse(body: Any) -> ResponsesBody:
     previous = _id(body, "previous_response_id")
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
     effort, summary = _reasoning(body)
+    include = _include(body)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
@@ -599,6 +679,7 @@ def parse(body: Any) -> ResponsesBody:
         reasoning=ReasoningParams(effort=effort) if effort else None,
         obfuscate=obfuscate,
         summary=summary,
+        encrypted=ENCRYPTED in include,
     )
 
 
