@@ -470,7 +470,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        # `include`'s values other than the encrypted reasoning
+        # `include`'s values other than the encrypted reasoning and the text's logprobs
         ({"include": ["file_search_call.results"]}, "include"),
         ({"include": "reasoning.encrypted_content"}, "include"),
         ({"reasoning": {"summary": "brief"}}, "reasoning.summary"),
@@ -478,7 +478,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format"),
         ({"temperature": 3}, "temperature"),

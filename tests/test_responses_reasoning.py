@@ -3,7 +3,8 @@ models) ask of a reasoning model, through the official `openai` SDK against the 
 gateway: `reasoning.summary` (the whole reasoning as the item's one summary part,
 streamed as OpenAI streams summaries), `include: ["reasoning.encrypted_content"]` (an
 opaque string of ours that a stateless agent sends back, read as the reasoning it holds;
-anyone else's refused by name).
+anyone else's refused by name), and logprobs (`include:
+["message.output_text.logprobs"]`, `top_logprobs`), from the demo's workers.
 
 The reasoning comes from a small OpenAI-compatible server that thinks before its reply
 (tests/support/openai_server.py), which records the last body it was sent."""
@@ -18,12 +19,14 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gateway.config import ModelConfig
 from gateway.edge.responses.params import MAX_OPAQUE_BYTES, OPAQUE_PREFIX, opaque
 from tests.support.openai_server import OpenAIServer
 from tests.support.requests import assert_openai_error
+from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.servers import DEMO_MODEL, Gateway
 from tests.support.waiting import HANG_GUARD
 from tests.test_obfuscation import PADDED, assert_padded, events, padding
@@ -32,6 +35,7 @@ MODEL = "thinker"
 THOUGHTS = ["The user ", "says hi; ", "I greet back."]
 THOUGHT = "".join(THOUGHTS)
 ENCRYPTED = "reasoning.encrypted_content"
+LOGPROBS = "message.output_text.logprobs"
 #: A summary's events on a reasoning item, in OpenAI's order (deltas between).
 SUMMARY_EVENTS = [
     "response.output_item.added",
@@ -63,6 +67,12 @@ def thinker(server_loop, gateway_with, workers) -> Iterator[tuple[OpenAIServer, 
 
 def sdk(gw: Gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD)
+
+
+@pytest.fixture
+def api(gateway) -> Iterator[openai.OpenAI]:
+    with sdk(gateway) as client:
+        yield client
 
 
 def _whole_and_streamed(client: openai.OpenAI, **body: Any) -> tuple[Any, list[Any], Any]:
@@ -290,3 +300,88 @@ def test_encrypted_content_not_ours_damaged_or_too_big_is_refused_by_name(thinke
         assert assert_openai_error(answer)["param"] == "input[1].encrypted_content"
         one = {"model": MODEL, "input": [half, {"role": "user", "content": "hi"}]}
         assert http.post("/v1/responses", json=one).status_code == 200
+
+
+# -- logprobs --------------------------------------------------------------------------------
+
+
+def _tokens(logprobs: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in logprobs]
+
+
+@pytest.mark.parametrize("top", [None, 0, 3])
+def test_logprobs_whole_and_streamed(api, top):
+    body: dict[str, Any] = {"model": DEMO_MODEL, "input": "one two three", "include": [LOGPROBS]}
+    if top is not None:
+        body["top_logprobs"] = top
+    whole, seen, streamed = _whole_and_streamed(api, **body)
+    alternatives = [(f"<alt{i}>", -1.0 - i) for i in range(1, top or 0)]
+    expected = [
+        (word, -1.0, [(word, -1.0), *alternatives] if top else [])
+        for word in ("one", " two", " three")
+    ]
+    for response in (whole, streamed):
+        part = response.output[0].content[0]
+        assert part.text == "one two three" and _tokens(part.logprobs) == expected
+        assert [t.bytes for t in part.logprobs] == [list(w.encode()) for w, _, _ in expected]
+        assert response.top_logprobs == (top or 0)
+    deltas = [e for e in seen if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == "one two three"
+    assert [t for e in deltas for t in _tokens(e.logprobs)] == expected
+    done = next(e for e in seen if e.type == "response.output_text.done")
+    assert _tokens(done.logprobs) == expected
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+
+
+def test_logprobs_deltas_are_padded(client):
+    body = {
+        "model": DEMO_MODEL,
+        "input": "one two three",
+        "include": [LOGPROBS],
+        "top_logprobs": 2,
+        "stream": True,
+        "stream_options": PADDED,
+    }
+    raw = events(client, "/v1/responses", body)
+    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
+    deltas = [e for k, e in zip(kinds, raw, strict=True) if k == b"response.output_text.delta"]
+    assert deltas
+    for kind, event in zip(kinds, raw, strict=True):
+        if kind.endswith(b".delta"):
+            assert_padded(event)
+        else:
+            assert padding(event) is None
+    data = [orjson.loads(e.split(b"data: ", 1)[1]) for e in deltas]
+    tokens = [t["token"] for d in data for t in d["logprobs"]]
+    assert tokens == ["one", " two", " three"]
+
+
+def test_top_logprobs_alone_shows_none(api):
+    """As OpenAI's API and vLLM's server: without the include, the text's logprobs are
+    not shown (`[]`), and the worker is asked for none."""
+    whole, seen, _ = _whole_and_streamed(api, model=DEMO_MODEL, input="one two", top_logprobs=2)
+    assert whole.output[0].content[0].logprobs == [] and whole.top_logprobs == 2
+    assert all(e.logprobs == [] for e in seen if e.type == "response.output_text.delta")
+
+
+def test_logprobs_with_tools_and_the_stored_answer(api):
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    answer = api.responses.create(
+        model=DEMO_MODEL, input="say hello", tools=[weather], include=[LOGPROBS]
+    )
+    assert answer.output_text == "say hello"
+    assert [t.token for t in answer.output[0].content[0].logprobs] == ["say", " hello"]
+    kept = api.responses.retrieve(answer.id)
+    assert kept.output == answer.output
+
+
+def test_logprobs_from_workers_without_them_are_refused_naming_include(client):
+    body = {"model": SCRIPTED_MODEL, "input": "hi", "include": [LOGPROBS]}
+    answer = client.post("/v1/responses", json=body)
+    assert answer.status_code == 400, answer.text
+    error = assert_openai_error(answer)
+    assert error["param"] == "include" and LOGPROBS in error["message"]

@@ -18,7 +18,7 @@ are built as dicts, a few per response.
 The encoder keeps the answer's output items: `final` is the response object once the
 answer is over, which the route stores. What a request asks beyond the plain answer is
 chosen once, when its encoder is made (a summary's event names, an encoder class for
-padding), so a request that asks none of it runs none of it.
+logprobs, one for padding), so a request that asks none of it runs none of it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,17 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import APIError
-from gateway.edge.openai.encoding import Encoder, obfuscated
+from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, _bytes, obfuscated
 from gateway.edge.responses.params import ResponsesBody, new_id, opaque
-from gateway.protocol.types import Event, Finished, FinishReason, Reasoning, Text, ToolCallDelta
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    Reasoning,
+    Text,
+    TokenLogprob,
+    ToolCallDelta,
+)
 
 _SECRET = secrets.token_hex(8)
 _SEQ = "\x00seq-" + _SECRET
@@ -233,15 +241,18 @@ class ResponsesEncoder(Encoder):
             return b""
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": self._message_index, "content_index": 0}
+        done = {**where, "text": part["text"], "logprobs": self._done_logprobs()}
         return (
-            self._event(
-                "response.output_text.done", {**where, "text": part["text"], "logprobs": []}
-            )
+            self._event("response.output_text.done", done)
             + self._event("response.content_part.done", {**where, "part": part})
             + self._event(
                 "response.output_item.done", {"output_index": self._message_index, "item": item}
             )
         )
+
+    def _done_logprobs(self) -> list[dict[str, Any]]:
+        """`response.output_text.done`'s logprobs: none asked, none."""
+        return []
 
     def _close_call(self, status: str, stream: bool = True) -> bytes:
         """The open call's closing events (none open: nothing); `incomplete` when the
@@ -537,3 +548,133 @@ class ObfuscatedResponsesEncoder(ResponsesEncoder):
     def _call_piece(self, piece: ToolCallDelta, stream: bool) -> bytes:
         out = super()._call_piece(piece, stream)
         return _last_obfuscated(out) if stream and piece.arguments else out
+
+
+def _top(token: TokenLogprob, with_bytes: bool) -> list[dict[str, Any]]:
+    if with_bytes:
+        return [
+            {"token": t, "bytes": _bytes(t), "logprob": max(lp, MIN_LOGPROB)} for t, lp in token.top
+        ]
+    return [{"token": t, "logprob": max(lp, MIN_LOGPROB)} for t, lp in token.top]
+
+
+def part_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """An `output_text` part's `logprobs` (OpenAI's `Logprob`: with the tokens' bytes)."""
+    return [
+        {
+            "token": token.token,
+            "bytes": _bytes(token.token),
+            "logprob": max(token.logprob, MIN_LOGPROB),
+            "top_logprobs": _top(token, True),
+        }
+        for token in tokens
+    ]
+
+
+def event_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """A text event's `logprobs` (`response.output_text.delta` and `.done`: OpenAI's
+    shape there has no bytes)."""
+    return [
+        {
+            "token": token.token,
+            "logprob": max(token.logprob, MIN_LOGPROB),
+            "top_logprobs": _top(token, False),
+        }
+        for token in tokens
+    ]
+
+
+class LogprobsResponsesEncoder(ResponsesEncoder):
+    """A response with its text's logprobs (`include: ["message.output_text.logprobs"]`):
+    on each `response.output_text.delta`, on `.done`, and on the `output_text` part. It
+    takes the events path (a plain text carries no logprobs), its texts read here, the
+    rest as the events path reads them; a class of its own, so an answer without
+    logprobs runs none of it."""
+
+    def __init__(
+        self, model: str, body: ResponsesBody, response_id: str, request: Any = None
+    ) -> None:
+        super().__init__(model, body, response_id, request)
+        self.plain = False
+        self._tokens: list[TokenLogprob] = []  # the open message's
+        self._logprobs_key = b""
+
+    def _open_message(self) -> bytes:
+        out = super()._open_message()
+        self._tokens = []
+        # the delta's template ends `"logprobs":[]}`: its logprobs go where `[]` is
+        self._delta_tail, self._logprobs_key = (b"}\n\n", self._delta_tail[: -len(b"[]}\n\n")])
+        return out
+
+    def _message_item(self, status: str) -> dict[str, Any]:
+        item = super()._message_item(status)
+        item["content"][0]["logprobs"] = part_logprobs(self._tokens)
+        return item
+
+    def _done_logprobs(self) -> list[dict[str, Any]]:
+        return event_logprobs(self._tokens)
+
+    def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
+        """As the plain path ends: an answer without tools that said nothing still has
+        its (empty) message."""
+        opening = b""
+        said = self._message_id or self._thought is not None or self.output
+        if not said and not self.body.tools:
+            opening = self._open_message()
+        return (opening if stream else b"") + super()._finish(
+            prompt_tokens, completion_tokens, stream
+        )
+
+    def _take(self, batch: list[Event], stream: bool) -> bytes:
+        out = [self._heading()] if stream else []
+        for item in batch:
+            if type(item) is Text:
+                out.append(self._text(item, stream))
+            else:
+                out.append(super()._take([item], stream))
+        return b"".join(out)
+
+    def _text(self, piece: Text, stream: bool) -> bytes:
+        """A piece of text and its tokens' logprobs (a piece may have tokens and no text
+        yet: a character's first bytes), in the open message or one opened for it."""
+        tokens = piece.logprobs or ()
+        if not piece.text and not tokens:
+            return b""
+        out = b""
+        if not self._message_id:
+            out = self._close_item("completed", stream)
+            opening = self._open_message()
+            if stream:
+                out += opening
+        self._pieces.append(piece.text)
+        self._tokens += tokens
+        if not stream:
+            return out
+        return out + self._logprob_delta(piece.text, tokens)
+
+    def _logprob_delta(self, text: str, tokens: Sequence[TokenLogprob]) -> bytes:
+        seq = self.seq
+        self.seq += 1
+        return (
+            self._delta_head
+            + str(seq).encode()
+            + self._delta_between
+            + orjson.dumps(text)
+            + self._logprobs_key
+            + orjson.dumps(event_logprobs(tokens))
+            + self._delta_tail
+        )
+
+
+class ObfuscatedLogprobsResponsesEncoder(LogprobsResponsesEncoder, ObfuscatedResponsesEncoder):
+    """Logprobs, and the stream's delta events padded."""
+
+    def _logprob_delta(self, text: str, tokens: Sequence[TokenLogprob]) -> bytes:
+        return obfuscated(super()._logprob_delta(text, tokens))
+
+
+def encoder_type(body: ResponsesBody) -> type[ResponsesEncoder]:
+    """The encoder class of a request: what it asks of the stream, chosen once."""
+    if body.logprobs is not None:
+        return ObfuscatedLogprobsResponsesEncoder if body.obfuscate else LogprobsResponsesEncoder
+    return ObfuscatedResponsesEncoder if body.obfuscate else ResponsesEncoder

@@ -14,12 +14,12 @@ function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
 `top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
 `previous_response_id`, `prompt_cache_key` (the conversation's key for
 session affinity), `reasoning` (`effort`, and `summary`: the whole reasoning as its one
-part, as these models do not summarize), and `include`'s `reasoning.encrypted_content`
-(the reasoning as an opaque string of ours, which a stateless agent sends back).
-Everything else OpenAI defines is refused by name unless it is at the value that asks
-nothing (`UNSERVED`; `include`'s other values); other tool types, item types and
-content parts are refused by the path that names them. Unknown fields are ignored, as
-the chat route ignores them.
+part, as these models do not summarize), `top_logprobs`, and `include`'s
+`reasoning.encrypted_content` (the reasoning as an opaque string of ours, which a
+stateless agent sends back) and `message.output_text.logprobs`. Everything else OpenAI
+defines is refused by name unless it is at the value that asks nothing (`UNSERVED`;
+`include`'s other values); other tool types, item types and content parts are refused
+by the path that names them. Unknown fields are ignored, as the chat route ignores them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from gateway.edge.openai.validation import (
     _IMAGE_URL,
     _NAME,
     MAX_IMAGES,
+    MAX_LOGPROBS,
     MAX_TOOLS,
     SERVICE_TIERS,
     UINT32_MAX,
@@ -86,11 +87,11 @@ UNSERVED: dict[str, Any] = {
     "max_tool_calls": None,
     "safety_identifier": None,
     "prompt_cache_retention": None,
-    "top_logprobs": 0,
     "context_management": None,
 }
-#: `include`'s value served: the reasoning as an opaque string.
+#: `include`'s values served: the reasoning as an opaque string, and the text's logprobs.
 ENCRYPTED = "reasoning.encrypted_content"
+LOGPROBS = "message.output_text.logprobs"
 #: `reasoning.summary`'s values (OpenAI's; each is served as the whole reasoning).
 SUMMARIES = ("auto", "concise", "detailed")
 #: What begins an `encrypted_content` of ours: the format's version.
@@ -129,6 +130,9 @@ class ResponsesBody:
     summary: str | None = None
     #: `include: ["reasoning.encrypted_content"]`: reasoning items carry it.
     encrypted: bool = False
+    #: With `include: ["message.output_text.logprobs"]`, the alternatives per token
+    #: (`top_logprobs`, 0 by default); None: no logprobs.
+    logprobs: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -576,18 +580,19 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
 
 
 def _include(body: Mapping[str, Any]) -> frozenset[str]:
-    """`include`'s values: the one served; any other is refused, naming it."""
+    """`include`'s values: the two served; any other is refused, naming it."""
     value = body.get("include")
     if value is None:
         return frozenset()
     if not isinstance(value, list):
         raise invalid("include", "Invalid type for 'include': expected a list of strings.")
     for name in value:
-        if name != ENCRYPTED:
+        if name not in (ENCRYPTED, LOGPROBS):
             shown = repr(name[:64]) if isinstance(name, str) else "this value"
             raise invalid(
                 "include",
-                f"'include' of {shown} is not supported by this gateway: only '{ENCRYPTED}'.",
+                f"'include' of {shown} is not supported by this gateway: only "
+                f"'{ENCRYPTED}' and '{LOGPROBS}'.",
             )
     return frozenset(value)
 
@@ -643,6 +648,8 @@ def parse(body: Any) -> ResponsesBody:
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
     effort, summary = _reasoning(body)
     include = _include(body)
+    # OpenAI's alternatives per token, shown with the include alone (as vLLM's server)
+    top_logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
@@ -660,6 +667,7 @@ def parse(body: Any) -> ResponsesBody:
         "background": False,
         "reasoning": {"effort": effort or None, "summary": summary},
         "service_tier": "default",
+        "top_logprobs": top_logprobs or 0,
     }
     return ResponsesBody(
         model=model,
@@ -680,6 +688,7 @@ def parse(body: Any) -> ResponsesBody:
         obfuscate=obfuscate,
         summary=summary,
         encrypted=ENCRYPTED in include,
+        logprobs=(top_logprobs or 0) if LOGPROBS in include else None,
     )
 
 
@@ -725,4 +734,5 @@ def generate_request(
         user=body.user,
         session=session,
         reasoning=body.reasoning,
+        logprobs=body.logprobs,
     )

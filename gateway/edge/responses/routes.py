@@ -34,8 +34,15 @@ from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, session
-from gateway.edge.responses.encoding import ObfuscatedResponsesEncoder, ResponsesEncoder
-from gateway.edge.responses.params import Item, ResponsesBody, generate_request, new_id, parse
+from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
+from gateway.edge.responses.params import (
+    LOGPROBS,
+    Item,
+    ResponsesBody,
+    generate_request,
+    new_id,
+    parse,
+)
 from gateway.edge.responses.store import ResponseStore, Stored, open_store
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
@@ -159,9 +166,16 @@ class ResponsesRoute(GenerationRoute):
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
-        # a stream that asks for padding has an encoder of its own
-        kind = ObfuscatedResponsesEncoder if parsed.body.obfuscate else ResponsesEncoder
-        return kind(pool.name, parsed.body, parsed.response_id, parsed)
+        # padding and logprobs have encoders of their own: a request without runs none of it
+        return encoder_type(parsed.body)(pool.name, parsed.body, parsed.response_id, parsed)
+
+    async def _refuse(self, ex: Exchange, error: APIError) -> None:
+        """The generation route's refusal; logprobs, which chat asks with `logprobs`,
+        are asked here in `include`."""
+        if error.param == "logprobs":
+            error.param = "include"
+            error.message = error.message.replace("'logprobs'", f"logprobs ('{LOGPROBS}')")
+        await super()._refuse(ex, error)
 
     async def _relay_events(
         self,
