@@ -299,7 +299,13 @@ def test_encrypted_content_not_ours_damaged_or_too_big_is_refused_by_name(thinke
         assert answer.status_code == 400, answer.text
         assert assert_openai_error(answer)["param"] == "input[1].encrypted_content"
         one = {"model": MODEL, "input": [half, {"role": "user", "content": "hi"}]}
-        assert http.post("/v1/responses", json=one).status_code == 200
+        first = http.post("/v1/responses", json=one)
+        assert first.status_code == 200, first.text
+        # and on all of a stored conversation's, read again for its next turn
+        one["previous_response_id"] = first.json()["id"]
+        answer = http.post("/v1/responses", json=one)
+        assert answer.status_code == 400, answer.text
+        assert assert_openai_error(answer)["param"] == "input"
 
 
 # -- logprobs --------------------------------------------------------------------------------

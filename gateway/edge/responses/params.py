@@ -306,7 +306,7 @@ def unopaque(value: str, where: str, budget: list[int]) -> str:
         raise invalid(
             where,
             f"Invalid '{where}': the reasoning it holds is over {MAX_OPAQUE_BYTES} bytes "
-            "(all of a request's reasoning items together).",
+            "(all of a conversation's encrypted reasoning together).",
         )
     try:
         if not inflate.eof or inflate.unused_data:
@@ -342,14 +342,16 @@ def _reasoning_item(item: Mapping[str, Any], where: str, budget: list[int]) -> I
     return kept
 
 
-def thought_of(item: Item) -> str:
-    """A reasoning item's text: its `encrypted_content`'s (one of ours, read when it came
-    in), else its content's, else its summary's (ours holds the whole reasoning)."""
-    sealed = item.get("encrypted_content")
-    if sealed:
-        return unopaque(sealed, "encrypted_content", [MAX_OPAQUE_BYTES])
+def thought_of(item: Item, budget: list[int]) -> str:
+    """A reasoning item's text: its content's, else its summary's (ours, with a summary
+    asked, holds the whole reasoning there), else its `encrypted_content`'s (one of ours,
+    checked when it came in; read within the conversation's `budget`, so a deep stored
+    conversation of them costs no more to read again than one request's)."""
     parts = item.get("content") or item["summary"]
-    return "".join(part["text"] for part in parts)
+    if parts:
+        return "".join(part["text"] for part in parts)
+    sealed = item.get("encrypted_content")
+    return unopaque(sealed, "input", budget) if sealed else ""
 
 
 def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
@@ -400,6 +402,7 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
     a function's output is a `tool` message."""
     messages: list[Message] = []
     thought = ""  # a reasoning item's text, for the assistant turn after it
+    budget = [MAX_OPAQUE_BYTES]  # what the conversation's `encrypted_content` may hold
     for item in items:
         kind = item["type"]
         if kind == "message":
@@ -424,7 +427,7 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
             thought = ""
         elif kind == "reasoning":
-            thought += thought_of(item)
+            thought += thought_of(item, budget)
     return tuple(messages)
 
 
