@@ -86,8 +86,13 @@ UNSERVED: dict[str, Any] = {
     "prompt": None,
     "max_tool_calls": None,
     "safety_identifier": None,
-    "prompt_cache_retention": None,
     "context_management": None,
+    "moderation": None,  # OpenAI's moderation of the input and the output
+    "image": None,  # OpenAI's image-generation options
+    "access_programs": None,
+    # OpenAI's prompt caching: the engines cache every prefix in memory by themselves
+    "prompt_cache_retention": "in_memory",
+    "prompt_cache_options": None,
 }
 #: `include`'s values served: the reasoning as an opaque string, and the text's logprobs.
 ENCRYPTED = "reasoning.encrypted_content"
