@@ -26,17 +26,25 @@ class StreamDetokenizer:
     """`IncrementalDetokenizer`'s `feed` and `flush` over `tokenizers`' DecodeStream:
     the window is kept in Rust; the ids of a character still incomplete are kept here
     too, so that `flush` gives what decoding the whole answer would (U+FFFD). Several ids
-    fed at once give the text they would one at a time, as vLLM's detokenizer steps them."""
+    fed at once give the text they would one at a time, as vLLM's detokenizer steps them.
+
+    `context`: ids the answer follows (the prompt's last ones, `ModelTokenizer.context`),
+    decoded before the first id as vLLM primes its DecodeStream with the prompt: a decoder
+    that drops the first token's leading space (SentencePiece's Metaspace, Llama-2's Strip)
+    then keeps the answer's, as after the prompt it must. Never changed here (shared by a
+    request's choices)."""
 
     __slots__ = ("_held", "_last", "_step", "_stream", "_tokenizer")
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
         #: `DecodeStream.step` bound to the tokenizer: a token's one call, in C.
         self._step: Callable[[int], str | None] = partial(self._stream.step, tokenizer)
         self._held: list[int] = []  # ids fed since text was last released
-        self._last: list[int] = []  # the ids of that text: the context to decode after
+        #: the ids of that text (at first the context): what to decode after; replaced,
+        #: never changed in place
+        self._last: list[int] = context or []
 
     def feed(self, ids: Sequence[int]) -> str:
         """The text the new ids complete ("" while a character is still incomplete)."""

@@ -5,10 +5,11 @@ token ids, so the gateway does what vLLM's own front end would:
 
 - the chat template and tokenization (`gateway.tokenization`, the model's
   directory named by `tokenizer:`), then one streamed `Generate` per request;
-- incremental detokenization as vLLM's (an answer that ends in a character's first bytes
-  ends without them), stop strings (`StopMatcher`; the tokens counted up to the one that
-  completed one, as vLLM's server counts them), the EOS ids from `GetModelInfo` as stop
-  token ids; usage from the engine's counts;
+- incremental detokenization as vLLM's (each answer's first token decoded after the
+  prompt's last ids, as vLLM primes its detokenizer with the prompt; an answer that ends in a
+  character's first bytes ends without them), stop strings (`StopMatcher`; the tokens
+  counted up to the one that completed one, as vLLM's server counts them), the EOS ids from
+  `GetModelInfo` as stop token ids; usage from the engine's counts;
 - `GetModelInfo` for `describe`, `grpc.health.v1` and `HealthCheck` for health,
   `GetLoads` for the admin view;
 - cancellation as the call's cancel plus an `Abort` of its request id;
@@ -99,7 +100,7 @@ from gateway.protocol.types import (
     TokenLogprob,
     Tool,
 )
-from gateway.tokenization import ModelTokenizer, load_tokenizer
+from gateway.tokenization import ModelTokenizer, StreamDetokenizer, load_tokenizer
 from gateway.upstreams.base import (
     CANCELLED,
     HEAD_GRACE,
@@ -249,10 +250,12 @@ class _Choice:
         "thoughts",
     )
 
+    #: Made once the prompt's ids are known (`VllmGrpcCall._start`): it starts after them.
+    detok: StreamDetokenizer
+
     def __init__(self, call: VllmGrpcCall, index: int) -> None:
         upstream, request = call._upstream, call._request
         self.index = index
-        self.detok = upstream.tokenizer.detokenizer()
         parser = tool_calls.for_request(request, upstream.tool_call_parser)
         #: A reasoning model's: its reasoning cut from its text; None: no parser.
         self.thoughts = (
@@ -478,6 +481,11 @@ class VllmGrpcCall(StreamBookkeeping):
         ids = (_ENCODED and _kept_ids(request)) or await upstream.prompt_ids(request)
         self._prompt_tokens = prompt_tokens = len(ids)
         max_tokens = check_context(request, prompt_tokens, info.max_context_length)
+        # each choice's text decoded after the prompt, as vLLM's server decodes it
+        tokenizer = upstream.tokenizer
+        context = tokenizer.context(ids)
+        for choice in choices:
+            choice.detok = tokenizer.detokenizer(context)
         sampling = request.sampling
         if sampling.stop_token_ids or sampling.ignore_eos:
             stop_ids = set(sampling.stop_token_ids)

@@ -1,4 +1,5 @@
-"""A tiny Llama (random weights) and a byte-level BPE tokenizer, made on the spot."""
+"""A tiny Llama (random weights) and a byte-level BPE tokenizer, made on the spot (or a
+SentencePiece-like one: BPE pieces led by Metaspace's `▁`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ SENTENCES = [
     "a gateway in front of engines, streaming tokens",
     "café, naïve, 日本語, emoji 🔥 too",
 ]
+#: More words for `metaspace_tokenizer`'s pieces: answers' usual first words.
+WORDS = ["Sure, here is the answer.", "Hello there! How can I help you today?"]
 SPECIALS = ["<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 #: A thinking model's markers (`build_tiny_model(thinking=True)`), after the others.
 THINKING = ["<think>", "</think>"]
@@ -65,13 +68,37 @@ def _byte_chars() -> dict[int, str]:
     return {byte: chr(code) for byte, code in chars.items()}
 
 
-def build_tokenizer(thinking: bool = False) -> PreTrainedTokenizerFast:
+def metaspace_tokenizer() -> Tokenizer:
+    """A BPE tokenizer trained on `SENTENCES` (and `WORDS`), words as `▁`-led pieces
+    (Metaspace's pre-tokenizer and decoder, as SentencePiece's models: Llama-2, Mistral,
+    Gemma): its decoder drops the first token's leading space, so a token reads as
+    " Sure" after a prompt and as "Sure" alone; `SPECIALS` are special, last."""
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer.train_from_iterator([*SENTENCES, *WORDS], trainer)
+    tokenizer.add_special_tokens(SPECIALS)
+    return tokenizer
+
+
+def build_tokenizer(thinking: bool = False, metaspace: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on a few sentences (any text round-trips), its ids
     reordered so the bytes of FIRST come first and the special tokens last. `thinking`:
     with `<think>` and `</think>` last (added tokens, not special ones, as DeepSeek-R1's),
     and a template whose answer begins in thought (DeepSeek-R1's way) unless its
     `enable_thinking` is false (Qwen3's variable), for vLLM's `deepseek_r1` reasoning
-    parser."""
+    parser. `metaspace`: `metaspace_tokenizer`'s instead, with the same template."""
+    if metaspace:
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=metaspace_tokenizer(),
+            bos_token="<|bos|>",
+            eos_token="<|end|>",
+            pad_token="<|end|>",
+            unk_token="<unk>",
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        return fast
     specials = [*SPECIALS, *THINKING] if thinking else SPECIALS
     trainer = trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -111,12 +138,13 @@ def build_tiny_model(
     for_vllm: bool = False,
     size: tuple[int, int] = (256, 2),
     thinking: bool = False,
+    metaspace: bool = False,
 ) -> Path:
     """Saves a Llama (random weights) and the tokenizer to `path`: 2 layers of hidden size
     32, or, `for_vllm`, the shapes vLLM's CPU kernels take (head size 64, bfloat16) at
     `size` (hidden size, layers; a benchmark wants a prefill that costs something);
-    `thinking`: the tokenizer's (`build_tokenizer`)."""
-    tokenizer = build_tokenizer(thinking)
+    `thinking`, `metaspace`: the tokenizer's (`build_tokenizer`)."""
+    tokenizer = build_tokenizer(thinking, metaspace)
     torch.manual_seed(0)
     hidden, layers = size if for_vllm else (32, 2)
     heads = max(4, hidden // 64) if for_vllm else 4
