@@ -156,7 +156,10 @@ def test_completion_logprobs_have_openais_shape(sdk, engine: Engine):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == tokens
     assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == tokens
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)  # the token may add one
-    assert "".join(logprobs.tokens) == reply.choices[0].text
+    # the tokens' texts are the answer's; past it, as in vLLM's server, only the first
+    # bytes of a character the answer ended in, which its text leaves out
+    joined, text = "".join(logprobs.tokens), reply.choices[0].text
+    assert joined.startswith(text) and set(joined[len(text) :]) <= {"\ufffd"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
