@@ -743,6 +743,12 @@ class Config:
         "most turns of a conversation continued by `previous_response_id`; deeper gets 400",
         minimum=1,
     )
+    responses_max_background: int = setting(
+        64,
+        "most background responses (`background: true`) a team runs at once on a replica; "
+        "past it 429",
+        minimum=1,
+    )
     # (a frozen dataclass: immutable, though ruff cannot tell)
     queue: QueueConfig | None = setting(  # noqa: RUF009
         None,

@@ -3,6 +3,9 @@ those running a grace period, then cancel the rest (their workers see it).
 
 What is registered is anything with a `cancel(reason)`: the edge's event pumps, and
 `UnaryCall`, a unary call's task; so admission knows nothing of how a request is relayed.
+`detached` holds the tasks that outlive their client's request (the Responses API's
+background responses): the drain waits for them last, so each records how it ended
+before the lifecycle closes the store it writes to, and cancels any still running.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class InFlight:
         #: SIGTERM came: new requests are refused while those in flight finish.
         self.draining = False
         self.running: set[Cancellable] = set()
+        #: Tasks serving requests whose clients do not wait for them (see above).
+        self.detached: set[asyncio.Task[Any]] = set()
 
     def check_open(self) -> None:
         """Raises `Draining` once the gateway is shutting down."""
@@ -85,6 +90,15 @@ class InFlight:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CANCEL_GRACE):
                 await self.slots.wait_idle()
+        if self.detached:
+            # their calls are over (or cancelled above): what is left is recording
+            # how each ended; one still going past the grace is cancelled, and records
+            # that instead
+            await asyncio.wait(list(self.detached), timeout=CANCEL_GRACE)
+            for task in list(self.detached):
+                task.cancel()
+            if self.detached:
+                await asyncio.wait(list(self.detached), timeout=CANCEL_GRACE)
 
 
 class _Tracked:

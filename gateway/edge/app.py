@@ -43,7 +43,7 @@ from gateway.edge.openai.models import list_models, one_model
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
-from gateway.edge.responses.routes import responses_routes
+from gateway.edge.responses.background import responses_routes
 from gateway.edge.usage import usage_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams

@@ -222,9 +222,11 @@ class Exchange:
     """One request as the frame hands it to its route: the ASGI callables it is served
     on (`send` guarded: a write waits at most `write_timeout`), its admission's request
     context (`ctx`, whose `record` is the request's tally) and the metadata for its
-    worker call. A route subclasses it for what it counts per request."""
+    worker call. A route subclasses it for what it counts per request. `detached`: the
+    route handed the request to a task of its own (a background response), which ends
+    it, once: the frame then neither counts it nor calls admission's `end`."""
 
-    __slots__ = ("ctx", "headers", "metadata", "receive", "record", "scope", "send")
+    __slots__ = ("ctx", "detached", "headers", "metadata", "receive", "record", "scope", "send")
 
     def __init__(
         self,
@@ -241,6 +243,7 @@ class Exchange:
         self.record = ctx.record
         self.headers = headers
         self.metadata = headers.metadata
+        self.detached = False
 
     def watch_client(self) -> asyncio.Future[None]:
         """Starts watching for the client to go away (once the body is read): the
@@ -297,8 +300,9 @@ class RequestRoute(Generic[X]):
                     await self._refuse(ex, refusal)
             finally:
                 guard.close()
-                self.telemetry.finish(record)
-                self._finished(ex)
+                if not ex.detached:
+                    self.telemetry.finish(record)
+                    self._finished(ex)
                 if span is not None:  # tracing on: a dict built for nothing otherwise
                     annotate(
                         span,
@@ -338,7 +342,8 @@ class RequestRoute(Generic[X]):
             if refusal is not None:
                 record.status, record.outcome = refusal.status, refusal.outcome
                 record.reason = refusal.reason
-            await self.admission.end(ctx)
+            if not ex.detached:
+                await self.admission.end(ctx)
         return refusal
 
     @staticmethod

@@ -123,6 +123,13 @@ class RequestMetrics:
         self.inflight = Gauge(
             f"{PREFIX}_inflight_requests", "Requests being served.", ["model"], registry=r
         )
+        self.background = Gauge(
+            f"{PREFIX}_background_responses",
+            "Background responses (the Responses API's `background: true`) this process "
+            "runs, queued or in progress, by team.",
+            ["team"],
+            registry=r,
+        )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "From arrival to the first token written.",

@@ -83,7 +83,7 @@ def _user(body: Any) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
-def _served(ctx: RequestContext, pool: ModelPool) -> ModelPool:
+def served(ctx: RequestContext, pool: ModelPool) -> ModelPool:
     """The pool that serves: a fallback's, when admission moved the request to one."""
     return ctx.pool or pool
 
@@ -159,6 +159,15 @@ class GenerationRoute(RequestRoute[Exchange]):
     async def serve(self, ex: Exchange) -> None:
         """Reads and checks the body, admits it through admission's stages (a queued
         client that leaves, leaves the queue at once) and serves it."""
+        parsed, pool = await self.prepare(ex)
+        ex.watch_client()  # from here: a queued client that goes away leaves the queue
+        async with self.admission.admit(ex.ctx):
+            await self._serve(parsed, served(ex.ctx, pool), ex)
+
+    async def prepare(self, ex: Exchange) -> tuple[ParsedRequest, ModelPool]:
+        """Everything before admission: the body read, parsed and checked against the
+        model's features and the input limits (a route that detaches its admission, as
+        the Responses API's background mode, takes it from here)."""
         ctx, record = ex.ctx, ex.record
         admission = self.admission
         meter = admission.before_body(ctx)
@@ -180,9 +189,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
         ctx.request = parsed.generate
         ctx.priority = priority(ex)
-        ex.watch_client()  # from here: a queued client that goes away leaves the queue
-        async with admission.admit(ctx):
-            await self._serve(parsed, _served(ctx, pool), ex)
+        return parsed, pool
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
         config = self.config
@@ -206,7 +213,7 @@ class GenerationRoute(RequestRoute[Exchange]):
                 # serves, which a fallback decides by the first event
                 start = self.admission.start(ex.ctx, request, Deadline(timeout), metadata)
                 started = await self.admission.unary(ex.ctx, start, None, "The start")
-                pool = _served(ex.ctx, pool)
+                pool = served(ex.ctx, pool)
                 start = _ready(started)
             else:
                 start = self.fleet.start_call(pool, request, Deadline(timeout), metadata, ex.record)

@@ -6,4 +6,8 @@ encoding.py  the response object and its stream of events with sequence numbers
 store.py     stored responses per team: Redis with `redis_url`, else bounded memory
 routes.py    POST /v1/responses (the generation route with this API's parser and
              encoder), and GET/DELETE of stored responses and their input items
+background.py  background mode: the POST answers `queued`, the run goes on in a task
+             of its own; POST /v1/responses/{id}/cancel; a background stream resumed;
+             and the routes, wired on one store (`responses_routes`)
+replay.py    a streamed background response's events, kept (bounded) for resuming
 """

@@ -43,7 +43,7 @@ from gateway.edge.responses.params import (
     new_id,
     parse,
 )
-from gateway.edge.responses.store import ResponseStore, Stored, open_store
+from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
 from gateway.teams import Team, team_of
@@ -235,7 +235,7 @@ def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
             continue
         if name == "include" and not value:
             continue
-        if name == "include_obfuscation":  # it shapes a stream alone, and `stream` is refused
+        if name == "include_obfuscation":  # it shapes a stream alone (a resumed one as kept)
             if value not in ("true", "false", ""):
                 raise invalid(name, f"Invalid value for '{name}': expected a boolean.")
             continue
@@ -243,8 +243,13 @@ def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
             raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
-def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
-    """The store's routes: retrieve, delete, input items."""
+def store_routes(
+    store: ResponseStore,
+    retry_after: int,
+    resume: Callable[[Request], Awaitable[Response]] | None = None,
+) -> list[Route]:
+    """The store's routes: retrieve, delete, input items; `resume` serves a retrieve
+    with `stream=true` (a background stream's events: background.py)."""
 
     async def stored(request: Request) -> Stored:
         response_id = request.path_params["response_id"]
@@ -266,6 +271,8 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
             if not deleted:
                 raise _not_found(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})
+        if resume is not None and request.query_params.get("stream") == "true":
+            return await resume(request)
         _refuse_query(request)
         return _json((await stored(request)).response)
 
@@ -318,12 +325,3 @@ def store_routes(store: ResponseStore, retry_after: int) -> list[Route]:
         (RESPONSES + "/{response_id}/input_items", input_items, ["GET"]),
     ]
     return [Route(path, handler, methods=methods) for path, handler, methods in handlers]
-
-
-def responses_routes(parts: Parts, limits: InputLimits) -> tuple[dict[str, Any], list[Route]]:
-    """The hot route (path → route) and the store's routes, on one store: Redis's when
-    the teams have one, else this process's memory."""
-    config = parts.config
-    store = open_store(parts.teams.limiter.redis, config.responses_ttl, config.responses_per_team)
-    routes = store_routes(store, config.retry_after)
-    return {RESPONSES: ResponsesRoute(parts, limits, store)}, routes

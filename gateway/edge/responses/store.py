@@ -24,6 +24,13 @@ Two stores behind one interface:
 
 A team reads only its own responses: another team's id is not found (404), as an id
 that never was. An open gateway's requests are one team, "".
+
+Background responses (background.py) change state while they run, and a cancel may
+come at any replica, so a state change is a compare-and-set (`put_if`: written only
+from the states named; one Lua script on Redis), and a cancel made at one replica is a
+flag (`P:responses:{team}:ID:cancel`, expiring) that the replica running it polls
+(`cancels_asked`). An unfinished one carries its `deadline` (wall clock): one still
+unfinished past it lost its replica (killed without a drain), and is read as `failed`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ log = logging.getLogger("furnace.responses")
 #: would let 10,000 deep conversations take gigabytes. (Redis is bounded by its own
 #: `maxmemory`, as its operator sets it.)
 MEMORY_BYTES_PER_TEAM = 256 * 1024 * 1024
+#: A background response's states before its end.
+UNFINISHED = ("queued", "in_progress")
 
 
 @dataclass(slots=True)
@@ -60,6 +69,9 @@ class Stored:
     depth: int = 1
     worker: str = ""
     session: str = ""
+    #: An unfinished background response's latest possible end (seconds since the
+    #: epoch; 0: none): past it, it is read as failed (`seen`).
+    deadline: float = 0.0
 
     def dumps(self) -> bytes:
         return orjson.dumps(
@@ -70,6 +82,7 @@ class Stored:
                 "depth": self.depth,
                 "worker": self.worker,
                 "session": self.session,
+                "deadline": self.deadline,
             }
         )
 
@@ -83,11 +96,31 @@ class Stored:
             value["depth"],
             value["worker"],
             value["session"],
+            value.get("deadline", 0.0),
         )
 
     @property
     def id(self) -> str:
         return str(self.response["id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.response["status"])
+
+    def seen(self, now: float | None = None) -> Stored:
+        """As a reader sees it: an unfinished background response past its deadline
+        lost the replica that ran it (killed without a drain), and is `failed`."""
+        if not self.deadline or self.status not in UNFINISHED:
+            return self
+        if (time.time() if now is None else now) <= self.deadline:
+            return self
+        error = {
+            "code": "server_error",
+            "message": "The gateway replica that ran this background response stopped "
+            "before it ended; create it again.",
+        }
+        lost = {**self.response, "status": "failed", "error": error}
+        return Stored(lost, self.input, self.history, self.depth, self.worker, self.session)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The items a continuation of this response follows: all before it, its input,
@@ -114,6 +147,19 @@ class ResponseStore:
     async def delete(self, team: str, response_id: str) -> bool:
         """Whether the team had it (it is gone now)."""
         raise NotImplementedError
+
+    async def put_if(self, team: str, stored: Stored, states: tuple[str, ...]) -> str | None:
+        """Keeps `stored` in place of the team's response of the same id, only if that
+        one's status is one of `states`, in one step; returns that status (None: none
+        stored, and nothing written)."""
+        raise NotImplementedError
+
+    async def ask_cancel(self, team: str, response_id: str, ttl: float) -> None:
+        """Tells the replica running the response that it is cancelled (for `ttl` s)."""
+
+    async def cancels_asked(self, runs: list[tuple[str, str]]) -> set[str]:
+        """Of the (team, id) pairs, the ids whose cancel `ask_cancel` asked."""
+        return set()
 
 
 class MemoryResponses(ResponseStore):
@@ -144,7 +190,7 @@ class MemoryResponses(ResponseStore):
         found = None if kept is None else kept.get(response_id)
         if found is None or found[0] <= time.monotonic():
             return None
-        return Stored.loads(found[1])
+        return Stored.loads(found[1]).seen()
 
     async def delete(self, team: str, response_id: str) -> bool:
         kept = self._teams.get(team)
@@ -153,6 +199,18 @@ class MemoryResponses(ResponseStore):
             return False
         self._bytes[team] -= len(found[1])
         return True
+
+    async def put_if(self, team: str, stored: Stored, states: tuple[str, ...]) -> str | None:
+        # one process, no await between the read and the write: one step
+        # (a cancel here always reaches the run itself: no flag to ask)
+        kept = self._teams.get(team)
+        found = None if kept is None else kept.get(stored.id)
+        if found is None or found[0] <= time.monotonic():
+            return None
+        status = Stored.loads(found[1]).status
+        if status in states:
+            await self.put(team, stored)
+        return status
 
 
 _PUT = """
@@ -173,6 +231,30 @@ return #gone
 """
 
 
+#: `put_if`: KEYS[1] the response; ARGV[1] the new value, ARGV[2..] the states it may
+#: replace. The stored status is read without decoding the whole value (a conversation
+#: may be megabytes): the response object is the value's first key, and its `status`
+#: comes before its `output`, as `Stored.dumps` and the encoder write them.
+_PUT_IF = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return false end
+local status = string.match(raw, '^{"response":{.-"status":"([a-z_]+)"')
+if not status then return false end
+for i = 2, #ARGV do
+  if ARGV[i] == status then
+    local ttl = redis.call('PTTL', KEYS[1])
+    if ttl > 0 then
+      redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+    else
+      redis.call('SET', KEYS[1], ARGV[1])
+    end
+    return status
+  end
+end
+return status
+"""
+
+
 class RedisResponses(ResponseStore):
     """The store every replica shares, on the teams' Redis client; a failure is
     `Unavailable` (503) for the request that needed it."""
@@ -181,6 +263,7 @@ class RedisResponses(ResponseStore):
         super().__init__(ttl, per_team)
         self.redis = redis
         self._put = redis.client.register_script(_PUT)
+        self._put_if = redis.client.register_script(_PUT_IF)
 
     def _prefix(self, team: str) -> str:
         return f"{self.redis.prefix}:responses:{{{team}}}:"
@@ -204,7 +287,7 @@ class RedisResponses(ResponseStore):
                 raw = await self.redis.client.get(self._prefix(team) + response_id)
         except (OSError, TimeoutError) as error:
             raise errors.Unavailable(f"The response store failed: {error}") from None
-        return None if raw is None else Stored.loads(raw)
+        return None if raw is None else Stored.loads(raw).seen()
 
     async def delete(self, team: str, response_id: str) -> bool:
         prefix = self._prefix(team)
@@ -215,6 +298,39 @@ class RedisResponses(ResponseStore):
         except (OSError, TimeoutError) as error:
             raise errors.Unavailable(f"The response store failed: {error}") from None
         return bool(removed)
+
+    async def put_if(self, team: str, stored: Stored, states: tuple[str, ...]) -> str | None:
+        try:
+            async with self.redis._bounded():
+                status = await self._put_if(
+                    keys=[self._prefix(team) + stored.id], args=[stored.dumps(), *states]
+                )
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+        if status is None:
+            return None
+        return status.decode() if isinstance(status, bytes) else str(status)
+
+    async def ask_cancel(self, team: str, response_id: str, ttl: float) -> None:
+        key = self._prefix(team) + response_id + ":cancel"
+        try:
+            async with self.redis._bounded():
+                await self.redis.client.set(key, b"1", px=max(1, int(ttl * 1000)))
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+
+    async def cancels_asked(self, runs: list[tuple[str, str]]) -> set[str]:
+        if not runs:
+            return set()
+        try:
+            async with self.redis._bounded():
+                pipe = self.redis.client.pipeline(transaction=False)
+                for team, response_id in runs:
+                    pipe.exists(self._prefix(team) + response_id + ":cancel")
+                found = await pipe.execute()
+        except (OSError, TimeoutError) as error:
+            raise errors.Unavailable(f"The response store failed: {error}") from None
+        return {response_id for (_, response_id), hit in zip(runs, found, strict=True) if hit}
 
 
 def open_store(redis: RedisStore | None, ttl: float, per_team: int) -> ResponseStore:
