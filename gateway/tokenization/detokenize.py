@@ -11,6 +11,7 @@ the upstreams that hold a `ModelTokenizer` use it (`ModelTokenizer.detokenizer`)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -20,6 +21,12 @@ from tokenizers.decoders import DecodeStream
 from gateway.protocol.detokenize import REPLACEMENT, IncrementalDetokenizer
 
 __all__ = ["REPLACEMENT", "IncrementalDetokenizer", "StreamDetokenizer"]
+
+log = logging.getLogger("furnace.detokenize")
+
+#: How tokenizers' error for a DecodeStream whose text went back on itself begins: a
+#: model's ids that decode to invalid UTF-8 (byte-fallback pieces) can make it.
+INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class StreamDetokenizer:
@@ -53,8 +60,15 @@ class StreamDetokenizer:
         if not ids:
             return ""
         batch = list(ids)  # the one copy: kept as the context of what follows
-        text: str | None = self._stream.step(self._tokenizer, batch)
-        if text is None:  # it ends in an incomplete character: those before it are out
+        try:
+            text: str | None = self._stream.step(self._tokenizer, batch)
+        except Exception as error:  # an id at a time, as vLLM steps them, starts again
+            _invalid_prefix(error)
+            return self._one_by_one(batch)
+        if text is None or REPLACEMENT in text:
+            # it ends in an incomplete character (those before it are out), or holds
+            # bytes that are no character, where stepped an id at a time the stream may
+            # have gone back on its text and started again
             return self._one_by_one(batch)
         if self._held:
             self._held += batch
@@ -65,7 +79,11 @@ class StreamDetokenizer:
     def feed_one(self, token: int) -> str:
         """`feed` of one id, the engine's usual message: DecodeStream takes it as an
         int (a one-id list costs it twice the time) and no list is copied."""
-        text = self._step(token)
+        try:
+            text = self._step(token)
+        except Exception as error:
+            _invalid_prefix(error)
+            text = self._again(token)
         if text is None:
             self._held.append(token)
             return ""
@@ -75,6 +93,17 @@ class StreamDetokenizer:
             self._last, self._held = held, []
         else:  # the usual token: its own text
             self._last = [token]
+        return text
+
+    def _again(self, token: int) -> str | None:
+        """`token`'s text from a stream started again, empty, as vLLM's detokenizer
+        starts again where tokenizers' stream went back on its own text: what was held
+        back (a character's first pieces) is lost, the answer goes on."""
+        log.warning("the detokenizer's stream went back on its text: started again")
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._step = partial(self._stream.step, self._tokenizer)
+        self._held, self._last = [], []
+        text: str | None = self._step(token)
         return text
 
     def _one_by_one(self, batch: list[int]) -> str:
@@ -97,3 +126,10 @@ class StreamDetokenizer:
         after = decode(self._last + self._held, skip_special_tokens=True)
         self._last, self._held = [], []
         return after[len(before) :]
+
+
+def _invalid_prefix(error: Exception) -> None:
+    """Raises `error` again unless it is tokenizers' invalid-prefix error, which the
+    detokenizer gets over by starting again."""
+    if not str(error).startswith(INVALID_PREFIX):
+        raise error
