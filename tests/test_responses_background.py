@@ -228,20 +228,47 @@ def test_two_replicas_on_one_redis_share_it_and_a_cancel_at_one_stops_the_other(
     assert_nothing_left(one, workers)
 
 
-def test_a_drain_marks_the_background_responses_it_cuts(gateway_with, server_loop, workers):
-    gw = gateway_with()
+def _queued_scripted(workers) -> tuple[ModelConfig, ...]:
+    queue = QueueConfig(max_wait=30)
+    return (ModelConfig(SCRIPTED_MODEL, workers=(workers.scripted.address,), queue=queue),)
+
+
+def test_cancelling_a_queued_one_takes_it_out_of_the_queue(gateway_with, workers):
+    gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
     with sdk(gw.url) as api:
         running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
         _until_status(api, running.id, "in_progress")
+        waiting = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+        wait_until(lambda: gw.state.slots.queue.waiting() == 1, "the second to wait")
+        assert api.responses.cancel(waiting.id).status == "cancelled"
+        assert gw.state.slots.queue.waiting() == 0  # out of the queue when the cancel answers
+        assert api.responses.retrieve(running.id).status == "in_progress"
+        assert api.responses.cancel(running.id).status == "cancelled"
+        assert api.responses.retrieve(waiting.id).status == "cancelled"
+    assert_nothing_left(gw, workers)
+
+
+def test_a_drain_marks_the_background_responses_it_cuts(gateway_with, server_loop, workers):
+    """The running one is cut after the drain's grace, the queued one refused: each is
+    stored `failed` with the drain's error, before the drain is over."""
+    gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
+    with sdk(gw.url) as api:
+        running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+        _until_status(api, running.id, "in_progress")
+        waiting = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+        wait_until(lambda: gw.state.slots.queue.waiting() == 1, "the second to wait")
         drain = asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.05), server_loop.loop)
         drain.result(HANG_GUARD)
         assert not gw.state.inflight.detached
         cut = api.responses.retrieve(running.id)
         assert cut.status == "failed"
         assert cut.error.code == "gateway_shutdown"
+        refused = api.responses.retrieve(waiting.id)
+        assert refused.status == "failed" and "shutting down" in refused.error.message
         with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
             refused = http.post(
-                "/v1/responses", json={"model": DEMO_MODEL, "input": "x", "background": True}
+                "/v1/responses",
+                json={"model": SCRIPTED_MODEL, "input": "x", "background": True},
             )
             assert refused.status_code == 503  # a draining gateway starts none
     assert_nothing_left(gw, workers)
