@@ -30,7 +30,15 @@ from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from tokenizers.decoders import DecodeStream
 
 from benchmarks.fake_vllm_grpc import FakeVllm
-from gateway.protocol.types import GenerateRequest, Message, SamplingParams, Text
+from gateway.protocol.types import (
+    Event,
+    GenerateRequest,
+    Message,
+    SamplingParams,
+    Text,
+    Tool,
+    ToolCallDelta,
+)
 from gateway.tokenization.tokenizer import CONTEXT_IDS, ModelTokenizer
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 from tests.support.servers import ServerLoop
@@ -315,26 +323,38 @@ class Choices(FakeVllm):
             yield pb.GenerateResponse(complete=done)
 
 
-async def _texts(
-    model_dir: Path, output: list[int], request: GenerateRequest
-) -> tuple[dict[int, str], list[list[int]]]:
-    """Each choice's text through the vllm-grpc upstream from `Choices`, and the prompts
-    the engine was sent."""
+async def _events(
+    model_dir: Path, output: list[int], request: GenerateRequest, parser: str | None = None
+) -> tuple[list[Event], list[list[int]]]:
+    """The events through the vllm-grpc upstream (with the tool-call format `parser`) from
+    `Choices`, and the prompts the engine was sent."""
     engine = Choices(output, model_dir)
     server = grpc.aio.server()
     pb_grpc.add_VllmEngineServicer_to_server(engine, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    upstream = VllmGrpcUpstream(f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir))
-    texts: dict[int, str] = {}
+    upstream = VllmGrpcUpstream(
+        f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir), tool_call_parser=parser
+    )
     try:
-        async for event in upstream.call(request, timeout=HANG_GUARD):
-            if isinstance(event, Text):
-                texts[event.index] = texts.get(event.index, "") + event.text
+        events = [event async for event in upstream.call(request, timeout=HANG_GUARD)]
     finally:
         await upstream.close()
         await server.stop(None)
-    return texts, engine.prompts
+    return events, engine.prompts
+
+
+async def _texts(
+    model_dir: Path, output: list[int], request: GenerateRequest
+) -> tuple[dict[int, str], list[list[int]]]:
+    """Each choice's text through the vllm-grpc upstream from `Choices`, and the prompts
+    the engine was sent."""
+    events, prompts = await _events(model_dir, output, request)
+    texts: dict[int, str] = {}
+    for event in events:
+        if isinstance(event, Text):
+            texts[event.index] = texts.get(event.index, "") + event.text
+    return texts, prompts
 
 
 @pytest.mark.parametrize(
@@ -358,3 +378,33 @@ def test_through_the_upstream_every_choice_starts_after_the_prompt(
     expected = "".join(vllm_pieces(tokenizer._tokenizer, prompt, output))
     assert expected == " Sure, here is the answer."
     assert texts == {index: expected for index in range(request.n)}
+
+
+def test_a_hermes_call_in_special_tokens_is_parsed_as_vllm_s_parser_reads_it(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """A model whose `<tool_call>` markers are special tokens: vLLM's hermes parser turns
+    `skip_special_tokens` off for a request with tools, so the markers reach it and the
+    call is a call; so does the gateway (before: the markers decoded to nothing and the
+    call came out as text). Without tools, special tokens stay out of the text."""
+    rust = build_tokenizer().backend_tokenizer
+    rust.add_special_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer = _save(rust, tmp_path)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    body = tokenizer.encode(call, add_special_tokens=False)
+    output = [special_id(rust, "<tool_call>"), *body, special_id(rust, "</tool_call>")]
+    weather = Tool("get_weather", parameters='{"type": "object"}')
+    request = GenerateRequest(
+        model=MODEL,
+        messages=(Message("user", "the weather in Paris?"),),
+        tools=(weather,),
+        sampling=SamplingParams(max_tokens=len(output)),
+    )
+    events, _ = server_loop.call(_events(tmp_path, output, request, "hermes"))
+    calls = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert [c.name for c in calls if c.name] == ["get_weather"]
+    assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
+    assert not [e for e in events if isinstance(e, Text) and e.text.strip()]
+    plain = dataclasses.replace(request, tools=())
+    texts, _ = server_loop.call(_texts(tmp_path, output, plain))
+    assert texts == {0: call}

@@ -39,13 +39,20 @@ class StreamDetokenizer:
     decoded before the first id as vLLM primes its DecodeStream with the prompt: a decoder
     that drops the first token's leading space (SentencePiece's Metaspace, Llama-2's Strip)
     then keeps the answer's, as after the prompt it must. Never changed here (shared by a
-    request's choices)."""
+    request's choices).
 
-    __slots__ = ("_held", "_last", "_step", "_stream", "_tokenizer")
+    `skip_special`: special tokens decode to nothing (as a request's default); False for
+    a tool-call parser that reads its markers where a model's are special tokens (vLLM's
+    hermes parser turns `skip_special_tokens` off so, for a request with tools)."""
 
-    def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None) -> None:
+    __slots__ = ("_held", "_last", "_skip", "_step", "_stream", "_tokenizer")
+
+    def __init__(
+        self, tokenizer: Tokenizer, context: list[int] | None = None, skip_special: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._skip = skip_special
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special)
         #: `DecodeStream.step` bound to the tokenizer: a token's one call, in C.
         self._step: Callable[[int], str | None] = partial(self._stream.step, tokenizer)
         self._held: list[int] = []  # ids fed since text was last released
@@ -100,7 +107,7 @@ class StreamDetokenizer:
         starts again where tokenizers' stream went back on its own text: what was held
         back (a character's first pieces) is lost, the answer goes on."""
         log.warning("the detokenizer's stream went back on its text: started again")
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         self._step = partial(self._stream.step, self._tokenizer)
         self._held, self._last = [], []
         text: str | None = self._step(token)
@@ -112,7 +119,7 @@ class StreamDetokenizer:
         before that one, else held back until the end and lost there when the answer ends
         in it. The stream, which took the batch whole, is made again from the released
         text's ids (its window) and steps the held ids and the batch one by one."""
-        self._stream = DecodeStream(ids=self._last, skip_special_tokens=True)
+        self._stream = DecodeStream(ids=self._last, skip_special_tokens=self._skip)
         self._step = partial(self._stream.step, self._tokenizer)
         held, self._held = self._held, []
         return "".join(map(self.feed_one, held + batch))
@@ -122,8 +129,8 @@ class StreamDetokenizer:
         if not self._held:
             return ""
         decode = self._tokenizer.decode
-        before = decode(self._last, skip_special_tokens=True)
-        after = decode(self._last + self._held, skip_special_tokens=True)
+        before = decode(self._last, skip_special_tokens=self._skip)
+        after = decode(self._last + self._held, skip_special_tokens=self._skip)
         self._last, self._held = [], []
         return after[len(before) :]
 

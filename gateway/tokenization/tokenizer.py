@@ -188,10 +188,13 @@ class ModelTokenizer:
         """The text of `ids`, special tokens left out (as vLLM's default)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def detokenizer(self, context: list[int] | None = None) -> StreamDetokenizer:
-        """A new answer's streamed decoder (special tokens left out, as `decode`), its
-        first token decoded after `context` (`context`: the prompt's ids it needs)."""
-        return StreamDetokenizer(self._tokenizer, context)
+    def detokenizer(
+        self, context: list[int] | None = None, skip_special: bool = True
+    ) -> StreamDetokenizer:
+        """A new answer's streamed decoder (special tokens left out unless `skip_special`
+        is False), its first token decoded after `context` (`context`: the prompt's ids it
+        needs)."""
+        return StreamDetokenizer(self._tokenizer, context, skip_special)
 
     def context(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's ids an answer's detokenizer starts after, so that its text is

@@ -484,8 +484,13 @@ class VllmGrpcCall(StreamBookkeeping):
         # each choice's text decoded after the prompt, as vLLM's server decodes it
         tokenizer = upstream.tokenizer
         context = tokenizer.context(ids)
+        skip = not (
+            upstream.tool_call_parser in tool_calls.KEEP_SPECIAL_TOKENS
+            and request.tools
+            and request.tool_choice != "none"
+        )
         for choice in choices:
-            choice.detok = tokenizer.detokenizer(context)
+            choice.detok = tokenizer.detokenizer(context, skip)
         sampling = request.sampling
         if sampling.stop_token_ids or sampling.ignore_eos:
             stop_ids = set(sampling.stop_token_ids)

@@ -43,6 +43,9 @@ PARSERS: dict[str, Callable[..., ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
+#: The formats whose markers some models make special tokens: a request with tools in
+#: play decodes special tokens too (vLLM's parser turns `skip_special_tokens` off so).
+KEEP_SPECIAL_TOKENS = frozenset({"hermes"})
 
 
 def parser(name: str, tools: tuple[Tool, ...], *, single: bool = False) -> ToolCallParser:
@@ -77,6 +80,7 @@ def for_request(request: GenerateRequest, parser_name: str | None) -> ToolCallPa
 
 
 __all__ = [
+    "KEEP_SPECIAL_TOKENS",
     "MAX_CALL_CHARS",
     "PARSERS",
     "CallPiece",
