@@ -111,6 +111,19 @@ def test_cancelling_a_running_one_stops_its_call_and_frees_its_slot(gateway_with
     assert _background_gauge(gw.url) == 0
 
 
+def test_deleting_a_running_one_stops_it(gateway_with, workers):
+    gw = gateway_with()
+    with sdk(gw.url) as api:
+        created = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+        _until_status(api, created.id, "in_progress")
+        assert api.responses.delete(created.id) is None
+        wait_until(lambda: workers.scripted.active == 0, "its call to end")
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(created.id)  # its end was not stored again
+    assert_nothing_left(gw, workers)
+    assert _background_gauge(gw.url) == 0
+
+
 def test_a_cancel_of_a_finished_foreground_or_unknown_response_is_refused(gateway):
     with sdk(gateway.url) as api:
         done = api.responses.create(model=DEMO_MODEL, input="a b", background=True)

@@ -227,6 +227,18 @@ class BackgroundRuns:
             await asyncio.wait([run.task], timeout=CANCEL_WAIT)
         return True
 
+    async def deleted(self, team: str, response_id: str) -> None:
+        """A deleted response's run stops (its end has nowhere to go): here at once,
+        elsewhere by the flag (with Redis: any response deleted sets one, short-lived)."""
+        run = self.runs.get(response_id)
+        if run is not None and run.team == team:
+            run.cancel()
+        elif run is None and isinstance(self.store, RedisResponses):
+            try:
+                await self.store.ask_cancel(team, response_id, FLAG_TTL)
+            except errors.GatewayError as error:  # it is deleted all the same
+                log.warning("response %s: its run not told: %s", response_id, error.message)
+
     async def _poll(self) -> None:
         """While runs exist: every `POLL` seconds, the cancels other replicas asked."""
         try:
@@ -600,5 +612,5 @@ def responses_routes(parts: Parts, limits: InputLimits) -> tuple[dict[str, Any],
     config = parts.config
     store = open_store(parts.teams.limiter.redis, config.responses_ttl, config.responses_per_team)
     route = BackgroundRoute(parts, limits, store)
-    routes = store_routes(store, config.retry_after, resume_endpoint(route))
+    routes = store_routes(store, config.retry_after, resume_endpoint(route), route.runs.deleted)
     return {RESPONSES: route}, [*routes, cancel_route(route)]

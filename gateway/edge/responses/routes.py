@@ -247,9 +247,11 @@ def store_routes(
     store: ResponseStore,
     retry_after: int,
     resume: Callable[[Request], Awaitable[Response]] | None = None,
+    deleted: Callable[[str, str], Awaitable[None]] | None = None,
 ) -> list[Route]:
     """The store's routes: retrieve, delete, input items; `resume` serves a retrieve
-    with `stream=true` (a background stream's events: background.py)."""
+    with `stream=true` (a background stream's events: background.py), and `deleted`
+    hears of each response deleted (team, id: a background run of it stops)."""
 
     async def stored(request: Request) -> Stored:
         response_id = request.path_params["response_id"]
@@ -264,12 +266,14 @@ def store_routes(
     async def one(request: Request) -> Response:
         if request.method == "DELETE":
             response_id = request.path_params["response_id"]
+            team = _team_name(team_of(request.scope))
             try:
-                deleted = await store.delete(_team_name(team_of(request.scope)), response_id)
+                if not await store.delete(team, response_id):
+                    raise _not_found(response_id)
+                if deleted is not None:
+                    await deleted(team, response_id)
             except errors.GatewayError as error:
                 raise from_error(error, retry_after) from None
-            if not deleted:
-                raise _not_found(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})
         if resume is not None and request.query_params.get("stream") == "true":
             return await resume(request)
