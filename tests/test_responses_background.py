@@ -338,6 +338,7 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_resumes(g
         deltas = [e.delta for e in [*seen, *rest] if e.type == "response.output_text.delta"]
         assert "".join(deltas) == rest[-1].response.output_text
         assert rest[-1].response.usage.output_tokens == 6
+        assert rest[-1].response.created_at == first.response.created_at
         # from the start again, after its end: the same events
         again = list(api.responses.retrieve(response_id, stream=True))
         assert [e.sequence_number for e in again] == list(range(len(again)))

@@ -332,6 +332,15 @@ class BackgroundRoute(ResponsesRoute):
         body_echo = {**request.body.echo, "background": True}
         return replace(request, body=replace(request.body, echo=body_echo))
 
+    def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
+        """The route's encoder; a background response was created when it was queued."""
+        encoder = super().encoder(parsed, pool)
+        if is_background(parsed):
+            run = self.runs.runs.get(encoder.id)
+            if run is not None:
+                encoder.created_at = run.created_at
+        return encoder
+
     async def serve(self, ex: Exchange) -> None:
         if isinstance(ex, DetachedExchange):
             await self._run(ex)
@@ -490,9 +499,6 @@ class BackgroundRoute(ResponsesRoute):
         if not is_background(request):
             await super()._store(request, final, worker)
             return
-        run = self.runs.runs.get(request.response_id)
-        if run is not None:
-            final["created_at"] = run.created_at
         try:
             was = await self.store.put_if(
                 request.team, self._stored(request, final, worker, 0.0), UNFINISHED
