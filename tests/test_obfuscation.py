@@ -76,6 +76,18 @@ def assert_padded(event: bytes) -> None:
     assert 0 <= len(pad) - (-bare % PAD_BUCKET) < PAD_BUCKET, (len(pad), bare)
 
 
+def padded_deltas(raw: list[bytes]) -> list[bytes]:
+    """The kinds of a Responses stream's events, after checking that its delta events,
+    and only those, are padded."""
+    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
+    for kind, event in zip(kinds, raw, strict=True):
+        if kind.endswith(b".delta"):
+            assert_padded(event)
+        else:
+            assert padding(event) is None
+    return kinds
+
+
 def chunks(raw: list[bytes]) -> list[dict[str, Any]]:
     return [orjson.loads(event[6:]) for event in raw if event.startswith(b"data: {")]
 
@@ -281,13 +293,8 @@ def test_a_responses_function_call_s_argument_deltas_are_padded(client):
         "stream_options": PADDED,
     }
     raw = events(client, "/v1/responses", body)
-    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
+    kinds = padded_deltas(raw)
     assert b"response.function_call_arguments.delta" in kinds
-    for kind, event in zip(kinds, raw, strict=True):
-        if kind.endswith(b".delta"):
-            assert_padded(event)
-        else:
-            assert padding(event) is None
     arguments = b"".join(
         orjson.loads(event.split(b"data: ", 1)[1])["delta"].encode()
         for kind, event in zip(kinds, raw, strict=True)
@@ -355,10 +362,4 @@ def test_reasoning_deltas_are_padded(thinker):
         assert_padded(event)
     thought = [c["choices"][0]["delta"].get("reasoning") for c in chunks(chat) if c["choices"]]
     assert "".join(filter(None, thought)) == "The user says hi; I greet back."
-    kinds = [event.split(b"\n", 1)[0] for event in response]
-    assert b"event: response.reasoning_text.delta" in kinds
-    for kind, event in zip(kinds, response, strict=True):
-        if kind.endswith(b".delta"):
-            assert_padded(event)
-        else:
-            assert padding(event) is None
+    assert b"response.reasoning_text.delta" in padded_deltas(response)

@@ -29,7 +29,7 @@ from tests.support.requests import assert_openai_error
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.servers import DEMO_MODEL, Gateway
 from tests.support.waiting import HANG_GUARD
-from tests.test_obfuscation import PADDED, assert_padded, events, padding
+from tests.test_obfuscation import PADDED, events, padded_deltas
 
 MODEL = "thinker"
 THOUGHTS = ["The user ", "says hi; ", "I greet back."]
@@ -189,13 +189,7 @@ def test_a_summary_s_deltas_are_padded(thinker):
     }
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         raw = events(http, "/v1/responses", body)
-    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
-    assert b"response.reasoning_summary_text.delta" in kinds
-    for kind, event in zip(kinds, raw, strict=True):
-        if kind.endswith(b".delta"):
-            assert_padded(event)
-        else:
-            assert padding(event) is None
+    assert b"response.reasoning_summary_text.delta" in padded_deltas(raw)
 
 
 def test_a_summary_that_is_not_openai_s_is_refused_by_name(thinker):
@@ -349,14 +343,9 @@ def test_logprobs_deltas_are_padded(client):
         "stream_options": PADDED,
     }
     raw = events(client, "/v1/responses", body)
-    kinds = [event.split(b"\n", 1)[0].removeprefix(b"event: ") for event in raw]
+    kinds = padded_deltas(raw)
     deltas = [e for k, e in zip(kinds, raw, strict=True) if k == b"response.output_text.delta"]
     assert deltas
-    for kind, event in zip(kinds, raw, strict=True):
-        if kind.endswith(b".delta"):
-            assert_padded(event)
-        else:
-            assert padding(event) is None
     data = [orjson.loads(e.split(b"data: ", 1)[1]) for e in deltas]
     tokens = [t["token"] for d in data for t in d["logprobs"]]
     assert tokens == ["one", " two", " three"]
