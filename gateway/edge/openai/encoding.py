@@ -488,7 +488,8 @@ class Encoder:
         return self._body(choices, prompt_tokens, completion_tokens)
 
 
-def _bytes(token: str) -> list[int]:
+def token_bytes(token: str) -> list[int]:
+    """A token's UTF-8 bytes, as OpenAI's logprobs show them (`bytes`)."""
     return list(token.encode())
 
 
@@ -521,9 +522,9 @@ class ChatEncoder(Encoder):
                 {
                     "token": token.token,
                     "logprob": max(token.logprob, MIN_LOGPROB),
-                    "bytes": _bytes(token.token),
+                    "bytes": token_bytes(token.token),
                     "top_logprobs": [
-                        {"token": t, "logprob": max(lp, MIN_LOGPROB), "bytes": _bytes(t)}
+                        {"token": t, "logprob": max(lp, MIN_LOGPROB), "bytes": token_bytes(t)}
                         for t, lp in token.top
                     ],
                 }

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import APIError
-from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, _bytes, obfuscated
+from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, obfuscated, token_bytes
 from gateway.edge.responses.params import ResponsesBody, new_id, opaque
 from gateway.protocol.types import (
     Event,
@@ -553,7 +553,8 @@ class ObfuscatedResponsesEncoder(ResponsesEncoder):
 def _top(token: TokenLogprob, with_bytes: bool) -> list[dict[str, Any]]:
     if with_bytes:
         return [
-            {"token": t, "bytes": _bytes(t), "logprob": max(lp, MIN_LOGPROB)} for t, lp in token.top
+            {"token": t, "bytes": token_bytes(t), "logprob": max(lp, MIN_LOGPROB)}
+            for t, lp in token.top
         ]
     return [{"token": t, "logprob": max(lp, MIN_LOGPROB)} for t, lp in token.top]
 
@@ -563,7 +564,7 @@ def part_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     return [
         {
             "token": token.token,
-            "bytes": _bytes(token.token),
+            "bytes": token_bytes(token.token),
             "logprob": max(token.logprob, MIN_LOGPROB),
             "top_logprobs": _top(token, True),
         }
