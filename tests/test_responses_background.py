@@ -106,6 +106,16 @@ def test_cancelling_a_running_one_stops_its_call_and_frees_its_slot(gateway_with
         assert api.responses.create(model=DEMO_MODEL, input="next").output_text == "next"
         assert api.responses.retrieve(created.id).status == "cancelled"
         assert api.responses.cancel(created.id).status == "cancelled"  # again: as it is
+        # as OpenAI's own example sends it, with no body and no Content-Type
+        bare = httpx.post(f"{gw.url}/v1/responses/{created.id}/cancel", timeout=HANG_GUARD)
+        assert bare.status_code == 200 and bare.json()["status"] == "cancelled", bare.text
+        typed = httpx.post(
+            f"{gw.url}/v1/responses/{created.id}/cancel",
+            content=b"x",
+            headers={"content-type": "text/plain"},
+            timeout=HANG_GUARD,
+        )
+        assert typed.status_code == 415  # a type that is not JSON is still refused
     assert workers.scripted.cancelled, "the worker's call was cancelled"
     assert_nothing_left(gw, workers)
     assert _background_gauge(gw.url) == 0

@@ -10,7 +10,8 @@ are never logged: the gateway only ever holds their SHA-256.
 A browser page may send a "simple" cross-origin POST (text/plain, no preflight)
 to a developer's local gateway, and DNS rebinding lets it read the answer under
 a name of its own. So POST bodies on /v1/* must be declared JSON (415 before a
-byte is read; a missing Content-Type too: OpenAI's SDKs always send it), those on
+byte is read; a missing Content-Type too: OpenAI's SDKs always send it; but the
+Responses API's cancel, which reads no body, may declare none), those on
 /v2/* JSON or the binary tensor extension's (415 in KServe's shape), and the
 Host must be one the gateway serves (`allowed_hosts`; listening on loopback,
 loopback names only). A wrong Host gets 421 Misdirected Request: the request
@@ -92,6 +93,10 @@ UNSUPPORTED_TENSOR_MEDIA_TYPE = orjson.dumps(
     }
 )
 _JSON = frozenset({b"application/json"})
+#: The end of the /v1 POST routes that read no body, which take one declared of no type:
+#: the Responses API's cancel, sent so by OpenAI's own examples (`curl -X POST`); a page
+#: could send it cross-site, but it needs the response's id, 192 random bits.
+_BODYLESS = "/cancel"
 #: What a /v2 body may be declared as: JSON, or the binary tensor extension's bytes.
 _TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
 
@@ -108,7 +113,11 @@ class JsonOnly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path, headers = scope["path"], request_headers(scope)
-            if path.startswith("/v1/") and not _declares(headers.content_types, _JSON):
+            if (
+                path.startswith("/v1/")
+                and not _declares(headers.content_types, _JSON)
+                and not (path.endswith(_BODYLESS) and not headers.content_types)
+            ):
                 await send_error(send, UNSUPPORTED_MEDIA_TYPE)
                 return
             if (
