@@ -71,9 +71,9 @@ from gateway.edge.responses.routes import (
     RESPONSES,
     ResponsesRequest,
     ResponsesRoute,
-    _json,
-    _not_found,
-    _refuse_query,
+    json_response,
+    not_found,
+    refuse_query,
     store_routes,
 )
 from gateway.edge.responses.store import (
@@ -517,7 +517,7 @@ def resume_endpoint(route: BackgroundRoute) -> Callable[[Request], Awaitable[Res
     keepalive = route.config.keepalive_interval
 
     async def resume(request: Request) -> Response:
-        _refuse_query(request, ("stream", "starting_after"))
+        refuse_query(request, ("stream", "starting_after"))
         team = team_of(request.scope)
         name = "" if team is None else team.name
         response_id = request.path_params["response_id"]
@@ -537,7 +537,7 @@ def resume_endpoint(route: BackgroundRoute) -> Callable[[Request], Awaitable[Res
             except errors.GatewayError as error:
                 raise from_error(error, retry_after) from None
             if found is None:
-                raise _not_found(response_id)
+                raise not_found(response_id)
             raise invalid(
                 "stream",
                 "This response's events are not kept here: only a background response "
@@ -568,7 +568,7 @@ def cancel_route(route: BackgroundRoute) -> Route:
         try:
             found = await store.get(name, response_id)
             if found is None:
-                raise _not_found(response_id)
+                raise not_found(response_id)
             if found.response.get("background") is not True:
                 raise APIError(
                     400,
@@ -576,7 +576,7 @@ def cancel_route(route: BackgroundRoute) -> Route:
                     param="response_id",
                 )
             if found.status == "cancelled":
-                return _json(found.response)
+                return json_response(found.response)
             _check_unfinished(found.status)
             cancelled = Stored(
                 {**found.response, "status": "cancelled"},
@@ -588,15 +588,15 @@ def cancel_route(route: BackgroundRoute) -> Route:
             )
             was = await store.put_if(name, cancelled, UNFINISHED)
             if was is None:
-                raise _not_found(response_id)
+                raise not_found(response_id)
             if was == "cancelled":
-                return _json(cancelled.response)
+                return json_response(cancelled.response)
             _check_unfinished(was)
             if not await runs.cancel(response_id):
                 await store.ask_cancel(name, response_id, FLAG_TTL)
         except errors.GatewayError as error:  # the store failed: a 503
             raise from_error(error, retry_after) from None
-        return _json(cancelled.response)
+        return json_response(cancelled.response)
 
     return Route(RESPONSES + "/{response_id}/cancel", cancel, methods=["POST"])
 

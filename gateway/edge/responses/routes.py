@@ -117,7 +117,8 @@ def _parse_alone(body: Any, request_id: str) -> ParsedRequest:
     return _request(parse(body), request_id, "", None)
 
 
-def _not_found(response_id: str) -> APIError:
+def not_found(response_id: str) -> APIError:
+    """OpenAI's 404 for a response id no store holds."""
     return APIError(
         404,
         f"Response with id '{response_id[:128]}' not found.",
@@ -222,11 +223,12 @@ class ResponsesRoute(GenerationRoute):
             log.warning("response %s not stored: %s", stored.id, error.message)
 
 
-def _json(value: Any, status: int = 200) -> Response:
+def json_response(value: Any, status: int = 200) -> Response:
+    """`value` as the JSON body of a store route's answer."""
     return Response(orjson.dumps(value), status, media_type="application/json")
 
 
-def _refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
+def refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
     """Query parameters of OpenAI's that ask what is not served, refused by name; a
     list's `name[]` (as the SDK sends `include`) is `name`."""
     for raw, value in request.query_params.multi_items():
@@ -260,7 +262,7 @@ def store_routes(
         except errors.GatewayError as error:  # the store failed: a 503
             raise from_error(error, retry_after) from None
         if found is None:
-            raise _not_found(response_id)
+            raise not_found(response_id)
         return found
 
     async def one(request: Request) -> Response:
@@ -269,20 +271,20 @@ def store_routes(
             team = _team_name(team_of(request.scope))
             try:
                 if not await store.delete(team, response_id):
-                    raise _not_found(response_id)
+                    raise not_found(response_id)
                 if deleted is not None:
                     await deleted(team, response_id)
             except errors.GatewayError as error:
                 raise from_error(error, retry_after) from None
-            return _json({"id": response_id, "object": "response", "deleted": True})
+            return json_response({"id": response_id, "object": "response", "deleted": True})
         if resume is not None and request.query_params.get("stream") == "true":
             return await resume(request)
-        _refuse_query(request)
-        return _json((await stored(request)).response)
+        refuse_query(request)
+        return json_response((await stored(request)).response)
 
     async def input_items(request: Request) -> Response:
-        _refuse_query(request, ("after", "limit", "order"))
-        # a `name[]` is `name`, as `_refuse_query` reads it (the last one given wins)
+        refuse_query(request, ("after", "limit", "order"))
+        # a `name[]` is `name`, as `refuse_query` reads it (the last one given wins)
         query = {k.removesuffix("[]"): v for k, v in request.query_params.multi_items()}
         try:
             limit = int(query.get("limit", DEFAULT_PAGE))
@@ -303,7 +305,7 @@ def store_routes(
                 raise invalid("after", f"No input item with id '{after[:128]}'.")
             items = items[at + 1 :]
         page = items[:limit]
-        return _json(
+        return json_response(
             {
                 "object": "list",
                 "data": page,
