@@ -256,18 +256,25 @@ def _queued_scripted(workers) -> tuple[ModelConfig, ...]:
     return (ModelConfig(SCRIPTED_MODEL, workers=(workers.scripted.address,), queue=queue),)
 
 
+def _one_running_one_queued(gw, api: openai.OpenAI) -> tuple[str, str]:
+    """Two background responses on a gateway of one slot: the first running, the second
+    waiting in the model's queue; their ids."""
+    running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+    _until_status(api, running.id, "in_progress")
+    waiting = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
+    wait_until(lambda: gw.state.slots.queue.waiting() == 1, "the second to wait")
+    return running.id, waiting.id
+
+
 def test_cancelling_a_queued_one_takes_it_out_of_the_queue(gateway_with, workers):
     gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
     with sdk(gw.url) as api:
-        running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
-        _until_status(api, running.id, "in_progress")
-        waiting = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
-        wait_until(lambda: gw.state.slots.queue.waiting() == 1, "the second to wait")
-        assert api.responses.cancel(waiting.id).status == "cancelled"
+        running, waiting = _one_running_one_queued(gw, api)
+        assert api.responses.cancel(waiting).status == "cancelled"
         assert gw.state.slots.queue.waiting() == 0  # out of the queue when the cancel answers
-        assert api.responses.retrieve(running.id).status == "in_progress"
-        assert api.responses.cancel(running.id).status == "cancelled"
-        assert api.responses.retrieve(waiting.id).status == "cancelled"
+        assert api.responses.retrieve(running).status == "in_progress"
+        assert api.responses.cancel(running).status == "cancelled"
+        assert api.responses.retrieve(waiting).status == "cancelled"
     assert_nothing_left(gw, workers)
 
 
@@ -276,17 +283,14 @@ def test_a_drain_marks_the_background_responses_it_cuts(gateway_with, server_loo
     stored `failed` with the drain's error, before the drain is over."""
     gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
     with sdk(gw.url) as api:
-        running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
-        _until_status(api, running.id, "in_progress")
-        waiting = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
-        wait_until(lambda: gw.state.slots.queue.waiting() == 1, "the second to wait")
+        running, waiting = _one_running_one_queued(gw, api)
         drain = asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.05), server_loop.loop)
         drain.result(HANG_GUARD)
         assert not gw.state.inflight.detached
-        cut = api.responses.retrieve(running.id)
+        cut = api.responses.retrieve(running)
         assert cut.status == "failed"
         assert cut.error.code == "gateway_shutdown"
-        refused = api.responses.retrieve(waiting.id)
+        refused = api.responses.retrieve(waiting)
         assert refused.status == "failed" and "shutting down" in refused.error.message
         with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
             refused = http.post(
