@@ -410,10 +410,13 @@ class ResponsesEncoder(Encoder):
         """The open item's closing events and the response's last event: an answer
         with neither text nor reasoning still has its (empty) message."""
         self._finish_reason = reason
-        opening = b""
-        if not self._message_id and self._thought is None and not self.output:
-            opening = self._open_message()
+        opening = self._open_message() if self._said_nothing() else b""
         return self._heading() + opening + self._finish(prompt_tokens, completion_tokens, True)
+
+    def _said_nothing(self) -> bool:
+        """Whether the answer has neither an item nor one open: it ends with an (empty)
+        message."""
+        return not self._message_id and self._thought is None and not self.output
 
     def response(
         self,
@@ -619,8 +622,7 @@ class LogprobsResponsesEncoder(ResponsesEncoder):
         """As the plain path ends: an answer without tools that said nothing still has
         its (empty) message."""
         opening = b""
-        said = self._message_id or self._thought is not None or self.output
-        if not said and not self.body.tools:
+        if self._said_nothing() and not self.body.tools:
             opening = self._open_message()
         return (opening if stream else b"") + super()._finish(
             prompt_tokens, completion_tokens, stream
