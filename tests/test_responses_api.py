@@ -564,16 +564,6 @@ def test_store_reads_take_the_sdks_include_brackets_as_include(api):
     assert refused.value.body["param"] == "include"
 
 
-def test_counting_input_tokens_is_refused_in_openai_shape(api, client):
-    """`POST /v1/responses/input_tokens` (the SDK's `input_tokens.count`) is not served:
-    a 404 saying so, not the retrieve route's bare 405."""
-    with pytest.raises(openai.NotFoundError) as refused:
-        api.responses.input_tokens.count(model=DEMO_MODEL, input="hi")
-    assert "input_tokens" in refused.value.body["message"]
-    answer = client.post("/v1/responses/input_tokens", json={"model": DEMO_MODEL, "input": "hi"})
-    assert answer.status_code == 404 and assert_openai_error(answer)["code"] == "not_found"
-
-
 def test_an_unknown_model_is_a_404_in_openai_shape(client):
     answer = client.post("/v1/responses", json={"model": "nope", "input": "hi"})
     assert answer.status_code == 404

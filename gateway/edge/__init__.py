@@ -10,6 +10,8 @@
     ops.py         /health, /ready, /metrics, /metrics/json, /admin/workers
     request.py     the frame of the routes that serve a request on the fleet: id and
                    metadata, refusals, telemetry, the span (generation, embeddings, infer)
+    counting.py    the routes that count a prompt's tokens (Anthropic's count_tokens,
+                   the Responses API's input_tokens) on that frame
     openai/        the OpenAI API: bodies, validation, encoders, the routes
     responses/     OpenAI's Responses API on the same request path, and its store
     kserve/        the KServe v2 API for tensor models

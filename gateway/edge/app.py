@@ -2,8 +2,8 @@
 and the probes) and the admin one (the probes, the metrics and the fleet's
 workers), each with the pure-ASGI checks in front of its routes and OpenAI-shaped
 errors for everything, from the parts the lifecycle built. The public one sends
-its hot routes (a POST to chat, completions, embeddings, Anthropic's messages)
-past Starlette, which serves the rest.
+its hot routes (a POST to chat, completions, embeddings, responses, Anthropic's
+messages, and the two counting routes) past Starlette, which serves the rest.
 
 Where the admin routes go: with `admin_port`, on the admin listener only; without
 it, on the public listener of an open gateway (the demo), and nowhere on a keyed
@@ -44,6 +44,8 @@ from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_comp
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
 from gateway.edge.responses.background import responses_routes
+from gateway.edge.responses.input_tokens import INPUT_TOKENS, InputTokensRoute
+from gateway.edge.responses.routes import RESPONSES
 from gateway.edge.usage import usage_routes
 from gateway.fleet import Fleet
 from gateway.teams import Teams
@@ -153,6 +155,8 @@ def create_app(
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))
     hot.update(responses_hot)
+    # an exact path, so it is matched before the store's `/v1/responses/{response_id}`
+    hot[INPUT_TOKENS] = InputTokensRoute(parts, responses_hot[RESPONSES])
     routes = [
         *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
         Route("/v1/models", list_models(admission, started_at), methods=["GET"]),

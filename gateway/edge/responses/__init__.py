@@ -10,4 +10,5 @@ background.py  background mode: the POST answers `queued`, the run goes on in a 
              of its own; POST /v1/responses/{id}/cancel; a background stream resumed;
              and the routes, wired on one store (`responses_routes`)
 replay.py    a streamed background response's events, kept (bounded) for resuming
+input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
 """

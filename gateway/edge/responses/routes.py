@@ -3,7 +3,8 @@ completions (`gateway.edge.openai.generation`) with this API's parser and encode
 it takes the same admission, slots, deadlines, cancellation, limits, metrics, access
 log and traces; `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
 `DELETE /v1/responses/{id}` read the store (store.py), the caller's team's only;
-`POST /v1/responses/input_tokens` is refused, a 404 in OpenAI's shape.
+`POST /v1/responses/input_tokens` counts the prompt of a body as this route reads it
+(input_tokens.py).
 
 What this route adds to the generation route: before admission, a continuation
 (`previous_response_id`) reads its conversation from the store, bounded in depth
@@ -315,18 +316,8 @@ def store_routes(
             }
         )
 
-    async def input_tokens(request: Request) -> Response:
-        # matched before `{response_id}`, whose GET and DELETE made this a bare 405
-        raise APIError(
-            404,
-            "Counting a response's input tokens (POST /v1/responses/input_tokens) "
-            "is not supported by this gateway.",
-            code="not_found",
-        )
-
     endpoint = Callable[[Request], Awaitable[Response]]
     handlers: list[tuple[str, endpoint, list[str]]] = [
-        (RESPONSES + "/input_tokens", input_tokens, ["POST"]),
         (RESPONSES + "/{response_id}", one, ["GET", "DELETE"]),
         (RESPONSES + "/{response_id}/input_items", input_items, ["GET"]),
     ]

@@ -1,0 +1,74 @@
+"""The routes that count a prompt's tokens without generating: Anthropic's
+`POST /v1/messages/count_tokens` and OpenAI's `POST /v1/responses/input_tokens`.
+They differ only in how a body becomes our request and how the count is answered;
+the rest is this one route (`CountingRoute`), so that both count the same way.
+
+Counted where the model's chat template and tokenizer are: by the gateway's own
+tokenizer for a `vllm-grpc` model, else by a worker (our workers' `CountTokens`
+RPC, an OpenAI-compatible server's `/tokenize`), through the fleet's unary call
+(`gateway.fleet.counting`). The request is admitted like any other (drain, team
+limits, a slot), bounded by `request_timeout`, cancelled when its client leaves,
+and leaves one record in the metrics and the access log. It uses no tokens: a
+count is not a prompt the engine took, so the ledger, the budgets, the team's
+token limits and the token counters see none (neither Anthropic nor OpenAI bills
+counting); the count is on the request's span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from gateway.edge.asgi import send_json
+from gateway.edge.openai.body import read_json
+from gateway.edge.openai.validation import model_of
+from gateway.edge.request import Exchange, RequestRoute, priority
+from gateway.fleet.counting import count_tokens
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.errors import Outcome
+from gateway.protocol.types import GenerateRequest
+from gateway.telemetry.tracing import annotate
+
+#: The CLIENT span's name for a worker call: the gRPC method it is.
+COUNT_TOKENS = "furnace.engine/CountTokens"
+
+
+class CountingRoute(RequestRoute[Exchange]):
+    """A counting route in the edge's request frame (request.py); an API's route
+    gives `request_of` (its body → our request) and `answer` (the count → its body)."""
+
+    exchange = Exchange
+
+    async def request_of(self, body: Any, ex: Exchange) -> GenerateRequest:
+        """The request whose prompt is counted, or a 4xx naming the parameter."""
+        raise NotImplementedError
+
+    def answer(self, tokens: int) -> dict[str, Any]:
+        """The answer's JSON body for `tokens`."""
+        raise NotImplementedError
+
+    async def serve(self, ex: Exchange) -> None:
+        """Reads and checks the body (the model first: an unknown one is a 404 whatever
+        else is wrong), admits it through admission's stages, has the prompt counted
+        and answers."""
+        ctx, record = ex.ctx, ex.record
+        admission = self.admission
+        meter = admission.before_body(ctx)  # the team's rate, and the bytes being read
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
+        pool = admission.visibility(ctx, model_of(body))
+        request = replace(await self.request_of(body, ex), model=pool.name)
+        ctx.request = request
+        ctx.priority = priority(ex)
+        ex.watch_client()  # from here: a client that leaves while queued leaves the queue
+        timeout = self.config.request_timeout
+        async with admission.admit(ctx):
+            with self.tracing.engine_call(pool.name, ex.metadata, COUNT_TOKENS) as (span, meta):
+                work = count_tokens(self.fleet, pool, request, Deadline(timeout), meta)
+                tokens, record.worker = await admission.unary(ctx, work, timeout, "The count")
+                annotate(span, {"furnace.worker": record.worker, "furnace.counted_tokens": tokens})
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        request_id = record.request_id.encode("latin-1")
+        answer = orjson.dumps(self.answer(tokens))
+        await send_json(ex.send, 200, answer, [(b"x-request-id", request_id)])

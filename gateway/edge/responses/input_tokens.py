@@ -1,0 +1,80 @@
+"""`POST /v1/responses/input_tokens` (the SDK's `responses.input_tokens.count`): the
+tokens the prompt of a Responses body would take, `{"object": "response.input_tokens",
+"input_tokens": N}`, so that a client can see whether a turn fits before it sends it.
+
+It is the edge's counting route (gateway/edge/counting.py: where it is counted, how it
+is admitted, what it bills), shared with Anthropic's count_tokens, and its prompt is
+the one `POST /v1/responses` would send: the body goes through that route's own
+`parse_body`, so the input items, `instructions`, tools, `tool_choice`, `text.format`,
+`reasoning`, `truncation` (only `disabled`) and a continuation's stored conversation
+(`previous_response_id`, the caller's team's, with its bounds) are read as there, and a
+count equals the answer's `usage.input_tokens`. Only the fields OpenAI defines for this
+route are taken: any other is a 400 naming it (a generation's `max_output_tokens` is no
+part of a count). `personality` (a model-owned style preset) means nothing to these
+models and is refused by name, as is `conversation` until the Conversations API is
+served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.edge.counting import CountingRoute
+from gateway.edge.errors import APIError, invalid
+from gateway.edge.request import Exchange, Parts
+from gateway.edge.responses.routes import RESPONSES, ResponsesRoute
+from gateway.protocol.types import GenerateRequest
+
+INPUT_TOKENS = RESPONSES + "/input_tokens"
+#: The body's fields OpenAI defines for this route.
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "reasoning",
+        "text",
+        "truncation",
+        "conversation",
+        "personality",
+    }
+)
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """A 400 naming the first field this route does not take, or takes but does not
+    serve (at any value but null, which asks nothing)."""
+    for name in body:
+        if name not in FIELDS:
+            shown = str(name)[:64]
+            raise APIError(
+                400, f"Unknown parameter: '{shown}'.", param=shown, code="unknown_parameter"
+            )
+    if body.get("personality") is not None:
+        raise invalid("personality", "'personality' is not supported by this gateway.")
+    if body.get("conversation") is not None:
+        raise invalid(
+            "conversation",
+            "'conversation' is not supported when counting input tokens: send the "
+            "conversation's items in 'input', or continue a stored response with "
+            "'previous_response_id'.",
+        )
+
+
+class InputTokensRoute(CountingRoute):
+    """`POST /v1/responses/input_tokens`, reading bodies as `responses` does."""
+
+    def __init__(self, parts: Parts, responses: ResponsesRoute) -> None:
+        super().__init__(parts)
+        self.responses = responses
+
+    async def request_of(self, body: Any, ex: Exchange) -> GenerateRequest:
+        check_fields(body)  # `CountingRoute.serve` checked that it is an object
+        return (await self.responses.parse_body(body, ex)).generate
+
+    def answer(self, tokens: int) -> dict[str, Any]:
+        return {"object": "response.input_tokens", "input_tokens": tokens}
