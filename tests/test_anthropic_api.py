@@ -337,6 +337,166 @@ def test_output_config_refusals_name_its_field(claude, output_config, named):
     assert named in raised.value.body["error"]["message"]
 
 
+# -- context editing (Claude Code's `context_management`) ----------------------------
+
+#: Two earlier turns that thought (the demo counts a thought's words in the prompt, as a
+#: template that renders them does), then the question.
+THOUGHT_TURNS = [
+    *say("first question"),
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "an early thought of five", "signature": "s"},
+            {"type": "text", "text": "one"},
+        ],
+    },
+    *say("second question"),
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "a later thought", "signature": "s"},
+            {"type": "text", "text": "two"},
+        ],
+    },
+    *say("third question"),
+]
+CONTEXT_BETA = ["context-management-2025-06-27"]
+
+
+def clear_thinking(keep: object = None) -> dict[str, Any]:
+    edit: dict[str, Any] = {"type": "clear_thinking_20251015"}
+    if keep is not None:
+        edit["keep"] = keep
+    return {"edits": [edit]}
+
+
+def test_claude_codes_clear_thinking_keep_all_asks_nothing(claude):
+    """Claude Code sends this with thinking on: it keeps every thought, so nothing is
+    cleared and the prompt is the one without it."""
+    asked = {"model": DEMO_MODEL, "max_tokens": 8, "messages": THOUGHT_TURNS}
+    plain = claude.messages.create(**asked, thinking={"type": "adaptive"})
+    edited = claude.beta.messages.create(
+        **asked,
+        thinking={"type": "adaptive"},
+        context_management=clear_thinking("all"),
+        betas=CONTEXT_BETA,
+    )
+    assert edited.context_management is not None
+    assert edited.context_management.applied_edits == []
+    assert edited.usage.input_tokens == plain.usage.input_tokens == 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clear_thinking_leaves_earlier_turns_thoughts_out(claude, stream):
+    """By default the last turn that thought keeps its thought: the first turn's five
+    words leave the prompt, and the answer says so, whole or in its message_delta."""
+    asked: dict[str, Any] = {
+        "model": DEMO_MODEL,
+        "max_tokens": 8,
+        "messages": THOUGHT_TURNS,
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": clear_thinking(),
+        "betas": CONTEXT_BETA,
+    }
+    if stream:
+        with claude.beta.messages.stream(**asked) as events:
+            deltas = [e for e in events if e.type == "message_delta"]
+        (delta,) = deltas
+        context, input_tokens = delta.context_management, delta.usage.input_tokens
+    else:
+        message = claude.beta.messages.create(**asked)
+        context, input_tokens = message.context_management, message.usage.input_tokens
+    assert input_tokens == 16 - 5
+    assert context is not None
+    (applied,) = context.applied_edits
+    assert applied.type == "clear_thinking_20251015"
+    assert (applied.cleared_thinking_turns, applied.cleared_input_tokens) == (1, 5)
+
+
+def test_clear_thinking_keeps_the_turns_it_is_told(claude):
+    asked: dict[str, Any] = {"model": DEMO_MODEL, "messages": THOUGHT_TURNS}
+    thinking = {"type": "adaptive"}
+    both = clear_thinking({"type": "thinking_turns", "value": 2})
+    kept = claude.beta.messages.create(
+        **asked, max_tokens=8, thinking=thinking, context_management=both, betas=CONTEXT_BETA
+    )
+    assert kept.context_management.applied_edits == []
+    assert kept.usage.input_tokens == 16
+    counted = claude.beta.messages.count_tokens(
+        **asked,
+        thinking=thinking,
+        context_management=clear_thinking({"type": "thinking_turns", "value": 1}),
+        betas=CONTEXT_BETA,
+    )
+    assert counted.input_tokens == 11
+    assert counted.context_management.original_input_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("context_management", "thinking", "named"),
+    [
+        ({"edits": [{"type": "clear_tool_uses_20250919"}]}, "adaptive", "edits[0].type"),
+        ({"edits": [{"type": "compact_20260112"}]}, "adaptive", "not supported"),
+        ({"edits": [{"type": "other"}]}, "adaptive", "edits[0].type"),
+        (clear_thinking(), "disabled", "requires `thinking` to be enabled or adaptive"),
+        (clear_thinking(), None, "requires `thinking`"),
+        (clear_thinking({"type": "thinking_turns", "value": 0}), "adaptive", "keep.value"),
+        (clear_thinking({"type": "tool_uses", "value": 1}), "adaptive", "edits[0].keep"),
+        ({"edits": [clear_thinking()["edits"][0]] * 2}, "adaptive", "edits[1]"),
+        ({"edits": "x"}, "adaptive", "context_management.edits"),
+        ({"edits": [], "other": 1}, "adaptive", "context_management.other"),
+        ("all", "adaptive", "context_management"),
+    ],
+)
+def test_context_management_refusals_name_the_field(claude, context_management, thinking, named):
+    body: dict[str, Any] = {
+        "model": DEMO_MODEL,
+        "max_tokens": 8,
+        "messages": THOUGHT_TURNS,
+        "context_management": context_management,
+    }
+    if thinking is not None:
+        body["thinking"] = {"type": thinking}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        sent = (
+            body if path == "/v1/messages" else {k: v for k, v in body.items() if k != "max_tokens"}
+        )
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.post(path, body=sent, cast_to=httpx.Response)
+        assert named in raised.value.body["error"]["message"], raised.value.body
+
+
+@pytest.mark.parametrize(
+    ("option", "served"),
+    [
+        ({"strict": True}, True),
+        ({"eager_input_streaming": True}, True),
+        ({"defer_loading": False}, True),
+        ({"allowed_callers": ["direct"]}, True),
+        ({"input_examples": []}, True),
+        ({"defer_loading": True}, False),
+        ({"allowed_callers": ["code_execution_20250825"]}, False),
+        ({"input_examples": [{"city": "Paris"}]}, False),
+        ({"strict": "yes"}, False),
+    ],
+)
+def test_a_tools_options_are_served_or_refused_by_name(claude, option, served):
+    """What Claude Code's tools carry: served where it asks nothing of us, else a 400
+    naming the option."""
+    asked = {
+        "model": DEMO_MODEL,
+        "max_tokens": 8,
+        "messages": say("weather in Paris"),
+        "tools": [{**WEATHER_TOOL, **option}],
+    }
+    if served:
+        assert claude.messages.create(**asked).stop_reason in ("end_turn", "tool_use")
+        return
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(**asked)
+    assert f"tools[0].{next(iter(option))}" in raised.value.body["error"]["message"]
+
+
 # -- count_tokens --------------------------------------------------------------------
 
 

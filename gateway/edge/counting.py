@@ -16,8 +16,9 @@ counting); the count is on the request's span.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import orjson
 
@@ -31,21 +32,36 @@ from gateway.protocol.errors import Outcome
 from gateway.protocol.types import GenerateRequest
 from gateway.telemetry.tracing import annotate
 
+if TYPE_CHECKING:
+    from gateway.fleet.pool import ModelPool
+
 #: The CLIENT span's name for a worker call: the gRPC method it is.
 COUNT_TOKENS = "furnace.engine/CountTokens"
 
 
-class CountingRoute(RequestRoute[Exchange]):
+#: What an API's counting route reads a body as (its request, and anything its answer needs).
+P = TypeVar("P")
+#: Counts another prompt for the same admitted request (`count_prompt`, bound).
+Recount = Callable[[GenerateRequest], Awaitable[int]]
+
+
+class CountingRoute(RequestRoute[Exchange], Generic[P]):
     """A counting route in the edge's request frame (request.py); an API's route
-    gives `request_of` (its body → our request) and `answer` (the count → its body)."""
+    gives `parse` (its body → what it read), `prompt` (that → the request whose prompt is
+    counted) and `answer` (the count → its body; `recount` counts another prompt, in the
+    same slot)."""
 
     exchange = Exchange
 
-    async def request_of(self, body: Any, ex: Exchange) -> GenerateRequest:
-        """The request whose prompt is counted, or a 4xx naming the parameter."""
+    async def parse(self, body: Any, ex: Exchange) -> P:
+        """The body as read, or a 4xx naming the parameter."""
         raise NotImplementedError
 
-    def answer(self, tokens: int) -> dict[str, Any]:
+    def prompt(self, parsed: P) -> GenerateRequest:
+        """The request whose prompt is counted."""
+        raise NotImplementedError
+
+    async def answer(self, parsed: P, tokens: int, recount: Recount) -> dict[str, Any]:
         """The answer's JSON body for `tokens`."""
         raise NotImplementedError
 
@@ -58,17 +74,32 @@ class CountingRoute(RequestRoute[Exchange]):
         meter = admission.before_body(ctx)  # the team's rate, and the bytes being read
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         pool = admission.visibility(ctx, model_of(body))
-        request = replace(await self.request_of(body, ex), model=pool.name)
+        parsed = await self.parse(body, ex)
+        request = replace(self.prompt(parsed), model=pool.name)
         ctx.request = request
         ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
-        timeout = self.config.request_timeout
         async with admission.admit(ctx):
-            with self.tracing.engine_call(pool.name, ex.metadata, COUNT_TOKENS) as (span, meta):
-                work = count_tokens(self.fleet, pool, request, Deadline(timeout), meta)
-                tokens, record.worker = await admission.unary(ctx, work, timeout, "The count")
-                annotate(span, {"furnace.worker": record.worker, "furnace.counted_tokens": tokens})
+            tokens = await count_prompt(self, ex, pool, request)
+
+            async def recount(other: GenerateRequest) -> int:
+                return await count_prompt(self, ex, pool, replace(other, model=pool.name))
+
+            answer = orjson.dumps(await self.answer(parsed, tokens, recount))
         record.status, record.outcome = 200, Outcome.COMPLETED
         request_id = record.request_id.encode("latin-1")
-        answer = orjson.dumps(self.answer(tokens))
         await send_json(ex.send, 200, answer, [(b"x-request-id", request_id)])
+
+
+async def count_prompt(
+    route: RequestRoute[Exchange], ex: Exchange, pool: ModelPool, request: GenerateRequest
+) -> int:
+    """The tokens of `request`'s prompt, counted on `pool` for the admitted request of
+    `ex` (in its slot, within `request_timeout`, on a span of its own): a counting
+    route's answer, or a generation route's figure (Anthropic's context editing)."""
+    timeout = route.config.request_timeout
+    with route.tracing.engine_call(pool.name, ex.metadata, COUNT_TOKENS) as (span, meta):
+        work = count_tokens(route.fleet, pool, request, Deadline(timeout), meta)
+        tokens, ex.record.worker = await route.admission.unary(ex.ctx, work, timeout, "The count")
+        annotate(span, {"furnace.worker": ex.record.worker, "furnace.counted_tokens": tokens})
+    return tokens

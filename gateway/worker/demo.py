@@ -216,9 +216,12 @@ class DemoEngine(Engine):
 
     @staticmethod
     def _prompt(request: GenerateRequest) -> tuple[int, str]:
-        """The prompt's tokens (its words) and its last message's text."""
+        """The prompt's tokens (its words, an assistant message's reasoning included, as
+        the templates that render it count them) and its last message's text."""
         if request.messages is not None:
-            prompt_tokens = sum(len(m.content.split()) for m in request.messages)
+            prompt_tokens = sum(
+                len(m.content.split()) + len(m.reasoning.split()) for m in request.messages
+            )
             return prompt_tokens, request.messages[-1].content if request.messages else ""
         last = request.prompt or ""
         return len(last.split()), last

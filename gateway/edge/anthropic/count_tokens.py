@@ -6,19 +6,33 @@ bills) with the Messages API's body and answer.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from gateway.edge.anthropic.validation import parse_count
-from gateway.edge.counting import CountingRoute
+from gateway.edge.anthropic.validation import ContextEdits, parse_count
+from gateway.edge.counting import CountingRoute, Recount
 from gateway.edge.request import Exchange
 from gateway.protocol.types import GenerateRequest
 
+#: A body as read: its prompt, and what its `context_management` did (None: not asked).
+Counted = tuple[GenerateRequest, ContextEdits | None]
 
-class CountTokensRoute(CountingRoute):
-    """`POST /v1/messages/count_tokens`."""
 
-    async def request_of(self, body: Any, ex: Exchange) -> GenerateRequest:
+class CountTokensRoute(CountingRoute[Counted]):
+    """`POST /v1/messages/count_tokens`; with `context_management`, the count is of the
+    prompt edited, and `original_input_tokens` of the prompt as it came (as Anthropic's)."""
+
+    async def parse(self, body: Any, ex: Exchange) -> Counted:
         return parse_count(body, ex.record.request_id)
 
-    def answer(self, tokens: int) -> dict[str, Any]:
-        return {"input_tokens": tokens}
+    def prompt(self, parsed: Counted) -> GenerateRequest:
+        return parsed[0]
+
+    async def answer(self, parsed: Counted, tokens: int, recount: Recount) -> dict[str, Any]:
+        request, edits = parsed
+        if edits is None:
+            return {"input_tokens": tokens}
+        original = tokens
+        if edits.unedited is not None:
+            original = await recount(replace(request, messages=edits.unedited))
+        return {"input_tokens": tokens, "context_management": {"original_input_tokens": original}}

@@ -26,6 +26,7 @@ import jiter
 import orjson
 
 from gateway.edge.anthropic.errors import error_payload
+from gateway.edge.anthropic.validation import CLEAR_THINKING, ContextEdits
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import Encoder
 from gateway.protocol.types import (
@@ -103,6 +104,24 @@ class MessagesEncoder(Encoder):
         # ["tool_use", id, name, arguments pieces...]
         self._blocks: list[list[str]] = []
         self._calls: dict[int, list[str]] = {}
+        # `context_management`: what it did (None: not asked), and the tokens of the
+        # prompt it would have made unedited (when it cleared any thinking)
+        self.edits: ContextEdits | None = None
+        self.unedited_tokens = 0
+
+    def _context_management(self, prompt_tokens: int) -> dict[str, Any]:
+        """The answer's `context_management`: the edits that cleared something."""
+        edits = self.edits
+        assert edits is not None
+        applied = []
+        if edits.cleared_turns:
+            cleared = {
+                "type": CLEAR_THINKING,
+                "cleared_thinking_turns": edits.cleared_turns,
+                "cleared_input_tokens": max(0, self.unedited_tokens - prompt_tokens),
+            }
+            applied.append(cleared)
+        return {"applied_edits": applied}
 
     def _message(self, usage: dict[str, int]) -> dict[str, Any]:
         return {
@@ -200,6 +219,8 @@ class MessagesEncoder(Encoder):
             "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self.stop_sequence},
             "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
         }
+        if self.edits is not None:
+            delta["context_management"] = self._context_management(prompt_tokens)
         return self._close_block() + event("message_delta", delta) + _MESSAGE_STOP
 
     def failure(self, error: APIError) -> bytes:
@@ -256,4 +277,6 @@ class MessagesEncoder(Encoder):
         body["content"] = content
         body["stop_reason"] = self._stop_reason()
         body["stop_sequence"] = self.stop_sequence
+        if self.edits is not None:
+            body["context_management"] = self._context_management(prompt_tokens)
         return orjson.dumps(body)

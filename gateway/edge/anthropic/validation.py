@@ -11,14 +11,18 @@ Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `stream`, `thinking` (as vLLM's own Messages server reads it: `enabled` with
 `budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, vLLM's effort
 "none" where the workers take one; it and `display: "omitted"` leave a reasoning model's
-thinking out of the answer), `output_config`
-(`format`, a JSON schema the answer follows: chat's `response_format`; `effort`,
-vLLM's `reasoning_effort`, as vLLM's own Messages server reads both) and
-`service_tier` `auto` or `standard_only` (what asks nothing). `cache_control` (on the body,
-a block or a tool) is accepted: it is a hint about prompt caching, which the
-engines do by themselves for every prefix. The SDK's newest version no longer
-names `temperature`, `top_p` and `top_k`; older clients (and `extra_body`) send
-them, so they are served.
+thinking out of the answer), `output_config` (`format`, a JSON schema the answer
+follows: chat's `response_format`; `effort`, vLLM's `reasoning_effort`, as vLLM's own
+Messages server reads both), `service_tier` `auto` or `standard_only` (what asks
+nothing), and `context_management` (Anthropic's context editing, which Claude Code
+sends with thinking on: `clear_thinking_20251015` leaves the thinking of earlier turns
+out of the prompt; the edits that clear by the prompt's token count are refused). A
+tool's `strict` is chat's strict function; its options that ask nothing of us are
+accepted (`eager_input_streaming`, `defer_loading` false, `allowed_callers`
+`["direct"]`). `cache_control` (on the body, a block or a tool) is accepted: it is a
+hint about prompt caching, which the engines do by themselves for every prefix. The
+SDK's newest version no longer names `temperature`, `top_p` and `top_k`; older clients
+(and `extra_body`) send them, so they are served.
 
 As Anthropic's API does, a message with empty content (but a final assistant one)
 and an empty text block are refused.
@@ -34,6 +38,7 @@ value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -85,6 +90,7 @@ MESSAGE_FIELDS = frozenset(
         "thinking",
         "output_config",
         "service_tier",
+        "context_management",
     }
 )
 #: ... and of a count_tokens body (what shapes the prompt).
@@ -98,6 +104,7 @@ COUNT_FIELDS = frozenset(
         "cache_control",
         "thinking",
         "output_config",
+        "context_management",
     }
 )
 #: `service_tier` values that ask nothing of a self-hosted model.
@@ -324,6 +331,45 @@ def _pair(calls: list[str], parsed: list[Message], where: str) -> None:
         )
 
 
+#: A custom tool's fields: its definition, `strict` (its input follows the schema), and
+#: the options checked by `_tool_options`.
+_TOOL_FIELDS = _HINTS | {
+    "name",
+    "description",
+    "input_schema",
+    "strict",
+    "eager_input_streaming",
+    "defer_loading",
+    "allowed_callers",
+    "input_examples",
+}
+
+
+def _tool_options(tool: Mapping[str, Any], where: str) -> None:
+    """A tool's options, served where they ask nothing of us: `eager_input_streaming`
+    (its input is streamed as the engine makes it, either way), `defer_loading` false,
+    `allowed_callers` the model alone; else a 400 naming the field (tool search,
+    programmatic calls and input examples are Anthropic's own)."""
+    _flag(tool, "eager_input_streaming", where + ".")
+    if _flag(tool, "defer_loading", where + "."):
+        raise invalid(
+            f"{where}.defer_loading",
+            f"{where}.defer_loading: deferred tools (Anthropic's tool search) are not "
+            "supported by this gateway.",
+        )
+    callers = tool.get("allowed_callers")
+    if callers is not None and callers != ["direct"]:
+        raise invalid(
+            f"{where}.allowed_callers",
+            f"{where}.allowed_callers: only ['direct'] (the model calls the tool) is served.",
+        )
+    if tool.get("input_examples") not in (None, []):
+        raise invalid(
+            f"{where}.input_examples",
+            f"{where}.input_examples: tool input examples are not supported by this gateway.",
+        )
+
+
 def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
     """The custom tools; their schemas count in `schemas` (OpenAI's bounds, over the
     request's schemas together)."""
@@ -341,7 +387,8 @@ def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
             raise invalid(
                 f"{where}.type", "Only custom tools (name, description, input_schema) are served."
             )
-        _refuse_unknown(tool, _HINTS | {"name", "description", "input_schema"}, where + ".")
+        _refuse_unknown(tool, _TOOL_FIELDS, where + ".")
+        _tool_options(tool, where)
         name = tool.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
@@ -350,7 +397,8 @@ def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
             raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
         schemas.check(schema, f"{where}.input_schema")
         description = _string(tool, "description", where + ".") or ""
-        parsed.append(Tool(name, description, orjson.dumps(schema).decode()))
+        strict = _flag(tool, "strict", where + ".")
+        parsed.append(Tool(name, description, orjson.dumps(schema).decode(), strict))
     if len({tool.name for tool in parsed}) != len(parsed):
         raise invalid("tools", "Invalid 'tools': tool names must be unique.")
     return tuple(parsed)
@@ -484,6 +532,100 @@ def _output_config(
     return ResponseFormat("json_schema", text, "json_schema", strict=True), effort
 
 
+#: `context_management`'s edit served: the thinking of earlier assistant turns left out
+#: of the prompt (Anthropic's default keeps the last turn's).
+CLEAR_THINKING = "clear_thinking_20251015"
+#: Anthropic's other edits, refused by name: each clears by the prompt's token count,
+#: which only the engine knows, after the prompt is sent.
+_UNSERVED_EDITS = ("clear_tool_uses_20250919", "compact_20260112")
+#: The most edits a request may list (Anthropic's are one of each type).
+MAX_EDITS = len(_UNSERVED_EDITS) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class ContextEdits:
+    """What a request's `context_management` did: the assistant turns whose thinking it
+    left out (`cleared_turns`), and when any, the messages as they came (`unedited`), whose
+    tokens the answer's `cleared_input_tokens` compares with the prompt's."""
+
+    cleared_turns: int = 0
+    unedited: tuple[Message, ...] | None = None
+
+
+def _keep(edit: Mapping[str, Any], where: str) -> int | None:
+    """How many of the last assistant turns with thinking keep it (None: all)."""
+    keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+    if keep == "all":
+        return None
+    value = keep.get("value") if isinstance(keep, Mapping) else None
+    if not isinstance(keep, Mapping) or keep.get("type") != "thinking_turns":
+        raise invalid(where, f"{where}: 'all' or {{type: 'thinking_turns', value}}.")
+    _refuse_unknown(keep, frozenset({"type", "value"}), where + ".")
+    if not _is_int(value) or not 1 <= value <= UINT32_MAX:
+        raise invalid(f"{where}.value", f"{where}.value: an integer of at least 1.")
+    return value
+
+
+def _context_management(
+    body: Mapping[str, Any], messages: tuple[Message, ...]
+) -> tuple[tuple[Message, ...], ContextEdits | None]:
+    """`context_management` (Anthropic's beta context editing) applied to `messages`:
+    `clear_thinking_20251015` leaves out the thinking of all but the last `keep`
+    assistant turns that have some; the other edits are refused by name."""
+    config = body.get("context_management")
+    if config is None:
+        return messages, None
+    if not isinstance(config, Mapping):
+        raise invalid("context_management", "context_management: expected an object.")
+    _refuse_unknown(config, frozenset({"edits"}), "context_management.")
+    edits = config.get("edits") or []
+    if not isinstance(edits, list) or len(edits) > MAX_EDITS:
+        raise invalid(
+            "context_management.edits",
+            f"context_management.edits: a list of at most {MAX_EDITS} edits.",
+        )
+    if not edits:
+        return messages, ContextEdits()
+    keep: int | None = None
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, Mapping) else None
+        if kind in _UNSERVED_EDITS:
+            raise invalid(
+                f"{where}.type",
+                f"{where}.type: '{kind}' is not supported by this gateway (it clears by the "
+                f"prompt's tokens, which the engine counts); '{CLEAR_THINKING}' is.",
+            )
+        if not isinstance(edit, Mapping) or kind != CLEAR_THINKING:
+            raise invalid(f"{where}.type", f"{where}.type: '{CLEAR_THINKING}'.")
+        if i > 0:
+            raise invalid(f"{where}.type", f"{where}: '{CLEAR_THINKING}' may be given once.")
+        _refuse_unknown(edit, frozenset({"type", "keep"}), where + ".")
+        thinking = body.get("thinking")
+        if not isinstance(thinking, Mapping) or thinking.get("type") == "disabled":
+            raise invalid(
+                "thinking",
+                f"`{CLEAR_THINKING}` strategy requires `thinking` to be enabled or adaptive",
+            )
+        keep = _keep(edit, where + ".keep")
+        if keep is None:
+            return messages, ContextEdits()
+    edited = list(messages)
+    kept = cleared = 0
+    for i in range(len(edited) - 1, -1, -1):
+        message = edited[i]
+        if message.role != "assistant" or not message.reasoning:
+            continue
+        if keep is not None and kept < keep:
+            kept += 1
+            continue
+        edited[i] = replace(message, reasoning="")
+        cleared += 1
+    if not cleared:
+        return messages, ContextEdits()
+    return tuple(edited), ContextEdits(cleared, messages)
+
+
 def _asks_nothing(body: Mapping[str, Any]) -> None:
     """`service_tier` is served at the values that ask nothing of a self-hosted model
     (no priority capacity); else a 400."""
@@ -492,8 +634,11 @@ def _asks_nothing(body: Mapping[str, Any]) -> None:
         raise invalid("service_tier", "Invalid 'service_tier': 'auto' or 'standard_only'.")
 
 
-def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | None, dict[str, Any]]:
-    """The model, and the GenerateRequest fields that shape the prompt."""
+def _prompt(
+    body: Any, request_id: str, known: frozenset[str]
+) -> tuple[str | None, dict[str, Any], ContextEdits | None]:
+    """The model, the GenerateRequest fields that shape the prompt, and what its
+    `context_management` did to its messages (None: it asked for no editing)."""
     model = model_of(body)
     if not model:
         raise invalid("model", "Field required: 'model'.")
@@ -506,8 +651,9 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
     tools = _tools(body, schemas)
     choice, parallel = _tool_choice(body, tools)
     answer, effort = _output_config(body, schemas)  # the effort shapes a template's prompt
+    messages, edits = _context_management(body, _messages(body))
     fields = {
-        "messages": _messages(body),
+        "messages": messages,
         "tools": tools,
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
@@ -518,12 +664,12 @@ def _prompt(body: Any, request_id: str, known: frozenset[str]) -> tuple[str | No
         ),
         "request_id": request_id,
     }
-    return model, fields
+    return model, fields, edits
 
 
 def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/messages body, checked (for the request `request_id`)."""
-    model, fields = _prompt(body, request_id, MESSAGE_FIELDS)
+    model, fields, edits = _prompt(body, request_id, MESSAGE_FIELDS)
     last = len(body["messages"]) - 1
     if body["messages"][last].get("role") == "assistant":
         # Anthropic continues a final assistant message; the engines here start a new
@@ -558,10 +704,24 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         user=_user(body),
         **fields,
     )
-    return ParsedRequest(model, request, _flag(body, "stream"), False, show_reasoning=shown)
+    stream = _flag(body, "stream")
+    if edits is None:
+        return ParsedRequest(model, request, stream, False, show_reasoning=shown)
+    return MessagesRequest(model, request, stream, False, show_reasoning=shown, edits=edits)
 
 
-def parse_count(body: Any, request_id: str = "") -> GenerateRequest:
-    """A /v1/messages/count_tokens body: the prompt it would make."""
-    model, fields = _prompt(body, request_id, COUNT_FIELDS)
-    return GenerateRequest(model or "", **fields)
+@dataclass(frozen=True, slots=True)
+class MessagesRequest(ParsedRequest):
+    """A Messages request that asked for context editing, and what the editing did (its
+    answer reports it, with `unedited_tokens`: the tokens of the prompt unedited, counted
+    when it cleared any thinking)."""
+
+    edits: ContextEdits = ContextEdits()
+    unedited_tokens: int = 0
+
+
+def parse_count(body: Any, request_id: str = "") -> tuple[GenerateRequest, ContextEdits | None]:
+    """A /v1/messages/count_tokens body: the prompt it would make, and what its
+    `context_management` did to it (None: not asked)."""
+    model, fields, edits = _prompt(body, request_id, COUNT_FIELDS)
+    return GenerateRequest(model or "", **fields), edits

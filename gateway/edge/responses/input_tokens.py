@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.edge.counting import CountingRoute
+from gateway.edge.counting import CountingRoute, Recount
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.request import Exchange, Parts
 from gateway.edge.responses.routes import RESPONSES, ResponsesRoute
@@ -65,16 +65,21 @@ def check_fields(body: dict[str, Any]) -> None:
         )
 
 
-class InputTokensRoute(CountingRoute):
+class InputTokensRoute(CountingRoute[GenerateRequest]):
     """`POST /v1/responses/input_tokens`, reading bodies as `responses` does."""
 
     def __init__(self, parts: Parts, responses: ResponsesRoute) -> None:
         super().__init__(parts)
         self.responses = responses
 
-    async def request_of(self, body: Any, ex: Exchange) -> GenerateRequest:
+    async def parse(self, body: Any, ex: Exchange) -> GenerateRequest:
         check_fields(body)  # `CountingRoute.serve` checked that it is an object
         return (await self.responses.parse_body(body, ex)).generate
 
-    def answer(self, tokens: int) -> dict[str, Any]:
+    def prompt(self, parsed: GenerateRequest) -> GenerateRequest:
+        return parsed
+
+    async def answer(
+        self, parsed: GenerateRequest, tokens: int, recount: Recount
+    ) -> dict[str, Any]:
         return {"object": "response.input_tokens", "input_tokens": tokens}
