@@ -731,8 +731,8 @@ class Config:
     )
     responses_ttl: float = setting(
         2_592_000,  # 30 days, as OpenAI keeps them
-        "seconds a stored response (/v1/responses, `store`) is kept, in Redis with "
-        "`redis_url`, else in the gateway's memory",
+        "seconds a stored response (/v1/responses, `store`) is kept, and a conversation "
+        "after its last change, in Redis with `redis_url`, else in the gateway's memory",
         minimum=1,
     )
     responses_per_team: int = setting(
@@ -741,6 +741,18 @@ class Config:
     responses_max_depth: int = setting(
         256,
         "most turns of a conversation continued by `previous_response_id`; deeper gets 400",
+        minimum=1,
+    )
+    conversations_per_team: int = setting(
+        10_000,
+        "most conversations (/v1/conversations, the Responses API's `conversation`) per "
+        "team; past it the least recently changed are dropped",
+        minimum=1,
+    )
+    conversations_max_items: int = setting(
+        1_000,
+        "most items of one conversation; adding past it gets 400 (a turn's answer is "
+        "added whole after an input that fit)",
         minimum=1,
     )
     responses_max_background: int = setting(

@@ -475,7 +475,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"reasoning": {"summary": "brief"}}, "reasoning.summary"),
         # the demo's workers take no reasoning effort (OpenAI-compatible servers do)
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": 7}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"service_tier": "flex"}, "service_tier"),

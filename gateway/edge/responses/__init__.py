@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`/v1/responses`).
+"""OpenAI's Responses API (`/v1/responses`), and its Conversations API (`/v1/conversations`).
 
 params.py    a body → its checked options and input items, then our GenerateRequest
              (or a 400 naming the parameter)
@@ -11,4 +11,8 @@ background.py  background mode: the POST answers `queued`, the run goes on in a 
              and the routes, wired on one store (`responses_routes`)
 replay.py    a streamed background response's events, kept (bounded) for resuming
 input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
+conversation_store.py  conversations and their items per team: Redis with `redis_url`,
+             else bounded memory; appends in one step; `conversation_history`
+conversations.py  /v1/conversations: create, retrieve, update, delete, and the items'
+             list, add, retrieve, delete (a Responses turn's `conversation`: routes.py)
 """

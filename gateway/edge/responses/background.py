@@ -65,6 +65,8 @@ from gateway.edge.openai.generation import served
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, client_gone
+from gateway.edge.responses.conversation_store import ConversationStore, open_conversations
+from gateway.edge.responses.conversations import conversation_routes
 from gateway.edge.responses.encoding import ResponsesEncoder, event
 from gateway.edge.responses.replay import KEPT_AFTER, LOG_BYTES, EndedLogs, EventLog
 from gateway.edge.responses.routes import (
@@ -310,8 +312,14 @@ async def _nowhere(message: Message) -> None:
 class BackgroundRoute(ResponsesRoute):
     """`POST /v1/responses`, with background mode."""
 
-    def __init__(self, parts: Parts, limits: InputLimits, store: ResponseStore) -> None:
-        super().__init__(parts, limits, store)
+    def __init__(
+        self,
+        parts: Parts,
+        limits: InputLimits,
+        store: ResponseStore,
+        conversations: ConversationStore,
+    ) -> None:
+        super().__init__(parts, limits, store, conversations)
         config = parts.config
         self.runs = BackgroundRuns(
             store,
@@ -493,21 +501,22 @@ class BackgroundRoute(ResponsesRoute):
                 failure.message,
             )
 
-    async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
+    async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> bool:
         """A background response's answer replaces it only while it is unfinished: a
-        cancel that came first stays."""
+        cancel that came first stays (and the answer is not added to its conversation)."""
         if not is_background(request):
-            await super()._store(request, final, worker)
-            return
+            return await super()._store(request, final, worker)
         try:
             was = await self.store.put_if(
                 request.team, self._stored(request, final, worker, 0.0), UNFINISHED
             )
         except errors.Unavailable as error:
             log.warning("response %s not stored: %s", request.response_id, error.message)
-            return
+            return True
         if was not in UNFINISHED:
             log.info("response %s ended %s: its answer is not kept", request.response_id, was)
+            return False
+        return True
 
 
 def resume_endpoint(route: BackgroundRoute) -> Callable[[Request], Awaitable[Response]]:
@@ -613,10 +622,15 @@ def _check_unfinished(status: str) -> None:
 
 
 def responses_routes(parts: Parts, limits: InputLimits) -> tuple[dict[str, Any], list[Route]]:
-    """The hot route (path → route) and the store's routes, on one store: Redis's when
-    the teams have one, else this process's memory."""
-    config = parts.config
-    store = open_store(parts.teams.limiter.redis, config.responses_ttl, config.responses_per_team)
-    route = BackgroundRoute(parts, limits, store)
+    """The hot route (path → route), the store's routes and the conversations' routes
+    (conversations.py), on one store and one of conversations: Redis's when the teams
+    have one, else this process's memory."""
+    config, redis = parts.config, parts.teams.limiter.redis
+    store = open_store(redis, config.responses_ttl, config.responses_per_team)
+    conversations = open_conversations(
+        redis, config.responses_ttl, config.conversations_per_team, config.conversations_max_items
+    )
+    route = BackgroundRoute(parts, limits, store, conversations)
     routes = store_routes(store, config.retry_after, resume_endpoint(route), route.runs.deleted)
-    return {RESPONSES: route}, [*routes, cancel_route(route)]
+    more = conversation_routes(conversations, config.retry_after, config.max_body_bytes)
+    return {RESPONSES: route}, [*routes, cancel_route(route), *more]

@@ -12,7 +12,8 @@ text and image parts, `function_call`, `function_call_output`), `instructions`,
 function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
 (`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`,
 `top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
-`previous_response_id`, `prompt_cache_key` (the conversation's key for
+`previous_response_id`, `conversation` (conversations.py: its items before this
+turn's, and the turn appended to it), `prompt_cache_key` (the conversation's key for
 session affinity), `reasoning` (`effort`, and `summary`: the whole reasoning as its one
 part, as these models do not summarize), `top_logprobs`, and `include`'s
 `reasoning.encrypted_content` (the reasoning as an opaque string of ours, which a
@@ -82,7 +83,6 @@ ROLES = frozenset({"user", "assistant", "system", "developer"})
 #: that asks nothing of it (None: any value but null is refused).
 UNSERVED: dict[str, Any] = {
     "background": False,
-    "conversation": None,
     "prompt": None,
     "max_tool_calls": None,
     "safety_identifier": None,
@@ -138,6 +138,8 @@ class ResponsesBody:
     #: With `include: ["message.output_text.logprobs"]`, the alternatives per token
     #: (`top_logprobs`, 0 by default); None: no logprobs.
     logprobs: int | None = None
+    #: `conversation`'s id (None: none): the conversation this turn reads and extends.
+    conversation: str | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -365,12 +367,18 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
         return (_message({"role": "user", "content": value}, "input", [0]),)
     if not isinstance(value, list) or not value:
         raise invalid("input", "'input' is required: a string or a non-empty list of items.")
+    return input_items(value, "input")
+
+
+def input_items(value: list[Any], name: str) -> tuple[Item, ...]:
+    """A list of input items (`name`'s, as a 400 names them) in the stored form: a
+    request's `input`, or the items added to a conversation (conversations.py)."""
     images = [0]
     budget = [MAX_OPAQUE_BYTES]  # the reasoning that `encrypted_content` may hold
     items = []
     seen: set[str] = set()
     for i, item in enumerate(value):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         if not isinstance(item, Mapping):
             raise invalid(where, "Invalid type: expected an object.")
         kind = item.get("type", "message")
@@ -390,7 +398,7 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
                 "'function_call', 'function_call_output' and 'reasoning'.",
             )
         if items[-1]["id"] in seen:  # the store's pages are read `after` an id
-            raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in 'input'.")
+            raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in '{name}'.")
         seen.add(items[-1]["id"])
     return tuple(items)
 
@@ -623,6 +631,19 @@ def _obfuscate(body: Mapping[str, Any], stream: bool) -> bool:
     return _flag(options, "include_obfuscation", "stream_options.") and stream
 
 
+def conversation_id(value: Any) -> str:
+    """A `conversation` parameter's id: the id, or `{"id": ...}`, as OpenAI takes it;
+    else a 400 naming `conversation`."""
+    if isinstance(value, Mapping):
+        value = value.get("id")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise invalid(
+            "conversation",
+            "Invalid 'conversation': a conversation's id (1 to 128 characters), or {\"id\": ...}.",
+        )
+    return value
+
+
 def _id(body: Mapping[str, Any], name: str, limit: int = MAX_ID_CHARS) -> str | None:
     value = _string(body, name)
     if value is not None and not 0 < len(value) <= limit:
@@ -653,6 +674,15 @@ def parse(body: Any) -> ResponsesBody:
         raise invalid("store", "Invalid type for 'store': expected a boolean.")
     user = _user(body)
     previous = _id(body, "previous_response_id")
+    conversation = None
+    if body.get("conversation") is not None:
+        if previous is not None:  # OpenAI's refusal of the two together
+            raise invalid(
+                "conversation",
+                "Mutually exclusive parameters: Ensure you are only providing one of: "
+                "'previous_response_id' or 'conversation'.",
+            )
+        conversation = conversation_id(body["conversation"])
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
     effort, summary = _reasoning(body)
     include = _include(body)
@@ -677,6 +707,8 @@ def parse(body: Any) -> ResponsesBody:
         "service_tier": "default",
         "top_logprobs": top_logprobs or 0,
     }
+    if conversation is not None:
+        echo["conversation"] = {"id": conversation}
     return ResponsesBody(
         model=model,
         items=items,
@@ -697,6 +729,7 @@ def parse(body: Any) -> ResponsesBody:
         summary=summary,
         encrypted=ENCRYPTED in include,
         logprobs=(top_logprobs or 0) if LOGPROBS in include else None,
+        conversation=conversation,
     )
 
 

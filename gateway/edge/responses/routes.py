@@ -11,9 +11,13 @@ What this route adds to the generation route: before admission, a continuation
 (`responses_max_depth`, a 400 naming `previous_response_id`) and in items
 (`max_messages`, a 400 naming `input`); it carries the conversation's session key (the
 first turn's id, or the client's `prompt_cache_key`) so that the fleet's session
-affinity keeps a conversation on the worker that holds its prefix. After the answer,
-a stored response (`store`, true by default) is written before the answer's last
-bytes go out, so a client that has the answer can continue from it on any replica.
+affinity keeps a conversation on the worker that holds its prefix. A turn of a
+conversation (`conversation`: conversation_store.py) reads its items in the same place,
+bounded by `conversations_max_items` (a 400 naming `conversation`), its id the session
+key. After the answer, a stored response (`store`, true by default) is written, and a
+conversation's turn (its input, then its output) appended to it (`store` or not, as
+OpenAI does), before the answer's last bytes go out, so a client that has the answer
+can continue from it on any replica.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, session
+from gateway.edge.responses.conversation_store import (
+    ConversationStore,
+    Full,
+    conversation_history,
+    kept_item,
+)
 from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
 from gateway.edge.responses.params import (
     LOGPROBS,
@@ -63,6 +73,8 @@ CHAT_PARAMS = {
 #: `GET .../input_items`: OpenAI's page size bounds and default.
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
+#: A response's statuses whose turn is added to its conversation.
+KEPT = ("completed", "incomplete")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +91,7 @@ class ResponsesRequest(ParsedRequest):
     session: str = ""
 
 
-def _team_name(team: Team | None) -> str:
+def team_name(team: Team | None) -> str:
     return "" if team is None else team.name
 
 
@@ -89,16 +101,19 @@ def _request(
     team: str,
     previous: Stored | None,
     header: str = "",
+    conversation: list[Item] | None = None,
 ) -> ResponsesRequest:
-    """The request of a checked body: the conversation's session key is the client's
-    `prompt_cache_key`, else the one the conversation began with, else (a first turn)
-    its `x-session-id` header or the new response's own id."""
+    """The request of a checked body after `previous` or the items of its
+    `conversation`: the conversation's session key is the client's `prompt_cache_key`,
+    else the one the conversation began with, else its `x-session-id` header, its
+    conversation's id or the new response's own id."""
     response_id = new_id("resp")
-    history = [] if previous is None else previous.conversation()
     if previous is not None:
+        history = previous.conversation()
         session = body.session or previous.session
     else:
-        session = body.session or header or response_id
+        history = conversation or []
+        session = body.session or header or body.conversation or response_id
     return ResponsesRequest(
         body.model,
         generate_request(body, history, request_id, session),
@@ -131,16 +146,24 @@ def not_found(response_id: str) -> APIError:
 class ResponsesRoute(GenerationRoute):
     """`POST /v1/responses`."""
 
-    def __init__(self, parts: Parts, limits: InputLimits, store: ResponseStore) -> None:
+    def __init__(
+        self,
+        parts: Parts,
+        limits: InputLimits,
+        store: ResponseStore,
+        conversations: ConversationStore,
+    ) -> None:
         super().__init__(_parse_alone, ResponsesEncoder, parts, limits, CHAT_PARAMS)
         self.store = store
+        #: The conversations a turn may name (`conversation_history` reads one).
+        self.conversations = conversations
         self.max_depth = parts.config.responses_max_depth
         self.max_items = parts.config.max_messages
 
     async def parse_body(self, body: Any, ex: Exchange) -> ParsedRequest:
         """The body, and with `previous_response_id` the conversation it continues."""
         parsed = parse(body)
-        team = _team_name(team_of(ex.scope))
+        team = team_name(team_of(ex.scope))
         previous = None
         if parsed.previous_response_id is not None:
             previous = await self.store.get(team, parsed.previous_response_id)
@@ -157,8 +180,18 @@ class ResponsesRoute(GenerationRoute):
                     f"The conversation is {previous.depth} turns deep; at most "
                     f"{self.max_depth} are served.",
                 )
+        conversation = None
+        if parsed.conversation is not None:
+            conversation = await conversation_history(self.conversations, team, parsed.conversation)
+            bound = self.conversations.max_items
+            if len(conversation) + len(parsed.items) > bound:
+                raise invalid(
+                    "conversation",
+                    f"Invalid 'conversation': it holds {len(conversation)} items; with this "
+                    f"input it would hold more than {bound}.",
+                )
         header = session(ex)
-        request = _request(parsed, ex.record.request_id, team, previous, header)
+        request = _request(parsed, ex.record.request_id, team, previous, header, conversation)
         if len(request.history) + len(parsed.items) > self.max_items:
             raise invalid(
                 "input",
@@ -189,25 +222,48 @@ class ResponsesRoute(GenerationRoute):
         gone: asyncio.Future[None],
         write_now: Any = None,
     ) -> None:
-        """The generation route's relay, with the response stored before the answer's
-        last bytes go out (a text written at once skips `send_stored`: it is never
-        the last)."""
+        """The generation route's relay, with the response stored and its conversation
+        extended before the answer's last bytes go out (a text written at once skips
+        `send_kept`: it is never the last)."""
         assert isinstance(encoder, ResponsesEncoder)
         request = encoder.request
         assert isinstance(request, ResponsesRequest) and request.body is not None
-        if not request.body.store:
+        if not request.body.store and request.body.conversation is None:
             await super()._relay_events(pump, encoder, stream, record, send, gone, write_now)
             return
 
-        async def send_stored(message: Message) -> None:
+        async def send_kept(message: Message) -> None:
             last = message["type"] == "http.response.body" and not message.get("more_body")
             if last and encoder.final is not None:
-                await self._store(request, encoder.final, pump.worker)
+                await self._keep(request, encoder.final, pump.worker)
             await send(message)
 
-        await super()._relay_events(pump, encoder, stream, record, send_stored, gone, write_now)
+        await super()._relay_events(pump, encoder, stream, record, send_kept, gone, write_now)
 
-    async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
+    async def _keep(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> None:
+        """The answer stored (`store`), then its turn appended to its conversation: the
+        input, then the output, of an answer that stands (completed or incomplete)."""
+        assert request.body is not None
+        stands = await self._store(request, final, worker) if request.body.store else True
+        conversation = request.body.conversation
+        if conversation is None or not stands or final["status"] not in KEPT:
+            return
+        turn = [kept_item(item) for item in (*request.body.items, *final["output"])]
+        # the input was within the bound when the turn began; its answer is kept whole
+        limit = self.conversations.max_items + len(final["output"])
+        why = ""
+        try:
+            if not await self.conversations.append(request.team, conversation, turn, limit):
+                why = "it was deleted"
+        except Full:
+            why = "it is full (another turn filled it meanwhile)"
+        except errors.Unavailable as error:
+            why = error.message
+        if why:  # the answer is served all the same
+            log.warning("response %s not added to %s: %s", final["id"], conversation, why)
+
+    async def _store(self, request: ResponsesRequest, final: dict[str, Any], worker: str) -> bool:
+        """Stores the answer; whether it stands (a background one may have ended first)."""
         assert request.body is not None
         stored = Stored(
             final,
@@ -222,6 +278,7 @@ class ResponsesRoute(GenerationRoute):
         except errors.Unavailable as error:
             # the answer is served all the same; continuing from it will be a 400
             log.warning("response %s not stored: %s", stored.id, error.message)
+        return True
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -246,6 +303,53 @@ def refuse_query(request: Request, served: tuple[str, ...] = ()) -> None:
             raise invalid(name, f"'{name}' is not supported by this gateway.")
 
 
+@dataclass(frozen=True, slots=True)
+class Page:
+    """A list of items' page, as its query asks it (OpenAI's `limit`, `order`, `after`):
+    a response's input items, a conversation's items."""
+
+    limit: int
+    order: str
+    after: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> Page:
+        """The query's page, or a 400 naming the parameter (anything else asked, too)."""
+        refuse_query(request, ("after", "limit", "order"))
+        # a `name[]` is `name`, as `refuse_query` reads it (the last one given wins)
+        query = {k.removesuffix("[]"): v for k, v in request.query_params.multi_items()}
+        try:
+            limit = int(query.get("limit", DEFAULT_PAGE))
+        except ValueError:
+            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.") from None
+        if not 1 <= limit <= MAX_PAGE:
+            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", "Invalid 'order': asc or desc.")
+        return cls(limit, order, query.get("after"))
+
+    def answer(self, items: list[Item]) -> Response:
+        """The page of `items` (in their order, oldest first) as a list object."""
+        if self.order == "desc":
+            items = items[::-1]
+        if self.after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == self.after), None)
+            if at is None:
+                raise invalid("after", f"No item with id '{self.after[:128]}'.")
+            items = items[at + 1 :]
+        page = items[: self.limit]
+        return json_response(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > self.limit,
+            }
+        )
+
+
 def store_routes(
     store: ResponseStore,
     retry_after: int,
@@ -259,7 +363,7 @@ def store_routes(
     async def stored(request: Request) -> Stored:
         response_id = request.path_params["response_id"]
         try:
-            found = await store.get(_team_name(team_of(request.scope)), response_id)
+            found = await store.get(team_name(team_of(request.scope)), response_id)
         except errors.GatewayError as error:  # the store failed: a 503
             raise from_error(error, retry_after) from None
         if found is None:
@@ -269,7 +373,7 @@ def store_routes(
     async def one(request: Request) -> Response:
         if request.method == "DELETE":
             response_id = request.path_params["response_id"]
-            team = _team_name(team_of(request.scope))
+            team = team_name(team_of(request.scope))
             try:
                 if not await store.delete(team, response_id):
                     raise not_found(response_id)
@@ -284,37 +388,8 @@ def store_routes(
         return json_response((await stored(request)).response)
 
     async def input_items(request: Request) -> Response:
-        refuse_query(request, ("after", "limit", "order"))
-        # a `name[]` is `name`, as `refuse_query` reads it (the last one given wins)
-        query = {k.removesuffix("[]"): v for k, v in request.query_params.multi_items()}
-        try:
-            limit = int(query.get("limit", DEFAULT_PAGE))
-        except ValueError:
-            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.") from None
-        if not 1 <= limit <= MAX_PAGE:
-            raise invalid("limit", "Invalid 'limit': an integer from 1 to 100.")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise invalid("order", "Invalid 'order': asc or desc.")
-        items = (await stored(request)).input
-        if order == "desc":
-            items = items[::-1]
-        after = query.get("after")
-        if after is not None:
-            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-            if at is None:
-                raise invalid("after", f"No input item with id '{after[:128]}'.")
-            items = items[at + 1 :]
-        page = items[:limit]
-        return json_response(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > limit,
-            }
-        )
+        page = Page.of(request)
+        return page.answer((await stored(request)).input)
 
     endpoint = Callable[[Request], Awaitable[Response]]
     handlers: list[tuple[str, endpoint, list[str]]] = [

@@ -38,8 +38,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -57,6 +58,20 @@ log = logging.getLogger("furnace.responses")
 MEMORY_BYTES_PER_TEAM = 256 * 1024 * 1024
 #: A background response's states before its end.
 UNFINISHED = ("queued", "in_progress")
+
+S = TypeVar("S", bound=Sized)
+
+
+def drop_oldest(kept: OrderedDict[str, tuple[float, S]], size: int, per_team: int) -> int:
+    """A team's memory kept in bounds: its oldest values (`(expires, value)`, the
+    value's `len` its bytes) dropped while it holds more than `per_team` of them or
+    more than `MEMORY_BYTES_PER_TEAM` bytes, or the oldest has expired; the bytes left."""
+    now = time.monotonic()
+    while kept and (
+        len(kept) > per_team or size > MEMORY_BYTES_PER_TEAM or next(iter(kept.values()))[0] <= now
+    ):
+        size -= len(kept.popitem(last=False)[1][1])
+    return size
 
 
 @dataclass(slots=True)
@@ -176,14 +191,7 @@ class MemoryResponses(ResponseStore):
         old = kept.pop(stored.id, None)
         size = self._bytes.get(team, 0) + len(raw) - (0 if old is None else len(old[1]))
         kept[stored.id] = (time.monotonic() + self.ttl, raw)
-        now = time.monotonic()
-        while kept and (
-            len(kept) > self.per_team
-            or size > MEMORY_BYTES_PER_TEAM
-            or next(iter(kept.values()))[0] <= now
-        ):
-            size -= len(kept.popitem(last=False)[1][1])
-        self._bytes[team] = size
+        self._bytes[team] = drop_oldest(kept, size, self.per_team)
 
     async def get(self, team: str, response_id: str) -> Stored | None:
         kept = self._teams.get(team)
@@ -339,8 +347,9 @@ def open_store(redis: RedisStore | None, ttl: float, per_team: int) -> ResponseS
     if redis is not None:
         return RedisResponses(redis, ttl, per_team)
     log.warning(
-        "stored responses (/v1/responses) are kept in this process's memory, at most %d "
-        "per team for %.0f s: replicas and processes do not share them "
+        "stored responses and conversations (/v1/responses, /v1/conversations) are kept "
+        "in this process's memory, at most %d responses per team for %.0f s: replicas "
+        "and processes do not share them "
         "(set redis_url to share them)",
         per_team,
         ttl,
