@@ -33,6 +33,8 @@ from openai.types.conversations import (
 )
 from pydantic import TypeAdapter
 
+from gateway.edge.responses import store as store_module
+from gateway.edge.responses.conversation_store import MemoryConversations
 from tests.support.keys import keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.servers import DEMO_MODEL
@@ -448,3 +450,22 @@ def test_redis_bounds_conversations_and_a_lost_redis_is_a_503(gateway_with, redi
         ):
             assert answer.status_code == 503, answer.text
             assert assert_openai_error(answer)["type"] == "server_error"
+
+
+def test_the_memory_store_bounds_a_teams_bytes(monkeypatch):
+    """Conversations in memory count their object's and items' bytes: past the team's
+    budget the least recently changed go, an append counting too."""
+    monkeypatch.setattr(store_module, "MEMORY_BYTES_PER_TEAM", 800)
+    memory = MemoryConversations(ttl=60, per_team=100, max_items=100)
+    item = {"type": "message", "id": "msg_1", "role": "user", "content": [], "x": "y" * 100}
+
+    async def run() -> list[bool]:
+        for n in range(3):
+            conversation = {"id": f"conv_{n}", "object": "conversation", "metadata": {}}
+            await memory.create("search", conversation, [item])
+        await memory.create("ads", {"id": "conv_9", "metadata": {}}, [item] * 3)  # its own
+        kept = [await memory.get("search", f"conv_{n}") is not None for n in range(3)]
+        await memory.append("search", "conv_1", [{**item, "id": f"msg_{n}"} for n in range(3)], 9)
+        return [*kept, *[await memory.items("search", f"conv_{n}") is not None for n in (1, 2)]]
+
+    assert asyncio.run(run()) == [True, True, True, True, False]
