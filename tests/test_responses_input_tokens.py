@@ -111,6 +111,32 @@ def test_a_continuation_counts_its_stored_conversation(api):
     assert missing.value.body["code"] == "previous_response_not_found"
 
 
+def test_a_conversations_items_count_and_the_count_appends_nothing(api):
+    conversation = api.conversations.create(
+        items=[
+            {"type": "message", "role": "user", "content": "alpha beta"},
+            {"type": "message", "role": "assistant", "content": "alpha beta"},
+        ]
+    )
+    counted = api.responses.input_tokens.count(
+        model=DEMO_MODEL, input="gamma", conversation=conversation.id
+    )
+    assert len(api.conversations.items.list(conversation.id).data) == 2
+    answered = api.responses.create(model=DEMO_MODEL, input="gamma", conversation=conversation.id)
+    assert answered.usage is not None
+    assert counted.input_tokens == answered.usage.input_tokens == 5
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_tokens.count(model=DEMO_MODEL, input="gamma", conversation="conv_x")
+    with pytest.raises(openai.BadRequestError) as both:
+        api.responses.input_tokens.count(
+            model=DEMO_MODEL,
+            input="gamma",
+            conversation=conversation.id,
+            previous_response_id=answered.id,
+        )
+    assert both.value.body["param"] == "conversation"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -119,7 +145,7 @@ def test_a_continuation_counts_its_stored_conversation(api):
         ({"store": False}, "store"),
         ({"background": True}, "background"),
         ({"personality": "friendly"}, "personality"),
-        ({"conversation": "conv_123"}, "conversation"),
+        ({"conversation": 123}, "conversation"),
         ({"truncation": "auto"}, "truncation"),  # as POST /v1/responses refuses it
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
@@ -139,9 +165,8 @@ def test_what_a_count_does_not_take_is_refused_by_name(client, extra, param):
 
 def test_refusals_reach_the_sdk_in_openai_shape(api, client):
     with pytest.raises(openai.BadRequestError) as refused:
-        api.responses.input_tokens.count(model=DEMO_MODEL, input="hi", conversation="conv_1")
-    assert refused.value.body["param"] == "conversation"
-    assert "previous_response_id" in refused.value.body["message"]
+        api.responses.input_tokens.count(model=DEMO_MODEL, input="hi", personality="friendly")
+    assert refused.value.body["param"] == "personality"
     unknown = client.post(PATH, json={"model": DEMO_MODEL, "input": "hi", "temperature": 1})
     error = assert_openai_error(unknown)
     assert (error["param"], error["code"]) == ("temperature", "unknown_parameter")

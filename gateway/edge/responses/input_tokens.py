@@ -6,13 +6,12 @@ It is the edge's counting route (gateway/edge/counting.py: where it is counted, 
 is admitted, what it bills), shared with Anthropic's count_tokens, and its prompt is
 the one `POST /v1/responses` would send: the body goes through that route's own
 `parse_body`, so the input items, `instructions`, tools, `tool_choice`, `text.format`,
-`reasoning`, `truncation` (only `disabled`) and a continuation's stored conversation
-(`previous_response_id`, the caller's team's, with its bounds) are read as there, and a
-count equals the answer's `usage.input_tokens`. Only the fields OpenAI defines for this
-route are taken: any other is a 400 naming it (a generation's `max_output_tokens` is no
-part of a count). `personality` (a model-owned style preset) means nothing to these
-models and is refused by name, as is `conversation` until the Conversations API is
-served.
+`reasoning`, `truncation` (only `disabled`) and a stored conversation
+(`previous_response_id`'s, or a `conversation`'s items: the caller's team's, with their
+bounds) are read as there, and a count equals the answer's `usage.input_tokens`. Only the
+fields OpenAI defines for this route are taken: any other is a 400 naming it (a
+generation's `max_output_tokens` is no part of a count). `personality` (a model-owned
+style preset) means nothing to these models and is refused by name.
 """
 
 from __future__ import annotations
@@ -56,13 +55,6 @@ def check_fields(body: dict[str, Any]) -> None:
             )
     if body.get("personality") is not None:
         raise invalid("personality", "'personality' is not supported by this gateway.")
-    if body.get("conversation") is not None:
-        raise invalid(
-            "conversation",
-            "'conversation' is not supported when counting input tokens: send the "
-            "conversation's items in 'input', or continue a stored response with "
-            "'previous_response_id'.",
-        )
 
 
 class InputTokensRoute(CountingRoute[GenerateRequest]):
