@@ -140,8 +140,10 @@ def test_context_length_from_the_demo_engine(client):
     response = client.post("/v1/completions", json={"prompt": "w " * 64})
     check_error(response, 400, "invalid_request_error", "context_length_exceeded")
     assert "maximum context length is 64" in response.json()["error"]["message"]
-    response = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 63})
-    check_error(response, 400, "invalid_request_error", "context_length_exceeded")
+    assert "no room for any output tokens" in response.json()["error"]["message"]
+    response = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 65})
+    check_error(response, 400, "invalid_request_error", None)
+    assert response.json()["error"]["param"] == "max_tokens"
 
 
 def test_the_gateways_refusals_are_not_engine_errors_and_each_error_has_its_rows():

@@ -202,13 +202,25 @@ def test_seed_reproduces_a_sampled_answer(tiny: Tiny):
 
 def test_prompt_beyond_the_context_is_refused(tiny: Tiny):
     with pytest.raises(openai.BadRequestError) as by_max_tokens:
-        tiny.sdk.chat.completions.create(model=RANDOM, messages=MESSAGES, max_tokens=CONTEXT)
-    assert by_max_tokens.value.code == "context_length_exceeded"
+        tiny.sdk.chat.completions.create(model=RANDOM, messages=MESSAGES, max_tokens=CONTEXT + 1)
+    assert (by_max_tokens.value.code, by_max_tokens.value.param) == (None, "max_tokens")
     long_prompt = "é" * CONTEXT  # two byte tokens each
     with pytest.raises(openai.BadRequestError) as by_prompt:
         tiny.sdk.completions.create(model=RANDOM, prompt=long_prompt, stream=True)
     assert by_prompt.value.code == "context_length_exceeded"
     assert tiny.random.running == 0
+
+
+def test_max_tokens_past_what_the_prompt_leaves_is_cut_at_the_context(tiny: Tiny):
+    """As vLLM's server: not refused, the answer ends with the context ("length")."""
+    prompt = "é" * (CONTEXT // 2 - 8)  # two byte tokens each: a few tokens left
+    reply = tiny.sdk.completions.create(
+        model=RANDOM, prompt=prompt, max_tokens=CONTEXT, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == CONTEXT
+    assert 0 < reply.usage.completion_tokens < 32
 
 
 #: A tool call and its answer, as the gateway takes them.

@@ -87,7 +87,8 @@ class Invalid(Refusal):
 
 
 class TooLong(Refusal):
-    """The prompt (plus max_tokens) does not fit the model's context."""
+    """The prompt does not fit the model's context, or leaves no token of it for the
+    answer (a `max_tokens` past what it leaves is cut to it, as vLLM does)."""
 
     outcome = Outcome.INVALID
 

@@ -3,9 +3,10 @@ last message (or of the completion prompt), one token per word, so the whole
 path can be run, tested and benchmarked without a GPU, the OpenAI surface of
 issue 13 included. Its rules, which tests rely on:
 
-- Tokens are words: the prompt counts the words of every message. A prompt that
-  does not fit `max_context` (with `max_tokens`, when given) is refused with
-  `TooLong`, as vLLM refuses it; `max_tokens` cuts an answer with `length`.
+- Tokens are words: the prompt counts the words of every message. The context
+  is checked as vLLM's server checks it (`check_context`): a prompt that leaves
+  no token of `max_context` is `TooLong`, a `max_tokens` above it `Invalid`;
+  `max_tokens`, or the context the prompt leaves, cuts an answer with `length`.
 - `logprobs`: every token's logprob is -1.0; its `top` has exactly `logprobs`
   entries: the token itself at -1.0, then "<alt1>" at -2.0, "<alt2>" at -3.0, ...
 - `n`: the worker SDK runs it n times (it is not `native_n`): identical choices.

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from gateway.protocol import errors, features
-from gateway.protocol.errors import TooLong
+from gateway.protocol.errors import Invalid, TooLong
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.worker.kv_events import KvPublisher
 
@@ -82,17 +82,39 @@ class Engine(ABC):
 
 
 def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int) -> int:
-    """Refuses a prompt (plus max_tokens) that does not fit, in vLLM's words, as
-    `TooLong`; returns how many tokens the answer may take."""
+    """How many tokens the answer may take: `max_tokens` (unset: the rest of the
+    context) clamped to what the prompt leaves of `max_context`, as vLLM 0.32's
+    server does (`TokenizeParams` refuses, `get_max_tokens` clamps).
+
+    Why not the older rule (prompt plus `max_tokens` within the context): agents
+    send a `max_tokens` of 32k-128k on every request, so a long conversation was
+    refused where vLLM serves it, its answer cut at the context ("length").
+
+    Refused, in vLLM's words: `max_tokens` above the context, as `Invalid` naming
+    `max_tokens` (the worker does not know whether chat's client called it
+    `max_completion_tokens`); a prompt longer than the context, as `TooLong`; a
+    prompt that fills it, leaving no token to answer, as `TooLong` too (vLLM
+    refuses it as well, with "max_tokens must be at least 1, got 0").
+    """
     max_tokens = request.sampling.max_tokens
-    wanted = prompt_tokens + (max_tokens or 0)
-    if prompt_tokens >= max_context or wanted > max_context:
+    if max_tokens is not None and max_tokens > max_context:
+        raise Invalid(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_context}. "
+            "Please request fewer output tokens.",
+            param="max_tokens",
+        )
+    param = "messages" if request.messages is not None else "prompt"
+    if prompt_tokens >= max_context:
+        exceeds = (
+            "which exceeds this limit even without any output tokens"
+            if prompt_tokens > max_context
+            else "which leaves no room for any output tokens"
+        )
         raise TooLong(
-            f"This model's maximum context length is {max_context} tokens. However, "
-            f"you requested {wanted} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens or 0} in the completion). Please reduce the length of the "
-            "messages or completion.",
-            param="messages" if request.messages is not None else "prompt",
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, {exceeds}. Please reduce the "
+            "length of the input prompt.",
+            param=param,
         )
     budget = max_context - prompt_tokens
     return budget if max_tokens is None else min(budget, max_tokens)

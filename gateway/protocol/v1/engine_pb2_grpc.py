@@ -74,7 +74,8 @@ class EngineServicer:
     def Generate(self, request, context):
         """Generates one answer as a stream: Started first, then Text deltas, then
         Finished last. A refusal is a gRPC status before Started: OUT_OF_RANGE when
-        the prompt (plus max_tokens) does not fit the context, INVALID_ARGUMENT for
+        the prompt leaves no token of the context for the answer (a max_tokens
+        beyond what it leaves is cut to it, as vLLM does), INVALID_ARGUMENT for
         a bad parameter (its name in the trailing metadata key "furnace-param"),
         NOT_FOUND for a model this worker does not serve, RESOURCE_EXHAUSTED when
         the worker is full. A failure after Started is a status too. Cancelling the
