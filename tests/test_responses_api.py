@@ -89,6 +89,8 @@ def test_a_whole_response(api):
         metadata={"ticket": "7"},
         temperature=0.5,
         user="u-1",
+        safety_identifier="sid-1",
+        max_tool_calls=3,
     )
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status == "completed" and response.incomplete_details is None
@@ -99,6 +101,7 @@ def test_a_whole_response(api):
     assert response.model == DEMO_MODEL
     assert response.instructions == "be brief" and response.metadata == {"ticket": "7"}
     assert response.temperature == 0.5 and response.user == "u-1"
+    assert response.safety_identifier == "sid-1" and response.max_tool_calls == 3
     usage = response.usage
     # the demo's prompt counts the words of every message, the instructions' too
     assert usage.input_tokens == 5 and usage.output_tokens == 3 and usage.total_tokens == 8
@@ -480,6 +483,8 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"moderation": {"input": True}}, "moderation"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
+        ({"safety_identifier": "s" * 257}, "safety_identifier"),
         ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
         ({"prompt_cache_options": {"ttl": "1h"}}, "prompt_cache_options"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format"),

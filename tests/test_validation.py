@@ -131,6 +131,8 @@ INVALID = [
     (CHAT, chat(ignore_eos="yes"), "ignore_eos"),
     (CHAT, chat(user=7), "user"),
     (CHAT, chat(user="u" * 257), "user"),
+    (CHAT, chat(safety_identifier=7), "safety_identifier"),
+    (COMPLETIONS, completion(safety_identifier="s" * 257), "safety_identifier"),
     # features the demo's workers do not list: refused before any worker is called
     (CHAT, chat(min_p=0.1), "min_p"),
     (CHAT, chat(repetition_penalty=1.2), "repetition_penalty"),
@@ -366,3 +368,31 @@ def test_logit_bias_keys_are_token_ids_in_ascii_digits(gateway_with, serve_engin
             served = http.post(route, json={**body, "logit_bias": {"7": 5}})
             assert served.status_code == 200, served.text
     assert engine.biases == [((7, 5.0),)] * 2
+
+
+class UserEngine(DemoEngine):
+    """The demo, keeping the end user's id each request carried."""
+
+    def __init__(self) -> None:
+        super().__init__("furnace-users")
+        self.users: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.users.append(request.user)
+        async for event in super().generate(request):
+            yield event
+
+
+def test_safety_identifier_is_the_end_users_id_where_user_is_not_given(gateway_with, serve_engines):
+    """OpenAI's newer name for `user`: the worker gets it as the request's user (refused
+    as unserved before); `user` wins when both are given."""
+    engine = UserEngine()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(models=(ModelConfig("furnace-users", workers=(worker.address,)),))
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for route, body in ((CHAT, chat()), (COMPLETIONS, completion())):
+            body = {**body, "model": "furnace-users"}
+            for ids in ({"safety_identifier": "sid-1"}, {"user": "u-1", "safety_identifier": "s"}):
+                served = http.post(route, json={**body, **ids})
+                assert served.status_code == 200, served.text
+    assert engine.users == ["sid-1", "u-1"] * 2

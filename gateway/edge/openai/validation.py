@@ -105,7 +105,6 @@ UNSERVED: dict[str, Any] = {
     # OpenAI's that ask for what a self-hosted model does not do
     "store": False,
     "verbosity": "medium",
-    "safety_identifier": None,  # as on /v1/responses
 }
 #: `service_tier` values that ask nothing of a self-hosted model.
 SERVICE_TIERS = frozenset({"auto", "default"})
@@ -362,10 +361,15 @@ def model_of(body: Any) -> str | None:
 
 
 def _user(body: Mapping[str, Any]) -> str:
-    user = _string(body, "user") or ""
-    if len(user) > MAX_USER_CHARS:
-        raise invalid("user", f"Invalid value for 'user': at most {MAX_USER_CHARS} characters.")
-    return user
+    """The end user's id, as the workers and the logs get it: `user`, else
+    `safety_identifier` (OpenAI's newer name for the same stable id)."""
+    ids = []
+    for name in ("user", "safety_identifier"):
+        value = _string(body, name) or ""
+        if len(value) > MAX_USER_CHARS:
+            raise invalid(name, f"Invalid value for '{name}': at most {MAX_USER_CHARS} characters.")
+        ids.append(value)
+    return ids[0] or ids[1]
 
 
 #: The longest `prompt_cache_key`.
@@ -403,7 +407,7 @@ def _common(
         sampling=_sampling(body, max_tokens, max_tokens_param),
         stop=_stop(body) if "stop" in body else (),
         n=n,
-        user=_user(body) if "user" in body else "",
+        user=_user(body) if "user" in body or "safety_identifier" in body else "",
         request_id=request_id,
         session=_cache_key(body) if "prompt_cache_key" in body else "",
         **fields,

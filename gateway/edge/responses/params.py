@@ -84,8 +84,6 @@ ROLES = frozenset({"user", "assistant", "system", "developer"})
 UNSERVED: dict[str, Any] = {
     "background": False,
     "prompt": None,
-    "max_tool_calls": None,
-    "safety_identifier": None,
     "context_management": None,
     "moderation": None,  # OpenAI's moderation of the input and the output
     "image": None,  # OpenAI's image-generation options
@@ -700,7 +698,11 @@ def parse(body: Any) -> ResponsesBody:
         "tools": shown_tools,
         "top_p": 1.0 if top_p is None else top_p,
         "truncation": "disabled",
-        "user": user or None,
+        "user": _string(body, "user"),
+        "safety_identifier": _string(body, "safety_identifier"),
+        # it bounds calls of OpenAI's built-in tools, which are not served: function calls
+        # are the client's to bound
+        "max_tool_calls": _int(body, "max_tool_calls", 0, UINT32_MAX),
         "store": store is not False,
         "background": False,
         "reasoning": {"effort": effort or None, "summary": summary},
