@@ -120,6 +120,54 @@ def test_system_blocks_sampling_and_metadata_are_taken(claude):
     assert message.usage.input_tokens == 8  # every message's words, the system's too
 
 
+def test_system_messages_within_the_conversation_are_taken_where_they_come(claude):
+    """Claude Code puts its reminders in `system` messages after the user's: each is a
+    system message at its place; tool results pair across one."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+    message = claude.messages.create(
+        model=DEMO_MODEL,
+        max_tokens=8,
+        tools=[WEATHER_TOOL],
+        messages=[
+            *say("weather please"),
+            {"role": "assistant", "content": [call]},
+            {"role": "system", "content": "a reminder of five words"},
+            {"role": "user", "content": [result]},
+            {"role": "system", "content": [{"type": "text", "text": "two more"}]},
+            *say("thanks then"),
+        ],
+    )
+    assert message.content[0].text == "thanks then"
+    assert message.usage.input_tokens == 2 + 5 + 1 + 2 + 2
+
+
+def test_claude_codes_billing_header_is_left_out_of_the_prompt(claude):
+    """Its hash changes with every version: in the prompt, it would start every
+    conversation with different tokens, so no prefix cache could keep one."""
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.9.abc; x;"}
+    asked = {"model": DEMO_MODEL, "max_tokens": 8, "messages": say("hello")}
+    plain = claude.messages.create(**asked, system="be brief")
+    headed = claude.messages.create(**asked, system=[header, {"type": "text", "text": "be brief"}])
+    assert headed.usage.input_tokens == plain.usage.input_tokens == 3
+
+
+def test_deferred_tools_are_left_out_of_the_models_tools(claude):
+    """`defer_loading` (Claude Code's tool search): the model is not given the tool until
+    the client loads it; the demo calls each tool named in the message it is given."""
+    deferred = {**WEATHER_TOOL, "name": "get_time", "defer_loading": True}
+    asked = {"model": DEMO_MODEL, "max_tokens": 32, "tools": [WEATHER_TOOL, deferred]}
+    message = claude.messages.create(**asked, messages=say("get_weather and get_time"))
+    assert [block.name for block in message.content if block.type == "tool_use"] == ["get_weather"]
+    only = claude.messages.create(**{**asked, "tools": [deferred]}, messages=say("get_time now"))
+    assert only.content[0].text == "get_time now"
+    with pytest.raises(anthropic.BadRequestError) as named:
+        claude.messages.create(
+            **asked, messages=say("x"), tool_choice={"type": "tool", "name": "get_time"}
+        )
+    assert "tool_choice.name" in named.value.body["error"]["message"]
+
+
 def test_images_go_to_workers_that_take_them(claude):
     """The demo takes no images: both sources reach its feature check, which names them."""
     for source in (
@@ -472,9 +520,9 @@ def test_context_management_refusals_name_the_field(claude, context_management, 
         ({"strict": True}, True),
         ({"eager_input_streaming": True}, True),
         ({"defer_loading": False}, True),
+        ({"defer_loading": True}, True),
         ({"allowed_callers": ["direct"]}, True),
         ({"input_examples": []}, True),
-        ({"defer_loading": True}, False),
         ({"allowed_callers": ["code_execution_20250825"]}, False),
         ({"input_examples": [{"city": "Paris"}]}, False),
         ({"strict": "yes"}, False),
@@ -560,7 +608,11 @@ def test_count_tokens_refuses_like_messages(gateway):
             {"max_tokens": 4, "messages": [*say("a"), {"role": "assistant", "content": "b"}]},
             "prefill",
         ),
-        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (
+            {"max_tokens": 4, "messages": [*say("a"), {"role": "system", "content": [{"a": 1}]}]},
+            "messages[1].content[0].type",
+        ),
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
             "messages[0].content[0].type",

@@ -17,9 +17,12 @@ Messages server reads both), `service_tier` `auto` or `standard_only` (what asks
 nothing), and `context_management` (Anthropic's context editing, which Claude Code
 sends with thinking on: `clear_thinking_20251015` leaves the thinking of earlier turns
 out of the prompt; the edits that clear by the prompt's token count are refused). A
-tool's `strict` is chat's strict function; its options that ask nothing of us are
-accepted (`eager_input_streaming`, `defer_loading` false, `allowed_callers`
-`["direct"]`). `cache_control` (on the body, a block or a tool) is accepted: it is a
+tool's `strict` is chat's strict function; `defer_loading` leaves it out of the model's
+tools (Claude Code loads such tools itself, by its own tool search); its options that ask
+nothing of us are accepted (`eager_input_streaming`, `allowed_callers` `["direct"]`). A
+`system` message within `messages` (Claude Code's reminders) is a system message where it
+comes, as vLLM's Messages server takes it; Claude Code's billing header (a system block
+whose hash changes with every version) is left out of the prompt, as vLLM leaves it out. `cache_control` (on the body, a block or a tool) is accepted: it is a
 hint about prompt caching, which the engines do by themselves for every prefix. The
 SDK's newest version no longer names `temperature`, `top_p` and `top_k`; older clients
 (and `extra_body`) send them, so they are served.
@@ -134,18 +137,28 @@ def _text_of(block: Mapping[str, Any], where: str) -> str:
     return text
 
 
-def _system(body: Mapping[str, Any]) -> str | None:
-    system = body.get("system")
-    if system is None or isinstance(system, str):
-        return system
+#: How Claude Code's first system block begins: its version and a hash for Anthropic's
+#: billing, which changes with each version (and build) and would change the prompt's
+#: first tokens, so no engine's prefix cache could keep a conversation. It is left out of
+#: the prompt, as vLLM's own Messages server leaves it out.
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _system_text(system: Any, where: str) -> str:
+    """A system prompt's text: a string, or text blocks joined by newlines (Claude Code's
+    billing header left out)."""
+    if isinstance(system, str):
+        return "" if system.startswith(BILLING_HEADER) else system
     if not isinstance(system, list):
-        raise invalid("system", "Invalid type for 'system': a string or a list of text blocks.")
+        raise invalid(where, f"Invalid type for '{where}': a string or a list of text blocks.")
     texts = []
     for i, block in enumerate(system):
-        where = f"system[{i}]"
+        at = f"{where}[{i}]"
         if not isinstance(block, Mapping) or block.get("type") != "text":
-            raise invalid(f"{where}.type", "A system block must be of type 'text'.")
-        texts.append(_text_of(block, where))
+            raise invalid(f"{at}.type", "A system block must be of type 'text'.")
+        text = _text_of(block, at)
+        if not text.startswith(BILLING_HEADER):
+            texts.append(text)
     return "\n".join(texts)
 
 
@@ -279,7 +292,8 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "Field required: 'messages', a non-empty list.")
-    system = _system(body)
+    system = body.get("system")
+    system = None if system is None else _system_text(system, "system")
     out = [Message("system", system)] if system else []
     images = 0
     calls: list[str] = []  # the ids of the previous message's tool_use blocks
@@ -289,9 +303,16 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
             raise invalid(where, "Invalid type: expected an object.")
         _refuse_unknown(message, frozenset({"role", "content"}), where + ".")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role", "Invalid value: 'user' or 'assistant'.")
         content = message.get("content")
+        if role == "system":
+            # a system message within the conversation (Claude Code's reminders), where
+            # it came; it stands outside the turns, so tool results pair across it
+            text = _system_text(content, f"{where}.content")
+            if text:
+                out.append(Message("system", text))
+            continue
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role", "Invalid value: 'user', 'assistant' or 'system'.")
         if content in ("", []) and not (role == "assistant" and i == len(messages) - 1):
             # as Anthropic's API refuses it (a final assistant message is a prefill)
             raise invalid(
@@ -345,18 +366,13 @@ _TOOL_FIELDS = _HINTS | {
 }
 
 
-def _tool_options(tool: Mapping[str, Any], where: str) -> None:
-    """A tool's options, served where they ask nothing of us: `eager_input_streaming`
-    (its input is streamed as the engine makes it, either way), `defer_loading` false,
-    `allowed_callers` the model alone; else a 400 naming the field (tool search,
-    programmatic calls and input examples are Anthropic's own)."""
+def _tool_options(tool: Mapping[str, Any], where: str) -> bool:
+    """A tool's options: whether it is deferred (`defer_loading`: left out of the model's
+    tools until the client loads it, as Claude Code's own tool search does); served where
+    they ask nothing of us: `eager_input_streaming` (its input is streamed as the engine
+    makes it, either way), `allowed_callers` the model alone; else a 400 naming the field
+    (programmatic calls and input examples are Anthropic's own)."""
     _flag(tool, "eager_input_streaming", where + ".")
-    if _flag(tool, "defer_loading", where + "."):
-        raise invalid(
-            f"{where}.defer_loading",
-            f"{where}.defer_loading: deferred tools (Anthropic's tool search) are not "
-            "supported by this gateway.",
-        )
     callers = tool.get("allowed_callers")
     if callers is not None and callers != ["direct"]:
         raise invalid(
@@ -368,11 +384,12 @@ def _tool_options(tool: Mapping[str, Any], where: str) -> None:
             f"{where}.input_examples",
             f"{where}.input_examples: tool input examples are not supported by this gateway.",
         )
+    return _flag(tool, "defer_loading", where + ".")
 
 
 def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
-    """The custom tools; their schemas count in `schemas` (OpenAI's bounds, over the
-    request's schemas together)."""
+    """The custom tools the model is given (a deferred one is checked and left out); their
+    schemas count in `schemas` (OpenAI's bounds, over the request's schemas together)."""
     tools = body.get("tools")
     if tools is None:
         return ()
@@ -388,7 +405,7 @@ def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
                 f"{where}.type", "Only custom tools (name, description, input_schema) are served."
             )
         _refuse_unknown(tool, _TOOL_FIELDS, where + ".")
-        _tool_options(tool, where)
+        deferred = _tool_options(tool, where)
         name = tool.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
@@ -398,10 +415,10 @@ def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
         schemas.check(schema, f"{where}.input_schema")
         description = _string(tool, "description", where + ".") or ""
         strict = _flag(tool, "strict", where + ".")
-        parsed.append(Tool(name, description, orjson.dumps(schema).decode(), strict))
-    if len({tool.name for tool in parsed}) != len(parsed):
+        parsed.append((Tool(name, description, orjson.dumps(schema).decode(), strict), deferred))
+    if len({tool.name for tool, _ in parsed}) != len(parsed):
         raise invalid("tools", "Invalid 'tools': tool names must be unique.")
-    return tuple(parsed)
+    return tuple(tool for tool, deferred in parsed if not deferred)
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str, bool | None]:
@@ -420,6 +437,8 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str,
         return ("none" if tools else ""), None
     if kind not in ("auto", "any", "tool"):
         raise invalid("tool_choice.type", "Invalid value: 'auto', 'any', 'tool' or 'none'.")
+    if kind == "auto" and not tools and body.get("tools"):  # every tool deferred
+        return "", None
     if not tools:
         raise invalid("tool_choice", "'tool_choice' needs 'tools'.")
     if kind == "auto":
