@@ -22,10 +22,11 @@ tools (Claude Code loads such tools itself, by its own tool search); its options
 nothing of us are accepted (`eager_input_streaming`, `allowed_callers` `["direct"]`). A
 `system` message within `messages` (Claude Code's reminders) is a system message where it
 comes, as vLLM's Messages server takes it; Claude Code's billing header (a system block
-whose hash changes with every version) is left out of the prompt, as vLLM leaves it out. `cache_control` (on the body, a block or a tool) is accepted: it is a
-hint about prompt caching, which the engines do by themselves for every prefix. The
-SDK's newest version no longer names `temperature`, `top_p` and `top_k`; older clients
-(and `extra_body`) send them, so they are served.
+whose hash changes with every version) is left out of the prompt, as vLLM leaves it
+out. `cache_control` (on the body, a block or a tool) is accepted: it is a hint about
+prompt caching, which the engines do by themselves for every prefix. The SDK's newest
+version no longer names `temperature`, `top_p` and `top_k`; older clients (and
+`extra_body`) send them, so they are served.
 
 As Anthropic's API does, a message with empty content (but a final assistant one)
 and an empty text block are refused.
