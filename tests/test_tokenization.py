@@ -99,6 +99,36 @@ def test_a_template_that_raises_refuses_the_request_as_invalid(tokenizer_dir):
         tokenizer.render_chat((Message("tool", "{}"),))
 
 
+#: A template that takes a system message only first, as Qwen's newer ones.
+SYSTEM_FIRST = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "[{{ m.role }}]{{ m.content }}{% endfor %}"
+)
+
+
+def test_later_system_messages_fold_into_the_first_for_a_template_that_refuses_them(
+    tmp_path, tokenizer_dir
+):
+    """Claude Code's reminders are system messages after the user's: a template that
+    takes them renders them where they are; one that refuses them (found once, by a try,
+    as vLLM's Messages server finds it) gets their texts after the first system's."""
+    chat = (Message("user", "u1"), Message("system", "s2"), Message("user", "u2"))
+    takes = load_tokenizer(str(tokenizer_dir))
+    assert not takes.system_first
+    assert "<|system|>s2" in takes.render_chat(chat)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(SYSTEM_FIRST)
+    refuses = ModelTokenizer(tmp_path)
+    assert refuses.system_first
+    assert refuses.render_chat(chat) == "[system]s2[user]u1[user]u2"
+    with_first = (Message("system", "s1"), *chat, Message("system", ""))
+    assert refuses.render_chat(with_first) == "[system]s1\n\ns2[user]u1[user]u2"
+    alone = (Message("system", "s1"), Message("user", "u1"))
+    assert refuses.render_chat(alone) == "[system]s1[user]u1"
+
+
 def test_the_sandbox_keeps_a_template_from_python(tmp_path, tokenizer_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())

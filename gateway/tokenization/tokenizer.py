@@ -91,6 +91,23 @@ def _template(config: dict[str, Any], directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _system_first(messages: Sequence[Message]) -> Sequence[Message]:
+    """`messages` with the texts of its system messages after the first folded into a
+    leading one, each after a blank line, for a template that takes a system message only
+    first (as vLLM's Messages server folds them: Claude Code's reminders). A chat whose
+    only system message leads it is returned as it is."""
+    later = [m.content for m in messages[1:] if m.role == "system"]
+    if not later:
+        return messages
+    rest = [m for m in messages[1:] if m.role != "system"]
+    if messages[0].role == "system":
+        head = messages[0].content
+    else:
+        head, rest = "", [messages[0], *rest]
+    text = "\n\n".join(t for t in (head, *later) if t)
+    return [Message("system", text), *rest]
+
+
 class ModelTokenizer:
     """One model's tokenizer and chat template; thread-safe, shared."""
 
@@ -139,6 +156,21 @@ class ModelTokenizer:
                 )
             except jinja2.TemplateError as error:
                 raise TokenizerError(f"{directory}: the chat template: {error}") from None
+        #: Whether the template refuses a system message after the first (Qwen's newer
+        #: ones do): a chat's later system messages are then folded into its first.
+        self.system_first = False
+        self.system_first = self._template is not None and not self._takes_later_system()
+
+    def _takes_later_system(self) -> bool:
+        """Whether the template renders a system message that is not the first, tried
+        once as vLLM's Messages server tries it (system, user, system, user)."""
+        assert self._template is not None
+        turns = [("system", "t"), ("user", "t"), ("system", "t"), ("user", "t")]
+        try:
+            self.render_chat([Message(role, text) for role, text in turns])
+        except errors.Invalid:
+            return False
+        return True
 
     @property
     def has_chat_template(self) -> bool:
@@ -159,6 +191,8 @@ class ModelTokenizer:
             raise errors.Invalid(
                 "This model has no chat template; use /v1/completions.", param="messages"
             )
+        if self.system_first:
+            messages = _system_first(messages)
         try:
             return self._template.render(
                 {
