@@ -12,8 +12,8 @@ reasoning, sent back in a conversation, reaches the model's template.
 
 vLLM's reasoning parameters (`reasoning_effort`, `include_reasoning`, `chat_template_kwargs`)
 are checked and sent on to such a model's servers; a model whose workers do not take them
-(the gateway's own workers, vLLM's gRPC server: the gateway renders the template) refuses
-them by name, as it refuses any feature its workers lack."""
+(the demo takes only `reasoning_effort`: tests/test_reasoning_workers.py) refuses them by
+name, as it refuses any feature its workers lack."""
 
 from __future__ import annotations
 
@@ -209,13 +209,11 @@ def test_responses_reasoning_effort_reaches_the_server(thinker):
     assert response.reasoning is not None and response.reasoning.effort == "high"
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         summary = {"model": MODEL, "input": "hi", "reasoning": {"summary": "brief"}}
-        demo = {"model": DEMO_MODEL, "input": "hi", "reasoning": {"effort": "low"}}
         bad = {"model": MODEL, "input": "hi", "reasoning": {"effort": "extreme"}}
         item = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
         encrypted = {"model": MODEL, "input": [item, {"role": "user", "content": "hi"}]}
         for body, param in [
             (summary, "reasoning.summary"),
-            (demo, "reasoning.effort"),  # the gateway's own workers take no effort
             (bad, "reasoning.effort"),
             (encrypted, "input[0].encrypted_content"),
         ]:
@@ -399,7 +397,6 @@ def test_a_bad_reasoning_parameter_is_refused_by_name(thinker, field, value):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("reasoning_effort", "high"),
         ("include_reasoning", False),
         ("chat_template_kwargs", {"enable_thinking": True}),
         ("thinking_token_budget", 100),

@@ -476,8 +476,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"include": ["file_search_call.results"]}, "include"),
         ({"include": "reasoning.encrypted_content"}, "include"),
         ({"reasoning": {"summary": "brief"}}, "reasoning.summary"),
-        # the demo's workers take no reasoning effort (OpenAI-compatible servers do)
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"conversation": 7}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 21}, "top_logprobs"),

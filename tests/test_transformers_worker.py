@@ -246,6 +246,41 @@ def test_messages_the_chat_template_refuses_are_a_bad_request(tiny: Tiny):
     assert refused.value.param == "messages"
 
 
+def test_reasoning_options_reach_the_chat_template_as_vllm_passes_them(tiny: Tiny):
+    """`reasoning_effort` is the template's variable, with `enable_thinking` off for
+    "none" (unless `chat_template_kwargs` say otherwise); the kwargs are merged in."""
+    tokenizer = tiny.random.tokenizer
+    plain = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% if reasoning_effort %}<|system|>effort {{ reasoning_effort }}<|end|>{% endif %}"
+        "{% if enable_thinking is false %}<|system|>no thinking at all<|end|>{% endif %}"
+        "{% if depth %}<|system|>{{ 'deeper ' * depth }}<|end|>{% endif %}" + plain
+    )
+    try:
+        for extra, kwargs in [
+            ({}, {}),
+            ({"reasoning_effort": "high"}, {"reasoning_effort": "high", "enable_thinking": True}),
+            ({"reasoning_effort": "none"}, {"reasoning_effort": "none", "enable_thinking": False}),
+            (
+                {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+                {"reasoning_effort": "none", "enable_thinking": True},
+            ),
+            # the engine's own arguments stay its own, as vLLM's server keeps them
+            ({"chat_template_kwargs": {"depth": 3, "tokenize": False}}, {"depth": 3}),
+        ]:
+            reply = tiny.sdk.chat.completions.create(
+                model=RANDOM, messages=MESSAGES, max_tokens=1, extra_body=extra
+            )
+            expected = tokenizer.apply_chat_template(
+                MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(expected), extra
+            if kwargs:  # the template saw them
+                assert reply.usage.prompt_tokens != len(_chat_ids(tokenizer)), extra
+    finally:
+        tokenizer.chat_template = plain
+
+
 def test_closing_a_stream_stops_the_generation(tiny: Tiny):
     engine = tiny.ordered
     steps, aborted = engine.steps, engine.aborted

@@ -26,6 +26,8 @@ from gateway.protocol.types import (
     FinishReason,
     GenerateRequest,
     Message,
+    Reasoning,
+    ReasoningParams,
     ResponseFormat,
     SamplingParams,
     Started,
@@ -215,6 +217,7 @@ FULL = GenerateRequest(
     parallel_tool_calls=False,
     response_format=ResponseFormat("json_schema", '{"type":"object"}', "answer", True),
     user="user-42",
+    reasoning=ReasoningParams("high", False, '{"enable_thinking":true}', 64, True),
 )
 
 
@@ -375,6 +378,53 @@ def test_stop_strings_are_per_choice(server_loop, serve):
     assert finished[1] == Finished(FinishReason.STOP, 4, None, 1, "STOP")
     assert finished[2] == Finished(FinishReason.LENGTH, 3, None, 2)
     assert engine.closed == 3
+
+
+def test_reasoning_passes_in_order_beside_the_stop_strings(server_loop, serve):
+    """A choice's `Reasoning` goes out in its place, re-indexed with its choice; stop
+    strings match the answer's text only, and its tokens count in the choice's total."""
+    script = [
+        Started(1),
+        Reasoning("I see STOP", 3),
+        Reasoning(" here", 1),
+        Text("a b", 2),
+        Text(" STOP c", 2),
+        Finished(FinishReason.STOP, 8),
+    ]
+    engine = ChoicesEngine({1: script, 2: script})
+    worker = serve(engine)
+    events, error = run(
+        server_loop, worker, prompt="p", n=2, stop=("STOP",), sampling=SamplingParams(seed=1)
+    )
+    assert error is None
+    for i in range(2):
+        mine = [e for e in events if not isinstance(e, Started) and e.index == i]
+        assert mine == [
+            Reasoning("I see STOP", 3, i),
+            Reasoning(" here", 1, i),
+            Text("a b ", 4, i),
+            Finished(FinishReason.STOP, 8, None, i, "STOP"),
+        ]
+
+
+def test_the_demo_thinks_by_the_effort(server_loop, serve):
+    worker = serve(DemoEngine())
+    for effort, thought in (
+        ("low", ["d"]),
+        ("medium", ["c", " d"]),
+        ("high", ["a", " b", " c", " d"]),
+    ):
+        events, error = run(
+            server_loop, worker, prompt="a b c d", reasoning=ReasoningParams(effort=effort)
+        )
+        assert error is None
+        assert [e.text for e in events if isinstance(e, Reasoning)] == thought
+        assert choice_text(events, 0) == "a b c d"
+        assert events[-1] == Finished(FinishReason.STOP, 4 + len(thought))
+    for reasoning in (ReasoningParams(effort="none"), ReasoningParams(off=True)):
+        events, error = run(server_loop, worker, prompt="a b c d", reasoning=reasoning)
+        assert error is None and not any(isinstance(e, Reasoning) for e in events)
+        assert events[-1] == Finished(FinishReason.STOP, 4)
 
 
 def test_one_failing_choice_fails_the_call(server_loop, serve):

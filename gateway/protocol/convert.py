@@ -24,6 +24,8 @@ from gateway.protocol.types import (
     FinishReason,
     GenerateRequest,
     Message,
+    Reasoning,
+    ReasoningParams,
     ResponseFormat,
     SamplingParams,
     Started,
@@ -114,6 +116,14 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.response_format.CopyFrom(
             pb.ResponseFormat(type=f.type, schema=f.schema, name=f.name, strict=f.strict)
         )
+    r = request.reasoning
+    if r is not None:
+        options = message.reasoning
+        options.SetInParent()  # `off` alone still says so
+        options.effort, options.exclude = r.effort, not r.include
+        options.template_kwargs, options.off = r.template_kwargs, r.off
+        if r.budget is not None:
+            options.budget = r.budget
     if request.messages is not None:
         message.chat.messages.extend(_message_to_proto(m) for m in request.messages)
     else:
@@ -144,6 +154,16 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
     if message.WhichOneof("prompt") == "chat":
         chat = tuple(_message_from_proto(m) for m in message.chat.messages)
     f = message.response_format
+    reasoning = None
+    if message.HasField("reasoning"):
+        r = message.reasoning
+        reasoning = ReasoningParams(
+            r.effort,
+            not r.exclude,
+            r.template_kwargs,
+            r.budget if r.HasField("budget") else None,
+            r.off,
+        )
     return GenerateRequest(
         model=message.model,
         prompt=message.text if chat is None else None,
@@ -160,6 +180,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         ),
         response_format=ResponseFormat(f.type, f.schema, f.name, f.strict) if f.type else None,
         user=message.user,
+        reasoning=reasoning,
     )
 
 
@@ -213,6 +234,10 @@ def event_to_proto(event: Event) -> pb.GenerateEvent:
                 tokens=event.tokens,
             )
         )
+    if type(event) is Reasoning:
+        return pb.GenerateEvent(
+            reasoning=pb.Reasoning(text=event.text, tokens=event.tokens, index=event.index)
+        )
     if type(event) is Started:
         return pb.GenerateEvent(started=pb.Started(prompt_tokens=event.prompt_tokens))
     assert type(event) is Finished
@@ -239,6 +264,9 @@ def event_from_proto(message: pb.GenerateEvent, logprobs: bool = False) -> Event
     if kind == "tool_call":
         d = message.tool_call
         return ToolCallDelta(d.index, d.call_index, d.id, d.name, d.arguments, d.tokens)
+    if kind == "reasoning":
+        thought = message.reasoning
+        return Reasoning(thought.text, thought.tokens, thought.index)
     if kind == "started":
         return Started(message.started.prompt_tokens)
     if kind == "finished":

@@ -29,7 +29,7 @@ LOGIT_BIAS = "logit_bias"
 STOP_TOKEN_IDS = "stop_token_ids"
 USER = "user"
 DIMENSIONS = "dimensions"
-#: vLLM's reasoning parameters: only OpenAI-compatible servers are sent them.
+#: vLLM's reasoning parameters (the worker protocol's `ReasoningOptions`).
 REASONING_EFFORT = "reasoning_effort"
 INCLUDE_REASONING = "include_reasoning"
 CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"

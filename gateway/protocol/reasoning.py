@@ -12,11 +12,20 @@ Two ways a model opens its thought, named as vLLM names its parsers:
   writes an empty thought into the prompt instead): an answer that does not begin with
   `<think>` is all text.
 
+`template_options` is the other half: the chat template's variables the request's
+reasoning parameters set, shared by every path that renders a template (the vllm-grpc
+upstream, the worker SDK's engines).
+
 The markers are looked for in the text, held back across pieces while they may be
 starting: they are text in these models' vocabularies (added tokens, not special ones).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.protocol.types import ReasoningParams
 
 #: The parsers served, by vLLM's names.
 PARSERS = ("deepseek_r1", "qwen3")
@@ -86,3 +95,19 @@ def _partial(text: str) -> int:
         if END.startswith(text[-keep:]):
             return keep
     return 0
+
+
+def template_options(reasoning: ReasoningParams) -> dict[str, Any] | None:
+    """The chat template's variables a request's reasoning parameters set, as vLLM's
+    server sets them: `chat_template_kwargs`, and `reasoning_effort` (with
+    `enable_thinking` off for "none", unless the kwargs say otherwise; thinking turned
+    off is "none"). Stdlib JSON: the worker SDK, which goes into engines' own
+    environments, reads it too."""
+    options: dict[str, Any] = {}
+    if reasoning.template_kwargs:
+        options = json.loads(reasoning.template_kwargs)
+    effort = reasoning.effort or ("none" if reasoning.off else "")
+    if effort:
+        options.setdefault("reasoning_effort", effort)
+        options.setdefault("enable_thinking", effort != "none")
+    return options or None

@@ -68,10 +68,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import grpc
-import orjson
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as common
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -80,7 +79,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from gateway.protocol import errors, features, tool_calls
 from gateway.protocol.grpc_h2 import ServerStream, StreamCall, StreamChannel
 from gateway.protocol.kv_blocks import KvBatch
-from gateway.protocol.reasoning import ReasoningSplitter
+from gateway.protocol.reasoning import ReasoningSplitter, template_options
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
@@ -94,7 +93,6 @@ from gateway.protocol.types import (
     GenerateRequest,
     Message,
     Reasoning,
-    ReasoningParams,
     Started,
     Text,
     TokenLogprob,
@@ -180,21 +178,6 @@ def _check_chars(chars: int, param: str) -> None:
             f"{MAX_PROMPT_CHARS}.",
             param=param,
         )
-
-
-def template_options(reasoning: ReasoningParams) -> dict[str, Any] | None:
-    """The chat template's variables a request's reasoning parameters set, as vLLM's
-    server sets them: `chat_template_kwargs`, and `reasoning_effort` (with
-    `enable_thinking` off for "none", unless the kwargs say otherwise; thinking turned
-    off is "none")."""
-    options: dict[str, Any] = {}
-    if reasoning.template_kwargs:
-        options = orjson.loads(reasoning.template_kwargs)
-    effort = reasoning.effort or ("none" if reasoning.off else "")
-    if effort:
-        options.setdefault("reasoning_effort", effort)
-        options.setdefault("enable_thinking", effort != "none")
-    return options or None
 
 
 def prompt_chars(

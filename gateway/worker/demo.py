@@ -26,8 +26,17 @@ issue 13 included. Its rules, which tests rely on:
   joined by spaces), each byte b as (b - 127.5) / 127.5, L2-normalized;
   `dimensions` d (1 to 32) keeps the first d and renormalizes. Its tokens are
   the input's words (or ids).
-- It refuses `image_url`, `repetition_penalty`, `min_p`, `logit_bias` and
-  `stop_token_ids` (it does not list them, so the worker SDK refuses them).
+- `reasoning_effort` (chat's; the Responses API's `reasoning.effort`, the Messages
+  API's `output_config.effort`): with an effort other than "none" it thinks before it
+  answers (the echo, the calls or the JSON): the last words of the last message, one
+  for "minimal" and "low", two for "medium", four for "high", "xhigh" and "max" (all
+  of them when there are fewer), as `Reasoning` pieces of one word (one token) each,
+  counted in the answer's tokens and its `max_tokens`, as a reasoning model's thought
+  is. Effort "none", thinking turned off (`off`: Anthropic's `thinking: disabled`) or
+  no effort: no thought, the answer as without one.
+- It refuses `image_url`, `repetition_penalty`, `min_p`, `logit_bias`,
+  `stop_token_ids`, `include_reasoning`, `chat_template_kwargs` and
+  `thinking_token_budget` (it does not list them, so the worker SDK refuses them).
 
 `token_delay` seconds before each token stand in for a GPU's pace.
 
@@ -65,6 +74,7 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Reasoning,
     Started,
     Text,
     TokenLogprob,
@@ -84,6 +94,8 @@ JSON_PIECE = 8
 MAX_INSTANCE = 1 << 16
 
 _WORD = re.compile(r"[A-Za-z0-9_-]+")
+#: The words the demo thinks for each effort (see the module's rules); "none": none.
+THOUGHT_WORDS = {"minimal": 1, "low": 1, "medium": 2, "high": 4, "xhigh": 4, "max": 4}
 
 
 def minimal_instance(schema: Any) -> Any:
@@ -189,6 +201,7 @@ class DemoEngine(Engine):
             features.MIN_TOKENS,
             features.IGNORE_EOS,
             features.DIMENSIONS,
+            features.REASONING_EFFORT,
         }
     )
 
@@ -238,7 +251,7 @@ class DemoEngine(Engine):
         try:
             budget = check_context(request, prompt_tokens, self.max_context)
             calls = self._calls(request, last)
-            steps = self._steps(request, last, calls)
+            steps = itertools.chain(self._thought(request, last), self._steps(request, last, calls))
         except BaseException:
             self.refused += 1
             raise
@@ -284,6 +297,16 @@ class DemoEngine(Engine):
         data = prompt_bytes(request)
         load = EngineLoad(running=self.running, kv_usage=cache.usage)
         return len(data) // cache.block_size - cache.admit(data, load)
+
+    @staticmethod
+    def _thought(request: GenerateRequest, last: str) -> list[Reasoning]:
+        """What it thinks before the answer, by the effort (see the module's rules)."""
+        reasoning = request.reasoning
+        if reasoning is None or reasoning.off:
+            return []
+        count = THOUGHT_WORDS.get(reasoning.effort, 0)
+        words = last.split()[-count:] if count else []
+        return [Reasoning(w if i == 0 else " " + w, 1) for i, w in enumerate(words)]
 
     @staticmethod
     def _calls(request: GenerateRequest, last: str) -> list[Tool]:

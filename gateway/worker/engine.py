@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from typing import Any
 
 from gateway.protocol import errors, features
 from gateway.protocol.errors import Invalid, TooLong
+from gateway.protocol.reasoning import template_options
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.worker.kv_events import KvPublisher
 
@@ -118,3 +120,40 @@ def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int
         )
     budget = max_context - prompt_tokens
     return budget if max_tokens is None else min(budget, max_tokens)
+
+
+#: `apply_chat_template`'s own arguments (transformers'), which the engines set: a
+#: client's template variable of one of these names is left out, as vLLM's server lets
+#: its own win (and passing it twice would be a TypeError).
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
+
+
+def template_kwargs(request: GenerateRequest) -> dict[str, Any]:
+    """The chat template's variables a request's reasoning options set (vLLM's
+    `chat_template_kwargs` and `reasoning_effort`: `template_options`), as keyword
+    arguments for a Hugging Face tokenizer's `apply_chat_template`, which hands them to
+    the template; {} for a request with none."""
+    reasoning = request.reasoning
+    options = None if reasoning is None else template_options(reasoning)
+    if not options:
+        return {}
+    return {k: v for k, v in options.items() if k not in _TEMPLATE_ARGUMENTS}

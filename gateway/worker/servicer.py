@@ -54,6 +54,7 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Reasoning,
     Started,
     Text,
     TokenLogprob,
@@ -132,15 +133,17 @@ class _ReadAhead:
                     continue
                 if not started:
                     raise errors.Failed("The engine did not start the answer with Started.")
-                if source and (kind is Text or kind is ToolCallDelta or kind is Finished):
+                if source and (
+                    kind is Text or kind is ToolCallDelta or kind is Reasoning or kind is Finished
+                ):
                     event = cast(Text, event)._replace(index=source)
                 self._ready.append(event)
                 waiter = self._waiter
                 if waiter is not None and self._open and not waiter.done():
                     waiter.set_result(None)
-                if kind is Text or kind is ToolCallDelta:
+                if kind is not Finished:
                     self._buffered += event_size(event)
-                elif kind is Finished:
+                else:
                     finishes -= 1
                     if not finishes:
                         return
@@ -459,7 +462,12 @@ class EngineService(pb_grpc.EngineServicer):
                 if kind is Started:  # the one Started, first of the first batch
                     out.append(event)
                     continue
-                if kind is not Text and kind is not ToolCallDelta and kind is not Finished:
+                if (
+                    kind is not Text
+                    and kind is not ToolCallDelta
+                    and kind is not Finished
+                    and kind is not Reasoning
+                ):
                     raise errors.Failed(f"The engine sent {kind.__name__} out of order.")
                 index: int = event.index  # type: ignore[assignment]
                 if index >= n or index < 0:
@@ -475,6 +483,16 @@ class EngineService(pb_grpc.EngineServicer):
                         continue
                     stop = choice.stop.matched
                     event = Finished(FinishReason.STOP, choice.tokens, None, index, stop)
+                elif kind is Reasoning:
+                    # beside the text, not in it: no stop string applies; what text is
+                    # released goes first, so the order the engine gave is kept
+                    choice.tokens += event.tokens  # type: ignore[union-attr]
+                    if choice.dirty:
+                        text = choice.take()
+                        if text is not None:
+                            out.append(text)
+                    out.append(event)
+                    continue
                 elif kind is ToolCallDelta:
                     choice.tokens += event.tokens  # type: ignore[union-attr]
                 choice.flush()

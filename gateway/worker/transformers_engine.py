@@ -92,7 +92,7 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, check_context
+from gateway.worker.engine import Engine, check_context, template_kwargs
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -106,12 +106,17 @@ _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_lengt
 #: Compact JSON only, as vLLM's `disable_any_whitespace`: with whitespace allowed, a
 #: weak model pads the JSON with blanks until max_tokens.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-#: What every model served here takes, beyond plain generation.
+#: What every model served here takes, beyond plain generation. Of vLLM's reasoning
+#: parameters, those the chat template takes (`template_kwargs`, as vLLM renders them):
+#: with no reasoning parser the answer's thought stays in its text, so
+#: `include_reasoning` and `thinking_token_budget` stay refused by name.
 _SERVED = features.SAMPLING | {
     features.GENERATE,
     features.EMBEDDINGS,
     features.LOGPROBS,
     features.USER,
+    features.REASONING_EFFORT,
+    features.CHAT_TEMPLATE_KWARGS,
 }
 
 
@@ -597,6 +602,7 @@ class TransformersEngine(Engine):
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,
+                    **template_kwargs(request),
                 )
             except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
                 message = f"The chat template refused the messages: {error}"

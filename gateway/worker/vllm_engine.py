@@ -97,7 +97,7 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, check_context
+from gateway.worker.engine import Engine, check_context, template_kwargs
 from gateway.worker.kv_events import ForwardedCache, KvPublisher
 
 log = logging.getLogger("furnace.worker")
@@ -114,6 +114,10 @@ DEFAULT_TOOL_PARSER = "hermes"
 #: free whitespace, or a model pads its JSON with blanks up to max_tokens.
 STRUCTURED_OUTPUTS = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 #: What a generating model serves (plus "image_url" when it is multimodal).
+#: Of vLLM's reasoning parameters, those its chat template takes: this engine runs no
+#: reasoning parser, so it neither splits the reasoning from the answer
+#: (`include_reasoning`) nor bounds it (`thinking_token_budget`, which vLLM serves only
+#: with a reasoning config); those stay refused by name.
 GENERATING = features.SAMPLING | {
     features.GENERATE,
     features.N,
@@ -121,6 +125,8 @@ GENERATING = features.SAMPLING | {
     features.TOOLS,
     features.RESPONSE_FORMAT,
     features.USER,
+    features.REASONING_EFFORT,
+    features.CHAT_TEMPLATE_KWARGS,
 }
 
 
@@ -310,7 +316,11 @@ class VllmEngine(Engine):
         messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
         try:
             text = tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **template_kwargs(request),
             )
         except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
             message = f"The chat template refused the messages: {error}"
@@ -327,7 +337,7 @@ class VllmEngine(Engine):
             from vllm.renderers.params import ChatParams
 
             messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
-            options = {"add_generation_prompt": True, "tools": tools}
+            options = {**template_kwargs(request), "add_generation_prompt": True, "tools": tools}
             try:
                 _, (engine_input,) = await self.llm.renderer.render_chat_async(
                     [messages], ChatParams(chat_template_kwargs=options)
