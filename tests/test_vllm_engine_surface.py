@@ -139,7 +139,9 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
         features.LOGIT_BIAS,
         features.STOP_TOKEN_IDS,
         features.USER,
-    }  # no image_url: the tiny model is not multimodal
+        features.REASONING_EFFORT,
+        features.CHAT_TEMPLATE_KWARGS,
+    }  # no image_url: the tiny model is not multimodal; no reasoning parser runs
     (embedding,) = embed_worker.describe().models
     # no dimensions: the model is not a Matryoshka one; no generate: it pools
     assert set(embedding.features) == {features.EMBEDDINGS, features.USER}
@@ -471,6 +473,21 @@ def test_the_other_sampling_fields_and_user_are_taken(front: Front):
         extra_body={"repetition_penalty": 1.3, "min_p": 0.05},
     )
     assert reply.usage.completion_tokens == 4
+
+
+def test_the_template_takes_the_reasoning_options_and_the_rest_are_refused(front: Front):
+    # the tiny model's template reads neither: its prompt is the same, and served
+    plain = _chat(front, max_tokens=1)
+    for extra in (
+        {"reasoning_effort": "none"},
+        {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": True}},
+        {"chat_template_kwargs": {"tokenize": True}},  # the engine's own argument stays its own
+    ):
+        served = _chat(front, max_tokens=1, extra_body=extra)
+        assert served.usage.prompt_tokens == plain.usage.prompt_tokens, extra
+    for field, value in (("include_reasoning", False), ("thinking_token_budget", 8)):
+        body = {"model": MODEL, "messages": MESSAGES, field: value}
+        assert _refusal(front, "/v1/chat/completions", body)["param"] == field
 
 
 def test_what_vllm_refuses_is_a_400_naming_the_parameter(front: Front):
