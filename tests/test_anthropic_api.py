@@ -736,9 +736,9 @@ def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_er
 
 def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with, sdk):
     key = new_key("search")
-    gw = gateway_with(**keyed({"search": {"tokens_per_minute": 100}}, {key: "search"}))
+    gw = gateway_with(**keyed({"search": {"tokens_per_minute": 30}}, {key: "search"}))
     with pytest.raises(anthropic.RateLimitError) as raised:
-        sdk(gw.url, key).messages.create(model=DEMO_MODEL, max_tokens=200, messages=say("a"))
+        sdk(gw.url, key).messages.create(model=DEMO_MODEL, max_tokens=50, messages=say("a"))
     assert raised.value.status_code == 429
     assert raised.value.body["error"]["type"] == "rate_limit_error"
     assert raised.value.response.headers.get("retry-after")

@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.protocol import errors
+from gateway.protocol.types import GenerateRequest, SamplingParams
+from gateway.worker.engine import check_context
 from tests.support.requests import sse_events, user
 
 CONTEXT = 64  # the shared demo worker's
@@ -56,15 +59,42 @@ def test_a_long_chat_with_a_large_max_completion_tokens_is_served(client: httpx.
     assert answer["usage"]["total_tokens"] == CONTEXT
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
-def test_max_tokens_above_the_context_is_a_400_naming_it(client: httpx.Client, route: str) -> None:
-    if route == "chat":
-        body: dict[str, Any] = {"messages": user("a b"), "max_tokens": CONTEXT + 1}
-    else:
-        body = {"prompt": "a b", "max_tokens": CONTEXT + 1}
-    error = _error(client.post(f"/v1/{route.replace('chat', 'chat/completions')}", json=body))
-    assert (error["code"], error["param"]) == (None, "max_tokens")
-    assert error["message"] == (
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "a b", "max_tokens": CONTEXT + 1}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": user("a"), "max_tokens": CONTEXT + 1}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": user("a"), "max_completion_tokens": CONTEXT + 1},
+            "max_completion_tokens",
+        ),
+        ("/v1/responses", {"input": "a", "max_output_tokens": CONTEXT + 1}, "max_output_tokens"),
+        ("/v1/messages", {"messages": user("a"), "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ],
+)
+def test_max_tokens_above_the_context_is_a_400_naming_the_clients_parameter(
+    client: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
+    """vLLM's refusal, made at the edge where the model's context is known (the workers
+    report it), so that it names the parameter as the client wrote it."""
+    response = client.post(path, json={"model": "furnace-demo", **body})
+    assert response.status_code == 400, response.text
+    payload = response.json()
+    error = payload["error"]
+    assert f"'{param}': {CONTEXT + 1} cannot be greater than" in error["message"]
+    assert f"max_model_len={CONTEXT}" in error["message"]
+    if path != "/v1/messages":  # Anthropic's shape names no parameter
+        assert (error["code"], error["param"]) == (None, param)
+
+
+def test_the_worker_refuses_max_tokens_above_its_context_in_vllms_words() -> None:
+    """Where the gateway does not know the context, the worker's check (vLLM's own)."""
+    request = GenerateRequest("m", prompt="a b", sampling=SamplingParams(max_tokens=CONTEXT + 1))
+    with pytest.raises(errors.Invalid) as refused:
+        check_context(request, 2, CONTEXT)
+    assert refused.value.param == "max_tokens"
+    assert str(refused.value) == (
         f"max_tokens={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. "
         "Please request fewer output tokens."
     )

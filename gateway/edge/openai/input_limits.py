@@ -1,7 +1,9 @@
 """Bounds on what one request may ask, past what validation checks: how many
 chat messages, a model's cap on `max_tokens` (also its default, so leaving
-`max_tokens` out cannot get around it), and what its choices and logprobs may
-add up to (`output_limits`). Each is a 400 naming the parameter."""
+`max_tokens` out cannot get around it), a `max_tokens` no larger than the model's
+context (where the gateway knows it: vLLM's rule, checked here so that the refusal names
+the client's parameter), and what its choices and logprobs may add up to
+(`output_limits`). Each is a 400 naming the parameter."""
 
 from __future__ import annotations
 
@@ -26,8 +28,18 @@ class InputLimits:
     ) -> ParsedRequest:
         """`parsed`, with the model's `max_tokens` cap applied and its output bounded
         (`max_context`: the model's, when known), or a 400."""
-        parsed = self._capped(parsed, model)
-        return bound_output(parsed, self.max_output_units, max_context)
+        parsed = bound_output(self._capped(parsed, model), self.max_output_units, max_context)
+        asked = parsed.generate.sampling.max_tokens
+        if max_context is not None and asked is not None and asked > max_context:
+            # vLLM's refusal (a prompt and a length within the context that together pass
+            # it are served, the answer cut at the context), naming the client's parameter
+            name = parsed.max_tokens_param
+            raise invalid(
+                name,
+                f"Invalid '{name}': {asked} cannot be greater than the model's context, "
+                f"max_model_len={max_context}. Please request fewer output tokens.",
+            )
+        return parsed
 
     def _capped(self, parsed: ParsedRequest, model: str) -> ParsedRequest:
         generate = parsed.generate
