@@ -28,7 +28,7 @@ from tests.support.waiting import HANG_GUARD
 CONTEXT = 200_000
 
 
-def claude_code(binary: str, home: Path, url: str, key: str, prompt: str) -> dict:
+def claude_code(binary: str, home: Path, url: str, key: str, prompt: str, turns: int = 1) -> dict:
     """One `claude -p` run against the gateway at `url`; its JSON result."""
     env = {
         "HOME": str(home),
@@ -48,7 +48,7 @@ def claude_code(binary: str, home: Path, url: str, key: str, prompt: str) -> dic
         "CLAUDE_CODE_MAX_RETRIES": "0",
     }
     done = subprocess.run(
-        [binary, "-p", prompt, "--output-format", "json", "--max-turns", "1"],
+        [binary, "-p", prompt, "--output-format", "json", "--max-turns", str(turns)],
         capture_output=True,
         text=True,
         env=env,
@@ -76,6 +76,24 @@ def test_claude_code_answers_through_the_gateway(gateway_with, serve_engines, tm
     # every request it made (its answer's, and those it makes besides) was served
     lines = access_lines(caplog)
     assert lines and all(line["status"] == 200 for line in lines), lines
+
+
+def test_claude_code_runs_the_tool_the_model_calls_and_sends_its_result_back(
+    gateway_with, serve_engines, tmp_path, caplog
+):
+    """An agent's turn: the demo calls each tool named in the user's words (here Claude
+    Code's `Read`, with its schema's minimal input, an empty path); Claude Code runs it
+    (reading its working directory fails) and sends the `tool_result` back with
+    `is_error`, which the demo then echoes."""
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    binary = tool("claude")
+    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
+    gw = gateway_with(models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),))
+    result = claude_code(binary, tmp_path, gw.url, "unused", "Read", turns=3)
+    assert result["is_error"] is False and result["num_turns"] == 2, result
+    assert result["result"].startswith("Error: EISDIR"), result
+    lines = access_lines(caplog)
+    assert len(lines) >= 2 and all(line["status"] == 200 for line in lines), lines
 
 
 def test_claude_code_with_a_wrong_key_is_told_so(gateway_with, serve_engines, tmp_path):
