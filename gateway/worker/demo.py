@@ -29,7 +29,7 @@ tests rely on:
   the input's words (or ids).
 - `reasoning_effort` (chat's; the Responses API's `reasoning.effort`, the Messages
   API's `output_config.effort`): with an effort other than "none" it thinks before it
-  answers (the echo, the calls or the JSON): the last words of the last message, one
+  answers (the echo, the calls or the JSON): the last words of the text it echoes, one
   for "minimal" and "low", two for "medium", four for "high", "xhigh" and "max" (all
   of them when there are fewer), as `Reasoning` pieces of one word (one token) each,
   counted in the answer's tokens and its `max_tokens`, as a reasoning model's thought
