@@ -44,7 +44,7 @@ import orjson
 
 from gateway.edge.errors import APIError
 from gateway.edge.responses.params import Item, conversation_id
-from gateway.edge.responses.store import drop_oldest
+from gateway.edge.responses.store import drop_oldest, trim_index
 from gateway.protocol import errors
 
 if TYPE_CHECKING:
@@ -229,20 +229,7 @@ if #ARGV > 6 then
   redis.call('RPUSH', KEYS[2], unpack(ARGV, 7))
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[5])
-local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
-local extra = redis.call('ZCARD', KEYS[3]) - #gone - tonumber(ARGV[4])
-if extra > 0 then
-  local oldest = redis.call('ZRANGE', KEYS[3], #gone, #gone + extra - 1)
-  for _, id in ipairs(oldest) do table.insert(gone, id) end
-end
-for _, id in ipairs(gone) do
-  redis.call('ZREM', KEYS[3], id)
-  redis.call('DEL', ARGV[6] .. id, ARGV[6] .. id .. ':items')
-end
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
-return #gone
-"""
+""" + trim_index("KEYS[3]", "ARGV[6] .. id, ARGV[6] .. id .. ':items'")
 
 #: A change of a conversation: its object replaced (ARGV[5], '' for none) and items
 #: appended (ARGV[6..]) within the bound (ARGV[4]), its TTL (ARGV[1], ms) renewed and its

@@ -221,22 +221,30 @@ class MemoryResponses(ResponseStore):
         return status
 
 
-_PUT = """
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
-local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
-local extra = redis.call('ZCARD', KEYS[2]) - #gone - tonumber(ARGV[4])
+def trim_index(index: str, dropped: str) -> str:
+    """The Lua that adds the id ARGV[5] at now ARGV[3] (ms) to the team's index `index`
+    (a KEYS entry), then drops from it the ids older than the TTL ARGV[2] (ms) and the
+    oldest past the bound ARGV[4], deleting for each id the keys `dropped` names (Lua,
+    `id` and the prefix ARGV[6] in scope), and returns how many it dropped: a stored
+    response's and a conversation's bookkeeping, one script each with its own write."""
+    return f"""
+redis.call('ZADD', {index}, ARGV[3], ARGV[5])
+local gone = redis.call('ZRANGEBYSCORE', {index}, '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+local extra = redis.call('ZCARD', {index}) - #gone - tonumber(ARGV[4])
 if extra > 0 then
-  local oldest = redis.call('ZRANGE', KEYS[2], #gone, #gone + extra - 1)
+  local oldest = redis.call('ZRANGE', {index}, #gone, #gone + extra - 1)
   for _, id in ipairs(oldest) do table.insert(gone, id) end
 end
 for _, id in ipairs(gone) do
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('DEL', ARGV[6] .. id)
+  redis.call('ZREM', {index}, id)
+  redis.call('DEL', {dropped})
 end
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', {index}, ARGV[2])
 return #gone
 """
+
+
+_PUT = "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])" + trim_index("KEYS[2]", "ARGV[6] .. id")
 
 
 #: `put_if`: KEYS[1] the response; ARGV[1] the new value, ARGV[2..] the states it may
