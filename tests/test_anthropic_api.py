@@ -168,6 +168,50 @@ def test_deferred_tools_are_left_out_of_the_models_tools(claude):
     assert "tool_choice.name" in named.value.body["error"]["message"]
 
 
+def change(kind: str, **tool: Any) -> dict[str, Any]:
+    """A system message that changes the tools in effect (one `tool_addition` or
+    `tool_removal` block)."""
+    return {"role": "system", "content": [{"type": kind, "tool": tool}]}
+
+
+def test_system_messages_add_and_remove_tools_mid_conversation(claude):
+    """Claude Code's mid-conversation tool changes (as vLLM's Messages server resolves
+    them: the tools in effect at the conversation's end): a deferred tool loaded by
+    reference, a tool declared by definition, one taken away."""
+    deferred = {**WEATHER_TOOL, "defer_loading": True}
+    asked: dict[str, Any] = {"model": DEMO_MODEL, "max_tokens": 32, "tools": [deferred]}
+    ask = say("get_weather or get_time")
+
+    def called(*messages: dict[str, Any]) -> list[str]:
+        answer = claude.messages.create(**asked, messages=[*messages, *ask])
+        return [block.name for block in answer.content if block.type == "tool_use"]
+
+    loaded = change("tool_addition", type="tool_reference", name="get_weather")
+    assert called() == []
+    assert called(loaded) == ["get_weather"]
+    timer = {**WEATHER_TOOL, "name": "get_time"}
+    declared = change("tool_addition", type="tool_definition", definition=timer)
+    assert called(loaded, declared) == ["get_weather", "get_time"]
+    removed = change("tool_removal", type="tool_reference", name="get_weather")
+    assert called(loaded, declared, removed) == ["get_time"]
+    for bad, named in [
+        (change("tool_addition", type="tool_reference", name="nope"), "tool.name"),
+        (change("tool_removal", type="tool_definition", definition=timer), "tool.type"),
+        (
+            change("tool_addition", type="tool_definition", definition={"name": 1}),
+            "tool.definition",
+        ),
+    ]:
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            called(bad)
+        assert f"messages[0].content[0].{named}" in raised.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as in_a_turn:
+        claude.messages.create(
+            **asked, messages=[{"role": "user", "content": loaded["content"]}, *ask]
+        )
+    assert "messages[0].content[0].type" in in_a_turn.value.body["error"]["message"]
+
+
 def test_images_go_to_workers_that_take_them(claude):
     """The demo takes no images: both sources reach its feature check, which names them."""
     for source in (

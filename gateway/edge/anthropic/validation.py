@@ -21,7 +21,8 @@ tool's `strict` is chat's strict function; `defer_loading` leaves it out of the 
 tools (Claude Code loads such tools itself, by its own tool search); its options that ask
 nothing of us are accepted (`eager_input_streaming`, `allowed_callers` `["direct"]`). A
 `system` message within `messages` (Claude Code's reminders) is a system message where it
-comes, as vLLM's Messages server takes it; Claude Code's billing header (a system block
+comes, as vLLM's Messages server takes it, and its `tool_addition`/`tool_removal` blocks
+change the tools in effect (`_tools_in_effect`); Claude Code's billing header (a system block
 whose hash changes with every version) is left out of the prompt, as vLLM leaves it
 out. `cache_control` (on the body, a block or a tool) is accepted: it is a hint about
 prompt caching, which the engines do by themselves for every prefix. The SDK's newest
@@ -145,9 +146,16 @@ def _text_of(block: Mapping[str, Any], where: str) -> str:
 BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def _system_text(system: Any, where: str) -> str:
+#: A tool change a system message made (its block's path, `tool_addition` or
+#: `tool_removal`, and its `tool`: a reference or a definition).
+ToolChange = tuple[str, str, Mapping[str, Any]]
+_TOOL_CHANGES = ("tool_addition", "tool_removal")
+
+
+def _system_text(system: Any, where: str, changes: list[ToolChange] | None = None) -> str:
     """A system prompt's text: a string, or text blocks joined by newlines (Claude Code's
-    billing header left out)."""
+    billing header left out); a system message's (`changes` given) may also change the
+    tools in effect, with `tool_addition` and `tool_removal` blocks, gathered there."""
     if isinstance(system, str):
         return "" if system.startswith(BILLING_HEADER) else system
     if not isinstance(system, list):
@@ -155,7 +163,15 @@ def _system_text(system: Any, where: str) -> str:
     texts = []
     for i, block in enumerate(system):
         at = f"{where}[{i}]"
-        if not isinstance(block, Mapping) or block.get("type") != "text":
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if changes is not None and kind in _TOOL_CHANGES and isinstance(block, Mapping):
+            _refuse_unknown(block, _HINTS | {"tool"}, at + ".")
+            tool = block.get("tool")
+            if not isinstance(tool, Mapping):
+                raise invalid(f"{at}.tool", f"{at}.tool: expected an object.")
+            changes.append((at, str(kind), tool))
+            continue
+        if kind != "text":
             raise invalid(f"{at}.type", "A system block must be of type 'text'.")
         text = _text_of(block, at)
         if not text.startswith(BILLING_HEADER):
@@ -289,7 +305,8 @@ def _blocks(
     return out, count
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
+def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], list[ToolChange]]:
+    """The conversation as chat messages, and the tool changes its system messages made."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "Field required: 'messages', a non-empty list.")
@@ -298,6 +315,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     out = [Message("system", system)] if system else []
     images = 0
     calls: list[str] = []  # the ids of the previous message's tool_use blocks
+    changes: list[ToolChange] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -308,7 +326,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         if role == "system":
             # a system message within the conversation (Claude Code's reminders), where
             # it came; it stands outside the turns, so tool results pair across it
-            text = _system_text(content, f"{where}.content")
+            text = _system_text(content, f"{where}.content", changes)
             if text:
                 out.append(Message("system", text))
             continue
@@ -328,7 +346,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         _pair(calls, parsed, f"{where}.content")
         calls = [call.id for m in parsed for call in m.tool_calls]
         out += parsed
-    return tuple(out)
+    return tuple(out), changes
 
 
 def _pair(calls: list[str], parsed: list[Message], where: str) -> None:
@@ -388,38 +406,84 @@ def _tool_options(tool: Mapping[str, Any], where: str) -> bool:
     return _flag(tool, "defer_loading", where + ".")
 
 
-def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> tuple[Tool, ...]:
-    """The custom tools the model is given (a deferred one is checked and left out); their
-    schemas count in `schemas` (OpenAI's bounds, over the request's schemas together)."""
+def _tool(tool: Any, where: str, schemas: SchemaBudget) -> tuple[Tool, bool]:
+    """One custom tool, and whether it is deferred; its schema counts in `schemas`."""
+    if not isinstance(tool, Mapping):
+        raise invalid(where, "Invalid type: expected an object.")
+    if tool.get("type") not in (None, "custom"):
+        raise invalid(
+            f"{where}.type", "Only custom tools (name, description, input_schema) are served."
+        )
+    _refuse_unknown(tool, _TOOL_FIELDS, where + ".")
+    deferred = _tool_options(tool, where)
+    name = tool.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, Mapping):
+        raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
+    schemas.check(schema, f"{where}.input_schema")
+    description = _string(tool, "description", where + ".") or ""
+    strict = _flag(tool, "strict", where + ".")
+    return Tool(name, description, orjson.dumps(schema).decode(), strict), deferred
+
+
+def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> dict[str, tuple[Tool, bool]]:
+    """The custom tools declared, by name, each with whether it is deferred (their schemas
+    count in `schemas`: OpenAI's bounds, over the request's schemas together)."""
     tools = body.get("tools")
     if tools is None:
-        return ()
+        return {}
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise invalid("tools", f"Invalid 'tools': a list of at most {MAX_TOOLS}.")
-    parsed = []
+    declared = {}
     for k, tool in enumerate(tools):
-        where = f"tools[{k}]"
-        if not isinstance(tool, Mapping):
-            raise invalid(where, "Invalid type: expected an object.")
-        if tool.get("type") not in (None, "custom"):
+        parsed, deferred = _tool(tool, f"tools[{k}]", schemas)
+        if parsed.name in declared:
+            raise invalid("tools", "Invalid 'tools': tool names must be unique.")
+        declared[parsed.name] = (parsed, deferred)
+    return declared
+
+
+def _tools_in_effect(
+    declared: dict[str, tuple[Tool, bool]], changes: list[ToolChange], schemas: SchemaBudget
+) -> tuple[Tool, ...]:
+    """The tools the model is given: those declared and not deferred, after the system
+    messages' changes in order, as vLLM's Messages server resolves them (a template sees
+    one list: the tools in effect at the conversation's end): a `tool_addition` of a
+    `tool_reference` loads a declared tool (a deferred one: Claude Code's tool search),
+    one of a `tool_definition` declares it, a `tool_removal` takes one away."""
+    tools = dict(declared)
+    removed: set[str] = set()
+    for at, kind, change in changes:
+        if change.get("type") == "tool_definition" and kind == "tool_addition":
+            _refuse_unknown(change, frozenset({"type", "definition"}), f"{at}.tool.")
+            tool, deferred = _tool(change.get("definition"), f"{at}.tool.definition", schemas)
+            name = tool.name
+            tools[name] = (tool, deferred)
+        elif change.get("type") == "tool_reference":
+            _refuse_unknown(change, frozenset({"type", "name"}), f"{at}.tool.")
+            name = str(change.get("name"))[:64]
+            if name not in tools:
+                raise invalid(
+                    f"{at}.tool.name",
+                    f"{kind} references tool '{name}', which is not declared in tools.",
+                )
+            if kind == "tool_addition":
+                tools[name] = (tools[name][0], False)
+        else:
             raise invalid(
-                f"{where}.type", "Only custom tools (name, description, input_schema) are served."
+                f"{at}.tool.type",
+                f"{at}.tool.type: 'tool_reference'"
+                + (" or 'tool_definition'." if kind == "tool_addition" else "."),
             )
-        _refuse_unknown(tool, _TOOL_FIELDS, where + ".")
-        deferred = _tool_options(tool, where)
-        name = tool.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise invalid(f"{where}.name", "Invalid name: 1-64 of a-z, A-Z, 0-9, _ and -.")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, Mapping):
-            raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
-        schemas.check(schema, f"{where}.input_schema")
-        description = _string(tool, "description", where + ".") or ""
-        strict = _flag(tool, "strict", where + ".")
-        parsed.append((Tool(name, description, orjson.dumps(schema).decode(), strict), deferred))
-    if len({tool.name for tool, _ in parsed}) != len(parsed):
-        raise invalid("tools", "Invalid 'tools': tool names must be unique.")
-    return tuple(tool for tool, deferred in parsed if not deferred)
+        if kind == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    if len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"Invalid 'tools': at most {MAX_TOOLS}, those added included.")
+    return tuple(t for name, (t, deferred) in tools.items() if not deferred and name not in removed)
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str, bool | None]:
@@ -668,10 +732,11 @@ def _prompt(
     # off shapes a template's prompt as an effort does
     _, _, off = _thinking(body)
     schemas = SchemaBudget()
-    tools = _tools(body, schemas)
+    conversation, changes = _messages(body)
+    tools = _tools_in_effect(_tools(body, schemas), changes, schemas)
     choice, parallel = _tool_choice(body, tools)
     answer, effort = _output_config(body, schemas)  # the effort shapes a template's prompt
-    messages, edits = _context_management(body, _messages(body))
+    messages, edits = _context_management(body, conversation)
     fields = {
         "messages": messages,
         "tools": tools,
