@@ -205,6 +205,22 @@ def test_system_messages_add_and_remove_tools_mid_conversation(claude):
         with pytest.raises(anthropic.BadRequestError) as raised:
             called(bad)
         assert f"messages[0].content[0].{named}" in raised.value.body["error"]["message"]
+    # a tool search's result (Claude Code's ToolSearch) loads what it references
+    search = {**WEATHER_TOOL, "name": "ToolSearch"}
+    use = {"type": "tool_use", "id": "toolu_9", "name": "ToolSearch", "input": {}}
+    found = {"type": "tool_reference", "tool_name": "get_weather"}
+    result = {"type": "tool_result", "tool_use_id": "toolu_9", "content": [found]}
+    searched = [
+        *say("find the weather tool"),
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result, {"type": "text", "text": "get_weather now"}]},
+    ]
+    answer = claude.messages.create(**{**asked, "tools": [search, deferred]}, messages=searched)
+    assert [b.name for b in answer.content if b.type == "tool_use"] == ["get_weather"]
+    result["content"] = [{**found, "tool_name": "nope"}]
+    with pytest.raises(anthropic.BadRequestError) as unknown:
+        claude.messages.create(**{**asked, "tools": [search, deferred]}, messages=searched)
+    assert "messages[2].content[0].content[0].tool.name" in unknown.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as in_a_turn:
         claude.messages.create(
             **asked, messages=[{"role": "user", "content": loaded["content"]}, *ask]

@@ -215,13 +215,36 @@ def _tool_use(block: Mapping[str, Any], where: str) -> ToolCall:
     return ToolCall(call_id, name, orjson.dumps(arguments).decode())
 
 
-def _tool_result(block: Mapping[str, Any], where: str) -> tuple[Message, int]:
+def _references(content: Any, where: str, changes: list[ToolChange]) -> Any:
+    """A tool result's content without its `tool_reference` blocks, which a tool search
+    returns (Claude Code's `ToolSearch`): each loads the deferred tool it names, as a
+    system message's `tool_addition` does (gathered in `changes`), and adds no text, as
+    vLLM's Messages server passes them on."""
+    if not isinstance(content, list):
+        return content
+    kept = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "tool_reference":
+            kept.append(part)
+            continue
+        at = f"{where}[{j}]"
+        _refuse_unknown(part, _HINTS | {"tool_name", "name"}, at + ".")
+        name = part.get("tool_name", part.get("name"))
+        if not isinstance(name, str):
+            raise invalid(f"{at}.tool_name", f"{at}.tool_name: the name of a tool.")
+        changes.append((at, "tool_addition", {"type": "tool_reference", "name": name}))
+    return kept
+
+
+def _tool_result(
+    block: Mapping[str, Any], where: str, changes: list[ToolChange]
+) -> tuple[Message, int]:
     """A tool message, and how many images it holds."""
     _refuse_unknown(block, _HINTS | {"tool_use_id", "content", "is_error"}, where + ".")
     call_id = _string(block, "tool_use_id", where + ".")
     if not call_id:
         raise invalid(f"{where}.tool_use_id", "Field required: a string.")
-    content = block.get("content")
+    content = _references(block.get("content"), f"{where}.content", changes)
     text, images = ("", ()) if content is None else _content(content, f"{where}.content")
     if _flag(block, "is_error", where + "."):
         text = f"Error: {text}"
@@ -235,7 +258,12 @@ def _content(content: Any, where: str) -> tuple[str, tuple[str, ...]]:
 
 
 def _blocks(
-    content: Any, where: str, role: str, *, nested: bool = False
+    content: Any,
+    where: str,
+    role: str,
+    *,
+    nested: bool = False,
+    changes: list[ToolChange] | None = None,
 ) -> tuple[list[Message], int]:
     """A turn's content as chat messages (tool results each a message of their own,
     in order), and how many images it holds."""
@@ -287,7 +315,7 @@ def _blocks(
             )
         elif kind == "tool_result" and role == "user" and not nested:
             flush()
-            message, pictures = _tool_result(block, at)
+            message, pictures = _tool_result(block, at, [] if changes is None else changes)
             out.append(message)
             count += pictures
         else:
@@ -339,7 +367,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], list[ToolCh
                 f"{where}.content: all messages must have non-empty content except for the "
                 "optional final assistant message",
             )
-        parsed, count = _blocks(content, f"{where}.content", role)
+        parsed, count = _blocks(content, f"{where}.content", role, changes=changes)
         images += count
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
