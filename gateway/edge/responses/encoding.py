@@ -68,19 +68,21 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0)
 
 
 class _Call:
-    """A function call of the answer, as its pieces come."""
+    """A function call of the answer, as its pieces come: a namespace's function by its
+    own `name` and its `namespace` (the model called it by its flat name)."""
 
-    __slots__ = ("arguments", "call_id", "id", "name", "output_index")
+    __slots__ = ("arguments", "call_id", "id", "name", "namespace", "output_index")
 
-    def __init__(self, call_id: str, name: str, output_index: int) -> None:
+    def __init__(self, call_id: str, name: str, output_index: int, namespace: str = "") -> None:
         self.id = new_id("fc")
         self.call_id = call_id
         self.name = name
+        self.namespace = namespace
         self.output_index = output_index
         self.arguments: list[str] = []
 
     def item(self, status: str) -> dict[str, Any]:
-        return {
+        item = {
             "type": "function_call",
             "id": self.id,
             "call_id": self.call_id,
@@ -88,6 +90,9 @@ class _Call:
             "arguments": "".join(self.arguments),
             "status": status,
         }
+        if self.namespace:
+            item["namespace"] = self.namespace
+        return item
 
 
 class _Thought:
@@ -470,7 +475,8 @@ class ResponsesEncoder(Encoder):
             out = self._close_item("completed", stream)
             index = len(self.output)
             call_id = piece.id or new_id("call")
-            call = self._calls[piece.call_index] = _Call(call_id, piece.name, index)
+            namespace, name = self.body.namespaced.get(piece.name, ("", piece.name))
+            call = self._calls[piece.call_index] = _Call(call_id, name, index, namespace)
             self._open_call = call
             if stream:
                 out += self._event(

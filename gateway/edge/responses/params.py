@@ -8,10 +8,12 @@ The body is read in two steps because a turn that continues a conversation
 the conversation (the stored turns' items, then this body's) into chat messages.
 
 What is served (OpenAI's reference): `input` as a string or items (messages with
-text and image parts, `function_call`, `function_call_output`), `instructions`,
-function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
-(`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`,
-`top_p`, `metadata`, `user`, `truncation: "disabled"`, `store`, `stream`,
+text and image parts, `function_call` (a namespace's with its `namespace`),
+`function_call_output`), `instructions`, function `tools` and `namespace` tools (their
+functions given to the model flattened: `namespace__name`), `tool_choice`,
+`parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
+`max_output_tokens`, `temperature`, `top_p`, `metadata`, `client_metadata` (checked,
+then dropped), `user`, `truncation: "disabled"`, `store`, `stream`,
 `previous_response_id`, `conversation` (conversations.py: its items before this
 turn's, and the turn appended to it), `prompt_cache_key` (the conversation's key for
 session affinity), `reasoning` (`effort`, and `summary`: the whole reasoning as its one
@@ -30,8 +32,8 @@ import binascii
 import secrets
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn
 
 import orjson
 
@@ -76,6 +78,12 @@ MAX_METADATA_VALUE = 512
 MAX_ID_CHARS = 128
 #: The longest `prompt_cache_key` (a session key).
 MAX_CACHE_KEY_CHARS = 256
+#: What joins a namespace's name and its function's in the name the model sees (OpenAI's
+#: function names allow no dot; workers behind an OpenAI-compatible server check them).
+NAMESPACE_JOIN = "__"
+#: Bounds on `client_metadata` (a client's own ids, kept from the workers): `metadata`'s,
+#: but longer values, as Codex sends a JSON object of its turn's ids (about 750 characters).
+MAX_CLIENT_METADATA_VALUE = 4096
 #: Roles of an input message (OpenAI's; `system` and `developer` are both instructions).
 ROLES = frozenset({"user", "assistant", "system", "developer"})
 
@@ -138,6 +146,8 @@ class ResponsesBody:
     logprobs: int | None = None
     #: `conversation`'s id (None: none): the conversation this turn reads and extends.
     conversation: str | None = None
+    #: A namespace's functions by the flat name the model calls them: (namespace, name).
+    namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def new_id(prefix: str) -> str:
@@ -234,11 +244,13 @@ def _name(item: Mapping[str, Any], where: str) -> str:
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> Item:
+    """A call the model made, sent back; with its `namespace` where it called a
+    namespace's function (the prompt names it as the tools do: `flat_name`)."""
     name = _name(item, where)
     arguments = item.get("arguments")
     if not isinstance(arguments, str):
         raise invalid(f"{where}.arguments", "Invalid type: expected a string of JSON.")
-    return {
+    call = {
         "type": "function_call",
         "id": _item_id(item, where, "fc"),
         "call_id": _call_id(item, where),
@@ -246,6 +258,14 @@ def _function_call(item: Mapping[str, Any], where: str) -> Item:
         "arguments": arguments,
         "status": "completed",
     }
+    namespace = item.get("namespace")
+    if namespace is not None:
+        if not isinstance(namespace, str) or not _NAME.fullmatch(namespace):
+            raise invalid(
+                f"{where}.namespace", "Invalid namespace: 1-64 of a-z, A-Z, 0-9, _ and -."
+            )
+        call["namespace"] = namespace
+    return call
 
 
 def _function_output(item: Mapping[str, Any], where: str, images: list[int]) -> Item:
@@ -427,7 +447,8 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             messages.append(Message(role, text, images, parts=shown, reasoning=reasoning))
             thought = ""
         elif kind == "function_call":
-            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            name = flat_name(item.get("namespace"), item["name"])
+            call = ToolCall(item["call_id"], name, item["arguments"])
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant" and not thought:
                 messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
@@ -445,54 +466,105 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
 # -- tools and formats ------------------------------------------------------------
 
 
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a function: in a namespace, the two names joined by
+    `NAMESPACE_JOIN` (one name, as every chat template and tool parser writes calls)."""
+    return f"{namespace}{NAMESPACE_JOIN}{name}" if namespace else name
+
+
+def _function_tool(
+    tool: Mapping[str, Any], where: str, budget: SchemaBudget, namespace: str = "", about: str = ""
+) -> tuple[Tool, dict[str, Any]]:
+    """A function tool (a namespace's: under its flattened name, the namespace's
+    description `about` before its own), and as the response object shows it."""
+    name = _name(tool, where)
+    parameters = tool.get("parameters")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise invalid(f"{where}.parameters", "Invalid type: expected an object.")
+    if parameters is not None:
+        budget.check(parameters, f"{where}.parameters")
+    description = _string(tool, "description", f"{where}.") or ""
+    # OpenAI's default for a Responses function tool is strict
+    strict = tool.get("strict") is None or _flag(tool, "strict", f"{where}.")
+    told = "\n\n".join(text for text in (about, description) if text)
+    parsed = Tool(
+        flat_name(namespace, name),
+        told,
+        orjson.dumps(parameters).decode() if parameters is not None else "",
+        strict,
+    )
+    shown = {
+        "type": "function",
+        "name": name,
+        "description": description or None,
+        "parameters": parameters,
+        "strict": strict,
+    }
+    return parsed, shown
+
+
+def _refuse_type(kind: Any, where: str, served: str) -> NoReturn:
+    shown_kind = repr(kind[:40]) if isinstance(kind, str) else "this type"
+    raise invalid(f"{where}.type", f"Tools of type {shown_kind} are not supported: only {served}.")
+
+
 def _tools(
     body: Mapping[str, Any], budget: SchemaBudget
-) -> tuple[tuple[Tool, ...], list[dict[str, Any]]]:
-    """The function tools, and each as the response object shows it."""
+) -> tuple[tuple[Tool, ...], list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """The function tools as the model sees them (a namespace's flattened), each as the
+    response object shows it, and the namespaced ones' flat names → (namespace, name)."""
     tools = body.get("tools")
     if tools is None:
-        return (), []
+        return (), [], {}
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise invalid("tools", f"Invalid 'tools': expected a list of at most {MAX_TOOLS}.")
-    parsed, shown = [], []
+    parsed: dict[str, Tool] = {}
+    shown: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+
+    def add(tool: Tool, where: str) -> None:
+        if tool.name in parsed:
+            raise invalid(
+                f"{where}.name",
+                f"Invalid 'tools': two functions are named {tool.name!r} (a namespace's "
+                f"functions are named namespace{NAMESPACE_JOIN}name).",
+            )
+        if len(parsed) == MAX_TOOLS:
+            raise invalid("tools", f"Invalid 'tools': at most {MAX_TOOLS} functions in all.")
+        parsed[tool.name] = tool
+
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            shown_kind = repr(kind[:40]) if isinstance(kind, str) else "this type"
-            raise invalid(
-                f"{where}.type",
-                f"Tools of type {shown_kind} are not supported: only 'function'.",
-            )
-        name = _name(tool, where)
-        parameters = tool.get("parameters")
-        if parameters is not None and not isinstance(parameters, Mapping):
-            raise invalid(f"{where}.parameters", "Invalid type: expected an object.")
-        if parameters is not None:
-            budget.check(parameters, f"{where}.parameters")
-        description = _string(tool, "description", f"{where}.") or ""
-        # OpenAI's default for a Responses function tool is strict
-        strict = tool.get("strict") is None or _flag(tool, "strict", f"{where}.")
-        parsed.append(
-            Tool(
-                name,
-                description,
-                orjson.dumps(parameters).decode() if parameters is not None else "",
-                strict,
-            )
-        )
+        if kind == "function":
+            function, shown_function = _function_tool(tool, where, budget)
+            add(function, where)
+            shown.append(shown_function)
+            continue
+        if kind != "namespace":
+            _refuse_type(kind, where, "'function' and 'namespace'")
+        namespace = _name(tool, where)
+        about = _string(tool, "description", f"{where}.") or ""
+        members = tool.get("tools")
+        if not isinstance(members, list) or not members:
+            raise invalid(f"{where}.tools", "Invalid type: expected a non-empty list of tools.")
+        shown_members = []
+        for j, member in enumerate(members):
+            inner = f"{where}.tools[{j}]"
+            if not isinstance(member, Mapping) or member.get("type") != "function":
+                _refuse_type(
+                    member.get("type") if isinstance(member, Mapping) else None,
+                    inner,
+                    "'function' in a namespace",
+                )
+            function, shown_function = _function_tool(member, inner, budget, namespace, about)
+            add(function, inner)
+            namespaced[function.name] = (namespace, shown_function["name"])
+            shown_members.append(shown_function)
         shown.append(
-            {
-                "type": "function",
-                "name": name,
-                "description": description or None,
-                "parameters": parameters,
-                "strict": strict,
-            }
+            {"type": "namespace", "name": namespace, "description": about, "tools": shown_members}
         )
-    if len({tool.name for tool in parsed}) != len(parsed):
-        raise invalid("tools", "Invalid 'tools': function names must be unique.")
-    return tuple(parsed), shown
+    return tuple(parsed.values()), shown, namespaced
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> tuple[str, Any]:
@@ -569,19 +641,21 @@ def _text(
 # -- the rest -----------------------------------------------------------------------
 
 
-def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
-    value = body.get("metadata")
+def _metadata(
+    body: Mapping[str, Any], name: str = "metadata", longest: int = MAX_METADATA_VALUE
+) -> dict[str, str]:
+    """`metadata` (or `client_metadata`): at most 16 pairs of strings, keys of at most 64
+    characters, values of at most `longest`."""
+    value = body.get(name)
     if value is None:
         return {}
     if not isinstance(value, Mapping) or len(value) > MAX_METADATA:
-        raise invalid("metadata", f"Invalid 'metadata': an object of at most {MAX_METADATA} pairs.")
+        raise invalid(name, f"Invalid '{name}': an object of at most {MAX_METADATA} pairs.")
     for key, item in value.items():
         if len(key) > MAX_METADATA_KEY or not isinstance(item, str):
-            raise invalid(
-                "metadata", "Invalid 'metadata': keys of at most 64 chars, string values."
-            )
-        if len(item) > MAX_METADATA_VALUE:
-            raise invalid("metadata", "Invalid 'metadata': values of at most 512 characters.")
+            raise invalid(name, f"Invalid '{name}': keys of at most 64 chars, string values.")
+        if len(item) > longest:
+            raise invalid(name, f"Invalid '{name}': values of at most {longest} characters.")
     return dict(value)
 
 
@@ -656,7 +730,7 @@ def parse(body: Any) -> ResponsesBody:
     instructions = _string(body, "instructions")
     items = _items(body)
     schemas = SchemaBudget()  # the tools' and the format's, together
-    tools, shown_tools = _tools(body, schemas)
+    tools, shown_tools, namespaced = _tools(body, schemas)
     tool_choice, shown_choice = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -682,6 +756,8 @@ def parse(body: Any) -> ResponsesBody:
             )
         conversation = conversation_id(body["conversation"])
     session = _id(body, "prompt_cache_key", MAX_CACHE_KEY_CHARS) or ""
+    # checked, not sent to the workers nor repeated (OpenAI's response has no such field)
+    _metadata(body, "client_metadata", MAX_CLIENT_METADATA_VALUE)
     effort, summary = _reasoning(body)
     include = _include(body)
     # OpenAI's alternatives per token, shown with the include alone (as vLLM's server)
@@ -732,6 +808,7 @@ def parse(body: Any) -> ResponsesBody:
         encrypted=ENCRYPTED in include,
         logprobs=(top_logprobs or 0) if LOGPROBS in include else None,
         conversation=conversation,
+        namespaced=namespaced,
     )
 
 
