@@ -6,6 +6,8 @@
 #                                         own virtualenv .tools/venv
 #   .tools/bin/claude                     Claude Code, Anthropic's agent CLI (npm), a real
 #                                         client of the Messages API
+#   .tools/bin/codex                      Codex CLI, OpenAI's agent CLI (npm), a real client
+#                                         of the Responses API
 # and, system-wide from Debian's packages when missing, redis-server (the shared-limits tests
 # start their own on a free loopback port) and prometheus with its promtool (the alert rules'
 # unit tests, the docs' dashboard pictures).
@@ -144,6 +146,41 @@ else
   install -m 0755 "$work/package/claude" "$BIN/claude"
   "$BIN/claude" --version >/dev/null
   echo "$CLAUDE_CODE_VERSION" >"$claude_stamp"
+  rm -rf "$work"
+  trap - EXIT
+fi
+
+# --- Codex CLI, OpenAI's agent CLI: .tools/bin/codex ------------------------------------------
+# tests/test_codex.py runs the real client against the gateway's Responses API. The npm
+# package's platform package holds the CLI as one static (musl) executable and the
+# bubblewrap its Linux sandbox runs commands in, which it looks for next to itself: both go
+# in .tools/codex as the package lays them out, and .tools/bin/codex links to the CLI. Taken
+# from the npm registry as `npm pack` fetches it; no Node.js runs it.
+CODEX_VERSION="0.171.0"
+case "$(uname -m)" in
+  x86_64) codex_platform="linux-x64" codex_target="x86_64-unknown-linux-musl" ;;
+  aarch64 | arm64) codex_platform="linux-arm64" codex_target="aarch64-unknown-linux-musl" ;;
+  *) codex_platform="" codex_target="" ;;
+esac
+codex_stamp="$TOOLS/.codex-version"
+if [[ -z "$codex_platform" ]]; then
+  say "no Codex build for $(uname -m): tests/test_codex.py will say so"
+elif [[ -x "$BIN/codex" && -x "$TOOLS/codex/codex-resources/bwrap" &&
+  "$(cat "$codex_stamp" 2>/dev/null)" == "$CODEX_VERSION" ]]; then
+  say "Codex $CODEX_VERSION already installed"
+else
+  say "installing Codex $CODEX_VERSION ($codex_platform)"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "@openai/codex@$CODEX_VERSION-$codex_platform" >/dev/null)
+  vendor="package/vendor/$codex_target"
+  tar -xzf "$work"/*.tgz -C "$work" "$vendor/bin/codex" "$vendor/codex-resources/bwrap"
+  rm -rf "$TOOLS/codex" "$BIN/codex"
+  install -D -m 0755 "$work/$vendor/bin/codex" "$TOOLS/codex/bin/codex"
+  install -D -m 0755 "$work/$vendor/codex-resources/bwrap" "$TOOLS/codex/codex-resources/bwrap"
+  ln -s ../codex/bin/codex "$BIN/codex"
+  "$BIN/codex" --version >/dev/null
+  echo "$CODEX_VERSION" >"$codex_stamp"
   rm -rf "$work"
   trap - EXIT
 fi

@@ -1,5 +1,5 @@
 """The tools `bash deploy/install-tools.sh` puts in .tools/bin (helm, kubectl,
-kubernetes-validate, Claude Code), which PyPI does not ship as the project's
+kubernetes-validate, Claude Code, Codex), which PyPI does not ship as the project's
 dependencies; CI runs it first. A missing tool fails the test with that instruction;
 nothing is skipped.
 """
