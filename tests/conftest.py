@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from gateway.protocol.tls import ServerTLS
 from gateway.worker.server import WorkerServer
+from tests.support.clients import openai_sdk
 from tests.support.redis_server import RedisServer
 from tests.support.servers import (
     Gateway,
@@ -85,6 +87,14 @@ def gateway_with(server_loop: ServerLoop, workers: Workers) -> Iterator[Callable
 def client(gateway: Gateway) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http:
         yield http
+
+
+@pytest.fixture
+def api(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    """The official `openai` SDK on the shared gateway, closed after the test (a client
+    left to the garbage collector warns, and warnings are errors)."""
+    with openai_sdk(gateway.url) as sdk:
+        yield sdk
 
 
 @pytest.fixture(autouse=True)

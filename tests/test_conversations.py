@@ -35,26 +35,13 @@ from pydantic import TypeAdapter
 
 from gateway.edge.responses import store as store_module
 from gateway.edge.responses.conversation_store import MemoryConversations
+from tests.support.clients import async_openai_sdk, openai_sdk
 from tests.support.keys import keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
 
 ITEM = TypeAdapter(ConversationItem)
-
-
-def sdk(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
-
-
-def async_sdk(url: str, key: str = "none") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
-
-
-@pytest.fixture
-def api(gateway):
-    with sdk(gateway.url) as client:
-        yield client
 
 
 def _user(text: str) -> dict[str, Any]:
@@ -276,7 +263,7 @@ def test_the_agents_sdk_keeps_its_session_in_a_conversation(gateway):
     set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
 
     async def run() -> tuple[list[Any], list[Any], Any, int]:
-        async with async_sdk(gateway.url) as client:
+        async with async_openai_sdk(gateway.url) as client:
             agent = Agent(name="echo", model=OpenAIResponsesModel(DEMO_MODEL, client))
             session = OpenAIConversationsSession(openai_client=client)
             first = await Runner.run(agent, "hello session", session=session)
@@ -305,7 +292,7 @@ def test_the_agents_sdk_keeps_its_session_in_a_conversation(gateway):
 def test_another_teams_conversation_is_not_found(gateway_with):
     search, ads = new_key("search"), new_key("ads")
     gw = gateway_with(**keyed({"search": {}, "ads": {}}, {search: "search", ads: "ads"}))
-    with sdk(gw.url, search) as mine, sdk(gw.url, ads) as theirs:
+    with openai_sdk(gw.url, search) as mine, openai_sdk(gw.url, ads) as theirs:
         conversation = mine.conversations.create(items=[_user("secret")])
         item_id = mine.conversations.items.list(conversation.id).data[0].id
         for call in (
@@ -327,7 +314,7 @@ def test_another_teams_conversation_is_not_found(gateway_with):
 
 def test_items_and_conversations_are_bounded(gateway_with):
     gw = gateway_with(conversations_max_items=3, conversations_per_team=2)
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         with pytest.raises(openai.BadRequestError) as refused:
             api.conversations.create(items=[_user("x")] * 4)
         assert refused.value.body["param"] == "items"
@@ -358,7 +345,7 @@ def _appended_at_once(url: str) -> tuple[str, list[str]]:
     """Twenty pairs of items added at once; the conversation's texts."""
 
     async def run() -> tuple[str, list[str]]:
-        async with async_sdk(url) as client:
+        async with async_openai_sdk(url) as client:
             conversation = await client.conversations.create()
             await asyncio.gather(
                 *(
@@ -390,7 +377,7 @@ def test_appends_at_once_are_each_kept_whole(gateway):
 def test_two_replicas_share_conversations_in_redis(gateway_with, redis_server):
     one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
     two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    with sdk(one.url) as first, sdk(two.url) as second:
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
         conversation = first.conversations.create(items=[_user("alpha")], metadata={"a": "1"})
         assert second.conversations.retrieve(conversation.id).metadata == {"a": "1"}
         with second.responses.stream(
@@ -427,7 +414,7 @@ def test_redis_bounds_conversations_and_a_lost_redis_is_a_503(gateway_with, redi
         conversations_max_items=3,
         conversations_per_team=2,
     )
-    with sdk(gw.url) as api, httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+    with openai_sdk(gw.url) as api, httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         full = api.conversations.create(items=[_user("a"), _user("b"), _user("c")])
         with pytest.raises(openai.BadRequestError) as refused:
             api.conversations.items.create(full.id, items=[_user("d")])

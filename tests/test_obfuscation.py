@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import orjson
 import pytest
 
@@ -40,16 +39,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     },
 }
-
-
-def sdk(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD)
-
-
-@pytest.fixture
-def api(gateway) -> Iterator[openai.OpenAI]:
-    with sdk(gateway.url) as client:
-        yield client
 
 
 def events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[bytes]:

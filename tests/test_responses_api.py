@@ -22,6 +22,7 @@ from gateway.config import ModelConfig, RoutingConfig
 from gateway.edge.responses import store as store_module
 from gateway.edge.responses.store import Stored
 from gateway.worker.demo import DemoEngine
+from tests.support.clients import openai_sdk
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.requests import assert_openai_error
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
@@ -58,16 +59,6 @@ MESSAGE_END = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-def sdk(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
-
-
-@pytest.fixture
-def api(gateway):
-    with sdk(gateway.url) as client:
-        yield client
 
 
 def _kinds(events) -> list[str]:
@@ -166,7 +157,10 @@ def test_a_stream_failing_before_its_first_text_still_opens_the_response(gateway
     with its first text or reasoning), so none is closed."""
     gw = gateway_with(request_timeout=0.5)
     prompt = script(started=True, **plan)
-    with sdk(gw.url) as api, api.responses.stream(model=SCRIPTED_MODEL, input=prompt) as stream:
+    with (
+        openai_sdk(gw.url) as api,
+        api.responses.stream(model=SCRIPTED_MODEL, input=prompt) as stream,
+    ):
         events = list(stream)
     assert _kinds(events) == [*MESSAGE_EVENTS[:2], "error", "response.failed"]
     _assert_sequenced(events)
@@ -340,7 +334,7 @@ def test_a_streamed_response_is_stored(api):
 def test_a_conversation_continues_on_another_replica_sharing_redis(gateway_with, redis_server):
     one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
     two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    with sdk(one.url) as first_client, sdk(two.url) as second_client:
+    with openai_sdk(one.url) as first_client, openai_sdk(two.url) as second_client:
         first = first_client.responses.create(model=DEMO_MODEL, input="alpha beta")
         assert second_client.responses.retrieve(first.id).output_text == "alpha beta"
         with second_client.responses.stream(
@@ -360,7 +354,7 @@ def test_a_conversation_continues_on_another_replica_sharing_redis(gateway_with,
 
 def test_a_lost_redis_is_a_503_for_reads_and_answers_still_come(gateway_with, redis_server):
     gw = gateway_with(redis_url=redis_server.url, redis_timeout=0.2)
-    with sdk(gw.url) as api, httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+    with openai_sdk(gw.url) as api, httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         kept = api.responses.create(model=DEMO_MODEL, input="kept")
         redis_server.stop()
         for answer in (
@@ -384,7 +378,7 @@ def test_a_conversation_stays_on_the_worker_of_its_first_turn(gateway_with, serv
     routing = RoutingConfig(policy="round_robin")
     model = ModelConfig(DEMO_MODEL, workers=tuple(s.address for s in servers), routing=routing)
     gw = gateway_with(models=(model,))
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         for conversation in range(2):
             turn = api.responses.create(model=DEMO_MODEL, input=f"start {conversation}")
             before = [engine.calls for engine in engines]
@@ -407,7 +401,7 @@ def test_a_conversation_stays_on_the_worker_of_its_first_turn(gateway_with, serv
 def test_another_teams_response_is_not_found(gateway_with):
     search, ads = new_key("search"), new_key("ads")
     gw = gateway_with(**keyed({"search": {}, "ads": {}}, {search: "search", ads: "ads"}))
-    with sdk(gw.url, search) as mine, sdk(gw.url, ads) as theirs:
+    with openai_sdk(gw.url, search) as mine, openai_sdk(gw.url, ads) as theirs:
         created = mine.responses.create(model=DEMO_MODEL, input="secret words")
         assert mine.responses.retrieve(created.id).id == created.id
         with pytest.raises(openai.NotFoundError):
@@ -426,7 +420,7 @@ def test_another_teams_response_is_not_found(gateway_with):
 
 def test_the_store_keeps_the_newest_per_team(gateway_with):
     gw = gateway_with(responses_per_team=2)
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         ids = [api.responses.create(model=DEMO_MODEL, input=f"w{i}").id for i in range(3)]
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(ids[0])
@@ -452,7 +446,7 @@ def test_the_memory_store_bounds_a_teams_bytes(monkeypatch):
 
 def test_conversation_depth_and_items_are_bounded(gateway_with):
     gw = gateway_with(responses_max_depth=2, max_messages=3)
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         first = api.responses.create(model=DEMO_MODEL, input="a")
         second = api.responses.create(model=DEMO_MODEL, input="b", previous_response_id=first.id)
         with pytest.raises(openai.BadRequestError) as deep:

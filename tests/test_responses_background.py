@@ -18,15 +18,12 @@ import pytest
 
 from gateway.config import ModelConfig, QueueConfig
 from gateway.edge.responses import background as background_module
+from tests.support.clients import openai_sdk
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL, assert_nothing_left
 from tests.support.waiting import HANG_GUARD, wait_until
-
-
-def sdk(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
 
 
 def _until_status(client: openai.OpenAI, response_id: str, *statuses: str):
@@ -59,7 +56,7 @@ def test_a_background_response_is_queued_then_in_progress_then_completed(gateway
         ),
     )
     gw = gateway_with(max_concurrent_requests=1, models=models)
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         first = api.responses.create(
             model=SCRIPTED_MODEL, input=script(texts=3, delay=0.3), background=True
         )
@@ -82,7 +79,7 @@ def test_a_background_response_is_queued_then_in_progress_then_completed(gateway
 
 
 def test_the_demo_answers_a_background_response_as_a_foreground_one(gateway):
-    with sdk(gateway.url) as api:
+    with openai_sdk(gateway.url) as api:
         created = api.responses.create(
             model=DEMO_MODEL, input="one two three", background=True, metadata={"k": "v"}
         )
@@ -96,7 +93,7 @@ def test_the_demo_answers_a_background_response_as_a_foreground_one(gateway):
 
 def test_cancelling_a_running_one_stops_its_call_and_frees_its_slot(gateway_with, workers):
     gw = gateway_with(max_concurrent_requests=1)
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         created = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
         _until_status(api, created.id, "in_progress")
         wait_until(lambda: workers.scripted.active == 1, "the worker to run it")
@@ -123,7 +120,7 @@ def test_cancelling_a_running_one_stops_its_call_and_frees_its_slot(gateway_with
 
 def test_deleting_a_running_one_stops_it(gateway_with, workers):
     gw = gateway_with()
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         created = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
         _until_status(api, created.id, "in_progress")
         assert api.responses.delete(created.id) is None
@@ -135,7 +132,7 @@ def test_deleting_a_running_one_stops_it(gateway_with, workers):
 
 
 def test_a_cancel_of_a_finished_foreground_or_unknown_response_is_refused(gateway):
-    with sdk(gateway.url) as api:
+    with openai_sdk(gateway.url) as api:
         done = api.responses.create(model=DEMO_MODEL, input="a b", background=True)
         _until_status(api, done.id, "completed")
         with pytest.raises(openai.BadRequestError) as refused:
@@ -165,7 +162,7 @@ def test_a_client_that_goes_away_does_not_stop_it(gateway):
         head = raw.recv(65536)
     assert b" 200 " in head.split(b"\r\n", 1)[0]
     response_id = json.loads(head.split(b"\r\n\r\n", 1)[1])["id"]
-    with sdk(gateway.url) as api:  # gone while it runs
+    with openai_sdk(gateway.url) as api:  # gone while it runs
         assert api.responses.retrieve(response_id).status in ("queued", "in_progress")
         done = _until_status(api, response_id, "completed", "failed", "cancelled")
         assert done.status == "completed" and done.usage.output_tokens == 3
@@ -189,7 +186,7 @@ def test_background_without_store_is_refused_by_name(gateway):
 
 
 def test_a_failure_is_stored_as_failed_with_its_error(gateway):
-    with sdk(gateway.url) as api:
+    with openai_sdk(gateway.url) as api:
         refused = api.responses.create(
             model=SCRIPTED_MODEL, input=script(status="UNAVAILABLE"), background=True
         )
@@ -208,7 +205,7 @@ def test_a_team_runs_at_most_its_bound_of_background_responses(gateway_with, wor
         responses_max_background=2,
         **keyed({"alpha": {}, "beta": {}}, {key: "alpha", other: "beta"}),
     )
-    with sdk(gw.url, key) as api, sdk(gw.url, other) as beta:
+    with openai_sdk(gw.url, key) as api, openai_sdk(gw.url, other) as beta:
         running = [
             api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
             for _ in range(2)
@@ -237,7 +234,7 @@ def test_two_replicas_on_one_redis_share_it_and_a_cancel_at_one_stops_the_other(
     monkeypatch.setattr(background_module, "POLL", 0.1)
     one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
     two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    with sdk(one.url) as first, sdk(two.url) as second:
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
         done = first.responses.create(model=DEMO_MODEL, input="shared words", background=True)
         assert _until_status(second, done.id, "completed").output_text == "shared words"
         running = first.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
@@ -268,7 +265,7 @@ def _one_running_one_queued(gw, api: openai.OpenAI) -> tuple[str, str]:
 
 def test_cancelling_a_queued_one_takes_it_out_of_the_queue(gateway_with, workers):
     gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         running, waiting = _one_running_one_queued(gw, api)
         assert api.responses.cancel(waiting).status == "cancelled"
         assert gw.state.slots.queue.waiting() == 0  # out of the queue when the cancel answers
@@ -282,7 +279,7 @@ def test_a_drain_marks_the_background_responses_it_cuts(gateway_with, server_loo
     """The running one is cut after the drain's grace, the queued one refused: each is
     stored `failed` with the drain's error, before the drain is over."""
     gw = gateway_with(max_concurrent_requests=1, models=_queued_scripted(workers))
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         running, waiting = _one_running_one_queued(gw, api)
         drain = asyncio.run_coroutine_threadsafe(gw.state.inflight.drain(0.05), server_loop.loop)
         drain.result(HANG_GUARD)
@@ -308,7 +305,7 @@ def test_a_response_a_dead_replica_left_unfinished_reads_as_failed(
     readers see them `failed`."""
     gw = gateway_with()
     monkeypatch.setattr(background_module, "LOST_GRACE", -3600.0)  # already past it
-    with sdk(gw.url) as api:
+    with openai_sdk(gw.url) as api:
         running = api.responses.create(model=SCRIPTED_MODEL, input=_hanging(), background=True)
         lost = api.responses.retrieve(running.id)
         assert lost.status == "failed" and lost.error.code == "server_error"
@@ -330,7 +327,7 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_resumes(g
     """The POST streams the events as they come, `response.created` (queued) first; its
     client leaves after a few, the run goes on, and a GET with `stream` and
     `starting_after` reads the rest, in sequence, to `response.completed`."""
-    with sdk(gateway.url) as api:
+    with openai_sdk(gateway.url) as api:
         stream = api.responses.create(
             model=SCRIPTED_MODEL, input=script(texts=6, delay=0.1), background=True, stream=True
         )
@@ -362,7 +359,7 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_resumes(g
 
 
 def test_a_streamed_background_failure_ends_its_stream_with_response_failed(gateway):
-    with sdk(gateway.url) as api:
+    with openai_sdk(gateway.url) as api:
         events = list(
             api.responses.create(
                 model=SCRIPTED_MODEL,
@@ -377,7 +374,10 @@ def test_a_streamed_background_failure_ends_its_stream_with_response_failed(gate
 
 
 def test_resuming_what_has_no_events_here_is_refused_by_name(gateway):
-    with sdk(gateway.url) as api, httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http:
+    with (
+        openai_sdk(gateway.url) as api,
+        httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as http,
+    ):
         plain = api.responses.create(model=DEMO_MODEL, input="a", background=True)
         _until_status(api, plain.id, "completed")
         refused = http.get(f"/v1/responses/{plain.id}", params={"stream": "true"})

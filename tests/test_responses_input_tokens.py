@@ -17,6 +17,7 @@ import respx
 
 from gateway.edge.responses.params import generate_request, parse
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from tests.support.clients import openai_sdk
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.metrics import scrape, value
 from tests.support.requests import assert_openai_error
@@ -35,16 +36,6 @@ CHAT_WEATHER = {
     "function": {k: v for k, v in WEATHER.items() if k != "type"},
 }
 PATH = "/v1/responses/input_tokens"
-
-
-def sdk(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=HANG_GUARD)
-
-
-@pytest.fixture
-def api(gateway):
-    with sdk(gateway.url) as client:
-        yield client
 
 
 def test_a_count_is_the_prompt_chat_would_report(api):
@@ -196,7 +187,7 @@ def test_a_count_uses_no_tokens_and_is_one_request(api, gateway):
 def test_teams_count_with_their_keys_and_their_own_conversations(gateway_with):
     search, ads = new_key("search"), new_key("ads")
     gw = gateway_with(**keyed({"search": {}, "ads": {}}, {search: "search", ads: "ads"}))
-    with sdk(gw.url, search) as mine, sdk(gw.url, ads) as theirs:
+    with openai_sdk(gw.url, search) as mine, openai_sdk(gw.url, ads) as theirs:
         first = mine.responses.create(model=DEMO_MODEL, input="secret words")
         counted = mine.responses.input_tokens.count(input="more", previous_response_id=first.id)
         assert counted.input_tokens == 5  # the team's first model: the body named none
@@ -204,7 +195,7 @@ def test_teams_count_with_their_keys_and_their_own_conversations(gateway_with):
             theirs.responses.input_tokens.count(input="more", previous_response_id=first.id)
         assert hidden.value.body["param"] == "previous_response_id"
         with pytest.raises(openai.AuthenticationError):
-            sdk(gw.url, "sk-wrong").responses.input_tokens.count(model=DEMO_MODEL, input="a")
+            openai_sdk(gw.url, "sk-wrong").responses.input_tokens.count(model=DEMO_MODEL, input="a")
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         assert http.post(PATH, json={"input": "hi"}).status_code == 401
         answer = http.post(PATH, json={"input": "hi there"}, headers=bearer(ads))

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from gateway.edge.responses.params import MAX_CLIENT_METADATA_VALUE, messages_of, parse
 from tests.support.requests import assert_openai_error
 from tests.support.servers import DEMO_MODEL
-from tests.support.waiting import HANG_GUARD
 
 LOOKUP = {
     "type": "function",
@@ -39,14 +37,6 @@ CODEX_METADATA = {
     "session_id": "01a244e7-d1dc-72f0-87f0-eebd38d1969f",
     "x-codex-turn-metadata": json.dumps({f"field_{i}": "x" * 36 for i in range(20)}),
 }
-
-
-@pytest.fixture
-def api(gateway):
-    with openai.OpenAI(
-        base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD
-    ) as client:
-        yield client
 
 
 def test_a_namespaces_functions_reach_the_model_flattened_with_its_description():
