@@ -17,15 +17,11 @@ import logging
 import subprocess
 from pathlib import Path
 
-from gateway.config import ModelConfig
-from gateway.worker.demo import DEMO_MODEL, DemoEngine
+from gateway.worker.demo import DEMO_MODEL
+from tests.support.agents import agent_gateway, served
 from tests.support.installed import tool
-from tests.support.keys import keyed, new_key
-from tests.support.metrics import access_lines
+from tests.support.keys import new_key
 from tests.support.waiting import HANG_GUARD
-
-#: Claude Code's prompt, in the demo's words, fits in this with room for the answer.
-CONTEXT = 200_000
 
 
 def claude_code(binary: str, home: Path, url: str, key: str, prompt: str, turns: int = 1) -> dict:
@@ -63,19 +59,14 @@ def claude_code(binary: str, home: Path, url: str, key: str, prompt: str, turns:
 def test_claude_code_answers_through_the_gateway(gateway_with, serve_engines, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="furnace.access")
     binary = tool("claude")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
     key = new_key("agents")
-    gw = gateway_with(
-        models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),),
-        **keyed({"agents": {}}, {key: "agents"}),
-    )
+    gw = agent_gateway(gateway_with, serve_engines, key)
     result = claude_code(binary, tmp_path, gw.url, key, "hello through the gateway")
     assert result["is_error"] is False, result
     assert "hello through the gateway" in result["result"], result
     assert result["usage"]["input_tokens"] > 1000  # its whole prompt reached the model
     # every request it made (its answer's, and those it makes besides) was served
-    lines = access_lines(caplog)
-    assert lines and all(line["status"] == 200 for line in lines), lines
+    served(caplog)
 
 
 def test_claude_code_runs_the_tool_the_model_calls_and_sends_its_result_back(
@@ -87,22 +78,16 @@ def test_claude_code_runs_the_tool_the_model_calls_and_sends_its_result_back(
     `is_error`, which the demo then echoes."""
     caplog.set_level(logging.INFO, logger="furnace.access")
     binary = tool("claude")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
-    gw = gateway_with(models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),))
+    gw = agent_gateway(gateway_with, serve_engines)
     result = claude_code(binary, tmp_path, gw.url, "unused", "Read", turns=3)
     assert result["is_error"] is False and result["num_turns"] == 2, result
     assert result["result"].startswith("Error: EISDIR"), result
-    lines = access_lines(caplog)
-    assert len(lines) >= 2 and all(line["status"] == 200 for line in lines), lines
+    served(caplog, requests=2)
 
 
 def test_claude_code_with_a_wrong_key_is_told_so(gateway_with, serve_engines, tmp_path):
     binary = tool("claude")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
-    gw = gateway_with(
-        models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),),
-        **keyed({"agents": {}}, {new_key("agents"): "agents"}),
-    )
+    gw = agent_gateway(gateway_with, serve_engines, new_key("agents"))
     result = claude_code(binary, tmp_path, gw.url, new_key("nobody"), "hello")
     assert result["is_error"] is True
     assert result.get("api_error_status") == 401, result

@@ -19,15 +19,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gateway.config import ModelConfig
-from gateway.worker.demo import DEMO_MODEL, DemoEngine
+from gateway.worker.demo import DEMO_MODEL
+from tests.support.agents import agent_gateway, served
 from tests.support.installed import tool
-from tests.support.keys import keyed, new_key
-from tests.support.metrics import access_lines
+from tests.support.keys import new_key
 from tests.support.waiting import HANG_GUARD
-
-#: Codex's prompt, in the demo's words, fits in this with room for the answer.
-CONTEXT = 200_000
 
 #: The provider as docs/api/responses.md gives it (but the sandbox); `{url}` is the gateway's.
 CONFIG = """\
@@ -77,19 +73,14 @@ def items(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def test_codex_answers_through_the_gateway(gateway_with, serve_engines, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="furnace.access")
     binary = tool("codex")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
     key = new_key("agents")
-    gw = gateway_with(
-        models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),),
-        **keyed({"agents": {}}, {key: "agents"}),
-    )
+    gw = agent_gateway(gateway_with, serve_engines, key)
     events = codex(binary, tmp_path, gw.url, key, "hello through the gateway")
     assert [m["text"] for m in items(events, "agent_message")] == ["hello through the gateway"]
     (turn,) = [e for e in events if e["type"] == "turn.completed"]
     assert turn["usage"]["input_tokens"] > 1000  # its whole prompt reached the model
     # every request it made was served
-    lines = access_lines(caplog)
-    assert lines and all(line["status"] == 200 for line in lines), lines
+    served(caplog)
 
 
 def test_codex_runs_the_command_the_model_calls_and_sends_its_output_back(
@@ -100,15 +91,13 @@ def test_codex_runs_the_command_the_model_calls_and_sends_its_output_back(
     its history with it, which the demo then echoes."""
     caplog.set_level(logging.INFO, logger="furnace.access")
     binary = tool("codex")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
-    gw = gateway_with(models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),))
+    gw = agent_gateway(gateway_with, serve_engines)
     events = codex(binary, tmp_path, gw.url, "unused", "exec_command")
     (command,) = items(events, "command_execution")
     assert command["status"] == "completed" and command["exit_code"] == 0, command
     (answer,) = items(events, "agent_message")
     assert "Process exited with code 0" in answer["text"], answer
-    lines = access_lines(caplog)
-    assert len(lines) == 2 and all(line["status"] == 200 for line in lines), lines
+    served(caplog, requests=2)
 
 
 def test_codex_runs_the_namespaced_tool_the_model_calls(
@@ -120,22 +109,16 @@ def test_codex_runs_the_namespaced_tool_the_model_calls(
     call back with its namespace, which is served."""
     caplog.set_level(logging.INFO, logger="furnace.access")
     binary = tool("codex")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
-    gw = gateway_with(models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),))
+    gw = agent_gateway(gateway_with, serve_engines)
     events = codex(binary, tmp_path, gw.url, "unused", "multi_agent_v1__wait_agent")
     (answer,) = items(events, "agent_message")
     assert answer["text"] and answer["text"] != "multi_agent_v1__wait_agent", answer
-    lines = access_lines(caplog)
-    assert len(lines) == 2 and all(line["status"] == 200 for line in lines), lines
+    served(caplog, requests=2)
 
 
 def test_codex_with_a_wrong_key_is_told_so(gateway_with, serve_engines, tmp_path):
     binary = tool("codex")
-    (worker,) = serve_engines(DemoEngine(DEMO_MODEL, max_context=CONTEXT))
-    gw = gateway_with(
-        models=(ModelConfig(DEMO_MODEL, workers=(worker.address,)),),
-        **keyed({"agents": {}}, {new_key("agents"): "agents"}),
-    )
+    gw = agent_gateway(gateway_with, serve_engines, new_key("agents"))
     events = codex(binary, tmp_path, gw.url, new_key("nobody"), "hello")
     failed = [e for e in events if e["type"] == "turn.failed"]
     assert failed and "401" in json.dumps(failed), events
