@@ -261,7 +261,9 @@ def test_install_tools_leaves_installed_tools_alone():
     tool("helm")
     tool("kubectl")
     tool("kubernetes-validate")
+    tool("claude")
+    tool("codex")
     result = run(["bash", "deploy/install-tools.sh"])
-    # helm and kubectl, kubernetes-validate, redis-server, prometheus, vLLM, KServe: nothing
-    # fetched again
-    assert result.stderr.count("already installed") == 6, result.stderr
+    # helm and kubectl, kubernetes-validate, redis-server, prometheus, vLLM, Claude Code,
+    # Codex, KServe: nothing fetched again
+    assert result.stderr.count("already installed") == 8, result.stderr
