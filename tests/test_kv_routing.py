@@ -248,6 +248,10 @@ def test_a_session_stays_on_its_worker_until_it_is_overloaded(
     for i in range(4):  # and OpenAI's `prompt_cache_key`, before `user`
         _ask(http, f"turn {i}", body={"prompt_cache_key": "prefix-1", "user": f"u{i}"})
     assert sorted(e.served - n for e, n in zip(engines, before, strict=True)) == [0, 4]
+    before = [e.served for e in engines]
+    for i in range(4):  # and Claude Code's session header
+        _ask(http, f"turn {i}", headers={"x-claude-code-session-id": "5f1c-claude"})
+    assert sorted(e.served - n for e, n in zip(engines, before, strict=True)) == [0, 4]
     refused = http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "a", "prompt_cache_key": "k" * 257},

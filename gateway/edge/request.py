@@ -82,6 +82,8 @@ _READ = {
     b"traceparent": _TRACE_HEADER,
     b"x-furnace-priority": _PRIORITY_HEADER,
     b"x-session-id": _SESSION_HEADER,
+    # Claude Code's per-session id, on each of its requests: its conversation's key too
+    b"x-claude-code-session-id": _SESSION_HEADER,
     b"inference-header-content-length": _INFERENCE_HEADER,
 }
 
@@ -168,7 +170,8 @@ MAX_SESSION_ID = 256
 
 
 def session(ex: Exchange) -> str:
-    """The request's `x-session-id` (routing keeps a conversation on one worker), or ""."""
+    """The request's `x-session-id` (routing keeps a conversation on one worker; Claude
+    Code's `x-claude-code-session-id` is taken as one), or ""."""
     value = ex.headers.session
     if value is None:
         return ""
