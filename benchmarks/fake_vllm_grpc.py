@@ -8,7 +8,10 @@ until `max_tokens`; then a `complete` with finish reason `length`. `GetModelInfo
 `HealthCheck`, `GetLoads`, `Abort` and `grpc.health.v1` answer as vLLM's do. The streams
 share the steps, as a batch does: their tokens of a step go out together.
 
-Not an engine: the prompt's ids are only counted. Used by `benchmarks/profile_gateway.py`.
+Not an engine: the prompt's ids are only counted, and remembered as a prefix cache of
+whole prompts would: a prompt sent before has its whole blocks of `BLOCK` tokens cached
+(`cached_tokens` on each message, as vLLM's say `num_cached_tokens`). Used by
+`benchmarks/profile_gateway.py`.
 
 Run: `python -m benchmarks.fake_vllm_grpc --port N --model-dir DIR [--step-ms MS]
 [--tokens-per-chunk N] [--served-model-name NAME]`.
@@ -36,6 +39,10 @@ TEXT = (
     "back as it comes, one token at a time, never splitting a character: café, naïve. "
 )
 CONTEXT = 1024
+#: Tokens a block of the stand-in's prefix cache holds (vLLM's default block size).
+BLOCK = 16
+#: Prompts it remembers before it forgets them all.
+REMEMBERED = 10_000
 
 
 class FakeVllm(pb_grpc.VllmEngineServicer):
@@ -47,11 +54,23 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
         self.ids, self.eos, self.step, self.per_chunk = ids, eos, step, per_chunk
         self.model_dir, self.name = model
         self.steps = Steps(step)
+        self.seen: set[bytes] = set()  # the prompts sent before, as their ids' bytes
+
+    def _cached(self, ids: list[int]) -> int:
+        """The prompt's cached tokens: its whole blocks, where it was sent before."""
+        key = b"".join(i.to_bytes(4, "little") for i in ids)
+        if key in self.seen:
+            return len(ids) // BLOCK * BLOCK
+        if len(self.seen) >= REMEMBERED:
+            self.seen.clear()
+        self.seen.add(key)
+        return 0
 
     async def Generate(
         self, request: pb.GenerateRequest, context: object
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.tokenized.input_ids)
+        cached = self._cached(list(request.tokenized.input_ids))
         wanted = request.sampling_params.max_tokens or 16
         ids = list(itertools.islice(itertools.cycle(self.ids), wanted))
         sent = 0
@@ -63,13 +82,17 @@ class FakeVllm(pb_grpc.VllmEngineServicer):
                 for _ in tokens:
                     await self.steps.next()
             chunk = pb.GenerateStreamChunk(
-                token_ids=tokens, prompt_tokens=prompt, completion_tokens=sent
+                token_ids=tokens, prompt_tokens=prompt, completion_tokens=sent, cached_tokens=cached
             )
             yield pb.GenerateResponse(chunk=chunk)
         # the end repeats the last chunk's tokens, as vLLM's does (a streaming client
         # adds up the chunks)
         done = pb.GenerateComplete(
-            output_ids=tokens, finish_reason="length", prompt_tokens=prompt, completion_tokens=sent
+            output_ids=tokens,
+            finish_reason="length",
+            prompt_tokens=prompt,
+            completion_tokens=sent,
+            cached_tokens=cached,
         )
         yield pb.GenerateResponse(complete=done)
 

@@ -1403,3 +1403,22 @@ def test_polls_in_flight_when_the_upstream_closes_leave_no_socket():
     assert type(closed) is errors.Unavailable
     assert heads[0].startswith(b"GET /metrics/?") and heads[1].startswith(b"GET /health ")
     assert ends == [b"", b""] and left == 0
+
+
+@respx.mock
+def test_the_usages_cached_prompt_tokens_ride_on_finished():
+    """vLLM's usage with `--enable-prompt-tokens-details` says the prompt's cached tokens;
+    without it (the test above) `Finished` says none (None)."""
+    usage = {
+        "prompt_tokens": 9,
+        "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    respx.post(f"{BASE}/chat/completions").respond(
+        200,
+        content=sse(chunk("Hi"), chunk(finish="stop"), chunk(usage=usage), "[DONE]"),
+        headers={"content-type": "text/event-stream"},
+    )
+    events, failure, _ = anyio.run(run, CHAT)
+    assert failure is None
+    assert events[-1] == Finished(FinishReason.STOP, 1, 9, cached_tokens=8)

@@ -163,3 +163,41 @@ def test_an_answer_of_several_tokens_a_message_reads_as_vllm_steps_its_detokeniz
     assert "".join(event.text for event in events if isinstance(event, Text)) == expected
     end = events[-1]
     assert isinstance(end, Finished) and end.completion_tokens == len(ids)
+
+
+def test_a_prompt_sent_again_reports_the_engines_cached_tokens(model_dir: Path):
+    """vLLM says a prompt's cached tokens on each message and at its end: the stand-in
+    holds the whole blocks of a prompt it saw, so the second call of the same one has
+    them, in `Started` (when the engine's first message came before it went out) and
+    in `Finished` (always: a `Started` sent before that message could not say them)."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+
+    async def twice() -> list[list[Event]]:
+        server = grpc.aio.server()
+        pb_grpc.add_VllmEngineServicer_to_server(
+            FakeVllm(ids, [], 0.0, 1, (str(model_dir), MODEL)), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        upstream = VllmGrpcUpstream(f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir))
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+        request = GenerateRequest(model=MODEL, prompt=TEXT * 2, sampling=sampling)
+        answers = []
+        try:
+            for _ in range(2):
+                call = upstream.call(request, timeout=HANG_GUARD)
+                answers.append([event async for event in call])
+        finally:
+            await upstream.close()
+            await server.stop(None)
+        return answers
+
+    first, second = asyncio.run(twice())
+    prompt = first[0].prompt_tokens if isinstance(first[0], Started) else 0
+    cached = prompt // 16 * 16
+    assert cached >= 32
+    assert isinstance(first[0], Started) and first[0].cached_tokens == 0
+    assert isinstance(first[-1], Finished) and first[-1].cached_tokens == 0
+    assert isinstance(second[0], Started) and second[0].cached_tokens in (0, cached)
+    assert isinstance(second[-1], Finished) and second[-1].cached_tokens == cached

@@ -239,7 +239,8 @@ def event_to_proto(event: Event) -> pb.GenerateEvent:
             reasoning=pb.Reasoning(text=event.text, tokens=event.tokens, index=event.index)
         )
     if type(event) is Started:
-        return pb.GenerateEvent(started=pb.Started(prompt_tokens=event.prompt_tokens))
+        started = pb.Started(prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens)
+        return pb.GenerateEvent(started=started)
     assert type(event) is Finished
     return pb.GenerateEvent(
         finished=pb.Finished(
@@ -268,7 +269,8 @@ def event_from_proto(message: pb.GenerateEvent, logprobs: bool = False) -> Event
         thought = message.reasoning
         return Reasoning(thought.text, thought.tokens, thought.index)
     if kind == "started":
-        return Started(message.started.prompt_tokens)
+        started = message.started
+        return Started(started.prompt_tokens, started.cached_tokens)
     if kind == "finished":
         finished = message.finished
         reason = PROTO_TO_REASON.get(finished.reason)

@@ -193,9 +193,11 @@ class Embeddings:
 
 
 class Started(NamedTuple):
-    """First event: the worker accepted the request."""
+    """First event: the worker accepted the request; how many of the prompt's tokens
+    its engine found in its prefix cache (0: none, or it does not say)."""
 
     prompt_tokens: int
+    cached_tokens: int = 0
 
 
 class TokenLogprob(NamedTuple):
@@ -242,7 +244,8 @@ class ToolCallDelta(NamedTuple):
 class Finished(NamedTuple):
     """Last event of choice `index`: why its answer ended and how many tokens it
     took; the prompt's tokens too when the worker could not say them in `Started`
-    (HTTP upstreams). A call ends after the Finished of each of its n choices."""
+    (HTTP upstreams), and the prompt's cached tokens when it learnt them only at the end
+    (None: `Started` said them). A call ends after the Finished of each of its n choices."""
 
     reason: FinishReason
     completion_tokens: int
@@ -250,6 +253,7 @@ class Finished(NamedTuple):
     index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
     #: The stop string that ended the choice (reason STOP); "": the model ended it.
     stop_sequence: str = ""
+    cached_tokens: int | None = None
 
 
 Event = Started | Text | Reasoning | ToolCallDelta | Finished

@@ -36,6 +36,7 @@ class AccessLog:
             "outcome": record.outcome or Outcome.ENGINE_ERROR,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
             "prompt_tokens": prompt_tokens,
+            "cached_tokens": record.cached_tokens,  # of the prompt's, from its prefix cache
             "completion_tokens": completion_tokens,
             "duration_ms": round((end - record.started_at) * 1000, 3),
         }

@@ -60,6 +60,9 @@ class RequestRecord:
     outcome: Outcome | None = None
     reason = ""
     prompt_tokens = 0
+    #: Of the prompt's tokens, those the engine found in its prefix cache (its word, in
+    #: `Started` or at the end in `Finished`); reported, never billed apart.
+    cached_tokens = 0
     completion_tokens = 0
     tokens_sent = 0  # completion tokens written so far (a team's limits read it)
     first_token_at: float | None = None
@@ -102,11 +105,14 @@ class RequestRecord:
                     self.completion_tokens += event.completion_tokens
                     if event.prompt_tokens is not None:
                         self.prompt_tokens = event.prompt_tokens
+                    if event.cached_tokens is not None:
+                        self.cached_tokens = event.cached_tokens
                     self.choices_left -= 1
                     if self.choices_left <= 0:
                         self.finished = event
                 elif isinstance(event, Started):
                     self.prompt_tokens = event.prompt_tokens
+                    self.cached_tokens = event.cached_tokens
                 elif type(event) is ToolCallDelta or type(event) is Reasoning:
                     tokens += event.tokens
         tokens += sum(map(_tokens, texts))

@@ -504,7 +504,7 @@ class VllmGrpcCall(StreamBookkeeping):
             choice = self._choice(chunk.index)
             if not self._started:
                 self._started = True
-                self._pending.append(Started(chunk.prompt_tokens))
+                self._pending.append(Started(chunk.prompt_tokens, chunk.cached_tokens))
             if choice.plain:  # its logprobs field is not read (a message object each)
                 self._plain(choice, chunk.token_ids)
             elif not choice.done:
@@ -519,12 +519,15 @@ class VllmGrpcCall(StreamBookkeeping):
                 raise failure(f"The vLLM worker ended the answer: {done.finish_reason or '?'}")
             if not self._started:  # nothing streamed before: the engine's counts alone
                 self._started = True
-                self._pending.append(Started(done.prompt_tokens))
+                self._pending.append(Started(done.prompt_tokens, done.cached_tokens))
             if not choice.done:
                 if not choice.received:  # a choice whose tokens came only here
                     self._text(choice, done.output_ids, done.output_logprobs)
                 if not choice.done:
-                    self._finish(choice, FINISH_REASONS[done.finish_reason], done.completion_tokens)
+                    reason = FINISH_REASONS[done.finish_reason]
+                    # the prompt's cached count again: a Started sent before the engine's
+                    # first message (HEAD_GRACE) could not say it
+                    self._finish(choice, reason, done.completion_tokens, done.cached_tokens)
 
     def _choice(self, index: int) -> _Choice:
         if index >= len(self._choices):
@@ -620,7 +623,13 @@ class VllmGrpcCall(StreamBookkeeping):
         return text, tokens
 
     def _finish(
-        self, choice: _Choice, reason: FinishReason, completion_tokens: int, *, flush: bool = True
+        self,
+        choice: _Choice,
+        reason: FinishReason,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        *,
+        flush: bool = True,
     ) -> None:
         # The detokenizer is not flushed: the first bytes of a character the answer ended in
         # are dropped, as vLLM's server drops them (its detokenizer's text is all it says).
@@ -636,7 +645,7 @@ class VllmGrpcCall(StreamBookkeeping):
             reason = choice.calls.finish_reason(reason)
             stop = choice.stop.matched if reason is FinishReason.STOP else ""
         tokens = max(completion_tokens, choice.received)
-        self._pending.append(Finished(reason, tokens, None, choice.index, stop))
+        self._pending.append(Finished(reason, tokens, None, choice.index, stop, cached_tokens))
         choice.done = True
         self._left -= 1
         if self._left == 0:

@@ -47,7 +47,11 @@ them kept, least recently used dropped first; each accepted request stores its b
 and publishes what it stored and evicted on `SubscribeKvEvents`, with a load record
 (running requests, cache use). `prefill_delay` seconds per block the cache did not hold
 pass before the first token, as a GPU's prefill would (0: none). `kv_blocks=0`: no
-cache, no events.
+cache, no events. `Started` says the prompt's cached tokens: the words (its tokens)
+that lie in the blocks the cache held, each with the separator after it (a space, or
+the NUL ending its message), so a word the last held block cuts, or ends, is not
+cached; roles are not words (`cached_words`). A prompt sent again finds its whole
+blocks held: 192 of a 205-byte prompt's bytes.
 
 Its counters are for tests and the soak benchmark (a few integer adds a call):
 every generation it saw ends one way, so once `running` is 0,
@@ -187,6 +191,19 @@ def _pieces(text: str) -> list[str]:
     return [text[i : i + JSON_PIECE] for i in range(0, len(text), JSON_PIECE)] or [""]
 
 
+def cached_words(head: bytes, chat: bool) -> int:
+    """The words of a prompt's cached bytes `head` (as `prompt_bytes` renders it:
+    role NUL content NUL per message for a chat), each followed by its separator
+    there: the module's rule for the demo's cached tokens."""
+    # a text prompt is one content; a chat's contents are its odd pieces
+    pieces = head.split(b"\x00") if chat else [b"", head]
+    words = sum(len(piece.split()) for piece in pieces[1:-1:2])  # contents ended by NUL
+    if len(pieces) % 2 == 0:  # the last piece is a content the cache cut: its last
+        last = pieces[-1]  # word counts when a space follows it there
+        words += len(last.split()) - (bool(last) and not last[-1:].isspace())
+    return words
+
+
 class DemoEngine(Engine):
     """Echoes the prompt's last text back, word by word (see the module's rules)."""
 
@@ -263,9 +280,9 @@ class DemoEngine(Engine):
         self.served += 1
         self.running += 1
         done = False
-        uncached = self._admit(request)
+        uncached, cached = self._admit(request)
         try:
-            yield Started(prompt_tokens)
+            yield Started(prompt_tokens, cached)
             if uncached and self.prefill_delay:
                 await asyncio.sleep(uncached * self.prefill_delay)
             tokens = 0
@@ -294,14 +311,17 @@ class DemoEngine(Engine):
         """The cache model's events (None with `kv_blocks=0`)."""
         return None if self.kv_cache is None else self.kv_cache.publisher
 
-    def _admit(self, request: GenerateRequest) -> int:
-        """Runs the prompt through the cache model; the blocks it did not hold."""
+    def _admit(self, request: GenerateRequest) -> tuple[int, int]:
+        """Runs the prompt through the cache model: the blocks it did not hold, and the
+        prompt's tokens it did (`cached_words`)."""
         cache = self.kv_cache
         if cache is None:
-            return 0
+            return 0, 0
         data = prompt_bytes(request)
         load = EngineLoad(running=self.running, kv_usage=cache.usage)
-        return len(data) // cache.block_size - cache.admit(data, load)
+        held = cache.admit(data, load)
+        cached = cached_words(data[: held * cache.block_size], request.messages is not None)
+        return len(data) // cache.block_size - held, cached
 
     @staticmethod
     def _thought(request: GenerateRequest, last: str) -> list[Reasoning]:

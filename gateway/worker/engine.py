@@ -17,10 +17,11 @@ from gateway.worker.kv_events import KvPublisher
 class Engine(ABC):
     """A model runtime, as the worker SDK drives it.
 
-    `generate` yields `Started` first, then `Text` pieces (with `logprobs`, one
-    per token, when the request asks for them) and `ToolCallDelta`s (a call's
-    id and name first, then its arguments' JSON in pieces), then `Finished`
-    (`TOOL_CALLS` after calls). It refuses a request by raising an
+    `generate` yields `Started` first (the prompt's tokens, and those its prefix
+    cache held where the engine knows them: the SDK passes them on), then `Text`
+    pieces (with `logprobs`, one per token, when the request asks for them) and
+    `ToolCallDelta`s (a call's id and name first, then its arguments' JSON in
+    pieces), then `Finished` (`TOOL_CALLS` after calls). It refuses a request by raising an
     `GatewayError` (`TooLong`, `Invalid`, `Busy`, ...) before yielding `Started`.
     When the call is cancelled, the SDK closes the generator (CancelledError or
     GeneratorExit at its current `await`/`yield`): free the request's resources

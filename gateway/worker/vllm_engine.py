@@ -426,7 +426,9 @@ class VllmEngine(Engine):
                 done = output.finished  # nothing left to abort, even if closed from here
                 if not started:
                     started = True
-                    yield Started(len(output.prompt_token_ids or ()) or (length or 0))
+                    # the prompt's tokens its prefix cache held (an older vLLM: none said)
+                    cached = getattr(output, "num_cached_tokens", None) or 0
+                    yield Started(len(output.prompt_token_ids or ()) or (length or 0), cached)
                 for completion in output.outputs:
                     for choice in choices if copied else (choices[completion.index],):
                         for event in choice.step(completion):

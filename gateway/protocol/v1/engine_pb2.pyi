@@ -194,10 +194,12 @@ class GenerateEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., text: _Optional[_Union[Text, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallDelta, _Mapping]] = ..., reasoning: _Optional[_Union[Reasoning, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("prompt_tokens",)
+    __slots__ = ("prompt_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Text(_message.Message):
     __slots__ = ("text", "tokens", "index", "logprobs")

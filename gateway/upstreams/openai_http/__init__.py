@@ -25,7 +25,8 @@ with their first event, so an error event in its place is still a refusal; at mo
 so that the edge's head reaches the client while the engine prefills, as
 vLLM's own server sends it (the client's work on a head then overlaps the prefill:
 about 1 ms of added TTFT on a 2-core VM, `benchmarks/bench_vllm.py --relay`). The
-prompt tokens ride on `Finished` from their usage chunk.
+prompt tokens ride on `Finished` from their usage chunk (with its
+`prompt_tokens_details.cached_tokens`, which vLLM sends with `--enable-prompt-tokens-details`).
 
 One job a module:
 

@@ -101,6 +101,7 @@ class _Stream:
     done = False
     _size = 0  # the unfinished line's bytes
     _prompt_tokens: int | None = None
+    _cached_tokens: int | None = None  # their usage's prompt_tokens_details.cached_tokens
     _total: int | None = None
     # The template of a plain text chunk (or a thought's): the bytes before and after its
     # text's JSON string, cut inside its quotes (b"" while there is none), where that
@@ -284,6 +285,9 @@ class _Stream:
         usage = payload.get("usage")
         if usage and type(usage) is dict:
             self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
+            details = usage.get("prompt_tokens_details")  # vLLM's only where enabled
+            if details and type(details) is dict and type(details.get("cached_tokens")) is int:
+                self._cached_tokens = details["cached_tokens"]
             if not choices:
                 self._total = usage.get("completion_tokens", self._total)
             else:
@@ -442,8 +446,7 @@ class _Stream:
         reasons, usages, total = self._reasons, self._usages, self._total
         if self.n == 1 and not usages:  # most calls: the count below, without its walk
             count = self._counted[0] if total is None else max(0, total - sum(usages.values()))
-            reason, stop = reasons.get(0, FinishReason.STOP), self._stops.get(0, "")
-            self.ready.append(Finished(reason, count, self._prompt_tokens, 0, stop))
+            self.ready.append(self._finished(0, count))
             return
         order = [*reasons]
         if len(order) < self.n:
@@ -463,6 +466,10 @@ class _Stream:
                 count = max(0, total - sum(usages.values()))
             else:
                 count = 0
-            reason = reasons.get(i, FinishReason.STOP)
-            stop = self._stops.get(i, "")
-            self.ready.append(Finished(reason, count, self._prompt_tokens, i, stop))
+            self.ready.append(self._finished(i, count))
+
+    def _finished(self, index: int, count: int) -> Finished:
+        """Choice `index`'s `Finished`, of `count` tokens, with the usage's prompt counts."""
+        reason = self._reasons.get(index, FinishReason.STOP)
+        stop = self._stops.get(index, "")
+        return Finished(reason, count, self._prompt_tokens, index, stop, self._cached_tokens)
