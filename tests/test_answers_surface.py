@@ -21,7 +21,7 @@ from gateway.protocol.types import (
 )
 from gateway.telemetry import RequestRecord
 from tests.support.metrics import access_lines
-from tests.support.requests import opened, sse_events, user
+from tests.support.requests import NO_CACHE, opened, sse_events, user
 from tests.support.waiting import HANG_GUARD, wait_until
 
 WEATHER = {
@@ -115,7 +115,12 @@ def test_n_choices_stream_interleaved_role_first_finish_each_usage_once(client):
     )
     *content, last = chunks
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    assert last["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 9,
+        "total_tokens": 12,
+        **NO_CACHE,
+    }
     assert all(c["usage"] is None for c in content)
     assert all(len(c["choices"]) == 1 for c in content)  # one choice per chunk
     by_index: dict[int, list[dict]] = {0: [], 1: [], 2: []}
@@ -151,7 +156,12 @@ def test_continuous_usage_puts_each_choices_usage_so_far_in_every_chunk(client, 
         body["prompt"] = "a b c"
     *content, last = chunks_of(client, path, body)
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert last["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+        **NO_CACHE,
+    }
     seen: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
     for chunk in content:
         (choice,) = chunk["choices"]

@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape, value
+from tests.support.requests import whole_input
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
@@ -149,7 +150,7 @@ def test_claude_codes_billing_header_is_left_out_of_the_prompt(claude):
     asked = {"model": DEMO_MODEL, "max_tokens": 8, "messages": say("hello")}
     plain = claude.messages.create(**asked, system="be brief")
     headed = claude.messages.create(**asked, system=[header, {"type": "text", "text": "be brief"}])
-    assert headed.usage.input_tokens == plain.usage.input_tokens == 3
+    assert whole_input(headed.usage) == whole_input(plain.usage) == 3
 
 
 def test_deferred_tools_are_left_out_of_the_models_tools(claude):
@@ -271,7 +272,7 @@ def test_a_stream_sends_anthropics_events_in_order(claude):
         "message_stop",
     ]
     assert final.stop_reason == "end_turn"
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (3, 3)
+    assert (whole_input(final.usage), final.usage.output_tokens) == (3, 3)
 
 
 def test_the_stream_on_the_wire_names_each_event(gateway):
@@ -287,7 +288,7 @@ def test_the_stream_on_the_wire_names_each_event(gateway):
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     start = payloads[0]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == 2
+    assert whole_input(start["usage"]) == 2
 
 
 # -- tools ---------------------------------------------------------------------
@@ -489,7 +490,7 @@ def test_claude_codes_clear_thinking_keep_all_asks_nothing(claude):
     )
     assert edited.context_management is not None
     assert edited.context_management.applied_edits == []
-    assert edited.usage.input_tokens == plain.usage.input_tokens == 16
+    assert whole_input(edited.usage) == whole_input(plain.usage) == 16
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -508,10 +509,10 @@ def test_clear_thinking_leaves_earlier_turns_thoughts_out(claude, stream):
         with claude.beta.messages.stream(**asked) as events:
             deltas = [e for e in events if e.type == "message_delta"]
         (delta,) = deltas
-        context, input_tokens = delta.context_management, delta.usage.input_tokens
+        context, input_tokens = delta.context_management, whole_input(delta.usage)
     else:
         message = claude.beta.messages.create(**asked)
-        context, input_tokens = message.context_management, message.usage.input_tokens
+        context, input_tokens = message.context_management, whole_input(message.usage)
     assert input_tokens == 16 - 5
     assert context is not None
     (applied,) = context.applied_edits
@@ -527,7 +528,7 @@ def test_clear_thinking_keeps_the_turns_it_is_told(claude):
         **asked, max_tokens=8, thinking=thinking, context_management=both, betas=CONTEXT_BETA
     )
     assert kept.context_management.applied_edits == []
-    assert kept.usage.input_tokens == 16
+    assert whole_input(kept.usage) == 16
     counted = claude.beta.messages.count_tokens(
         **asked,
         thinking=thinking,
@@ -612,7 +613,7 @@ def test_count_tokens_counts_what_the_answer_bills(claude):
     answered = claude.messages.create(
         model=DEMO_MODEL, max_tokens=8, system="be brief", messages=messages
     )
-    assert counted.input_tokens == answered.usage.input_tokens == 7
+    assert counted.input_tokens == whole_input(answered.usage) == 7
     schema = {"type": "object", "properties": {}}
     shaped = claude.messages.count_tokens(  # a format asks nothing of the prompt here
         model=DEMO_MODEL,

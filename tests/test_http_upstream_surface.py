@@ -37,7 +37,7 @@ from gateway.protocol.types import (
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
 from tests.support.certs import CertificateAuthority
 from tests.support.conformance import vllm_metric
-from tests.support.openai_server import OpenAIServer, embedding
+from tests.support.openai_server import CACHED, OpenAIServer, embedding
 from tests.support.requests import user
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
 from tests.support.vllm import VllmProcess
@@ -509,3 +509,29 @@ def test_a_named_tool_choice_the_upstream_ends_with_tool_calls_is_relayed(embedd
         reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert [r for r in reasons if r] == ["tool_calls"]
     assert server.last_body["tool_choice"] == named
+
+
+def test_the_upstreams_cached_prompt_tokens_reach_every_apis_usage(embedder):
+    """Our server's usage says 2 of the prompt's 3 tokens were cached (as vLLM's does with
+    `--enable-prompt-tokens-details`): the chat's usage, whole and streamed, the
+    Responses API's and Anthropic's (its input then the 1 not cached) relay it."""
+    client, _ = embedder
+    ask: dict[str, Any] = {"model": EMBEDDER, "messages": [{"role": "user", "content": "hi"}]}
+    whole = client.chat.completions.create(**ask)
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == CACHED
+    chunks = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == CACHED
+    response = client.responses.create(model=EMBEDDER, input="hi")
+    assert response.usage is not None
+    assert response.usage.input_tokens_details.cached_tokens == CACHED
+    base = str(client.base_url).removesuffix("/v1/")
+    message = httpx.post(
+        base + "/v1/messages", json={**ask, "max_tokens": 8}, timeout=HANG_GUARD
+    ).json()
+    assert message["usage"]["input_tokens"] == 3 - CACHED
+    assert message["usage"]["cache_read_input_tokens"] == CACHED

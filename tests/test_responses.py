@@ -4,7 +4,7 @@ import anyio
 import openai
 import pytest
 
-from tests.support.requests import sse_events, user
+from tests.support.requests import NO_CACHE, sse_events, user
 from tests.support.waiting import HANG_GUARD
 
 
@@ -28,7 +28,12 @@ def test_chat_completion_shape(client):
             "finish_reason": "stop",
         }
     ]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        **NO_CACHE,
+    }
 
 
 def test_prompt_tokens_count_every_message(client):
@@ -49,7 +54,12 @@ def test_completion_shape_and_length(client):
     assert body["choices"] == [
         {"index": 0, "text": "one two", "logprobs": None, "finish_reason": "length"}
     ]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        **NO_CACHE,
+    }
 
 
 def test_ids_are_unique(client):
@@ -93,7 +103,12 @@ def test_stream_include_usage(client):
     assert all(c["usage"] is None for c in chunks[:-1])
     last = chunks[-1]
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert last["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        **NO_CACHE,
+    }
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 

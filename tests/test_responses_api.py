@@ -96,7 +96,9 @@ def test_a_whole_response(api):
     usage = response.usage
     # the demo's prompt counts the words of every message, the instructions' too
     assert usage.input_tokens == 5 and usage.output_tokens == 3 and usage.total_tokens == 8
-    assert usage.input_tokens_details.cached_tokens == 0
+    # what the demo's prefix cache held of it from the session's earlier prompts (the
+    # exact counts: test_cached_tokens.py)
+    assert 0 <= usage.input_tokens_details.cached_tokens <= usage.input_tokens
     assert usage.output_tokens_details.reasoning_tokens == 0
 
 

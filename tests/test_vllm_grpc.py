@@ -125,6 +125,20 @@ def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine
     assert own == text
 
 
+def test_a_prompt_asked_again_reports_what_vllms_prefix_cache_held(http):
+    """vLLM's `cached_tokens` (its prefix cache's whole blocks) reach the usage: none the
+    first time a long prompt comes, some the second, whole and streamed."""
+    text = "cached prefix " + " ".join(f"word{i}" for i in range(60))
+    first = chat(http, text, max_tokens=2)["usage"]
+    second = chat(http, text, max_tokens=2)["usage"]
+    _, events = streamed_chat(http, text, max_tokens=2)
+    streamed = events[-1]["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    for usage in (second, streamed):
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < usage["prompt_tokens"] == first["prompt_tokens"]
+
+
 def test_max_tokens_cuts_with_length(http):
     answer = chat(http, "one two three", max_tokens=3, stop=None)
     if answer["choices"][0]["finish_reason"] == "stop":  # EOS first: junk model

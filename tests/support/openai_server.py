@@ -28,6 +28,8 @@ from tests.support.waiting import HANG_GUARD
 
 #: The width of the server's embeddings.
 DIMENSIONS = 16
+#: The prompt's tokens its usage says its prefix cache held (of 3).
+CACHED = 2
 #: Seconds `stop` waits for the connections to close before it ends them.
 STOP_GRACE = 2.0
 
@@ -156,9 +158,15 @@ class OpenAIServer:
             {"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
         ]
         tokens = len(deltas) - 1
+        # as vLLM's with --enable-prompt-tokens-details: CACHED of the prompt's 3 held
+        usage = {
+            "prompt_tokens": 3,
+            "completion_tokens": tokens,
+            "prompt_tokens_details": {"cached_tokens": CACHED},
+        }
         chunks += [
             {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
-            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}},
+            {"choices": [], "usage": usage},
         ]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
         if not self.pace:

@@ -55,3 +55,18 @@ def opened(response: httpx.Response) -> Iterator[str]:
     lines = response.iter_lines()
     assert next(lines).startswith("data: ")
     return lines
+
+
+#: The cache part of an answer's chat/completions usage where the engine found none of
+#: the prompt in its prefix cache: there always, as OpenAI's is.
+NO_CACHE = {"prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def whole_input(usage: Any) -> int:
+    """An Anthropic usage's whole input (an SDK object or the wire's dict): its
+    `input_tokens` are only the prompt's tokens its prefix cache did not hold."""
+    fields = usage if isinstance(usage, dict) else vars(usage)
+    cached = (
+        fields.get(name) or 0 for name in ("cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    return int(fields["input_tokens"]) + sum(cached)

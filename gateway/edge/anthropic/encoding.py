@@ -81,6 +81,18 @@ def _input(arguments: str) -> Any:
         return arguments
 
 
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: its input is the three input counts summed, so `input_tokens`
+    are the prompt's tokens the engine did not find in its prefix cache, as vLLM's
+    Messages server counts them; the cache is only read here, never written apart."""
+    return {
+        "input_tokens": max(0, prompt_tokens - cached_tokens),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
 class MessagesEncoder(Encoder):
     """One /v1/messages answer (one choice: Anthropic has no `n`)."""
 
@@ -94,6 +106,7 @@ class MessagesEncoder(Encoder):
         self.reason: FinishReason | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the answer
         self.input_tokens = 0
+        self.cached_tokens = 0  # of the input's, as `Started` said them (message_start)
         self.show_reasoning = reasoning  # False: thinking left out (`thinking` disabled)
         self.reasoning_tokens = 0
         # streams: whether message_start went out, the open block's index and kind
@@ -174,7 +187,8 @@ class MessagesEncoder(Encoder):
             for item in batch:
                 if isinstance(item, Started):
                     self.input_tokens = item.prompt_tokens
-            head = self._message({"input_tokens": self.input_tokens, "output_tokens": 0})
+                    self.cached_tokens = item.cached_tokens
+            head = self._message(_usage(self.input_tokens, 0, self.cached_tokens))
             out.append(event("message_start", {"type": "message_start", "message": head}) + _PING)
         for item in batch:
             if type(item) is Text:
@@ -212,12 +226,12 @@ class MessagesEncoder(Encoder):
                 out.append(self._close_block())
         return b"".join(out)
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """message_delta with the stop reason and the usage, and message_stop."""
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self.stop_sequence},
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
         if self.edits is not None:
             delta["context_management"] = self._context_management(prompt_tokens)
@@ -255,7 +269,7 @@ class MessagesEncoder(Encoder):
             elif isinstance(item, Finished):
                 self._finished(item)
 
-    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole `message` object."""
         content: list[dict[str, Any]] = []
         for block in self._blocks:
@@ -273,7 +287,7 @@ class MessagesEncoder(Encoder):
                 )
         if not content:
             content.append({"type": "text", "text": ""})
-        body = self._message({"input_tokens": prompt_tokens, "output_tokens": completion_tokens})
+        body = self._message(_usage(prompt_tokens, completion_tokens, cached_tokens))
         body["content"] = content
         body["stop_reason"] = self._stop_reason()
         body["stop_sequence"] = self.stop_sequence

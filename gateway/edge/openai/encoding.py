@@ -89,14 +89,24 @@ def sse(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    reasoning_tokens: int = 0,
+    cached_tokens: int | None = None,
+) -> dict[str, Any]:
     """OpenAI's usage; with the reasoning's tokens among the completion's, where there
-    were any, as vLLM's server counts them with a reasoning parser."""
+    were any, as vLLM's server counts them with a reasoning parser. An answer's usage
+    (not a chunk's running one) has `prompt_tokens_details.cached_tokens` always, 0
+    where the engine said none, as OpenAI's has (vLLM's, only with
+    `--enable-prompt-tokens-details`): clients price the cached share from it."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     if reasoning_tokens:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
@@ -320,10 +330,16 @@ class Encoder:
             out.append(self.delta(text))
         texts.clear()
 
-    def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def closing(
+        self,
+        reason: FinishReason,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+    ) -> bytes:
         """The last chunk, the usage chunk if asked for, and [DONE]."""
         return self._chunk(self.delta_choice(None), reason) + self.end(
-            prompt_tokens, completion_tokens
+            prompt_tokens, completion_tokens, cached_tokens
         )
 
     def response(
@@ -333,17 +349,21 @@ class Encoder:
         prompt_tokens: int,
         completion_tokens: int,
         reasoning: Sequence[Reasoning] = (),
+        cached_tokens: int = 0,
     ) -> bytes:
         """A whole, non-streamed answer (with its reasoning's pieces, if any)."""
         self.reasoning_tokens += sum(piece.tokens for piece in reasoning)
         full = self.full_choice(text, None, [], "".join(piece.text for piece in reasoning))
         choice = {"index": 0, **full, "finish_reason": reason._value_}
-        return self._body([choice], prompt_tokens, completion_tokens)
+        return self._body([choice], prompt_tokens, completion_tokens, cached_tokens)
 
-    def _body(self, choices: list[Any], prompt_tokens: int, completion_tokens: int) -> bytes:
+    def _body(
+        self, choices: list[Any], prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> bytes:
         body = self._head_of(self.object_full)
         body["choices"] = choices
-        body["usage"] = _usage(prompt_tokens, completion_tokens, self.reasoning_tokens)
+        usage = _usage(prompt_tokens, completion_tokens, self.reasoning_tokens, cached_tokens)
+        body["usage"] = usage
         return orjson.dumps(body)
 
     # Every other answer: events choice by choice.
@@ -440,12 +460,12 @@ class Encoder:
         """What a stream sends when it fails after its head: one error payload, [DONE]."""
         return sse({"error": error.fields()}) + DONE
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The usage chunk if asked for (tokens summed over the choices), and [DONE]."""
         if not self.include_usage:
             return DONE
-        usage = orjson.dumps(_usage(prompt_tokens, completion_tokens, self.reasoning_tokens))
-        return self._start + b'[],"usage":' + usage + _END + DONE
+        usage = _usage(prompt_tokens, completion_tokens, self.reasoning_tokens, cached_tokens)
+        return self._start + b'[],"usage":' + orjson.dumps(usage) + _END + DONE
 
     def add(self, batch: list[Event]) -> None:
         """Gathers a batch of events, of any choices, for `answer`."""
@@ -468,7 +488,7 @@ class Encoder:
             elif isinstance(event, Finished):
                 self._choice(event.index).reason = event.reason
 
-    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole answer from what `add` gathered, choices by index."""
         choices = []
         for index in sorted(self._choices):
@@ -485,7 +505,7 @@ class Encoder:
             reasoning = "".join(choice.thoughts)
             full = self.full_choice("".join(choice.pieces), logprobs, calls, reasoning)
             choices.append({"index": index, **full, "finish_reason": self._reason(choice.reason)})
-        return self._body(choices, prompt_tokens, completion_tokens)
+        return self._body(choices, prompt_tokens, completion_tokens, cached_tokens)
 
 
 def token_bytes(token: str) -> list[int]:
@@ -614,10 +634,10 @@ class _Obfuscating(Encoder):
         chunk = super()._text_chunk(run)
         return opening + obfuscated(chunk) if chunk else opening
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         if not self.include_usage:
             return DONE
-        usage = super().end(prompt_tokens, completion_tokens)[: -len(DONE)]
+        usage = super().end(prompt_tokens, completion_tokens, cached_tokens)[: -len(DONE)]
         return obfuscated(usage) + DONE
 
 

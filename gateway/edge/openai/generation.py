@@ -297,9 +297,12 @@ class GenerationRoute(RequestRoute[Exchange]):
                 record.prompt_tokens,
                 record.completion_tokens,
                 thoughts,
+                record.cached_tokens,
             )
         else:
-            body = encoder.answer(record.prompt_tokens, record.completion_tokens)
+            body = encoder.answer(
+                record.prompt_tokens, record.completion_tokens, record.cached_tokens
+            )
         record.status, record.outcome = 200, Outcome.COMPLETED
         served = (b"x-furnace-model", record.model.encode("latin-1"))
         request_id = (b"x-request-id", record.request_id.encode("latin-1"))
@@ -372,11 +375,13 @@ class GenerationRoute(RequestRoute[Exchange]):
                 return
             body = b"" if batch else KEEPALIVE
         prompt_tokens, completion_tokens = record.prompt_tokens, record.completion_tokens
+        cached_tokens = record.cached_tokens
         if plain:
             reason = record.finished.reason
-            body += held.opening + encoder.closing(reason, prompt_tokens, completion_tokens)
+            closing = encoder.closing(reason, prompt_tokens, completion_tokens, cached_tokens)
+            body += held.opening + closing
         else:
-            body += encoder.end(prompt_tokens, completion_tokens)
+            body += encoder.end(prompt_tokens, completion_tokens, cached_tokens)
         record.outcome = Outcome.COMPLETED
         await send({"type": "http.response.body", "body": body})
 

@@ -56,11 +56,14 @@ def event(kind: str, fields: dict[str, Any]) -> bytes:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
-    """The response's `usage`, in OpenAI's shape (no cache counts here)."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """The response's `usage`, in OpenAI's shape: the prompt's tokens the engine found in
+    its prefix cache among the input's (0 where it said none)."""
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
@@ -178,7 +181,11 @@ class ResponsesEncoder(Encoder):
         return out
 
     def _object(
-        self, status: str, prompt_tokens: int | None = None, completion_tokens: int = 0
+        self,
+        status: str,
+        prompt_tokens: int | None = None,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
     ) -> dict[str, Any]:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
@@ -193,7 +200,7 @@ class ResponsesEncoder(Encoder):
             **self.body.echo,
             "usage": None
             if prompt_tokens is None
-            else usage(prompt_tokens, completion_tokens, self.reasoning_tokens),
+            else usage(prompt_tokens, completion_tokens, self.reasoning_tokens, cached_tokens),
         }
 
     def _open_message(self) -> bytes:
@@ -373,11 +380,13 @@ class ResponsesEncoder(Encoder):
     def _status(self) -> str:
         return "incomplete" if self._finish_reason is FinishReason.LENGTH else "completed"
 
-    def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
+    def _finish(
+        self, prompt_tokens: int, completion_tokens: int, stream: bool, cached_tokens: int = 0
+    ) -> bytes:
         status = self._status()
         item_status = "incomplete" if status == "incomplete" else "completed"
         out = self._close_item(item_status, stream)
-        self.final = self._object(status, prompt_tokens, completion_tokens)
+        self.final = self._object(status, prompt_tokens, completion_tokens, cached_tokens)
         if not stream:
             return b""
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -411,12 +420,19 @@ class ResponsesEncoder(Encoder):
         """A `response.reasoning_text.delta` carrying a piece of reasoning."""
         return self._think(event.text, event.tokens, True)
 
-    def closing(self, reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def closing(
+        self,
+        reason: FinishReason,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+    ) -> bytes:
         """The open item's closing events and the response's last event: an answer
         with neither text nor reasoning still has its (empty) message."""
         self._finish_reason = reason
         opening = self._open_message() if self._said_nothing() else b""
-        return self._heading() + opening + self._finish(prompt_tokens, completion_tokens, True)
+        finish = self._finish(prompt_tokens, completion_tokens, True, cached_tokens)
+        return self._heading() + opening + finish
 
     def _said_nothing(self) -> bool:
         """Whether the answer has neither an item nor one open: it ends with an (empty)
@@ -430,6 +446,7 @@ class ResponsesEncoder(Encoder):
         prompt_tokens: int,
         completion_tokens: int,
         reasoning: Sequence[Reasoning] = (),
+        cached_tokens: int = 0,
     ) -> bytes:
         """The whole response object of a plain answer: its reasoning item, if any,
         then its message (left out where reasoning was all it said)."""
@@ -441,7 +458,7 @@ class ResponsesEncoder(Encoder):
             self._message_id = new_id("msg")
             self._message_index = len(self.output)
             self._pieces = [text]
-        self._finish(prompt_tokens, completion_tokens, False)
+        self._finish(prompt_tokens, completion_tokens, False, cached_tokens)
         return orjson.dumps(self.final)
 
     # -- the events path: text and function calls -------------------------------------
@@ -497,17 +514,18 @@ class ResponsesEncoder(Encoder):
         """The stream events of a batch of the worker's events."""
         return self._take(batch, True)
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The last items' closing events and the response's last event."""
-        return self._heading() + self._finish(prompt_tokens, completion_tokens, True)
+        finish = self._finish(prompt_tokens, completion_tokens, True, cached_tokens)
+        return self._heading() + finish
 
     def add(self, batch: list[Event]) -> None:
         """Gathers a batch of events for `answer`."""
         self._take(batch, False)
 
-    def answer(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole response object from what `add` gathered."""
-        self._finish(prompt_tokens, completion_tokens, False)
+        self._finish(prompt_tokens, completion_tokens, False, cached_tokens)
         return orjson.dumps(self.final)
 
     # -- failure ----------------------------------------------------------------------
@@ -624,14 +642,16 @@ class LogprobsResponsesEncoder(ResponsesEncoder):
     def _done_logprobs(self) -> list[dict[str, Any]]:
         return event_logprobs(self._tokens)
 
-    def _finish(self, prompt_tokens: int, completion_tokens: int, stream: bool) -> bytes:
+    def _finish(
+        self, prompt_tokens: int, completion_tokens: int, stream: bool, cached_tokens: int = 0
+    ) -> bytes:
         """As the plain path ends: an answer without tools that said nothing still has
         its (empty) message."""
         opening = b""
         if self._said_nothing() and not self.body.tools:
             opening = self._open_message()
         return (opening if stream else b"") + super()._finish(
-            prompt_tokens, completion_tokens, stream
+            prompt_tokens, completion_tokens, stream, cached_tokens
         )
 
     def _take(self, batch: list[Event], stream: bool) -> bytes:
