@@ -173,6 +173,9 @@ def _answer(events: list[pb.GenerateEvent]) -> tuple:
             logprobs += [lp.token for lp in event.text.logprobs]
         else:
             others.append(event)
+            if event.WhichOneof("event") == "started":
+                # the demo's prefix cache holds the prompt the second time it comes
+                event.started.ClearField("cached_tokens")
     return texts, tokens, logprobs, sorted(e.SerializeToString() for e in others)
 
 
