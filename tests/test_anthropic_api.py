@@ -7,6 +7,7 @@ shape. The demo echoes the last message's words; its tokens are words."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Callable, Iterator
@@ -17,6 +18,13 @@ import httpx
 import pydantic
 import pytest
 
+from gateway.edge.anthropic.context_editing import (
+    CLEARED_RESULT,
+    ContextEdits,
+    ToolClearing,
+)
+from gateway.edge.anthropic.context_editing import edit as edit_context
+from gateway.protocol.types import Message, ToolCall
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape, value
 from tests.support.requests import whole_input
@@ -539,10 +547,17 @@ def test_clear_thinking_keeps_the_turns_it_is_told(claude):
     assert counted.context_management.original_input_tokens == 16
 
 
+def clear_tools(**options: Any) -> dict[str, Any]:
+    return {"type": "clear_tool_uses_20250919", **options}
+
+
+def tool_edit(**options: Any) -> dict[str, Any]:
+    return {"edits": [clear_tools(**options)]}
+
+
 @pytest.mark.parametrize(
     ("context_management", "thinking", "named"),
     [
-        ({"edits": [{"type": "clear_tool_uses_20250919"}]}, "adaptive", "edits[0].type"),
         ({"edits": [{"type": "compact_20260112"}]}, "adaptive", "not supported"),
         ({"edits": [{"type": "other"}]}, "adaptive", "edits[0].type"),
         (clear_thinking(), "disabled", "requires `thinking` to be enabled or adaptive"),
@@ -550,6 +565,15 @@ def test_clear_thinking_keeps_the_turns_it_is_told(claude):
         (clear_thinking({"type": "thinking_turns", "value": 0}), "adaptive", "keep.value"),
         (clear_thinking({"type": "tool_uses", "value": 1}), "adaptive", "edits[0].keep"),
         ({"edits": [clear_thinking()["edits"][0]] * 2}, "adaptive", "edits[1]"),
+        ({"edits": [clear_tools(), clear_thinking()["edits"][0]]}, "adaptive", "the first edit"),
+        ({"edits": [clear_tools()] * 2}, "adaptive", "edits[1]"),
+        (tool_edit(trigger={"type": "turns", "value": 1}), None, "edits[0].trigger.type"),
+        (tool_edit(trigger={"type": "tool_uses", "value": -1}), None, "trigger.value"),
+        (tool_edit(keep={"type": "input_tokens", "value": 1}), None, "edits[0].keep.type"),
+        (tool_edit(clear_at_least={"type": "tool_uses", "value": 1}), None, "clear_at_least"),
+        (tool_edit(exclude_tools="get_weather"), None, "edits[0].exclude_tools"),
+        (tool_edit(clear_tool_inputs="yes"), None, "edits[0].clear_tool_inputs"),
+        (tool_edit(other=1), None, "edits[0].other"),
         ({"edits": "x"}, "adaptive", "context_management.edits"),
         ({"edits": [], "other": 1}, "adaptive", "context_management.other"),
         ("all", "adaptive", "context_management"),
@@ -571,6 +595,155 @@ def test_context_management_refusals_name_the_field(claude, context_management, 
         with pytest.raises(anthropic.BadRequestError) as raised:
             claude.post(path, body=sent, cast_to=httpx.Response)
         assert named in raised.value.body["error"]["message"], raised.value.body
+
+
+#: A result's words (the demo counts them as its tokens), and the placeholder's.
+RESULT = "it was sunny and warm with a light wind from the west all day"
+RESULT_WORDS, CLEARED_WORDS = len(RESULT.split()), len(CLEARED_RESULT.split())
+SEARCH_TOOL = {**WEATHER_TOOL, "name": "search", "description": "Search the web."}
+
+
+def tool_turns(*names: str) -> list[dict[str, Any]]:
+    """A conversation where the model called each of `names` in turn, each result
+    `RESULT`, then a last question."""
+    turns = say("what happened")
+    for i, name in enumerate(names):
+        use = {"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": {"city": "Paris"}}
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": RESULT}
+        turns += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    return [*turns, *say("and now")]
+
+
+def tools_asked(turns: list[dict[str, Any]], **edit: Any) -> dict[str, Any]:
+    return {
+        "model": DEMO_MODEL,
+        "messages": turns,
+        "tools": [WEATHER_TOOL, SEARCH_TOOL],
+        "context_management": tool_edit(**edit),
+        "betas": CONTEXT_BETA,
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clear_tool_uses_replaces_all_but_the_last_three_results(claude, stream):
+    """Past its trigger (the prompt's input tokens, counted by the model's tokenizer) the
+    edit leaves the last three tool uses' results and replaces the older ones; the answer
+    says how many uses and tokens it cleared, whole or in its message_delta."""
+    turns = tool_turns(*["get_weather"] * 5)
+    whole = 2 + 5 * RESULT_WORDS + 2
+    trigger = {"type": "input_tokens", "value": whole - 1}
+    asked = {**tools_asked(turns, trigger=trigger), "max_tokens": 8}
+    if stream:
+        with claude.beta.messages.stream(**asked) as events:
+            (delta,) = [e for e in events if e.type == "message_delta"]
+        context, input_tokens = delta.context_management, whole_input(delta.usage)
+    else:
+        message = claude.beta.messages.create(**asked)
+        context, input_tokens = message.context_management, whole_input(message.usage)
+    cleared = 2 * (RESULT_WORDS - CLEARED_WORDS)
+    assert input_tokens == whole - cleared
+    (applied,) = context.applied_edits
+    assert applied.type == "clear_tool_uses_20250919"
+    assert (applied.cleared_tool_uses, applied.cleared_input_tokens) == (2, cleared)
+
+
+def test_clear_tool_uses_below_its_trigger_clears_nothing(claude):
+    """Below its trigger (by default 100,000 input tokens; here also by tool uses) the
+    prompt is sent as it came."""
+    turns = tool_turns("get_weather", "get_weather")
+    plain = claude.messages.create(
+        model=DEMO_MODEL, max_tokens=8, messages=turns, tools=[WEATHER_TOOL, SEARCH_TOOL]
+    )
+    for edit in (
+        {},
+        {"trigger": {"type": "tool_uses", "value": 2}},
+        {"keep": {"type": "tool_uses", "value": 2}},
+    ):
+        answer = claude.beta.messages.create(**tools_asked(turns, **edit), max_tokens=8)
+        assert answer.context_management.applied_edits == []
+        assert whole_input(answer.usage) == whole_input(plain.usage) == 4 + 2 * RESULT_WORDS
+
+
+def test_clear_tool_uses_options_choose_what_is_cleared(claude):
+    """`trigger` by tool uses, `keep`, `exclude_tools` passed over, and `clear_at_least`:
+    an edit that cannot clear that many tokens clears nothing."""
+    turns = tool_turns("search", "get_weather", "get_weather", "get_weather")
+    by_uses = {
+        "trigger": {"type": "tool_uses", "value": 3},
+        "keep": {"type": "tool_uses", "value": 1},
+    }
+    saved = RESULT_WORDS - CLEARED_WORDS
+    cases = [
+        (by_uses, 3),
+        ({**by_uses, "exclude_tools": ["search"]}, 2),
+        ({**by_uses, "clear_at_least": {"type": "input_tokens", "value": 3 * saved}}, 3),
+        ({**by_uses, "clear_at_least": {"type": "input_tokens", "value": 3 * saved + 1}}, 0),
+        ({**by_uses, "keep": {"type": "tool_uses", "value": 0}}, 4),
+    ]
+    for edit, uses in cases:
+        answer = claude.beta.messages.create(**tools_asked(turns, **edit), max_tokens=8)
+        assert whole_input(answer.usage) == 4 + 4 * RESULT_WORDS - uses * saved, edit
+        report = answer.context_management.applied_edits
+        assert [(e.cleared_tool_uses, e.cleared_input_tokens) for e in report] == (
+            [(uses, uses * saved)] if uses else []
+        ), edit
+
+
+def test_both_edits_each_report_what_they_cleared(claude):
+    """Thinking cleared first, then tool results: each edit's cleared tokens are its own,
+    and count_tokens counts the prompt both leave, with the original's."""
+    turns = tool_turns("get_weather", "get_weather")
+    turns[1]["content"] = [
+        {"type": "thinking", "thinking": "an early thought of five", "signature": "s"},
+        *turns[1]["content"],
+    ]
+    turns[3]["content"] = [
+        {"type": "thinking", "thinking": "a later thought", "signature": "s"},
+        *turns[3]["content"],
+    ]
+    edits = {
+        "edits": [
+            {"type": "clear_thinking_20251015"},
+            clear_tools(
+                trigger={"type": "tool_uses", "value": 1}, keep={"type": "tool_uses", "value": 1}
+            ),
+        ]
+    }
+    asked = {**tools_asked(turns), "context_management": edits, "thinking": {"type": "adaptive"}}
+    whole = 4 + 2 * RESULT_WORDS + 5 + 3
+    saved = RESULT_WORDS - CLEARED_WORDS
+    answer = claude.beta.messages.create(**asked, max_tokens=8)
+    assert whole_input(answer.usage) == whole - 5 - saved
+    report = [(e.type, e.cleared_input_tokens) for e in answer.context_management.applied_edits]
+    assert report == [("clear_thinking_20251015", 5), ("clear_tool_uses_20250919", saved)]
+    counted = claude.beta.messages.count_tokens(**asked)
+    assert counted.input_tokens == whole - 5 - saved
+    assert counted.context_management.original_input_tokens == whole
+
+
+def test_clear_tool_inputs_clears_the_calls_of_the_results_it_clears():
+    """`clear_tool_inputs`: every cleared use's input, or only the tools it names."""
+    turns = (
+        Message("user", "go"),
+        Message("assistant", "", tool_calls=(ToolCall("a", "search", '{"q": 1}'),)),
+        Message("tool", "found", tool_call_id="a"),
+        Message("assistant", "", tool_calls=(ToolCall("b", "get_weather", '{"city": 2}'),)),
+        Message("tool", "sunny", tool_call_id="b"),
+        Message("user", "and now"),
+    )
+
+    async def count(messages: tuple[Message, ...]) -> int:
+        return sum(len(m.content) for m in messages)
+
+    def inputs(clears: bool | frozenset[str]) -> list[str]:
+        clearing = ToolClearing(trigger_tokens=None, trigger_uses=0, keep=0, inputs=clears)
+        edited, _ = asyncio.run(edit_context(turns, ContextEdits(tools=clearing), count))
+        assert [edited[2].content, edited[4].content] == [CLEARED_RESULT] * 2
+        return [m.tool_calls[0].arguments for m in edited if m.tool_calls]
+
+    assert inputs(False) == ['{"q": 1}', '{"city": 2}']
+    assert inputs(True) == ["{}", "{}"]
+    assert inputs(frozenset({"search"})) == ["{}", '{"city": 2}']
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ count with (an OpenAI-compatible server without `/tokenize` is refused by name).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import anthropic
@@ -60,3 +61,23 @@ def test_count_tokens_matches_the_answers_usage(claude, engine: Engine, request)
     counted = claude.messages.count_tokens(**counting)
     answered = claude.messages.create(**body)
     assert counted.input_tokens == whole_input(answered.usage) > 0
+
+
+def test_clearing_tool_uses_counts_where_the_model_can(claude, engine: Engine, request):
+    """`clear_tool_uses_20250919` counts the prompt where count_tokens does; a model whose
+    server cannot count refuses it in the words of Anthropic's own refusal, which Claude
+    Code reads to stop sending the edit to that model."""
+    edit = {"edits": [{"type": "clear_tool_uses_20250919"}]}
+    body = {**ask(engine, "count these words please"), "context_management": edit}
+    if request.node.callspec.params.get("target") == "openai-fake":
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.beta.messages.create(**body)
+        message = raised.value.body["error"]["message"]
+        assert re.match(
+            r"^\S{1,128} does not support the \W?clear_tool_uses_20250919\W? context "
+            "management strategy",
+            message,
+        ), message
+        return
+    answer = claude.beta.messages.create(**body)
+    assert answer.context_management.applied_edits == []  # far below 100,000 tokens

@@ -1,8 +1,9 @@
 """Anthropic's Messages API (`/v1/messages`), on the same request path as OpenAI's.
 
-validation.py    a Messages body → our GenerateRequest, or a 400 naming the field
-encoding.py      the `message` object and Anthropic's named SSE events
-errors.py        Anthropic's error shape and status codes, by one table from ours
-count_tokens.py  /v1/messages/count_tokens, counted by the model's tokenizer
-routes.py        the routes, in Anthropic's error shape
+validation.py       a Messages body → our GenerateRequest, or a 400 naming the field
+context_editing.py  `context_management`: what its edits clear, what the answer reports
+encoding.py         the `message` object and Anthropic's named SSE events
+errors.py           Anthropic's error shape and status codes, by one table from ours
+count_tokens.py     /v1/messages/count_tokens, counted by the model's tokenizer
+routes.py           the routes, in Anthropic's error shape
 """

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from gateway.edge.anthropic.validation import ContextEdits, parse_count
+from gateway.edge.anthropic.context_editing import ContextEdits, edit, once
+from gateway.edge.anthropic.validation import parse_count
 from gateway.edge.counting import CountingRoute, Recount
 from gateway.edge.request import Exchange
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import GenerateRequest, Message
 
 #: A body as read: its prompt, and what its `context_management` did (None: not asked).
 Counted = tuple[GenerateRequest, ContextEdits | None]
@@ -32,7 +33,13 @@ class CountTokensRoute(CountingRoute[Counted]):
         request, edits = parsed
         if edits is None:
             return {"input_tokens": tokens}
-        original = tokens
-        if edits.unedited is not None:
-            original = await recount(replace(request, messages=edits.unedited))
-        return {"input_tokens": tokens, "context_management": {"original_input_tokens": original}}
+        assert request.messages is not None
+
+        async def count(messages: tuple[Message, ...]) -> int:
+            return await recount(replace(request, messages=messages))
+
+        counted = once(count, request.messages, tokens)
+        messages, applied = await edit(request.messages, edits, counted)
+        edited = await counted(messages)
+        original = applied[0].tokens_before if applied else edited
+        return {"input_tokens": edited, "context_management": {"original_input_tokens": original}}

@@ -25,8 +25,8 @@ from typing import Any
 import jiter
 import orjson
 
+from gateway.edge.anthropic.context_editing import Applied, applied_edits
 from gateway.edge.anthropic.errors import error_payload
-from gateway.edge.anthropic.validation import CLEAR_THINKING, ContextEdits
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import Encoder
 from gateway.protocol.types import (
@@ -117,24 +117,13 @@ class MessagesEncoder(Encoder):
         # ["tool_use", id, name, arguments pieces...]
         self._blocks: list[list[str]] = []
         self._calls: dict[int, list[str]] = {}
-        # `context_management`: what it did (None: not asked), and the tokens of the
-        # prompt it would have made unedited (when it cleared any thinking)
-        self.edits: ContextEdits | None = None
-        self.unedited_tokens = 0
+        # `context_management`: the edits that cleared something (None: not asked)
+        self.applied: tuple[Applied, ...] | None = None
 
     def _context_management(self, prompt_tokens: int) -> dict[str, Any]:
         """The answer's `context_management`: the edits that cleared something."""
-        edits = self.edits
-        assert edits is not None
-        applied = []
-        if edits.cleared_turns:
-            cleared = {
-                "type": CLEAR_THINKING,
-                "cleared_thinking_turns": edits.cleared_turns,
-                "cleared_input_tokens": max(0, self.unedited_tokens - prompt_tokens),
-            }
-            applied.append(cleared)
-        return {"applied_edits": applied}
+        assert self.applied is not None
+        return {"applied_edits": applied_edits(self.applied, prompt_tokens)}
 
     def _message(self, usage: dict[str, int]) -> dict[str, Any]:
         return {
@@ -233,7 +222,7 @@ class MessagesEncoder(Encoder):
             "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self.stop_sequence},
             "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
-        if self.edits is not None:
+        if self.applied is not None:
             delta["context_management"] = self._context_management(prompt_tokens)
         return self._close_block() + event("message_delta", delta) + _MESSAGE_STOP
 
@@ -291,6 +280,6 @@ class MessagesEncoder(Encoder):
         body["content"] = content
         body["stop_reason"] = self._stop_reason()
         body["stop_sequence"] = self.stop_sequence
-        if self.edits is not None:
+        if self.applied is not None:
             body["context_management"] = self._context_management(prompt_tokens)
         return orjson.dumps(body)

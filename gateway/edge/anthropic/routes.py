@@ -12,16 +12,25 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from gateway.edge.anthropic.context_editing import (
+    CLEAR_THINKING,
+    CLEAR_TOOL_USES,
+    ContextEdits,
+    edit,
+)
 from gateway.edge.anthropic.count_tokens import CountTokensRoute
 from gateway.edge.anthropic.encoding import MessagesEncoder
 from gateway.edge.anthropic.errors import sent_status
 from gateway.edge.anthropic.validation import MessagesRequest, parse_messages
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.counting import count_prompt
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
+from gateway.protocol import errors
+from gateway.protocol.types import Message
 
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
@@ -41,24 +50,49 @@ CHAT_PARAMS = {
 
 class MessagesRoute(GenerationRoute):
     """`POST /v1/messages`: the generation route, with Anthropic's context editing
-    reported: a request whose `context_management` cleared some thinking has its prompt
-    as it came counted first, in its slot, for the answer's `cleared_input_tokens`."""
+    applied in the request's slot, before its generation (`context_editing.edit`: the
+    prompts it needs counted are counted there, on the pool that serves), and reported
+    in the answer's `context_management`."""
 
     def __init__(self, parts: Parts, limits: InputLimits) -> None:
         super().__init__(parse_messages, MessagesEncoder, parts, limits, CHAT_PARAMS)
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
-        if isinstance(parsed, MessagesRequest) and parsed.edits.unedited is not None:
-            unedited = replace(parsed.generate, messages=parsed.edits.unedited, model=pool.name)
-            parsed = replace(parsed, unedited_tokens=await count_prompt(self, ex, pool, unedited))
+        if isinstance(parsed, MessagesRequest):
+            generate = replace(parsed.generate, model=pool.name)
+
+            async def count(messages: tuple[Message, ...]) -> int:
+                return await count_prompt(self, ex, pool, replace(generate, messages=messages))
+
+            assert generate.messages is not None
+            try:
+                messages, applied = await edit(generate.messages, parsed.edits, count)
+            except errors.Invalid as error:
+                if error.param != "model":
+                    raise
+                raise _uncountable(pool.name, parsed.edits) from None
+            generate = replace(generate, messages=messages)
+            parsed = replace(parsed, generate=generate, applied=applied)
         await super()._serve(parsed, pool, ex)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> Encoder:
         encoder = super().encoder(parsed, pool)
         if isinstance(parsed, MessagesRequest):
             assert isinstance(encoder, MessagesEncoder)
-            encoder.edits, encoder.unedited_tokens = parsed.edits, parsed.unedited_tokens
+            encoder.applied = parsed.applied
         return encoder
+
+
+def _uncountable(model: str, edits: ContextEdits) -> APIError:
+    """A 400 for edits the model's upstream cannot count the prompt for (an
+    OpenAI-compatible server without `/tokenize`), in the words of Anthropic's own,
+    which Claude Code reads to stop sending the edit to that model."""
+    kind = CLEAR_TOOL_USES if edits.tools is not None else CLEAR_THINKING
+    return invalid(
+        "context_management.edits",
+        f"{model} does not support the {kind} context management strategy: its upstream "
+        "server cannot count the prompt's tokens (context_management.edits).",
+    )
 
 
 def anthropic_routes(parts: Parts, limits: InputLimits) -> dict[str, ASGIApp]:

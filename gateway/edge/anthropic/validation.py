@@ -16,7 +16,8 @@ follows: chat's `response_format`; `effort`, vLLM's `reasoning_effort`, as vLLM'
 Messages server reads both), `service_tier` `auto` or `standard_only` (what asks
 nothing), and `context_management` (Anthropic's context editing, which Claude Code
 sends with thinking on: `clear_thinking_20251015` leaves the thinking of earlier turns
-out of the prompt; the edits that clear by the prompt's token count are refused). A
+out of the prompt, `clear_tool_uses_20250919` old tool results, applied by the route
+where it counts the prompt: `context_editing.py`; `compact_20260112` is refused). A
 tool's `strict` is chat's strict function; `defer_loading` leaves it out of the model's
 tools (Claude Code loads such tools itself, by its own tool search); its options that ask
 nothing of us are accepted (`eager_input_streaming`, `allowed_callers` `["direct"]`). A
@@ -43,11 +44,19 @@ value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
+from gateway.edge.anthropic.context_editing import (
+    CLEAR_THINKING,
+    CLEAR_TOOL_USES,
+    KEEP_TOOL_USES,
+    Applied,
+    ContextEdits,
+    ToolClearing,
+)
 from gateway.edge.errors import invalid
 from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
@@ -644,24 +653,14 @@ def _output_config(
     return ResponseFormat("json_schema", text, "json_schema", strict=True), effort
 
 
-#: `context_management`'s edit served: the thinking of earlier assistant turns left out
-#: of the prompt (Anthropic's default keeps the last turn's).
-CLEAR_THINKING = "clear_thinking_20251015"
-#: Anthropic's other edits, refused by name: each clears by the prompt's token count,
-#: which only the engine knows, after the prompt is sent.
-_UNSERVED_EDITS = ("clear_tool_uses_20250919", "compact_20260112")
+#: Anthropic's edit refused by name: it summarizes the conversation with the model.
+_COMPACT = "compact_20260112"
 #: The most edits a request may list (Anthropic's are one of each type).
-MAX_EDITS = len(_UNSERVED_EDITS) + 1
-
-
-@dataclass(frozen=True, slots=True)
-class ContextEdits:
-    """What a request's `context_management` did: the assistant turns whose thinking it
-    left out (`cleared_turns`), and when any, the messages as they came (`unedited`), whose
-    tokens the answer's `cleared_input_tokens` compares with the prompt's."""
-
-    cleared_turns: int = 0
-    unedited: tuple[Message, ...] | None = None
+MAX_EDITS = 3
+_CLEAR_THINKING_FIELDS = frozenset({"type", "keep"})
+_CLEAR_TOOL_USES_FIELDS = frozenset(
+    {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
+)
 
 
 def _keep(edit: Mapping[str, Any], where: str) -> int | None:
@@ -678,12 +677,77 @@ def _keep(edit: Mapping[str, Any], where: str) -> int | None:
     return value
 
 
+def _amount(
+    edit: Mapping[str, Any], key: str, where: str, kinds: tuple[str, ...]
+) -> tuple[str, int] | None:
+    """An edit's `{type, value}` object (`trigger`, `keep`, `clear_at_least`): its type,
+    one of `kinds`, and its value, an integer of at least 0 (None: not given)."""
+    amount = edit.get(key)
+    if amount is None:
+        return None
+    where = f"{where}.{key}"
+    names = " or ".join(f"'{kind}'" for kind in kinds)
+    if not isinstance(amount, Mapping) or amount.get("type") not in kinds:
+        raise invalid(f"{where}.type", f"{where}.type: {names}.")
+    _refuse_unknown(amount, frozenset({"type", "value"}), where + ".")
+    value = amount.get("value")
+    if not _is_int(value) or not 0 <= value <= UINT32_MAX:
+        raise invalid(f"{where}.value", f"{where}.value: an integer of at least 0.")
+    return amount["type"], value
+
+
+def _names(edit: Mapping[str, Any], key: str, where: str) -> frozenset[str]:
+    names = edit.get(key)
+    if names is None:
+        return frozenset()
+    if (
+        not isinstance(names, list)
+        or len(names) > MAX_TOOLS
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise invalid(f"{where}.{key}", f"{where}.{key}: a list of at most {MAX_TOOLS} tool names.")
+    return frozenset(names)
+
+
+def _tool_clearing(edit: Mapping[str, Any], where: str) -> ToolClearing:
+    """A `clear_tool_uses_20250919` edit, checked, its defaults filled in."""
+    _refuse_unknown(edit, _CLEAR_TOOL_USES_FIELDS, where + ".")
+    trigger = _amount(edit, "trigger", where, ("input_tokens", "tool_uses"))
+    keep = _amount(edit, "keep", where, ("tool_uses",))
+    least = _amount(edit, "clear_at_least", where, ("input_tokens",))
+    inputs = edit.get("clear_tool_inputs")
+    clears: bool | frozenset[str] = False
+    if isinstance(inputs, list):
+        clears = _names(edit, "clear_tool_inputs", where)
+    elif inputs is not None:
+        if not isinstance(inputs, bool):
+            raise invalid(
+                f"{where}.clear_tool_inputs",
+                f"{where}.clear_tool_inputs: a boolean or a list of tool names.",
+            )
+        clears = inputs
+    clearing = ToolClearing(
+        keep=KEEP_TOOL_USES if keep is None else keep[1],
+        clear_at_least=0 if least is None else least[1],
+        exclude=_names(edit, "exclude_tools", where),
+        inputs=clears,
+    )
+    if trigger is None:
+        return clearing
+    kind, value = trigger
+    if kind == "tool_uses":
+        return replace(clearing, trigger_tokens=None, trigger_uses=value)
+    return replace(clearing, trigger_tokens=value)
+
+
 def _context_management(
     body: Mapping[str, Any], messages: tuple[Message, ...]
 ) -> tuple[tuple[Message, ...], ContextEdits | None]:
-    """`context_management` (Anthropic's beta context editing) applied to `messages`:
-    `clear_thinking_20251015` leaves out the thinking of all but the last `keep`
-    assistant turns that have some; the other edits are refused by name."""
+    """`context_management` (Anthropic's beta context editing), checked:
+    `clear_thinking_20251015` applied to `messages` (the thinking of all but the last
+    `keep` assistant turns that have some left out), `clear_tool_uses_20250919` read for
+    the route to apply (it clears by the prompt's tokens: `context_editing.edit`);
+    `compact_20260112` refused by name."""
     config = body.get("context_management")
     if config is None:
         return messages, None
@@ -696,46 +760,56 @@ def _context_management(
             "context_management.edits",
             f"context_management.edits: a list of at most {MAX_EDITS} edits.",
         )
-    if not edits:
-        return messages, ContextEdits()
-    keep: int | None = None
+    thinking_edit: Mapping[str, Any] | None = None
+    tools: ToolClearing | None = None
     for i, edit in enumerate(edits):
         where = f"context_management.edits[{i}]"
         kind = edit.get("type") if isinstance(edit, Mapping) else None
-        if kind in _UNSERVED_EDITS:
+        if kind == _COMPACT:
             raise invalid(
                 f"{where}.type",
-                f"{where}.type: '{kind}' is not supported by this gateway (it clears by the "
-                f"prompt's tokens, which the engine counts); '{CLEAR_THINKING}' is.",
+                f"{where}.type: '{_COMPACT}' (the conversation summarized by the model) is "
+                f"not supported by this gateway; '{CLEAR_THINKING}' and '{CLEAR_TOOL_USES}' are.",
             )
-        if not isinstance(edit, Mapping) or kind != CLEAR_THINKING:
-            raise invalid(f"{where}.type", f"{where}.type: '{CLEAR_THINKING}'.")
+        if not isinstance(edit, Mapping) or kind not in (CLEAR_THINKING, CLEAR_TOOL_USES):
+            raise invalid(
+                f"{where}.type", f"{where}.type: '{CLEAR_THINKING}' or '{CLEAR_TOOL_USES}'."
+            )
+        if kind == CLEAR_TOOL_USES:
+            if tools is not None:
+                raise invalid(f"{where}.type", f"{where}: '{CLEAR_TOOL_USES}' may be given once.")
+            tools = _tool_clearing(edit, where)
+            continue
         if i > 0:
-            raise invalid(f"{where}.type", f"{where}: '{CLEAR_THINKING}' may be given once.")
-        _refuse_unknown(edit, frozenset({"type", "keep"}), where + ".")
+            raise invalid(
+                f"{where}.type",
+                f"{where}: '{CLEAR_THINKING}' must be the first edit, and given once.",
+            )
+        _refuse_unknown(edit, _CLEAR_THINKING_FIELDS, where + ".")
         thinking = body.get("thinking")
         if not isinstance(thinking, Mapping) or thinking.get("type") == "disabled":
             raise invalid(
                 "thinking",
                 f"`{CLEAR_THINKING}` strategy requires `thinking` to be enabled or adaptive",
             )
-        keep = _keep(edit, where + ".keep")
-        if keep is None:
-            return messages, ContextEdits()
+        thinking_edit = edit
+    keep = _keep(thinking_edit, "context_management.edits[0].keep") if thinking_edit else None
+    if thinking_edit is None or keep is None:
+        return messages, ContextEdits(tools=tools)
     edited = list(messages)
     kept = cleared = 0
     for i in range(len(edited) - 1, -1, -1):
         message = edited[i]
         if message.role != "assistant" or not message.reasoning:
             continue
-        if keep is not None and kept < keep:
+        if kept < keep:
             kept += 1
             continue
         edited[i] = replace(message, reasoning="")
         cleared += 1
     if not cleared:
-        return messages, ContextEdits()
-    return tuple(edited), ContextEdits(cleared, messages)
+        return messages, ContextEdits(tools=tools)
+    return tuple(edited), ContextEdits(cleared, messages, tools)
 
 
 def _asks_nothing(body: Mapping[str, Any]) -> None:
@@ -825,12 +899,12 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
 
 @dataclass(frozen=True, slots=True)
 class MessagesRequest(ParsedRequest):
-    """A Messages request that asked for context editing, and what the editing did (its
-    answer reports it, with `unedited_tokens`: the tokens of the prompt unedited, counted
-    when it cleared any thinking)."""
+    """A Messages request that asked for context editing: what it asked (`edits`), and
+    once the route applied them, the edits that cleared something (its answer's
+    `applied_edits`)."""
 
-    edits: ContextEdits = ContextEdits()
-    unedited_tokens: int = 0
+    edits: ContextEdits = field(default_factory=ContextEdits)
+    applied: tuple[Applied, ...] = ()
 
 
 def parse_count(body: Any, request_id: str = "") -> tuple[GenerateRequest, ContextEdits | None]:
