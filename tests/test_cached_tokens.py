@@ -3,10 +3,13 @@ a real gateway and the demo worker, whose cache holds the blocks of a prompt it 
 twice, a chat of one user message of 40 four-letter words (205 bytes as the cache reads
 them: role NUL content NUL) finds its first 12 blocks (192 bytes) held the second time,
 which hold 37 of its words whole (`gateway.worker.demo.cached_words`). Each test has
-its own word, so its first answer finds nothing cached."""
+its own word, so its first answer finds nothing cached. Beyond the APIs: the metrics,
+/metrics/json and the usage ledger count them (the trace's attribute: test_tracing)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 from typing import Any
 
@@ -16,10 +19,11 @@ import openai
 import pytest
 
 from gateway.worker.demo import cached_words
-from tests.support.metrics import access_lines
+from tests.support.clients import openai_sdk
+from tests.support.metrics import access_lines, scrape, value
 from tests.support.requests import sse_events, user
 from tests.support.servers import DEMO_MODEL
-from tests.support.waiting import wait_until
+from tests.support.waiting import HANG_GUARD, wait_until
 
 WORDS = 40
 CACHED = 37
@@ -138,3 +142,49 @@ def test_a_message_reports_cache_reads_apart_from_its_input_tokens(gateway: Any)
     delta = next(e for e in events if e.type == "message_delta")
     assert _anthropic_usage(start.message.usage) == (WORDS - CACHED, CACHED, 0)
     assert _anthropic_usage(delta.usage) == (WORDS - CACHED, CACHED, 0)
+
+
+def test_the_metrics_and_the_usage_ledger_count_them_beside_the_prompt(gateway_with: Any) -> None:
+    """A gateway of its own (its counters start at 0): the chat asked twice, then the
+    prompt's cached tokens in `cached_prompt_tokens_total`, /metrics/json, the ledger's
+    counter and its row (JSON and CSV), each beside the prompt tokens."""
+    gw = gateway_with(admin_port=0)
+    admin = gw.admin_url
+    assert admin is not None
+    with openai_sdk(gw.url) as api:
+        first, second = _chat(api, "mtrc")
+    assert first.prompt_tokens_details is not None and second.prompt_tokens_details is not None
+    assert (
+        first.prompt_tokens_details.cached_tokens,
+        second.prompt_tokens_details.cached_tokens,
+    ) == (
+        0,
+        CACHED,
+    )
+
+    def ledger_rows() -> list[dict[str, Any]]:
+        answer = httpx.get(admin + "/admin/usage", params={"model": DEMO_MODEL}, timeout=HANG_GUARD)
+        assert answer.status_code == 200, answer.text
+        rows: list[dict[str, Any]] = answer.json()["data"]
+        return rows
+
+    # each request reaches the ledger at admission's end, after its answer is sent
+    wait_until(lambda: sum(r["requests"] for r in ledger_rows()) == 2, "both in the ledger")
+    (row,) = ledger_rows()
+    assert (row["team"], row["key_id"]) == ("-", "-")
+    assert (row["prompt_tokens"], row["cached_tokens"]) == (2 * WORDS, CACHED)
+    sheet = httpx.get(
+        admin + "/admin/usage", params={"model": DEMO_MODEL, "format": "csv"}, timeout=HANG_GUARD
+    ).text
+    (line,) = csv.DictReader(io.StringIO(sheet))
+    assert (line["prompt_tokens"], line["cached_tokens"]) == (str(2 * WORDS), str(CACHED))
+
+    samples = scrape(admin)
+    model = {"model": DEMO_MODEL}
+    assert value(samples, "furnace_gateway_prompt_tokens_total", **model) == 2 * WORDS
+    assert value(samples, "furnace_gateway_cached_prompt_tokens_total", **model) == CACHED
+    ledger = {"team": "-", "model": DEMO_MODEL}
+    assert value(samples, "furnace_gateway_usage_prompt_tokens_total", **ledger) == 2 * WORDS
+    assert value(samples, "furnace_gateway_usage_cached_tokens_total", **ledger) == CACHED
+    figures = httpx.get(admin + "/metrics/json", timeout=HANG_GUARD).json()["models"][DEMO_MODEL]
+    assert (figures["prompt_tokens"], figures["cached_prompt_tokens"]) == (2 * WORDS, CACHED)

@@ -1,8 +1,10 @@
-"""Tracing: the client's trace continues through the gateway to the worker; off,
-OpenTelemetry is not even imported."""
+"""Tracing: the client's trace continues through the gateway to the worker, the
+request's span ends with the GenAI usage attributes (the prefix cache's reads
+among them); off, OpenTelemetry is not even imported."""
 
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +16,9 @@ from opentelemetry.trace import SpanKind
 
 from gateway.config import ModelConfig
 from gateway.worker.tensor.demo import DEMO_TENSOR_MODEL, DemoTensorEngine
+from tests.support.requests import user
 from tests.support.scripted_worker import script
+from tests.support.servers import DEMO_MODEL
 from tests.support.tensor_workers import RecordingServicer, TensorWorkers
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -52,6 +56,35 @@ def test_request_and_engine_spans_continue_the_clients_trace(gateway_with, worke
     assert client.attributes["furnace.worker"] == workers.scripted.address
     sent = workers.scripted.metadata["traced-1"]["traceparent"]
     assert sent == f"00-{TRACE_ID}-{format(client.context.span_id, '016x')}-01"
+
+
+def test_the_request_span_has_the_prompt_tokens_the_engines_cache_held(
+    gateway_with: Any, spans: InMemorySpanExporter
+) -> None:
+    """The demo worker's prefix cache holds a chat's blocks the second time it is asked
+    (tests/test_cached_tokens.py): 37 of its 40 prompt tokens, on the second span only,
+    beside `gen_ai.usage.input_tokens` that counts them too (OTel's GenAI conventions)."""
+    gw = gateway_with(tracing=True)
+    body = {"model": DEMO_MODEL, "messages": user(" ".join(["span"] * 40)), "max_tokens": 2}
+    spans.clear()
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        for i in range(2):
+            headers = {"x-request-id": f"cached-{i}"}
+            assert http.post("/v1/chat/completions", json=body, headers=headers).is_success
+
+    def servers() -> dict[str, Any]:
+        return {
+            s.attributes["furnace.request_id"]: s.attributes
+            for s in spans.get_finished_spans()
+            if s.kind is SpanKind.SERVER
+        }
+
+    wait_until(lambda: len(servers()) == 2, "both request spans")
+    usage = [
+        (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.cache_read.input_tokens"])
+        for _, a in sorted(servers().items())
+    ]
+    assert usage == [(40, 0), (40, 37)]
 
 
 def test_off_means_not_imported():

@@ -1,6 +1,7 @@
 """The usage ledger (gateway.teams.usage): rows per team x model x key id x day
 in process and in a real Redis shared by two replicas, a flush that stalls and
-is sent again counted once, retention, and its CSV."""
+is sent again counted once, retention, its CSV, and the prompt's cached tokens
+(read as 0 from rows an older gateway wrote without them)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,46 @@ def test_days_past_retention_expire(redis_server: RedisServer) -> None:
 
     ends = datetime.combine(DAY + timedelta(days=3), datetime.min.time(), UTC).timestamp() * 1000
     assert asyncio.run(main()) == ends
+
+
+def test_cached_tokens_add_up_beside_the_prompts_in_process_and_csv() -> None:
+    ledger = Ledger(30, None, "t")
+    ledger.record("alpha", "m", "k1", 40, 2, 0.0, "completed", NOON)
+    ledger.record("alpha", "m", "k1", 40, 2, 0.0, "completed", NOON, cached=37)
+    ledger.record("alpha", "m", "k2", 5, 1, 0.0, "completed", NOON)
+    rows = asyncio.run(ledger.query("alpha", None, DAY, DAY))
+    assert [(r["key_id"], r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [
+        ("k1", 80, 37),
+        ("k2", 5, 0),
+    ]
+    assert ledger.totals["alpha", "m"]["cached_tokens"] == 37
+    assert COLUMNS.index("cached_tokens") == COLUMNS.index("prompt_tokens") + 1
+    parsed = list(csv.DictReader(io.StringIO(to_csv(rows))))
+    assert [row["cached_tokens"] for row in parsed] == ["37", "0"]
+
+
+def test_cached_tokens_reach_redis_and_rows_written_without_them_read_zero(
+    redis_server: RedisServer,
+) -> None:
+    """A day's hash an older gateway wrote (no `cached_tokens` field) reads whole, its
+    cached tokens 0, and a newer gateway's rows add theirs beside it."""
+
+    async def main() -> list[dict[str, str | float]]:
+        store = RedisStore(redis_server.url, 1.0, "t")
+        old = {"prompt_tokens": 10, "completion_tokens": 4, "requests": 1, "outcome_completed": 1}
+        await store.client.hset(
+            f"t:usage:{{usage}}:{DAY.isoformat()}",
+            mapping={f"alpha|m|old|{name}": amount for name, amount in old.items()},
+        )
+        ledger = Ledger(30, store, "t")
+        ledger.record("alpha", "m", "new", 40, 2, 0.0, "completed", NOON, cached=37)
+        rows = await ledger.query("alpha", "m", DAY, DAY)  # flushes its own first
+        await store.close()
+        return rows
+
+    rows = asyncio.run(main())
+    by_key = {r["key_id"]: r for r in rows}
+    assert set(by_key["old"]) == set(COLUMNS)
+    assert (by_key["old"]["prompt_tokens"], by_key["old"]["cached_tokens"]) == (10, 0)
+    assert by_key["old"]["outcome_completed"] == 1 and by_key["old"]["spend"] == 0.0
+    assert (by_key["new"]["prompt_tokens"], by_key["new"]["cached_tokens"]) == (40, 37)

@@ -7,8 +7,9 @@ Every parameter is optional: `team` and `model` select rows (none: all),
 `from` and `to` are UTC days (`YYYY-MM-DD`, both included; default the last 31
 days to today, at most 366), `format` is `json` (`{"data": [rows]}`) or `csv`
 (a header line, then the same rows). One row per day x team x model x key id,
-with `prompt_tokens`, `completion_tokens`, `requests`, `spend` and a count per
-outcome; no totals mixed in. An unknown parameter, or a bad value, is a 400
+with `prompt_tokens`, `cached_tokens` (of those, the ones the engine's prefix
+cache held), `completion_tokens`, `requests`, `spend` and a count per outcome;
+no totals mixed in. An unknown parameter, or a bad value, is a 400
 naming it; a ledger in Redis that does not answer, a 503.
 """
 

@@ -134,7 +134,9 @@ class Accounts:
         cost = spend(self.budgets.prices.get(model), prompt, completion)
         name = OPEN if team is None else team.name
         # an `Outcome` is its own name (a StrEnum): the ledger keys its field by it
-        self.ledger.record(name, model, key, prompt, completion, cost, record.outcome)
+        self.ledger.record(
+            name, model, key, prompt, completion, cost, record.outcome, cached=record.cached_tokens
+        )
 
     @property
     def idle(self) -> bool:

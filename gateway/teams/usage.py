@@ -1,5 +1,7 @@
 """The usage ledger: per team x model x key id x UTC day, the prompt and
-completion tokens the engines counted, requests, their outcomes and spend.
+completion tokens the engines counted (and of the prompt's, those their prefix
+cache held: `cached_tokens`, reported, never billed apart), requests, their
+outcomes and spend.
 It answers "how much did each team use, of what?" on the admin port
 (`GET /admin/usage`), where Prometheus rates cannot.
 
@@ -10,6 +12,9 @@ seconds, so every replica's requests land in one ledger kept
 `usage_retention_days` days:
 
     P:usage:{usage}:YYYY-MM-DD   hash  "team|model|key|field" → amount
+
+A field a row has no entry for reads 0: rows written before a field existed
+(`cached_tokens`) read back whole, with nothing to migrate.
 
 A flush is one Lua script: it applies a batch only if the batch's id is new
 (`SET NX` of a marker kept a day), so a flush that timed out but ran is never
@@ -41,7 +46,7 @@ log = logging.getLogger("furnace.usage")
 #: Seconds between flushes of the ledger to Redis.
 FLUSH_INTERVAL = 1.0
 #: The fields of a row, after its names; `outcome_*` count requests by how they ended.
-AMOUNTS = ("prompt_tokens", "completion_tokens", "requests", "spend")
+AMOUNTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "requests", "spend")
 OUTCOMES = ("completed", "client_gone", "timeout", "engine_error", "rejected", "invalid")
 FIELDS = (*AMOUNTS, *(f"outcome_{o}" for o in OUTCOMES))
 #: An outcome's field in a row.
@@ -118,8 +123,11 @@ class Ledger:
         spend: float,
         outcome: str | None,
         now: float | None = None,
+        *,
+        cached: int = 0,
     ) -> None:
-        """Counts one request: what the engine counted of it, and how it ended."""
+        """Counts one request: what the engine counted of it (`cached`: of its
+        `prompt` tokens, those the engine's prefix cache held), and how it ended."""
         # added in place, into its row and its totals: every request passes here
         where = (day_of(time.time() if now is None else now), team, model, key_id or NO_KEY)
         row = self.rows.get(where)
@@ -130,6 +138,7 @@ class Ledger:
             total = self.totals[team, model] = dict.fromkeys(AMOUNTS, 0.0)
         for amounts in (row, total):
             amounts["prompt_tokens"] += prompt
+            amounts["cached_tokens"] += cached
             amounts["completion_tokens"] += completion
             amounts["requests"] += 1.0
             amounts["spend"] += spend

@@ -81,7 +81,15 @@ class _ModelSeries:
     kept as its child's value (`_value`, as `GapHistogram` reads its child's), which
     `Gauge.inc` and `dec` would add to after checks that hold for every child."""
 
-    __slots__ = ("completion_tokens", "e2e", "inflight", "itl", "prompt_tokens", "ttft")
+    __slots__ = (
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "e2e",
+        "inflight",
+        "itl",
+        "prompt_tokens",
+        "ttft",
+    )
 
     def __init__(self, metrics: RequestMetrics, model: str) -> None:
         self.inflight = metrics.inflight.labels(model)._value
@@ -89,6 +97,7 @@ class _ModelSeries:
         self.itl = GapHistogram(metrics.itl.labels(model))
         self.e2e = GapHistogram(metrics.e2e.labels(model))
         self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.cached_prompt_tokens = metrics.cached_prompt_tokens.labels(model)
         self.completion_tokens = metrics.completion_tokens.labels(model)
 
 
@@ -153,6 +162,14 @@ class RequestMetrics:
         )
         self.prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens of answered requests.", ["model"], registry=r
+        )
+        # a share of the prompt tokens: cached / prompt is the engines' prefix-cache hit ratio
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens",
+            "Of the prompt tokens of answered requests, those the engine found in its prefix "
+            "cache (0 where the engine does not say).",
+            ["model"],
+            registry=r,
         )
         self.completion_tokens = Counter(
             f"{PREFIX}_completion_tokens",
@@ -224,5 +241,7 @@ class RequestMetrics:
             series.e2e.observe(end - record.started_at)
             prompt, completion = record.used()
             series.prompt_tokens.inc(prompt)
+            if record.cached_tokens:
+                series.cached_prompt_tokens.inc(record.cached_tokens)
             series.completion_tokens.inc(completion)
         return ttft

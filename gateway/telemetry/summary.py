@@ -9,6 +9,12 @@ from prometheus_client import CollectorRegistry
 
 from gateway.telemetry.metrics import PREFIX
 
+#: The token counters' samples, each a figure of its own (`prompt_tokens`...).
+_TOKENS = frozenset(
+    f"{PREFIX}_{name}_total"
+    for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+)
+
 
 def model_summary(registry: CollectorRegistry) -> dict[str, dict[str, Any]]:
     """Per-model figures as JSON: counts by outcome, tokens, and mean latencies."""
@@ -16,7 +22,8 @@ def model_summary(registry: CollectorRegistry) -> dict[str, dict[str, Any]]:
 
     def entry(model: str) -> dict[str, Any]:
         return models.setdefault(
-            model, {"requests": {}, "prompt_tokens": 0, "completion_tokens": 0}
+            model,
+            {"requests": {}, "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0},
         )
 
     for metric in registry.collect():
@@ -29,7 +36,7 @@ def model_summary(registry: CollectorRegistry) -> dict[str, dict[str, Any]]:
                 outcomes = entry(model)["requests"]
                 outcome = sample.labels["outcome"]
                 outcomes[outcome] = outcomes.get(outcome, 0) + int(sample.value)
-            elif name in (f"{PREFIX}_prompt_tokens_total", f"{PREFIX}_completion_tokens_total"):
+            elif name in _TOKENS:
                 entry(model)[name.removeprefix(f"{PREFIX}_").removesuffix("_total")] = int(
                     sample.value
                 )

@@ -6,8 +6,12 @@ check of one boolean that hands back a no-op context manager (not a
 nothing). With `tracing: true` (and the `otel` extra installed) the gateway
 continues the client's W3C trace, records a SERVER span for the
 request and a CLIENT span for the worker call, and sends the worker that
-span's `traceparent`. Spans go to the tracer provider the process has; if it
-has none, to an OTLP exporter configured by the standard OTEL_* variables.
+span's `traceparent`. A generation's request span ends with OpenTelemetry's GenAI
+usage attributes: `gen_ai.usage.input_tokens` (the prompt), `gen_ai.usage.output_tokens`
+and, of the input, the tokens the engine's prefix cache held,
+`gen_ai.usage.cache_read.input_tokens` (0 where the engine says none, or does not
+say). Spans go to the tracer provider the process has; if it has none, to an
+OTLP exporter configured by the standard OTEL_* variables.
 Without tracing, a client's `traceparent` is still passed to the worker as is.
 """
 

@@ -116,8 +116,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         self.params = params or {}
 
     def _usage(self, record: RequestRecord) -> dict[str, Any]:
+        # OTel GenAI semantic conventions: the cache's reads are a share of the input
         return {
             "gen_ai.usage.input_tokens": record.prompt_tokens,
+            "gen_ai.usage.cache_read.input_tokens": record.cached_tokens,
             "gen_ai.usage.output_tokens": record.completion_tokens,
         }
 
