@@ -201,3 +201,43 @@ def test_a_prompt_sent_again_reports_the_engines_cached_tokens(model_dir: Path):
     assert isinstance(first[-1], Finished) and first[-1].cached_tokens == 0
     assert isinstance(second[0], Started) and second[0].cached_tokens in (0, cached)
     assert isinstance(second[-1], Finished) and second[-1].cached_tokens == cached
+
+
+def test_a_stop_string_after_a_late_first_message_still_reports_the_cached_tokens(
+    model_dir: Path,
+):
+    """An engine slower than `HEAD_GRACE` to its first message gets `Started` sent without
+    its counts; when the gateway's own stop string then ends the answer, the engine's end
+    never comes, so `Finished` carries the cached count its first message said."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    stop = tokenizer.decode(ids[2:4])
+
+    async def twice() -> list[list[Event]]:
+        server = grpc.aio.server()
+        # a step of 20 ms: each first message comes after HEAD_GRACE (5 ms)
+        pb_grpc.add_VllmEngineServicer_to_server(
+            FakeVllm(ids, [], 0.02, 1, (str(model_dir), MODEL)), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        upstream = VllmGrpcUpstream(f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir))
+        sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+        request = GenerateRequest(model=MODEL, prompt=TEXT * 2, sampling=sampling, stop=(stop,))
+        answers = []
+        try:
+            for _ in range(2):
+                call = upstream.call(request, timeout=HANG_GUARD)
+                answers.append([event async for event in call])
+        finally:
+            await upstream.close()
+            await server.stop(None)
+        return answers
+
+    first, second = asyncio.run(twice())
+    assert isinstance(second[0], Started) and second[0].cached_tokens == 0  # not known yet
+    end = second[-1]
+    assert isinstance(end, Finished) and end.stop_sequence == stop
+    assert end.completion_tokens < 16  # the stop string ended it, not the engine
+    assert end.cached_tokens is not None and end.cached_tokens >= 32
+    assert isinstance(first[-1], Finished) and first[-1].cached_tokens == 0

@@ -270,6 +270,7 @@ class VllmGrpcCall(StreamBookkeeping):
     turns the engine's token-id chunks, of each of its n choices, into our events."""
 
     __slots__ = (
+        "_cached",
         "_call",
         "_choices",
         "_deadline",
@@ -284,6 +285,7 @@ class VllmGrpcCall(StreamBookkeeping):
         "_request",
         "_sole",
         "_started",
+        "_unread",
         "_upstream",
         "request_id",
     )
@@ -312,6 +314,8 @@ class VllmGrpcCall(StreamBookkeeping):
         self._left = 0  # choices whose Finished is not out yet
         self._hidden: frozenset[int] = frozenset()  # ids whose text is never shown
         self._started = False
+        self._unread = True  # no message of the engine read yet (its counts)
+        self._cached: int | None = None  # its cached count, when Started could not say it
         self._prompt_tokens = 0  # the ids sent, which the engine counts as the prompt
         self._listener: Callable[[], None] | None = None
         self._polling = False  # inside `poll`, which hears its own call's end itself
@@ -502,9 +506,13 @@ class VllmGrpcCall(StreamBookkeeping):
         if kind == "chunk":
             chunk = message.chunk
             choice = self._choice(chunk.index)
-            if not self._started:
-                self._started = True
-                self._pending.append(Started(chunk.prompt_tokens, chunk.cached_tokens))
+            if self._unread:  # the engine's first message: its counts
+                self._unread = False
+                if self._started:  # Started went out at HEAD_GRACE, without them
+                    self._cached = chunk.cached_tokens
+                else:
+                    self._started = True
+                    self._pending.append(Started(chunk.prompt_tokens, chunk.cached_tokens))
             if choice.plain:  # its logprobs field is not read (a message object each)
                 self._plain(choice, chunk.token_ids)
             elif not choice.done:
@@ -606,8 +614,8 @@ class VllmGrpcCall(StreamBookkeeping):
             split = thoughts.last(released) if stopped else thoughts.feed(released)
             released, count = self._think(choice, split, count)
         self._pending.extend(choice.calls.feed(released, count, scores))
-        if stopped:  # a stop string: the choice ends here
-            self._finish(choice, FinishReason.STOP, choice.received, flush=False)
+        if stopped:  # a stop string: the choice ends here, before the engine's end
+            self._finish(choice, FinishReason.STOP, choice.received, self._cached, flush=False)
 
     def _think(self, choice: _Choice, split: tuple[str, str], tokens: int) -> tuple[str, int]:
         """A piece's reasoning as a `Reasoning` (with the piece's tokens where it holds
