@@ -165,24 +165,21 @@ def test_an_answer_of_several_tokens_a_message_reads_as_vllm_steps_its_detokeniz
     assert isinstance(end, Finished) and end.completion_tokens == len(ids)
 
 
-def test_a_prompt_sent_again_reports_the_engines_cached_tokens(model_dir: Path):
-    """vLLM says a prompt's cached tokens on each message and at its end: the stand-in
-    holds the whole blocks of a prompt it saw, so the second call of the same one has
-    them, in `Started` (when the engine's first message came before it went out) and
-    in `Finished` (always: a `Started` sent before that message could not say them)."""
+def _twice(model_dir: Path, step: float, **asked: Any) -> tuple[list[Event], list[Event]]:
+    """The events of the same request (`asked`: its sampling and stop strings; its prompt
+    `TEXT` twice) sent twice to a stand-in that takes `step` seconds a message."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
 
-    async def twice() -> list[list[Event]]:
+    async def twice() -> tuple[list[Event], list[Event]]:
         server = grpc.aio.server()
         pb_grpc.add_VllmEngineServicer_to_server(
-            FakeVllm(ids, [], 0.0, 1, (str(model_dir), MODEL)), server
+            FakeVllm(ids, [], step, 1, (str(model_dir), MODEL)), server
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         upstream = VllmGrpcUpstream(f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir))
-        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
-        request = GenerateRequest(model=MODEL, prompt=TEXT * 2, sampling=sampling)
+        request = GenerateRequest(model=MODEL, prompt=TEXT * 2, **asked)
         answers = []
         try:
             for _ in range(2):
@@ -191,9 +188,17 @@ def test_a_prompt_sent_again_reports_the_engines_cached_tokens(model_dir: Path):
         finally:
             await upstream.close()
             await server.stop(None)
-        return answers
+        return answers[0], answers[1]
 
-    first, second = asyncio.run(twice())
+    return asyncio.run(twice())
+
+
+def test_a_prompt_sent_again_reports_the_engines_cached_tokens(model_dir: Path):
+    """vLLM says a prompt's cached tokens on each message and at its end: the stand-in
+    holds the whole blocks of a prompt it saw, so the second call of the same one has
+    them, in `Started` (when the engine's first message came before it went out) and
+    in `Finished` (always: a `Started` sent before that message could not say them)."""
+    first, second = _twice(model_dir, 0.0, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
     prompt = first[0].prompt_tokens if isinstance(first[0], Started) else 0
     cached = prompt // 16 * 16
     assert cached >= 32
@@ -210,31 +215,10 @@ def test_a_stop_string_after_a_late_first_message_still_reports_the_cached_token
     its counts; when the gateway's own stop string then ends the answer, the engine's end
     never comes, so `Finished` carries the cached count its first message said."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    stop = tokenizer.decode(ids[2:4])
-
-    async def twice() -> list[list[Event]]:
-        server = grpc.aio.server()
-        # a step of 20 ms: each first message comes after HEAD_GRACE (5 ms)
-        pb_grpc.add_VllmEngineServicer_to_server(
-            FakeVllm(ids, [], 0.02, 1, (str(model_dir), MODEL)), server
-        )
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        upstream = VllmGrpcUpstream(f"127.0.0.1:{port}", model=MODEL, tokenizer=str(model_dir))
-        sampling = SamplingParams(max_tokens=16, ignore_eos=True)
-        request = GenerateRequest(model=MODEL, prompt=TEXT * 2, sampling=sampling, stop=(stop,))
-        answers = []
-        try:
-            for _ in range(2):
-                call = upstream.call(request, timeout=HANG_GUARD)
-                answers.append([event async for event in call])
-        finally:
-            await upstream.close()
-            await server.stop(None)
-        return answers
-
-    first, second = asyncio.run(twice())
+    stop = tokenizer.decode(tokenizer.encode(TEXT, add_special_tokens=False).ids[2:4])
+    # a step of 20 ms: each first message comes after HEAD_GRACE (5 ms)
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    first, second = _twice(model_dir, 0.02, sampling=sampling, stop=(stop,))
     assert isinstance(second[0], Started) and second[0].cached_tokens == 0  # not known yet
     end = second[-1]
     assert isinstance(end, Finished) and end.stop_sequence == stop
