@@ -247,6 +247,7 @@ BAD: dict[str, list[Any]] = {
     "user": [*NOT_STRINGS, "u" * 257],
     "functions": [[{"name": "f"}], "x"],
     "guided_json": [{"type": "object"}],
+    "structured_outputs": ["x", 1, [], {"choice": [1]}, {"regex": {}}, {"json": "["}],
     "prompt": [5, [], ["a", "b"], {}, [["a"]], [5], None, True, 1.5],
     "best_of": [2, "1", [], 1.5],
     "echo": ["yes", 1, []],

@@ -11,6 +11,7 @@ finishes them in a few tokens."""
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 
 import jsonschema
@@ -121,6 +122,52 @@ def test_json_mode_answers_an_object(sdk, engine: Engine):
     ).choices[0]
     if choice.finish_reason == "stop":  # a random model may run to max_tokens inside it
         assert isinstance(json.loads(choice.message.content), dict)
+
+
+def _constrained(sdk, engine: Engine, stream: bool, text: str, constraint: dict) -> str:
+    """The answer's text (whole or streamed) to `text` under `structured_outputs`."""
+    body = greedy(engine, messages=user(text), max_tokens=budget(engine))
+    extra = {"extra_body": {"structured_outputs": constraint}}
+    if stream:
+        chunks = list(sdk.chat.completions.create(**body, **extra, stream=True))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        choice = sdk.chat.completions.create(**body, **extra).choices[0]
+        answer, finish = choice.message.content or "", choice.finish_reason
+    assert finish == "stop"
+    return answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_choice_constrained_answer_is_one_of_the_choices(sdk, engine: Engine, stream):
+    """vLLM's `structured_outputs.choice`: the answer is exactly one of them (the demo
+    answers the one its prompt holds)."""
+    choices = ["sunny", "rainy", "snowy"]
+    answer = _constrained(sdk, engine, stream, "is it rainy today", {"choice": choices})
+    assert answer in choices
+    if engine.echoes:
+        assert answer == "rainy"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "matches"),
+    [
+        ({"regex": "[0-9]{3}-[a-c]{2}"}, re.compile("[0-9]{3}-[a-c]{2}").fullmatch),
+        ({"grammar": 'root ::= "yes" | "no"'}, {"yes", "no"}.__contains__),
+    ],
+    ids=["regex", "grammar"],
+)
+def test_a_regex_or_grammar_constrained_answer_follows_it(sdk, engine: Engine, constraint, matches):
+    """vLLM's `structured_outputs.regex` and `.grammar` (EBNF), on vLLM's engines; the
+    demo lists neither: a 400 naming the parameter, before any engine is called."""
+    (name,) = constraint
+    if engine.echoes:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _constrained(sdk, engine, False, "a code please", constraint)
+        assert caught.value.body["param"] == f"structured_outputs.{name}"
+        return
+    assert matches(_constrained(sdk, engine, False, "a code please", constraint))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

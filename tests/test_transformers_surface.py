@@ -17,6 +17,7 @@ tokens.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -209,6 +210,56 @@ def test_a_schema_that_cannot_be_enforced_is_a_bad_request(tiny: Tiny):
         )
     assert refused.value.body["param"] == "response_format"
     assert "Unknown format" in refused.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("constraint", "matches"),
+    [
+        ({"regex": "[0-9]{2}-[a-c]{3}"}, re.compile("[0-9]{2}-[a-c]{3}").fullmatch),
+        ({"choice": ["sunny", "rainy", 'a "quoted"\nline']}, None),
+    ],
+    ids=["regex", "choice"],
+)
+def test_structured_outputs_regex_and_choice_hold_a_random_model(
+    tiny: Tiny, stream: bool, constraint: dict, matches: Any
+):
+    """vLLM's `structured_outputs` `regex` and `choice`, enforced by llguidance: a random
+    model's answer matches the regex, or is exactly one of the choices."""
+    body = {
+        "model": RANDOM,
+        "messages": user("the code"),
+        "temperature": 1.0,
+        "seed": 7,
+        "max_tokens": MAX_TOKENS,
+        "extra_body": {"structured_outputs": constraint},
+    }
+    if stream:
+        chunks = list(tiny.sdk.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = tiny.sdk.chat.completions.create(**body).choices[0]
+        text, finish = choice.message.content or "", choice.finish_reason
+    assert finish == "stop"
+    assert matches(text) if matches else text in constraint["choice"]
+
+
+def test_structured_outputs_a_bad_regex_or_a_grammar_is_refused_by_name(tiny: Tiny):
+    """A regex llguidance cannot compile is the worker's 400; vLLM's EBNF grammar is
+    not listed, so the gateway refuses it."""
+    for constraint, named in (
+        ({"regex": "(unclosed"}, "structured_outputs.regex"),
+        ({"grammar": 'root ::= "a"'}, "structured_outputs.grammar"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            tiny.sdk.chat.completions.create(
+                model=RANDOM,
+                messages=user("x"),
+                max_tokens=4,
+                extra_body={"structured_outputs": constraint},
+            )
+        assert refused.value.body["param"] == named
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

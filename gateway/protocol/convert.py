@@ -114,7 +114,15 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
-            pb.ResponseFormat(type=f.type, schema=f.schema, name=f.name, strict=f.strict)
+            pb.ResponseFormat(
+                type=f.type,
+                schema=f.schema,
+                name=f.name,
+                strict=f.strict,
+                regex=f.regex,
+                choice=f.choice,
+                grammar=f.grammar,
+            )
         )
     r = request.reasoning
     if r is not None:
@@ -178,7 +186,11 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         parallel_tool_calls=(
             message.parallel_tool_calls if message.HasField("parallel_tool_calls") else None
         ),
-        response_format=ResponseFormat(f.type, f.schema, f.name, f.strict) if f.type else None,
+        response_format=(
+            ResponseFormat(f.type, f.schema, f.name, f.strict, f.regex, tuple(f.choice), f.grammar)
+            if f.type
+            else None
+        ),
         user=message.user,
         reasoning=reasoning,
     )

@@ -20,6 +20,19 @@ N = "n"
 LOGPROBS = "logprobs"
 TOOLS = "tools"  # with tool_choice and parallel_tool_calls
 RESPONSE_FORMAT = "response_format"
+#: vLLM's structured outputs beyond JSON (the worker protocol's ResponseFormat types).
+STRUCTURED_REGEX = "structured_outputs.regex"
+STRUCTURED_CHOICE = "structured_outputs.choice"
+STRUCTURED_GRAMMAR = "structured_outputs.grammar"
+STRUCTURED = frozenset({STRUCTURED_REGEX, STRUCTURED_CHOICE, STRUCTURED_GRAMMAR})
+#: A ResponseFormat's type → the feature it needs.
+_FORMATS = {
+    "json_object": RESPONSE_FORMAT,
+    "json_schema": RESPONSE_FORMAT,
+    "regex": STRUCTURED_REGEX,
+    "choice": STRUCTURED_CHOICE,
+    "grammar": STRUCTURED_GRAMMAR,
+}
 IMAGES = "image_url"
 MIN_TOKENS = "min_tokens"
 IGNORE_EOS = "ignore_eos"
@@ -58,6 +71,7 @@ ALL = frozenset(
         DIMENSIONS,
     }
     | REASONING
+    | STRUCTURED
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -69,7 +83,9 @@ FIRST_VERSION = frozenset({GENERATE})
 
 
 #: What `used` can find in a request: a model serving all of them serves any request.
-OF_REQUESTS = frozenset({N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING | REASONING)
+OF_REQUESTS = frozenset(
+    {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING | REASONING | STRUCTURED
+)
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
 _request_values = attrgetter(
@@ -106,8 +122,11 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((LOGPROBS, "logprobs"))
         if request.tools or request.tool_choice or request.parallel_tool_calls is not None:
             found.append((TOOLS, "tools"))
-        if request.response_format is not None:
-            found.append((RESPONSE_FORMAT, "response_format"))
+        answer = request.response_format
+        if answer is not None:
+            feature = _FORMATS.get(answer.type, RESPONSE_FORMAT)
+            # vLLM's types come from `structured_outputs`, a request's field of that name
+            found.append((feature, feature if feature in STRUCTURED else RESPONSE_FORMAT))
         if request.user:
             found.append((USER, "user"))
         reasoning = request.reasoning

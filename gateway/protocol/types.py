@@ -44,12 +44,16 @@ class Tool:
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """A format the answer must follow: "json_object", or "json_schema" with its schema."""
+    """A format the answer must follow: "json_object", "json_schema" with its schema, or
+    one of vLLM's structured outputs: "regex", "choice", "grammar" (EBNF)."""
 
     type: str
     schema: str = ""  # JSON text, for "json_schema"
     name: str = ""
     strict: bool = False
+    regex: str = ""
+    choice: tuple[str, ...] = ()
+    grammar: str = ""
 
 
 @dataclass(frozen=True, slots=True)

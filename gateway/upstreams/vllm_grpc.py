@@ -710,8 +710,16 @@ def sampling_params(
             request.tools, request.tool_choice, request.parallel_tool_calls
         )
     elif request.response_format is not None:
-        if request.response_format.type == "json_schema":
-            params.json_schema = request.response_format.schema
+        answer = request.response_format
+        kind = answer.type
+        if kind == "json_schema":
+            params.json_schema = answer.schema
+        elif kind == "regex":
+            params.regex = answer.regex
+        elif kind == "choice":
+            params.choice.choices.extend(answer.choice)
+        elif kind == "grammar":
+            params.grammar = answer.grammar
         else:
             params.json_object = True
     return params
@@ -719,13 +727,17 @@ def sampling_params(
 
 #: What a generative vLLM engine serves beyond text (with `tools` when the model's
 #: call format is configured): every field its `SamplingParams` has a place for.
-GENERATIVE = features.SAMPLING | {
-    features.GENERATE,
-    features.N,
-    features.LOGPROBS,
-    features.RESPONSE_FORMAT,
-    features.USER,
-}
+GENERATIVE = (
+    features.SAMPLING
+    | {
+        features.GENERATE,
+        features.N,
+        features.LOGPROBS,
+        features.RESPONSE_FORMAT,
+        features.USER,
+    }
+    | features.STRUCTURED
+)
 
 #: KV-cache use at which a vLLM engine counts as full (it would preempt or queue).
 KV_FULL = 0.98

@@ -21,6 +21,9 @@ tests rely on:
   pieces of at most 8 characters, one token each; the answer ends `tool_calls`.
 - `response_format`: "json_object" answers `{}`, "json_schema" the schema's
   minimal instance, compact JSON, in pieces of at most 8 characters, one token each.
+  `structured_outputs.choice`: the first of the choices that the text it echoes holds,
+  else the first choice, whole, as one token. It refuses `structured_outputs`' `regex`
+  and `grammar` (it does not list them).
 - `min_tokens`: the echo's words repeat until there are that many tokens;
   `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
 - Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
@@ -215,6 +218,7 @@ class DemoEngine(Engine):
             features.LOGPROBS,
             features.TOOLS,
             features.RESPONSE_FORMAT,
+            features.STRUCTURED_CHOICE,
             features.USER,
             features.MIN_TOKENS,
             features.IGNORE_EOS,
@@ -366,6 +370,8 @@ class DemoEngine(Engine):
         answer = request.response_format
         if answer is not None and answer.type == "json_schema":
             words = iter(_pieces(_smallest(answer.schema, "response_format")))
+        elif answer is not None and answer.type == "choice":
+            words = iter([next((c for c in answer.choice if c in last), answer.choice[0])])
         elif answer is not None:
             words = iter(["{}"])
         else:

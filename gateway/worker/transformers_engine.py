@@ -18,10 +18,12 @@ stable, so a character split over several tokens is never sent in halves.
 
 Embeddings are the last hidden state, mean-pooled and L2-normalized.
 
-Structured output (`response_format`, and `tool_choice` "required" or a named
-function) is enforced by llguidance: a grammar compiled from the JSON schema
-masks every step's logits. llguidance is a 3 MB Rust wheel with no
-dependencies whose mask costs about 10 µs a token at a 300-token vocabulary
+Structured output (`response_format`, `tool_choice` "required" or a named
+function, and vLLM's `structured_outputs` `regex` and `choice`) is enforced by
+llguidance: a grammar compiled from the JSON schema (the regex; the choices, as a
+Lark grammar of their literals) masks every step's logits. `structured_outputs.grammar`
+is vLLM's EBNF, which llguidance does not read: it is not listed. llguidance is a 3 MB
+Rust wheel with no dependencies whose mask costs about 10 µs a token at a 300-token vocabulary
 and 45 µs at 32k on CPU; xgrammar (vLLM's default) needs Triton, a GPU
 compiler, on Linux. A grammar is compiled once per schema, not once per choice
 (the n choices of a request share it: each gets a copy of the compiled matcher),
@@ -301,39 +303,59 @@ class Guides:
     def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab: int, eos: list[int]) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
 
-    def matcher(self, schema: str | dict[str, Any], param: str) -> llguidance.LLMatcher:
-        """The compiled grammar holding the answer to one JSON value of `schema` (CPU:
-        a thread's work), never consumed itself: each answer takes a `deep_copy`."""
+    def matcher(self, wanted: Constraint) -> llguidance.LLMatcher:
+        """The compiled grammar holding the answer to `wanted` (CPU: a thread's work),
+        never consumed itself: each answer takes a `deep_copy`."""
+        kind, source, param = wanted
+        what = "The JSON schema" if kind == "json" else f"The {kind}"
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            if kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    source, overrides=_JSON_OPTIONS
+                )
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(source)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(source)
         except ValueError as error:
-            raise Invalid(f"The JSON schema is not valid: {error}", param=param) from None
+            raise Invalid(f"{what} is not valid: {error}", param=param) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            message = f"The JSON schema cannot be enforced: {matcher.get_error()}"
-            raise Invalid(message, param=param)
+            raise Invalid(f"{what} cannot be enforced: {matcher.get_error()}", param=param)
         return matcher
 
 
-def constraint(request: GenerateRequest) -> tuple[str | dict[str, Any], str] | None:
-    """The JSON schema the answer must follow and the parameter that gave it (a forced
-    tool call's, or `response_format`'s), or None."""
+#: What an answer must follow: "json" (a JSON schema, as text or an object), "regex"
+#: or "lark" (a grammar in llguidance's Lark), its source, and the parameter that gave it.
+Constraint = tuple[str, Any, str]
+
+
+def constraint(request: GenerateRequest) -> Constraint | None:
+    """What the answer must follow (a forced tool call's JSON schema, or
+    `response_format`'s, or `structured_outputs`' regex or choice), or None."""
     response_format = request.response_format
     if response_format is not None and response_format.type != "text":
+        kind = response_format.type
+        param = f"structured_outputs.{kind}" if kind in ("regex", "choice") else "response_format"
         if forced(request.tool_choice):
-            message = "response_format cannot be combined with a forced tool_choice."
-            raise Invalid(message, param="response_format")
-        if response_format.type == "json_object":
-            return {"type": "object"}, "response_format"
-        if response_format.type == "json_schema":
+            message = f"{param} cannot be combined with a forced tool_choice."
+            raise Invalid(message, param=param)
+        if kind == "json_object":
+            return "json", {"type": "object"}, param
+        if kind == "json_schema":
             if not response_format.schema:
-                raise Invalid("json_schema needs a schema.", param="response_format")
-            return response_format.schema, "response_format"
-        message = f"response_format type {response_format.type!r} is not served."
-        raise Invalid(message, param="response_format")
+                raise Invalid("json_schema needs a schema.", param=param)
+            return "json", response_format.schema, param
+        if kind == "regex":
+            return "regex", response_format.regex, param
+        if kind == "choice" and response_format.choice:
+            # each choice a Lark string literal (JSON's escapes are Lark's)
+            return "lark", "start: " + " | ".join(map(json.dumps, response_format.choice)), param
+        message = f"response_format type {kind!r} is not served."
+        raise Invalid(message, param=param)
     if request.tools and forced(request.tool_choice):
         schema = required_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
-        return schema, "tool_choice"
+        return "json", schema, "tool_choice"
     return None
 
 
@@ -538,7 +560,11 @@ class TransformersEngine(Engine):
         if isinstance(self.tokenizer, PreTrainedTokenizerFast):
             try:
                 self.guides = Guides(self.tokenizer, self.vocab, sorted(self.eos_token_ids))
-                served.add(features.RESPONSE_FORMAT)
+                served |= {
+                    features.RESPONSE_FORMAT,
+                    features.STRUCTURED_REGEX,
+                    features.STRUCTURED_CHOICE,
+                }
             except ValueError as error:
                 log.warning(
                     "%s: no structured outputs, llguidance cannot read its tokenizer: %s",
@@ -564,7 +590,9 @@ class TransformersEngine(Engine):
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="furnace-transformers")
         # Grammars compile in a thread of their own: a big schema never holds the model's.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="furnace-grammar")
-        self._grammars: OrderedDict[str, asyncio.Future[llguidance.LLMatcher]] = OrderedDict()
+        self._grammars: OrderedDict[tuple[str, str], asyncio.Future[llguidance.LLMatcher]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
         self.running = 0
         self.aborted = 0
@@ -624,13 +652,13 @@ class TransformersEngine(Engine):
         wanted = constraint(request)
         if wanted is None:
             return None
-        schema, param = wanted
+        kind, source, param = wanted
         guides = self._guides(param)
-        key = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        key = kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True)
         compiled = self._grammars.get(key)
         if compiled is None:
             loop = asyncio.get_running_loop()
-            compiled = loop.run_in_executor(self._compiler, guides.matcher, schema, param)
+            compiled = loop.run_in_executor(self._compiler, guides.matcher, wanted)
             # read by whoever waits; retrieved here too, for a compile no one waits for now
             compiled.add_done_callback(lambda done: done.cancelled() or done.exception())
             self._grammars[key] = compiled
@@ -641,7 +669,7 @@ class TransformersEngine(Engine):
         try:
             matcher = await asyncio.wait_for(asyncio.shield(compiled), COMPILE_TIMEOUT)
         except TimeoutError:
-            message = f"The JSON schema did not compile within {COMPILE_TIMEOUT:g} s."
+            message = f"The {param} did not compile within {COMPILE_TIMEOUT:g} s."
             raise Invalid(message, param=param) from None
         return Guide(matcher.deep_copy())
 

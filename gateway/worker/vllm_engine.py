@@ -118,16 +118,20 @@ STRUCTURED_OUTPUTS = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 #: reasoning parser, so it neither splits the reasoning from the answer
 #: (`include_reasoning`) nor bounds it (`thinking_token_budget`, which vLLM serves only
 #: with a reasoning config); those stay refused by name.
-GENERATING = features.SAMPLING | {
-    features.GENERATE,
-    features.N,
-    features.LOGPROBS,
-    features.TOOLS,
-    features.RESPONSE_FORMAT,
-    features.USER,
-    features.REASONING_EFFORT,
-    features.CHAT_TEMPLATE_KWARGS,
-}
+GENERATING = (
+    features.SAMPLING
+    | {
+        features.GENERATE,
+        features.N,
+        features.LOGPROBS,
+        features.TOOLS,
+        features.RESPONSE_FORMAT,
+        features.USER,
+        features.REASONING_EFFORT,
+        features.CHAT_TEMPLATE_KWARGS,
+    }
+    | features.STRUCTURED
+)
 
 
 def engine_args(
@@ -634,6 +638,12 @@ class _ToolPlan:
             except json.JSONDecodeError as error:
                 message = f"The schema is not valid JSON: {error}"
                 raise Invalid(message, param="response_format") from None
+        if fmt.type == "regex":
+            return StructuredOutputsParams(regex=fmt.regex)
+        if fmt.type == "choice":
+            return StructuredOutputsParams(choice=list(fmt.choice))
+        if fmt.type == "grammar":
+            return StructuredOutputsParams(grammar=fmt.grammar)
         raise Invalid(f"Unknown response_format type {fmt.type!r}.", param="response_format")
 
     def parser(self, index: int) -> ToolCallParser | None:

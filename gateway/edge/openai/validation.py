@@ -73,11 +73,10 @@ UNSERVED: dict[str, Any] = {
     # OpenAI's prompt caching: the engines cache every prefix in memory by themselves
     "prompt_cache_retention": "in_memory",
     "prompt_cache_options": None,
-    "guided_json": None,  # vLLM's older structured-output fields: use response_format
+    "guided_json": None,  # vLLM's older structured-output fields: use structured_outputs
     "guided_regex": None,
     "guided_choice": None,
     "guided_grammar": None,
-    "structured_outputs": None,
     "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
@@ -678,6 +677,113 @@ def _response_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseF
     return ResponseFormat("json_schema", orjson.dumps(schema).decode(), name, strict)
 
 
+#: The most characters a `structured_outputs` regex or grammar, or its choices together,
+#: may take (the engine compiles each into an automaton over its vocabulary).
+MAX_CONSTRAINT_CHARS = 64 * 1024
+#: The most `structured_outputs.choice` may list.
+MAX_CHOICES = 1024
+#: `structured_outputs`' constraints (one of them), and its options that ask nothing at
+#: these values (vLLM's defaults); any other value of an option is refused by name.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINT_OPTIONS: dict[str, Any] = {
+    "disable_any_whitespace": False,
+    "disable_additional_properties": False,
+    "whitespace_pattern": None,
+    "structural_tag": None,
+}
+
+
+def _constraint_text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(param, f"Invalid type for '{param}': expected a non-empty string.")
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise invalid(param, f"Invalid '{param}': at most {MAX_CONSTRAINT_CHARS} characters.")
+    return value
+
+
+def _structured_outputs(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseFormat | None:
+    """vLLM's `structured_outputs`: the one constraint it gives (`json`, a JSON schema;
+    `regex`; `choice`; `grammar`, in vLLM's EBNF; `json_object`), as our ResponseFormat;
+    None when it gives none."""
+    value = body.get("structured_outputs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(
+            "structured_outputs", "Invalid type for 'structured_outputs': expected an object."
+        )
+    for key in value:
+        if key not in _CONSTRAINTS and key not in _CONSTRAINT_OPTIONS:
+            raise invalid(
+                f"structured_outputs.{key}", f"Unknown parameter: 'structured_outputs.{key}'."
+            )
+    for key, default in _CONSTRAINT_OPTIONS.items():
+        if value.get(key, default) not in (default, None):
+            raise invalid(
+                f"structured_outputs.{key}",
+                f"'structured_outputs.{key}' is not supported by this gateway.",
+            )
+    given = [key for key in _CONSTRAINTS if value.get(key) is not None]
+    if len(given) > 1:
+        raise invalid(
+            f"structured_outputs.{given[1]}",
+            "You can only use one kind of constraints for structured outputs "
+            f"({', '.join(given)} were given).",
+        )
+    if not given:
+        return None
+    kind = given[0]
+    param = f"structured_outputs.{kind}"
+    spec = value[kind]
+    if kind == "json_object":
+        if not isinstance(spec, bool):
+            raise invalid(param, f"Invalid type for '{param}': expected a boolean.")
+        return ResponseFormat("json_object") if spec else None
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = orjson.loads(spec)
+            except orjson.JSONDecodeError:
+                raise invalid(param, f"Invalid '{param}': not JSON.") from None
+        if not isinstance(spec, dict):
+            raise invalid(param, f"Invalid type for '{param}': expected a JSON schema object.")
+        budget.check(spec, param)
+        # no name: it came as vLLM's, and goes on as vLLM's
+        return ResponseFormat("json_schema", orjson.dumps(spec).decode(), strict=True)
+    if kind == "choice":
+        if (
+            not isinstance(spec, list)
+            or not spec
+            or len(spec) > MAX_CHOICES
+            or not all(isinstance(choice, str) and choice for choice in spec)
+        ):
+            raise invalid(
+                param,
+                f"Invalid '{param}': a list of 1 to {MAX_CHOICES} non-empty strings.",
+            )
+        if sum(map(len, spec)) > MAX_CONSTRAINT_CHARS:
+            raise invalid(param, f"Invalid '{param}': at most {MAX_CONSTRAINT_CHARS} characters.")
+        return ResponseFormat("choice", choice=tuple(spec))
+    if kind == "regex":
+        return ResponseFormat("regex", regex=_constraint_text(spec, param))
+    return ResponseFormat("grammar", grammar=_constraint_text(spec, param))
+
+
+def _answer_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseFormat | None:
+    """The format the answer follows: `response_format`'s or `structured_outputs`', not
+    both (vLLM's would have one override the other)."""
+    given = _response_format(body, budget)
+    structured = _structured_outputs(body, budget)
+    if structured is None:
+        return given
+    if given is not None:
+        raise invalid(
+            "structured_outputs",
+            "Give 'response_format' or 'structured_outputs', not both.",
+        )
+    return structured
+
+
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if not _flag(body, "logprobs"):
@@ -705,6 +811,7 @@ _CHAT_FIELDS = frozenset(
         "top_logprobs",
         "tool_choice",
         "response_format",
+        "structured_outputs",
         *_REASONING_FIELDS,
     }
 )
@@ -773,9 +880,15 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "tools": tools,
         "tool_choice": _tool_choice(body, tools),
         "parallel_tool_calls": parallel if tools else None,
-        "response_format": _response_format(body, schemas),
+        "response_format": _answer_format(body, schemas),
         "reasoning": _reasoning(body),
     }
+    constrained = fields["response_format"] is not None and "structured_outputs" in body
+    if constrained and fields["tool_choice"] not in ("", "none", "auto"):
+        raise invalid(
+            "structured_outputs",
+            "You can only either use constraints for structured outputs or tools, not both.",
+        )
     return _common(body, model, fields, request_id)
 
 
@@ -817,7 +930,7 @@ def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
         {
             "prompt": prompt,
             "logprobs": logprobs,
-            "response_format": _response_format(body, SchemaBudget()),
+            "response_format": _answer_format(body, SchemaBudget()),
         },
         request_id,
     )

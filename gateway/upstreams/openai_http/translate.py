@@ -164,8 +164,12 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         )
     if request.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = request.parallel_tool_calls
-    if request.response_format is not None:
-        body["response_format"] = _response_format(request.response_format)
+    answer = request.response_format
+    if answer is not None:
+        if answer.type in _STRUCTURED or (answer.type == "json_schema" and not answer.name):
+            body["structured_outputs"] = _structured_outputs(answer)
+        else:
+            body["response_format"] = _response_format(answer)
     if request.user:
         body["user"] = request.user
     if request.reasoning is not None:
@@ -188,6 +192,20 @@ def _reasoning(reasoning: ReasoningParams) -> dict[str, Any]:
     if reasoning.budget is not None:
         fields["thinking_token_budget"] = reasoning.budget
     return fields
+
+
+#: Our ResponseFormat's types that are vLLM's `structured_outputs` alone.
+_STRUCTURED = ("regex", "choice", "grammar")
+
+
+def _structured_outputs(format: ResponseFormat) -> dict[str, Any]:
+    """vLLM's `structured_outputs`, as the client gave it (a JSON schema without a name
+    came that way)."""
+    if format.type == "json_schema":
+        return {"json": orjson.loads(format.schema)}
+    if format.type == "choice":
+        return {"choice": list(format.choice)}
+    return {format.type: format.regex if format.type == "regex" else format.grammar}
 
 
 def _response_format(format: ResponseFormat) -> dict[str, Any]:
