@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.conformance import Engine, greedy
 from tests.support.requests import user
-from tests.support.surface import MAX_TOKENS, TOOLS, WEATHER, assert_valid, calls_of
+from tests.support.surface import MAX_TOKENS, TOOLS, WEATHER, assert_valid, calls_of, text_of
 
 
 def budget(engine: Engine) -> int:
@@ -98,13 +98,7 @@ def test_a_json_schema_answer_validates(sdk, engine: Engine, stream):
         },
         max_tokens=budget(engine),
     )
-    if stream:
-        chunks = list(sdk.chat.completions.create(**body, stream=True))
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-    else:
-        choice = sdk.chat.completions.create(**body).choices[0]
-        text, finish = choice.message.content or "", choice.finish_reason
+    text, finish = text_of(sdk, body, stream)
     assert finish == "stop"
     jsonschema.validate(json.loads(text), WEATHER)
 
@@ -127,14 +121,8 @@ def test_json_mode_answers_an_object(sdk, engine: Engine):
 def _constrained(sdk, engine: Engine, stream: bool, text: str, constraint: dict) -> str:
     """The answer's text (whole or streamed) to `text` under `structured_outputs`."""
     body = greedy(engine, messages=user(text), max_tokens=budget(engine))
-    extra = {"extra_body": {"structured_outputs": constraint}}
-    if stream:
-        chunks = list(sdk.chat.completions.create(**body, **extra, stream=True))
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    else:
-        choice = sdk.chat.completions.create(**body, **extra).choices[0]
-        answer, finish = choice.message.content or "", choice.finish_reason
+    body["extra_body"] = {"structured_outputs": constraint}
+    answer, finish = text_of(sdk, body, stream)
     assert finish == "stop"
     return answer
 

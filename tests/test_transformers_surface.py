@@ -41,7 +41,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.surface import CLOCK, TOOLS, WEATHER, assert_valid, calls_of
+from tests.support.surface import CLOCK, TOOLS, WEATHER, assert_valid, calls_of, text_of
 from tests.support.tiny_model import TOOLS_TEMPLATE, build_tiny_model
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -138,13 +138,7 @@ def test_a_json_schema_answer_validates(tiny: Tiny, stream: bool, seed: int):
         "seed": seed,
         "max_tokens": MAX_TOKENS,
     }
-    if stream:
-        chunks = list(tiny.sdk.chat.completions.create(**body, stream=True))
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-    else:
-        choice = tiny.sdk.chat.completions.create(**body).choices[0]
-        text, finish = choice.message.content or "", choice.finish_reason
+    text, finish = text_of(tiny.sdk, body, stream)
     assert finish == "stop"
     assert text == json.dumps(json.loads(text), separators=(",", ":"))  # compact
     jsonschema.validate(json.loads(text), WEATHER)
@@ -234,13 +228,7 @@ def test_structured_outputs_regex_and_choice_hold_a_random_model(
         "max_tokens": MAX_TOKENS,
         "extra_body": {"structured_outputs": constraint},
     }
-    if stream:
-        chunks = list(tiny.sdk.chat.completions.create(**body, stream=True))
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-    else:
-        choice = tiny.sdk.chat.completions.create(**body).choices[0]
-        text, finish = choice.message.content or "", choice.finish_reason
+    text, finish = text_of(tiny.sdk, body, stream)
     assert finish == "stop"
     assert matches(text) if matches else text in constraint["choice"]
 

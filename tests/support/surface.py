@@ -47,6 +47,17 @@ class Call:
         self.arguments = ""
 
 
+def text_of(sdk: openai.OpenAI, body: dict[str, Any], stream: bool) -> tuple[str, str | None]:
+    """The text of one chat answer (whole, or its streamed pieces joined) and its finish
+    reason."""
+    if stream:
+        chunks = list(sdk.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    choice = sdk.chat.completions.create(**body).choices[0]
+    return choice.message.content or "", choice.finish_reason
+
+
 def calls_of(
     sdk: openai.OpenAI, body: dict[str, Any], stream: bool
 ) -> tuple[list[Call], str | None]:
