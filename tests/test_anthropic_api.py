@@ -681,6 +681,16 @@ def test_clear_tool_uses_options_choose_what_is_cleared(claude):
         ({**by_uses, "clear_at_least": {"type": "input_tokens", "value": 3 * saved}}, 3),
         ({**by_uses, "clear_at_least": {"type": "input_tokens", "value": 3 * saved + 1}}, 0),
         ({**by_uses, "keep": {"type": "tool_uses", "value": 0}}, 4),
+        # Claude Code's own edit (its tool-result clearing after an idle session)
+        (
+            {
+                **by_uses,
+                "clear_at_least": {"type": "input_tokens", "value": 1},
+                "exclude_tools": ["search"],
+                "clear_tool_inputs": ["get_weather"],
+            },
+            2,
+        ),
     ]
     for edit, uses in cases:
         answer = claude.beta.messages.create(**tools_asked(turns, **edit), max_tokens=8)
