@@ -8,6 +8,9 @@
 #                                         client of the Messages API
 #   .tools/bin/codex                      Codex CLI, OpenAI's agent CLI (npm), a real client
 #                                         of the Responses API
+#   .tools/ai-sdk                         the Vercel AI SDK (npm: ai, @ai-sdk/openai,
+#                                         @ai-sdk/anthropic, zod), the TypeScript apps' client
+#                                         of the Responses, chat and Messages APIs
 # and, system-wide from Debian's packages when missing, redis-server (the shared-limits tests
 # start their own on a free loopback port) and prometheus with its promtool (the alert rules'
 # unit tests, the docs' dashboard pictures).
@@ -183,6 +186,25 @@ else
   echo "$CODEX_VERSION" >"$codex_stamp"
   rm -rf "$work"
   trap - EXIT
+fi
+
+# --- the Vercel AI SDK: .tools/ai-sdk ---------------------------------------------------------
+# tests/test_ai_sdk.py runs small Node.js scripts (tests/ai_sdk/) on it against the gateway:
+# its OpenAI provider on the Responses API (its default) and on chat completions, its
+# Anthropic provider on the Messages API. The packages declare Node.js 22 and up; everything
+# the tests use runs on Node.js 20 (npm installs them there, its engine warning silenced).
+AI_SDK_WANTED="ai@7.0.185 @ai-sdk/openai@4.0.126 @ai-sdk/anthropic@4.0.112 zod@4.6.7"
+ai_sdk_stamp="$TOOLS/.ai-sdk-version"
+if [[ -f "$TOOLS/ai-sdk/node_modules/ai/package.json" &&
+  "$(cat "$ai_sdk_stamp" 2>/dev/null)" == "$AI_SDK_WANTED" ]]; then
+  say "AI SDK ($AI_SDK_WANTED) already installed"
+else
+  say "installing the AI SDK ($AI_SDK_WANTED) into .tools/ai-sdk"
+  rm -rf "$TOOLS/ai-sdk"
+  mkdir -p "$TOOLS/ai-sdk"
+  # shellcheck disable=SC2086
+  npm install --prefix "$TOOLS/ai-sdk" --silent --no-audit --no-fund --save-exact $AI_SDK_WANTED
+  echo "$AI_SDK_WANTED" >"$ai_sdk_stamp"
 fi
 
 # --- KServe's Python model server in a virtualenv of its own: .tools/kserve -----------------

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from gateway import lifecycle
 from gateway.config import load_config, parse_config
+from tests.support.installed import ai_sdk
 from tests.support.k8s_tools import (
     KUBERNETES_VERSIONS,
     ROOT,
@@ -263,7 +264,8 @@ def test_install_tools_leaves_installed_tools_alone():
     tool("kubernetes-validate")
     tool("claude")
     tool("codex")
+    ai_sdk()
     result = run(["bash", "deploy/install-tools.sh"])
     # helm and kubectl, kubernetes-validate, redis-server, prometheus, vLLM, Claude Code,
-    # Codex, KServe: nothing fetched again
-    assert result.stderr.count("already installed") == 8, result.stderr
+    # Codex, the AI SDK, KServe: nothing fetched again
+    assert result.stderr.count("already installed") == 9, result.stderr

@@ -327,6 +327,67 @@ def test_an_unstored_response_cannot_be_read_or_continued(api):
     assert refused.value.body["param"] == "previous_response_id"
 
 
+def test_an_item_reference_reads_the_stored_item(api, client):
+    """`item_reference` (what the Vercel AI SDK sends for an earlier step's items, `store`
+    being its default): the output item is read from the stored response that holds it,
+    as if sent whole: the same prompt, and the turn's stored input holds the item."""
+    weather = {"type": "function", "name": "weather", "parameters": {"type": "object"}}
+    first = api.responses.create(
+        model=DEMO_MODEL, input="weather now", tools=[weather], reasoning={"effort": "low"}
+    )
+    thought, call = first.output
+    assert (thought.type, call.type) == ("reasoning", "function_call")
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    refs = [{"type": "item_reference", "id": thought.id}, {"type": "item_reference", "id": call.id}]
+    whole = [thought.model_dump(exclude_none=True), call.model_dump(exclude_none=True)]
+    body = {"model": DEMO_MODEL, "tools": [weather], "reasoning": {"effort": "low"}}
+    asked = {"role": "user", "content": "weather now"}
+    turns = [
+        client.post("/v1/responses", json={**body, "input": [asked, *sent, answer]})
+        for sent in (refs, whole)
+    ]
+    assert [turn.status_code for turn in turns] == [200, 200], [turn.text for turn in turns]
+    referenced, sent_whole = (turn.json() for turn in turns)
+    assert referenced["output"][-1]["content"][0]["text"] == "sunny"
+    # the same prompt (what the engine's prefix cache held of it apart)
+    assert referenced["usage"]["input_tokens"] == sent_whole["usage"]["input_tokens"]
+    items = api.responses.input_items.list(referenced["id"], order="asc").data
+    assert [item.id for item in items[1:3]] == [thought.id, call.id]
+    assert items[1].type == "reasoning" and items[2].name == "weather"
+    counted = [
+        client.post(
+            "/v1/responses/input_tokens", json={**body, "input": [asked, *sent, answer]}
+        ).json()["input_tokens"]
+        for sent in (refs, whole)
+    ]
+    assert counted[0] == counted[1] == referenced["usage"]["input_tokens"]
+
+
+def test_an_item_reference_to_nothing_stored_is_openais_404(api, client):
+    """A reference to an item no stored response of the team holds (an unstored
+    response's, one that never was, one that is not an output item's id) is OpenAI's
+    404, naming it."""
+    unstored = api.responses.create(model=DEMO_MODEL, input="x y", store=False)
+    stored = api.responses.create(model=DEMO_MODEL, input="x y")
+    never = stored.output[0].id[:-4] + "0001"  # the response has no second item
+    for item_id in (unstored.output[0].id, never, "msg_mine", stored.id):
+        refs = [{"type": "message", "role": "user", "content": "hi"}]
+        refs.append({"type": "item_reference", "id": item_id})
+        answer = client.post("/v1/responses", json={"model": DEMO_MODEL, "input": refs})
+        assert answer.status_code == 404, answer.text
+        error = assert_openai_error(answer)
+        assert error["param"] == "input[1].id"
+        assert error["message"].startswith(f"Item with id '{item_id}' not found.")
+
+
+def test_an_item_reference_names_at_most_the_deepest_conversation(gateway_with):
+    gw = gateway_with(responses_max_depth=2)
+    refs = [{"type": "item_reference", "id": f"msg_{n:048x}0000"} for n in range(3)]
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
+        answer = http.post("/v1/responses", json={"model": DEMO_MODEL, "input": refs})
+    assert answer.status_code == 400 and assert_openai_error(answer)["param"] == "input"
+
+
 def test_a_streamed_response_is_stored(api):
     with api.responses.stream(model=DEMO_MODEL, input="kept words") as stream:
         final = stream.get_final_response()
@@ -414,6 +475,9 @@ def test_another_teams_response_is_not_found(gateway_with):
             theirs.responses.delete(created.id)
         with pytest.raises(openai.NotFoundError):
             theirs.responses.create(model=DEMO_MODEL, input="x", previous_response_id=created.id)
+        reference = [{"type": "item_reference", "id": created.output[0].id}]
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.create(model=DEMO_MODEL, input=reference)
         assert mine.responses.retrieve(created.id).output_text == "secret words"
 
 
@@ -486,7 +550,8 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
         ({"temperature": 3}, "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"metadata": {"k": 1}}, "metadata"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference"}]}, "input[0].id"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
         ({"input": []}, "input"),
         ({"store": "yes"}, "store"),

@@ -139,7 +139,7 @@ def test_a_conversations_items_count_and_the_count_appends_nothing(api):
         ({"conversation": 123}, "conversation"),
         ({"truncation": "auto"}, "truncation"),  # as POST /v1/responses refuses it
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"reasoning": "high"}, "reasoning"),

@@ -32,7 +32,7 @@ import orjson
 
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, obfuscated, token_bytes
-from gateway.edge.responses.params import ResponsesBody, new_id, opaque
+from gateway.edge.responses.params import ResponsesBody, new_id, opaque, output_item_id
 from gateway.protocol.types import (
     Event,
     Finished,
@@ -76,8 +76,10 @@ class _Call:
 
     __slots__ = ("arguments", "call_id", "id", "name", "namespace", "output_index")
 
-    def __init__(self, call_id: str, name: str, output_index: int, namespace: str = "") -> None:
-        self.id = new_id("fc")
+    def __init__(
+        self, response_id: str, call_id: str, name: str, output_index: int, namespace: str = ""
+    ) -> None:
+        self.id = output_item_id("fc", response_id, output_index)
         self.call_id = call_id
         self.name = name
         self.namespace = namespace
@@ -103,8 +105,8 @@ class _Thought:
 
     __slots__ = ("id", "output_index", "pieces")
 
-    def __init__(self, output_index: int) -> None:
-        self.id = new_id("rs")
+    def __init__(self, response_id: str, output_index: int) -> None:
+        self.id = output_item_id("rs", response_id, output_index)
         self.output_index = output_index
         self.pieces: list[str] = []
 
@@ -204,8 +206,8 @@ class ResponsesEncoder(Encoder):
         }
 
     def _open_message(self) -> bytes:
-        self._message_id = new_id("msg")
         self._message_index = len(self.output)  # the items before it are done
+        self._message_id = output_item_id("msg", self.id, self._message_index)
         self._pieces = []
         item = {
             "type": "message",
@@ -295,7 +297,7 @@ class ResponsesEncoder(Encoder):
         thought = self._thought
         if thought is None:
             out = self._close_item("completed", stream)
-            thought = self._thought = _Thought(len(self.output))
+            thought = self._thought = _Thought(self.id, len(self.output))
             if stream:
                 added = {
                     "type": "reasoning",
@@ -455,8 +457,8 @@ class ResponsesEncoder(Encoder):
             self._think(piece.text, piece.tokens, False)
         if text or not reasoning:
             self._close_thought("completed", False)
-            self._message_id = new_id("msg")
             self._message_index = len(self.output)
+            self._message_id = output_item_id("msg", self.id, self._message_index)
             self._pieces = [text]
         self._finish(prompt_tokens, completion_tokens, False, cached_tokens)
         return orjson.dumps(self.final)
@@ -493,7 +495,7 @@ class ResponsesEncoder(Encoder):
             index = len(self.output)
             call_id = piece.id or new_id("call")
             namespace, name = self.body.namespaced.get(piece.name, ("", piece.name))
-            call = self._calls[piece.call_index] = _Call(call_id, name, index, namespace)
+            call = self._calls[piece.call_index] = _Call(self.id, call_id, name, index, namespace)
             self._open_call = call
             if stream:
                 out += self._event(

@@ -9,7 +9,9 @@ the conversation (the stored turns' items, then this body's) into chat messages.
 
 What is served (OpenAI's reference): `input` as a string or items (messages with
 text and image parts, `function_call` (a namespace's with its `namespace`),
-`function_call_output`), `instructions`, function `tools` and `namespace` tools (their
+`function_call_output`, `reasoning`, and `item_reference`: kept as `{type, id}` here, read
+from the store by the route (`resolve`); an output item's id names its response,
+`output_item_id`), `instructions`, function `tools` and `namespace` tools (their
 functions given to the model flattened: `namespace__name`), `tool_choice`,
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
 `max_output_tokens`, `temperature`, `top_p`, `metadata`, `client_metadata` (checked,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import secrets
 import zlib
 from collections.abc import Mapping, Sequence
@@ -37,7 +40,7 @@ from typing import Any, NoReturn
 
 import orjson
 
-from gateway.edge.errors import invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
     _IMAGE_URL,
@@ -111,6 +114,12 @@ OPAQUE_PREFIX = "furnace.r1."
 #: items may hold, all together: a body's size by default (`max_body_bytes`), so what
 #: decompressing costs is what reading the body could cost.
 MAX_OPAQUE_BYTES = 4 * 1024 * 1024
+#: An input item that names a stored response's output item by its `id` (what the Vercel AI
+#: SDK sends back for an earlier step's reasoning and messages, `store` being the default).
+REFERENCE = "item_reference"
+#: What begins the ids of a response's output items (`output_item_id`).
+OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs"})
+_OUTPUT_DIGITS = re.compile(r"[0-9a-f]{52}")
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 
@@ -153,6 +162,42 @@ class ResponsesBody:
 def new_id(prefix: str) -> str:
     """An id in OpenAI's style: `prefix_` and 48 hex digits."""
     return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def output_item_id(prefix: str, response_id: str, index: int) -> str:
+    """The id of a response's output item: `prefix_`, the response's 48 hex digits and the
+    item's index in 4 more, so that an `item_reference` to it finds the stored response
+    that holds it (`referenced_response`)."""
+    return f"{prefix}_{response_id.removeprefix('resp_')}{index:04x}"
+
+
+def referenced_response(item_id: str) -> str | None:
+    """The id of the response whose output item `item_id` is (`output_item_id`'s), or
+    None where it is no such id."""
+    prefix, _, digits = item_id.partition("_")
+    if prefix not in OUTPUT_PREFIXES or not _OUTPUT_DIGITS.fullmatch(digits):
+        return None
+    return f"resp_{digits[:48]}"
+
+
+def resolve(items: Sequence[Item], found: Mapping[str, Item]) -> tuple[Item, ...]:
+    """The items with each `item_reference` replaced by the item it names (`found`, by
+    id: the stored output items); a reference to none is OpenAI's 404, naming it."""
+    resolved = []
+    for i, item in enumerate(items):
+        if item["type"] == REFERENCE:
+            item = found.get(item["id"]) or _not_found(item["id"], f"input[{i}].id")
+        resolved.append(item)
+    return tuple(resolved)
+
+
+def _not_found(item_id: str, where: str) -> NoReturn:
+    raise APIError(
+        404,
+        f"Item with id '{item_id}' not found. Items are not persisted when `store` is set "
+        "to false. Try again with `store` set to true, or remove this item from your input.",
+        param=where,
+    )
 
 
 # -- input items ----------------------------------------------------------------
@@ -385,12 +430,14 @@ def _items(body: Mapping[str, Any]) -> tuple[Item, ...]:
         return (_message({"role": "user", "content": value}, "input", [0]),)
     if not isinstance(value, list) or not value:
         raise invalid("input", "'input' is required: a string or a non-empty list of items.")
-    return input_items(value, "input")
+    return input_items(value, "input", references=True)
 
 
-def input_items(value: list[Any], name: str) -> tuple[Item, ...]:
+def input_items(value: list[Any], name: str, references: bool = False) -> tuple[Item, ...]:
     """A list of input items (`name`'s, as a 400 names them) in the stored form: a
-    request's `input`, or the items added to a conversation (conversations.py)."""
+    request's `input`, or the items added to a conversation (conversations.py); with
+    `references` (a request's), an `item_reference` is kept as `{type, id}`, for the
+    route to `resolve` from the store."""
     images = [0]
     budget = [MAX_OPAQUE_BYTES]  # the reasoning that `encrypted_content` may hold
     items = []
@@ -408,12 +455,17 @@ def input_items(value: list[Any], name: str) -> tuple[Item, ...]:
             items.append(_function_output(item, where, images))
         elif kind == "reasoning":
             items.append(_reasoning_item(item, where, budget))
+        elif kind == REFERENCE and references:
+            if item.get("id") is None:
+                raise invalid(f"{where}.id", f"'{where}.id' is required: the item's id.")
+            items.append({"type": REFERENCE, "id": _item_id(item, where, "")})
         else:
             shown = repr(kind[:40]) if isinstance(kind, str) else "this type"
+            served = ", 'reasoning' and 'item_reference'" if references else " and 'reasoning'"
             raise invalid(
                 f"{where}.type",
                 f"Input items of type {shown} are not supported: only 'message', "
-                "'function_call', 'function_call_output' and 'reasoning'.",
+                f"'function_call', 'function_call_output'{served}.",
             )
         if items[-1]["id"] in seen:  # the store's pages are read `after` an id
             raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in '{name}'.")

@@ -6,7 +6,8 @@ log and traces; `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` a
 `POST /v1/responses/input_tokens` counts the prompt of a body as this route reads it
 (input_tokens.py).
 
-What this route adds to the generation route: before admission, a continuation
+What this route adds to the generation route: before admission, an `item_reference`
+reads the output item it names from the stored response that holds it, and a continuation
 (`previous_response_id`) reads its conversation from the store, bounded in depth
 (`responses_max_depth`, a 400 naming `previous_response_id`) and in items
 (`max_messages`, a 400 naming `input`); it carries the conversation's session key (the
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -48,11 +49,14 @@ from gateway.edge.responses.conversation_store import (
 from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
 from gateway.edge.responses.params import (
     LOGPROBS,
+    REFERENCE,
     Item,
     ResponsesBody,
     generate_request,
     new_id,
     parse,
+    referenced_response,
+    resolve,
 )
 from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.fleet import ModelPool
@@ -129,8 +133,10 @@ def _request(
 
 
 def _parse_alone(body: Any, request_id: str) -> ParsedRequest:
-    """A body checked without the store (what the generation route's `parse` is)."""
-    return _request(parse(body), request_id, "", None)
+    """A body checked without the store (what the generation route's `parse` is): an
+    `item_reference` finds nothing."""
+    parsed = parse(body)
+    return _request(replace(parsed, items=resolve(parsed.items, {})), request_id, "", None)
 
 
 def not_found(response_id: str) -> APIError:
@@ -161,9 +167,12 @@ class ResponsesRoute(GenerationRoute):
         self.max_items = parts.config.max_messages
 
     async def parse_body(self, body: Any, ex: Exchange) -> ParsedRequest:
-        """The body, and with `previous_response_id` the conversation it continues."""
+        """The body, its `item_reference`s read from the store, and with
+        `previous_response_id` the conversation it continues."""
         parsed = parse(body)
         team = team_name(team_of(ex.scope))
+        if any(item["type"] == REFERENCE for item in parsed.items):
+            parsed = replace(parsed, items=await self._referenced(team, parsed.items))
         previous = None
         if parsed.previous_response_id is not None:
             previous = await self.store.get(team, parsed.previous_response_id)
@@ -198,6 +207,26 @@ class ResponsesRoute(GenerationRoute):
                 f"Invalid 'input': the conversation would hold more than {self.max_items} items.",
             )
         return request
+
+    async def _referenced(self, team: str, items: tuple[Item, ...]) -> tuple[Item, ...]:
+        """The items with each `item_reference` replaced by the output item it names, read
+        from the team's stored response that holds it (its id names it: one read a
+        response, however many of its items are named); one the team has no stored
+        response for is OpenAI's 404, naming it. They name at most `responses_max_depth`
+        responses (a 400 naming `input`), as a stored conversation holds no more turns."""
+        wanted = {item["id"] for item in items if item["type"] == REFERENCE}
+        named = {referenced_response(item_id) for item_id in wanted} - {None}
+        if len(named) > self.max_depth:
+            raise invalid(
+                "input",
+                f"Invalid 'input': its item references name {len(named)} responses; at most "
+                f"{self.max_depth} are served.",
+            )
+        found: dict[str, Item] = {}
+        for stored in await asyncio.gather(*(self.store.get(team, str(r)) for r in named)):
+            if stored is not None:
+                found.update((o["id"], o) for o in stored.response["output"] if o["id"] in wanted)
+        return resolve(items, found)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
