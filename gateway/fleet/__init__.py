@@ -55,7 +55,7 @@ from gateway.telemetry import RequestRecord
 from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
-from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.openai_http import OpenAIHttpUpstream, http_client
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
@@ -163,10 +163,7 @@ class Fleet:
             verify: ssl.SSLContext | bool = True
             if ca_file is not None:
                 verify = ssl.create_default_context(cafile=ca_file)
-            client = self._http[ca_file] = httpx.AsyncClient(
-                verify=verify,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            )
+            client = self._http[ca_file] = http_client(verify)
         return client
 
     def _tls_stamp(self) -> FilesStamp:

@@ -39,12 +39,15 @@ One job a module:
                     stream over the fleet's httpx client: https, proxies)
     loads.py        their Prometheus `/metrics` → the engine's load record (vLLM's
                     running, waiting, KV-cache use), for routing
+    client.py       the fleet's httpx client, whose connections close when a call
+                    is cancelled in their TLS handshake (httpcore's do not)
 
 A plain http:// upstream's /health and /metrics polls go over the same connections
 (`http1.fetch`); https, a proxy from the environment, embeddings and /models go through
 the fleet's httpx client (TLS and its CA, proxies).
 """
 
+from gateway.upstreams.openai_http.client import http_client
 from gateway.upstreams.openai_http.sse import MAX_EVENT_BYTES
 from gateway.upstreams.openai_http.translate import (
     ERROR_CODES,
@@ -74,6 +77,7 @@ __all__ = [
     "embeddings_from",
     "error_from_event",
     "error_from_response",
+    "http_client",
     "read_capped",
     "request_body",
 ]
