@@ -10,6 +10,8 @@ background.py  background mode: the POST answers `queued`, the run goes on in a 
              of its own; POST /v1/responses/{id}/cancel; a background stream resumed;
              and the routes, wired on one store (`responses_routes`)
 replay.py    a streamed background response's events, kept (bounded) for resuming
+shared_events.py  with `redis_url`, those events in Redis too (a Stream a response), so
+             any replica sharing it resumes the stream
 input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
 conversation_store.py  conversations and their items per team: Redis with `redis_url`,
              else bounded memory; appends in one step; `conversation_history`

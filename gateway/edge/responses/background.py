@@ -31,7 +31,8 @@ completed response.`); a cancelled one is answered as it is; a foreground one is
 With `stream`, the run writes its events into a log (replay.py) that the POST's
 client follows while it stays, and `GET /v1/responses/{id}?stream=true&starting_after=N`
 follows again from event N+1; the log opens with `response.created` of the `queued`
-response, in place of the run's own (same sequence number, 0).
+response, in place of the run's own (same sequence number, 0). With Redis, the log is
+copied there (shared_events.py), so a replica that does not run it serves that GET too.
 
 Bounds: at most `responses_max_background` runs per team in each gateway process (a
 429 past it): a POST that costs its client nothing to leave must not start work
@@ -78,6 +79,7 @@ from gateway.edge.responses.routes import (
     refuse_query,
     store_routes,
 )
+from gateway.edge.responses.shared_events import Mirror, SharedEvents
 from gateway.edge.responses.store import (
     UNFINISHED,
     RedisResponses,
@@ -141,6 +143,8 @@ class Run:
     task: asyncio.Task[None] | None = None
     #: A streamed run's events (replay.py); None for one that is not streamed.
     log: EventLog | None = None
+    #: Their copy on its way to Redis (shared_events.py), with `redis_url`.
+    mirror: Mirror | None = None
 
     def cancel(self) -> None:
         if not self.gone.done():
@@ -162,6 +166,10 @@ class BackgroundRuns:
         self.teams: dict[str, int] = {}
         #: Ended streamed runs' events, kept a while for clients that come back.
         self.ended = EndedLogs()
+        #: With Redis: streamed runs' events written there too, for other replicas.
+        self.shared = (
+            SharedEvents(store, inflight.detached) if isinstance(store, RedisResponses) else None
+        )
         self._poller: asyncio.Task[None] | None = None
 
     def reserve(self, team: str, response_id: str) -> Run:
@@ -189,6 +197,8 @@ class BackgroundRuns:
         if run.log is not None:
             run.log.end()
             self.ended.add(run.response_id, run.team, run.log)
+            if run.mirror is not None:
+                run.mirror.end()
         self.teams[run.team] -= 1
         if not self.teams[run.team]:
             del self.teams[run.team]
@@ -277,7 +287,7 @@ class DetachedExchange(Exchange):
         ctx.gone = run.gone
         scope = {k: v for k, v in ex.scope.items() if k != "extensions"}
         log = run.log
-        send = _nowhere if log is None else _into(log)
+        send = _nowhere if log is None else _into(log, run.mirror)
         super().__init__(scope, _nothing_received, send, ctx, ex.headers)
         self.parsed, self.pool, self.run = parsed, pool, run
 
@@ -290,12 +300,15 @@ def _record(old: RequestRecord) -> RequestRecord:
     return record
 
 
-def _into(log: EventLog) -> Send:
-    """A streamed run's answer: into its events' log."""
+def _into(log: EventLog, mirror: Mirror | None) -> Send:
+    """A streamed run's answer: into its events' log (and, with Redis, marked for the
+    writer of its copy there: once a send, whatever it holds)."""
 
     async def send(message: Message) -> None:
         if message["type"] == "http.response.body":
             log.feed(message.get("body", b""))
+            if mirror is not None:
+                mirror.changed()
 
     return send
 
@@ -368,20 +381,28 @@ class BackgroundRoute(ResponsesRoute):
         assert isinstance(parsed, ResponsesRequest)
         self.admission.draining(ex.ctx)  # a draining gateway takes none
         run = self.runs.reserve(parsed.team, parsed.response_id)
+        assert parsed.body is not None
+        shared = self.runs.shared if parsed.body.stream else None
         try:
             deadline = time.time() + self.max_wait + self._timeout(parsed) + LOST_GRACE
             queued = self._object(parsed, pool.name, run.created_at, "queued")
-            await self.store.put(parsed.team, self._stored(parsed, queued, "", deadline))
+            stored = self._stored(parsed, queued, "", deadline)
+            if shared is None:
+                await self.store.put(parsed.team, stored)
+            else:  # with its first event in Redis, in the same round trip
+                created = event("response.created", {"sequence_number": 0, "response": queued})
+                await shared.open(parsed.team, stored, created, deadline)
         except errors.GatewayError as error:
             self.runs.release(run)
             raise from_error(error, self.config.retry_after) from None
         except BaseException:
             self.runs.release(run)
             raise
-        assert parsed.body is not None
         if parsed.body.stream:
             run.log = EventLog()
             run.log.append(event("response.created", {"sequence_number": 0, "response": queued}))
+            if shared is not None:
+                run.mirror = shared.add(parsed.team, run.response_id, run.log, deadline)
         detached = DetachedExchange(ex, parsed, pool, run)
         ex.detached = True  # the task ends the request, and counts it
         self.runs.start(run, self._end(detached))
@@ -521,9 +542,12 @@ class BackgroundRoute(ResponsesRoute):
 
 def resume_endpoint(route: BackgroundRoute) -> Callable[[Request], Awaitable[Response]]:
     """`GET /v1/responses/{id}?stream=true&starting_after=N`: a streamed background
-    response's events after N (all without it), from this process's log of them."""
+    response's events after N (all without it), from this process's log of them, or
+    with Redis from their copy there (shared_events.py)."""
     store, runs, retry_after = route.store, route.runs, route.config.retry_after
     keepalive = route.config.keepalive_interval
+    # a resume from Redis follows at most as long as a run may last
+    longest = route.max_wait + route.config.stream_timeout + LOST_GRACE
 
     async def resume(request: Request) -> Response:
         refuse_query(request, ("stream", "starting_after"))
@@ -547,6 +571,8 @@ def resume_endpoint(route: BackgroundRoute) -> Callable[[Request], Awaitable[Res
                 raise from_error(error, retry_after) from None
             if found is None:
                 raise not_found(response_id)
+            if runs.shared is not None:
+                return await runs.shared.resume(name, found, after, keepalive, longest, retry_after)
             raise invalid(
                 "stream",
                 "This response's events are not kept here: only a background response "

@@ -9,7 +9,8 @@ events are kept (the oldest dropped past it: a resume from before them is refuse
 and an ended run's log stays `KEPT_AFTER` seconds, with at most `ENDED_BYTES` of
 ended logs a process (the oldest dropped first), so finished streams cost bounded
 memory however many a team makes. The log lives in the process that runs the
-response: another replica cannot resume it (its GET names the limit).
+response; with `redis_url` a copy in Redis serves other replicas' resumes
+(shared_events.py), without it their GET names the limit.
 """
 
 from __future__ import annotations

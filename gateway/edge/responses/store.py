@@ -15,6 +15,8 @@ Two stores behind one interface:
 
       P:responses:{team}:ID      the stored JSON, expiring after `responses_ttl`
       P:responses:{team}:index   sorted set of the team's ids by time stored
+      P:responses:{team}:ID:events  a streamed background response's events
+                                 (shared_events.py: written and read there)
 
   One Lua script stores a response and trims the index to `responses_per_team`
   (the oldest dropped, with their values) and to the TTL.
@@ -47,6 +49,9 @@ import orjson
 from gateway.protocol import errors
 
 if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
+
     from gateway.teams.redis_store import RedisStore
 
 log = logging.getLogger("furnace.responses")
@@ -60,6 +65,8 @@ MEMORY_BYTES_PER_TEAM = 256 * 1024 * 1024
 UNFINISHED = ("queued", "in_progress")
 
 S = TypeVar("S", bound=Sized)
+#: A registered script with its keys and arguments (`RedisResponses.put`'s `also`).
+Also = tuple["AsyncScript", list[str], list[Any]]
 
 
 def drop_oldest(kept: OrderedDict[str, tuple[float, S]], size: int, per_team: int) -> int:
@@ -271,6 +278,30 @@ return status
 """
 
 
+async def run_scripts(client: Redis, calls: list[Also]) -> list[Any]:
+    """Registered scripts run in one pipeline, one round trip (a pipeline given the
+    scripts themselves asks SCRIPT EXISTS first: a second); the first error raised.
+    A script Redis lost (a restart) is loaded and the pipeline run again."""
+    from redis.exceptions import NoScriptError  # redis only with `redis_url`
+
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = await pipe.execute(raise_on_error=False)
+        lost = [
+            s for (s, _, _), r in zip(calls, replies, strict=True) if isinstance(r, NoScriptError)
+        ]
+        if not lost or attempt:
+            break
+        for script in {id(s): s for s in lost}.values():
+            script.sha = await client.script_load(script.script)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return list(replies)
+
+
 class RedisResponses(ResponseStore):
     """The store every replica shares, on the teams' Redis client; a failure is
     `Unavailable` (503) for the request that needed it."""
@@ -284,16 +315,20 @@ class RedisResponses(ResponseStore):
     def _prefix(self, team: str) -> str:
         return f"{self.redis.prefix}:responses:{{{team}}}:"
 
-    async def put(self, team: str, stored: Stored) -> None:
+    async def put(self, team: str, stored: Stored, also: Also | None = None) -> None:
+        """`also`: a script of another module's, run in the same round trip (after the
+        put: a streamed background response's first event, shared_events.py)."""
         prefix = self._prefix(team)
         ttl_ms = max(1, int(self.ttl * 1000))
         now_ms = int(time.time() * 1000)
+        keys = [prefix + stored.id, prefix + "index"]
+        args: list[Any] = [stored.dumps(), ttl_ms, now_ms, self.per_team, stored.id, prefix]
         try:
             async with self.redis._bounded():
-                await self._put(
-                    keys=[prefix + stored.id, prefix + "index"],
-                    args=[stored.dumps(), ttl_ms, now_ms, self.per_team, stored.id, prefix],
-                )
+                if also is None:
+                    await self._put(keys=keys, args=args)
+                else:
+                    await run_scripts(self.redis.client, [(self._put, keys, args), also])
         except (OSError, TimeoutError) as error:
             raise errors.Unavailable(f"The response store failed: {error}") from None
 
