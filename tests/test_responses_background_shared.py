@@ -2,8 +2,9 @@
 (shared_events.py), through the official `openai` SDK, with two real gateways on one
 real Redis and the demo and scripted workers: a resume mid-run and after the end, with
 the same events and sequence numbers as the replica running it serves; a resume from
-before what is kept; a cancelled run's resume; a client leaving a resume; and Redis
-stalling while a run writes (the run goes on, other replicas catch up after)."""
+before what is kept; an end marker that never reached Redis; a failed and a cancelled
+run's resume; a client leaving a resume; and Redis stalling while a run writes (the run
+goes on, other replicas catch up after)."""
 
 from __future__ import annotations
 
@@ -279,4 +280,23 @@ def test_redis_stalling_while_a_run_writes_neither_stops_nor_slows_it(
         wait_until(lambda: not _shared(one).mirrors, "the copy to catch up")
         everything = list(second.responses.retrieve(response_id, stream=True))
         assert [e.model_dump() for e in everything] == [e.model_dump() for e in events]
+    _nothing_left(one, two)
+
+
+def test_a_failed_runs_stream_resumes_on_another_replica_to_its_end(replicas):
+    one, two = replicas
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
+        events = list(
+            first.responses.create(
+                model=SCRIPTED_MODEL,
+                input=script(status="UNAVAILABLE"),
+                background=True,
+                stream=True,
+            )
+        )
+        assert [e.type for e in events] == ["response.created", "error", "response.failed"]
+        response_id = events[0].response.id
+        wait_until(lambda: not _shared(one).mirrors, "its end to be written")
+        again = list(second.responses.retrieve(response_id, stream=True))
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
     _nothing_left(one, two)
