@@ -2,12 +2,13 @@
 (shared_events.py), through the official `openai` SDK, with two real gateways on one
 real Redis and the demo and scripted workers: a resume mid-run and after the end, with
 the same events and sequence numbers as the replica running it serves; a resume from
-before what is kept; an end marker that never reached Redis; a failed and a cancelled
-run's resume; a client leaving a resume; and Redis stalling while a run writes (the run
-goes on, other replicas catch up after)."""
+before what is kept; an end marker that never reached Redis; a failed, a cancelled and
+a drained run's resume; a client leaving a resume; and Redis stalling while a run writes
+(the run goes on, other replicas catch up after)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -299,4 +300,21 @@ def test_a_failed_runs_stream_resumes_on_another_replica_to_its_end(replicas):
         wait_until(lambda: not _shared(one).mirrors, "its end to be written")
         again = list(second.responses.retrieve(response_id, stream=True))
         assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    _nothing_left(one, two)
+
+
+def test_a_drain_writes_the_end_of_the_streams_it_cuts(replicas, server_loop):
+    """The drain cuts a streamed run: its `response.failed` and end marker reach Redis
+    before the drain is over (it waits for the writer too), so the other replica's
+    resume reads it to its end."""
+    one, two = replicas
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
+        seen, response_id = _start(first, SCRIPTED_MODEL, script(texts=1, hang="after"), 1)
+        drain = asyncio.run_coroutine_threadsafe(one.state.inflight.drain(0.05), server_loop.loop)
+        drain.result(HANG_GUARD)
+        assert not one.state.inflight.detached and not _shared(one).mirrors
+        rest = list(second.responses.retrieve(response_id, stream=True, starting_after=0))
+        assert [e.model_dump() for e in rest[: len(seen) - 1]] == [e.model_dump() for e in seen[1:]]
+        assert [e.type for e in rest[-2:]] == ["error", "response.failed"]
+        assert rest[-1].response.error.code == "gateway_shutdown"
     _nothing_left(one, two)
