@@ -7,7 +7,8 @@ runs one case of tests/ai_sdk/cases.mjs in Node.js and reads the JSON it prints:
 answer and its usage, a stream, a tool the SDK runs over several steps, a zod schema's
 object (`Output.object`, `generateObject`, `streamObject`), a reasoning model's loop whose
 earlier steps go back (the Responses provider sends them as `item_reference`s to the
-stored response's items) and a refusal by name.
+stored response's items), a conversation longer than the context (`truncation`) and a
+refusal by name.
 
 The model is the demo engine (its tokens are words): it echoes the last message's words,
 calls each tool named in them with its schema's minimal input, and answers a schema's
@@ -144,6 +145,15 @@ def test_a_thinking_loop_sends_its_thinking_back(run_case, caplog):
     assert outcome["reasoning"] == ["Paris", ECHOED_RESULT]
     assert outcome["second"] == {"text": "and tomorrow", "reasoning": "tomorrow"}
     served(caplog, requests=3)
+
+
+def test_truncation_answers_a_conversation_longer_than_the_context(run_case, caplog):
+    """`providerOptions.openai.truncation: "auto"`: the 5,002 words of the conversation
+    pass the demo's 4,096; its earlier turns are dropped, the last user turn answered."""
+    outcome = run_case("truncation", "responses")
+    assert outcome["truncation"] == ["auto"]
+    assert outcome["text"] == "and now" and outcome["usage"] == usage(2, 2)
+    served(caplog, requests=1)
 
 
 @pytest.mark.parametrize(

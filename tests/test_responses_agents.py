@@ -2,7 +2,8 @@
 agent's loop to its final answer against the gateway: a turn that calls a function
 tool, the SDK running the tool, a turn that answers from the tool's output; streamed
 as well. The demo calls a tool whose name is a word of the last message and echoes
-the last message otherwise (`gateway.worker.demo`).
+the last message otherwise (`gateway.worker.demo`). With `ModelSettings(truncation="auto")`,
+a conversation longer than the demo's context runs with its earlier turn dropped.
 
 Against vLLM's engine too (its gRPC server, `upstream: vllm-grpc`, the gateway rendering
 the tiny model's tools template): the random model's first turn is a tool call forced
@@ -66,7 +67,9 @@ def _client(url: str) -> openai.AsyncOpenAI:
     )
 
 
-def _agent(client: openai.AsyncOpenAI, calls: list[str]) -> Agent:
+def _agent(
+    client: openai.AsyncOpenAI, calls: list[str], settings: ModelSettings | None = None
+) -> Agent:
     @function_tool
     def get_weather(city: str) -> str:
         """The weather in a city."""
@@ -78,6 +81,7 @@ def _agent(client: openai.AsyncOpenAI, calls: list[str]) -> Agent:
         instructions="Answer with the weather.",
         tools=[get_weather],
         model=OpenAIResponsesModel(DEMO_MODEL, client),
+        model_settings=settings or ModelSettings(),
     )
 
 
@@ -94,6 +98,28 @@ def test_an_agent_runs_a_function_tool_to_its_final_answer(gateway):
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert len(result.raw_responses) == 2
+
+
+def test_an_agent_with_truncation_runs_a_conversation_longer_than_the_context(gateway):
+    calls: list[str] = []
+    # the instructions' 4 words, 30 + 30, the request's 4: past the demo's 64 tokens
+    history = [
+        {"role": "user", "content": " ".join(f"a{i}" for i in range(30))},
+        {"role": "assistant", "content": " ".join(f"b{i}" for i in range(30))},
+        {"role": "user", "content": "please get_weather for Paris"},
+    ]
+
+    async def run() -> Any:
+        async with _client(gateway.url) as client:
+            agent = _agent(client, calls, ModelSettings(truncation="auto"))
+            return await Runner.run(agent, history)
+
+    result = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
+    assert calls == [""] and result.final_output == "sunny and warm"
+    # each turn sent the instructions and the last user turn (with the tool's call and
+    # output on the second): the earlier turn was dropped from both
+    usage = [response.usage.input_tokens for response in result.raw_responses]
+    assert usage == [4 + 4, 4 + 4 + 3]
 
 
 def test_a_streamed_agent_run(gateway):

@@ -531,7 +531,7 @@ def test_conversation_depth_and_items_are_bounded(gateway_with):
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "none"}, "truncation"),  # "auto": test_responses_truncation.py
         # `include`'s values other than the encrypted reasoning and the text's logprobs
         ({"include": ["file_search_call.results"]}, "include"),
         ({"include": "reasoning.encrypted_content"}, "include"),

@@ -137,7 +137,7 @@ def test_a_conversations_items_count_and_the_count_appends_nothing(api):
         ({"background": True}, "background"),
         ({"personality": "friendly"}, "personality"),
         ({"conversation": 123}, "conversation"),
-        ({"truncation": "auto"}, "truncation"),  # as POST /v1/responses refuses it
+        ({"truncation": "none"}, "truncation"),  # as POST /v1/responses refuses it
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
         ({"tool_choice": "required"}, "tool_choice"),

@@ -182,6 +182,27 @@ const cases = {
     };
   },
 
+  // a conversation longer than the context, answered with its earlier turns dropped
+  // (`providerOptions.openai.truncation`, the Responses provider's)
+  async truncation() {
+    const long = Array.from({ length: 2500 }, (_, i) => `w${i}`).join(" ");
+    const result = await generateText({
+      model,
+      maxOutputTokens,
+      providerOptions: { openai: { truncation: "auto" } },
+      messages: [
+        { role: "user", content: long },
+        { role: "assistant", content: long },
+        { role: "user", content: "and now" },
+      ],
+    });
+    return {
+      text: result.text,
+      usage: tokens(result.usage),
+      truncation: sent.map(({ body }) => body.truncation),
+    };
+  },
+
   // what this gateway refuses comes back as the gateway's 400, naming the parameter
   async refused() {
     const providerOptions = {

@@ -13,6 +13,8 @@ replay.py    a streamed background response's events, kept (bounded) for resumin
 shared_events.py  with `redis_url`, those events in Redis too (a Stream a response), so
              any replica sharing it resumes the stream
 input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
+truncation.py  `truncation: "auto"`: items dropped from the conversation's beginning
+             until the prompt fits the model's context, confirmed by counts
 conversation_store.py  conversations and their items per team: Redis with `redis_url`,
              else bounded memory; appends in one step; `conversation_history`
 conversations.py  /v1/conversations: create, retrieve, update, delete, and the items'

@@ -15,7 +15,7 @@ from the store by the route (`resolve`); an output item's id names its response,
 functions given to the model flattened: `namespace__name`), `tool_choice`,
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
 `max_output_tokens`, `temperature`, `top_p`, `metadata`, `client_metadata` (checked,
-then dropped), `user`, `truncation: "disabled"`, `store`, `stream`,
+then dropped), `user`, `truncation` (`"auto"`: truncation.py), `store`, `stream`,
 `previous_response_id`, `conversation` (conversations.py: its items before this
 turn's, and the turn appended to it), `prompt_cache_key` (the conversation's key for
 session affinity), `reasoning` (`effort`, and `summary`: the whole reasoning as its one
@@ -157,6 +157,9 @@ class ResponsesBody:
     conversation: str | None = None
     #: A namespace's functions by the flat name the model calls them: (namespace, name).
     namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: `truncation: "auto"`: items dropped from the conversation's beginning to fit the
+    #: model's context (truncation.py, in the route).
+    truncate: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -715,8 +718,8 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
     _unserved(body, UNSERVED)
     if body.get("service_tier") not in (None, *SERVICE_TIERS):
         raise invalid("service_tier", "'service_tier' is not supported by this gateway.")
-    if body.get("truncation") not in (None, "disabled"):
-        raise invalid("truncation", "'truncation' other than 'disabled' is not supported.")
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise invalid("truncation", "Invalid value for 'truncation': 'auto' or 'disabled'.")
 
 
 def _include(body: Mapping[str, Any]) -> frozenset[str]:
@@ -825,7 +828,7 @@ def parse(body: Any) -> ResponsesBody:
         "tool_choice": shown_choice,
         "tools": shown_tools,
         "top_p": 1.0 if top_p is None else top_p,
-        "truncation": "disabled",
+        "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
         "user": _string(body, "user"),
         "safety_identifier": _string(body, "safety_identifier"),
         # it bounds calls of OpenAI's built-in tools, which are not served: function calls
@@ -861,6 +864,7 @@ def parse(body: Any) -> ResponsesBody:
         logprobs=(top_logprobs or 0) if LOGPROBS in include else None,
         conversation=conversation,
         namespaced=namespaced,
+        truncate=body.get("truncation") == "auto",
     )
 
 
@@ -885,15 +889,21 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[str, str | None]:
     return reasoning_effort(value, "effort", "reasoning.") or "", summary
 
 
+def prompt_messages(instructions: str | None, items: Sequence[Item]) -> tuple[Message, ...]:
+    """The prompt's messages: `instructions` as the system message, then the items'."""
+    messages = messages_of(items)
+    if instructions:
+        messages = (Message("system", instructions), *messages)
+    return messages
+
+
 def generate_request(
     body: ResponsesBody, history: Sequence[Item], request_id: str, session: str
 ) -> GenerateRequest:
     """The request for the worker: `instructions` as the system message, then the
     conversation so far (`history`: the stored turns' input and output items), then
     this turn's input."""
-    messages = messages_of([*history, *body.items])
-    if body.instructions:
-        messages = (Message("system", body.instructions), *messages)
+    messages = prompt_messages(body.instructions, [*history, *body.items])
     return GenerateRequest(
         body.model or "",
         messages=messages,

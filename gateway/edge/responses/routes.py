@@ -19,6 +19,11 @@ key. After the answer, a stored response (`store`, true by default) is written, 
 conversation's turn (its input, then its output) appended to it (`store` or not, as
 OpenAI does), before the answer's last bytes go out, so a client that has the answer
 can continue from it on any replica.
+
+With `truncation: "auto"`, the prompt is counted in the request's slot, on the pool
+that serves it, and items dropped from the conversation's beginning until it fits
+(truncation.py: one count for every such request, at most four); a model whose context
+is unknown, or whose workers cannot count, refuses it, naming `truncation`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
+from gateway.edge.counting import count_prompt
 from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -59,8 +65,10 @@ from gateway.edge.responses.params import (
     resolve,
 )
 from gateway.edge.responses.store import ResponseStore, Stored
+from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
+from gateway.protocol.types import Message as ChatMessage
 from gateway.teams import Team, team_of
 
 log = logging.getLogger("furnace.responses")
@@ -228,6 +236,61 @@ class ResponsesRoute(GenerationRoute):
                 found.update((o["id"], o) for o in stored.response["output"] if o["id"] in wanted)
         return resolve(items, found)
 
+    async def prepare(self, ex: Exchange) -> tuple[ParsedRequest, ModelPool]:
+        """The generation route's checks; `truncation: "auto"` wants the model's context."""
+        parsed, pool = await super().prepare(ex)
+        if _truncates(parsed) and not pool.max_context:
+            raise no_truncation(
+                pool.name,
+                "its context length is unknown (its workers do not report it; the model's "
+                "`max_model_len` sets it)",
+            )
+        return parsed, pool
+
+    async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
+        """The generation route's; with `truncation: "auto"`, the prompt cut to fit first."""
+        if _truncates(parsed):
+            assert isinstance(parsed, ResponsesRequest)
+            parsed = await self._truncated(parsed, pool, ex)
+        await super()._serve(parsed, pool, ex)
+
+    async def _truncated(
+        self, request: ResponsesRequest, pool: ModelPool, ex: Exchange
+    ) -> ResponsesRequest:
+        """`request` with its prompt fitted to `pool`'s context (truncation.py), counted
+        in its slot where the model's tokenizer is."""
+        body = request.body
+        assert body is not None
+        if not pool.max_context:  # a fallback's model, which did not say its context
+            raise no_truncation(pool.name, "its context length is unknown")
+        generate = replace(request.generate, model=pool.name)
+
+        async def count(messages: tuple[ChatMessage, ...]) -> int:
+            return await count_prompt(self, ex, pool, replace(generate, messages=messages))
+
+        room = body.sampling.max_tokens or 1  # the client's `max_output_tokens`
+        items = [*request.history, *body.items]
+        try:
+            fitted = await fit(body.instructions, items, count, pool.max_context, room)
+        except errors.Invalid as error:
+            if error.param != "model":
+                raise
+            raise no_truncation(
+                pool.name, "its upstream server cannot count the prompt's tokens"
+            ) from None
+        if fitted.dropped:
+            log.debug(
+                "response %s: %d items dropped to fit %s's context (%d tokens, %d counts)",
+                request.response_id,
+                fitted.dropped,
+                pool.name,
+                fitted.tokens,
+                fitted.counts,
+            )
+            if self.telemetry.log_prompts:
+                ex.record.prompt = fitted.messages
+        return replace(request, generate=replace(request.generate, messages=fitted.messages))
+
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> ResponsesEncoder:
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
         # padding and logprobs have encoders of their own: a request without runs none of it
@@ -308,6 +371,20 @@ class ResponsesRoute(GenerationRoute):
             # the answer is served all the same; continuing from it will be a 400
             log.warning("response %s not stored: %s", stored.id, error.message)
         return True
+
+
+def _truncates(parsed: ParsedRequest) -> bool:
+    """Whether the request asks `truncation: "auto"`."""
+    return isinstance(parsed, ResponsesRequest) and parsed.body is not None and parsed.body.truncate
+
+
+def no_truncation(model: str, why: str) -> APIError:
+    """A 400 for `truncation: "auto"` on a model it cannot be served for, naming it."""
+    return invalid(
+        "truncation",
+        f"'truncation' of 'auto' is not supported for the model {model}: {why}. "
+        "Send 'truncation': 'disabled' (the default).",
+    )
 
 
 def json_response(value: Any, status: int = 200) -> Response:
