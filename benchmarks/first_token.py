@@ -203,15 +203,14 @@ def instrument(marks: Marks, path: str) -> None:
             marks.end()
 
     request.RequestRoute.__call__ = routed  # type: ignore[method-assign]
-    write_now = http_protocol._WriteNow.__call__
+    write_now = http_protocol._WriteNow.write
 
-    def written_now(self: Any, body: bytes) -> bool:  # a text the pump's sink wrote
-        wrote = write_now(self, body)
-        if wrote and body.count(_HAS_TEXT) > body.count(_NO_TEXT):
+    def written_now(self: Any, body: bytes) -> None:  # a text the pump's sink wrote
+        write_now(self, body)
+        if body.count(_HAS_TEXT) > body.count(_NO_TEXT):
             marks.mark("sse_sent")
-        return wrote
 
-    http_protocol._WriteNow.__call__ = written_now  # type: ignore[method-assign]
+    http_protocol._WriteNow.write = written_now  # type: ignore[method-assign]
     _wrap(generation, "read_json", marks, after="body")
     _wrap(generation.GenerationRoute, "parse_body", marks, after="parsed")
     _wrap(generation.GenerationRoute, "_serve", marks, before="admitted")
