@@ -271,6 +271,24 @@ def test_json_schema_output(api):
     assert json.loads(json_object.output_text) == {}
 
 
+def test_vllms_structured_outputs_are_served_as_on_chat(api):
+    """vLLM's `structured_outputs`, which its Responses server takes too: the demo answers
+    the choice its input holds; with `text.format`, or a constraint the model's workers do
+    not list, a 400 naming it."""
+    choices = {"structured_outputs": {"choice": ["sunny", "rainy"]}}
+    response = api.responses.create(model=DEMO_MODEL, input="is it rainy", extra_body=choices)
+    assert response.output_text == "rainy"
+    for extra, text, named in (
+        (choices, {"format": {"type": "json_object"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, None, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": "sunny"}}, None, "structured_outputs.choice"),
+    ):
+        asked = {"text": text} if text else {}
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.responses.create(model=DEMO_MODEL, input="x", extra_body=extra, **asked)
+        assert refused.value.body["param"] == named
+
+
 # -- stored responses -------------------------------------------------------------------
 
 

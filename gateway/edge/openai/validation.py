@@ -769,17 +769,28 @@ def _structured_outputs(body: Mapping[str, Any], budget: SchemaBudget) -> Respon
     return ResponseFormat("grammar", grammar=_constraint_text(spec, param))
 
 
-def _answer_format(body: Mapping[str, Any], budget: SchemaBudget) -> ResponseFormat | None:
-    """The format the answer follows: `response_format`'s or `structured_outputs`', not
-    both (vLLM's would have one override the other)."""
-    given = _response_format(body, budget)
+def with_structured_outputs(
+    body: Mapping[str, Any],
+    given: ResponseFormat | None,
+    budget: SchemaBudget,
+    tool_choice: str,
+    given_param: str = "response_format",
+) -> ResponseFormat | None:
+    """The format the answer follows: `given` (the API's own: chat's `response_format`,
+    the Responses API's `text.format`, named `given_param`) or vLLM's
+    `structured_outputs`, not both (vLLM refuses both), nor a constraint with a forced
+    `tool_choice` (as vLLM)."""
     structured = _structured_outputs(body, budget)
     if structured is None:
         return given
     if given is not None:
         raise invalid(
+            "structured_outputs", f"Cannot specify both structured_outputs and {given_param}."
+        )
+    if tool_choice not in ("", "none", "auto"):
+        raise invalid(
             "structured_outputs",
-            "Give 'response_format' or 'structured_outputs', not both.",
+            "You can only either use constraints for structured outputs or tools, not both.",
         )
     return structured
 
@@ -874,21 +885,18 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
+    choice = _tool_choice(body, tools)
     fields = {
         "messages": _messages(body),
         "logprobs": _chat_logprobs(body),
         "tools": tools,
-        "tool_choice": _tool_choice(body, tools),
+        "tool_choice": choice,
         "parallel_tool_calls": parallel if tools else None,
-        "response_format": _answer_format(body, schemas),
+        "response_format": with_structured_outputs(
+            body, _response_format(body, schemas), schemas, choice
+        ),
         "reasoning": _reasoning(body),
     }
-    constrained = fields["response_format"] is not None and "structured_outputs" in body
-    if constrained and fields["tool_choice"] not in ("", "none", "auto"):
-        raise invalid(
-            "structured_outputs",
-            "You can only either use constraints for structured outputs or tools, not both.",
-        )
     return _common(body, model, fields, request_id)
 
 
@@ -924,13 +932,16 @@ def parse_completion(body: Any, request_id: str = "") -> ParsedRequest:
     echo = _flag(body, "echo")
     if echo and logprobs is not None:
         raise invalid("echo", "'echo' with 'logprobs' (the prompt's logprobs) is not supported.")
+    budget = SchemaBudget()
     parsed = _common(
         body,
         model,
         {
             "prompt": prompt,
             "logprobs": logprobs,
-            "response_format": _answer_format(body, SchemaBudget()),
+            "response_format": with_structured_outputs(
+                body, _response_format(body, budget), budget, ""
+            ),
         },
         request_id,
     )

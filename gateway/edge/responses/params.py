@@ -13,7 +13,8 @@ text and image parts, `function_call` (a namespace's with its `namespace`),
 from the store by the route (`resolve`); an output item's id names its response,
 `output_item_id`), `instructions`, function `tools` and `namespace` tools (their
 functions given to the model flattened: `namespace__name`), `tool_choice`,
-`parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
+`parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`), vLLM's
+`structured_outputs` (as chat reads it; not with `text.format`),
 `max_output_tokens`, `temperature`, `top_p`, `metadata`, `client_metadata` (checked,
 then dropped), `user`, `truncation` (`"auto"`: truncation.py), `store`, `stream`,
 `previous_response_id`, `conversation` (conversations.py: its items before this
@@ -58,6 +59,7 @@ from gateway.edge.openai.validation import (
     _user,
     model_of,
     reasoning_effort,
+    with_structured_outputs,
 )
 from gateway.protocol.types import (
     ContentPart,
@@ -791,6 +793,9 @@ def parse(body: Any) -> ResponsesBody:
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "Invalid type: expected a boolean.")
     response_format, text = _text(body, schemas)
+    response_format = with_structured_outputs(
+        body, response_format, schemas, tool_choice, "text.format"
+    )
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
     max_output_tokens = _int(body, "max_output_tokens", 1, UINT32_MAX)
