@@ -289,6 +289,35 @@ def test_vllms_structured_outputs_are_served_as_on_chat(api):
         assert refused.value.body["param"] == named
 
 
+def test_vllms_sampling_extras_are_served_or_refused_by_name(api):
+    """vLLM's Responses server takes chat's sampling and reasoning extras: served as on
+    chat (`stop` ends the echo; `seed`, `top_k` taken), refused by name where the model's
+    workers do not list them (`min_p` on the demo) or the gateway does not serve them."""
+    cut = api.responses.create(
+        model=DEMO_MODEL, input="one two three four", extra_body={"stop": ["three"], "seed": 3}
+    )
+    assert cut.output_text == "one two "
+    assert (
+        api.responses.create(
+            model=DEMO_MODEL, input="a b", extra_body={"top_k": 5, "min_tokens": 1}
+        ).output_text
+        == "a b"
+    )
+    for extra, named in (
+        ({"min_p": 0.5}, "min_p"),
+        ({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ({"top_k": "x"}, "top_k"),
+        ({"stop": 5}, "stop"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"priority": 3}, "priority"),
+        ({"request_id": "mine"}, "request_id"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.responses.create(model=DEMO_MODEL, input="x", extra_body=extra)
+        assert refused.value.body["param"] == named, extra
+
+
 # -- stored responses -------------------------------------------------------------------
 
 

@@ -53,7 +53,8 @@ from gateway.edge.openai.validation import (
     UINT32_MAX,
     _flag,
     _int,
-    _number,
+    _sampling,
+    _stop,
     _string,
     _unserved,
     _user,
@@ -61,6 +62,8 @@ from gateway.edge.openai.validation import (
     reasoning_effort,
     with_structured_outputs,
 )
+from gateway.edge.openai.validation import UNSERVED as VLLM_UNSERVED
+from gateway.edge.openai.validation import _reasoning as vllm_reasoning
 from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
@@ -92,9 +95,34 @@ MAX_CLIENT_METADATA_VALUE = 4096
 #: Roles of an input message (OpenAI's; `system` and `developer` are both instructions).
 ROLES = frozenset({"user", "assistant", "system", "developer"})
 
+#: vLLM's Responses fields beyond OpenAI's and its sampling and reasoning extras, refused
+#: as on chat where they ask for something.
+VLLM_RESPONSES_UNSERVED = (
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "mm_processor_kwargs",
+    "priority",
+    "cache_salt",
+    "vllm_xargs",
+    "kv_transfer_params",
+)
 #: Parameters of OpenAI's Responses API this gateway does not serve, with the value
 #: that asks nothing of it (None: any value but null is refused).
 UNSERVED: dict[str, Any] = {
+    # vLLM's Responses extras that ask for what the gateway does not do (its sampling
+    # and reasoning extras are served, as on chat)
+    **{name: VLLM_UNSERVED[name] for name in VLLM_RESPONSES_UNSERVED},
+    "thinking_token_budget": None,  # chat's; vLLM's Responses server has no such field
+    # vLLM's Responses server's own: its multimodal, transfer and ids' options
+    "watermarking": None,
+    "request_id": None,  # the gateway's id is its own (x-request-id)
+    "session_id": None,
+    "media_io_kwargs": None,
+    "mm_payload": None,
+    "return_mm_kwargs": False,
+    "enable_response_messages": False,
+    "previous_input_messages": None,
+    "ec_transfer_params": None,
     "background": False,
     "prompt": None,
     "context_management": None,
@@ -162,6 +190,8 @@ class ResponsesBody:
     #: `truncation: "auto"`: items dropped from the conversation's beginning to fit the
     #: model's context (truncation.py, in the route).
     truncate: bool = False
+    #: vLLM's `stop` (its Responses server takes chat's).
+    stop: tuple[str, ...] = ()
 
 
 def new_id(prefix: str) -> str:
@@ -796,9 +826,11 @@ def parse(body: Any) -> ResponsesBody:
     response_format = with_structured_outputs(
         body, response_format, schemas, tool_choice, "text.format"
     )
-    temperature = _number(body, "temperature", 0, 2)
-    top_p = _number(body, "top_p", 0, 1, low_open=True)
     max_output_tokens = _int(body, "max_output_tokens", 1, UINT32_MAX)
+    # OpenAI's temperature and top_p, and vLLM's sampling extras (its Responses server
+    # takes chat's: top_k, min_p, penalties, seed, logit_bias, ...), read as chat reads them
+    sampling = _sampling(body, max_output_tokens, "max_output_tokens")
+    temperature, top_p = sampling.temperature, sampling.top_p
     stream = _flag(body, "stream")
     obfuscate = _obfuscate(body, stream)
     store = body.get("store")
@@ -854,7 +886,8 @@ def parse(body: Any) -> ResponsesBody:
         previous_response_id=previous,
         store=store is not False,
         stream=stream,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_output_tokens),
+        sampling=sampling,
+        stop=_stop(body) if "stop" in body else (),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel if tools else None,
@@ -862,7 +895,7 @@ def parse(body: Any) -> ResponsesBody:
         user=user,
         session=session,
         echo=echo,
-        reasoning=ReasoningParams(effort=effort) if effort else None,
+        reasoning=_reasoning_params(body, effort),
         obfuscate=obfuscate,
         summary=summary,
         encrypted=ENCRYPTED in include,
@@ -894,6 +927,16 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[str, str | None]:
     return reasoning_effort(value, "effort", "reasoning.") or "", summary
 
 
+def _reasoning_params(body: Mapping[str, Any], effort: str) -> ReasoningParams | None:
+    """`reasoning.effort`, with vLLM's reasoning extras (`include_reasoning`,
+    `chat_template_kwargs`, as chat reads them); None: none asks anything."""
+    asked = "include_reasoning" in body or "chat_template_kwargs" in body
+    extras = vllm_reasoning(body) if asked else None
+    if extras is None:
+        return ReasoningParams(effort=effort) if effort else None
+    return replace(extras, effort=effort) if effort else extras
+
+
 def prompt_messages(instructions: str | None, items: Sequence[Item]) -> tuple[Message, ...]:
     """The prompt's messages: `instructions` as the system message, then the items'."""
     messages = messages_of(items)
@@ -918,6 +961,7 @@ def generate_request(
         tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=body.response_format,
+        stop=body.stop,
         user=body.user,
         session=session,
         reasoning=body.reasoning,
