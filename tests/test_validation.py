@@ -89,6 +89,12 @@ INVALID = [
     ),
     (CHAT, chat(functions=[{"name": "f"}]), "functions"),
     (CHAT, chat(guided_json={"type": "object"}), "guided_json"),
+    # vLLM 0.32's newer options, which asked for something and were dropped without a word
+    (CHAT, chat(request_id="mine"), "request_id"),
+    (CHAT, chat(stream_interval=8), "stream_interval"),
+    (CHAT, chat(return_token_offsets=True), "return_token_offsets"),
+    (COMPLETIONS, completion(truncation_side="left"), "truncation_side"),
+    (COMPLETIONS, completion(repetition_detection={"n": 3}), "repetition_detection"),
     # vLLM's structured outputs: one constraint, checked and bounded
     (CHAT, chat(structured_outputs="x"), "structured_outputs"),
     (CHAT, chat(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs.choice"),

@@ -101,6 +101,21 @@ UNSERVED: dict[str, Any] = {
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "priority": 0,  # the gateway's own is the x-furnace-priority header
+    # vLLM 0.32's newer options: ids, multimodal, transfer, detection and output extras
+    "request_id": None,  # the gateway's id is its own (x-request-id)
+    "session_id": None,
+    "watermarking": None,
+    "truncation_side": None,
+    "logprob_token_ids": None,
+    "media_io_kwargs": None,
+    "mm_payload": "tensors",
+    "return_mm_kwargs": False,
+    "ec_transfer_params": None,
+    "routed_experts_prompt_start": 0,
+    "return_token_offsets": False,
+    "return_prompt_text": False,
+    "repetition_detection": None,
+    "stream_interval": 1,
     # OpenAI's that ask for what a self-hosted model does not do
     "store": False,
     "verbosity": "medium",

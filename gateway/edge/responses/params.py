@@ -105,6 +105,13 @@ VLLM_RESPONSES_UNSERVED = (
     "cache_salt",
     "vllm_xargs",
     "kv_transfer_params",
+    "request_id",
+    "session_id",
+    "watermarking",
+    "media_io_kwargs",
+    "mm_payload",
+    "return_mm_kwargs",
+    "ec_transfer_params",
 )
 #: Parameters of OpenAI's Responses API this gateway does not serve, with the value
 #: that asks nothing of it (None: any value but null is refused).
@@ -113,16 +120,9 @@ UNSERVED: dict[str, Any] = {
     # and reasoning extras are served, as on chat)
     **{name: VLLM_UNSERVED[name] for name in VLLM_RESPONSES_UNSERVED},
     "thinking_token_budget": None,  # chat's; vLLM's Responses server has no such field
-    # vLLM's Responses server's own: its multimodal, transfer and ids' options
-    "watermarking": None,
-    "request_id": None,  # the gateway's id is its own (x-request-id)
-    "session_id": None,
-    "media_io_kwargs": None,
-    "mm_payload": None,
-    "return_mm_kwargs": False,
+    # vLLM's Responses server's own
     "enable_response_messages": False,
     "previous_input_messages": None,
-    "ec_transfer_params": None,
     "background": False,
     "prompt": None,
     "context_management": None,
