@@ -168,6 +168,8 @@ def test_2048_inputs_are_served(client):
         ({"input": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         ({"input": "a", "normalize": False}, "normalize"),
         ({"input": "a", "embed_dtype": "float16"}, "embed_dtype"),
+        ({"input": "a", "use_activation": True}, "use_activation"),
+        ({"input": "a", "truncation_side": "left"}, "truncation_side"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_parameter(client, workers, body, param):

@@ -108,6 +108,12 @@ UNSERVED_EMBEDDINGS: dict[str, Any] = {
     "embed_dtype": "float32",
     "add_special_tokens": True,
     "priority": 0,
+    # vLLM 0.32's newer pooling options, and its ids
+    "truncation_side": None,
+    "use_activation": None,
+    "mm_processor_kwargs": None,
+    "cache_salt": None,
+    "request_id": None,
 }
 
 
