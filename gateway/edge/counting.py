@@ -29,7 +29,7 @@ from gateway.edge.request import Exchange, RequestRoute, priority
 from gateway.fleet.counting import count_tokens
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import GenerateRequest
+from gateway.protocol.types import GenerateRequest, Message
 from gateway.telemetry.tracing import annotate
 
 if TYPE_CHECKING:
@@ -43,6 +43,9 @@ COUNT_TOKENS = "furnace.engine/CountTokens"
 P = TypeVar("P")
 #: Counts another prompt for the same admitted request (`count_prompt`, bound).
 Recount = Callable[[GenerateRequest], Awaitable[int]]
+#: A prompt's messages → its tokens, the request's other fields as they are (a route
+#: that edits a prompt to fit: Anthropic's context editing, the Responses API's truncation).
+PromptCount = Callable[[tuple[Message, ...]], Awaitable[int]]
 
 
 class CountingRoute(RequestRoute[Exchange], Generic[P]):
@@ -103,3 +106,16 @@ async def count_prompt(
         tokens, ex.record.worker = await route.admission.unary(ex.ctx, work, timeout, "The count")
         annotate(span, {"furnace.worker": ex.record.worker, "furnace.counted_tokens": tokens})
     return tokens
+
+
+def prompt_counter(
+    route: RequestRoute[Exchange], ex: Exchange, pool: ModelPool, request: GenerateRequest
+) -> PromptCount:
+    """Counts `request` with other messages, on `pool`, for the admitted request of `ex`
+    (`count_prompt`'s rules)."""
+    request = replace(request, model=pool.name)
+
+    async def count(messages: tuple[Message, ...]) -> int:
+        return await count_prompt(route, ex, pool, replace(request, messages=messages))
+
+    return count

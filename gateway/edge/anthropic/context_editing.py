@@ -23,11 +23,14 @@ nothing by rules that need no count (`keep: "all"`, a tool-uses trigger not reac
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.protocol.types import Message
+
+if TYPE_CHECKING:
+    from gateway.edge.counting import PromptCount
 
 CLEAR_THINKING = "clear_thinking_20251015"
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
@@ -39,9 +42,6 @@ CLEARED_INPUT = "{}"
 TRIGGER_TOKENS = 100_000
 #: ... and how many of the last tool uses it keeps.
 KEEP_TOOL_USES = 3
-
-#: The messages of a prompt → its tokens (the request's other fields as they are).
-Count = Callable[[tuple[Message, ...]], Awaitable[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ def applied_edits(applied: Sequence[Applied], prompt_tokens: int) -> list[dict[s
     return report
 
 
-def once(count: Count, messages: tuple[Message, ...], tokens: int) -> Count:
+def once(count: PromptCount, messages: tuple[Message, ...], tokens: int) -> PromptCount:
     """`count`, with `messages` already counted as `tokens`, and each prompt it counts
     kept (by identity) so a prompt is counted once."""
     known: dict[int, tuple[tuple[Message, ...], int]] = {id(messages): (messages, tokens)}
@@ -114,7 +114,7 @@ def once(count: Count, messages: tuple[Message, ...], tokens: int) -> Count:
 
 
 async def edit(
-    messages: tuple[Message, ...], edits: ContextEdits, count: Count
+    messages: tuple[Message, ...], edits: ContextEdits, count: PromptCount
 ) -> tuple[tuple[Message, ...], tuple[Applied, ...]]:
     """The prompt's messages as the edits leave them (`messages`: as the parser left
     them, their thinking cleared), and the edits that cleared something, in order."""
@@ -157,7 +157,7 @@ def _tool_uses(messages: tuple[Message, ...]) -> list[_Use]:
 
 
 async def _clear_tool_uses(
-    messages: tuple[Message, ...], clearing: ToolClearing, count: Count
+    messages: tuple[Message, ...], clearing: ToolClearing, count: PromptCount
 ) -> tuple[tuple[Message, ...], Applied | None]:
     uses = _tool_uses(messages)
     tokens: int | None = None

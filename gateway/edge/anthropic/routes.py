@@ -23,14 +23,13 @@ from gateway.edge.anthropic.encoding import MessagesEncoder
 from gateway.edge.anthropic.errors import sent_status
 from gateway.edge.anthropic.validation import MessagesRequest, parse_messages
 from gateway.edge.asgi import ASGIApp
-from gateway.edge.counting import count_prompt
+from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
 from gateway.protocol import errors
-from gateway.protocol.types import Message
 
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
@@ -59,11 +58,8 @@ class MessagesRoute(GenerationRoute):
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
         if isinstance(parsed, MessagesRequest):
-            generate = replace(parsed.generate, model=pool.name)
-
-            async def count(messages: tuple[Message, ...]) -> int:
-                return await count_prompt(self, ex, pool, replace(generate, messages=messages))
-
+            generate = parsed.generate
+            count = prompt_counter(self, ex, pool, generate)
             assert generate.messages is not None
             try:
                 messages, applied = await edit(generate.messages, parsed.edits, count)

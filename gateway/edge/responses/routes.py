@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.edge.asgi import Message, Send
-from gateway.edge.counting import count_prompt
+from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -68,7 +68,6 @@ from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
-from gateway.protocol.types import Message as ChatMessage
 from gateway.teams import Team, team_of
 
 log = logging.getLogger("furnace.responses")
@@ -263,11 +262,7 @@ class ResponsesRoute(GenerationRoute):
         assert body is not None
         if not pool.max_context:  # a fallback's model, which did not say its context
             raise no_truncation(pool.name, "its context length is unknown")
-        generate = replace(request.generate, model=pool.name)
-
-        async def count(messages: tuple[ChatMessage, ...]) -> int:
-            return await count_prompt(self, ex, pool, replace(generate, messages=messages))
-
+        count = prompt_counter(self, ex, pool, request.generate)
         room = body.sampling.max_tokens or 1  # the client's `max_output_tokens`
         items = [*request.history, *body.items]
         try:

@@ -38,12 +38,16 @@ is cut again.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.edge.responses.params import Item, prompt_messages
 from gateway.protocol import errors
 from gateway.protocol.types import Message
+
+if TYPE_CHECKING:
+    from gateway.edge.counting import PromptCount
 
 #: The most counts one request's truncation makes: the whole prompt, two estimated cuts,
 #: the last user turn.
@@ -54,9 +58,6 @@ ITEM_CHARS = 16
 IMAGE_CHARS = 1024
 #: Roles of messages that are instructions: never dropped.
 INSTRUCTIONS = ("system", "developer")
-
-#: A prompt's messages → its tokens (the request's other fields as they are).
-Count = Callable[[tuple[Message, ...]], Awaitable[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,7 @@ def kept(items: Sequence[Item], cut: int) -> list[Item]:
 async def fit(
     instructions: str | None,
     items: Sequence[Item],
-    count: Count,
+    count: PromptCount,
     max_context: int,
     room: int,
     counted: int | None = None,
