@@ -17,6 +17,7 @@ from gateway.protocol import errors
 from gateway.protocol.types import GenerateRequest, Message, Tool
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.openai_http.translate import tokens_counted
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 from tests.support.script_engine import ScriptEngine
 from tests.support.servers import DEMO_MODEL
@@ -91,6 +92,25 @@ def test_an_openai_server_that_cannot_count_is_refused_clearly(status, body, err
         anyio.run(count_over_http)
     if status == 404:
         assert raised.value.param == "model" and "cannot count" in raised.value.message
+
+
+def test_an_upstream_that_cannot_count_says_so_by_its_class(server_loop, serve_engines):
+    """`CannotCount`, which the routes that count to edit a prompt answer themselves: a
+    worker's engine without a tokenizer, a server without `/tokenize` (404, 405) or
+    refusing it naming `model`; any other refusal is not it."""
+    (worker,) = serve_engines(ScriptEngine([]))
+    with pytest.raises(errors.CannotCount) as raised:
+        count(server_loop, worker.address, GenerateRequest("script-engine", prompt="a"))
+    assert raised.value.param == "model" and "does not count tokens" in raised.value.message
+    naming_model = orjson.dumps({"error": {"message": "no", "param": "model"}})
+    for status, body in [(404, b"Not Found"), (405, b""), (400, naming_model)]:
+        with pytest.raises(errors.CannotCount) as raised:
+            tokens_counted(status, body)
+        assert raised.value.param == "model"
+    naming_other = orjson.dumps({"error": {"message": "no", "param": "messages"}})
+    with pytest.raises(errors.Invalid) as refused:
+        tokens_counted(400, naming_other)
+    assert type(refused.value) is errors.Invalid and refused.value.param == "messages"
 
 
 def test_vllm_grpc_counts_with_the_gateways_tokenizer(tmp_path):

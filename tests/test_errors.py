@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.edge.errors import ERROR_TABLE
+from gateway.edge.errors import ERROR_TABLE, from_error
 from gateway.protocol import errors
-from gateway.protocol.status import ERROR_TO_STATUS
+from gateway.protocol.status import ERROR_TO_STATUS, error_from_status, status_from_error
 from tests.support.requests import sse_events
 from tests.support.scripted_worker import script
 from tests.support.servers import Gateway, ServerLoop, Workers, make_config, start_gateway
@@ -164,8 +164,42 @@ def test_the_gateways_refusals_are_not_engine_errors_and_each_error_has_its_rows
             assert issubclass(kind, errors.Refusal) != issubclass(kind, errors.EngineError), kind
         assert kind in ERROR_TABLE, kind
         assert any(issubclass(kind, known) for known in ERROR_TO_STATUS), kind
-    refused_here = (errors.Invalid, errors.TooLong, errors.ModelNotFound, errors.NotAnLLM)
+    refused_here = (errors.Invalid, errors.CannotCount, errors.TooLong, errors.ModelNotFound)
+    refused_here += (errors.NotAnLLM,)
     refused_here += (errors.Busy, errors.Draining, errors.RateLimited, errors.BudgetExceeded)
     assert all(issubclass(kind, errors.Refusal) for kind in refused_here)
     failed = (errors.Unavailable, errors.Timeout, errors.AuthFailed, errors.Failed)
     assert all(issubclass(kind, errors.EngineError) for kind in failed)
+
+
+def test_an_upstream_that_cannot_count_is_answered_as_an_invalid_naming_model():
+    """`CannotCount` tells the routes that count to edit a prompt that the model's upstream
+    counts no tokens; elsewhere it is the `Invalid` naming `model` it stands for, to the
+    client and on the wire, where its class does not cross: `CannotCount.of` reads it back
+    from a count's refusal naming `model`, and leaves any other as it is."""
+    error = errors.CannotCount("The model's upstream server cannot count tokens.", param="model")
+    plain = errors.Invalid(error.message, param="model")
+    sent, same = from_error(error, 1), from_error(plain, 1)
+    assert (sent.status, sent.fields(), sent.body(), sent.outcome, sent.reason) == (
+        same.status,
+        same.fields(),
+        same.body(),
+        same.outcome,
+        same.reason,
+    )
+    assert sent.status == 400 and sent.param == "model" and sent.retry_after is None
+    assert status_from_error(error) == status_from_error(plain)
+    code, trailing = status_from_error(error)
+    arrived = error_from_status(code, error.message, dict(trailing))
+    assert type(arrived) is errors.Invalid
+    read = errors.CannotCount.of(arrived)
+    assert type(read) is errors.CannotCount
+    assert (read.message, read.param) == (error.message, "model")
+    others = [
+        errors.Invalid("bad", param="messages"),
+        errors.Invalid("bad"),
+        errors.ModelNotFound("gone", param="model"),
+        errors.NotAnLLM("tensor", param="model"),
+        errors.Failed("broke"),
+    ]
+    assert all(errors.CannotCount.of(other) is other for other in others)

@@ -22,6 +22,7 @@ MAX_MESSAGE = 512
 
 #: Our error → HTTP status, OpenAI `type`, OpenAI `code` (DESIGN.md's table).
 ERROR_TABLE: dict[type[errors.GatewayError], tuple[int, str, str | None]] = {
+    errors.CannotCount: (400, INVALID, None),  # an `Invalid`, answered as one
     errors.Invalid: (400, INVALID, None),
     errors.TooLong: (400, INVALID, "context_length_exceeded"),
     errors.ModelNotFound: (404, INVALID, "model_not_found"),

@@ -5,6 +5,7 @@ to clients in `gateway.edge.errors`).
     GatewayError                                                     outcome
     ├── Refusal        the request is refused as asked, before any work
     │   ├── Invalid        a bad parameter (carries its name)          invalid
+    │   │   └── CannotCount  the model's upstream counts no tokens   invalid
     │   ├── TooLong        prompt beyond the model's context           invalid
     │   ├── ModelNotFound  no such model (here or on the worker) retry invalid
     │   ├── NotAnLLM       the model is served elsewhere               invalid
@@ -84,6 +85,22 @@ class Invalid(Refusal):
     """A request parameter is wrong; `param` names it when known."""
 
     outcome = Outcome.INVALID
+
+
+class CannotCount(Invalid):
+    """The model's upstream cannot count a prompt's tokens (an OpenAI-compatible server
+    without `/tokenize`, an engine without a tokenizer of its own): an `Invalid` naming
+    `model`, answered as one, but a class of its own so that the routes that count to
+    edit a prompt (Anthropic's context editing, the Responses API's truncation) answer
+    their own refusal for it without reading `param`."""
+
+    @classmethod
+    def of(cls, error: GatewayError) -> GatewayError:
+        """`error`, a count's refusal, as this class where it names `model`: a worker's
+        status or another server's body says it so, the class does not cross the wire."""
+        if type(error) is Invalid and error.param == "model":
+            return cls(error.message, param="model")
+        return error
 
 
 class TooLong(Refusal):

@@ -142,13 +142,14 @@ class FurnaceGrpcUpstream:
         timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> int:
-        """One CountTokens call with `timeout` seconds as its deadline."""
+        """One CountTokens call with `timeout` seconds as its deadline; an engine that
+        cannot count refuses naming `model` (`CannotCount`)."""
         try:
             reply = await self._stub.CountTokens(
                 request_to_proto(request), timeout=timeout, metadata=metadata
             )
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+            raise errors.CannotCount.of(from_rpc_error(error)) from None
         return int(reply.prompt_tokens)
 
     async def describe(self, deadline: float) -> list[ModelDescription]:

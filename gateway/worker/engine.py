@@ -55,7 +55,7 @@ class Engine(ABC):
     async def count_tokens(self, request: GenerateRequest) -> int:
         """The tokens of the prompt `generate` would make of `request` (its text, or its
         messages and tools through the template), by the engine's own tokenizer."""
-        raise errors.Invalid(f"The model `{self.model}` does not count tokens.", param="model")
+        raise errors.CannotCount(f"The model `{self.model}` does not count tokens.", param="model")
 
     def kv_events(self) -> KvPublisher | None:
         """Its KV-cache events for `SubscribeKvEvents` (`gateway.worker.kv_events`), so

@@ -63,9 +63,7 @@ class MessagesRoute(GenerationRoute):
             assert generate.messages is not None
             try:
                 messages, applied = await edit(generate.messages, parsed.edits, count)
-            except errors.Invalid as error:
-                if error.param != "model":
-                    raise
+            except errors.CannotCount:
                 raise _uncountable(pool.name, parsed.edits) from None
             generate = replace(generate, messages=messages)
             parsed = replace(parsed, generate=generate, applied=applied)

@@ -267,9 +267,7 @@ class ResponsesRoute(GenerationRoute):
         items = [*request.history, *body.items]
         try:
             fitted = await fit(body.instructions, items, count, pool.max_context, room)
-        except errors.Invalid as error:
-            if error.param != "model":
-                raise
+        except errors.CannotCount:
             raise no_truncation(
                 pool.name, "its upstream server cannot count the prompt's tokens"
             ) from None

@@ -263,11 +263,12 @@ def _embed_error(status: int, body: bytes) -> errors.GatewayError:
 
 def tokens_counted(status: int, content: bytes) -> int:
     """The count of vLLM's `/tokenize` answer; a server without the route (404 or
-    405) cannot count: a 400 naming `model`."""
+    405), or one refusing it naming `model`, cannot count (`CannotCount`: a 400 naming
+    `model`)."""
     if status in (404, 405):
-        raise errors.Invalid("The model's upstream server cannot count tokens.", param="model")
+        raise errors.CannotCount("The model's upstream server cannot count tokens.", param="model")
     if status != 200:
-        raise error_from_response(status, content)
+        raise errors.CannotCount.of(error_from_response(status, content))
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
