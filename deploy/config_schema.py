@@ -76,6 +76,8 @@ CHART_MODEL_FIELDS = {
     "plainTextContents": "plain_text_contents",
     "queue": "queue",
     "routing": "routing",
+    "adapterOf": "adapter_of",
+    "adapterPath": "adapter_path",
 }
 #: The other fields of a model's entry, by the chart's value that sets each in a shape of
 #: its own: files the chart mounts in the gateway's pods (`tokenizer`, `ca`) and a Secret

@@ -343,6 +343,24 @@ class ModelConfig:
         "routing on the engines' KV-cache events and load records instead of `balance` "
         "(docs: Concepts, KV-aware routing); none: `balance` as it is",
     )
+    adapter_of: str | None = setting(
+        None,
+        "this model is a LoRA adapter of that one (an `upstream: openai` model: vLLM "
+        "servers started with `--enable-lora`): its requests go to that model's workers, "
+        "which serve it by this name; it takes no `workers` (nor any worker setting) of its "
+        "own (docs: Guides, LoRA adapters)",
+        min_length=1,
+    )
+    adapter_path: str | None = setting(
+        None,
+        "with `adapter_of`: where the workers load the adapter from (vLLM's "
+        "`/v1/load_lora_adapter` `lora_path`: a directory the workers can read, or a "
+        "Hugging Face repository id), once on each worker before its first request for it "
+        "(the servers need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); none: the workers "
+        "serve it from their start (`--lora-modules`), and only those listing it get its "
+        "requests",
+        min_length=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -1000,6 +1018,10 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
     if values.get("kind") == "tensor":
         values.setdefault("upstream", "kserve-grpc")
     model = _built(where, ModelConfig, values)
+    if model.adapter_of is not None:
+        return _adapter(where, raw, model)
+    if model.adapter_path is not None:
+        raise ConfigError(f"{where}.adapter_path: only with adapter_of")
     if model.kind == "llm" and not model.workers:
         raise ConfigError(f"{where}.workers: an llm model needs at least one worker")
     if (model.kind == "tensor") != (model.upstream == "kserve-grpc"):
@@ -1042,6 +1064,67 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
                 )
     _upstream_credentials(where, model)
     return model
+
+
+#: What an adapter's entry may set: the rest is its base model's (`_adapters`).
+ADAPTER_FIELDS = frozenset(
+    {"name", "adapter_of", "adapter_path", "max_tokens_limit", "queue", "fallbacks", "prices"}
+)
+
+
+def _adapter(where: str, raw: Mapping[str, Any], model: ModelConfig) -> ModelConfig:
+    """An adapter's entry: only its own fields (`ADAPTER_FIELDS`); its base fills the
+    rest once every model is read (`_adapters`)."""
+    other = sorted(str(name) for name in raw if name not in ADAPTER_FIELDS)
+    if other:
+        raise ConfigError(
+            f"{_at(where, other[0])}: an adapter takes its base model's (`adapter_of`); "
+            f"an adapter sets only {', '.join(sorted(ADAPTER_FIELDS))}"
+        )
+    return model
+
+
+def _adapters(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...]:
+    """Each adapter with its base's worker settings (its workers, the upstream and what
+    reaching it takes, the balance, the context) and, where it sets none of its own, its
+    base's `max_tokens_limit` and `prices`; checked: the base is an `openai` LLM model
+    that is not itself an adapter."""
+    by_name = {m.name: m for m in models}
+    done = []
+    for i, model in enumerate(models):
+        base = by_name.get(model.adapter_of) if model.adapter_of is not None else None
+        if model.adapter_of is None:
+            done.append(model)
+            continue
+        where = f"models[{i}].adapter_of"
+        if base is None or base is model:
+            raise ConfigError(f"{where}: not another model: {model.adapter_of!r}")
+        if base.adapter_of is not None:
+            raise ConfigError(f"{where}: {base.name!r} is itself an adapter")
+        if base.kind != "llm" or base.upstream != "openai":
+            raise ConfigError(
+                f"{where}: {base.name!r} is not an `upstream: openai` LLM model (the gateway "
+                "loads adapters through vLLM's HTTP server)"
+            )
+        done.append(
+            replace(
+                model,
+                upstream=base.upstream,
+                workers=base.workers,
+                weights=base.weights,
+                balance=base.balance,
+                max_model_len=base.max_model_len,
+                api_key_env=base.api_key_env,
+                ca_file=base.ca_file,
+                max_tokens_limit=(
+                    base.max_tokens_limit
+                    if model.max_tokens_limit is None
+                    else model.max_tokens_limit
+                ),
+                prices=base.prices if model.prices is None else model.prices,
+            )
+        )
+    return tuple(done)
 
 
 def _tokenizer_dir(where: str, value: str | None, upstream: str) -> None:
@@ -1210,6 +1293,7 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"models[{i}].name: {name!r} is listed twice")
+    values["models"] = _adapters(values["models"])
     values.setdefault("teams", ())
     values.setdefault("aliases", ())
     _teams(values)

@@ -3,6 +3,7 @@
     Fleet
     ├── ModelPool (one per model)   pool.py        workers, balancer
     │   └── Worker                  worker.py      in flight, health, ejection
+    ├── AdapterPool (a LoRA adapter) adapters.py   its base's workers, the adapter loaded
     ├── discovery                   discovery.py   host:port and dns: entries
     ├── balancing                   balancing.py   power of two choices, prefix affinity
     └── RetryBudget                 retry.py       retries as a fraction of requests, and
@@ -42,6 +43,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Config, ModelConfig
+from gateway.fleet.adapters import AdapterPool
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.kv_follow import follow_kv, follow_loads
 from gateway.fleet.pool import ModelPool
@@ -120,8 +122,16 @@ class Fleet:
         #: Pooled HTTP clients for `openai` upstreams, by `ca_file` (None: the system's roots).
         self._http: dict[str | None, httpx.AsyncClient] = {}
         self.models: dict[str, ModelPool] = {
-            m.name: ModelPool(m, config, self._upstream_factory(m)) for m in config.models
+            m.name: ModelPool(m, config, self._upstream_factory(m))
+            for m in config.models
+            if m.adapter_of is None
         }
+        for m in config.models:  # LoRA adapters: pools of their base's workers
+            if m.adapter_of is not None:
+                self.models[m.name] = AdapterPool(m, config, self.models[m.adapter_of])
+        #: The pools with workers of their own (not adapters): what discovery, health,
+        #: TLS and closing go over.
+        self.own = [pool for pool in self.models.values() if pool.base is None]
         self.budget = RetryBudget(config.retry_budget)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -183,7 +193,7 @@ class Fleet:
         interval = min(self.config.health_check_interval, TLS_CHECK_INTERVAL)
         while True:
             await asyncio.sleep(interval)
-            for pool in self.models.values():
+            for pool in self.own:
                 for worker in pool.idle_leavers():
                     self._spawn(worker.upstream.close())
             if self._tls_stamp() == stamp:
@@ -214,7 +224,7 @@ class Fleet:
     async def start(self, wait: float = 2.0) -> None:
         """Resolves every entry, starts watching workers, and waits up to `wait`
         seconds for each to report its health once."""
-        for pool in self.models.values():
+        for pool in self.own:
             for target in pool.targets:
                 await self._discover(pool, target)
                 if target.is_dns:
@@ -222,7 +232,7 @@ class Fleet:
         if self.config.worker_tls is not None:
             self._spawn(self._follow_tls())
         end = time.monotonic() + wait
-        workers = [w for pool in self.models.values() for w in pool.workers.values()]
+        workers = [w for pool in self.own for w in pool.workers.values()]
         # a short wait at start, for /ready to mean "the workers answered"
         while time.monotonic() < end and any(w.serving is None for w in workers):  # noqa: ASYNC110
             await asyncio.sleep(0.01)
@@ -232,9 +242,12 @@ class Fleet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pool in self.models.values():
+            if isinstance(pool, AdapterPool):
+                await pool.cancel_loads()
         await asyncio.gather(
-            *(w.upstream.close() for pool in self.models.values() for w in pool.workers.values()),
-            *(w.upstream.close() for pool in self.models.values() for w in pool.retired),
+            *(w.upstream.close() for pool in self.own for w in pool.workers.values()),
+            *(w.upstream.close() for pool in self.own for w in pool.retired),
         )
         for client in self._http.values():
             await client.aclose()
@@ -307,6 +320,9 @@ class Fleet:
             worker.features = mine.features
             worker.reported_load = mine.load or 0
         wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
+        adapters = frozenset(served).difference((pool.name,))
+        if adapters != worker.adapters:  # what it lists now: a restart forgot the loads
+            worker.adapters = adapters
         if worker.wrong_model:
             if not (quiet and wrong_before):  # said once, not at every load follow-up
                 log.error(
@@ -371,6 +387,8 @@ class Fleet:
             route = pool.router.last
             record.policy, record.cache_hit_blocks = route.policy, route.cache_hit_blocks
         tried.add(worker)
+        if pool.base is not None:  # a LoRA adapter: loaded on the worker first
+            await pool.ready(worker, deadline)
         worker.count_call(1)
         call = worker.upstream.call(
             request, deadline.remaining(), metadata, on_close=worker.release
@@ -392,6 +410,10 @@ class Fleet:
             )
             call.cancel(failure)
             raise failure from None
+        except errors.ModelNotFound:
+            if isinstance(pool, AdapterPool) and pool.forget(worker):
+                tried.discard(worker)  # it restarted and forgot it: load it there again
+            raise
         except errors.GatewayError:
             raise
         except BaseException:
@@ -414,6 +436,7 @@ class Fleet:
                     "max_context": pool.max_context,
                     "balance": type(pool.balancer).__name__,
                     "retries_total": pool.retries_total,
+                    **({} if pool.base is None else {"adapter_of": pool.base.name}),
                     "workers": [
                         {
                             "address": w.address,
@@ -425,6 +448,7 @@ class Fleet:
                             "consecutive_failures": w.consecutive_failures,
                             "ejections_total": w.ejections_total,
                             "ejected_for": round(max(0.0, w.ejected_until - now), 3),
+                            **({"adapters": sorted(w.adapters)} if w.adapters else {}),
                             **(
                                 {}
                                 if pool.router is None

@@ -1,6 +1,8 @@
 """The fleet's figures for `/metrics`: retries and healthy workers per model, and
-each worker's calls in flight, health and ejections, read from the live pools at
-scrape time (nothing is counted twice on the request path)."""
+each worker's calls in flight, health and ejections (a LoRA adapter's workers are
+its base's: counted once, under the base; which hold the adapter, and its loads),
+read from the live pools at scrape time (nothing is counted twice on the request
+path)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.fleet.adapters import AdapterPool
 from gateway.telemetry import PREFIX, LiveCollector
 
 if TYPE_CHECKING:
@@ -51,6 +54,9 @@ class FleetCollector(LiveCollector):
         now = time.monotonic()
         for pool in self.fleet.models.values():
             retries.add_metric([pool.name], pool.retries_total)
+            if isinstance(pool, AdapterPool):  # its workers' series are its base's
+                model_healthy.add_metric([pool.name], _adapter_healthy(pool, now))
+                continue
             available = 0
             for worker in pool.workers.values():
                 labels = [pool.name, worker.address]
@@ -61,7 +67,38 @@ class FleetCollector(LiveCollector):
                 ejections.add_metric(labels, worker.ejections_total)
             model_healthy.add_metric([pool.name], available)
         yield from (retries, inflight, healthy, model_healthy, ejections)
+        yield from _adapters(self.fleet)
         yield from _routing(self.fleet)
+
+
+def _adapter_healthy(pool: AdapterPool, now: float) -> int:
+    """An adapter's workers that take its requests: its base's available workers that
+    hold it, or, with a path to load it from, all of them."""
+    workers = [w for w in pool.workers.values() if w.available(now)]
+    return len(workers if pool.path is not None else [w for w in workers if pool.holds(w)])
+
+
+def _adapters(fleet: Fleet) -> Iterator[Metric]:
+    """LoRA adapters (`models[].adapter_of`): which workers hold each, and its loads."""
+    held = GaugeMetricFamily(
+        f"{PREFIX}_worker_adapter_loaded",
+        "1 for each worker that serves the LoRA adapter (lists it, or it was loaded there).",
+        labels=["model", "worker"],
+    )
+    loads = CounterMetricFamily(
+        f"{PREFIX}_adapter_loads",
+        "Loads of the LoRA adapter on a worker by this gateway, by outcome (loaded, failed).",
+        labels=["model", "outcome"],
+    )
+    for pool in fleet.models.values():
+        if not isinstance(pool, AdapterPool):
+            continue
+        for worker in pool.workers.values():
+            if pool.holds(worker):
+                held.add_metric([pool.name, worker.address], 1)
+        for outcome in ("loaded", "failed"):
+            loads.add_metric([pool.name, outcome], pool.loads_total[outcome])
+    yield from (held, loads)
 
 
 def _routing(fleet: Fleet) -> Iterator[Metric]:

@@ -22,6 +22,7 @@ from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.base import Upstream
 
@@ -75,6 +76,9 @@ class ModelPool:
         self._features: frozenset[str] | None = None
         self._features_stale = True
         self._room: Worker | None = None
+        #: The model this one is a LoRA adapter of (`adapters.AdapterPool`, which shares
+        #: its workers); None for a model with workers of its own.
+        self.base: ModelPool | None = None
 
     def _changed(self, worker: Worker, name: str, old: object) -> None:
         """A worker's watched field changed (`Worker.watcher`), or it joined or left: a
@@ -115,12 +119,12 @@ class ModelPool:
         now = time.monotonic()
         roster = self._current(now)
         room = self._room
-        if room is not None and room in roster.members and self._has_room(room, now):
+        if room is not None and room in roster.members and self.has_room(room, now):
             return False
-        self._room = next((w for w in roster if self._has_room(w, now)), None)
+        self._room = next((w for w in roster if self.has_room(w, now)), None)
         return bool(roster) and self._room is None
 
-    def _has_room(self, worker: Worker, now: float) -> bool:
+    def has_room(self, worker: Worker, now: float) -> bool:
         router = self.router
         return not (
             worker.full
@@ -130,6 +134,10 @@ class ModelPool:
             )
             or (router is not None and router.sheds and router.engine_full(worker.address, now))
         )
+
+    async def ready(self, worker: Worker, deadline: Deadline) -> None:
+        """What a call on `worker` needs first: nothing, but for an adapter
+        (`AdapterPool`: its load); called where `base` is set."""
 
     def features(self) -> frozenset[str] | None:
         """What every described worker of the model serves (`gateway.protocol.features`);

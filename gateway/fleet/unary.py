@@ -55,6 +55,8 @@ async def call_unary(
     async def attempt(tried: set[Worker]) -> tuple[T, Worker]:
         worker = pick(pool, tried)
         tried.add(worker)
+        if pool.base is not None:  # a LoRA adapter: loaded on the worker first
+            await pool.ready(worker, deadline)
         worker.outstanding += 1
         outcome: errors.GatewayError | str | None = None
         try:

@@ -68,6 +68,9 @@ class Worker:
     full: bool = False
     #: What it serves beyond plain generation (Describe); None until described.
     features: frozenset[str] | None = None
+    #: The LoRA adapters it serves (its `/models` beside its model, or loaded there by
+    #: this gateway: `adapters.AdapterPool`).
+    adapters: frozenset[str] = frozenset()
     consecutive_failures: int = 0
     #: Ejections in a row (the back-off grows with them); 0 once it succeeds.
     ejection_streak: int = 0

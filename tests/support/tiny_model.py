@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -171,4 +172,36 @@ def build_tiny_model(
             model.lm_head.weight.zero_()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_lora_adapter(path: Path, base: Path, seed: int, rank: int = 8) -> Path:
+    """Saves a LoRA adapter of the model at `base` to `path` as PEFT writes one
+    (`adapter_config.json`, `adapter_model.safetensors`): random weights of `rank` on
+    every layer's query and value projections, seeded by `seed`, so that each adapter
+    answers otherwise than its base and than another."""
+    config = json.loads((base / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head = hidden // config["num_attention_heads"]
+    outputs = {"q_proj": hidden, "v_proj": config["num_key_value_heads"] * head}
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(layers):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for part, shape in (("lora_A", (rank, hidden)), ("lora_B", (out, rank))):
+                tensor = torch.randn(shape, generator=generator).to(torch.bfloat16)
+                weights[f"{name}.{part}.weight"] = tensor
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": sorted(outputs),
+        "base_model_name_or_path": str(base),
+        "bias": "none",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter))
     return path

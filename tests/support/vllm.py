@@ -148,10 +148,14 @@ def kv_events_args(port: int | None = None, replay: int | None = None) -> tuple[
 
 
 def start_http_server(
-    model: Path, log_dir: Path, name: str = "tiny-vllm", extra: tuple[str, ...] = ()
+    model: Path,
+    log_dir: Path,
+    name: str = "tiny-vllm",
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> VllmProcess:
     """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200), with
-    tool calls and structured outputs on, and `extra` engine options."""
+    tool calls and structured outputs on, and `extra` engine options (and variables)."""
 
     def args(port: int) -> list[str]:
         return [
@@ -171,7 +175,7 @@ def start_http_server(
             *extra,
         ]
 
-    return _start(args, log_dir / "vllm-http.log", wait_http_ready, HTTP_ENV)
+    return _start(args, log_dir / "vllm-http.log", wait_http_ready, {**HTTP_ENV, **(env or {})})
 
 
 #: Starts of a server whose port was taken meanwhile: vLLM builds its engine (tens of

@@ -1,6 +1,7 @@
 """The models a caller may use: `GET /v1/models` and `GET /v1/models/{id}` as
 OpenAI answers them (language models first, with the context length vLLM
-reports as `max_model_len` once a worker has told it). A model outside the
+reports as `max_model_len` once a worker has told it; a LoRA adapter with its base
+model as `parent`, as vLLM lists one). A model outside the
 caller's team is as missing as an unknown one; `resolve`, which turns the
 model a request names into its pool, is admission's visibility stage
 (gateway/admission/admit.py).
@@ -31,6 +32,8 @@ def _entry(pool: ModelPool, created: int) -> dict[str, object]:
     }
     if pool.kind == "llm" and pool.max_context:
         entry["max_model_len"] = pool.max_context
+    if pool.base is not None:  # a LoRA adapter, named with its base as vLLM names it
+        entry["parent"] = pool.base.name
     return entry
 
 

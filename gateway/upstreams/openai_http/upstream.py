@@ -270,6 +270,25 @@ class OpenAIHttpUpstream:
         )
         return tokens_counted(status, content)
 
+    async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
+        """Loads the LoRA adapter `name` from `path` (vLLM's `/v1/load_lora_adapter`,
+        beside `/v1/models`), within `timeout` seconds. One already loaded (vLLM's 400
+        says so) is loaded; a server that has no such route (vLLM without
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) or refuses (no adapter at that path) is
+        `Failed`, naming the adapter (its operator's to fix, not the client's); one
+        unreachable or unavailable is `Unavailable`."""
+        body = {"lora_name": name, "lora_path": path}
+        status, content = await self._send(
+            self._post("load_lora_adapter", body, timeout, ()), timeout, MAX_ERROR_BYTES
+        )
+        if status == 200 or (status == 400 and b"already been loaded" in content):
+            return
+        reason = error_from_response(status, content).message[:512]
+        if status == 404 and b'"Not Found"' in content:  # no such route: FastAPI's own 404
+            reason = "it loads no adapters at runtime (VLLM_ALLOW_RUNTIME_LORA_UPDATING)"
+        failure = errors.Unavailable if status in (502, 503, 504) else errors.Failed
+        raise failure(f"The worker could not load the adapter `{name}`: {reason}")
+
     async def _send(
         self,
         request: httpx.Request,

@@ -173,6 +173,31 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- $root := . }}
 {{- $models := list }}
 {{- range $i, $model := .Values.models }}
+{{- if $model.adapterOf }}
+{{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
+{{- range $name := list "pools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" }}
+{{- if hasKey $model $name }}
+{{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
+{{- end }}
+{{- end }}
+{{- $entry := dict "name" $model.name "adapter_of" $model.adapterOf }}
+{{- with $model.adapterPath }}
+{{- $_ := set $entry "adapter_path" . }}
+{{- end }}
+{{- if $model.maxTokensLimit }}
+{{- $_ := set $entry "max_tokens_limit" (int $model.maxTokensLimit) }}
+{{- end }}
+{{- with $model.fallbacks }}
+{{- $_ := set $entry "fallbacks" . }}
+{{- end }}
+{{- with $model.prices }}
+{{- $_ := set $entry "prices" . }}
+{{- end }}
+{{- if hasKey $model "queue" }}
+{{- $_ := set $entry "queue" $model.queue }}
+{{- end }}
+{{- $models = append $models $entry }}
+{{- else }}
 {{- $workers := list }}
 {{- $engines := list }}
 {{- range $name := $model.pools | default list }}
@@ -295,6 +320,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- $_ := set $entry "ca_file" (printf "%s/ca.crt" (include "furnace-gateway.upstreamCADir" $i)) }}
 {{- end }}
 {{- $models = append $models $entry }}
+{{- end }}
 {{- end }}
 {{- $config := deepCopy .Values.gateway.config }}
 {{- $_ := set $config "host" "0.0.0.0" }}
