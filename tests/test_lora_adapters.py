@@ -214,3 +214,17 @@ def test_only_an_openai_model_takes_adapters() -> None:
     }
     with pytest.raises(ConfigError, match="not an `upstream: openai` LLM model"):
         parse_config(raw, env={})
+
+
+def test_an_adapters_prompt_is_counted_by_its_base_without_a_load(lora_gateway: Gateway) -> None:
+    def count(model: str) -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}]}
+        url = f"{lora_gateway.url}/v1/messages/count_tokens"
+        answer = httpx.post(url, json=body, timeout=HANG_GUARD)
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["input_tokens"])
+
+    assert count("nowhere") == count(BASE) > 0  # an adapter no worker can load
+    pool = lora_gateway.state.fleet.models["nowhere"]
+    assert isinstance(pool, AdapterPool)
+    assert not pool.loads_total

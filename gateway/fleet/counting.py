@@ -8,6 +8,7 @@ the gateway and never reaches the worker.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway.fleet.unary import call_unary
@@ -28,7 +29,10 @@ async def count_tokens(
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[int, str]:
     """The tokens of the prompt `request` makes, by a worker of `pool`, and that worker's
-    address."""
+    address. A LoRA adapter's prompt is counted by its base (the same tokenizer and
+    template), on any of its workers, with no load of the adapter."""
+    if pool.base is not None:
+        pool, request = pool.base, replace(request, model=pool.base.name)
 
     async def call(worker: Worker) -> int:
         return await worker.upstream.count_tokens(request, deadline.remaining(), metadata)
