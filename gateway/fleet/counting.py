@@ -31,8 +31,9 @@ async def count_tokens(
     """The tokens of the prompt `request` makes, by a worker of `pool`, and that worker's
     address. A LoRA adapter's prompt is counted by its base (the same tokenizer and
     template), on any of its workers, with no load of the adapter."""
-    if pool.base is not None:
-        pool, request = pool.base, replace(request, model=pool.base.name)
+    base = pool.base
+    if base is not None:
+        pool, request = base, replace(request, model=base.name)
 
     async def call(worker: Worker) -> int:
         return await worker.upstream.count_tokens(request, deadline.remaining(), metadata)
