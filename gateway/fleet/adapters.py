@@ -42,7 +42,7 @@ from gateway.fleet.worker import Worker
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import GenerateRequest
-from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.base import LoadsAdapters
 
 log = logging.getLogger("furnace.fleet")
 
@@ -132,7 +132,7 @@ class AdapterPool(ModelPool):
 
     async def _load(self, worker: Worker, path: str) -> None:
         upstream = worker.upstream
-        if not isinstance(upstream, OpenAIHttpUpstream):  # the config allows no other
+        if not isinstance(upstream, LoadsAdapters):  # the config allows no other
             raise errors.Failed(f"The worker {worker.address} cannot load adapters.")
         log.info("adapter %s: loading on %s from %s", self.name, worker.address, path)
         await upstream.load_adapter(self.name, path, LOAD_TIMEOUT)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gateway.protocol import errors, features
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
@@ -80,6 +80,16 @@ class UpstreamCall(Protocol):
 
     def close(self, outcome: CallEnd = None) -> None:
         """Marks the call over, telling the owner `outcome` once."""
+
+
+@runtime_checkable
+class LoadsAdapters(Protocol):
+    """An upstream whose workers load LoRA adapters when asked (`fleet.adapters`)."""
+
+    async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
+        """Loads the adapter `name` from `path` on the worker within `timeout` seconds;
+        one it holds already is loaded. `Failed` when the worker cannot (the operator's
+        to fix), `Unavailable` when unreachable."""
 
 
 class Upstream(Protocol):
