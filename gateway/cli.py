@@ -69,6 +69,23 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         "auto (the gateway's hermes or llama3_json; vllm: else a vLLM tool parser's name)",
     )
     worker.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_adapter,
+        default=[],
+        metavar="NAME=PATH",
+        help="vllm: LoRA adapters served from the start, each under its name, from a local "
+        "folder (with vLLM's --enable-lora; gateways load more at runtime)",
+    )
+    worker.add_argument(
+        "--max-adapters",
+        type=int,
+        default=64,
+        metavar="N",
+        help="vllm: the most LoRA adapters the worker serves, from its start and loaded "
+        "(vLLM's --max-loras of them run in one batch, --max-cpu-loras stay in memory)",
+    )
+    worker.add_argument(
         "--drain-timeout",
         type=_seconds,
         default=5.0,
@@ -113,6 +130,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _adapter(text: str) -> tuple[str, str]:
+    """`NAME=PATH`: an adapter's name and its folder's absolute path."""
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"not NAME=PATH: {text!r}")
+    return name, os.path.abspath(path)
+
+
 def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-delay", type=float, default=0.0, help="seconds between tokens (a GPU's pace)"
@@ -148,7 +173,13 @@ def _worker_engine(args: argparse.Namespace, options: list[str]) -> Engine:
             options = ["--dtype", args.dtype, *options]
         try:
             vllm_args = engine_args(args.model_path, options, max_context=args.max_context)
-            return VllmEngine(vllm_args, args.model, tool_parser=args.tool_call_parser)
+            return VllmEngine(
+                vllm_args,
+                args.model,
+                tool_parser=args.tool_call_parser,
+                adapters=dict(args.lora_modules),
+                max_adapters=args.max_adapters,
+            )
         except (FileNotFoundError, ValueError) as error:
             sys.exit(f"furnace-gateway: {error}")
     # Imported here so the gateway and the demo run without torch installed.
@@ -206,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     args, options = parser.parse_known_args(argv)
     if options and not (args.command == "worker" and args.engine == "vllm"):
         parser.error(f"unrecognized arguments: {' '.join(options)}")
+    if args.command == "worker" and args.engine != "vllm" and args.lora_modules:
+        parser.error("--lora-modules: only --engine vllm serves LoRA adapters")
     log_setup.configure(logging.INFO, batched=args.command in GATEWAY_COMMANDS)
     try:
         if args.command == "worker":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from gateway.protocol import errors, features
@@ -57,6 +57,26 @@ class Engine(ABC):
         messages and tools through the template), by the engine's own tokenizer."""
         raise errors.CannotCount(f"The model `{self.model}` does not count tokens.", param="model")
 
+    # LoRA adapters of `model`, each served under its own name (`LoadAdapter`): an
+    # engine that takes them sets `takes_adapters` and overrides the two below; the SDK
+    # checks a request's name and path (`check_adapter`) before `load_adapter` sees it,
+    # lists `adapters()` in `Describe` and lets a request name one of them (the engine
+    # runs it with that adapter). By default none: LoadAdapter is UNIMPLEMENTED.
+
+    #: It loads LoRA adapters (`load_adapter`).
+    takes_adapters: bool = False
+
+    def adapters(self) -> Collection[str]:
+        """The adapters it serves now, by name (called for every request: keep it cheap)."""
+        return ()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Loads the adapter at `path` (a folder on this machine) as `name`; one it
+        holds already from the same path is loaded. Raises `Invalid` when it cannot
+        (no adapter there, one its engine refuses, no room): the worker answers
+        FAILED_PRECONDITION, the operator's to fix; `Unavailable` while not up."""
+        raise errors.Invalid(f"The model `{self.model}` takes no adapters.", param="path")
+
     def kv_events(self) -> KvPublisher | None:
         """Its KV-cache events for `SubscribeKvEvents` (`gateway.worker.kv_events`), so
         gateways route by what it holds; None: it publishes none (UNIMPLEMENTED)."""
@@ -82,6 +102,33 @@ class Engine(ABC):
         """Requests running in the engine by its own count, for `Describe`; None:
         the worker counts the calls it is serving."""
         return None
+
+
+#: The longest adapter name a worker takes (a model name's length, with room).
+MAX_ADAPTER_NAME = 256
+#: The longest adapter path a worker takes (Linux's PATH_MAX).
+MAX_ADAPTER_PATH = 4096
+
+
+def check_adapter(name: str, path: str) -> None:
+    """Refuses a `LoadAdapter` request out of bounds (`Invalid` naming `name` or `path`),
+    before any engine reads it: a client names what the worker serves and which of its
+    files it reads, so both are bounded here; the path must be absolute (a relative one
+    would depend on the worker's working folder)."""
+    if (
+        not 0 < len(name) <= MAX_ADAPTER_NAME
+        or not name.isprintable()
+        or any(c.isspace() for c in name)
+    ):
+        raise Invalid(
+            f"An adapter's name is 1 to {MAX_ADAPTER_NAME} printable characters, no spaces.",
+            param="name",
+        )
+    if not 0 < len(path) <= MAX_ADAPTER_PATH or not path.isprintable() or not path.startswith("/"):
+        raise Invalid(
+            f"An adapter's path is an absolute path of at most {MAX_ADAPTER_PATH} characters.",
+            param="path",
+        )
 
 
 def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int) -> int:

@@ -22,6 +22,13 @@ goes out in the `Text` that releases the end of its text (at once, without stop
 strings); when a stop string cuts the answer, the tokens whose text starts
 before the cut keep theirs and the rest (wholly inside the stop string) are
 dropped. `Text.tokens` still counts every generated token, as usage does.
+
+LoRA adapters (`Engine.takes_adapters`): `Describe` lists each beside the model (its
+`parent`), a request naming one reaches the engine as any other (the engine runs it
+with the adapter), and `LoadAdapter` checks the name and path (`check_adapter`) and
+runs one engine load per adapter at a time, which every call asking for it meanwhile
+waits on (two gateways' first requests load it once), and which a caller leaving
+does not cancel (another is likely to ask again).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.worker.engine import Engine
+from gateway.worker.engine import Engine, check_adapter
 from gateway.worker.kv_events import SubscriberTooSlow
 from gateway.worker.multiplex import Multiplexer
 
@@ -315,9 +322,17 @@ class EngineService(pb_grpc.EngineServicer):
         self.draining = False
         self._multiplexed: set[Multiplexer] = set()
         self._subscriptions: set[asyncio.Task[Any]] = set()  # SubscribeKvEvents calls
+        #: Adapter loads under way, by (name, path): LoadAdapter calls share them.
+        self._adapter_loads: dict[tuple[str, str], asyncio.Task[None]] = {}
         served = engine.features
         #: What the worker serves, as `Describe` lists it: the SDK does n itself.
         self.features = served | {features.N} if features.GENERATE in served else served
+
+    def _serves(self, model: str) -> bool:
+        """Whether a request may name `model` here: the engine's model (or none), or an
+        adapter of it the engine serves."""
+        engine = self.engine
+        return not model or model == engine.model or model in engine.adapters()
 
     def _refusal(self, request: GenerateRequest) -> errors.Invalid | None:
         """Why the request cannot be served here, before the engine sees it."""
@@ -426,7 +441,7 @@ class EngineService(pb_grpc.EngineServicer):
         """One answer, whichever call carries it; a refusal or a failure is
         raised as a `GatewayError`."""
         engine = self.engine
-        if request.model and request.model != engine.model:
+        if not self._serves(request.model):
             raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
         ours = request_from_proto(request)
         refusal = self._refusal(ours)
@@ -521,15 +536,20 @@ class EngineService(pb_grpc.EngineServicer):
         request: pb.DescribeRequest,
         context: grpc.aio.ServicerContext[pb.DescribeRequest, pb.DescribeResponse],
     ) -> pb.DescribeResponse:
-        """The engine's model, what it serves, capacity and load (by the engine's
-        count where it keeps one)."""
+        """The engine's model and its adapters (each with the model as `parent`), what
+        they serve, capacity and load (by the engine's count where it keeps one)."""
         engine = self.engine
         load = engine.load()
-        model = pb.ModelInfo(
-            name=engine.model, max_context=engine.max_context, features=sorted(self.features)
-        )
+        served = sorted(self.features)
+        models = [pb.ModelInfo(name=engine.model, max_context=engine.max_context, features=served)]
+        models += [
+            pb.ModelInfo(
+                name=name, max_context=engine.max_context, features=served, parent=engine.model
+            )
+            for name in sorted(engine.adapters())
+        ]
         return pb.DescribeResponse(
-            models=[model],
+            models=models,
             capacity=engine.capacity,
             load=self.active if load is None else load,
             multiplex=True,
@@ -558,7 +578,7 @@ class EngineService(pb_grpc.EngineServicer):
     ) -> pb.EmbedResponse:
         """The inputs' vectors; refusals as for Generate."""
         engine = self.engine
-        if request.model and request.model != engine.model:
+        if not self._serves(request.model):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"This worker does not serve `{request.model}`."
             )
@@ -598,7 +618,7 @@ class EngineService(pb_grpc.EngineServicer):
     ) -> pb.CountTokensResponse:
         """The prompt's tokens by the engine's tokenizer; refusals as for Generate."""
         try:
-            if request.model and request.model != self.engine.model:
+            if not self._serves(request.model):
                 raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
             tokens = await self.engine.count_tokens(request_from_proto(request))
         except errors.GatewayError as error:
@@ -607,3 +627,64 @@ class EngineService(pb_grpc.EngineServicer):
             log.exception("engine failed to count request %s", request.request_id)
             await _abort(context, errors.Failed("The engine failed."))
         return pb.CountTokensResponse(prompt_tokens=tokens)
+
+    async def LoadAdapter(
+        self,
+        request: pb.LoadAdapterRequest,
+        context: grpc.aio.ServicerContext[pb.LoadAdapterRequest, pb.LoadAdapterResponse],
+    ) -> pb.LoadAdapterResponse:
+        """Loads a LoRA adapter (see engine.proto for the statuses): a request out of
+        bounds is INVALID_ARGUMENT; the engine's refusal (`Invalid`) of a well-formed one
+        is FAILED_PRECONDITION, the operator's."""
+        engine, name, path = self.engine, request.name, request.path
+        if not engine.takes_adapters:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"The engine of this worker loads no LoRA adapters (it serves `{engine.model}`).",
+            )
+        try:
+            check_adapter(name, path)
+        except errors.Invalid as error:
+            await _abort(context, error)
+        if self.draining:
+            await _abort(context, errors.Unavailable("The worker is shutting down."))
+        if name == engine.model:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"`{name}` is this worker's model, not a name for an adapter of it.",
+            )
+        failure = await self._load_adapter(name, path)
+        if isinstance(failure, errors.Invalid):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, failure.message)
+        if failure is not None:
+            await _abort(context, failure)
+        return pb.LoadAdapterResponse()
+
+    async def _load_adapter(self, name: str, path: str) -> errors.GatewayError | None:
+        """The engine's load of the adapter, shared with every call asking for it
+        meanwhile and not cancelled with this one: None once loaded, else why not."""
+        key = (name, path)
+        load = self._adapter_loads.get(key)
+        if load is None:
+            load = asyncio.get_running_loop().create_task(self.engine.load_adapter(name, path))
+            self._adapter_loads[key] = load
+            load.add_done_callback(lambda done: self._adapter_loaded(key, done))
+        try:
+            await asyncio.shield(load)
+        except errors.GatewayError as error:
+            return error
+        except Exception:  # logged by `_adapter_loaded`
+            return errors.Failed(f"The engine failed to load the adapter `{name}`.")
+        return None
+
+    def _adapter_loaded(self, key: tuple[str, str], load: asyncio.Task[None]) -> None:
+        """A load ended: the next call asks the engine again (which knows what it
+        holds); its failure is logged here, and so read even when no call waits."""
+        self._adapter_loads.pop(key, None)
+        failure = None if load.cancelled() else load.exception()
+        if failure is None:
+            log.info("adapter %s: loaded from %s", *key)
+        elif isinstance(failure, errors.GatewayError):
+            log.warning("adapter %s: not loaded from %s: %s", key[0], key[1], failure.message)
+        else:
+            log.error("engine failed to load the adapter %s from %s", *key, exc_info=failure)

@@ -41,6 +41,17 @@ left, or a stop string matched) aborts the request in the engine. The engine
 starts in `start` (seconds to minutes), while the worker already answers health
 checks with NOT_SERVING; `wait_dead` tells the worker when the engine died.
 
+With LoRA (vLLM's `--enable-lora`, `--max-loras`, `--max-lora-rank`), the engine serves
+adapters of its model, each under its own name: those it starts with (`adapters`, the
+worker's `--lora-modules NAME=PATH`) and those `LoadAdapter` adds at runtime (vLLM's
+`add_lora`, which loads it before answering, so a bad adapter is refused then, not on
+a request). Each name keeps one `LoRARequest` (its int id, given once, is the name's
+for the engine's life: vLLM's cache and prefix-cache hashes key on it) and a request
+naming it runs with it; vLLM keeps at most `--max-cpu-loras` of them in memory and
+loads an evicted one again from its path when asked. A client names folders on this
+machine and their count: only a folder holding `adapter_config.json` is read, at most
+`max_adapters` names are held, and a name keeps its first path.
+
 Started as a pooling model (vLLM's `--runner pooling`), the engine embeds
 instead of generating: `embed` serves vectors, `dimensions` where the model is
 a Matryoshka one.
@@ -57,8 +68,9 @@ import functools
 import itertools
 import json
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,6 +80,7 @@ from vllm import SamplingParams as VllmSampling
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
+from vllm.lora.request import LoRARequest
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -97,7 +110,7 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, check_context, template_kwargs
+from gateway.worker.engine import Engine, check_adapter, check_context, template_kwargs
 from gateway.worker.kv_events import ForwardedCache, KvPublisher
 
 log = logging.getLogger("furnace.worker")
@@ -113,6 +126,10 @@ DEFAULT_TOOL_PARSER = "hermes"
 #: Guided decoding unless the worker's options say otherwise: xgrammar without
 #: free whitespace, or a model pads its JSON with blanks up to max_tokens.
 STRUCTURED_OUTPUTS = '{"backend": "xgrammar", "disable_any_whitespace": true}'
+#: The most adapters an engine holds by name unless `--max-adapters` says otherwise.
+MAX_ADAPTERS = 64
+#: The longest vLLM's refusal of an adapter that is passed on, in characters.
+MAX_REASON = 512
 #: What a generating model serves (plus "image_url" when it is multimodal).
 #: Of vLLM's reasoning parameters, those its chat template takes: this engine runs no
 #: reasoning parser, so it neither splits the reasoning from the answer
@@ -164,13 +181,21 @@ class VllmEngine(Engine):
     model's config at once (a generating or a pooling model, multimodal or
     not); `load()` is the requests the engine holds (running or waiting), by
     its own count. `tool_parser` names the format of the model's tool calls:
-    the gateway's parser of it, else vLLM's.
+    the gateway's parser of it, else vLLM's. With LoRA enabled in `args`, it serves
+    adapters: `adapters` (name to folder) from its start, others loaded at runtime,
+    at most `max_adapters` in all.
     """
 
     native_n = True
 
     def __init__(
-        self, args: Any, model: str | None = None, *, tool_parser: str = DEFAULT_TOOL_PARSER
+        self,
+        args: Any,
+        model: str | None = None,
+        *,
+        tool_parser: str = DEFAULT_TOOL_PARSER,
+        adapters: Mapping[str, str] | None = None,
+        max_adapters: int = MAX_ADAPTERS,
     ) -> None:
         self.args = args
         self.model = model or Path(args.model).resolve().name
@@ -207,6 +232,16 @@ class VllmEngine(Engine):
                 ) from None
         self._building: asyncio.Future[Any] | None = None
         self._ids = itertools.count()
+        # LoRA adapters: vLLM's request of each, by name; ids from 1 (vLLM's lowest)
+        self.takes_adapters = bool(getattr(args, "enable_lora", False))
+        self._start_adapters = dict(adapters or {})
+        if self._start_adapters and not self.takes_adapters:
+            raise ValueError("adapters at start (--lora-modules) need vLLM's --enable-lora")
+        if len(self._start_adapters) > max_adapters:
+            raise ValueError(f"more adapters at start than --max-adapters ({max_adapters})")
+        self.max_adapters = max_adapters
+        self._loras: dict[str, Any] = {}
+        self._lora_ids = itertools.count(1)
         # vLLM's KV events, when its options publish them over ZMQ: read back here and
         # republished on our protocol (`SubscribeKvEvents`) once the engine is up
         self._kv_endpoint = _events_endpoint(getattr(args, "kv_events_config", None))
@@ -240,6 +275,12 @@ class VllmEngine(Engine):
             llm.shutdown()
             raise RuntimeError(f"the pooling model {self.model} does not embed (--convert embed)")
         self.llm = llm
+        for name, path in self._start_adapters.items():
+            try:
+                check_adapter(name, path)
+                await self.load_adapter(name, path)
+            except (Invalid, Unavailable) as error:
+                raise RuntimeError(f"the adapter {name} at {path}: {error.message}") from None
         if self._kv_endpoint is not None:
             subscriber = ZmqKvSubscriber(self._kv_endpoint)
             self._kv_task = asyncio.create_task(self._forward_kv(subscriber))
@@ -252,6 +293,45 @@ class VllmEngine(Engine):
             self.capacity,
             ", ".join(sorted(self.features)) or "nothing",
         )
+
+    def adapters(self) -> Collection[str]:
+        """The adapters it serves, by name."""
+        return self._loras.keys()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Adds the adapter to the engine (vLLM's `add_lora`, which loads its weights
+        now); a name it holds from the same folder is loaded. `Invalid` for what it
+        cannot serve: no adapter there, one vLLM refuses, another folder under that
+        name, no room; `Unavailable` while the engine is not up."""
+        llm = self.llm
+        if llm is None or llm.errored:
+            raise Unavailable("The engine is not running.")
+        held = self._loras.get(name)
+        if held is not None:
+            if not _same_path(held.lora_path, path):
+                raise Invalid(f"The adapter `{name}` is served from another folder here.")
+            return
+        if name == self.model:
+            raise Invalid(f"`{name}` is this worker's model, not a name for an adapter of it.")
+        if len(self._loras) >= self.max_adapters:
+            raise Invalid(
+                f"This worker holds its most adapters ({self.max_adapters}: --max-adapters)."
+            )
+        config = os.path.join(path, "adapter_config.json")
+        if not await asyncio.to_thread(os.path.isfile, config):  # a slow mount waits there
+            raise Invalid(f"No LoRA adapter at `{path}` on this worker (no adapter_config.json).")
+        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
+        try:
+            loaded = await llm.add_lora(request)
+        except EngineDeadError:
+            raise Unavailable("The engine died.") from None
+        except Exception as error:  # vLLM's refusal, e.g. a rank above --max-lora-rank
+            reason = str(error)[:MAX_REASON]
+            message = f"vLLM could not load the adapter `{name}` from `{path}`: {reason}"
+            raise Invalid(message) from None
+        if loaded is False:
+            raise Invalid(f"vLLM did not load the adapter `{name}` from `{path}`.")
+        self._loras.setdefault(name, request)
 
     def kv_events(self) -> KvPublisher | None:
         """vLLM's KV events, when its `--kv-events-config` publishes them over ZMQ."""
@@ -421,7 +501,9 @@ class VllmEngine(Engine):
         request_id = f"{request.request_id or 'furnace'}-{next(self._ids)}"
         if request.user:
             log.info("request %s for user %r", request_id, request.user)
-        outputs = llm.generate(prompt, params, request_id)
+        outputs = llm.generate(
+            prompt, params, request_id, lora_request=self._loras.get(request.model)
+        )
         choices = [_Choice(i, plan, request.logprobs) for i in range(max(request.n, 1))]
         copied = params.n < len(choices)  # greedy: vLLM's one answer is every choice's
         started = done = False
@@ -471,8 +553,12 @@ class VllmEngine(Engine):
         base = f"{request.request_id or 'furnace'}-{next(self._ids)}"
         if request.user:
             log.info("request %s for user %r", base, request.user)
+        lora = self._loras.get(request.model)
         vectors = await asyncio.gather(
-            *(self._embed_one(llm, ids, pooling, f"{base}-{i}") for i, ids in enumerate(inputs))
+            *(
+                self._embed_one(llm, ids, pooling, f"{base}-{i}", lora)
+                for i, ids in enumerate(inputs)
+            )
         )
         return Embeddings(tuple(vectors), sum(len(ids) for ids in inputs))
 
@@ -493,11 +579,13 @@ class VllmEngine(Engine):
         return inputs
 
     async def _embed_one(
-        self, llm: Any, ids: list[int], pooling: Any, request_id: str
+        self, llm: Any, ids: list[int], pooling: Any, request_id: str, lora: Any = None
     ) -> tuple[float, ...]:
         done = False
         try:
-            async for output in llm.encode(tokens_input(ids), pooling, request_id):
+            async for output in llm.encode(
+                tokens_input(ids), pooling, request_id, lora_request=lora
+            ):
                 if output.finished:
                     done = True
                     return tuple(output.outputs.data.tolist())
@@ -576,6 +664,12 @@ def _events_endpoint(config: Any) -> str | None:
         endpoint,
     )
     return None
+
+
+def _same_path(one: str, other: str) -> bool:
+    """Whether two absolute paths name one folder, spelled alike or not (`a/./b/`, `a/b`);
+    by their text alone, reading no file system."""
+    return os.path.normpath(one) == os.path.normpath(other)
 
 
 def _refused(error: Exception, param: str | None, prompt: str = "messages") -> Invalid | TooLong:

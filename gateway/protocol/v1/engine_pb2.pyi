@@ -18,6 +18,18 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CountTokensResponse(_message.Message):
     __slots__ = ("prompt_tokens",)
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -292,14 +304,16 @@ class DescribeResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., capacity: _Optional[int] = ..., load: _Optional[int] = ..., multiplex: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context", "features")
+    __slots__ = ("name", "max_context", "features", "parent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context: int
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "model", "inputs", "dimensions", "user")

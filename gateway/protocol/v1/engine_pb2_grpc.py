@@ -65,6 +65,11 @@ class EngineStub:
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/furnace.engine.v1.Engine/LoadAdapter',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -143,6 +148,24 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter of the worker's model, served from then on under its
+        own name (Describe lists it, with its base as `parent`; a GenerateRequest,
+        EmbedRequest or CountTokens naming it runs with it). An adapter it holds
+        already (from its start, or loaded before) is OK at once. INVALID_ARGUMENT
+        (naming "name" or "path" in "furnace-param") for a name or path out of
+        bounds; FAILED_PRECONDITION for a well-formed request this worker cannot
+        serve: no adapter at that path on the worker, one its engine refuses (not
+        of this model, a rank above its bound), the name taken by another path or
+        by the model, or no room for more adapters (the operator's to fix, the
+        same on every worker: not NOT_FOUND, which says a model is not served
+        here and sends the gateway to another worker); UNAVAILABLE while the engine
+        is not up; UNIMPLEMENTED from a worker whose engine takes no adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +198,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -340,6 +368,33 @@ class Engine:
             '/furnace.engine.v1.Engine/SubscribeKvEvents',
             furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
             furnace_dot_engine_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/LoadAdapter',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
