@@ -345,18 +345,20 @@ class ModelConfig:
     )
     adapter_of: str | None = setting(
         None,
-        "this model is a LoRA adapter of that one (an `upstream: openai` model: vLLM "
-        "servers started with `--enable-lora`): its requests go to that model's workers, "
+        "this model is a LoRA adapter of that one (an `upstream: grpc` model: our workers "
+        "with `--engine vllm --enable-lora`; or `upstream: openai`: vLLM servers started "
+        "with `--enable-lora`): its requests go to that model's workers, "
         "which serve it by this name; it takes no `workers` (nor any worker setting) of its "
         "own (docs: Guides, LoRA adapters)",
         min_length=1,
     )
     adapter_path: str | None = setting(
         None,
-        "with `adapter_of`: where the workers load the adapter from (vLLM's "
-        "`/v1/load_lora_adapter` `lora_path`: a directory the workers can read, or a "
-        "Hugging Face repository id), once on each worker before its first request for it "
-        "(the servers need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); none: the workers "
+        "with `adapter_of`: where the workers load the adapter from, once on each worker "
+        "before its first request for it (`grpc`: our `LoadAdapter`, an absolute path of "
+        "a folder on the workers' machines; `openai`: vLLM's `/v1/load_lora_adapter` "
+        "`lora_path`, a directory the workers can read or a Hugging Face repository id, "
+        "with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` on the servers); none: the workers "
         "serve it from their start (`--lora-modules`), and only those listing it get its "
         "requests",
         min_length=1,
@@ -779,6 +781,20 @@ class Config:
         "past it 429",
         minimum=1,
     )
+    mcp_allowed_urls: tuple[str, ...] = setting(
+        (),
+        "the remote MCP servers a Responses request's `mcp` tools may name, as URL prefixes "
+        "(`https://mcp.example.com/`): the gateway lists their tools and calls them for the "
+        "model; a `server_url` under none is a 400 naming it; none: `mcp` tools are refused "
+        "(docs: the Responses API, remote MCP)",
+        min_length=1,
+    )
+    mcp_timeout: float = setting(
+        30.0,
+        "seconds one step with an MCP server may take (listing its tools, one tool call), "
+        "within the request's own deadline",
+        minimum=0.001,
+    )
     # (a frozen dataclass: immutable, though ruff cannot tell)
     queue: QueueConfig | None = setting(  # noqa: RUF009
         None,
@@ -816,7 +832,16 @@ SPECS: dict[str, Spec] = {declared.name: spec_of(declared) for declared in field
 #: Each top-level field's type (`int`, `float`, `str`, ...), by name.
 TYPES: dict[str, Any] = get_type_hints(Config)
 #: Fields whose environment override is YAML (a list or a mapping).
-_STRUCTURED = ("models", "teams", "keys", "worker_tls", "allowed_hosts", "queue", "aliases")
+_STRUCTURED = (
+    "models",
+    "teams",
+    "keys",
+    "worker_tls",
+    "allowed_hosts",
+    "queue",
+    "aliases",
+    "mcp_allowed_urls",
+)
 
 
 def hints(section: Any) -> dict[str, Any]:
@@ -1066,6 +1091,8 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
     return model
 
 
+#: The upstreams whose workers serve adapters and load them when asked (`LoadsAdapters`).
+ADAPTER_UPSTREAMS = ("grpc", "openai")
 #: What an adapter's entry may set: the rest is its base model's (`_adapters`).
 ADAPTER_FIELDS = frozenset(
     {"name", "adapter_of", "adapter_path", "max_tokens_limit", "queue", "fallbacks", "prices"}
@@ -1087,8 +1114,8 @@ def _adapter(where: str, raw: Mapping[str, Any], model: ModelConfig) -> ModelCon
 def _adapters(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...]:
     """Each adapter with its base's worker settings (its workers, the upstream and what
     reaching it takes, the balance, the context) and, where it sets none of its own, its
-    base's `max_tokens_limit` and `prices`; checked: the base is an `openai` LLM model
-    that is not itself an adapter."""
+    base's `max_tokens_limit` and `prices`; checked: the base is an LLM model of an
+    `ADAPTER_UPSTREAMS` upstream that is not itself an adapter."""
     by_name = {m.name: m for m in models}
     done = []
     for i, model in enumerate(models):
@@ -1101,10 +1128,11 @@ def _adapters(models: tuple[ModelConfig, ...]) -> tuple[ModelConfig, ...]:
             raise ConfigError(f"{where}: not another model: {model.adapter_of!r}")
         if base.adapter_of is not None:
             raise ConfigError(f"{where}: {base.name!r} is itself an adapter")
-        if base.kind != "llm" or base.upstream != "openai":
+        if base.kind != "llm" or base.upstream not in ADAPTER_UPSTREAMS:
             raise ConfigError(
-                f"{where}: {base.name!r} is not an `upstream: openai` LLM model (the gateway "
-                "loads adapters through vLLM's HTTP server)"
+                f"{where}: {base.name!r} is not an `upstream: grpc` or `upstream: openai` LLM "
+                "model (the gateway loads adapters through our workers' LoadAdapter or vLLM's "
+                "HTTP server; vLLM's gRPC server and KServe take none)"
             )
         done.append(
             replace(
@@ -1300,6 +1328,14 @@ def parse_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     _keys_and_redis(values, merged.get("keys"))
     _worker_tls(values.get("worker_tls"))
     _routing(values)
+    for i, url in enumerate(values.get("mcp_allowed_urls", ())):
+        # a host ends at its `/`: `https://mcp.example.com` would allow mcp.example.com.evil
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or "/" not in rest.lstrip("/"):
+            raise ConfigError(
+                f"mcp_allowed_urls[{i}]: expected an http(s) URL prefix that ends its host "
+                f"with `/` (`https://mcp.example.com/`), got {url[:200]!r}"
+            )
     return Config(**values)
 
 

@@ -205,15 +205,35 @@ def test_an_adapter_entry_is_checked(entry: dict[str, Any], error: str) -> None:
         parse_config(raw, env={})
 
 
-def test_only_an_openai_model_takes_adapters() -> None:
+@pytest.mark.parametrize(
+    "base",
+    [
+        {"upstream": "vllm-grpc", "tokenizer": None},  # vLLM's gRPC server takes no adapter
+        {"upstream": "kserve-grpc", "kind": "tensor"},
+    ],
+)
+def test_only_a_grpc_or_openai_model_takes_adapters(base: dict[str, Any], vllm_model: Path) -> None:
+    if "tokenizer" in base:
+        base = {**base, "tokenizer": str(vllm_model)}
+    raw = {
+        "models": [
+            {"name": "g", "workers": ["127.0.0.1:1"], **base},
+            {"name": "a", "adapter_of": "g", "adapter_path": "/x"},
+        ]
+    }
+    with pytest.raises(ConfigError, match="not an `upstream: grpc` or `upstream: openai` LLM"):
+        parse_config(raw, env={})
+
+
+def test_our_workers_model_takes_adapters() -> None:
     raw = {
         "models": [
             {"name": "g", "workers": ["127.0.0.1:1"]},
             {"name": "a", "adapter_of": "g", "adapter_path": "/x"},
         ]
     }
-    with pytest.raises(ConfigError, match="not an `upstream: openai` LLM model"):
-        parse_config(raw, env={})
+    adapter = parse_config(raw, env={}).models[1]
+    assert adapter.upstream == "grpc" and adapter.workers == ("127.0.0.1:1",)
 
 
 def test_an_adapters_prompt_is_counted_by_its_base_without_a_load(lora_gateway: Gateway) -> None:

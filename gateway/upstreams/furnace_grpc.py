@@ -152,6 +152,32 @@ class FurnaceGrpcUpstream:
             raise errors.CannotCount.of(from_rpc_error(error)) from None
         return int(reply.prompt_tokens)
 
+    async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
+        """Loads the LoRA adapter `name` from `path` on the worker (`LoadAdapter`, the
+        gRPC deadline `timeout` seconds; `LoadsAdapters`, whether it multiplexes or not).
+        One it holds is loaded. A worker that refuses (UNIMPLEMENTED: its engine takes
+        no adapters; FAILED_PRECONDITION: no adapter there, no room; INVALID_ARGUMENT:
+        a name or path out of its bounds) is `Failed`, naming the adapter: the
+        operator's to fix, not the client's; one unreachable, stopping or too slow is
+        `Unavailable`."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        try:
+            await self._stub.LoadAdapter(request, timeout=timeout)
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+            reason = failure.message[:512]
+            # also an older worker's, which has no such rpc ("Method not found!")
+            if isinstance(error, grpc.aio.AioRpcError) and (
+                error.code() == grpc.StatusCode.UNIMPLEMENTED
+            ):
+                reason = f"it takes no adapters: {reason}"
+            kind = (
+                errors.Unavailable
+                if isinstance(failure, errors.Unavailable | errors.Timeout | errors.Busy)
+                else errors.Failed
+            )
+            raise kind(f"The worker could not load the adapter `{name}`: {reason}") from None
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The models the worker serves (within `deadline` seconds), or a `GatewayError`."""
         try:
