@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -31,9 +31,10 @@ from gateway.fleet import ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Event, GenerateRequest, Reasoning, Text
+from gateway.protocol.types import Event, GenerateRequest, Reasoning, Started, Text
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
+from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.edge")
 
@@ -46,7 +47,7 @@ _SSE_HEADERS = [
 ]
 
 
-def _check_features(pool: ModelPool, request: GenerateRequest) -> None:
+def check_features(pool: ModelPool, request: GenerateRequest) -> None:
     """Refuses, naming the parameter, what the model's workers do not serve; when
     none has described itself yet, the worker refuses for itself."""
     served = pool.features()
@@ -186,7 +187,7 @@ class GenerationRoute(RequestRoute[Exchange]):
         if self.telemetry.log_prompts:
             generate = parsed.generate
             record.prompt = generate.prompt if generate.messages is None else generate.messages
-        _check_features(pool, parsed.generate)
+        check_features(pool, parsed.generate)
         _check_usage(parsed, pool)
         parsed = self.limits.check(parsed, pool.name, pool.max_context)
         ctx.request = parsed.generate
@@ -209,16 +210,19 @@ class GenerationRoute(RequestRoute[Exchange]):
             sampling = replace(request.sampling, max_tokens=granted)
             request = replace(request, sampling=sampling)
         timeout = config.stream_timeout if parsed.stream else config.request_timeout
+        deadline = Deadline(timeout)
         with self.tracing.engine_call(pool.name, ex.metadata) as (span, metadata):
             if self.admission.falls_back(ex.ctx):
                 # started before the answer's encoder is made: it names the model that
                 # serves, which a fallback decides by the first event
-                start = self.admission.start(ex.ctx, request, Deadline(timeout), metadata)
+                start = self.admission.start(ex.ctx, request, deadline, metadata)
                 started = await self.admission.unary(ex.ctx, start, None, "The start")
                 pool = served(ex.ctx, pool)
                 start = _ready(started)
             else:
-                start = self.fleet.start_call(pool, request, Deadline(timeout), metadata, ex.record)
+                start = self.fleet.start_call(pool, request, deadline, metadata, ex.record)
+            if parsed.turns:  # an answer of several turns (the Responses API's MCP tools)
+                start = self.turns(parsed, request, start, pool, deadline, metadata, ex)
             pump = EventPump(start, config.stream_buffer_bytes, request.n)
             try:
                 await self._relay(pump, parsed, pool, ex)
@@ -233,6 +237,20 @@ class GenerationRoute(RequestRoute[Exchange]):
                             "furnace.route.cache_hit_blocks": record.cache_hit_blocks,
                         },
                     )
+
+    def turns(
+        self,
+        parsed: ParsedRequest,
+        request: GenerateRequest,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+        """The start of an answer of several turns (`parsed.turns`), from its first
+        turn's `start`: a route whose answers have turns overrides it."""
+        return start
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange

@@ -148,6 +148,9 @@ class ParsedRequest:
     #: OpenAI's `stream_options.include_obfuscation`: every chunk of the stream padded
     #: (`ObfuscatedRequest`'s; a class's, so a request that does not ask sets no field).
     obfuscate: ClassVar[bool] = False
+    #: Whether the answer takes several turns of the model (the Responses API's remote
+    #: MCP tools: its route's `turns`); a class's, read by every request.
+    turns: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, slots=True)

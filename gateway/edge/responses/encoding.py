@@ -32,6 +32,8 @@ import orjson
 
 from gateway.edge.errors import APIError
 from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, obfuscated, token_bytes
+from gateway.edge.responses.mcp import APPROVAL_REQUEST, CALL, LIST_TOOLS
+from gateway.edge.responses.mcp_turns import McpApproval, McpCallEnded, McpCallStarted, McpListed
 from gateway.edge.responses.params import ResponsesBody, new_id, opaque, output_item_id
 from gateway.protocol.types import (
     Event,
@@ -47,6 +49,8 @@ _SECRET = secrets.token_hex(8)
 _SEQ = "\x00seq-" + _SECRET
 _TEXT = "\x00text-" + _SECRET
 _SEQ_JSON, _TEXT_JSON = orjson.dumps(_SEQ), orjson.dumps(_TEXT)
+#: The MCP steps' events (mcp_turns.py), which the events path renders as their items.
+MCP_EVENTS = (McpListed, McpCallStarted, McpCallEnded, McpApproval)
 
 
 def event(kind: str, fields: dict[str, Any]) -> bytes:
@@ -152,7 +156,8 @@ class ResponsesEncoder(Encoder):
         self.model = model
         self.body = body
         self.created_at = int(time.time())
-        self.plain = not body.tools
+        self.plain = not body.tools and not body.mcp
+        self._mcp_call: dict[str, Any] | None = None  # the MCP call running now
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # the items done
         self._message_id = ""  # the open message's id ("": none open)
@@ -485,7 +490,91 @@ class ResponsesEncoder(Encoder):
                 out.append(self._call_piece(item, stream))
             elif isinstance(item, Finished):
                 self._finish_reason = item.reason
+            elif isinstance(item, MCP_EVENTS):
+                out.append(self._mcp(item, stream))
         return b"".join(out)
+
+    # -- remote MCP servers' items (mcp_turns.py) -------------------------------------
+
+    def _mcp(self, event: Any, stream: bool) -> bytes:
+        """An MCP step as its output item: a listing, a call (opened, then ended), an
+        approval asked; each after the item open before it is closed."""
+        if isinstance(event, McpCallEnded):
+            return self._mcp_ended(event, stream)
+        out = self._close_item("completed", stream)
+        index = len(self.output)
+        if isinstance(event, McpListed):
+            item = {
+                "type": LIST_TOOLS,
+                "id": output_item_id("mcpl", self.id, index),
+                "server_label": event.label,
+                "tools": [tool.shown() for tool in event.tools],
+                "error": None,
+            }
+            return out + self._mcp_item(item, index, stream, ("in_progress", "completed"))
+        if isinstance(event, McpApproval):
+            item = {
+                "type": APPROVAL_REQUEST,
+                "id": output_item_id("mcpr", self.id, index),
+                "server_label": event.label,
+                "name": event.name,
+                "arguments": event.arguments,
+            }
+            return out + self._mcp_item(item, index, stream, ())
+        item = self._mcp_call = {
+            "type": CALL,
+            "id": output_item_id("mcp", self.id, index),
+            "status": "in_progress",
+            "server_label": event.label,
+            "name": event.name,
+            "arguments": event.arguments,
+            "output": None,
+            "error": None,
+            "approval_request_id": event.approval_request_id,
+        }
+        self.output.append(item)
+        if not stream:
+            return out
+        where = {"item_id": item["id"], "output_index": index}
+        arguments = event.arguments
+        return (
+            out
+            + self._event("response.output_item.added", {"output_index": index, "item": item})
+            + self._event("response.mcp_call.in_progress", where)
+            + self._event("response.mcp_call_arguments.delta", {**where, "delta": arguments})
+            + self._event("response.mcp_call_arguments.done", {**where, "arguments": arguments})
+        )
+
+    def _mcp_item(
+        self, item: dict[str, Any], index: int, stream: bool, steps: tuple[str, ...]
+    ) -> bytes:
+        """An item made whole at once: added, its steps' events, done."""
+        self.output.append(item)
+        if not stream:
+            return b""
+        where = {"item_id": item["id"], "output_index": index}
+        out = self._event("response.output_item.added", {"output_index": index, "item": item})
+        for step in steps:
+            out += self._event(f"response.{item['type']}.{step}", where)
+        return out + self._event("response.output_item.done", {"output_index": index, "item": item})
+
+    def _mcp_ended(self, event: McpCallEnded, stream: bool) -> bytes:
+        item = self._mcp_call
+        if item is None:
+            return b""
+        self._mcp_call = None
+        failed = event.error is not None
+        item.update(
+            status="failed" if failed else "completed", output=event.output, error=event.error
+        )
+        if not stream:
+            return b""
+        index = self.output.index(item)
+        where = {"item_id": item["id"], "output_index": index}
+        step = "response.mcp_call.failed" if failed else "response.mcp_call.completed"
+        return self._event(step, where) + self._event(
+            "response.output_item.done", {"output_index": index, "item": item}
+        )
 
     def _call_piece(self, piece: ToolCallDelta, stream: bool) -> bytes:
         out = b""

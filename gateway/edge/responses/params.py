@@ -64,6 +64,7 @@ from gateway.edge.openai.validation import (
 )
 from gateway.edge.openai.validation import UNSERVED as VLLM_UNSERVED
 from gateway.edge.openai.validation import _reasoning as vllm_reasoning
+from gateway.edge.responses.mcp import MCP, MCP_ITEMS, McpServer, mcp_item, mcp_turn, parse_server
 from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
@@ -148,7 +149,7 @@ MAX_OPAQUE_BYTES = 4 * 1024 * 1024
 #: SDK sends back for an earlier step's reasoning and messages, `store` being the default).
 REFERENCE = "item_reference"
 #: What begins the ids of a response's output items (`output_item_id`).
-OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs"})
+OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs", "mcpl", "mcp", "mcpr"})
 _OUTPUT_DIGITS = re.compile(r"[0-9a-f]{52}")
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -192,6 +193,8 @@ class ResponsesBody:
     truncate: bool = False
     #: vLLM's `stop` (its Responses server takes chat's).
     stop: tuple[str, ...] = ()
+    #: Remote MCP servers among the tools (`{"type": "mcp"}`: mcp.py), in order.
+    mcp: tuple[McpServer, ...] = ()
 
 
 def new_id(prefix: str) -> str:
@@ -490,6 +493,8 @@ def input_items(value: list[Any], name: str, references: bool = False) -> tuple[
             items.append(_function_output(item, where, images))
         elif kind == "reasoning":
             items.append(_reasoning_item(item, where, budget))
+        elif kind in MCP_ITEMS:
+            items.append(mcp_item(item, where, kind))
         elif kind == REFERENCE and references:
             if item.get("id") is None:
                 raise invalid(f"{where}.id", f"'{where}.id' is required: the item's id.")
@@ -500,7 +505,7 @@ def input_items(value: list[Any], name: str, references: bool = False) -> tuple[
             raise invalid(
                 f"{where}.type",
                 f"Input items of type {shown} are not supported: only 'message', "
-                f"'function_call', 'function_call_output'{served}.",
+                f"'function_call', 'function_call_output', the 'mcp_' items{served}.",
             )
         if items[-1]["id"] in seen:  # the store's pages are read `after` an id
             raise invalid(f"{where}.id", f"Duplicate item id '{items[-1]['id']}' in '{name}'.")
@@ -535,19 +540,31 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             thought = ""
         elif kind == "function_call":
             name = flat_name(item.get("namespace"), item["name"])
-            call = ToolCall(item["call_id"], name, item["arguments"])
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and not thought:
-                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
-            else:
-                messages.append(Message("assistant", "", (), (call,), reasoning=thought))
+            _join_call(messages, ToolCall(item["call_id"], name, item["arguments"]), thought)
             thought = ""
         elif kind == "function_call_output":
             messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
             thought = ""
         elif kind == "reasoning":
             thought += thought_of(item, budget)
+        elif kind in MCP_ITEMS:  # a call the gateway ran (or asked approval for)
+            call, told = mcp_turn(item)
+            if call is not None:
+                _join_call(messages, call, thought)
+                thought = ""
+            if told is not None:
+                messages.append(Message("tool", told[1], tool_call_id=told[0]))
     return tuple(messages)
+
+
+def _join_call(messages: list[Message], call: ToolCall, thought: str) -> None:
+    """A call joins the assistant message just before it, or makes one (after a
+    reasoning item, whose text goes with it)."""
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant" and not thought:
+        messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
+    else:
+        messages.append(Message("assistant", "", (), (call,), reasoning=thought))
 
 
 # -- tools and formats ------------------------------------------------------------
@@ -596,10 +613,11 @@ def _refuse_type(kind: Any, where: str, served: str) -> NoReturn:
 
 
 def _tools(
-    body: Mapping[str, Any], budget: SchemaBudget
+    body: Mapping[str, Any], budget: SchemaBudget, servers: list[McpServer]
 ) -> tuple[tuple[Tool, ...], list[dict[str, Any]], dict[str, tuple[str, str]]]:
     """The function tools as the model sees them (a namespace's flattened), each as the
-    response object shows it, and the namespaced ones' flat names → (namespace, name)."""
+    response object shows it, and the namespaced ones' flat names → (namespace, name);
+    remote MCP servers (`mcp` tools) go to `servers`, their tools listed later."""
     tools = body.get("tools")
     if tools is None:
         return (), [], {}
@@ -628,8 +646,18 @@ def _tools(
             add(function, where)
             shown.append(shown_function)
             continue
+        if kind == MCP:
+            server = parse_server(tool, where)
+            if any(other.label == server.label for other in servers):
+                raise invalid(
+                    f"{where}.server_label",
+                    f"Invalid 'tools': two MCP servers are labelled {server.label!r}.",
+                )
+            servers.append(server)
+            shown.append(server.shown())
+            continue
         if kind != "namespace":
-            _refuse_type(kind, where, "'function' and 'namespace'")
+            _refuse_type(kind, where, "'function', 'namespace' and 'mcp'")
         namespace = _name(tool, where)
         about = _string(tool, "description", f"{where}.") or ""
         members = tool.get("tools")
@@ -817,7 +845,8 @@ def parse(body: Any) -> ResponsesBody:
     instructions = _string(body, "instructions")
     items = _items(body)
     schemas = SchemaBudget()  # the tools' and the format's, together
-    tools, shown_tools, namespaced = _tools(body, schemas)
+    servers: list[McpServer] = []
+    tools, shown_tools, namespaced = _tools(body, schemas, servers)
     tool_choice, shown_choice = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -868,8 +897,8 @@ def parse(body: Any) -> ResponsesBody:
         "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
         "user": _string(body, "user"),
         "safety_identifier": _string(body, "safety_identifier"),
-        # it bounds calls of OpenAI's built-in tools, which are not served: function calls
-        # are the client's to bound
+        # it bounds the calls of remote MCP tools the gateway runs in one answer
+        # (mcp_turns.py): function calls are the client's to bound
         "max_tool_calls": _int(body, "max_tool_calls", 0, UINT32_MAX),
         "store": store is not False,
         "background": False,
@@ -890,7 +919,7 @@ def parse(body: Any) -> ResponsesBody:
         stop=_stop(body) if "stop" in body else (),
         tools=tools,
         tool_choice=tool_choice,
-        parallel_tool_calls=parallel if tools else None,
+        parallel_tool_calls=parallel if tools or servers else None,
         response_format=response_format,
         user=user,
         session=session,
@@ -903,6 +932,7 @@ def parse(body: Any) -> ResponsesBody:
         conversation=conversation,
         namespaced=namespaced,
         truncate=body.get("truncation") == "auto",
+        mcp=tuple(servers),
     )
 
 

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import fields as dataclass_fields
+from typing import Any, ClassVar
 
 import orjson
 from starlette.requests import Request
@@ -42,7 +43,7 @@ from starlette.routing import Route
 from gateway.edge.asgi import Message, Send
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
-from gateway.edge.openai.generation import GenerationRoute
+from gateway.edge.openai.generation import GenerationRoute, check_features, served
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, session
@@ -53,6 +54,8 @@ from gateway.edge.responses.conversation_store import (
     kept_item,
 )
 from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
+from gateway.edge.responses.mcp import check_allowed
+from gateway.edge.responses.mcp_turns import McpPlan, McpTurns, make_plan
 from gateway.edge.responses.params import (
     LOGPROBS,
     REFERENCE,
@@ -68,7 +71,10 @@ from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import GenerateRequest, Started, Tool
 from gateway.teams import Team, team_of
+from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.responses")
 
@@ -100,6 +106,15 @@ class ResponsesRequest(ParsedRequest):
     history: list[Item] = field(default_factory=list)
     depth: int = 1
     session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnsRequest(ResponsesRequest):
+    """A request whose tools include remote MCP servers: its answer takes turns
+    (mcp_turns.py), as `mcp` plans them."""
+
+    mcp: McpPlan | None = None
+    turns: ClassVar[bool] = True
 
 
 def team_name(team: Team | None) -> str:
@@ -247,11 +262,68 @@ class ResponsesRoute(GenerationRoute):
         return parsed, pool
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
-        """The generation route's; with `truncation: "auto"`, the prompt cut to fit first."""
+        """The generation route's; with `truncation: "auto"`, the prompt cut to fit first;
+        with remote MCP tools, their tools listed first (in the request's slot)."""
+        assert isinstance(parsed, ResponsesRequest)
         if _truncates(parsed):
-            assert isinstance(parsed, ResponsesRequest)
             parsed = await self._truncated(parsed, pool, ex)
+        if parsed.body is not None and parsed.body.mcp:
+            parsed = await self._planned(parsed, pool)
         await super()._serve(parsed, pool, ex)
+
+    async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
+        """`request` with its MCP servers' tools given to the model (mcp_turns.py's plan)."""
+        body = request.body
+        assert body is not None
+        check_allowed(body.mcp, self.config.mcp_allowed_urls)
+        generate = request.generate
+        plan = await make_plan(
+            body.mcp,
+            [*request.history, *body.items],
+            body.items,
+            [tool.name for tool in generate.tools],
+            body.echo.get("max_tool_calls"),
+            self.config.mcp_timeout,
+        )
+        tools = [
+            Tool(name, tool.description, orjson.dumps(tool.input_schema).decode())
+            for name, (_, tool) in plan.tools.items()
+        ]
+        generate = replace(generate, tools=(*generate.tools, *tools))
+        check_features(pool, generate)
+        fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
+        return TurnsRequest(**{**fields, "generate": generate, "mcp": plan})
+
+    def turns(
+        self,
+        parsed: ParsedRequest,
+        request: GenerateRequest,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+        """The answer's turns (mcp_turns.py): the first from `start`, the next ones on
+        the pool that serves, as the first was started."""
+        assert isinstance(parsed, TurnsRequest) and parsed.mcp is not None
+        plan = parsed.mcp
+
+        def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
+            return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
+
+        async def begin() -> tuple[Started, UpstreamCall]:
+            first = None
+            if not plan.approved:
+                first = await start
+            elif not self.admission.falls_back(ex.ctx):
+                start.close()  # never started: the first turn waits for the approved calls
+            else:
+                (await start)[1].cancel()  # started by a fallback's choice, stopped
+            turns = McpTurns(plan, request, start_turn, first, deadline, self.config.mcp_timeout)
+            return (first[0] if first is not None else Started(0)), turns
+
+        return begin()
 
     async def _truncated(
         self, request: ResponsesRequest, pool: ModelPool, ex: Exchange

@@ -1,0 +1,373 @@
+"""The turns of one Responses answer whose tools include remote MCP servers (mcp.py):
+one call to the fleet a turn, the MCP calls the model makes run between them, all of it
+one stream of events for the route's encoder, as one worker call would give it.
+
+`McpTurns` is the call the route's event pump reads (an `UpstreamCall`): it gives the
+listings first (`McpListed`), runs the calls the client approved in this request's input,
+then relays the first turn's events, but for the pieces of calls of MCP tools, which it
+gathers. A turn that ends with such calls: each that needs approval becomes an
+`McpApproval` and the answer ends there (the client approves in its next request); the
+others run one after another (`McpCallStarted`, then `McpCallEnded` with the output or
+the error), and the next turn starts with the conversation grown by the assistant's
+calls and their outputs. A turn that also called the client's own functions ends the
+answer after its MCP calls ran: those are the client's to run. At most `max_calls`
+MCP calls run in one answer (`max_tool_calls`, else `MAX_CALLS`); past it the model
+answers without tools (its `tool_choice` becomes "none"). The last `Finished` carries the
+turns' tokens added up, each turn's prompt counted, as OpenAI counts them.
+
+The slot, the deadline and the client's leaving are the request's: a client that leaves
+cancels the turn in flight or the MCP step under way (`cancel`), and a step with a
+server waits no longer than `mcp_timeout` nor than the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, cast
+
+from gateway.edge.errors import APIError, invalid
+from gateway.edge.responses.mcp import (
+    APPROVAL_REQUEST,
+    APPROVAL_RESPONSE,
+    CALL,
+    LIST_TOOLS,
+    McpFailure,
+    McpServer,
+    McpTool,
+    call_tool,
+    list_tools,
+    sent_tool,
+)
+from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Message,
+    Reasoning,
+    Started,
+    Text,
+    ToolCall,
+    ToolCallDelta,
+)
+from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
+
+#: A stored item, as the API shows it.
+Item = dict[str, Any]
+#: MCP calls run in one answer at most when the request does not say (`max_tool_calls`).
+MAX_CALLS = 32
+
+
+class McpListed(NamedTuple):
+    """A server's tools, listed for this answer (an `mcp_list_tools` item)."""
+
+    label: str
+    tools: tuple[McpTool, ...]
+
+
+class McpCallStarted(NamedTuple):
+    """An MCP call that runs now (an `mcp_call` item, in progress)."""
+
+    label: str
+    name: str
+    arguments: str
+    approval_request_id: str | None = None
+
+
+class McpCallEnded(NamedTuple):
+    """The call started last ended: its output, or its error."""
+
+    output: str | None
+    error: str | None
+
+
+class McpApproval(NamedTuple):
+    """A call that waits for the client's approval (an `mcp_approval_request` item)."""
+
+    label: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Approved:
+    """A call the client approved in this request's input: run before the first turn."""
+
+    request_id: str
+    label: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class McpPlan:
+    """What a request's MCP tools need of its answer."""
+
+    servers: dict[str, McpServer]
+    #: The tools the model may call, by name: (their server, the tool).
+    tools: dict[str, tuple[McpServer, McpTool]]
+    #: Listings made for this answer (a conversation that holds one lists no more).
+    listed: list[McpListed] = field(default_factory=list)
+    approved: list[Approved] = field(default_factory=list)
+    max_calls: int = MAX_CALLS
+
+
+async def make_plan(
+    servers: Sequence[McpServer],
+    items: Sequence[Item],
+    given: Sequence[Item],
+    functions: Sequence[str],
+    max_calls: int | None,
+    timeout: float,  # noqa: ASYNC109 (a step's bound, within the request's deadline)
+) -> McpPlan:
+    """What `servers` need of an answer whose conversation holds `items` (this request's
+    input, `given`, last): each server's tools, from the conversation's last listing of
+    it or listed now (a server that cannot be listed is OpenAI's 424, naming it); the
+    calls `given` approves that no call answered yet. A tool named as one of the request's
+    `functions` or another server's is a 400 naming its server."""
+    listed: dict[str, tuple[McpTool, ...]] = {}
+    for item in items:
+        if item["type"] == LIST_TOOLS:
+            listed[item["server_label"]] = tuple(sent_tool(t) for t in item["tools"])
+    plan = McpPlan({server.label: server for server in servers}, {})
+    plan.max_calls = MAX_CALLS if max_calls is None else max_calls
+    fresh = [server for server in servers if server.label not in listed]
+    found = await asyncio.gather(
+        *(list_tools(server, timeout) for server in fresh), return_exceptions=True
+    )
+    for server, tools in zip(fresh, found, strict=True):
+        if isinstance(tools, McpFailure):
+            raise APIError(
+                424,
+                f"Error retrieving tool list from MCP server: '{server.label}': {tools}.",
+                type="external_connector_error",
+                param=f"{server.where}.server_url",
+                code="mcp_list_tools_failed",
+                outcome=errors.Outcome.ENGINE_ERROR,
+            )
+        if isinstance(tools, BaseException):
+            raise tools
+        listed[server.label] = tuple(tools)
+        plan.listed.append(McpListed(server.label, tuple(tools)))
+    taken = set(functions)
+    for server in servers:
+        for tool in listed[server.label]:
+            if server.allowed is not None and tool.name not in server.allowed:
+                continue
+            if tool.name in taken:
+                raise invalid(
+                    f"{server.where}.server_label",
+                    f"The MCP server '{server.label}' lists a tool named {tool.name!r}, as "
+                    "another tool of the request is named.",
+                )
+            taken.add(tool.name)
+            plan.tools[tool.name] = (server, tool)
+    plan.approved = _approved(items, given, plan)
+    return plan
+
+
+def _approved(items: Sequence[Item], given: Sequence[Item], plan: McpPlan) -> list[Approved]:
+    """The calls this request's input approves, asked by an approval request of the
+    conversation, not yet answered by a call: each a server of this request's."""
+    asked = {item["id"]: item for item in items if item["type"] == APPROVAL_REQUEST}
+    done = {item.get("approval_request_id") for item in items if item["type"] == CALL}
+    approved = []
+    for item in given:
+        if item["type"] != APPROVAL_RESPONSE or not item["approve"]:
+            continue
+        request = asked.get(item["approval_request_id"])
+        if request is None:
+            raise invalid(
+                "input",
+                f"No MCP approval request '{item['approval_request_id'][:128]}' in the "
+                "conversation to approve.",
+            )
+        if request["id"] in done:
+            continue
+        if request["server_label"] not in plan.servers:
+            raise invalid(
+                "tools",
+                f"The approved call is of the MCP server '{request['server_label']}', which "
+                "is not among this request's tools.",
+            )
+        approved.append(
+            Approved(request["id"], request["server_label"], request["name"], request["arguments"])
+        )
+    return approved
+
+
+@dataclass
+class _Pending:
+    """A call of an MCP tool gathered from a turn's pieces."""
+
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+
+#: What the route's encoder reads: the worker's events and the MCP steps'.
+TurnEvent = Event | McpListed | McpCallStarted | McpCallEnded | McpApproval
+StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
+
+
+class McpTurns:
+    """The answer's turns as one call (see the module's docstring)."""
+
+    def __init__(
+        self,
+        plan: McpPlan,
+        request: GenerateRequest,
+        start_turn: StartTurn,
+        first: tuple[Started, UpstreamCall] | None,
+        deadline: Deadline,
+        step_timeout: float,
+    ) -> None:
+        self.plan = plan
+        self.request = request
+        self._start_turn = start_turn
+        self._deadline = deadline
+        self._step_timeout = step_timeout
+        self._prompt = self._cached = self._completion = self._calls = 0
+        # the turn in flight, and its start's counts (an end that counts wins)
+        self._call: UpstreamCall | None = None
+        self._turn_prompt = self._turn_cached = 0
+        self.worker = ""
+        if first is not None:
+            self._began(*first)
+        self._events = self._run()
+
+    def _began(self, started: Started, call: UpstreamCall) -> None:
+        self._call, self.worker = call, call.worker
+        self._turn_prompt, self._turn_cached = started.prompt_tokens, started.cached_tokens
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        # the encoder of this API reads the MCP events too; the pump passes them on
+        return cast(Event, await self._events.__anext__())
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        if self._call is not None:
+            self._call.cancel(outcome)
+
+    def close(self, outcome: CallEnd = None) -> None:
+        if self._call is not None:
+            self._call.close(outcome)
+
+    async def _step(self, server: McpServer, name: str, arguments: str) -> McpCallEnded:
+        timeout = min(self._step_timeout, self._deadline.remaining())
+        output, error = await call_tool(server, name, arguments, timeout)
+        return McpCallEnded(output, error)
+
+    async def _run(self) -> AsyncIterator[TurnEvent]:
+        plan, request = self.plan, self.request
+        messages = list(request.messages or ())
+        for listed in plan.listed:
+            yield listed
+        for approved in plan.approved:
+            yield McpCallStarted(
+                approved.label, approved.name, approved.arguments, approved.request_id
+            )
+            ended = await self._step(
+                plan.servers[approved.label], approved.name, approved.arguments
+            )
+            yield ended
+            messages.append(Message("tool", _told(ended), tool_call_id=approved.request_id))
+        if self._call is None:  # the first turn waits for the approved calls' outputs
+            await self._next_turn(request, messages)
+        while True:
+            assert self._call is not None
+            said: list[str] = []
+            thought: list[str] = []
+            pending: dict[int, _Pending] = {}
+            others = False
+            finished: Finished | None = None
+            async for event in self._call:
+                kind = type(event)
+                if kind is ToolCallDelta:
+                    assert isinstance(event, ToolCallDelta)
+                    piece = pending.get(event.call_index)
+                    if piece is not None or event.name in plan.tools:
+                        if piece is None:
+                            piece = pending[event.call_index] = _Pending(event.id, event.name)
+                        piece.arguments.append(event.arguments)
+                        continue
+                    others = True
+                elif kind is Finished:
+                    assert isinstance(event, Finished)
+                    finished = event
+                    break
+                elif kind is Text:
+                    said.append(event.text)  # type: ignore[union-attr]
+                elif kind is Reasoning:
+                    thought.append(event.text)  # type: ignore[union-attr]
+                yield event
+            self._call.close()
+            if finished is None:
+                raise errors.Failed("The engine worker ended the answer without its end.")
+            self._count(finished)
+            if not pending:
+                yield self._end(finished.reason)
+                return
+            calls = [
+                ToolCall(p.id or f"call_{i}", p.name, "".join(p.arguments))
+                for i, p in enumerate(pending.values())
+            ]
+            messages.append(
+                Message(
+                    "assistant", "".join(said), tool_calls=tuple(calls), reasoning="".join(thought)
+                )
+            )
+            asked = [call for call in calls if plan.tools[call.name][0].needs_approval(call.name)]
+            for call in calls:
+                if call in asked:
+                    continue
+                server = plan.tools[call.name][0]
+                if self._calls >= plan.max_calls:
+                    ended = McpCallEnded(None, "Not run: the answer's tool calls are spent.")
+                else:
+                    self._calls += 1
+                    yield McpCallStarted(server.label, call.name, call.arguments)
+                    ended = await self._step(server, call.name, call.arguments)
+                    yield ended
+                messages.append(Message("tool", _told(ended), tool_call_id=call.id))
+            if asked:  # the client approves (or not) in its next request
+                for call in asked:
+                    yield McpApproval(plan.tools[call.name][0].label, call.name, call.arguments)
+                yield self._end(FinishReason.TOOL_CALLS)
+                return
+            if others:  # the client's own functions were called too: theirs to run
+                yield self._end(FinishReason.TOOL_CALLS)
+                return
+            spent = self._calls >= plan.max_calls
+            await self._next_turn(
+                replace(request, tool_choice="none") if spent else request, messages
+            )
+
+    async def _next_turn(self, request: GenerateRequest, messages: Sequence[Message]) -> None:
+        if self._deadline.remaining() <= 0:
+            raise errors.Timeout("The answer's turns took longer than the request may.")
+        self._began(*await self._start_turn(replace(request, messages=tuple(messages))))
+
+    def _count(self, finished: Finished) -> None:
+        """A turn's tokens: an upstream that counts the prompt only at the end
+        (OpenAI-compatible servers) says it there, and the end's count wins."""
+        self._completion += finished.completion_tokens
+        prompt, cached = finished.prompt_tokens, finished.cached_tokens
+        self._prompt += self._turn_prompt if prompt is None else prompt
+        self._cached += self._turn_cached if cached is None else cached
+
+    def _end(self, reason: FinishReason) -> Finished:
+        return Finished(reason, self._completion, self._prompt, cached_tokens=self._cached)
+
+
+def _told(ended: McpCallEnded) -> str:
+    """What the model reads of a call: its output, or its error."""
+    if ended.error is not None:
+        return f"Error: {ended.error}"
+    return ended.output or ""
