@@ -12,6 +12,7 @@ runs the call."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -211,6 +212,10 @@ def test_authorization_reaches_the_server(sdk: openai.OpenAI, mcp_url: str) -> N
         (_tool("http://x/", require_approval="sometimes"), "tools[0].require_approval"),
         (_tool("http://x/", allowed_tools={"read_only": True}), "tools[0].allowed_tools.read_only"),
         (_tool("http://x/", headers={"a": 1}), "tools[0].headers"),
+        (_tool("http://x/", tunnel_id="t"), "tools[0].tunnel_id"),
+        (_tool("http://x/", defer_loading=True), "tools[0].defer_loading"),
+        (_tool("http://x/", allowed_callers=["programmatic"]), "tools[0].allowed_callers"),
+        (_tool("http://x/", surprise=1), "tools[0].surprise"),
     ],
 )
 def test_a_bad_mcp_tool_is_a_400_naming_it(
@@ -282,3 +287,34 @@ def test_in_the_background_the_calls_run_as_in_the_foreground(
     assert response.status == "completed"
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
     assert response.output_text == OUTPUT
+
+
+@pytest.mark.parametrize("approval", ["never", "always"])
+def test_the_agents_sdk_hosted_mcp_tool_runs_to_its_final_answer(
+    mcp_gateway: Gateway, mcp_url: str, approval: str
+) -> None:
+    # the OpenAI Agents SDK's HostedMCPTool; with approvals asked, its callback approves
+    # and the SDK sends the approval in its next request
+    from agents import Agent, HostedMCPTool, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents.tool import MCPToolApprovalFunctionResult, MCPToolApprovalRequest
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    def approve(request: MCPToolApprovalRequest) -> MCPToolApprovalFunctionResult:
+        asked.append(request.data.name)
+        return {"approve": True}
+
+    async def run() -> Any:
+        client = openai.AsyncOpenAI(
+            base_url=mcp_gateway.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD
+        )
+        async with client:
+            config: Any = _tool(mcp_url, require_approval=approval)
+            tool = HostedMCPTool(tool_config=config, on_approval_request=approve)
+            agent = Agent(name="a", tools=[tool], model=OpenAIResponsesModel(DEMO_MODEL, client))
+            return await Runner.run(agent, "please lookup")
+
+    result = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
+    assert result.final_output == OUTPUT
+    assert asked == ([] if approval == "never" else ["lookup"])

@@ -60,6 +60,13 @@ MAX_HEADERS = 32
 MAX_HEADER_CHARS = 8192
 #: A server_label as OpenAI allows it.
 LABEL = _NAME
+#: Fields of OpenAI's `mcp` tool not served: the values that ask nothing, and why.
+UNSERVED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "connector_id": ((None,), "OpenAI's connectors are not served here; name a 'server_url'"),
+    "tunnel_id": ((None,), "OpenAI's Secure MCP Tunnels are not served here"),
+    "defer_loading": ((None, False), "tool search is not served: the tools are listed"),
+    "allowed_callers": ((None, ["direct"]), "only the model calls tools ('direct')"),
+}
 
 
 @dataclass(frozen=True)
@@ -138,16 +145,14 @@ def parse_server(tool: Mapping[str, Any], where: str) -> McpServer:
         "require_approval",
         "headers",
         "authorization",
-        "connector_id",
+        *UNSERVED_FIELDS,
     }
     for key in tool:
         if key not in known:
             raise invalid(f"{where}.{key}", f"Unknown parameter: '{where}.{key}'.")
-    if tool.get("connector_id") is not None:
-        raise invalid(
-            f"{where}.connector_id",
-            "OpenAI's connectors are not served here: name an MCP server by its 'server_url'.",
-        )
+    for key, (asks_nothing, why) in UNSERVED_FIELDS.items():
+        if tool.get(key) not in asks_nothing:
+            raise invalid(f"{where}.{key}", f"'{where}.{key}' is not supported: {why}.")
     label = tool.get("server_label")
     if not isinstance(label, str) or not LABEL.fullmatch(label):
         raise invalid(
