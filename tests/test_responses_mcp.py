@@ -24,7 +24,7 @@ import pytest
 from tests.support.clients import openai_sdk
 from tests.support.mcp_server import TOKEN, start_mcp_server
 from tests.support.servers import DEMO_MODEL, Gateway
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 OUTPUT = "value of ''"
 
@@ -63,7 +63,7 @@ def test_a_call_that_needs_no_approval_runs_and_the_model_reads_its_output(
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
     listing, call, _ = response.output
     assert listing.server_label == "spec"
-    assert {t.name for t in listing.tools} == {"lookup", "fail", "pause"}
+    assert {t.name for t in listing.tools} == {"lookup", "fail", "pause", "stall"}
     assert call.name == "lookup" and call.server_label == "spec"
     assert call.arguments == '{"key":""}' and call.output == OUTPUT and call.error is None
     assert response.output_text == OUTPUT
@@ -318,3 +318,35 @@ def test_the_agents_sdk_hosted_mcp_tool_runs_to_its_final_answer(
     result = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
     assert result.final_output == OUTPUT
     assert asked == ([] if approval == "never" else ["lookup"])
+
+
+def test_a_call_past_mcp_timeout_is_the_calls_error(
+    gateway_with: Callable[..., Gateway], mcp_url: str
+) -> None:
+    gw = gateway_with(mcp_allowed_urls=(mcp_url.removesuffix("mcp"),), mcp_timeout=1.0)
+    tool = _tool(mcp_url, require_approval="never", allowed_tools=["stall"])
+    with openai_sdk(gw.url) as client:
+        response = client.responses.create(
+            model=DEMO_MODEL, input="please stall", tools=[tool], max_tool_calls=1
+        )
+    call = response.output[1]
+    assert call.type == "mcp_call" and call.status == "failed"
+    assert call.error == "The tool did not answer within 1 s."
+
+
+def test_a_client_that_leaves_during_a_call_leaves_nothing_behind(
+    mcp_gateway: Gateway, mcp_url: str
+) -> None:
+    tool = _tool(mcp_url, require_approval="never", allowed_tools=["stall"])
+    body = {"model": DEMO_MODEL, "input": "please stall", "tools": [tool], "stream": True}
+    url = f"{mcp_gateway.url}/v1/responses"
+    with (
+        httpx.Client(timeout=HANG_GUARD) as http,
+        http.stream("POST", url, json=body) as answer,
+    ):
+        for line in answer.iter_lines():
+            if "response.mcp_call.in_progress" in line:
+                break  # the call runs; the client goes
+    # the slot, the call and the MCP step end with the client (the gateway's teardown
+    # checks every slot and call; this waits for the slot alone)
+    wait_until(lambda: mcp_gateway.state.slots.in_use == 0, "the slot back")

@@ -2,7 +2,8 @@
 SDK's server over Streamable HTTP, in a process of its own on a loopback port
 (`start_mcp_server`). Its tools: `lookup(key)` answers "value of <key>", `fail()` is a
 tool error, `pause(seconds)` sleeps first. A URL with `?auth=1` wants the bearer token
-`sesame` (else 401), so a spec sees the request's `authorization` reach the server.
+`sesame` (else 401), so a spec sees the request's `authorization` reach the server;
+`stall()` answers after ten minutes.
 
 Run: `python -m tests.support.mcp_server PORT`.
 """
@@ -46,6 +47,12 @@ def _app() -> object:
         """Sleeps, then answers."""
         await asyncio.sleep(seconds)
         return "done"
+
+    @server.tool()
+    async def stall() -> str:
+        """Answers after ten minutes: a call a client leaves, or a timeout cuts."""
+        await asyncio.sleep(600)
+        return "late"
 
     app = server.streamable_http_app()
 
