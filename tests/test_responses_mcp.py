@@ -212,6 +212,7 @@ def test_authorization_reaches_the_server(sdk: openai.OpenAI, mcp_url: str) -> N
         (_tool("http://x/", require_approval="sometimes"), "tools[0].require_approval"),
         (_tool("http://x/", allowed_tools={"read_only": True}), "tools[0].allowed_tools.read_only"),
         (_tool("http://x/", headers={"a": 1}), "tools[0].headers"),
+        (_tool("http://x/", headers={"Host": "elsewhere"}), "tools[0].headers"),
         (_tool("http://x/", tunnel_id="t"), "tools[0].tunnel_id"),
         (_tool("http://x/", defer_loading=True), "tools[0].defer_loading"),
         (_tool("http://x/", allowed_callers=["programmatic"]), "tools[0].allowed_callers"),

@@ -55,6 +55,10 @@ MAX_DESCRIPTION_CHARS = 4096
 MAX_SCHEMA_CHARS = 64 * 1024
 #: Pages of a server's tool listing read at most.
 MAX_PAGES = 16
+#: Headers of the connection, not a client's to set (`Host` would name another server).
+CONNECTION_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te", "trailer"}
+)
 #: Headers a tool may send its server, and their size.
 MAX_HEADERS = 32
 MAX_HEADER_CHARS = 8192
@@ -179,6 +183,8 @@ def _headers(tool: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]
     for name, value in raw.items():
         if not (isinstance(value, str) and name.isascii() and name and name.strip() == name):
             raise invalid(f"{where}.headers", "Invalid header: names and values are strings.")
+        if name.lower() in CONNECTION_HEADERS:
+            raise invalid(f"{where}.headers", f"The header {name!r} is the connection's own.")
         headers.append((name, value))
     authorization = tool.get("authorization")
     if authorization is not None:
