@@ -30,6 +30,7 @@ from tests.support.servers import (
     start_gateway,
     start_workers,
 )
+from tests.support.tiny_model import build_lora_adapter
 from tests.support.vllm import (
     VllmProcess,
     build_vllm_model,
@@ -140,6 +141,16 @@ def redis_server() -> Iterator[RedisServer]:
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model in a folder, as vLLM and the gateway's tokenizer read it."""
     return build_vllm_model(tmp_path_factory.mktemp("tiny-vllm"))
+
+
+@pytest.fixture(scope="session")
+def adapters(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three LoRA adapters of the tiny model, each its own weights (the LoRA specs')."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: build_lora_adapter(root / name, vllm_model, seed)
+        for seed, name in enumerate(("sql", "chat", "legal"), start=1)
+    }
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from gateway.fleet.adapters import AdapterPool
 from tests.support.clients import openai_sdk
 from tests.support.metrics import scrape, value
 from tests.support.servers import Gateway
-from tests.support.tiny_model import build_lora_adapter
 from tests.support.vllm import VllmProcess, start_http_server
 from tests.support.waiting import HANG_GUARD
 
@@ -31,16 +30,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BASE = "tiny-base"
 PROMPT = "the quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def adapters(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three adapters of the tiny model, each its own weights."""
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        name: build_lora_adapter(root / name, vllm_model, seed)
-        for seed, name in enumerate(("sql", "chat", "legal"), start=1)
-    }
 
 
 @pytest.fixture(scope="module")

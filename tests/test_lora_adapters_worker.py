@@ -43,16 +43,6 @@ BASE = "tiny-base"
 PROMPT = "the quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def adapters(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three adapters of the tiny model, each its own weights."""
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        name: build_lora_adapter(root / name, vllm_model, seed)
-        for seed, name in enumerate(("sql", "chat", "legal"), start=1)
-    }
-
-
 #: vLLM's LoRA options, the same for our worker and vLLM's server.
 LORA_OPTIONS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
 

@@ -16,6 +16,8 @@
     responses/     OpenAI's Responses API on the same request path, and its store
     kserve/        the KServe v2 API for tensor models
     anthropic/       Anthropic's Messages API on the same request path
+    mcp/             remote MCP servers a request lets the model call, and the turns
+                     of an answer around the calls (the Responses API's `mcp` tools)
     usage.py         GET /admin/usage: the usage ledger on the admin listener
     write_guard.py   a bound on how long one write may wait on a client that stops reading
 

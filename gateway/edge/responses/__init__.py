@@ -13,10 +13,8 @@ replay.py    a streamed background response's events, kept (bounded) for resumin
 shared_events.py  with `redis_url`, those events in Redis too (a Stream a response), so
              any replica sharing it resumes the stream
 input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
-mcp.py       remote MCP servers as tools (`{"type": "mcp"}`): the tool and the items
-             read, their tools listed and called (the `mcp` SDK), bounded
-mcp_turns.py  an answer of several turns around the MCP calls, as one call for the
-             route's pump; the approvals; `make_plan` before the first turn
+mcp.py       remote MCP servers as tools (`{"type": "mcp"}`): OpenAI's tool and items
+             read, the calls approved (the servers and the turns: gateway/edge/mcp)
 truncation.py  `truncation: "auto"`: items dropped from the conversation's beginning
              until the prompt fits the model's context, confirmed by counts
 conversation_store.py  conversations and their items per team: Redis with `redis_url`,

@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import APIError
+from gateway.edge.mcp.turns import McpApproval, McpCallEnded, McpCallStarted, McpListed
 from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, obfuscated, token_bytes
 from gateway.edge.responses.mcp import APPROVAL_REQUEST, CALL, LIST_TOOLS
-from gateway.edge.responses.mcp_turns import McpApproval, McpCallEnded, McpCallStarted, McpListed
 from gateway.edge.responses.params import ResponsesBody, new_id, opaque, output_item_id
 from gateway.protocol.types import (
     Event,
@@ -49,7 +49,7 @@ _SECRET = secrets.token_hex(8)
 _SEQ = "\x00seq-" + _SECRET
 _TEXT = "\x00text-" + _SECRET
 _SEQ_JSON, _TEXT_JSON = orjson.dumps(_SEQ), orjson.dumps(_TEXT)
-#: The MCP steps' events (mcp_turns.py), which the events path renders as their items.
+#: The MCP steps' events (gateway/edge/mcp/turns.py), which the events path renders as their items.
 MCP_EVENTS = (McpListed, McpCallStarted, McpCallEnded, McpApproval)
 
 
@@ -494,7 +494,7 @@ class ResponsesEncoder(Encoder):
                 out.append(self._mcp(item, stream))
         return b"".join(out)
 
-    # -- remote MCP servers' items (mcp_turns.py) -------------------------------------
+    # -- remote MCP servers' items (gateway/edge/mcp/turns.py) -------------------------------------
 
     def _mcp(self, event: Any, stream: bool) -> bytes:
         """An MCP step as its output item: a listing, a call (opened, then ended), an

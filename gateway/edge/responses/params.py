@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 import orjson
 
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.mcp.servers import McpServer
 from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
     _IMAGE_URL,
@@ -64,7 +65,8 @@ from gateway.edge.openai.validation import (
 )
 from gateway.edge.openai.validation import UNSERVED as VLLM_UNSERVED
 from gateway.edge.openai.validation import _reasoning as vllm_reasoning
-from gateway.edge.responses.mcp import MCP, MCP_ITEMS, McpServer, mcp_item, mcp_turn, parse_server
+from gateway.edge.responses.mcp import MCP, MCP_ITEMS, mcp_item, mcp_turn, parse_server
+from gateway.edge.responses.mcp import shown as shown_server
 from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
@@ -654,7 +656,7 @@ def _tools(
                     f"Invalid 'tools': two MCP servers are labelled {server.label!r}.",
                 )
             servers.append(server)
-            shown.append(server.shown())
+            shown.append(shown_server(server))
             continue
         if kind != "namespace":
             _refuse_type(kind, where, "'function', 'namespace' and 'mcp'")
@@ -898,7 +900,7 @@ def parse(body: Any) -> ResponsesBody:
         "user": _string(body, "user"),
         "safety_identifier": _string(body, "safety_identifier"),
         # it bounds the calls of remote MCP tools the gateway runs in one answer
-        # (mcp_turns.py): function calls are the client's to bound
+        # (gateway/edge/mcp/turns.py): function calls are the client's to bound
         "max_tool_calls": _int(body, "max_tool_calls", 0, UINT32_MAX),
         "store": store is not False,
         "background": False,

@@ -43,6 +43,8 @@ from starlette.routing import Route
 from gateway.edge.asgi import Message, Send
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
+from gateway.edge.mcp.servers import check_allowed
+from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed, McpPlan, make_plan, turns_start
 from gateway.edge.openai.generation import GenerationRoute, check_features, served
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
@@ -54,8 +56,7 @@ from gateway.edge.responses.conversation_store import (
     kept_item,
 )
 from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
-from gateway.edge.responses.mcp import check_allowed
-from gateway.edge.responses.mcp_turns import McpPlan, McpTurns, make_plan
+from gateway.edge.responses.mcp import approved_calls, listing_failed, listings
 from gateway.edge.responses.params import (
     LOGPROBS,
     REFERENCE,
@@ -72,7 +73,7 @@ from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import GenerateRequest, Started, Tool
+from gateway.protocol.types import GenerateRequest, Started
 from gateway.teams import Team, team_of
 from gateway.upstreams.base import UpstreamCall
 
@@ -111,7 +112,7 @@ class ResponsesRequest(ParsedRequest):
 @dataclass(frozen=True, slots=True)
 class TurnsRequest(ResponsesRequest):
     """A request whose tools include remote MCP servers: its answer takes turns
-    (mcp_turns.py), as `mcp` plans them."""
+    (gateway/edge/mcp/turns.py), as `mcp` plans them."""
 
     mcp: McpPlan | None = None
     turns: ClassVar[bool] = True
@@ -272,24 +273,26 @@ class ResponsesRoute(GenerationRoute):
         await super()._serve(parsed, pool, ex)
 
     async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
-        """`request` with its MCP servers' tools given to the model (mcp_turns.py's plan)."""
+        """`request` with its MCP servers' tools given to the model (the turns' plan:
+        gateway/edge/mcp/turns.py), and the calls its input approves."""
         body = request.body
         assert body is not None
         check_allowed(body.mcp, self.config.mcp_allowed_urls)
+        items = [*request.history, *body.items]
         generate = request.generate
-        plan = await make_plan(
-            body.mcp,
-            [*request.history, *body.items],
-            body.items,
-            [tool.name for tool in generate.tools],
-            body.echo.get("max_tool_calls"),
-            self.config.mcp_timeout,
-        )
-        tools = [
-            Tool(name, tool.description, orjson.dumps(tool.input_schema).decode())
-            for name, (_, tool) in plan.tools.items()
-        ]
-        generate = replace(generate, tools=(*generate.tools, *tools))
+        max_calls = body.echo.get("max_tool_calls")
+        try:
+            plan = await make_plan(
+                body.mcp,
+                listings(items),
+                [tool.name for tool in generate.tools],
+                MAX_CALLS if max_calls is None else max_calls,
+                self.config.mcp_timeout,
+            )
+        except ListingFailed as failure:
+            raise listing_failed(failure) from None
+        plan.approved = approved_calls(items, body.items, set(plan.servers))
+        generate = replace(generate, tools=(*generate.tools, *plan.functions()))
         check_features(pool, generate)
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
         return TurnsRequest(**{**fields, "generate": generate, "mcp": plan})
@@ -304,26 +307,16 @@ class ResponsesRoute(GenerationRoute):
         metadata: tuple[tuple[str, str], ...],
         ex: Exchange,
     ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The answer's turns (mcp_turns.py): the first from `start`, the next ones on
-        the pool that serves, as the first was started."""
+        """The answer's turns: the first from `start`, the next ones on the pool that
+        serves, as the first was started."""
         assert isinstance(parsed, TurnsRequest) and parsed.mcp is not None
-        plan = parsed.mcp
 
         def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
             return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
 
-        async def begin() -> tuple[Started, UpstreamCall]:
-            first = None
-            if not plan.approved:
-                first = await start
-            elif not self.admission.falls_back(ex.ctx):
-                start.close()  # never started: the first turn waits for the approved calls
-            else:
-                (await start)[1].cancel()  # started by a fallback's choice, stopped
-            turns = McpTurns(plan, request, start_turn, first, deadline, self.config.mcp_timeout)
-            return (first[0] if first is not None else Started(0)), turns
-
-        return begin()
+        started = self.admission.falls_back(ex.ctx)
+        timeout = self.config.mcp_timeout
+        return turns_start(parsed.mcp, request, start, start_turn, started, deadline, timeout)
 
     async def _truncated(
         self, request: ResponsesRequest, pool: ModelPool, ex: Exchange

@@ -1,6 +1,7 @@
-"""The turns of one Responses answer whose tools include remote MCP servers (mcp.py):
-one call to the fleet a turn, the MCP calls the model makes run between them, all of it
-one stream of events for the route's encoder, as one worker call would give it.
+"""The turns of one answer whose tools include remote MCP servers (servers.py; the
+Responses API's `mcp` tools, Anthropic's MCP connector): one call to the fleet a turn,
+the MCP calls the model makes run between them, all of it one stream of events for the
+route's encoder, as one worker call would give it.
 
 `McpTurns` is the call the route's event pump reads (an `UpstreamCall`): it gives the
 listings first (`McpListed`), runs the calls the client approved in this request's input,
@@ -23,23 +24,14 @@ server waits no longer than `mcp_timeout` nor than the deadline.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
-from gateway.edge.errors import APIError, invalid
-from gateway.edge.responses.mcp import (
-    APPROVAL_REQUEST,
-    APPROVAL_RESPONSE,
-    CALL,
-    LIST_TOOLS,
-    McpFailure,
-    McpServer,
-    McpTool,
-    call_tool,
-    list_tools,
-    sent_tool,
-)
+import orjson
+
+from gateway.edge.errors import invalid
+from gateway.edge.mcp.servers import McpFailure, McpServer, McpTool, call_tool, list_tools
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import (
@@ -51,13 +43,12 @@ from gateway.protocol.types import (
     Reasoning,
     Started,
     Text,
+    Tool,
     ToolCall,
     ToolCallDelta,
 )
 from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
 
-#: A stored item, as the API shows it.
-Item = dict[str, Any]
 #: MCP calls run in one answer at most when the request does not say (`max_tool_calls`).
 MAX_CALLS = 32
 
@@ -115,89 +106,88 @@ class McpPlan:
     approved: list[Approved] = field(default_factory=list)
     max_calls: int = MAX_CALLS
 
+    def functions(self) -> list[Tool]:
+        """The servers' tools as the model sees them: functions by their names."""
+        return [
+            Tool(name, tool.description, orjson.dumps(tool.input_schema).decode())
+            for name, (_, tool) in self.tools.items()
+        ]
+
+
+class ListingFailed(Exception):
+    """A server's tools could not be listed: each API says so in its own words."""
+
+    def __init__(self, server: McpServer, failure: McpFailure) -> None:
+        super().__init__(str(failure))
+        self.server = server
+
 
 async def make_plan(
     servers: Sequence[McpServer],
-    items: Sequence[Item],
-    given: Sequence[Item],
+    listed: Mapping[str, tuple[McpTool, ...]],
     functions: Sequence[str],
-    max_calls: int | None,
+    max_calls: int,
     timeout: float,  # noqa: ASYNC109 (a step's bound, within the request's deadline)
 ) -> McpPlan:
-    """What `servers` need of an answer whose conversation holds `items` (this request's
-    input, `given`, last): each server's tools, from the conversation's last listing of
-    it or listed now (a server that cannot be listed is OpenAI's 424, naming it); the
-    calls `given` approves that no call answered yet. A tool named as one of the request's
-    `functions` or another server's is a 400 naming its server."""
-    listed: dict[str, tuple[McpTool, ...]] = {}
-    for item in items:
-        if item["type"] == LIST_TOOLS:
-            listed[item["server_label"]] = tuple(sent_tool(t) for t in item["tools"])
-    plan = McpPlan({server.label: server for server in servers}, {})
-    plan.max_calls = MAX_CALLS if max_calls is None else max_calls
+    """What `servers` need of an answer: each server's tools, as the conversation last
+    listed them (`listed`, by label) or listed now (`ListingFailed` when it cannot be); a
+    tool named as one of the request's `functions` or another server's is a 400 naming
+    its server (`where`)."""
+    plan = McpPlan({server.label: server for server in servers}, {}, max_calls=max_calls)
     fresh = [server for server in servers if server.label not in listed]
     found = await asyncio.gather(
         *(list_tools(server, timeout) for server in fresh), return_exceptions=True
     )
+    known = dict(listed)
     for server, tools in zip(fresh, found, strict=True):
         if isinstance(tools, McpFailure):
-            raise APIError(
-                424,
-                f"Error retrieving tool list from MCP server: '{server.label}': {tools}.",
-                type="external_connector_error",
-                param=f"{server.where}.server_url",
-                code="mcp_list_tools_failed",
-                outcome=errors.Outcome.ENGINE_ERROR,
-            )
+            raise ListingFailed(server, tools)
         if isinstance(tools, BaseException):
             raise tools
-        listed[server.label] = tuple(tools)
+        known[server.label] = tuple(tools)
         plan.listed.append(McpListed(server.label, tuple(tools)))
     taken = set(functions)
     for server in servers:
-        for tool in listed[server.label]:
+        for tool in known[server.label]:
             if server.allowed is not None and tool.name not in server.allowed:
                 continue
             if tool.name in taken:
                 raise invalid(
-                    f"{server.where}.server_label",
+                    server.where,
                     f"The MCP server '{server.label}' lists a tool named {tool.name!r}, as "
                     "another tool of the request is named.",
                 )
             taken.add(tool.name)
             plan.tools[tool.name] = (server, tool)
-    plan.approved = _approved(items, given, plan)
     return plan
 
 
-def _approved(items: Sequence[Item], given: Sequence[Item], plan: McpPlan) -> list[Approved]:
-    """The calls this request's input approves, asked by an approval request of the
-    conversation, not yet answered by a call: each a server of this request's."""
-    asked = {item["id"]: item for item in items if item["type"] == APPROVAL_REQUEST}
-    done = {item.get("approval_request_id") for item in items if item["type"] == CALL}
-    approved = []
-    for item in given:
-        if item["type"] != APPROVAL_RESPONSE or not item["approve"]:
-            continue
-        request = asked.get(item["approval_request_id"])
-        if request is None:
-            raise invalid(
-                "input",
-                f"No MCP approval request '{item['approval_request_id'][:128]}' in the "
-                "conversation to approve.",
-            )
-        if request["id"] in done:
-            continue
-        if request["server_label"] not in plan.servers:
-            raise invalid(
-                "tools",
-                f"The approved call is of the MCP server '{request['server_label']}', which "
-                "is not among this request's tools.",
-            )
-        approved.append(
-            Approved(request["id"], request["server_label"], request["name"], request["arguments"])
-        )
-    return approved
+def turns_start(
+    plan: McpPlan,
+    request: GenerateRequest,
+    start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+    start_turn: StartTurn,
+    started: bool,
+    deadline: Deadline,
+    step_timeout: float,
+) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+    """The start of an answer's turns for the route's pump, from its first turn's
+    `start` (`started`: already under way, as a fallback's choice starts it): with calls
+    approved, the first turn waits for their outputs, so `start` is dropped (stopped, if
+    under way) and the answer's head is a `Started` of its own."""
+
+    async def begin() -> tuple[Started, UpstreamCall]:
+        first = None
+        if not plan.approved:
+            first = await start
+        elif not started:
+            start.close()  # never started: the first turn waits for the approved calls
+        else:
+            (await start)[1].cancel()
+        turns = McpTurns(plan, request, start_turn, first, deadline, step_timeout)
+        return (first[0] if first is not None else Started(0)), turns
+
+    return begin()
 
 
 @dataclass
