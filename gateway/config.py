@@ -783,10 +783,10 @@ class Config:
     )
     mcp_allowed_urls: tuple[str, ...] = setting(
         (),
-        "the remote MCP servers a Responses request's `mcp` tools may name, as URL prefixes "
-        "(`https://mcp.example.com/`): the gateway lists their tools and calls them for the "
-        "model; a `server_url` under none is a 400 naming it; none: `mcp` tools are refused "
-        "(docs: the Responses API, remote MCP)",
+        "the remote MCP servers requests may name (the Responses API's `mcp` tools, "
+        "Anthropic's `mcp_servers`), as URL prefixes (`https://mcp.example.com/`): the "
+        "gateway lists their tools and calls them for the model; a URL under none is a 400 "
+        "naming it; none: every MCP server is refused (docs: the Responses API, remote MCP)",
         min_length=1,
     )
     mcp_timeout: float = setting(

@@ -20,6 +20,7 @@ import pytest
 from gateway.protocol.tls import ServerTLS
 from gateway.worker.server import WorkerServer
 from tests.support.clients import openai_sdk
+from tests.support.mcp_server import start_mcp_server
 from tests.support.redis_server import RedisServer
 from tests.support.servers import (
     Gateway,
@@ -141,6 +142,13 @@ def redis_server() -> Iterator[RedisServer]:
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model in a folder, as vLLM and the gateway's tokenizer read it."""
     return build_vllm_model(tmp_path_factory.mktemp("tiny-vllm"))
+
+
+@pytest.fixture(scope="session")
+def mcp_url() -> Iterator[str]:
+    """A real MCP server's URL (tests/support/mcp_server.py), started once a session."""
+    with start_mcp_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

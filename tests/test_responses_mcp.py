@@ -22,17 +22,11 @@ import openai
 import pytest
 
 from tests.support.clients import openai_sdk
-from tests.support.mcp_server import TOKEN, start_mcp_server
+from tests.support.mcp_server import TOKEN
 from tests.support.servers import DEMO_MODEL, Gateway
 from tests.support.waiting import HANG_GUARD, wait_until
 
 OUTPUT = "value of ''"
-
-
-@pytest.fixture(scope="module")
-def mcp_url() -> Iterator[str]:
-    with start_mcp_server() as url:
-        yield url
 
 
 @pytest.fixture

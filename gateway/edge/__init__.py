@@ -17,7 +17,8 @@
     kserve/        the KServe v2 API for tensor models
     anthropic/       Anthropic's Messages API on the same request path
     mcp/             remote MCP servers a request lets the model call, and the turns
-                     of an answer around the calls (the Responses API's `mcp` tools)
+                     of an answer around the calls (the Responses API's `mcp` tools,
+                     Anthropic's MCP connector)
     usage.py         GET /admin/usage: the usage ledger on the admin listener
     write_guard.py   a bound on how long one write may wait on a client that stops reading
 

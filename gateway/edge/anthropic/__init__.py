@@ -2,6 +2,8 @@
 
 validation.py       a Messages body → our GenerateRequest, or a 400 naming the field
 context_editing.py  `context_management`: what its edits clear, what the answer reports
+mcp.py              the MCP connector: `mcp_servers`, their toolsets, the blocks sent back
+                    (the servers and the answer's turns: gateway/edge/mcp)
 encoding.py         the `message` object and Anthropic's named SSE events
 errors.py           Anthropic's error shape and status codes, by one table from ours
 count_tokens.py     /v1/messages/count_tokens, counted by the model's tokenizer

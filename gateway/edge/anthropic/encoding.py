@@ -28,6 +28,7 @@ import orjson
 from gateway.edge.anthropic.context_editing import Applied, applied_edits
 from gateway.edge.anthropic.errors import error_payload
 from gateway.edge.errors import APIError
+from gateway.edge.mcp.turns import McpCallEnded, McpCallStarted
 from gateway.edge.openai.encoding import Encoder
 from gateway.protocol.types import (
     Event,
@@ -119,6 +120,8 @@ class MessagesEncoder(Encoder):
         self._calls: dict[int, list[str]] = {}
         # `context_management`: the edits that cleared something (None: not asked)
         self.applied: tuple[Applied, ...] | None = None
+        # the MCP connector's call under way: its `mcp_tool_use` block's id
+        self._mcp_use = ""
 
     def _context_management(self, prompt_tokens: int) -> dict[str, Any]:
         """The answer's `context_management`: the edits that cleared something."""
@@ -213,7 +216,33 @@ class MessagesEncoder(Encoder):
             elif isinstance(item, Finished):
                 self._finished(item)
                 out.append(self._close_block())
+            elif isinstance(item, McpCallStarted):
+                block = {
+                    "type": "mcp_tool_use",
+                    "id": _tool_id(item.call_id),
+                    "name": item.name,
+                    "server_name": item.label,
+                    "input": {},
+                }
+                self._mcp_use = block["id"]
+                out.append(self._open_block("mcp", block))
+                delta = {"type": "input_json_delta", "partial_json": item.arguments}
+                payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
+                out.append(event("content_block_delta", payload))
+            elif isinstance(item, McpCallEnded):
+                out.append(self._open_block("mcp", self._mcp_result(item)))
+                out.append(self._close_block())
         return b"".join(out)
+
+    def _mcp_result(self, ended: McpCallEnded) -> dict[str, Any]:
+        """The `mcp_tool_result` block of the MCP call that ended (its `mcp_tool_use`'s)."""
+        text = ended.output if ended.error is None else ended.error
+        return {
+            "type": "mcp_tool_result",
+            "tool_use_id": self._mcp_use,
+            "is_error": ended.error is not None,
+            "content": [{"type": "text", "text": text or ""}],
+        }
 
     def end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """message_delta with the stop reason and the usage, and message_stop."""
@@ -257,6 +286,12 @@ class MessagesEncoder(Encoder):
                 call.append(item.arguments)
             elif isinstance(item, Finished):
                 self._finished(item)
+            elif isinstance(item, McpCallStarted):
+                self._mcp_use = _tool_id(item.call_id)
+                use = {"id": self._mcp_use, "name": item.name, "server_name": item.label}
+                blocks.append(["mcp_tool_use", orjson.dumps(use).decode(), item.arguments])
+            elif isinstance(item, McpCallEnded):
+                blocks.append(["mcp_tool_result", orjson.dumps(self._mcp_result(item)).decode()])
 
     def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole `message` object."""
@@ -269,6 +304,11 @@ class MessagesEncoder(Encoder):
                 content.append(
                     {"type": "thinking", "thinking": thinking, "signature": _signature()}
                 )
+            elif block[0] == "mcp_tool_use":
+                use = orjson.loads(block[1])
+                content.append({"type": "mcp_tool_use", **use, "input": _input(block[2])})
+            elif block[0] == "mcp_tool_result":
+                content.append(orjson.loads(block[1]))
             else:
                 arguments = _input("".join(block[3:]))
                 content.append(

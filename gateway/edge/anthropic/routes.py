@@ -9,8 +9,10 @@ every refusal, the checks' included, is in Anthropic's shape.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
@@ -21,15 +23,21 @@ from gateway.edge.anthropic.context_editing import (
 from gateway.edge.anthropic.count_tokens import CountTokensRoute
 from gateway.edge.anthropic.encoding import MessagesEncoder
 from gateway.edge.anthropic.errors import sent_status
-from gateway.edge.anthropic.validation import MessagesRequest, parse_messages
+from gateway.edge.anthropic.mcp import listing_failed
+from gateway.edge.anthropic.validation import ConnectorRequest, MessagesRequest, parse_messages
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.mcp.routes import planned, started_turns
+from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import GenerateRequest, Started
+from gateway.upstreams.base import UpstreamCall
 
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
@@ -57,7 +65,7 @@ class MessagesRoute(GenerationRoute):
         super().__init__(parse_messages, MessagesEncoder, parts, limits, CHAT_PARAMS)
 
     async def _serve(self, parsed: ParsedRequest, pool: ModelPool, ex: Exchange) -> None:
-        if isinstance(parsed, MessagesRequest):
+        if isinstance(parsed, MessagesRequest) and parsed.edits is not None:
             generate = parsed.generate
             count = prompt_counter(self, ex, pool, generate)
             assert generate.messages is not None
@@ -67,11 +75,37 @@ class MessagesRoute(GenerationRoute):
                 raise _uncountable(pool.name, parsed.edits) from None
             generate = replace(generate, messages=messages)
             parsed = replace(parsed, generate=generate, applied=applied)
+        if isinstance(parsed, MessagesRequest) and parsed.mcp.servers:
+            parsed = await self._planned(parsed, pool)
         await super()._serve(parsed, pool, ex)
+
+    async def _planned(self, request: MessagesRequest, pool: ModelPool) -> ConnectorRequest:
+        """`request` with its MCP servers' tools given to the model, in its slot."""
+        servers, listed = request.mcp.servers, request.mcp.listed
+        try:
+            plan, generate = await planned(self, servers, listed, request.generate, MAX_CALLS, pool)
+        except ListingFailed as failure:
+            raise listing_failed(failure) from None
+        fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
+        return ConnectorRequest(**{**fields, "generate": generate, "plan": plan})
+
+    def turns(
+        self,
+        parsed: ParsedRequest,
+        request: GenerateRequest,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+        """The answer's turns around its MCP servers' calls."""
+        assert isinstance(parsed, ConnectorRequest) and parsed.plan is not None
+        return started_turns(self, parsed.plan, request, start, pool, deadline, metadata, ex)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> Encoder:
         encoder = super().encoder(parsed, pool)
-        if isinstance(parsed, MessagesRequest):
+        if isinstance(parsed, MessagesRequest) and parsed.edits is not None:
             assert isinstance(encoder, MessagesEncoder)
             encoder.applied = parsed.applied
         return encoder

@@ -4,7 +4,9 @@ the field at fault, with Anthropic's rules.
 Anthropic's API refuses a field it does not know ("Extra inputs are not
 permitted"), so this does too: every top-level field is either served (parsed
 here) or refused by name, and so is every content block type but `text`,
-`image`, `tool_use`, `tool_result` and `thinking`, and every tool but a custom one.
+`image`, `tool_use`, `tool_result`, `thinking` and the MCP connector's (`mcp_tool_use`,
+`mcp_tool_result`, `mcp_tool_listing`: mcp.py), and every tool but a custom one and an
+MCP server's `mcp_toolset` (with `mcp_servers`: mcp.py).
 Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`, `tools`,
 `tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`),
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -57,7 +59,20 @@ from gateway.edge.anthropic.context_editing import (
     ContextEdits,
     ToolClearing,
 )
+from gateway.edge.anthropic.mcp import LISTING as MCP_LISTING
+from gateway.edge.anthropic.mcp import RESULT as MCP_RESULT
+from gateway.edge.anthropic.mcp import (
+    TOOLSET,
+    Connector,
+    connector,
+    listing_block,
+    result_block,
+    use_block,
+)
+from gateway.edge.anthropic.mcp import USE as MCP_USE
 from gateway.edge.errors import invalid
+from gateway.edge.mcp.servers import McpTool
+from gateway.edge.mcp.turns import McpPlan
 from gateway.edge.openai.schema_limits import SchemaBudget
 from gateway.edge.openai.validation import (
     _NAME,
@@ -105,6 +120,7 @@ MESSAGE_FIELDS = frozenset(
         "output_config",
         "service_tier",
         "context_management",
+        "mcp_servers",
     }
 )
 #: ... and of a count_tokens body (what shapes the prompt).
@@ -273,9 +289,11 @@ def _blocks(
     *,
     nested: bool = False,
     changes: list[ToolChange] | None = None,
+    listed: dict[str, tuple[McpTool, ...]] | None = None,
 ) -> tuple[list[Message], int]:
     """A turn's content as chat messages (tool results each a message of their own,
-    in order), and how many images it holds."""
+    in order, an MCP server's too), and how many images it holds; the MCP listings it
+    holds go to `listed`."""
     if isinstance(content, str):
         return [Message(role, content)], 0
     if not isinstance(content, list):
@@ -315,6 +333,15 @@ def _blocks(
             count += 1
         elif kind == "tool_use" and role == "assistant" and not nested:
             calls.append(_tool_use(block, at))
+        elif kind == MCP_USE and role == "assistant" and not nested:
+            calls.append(use_block(block, at))
+        elif kind == MCP_RESULT and role == "assistant" and not nested:
+            flush()  # the server's answer, read by the model before it went on
+            out.append(result_block(block, at))
+        elif kind == MCP_LISTING and role == "assistant" and not nested:
+            name, tools = listing_block(block, at)
+            if listed is not None:
+                listed[name] = tools
         elif kind == "thinking" and role == "assistant" and not nested:
             _refuse_unknown(block, _HINTS | {"thinking", "signature"}, at + ".")
             thoughts.append(_string(block, "thinking", at + ".") or "")
@@ -331,7 +358,9 @@ def _blocks(
             allowed = "'text' and 'image'"
             if not nested:
                 allowed += (
-                    ", 'tool_use' and 'thinking'" if role == "assistant" else ", and 'tool_result'"
+                    ", 'tool_use', 'thinking' and the MCP connector's"
+                    if role == "assistant"
+                    else ", and 'tool_result'"
                 )
             raise invalid(
                 f"{at}.type", f"Block type {str(kind)[:64]!r} is not supported here: {allowed}."
@@ -342,8 +371,11 @@ def _blocks(
     return out, count
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], list[ToolChange]]:
-    """The conversation as chat messages, and the tool changes its system messages made."""
+def _messages(
+    body: Mapping[str, Any], listed: dict[str, tuple[McpTool, ...]] | None = None
+) -> tuple[tuple[Message, ...], list[ToolChange]]:
+    """The conversation as chat messages, and the tool changes its system messages made
+    (the MCP servers' listings it holds go to `listed`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "Field required: 'messages', a non-empty list.")
@@ -376,12 +408,14 @@ def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], list[ToolCh
                 f"{where}.content: all messages must have non-empty content except for the "
                 "optional final assistant message",
             )
-        parsed, count = _blocks(content, f"{where}.content", role, changes=changes)
+        parsed, count = _blocks(content, f"{where}.content", role, changes=changes, listed=listed)
         images += count
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
         _pair(calls, parsed, f"{where}.content")
-        calls = [call.id for m in parsed for call in m.tool_calls]
+        # the calls the next turn answers: an MCP server's answered within this one
+        answered = {m.tool_call_id for m in parsed if m.role == "tool"}
+        calls = [c.id for m in parsed for c in m.tool_calls if c.id not in answered]
         out += parsed
     return tuple(out), changes
 
@@ -389,7 +423,9 @@ def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], list[ToolCh
 def _pair(calls: list[str], parsed: list[Message], where: str) -> None:
     """A 400, as Anthropic's API answers, unless the message after one with `tool_use`
     blocks (`calls`, their ids) holds a `tool_result` for each, and only for those."""
-    results = [m.tool_call_id for m in parsed if m.role == "tool"]
+    # an MCP server's answer in an assistant turn answers that turn's own call
+    own = {c.id for m in parsed for c in m.tool_calls}
+    results = [m.tool_call_id for m in parsed if m.role == "tool" and m.tool_call_id not in own]
     unexpected = [r for r in results if r not in calls]
     if unexpected:
         raise invalid(
@@ -475,6 +511,8 @@ def _tools(body: Mapping[str, Any], schemas: SchemaBudget) -> dict[str, tuple[To
         raise invalid("tools", f"Invalid 'tools': a list of at most {MAX_TOOLS}.")
     declared = {}
     for k, tool in enumerate(tools):
+        if isinstance(tool, Mapping) and tool.get("type") == TOOLSET:
+            continue  # an MCP server's (mcp.py), read with `mcp_servers`
         parsed, deferred = _tool(tool, f"tools[{k}]", schemas)
         if parsed.name in declared:
             raise invalid("tools", "Invalid 'tools': tool names must be unique.")
@@ -822,9 +860,10 @@ def _asks_nothing(body: Mapping[str, Any]) -> None:
 
 def _prompt(
     body: Any, request_id: str, known: frozenset[str]
-) -> tuple[str | None, dict[str, Any], ContextEdits | None]:
-    """The model, the GenerateRequest fields that shape the prompt, and what its
-    `context_management` did to its messages (None: it asked for no editing)."""
+) -> tuple[str | None, dict[str, Any], ContextEdits | None, dict[str, tuple[McpTool, ...]]]:
+    """The model, the GenerateRequest fields that shape the prompt, what its
+    `context_management` did to its messages (None: it asked for no editing), and the
+    MCP servers' listings its conversation holds."""
     model = model_of(body)
     if not model:
         raise invalid("model", "Field required: 'model'.")
@@ -834,7 +873,8 @@ def _prompt(
     # off shapes a template's prompt as an effort does
     _, _, off = _thinking(body)
     schemas = SchemaBudget()
-    conversation, changes = _messages(body)
+    listed: dict[str, tuple[McpTool, ...]] = {}
+    conversation, changes = _messages(body, listed)
     tools = _tools_in_effect(_tools(body, schemas), changes, schemas)
     choice, parallel = _tool_choice(body, tools)
     answer, effort = _output_config(body, schemas)  # the effort shapes a template's prompt
@@ -851,12 +891,14 @@ def _prompt(
         ),
         "request_id": request_id,
     }
-    return model, fields, edits
+    return model, fields, edits, listed
 
 
 def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
     """A /v1/messages body, checked (for the request `request_id`)."""
-    model, fields, edits = _prompt(body, request_id, MESSAGE_FIELDS)
+    model, fields, edits, listed = _prompt(body, request_id, MESSAGE_FIELDS)
+    mcp = connector(body)
+    mcp.listed = {**listed, **mcp.listed}  # a toolset's own listing wins
     last = len(body["messages"]) - 1
     if body["messages"][last].get("role") == "assistant":
         # Anthropic continues a final assistant message; the engines here start a new
@@ -892,23 +934,35 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         **fields,
     )
     stream = _flag(body, "stream")
-    if edits is None:
+    if edits is None and not mcp.servers:
         return ParsedRequest(model, request, stream, False, show_reasoning=shown)
-    return MessagesRequest(model, request, stream, False, show_reasoning=shown, edits=edits)
+    return MessagesRequest(
+        model, request, stream, False, show_reasoning=shown, edits=edits, mcp=mcp
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class MessagesRequest(ParsedRequest):
-    """A Messages request that asked for context editing: what it asked (`edits`), and
-    once the route applied them, the edits that cleared something (its answer's
-    `applied_edits`)."""
+    """A Messages request that asked for context editing or named MCP servers: the
+    edits it asked (`edits`; None: none), and once the route applied them, the edits
+    that cleared something (its answer's `applied_edits`); its MCP servers (`mcp`), and
+    once the route listed their tools, the turns' plan."""
 
-    edits: ContextEdits = field(default_factory=ContextEdits)
+    edits: ContextEdits | None = None
     applied: tuple[Applied, ...] = ()
+    mcp: Connector = field(default_factory=Connector)
+    plan: McpPlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorRequest(MessagesRequest):
+    """A Messages request whose answer takes turns around its MCP servers' calls."""
+
+    turns: ClassVar[bool] = True
 
 
 def parse_count(body: Any, request_id: str = "") -> tuple[GenerateRequest, ContextEdits | None]:
     """A /v1/messages/count_tokens body: the prompt it would make, and what its
     `context_management` did to it (None: not asked)."""
-    model, fields, edits = _prompt(body, request_id, COUNT_FIELDS)
+    model, fields, edits, _ = _prompt(body, request_id, COUNT_FIELDS)
     return GenerateRequest(model or "", **fields), edits

@@ -66,6 +66,12 @@ class McpServer:
     description: str
     #: Where the request names it (`tools[2]`), for a 400.
     where: str
+    #: Tools turned off by name (Anthropic's toolset `configs`).
+    denied: frozenset[str] = frozenset()
+
+    def offers(self, name: str) -> bool:
+        """Whether the model may call the server's tool `name`."""
+        return (self.allowed is None or name in self.allowed) and name not in self.denied
 
     def needs_approval(self, name: str) -> bool:
         """Whether a call of the tool `name` waits for the client's approval: by
@@ -148,7 +154,7 @@ def _client(server: McpServer, timeout: float) -> tuple[httpx2.AsyncClient, Clie
 
 
 async def list_tools(server: McpServer, timeout: float) -> list[McpTool]:  # noqa: ASYNC109
-    """The tools `server` lists (those `allowed_tools` names, when it names some), within
+    """The tools `server` lists that it offers the model (`McpServer.offers`), within
     `timeout` seconds; `McpFailure` when it cannot be reached or answers wrong."""
     http, client = _client(server, timeout)
     tools: list[McpTool] = []
@@ -158,7 +164,7 @@ async def list_tools(server: McpServer, timeout: float) -> list[McpTool]:  # noq
             for _ in range(MAX_PAGES):
                 page = await client.list_tools(cursor=cursor)
                 for tool in page.tools:
-                    if server.allowed is None or tool.name in server.allowed:
+                    if server.offers(tool.name):
                         tools.append(_listed(tool))
                     if len(tools) > MAX_TOOLS:
                         raise McpFailure(f"the server lists more than {MAX_TOOLS} tools")

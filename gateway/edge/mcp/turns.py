@@ -67,6 +67,8 @@ class McpCallStarted(NamedTuple):
     name: str
     arguments: str
     approval_request_id: str | None = None
+    #: The model's id of the call (an Anthropic `mcp_tool_use` block's).
+    call_id: str = ""
 
 
 class McpCallEnded(NamedTuple):
@@ -149,7 +151,7 @@ async def make_plan(
     taken = set(functions)
     for server in servers:
         for tool in known[server.label]:
-            if server.allowed is not None and tool.name not in server.allowed:
+            if not server.offers(tool.name):
                 continue
             if tool.name in taken:
                 raise invalid(
@@ -261,7 +263,11 @@ class McpTurns:
             yield listed
         for approved in plan.approved:
             yield McpCallStarted(
-                approved.label, approved.name, approved.arguments, approved.request_id
+                approved.label,
+                approved.name,
+                approved.arguments,
+                approved.request_id,
+                approved.request_id,
             )
             ended = await self._step(
                 plan.servers[approved.label], approved.name, approved.arguments
@@ -322,7 +328,7 @@ class McpTurns:
                     ended = McpCallEnded(None, "Not run: the answer's tool calls are spent.")
                 else:
                     self._calls += 1
-                    yield McpCallStarted(server.label, call.name, call.arguments)
+                    yield McpCallStarted(server.label, call.name, call.arguments, None, call.id)
                     ended = await self._step(server, call.name, call.arguments)
                     yield ended
                 messages.append(Message("tool", _told(ended), tool_call_id=call.id))

@@ -43,9 +43,9 @@ from starlette.routing import Route
 from gateway.edge.asgi import Message, Send
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
-from gateway.edge.mcp.servers import check_allowed
-from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed, McpPlan, make_plan, turns_start
-from gateway.edge.openai.generation import GenerationRoute, check_features, served
+from gateway.edge.mcp.routes import planned, started_turns
+from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed, McpPlan
+from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts, session
@@ -112,9 +112,9 @@ class ResponsesRequest(ParsedRequest):
 @dataclass(frozen=True, slots=True)
 class TurnsRequest(ResponsesRequest):
     """A request whose tools include remote MCP servers: its answer takes turns
-    (gateway/edge/mcp/turns.py), as `mcp` plans them."""
+    (gateway/edge/mcp/turns.py), as `plan` says."""
 
-    mcp: McpPlan | None = None
+    plan: McpPlan | None = None
     turns: ClassVar[bool] = True
 
 
@@ -273,29 +273,22 @@ class ResponsesRoute(GenerationRoute):
         await super()._serve(parsed, pool, ex)
 
     async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
-        """`request` with its MCP servers' tools given to the model (the turns' plan:
-        gateway/edge/mcp/turns.py), and the calls its input approves."""
+        """`request` with its MCP servers' tools given to the model, in its slot, and the
+        calls its input approves."""
         body = request.body
         assert body is not None
-        check_allowed(body.mcp, self.config.mcp_allowed_urls)
         items = [*request.history, *body.items]
-        generate = request.generate
         max_calls = body.echo.get("max_tool_calls")
+        max_calls = MAX_CALLS if max_calls is None else max_calls
         try:
-            plan = await make_plan(
-                body.mcp,
-                listings(items),
-                [tool.name for tool in generate.tools],
-                MAX_CALLS if max_calls is None else max_calls,
-                self.config.mcp_timeout,
+            plan, generate = await planned(
+                self, body.mcp, listings(items), request.generate, max_calls, pool
             )
         except ListingFailed as failure:
             raise listing_failed(failure) from None
         plan.approved = approved_calls(items, body.items, set(plan.servers))
-        generate = replace(generate, tools=(*generate.tools, *plan.functions()))
-        check_features(pool, generate)
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
-        return TurnsRequest(**{**fields, "generate": generate, "mcp": plan})
+        return TurnsRequest(**{**fields, "generate": generate, "plan": plan})
 
     def turns(
         self,
@@ -307,16 +300,9 @@ class ResponsesRoute(GenerationRoute):
         metadata: tuple[tuple[str, str], ...],
         ex: Exchange,
     ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The answer's turns: the first from `start`, the next ones on the pool that
-        serves, as the first was started."""
-        assert isinstance(parsed, TurnsRequest) and parsed.mcp is not None
-
-        def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
-            return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
-
-        started = self.admission.falls_back(ex.ctx)
-        timeout = self.config.mcp_timeout
-        return turns_start(parsed.mcp, request, start, start_turn, started, deadline, timeout)
+        """The answer's turns around its MCP servers' calls."""
+        assert isinstance(parsed, TurnsRequest) and parsed.plan is not None
+        return started_turns(self, parsed.plan, request, start, pool, deadline, metadata, ex)
 
     async def _truncated(
         self, request: ResponsesRequest, pool: ModelPool, ex: Exchange
