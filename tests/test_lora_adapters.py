@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from gateway.config import ConfigError, ModelConfig, parse_config
 from gateway.fleet.adapters import AdapterPool
+from tests.support.adapters import BASE, PROMPT, ask, refused_load
 from tests.support.clients import openai_sdk
 from tests.support.metrics import scrape, value
 from tests.support.servers import Gateway
@@ -27,9 +27,6 @@ from tests.support.vllm import VllmProcess, start_http_server
 from tests.support.waiting import HANG_GUARD
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-BASE = "tiny-base"
-PROMPT = "the quick brown fox"
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +77,6 @@ def _direct(server: VllmProcess, model: str) -> str:
     return str(answer.json()["choices"][0]["text"])
 
 
-def _ask(sdk: openai.OpenAI, model: str) -> str:
-    answer = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
-    assert answer.model == model
-    return answer.choices[0].text
-
-
 def _served(server: VllmProcess) -> set[str]:
     listed = httpx.get(f"{_url(server)}/models", timeout=HANG_GUARD).json()["data"]
     return {m["id"] for m in listed}
@@ -113,8 +104,8 @@ def test_an_adapter_the_server_started_with_answers_as_vllm_does(
     lora_gateway: Gateway, lora_server: VllmProcess
 ) -> None:
     with openai_sdk(lora_gateway.url) as sdk:
-        assert _ask(sdk, "sql") == _direct(lora_server, "sql")
-        assert _ask(sdk, BASE) == _direct(lora_server, BASE)
+        assert ask(sdk, "sql") == _direct(lora_server, "sql")
+        assert ask(sdk, BASE) == _direct(lora_server, BASE)
     assert _direct(lora_server, "sql") != _direct(lora_server, BASE)
 
 
@@ -129,7 +120,7 @@ def test_an_adapter_is_loaded_once_by_its_first_requests(
         openai_sdk(lora_gateway.url) as sdk,
         concurrent.futures.ThreadPoolExecutor(6) as threads,
     ):
-        answers = list(threads.map(lambda _: _ask(sdk, "legal"), range(6)))
+        answers = list(threads.map(lambda _: ask(sdk, "legal"), range(6)))
         assert pool.loads_total["loaded"] == loaded_before + 1  # one load for all six
         assert "legal" in _served(lora_server)
         assert set(answers) == {_direct(lora_server, "legal")}
@@ -146,16 +137,7 @@ def test_an_adapter_is_loaded_once_by_its_first_requests(
 
 
 def test_an_adapter_that_cannot_be_loaded_is_the_operators_error(lora_gateway: Gateway) -> None:
-    with openai_sdk(lora_gateway.url) as sdk:
-        with pytest.raises(openai.InternalServerError) as refused:
-            _ask(sdk, "nowhere")
-        assert refused.value.code == "engine_error"
-        assert _ask(sdk, BASE)  # the worker serves on: a load is not a call that failed
-    pool = lora_gateway.state.fleet.models["nowhere"]
-    assert isinstance(pool, AdapterPool)
-    assert pool.loads_total["failed"] >= 1 and pool.loads_total["loaded"] == 0
-    worker = next(iter(pool.workers.values()))
-    assert worker.consecutive_failures == 0 and worker.state == "healthy"
+    refused_load(lora_gateway, "nowhere")
     samples = scrape(lora_gateway.url)
     assert value(samples, "furnace_gateway_adapter_loads_total", model="nowhere", outcome="failed")
 
@@ -168,11 +150,11 @@ def test_a_restarted_server_gets_the_adapter_again(
     pool = gw.state.fleet.models["chat"]
     assert isinstance(pool, AdapterPool)
     with openai_sdk(gw.url) as sdk:
-        first = _ask(sdk, "chat")
+        first = ask(sdk, "chat")
         assert pool.holds(next(iter(pool.workers.values())))
         lora_server.restart()
         assert "chat" not in _served(lora_server)
-        assert _ask(sdk, "chat") == first
+        assert ask(sdk, "chat") == first
     assert "chat" in _served(lora_server)
     assert pool.loads_total["loaded"] == 2
 

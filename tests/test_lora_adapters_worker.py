@@ -31,6 +31,7 @@ from gateway.protocol.status import PARAM_KEY
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.worker.demo import DEMO_MODEL
+from tests.support.adapters import BASE, PROMPT, ask, refused_load
 from tests.support.clients import openai_sdk
 from tests.support.metrics import scrape, value
 from tests.support.servers import Gateway, Workers
@@ -38,10 +39,6 @@ from tests.support.tiny_model import build_lora_adapter
 from tests.support.vllm import VllmProcess, start_http_server
 from tests.support.vllm_worker import VllmWorker, start_vllm_worker
 from tests.support.waiting import HANG_GUARD
-
-BASE = "tiny-base"
-PROMPT = "the quick brown fox"
-
 
 #: vLLM's LoRA options, the same for our worker and vLLM's server.
 LORA_OPTIONS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
@@ -102,12 +99,6 @@ def _direct(server: VllmProcess, model: str) -> str:
     return str(answer.json()["choices"][0]["text"])
 
 
-def _ask(sdk: openai.OpenAI, model: str) -> str:
-    answer = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
-    assert answer.model == model
-    return answer.choices[0].text
-
-
 def _listed(worker: VllmWorker) -> dict[str, str]:
     """What the worker's Describe lists: each model's name and its parent."""
     return {m.name: m.parent for m in worker.describe().models}
@@ -140,8 +131,8 @@ def test_an_adapter_from_the_workers_start_answers_as_vllm_does(
     lora_gateway: Gateway, reference: VllmProcess
 ) -> None:
     with openai_sdk(lora_gateway.url) as sdk:
-        assert _ask(sdk, "sql") == _direct(reference, "sql")
-        assert _ask(sdk, BASE) == _direct(reference, BASE)
+        assert ask(sdk, "sql") == _direct(reference, "sql")
+        assert ask(sdk, BASE) == _direct(reference, BASE)
         chat = sdk.chat.completions.create(
             model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
         )
@@ -161,10 +152,10 @@ def test_the_gateway_loads_an_adapter_once_for_concurrent_first_requests(
         openai_sdk(lora_gateway.url) as sdk,
         concurrent.futures.ThreadPoolExecutor(6) as threads,
     ):
-        answers = list(threads.map(lambda _: _ask(sdk, "legal"), range(6)))
+        answers = list(threads.map(lambda _: ask(sdk, "legal"), range(6)))
         assert pool.loads_total["loaded"] == 1  # one load for all six
         assert set(answers) == {_direct(reference, "legal")}
-        assert answers[0] != _ask(sdk, BASE)
+        assert answers[0] != ask(sdk, BASE)
     assert _listed(lora_worker)["legal"] == BASE
     samples = scrape(lora_gateway.url)
     worker = f"127.0.0.1:{lora_worker.port}"
@@ -184,7 +175,7 @@ def test_a_loaded_adapter_serves_the_multiplexed_and_plain_calls_alike(
     for multiplex in (True, False):
         gw = gateway_with(models=models, multiplex_workers=multiplex)
         with openai_sdk(gw.url) as sdk:
-            assert _ask(sdk, "chat") == _direct(reference, "chat")
+            assert ask(sdk, "chat") == _direct(reference, "chat")
     assert _listed(lora_worker)["chat"] == BASE
 
 
@@ -193,16 +184,7 @@ def test_a_loaded_adapter_serves_the_multiplexed_and_plain_calls_alike(
 def test_an_adapter_the_worker_cannot_load_is_the_operators_error(
     lora_gateway: Gateway, lora_worker: VllmWorker
 ) -> None:
-    with openai_sdk(lora_gateway.url) as sdk:
-        with pytest.raises(openai.InternalServerError) as refused:
-            _ask(sdk, "nowhere")
-        assert refused.value.code == "engine_error"
-        assert _ask(sdk, BASE)  # the worker serves on: a load is not a call that failed
-    pool = lora_gateway.state.fleet.models["nowhere"]
-    assert isinstance(pool, AdapterPool)
-    assert pool.loads_total["failed"] >= 1 and pool.loads_total["loaded"] == 0
-    worker = next(iter(pool.workers.values()))
-    assert worker.consecutive_failures == 0 and worker.state == "healthy"
+    refused_load(lora_gateway, "nowhere")
     assert "nowhere" not in _listed(lora_worker)
 
 
@@ -245,7 +227,7 @@ def test_an_adapter_vllm_refuses_leaves_the_engine_serving(
     assert "wide" not in _listed(lora_worker)
     lora_worker.check_alive()
     with openai_sdk(lora_gateway.url) as sdk:  # still up, still serving its adapters
-        assert _ask(sdk, "sql") != _ask(sdk, BASE)
+        assert ask(sdk, "sql") != ask(sdk, BASE)
 
 
 @pytest.mark.vllm

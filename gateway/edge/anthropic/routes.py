@@ -9,10 +9,9 @@ every refusal, the checks' included, is in Anthropic's shape.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
@@ -28,16 +27,13 @@ from gateway.edge.anthropic.validation import ConnectorRequest, MessagesRequest,
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
-from gateway.edge.mcp.routes import planned, started_turns
+from gateway.edge.mcp.routes import planned
 from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.validation import ParsedRequest
 from gateway.edge.request import Exchange, Parts
 from gateway.protocol import errors
-from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import GenerateRequest, Started
-from gateway.upstreams.base import UpstreamCall
 
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
@@ -88,20 +84,6 @@ class MessagesRoute(GenerationRoute):
             raise listing_failed(failure) from None
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
         return ConnectorRequest(**{**fields, "generate": generate, "plan": plan})
-
-    def turns(
-        self,
-        parsed: ParsedRequest,
-        request: GenerateRequest,
-        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
-        pool: ModelPool,
-        deadline: Deadline,
-        metadata: tuple[tuple[str, str], ...],
-        ex: Exchange,
-    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The answer's turns around its MCP servers' calls."""
-        assert isinstance(parsed, ConnectorRequest) and parsed.plan is not None
-        return started_turns(self, parsed.plan, request, start, pool, deadline, metadata, ex)
 
     def encoder(self, parsed: ParsedRequest, pool: ModelPool) -> Encoder:
         encoder = super().encoder(parsed, pool)

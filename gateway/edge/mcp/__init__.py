@@ -6,6 +6,5 @@ servers.py   a server and what may be done with it; its tools listed and called 
              the MCP SDK (imported on first use), bounded; the operator's allowed URLs
 turns.py     an answer of several turns of the model with the calls between them, as
              one call for the route's event pump; the plan made before the first turn
-routes.py    what a generation route does for such an answer: the plan in its slot,
-             the turns started where its first turn was
+routes.py    what a generation route does before such an answer: the plan, in its slot
 """

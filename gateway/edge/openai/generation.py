@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -22,6 +22,7 @@ from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
 from gateway.edge.asgi import WRITE_NOW_EXTENSION, Send, send_json
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.mcp.turns import McpPlan, turns_start
 from gateway.edge.openai.body import read_json
 from gateway.edge.openai.encoding import KEEPALIVE, OBFUSCATED, Encoder
 from gateway.edge.openai.input_limits import InputLimits
@@ -248,9 +249,19 @@ class GenerationRoute(RequestRoute[Exchange]):
         metadata: tuple[tuple[str, str], ...],
         ex: Exchange,
     ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The start of an answer of several turns (`parsed.turns`), from its first
-        turn's `start`: a route whose answers have turns overrides it."""
-        return start
+        """The start of an answer of turns around its MCP servers' calls (`parsed.turns`,
+        whose `plan` the route made: gateway/edge/mcp), from its first turn's `start`: the
+        next turns on the pool that serves (a fallback's, where admission moved the
+        request), as the first was started."""
+        plan = getattr(parsed, "plan", None)
+        assert isinstance(plan, McpPlan)
+
+        def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
+            return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
+
+        started = self.admission.falls_back(ex.ctx)
+        timeout = self.config.mcp_timeout
+        return turns_start(plan, request, start, start_turn, started, deadline, timeout)
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar
@@ -43,7 +43,7 @@ from starlette.routing import Route
 from gateway.edge.asgi import Message, Send
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
-from gateway.edge.mcp.routes import planned, started_turns
+from gateway.edge.mcp.routes import planned
 from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed, McpPlan
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
@@ -72,10 +72,7 @@ from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
-from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import GenerateRequest, Started
 from gateway.teams import Team, team_of
-from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.responses")
 
@@ -289,20 +286,6 @@ class ResponsesRoute(GenerationRoute):
         plan.approved = approved_calls(items, body.items, set(plan.servers))
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
         return TurnsRequest(**{**fields, "generate": generate, "plan": plan})
-
-    def turns(
-        self,
-        parsed: ParsedRequest,
-        request: GenerateRequest,
-        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
-        pool: ModelPool,
-        deadline: Deadline,
-        metadata: tuple[tuple[str, str], ...],
-        ex: Exchange,
-    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The answer's turns around its MCP servers' calls."""
-        assert isinstance(parsed, TurnsRequest) and parsed.plan is not None
-        return started_turns(self, parsed.plan, request, start, pool, deadline, metadata, ex)
 
     async def _truncated(
         self, request: ResponsesRequest, pool: ModelPool, ex: Exchange
