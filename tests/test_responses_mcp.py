@@ -23,6 +23,7 @@ import pytest
 
 from tests.support.clients import openai_sdk
 from tests.support.mcp_server import TOKEN
+from tests.support.metrics import scrape, value
 from tests.support.servers import DEMO_MODEL, Gateway
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -68,6 +69,23 @@ def test_a_call_that_needs_no_approval_runs_and_the_model_reads_its_output(
     assert response.usage.output_tokens == len(OUTPUT.split()) + 2  # the call's 2 pieces
     shown = response.tools[0]
     assert shown.type == "mcp" and shown.server_url == mcp_url and shown.headers is None
+
+
+def test_the_steps_are_counted_by_the_allowed_prefix(
+    sdk: openai.OpenAI, mcp_gateway: Gateway, mcp_url: str
+) -> None:
+    prefix = mcp_url.removesuffix("mcp")
+    tool = _tool(mcp_url, require_approval="never")
+    sdk.responses.create(model=DEMO_MODEL, input="please lookup", tools=[tool])
+    failing = _tool(mcp_url, require_approval="never", allowed_tools=["fail"])
+    sdk.responses.create(model=DEMO_MODEL, input="please fail", tools=[failing], max_tool_calls=1)
+    samples = scrape(mcp_gateway.url)
+    steps = "furnace_gateway_mcp_steps_total"
+    assert value(samples, steps, server=prefix, step="list", outcome="ok") == 2
+    assert value(samples, steps, server=prefix, step="call", outcome="ok") == 1
+    assert value(samples, steps, server=prefix, step="call", outcome="failed") == 1
+    seconds = "furnace_gateway_mcp_step_seconds_count"
+    assert value(samples, seconds, server=prefix, step="call") == 2
 
 
 def test_streamed_the_listing_and_the_call_have_their_events(

@@ -191,6 +191,28 @@ class RequestMetrics:
             registry=r,
         )
 
+        # remote MCP servers a request let the model call (gateway/edge/mcp): `server` is
+        # the operator's allowed prefix the server's URL is under, never a client's string
+        self.mcp_steps = Counter(
+            f"{PREFIX}_mcp_steps",
+            "Steps with remote MCP servers (`list`: a server's tools; `call`: a tool call), by "
+            "the allowed URL prefix (`mcp_allowed_urls`) and outcome (ok, failed).",
+            ["server", "step", "outcome"],
+            registry=r,
+        )
+        self.mcp_step_seconds = Histogram(
+            f"{PREFIX}_mcp_step_seconds",
+            "How long a step with a remote MCP server took.",
+            ["server", "step"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+
+    def mcp_step(self, server: str, step: str, ok: bool, seconds: float) -> None:
+        """One step with a remote MCP server, under the allowed prefix `server`."""
+        self.mcp_steps.labels(server, step, "ok" if ok else "failed").inc()
+        self.mcp_step_seconds.labels(server, step).observe(seconds)
+
     def tensor_bytes(self, model: str, received: int, sent: int) -> None:
         """One tensor request's bytes in and out (once per request, from the route)."""
         self.tensor_bytes_received.labels(model).inc(received)

@@ -26,10 +26,10 @@ async def planned(
 ) -> tuple[McpPlan, GenerateRequest]:
     """The plan of an answer whose request names `servers`, and the request with their
     tools; `ListingFailed` for a server that cannot be listed (each API's words)."""
-    check_allowed(servers, route.config.mcp_allowed_urls)
+    servers = check_allowed(servers, route.config.mcp_allowed_urls)
     functions = [tool.name for tool in request.tools]
-    timeout = route.config.mcp_timeout
-    plan = await make_plan(servers, listed, functions, max_calls, timeout)
+    timeout, record = route.config.mcp_timeout, route.telemetry.metrics.mcp_step
+    plan = await make_plan(servers, listed, functions, max_calls, timeout, record)
     request = replace(request, tools=(*request.tools, *plan.functions()))
     check_features(pool, request)
     return plan, request

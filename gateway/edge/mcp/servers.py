@@ -20,8 +20,8 @@ API it imports).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -44,6 +44,9 @@ MAX_PAGES = 16
 CONNECTION_HEADERS = frozenset(
     {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te", "trailer"}
 )
+#: Records one step with a server: its allowed prefix, the step (`list`, `call`), whether
+#: it went well, its seconds (the telemetry's `mcp_step`).
+StepRecorder = Callable[[str, str, bool, float], None]
 #: Headers a request may send a server, and their size.
 MAX_HEADERS = 32
 MAX_HEADER_CHARS = 8192
@@ -64,10 +67,12 @@ class McpServer:
     never: frozenset[str]
     always: frozenset[str]
     description: str
-    #: Where the request names it (`tools[2]`), for a 400.
+    #: Where the request names its URL (`tools[2].server_url`), for a 400.
     where: str
     #: Tools turned off by name (Anthropic's toolset `configs`).
     denied: frozenset[str] = frozenset()
+    #: The operator's allowed URL prefix its URL is under (`check_allowed`): its metrics'.
+    prefix: str = ""
 
     def offers(self, name: str) -> bool:
         """Whether the model may call the server's tool `name`."""
@@ -120,20 +125,24 @@ def checked_headers(pairs: Sequence[tuple[Any, Any]], where: str) -> tuple[tuple
     return tuple(pairs)
 
 
-def check_allowed(servers: Sequence[McpServer], prefixes: Sequence[str]) -> None:
+def check_allowed(servers: Sequence[McpServer], prefixes: Sequence[str]) -> list[McpServer]:
     """Each server's URL under one of the operator's `mcp_allowed_urls`, else a 400
-    naming it (none configured: `mcp` tools are not served)."""
+    naming it (none configured: no server is called); the servers with their prefix."""
+    checked = []
     for server in servers:
-        if not any(server.url.startswith(prefix) for prefix in prefixes):
+        prefix = next((p for p in prefixes if server.url.startswith(p)), None)
+        if prefix is None:
             served = (
                 "its operator allows none (`mcp_allowed_urls`)"
                 if not prefixes
                 else "it is not one this gateway's operator allows (`mcp_allowed_urls`)"
             )
             raise invalid(
-                f"{server.where}.server_url",
+                server.where,
                 f"This gateway does not call the MCP server {server.url[:200]!r}: {served}.",
             )
+        checked.append(replace(server, prefix=prefix))
+    return checked
 
 
 # -- the servers ------------------------------------------------------------------

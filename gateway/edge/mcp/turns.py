@@ -24,6 +24,7 @@ server waits no longer than `mcp_timeout` nor than the deadline.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
@@ -31,7 +32,14 @@ from typing import Any, NamedTuple, cast
 import orjson
 
 from gateway.edge.errors import invalid
-from gateway.edge.mcp.servers import McpFailure, McpServer, McpTool, call_tool, list_tools
+from gateway.edge.mcp.servers import (
+    McpFailure,
+    McpServer,
+    McpTool,
+    StepRecorder,
+    call_tool,
+    list_tools,
+)
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.types import (
@@ -107,6 +115,8 @@ class McpPlan:
     listed: list[McpListed] = field(default_factory=list)
     approved: list[Approved] = field(default_factory=list)
     max_calls: int = MAX_CALLS
+    #: Where each step with a server is counted (the telemetry's `mcp_step`).
+    record: StepRecorder = field(default=lambda *_: None)
 
     def functions(self) -> list[Tool]:
         """The servers' tools as the model sees them: functions by their names."""
@@ -130,16 +140,27 @@ async def make_plan(
     functions: Sequence[str],
     max_calls: int,
     timeout: float,  # noqa: ASYNC109 (a step's bound, within the request's deadline)
+    record: StepRecorder,
 ) -> McpPlan:
     """What `servers` need of an answer: each server's tools, as the conversation last
     listed them (`listed`, by label) or listed now (`ListingFailed` when it cannot be); a
     tool named as one of the request's `functions` or another server's is a 400 naming
     its server (`where`)."""
     plan = McpPlan({server.label: server for server in servers}, {}, max_calls=max_calls)
+    plan.record = record
     fresh = [server for server in servers if server.label not in listed]
-    found = await asyncio.gather(
-        *(list_tools(server, timeout) for server in fresh), return_exceptions=True
-    )
+
+    async def listing(server: McpServer) -> list[McpTool]:
+        began = time.perf_counter()
+        try:
+            tools = await list_tools(server, timeout)
+        except McpFailure:
+            record(server.prefix, "list", False, time.perf_counter() - began)
+            raise
+        record(server.prefix, "list", True, time.perf_counter() - began)
+        return tools
+
+    found = await asyncio.gather(*(listing(server) for server in fresh), return_exceptions=True)
     known = dict(listed)
     for server, tools in zip(fresh, found, strict=True):
         if isinstance(tools, McpFailure):
@@ -253,7 +274,9 @@ class McpTurns:
 
     async def _step(self, server: McpServer, name: str, arguments: str) -> McpCallEnded:
         timeout = min(self._step_timeout, self._deadline.remaining())
+        began = time.perf_counter()
         output, error = await call_tool(server, name, arguments, timeout)
+        self.plan.record(server.prefix, "call", error is None, time.perf_counter() - began)
         return McpCallEnded(output, error)
 
     async def _run(self) -> AsyncIterator[TurnEvent]:

@@ -83,7 +83,8 @@ def parse_server(tool: Mapping[str, Any], where: str) -> McpServer:
     description = _string(tool, "server_description", f"{where}.") or ""
     if len(description) > MAX_DESCRIPTION_CHARS:
         raise invalid(f"{where}.server_description", "Invalid: at most 4096 characters.")
-    return McpServer(label, url, headers, allowed, approval, never, always, description, where)
+    at = f"{where}.server_url"
+    return McpServer(label, url, headers, allowed, approval, never, always, description, at)
 
 
 def shown(server: McpServer) -> dict[str, Any]:
@@ -320,7 +321,7 @@ def listing_failed(failure: ListingFailed) -> APIError:
         424,
         f"Error retrieving tool list from MCP server: '{server.label}': {failure}.",
         type="external_connector_error",
-        param=f"{server.where}.server_url",
+        param=server.where,
         code="mcp_list_tools_failed",
         outcome=errors.Outcome.ENGINE_ERROR,
     )
