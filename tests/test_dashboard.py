@@ -33,6 +33,7 @@ ROWS = {
     "Tensor models",
     "Usage by team",
     "KV-aware routing",
+    "Adapters and MCP servers",
 }
 ALERTS = {
     "FurnaceGatewayErrorRatio",
@@ -44,6 +45,7 @@ ALERTS = {
     "FurnaceGatewayAccountsStoreDown",
     "FurnaceGatewayBudgetNearlySpent",
     "FurnaceGatewayBudgetSpent",
+    "FurnaceGatewayMcpServerFailing",
 }
 
 
