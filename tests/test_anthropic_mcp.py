@@ -144,6 +144,7 @@ def test_the_authorization_token_reaches_the_server(sdk: anthropic.Anthropic, mc
             },
             "tools[0].mcp_server_name",
         ),
+        ({"tools": [{"type": "mcp_toolset", "mcp_server_name": "x"}]}, "tools[0].mcp_server_name"),
         (
             {
                 "mcp_servers": [_server("http://x/")],

@@ -59,11 +59,11 @@ def connector(body: Mapping[str, Any]) -> Connector:
     """`mcp_servers` and their toolsets in `tools`, checked (the URLs against the
     operator's allowed prefixes later, where the config is known)."""
     raw = body.get("mcp_servers")
-    if raw is None:
-        return Connector()
-    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_SERVERS:
-        raise invalid("mcp_servers", f"mcp_servers: a list of 1 to {MAX_SERVERS} servers.")
     toolsets = _toolsets(body.get("tools"))
+    if raw is None:
+        raw = []  # a toolset then names no server: refused below
+    elif not isinstance(raw, list) or not 0 < len(raw) <= MAX_SERVERS:
+        raise invalid("mcp_servers", f"mcp_servers: a list of 1 to {MAX_SERVERS} servers.")
     servers: list[McpServer] = []
     listed: dict[str, tuple[McpTool, ...]] = {}
     for i, server in enumerate(raw):
