@@ -363,3 +363,17 @@ def test_a_client_that_leaves_during_a_call_leaves_nothing_behind(
     # the slot, the call and the MCP step end with the client (the gateway's teardown
     # checks every slot and call; this waits for the slot alone)
     wait_until(lambda: mcp_gateway.state.slots.in_use == 0, "the slot back")
+
+
+def test_an_approval_without_its_server_among_the_tools_is_refused(
+    sdk: openai.OpenAI, mcp_url: str
+) -> None:
+    first = sdk.responses.create(model=DEMO_MODEL, input="please lookup", tools=[_tool(mcp_url)])
+    approval = {
+        "type": "mcp_approval_response",
+        "approval_request_id": first.output[1].id,
+        "approve": True,
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=DEMO_MODEL, previous_response_id=first.id, input=[approval])
+    assert refused.value.body["param"] == "tools"  # type: ignore[index]

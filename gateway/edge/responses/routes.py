@@ -56,7 +56,12 @@ from gateway.edge.responses.conversation_store import (
     kept_item,
 )
 from gateway.edge.responses.encoding import ResponsesEncoder, encoder_type
-from gateway.edge.responses.mcp import approved_calls, listing_failed, listings
+from gateway.edge.responses.mcp import (
+    APPROVAL_RESPONSE,
+    approved_calls,
+    listing_failed,
+    listings,
+)
 from gateway.edge.responses.params import (
     LOGPROBS,
     REFERENCE,
@@ -265,8 +270,12 @@ class ResponsesRoute(GenerationRoute):
         assert isinstance(parsed, ResponsesRequest)
         if _truncates(parsed):
             parsed = await self._truncated(parsed, pool, ex)
-        if parsed.body is not None and parsed.body.mcp:
+        body = parsed.body
+        if body is not None and body.mcp:
             parsed = await self._planned(parsed, pool)
+        elif body is not None and any(item["type"] == APPROVAL_RESPONSE for item in body.items):
+            # an approval with no server to run its call on is refused
+            approved_calls([*parsed.history, *body.items], body.items, set())
         await super()._serve(parsed, pool, ex)
 
     async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
