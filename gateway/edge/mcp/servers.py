@@ -8,7 +8,8 @@ operator's `mcp_allowed_urls` prefixes are taken (`check_allowed`, else a 400 na
 it), so a client cannot point the gateway at what it can reach and they cannot. The
 headers a request gives go to that server only. Each step with a server (its tools
 listed, one call) is bounded by `mcp_timeout` and the request's deadline; what a server
-lists is bounded (`MAX_TOOLS` tools, a tool's schema and description) and a call's
+lists is bounded (`MAX_TOOLS` tools, a tool's schema and description, the schemas
+together) and a call's
 output is cut at `MAX_OUTPUT_CHARS`.
 
 The MCP SDK (the `mcp` package, Streamable HTTP) speaks the protocol: its handshake,
@@ -38,6 +39,8 @@ MAX_OUTPUT_CHARS = 64 * 1024
 #: A listed tool's description and its input schema (JSON) at most, in characters.
 MAX_DESCRIPTION_CHARS = 4096
 MAX_SCHEMA_CHARS = 64 * 1024
+#: A server's listing's schemas at most, all together (an answer stores its listing).
+MAX_LISTING_CHARS = 1024 * 1024
 #: Pages of a server's tool listing read at most.
 MAX_PAGES = 16
 #: Headers of the connection, not a client's to set (`Host` would name another server).
@@ -167,6 +170,7 @@ async def list_tools(server: McpServer, timeout: float) -> list[McpTool]:  # noq
     `timeout` seconds; `McpFailure` when it cannot be reached or answers wrong."""
     http, client = _client(server, timeout)
     tools: list[McpTool] = []
+    size = 0  # the schemas' JSON, as the answer stores them
     try:
         async with asyncio.timeout(timeout), http, client:
             cursor: str | None = None
@@ -175,8 +179,11 @@ async def list_tools(server: McpServer, timeout: float) -> list[McpTool]:  # noq
                 for tool in page.tools:
                     if server.offers(tool.name):
                         tools.append(_listed(tool))
+                        size += len(orjson.dumps(tools[-1].input_schema))
                     if len(tools) > MAX_TOOLS:
                         raise McpFailure(f"the server lists more than {MAX_TOOLS} tools")
+                    if size > MAX_LISTING_CHARS:
+                        raise McpFailure("the schemas of the server's tools hold over 1 MiB")
                 cursor = page.next_cursor
                 if cursor is None:
                     break
