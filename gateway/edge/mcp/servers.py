@@ -9,8 +9,7 @@ it), so a client cannot point the gateway at what it can reach and they cannot. 
 headers a request gives go to that server only. Each step with a server (its tools
 listed, one call) is bounded by `mcp_timeout` and the request's deadline; what a server
 lists is bounded (`MAX_TOOLS` tools, a tool's schema and description, the schemas
-together) and a call's
-output is cut at `MAX_OUTPUT_CHARS`.
+together) and a call's output is cut at `MAX_OUTPUT_CHARS`.
 
 The MCP SDK (the `mcp` package, Streamable HTTP) speaks the protocol: its handshake,
 versions and pagination are its own, a session per step. It is imported when a server is
