@@ -134,3 +134,29 @@ def test_tensor_requests_open_the_same_spans(gateway_with, server_loop, spans):
         assert sent == f"00-{TRACE_ID}-{format(client.context.span_id, '016x')}-01"
     finally:
         tensor.stop()
+
+
+def test_remote_mcp_steps_have_spans_of_their_own(gateway_with, spans, mcp_url):
+    prefix = mcp_url.removesuffix("mcp")
+    gw = gateway_with(tracing=True, mcp_allowed_urls=(prefix,))
+    spans.clear()
+    tool = {
+        "type": "mcp",
+        "server_label": "spec",
+        "server_url": mcp_url,
+        "require_approval": "never",
+    }
+    body = {"model": DEMO_MODEL, "input": "please lookup", "tools": [tool]}
+    response = httpx.post(gw.url + "/v1/responses", json=body, timeout=HANG_GUARD)
+    assert response.status_code == 200, response.text
+    wait_until(lambda: len(spans.get_finished_spans()) >= 4, "the request's spans")
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    call = by_name["execute_tool lookup"]
+    assert call.kind == SpanKind.CLIENT
+    assert call.attributes["gen_ai.operation.name"] == "execute_tool"
+    assert call.attributes["gen_ai.tool.name"] == "lookup"
+    assert call.attributes["furnace.mcp.server"] == prefix
+    listing = by_name["mcp tools/list"]
+    assert listing.attributes["furnace.mcp.step"] == "list"
+    server = next(s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER)
+    assert call.context.trace_id == listing.context.trace_id == server.context.trace_id

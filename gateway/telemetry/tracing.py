@@ -6,9 +6,11 @@ check of one boolean that hands back a no-op context manager (not a
 nothing). With `tracing: true` (and the `otel` extra installed) the gateway
 continues the client's W3C trace, records a SERVER span for the
 request and a CLIENT span for the worker call, and sends the worker that
-span's `traceparent`. A generation's request span ends with OpenTelemetry's GenAI
-usage attributes: `gen_ai.usage.input_tokens` (the prompt), `gen_ai.usage.output_tokens`
-and, of the input, the tokens the engine's prefix cache held,
+span's `traceparent`; a CLIENT span too for each step with a remote MCP server a
+request lets the model call (`execute_tool {name}`, `mcp tools/list`). A generation's
+request span ends with OpenTelemetry's GenAI usage attributes:
+`gen_ai.usage.input_tokens` (the prompt), `gen_ai.usage.output_tokens` and, of the
+input, the tokens the engine's prefix cache held,
 `gen_ai.usage.cache_read.input_tokens` (0 where the engine says none, or does not
 say). Spans go to the tracer provider the process has; if it has none, to an
 OTLP exporter configured by the standard OTEL_* variables.
@@ -53,6 +55,23 @@ class Tracing:
         if not self.enabled:
             return nullcontext((None, metadata))
         return self._engine_call(model, metadata, name)
+
+    def tool_step(self, step: str, server: str, name: str = "") -> AbstractContextManager[Any]:
+        """A CLIENT span for one step with a remote MCP server (`list` its tools, or
+        `call` the tool `name`), as OpenTelemetry's GenAI conventions name a tool's run
+        (`execute_tool {name}`); `server` is the allowed prefix its URL is under."""
+        if not self.enabled:
+            return _NO_SPAN
+        from opentelemetry.trace import SpanKind
+
+        attributes = {"furnace.mcp.server": server, "furnace.mcp.step": step}
+        if step == "call":
+            attributes |= {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name}
+        title = f"execute_tool {name}" if step == "call" else "mcp tools/list"
+        span: AbstractContextManager[Any] = self._tracer.start_as_current_span(
+            title, kind=SpanKind.CLIENT, attributes=attributes
+        )
+        return span
 
     @contextmanager
     def _request(self, name: str, traceparent: str | None) -> Iterator[Any]:

@@ -29,7 +29,8 @@ async def planned(
     servers = check_allowed(servers, route.config.mcp_allowed_urls)
     functions = [tool.name for tool in request.tools]
     timeout, record = route.config.mcp_timeout, route.telemetry.metrics.mcp_step
-    plan = await make_plan(servers, listed, functions, max_calls, timeout, record)
+    span = route.tracing.tool_step
+    plan = await make_plan(servers, listed, functions, max_calls, timeout, record, span)
     request = replace(request, tools=(*request.tools, *plan.functions()))
     check_features(pool, request)
     return plan, request

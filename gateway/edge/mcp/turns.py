@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
@@ -115,8 +116,10 @@ class McpPlan:
     listed: list[McpListed] = field(default_factory=list)
     approved: list[Approved] = field(default_factory=list)
     max_calls: int = MAX_CALLS
-    #: Where each step with a server is counted (the telemetry's `mcp_step`).
+    #: Where each step with a server is counted (the telemetry's `mcp_step`), and its
+    #: span (the tracing's `tool_step`: none without tracing).
     record: StepRecorder = field(default=lambda *_: None)
+    span: StepSpan = field(default=lambda *_: nullcontext())
 
     def functions(self) -> list[Tool]:
         """The servers' tools as the model sees them: functions by their names."""
@@ -141,22 +144,24 @@ async def make_plan(
     max_calls: int,
     timeout: float,  # noqa: ASYNC109 (a step's bound, within the request's deadline)
     record: StepRecorder,
+    span: StepSpan,
 ) -> McpPlan:
     """What `servers` need of an answer: each server's tools, as the conversation last
     listed them (`listed`, by label) or listed now (`ListingFailed` when it cannot be); a
     tool named as one of the request's `functions` or another server's is a 400 naming
     its server (`where`)."""
     plan = McpPlan({server.label: server for server in servers}, {}, max_calls=max_calls)
-    plan.record = record
+    plan.record, plan.span = record, span
     fresh = [server for server in servers if server.label not in listed]
 
     async def listing(server: McpServer) -> list[McpTool]:
         began = time.perf_counter()
-        try:
-            tools = await list_tools(server, timeout)
-        except McpFailure:
-            record(server.prefix, "list", False, time.perf_counter() - began)
-            raise
+        with span("list", server.prefix, ""):
+            try:
+                tools = await list_tools(server, timeout)
+            except McpFailure:
+                record(server.prefix, "list", False, time.perf_counter() - began)
+                raise
         record(server.prefix, "list", True, time.perf_counter() - began)
         return tools
 
@@ -222,6 +227,9 @@ class _Pending:
     arguments: list[str] = field(default_factory=list)
 
 
+#: A step's span: (the step, the server's allowed prefix, the tool's name) → a context
+#: manager of the span (None without tracing).
+StepSpan = Callable[[str, str, str], AbstractContextManager[Any]]
 #: What the route's encoder reads: the worker's events and the MCP steps'.
 TurnEvent = Event | McpListed | McpCallStarted | McpCallEnded | McpApproval
 StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
@@ -275,7 +283,10 @@ class McpTurns:
     async def _step(self, server: McpServer, name: str, arguments: str) -> McpCallEnded:
         timeout = min(self._step_timeout, self._deadline.remaining())
         began = time.perf_counter()
-        output, error = await call_tool(server, name, arguments, timeout)
+        with self.plan.span("call", server.prefix, name) as span:
+            output, error = await call_tool(server, name, arguments, timeout)
+            if error is not None and span is not None:
+                span.set_attribute("error.type", "tool_error")
         self.plan.record(server.prefix, "call", error is None, time.perf_counter() - began)
         return McpCallEnded(output, error)
 
