@@ -377,3 +377,22 @@ def test_an_approval_without_its_server_among_the_tools_is_refused(
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.responses.create(model=DEMO_MODEL, previous_response_id=first.id, input=[approval])
     assert refused.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_input_tokens_lists_the_servers_tools_as_the_answer_would(
+    mcp_gateway: Gateway, mcp_url: str
+) -> None:
+    prefix = mcp_url.removesuffix("mcp")
+    steps = "furnace_gateway_mcp_steps_total"
+    before = value(scrape(mcp_gateway.url), steps, server=prefix, step="list", outcome="ok")
+    url = f"{mcp_gateway.url}/v1/responses/input_tokens"
+    body = {"model": DEMO_MODEL, "input": "please lookup", "tools": [_tool(mcp_url)]}
+    counted = httpx.post(url, json=body, timeout=HANG_GUARD)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > 0
+    after = value(scrape(mcp_gateway.url), steps, server=prefix, step="list", outcome="ok")
+    assert after == before + 1
+    elsewhere = {**body, "tools": [_tool("http://169.254.169.254/mcp")]}
+    refused = httpx.post(url, json=elsewhere, timeout=HANG_GUARD)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "tools[0].server_url"

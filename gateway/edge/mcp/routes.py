@@ -1,23 +1,25 @@
-"""What a generation route does before an answer of turns (turns.py), whatever its API:
-the plan made in the request's slot (the servers' URLs checked against the operator's
-`mcp_allowed_urls`, their tools listed and given to the model, the model's features
-checked for them). The turns start where the first turn does (the generation route's
-`turns`)."""
+"""What a route does before an answer of turns (turns.py), whatever its API, and before
+it counts such a request's prompt (the Responses API's input_tokens): the plan, made in
+the request's slot (the servers' URLs checked against the operator's `mcp_allowed_urls`,
+their tools listed and given to the model, the model's features checked for them). The
+turns start where the first turn does (the generation route's `turns`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from gateway.edge.mcp.servers import McpServer, McpTool, check_allowed
 from gateway.edge.mcp.turns import McpPlan, make_plan
-from gateway.edge.openai.generation import GenerationRoute, check_features
+from gateway.edge.openai.generation import check_features
+from gateway.edge.request import RequestRoute
 from gateway.fleet import ModelPool
 from gateway.protocol.types import GenerateRequest
 
 
 async def planned(
-    route: GenerationRoute,
+    route: RequestRoute[Any],
     servers: Sequence[McpServer],
     listed: Mapping[str, tuple[McpTool, ...]],
     request: GenerateRequest,

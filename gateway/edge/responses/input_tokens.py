@@ -16,7 +16,9 @@ style preset) means nothing to these models and is refused by name.
 With `truncation: "auto"`, the count is of the prompt that `POST /v1/responses` would
 send: items dropped from the conversation's beginning until it leaves a token of the
 model's context (truncation.py, with the counts it makes, in the same slot); a model
-whose context is unknown refuses it, naming `truncation`, as there.
+whose context is unknown refuses it, naming `truncation`, as there. A body's remote MCP
+servers have their tools listed (gateway/edge/mcp) and counted with the prompt, as its
+answer's first turn gives them to the model.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.edge.counting import CountingRoute, Recount
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.mcp.routes import planned
+from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed
 from gateway.edge.request import Exchange, Parts
+from gateway.edge.responses.mcp import listing_failed, listings
 from gateway.edge.responses.routes import (
     RESPONSES,
     ResponsesRequest,
@@ -88,10 +93,18 @@ class InputTokensRoute(CountingRoute[Read]):
         check_fields(body)  # `CountingRoute.serve` checked that it is an object
         parsed = await self.responses.parse_body(body, ex)
         assert isinstance(parsed, ResponsesRequest) and parsed.body is not None
-        if not parsed.body.truncate:
-            return parsed, None
+        body = parsed.body
         pool = ex.ctx.pool  # the model's, found before the body was read
         assert pool is not None
+        if body.mcp:  # their tools are the prompt's too: listed as an answer lists them
+            servers, listed = body.mcp, listings([*parsed.history, *body.items])
+            try:
+                _, generate = await planned(self, servers, listed, parsed.generate, MAX_CALLS, pool)
+            except ListingFailed as failure:
+                raise listing_failed(failure) from None
+            parsed = replace(parsed, generate=generate)
+        if not body.truncate:
+            return parsed, None
         if not pool.max_context:
             raise no_truncation(pool.name, "its context length is unknown")
         return parsed, pool
