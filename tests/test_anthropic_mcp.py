@@ -174,3 +174,21 @@ def test_a_bad_server_is_a_400_naming_it(
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert param in error["message"]
+
+
+def test_count_tokens_lists_the_servers_tools_as_the_answer_would(
+    mcp_gateway: Gateway, mcp_url: str
+) -> None:
+    body = {
+        "model": DEMO_MODEL,
+        "messages": [{"role": "user", "content": "please lookup"}],
+        "mcp_servers": [_server(mcp_url)],
+    }
+    url = f"{mcp_gateway.url}/v1/messages/count_tokens"
+    counted = httpx.post(url, json=body, timeout=HANG_GUARD)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > 0
+    elsewhere = {**body, "mcp_servers": [_server("http://169.254.169.254/mcp")]}
+    refused = httpx.post(url, json=elsewhere, timeout=HANG_GUARD)
+    assert refused.status_code == 400
+    assert "mcp_allowed_urls" in refused.json()["error"]["message"]

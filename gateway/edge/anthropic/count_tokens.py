@@ -1,7 +1,8 @@
 """`POST /v1/messages/count_tokens`: the tokens the prompt of a Messages body
-would take (system, messages, tools), `{"input_tokens": N}`: the edge's counting
-route (gateway/edge/counting.py: where it is counted, how it is admitted, what it
-bills) with the Messages API's body and answer.
+would take (system, messages, tools, and the tools of its `mcp_servers`, listed as
+its answer lists them), `{"input_tokens": N}`: the edge's counting route
+(gateway/edge/counting.py: where it is counted, how it is admitted, what it bills)
+with the Messages API's body and answer.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.edge.anthropic.context_editing import ContextEdits, edit, once
+from gateway.edge.anthropic.mcp import listing_failed
 from gateway.edge.anthropic.validation import parse_count
 from gateway.edge.counting import CountingRoute, Recount
+from gateway.edge.mcp.routes import planned
+from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed
 from gateway.edge.request import Exchange
 from gateway.protocol.types import GenerateRequest, Message
 
@@ -24,7 +28,15 @@ class CountTokensRoute(CountingRoute[Counted]):
     prompt edited, and `original_input_tokens` of the prompt as it came (as Anthropic's)."""
 
     async def parse(self, body: Any, ex: Exchange) -> Counted:
-        return parse_count(body, ex.record.request_id)
+        request, edits, mcp = parse_count(body, ex.record.request_id)
+        if mcp.servers:  # their tools are the prompt's too: listed as an answer lists them
+            pool = ex.ctx.pool  # the model's, found before the body was read
+            assert pool is not None
+            try:
+                _, request = await planned(self, mcp.servers, mcp.listed, request, MAX_CALLS, pool)
+            except ListingFailed as failure:
+                raise listing_failed(failure) from None
+        return request, edits
 
     def prompt(self, parsed: Counted) -> GenerateRequest:
         return parsed[0]

@@ -135,6 +135,7 @@ COUNT_FIELDS = frozenset(
         "thinking",
         "output_config",
         "context_management",
+        "mcp_servers",
     }
 )
 #: `service_tier` values that ask nothing of a self-hosted model.
@@ -961,8 +962,13 @@ class ConnectorRequest(MessagesRequest):
     turns: ClassVar[bool] = True
 
 
-def parse_count(body: Any, request_id: str = "") -> tuple[GenerateRequest, ContextEdits | None]:
-    """A /v1/messages/count_tokens body: the prompt it would make, and what its
-    `context_management` did to it (None: not asked)."""
-    model, fields, edits, _ = _prompt(body, request_id, COUNT_FIELDS)
-    return GenerateRequest(model or "", **fields), edits
+def parse_count(
+    body: Any, request_id: str = ""
+) -> tuple[GenerateRequest, ContextEdits | None, Connector]:
+    """A /v1/messages/count_tokens body: the prompt it would make, what its
+    `context_management` did to it (None: not asked), and its MCP servers (their tools
+    the route lists, for the count to hold them as the answer's first turn does)."""
+    model, fields, edits, listed = _prompt(body, request_id, COUNT_FIELDS)
+    mcp = connector(body)
+    mcp.listed = {**listed, **mcp.listed}
+    return GenerateRequest(model or "", **fields), edits, mcp
