@@ -91,12 +91,8 @@ def connector(body: Mapping[str, Any]) -> Connector:
         allowed, denied = _offered(server, toolset, where)
         if toolset is not None and toolset[1].get("tools") is not None:
             listed[name] = _listing(toolset[1]["tools"], f"{toolset[0]}.tools")
-        never = frozenset[str]()  # Anthropic asks no approval: every call runs
-        servers.append(
-            McpServer(
-                name, url, headers, allowed, "never", never, never, "", f"{where}.url", denied
-            )
-        )
+        at = f"{where}.url"  # Anthropic asks no approval: every call runs
+        servers.append(McpServer(name, url, at, headers, allowed, "never", denied=denied))
     for name, (where, _) in toolsets.items():
         raise invalid(
             f"{where}.mcp_server_name",

@@ -56,21 +56,22 @@ MAX_HEADER_CHARS = 8192
 
 @dataclass(frozen=True)
 class McpServer:
-    """One `mcp` tool of a request: the server and what may be done with it."""
+    """A remote MCP server a request names, and what may be done with it."""
 
     label: str
     url: str
-    #: Sent to the server only (never shown): `headers`, and `authorization` as a bearer.
-    headers: tuple[tuple[str, str], ...]
-    #: `allowed_tools`' names (None: every tool the server lists).
-    allowed: frozenset[str] | None
-    #: `require_approval`: "always", "never", or the names that need none / need it.
-    approval: str
-    never: frozenset[str]
-    always: frozenset[str]
-    description: str
     #: Where the request names its URL (`tools[2].server_url`), for a 400.
     where: str
+    #: Sent to the server only (never shown): `headers`, and `authorization` as a bearer.
+    headers: tuple[tuple[str, str], ...] = ()
+    #: `allowed_tools`' names (None: every tool the server lists).
+    allowed: frozenset[str] | None = None
+    #: `require_approval`: "always" (OpenAI's default), "never" (Anthropic's every call),
+    #: or "by_name": the names that need none (`never`) or need it (`always`).
+    approval: str = "always"
+    never: frozenset[str] = frozenset()
+    always: frozenset[str] = frozenset()
+    description: str = ""
     #: Tools turned off by name (Anthropic's toolset `configs`).
     denied: frozenset[str] = frozenset()
     #: The operator's allowed URL prefix its URL is under (`check_allowed`): its metrics'.

@@ -84,7 +84,7 @@ def parse_server(tool: Mapping[str, Any], where: str) -> McpServer:
     if len(description) > MAX_DESCRIPTION_CHARS:
         raise invalid(f"{where}.server_description", "Invalid: at most 4096 characters.")
     at = f"{where}.server_url"
-    return McpServer(label, url, headers, allowed, approval, never, always, description, at)
+    return McpServer(label, url, at, headers, allowed, approval, never, always, description)
 
 
 def shown(server: McpServer) -> dict[str, Any]:
