@@ -781,6 +781,36 @@ class Config:
         "past it 429",
         minimum=1,
     )
+    batch_max_file_bytes: int = setting(
+        100 * 1024 * 1024,
+        "the largest file uploaded to /v1/files (the Batch API's input), in bytes; larger gets 413",
+        minimum=1,
+    )
+    batch_max_requests: int = setting(
+        50_000, "most requests in one batch's input file (OpenAI's bound)", minimum=1
+    )
+    batch_concurrency: int = setting(
+        32,
+        "most requests of all batches a gateway process sends at once (each through "
+        "admission as any request)",
+        minimum=1,
+    )
+    batch_priority: int = setting(
+        -100,
+        "the priority a batch's requests ask in the queue (`x-furnace-priority`; the team's "
+        "own caps it): below interactive requests by default",
+        minimum=-1000,
+        maximum=1000,
+    )
+    batch_ttl: float = setting(
+        2_592_000,  # 30 days, as OpenAI keeps batch files
+        "seconds files (/v1/files) and batches (/v1/batches) are kept, in Redis with "
+        "`redis_url`, else in the gateway's memory",
+        minimum=1,
+    )
+    batch_files_per_team: int = setting(
+        1_000, "most files a team keeps; an upload past it gets 400", minimum=1
+    )
     mcp_allowed_urls: tuple[str, ...] = setting(
         (),
         "the remote MCP servers requests may name (the Responses API's `mcp` tools, "

@@ -14,6 +14,8 @@
                    the Responses API's input_tokens) on that frame
     openai/        the OpenAI API: bodies, validation, encoders, the routes
     responses/     OpenAI's Responses API on the same request path, and its store
+    batches/       OpenAI's Batch API and its files: a team's JSONL of requests run
+                   through the routes above, at a low priority, into an output file
     kserve/        the KServe v2 API for tensor models
     anthropic/       Anthropic's Messages API on the same request path
     mcp/             remote MCP servers a request lets the model call, and the turns

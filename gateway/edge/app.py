@@ -32,6 +32,8 @@ from gateway.config import Config
 from gateway.edge.anthropic.errors import AnthropicShape
 from gateway.edge.anthropic.routes import MESSAGES, anthropic_paths, anthropic_routes
 from gateway.edge.asgi import ASGIApp
+from gateway.edge.batches.routes import ENDPOINTS, batch_routes
+from gateway.edge.batches.runner import BatchRunner
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
@@ -135,6 +137,7 @@ def create_app(
     admission: Admission,
     is_ready: Callable[[], bool],
     started_at: int,
+    batches: BatchRunner,
 ) -> ExactRoutes:
     """The gateway's public HTTP application over its parts: the hot routes
     straight to their handlers (`ExactRoutes`), the rest through Starlette's
@@ -157,8 +160,11 @@ def create_app(
     hot.update(responses_hot)
     # an exact path, so it is matched before the store's `/v1/responses/{response_id}`
     hot[INPUT_TOKENS] = InputTokensRoute(parts, responses_hot[RESPONSES])
+    # a batch's lines go to the endpoints' routes themselves (the checks are the batch's)
+    batches.routes = {path: hot[path] for path in ENDPOINTS}
     routes = [
         *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
+        *batch_routes(batches, admission, config.batch_max_file_bytes, config.retry_after),
         Route("/v1/models", list_models(admission, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(admission, started_at), methods=["GET"]),
         *probe_routes(is_ready),

@@ -97,6 +97,12 @@ _JSON = frozenset({b"application/json"})
 #: the Responses API's cancel, sent so by OpenAI's own examples (`curl -X POST`); a page
 #: could send it cross-site, but it needs the response's id, 192 random bits.
 _BODYLESS = "/cancel"
+#: The one /v1 route that takes a form (multipart/form-data, as OpenAI's file uploads),
+#: from a request that carries a key: a page cannot send a form cross-site with one
+#: without the preflight the gateway does not answer.
+_UPLOADS = "/v1/files"
+_FORM = frozenset({b"multipart/form-data"})
+_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 #: What a /v2 body may be declared as: JSON, or the binary tensor extension's bytes.
 _TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
 
@@ -117,6 +123,7 @@ class JsonOnly:
                 path.startswith("/v1/")
                 and not _declares(headers.content_types, _JSON)
                 and not (path.endswith(_BODYLESS) and not headers.content_types)
+                and not (path == _UPLOADS and _keyed_form(scope, headers.content_types))
             ):
                 await send_error(send, UNSUPPORTED_MEDIA_TYPE)
                 return
@@ -128,6 +135,11 @@ class JsonOnly:
                 await send_json(send, 415, UNSUPPORTED_TENSOR_MEDIA_TYPE, [])
                 return
         await self.app(scope, receive, send)
+
+
+def _keyed_form(scope: Scope, types: tuple[bytes, ...]) -> bool:
+    """Whether the request is a form sent with a key (an upload of the OpenAI SDK's)."""
+    return _declares(types, _FORM) and any(name in _KEY_HEADERS for name, _ in scope["headers"])
 
 
 def _declares(types: tuple[bytes, ...], allowed: frozenset[bytes]) -> bool:

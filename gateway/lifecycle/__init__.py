@@ -45,6 +45,8 @@ from gateway.admission.metrics import AdmissionCollector
 from gateway.config import Config, ModelConfig
 from gateway.edge.app import admin_on_public, create_admin_app, create_app
 from gateway.edge.asgi import ASGIApp
+from gateway.edge.batches.runner import BatchRunner, BatchSettings
+from gateway.edge.batches.store import open_batches
 from gateway.edge.http_protocol import HttpLimits, protocol_for
 from gateway.edge.middleware import ExactRoutes
 from gateway.fleet import Fleet
@@ -105,8 +107,21 @@ class Gateway:
         def is_ready() -> bool:
             return self.ready and not self.inflight.draining
 
+        #: The Batch API's runs (/v1/batches), on the teams' Redis when they have one.
+        self.batches = BatchRunner(
+            open_batches(self.teams.limiter.redis, config.batch_ttl, config.batch_files_per_team),
+            self.teams,
+            self.inflight,
+            BatchSettings(
+                config.batch_concurrency,
+                config.batch_priority,
+                config.batch_max_requests,
+                config.max_body_bytes,
+            ),
+        )
         self.app: ExactRoutes = create_app(
             config,
+            batches=self.batches,
             fleet=self.fleet,
             inflight=self.inflight,
             teams=self.teams,
@@ -232,7 +247,10 @@ class GatewayServer:
         except BaseException:
             await self._close()
             raise
-        # 4. Ready for traffic.
+        # 4. The batches' keeper: runs to resume, cancels from other replicas.
+        gateway.batches.start()
+        self._opened.append("batches")
+        # 5. Ready for traffic.
         gateway.ready = True
 
     async def stop(self, grace: float | None = None) -> None:
@@ -250,6 +268,8 @@ class GatewayServer:
         if self._dates is not None:
             self._dates.cancel()
             self._dates = None
+        if "batches" in self._opened:  # drained: the runs' lines have ended
+            await self.gateway.batches.close()
         if "http" in self._opened:
             await self.uvicorn.shutdown()
         if "admin" in self._opened and self.admin is not None:

@@ -1,0 +1,410 @@
+"""OpenAI's Files and Batch APIs, for batch files: `POST /v1/files` (multipart, purpose
+`batch`), `GET /v1/files`, `GET|DELETE /v1/files/{id}`, `GET /v1/files/{id}/content`;
+`POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`, `POST
+/v1/batches/{id}/cancel`. A team sees only its own files and batches (another's id is a
+404, as an id that never was); an open gateway's are one team's.
+
+An upload is read whole (at most `batch_max_file_bytes`, counted against the bodies being
+read as any body is: `gateway.admission.bodies`), its `file` part kept in 1 MiB chunks.
+Purposes other than `batch` are refused by name (nothing here reads them). The batch
+endpoints are those this gateway serves: chat, completions, embeddings, responses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+from python_multipart import MultipartParser
+from python_multipart.multipart import parse_options_header
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.admission import Admission
+from gateway.edge.asgi import Receive, Scope
+from gateway.edge.batches.runner import BatchRunner, ids
+from gateway.edge.batches.store import UNFINISHED, StoredBatch
+from gateway.edge.errors import APIError, from_error, invalid
+from gateway.edge.openai.body import parse_json, read_body
+from gateway.edge.responses.routes import json_response, refuse_query, team_name
+from gateway.protocol import errors
+from gateway.teams import team_of
+
+#: The endpoints a batch may name.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+#: The one completion window (OpenAI's).
+WINDOW = "24h"
+#: An upload's pieces as kept.
+CHUNK = 1024 * 1024
+#: `expires_after.seconds`' range (OpenAI's: an hour to 30 days).
+EXPIRES_MIN, EXPIRES_MAX = 3600, 2_592_000
+#: Bytes of a multipart body past the file's own (boundaries, headers, purpose).
+FORM_SLACK = 64 * 1024
+
+
+def _not_found(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"No such {kind}: '{object_id[:128]}'.", code="not_found", param="id")
+
+
+def _page(request: Request, most: int, default: int) -> tuple[int, str, str | None, dict[str, str]]:
+    """The query's `limit`, `order`, `after` (and the rest of it), or a 400 naming one."""
+    query = {k: v for k, v in request.query_params.items()}
+    try:
+        limit = int(query.pop("limit", default))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise invalid("limit", f"Invalid 'limit': an integer from 1 to {most}.")
+    order = query.pop("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "Invalid 'order': asc or desc.")
+    return limit, order, query.pop("after", None), query
+
+
+def _listed(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> Response:
+    """A page of `items` (oldest first) as OpenAI's list object."""
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise invalid("after", f"No object with id '{after[:128]}'.")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
+
+
+def _expires_after(value: Any, param: str) -> int | None:
+    """`expires_after`'s seconds (anchor `created_at`), or a 400 naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("anchor") != "created_at":
+        raise invalid(f"{param}.anchor", f"Invalid '{param}': anchor must be 'created_at'.")
+    seconds = value.get("seconds")
+    if type(seconds) is not int or not EXPIRES_MIN <= seconds <= EXPIRES_MAX:
+        raise invalid(
+            f"{param}.seconds",
+            f"Invalid '{param}.seconds': an integer from {EXPIRES_MIN} to {EXPIRES_MAX}.",
+        )
+    return seconds
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 pairs, keys of 64 characters, values of 512."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or len(value) > 16
+        or not all(isinstance(k, str) and len(k) <= 64 for k in value)
+        or not all(isinstance(v, str) and len(v) <= 512 for v in value.values())
+    ):
+        raise invalid(
+            "metadata",
+            "Invalid 'metadata': at most 16 pairs of strings, keys of at most 64 characters "
+            "and values of at most 512.",
+        )
+    return cast(dict[str, str], value)
+
+
+class Upload:
+    """A multipart body's fields: the `file` part's bytes and name, the other fields."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, bytes] = {}
+        self.filename = ""
+        self.file: list[bytes] = []
+        self._name = ""
+        self._value: list[bytes] = []
+        self._header: list[bytes] = []
+        self._headers: dict[bytes, bytes] = {}
+
+    def parse(self, body: bytes, boundary: bytes) -> None:
+        def on_header_field(data: bytes, start: int, end: int) -> None:
+            self._header.append(data[start:end])
+
+        def on_header_value(data: bytes, start: int, end: int) -> None:
+            self._value.append(data[start:end])
+
+        def on_header_end() -> None:
+            self._headers[b"".join(self._header).lower()] = b"".join(self._value)
+            self._header, self._value = [], []
+
+        def on_headers_finished() -> None:
+            _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+            self._name = options.get(b"name", b"").decode("utf-8", "replace")
+            if self._name == "file":
+                self.filename = options.get(b"filename", b"").decode("utf-8", "replace")
+
+        def on_part_data(data: bytes, start: int, end: int) -> None:
+            self._value.append(data[start:end])
+
+        def on_part_end() -> None:
+            value = b"".join(self._value)
+            if self._name == "file":
+                self.file = [value[i : i + CHUNK] for i in range(0, len(value), CHUNK)]
+            elif self._name:
+                self.fields[self._name] = value
+            self._value, self._headers = [], {}
+
+        callbacks = {
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        }
+        parser = MultipartParser(boundary, cast(Any, callbacks))
+        parser.write(body)
+        parser.finalize()
+
+    def field(self, name: str) -> str | None:
+        raw = self.fields.get(name)
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+
+def batch_routes(
+    runner: BatchRunner, admission: Admission, max_file: int, retry_after: int
+) -> list[Route]:
+    """The Files and Batch APIs' routes, on `runner`'s store."""
+    store = runner.store
+    Endpoint = Callable[[Request], Awaitable[Response]]
+
+    def storing(endpoint: Endpoint) -> Endpoint:
+        """The store's failures as 503s."""
+
+        async def served(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except errors.GatewayError as error:
+                raise from_error(error, retry_after) from None
+
+        return served
+
+    async def upload(request: Request) -> Response:
+        refuse_query(request)
+        team = team_of(request.scope)
+        kind, options = parse_options_header(request.headers.get("content-type", ""))
+        boundary = options.get(b"boundary")
+        if kind != b"multipart/form-data" or not boundary:
+            raise invalid(None, "Upload a file as multipart/form-data, with 'file' and 'purpose'.")
+        meter = admission.bodies.meter(team)
+        scope = cast(Scope, request.scope)
+        body = await read_body(scope, cast(Receive, request.receive), max_file + FORM_SLACK, meter)
+        form = Upload()
+        try:
+            form.parse(body, boundary)
+        except Exception as error:  # python-multipart's own errors, on a malformed body
+            raise invalid(None, f"The multipart body could not be read: {error}.") from None
+        purpose = form.field("purpose")
+        if purpose is None:
+            raise invalid("purpose", "Missing required parameter: 'purpose'.")
+        if purpose != "batch":
+            raise invalid(
+                "purpose", f"Only files of purpose 'batch' are served here, not '{purpose[:64]}'."
+            )
+        if not form.filename and not form.file:
+            raise invalid("file", "Missing required parameter: 'file'.")
+        size = sum(map(len, form.file))
+        if size > max_file:
+            raise APIError(
+                413,
+                f"The file is larger than {max_file} bytes.",
+                param="file",
+                code="file_too_large",
+            )
+        seconds = None
+        if "expires_after[anchor]" in form.fields or "expires_after[seconds]" in form.fields:
+            raw = form.field("expires_after[seconds]") or ""
+            expires = {
+                "anchor": form.field("expires_after[anchor]"),
+                "seconds": int(raw) if raw.isdigit() else raw,
+            }
+            seconds = _expires_after(expires, "expires_after")
+        unknown = sorted(
+            set(form.fields) - {"purpose", "expires_after[anchor]", "expires_after[seconds]"}
+        )
+        if unknown:
+            raise invalid(unknown[0], f"Unrecognized parameter: '{unknown[0][:64]}'.")
+        now = int(time.time())
+        file = {
+            "id": ids("file-"),
+            "object": "file",
+            "bytes": size,
+            "created_at": now,
+            "expires_at": None if seconds is None else now + seconds,
+            "filename": form.filename[:256] or "upload.jsonl",
+            "purpose": "batch",
+            "status": "processed",
+            "status_details": None,
+        }
+        await store.put_file(team_name(team), file, form.file, seconds)
+        return json_response(file)
+
+    async def list_files(request: Request) -> Response:
+        limit, order, after, rest = _page(request, 10_000, 10_000)
+        purpose = rest.pop("purpose", None)
+        refuse_rest(rest)
+        files = await store.files(team_name(team_of(request.scope)))
+        if purpose is not None:
+            files = [f for f in files if f["purpose"] == purpose]
+        return _listed(files, limit, order, after)
+
+    async def one_file(request: Request) -> Response:
+        refuse_query(request)
+        team, file_id = team_name(team_of(request.scope)), request.path_params["file_id"]
+        if request.method == "DELETE":
+            if not await store.delete_file(team, file_id):
+                raise _not_found("file", file_id)
+            return json_response({"id": file_id, "object": "file", "deleted": True})
+        found = await store.file(team, file_id)
+        if found is None:
+            raise _not_found("file", file_id)
+        return json_response(found)
+
+    async def content(request: Request) -> Response:
+        refuse_query(request)
+        team, file_id = team_name(team_of(request.scope)), request.path_params["file_id"]
+        found = await store.file(team, file_id)
+        if found is None:
+            raise _not_found("file", file_id)
+        chunks = await store.content(team, file_id)
+        headers = {"content-length": str(sum(map(len, chunks)))}
+        return StreamingResponse(
+            iter(chunks), media_type="application/octet-stream", headers=headers
+        )
+
+    async def create(request: Request) -> Response:
+        refuse_query(request)
+        team = team_of(request.scope)
+        meter = admission.bodies.meter(team)
+        body = parse_json(
+            await read_body(
+                cast(Scope, request.scope), cast(Receive, request.receive), 1024 * 1024, meter
+            )
+        )
+        if not isinstance(body, dict):
+            raise invalid(None, "The request body must be a JSON object.")
+        known = {
+            "input_file_id",
+            "endpoint",
+            "completion_window",
+            "metadata",
+            "output_expires_after",
+        }
+        for name in body:
+            if name not in known:
+                raise invalid(name, f"Unrecognized request argument supplied: {name[:64]}")
+        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+        if not isinstance(file_id, str) or not file_id:
+            raise invalid("input_file_id", "Missing required parameter: 'input_file_id'.")
+        if endpoint not in ENDPOINTS:
+            raise invalid(
+                "endpoint",
+                f"Invalid 'endpoint': one of {', '.join(ENDPOINTS)}.",
+            )
+        if body.get("completion_window") != WINDOW:
+            raise invalid(
+                "completion_window", f"Invalid 'completion_window': only '{WINDOW}' is supported."
+            )
+        metadata = _metadata(body.get("metadata"))
+        output_seconds = _expires_after(body.get("output_expires_after"), "output_expires_after")
+        name = team_name(team)
+        found = await store.file(name, file_id)
+        if found is None:
+            raise invalid("input_file_id", f"No such file: '{file_id[:128]}'.")
+        if found["purpose"] != "batch":
+            raise invalid("input_file_id", "The input file's purpose must be 'batch'.")
+        now = int(time.time())
+        batch: dict[str, Any] = {
+            "id": ids("batch_"),
+            "object": "batch",
+            "endpoint": endpoint,
+            "model": None,
+            "errors": None,
+            "input_file_id": file_id,
+            "completion_window": WINDOW,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + 24 * 3600,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "usage": None,
+            "metadata": metadata,
+        }
+        stored = StoredBatch(batch, ids("file-"), ids("file-"), output_seconds)
+        await store.put_batch(name, stored)
+        await runner.begin(name, stored.id)
+        return json_response(batch)
+
+    async def list_batches(request: Request) -> Response:
+        limit, order, after, rest = _page(request, 100, 20)
+        refuse_rest(rest)
+        return _listed(await store.batches(team_name(team_of(request.scope))), limit, order, after)
+
+    async def one_batch(request: Request) -> Response:
+        refuse_query(request)
+        team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
+        found = await store.batch(team, batch_id)
+        if found is None:
+            raise _not_found("batch", batch_id)
+        return json_response(found.batch)
+
+    async def cancel(request: Request) -> Response:
+        refuse_query(request)
+        team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
+        found = await store.batch(team, batch_id)
+        if found is None:
+            raise _not_found("batch", batch_id)
+        if found.status in ("cancelling", "cancelled"):
+            return json_response(found.batch)
+        if found.status not in UNFINISHED:
+            raise APIError(
+                409,
+                f"Cannot cancel a batch that is {found.status}.",
+                param="batch_id",
+                code="conflict",
+            )
+        batch = {**found.batch, "status": "cancelling", "cancelling_at": int(time.time())}
+        cancelling = StoredBatch(batch, found.output, found.errors, found.output_ttl)
+        was = await store.update(team, cancelling, ("validating", "in_progress"))
+        if was is None:
+            raise _not_found("batch", batch_id)
+        runner.cancel(team, batch_id)
+        return json_response((await store.batch(team, batch_id) or cancelling).batch)
+
+    return [
+        Route("/v1/files", storing(upload), methods=["POST"]),
+        Route("/v1/files", storing(list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", storing(one_file), methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", storing(content), methods=["GET"]),
+        Route("/v1/batches", storing(create), methods=["POST"]),
+        Route("/v1/batches", storing(list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", storing(one_batch), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", storing(cancel), methods=["POST"]),
+    ]
+
+
+def refuse_rest(rest: dict[str, str]) -> None:
+    """A query parameter not served, refused by name."""
+    for name in rest:
+        raise invalid(name, f"Unrecognized query parameter: '{name[:64]}'.")
