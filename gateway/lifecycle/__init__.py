@@ -118,6 +118,7 @@ class Gateway:
                 config.batch_max_requests,
                 config.max_body_bytes,
             ),
+            self.telemetry.metrics,
         )
         self.app: ExactRoutes = create_app(
             config,

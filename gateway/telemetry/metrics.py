@@ -208,6 +208,29 @@ class RequestMetrics:
             registry=r,
         )
 
+        # the Batch API's runs (gateway/edge/batches): `team` is a configured team's name
+        self.batch_lines = Counter(
+            f"{PREFIX}_batch_lines",
+            "Lines of batches (/v1/batches) this process sent, by team and outcome: "
+            "completed (a 2xx in the output file), failed (the error file), retried (refused "
+            "for later: no free slot, the team's limits), expired (the window passed first).",
+            ["team", "outcome"],
+            registry=r,
+        )
+        self.batches_running = Gauge(
+            f"{PREFIX}_batches_running",
+            "Batches this process runs now, by team.",
+            ["team"],
+            registry=r,
+        )
+        self.batches_ended = Counter(
+            f"{PREFIX}_batches_ended",
+            "Batches this process ended, by team and status (completed, failed, expired, "
+            "cancelled).",
+            ["team", "status"],
+            registry=r,
+        )
+
     def mcp_step(self, server: str, step: str, ok: bool, seconds: float) -> None:
         """One step with a remote MCP server, under the allowed prefix `server`."""
         self.mcp_steps.labels(server, step, "ok" if ok else "failed").inc()

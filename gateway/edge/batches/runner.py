@@ -53,6 +53,7 @@ from gateway.edge.batches.lines import Line, read_lines
 from gateway.edge.batches.store import ENDED, BatchStore, StoredBatch
 from gateway.protocol import errors
 from gateway.teams import SCOPE_KEY, Team, Teams
+from gateway.telemetry.metrics import RequestMetrics
 
 log = logging.getLogger("furnace.batches")
 
@@ -122,9 +123,15 @@ class BatchRunner:
     """This process's batch runs, on a store shared or not."""
 
     def __init__(
-        self, store: BatchStore, teams: Teams, inflight: InFlight, settings: BatchSettings
+        self,
+        store: BatchStore,
+        teams: Teams,
+        inflight: InFlight,
+        settings: BatchSettings,
+        metrics: RequestMetrics,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.teams = teams
         self.inflight = inflight
         self.settings = settings
@@ -195,6 +202,7 @@ class BatchRunner:
         if not await self.store.claim(team, batch_id, self.owner, LEASE_TTL):
             return
         run = self.runs[(team, batch_id)] = Run(team, batch_id)
+        self.metrics.batches_running.labels(team).inc()
         run.task = asyncio.get_running_loop().create_task(self._run(run))
 
     def cancel(self, team: str, batch_id: str) -> None:
@@ -216,6 +224,7 @@ class BatchRunner:
             log.exception("batch %s: its run failed", run.batch_id)
         finally:
             self.runs.pop((run.team, run.batch_id), None)
+            self.metrics.batches_running.labels(run.team).dec()
             with contextlib.suppress(errors.GatewayError, asyncio.CancelledError):
                 await self.store.release(run.team, run.batch_id, self.owner, ended)
 
@@ -250,6 +259,7 @@ class BatchRunner:
                 if line.index not in done:
                     out = _line_out(line, None, "", EXPIRED)
                     await store.record(team, stored, line.index, out, False)
+                    self.metrics.batch_lines.labels(team, "expired").inc()
             await self._end(run, stored, "expired", ("in_progress",))
         else:
             await self._end(run, stored, "completed", ("in_progress",))
@@ -272,6 +282,7 @@ class BatchRunner:
                 await self.store.update(run.team, _with(stored, failed), ("validating",))
                 == "validating"
             ):
+                self.metrics.batches_ended.labels(run.team, "failed").inc()
                 return None
             return lines  # cancelled meanwhile: ended as such
         started = {**stored.batch, "status": "in_progress", "in_progress_at": int(time.time())}
@@ -325,6 +336,7 @@ class BatchRunner:
                     return  # ended by a cancel, a drain or the expiry: not the line's answer
                 if answer.status not in LATER:
                     break
+                self.metrics.batch_lines.labels(run.team, "retried").inc()
                 wait = _retry_after(answer.headers) or backoff * (0.5 + random.random())
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 wait = min(wait, MAX_BACKOFF, max(0.0, expires - time.time()))
@@ -336,6 +348,7 @@ class BatchRunner:
             ok = 200 <= answer.status < 300
             out = _line_out(line, answer, request_id, None)
             await self.store.record(run.team, stored, line.index, out, ok)
+            self.metrics.batch_lines.labels(run.team, "completed" if ok else "failed").inc()
         finally:
             self._lines.release()
 
@@ -432,7 +445,8 @@ class BatchRunner:
             batch["usage"] = usage
         batch["status"] = "cancelled" if status == "cancelled" else status
         batch[f"{status}_at"] = int(time.time())
-        await store.update(team, _with(stored, batch), ("finalizing",))
+        if await store.update(team, _with(stored, batch), ("finalizing",)) == "finalizing":
+            self.metrics.batches_ended.labels(team, status).inc()
 
 
 def _with(stored: StoredBatch, batch: dict[str, Any]) -> StoredBatch:
