@@ -15,9 +15,12 @@ import httpx
 import openai
 import pytest
 
+from gateway.edge.batches import routes as routes_module
+from gateway.edge.batches import runner as runner_module
 from tests.support.clients import openai_sdk
+from tests.support.keys import keyed, new_key
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
-from tests.support.servers import DEMO_MODEL
+from tests.support.servers import DEMO_MODEL, assert_nothing_left
 from tests.support.waiting import wait_until
 
 
@@ -135,17 +138,20 @@ def test_refusals_name_their_parameter(gateway):
         with pytest.raises(openai.NotFoundError):
             api.batches.retrieve("batch_nope")
     # a form is taken only from a request that carries a key (a page cannot send one)
-    response = httpx.post(gateway.url + "/v1/files", files={"file": b"x"}, data={"purpose": "batch"})
+    response = httpx.post(
+        gateway.url + "/v1/files", files={"file": b"x"}, data={"purpose": "batch"}
+    )
     assert response.status_code == 415
 
 
-def test_a_cancel_ends_the_lines_in_flight_and_sends_no_more(gateway_with, workers):
-    gw = gateway_with(max_concurrent_requests=64, batch_concurrency=2)
-    from gateway.config import ModelConfig
+def _run(api: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/chat/completions"):
+    uploaded = api.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    return api.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
 
-    lines = [
-        _chat(f"r{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(6)
-    ]
+
+def test_a_cancel_ends_the_lines_in_flight_and_sends_no_more(gateway_with, workers):
+    gw = gateway_with(batch_concurrency=2)
+    lines = [_chat(f"r{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(6)]
     with openai_sdk(gw.url) as api:
         uploaded = api.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
         batch = api.batches.create(
@@ -159,3 +165,114 @@ def test_a_cancel_ends_the_lines_in_flight_and_sends_no_more(gateway_with, worke
         assert done.request_counts.completed == 0 and done.cancelled_at
         assert done.output_file_id is None
     assert len(workers.scripted.cancelled) >= 2
+    assert_nothing_left(gw, workers)
+
+
+def test_lines_refused_for_later_are_sent_again_until_answered(gateway_with, workers, monkeypatch):
+    """One slot, held by an interactive request: the batch's line gets 503 (no slot, no
+    queue), waits, and is answered once the slot is free; it is counted `retried`."""
+    monkeypatch.setattr(runner_module, "MAX_BACKOFF", 0.2)
+    gw = gateway_with(max_concurrent_requests=1)
+    with openai_sdk(gw.url) as api:
+        holder = api.responses.create(
+            model=SCRIPTED_MODEL, input=script(texts=1, hang="after"), background=True
+        )
+        wait_until(lambda: workers.scripted.active == 1, "the slot to be held")
+        batch = _run(api, [_chat("only", "after the wait", max_tokens=3)])
+        retried = gw.state.telemetry.metrics.batch_lines.labels("", "retried")
+        wait_until(lambda: retried._value.get() >= 2, "the line to be refused twice")
+        assert api.batches.retrieve(batch.id).status == "in_progress"
+        api.responses.cancel(holder.id)
+        done = _until(api, batch.id, "completed")
+        assert done.request_counts.completed == 1
+        answer = _lines(api, done.output_file_id)["only"]["response"]
+        assert answer["status_code"] == 200
+    assert_nothing_left(gw, workers)
+
+
+def test_an_expired_batch_writes_its_lines_not_done_as_batch_expired(
+    gateway_with, workers, monkeypatch
+):
+    monkeypatch.setattr(routes_module, "WINDOW_SECONDS", 1)
+    gw = gateway_with(batch_concurrency=1)
+    lines = [_chat("fast", "quick", max_tokens=2)]
+    lines += [_chat(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(2)]
+    with openai_sdk(gw.url) as api:
+        # one model a file: the scripted lines go in their own batch
+        fast = _run(api, lines[:1])
+        assert _until(api, fast.id, "completed").request_counts.completed == 1
+        batch = _run(api, lines[1:])
+        done = _until(api, batch.id, "expired")
+        assert done.expired_at and done.request_counts.failed == 2
+        errors = _lines(api, done.error_file_id)
+        assert sorted(errors) == ["h0", "h1"]
+        assert errors["h0"]["error"]["code"] == "batch_expired"
+        assert errors["h0"]["response"] is None
+    assert_nothing_left(gw, workers)
+
+
+def test_a_team_sees_only_its_own_files_and_batches(gateway_with):
+    ours, theirs = new_key("ours"), new_key("theirs")
+    gw = gateway_with(**keyed({"ours": {}, "theirs": {}}, {ours: "ours", theirs: "theirs"}))
+    with openai_sdk(gw.url, ours) as api, openai_sdk(gw.url, theirs) as other:
+        batch = _run(api, [_chat("a", "mine", max_tokens=2)])
+        done = _until(api, batch.id, "completed")
+        assert done.request_counts.completed == 1
+        for call in (
+            lambda: other.batches.retrieve(batch.id),
+            lambda: other.files.retrieve(done.output_file_id),
+            lambda: other.files.content(done.input_file_id),
+            lambda: other.batches.cancel(batch.id),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert [b.id for b in other.batches.list()] == []
+        assert [f.id for f in other.files.list()] == []
+        assert {f.id for f in api.files.list()} == {done.input_file_id, done.output_file_id}
+        ledger = gw.state.telemetry.metrics.batch_lines.labels("ours", "completed")
+        assert ledger._value.get() == 1
+
+
+def test_on_redis_another_replica_resumes_a_batch_whose_replica_drained(
+    gateway_with, redis_server, workers, monkeypatch
+):
+    """Replica one runs a batch a line at a time and drains after some lines: what it
+    answered is kept, and replica two resumes the rest within its poll, never sending a
+    recorded line again."""
+    monkeypatch.setattr(runner_module, "ORPHAN_POLL", 0.2)
+    monkeypatch.setattr(runner_module, "POLL", 0.1)
+    shared = {"redis_url": redis_server.url, "redis_timeout": 0.5, "batch_concurrency": 1}
+    one, two = gateway_with(**shared), gateway_with(**shared)
+    lines = [_chat(f"r{i}", script(texts=2, delay=0.1), model=SCRIPTED_MODEL) for i in range(8)]
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
+        batch = _run(first, lines)
+        wait_until(
+            lambda: second.batches.retrieve(batch.id).request_counts.completed >= 2,
+            "two lines answered at replica one",
+        )
+        one.stop()
+        done = _until(second, batch.id, "completed")
+        assert done.request_counts.completed == 8 and done.request_counts.failed == 0
+        output = _lines(second, done.output_file_id)
+        assert sorted(output) == [f"r{i}" for i in range(8)]
+        sent = one.state.batches.lines_sent + two.state.batches.lines_sent
+        assert sent <= 9  # a line in flight at the drain, at most, is sent again
+        assert two.state.batches.lines_sent >= 1
+
+
+def test_on_redis_a_cancel_at_one_replica_stops_the_run_at_the_other(
+    gateway_with, redis_server, workers, monkeypatch
+):
+    monkeypatch.setattr(runner_module, "POLL", 0.1)
+    shared = {"redis_url": redis_server.url, "redis_timeout": 0.5, "batch_concurrency": 1}
+    one, two = gateway_with(**shared), gateway_with(**shared)
+    lines = [_chat(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)]
+    with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
+        batch = _run(first, lines)
+        wait_until(lambda: workers.scripted.active == 1, "a line in flight at replica one")
+        assert second.batches.cancel(batch.id).status == "cancelling"
+        done = _until(first, batch.id, "cancelled")
+        assert done.request_counts.completed == 0
+        wait_until(lambda: workers.scripted.active == 0, "the line to end")
+        assert one.state.batches.lines_sent == 1 and two.state.batches.lines_sent == 0
+    assert_nothing_left(one, workers)

@@ -34,8 +34,8 @@ from gateway.teams import team_of
 
 #: The endpoints a batch may name.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-#: The one completion window (OpenAI's).
-WINDOW = "24h"
+#: The one completion window (OpenAI's), and its seconds.
+WINDOW, WINDOW_SECONDS = "24h", 24 * 3600
 #: An upload's pieces as kept.
 CHUNK = 1024 * 1024
 #: `expires_after.seconds`' range (OpenAI's: an hour to 30 days).
@@ -340,7 +340,7 @@ def batch_routes(
             "error_file_id": None,
             "created_at": now,
             "in_progress_at": None,
-            "expires_at": now + 24 * 3600,
+            "expires_at": now + WINDOW_SECONDS,
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,

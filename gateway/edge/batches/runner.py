@@ -91,14 +91,22 @@ class Run:
 
     team: str
     batch_id: str
-    #: Set by a cancel: no line more is sent, those in flight are ended.
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A cancel asked for it.
+    cancelled: bool = False
+    #: Set by a cancel or the batch's expiry: no line more is sent, those in flight end.
+    halted: asyncio.Event = field(default_factory=asyncio.Event)
     #: The client-gone futures of the lines in flight (done: the line is ended).
     lines: set[asyncio.Future[None]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
+    def halt(self, cancelled: bool = False) -> None:
+        """Sends no more lines and ends those in flight, as their client leaving would."""
+        self.cancelled = self.cancelled or cancelled
+        self.halted.set()
+        self.stop()
+
     def stop(self) -> None:
-        """Ends the lines in flight, as their client leaving would."""
+        """Ends the lines in flight."""
         for gone in self.lines:
             if not gone.done():
                 gone.set_result(None)
@@ -178,8 +186,7 @@ class BatchRunner:
                 for run in list(self.runs.values()):
                     stored = await self.store.batch(run.team, run.batch_id)
                     if stored is None or stored.status in ("cancelling", *ENDED):
-                        run.cancelled.set()
-                        run.stop()
+                        run.halt(cancelled=True)
                 if now - last_renew >= LEASE_TTL / 3:
                     last_renew = now
                     held = list(self.runs)
@@ -209,8 +216,7 @@ class BatchRunner:
         """Cancels a run of this replica's at once (others see it at their next poll)."""
         run = self.runs.get((team, batch_id))
         if run is not None:
-            run.cancelled.set()
-            run.stop()
+            run.halt(cancelled=True)
 
     async def _run(self, run: Run) -> None:
         ended = False
@@ -244,14 +250,14 @@ class BatchRunner:
         if lines is None:
             return True
         stored = await store.batch(team, run.batch_id) or stored
-        if stored.status == "in_progress" and not run.cancelled.is_set():
+        if stored.status == "in_progress" and not run.cancelled:
             done = (await store.progress(team, stored)).done
             expires = float(stored.batch["expires_at"])
             await self._send_all(run, stored, [ln for ln in lines if ln.index not in done], expires)
         if self.inflight.draining:
             return False
         stored = await store.batch(team, run.batch_id) or stored
-        if stored.status == "cancelling" or run.cancelled.is_set():
+        if stored.status == "cancelling" or run.cancelled:
             await self._end(run, stored, "cancelled", ("cancelling", "in_progress"))
         elif time.time() >= float(stored.batch["expires_at"]):
             done = (await store.progress(team, stored)).done
@@ -296,26 +302,50 @@ class BatchRunner:
     ) -> None:
         team = self._team(run.team)
         pending: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(max(0.0, expires - time.time()), run.halt)
         try:
             for line in lines:
-                await self._lines.acquire()
+                if not await self._place(run):
+                    break
                 if self._stopping(run, expires):
                     self._lines.release()
                     break
-                task = asyncio.get_running_loop().create_task(
-                    self._send(run, stored, team, line, expires)
-                )
+                task = loop.create_task(self._send(run, stored, team, line, expires))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             if pending:
                 await asyncio.wait(pending)
         finally:
+            expiry.cancel()
             run.stop()
             for task in pending:
                 task.cancel()
 
+    async def _place(self, run: Run) -> bool:
+        """A place for one more line among the process's `batch_concurrency` (released
+        by `_send`), or False when the run halts first."""
+        taken = asyncio.ensure_future(self._lines.acquire())
+        halted = asyncio.ensure_future(run.halted.wait())
+        closing = False
+        try:
+            await asyncio.wait((taken, halted), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the run's task cancelled (a close)
+            closing = True
+        halted.cancel()
+        if not taken.done():
+            taken.cancel()
+        await asyncio.gather(taken, halted, return_exceptions=True)
+        took = not taken.cancelled()
+        if took and (closing or run.halted.is_set()):
+            self._lines.release()
+            took = False
+        if closing:
+            raise asyncio.CancelledError
+        return took
+
     def _stopping(self, run: Run, expires: float) -> bool:
-        return run.cancelled.is_set() or self.inflight.draining or time.time() >= expires
+        return run.halted.is_set() or self.inflight.draining or time.time() >= expires
 
     async def _send(
         self,
@@ -342,7 +372,7 @@ class BatchRunner:
                 wait = min(wait, MAX_BACKOFF, max(0.0, expires - time.time()))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
-                        await run.cancelled.wait()
+                        await run.halted.wait()
                 if self._stopping(run, expires):
                     return
             ok = 200 <= answer.status < 300
