@@ -276,3 +276,33 @@ def test_on_redis_a_cancel_at_one_replica_stops_the_run_at_the_other(
         wait_until(lambda: workers.scripted.active == 0, "the line to end")
         assert one.state.batches.lines_sent == 1 and two.state.batches.lines_sent == 0
     assert_nothing_left(one, workers)
+
+
+def test_embeddings_and_responses_batches(gateway):
+    embed = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": DEMO_MODEL, "input": f"text {i}"},
+        }
+        for i in range(2)
+    ]
+    respond = [
+        {
+            "custom_id": "r0",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": DEMO_MODEL, "input": "hello there", "max_output_tokens": 4},
+        }
+    ]
+    with openai_sdk(gateway.url) as api:
+        embedded = _until(api, _run(api, embed, "/v1/embeddings").id, "completed")
+        vectors = _lines(api, embedded.output_file_id)
+        assert vectors["e1"]["response"]["body"]["data"][0]["object"] == "embedding"
+        answered = _until(api, _run(api, respond, "/v1/responses").id, "completed")
+        response = _lines(api, answered.output_file_id)["r0"]["response"]["body"]
+        assert response["object"] == "response" and response["status"] == "completed"
+        assert answered.usage.output_tokens == response["usage"]["output_tokens"] > 0
+        # stored, as any response the Responses API answers with `store` left on
+        assert api.responses.retrieve(response["id"]).id == response["id"]

@@ -144,12 +144,13 @@ class RedisStore:
         self._charge = self.client.register_script(_CHARGE)
 
     @asynccontextmanager
-    async def _bounded(self) -> AsyncIterator[None]:
-        """One call: at most `timeout` seconds, and Redis's errors as `StoreDown`.
-        A failure drops the idle connections too: after a restart of Redis they
-        are all dead, and each would fail once more."""
+    async def _bounded(self, extra: float = 0.0) -> AsyncIterator[None]:
+        """One call: at most `timeout` seconds (and `extra` more, for a call that moves
+        megabytes), and Redis's errors as `StoreDown`. A failure drops the idle
+        connections too: after a restart of Redis they are all dead, and each would
+        fail once more."""
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout + extra):
                 yield
         except RedisError as error:
             await self.client.connection_pool.disconnect(inuse_connections=False)

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 #: The most bytes of files a team keeps in a gateway's memory.
 MEMORY_BYTES_PER_TEAM = 1024 * 1024 * 1024
+#: Seconds more a Redis call may take for each byte it moves (a file's upload or
+#: download: 100 MiB at 20 MB/s, 5 s), past `redis_timeout`.
+SECONDS_A_BYTE = 1 / 20e6
 #: A batch's states before its end, and the ends.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("failed", "completed", "expired", "cancelled")
@@ -400,17 +403,20 @@ class RedisBatches(BatchStore):
     def _ttl_ms(self) -> int:
         return max(1, int(self.ttl * 1000))
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """One Redis call, bounded, its failure `Unavailable`."""
+    async def _call(self, method: str, *args: Any, extra: float = 0.0, **kwargs: Any) -> Any:
+        """One Redis call, bounded (`extra` seconds more than a call), its failure
+        `Unavailable`."""
         try:
-            async with self.redis._bounded():
+            async with self.redis._bounded(extra):
                 return await getattr(self.redis.client, method)(*args, **kwargs)
         except (OSError, TimeoutError) as error:
             raise _failed(error) from None
 
-    async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    async def _script(
+        self, script: Any, keys: list[str], args: list[Any], extra: float = 0.0
+    ) -> Any:
         try:
-            async with self.redis._bounded():
+            async with self.redis._bounded(extra):
                 return await script(keys=keys, args=args)
         except (OSError, TimeoutError) as error:
             raise _failed(error) from None
@@ -427,7 +433,8 @@ class RedisBatches(BatchStore):
         ttl_ms = self._ttl_ms if ttl is None else ttl * 1000
         head = [file["id"], now_ms, ttl_ms, self.per_team, orjson.dumps(file)]
         # a large upload's chunks go in one script: one step, as `record`'s lines
-        if not await self._script(self._put_file, keys, [*head, *chunks]):
+        extra = file["bytes"] * SECONDS_A_BYTE
+        if not await self._script(self._put_file, keys, [*head, *chunks], extra):
             raise too_many(self.per_team)
 
     async def file(self, team: str, file_id: str) -> dict[str, Any] | None:
@@ -435,7 +442,9 @@ class RedisBatches(BatchStore):
         return None if raw is None else dict(orjson.loads(raw))
 
     async def content(self, team: str, file_id: str) -> list[bytes]:
-        return list(await self._call("lrange", self._key(team, "blob:" + file_id), 0, -1))
+        key = self._key(team, "blob:" + file_id)
+        size = await self._call("memory_usage", key) or 0
+        return list(await self._call("lrange", key, 0, -1, extra=size * SECONDS_A_BYTE))
 
     async def delete_file(self, team: str, file_id: str) -> bool:
         keys = [self._key(team, "file:" + file_id), self._key(team, "blob:" + file_id)]
