@@ -34,6 +34,7 @@ ROWS = {
     "Usage by team",
     "KV-aware routing",
     "Adapters and MCP servers",
+    "Batches",
 }
 ALERTS = {
     "FurnaceGatewayErrorRatio",

@@ -213,7 +213,8 @@ class RequestMetrics:
             f"{PREFIX}_batch_lines",
             "Lines of batches (/v1/batches) this process sent, by team and outcome: "
             "completed (a 2xx in the output file), failed (the error file), retried (refused "
-            "for later: no free slot, the team's limits), expired (the window passed first).",
+            "for later: no free slot, the team's limits), expired (the window passed first), "
+            "ended (in flight when a cancel, a drain or the expiry ended it: not recorded).",
             ["team", "outcome"],
             registry=r,
         )

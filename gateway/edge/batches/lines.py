@@ -40,10 +40,11 @@ def _error(code: str, message: str, line: int | None, param: str | None) -> dict
 
 
 def read_lines(
-    content: bytes, endpoint: str, max_requests: int, max_body: int
+    content: bytes, endpoint: str, max_requests: int, max_body: int, one_model: bool = True
 ) -> tuple[list[Line], list[dict[str, Any]]]:
     """The file's requests, and the errors that fail its batch (none: it may run).
-    Lines are numbered from 1 in the errors, as OpenAI's are; blank lines are skipped."""
+    Lines are numbered from 1 in the errors, as OpenAI's are; blank lines are skipped.
+    `one_model`: OpenAI's rule (Anthropic's Message Batches mix models)."""
     lines: list[Line] = []
     found: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -64,7 +65,7 @@ def read_lines(
                 )
             )
             break
-        problem = _check(raw, number, endpoint, max_body, seen, model)
+        problem = _check(raw, number, endpoint, max_body, seen, model if one_model else None)
         if isinstance(problem, dict):
             found.append(problem)
             continue

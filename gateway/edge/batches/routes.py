@@ -359,7 +359,8 @@ def batch_routes(
     async def list_batches(request: Request) -> Response:
         limit, order, after, rest = _page(request, 100, 20)
         refuse_rest(rest)
-        return _listed(await store.batches(team_name(team_of(request.scope))), limit, order, after)
+        found = await store.batches(team_name(team_of(request.scope)))
+        return _listed([s.batch for s in found if s.api == "openai"], limit, order, after)
 
     async def one_batch(request: Request) -> Response:
         refuse_query(request)

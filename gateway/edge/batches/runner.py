@@ -42,7 +42,7 @@ import random
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -179,8 +179,6 @@ class BatchRunner:
         last_orphans = last_renew = 0.0
         while True:
             await asyncio.sleep(POLL)
-            if self.inflight.draining:
-                continue
             now = time.monotonic()
             try:
                 for run in list(self.runs.values()):
@@ -191,7 +189,9 @@ class BatchRunner:
                     last_renew = now
                     held = list(self.runs)
                     await self.store.renew(held, self.owner, LEASE_TTL)
-                if now - last_orphans >= ORPHAN_POLL:
+                # a draining replica keeps its leases (its lines end with the drain) and
+                # takes no new runs
+                if now - last_orphans >= ORPHAN_POLL and not self.inflight.draining:
                     last_orphans = now
                     for team, batch_id in await self.store.orphans():
                         await self.begin(team, batch_id)
@@ -243,8 +243,8 @@ class BatchRunner:
         if team and team not in self.teams.by_name:  # the team was taken out of the config
             failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
             message = f"The team {team} is no longer served by this gateway."
-            failed["errors"] = {"object": "list", "data": [_gone_team(message)]}
-            await store.update(team, _with(stored, failed), ("validating", "in_progress"))
+            failed["errors"] = {"object": "list", "data": [_error("team_not_found", message)]}
+            await self._fail(run, stored, failed, ("validating", "in_progress"))
             return True
         lines = await self._lines_of(run, stored)
         if lines is None:
@@ -266,6 +266,7 @@ class BatchRunner:
                     out = _line_out(line, None, "", EXPIRED)
                     await store.record(team, stored, line.index, out, False)
                     self.metrics.batch_lines.labels(team, "expired").inc()
+                    stored.expired += 1
             await self._end(run, stored, "expired", ("in_progress",))
         else:
             await self._end(run, stored, "completed", ("in_progress",))
@@ -274,21 +275,27 @@ class BatchRunner:
     async def _lines_of(self, run: Run, stored: StoredBatch) -> list[Line] | None:
         """The batch's requests; a batch still validating is validated (failed, or set
         in progress); None: it failed."""
-        settings = self.settings
-        content = b"".join(await self.store.content(run.team, stored.batch["input_file_id"]))
+        settings, file_id = self.settings, stored.batch["input_file_id"]
+        content = b"".join(await self.store.content(run.team, file_id))
+        if not content:  # deleted, or expired (its `expires_after`), before the run ended
+            failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
+            message = f"The batch's input file {file_id} is gone (deleted or expired)."
+            failed["errors"] = {"object": "list", "data": [_error("input_file_missing", message)]}
+            await self._fail(run, stored, failed, ("validating", "in_progress"))
+            return None
         lines, found = read_lines(
-            content, stored.batch["endpoint"], settings.max_requests, settings.max_body
+            content,
+            stored.batch["endpoint"],
+            settings.max_requests,
+            settings.max_body,
+            one_model=stored.api == "openai",
         )
         if stored.status != "validating":
             return lines
         if found:
             failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
             failed["errors"] = {"object": "list", "data": found}
-            if (
-                await self.store.update(run.team, _with(stored, failed), ("validating",))
-                == "validating"
-            ):
-                self.metrics.batches_ended.labels(run.team, "failed").inc()
+            if await self._fail(run, stored, failed, ("validating",)):
                 return None
             return lines  # cancelled meanwhile: ended as such
         started = {**stored.batch, "status": "in_progress", "in_progress_at": int(time.time())}
@@ -363,7 +370,9 @@ class BatchRunner:
                 request_id = ids("batch_req_")
                 answer = await self._call(run, stored.batch["endpoint"], team, body, request_id)
                 if answer.status == 0 or (self._stopping(run, expires) and answer.status in LATER):
-                    return  # ended by a cancel, a drain or the expiry: not the line's answer
+                    # ended by a cancel, a drain or the expiry: not the line's answer
+                    self.metrics.batch_lines.labels(run.team, "ended").inc()
+                    return
                 if answer.status not in LATER:
                     break
                 self.metrics.batch_lines.labels(run.team, "retried").inc()
@@ -447,6 +456,15 @@ class BatchRunner:
         """The team that made the batch, as it is now (its limits, its models)."""
         return self.teams.by_name.get(name) if name else None
 
+    async def _fail(
+        self, run: Run, stored: StoredBatch, failed: dict[str, Any], states: tuple[str, ...]
+    ) -> bool:
+        """The batch `failed` from one of `states` (False: it was in none, and stays)."""
+        if await self.store.update(run.team, _with(stored, failed), states) not in states:
+            return False
+        self.metrics.batches_ended.labels(run.team, "failed").inc()
+        return True
+
     async def _end(
         self, run: Run, stored: StoredBatch, status: str, states: tuple[str, ...]
     ) -> None:
@@ -480,7 +498,7 @@ class BatchRunner:
 
 
 def _with(stored: StoredBatch, batch: dict[str, Any]) -> StoredBatch:
-    return StoredBatch(batch, stored.output, stored.errors, stored.output_ttl)
+    return replace(stored, batch=batch)
 
 
 def _file_object(file_id: str, size: int, name: str, now: int, ttl: int | None) -> dict[str, Any]:
@@ -497,8 +515,9 @@ def _file_object(file_id: str, size: int, name: str, now: int, ttl: int | None) 
     }
 
 
-def _gone_team(message: str) -> dict[str, Any]:
-    return {"code": "team_not_found", "message": message, "param": None, "line": None}
+def _error(code: str, message: str) -> dict[str, Any]:
+    """An error of the batch's `errors` that names no line."""
+    return {"code": code, "message": message, "param": None, "line": None}
 
 
 def _retry_after(headers: list[tuple[bytes, bytes]]) -> float | None:

@@ -35,6 +35,7 @@ bytes of files a team. Redis is bounded by its own `maxmemory`, as its operator 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -47,11 +48,15 @@ from gateway.protocol import errors
 if TYPE_CHECKING:
     from gateway.teams.redis_store import RedisStore
 
+log = logging.getLogger("furnace.batches")
+
 #: The most bytes of files a team keeps in a gateway's memory.
 MEMORY_BYTES_PER_TEAM = 1024 * 1024 * 1024
 #: Seconds more a Redis call may take for each byte it moves (a file's upload or
 #: download: 100 MiB at 20 MB/s, 5 s), past `redis_timeout`.
 SECONDS_A_BYTE = 1 / 20e6
+#: A file's pieces read from Redis a call (uploads keep 1 MiB pieces).
+PAGE, CHUNK_BYTES = 64, 1024 * 1024
 #: A batch's states before its end, and the ends.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("failed", "completed", "expired", "cancelled")
@@ -59,14 +64,18 @@ ENDED = ("failed", "completed", "expired", "cancelled")
 
 @dataclass(slots=True)
 class StoredBatch:
-    """One batch: its public object (`request_counts` as last written), the ids of its
-    output and error files, hidden until it ends, and how long those are kept once shown
-    (`output_expires_after`; None: as long as the batch)."""
+    """One batch: its public object in OpenAI's shape (`request_counts` as last
+    written), the ids of its output and error files, hidden until it ends, how long those
+    are kept once shown (`output_expires_after`; None: as long as the batch), the API
+    it was made with (`openai`, or `anthropic`: Message Batches, whose input is a hidden
+    file too), and how many of its lines expired."""
 
     batch: dict[str, Any]
     output: str
     errors: str
     output_ttl: int | None = None
+    api: str = "openai"
+    expired: int = 0
 
     @property
     def id(self) -> str:
@@ -83,13 +92,22 @@ class StoredBatch:
                 "output": self.output,
                 "errors": self.errors,
                 "output_ttl": self.output_ttl,
+                "api": self.api,
+                "expired": self.expired,
             }
         )
 
     @classmethod
     def loads(cls, raw: bytes | str) -> StoredBatch:
         value = orjson.loads(raw)
-        return cls(value["batch"], value["output"], value["errors"], value["output_ttl"])
+        return cls(
+            value["batch"],
+            value["output"],
+            value["errors"],
+            value["output_ttl"],
+            value["api"],
+            value["expired"],
+        )
 
 
 @dataclass(slots=True)
@@ -113,10 +131,16 @@ class BatchStore:
         self.per_team = per_team
 
     async def put_file(
-        self, team: str, file: dict[str, Any], chunks: list[bytes], ttl: int | None = None
+        self,
+        team: str,
+        file: dict[str, Any],
+        chunks: list[bytes],
+        ttl: int | None = None,
+        hidden: bool = False,
     ) -> None:
         """Keeps a new file for `ttl` seconds (None: the store's); a 400 (`Invalid`) past
-        the team's bounds."""
+        the team's bounds. A `hidden` one (a Message Batch's requests) has content only,
+        listed nowhere, counted in no bound but the memory's."""
         raise NotImplementedError
 
     async def file(self, team: str, file_id: str) -> dict[str, Any] | None:
@@ -145,8 +169,12 @@ class BatchStore:
         """The team's batch, its counts read from its progress, or None."""
         raise NotImplementedError
 
-    async def batches(self, team: str) -> list[dict[str, Any]]:
-        """The team's batch objects, oldest first."""
+    async def batches(self, team: str) -> list[StoredBatch]:
+        """The team's batches, oldest first."""
+        raise NotImplementedError
+
+    async def delete_batch(self, team: str, stored: StoredBatch) -> None:
+        """Forgets an ended batch and its files (a Message Batch's delete)."""
         raise NotImplementedError
 
     async def update(self, team: str, stored: StoredBatch, states: tuple[str, ...]) -> str | None:
@@ -210,11 +238,16 @@ class MemoryBatches(BatchStore):
         return kept
 
     async def put_file(
-        self, team: str, file: dict[str, Any], chunks: list[bytes], ttl: int | None = None
+        self,
+        team: str,
+        file: dict[str, Any],
+        chunks: list[bytes],
+        ttl: int | None = None,
+        hidden: bool = False,
     ) -> None:
         kept = self._team_files(team)
         shown = sum(1 for _, obj, _ in kept.values() if obj is not None)
-        if shown >= self.per_team:
+        if shown >= self.per_team and not hidden:
             raise too_many(self.per_team)
         held = sum(sum(map(len, c)) for _, _, c in kept.values())
         if held + file["bytes"] > MEMORY_BYTES_PER_TEAM:
@@ -223,7 +256,8 @@ class MemoryBatches(BatchStore):
                 f"{MEMORY_BYTES_PER_TEAM} are kept; delete some files first.",
                 param="file",
             )
-        kept[file["id"]] = (time.monotonic() + (self.ttl if ttl is None else ttl), file, chunks)
+        expires = time.monotonic() + (self.ttl if ttl is None else ttl)
+        kept[file["id"]] = (expires, None if hidden else file, chunks)
 
     async def file(self, team: str, file_id: str) -> dict[str, Any] | None:
         found = self._team_files(team).get(file_id)
@@ -261,9 +295,17 @@ class MemoryBatches(BatchStore):
         stored.batch["request_counts"] = counts(stored.batch, progress)
         return stored
 
-    async def batches(self, team: str) -> list[dict[str, Any]]:
+    async def batches(self, team: str) -> list[StoredBatch]:
         found = [await self.batch(team, k) for k in list(self._team_batches(team))]
-        return sorted((s.batch for s in found if s is not None), key=_created)
+        return sorted((s for s in found if s is not None), key=lambda s: _created(s.batch))
+
+    async def delete_batch(self, team: str, stored: StoredBatch) -> None:
+        self._team_batches(team).pop(stored.id, None)
+        files = self._team_files(team)
+        for file_id in (stored.output, stored.errors):
+            files.pop(file_id, None)
+        if stored.api == "anthropic":  # its requests, a hidden file of its own
+            files.pop(stored.batch["input_file_id"], None)
 
     async def update(self, team: str, stored: StoredBatch, states: tuple[str, ...]) -> str | None:
         kept = self._team_batches(team)
@@ -347,13 +389,23 @@ return status
 """
 
 #: `put_file`: KEYS the index, the object, the blob; ARGV the id, now (ms), the TTL
-#: (ms), the bound, the object, then the chunks. Expired ids leave the index first.
+#: (ms), the bound, the object (empty: a hidden file, content only), then the chunks.
+#: Expired ids leave the index first.
 _PUT_FILE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[3])
+if ARGV[5] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
+  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
+    -- files that expired early (their `expires_after`) leave the count first
+    local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #ARGV[1])
+    for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+      if redis.call('EXISTS', prefix .. id) == 0 then redis.call('ZREM', KEYS[1], id) end
+    end
+    if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+  end
+  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[3])
+end
 redis.call('DEL', KEYS[3])
 for i = 6, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end
 if #ARGV >= 6 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
@@ -422,7 +474,12 @@ class RedisBatches(BatchStore):
             raise _failed(error) from None
 
     async def put_file(
-        self, team: str, file: dict[str, Any], chunks: list[bytes], ttl: int | None = None
+        self,
+        team: str,
+        file: dict[str, Any],
+        chunks: list[bytes],
+        ttl: int | None = None,
+        hidden: bool = False,
     ) -> None:
         keys = [
             self._key(team, "files"),
@@ -431,7 +488,7 @@ class RedisBatches(BatchStore):
         ]
         now_ms = int(time.time() * 1000)
         ttl_ms = self._ttl_ms if ttl is None else ttl * 1000
-        head = [file["id"], now_ms, ttl_ms, self.per_team, orjson.dumps(file)]
+        head = [file["id"], now_ms, ttl_ms, self.per_team, b"" if hidden else orjson.dumps(file)]
         # a large upload's chunks go in one script: one step, as `record`'s lines
         extra = file["bytes"] * SECONDS_A_BYTE
         if not await self._script(self._put_file, keys, [*head, *chunks], extra):
@@ -442,9 +499,15 @@ class RedisBatches(BatchStore):
         return None if raw is None else dict(orjson.loads(raw))
 
     async def content(self, team: str, file_id: str) -> list[bytes]:
+        # in pages, each call bounded by what it may move: an upload's 1 MiB chunks
         key = self._key(team, "blob:" + file_id)
-        size = await self._call("memory_usage", key) or 0
-        return list(await self._call("lrange", key, 0, -1, extra=size * SECONDS_A_BYTE))
+        found: list[bytes] = []
+        extra = PAGE * CHUNK_BYTES * SECONDS_A_BYTE
+        while True:
+            page = await self._call("lrange", key, len(found), len(found) + PAGE - 1, extra=extra)
+            found += page
+            if len(page) < PAGE:
+                return found
 
     async def delete_file(self, team: str, file_id: str) -> bool:
         keys = [self._key(team, "file:" + file_id), self._key(team, "blob:" + file_id)]
@@ -498,13 +561,23 @@ class RedisBatches(BatchStore):
         stored.batch["request_counts"] = counts(stored.batch, Progress(set(), completed, failed))
         return stored
 
-    async def batches(self, team: str) -> list[dict[str, Any]]:
+    async def batches(self, team: str) -> list[StoredBatch]:
         found = []
         for raw in await self._objects(team, "batches", "batch"):
             stored = await self.batch(team, StoredBatch.loads(raw).id)
             if stored is not None:
-                found.append(stored.batch)
+                found.append(stored)
         return found
+
+    async def delete_batch(self, team: str, stored: StoredBatch) -> None:
+        keys = [self._key(team, f"{what}:{stored.id}") for what in ("batch", "status", "done")]
+        for file_id in (stored.output, stored.errors):
+            keys += [self._key(team, "file:" + file_id), self._key(team, "blob:" + file_id)]
+        if stored.api == "anthropic":  # its requests, a hidden file of its own
+            keys.append(self._key(team, "blob:" + stored.batch["input_file_id"]))
+        await self._call("delete", *keys)
+        await self._call("zrem", self._key(team, "batches"), stored.id)
+        await self._call("zrem", self._key(team, "files"), stored.output, stored.errors)
 
     async def update(self, team: str, stored: StoredBatch, states: tuple[str, ...]) -> str | None:
         keys = [self._key(team, "status:" + stored.id), self._key(team, "batch:" + stored.id)]
@@ -533,7 +606,9 @@ class RedisBatches(BatchStore):
     async def show(self, team: str, file: dict[str, Any], ttl: int | None = None) -> None:
         key = self._key(team, "file:" + file["id"])
         now_ms = int(time.time() * 1000)
-        ttl_ms = self._ttl_ms if ttl is None else ttl * 1000
+        # as long as its lines live (the batch's) unless told
+        left = await self._call("pttl", self._key(team, "blob:" + file["id"]))
+        ttl_ms = (left if left > 0 else self._ttl_ms) if ttl is None else ttl * 1000
         try:
             async with self.redis._bounded():
                 pipe = self.redis.client.pipeline(transaction=True)
@@ -591,4 +666,9 @@ def open_batches(redis: RedisStore | None, ttl: float, per_team: int) -> BatchSt
     """Redis's store when the gateway has one, else this process's memory."""
     if redis is not None:
         return RedisBatches(redis, ttl, per_team)
+    log.warning(
+        "batches and their files (/v1/batches, /v1/files) are kept in this process's "
+        "memory: replicas and processes do not share them, and a restart loses them with "
+        "their runs (set redis_url to share them and resume runs on another replica)"
+    )
     return MemoryBatches(ttl, per_team)
