@@ -949,8 +949,13 @@ def test_another_method_is_refused_in_anthropics_shape_and_other_routes_keep_ope
     answer = httpx.get(gateway.url + "/v1/messages", timeout=HANG_GUARD)
     assert answer.status_code == 405 and anthropic_error(answer)["type"] == "invalid_request_error"
     # below Anthropic's path: what its SDK calls and the gateway does not serve
+    unknown = httpx.get(gateway.url + "/v1/messages/batches/msgbatch_x", timeout=HANG_GUARD)
+    assert unknown.status_code == 404 and anthropic_error(unknown)["type"] == "not_found_error"
+    other_api = httpx.get(gateway.url + "/v1/messages/models", timeout=HANG_GUARD)
+    assert other_api.status_code == 404 and anthropic_error(other_api)["type"] == "not_found_error"
     batches = httpx.post(gateway.url + "/v1/messages/batches", json={}, timeout=HANG_GUARD)
-    assert batches.status_code == 404 and anthropic_error(batches)["type"] == "not_found_error"
+    assert batches.status_code == 400
+    assert anthropic_error(batches)["type"] == "invalid_request_error"
     other = httpx.get(gateway.url + "/v1/models/no-such-model", timeout=HANG_GUARD)
     assert other.status_code == 404 and "param" in other.json()["error"]
 

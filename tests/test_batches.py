@@ -81,7 +81,7 @@ def test_a_batch_of_chats_runs_to_completed_with_each_answer_in_its_output_file(
         assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
         used = sum(output[k]["response"]["body"]["usage"]["total_tokens"] for k in output)
         assert done.usage.total_tokens == used > 0
-        assert [b.id for b in api.batches.list()][0] == batch.id
+        assert next(b.id for b in api.batches.list()) == batch.id
         files = {f.id: f for f in api.files.list()}
         assert files[done.output_file_id].purpose == "batch_output"
         assert api.files.delete(uploaded.id).deleted is True

@@ -32,6 +32,7 @@ from gateway.config import Config
 from gateway.edge.anthropic.errors import AnthropicShape
 from gateway.edge.anthropic.routes import MESSAGES, anthropic_paths, anthropic_routes
 from gateway.edge.asgi import ASGIApp
+from gateway.edge.batches.anthropic import message_batch_routes
 from gateway.edge.batches.routes import ENDPOINTS, batch_routes
 from gateway.edge.batches.runner import BatchRunner
 from gateway.edge.errors import APIError, internal_error
@@ -162,9 +163,11 @@ def create_app(
     hot[INPUT_TOKENS] = InputTokensRoute(parts, responses_hot[RESPONSES])
     # a batch's lines go to the endpoints' routes themselves (the checks are the batch's)
     batches.routes = {path: hot[path] for path in ENDPOINTS}
+    batches.routes[MESSAGES] = AnthropicShape(hot[MESSAGES])
     routes = [
         *(Route(path, route, methods=["POST"]) for path, route in hot.items()),
         *batch_routes(batches, admission, config.batch_max_file_bytes, config.retry_after),
+        *message_batch_routes(batches, admission, config.batch_max_file_bytes, config.retry_after),
         Route("/v1/models", list_models(admission, started_at), methods=["GET"]),
         Route("/v1/models/{model:path}", one_model(admission, started_at), methods=["GET"]),
         *probe_routes(is_ready),

@@ -11,4 +11,6 @@ file (and the errors to an error file) the team downloads.
                 retried when refused for "later", cancel, expiry, resumed by another
                 replica when the one running a batch stops
     routes.py   the /v1/files and /v1/batches routes
+    anthropic.py  Anthropic's Message Batches (/v1/messages/batches) on the same runs:
+                its requests a hidden input file, its results in Anthropic's shapes
 """

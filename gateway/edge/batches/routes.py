@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, cast
 
 from python_multipart import MultipartParser
@@ -25,7 +26,7 @@ from starlette.routing import Route
 from gateway.admission import Admission
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.batches.runner import BatchRunner, ids
-from gateway.edge.batches.store import UNFINISHED, StoredBatch
+from gateway.edge.batches.store import UNFINISHED, BatchStore, StoredBatch
 from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.routes import json_response, refuse_query, team_name
@@ -44,8 +45,83 @@ EXPIRES_MIN, EXPIRES_MAX = 3600, 2_592_000
 FORM_SLACK = 64 * 1024
 
 
-def _not_found(kind: str, object_id: str) -> APIError:
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def not_found(kind: str, object_id: str) -> APIError:
+    """The 404 of an id the team does not have."""
     return APIError(404, f"No such {kind}: '{object_id[:128]}'.", code="not_found", param="id")
+
+
+def guarded(retry_after: int) -> Callable[[Endpoint], Endpoint]:
+    """A store route whose store's failures are 503s."""
+
+    def guard(endpoint: Endpoint) -> Endpoint:
+        async def served(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except errors.GatewayError as error:
+                raise from_error(error, retry_after) from None
+
+        return served
+
+    return guard
+
+
+def new_batch(
+    batch_id: str, endpoint: str, file_id: str, metadata: dict[str, str] | None
+) -> dict[str, Any]:
+    """A new batch's object (OpenAI's), `validating`."""
+    now = int(time.time())
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": endpoint,
+        "model": None,
+        "errors": None,
+        "input_file_id": file_id,
+        "completion_window": WINDOW,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "in_progress_at": None,
+        "expires_at": now + WINDOW_SECONDS,
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "usage": None,
+        "metadata": metadata,
+    }
+
+
+async def begin(store: BatchStore, runner: BatchRunner, team: str, stored: StoredBatch) -> None:
+    """Keeps a new batch and starts its run here."""
+    await store.put_batch(team, stored)
+    await runner.begin(team, stored.id)
+
+
+async def cancel_batch(
+    store: BatchStore, runner: BatchRunner, team: str, found: StoredBatch
+) -> StoredBatch:
+    """The batch cancelled (`cancelling` until its run ends its lines), or as it was
+    when it is cancelled already; a 409 when it has ended."""
+    if found.status in ("cancelling", "cancelled"):
+        return found
+    if found.status not in UNFINISHED:
+        raise APIError(
+            409, f"Cannot cancel a batch that is {found.status}.", param="batch_id", code="conflict"
+        )
+    batch = {**found.batch, "status": "cancelling", "cancelling_at": int(time.time())}
+    cancelling = replace(found, batch=batch)
+    if await store.update(team, cancelling, ("validating", "in_progress")) is None:
+        raise not_found("batch", found.id)
+    runner.cancel(team, found.id)
+    return await store.batch(team, found.id) or cancelling
 
 
 def _page(request: Request, most: int, default: int) -> tuple[int, str, str | None, dict[str, str]]:
@@ -179,18 +255,7 @@ def batch_routes(
 ) -> list[Route]:
     """The Files and Batch APIs' routes, on `runner`'s store."""
     store = runner.store
-    Endpoint = Callable[[Request], Awaitable[Response]]
-
-    def storing(endpoint: Endpoint) -> Endpoint:
-        """The store's failures as 503s."""
-
-        async def served(request: Request) -> Response:
-            try:
-                return await endpoint(request)
-            except errors.GatewayError as error:
-                raise from_error(error, retry_after) from None
-
-        return served
+    storing = guarded(retry_after)
 
     async def upload(request: Request) -> Response:
         refuse_query(request)
@@ -266,11 +331,11 @@ def batch_routes(
         team, file_id = team_name(team_of(request.scope)), request.path_params["file_id"]
         if request.method == "DELETE":
             if not await store.delete_file(team, file_id):
-                raise _not_found("file", file_id)
+                raise not_found("file", file_id)
             return json_response({"id": file_id, "object": "file", "deleted": True})
         found = await store.file(team, file_id)
         if found is None:
-            raise _not_found("file", file_id)
+            raise not_found("file", file_id)
         return json_response(found)
 
     async def content(request: Request) -> Response:
@@ -278,7 +343,7 @@ def batch_routes(
         team, file_id = team_name(team_of(request.scope)), request.path_params["file_id"]
         found = await store.file(team, file_id)
         if found is None:
-            raise _not_found("file", file_id)
+            raise not_found("file", file_id)
         chunks = await store.content(team, file_id)
         headers = {"content-length": str(sum(map(len, chunks)))}
         return StreamingResponse(
@@ -326,34 +391,10 @@ def batch_routes(
             raise invalid("input_file_id", f"No such file: '{file_id[:128]}'.")
         if found["purpose"] != "batch":
             raise invalid("input_file_id", "The input file's purpose must be 'batch'.")
-        now = int(time.time())
-        batch: dict[str, Any] = {
-            "id": ids("batch_"),
-            "object": "batch",
-            "endpoint": endpoint,
-            "model": None,
-            "errors": None,
-            "input_file_id": file_id,
-            "completion_window": WINDOW,
-            "status": "validating",
-            "output_file_id": None,
-            "error_file_id": None,
-            "created_at": now,
-            "in_progress_at": None,
-            "expires_at": now + WINDOW_SECONDS,
-            "finalizing_at": None,
-            "completed_at": None,
-            "failed_at": None,
-            "expired_at": None,
-            "cancelling_at": None,
-            "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "usage": None,
-            "metadata": metadata,
-        }
-        stored = StoredBatch(batch, ids("file-"), ids("file-"), output_seconds)
-        await store.put_batch(name, stored)
-        await runner.begin(name, stored.id)
+        batch = new_batch(ids("batch_"), endpoint, file_id, metadata)
+        await begin(
+            store, runner, name, StoredBatch(batch, ids("file-"), ids("file-"), output_seconds)
+        )
         return json_response(batch)
 
     async def list_batches(request: Request) -> Response:
@@ -362,36 +403,20 @@ def batch_routes(
         found = await store.batches(team_name(team_of(request.scope)))
         return _listed([s.batch for s in found if s.api == "openai"], limit, order, after)
 
-    async def one_batch(request: Request) -> Response:
+    async def found(request: Request) -> tuple[str, StoredBatch]:
         refuse_query(request)
         team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
-        found = await store.batch(team, batch_id)
-        if found is None:
-            raise _not_found("batch", batch_id)
-        return json_response(found.batch)
+        stored = await store.batch(team, batch_id)
+        if stored is None or stored.api != "openai":
+            raise not_found("batch", batch_id)
+        return team, stored
+
+    async def one_batch(request: Request) -> Response:
+        return json_response((await found(request))[1].batch)
 
     async def cancel(request: Request) -> Response:
-        refuse_query(request)
-        team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
-        found = await store.batch(team, batch_id)
-        if found is None:
-            raise _not_found("batch", batch_id)
-        if found.status in ("cancelling", "cancelled"):
-            return json_response(found.batch)
-        if found.status not in UNFINISHED:
-            raise APIError(
-                409,
-                f"Cannot cancel a batch that is {found.status}.",
-                param="batch_id",
-                code="conflict",
-            )
-        batch = {**found.batch, "status": "cancelling", "cancelling_at": int(time.time())}
-        cancelling = StoredBatch(batch, found.output, found.errors, found.output_ttl)
-        was = await store.update(team, cancelling, ("validating", "in_progress"))
-        if was is None:
-            raise _not_found("batch", batch_id)
-        runner.cancel(team, batch_id)
-        return json_response((await store.batch(team, batch_id) or cancelling).batch)
+        team, stored = await found(request)
+        return json_response((await cancel_batch(store, runner, team, stored)).batch)
 
     return [
         Route("/v1/files", storing(upload), methods=["POST"]),

@@ -1,0 +1,108 @@
+"""Specs: Anthropic's Message Batches API (`/v1/messages/batches`) through the official
+`anthropic` SDK against the real gateway and its demo and scripted workers: a batch of
+two models' requests run to `ended`, its results read with the SDK's `results()` (each
+`succeeded` with its message, a request its route refuses `errored` in Anthropic's
+shape); the checks made at creation, each naming its field; a cancel whose unsent
+requests read `canceled` and whose lines in flight end; delete only once ended; the list
+newest first; and a Message Batch invisible to the OpenAI Batch API's routes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anthropic
+import pytest
+
+from tests.support.clients import openai_sdk
+from tests.support.scripted_worker import SCRIPTED_MODEL, script
+from tests.support.servers import DEMO_MODEL, assert_nothing_left
+from tests.support.waiting import HANG_GUARD, wait_until
+
+
+@pytest.fixture
+def sdk(gateway) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(
+        base_url=gateway.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as client:
+        yield client
+
+
+def _request(custom_id: str, text: str, model: str = DEMO_MODEL, **params) -> dict:
+    messages = [{"role": "user", "content": text}]
+    body = {"model": model, "max_tokens": 4, "messages": messages, **params}
+    return {"custom_id": custom_id, "params": body}
+
+
+def _until_ended(sdk: anthropic.Anthropic, batch_id: str):
+    found = []
+
+    def ended() -> bool:
+        found[:] = [sdk.messages.batches.retrieve(batch_id)]
+        return found[0].processing_status == "ended"
+
+    wait_until(ended, f"{batch_id} to end")
+    return found[0]
+
+
+def test_a_message_batch_runs_to_ended_and_its_results_read_with_the_sdk(sdk, gateway):
+    requests = [
+        _request("first", "hello there"),
+        _request("second", "more words", model=SCRIPTED_MODEL),
+        _request("refused", "x", max_tokens=0),
+    ]
+    batch = sdk.messages.batches.create(requests=requests)
+    assert batch.type == "message_batch" and batch.id.startswith("msgbatch_")
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 3
+    assert batch.results_url is None and batch.created_at < batch.expires_at
+    ended = _until_ended(sdk, batch.id)
+    counts = ended.request_counts
+    assert (counts.succeeded, counts.errored, counts.canceled, counts.processing) == (2, 1, 0, 0)
+    assert ended.ended_at and ended.results_url.endswith(f"/{batch.id}/results")
+    results = {r.custom_id: r.result for r in sdk.messages.batches.results(batch.id)}
+    assert results["first"].type == "succeeded"
+    assert results["first"].message.type == "message" and results["first"].message.content
+    assert results["second"].message.model == SCRIPTED_MODEL  # two models in one batch
+    refused = results["refused"]
+    assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
+    assert "max_tokens" in refused.error.error.message
+    assert next(b.id for b in sdk.messages.batches.list()) == batch.id
+    assert sdk.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.messages.batches.retrieve(batch.id)
+
+
+def test_the_checks_at_creation_name_their_field(sdk):
+    for requests, field in (
+        ([], "requests"),
+        ([_request("bad id!", "x")], "requests.0.custom_id"),
+        ([_request("a", "x"), _request("a", "y")], "requests.1.custom_id"),
+        ([_request("a", "x", stream=True)], "requests.0.params.stream"),
+        ([{"custom_id": "a", "params": "no"}], "requests.0.params"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            sdk.messages.batches.create(requests=requests)
+        assert refused.value.body["error"]["type"] == "invalid_request_error"
+        assert field in refused.value.body["error"]["message"]
+
+
+def test_a_cancel_leaves_the_unsent_requests_canceled(gateway_with, workers):
+    gw = gateway_with(batch_concurrency=1)
+    hanging = [
+        _request(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)
+    ]
+    with anthropic.Anthropic(
+        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as sdk:
+        batch = sdk.messages.batches.create(requests=hanging)
+        wait_until(lambda: workers.scripted.active == 1, "a request in flight")
+        with pytest.raises(anthropic.BadRequestError):
+            sdk.messages.batches.delete(batch.id)  # not ended yet
+        assert sdk.messages.batches.cancel(batch.id).processing_status in ("canceling", "ended")
+        ended = _until_ended(sdk, batch.id)
+        assert ended.request_counts.canceled == 3 and ended.cancel_initiated_at
+        results = {r.custom_id: r.result.type for r in sdk.messages.batches.results(batch.id)}
+        assert results == {"h0": "canceled", "h1": "canceled", "h2": "canceled"}
+        # the OpenAI Batch API's routes know no Message Batch
+        with openai_sdk(gw.url) as api:
+            assert [b.id for b in api.batches.list()] == []
+    assert_nothing_left(gw, workers)
