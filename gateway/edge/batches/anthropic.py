@@ -33,16 +33,15 @@ from gateway.edge.batches.lines import read_lines
 from gateway.edge.batches.routes import (
     begin,
     cancel_batch,
-    guarded,
+    found_batch,
     new_batch,
-    not_found,
     refuse_rest,
 )
 from gateway.edge.batches.runner import BatchRunner, ids
 from gateway.edge.batches.store import ENDED, StoredBatch
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.responses.routes import json_response, team_name
+from gateway.edge.responses.routes import guarded, json_response, team_name
 from gateway.teams import team_of
 
 MESSAGES = "/v1/messages"
@@ -173,11 +172,8 @@ def message_batch_routes(
     store, settings = runner.store, runner.settings
 
     async def found(request: Request) -> tuple[str, StoredBatch]:
-        team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
-        stored = await store.batch(team, batch_id)
-        if stored is None or stored.api != "anthropic":
-            raise not_found("message batch", batch_id)
-        return team, stored
+        refuse_rest(dict(request.query_params))
+        return await found_batch(store, request, "anthropic")
 
     async def create(request: Request) -> Response:
         refuse_rest(dict(request.query_params))
@@ -227,7 +223,6 @@ def message_batch_routes(
         )
 
     async def one(request: Request) -> Response:
-        refuse_rest(dict(request.query_params))
         team, stored = await found(request)
         if request.method == "DELETE":
             if stored.status not in ENDED:
@@ -240,12 +235,10 @@ def message_batch_routes(
         return json_response(message_batch(stored))
 
     async def cancel(request: Request) -> Response:
-        refuse_rest(dict(request.query_params))
         team, stored = await found(request)
         return json_response(message_batch(await cancel_batch(store, runner, team, stored)))
 
     async def results(request: Request) -> Response:
-        refuse_rest(dict(request.query_params))
         team, stored = await found(request)
         if stored.status not in ENDED:
             raise APIError(

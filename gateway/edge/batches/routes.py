@@ -13,7 +13,6 @@ endpoints are those this gateway serves: chat, completions, embeddings, response
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -27,10 +26,10 @@ from gateway.admission import Admission
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.batches.runner import BatchRunner, ids
 from gateway.edge.batches.store import UNFINISHED, BatchStore, StoredBatch
-from gateway.edge.errors import APIError, from_error, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
-from gateway.edge.responses.routes import json_response, refuse_query, team_name
-from gateway.protocol import errors
+from gateway.edge.responses.params import _metadata
+from gateway.edge.responses.routes import guarded, json_response, refuse_query, team_name
 from gateway.teams import team_of
 
 #: The endpoints a batch may name.
@@ -45,27 +44,18 @@ EXPIRES_MIN, EXPIRES_MAX = 3600, 2_592_000
 FORM_SLACK = 64 * 1024
 
 
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
 def not_found(kind: str, object_id: str) -> APIError:
     """The 404 of an id the team does not have."""
     return APIError(404, f"No such {kind}: '{object_id[:128]}'.", code="not_found", param="id")
 
 
-def guarded(retry_after: int) -> Callable[[Endpoint], Endpoint]:
-    """A store route whose store's failures are 503s."""
-
-    def guard(endpoint: Endpoint) -> Endpoint:
-        async def served(request: Request) -> Response:
-            try:
-                return await endpoint(request)
-            except errors.GatewayError as error:
-                raise from_error(error, retry_after) from None
-
-        return served
-
-    return guard
+async def found_batch(store: BatchStore, request: Request, api: str) -> tuple[str, StoredBatch]:
+    """The team's name and its batch the path names, made with `api`, or a 404."""
+    team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
+    stored = await store.batch(team, batch_id)
+    if stored is None or stored.api != api:
+        raise not_found("batch" if api == "openai" else "message batch", batch_id)
+    return team, stored
 
 
 def new_batch(
@@ -173,24 +163,6 @@ def _expires_after(value: Any, param: str) -> int | None:
             f"Invalid '{param}.seconds': an integer from {EXPIRES_MIN} to {EXPIRES_MAX}.",
         )
     return seconds
-
-
-def _metadata(value: Any) -> dict[str, str] | None:
-    """OpenAI's metadata: at most 16 pairs, keys of 64 characters, values of 512."""
-    if value is None:
-        return None
-    if (
-        not isinstance(value, dict)
-        or len(value) > 16
-        or not all(isinstance(k, str) and len(k) <= 64 for k in value)
-        or not all(isinstance(v, str) and len(v) <= 512 for v in value.values())
-    ):
-        raise invalid(
-            "metadata",
-            "Invalid 'metadata': at most 16 pairs of strings, keys of at most 64 characters "
-            "and values of at most 512.",
-        )
-    return cast(dict[str, str], value)
 
 
 class Upload:
@@ -383,7 +355,7 @@ def batch_routes(
             raise invalid(
                 "completion_window", f"Invalid 'completion_window': only '{WINDOW}' is supported."
             )
-        metadata = _metadata(body.get("metadata"))
+        metadata = _metadata(body) or None
         output_seconds = _expires_after(body.get("output_expires_after"), "output_expires_after")
         name = team_name(team)
         found = await store.file(name, file_id)
@@ -405,11 +377,7 @@ def batch_routes(
 
     async def found(request: Request) -> tuple[str, StoredBatch]:
         refuse_query(request)
-        team, batch_id = team_name(team_of(request.scope)), request.path_params["batch_id"]
-        stored = await store.batch(team, batch_id)
-        if stored is None or stored.api != "openai":
-            raise not_found("batch", batch_id)
-        return team, stored
+        return await found_batch(store, request, "openai")
 
     async def one_batch(request: Request) -> Response:
         return json_response((await found(request))[1].batch)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -86,28 +86,11 @@ class StoredBatch:
         return str(self.batch["status"])
 
     def dumps(self) -> bytes:
-        return orjson.dumps(
-            {
-                "batch": self.batch,
-                "output": self.output,
-                "errors": self.errors,
-                "output_ttl": self.output_ttl,
-                "api": self.api,
-                "expired": self.expired,
-            }
-        )
+        return orjson.dumps(asdict(self))
 
     @classmethod
     def loads(cls, raw: bytes | str) -> StoredBatch:
-        value = orjson.loads(raw)
-        return cls(
-            value["batch"],
-            value["output"],
-            value["errors"],
-            value["output_ttl"],
-            value["api"],
-            value["expired"],
-        )
+        return cls(**orjson.loads(raw))
 
 
 @dataclass(slots=True)

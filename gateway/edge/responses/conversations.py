@@ -22,8 +22,7 @@ The team's own conversations only (conversation_store.py): another team's is a 4
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from functools import wraps
+from collections.abc import Mapping
 from typing import Any, cast
 
 from starlette.requests import Request
@@ -31,7 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.edge.asgi import Receive, Scope
-from gateway.edge.errors import APIError, from_error, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.conversation_store import (
     ConversationStore,
@@ -40,15 +39,19 @@ from gateway.edge.responses.conversation_store import (
     not_found,
 )
 from gateway.edge.responses.params import Item, _metadata, input_items, new_id
-from gateway.edge.responses.routes import Page, json_response, refuse_query, team_name
-from gateway.protocol import errors
+from gateway.edge.responses.routes import (
+    Endpoint,
+    Page,
+    guarded,
+    json_response,
+    refuse_query,
+    team_name,
+)
 from gateway.teams import team_of
 
 CONVERSATIONS = "/v1/conversations"
 #: OpenAI's bound on the items one request adds (a creation's, an `items.create`'s).
 MAX_ADDED = 20
-
-Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def _items(body: Mapping[str, Any], required: bool) -> list[Item]:
@@ -78,17 +81,7 @@ def conversation_routes(
 ) -> list[Route]:
     """The Conversations API's routes on `store`."""
 
-    def guarded(handler: Endpoint) -> Endpoint:
-        """A failing store is a 503, as the store routes of responses answer it."""
-
-        @wraps(handler)
-        async def guarded_handler(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except errors.GatewayError as error:
-                raise from_error(error, retry_after) from None
-
-        return guarded_handler
+    guard = guarded(retry_after)
 
     async def body_of(request: Request) -> Mapping[str, Any]:
         receive = cast(Receive, request.receive)  # Starlette's types say MutableMapping
@@ -191,4 +184,4 @@ def conversation_routes(
         (CONVERSATIONS + "/{conversation_id}/items", items, ["GET", "POST"]),
         (CONVERSATIONS + "/{conversation_id}/items/{item_id}", item, ["GET", "DELETE"]),
     ]
-    return [Route(path, guarded(handler), methods=methods) for path, handler, methods in handlers]
+    return [Route(path, guard(handler), methods=methods) for path, handler, methods in handlers]

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
+from functools import wraps
 from typing import Any, ClassVar
 
 import orjson
@@ -421,6 +422,26 @@ def no_truncation(model: str, why: str) -> APIError:
         f"'truncation' of 'auto' is not supported for the model {model}: {why}. "
         "Send 'truncation': 'disabled' (the default).",
     )
+
+
+#: A store route's handler (responses, conversations, batches and their files).
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(retry_after: int) -> Callable[[Endpoint], Endpoint]:
+    """A store route whose store's failure is a 503 (with `retry_after`)."""
+
+    def guard(handler: Endpoint) -> Endpoint:
+        @wraps(handler)
+        async def guarded_handler(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except errors.GatewayError as error:
+                raise from_error(error, retry_after) from None
+
+        return guarded_handler
+
+    return guard
 
 
 def json_response(value: Any, status: int = 200) -> Response:
