@@ -306,3 +306,31 @@ def test_embeddings_and_responses_batches(gateway):
         assert answered.usage.output_tokens == response["usage"]["output_tokens"] > 0
         # stored, as any response the Responses API answers with `store` left on
         assert api.responses.retrieve(response["id"]).id == response["id"]
+
+
+def test_on_redis_a_stalled_store_delays_a_batch_and_loses_no_line(
+    gateway_with, redis_server, workers, monkeypatch
+):
+    """Redis stops answering for a while in the middle of a run: the lines whose answers
+    could not be recorded are sent again once it is back, and the batch completes with
+    every line once."""
+    monkeypatch.setattr(runner_module, "ORPHAN_POLL", 0.2)
+    monkeypatch.setattr(runner_module, "POLL", 0.1)
+    monkeypatch.setattr(runner_module, "MAX_BACKOFF", 0.2)
+    gw = gateway_with(redis_url=redis_server.url, redis_timeout=0.2, batch_concurrency=2)
+    lines = [_chat(f"r{i}", script(texts=1, delay=0.1), model=SCRIPTED_MODEL) for i in range(8)]
+    with openai_sdk(gw.url) as api:
+        batch = _run(api, lines)
+        wait_until(
+            lambda: api.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines"
+        )
+        redis_server.stall()
+        try:
+            before = gw.state.batches.lines_sent
+            wait_until(lambda: gw.state.batches.lines_sent >= before + 2, "lines sent meanwhile")
+        finally:
+            redis_server.resume()
+        done = _until(api, batch.id, "completed")
+        assert done.request_counts.completed == 8 and done.request_counts.failed == 0
+        assert sorted(_lines(api, done.output_file_id)) == [f"r{i}" for i in range(8)]
+    assert_nothing_left(gw, workers)

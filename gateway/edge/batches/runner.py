@@ -67,8 +67,9 @@ LEASE_TTL = 30.0
 MAX_BACKOFF = 30.0
 #: Statuses of a refusal that asks to come back later (not a line's answer).
 LATER = frozenset({429, 503})
-#: The most bytes of one line's answer kept (a larger one is the line's 500).
-MAX_ANSWER = 64 * 1024 * 1024
+#: The most bytes of one line's answer kept (a larger one is the line's 500): with
+#: `batch_concurrency` lines in flight, what a process may hold of their answers.
+MAX_ANSWER = 16 * 1024 * 1024
 EXPIRED = {
     "code": "batch_expired",
     "message": "This request could not be executed before the completion window expired.",
@@ -193,7 +194,7 @@ class BatchRunner:
                 # takes no new runs
                 if now - last_orphans >= ORPHAN_POLL and not self.inflight.draining:
                     last_orphans = now
-                    for team, batch_id in await self.store.orphans():
+                    for team, batch_id in await self.store.orphans(self.owner):
                         await self.begin(team, batch_id)
             except errors.GatewayError as error:  # the store is down: try again next poll
                 log.warning("batches: the store failed: %s", error)
@@ -250,10 +251,16 @@ class BatchRunner:
         if lines is None:
             return True
         stored = await store.batch(team, run.batch_id) or stored
-        if stored.status == "in_progress" and not run.cancelled:
+        expires, passes = float(stored.batch["expires_at"]), 0
+        while stored.status == "in_progress" and not self._stopping(run, expires):
             done = (await store.progress(team, stored)).done
-            expires = float(stored.batch["expires_at"])
-            await self._send_all(run, stored, [ln for ln in lines if ln.index not in done], expires)
+            todo = [line for line in lines if line.index not in done]
+            if not todo:
+                break
+            if passes:  # lines a pass left unrecorded (the store failed): a while, then again
+                await self._pause(run, MAX_BACKOFF, expires)
+            passes += 1
+            await self._send_all(run, stored, todo, expires)
         if self.inflight.draining:
             return False
         stored = await store.batch(team, run.batch_id) or stored
@@ -351,6 +358,15 @@ class BatchRunner:
             raise asyncio.CancelledError
         return took
 
+    @staticmethod
+    async def _pause(run: Run, seconds: float, expires: float) -> None:
+        """Waits `seconds` (at most `MAX_BACKOFF`, never past the expiry), or until the
+        run halts."""
+        wait = min(seconds, MAX_BACKOFF, max(0.0, expires - time.time()))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await run.halted.wait()
+
     def _stopping(self, run: Run, expires: float) -> bool:
         return run.halted.is_set() or self.inflight.draining or time.time() >= expires
 
@@ -378,15 +394,16 @@ class BatchRunner:
                 self.metrics.batch_lines.labels(run.team, "retried").inc()
                 wait = _retry_after(answer.headers) or backoff * (0.5 + random.random())
                 backoff = min(MAX_BACKOFF, backoff * 2)
-                wait = min(wait, MAX_BACKOFF, max(0.0, expires - time.time()))
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        await run.halted.wait()
+                await self._pause(run, wait, expires)
                 if self._stopping(run, expires):
                     return
             ok = 200 <= answer.status < 300
             out = _line_out(line, answer, request_id, None)
-            await self.store.record(run.team, stored, line.index, out, ok)
+            try:
+                await self.store.record(run.team, stored, line.index, out, ok)
+            except errors.GatewayError as error:  # left for the run's next pass
+                log.warning("batch %s: a line's answer not recorded: %s", run.batch_id, error)
+                return
             self.metrics.batch_lines.labels(run.team, "completed" if ok else "failed").inc()
         finally:
             self._lines.release()

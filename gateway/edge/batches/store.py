@@ -192,8 +192,9 @@ class BatchStore:
     async def release(self, team: str, batch_id: str, owner: str, ended: bool) -> None:
         """Gives the run up (`ended`: the batch is over, no one is to resume it)."""
 
-    async def orphans(self) -> list[tuple[str, str]]:
-        """The running batches (team, id) that no replica holds: each to be resumed."""
+    async def orphans(self, owner: str) -> list[tuple[str, str]]:
+        """The running batches (team, id) that no replica holds, or `owner` holds (a run
+        of its that stopped on a failure of the store): each to be resumed."""
         return []
 
 
@@ -572,7 +573,8 @@ class RedisBatches(BatchStore):
     async def record(self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool) -> None:
         blob = self._key(team, "blob:" + (stored.output if ok else stored.errors))
         keys = [self._key(team, "done:" + stored.id), blob]
-        await self._script(self._record, keys, [line, out, self._ttl_ms])
+        extra = len(out) * SECONDS_A_BYTE
+        await self._script(self._record, keys, [line, out, self._ttl_ms], extra)
 
     async def progress(self, team: str, stored: StoredBatch) -> Progress:
         try:
@@ -619,7 +621,7 @@ class RedisBatches(BatchStore):
             await self._call("srem", self._running, f"{team}/{batch_id}")
         await self._script(self._release, [self._owner(team, batch_id)], [owner])
 
-    async def orphans(self) -> list[tuple[str, str]]:
+    async def orphans(self, owner: str) -> list[tuple[str, str]]:
         running = sorted(m.decode() for m in await self._call("smembers", self._running))
         if not running:
             return []
@@ -627,8 +629,8 @@ class RedisBatches(BatchStore):
             "mget", [f"{self.redis.prefix}:batches:owner:{run}" for run in running]
         )
         found = []
-        for run, owner in zip(running, owners, strict=True):
-            if owner is None:
+        for run, holder in zip(running, owners, strict=True):
+            if holder is None or holder.decode() == owner:
                 team, _, batch_id = run.rpartition("/")
                 found.append((team, batch_id))
         return found
