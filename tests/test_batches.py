@@ -164,7 +164,7 @@ def test_a_cancel_ends_the_lines_in_flight_and_sends_no_more(gateway_with, worke
         done = _until(api, batch.id, "cancelled")
         assert done.request_counts.completed == 0 and done.cancelled_at
         assert done.output_file_id is None
-    assert len(workers.scripted.cancelled) >= 2
+    wait_until(lambda: len(workers.scripted.cancelled) >= 2, "both calls in flight to end")
     assert_nothing_left(gw, workers)
 
 

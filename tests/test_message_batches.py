@@ -49,14 +49,15 @@ def test_a_message_batch_runs_to_ended_and_its_results_read_with_the_sdk(sdk, ga
         _request("first", "hello there"),
         _request("second", "more words", model=SCRIPTED_MODEL),
         _request("refused", "x", max_tokens=0),
+        {"custom_id": "no-model", "params": {"max_tokens": 4, "messages": []}},
     ]
     batch = sdk.messages.batches.create(requests=requests)
     assert batch.type == "message_batch" and batch.id.startswith("msgbatch_")
-    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 3
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 4
     assert batch.results_url is None and batch.created_at < batch.expires_at
     ended = _until_ended(sdk, batch.id)
     counts = ended.request_counts
-    assert (counts.succeeded, counts.errored, counts.canceled, counts.processing) == (2, 1, 0, 0)
+    assert (counts.succeeded, counts.errored, counts.canceled, counts.processing) == (2, 2, 0, 0)
     assert ended.ended_at and ended.results_url.endswith(f"/{batch.id}/results")
     results = {r.custom_id: r.result for r in sdk.messages.batches.results(batch.id)}
     assert results["first"].type == "succeeded"
@@ -65,7 +66,13 @@ def test_a_message_batch_runs_to_ended_and_its_results_read_with_the_sdk(sdk, ga
     refused = results["refused"]
     assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
     assert "max_tokens" in refused.error.error.message
+    # a request at fault past creation's checks is its own `errored`, not the batch's
+    assert (
+        results["no-model"].type == "errored" and "model" in results["no-model"].error.error.message
+    )
     assert next(b.id for b in sdk.messages.batches.list()) == batch.id
+    with openai_sdk(gateway.url) as api:  # its results are read through its own route only
+        assert [f.id for f in api.files.list()] == []
     assert sdk.messages.batches.delete(batch.id).type == "message_batch_deleted"
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.batches.retrieve(batch.id)
@@ -106,3 +113,18 @@ def test_a_cancel_leaves_the_unsent_requests_canceled(gateway_with, workers):
         with openai_sdk(gw.url) as api:
             assert [b.id for b in api.batches.list()] == []
     assert_nothing_left(gw, workers)
+
+
+def test_the_list_pages_newest_first_around_a_cursor(sdk):
+    made = [sdk.messages.batches.create(requests=[_request(f"r{i}", "x")]).id for i in range(5)]
+    newest = made[::-1]
+    page = sdk.messages.batches.list(limit=2)
+    assert [b.id for b in page.data] == newest[:2] and page.has_more
+    after = sdk.messages.batches.list(limit=2, after_id=newest[1])
+    assert [b.id for b in after.data] == newest[2:4] and after.has_more
+    before = sdk.messages.batches.list(limit=2, before_id=newest[4])
+    assert [b.id for b in before.data] == newest[2:4] and before.has_more
+    last = sdk.messages.batches.list(limit=2, before_id=newest[2])
+    assert [b.id for b in last.data] == newest[:2] and not last.has_more
+    for batch_id in made:
+        _until_ended(sdk, batch_id)

@@ -10,7 +10,8 @@ any other batch's line is (`runner.py`): the same admission, priority, retries f
 "later", cancel, expiry and resuming on another replica. Unlike OpenAI's, its requests
 may name several models, and each line's answer is read back in Anthropic's shapes:
 `succeeded` with the message, `errored` with Anthropic's error object, `expired`, or
-`canceled` (a line a cancel left unsent). Anthropic's checks at creation are made here: a
+`canceled` (a line a cancel left unsent); its output and error files are never shown in
+/v1/files. Anthropic's checks at creation are made here: a
 `custom_id` of 1 to 64 letters, digits, `_` or `-`, unique in the batch; `params` an
 object that asks no stream. What `params` holds past that is checked when its line runs,
 and a refusal is that line's `errored` result. Times are RFC 3339, as Anthropic's.
@@ -28,6 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admission import Admission
+from gateway.edge.anthropic.errors import error_payload
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.batches.lines import read_lines
 from gateway.edge.batches.routes import (
@@ -134,6 +136,17 @@ def _requests(body: Any, max_requests: int) -> list[bytes]:
     return lines
 
 
+def _anthropic_error(response: dict[str, Any]) -> Any:
+    """A refused request's error object in Anthropic's shape: as the Messages route sent
+    it, or made from another (the runner's own, an answer too large to keep)."""
+    body = response["body"]
+    if isinstance(body, dict) and body.get("type") == "error":
+        return body
+    fields = body.get("error") if isinstance(body, dict) else None
+    message = fields.get("message") if isinstance(fields, dict) else None
+    return error_payload(response["status_code"], str(message or "The request failed."))
+
+
 def _results(stored: StoredBatch, output: list[bytes], errors: list[bytes], input_: bytes) -> bytes:
     """The batch's results, a JSONL line a request: what its lines answered, then the
     requests no line answered (`canceled`; `errored` with the batch's own error when the
@@ -150,14 +163,14 @@ def _results(stored: StoredBatch, output: list[bytes], errors: list[bytes], inpu
         if line["error"] is not None:  # the window passed first
             result = {"type": "expired"}
         else:
-            result = {"type": "errored", "error": line["response"]["body"]}
+            result = {"type": "errored", "error": _anthropic_error(line["response"])}
         results.append({"custom_id": line["custom_id"], "result": result})
     unsent: dict[str, Any] = {"type": "canceled"}
     if stored.status == "failed":
         why = (stored.batch.get("errors") or {}).get("data") or [{"message": "The batch failed."}]
         error = {"type": "api_error", "message": why[0]["message"]}
         unsent = {"type": "errored", "error": {"type": "error", "error": error}}
-    lines, _ = read_lines(input_, MESSAGES, len(input_), len(input_), one_model=False)
+    lines, _ = read_lines(input_, MESSAGES, len(input_), len(input_), bodies=False)
     for line in lines:
         if line.custom_id not in answered:
             results.append({"custom_id": line.custom_id, "result": unsent})
@@ -211,8 +224,9 @@ def message_batch_routes(
         if before is not None:
             if before not in ids_:
                 raise invalid("before_id", f"before_id: no message batch '{before[:128]}'.")
-            items = items[: ids_.index(before)][-limit:]
-        page = items[:limit]
+            items = items[: ids_.index(before)]
+        # the page next to the cursor: the first `limit` after one, the last before one
+        page = items[-limit:] if before is not None else items[:limit]
         return json_response(
             {
                 "data": page,

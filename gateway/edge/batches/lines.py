@@ -40,11 +40,13 @@ def _error(code: str, message: str, line: int | None, param: str | None) -> dict
 
 
 def read_lines(
-    content: bytes, endpoint: str, max_requests: int, max_body: int, one_model: bool = True
+    content: bytes, endpoint: str, max_requests: int, max_body: int, bodies: bool = True
 ) -> tuple[list[Line], list[dict[str, Any]]]:
     """The file's requests, and the errors that fail its batch (none: it may run).
     Lines are numbered from 1 in the errors, as OpenAI's are; blank lines are skipped.
-    `one_model`: OpenAI's rule (Anthropic's Message Batches mix models)."""
+    `bodies`: OpenAI's checks of the bodies too (size, model, one model a file, no
+    stream); Anthropic's Message Batches mix models, and a body at fault there is its
+    own request's `errored` result, not the batch's."""
     lines: list[Line] = []
     found: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -65,11 +67,13 @@ def read_lines(
                 )
             )
             break
-        problem = _check(raw, number, endpoint, max_body, seen, model if one_model else None)
+        problem = _check(raw, number, endpoint, seen)
+        if isinstance(problem, Line) and bodies:
+            problem = _check_body(raw, problem, number, max_body, model)
         if isinstance(problem, dict):
             found.append(problem)
             continue
-        model = model or problem.body["model"]
+        model = model or problem.body.get("model")
         seen.add(problem.custom_id)
         lines.append(Line(len(lines), problem.custom_id, problem.body))
     if not lines and not found:
@@ -77,9 +81,7 @@ def read_lines(
     return lines, found
 
 
-def _check(
-    raw: bytes, number: int, endpoint: str, max_body: int, seen: set[str], model: str | None
-) -> Line | dict[str, Any]:
+def _check(raw: bytes, number: int, endpoint: str, seen: set[str]) -> Line | dict[str, Any]:
     """One line as a request, or its error."""
     try:
         value = orjson.loads(raw)
@@ -105,6 +107,14 @@ def _check(
         return _error(
             "invalid_request", f"Line {number}: 'body' must be an object.", number, "body"
         )
+    return Line(0, custom_id, body)
+
+
+def _check_body(
+    raw: bytes, line: Line, number: int, max_body: int, model: str | None
+) -> Line | dict[str, Any]:
+    """OpenAI's checks of a line's body: the line itself, or its error."""
+    body = line.body
     if len(raw) > max_body:
         message = f"Line {number} is larger than {max_body} bytes, the largest request body."
         return _error("request_too_large", message, number, "body")
@@ -122,4 +132,4 @@ def _check(
         param = "body.stream" if body.get("stream") not in (None, False) else "body.background"
         message = f"Line {number}: a batch's requests are answered whole; '{param}' is not served."
         return _error("invalid_request", message, number, param)
-    return Line(0, custom_id, body)
+    return line

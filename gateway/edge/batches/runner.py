@@ -295,7 +295,7 @@ class BatchRunner:
             stored.batch["endpoint"],
             settings.max_requests,
             settings.max_body,
-            one_model=stored.api == "openai",
+            bodies=stored.api == "openai",
         )
         if stored.status != "validating":
             return lines
@@ -306,7 +306,7 @@ class BatchRunner:
                 return None
             return lines  # cancelled meanwhile: ended as such
         started = {**stored.batch, "status": "in_progress", "in_progress_at": int(time.time())}
-        started["model"] = lines[0].body["model"]
+        started["model"] = lines[0].body.get("model")
         started["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
         await self.store.update(run.team, _with(stored, started), ("validating",))
         return lines
@@ -493,10 +493,11 @@ class BatchRunner:
         if await store.update(team, _with(stored, batch), states) not in states:
             return  # cancelled or ended meanwhile, elsewhere
         usage: dict[str, Any] = {}
-        for kind, file_id, lines in (
-            ("output", stored.output, progress.completed),
-            ("error", stored.errors, progress.failed),
-        ):
+        files = [("output", stored.output, progress.completed)]
+        files.append(("error", stored.errors, progress.failed))
+        if stored.api != "openai":  # a Message Batch's results are read by its own route
+            files = []
+        for kind, file_id, lines in files:
             if not lines:
                 continue
             content = await store.content(team, file_id)

@@ -327,8 +327,10 @@ class MemoryBatches(BatchStore):
             files[file["id"]] = (expires, file, found[2])
 
 
-def _created(obj: dict[str, Any]) -> tuple[int, str]:
-    return (int(obj["created_at"]), str(obj["id"]))
+def _created(obj: dict[str, Any]) -> int:
+    """The sort key of a team's files and batches: when made (a stable sort keeps those
+    of one second in the order they were made)."""
+    return int(obj["created_at"])
 
 
 def _copy(stored: StoredBatch) -> StoredBatch:
