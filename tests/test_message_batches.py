@@ -51,6 +51,8 @@ def test_a_message_batch_runs_to_ended_and_its_results_read_with_the_sdk(sdk, ga
         _request("refused", "x", max_tokens=0),
         {"custom_id": "no-model", "params": {"max_tokens": 4, "messages": []}},
     ]
+    with openai_sdk(gateway.url) as api:
+        files_before = {f.id for f in api.files.list()}
     batch = sdk.messages.batches.create(requests=requests)
     assert batch.type == "message_batch" and batch.id.startswith("msgbatch_")
     assert batch.processing_status == "in_progress" and batch.request_counts.processing == 4
@@ -72,7 +74,7 @@ def test_a_message_batch_runs_to_ended_and_its_results_read_with_the_sdk(sdk, ga
     )
     assert next(b.id for b in sdk.messages.batches.list()) == batch.id
     with openai_sdk(gateway.url) as api:  # its results are read through its own route only
-        assert [f.id for f in api.files.list()] == []
+        assert {f.id for f in api.files.list()} == files_before
     assert sdk.messages.batches.delete(batch.id).type == "message_batch_deleted"
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.batches.retrieve(batch.id)
