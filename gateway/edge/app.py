@@ -2,8 +2,8 @@
 and the probes) and the admin one (the probes, the metrics and the fleet's
 workers), each with the pure-ASGI checks in front of its routes and OpenAI-shaped
 errors for everything, from the parts the lifecycle built. The public one sends
-its hot routes (a POST to chat, completions, embeddings, responses, Anthropic's
-messages, and the two counting routes) past Starlette, which serves the rest.
+its hot routes (a POST to chat, completions, embeddings, rerank and score, responses,
+Anthropic's messages, and the two counting routes) past Starlette, which serves the rest.
 
 Where the admin routes go: with `admin_port`, on the admin listener only; without
 it, on the public listener of an open gateway (the demo), and nowhere on a keyed
@@ -43,6 +43,7 @@ from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models, one_model
+from gateway.edge.openai.scoring import RerankRoute, ScoreRoute
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
@@ -155,6 +156,8 @@ def create_app(
         "/v1/chat/completions": generation(parse_chat, ChatEncoder),
         "/v1/completions": generation(parse_completion, CompletionEncoder),
         "/v1/embeddings": EmbeddingsRoute(parts),
+        "/v1/rerank": RerankRoute(parts),
+        "/v1/score": ScoreRoute(parts),
         **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))

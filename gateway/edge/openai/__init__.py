@@ -8,5 +8,5 @@ output_limits.py n x max_tokens x logprobs: what one request may make, bounded
 encoding.py      JSON answers and SSE chunks from pre-serialized templates
 generation.py    /v1/chat/completions and /v1/completions
 models.py        /v1/models
-
-    embeddings.py    /v1/embeddings"""
+embeddings.py    /v1/embeddings
+scoring.py       /v1/rerank and /v1/score: cosine similarities of a model's embeddings"""

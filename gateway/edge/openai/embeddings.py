@@ -24,7 +24,7 @@ import base64
 import struct
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -64,6 +64,23 @@ class EmbeddingsBody:
     base64: bool
     dimensions: int | None
     user: str
+
+    def answer(self, model: str, embeddings: Embeddings) -> bytes:
+        """The response body, of the model that served."""
+        return answer(model, embeddings, self.base64)
+
+
+class Pooled(Protocol):
+    """A checked body the embeddings' route serves: what to embed, and the answer made of
+    the vectors (the embeddings themselves, or scores of them: scoring.py)."""
+
+    @property
+    def inputs(self) -> tuple[str | tuple[int, ...], ...]: ...
+    @property
+    def dimensions(self) -> int | None: ...
+    @property
+    def user(self) -> str: ...
+    def answer(self, model: str, embeddings: Embeddings) -> bytes: ...
 
 
 def _is_int(value: Any) -> bool:
@@ -188,6 +205,11 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
     def _usage(self, record: RequestRecord) -> dict[str, Any]:
         return {"gen_ai.usage.input_tokens": record.prompt_tokens}
 
+    def parse(self, body: Any) -> Pooled:
+        """The body read into what to embed and how to answer (a 400 naming the
+        parameter)."""
+        return parse_embeddings(body)
+
     async def serve(self, ex: Exchange) -> None:
         """Reads and checks the body, admits it through admission's stages (a queued
         client that leaves, leaves the queue at once), calls a worker and answers."""
@@ -197,7 +219,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
         ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         pool = admission.visibility(ctx, model_of(body))
-        parsed = parse_embeddings(body)
+        parsed = self.parse(body)
         request = EmbedRequest(
             pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id
         )
@@ -209,7 +231,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         async with admission.admit(ctx):
             embeddings = await self._call(ctx.pool or pool, request, ex)
-        body_bytes = answer(record.model, embeddings, parsed.base64)
+        body_bytes = parsed.answer(record.model, embeddings)
         record.status, record.outcome = 200, Outcome.COMPLETED
         headers = [
             (b"x-furnace-model", record.model.encode("latin-1")),

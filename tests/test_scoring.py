@@ -1,0 +1,176 @@
+"""Specs: `/v1/rerank` and `/v1/score` against the real gateway: with the demo workers,
+each score is the cosine similarity of the vectors `/v1/embeddings` gives for the same
+texts (rerank's order, `top_n`, `return_documents`, documents as objects; score one
+against many and pairwise, and vLLM's other names for its sides); the refusals, each
+naming its parameter; and against vLLM's own server for the tiny model as an embedding
+model, the gateway's scores equal the ones vLLM's `/score` and `/rerank` give."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.scripted_worker import SCRIPTED_MODEL
+from tests.support.servers import (
+    DEMO_MODEL,
+    Gateway,
+    ServerLoop,
+    Workers,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import VllmProcess, start_http_server
+from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
+from tests.support.waiting import HANG_GUARD
+
+DOCUMENTS = ["a cat sat on the mat", "the market fell today", "a cat on a mat", "mats"]
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=HANG_GUARD)
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def _vectors(url: str, model: str, texts: list[str]) -> list[list[float]]:
+    reply = _post(url, "/v1/embeddings", {"model": model, "input": texts})
+    assert reply.status_code == 200, reply.text
+    return [item["embedding"] for item in reply.json()["data"]]
+
+
+def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(gateway):
+    query = "a cat sat on the mat"
+    query_vector, *vectors = _vectors(gateway.url, DEMO_MODEL, [query, *DOCUMENTS])
+    expected = [_cosine(query_vector, v) for v in vectors]
+    reply = _post(
+        gateway.url,
+        "/v1/rerank",
+        {"model": DEMO_MODEL, "query": query, "documents": DOCUMENTS, "top_n": 3},
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["model"] == DEMO_MODEL and body["id"].startswith("rerank-")
+    results = body["results"]
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])[:3]
+    assert [r["index"] for r in results] == order
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(expected[result["index"]])
+        assert result["document"] == {"text": DOCUMENTS[result["index"]]}
+    assert results[0]["relevance_score"] == pytest.approx(1.0)  # the query itself
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    bare = _post(
+        gateway.url,
+        "/v1/rerank",
+        {
+            "model": DEMO_MODEL,
+            "query": query,
+            "documents": [{"text": d} for d in DOCUMENTS],
+            "return_documents": False,
+        },
+    ).json()["results"]
+    assert len(bare) == 4 and all("document" not in r for r in bare)
+
+
+def test_score_one_against_many_and_pairwise(gateway):
+    vectors = dict(zip(DOCUMENTS, _vectors(gateway.url, DEMO_MODEL, DOCUMENTS), strict=True))
+    one = _post(
+        gateway.url,
+        "/v1/score",
+        {"model": DEMO_MODEL, "text_1": DOCUMENTS[0], "text_2": DOCUMENTS[1:]},
+    ).json()
+    assert one["object"] == "list" and one["model"] == DEMO_MODEL
+    assert [d["index"] for d in one["data"]] == [0, 1, 2]
+    for item, document in zip(one["data"], DOCUMENTS[1:], strict=True):
+        assert item["object"] == "score"
+        assert item["score"] == pytest.approx(_cosine(vectors[DOCUMENTS[0]], vectors[document]))
+    pairwise = _post(
+        gateway.url,
+        "/v1/score",
+        {"model": DEMO_MODEL, "queries": DOCUMENTS[:2], "documents": DOCUMENTS[2:]},
+    ).json()["data"]
+    assert [d["score"] for d in pairwise] == pytest.approx(
+        [_cosine(vectors[a], vectors[b]) for a, b in zip(DOCUMENTS[:2], DOCUMENTS[2:], strict=True)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/rerank", {"documents": ["a"]}, "query"),
+        ("/v1/rerank", {"query": "a"}, "documents"),
+        ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "a", "documents": ["b", ""]}, "documents[1]"),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+        (
+            "/v1/rerank",
+            {"query": "a", "documents": ["b"], "use_activation": False},
+            "use_activation",
+        ),
+        ("/v1/score", {"text_1": "a"}, "text_1"),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "x"}, "instruction"),
+    ],
+)
+def test_refusals_name_their_parameter(gateway, path, body, param):
+    reply = _post(gateway.url, path, {"model": DEMO_MODEL, **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def test_a_model_that_serves_no_embeddings_is_refused(gateway):
+    reply = _post(
+        gateway.url, "/v1/rerank", {"model": SCRIPTED_MODEL, "query": "a", "documents": ["b"]}
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def vllm_embedder(
+    server_loop: ServerLoop,
+    workers: Workers,
+    vllm_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Gateway, VllmProcess]]:
+    """vLLM's own server for the tiny model as an embedding model, behind a gateway."""
+    server = start_http_server(
+        vllm_model, tmp_path_factory.mktemp("score-logs"), EMBED_MODEL, EMBED_OPTIONS
+    )
+    model = ModelConfig(
+        EMBED_MODEL, workers=(f"http://127.0.0.1:{server.port}/v1",), upstream="openai"
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    yield gw, server
+    gw.stop()
+    server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)  # a vLLM server starts for these (~30 s)
+def test_scores_equal_vllms_own_for_an_embedding_model(vllm_embedder):
+    gw, server = vllm_embedder
+    direct = f"http://127.0.0.1:{server.port}"
+    body = {"model": EMBED_MODEL, "text_1": DOCUMENTS[0], "text_2": DOCUMENTS[1:]}
+    ours, theirs = _post(gw.url, "/v1/score", body).json(), _post(direct, "/v1/score", body)
+    assert theirs.status_code == 200, theirs.text
+    assert "data" in ours, ours
+    assert [d["score"] for d in ours["data"]] == pytest.approx(
+        [d["score"] for d in theirs.json()["data"]], abs=1e-3
+    )
+    assert ours["usage"]["prompt_tokens"] == theirs.json()["usage"]["prompt_tokens"]
+    rerank = {"model": EMBED_MODEL, "query": DOCUMENTS[0], "documents": DOCUMENTS}
+    ours, theirs = (
+        _post(gw.url, "/v1/rerank", rerank).json(),
+        _post(direct, "/v1/rerank", rerank),
+    )
+    assert theirs.status_code == 200, theirs.text
+    assert [r["index"] for r in ours["results"]] == [r["index"] for r in theirs.json()["results"]]
+    assert [r["relevance_score"] for r in ours["results"]] == pytest.approx(
+        [r["relevance_score"] for r in theirs.json()["results"]], abs=1e-3
+    )
