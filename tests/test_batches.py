@@ -334,3 +334,17 @@ def test_on_redis_a_stalled_store_delays_a_batch_and_loses_no_line(
         assert done.request_counts.completed == 8 and done.request_counts.failed == 0
         assert sorted(_lines(api, done.output_file_id)) == [f"r{i}" for i in range(8)]
     assert_nothing_left(gw, workers)
+
+
+def test_a_rerank_batch(gateway):
+    line = {
+        "custom_id": "rank",
+        "method": "POST",
+        "url": "/v1/rerank",
+        "body": {"model": DEMO_MODEL, "query": "a cat", "documents": ["a cat", "a dog"]},
+    }
+    with openai_sdk(gateway.url) as api:
+        done = _until(api, _run(api, [line], "/v1/rerank").id, "completed")
+        results = _lines(api, done.output_file_id)["rank"]["response"]["body"]["results"]
+        assert results[0]["index"] == 0 and results[0]["document"] == {"text": "a cat"}
+        assert results[0]["relevance_score"] == pytest.approx(1.0)

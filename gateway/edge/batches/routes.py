@@ -7,7 +7,8 @@
 An upload is read whole (at most `batch_max_file_bytes`, counted against the bodies being
 read as any body is: `gateway.admission.bodies`), its `file` part kept in 1 MiB chunks.
 Purposes other than `batch` are refused by name (nothing here reads them). The batch
-endpoints are those this gateway serves: chat, completions, embeddings, responses.
+endpoints are those this gateway serves: chat, completions, embeddings, responses, rerank
+and score.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ from gateway.edge.responses.params import _metadata
 from gateway.edge.responses.routes import guarded, json_response, refuse_query, team_name
 from gateway.teams import team_of
 
-#: The endpoints a batch may name.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+#: The endpoints a batch may name (OpenAI's, and vLLM's batch runner's rerank and score).
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/v1/score",
+)
 #: The one completion window (OpenAI's), and its seconds.
 WINDOW, WINDOW_SECONDS = "24h", 24 * 3600
 #: An upload's pieces as kept.
