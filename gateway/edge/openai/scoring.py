@@ -13,11 +13,13 @@ returns them) → `results` by relevance, highest first, each with its `index` i
 `items`, or `data_1` with `data_2`), each a string or a list of strings: one against
 many, or pairwise when both are lists of one length → `data`, a score a pair, in order.
 
-Each distinct text is embedded once; at most `MAX_INPUTS` (2,048) distinct texts a
-request, none empty. The scores are computed on the event loop: at most 2,048 vectors,
-one pass each (`math.sumprod` where Python has it). vLLM's scoring options that change
+Each distinct text is embedded, and its tokens counted, once; at most `MAX_INPUTS` (2,048)
+distinct texts a request, none empty. The scores are computed in one pass a vector
+(`math.sumprod` where Python has it), on the event loop for up to 256 Ki floats of vectors,
+else in a thread (embeddings.py: 2,048 vectors of 1,024 floats took 0.36 s of Python 3.11).
+`user` goes to workers that list it, as on embeddings. vLLM's scoring options that change
 what is computed (`use_activation`, truncation, instructions and template kwargs,
-multimodal inputs) are refused by name unless at their defaults.
+multimodal inputs) and `dimensions` are refused by name unless at their defaults.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import invalid
-from gateway.edge.openai.embeddings import MAX_INPUTS, EmbeddingsRoute, Pooled
+from gateway.edge.openai.embeddings import MAX_INPUTS, EmbeddingsRoute, Pooled, user_of
 from gateway.edge.openai.validation import _unserved, model_of
 from gateway.protocol.types import Embeddings
 
@@ -50,6 +52,7 @@ UNSERVED_SCORING: dict[str, Any] = {
     "request_id": None,
     "cache_salt": None,
     "truncation_side": None,
+    "dimensions": None,
 }
 #: The names of score's two sides, as vLLM takes them (the first pair present wins).
 SCORE_SIDES: tuple[tuple[str, str], ...] = (
@@ -64,22 +67,22 @@ _dot: Callable[[Sequence[float], Sequence[float]], float] = getattr(
 )
 
 
-def _text(value: Any, param: str) -> str:
-    """A non-empty string (or a rerank document's `{"text": ...}`), or a 400."""
-    if isinstance(value, dict) and param.startswith("documents") and set(value) == {"text"}:
+def _text(value: Any, param: str, objects: bool = False) -> str:
+    """A non-empty string (or, `objects`, a rerank document's `{"text": ...}`), or a 400."""
+    if objects and isinstance(value, dict) and set(value) == {"text"}:
         value = value["text"]
     if not isinstance(value, str) or not value:
         raise invalid(param, f"Invalid value for '{param}': a non-empty string.")
     return value
 
 
-def _texts(value: Any, param: str) -> list[str]:
+def _texts(value: Any, param: str, objects: bool = False) -> list[str]:
     """A string or a non-empty list of them, as a list, or a 400 naming `param`."""
     if isinstance(value, list):
         if not value:
             raise invalid(param, f"Invalid value for '{param}': an empty list.")
-        return [_text(item, f"{param}[{i}]") for i, item in enumerate(value)]
-    return [_text(value, param)]
+        return [_text(item, f"{param}[{i}]", objects) for i, item in enumerate(value)]
+    return [_text(value, param, objects)]
 
 
 def _distinct(texts: Iterable[str]) -> tuple[tuple[str, ...], dict[str, int]]:
@@ -149,7 +152,7 @@ def parse_rerank(body: Any) -> RerankBody:
     if "documents" not in body:
         raise invalid("documents", "Missing required parameter: 'documents'.")
     query = _text(body["query"], "query")
-    documents = _texts(body["documents"], "documents")
+    documents = _texts(body["documents"], "documents", objects=True)
     top_n = body.get("top_n", 0)
     if type(top_n) is not int or top_n < 0:
         raise invalid("top_n", "Invalid value for 'top_n': an integer of at least 0.")
@@ -164,6 +167,7 @@ def parse_rerank(body: Any) -> RerankBody:
         places[query],
         top_n,
         returned,
+        user=user_of(body),
     )
 
 
@@ -199,8 +203,10 @@ def parse_score(body: Any) -> ScoreBody:
     model_of(body)
     _unserved(body, UNSERVED_SCORING)
     sides = next(((a, b) for a, b in SCORE_SIDES if a in body and b in body), None)
-    if sides is None:
-        raise invalid("text_1", "Missing required parameters: 'text_1' and 'text_2'.")
+    if sides is None:  # the missing side of one the body began, or text_1's
+        begun = next((pair for pair in SCORE_SIDES if pair[0] in body or pair[1] in body), None)
+        missing = "text_1" if begun is None else begun[1] if begun[0] in body else begun[0]
+        raise invalid(missing, f"Missing required parameter: '{missing}'.")
     first, second = (_texts(body[name], name) for name in sides)
     if len(first) == 1:
         first = first * len(second)
@@ -212,7 +218,7 @@ def parse_score(body: Any) -> ScoreBody:
         )
     inputs, places = _distinct([*first, *second])
     pairs = tuple((places[a], places[b]) for a, b in zip(first, second, strict=True))
-    return ScoreBody(inputs, pairs)
+    return ScoreBody(inputs, pairs, user=user_of(body))
 
 
 class RerankRoute(EmbeddingsRoute):
