@@ -348,3 +348,13 @@ def test_a_rerank_batch(gateway):
         results = _lines(api, done.output_file_id)["rank"]["response"]["body"]["results"]
         assert results[0]["index"] == 0 and results[0]["document"] == {"text": "a cat"}
         assert results[0]["relevance_score"] == pytest.approx(1.0)
+
+
+def test_a_fault_of_the_gateways_fails_the_batch_rather_than_resuming_it(gateway, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(runner_module, "read_lines", broken)
+    with openai_sdk(gateway.url) as api:
+        failed = _until(api, _run(api, [_chat("a", "b")]).id, "failed")
+        assert [e.code for e in failed.errors.data] == ["server_error"]

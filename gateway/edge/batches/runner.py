@@ -50,7 +50,7 @@ import orjson
 from gateway.admission import InFlight
 from gateway.edge.asgi import LOST_EXTENSION, ASGIApp
 from gateway.edge.batches.lines import Line, read_lines
-from gateway.edge.batches.store import ENDED, BatchStore, StoredBatch
+from gateway.edge.batches.store import ENDED, UNFINISHED, BatchStore, StoredBatch
 from gateway.protocol import errors
 from gateway.teams import SCOPE_KEY, Team, Teams
 from gateway.telemetry.metrics import RequestMetrics
@@ -227,8 +227,9 @@ class BatchRunner:
             pass
         except errors.GatewayError as error:  # the store failed: another poll resumes it
             log.warning("batch %s: the store failed: %s", run.batch_id, error)
-        except Exception:
+        except Exception:  # a fault of ours: the batch fails, rather than resuming for ever
             log.exception("batch %s: its run failed", run.batch_id)
+            ended = await self._failed_by_fault(run)
         finally:
             self.runs.pop((run.team, run.batch_id), None)
             self.metrics.batches_running.labels(run.team).dec()
@@ -241,11 +242,7 @@ class BatchRunner:
         stored = await store.batch(team, run.batch_id)
         if stored is None or stored.status in ENDED:
             return True
-        if team and team not in self.teams.by_name:  # the team was taken out of the config
-            failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
-            message = f"The team {team} is no longer served by this gateway."
-            failed["errors"] = {"object": "list", "data": [_error("team_not_found", message)]}
-            await self._fail(run, stored, failed, ("validating", "in_progress"))
+        if await self._team_gone(run, stored):
             return True
         lines = await self._lines_of(run, stored)
         if lines is None:
@@ -259,6 +256,8 @@ class BatchRunner:
                 break
             if passes:  # lines a pass left unrecorded (the store failed): a while, then again
                 await self._pause(run, MAX_BACKOFF, expires)
+                if await self._team_gone(run, stored):
+                    return True
             passes += 1
             await self._send_all(run, stored, todo, expires)
         if self.inflight.draining:
@@ -472,6 +471,30 @@ class BatchRunner:
     def _team(self, name: str) -> Team | None:
         """The team that made the batch, as it is now (its limits, its models)."""
         return self.teams.by_name.get(name) if name else None
+
+    async def _team_gone(self, run: Run, stored: StoredBatch) -> bool:
+        """Whether the batch's team is no longer configured (a restart without it): the
+        batch failed then, its lines never sent as no team's."""
+        if not run.team or run.team in self.teams.by_name:
+            return False
+        failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
+        message = f"The team {run.team} is no longer served by this gateway."
+        failed["errors"] = {"object": "list", "data": [_error("team_not_found", message)]}
+        await self._fail(run, stored, failed, ("validating", "in_progress"))
+        return True
+
+    async def _failed_by_fault(self, run: Run) -> bool:
+        """The batch failed by a fault of the gateway's (logged); whether that was kept."""
+        try:
+            stored = await self.store.batch(run.team, run.batch_id)
+            if stored is None:
+                return True
+            failed = {**stored.batch, "status": "failed", "failed_at": int(time.time())}
+            message = "The gateway failed to run this batch; create it again."
+            failed["errors"] = {"object": "list", "data": [_error("server_error", message)]}
+            return await self._fail(run, stored, failed, UNFINISHED)
+        except errors.GatewayError:
+            return False
 
     async def _fail(
         self, run: Run, stored: StoredBatch, failed: dict[str, Any], states: tuple[str, ...]
