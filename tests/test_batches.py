@@ -56,6 +56,7 @@ def test_a_batch_of_chats_runs_to_completed_with_each_answer_in_its_output_file(
         uploaded = api.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch")
         assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
         assert uploaded.filename == "input.jsonl" and uploaded.id.startswith("file-")
+        assert uploaded.expires_at == uploaded.created_at + 30 * 24 * 3600  # batch_ttl
         assert api.files.retrieve(uploaded.id).id == uploaded.id
         assert api.files.content(uploaded.id).content == _jsonl(lines)
         batch = api.batches.create(
@@ -84,6 +85,7 @@ def test_a_batch_of_chats_runs_to_completed_with_each_answer_in_its_output_file(
         assert next(b.id for b in api.batches.list()) == batch.id
         files = {f.id: f for f in api.files.list()}
         assert files[done.output_file_id].purpose == "batch_output"
+        assert files[done.output_file_id].expires_at == done.created_at + 30 * 24 * 3600
         assert api.files.delete(uploaded.id).deleted is True
         with pytest.raises(openai.NotFoundError):
             api.files.retrieve(uploaded.id)
@@ -137,6 +139,13 @@ def test_refusals_name_their_parameter(gateway):
             assert refused.value.body["param"] == param
         with pytest.raises(openai.NotFoundError):
             api.batches.retrieve("batch_nope")
+    two = httpx.post(
+        gateway.url + "/v1/files",
+        files=[("file", ("a.jsonl", b"{}")), ("file", ("b.jsonl", b"{}"))],
+        data={"purpose": "batch"},
+        headers={"authorization": "Bearer none"},
+    )
+    assert two.status_code == 400 and two.json()["error"]["param"] == "file"
     # a form is taken only from a request that carries a key (a page cannot send one)
     response = httpx.post(
         gateway.url + "/v1/files", files={"file": b"x"}, data={"purpose": "batch"}

@@ -178,6 +178,8 @@ class Upload:
 
     def __init__(self) -> None:
         self.fields: dict[str, bytes] = {}
+        #: How many `file` parts the body held (one is taken).
+        self.files = 0
         self.filename = ""
         self.file: list[bytes] = []
         self._name = ""
@@ -208,6 +210,7 @@ class Upload:
         def on_part_end() -> None:
             value = b"".join(self._value)
             if self._name == "file":
+                self.files += 1
                 self.file = [value[i : i + CHUNK] for i in range(0, len(value), CHUNK)]
             elif self._name:
                 self.fields[self._name] = value
@@ -259,8 +262,10 @@ def batch_routes(
             raise invalid(
                 "purpose", f"Only files of purpose 'batch' are served here, not '{purpose[:64]}'."
             )
-        if not form.filename and not form.file:
+        if not form.files:
             raise invalid("file", "Missing required parameter: 'file'.")
+        if form.files > 1:
+            raise invalid("file", "Upload one file a request.")
         size = sum(map(len, form.file))
         if size > max_file:
             raise APIError(
@@ -288,7 +293,8 @@ def batch_routes(
             "object": "file",
             "bytes": size,
             "created_at": now,
-            "expires_at": None if seconds is None else now + seconds,
+            # as kept: its `expires_after`, else the store's `batch_ttl`
+            "expires_at": now + (int(store.ttl) if seconds is None else seconds),
             "filename": form.filename[:256] or "upload.jsonl",
             "purpose": "batch",
             "status": "processed",

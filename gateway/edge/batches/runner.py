@@ -527,7 +527,10 @@ class BatchRunner:
             if kind == "output":
                 usage = _usage(content)
             size = sum(map(len, content))
-            file = _file_object(file_id, size, f"batch_{kind}.jsonl", now, stored.output_ttl)
+            # kept `output_expires_after` from now, else as long as the batch
+            ttl = stored.output_ttl
+            expires = now + ttl if ttl else int(stored.batch["created_at"] + store.ttl)
+            file = _file_object(file_id, size, f"batch_{kind}.jsonl", now, expires)
             await store.show(team, file, stored.output_ttl)
             batch[f"{kind}_file_id"] = file_id
         if usage:
@@ -542,13 +545,13 @@ def _with(stored: StoredBatch, batch: dict[str, Any]) -> StoredBatch:
     return replace(stored, batch=batch)
 
 
-def _file_object(file_id: str, size: int, name: str, now: int, ttl: int | None) -> dict[str, Any]:
+def _file_object(file_id: str, size: int, name: str, now: int, expires: int) -> dict[str, Any]:
     return {
         "id": file_id,
         "object": "file",
         "bytes": size,
         "created_at": now,
-        "expires_at": None if ttl is None else now + ttl,
+        "expires_at": expires,
         "filename": name,
         "purpose": "batch_output",
         "status": "processed",
