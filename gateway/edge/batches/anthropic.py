@@ -216,15 +216,12 @@ def message_batch_routes(
         refuse_rest(query)
         batches = await store.batches(team_name(team_of(request.scope)))
         items = [message_batch(s) for s in reversed(batches) if s.api == "anthropic"]
-        ids_ = [item["id"] for item in items]
-        if after is not None:
-            if after not in ids_:
-                raise invalid("after_id", f"after_id: no message batch '{after[:128]}'.")
-            items = items[ids_.index(after) + 1 :]
-        if before is not None:
-            if before not in ids_:
-                raise invalid("before_id", f"before_id: no message batch '{before[:128]}'.")
-            items = items[: ids_.index(before)]
+        for cursor, name in ((after, "after_id"), (before, "before_id")):
+            at = next((i for i, item in enumerate(items) if item["id"] == cursor), None)
+            if cursor is not None and at is None:
+                raise invalid(name, f"{name}: no message batch '{cursor[:128]}'.")
+            if at is not None:  # newer ones come first: after is older, before newer
+                items = items[at + 1 :] if name == "after_id" else items[:at]
         # the page next to the cursor: the first `limit` after one, the last before one
         page = items[-limit:] if before is not None else items[:limit]
         return json_response(

@@ -272,16 +272,23 @@ class MemoryBatches(BatchStore):
 
     async def batch(self, team: str, batch_id: str) -> StoredBatch | None:
         found = self._team_batches(team).get(batch_id)
-        if found is None:
-            return None
-        stored = _copy(found[1])
-        progress = await self.progress(team, stored)
-        stored.batch["request_counts"] = counts(stored.batch, progress)
-        return stored
+        return None if found is None else self._as_now(team, found[1])
 
     async def batches(self, team: str) -> list[StoredBatch]:
-        found = [await self.batch(team, k) for k in list(self._team_batches(team))]
-        return sorted((s for s in found if s is not None), key=lambda s: _created(s.batch))
+        found = [self._as_now(team, s) for _, s, _ in self._team_batches(team).values()]
+        return sorted(found, key=lambda s: _created(s.batch))
+
+    def _as_now(self, team: str, kept: StoredBatch) -> StoredBatch:
+        """A copy of the batch, its counts read from its files (the team's swept already)."""
+        stored, files = _copy(kept), self._files.get(team, {})
+        output, errors_ = files.get(stored.output), files.get(stored.errors)
+        progress = Progress(
+            set(),
+            0 if output is None else len(output[2]),
+            0 if errors_ is None else len(errors_[2]),
+        )
+        stored.batch["request_counts"] = counts(stored.batch, progress)
+        return stored
 
     async def delete_batch(self, team: str, stored: StoredBatch) -> None:
         self._team_batches(team).pop(stored.id, None)
@@ -532,27 +539,30 @@ class RedisBatches(BatchStore):
         raw = await self._call("get", self._key(team, "batch:" + batch_id))
         if raw is None:
             return None
-        stored = StoredBatch.loads(raw)
+        return (await self._as_now(team, [StoredBatch.loads(raw)]))[0]
+
+    async def batches(self, team: str) -> list[StoredBatch]:
+        raws = await self._objects(team, "batches", "batch")
+        return await self._as_now(team, [StoredBatch.loads(raw) for raw in raws])
+
+    async def _as_now(self, team: str, found: list[StoredBatch]) -> list[StoredBatch]:
+        """The batches with their status and counts as they are now, in one round trip."""
         try:
             async with self.redis._bounded():
                 pipe = self.redis.client.pipeline(transaction=False)
-                pipe.get(self._key(team, "status:" + batch_id))
-                pipe.llen(self._key(team, "blob:" + stored.output))
-                pipe.llen(self._key(team, "blob:" + stored.errors))
-                status, completed, failed = await pipe.execute()
+                for stored in found:
+                    pipe.get(self._key(team, "status:" + stored.id))
+                    pipe.llen(self._key(team, "blob:" + stored.output))
+                    pipe.llen(self._key(team, "blob:" + stored.errors))
+                replies = await pipe.execute()
         except (OSError, TimeoutError) as error:
             raise _failed(error) from None
-        if status is not None:
-            stored.batch["status"] = status.decode()
-        stored.batch["request_counts"] = counts(stored.batch, Progress(set(), completed, failed))
-        return stored
-
-    async def batches(self, team: str) -> list[StoredBatch]:
-        found = []
-        for raw in await self._objects(team, "batches", "batch"):
-            stored = await self.batch(team, StoredBatch.loads(raw).id)
-            if stored is not None:
-                found.append(stored)
+        for i, stored in enumerate(found):
+            status, completed, failed = replies[3 * i : 3 * i + 3]
+            if status is not None:
+                stored.batch["status"] = status.decode()
+            progress = Progress(set(), completed, failed)
+            stored.batch["request_counts"] = counts(stored.batch, progress)
         return found
 
     async def delete_batch(self, team: str, stored: StoredBatch) -> None:
