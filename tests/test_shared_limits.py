@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 import yaml
 
 from tests.support.keys import ask, assert_rate_limited, bearer, keyed, new_key, sha256
@@ -209,3 +210,21 @@ def test_limits_and_budgets_without_redis_are_said_per_process_at_start(
     gateway_with(**keyed(teams, keys, redis_url=redis_server.url))
     gateway_with(**keyed({"free": {}}, {new_key("free"): "free"}))
     assert said not in caplog.text
+
+
+def test_every_script_is_in_redis_from_the_start_and_after_a_restart(gateway_with, redis_server):
+    """The gateway loads its Lua scripts (limits, budgets, ledger, responses, events,
+    conversations, batches) when it starts and at the probe after Redis comes back
+    empty, so no request pays the round trips of loading one."""
+    gw = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    store = gw.state.teams.limiter.redis
+    assert store is not None and len(store.scripts) >= 10
+    shas = [script.sha for script in store.scripts]
+    with redis.Redis.from_url(redis_server.url) as client:
+        assert all(client.script_exists(*shas))
+    redis_server.stop()
+    wait_until(lambda: gw.state.teams.limiter.redis_up is False, "the probe to see Redis gone")
+    redis_server.start()
+    wait_until(lambda: gw.state.teams.limiter.redis_up, "Redis to be back")
+    with redis.Redis.from_url(redis_server.url) as client:
+        assert all(client.script_exists(*shas))

@@ -10,9 +10,13 @@ the client's own input keeps its message, bounded to MAX_MESSAGE characters.
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 
 from gateway.protocol import errors
+
+log = logging.getLogger("furnace.edge")
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
@@ -122,8 +126,11 @@ def invalid(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_error(error: errors.GatewayError, retry_after: int | None) -> APIError:
-    """The HTTP error our error stands for."""
+def from_error(
+    error: errors.GatewayError, retry_after: int | None, request_id: str | None = None
+) -> APIError:
+    """The HTTP error our error stands for; what the client does not see of it is
+    logged (with `request_id`, where there is one)."""
     status, type_, code = next(
         (row for kind, row in ERROR_TABLE.items() if isinstance(error, kind)),
         (500, SERVER, "engine_error"),
@@ -132,9 +139,12 @@ def from_error(error: errors.GatewayError, retry_after: int | None) -> APIError:
         retry_after = error.retry_after
     elif status != 503:
         retry_after = None
+    message = public_message(error)
+    if message != error.message:
+        log.warning("request %s: %s: %s", request_id or "-", type(error).__name__, error.message)
     return APIError(
         status,
-        public_message(error),
+        message,
         type=type_,
         param=error.param,
         code=code,

@@ -359,13 +359,8 @@ class RequestRoute(Generic[X]):
         log.info("%sclient went away; request %s cancelled", cause, record.request_id)
 
     def _to_api_error(self, error: errors.GatewayError, record: RequestRecord) -> APIError:
-        """The client's error for `error`; what the client does not see is logged."""
-        api_error = from_error(error, self.config.retry_after)
-        if api_error.message != error.message:
-            log.warning(
-                "request %s: %s: %s", record.request_id, type(error).__name__, error.message
-            )
-        return api_error
+        """The client's error for `error` (what the client does not see is logged)."""
+        return from_error(error, self.config.retry_after, record.request_id)
 
     async def _refuse(self, ex: X, error: APIError) -> None:
         """Records the refusal and sends it, in OpenAI's shape."""

@@ -166,7 +166,7 @@ class Budgets:
         self.fail_open = config.budget_store_failure == "open"
         self.prices: dict[str, tuple[float, float] | None] = {}
         self.store = store
-        self._apply = store.client.register_script(_APPLY) if store is not None else None
+        self._apply = store.script(_APPLY) if store is not None else None
         #: Whether Redis answered last time.
         self.redis_up = store is not None
         #: Each counter's usage (settled and reserved), as this gateway knows it.

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -140,8 +141,16 @@ class RedisStore:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
-        self._admit = self.client.register_script(_ADMIT)
-        self._charge = self.client.register_script(_CHARGE)
+        #: Every module's scripts on this client, loaded by `ping`.
+        self.scripts: list[AsyncScript] = []
+        self._admit = self.script(_ADMIT)
+        self._charge = self.script(_CHARGE)
+
+    def script(self, text: str) -> AsyncScript:
+        """A Lua script on this client, which `ping` keeps loaded in Redis."""
+        script = self.client.register_script(text)
+        self.scripts.append(script)
+        return script
 
     @asynccontextmanager
     async def _bounded(self, extra: float = 0.0) -> AsyncIterator[None]:
@@ -166,9 +175,19 @@ class RedisStore:
         return f"{self.prefix}:limits:{{{team.name}}}:{what}"
 
     async def ping(self) -> None:
-        """Raises unless Redis answers."""
+        """Raises unless Redis answers; loads the scripts it lacks (a Redis new or
+        restarted), so that no request pays the round trips of loading one."""
         async with self._bounded():
-            await self.client.ping()
+            if not self.scripts:
+                await self.client.ping()
+                return
+            held = await self.client.script_exists(*(s.sha for s in self.scripts))
+            missing = [s for s, there in zip(self.scripts, held, strict=True) if not there]
+            if missing:
+                pipe = self.client.pipeline(transaction=False)
+                for script in missing:
+                    pipe.script_load(script.script)
+                await pipe.execute()
 
     async def admit(self, team: Team, cost: int, reserve: int | None, member: str) -> Admission:
         """Checks and charges one request of `team` (atomically): its prompt's

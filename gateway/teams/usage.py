@@ -101,7 +101,7 @@ class Ledger:
         self.retention_days = retention_days
         self.store = store
         self.prefix = prefix
-        self._flush = store.client.register_script(_FLUSH) if store is not None else None
+        self._flush = store.script(_FLUSH) if store is not None else None
         #: Rows not yet in Redis (all rows, without Redis).
         self.rows: Rows = {}
         #: A batch sent and not yet known applied: (its id, its rows).

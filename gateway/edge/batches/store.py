@@ -427,12 +427,11 @@ class RedisBatches(BatchStore):
     def __init__(self, redis: RedisStore, ttl: float, per_team: int) -> None:
         super().__init__(ttl, per_team)
         self.redis = redis
-        client = redis.client
-        self._record = client.register_script(_RECORD)
-        self._update = client.register_script(_UPDATE)
-        self._put_file = client.register_script(_PUT_FILE)
-        self._claim = client.register_script(_CLAIM)
-        self._release = client.register_script(_RELEASE)
+        self._record = redis.script(_RECORD)
+        self._update = redis.script(_UPDATE)
+        self._put_file = redis.script(_PUT_FILE)
+        self._claim = redis.script(_CLAIM)
+        self._release = redis.script(_RELEASE)
 
     def _key(self, team: str, what: str) -> str:
         return f"{self.redis.prefix}:batches:{{{team}}}:{what}"

@@ -394,7 +394,7 @@ class BackgroundRoute(ResponsesRoute):
                 await shared.open(parsed.team, stored, created, deadline)
         except errors.GatewayError as error:
             self.runs.release(run)
-            raise from_error(error, self.config.retry_after) from None
+            raise from_error(error, self.config.retry_after, ex.record.request_id) from None
         except BaseException:
             self.runs.release(run)
             raise

@@ -260,8 +260,8 @@ class RedisConversations(ConversationStore):
     def __init__(self, redis: RedisStore, ttl: float, per_team: int, max_items: int) -> None:
         super().__init__(ttl, per_team, max_items)
         self.redis = redis
-        self._create = redis.client.register_script(_CREATE)
-        self._change = redis.client.register_script(_CHANGE)
+        self._create = redis.script(_CREATE)
+        self._change = redis.script(_CHANGE)
 
     def _prefix(self, team: str) -> str:
         return f"{self.redis.prefix}:conversations:{{{team}}}:"

@@ -138,7 +138,7 @@ class SharedEvents:
     def __init__(self, store: RedisResponses, detached: set[asyncio.Task[Any]]) -> None:
         self.store = store
         self.detached = detached
-        self.script = store.redis.client.register_script(_WRITE)
+        self.script = store.redis.script(_WRITE)
         self.mirrors: dict[str, Mirror] = {}
         self.pending: dict[str, Mirror] = {}
         self.wake = asyncio.Event()

@@ -309,8 +309,8 @@ class RedisResponses(ResponseStore):
     def __init__(self, redis: RedisStore, ttl: float, per_team: int) -> None:
         super().__init__(ttl, per_team)
         self.redis = redis
-        self._put = redis.client.register_script(_PUT)
-        self._put_if = redis.client.register_script(_PUT_IF)
+        self._put = redis.script(_PUT)
+        self._put_if = redis.script(_PUT_IF)
 
     def _prefix(self, team: str) -> str:
         return f"{self.redis.prefix}:responses:{{{team}}}:"
