@@ -17,6 +17,7 @@ import pytest
 
 from gateway.edge.batches import routes as routes_module
 from gateway.edge.batches import runner as runner_module
+from gateway.edge.batches import store as store_module
 from tests.support.clients import openai_sdk
 from tests.support.keys import keyed, new_key
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
@@ -367,3 +368,27 @@ def test_a_fault_of_the_gateways_fails_the_batch_rather_than_resuming_it(gateway
     with openai_sdk(gateway.url) as api:
         failed = _until(api, _run(api, [_chat("a", "b")]).id, "failed")
         assert [e.code for e in failed.errors.data] == ["server_error"]
+
+
+def test_answers_past_what_memory_keeps_of_a_team_are_errors_and_deleting_frees_it(
+    gateway_with, monkeypatch
+):
+    """The memory store keeps at most MEMORY_BYTES_PER_TEAM of a team's files, uploads
+    and output alike: an answer past it is the line's `output_too_large` error (the
+    batch still completes), an upload past it is refused, and deleting makes room."""
+    lines = [_chat(f"r{i}", f"say {i}", max_tokens=4) for i in range(6)]
+    monkeypatch.setattr(store_module, "MEMORY_BYTES_PER_TEAM", len(_jsonl(lines)) + 1500)
+    with openai_sdk(gateway_with().url) as api:
+        done = _until(api, _run(api, lines).id, "completed")
+        assert done.request_counts.total == 6
+        output = _lines(api, done.output_file_id)
+        errors = _lines(api, done.error_file_id)
+        assert output and errors and len(output) + len(errors) == 6
+        assert {e["error"]["code"] for e in errors.values()} == {"output_too_large"}
+        assert all(e["response"] is None for e in errors.values())
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        assert refused.value.body["param"] == "file"
+        api.files.delete(done.input_file_id)
+        api.files.delete(done.output_file_id)
+        assert api.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch").id

@@ -75,6 +75,13 @@ EXPIRED = {
     "message": "This request could not be executed before the completion window expired.",
 }
 
+#: A line's error when its answer would pass what the store keeps of the team's files.
+NO_ROOM = {
+    "code": "output_too_large",
+    "message": "The answer was not kept: the team's files would pass what the gateway "
+    "keeps of them in its memory. Delete some files or batches (or keep them in Redis).",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
@@ -398,6 +405,8 @@ class BatchRunner:
                     return
             ok = 200 <= answer.status < 300
             out = _line_out(line, answer, request_id, None)
+            if not self.store.room(run.team, len(out)):  # the memory store's bound
+                ok, out = False, _line_out(line, None, request_id, NO_ROOM)
             try:
                 await self.store.record(run.team, stored, line.index, out, ok)
             except errors.GatewayError as error:  # left for the run's next pass

@@ -30,7 +30,9 @@ Redis keys (`P` is `redis_key_prefix`; `{team}` a hash tag, one slot per team):
 Bounds: files and batches expire `ttl` seconds after they were made (OpenAI keeps
 batch files 30 days); at most `per_team` files a team (an upload past it is a 400
 asking to delete some); this process's memory holds at most `MEMORY_BYTES_PER_TEAM`
-bytes of files a team. Redis is bounded by its own `maxmemory`, as its operator sets it.
+bytes of files a team, its uploads and its batches' output alike (`room`: an answer past
+it is recorded as the line's error instead). Redis is bounded by its own `maxmemory`, as
+its operator sets it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("furnace.batches")
 
-#: The most bytes of files a team keeps in a gateway's memory.
+#: The most bytes of files (uploads and batches' output) a team keeps in a gateway's memory.
 MEMORY_BYTES_PER_TEAM = 1024 * 1024 * 1024
 #: Seconds more a Redis call may take for each byte it moves (a file's upload or
 #: download: 100 MiB at 20 MB/s, 5 s), past `redis_timeout`.
@@ -165,6 +167,10 @@ class BatchStore:
         one of `states`, in one step; returns that status (None: no such batch)."""
         raise NotImplementedError
 
+    def room(self, team: str, size: int) -> bool:
+        """Whether the store keeps `size` bytes more of `team`'s output."""
+        return True
+
     async def record(self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool) -> None:
         """Marks input line `line` done and appends `out` to the output file (`ok`) or
         the error file, in one step; a line already done is not appended again."""
@@ -206,13 +212,25 @@ class MemoryBatches(BatchStore):
         #: team → file id → (expires, object, chunks); a hidden file's object is None.
         self._files: dict[str, dict[str, tuple[float, dict[str, Any] | None, list[bytes]]]] = {}
         self._batches: dict[str, dict[str, tuple[float, StoredBatch, set[int]]]] = {}
+        #: team → the bytes its files hold (uploads and output).
+        self._held: dict[str, int] = {}
 
     def _team_files(self, team: str) -> dict[str, tuple[float, dict[str, Any] | None, list[bytes]]]:
         kept = self._files.setdefault(team, {})
         now = time.monotonic()
         for file_id in [k for k, (expires, _, _) in kept.items() if expires <= now]:
-            del kept[file_id]
+            self._drop(team, file_id)
         return kept
+
+    def _drop(self, team: str, file_id: str) -> None:
+        """Forgets a file of `team`'s, and the bytes it held."""
+        found = self._files.get(team, {}).pop(file_id, None)
+        if found is not None:
+            self._held[team] -= sum(map(len, found[2]))
+
+    def room(self, team: str, size: int) -> bool:
+        self._team_files(team)
+        return self._held.get(team, 0) + size <= MEMORY_BYTES_PER_TEAM
 
     def _team_batches(self, team: str) -> dict[str, tuple[float, StoredBatch, set[int]]]:
         kept = self._batches.setdefault(team, {})
@@ -233,15 +251,18 @@ class MemoryBatches(BatchStore):
         shown = sum(1 for _, obj, _ in kept.values() if obj is not None)
         if shown >= self.per_team and not hidden:
             raise too_many(self.per_team)
-        held = sum(sum(map(len, c)) for _, _, c in kept.values())
-        if held + file["bytes"] > MEMORY_BYTES_PER_TEAM:
+        size = sum(map(len, chunks))
+        if not self.room(team, size):
             raise errors.Invalid(
-                f"This team's files hold {held} bytes of the gateway's memory, and at most "
-                f"{MEMORY_BYTES_PER_TEAM} are kept; delete some files first.",
+                f"This team's files hold {self._held[team]} bytes of the gateway's memory, "
+                f"and at most {MEMORY_BYTES_PER_TEAM} are kept; delete some files or "
+                "batches first.",
                 param="file",
             )
         expires = time.monotonic() + (self.ttl if ttl is None else ttl)
+        self._drop(team, file["id"])
         kept[file["id"]] = (expires, None if hidden else file, chunks)
+        self._held[team] = self._held.get(team, 0) + size
 
     async def file(self, team: str, file_id: str) -> dict[str, Any] | None:
         found = self._team_files(team).get(file_id)
@@ -252,11 +273,10 @@ class MemoryBatches(BatchStore):
         return [] if found is None else list(found[2])
 
     async def delete_file(self, team: str, file_id: str) -> bool:
-        kept = self._team_files(team)
-        found = kept.get(file_id)
+        found = self._team_files(team).get(file_id)
         if found is None or found[1] is None:
             return False
-        del kept[file_id]
+        self._drop(team, file_id)
         return True
 
     async def files(self, team: str) -> list[dict[str, Any]]:
@@ -266,8 +286,9 @@ class MemoryBatches(BatchStore):
     async def put_batch(self, team: str, stored: StoredBatch) -> None:
         expires = time.monotonic() + self.ttl
         files = self._team_files(team)
-        files[stored.output] = (expires, None, [])
-        files[stored.errors] = (expires, None, [])
+        for file_id in (stored.output, stored.errors):
+            self._drop(team, file_id)
+            files[file_id] = (expires, None, [])
         self._team_batches(team)[stored.id] = (expires, _copy(stored), set())
 
     async def batch(self, team: str, batch_id: str) -> StoredBatch | None:
@@ -292,11 +313,11 @@ class MemoryBatches(BatchStore):
 
     async def delete_batch(self, team: str, stored: StoredBatch) -> None:
         self._team_batches(team).pop(stored.id, None)
-        files = self._team_files(team)
+        self._team_files(team)
         for file_id in (stored.output, stored.errors):
-            files.pop(file_id, None)
+            self._drop(team, file_id)
         if stored.api == "anthropic":  # its requests, a hidden file of its own
-            files.pop(stored.batch["input_file_id"], None)
+            self._drop(team, stored.batch["input_file_id"])
 
     async def update(self, team: str, stored: StoredBatch, states: tuple[str, ...]) -> str | None:
         kept = self._team_batches(team)
@@ -315,6 +336,7 @@ class MemoryBatches(BatchStore):
             return
         found[2].add(line)
         blob[2].append(out)
+        self._held[team] = self._held.get(team, 0) + len(out)
 
     async def progress(self, team: str, stored: StoredBatch) -> Progress:
         found = self._team_batches(team).get(stored.id)
