@@ -86,6 +86,10 @@ def test_a_batch_of_chats_runs_to_completed_with_each_answer_in_its_output_file(
         assert next(b.id for b in api.batches.list()) == batch.id
         files = {f.id: f for f in api.files.list()}
         assert files[done.output_file_id].purpose == "batch_output"
+        assert files[done.output_file_id].bytes == len(
+            api.files.content(done.output_file_id).content
+        )
+        assert files[done.error_file_id].bytes == len(api.files.content(done.error_file_id).content)
         assert files[done.output_file_id].expires_at == done.created_at + 30 * 24 * 3600
         assert api.files.delete(uploaded.id).deleted is True
         with pytest.raises(openai.NotFoundError):
@@ -265,6 +269,11 @@ def test_on_redis_another_replica_resumes_a_batch_whose_replica_drained(
         assert done.request_counts.completed == 8 and done.request_counts.failed == 0
         output = _lines(second, done.output_file_id)
         assert sorted(output) == [f"r{i}" for i in range(8)]
+        # the sums both replicas added to in Redis: each line's usage once, the file's bytes
+        used = sum(line["response"]["body"]["usage"]["total_tokens"] for line in output.values())
+        assert done.usage.total_tokens == used > 0
+        raw = second.files.content(done.output_file_id).content
+        assert second.files.retrieve(done.output_file_id).bytes == len(raw)
         sent = one.state.batches.lines_sent + two.state.batches.lines_sent
         assert sent <= 9  # a line in flight at the drain, at most, is sent again
         assert two.state.batches.lines_sent >= 1

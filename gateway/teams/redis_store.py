@@ -31,9 +31,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.teams.team import Team

@@ -50,7 +50,7 @@ import orjson
 from gateway.admission import InFlight
 from gateway.edge.asgi import LOST_EXTENSION, ASGIApp
 from gateway.edge.batches.lines import Line, read_lines
-from gateway.edge.batches.store import ENDED, UNFINISHED, BatchStore, StoredBatch
+from gateway.edge.batches.store import ENDED, UNFINISHED, BatchStore, StoredBatch, Tokens
 from gateway.protocol import errors
 from gateway.teams import SCOPE_KEY, Team, Teams
 from gateway.telemetry.metrics import RequestMetrics
@@ -276,8 +276,8 @@ class BatchRunner:
             done = (await store.progress(team, stored)).done
             for line in lines:
                 if line.index not in done:
-                    out = _line_out(line, None, "", EXPIRED)
-                    await store.record(team, stored, line.index, out, False)
+                    out, _ = _line_out(line, None, "", EXPIRED)
+                    await store.record(team, stored, line.index, out, False, {})
                     self.metrics.batch_lines.labels(team, "expired").inc()
                     stored.expired += 1
             await self._end(run, stored, "expired", ("in_progress",))
@@ -404,11 +404,12 @@ class BatchRunner:
                 if self._stopping(run, expires):
                     return
             ok = 200 <= answer.status < 300
-            out = _line_out(line, answer, request_id, None)
+            out, tokens = _line_out(line, answer, request_id, None)
             if not self.store.room(run.team, len(out)):  # the memory store's bound
-                ok, out = False, _line_out(line, None, request_id, NO_ROOM)
+                ok, (out, _) = False, _line_out(line, None, request_id, NO_ROOM)
+            tokens = tokens if ok else {}  # usage: the output's answers'
             try:
-                await self.store.record(run.team, stored, line.index, out, ok)
+                await self.store.record(run.team, stored, line.index, out, ok, tokens)
             except errors.GatewayError as error:  # left for the run's next pass
                 log.warning("batch %s: a line's answer not recorded: %s", run.batch_id, error)
                 return
@@ -524,7 +525,6 @@ class BatchRunner:
         batch = {**stored.batch, "status": "finalizing", "finalizing_at": now}
         if await store.update(team, _with(stored, batch), states) not in states:
             return  # cancelled or ended meanwhile, elsewhere
-        usage: dict[str, Any] = {}
         files = [("output", stored.output, progress.completed)]
         files.append(("error", stored.errors, progress.failed))
         if stored.api != "openai":  # a Message Batch's results are read by its own route
@@ -532,18 +532,15 @@ class BatchRunner:
         for kind, file_id, lines in files:
             if not lines:
                 continue
-            content = await store.content(team, file_id)
             if kind == "output":
-                usage = _usage(content)
-            size = sum(map(len, content))
+                batch["usage"] = _usage(progress.sums)
+            size = progress.sums.get(f"{kind}_bytes", 0)
             # kept `output_expires_after` from now, else as long as the batch
             ttl = stored.output_ttl
             expires = now + ttl if ttl else int(stored.batch["created_at"] + store.ttl)
             file = _file_object(file_id, size, f"batch_{kind}.jsonl", now, expires)
             await store.show(team, file, stored.output_ttl)
             batch[f"{kind}_file_id"] = file_id
-        if usage:
-            batch["usage"] = usage
         batch["status"] = "cancelled" if status == "cancelled" else status
         batch[f"{status}_at"] = int(time.time())
         if await store.update(team, _with(stored, batch), ("finalizing",)) == "finalizing":
@@ -591,9 +588,9 @@ def _too_large() -> Answer:
 
 def _line_out(
     line: Line, answer: Answer | None, request_id: str, error: dict[str, str] | None
-) -> bytes:
-    """One line of an output or error file, OpenAI's shape."""
-    response = None
+) -> tuple[bytes, Tokens]:
+    """One line of an output or error file, OpenAI's shape, and its answer's usage."""
+    response, tokens = None, {}
     if answer is not None:
         raw = b"".join(answer.body)
         try:
@@ -601,36 +598,51 @@ def _line_out(
         except orjson.JSONDecodeError:
             body = raw.decode("utf-8", "replace")
         response = {"status_code": answer.status, "request_id": request_id, "body": body}
+        tokens = _tokens(body)
     out = {
         "id": ids("batch_req_"),
         "custom_id": line.custom_id,
         "response": response,
         "error": error,
     }
-    return orjson.dumps(out) + b"\n"
+    return orjson.dumps(out) + b"\n", tokens
 
 
-def _usage(content: list[bytes]) -> dict[str, Any]:
-    """The batch's usage, added up from its output's answers (chat's and completions'
-    prompt/completion tokens, the Responses API's input/output tokens)."""
-    total = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-    cached = reasoning = 0
-    for raw in b"".join(content).splitlines():
-        try:
-            usage = orjson.loads(raw)["response"]["body"].get("usage") or {}
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            continue
-        inputs = usage.get("input_tokens", usage.get("prompt_tokens", 0)) or 0
-        outputs = usage.get("output_tokens", usage.get("completion_tokens", 0)) or 0
-        total["input_tokens"] += inputs
-        total["output_tokens"] += outputs
-        total["total_tokens"] += usage.get("total_tokens", inputs + outputs) or 0
-        details = usage.get("input_tokens_details") or usage.get("prompt_tokens_details") or {}
-        cached += details.get("cached_tokens", 0) or 0
-        details = usage.get("output_tokens_details") or usage.get("completion_tokens_details") or {}
-        reasoning += details.get("reasoning_tokens", 0) or 0
+def _tokens(body: Any) -> Tokens:
+    """An answer's usage as its batch adds it up: chat's and completions' prompt and
+    completion tokens, the Responses API's input and output tokens (SUMS' names)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return {}
+    inputs = _count(usage, "input_tokens", "prompt_tokens")
+    outputs = _count(usage, "output_tokens", "completion_tokens")
+    inputs_in = usage.get("input_tokens_details") or usage.get("prompt_tokens_details")
+    outputs_in = usage.get("output_tokens_details") or usage.get("completion_tokens_details")
     return {
-        **total,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "input_tokens": inputs,
+        "output_tokens": outputs,
+        "total_tokens": _count(usage, "total_tokens") or inputs + outputs,
+        "cached_tokens": _count(inputs_in, "cached_tokens"),
+        "reasoning_tokens": _count(outputs_in, "reasoning_tokens"),
+    }
+
+
+def _count(usage: Any, *names: str) -> int:
+    """The first of `names` that `usage` counts (0: none, or not a count)."""
+    if isinstance(usage, dict):
+        for name in names:
+            value = usage.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return 0
+
+
+def _usage(sums: Tokens) -> dict[str, Any]:
+    """A batch's `usage`, OpenAI's shape, from its sums."""
+    return {
+        "input_tokens": sums.get("input_tokens", 0),
+        "output_tokens": sums.get("output_tokens", 0),
+        "total_tokens": sums.get("total_tokens", 0),
+        "input_tokens_details": {"cached_tokens": sums.get("cached_tokens", 0)},
+        "output_tokens_details": {"reasoning_tokens": sums.get("reasoning_tokens", 0)},
     }

@@ -23,6 +23,7 @@ Redis keys (`P` is `redis_key_prefix`; `{team}` a hash tag, one slot per team):
     P:batches:{team}:batch:ID     the batch object and its files' ids (JSON)
     P:batches:{team}:status:ID    its status, the compare-and-set's subject
     P:batches:{team}:done:ID      a bitmap of its input lines recorded
+    P:batches:{team}:sums:ID      a hash of what its lines recorded add up to (SUMS)
     P:batches:{team}:batches      sorted set of the team's batch ids by creation
     P:batches:running             set of the batches running ("team/id"), any replica's
     P:batches:owner:TEAM/ID       the replica running it, a lease it renews
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from gateway.teams.redis_store import RedisStore
 
 log = logging.getLogger("furnace.batches")
+
+#: A line's usage, or a batch's sums: name → count.
+Tokens = dict[str, int]
 
 #: The most bytes of files (uploads and batches' output) a team keeps in a gateway's memory.
 MEMORY_BYTES_PER_TEAM = 1024 * 1024 * 1024
@@ -95,13 +99,33 @@ class StoredBatch:
         return cls(**orjson.loads(raw))
 
 
+#: What a batch's lines add up to as they are recorded, so that its end reads no file
+#: back: its output's and error file's bytes, and its answers' usage (`record`'s `tokens`).
+SUMS = (
+    "output_bytes",
+    "error_bytes",
+    "input_tokens",
+    "output_tokens",
+    "total_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+)
+
+
 @dataclass(slots=True)
 class Progress:
-    """A batch's input lines recorded so far, and its output and error lines counted."""
+    """A batch's input lines recorded so far, its output and error lines counted, and
+    what they add up to (SUMS)."""
 
     done: set[int] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
+    sums: dict[str, int] = field(default_factory=dict)
+
+
+def _adds(out: bytes, ok: bool, tokens: dict[str, int]) -> dict[str, int]:
+    """What recording `out` adds to its batch's sums."""
+    return {"output_bytes" if ok else "error_bytes": len(out), **tokens}
 
 
 def _failed(error: Exception) -> errors.Unavailable:
@@ -171,13 +195,16 @@ class BatchStore:
         """Whether the store keeps `size` bytes more of `team`'s output."""
         return True
 
-    async def record(self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool) -> None:
+    async def record(
+        self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool, tokens: Tokens
+    ) -> None:
         """Marks input line `line` done and appends `out` to the output file (`ok`) or
-        the error file, in one step; a line already done is not appended again."""
+        the error file, adding its bytes and `tokens` (its usage) to the batch's sums, in
+        one step; a line already done is not appended again."""
         raise NotImplementedError
 
     async def progress(self, team: str, stored: StoredBatch) -> Progress:
-        """The batch's lines done, and its files' lines counted."""
+        """The batch's lines done, its files' lines counted, and its sums."""
         raise NotImplementedError
 
     async def show(self, team: str, file: dict[str, Any], ttl: int | None = None) -> None:
@@ -211,7 +238,8 @@ class MemoryBatches(BatchStore):
         super().__init__(ttl, per_team)
         #: team → file id → (expires, object, chunks); a hidden file's object is None.
         self._files: dict[str, dict[str, tuple[float, dict[str, Any] | None, list[bytes]]]] = {}
-        self._batches: dict[str, dict[str, tuple[float, StoredBatch, set[int]]]] = {}
+        #: team → batch id → (expires, batch, its lines done, its sums).
+        self._batches: dict[str, dict[str, tuple[float, StoredBatch, set[int], Tokens]]] = {}
         #: team → the bytes its files hold (uploads and output).
         self._held: dict[str, int] = {}
 
@@ -232,10 +260,10 @@ class MemoryBatches(BatchStore):
         self._team_files(team)
         return self._held.get(team, 0) + size <= MEMORY_BYTES_PER_TEAM
 
-    def _team_batches(self, team: str) -> dict[str, tuple[float, StoredBatch, set[int]]]:
+    def _team_batches(self, team: str) -> dict[str, tuple[float, StoredBatch, set[int], Tokens]]:
         kept = self._batches.setdefault(team, {})
         now = time.monotonic()
-        for batch_id in [k for k, (expires, _, _) in kept.items() if expires <= now]:
+        for batch_id in [k for k, (expires, *_) in kept.items() if expires <= now]:
             del kept[batch_id]
         return kept
 
@@ -289,14 +317,14 @@ class MemoryBatches(BatchStore):
         for file_id in (stored.output, stored.errors):
             self._drop(team, file_id)
             files[file_id] = (expires, None, [])
-        self._team_batches(team)[stored.id] = (expires, _copy(stored), set())
+        self._team_batches(team)[stored.id] = (expires, _copy(stored), set(), {})
 
     async def batch(self, team: str, batch_id: str) -> StoredBatch | None:
         found = self._team_batches(team).get(batch_id)
         return None if found is None else self._as_now(team, found[1])
 
     async def batches(self, team: str) -> list[StoredBatch]:
-        found = [self._as_now(team, s) for _, s, _ in self._team_batches(team).values()]
+        found = [self._as_now(team, s) for _, s, *_ in self._team_batches(team).values()]
         return sorted(found, key=lambda s: _created(s.batch))
 
     def _as_now(self, team: str, kept: StoredBatch) -> StoredBatch:
@@ -326,16 +354,21 @@ class MemoryBatches(BatchStore):
             return None
         status = found[1].status
         if status in states:
-            kept[stored.id] = (found[0], _copy(stored), found[2])
+            kept[stored.id] = (found[0], _copy(stored), found[2], found[3])
         return status
 
-    async def record(self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool) -> None:
+    async def record(
+        self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool, tokens: Tokens
+    ) -> None:
         found = self._team_batches(team).get(stored.id)
         blob = self._team_files(team).get(stored.output if ok else stored.errors)
         if found is None or blob is None or line in found[2]:
             return
         found[2].add(line)
         blob[2].append(out)
+        sums = found[3]
+        for name, value in _adds(out, ok, tokens).items():
+            sums[name] = sums.get(name, 0) + value
         self._held[team] = self._held.get(team, 0) + len(out)
 
     async def progress(self, team: str, stored: StoredBatch) -> Progress:
@@ -346,6 +379,7 @@ class MemoryBatches(BatchStore):
             set() if found is None else set(found[2]),
             0 if output is None else len(output[2]),
             0 if errors_ is None else len(errors_[2]),
+            {} if found is None else dict(found[3]),
         )
 
     async def show(self, team: str, file: dict[str, Any], ttl: int | None = None) -> None:
@@ -379,13 +413,13 @@ def too_many(per_team: int) -> errors.Invalid:
     )
 
 
-#: `record`: KEYS the done bitmap, the blob; ARGV the line, the output line, the TTL
-#: (ms): they live as long as the batch.
+#: `record`: KEYS the done bitmap, the blob, the sums; ARGV the line, the output line,
+#: the TTL (ms: they live as long as the batch), then the sums' names and what they add.
 _RECORD = """
 if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """
 
@@ -587,7 +621,8 @@ class RedisBatches(BatchStore):
         return found
 
     async def delete_batch(self, team: str, stored: StoredBatch) -> None:
-        keys = [self._key(team, f"{what}:{stored.id}") for what in ("batch", "status", "done")]
+        kinds = ("batch", "status", "done", "sums")
+        keys = [self._key(team, f"{what}:{stored.id}") for what in kinds]
         for file_id in (stored.output, stored.errors):
             keys += [self._key(team, "file:" + file_id), self._key(team, "blob:" + file_id)]
         if stored.api == "anthropic":  # its requests, a hidden file of its own
@@ -603,11 +638,14 @@ class RedisBatches(BatchStore):
             return None
         return status.decode() if isinstance(status, bytes) else str(status)
 
-    async def record(self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool) -> None:
+    async def record(
+        self, team: str, stored: StoredBatch, line: int, out: bytes, ok: bool, tokens: Tokens
+    ) -> None:
         blob = self._key(team, "blob:" + (stored.output if ok else stored.errors))
-        keys = [self._key(team, "done:" + stored.id), blob]
+        keys = [self._key(team, "done:" + stored.id), blob, self._key(team, "sums:" + stored.id)]
+        adds = [x for pair in _adds(out, ok, tokens).items() for x in pair]
         extra = len(out) * SECONDS_A_BYTE
-        await self._script(self._record, keys, [line, out, self._ttl_ms], extra)
+        await self._script(self._record, keys, [line, out, self._ttl_ms, *adds], extra)
 
     async def progress(self, team: str, stored: StoredBatch) -> Progress:
         try:
@@ -616,10 +654,12 @@ class RedisBatches(BatchStore):
                 pipe.get(self._key(team, "done:" + stored.id))
                 pipe.llen(self._key(team, "blob:" + stored.output))
                 pipe.llen(self._key(team, "blob:" + stored.errors))
-                bitmap, completed, failed = await pipe.execute()
+                pipe.hgetall(self._key(team, "sums:" + stored.id))
+                bitmap, completed, failed, sums = await pipe.execute()
         except (OSError, TimeoutError) as error:
             raise _failed(error) from None
-        return Progress(lines_set(bitmap or b""), completed, failed)
+        sums = {name.decode(): int(value) for name, value in sums.items()}
+        return Progress(lines_set(bitmap or b""), completed, failed, sums)
 
     async def show(self, team: str, file: dict[str, Any], ttl: int | None = None) -> None:
         key = self._key(team, "file:" + file["id"])
