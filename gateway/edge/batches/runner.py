@@ -189,7 +189,8 @@ class BatchRunner:
             await asyncio.sleep(POLL)
             now = time.monotonic()
             try:
-                for run in list(self.runs.values()):
+                # a cancel at another replica (one at this replica halts its run at once)
+                for run in list(self.runs.values()) if self.store.shared else ():
                     stored = await self.store.batch(run.team, run.batch_id)
                     if stored is None or stored.status in ("cancelling", *ENDED):
                         run.halt(cancelled=True)

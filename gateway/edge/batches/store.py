@@ -135,6 +135,9 @@ def _failed(error: Exception) -> errors.Unavailable:
 class BatchStore:
     """The Batch API's files and batches, per team (an open gateway's are team "")."""
 
+    #: Whether other replicas share it (and may change a batch this one runs).
+    shared = False
+
     def __init__(self, ttl: float, per_team: int) -> None:
         self.ttl = ttl
         self.per_team = per_team
@@ -479,6 +482,8 @@ return 1
 class RedisBatches(BatchStore):
     """The store every replica shares, on the teams' Redis client; a failure is
     `Unavailable` (503) for the request that needed it."""
+
+    shared = True
 
     def __init__(self, redis: RedisStore, ttl: float, per_team: int) -> None:
         super().__init__(ttl, per_team)
