@@ -207,7 +207,6 @@ def test_lines_refused_for_later_are_sent_again_until_answered(gateway_with, wor
 def test_an_expired_batch_writes_its_lines_not_done_as_batch_expired(
     gateway_with, workers, monkeypatch
 ):
-    monkeypatch.setattr(routes_module, "WINDOW_SECONDS", 1)
     gw = gateway_with(batch_concurrency=1)
     lines = [_chat("fast", "quick", max_tokens=2)]
     lines += [_chat(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(2)]
@@ -215,6 +214,7 @@ def test_an_expired_batch_writes_its_lines_not_done_as_batch_expired(
         # one model a file: the scripted lines go in their own batch
         fast = _run(api, lines[:1])
         assert _until(api, fast.id, "completed").request_counts.completed == 1
+        monkeypatch.setattr(routes_module, "WINDOW_SECONDS", 1)  # the next batch's window
         batch = _run(api, lines[1:])
         done = _until(api, batch.id, "expired")
         assert done.expired_at and done.request_counts.failed == 2

@@ -606,21 +606,20 @@ class RedisBatches(BatchStore):
         return await self._as_now(team, [StoredBatch.loads(raw) for raw in raws])
 
     async def _as_now(self, team: str, found: list[StoredBatch]) -> list[StoredBatch]:
-        """The batches with their status and counts as they are now, in one round trip."""
+        """The batches with their counts as they are now, in one round trip. (Not their
+        status: a batch's object is written with its status in one step, and a status
+        read after the object could pair a batch's end with the object of before it.)"""
         try:
             async with self.redis._bounded():
                 pipe = self.redis.client.pipeline(transaction=False)
                 for stored in found:
-                    pipe.get(self._key(team, "status:" + stored.id))
                     pipe.llen(self._key(team, "blob:" + stored.output))
                     pipe.llen(self._key(team, "blob:" + stored.errors))
                 replies = await pipe.execute()
         except (OSError, TimeoutError) as error:
             raise _failed(error) from None
         for i, stored in enumerate(found):
-            status, completed, failed = replies[3 * i : 3 * i + 3]
-            if status is not None:
-                stored.batch["status"] = status.decode()
+            completed, failed = replies[2 * i : 2 * i + 2]
             progress = Progress(set(), completed, failed)
             stored.batch["request_counts"] = counts(stored.batch, progress)
         return found
