@@ -52,6 +52,9 @@ def test_every_wrong_key_gets_the_same_401(gateway_with):
             None,
         )
         assert key not in response.text
+        # every API route (vLLM's unversioned rerank and score too) wants the key
+        for path in gw.state.app.hot:
+            assert client.post(path, json={}).status_code == 401, path
         # the probes stay open; the metrics are on no public port (tests/test_admin_port.py)
         for path in ("/health", "/ready"):
             assert client.get(path).status_code == 200

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import cohere
 import httpx
 import pytest
 
@@ -77,6 +78,41 @@ def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(gateway):
         },
     ).json()["results"]
     assert len(bare) == 4 and all("document" not in r for r in bare)
+
+
+def _ranking(results: list) -> tuple[list[int], list[float]]:
+    """The indices and scores of rerank results (dicts or Cohere's objects)."""
+    pairs = [
+        (r["index"], r["relevance_score"]) if isinstance(r, dict) else (r.index, r.relevance_score)
+        for r in results
+    ]
+    return [i for i, _ in pairs], [score for _, score in pairs]
+
+
+def test_cohere_clients_rerank_at_its_paths_and_vllms_unversioned_paths_serve_too(gateway):
+    """Cohere's SDK (`Client` posts to /v1/rerank, `ClientV2` to /v2/rerank) gets the
+    same ranking as /v1/rerank; vLLM's /rerank and /score are the same routes too."""
+    query = "a cat sat on the mat"
+    body = {"model": DEMO_MODEL, "query": query, "documents": DOCUMENTS, "top_n": 2}
+    order, scores = _ranking(_post(gateway.url, "/v1/rerank", body).json()["results"])
+    with httpx.Client(timeout=HANG_GUARD) as http:
+        v2 = cohere.ClientV2(api_key="none", base_url=gateway.url, httpx_client=http)
+        answer = v2.rerank(model=DEMO_MODEL, query=query, documents=DOCUMENTS, top_n=2)
+        assert _ranking(answer.results)[0] == order
+        assert _ranking(answer.results)[1] == pytest.approx(scores)
+        v1 = cohere.Client(api_key="none", base_url=gateway.url, httpx_client=http)
+        answer = v1.rerank(
+            model=DEMO_MODEL, query=query, documents=DOCUMENTS, top_n=2, return_documents=True
+        )
+        assert _ranking(answer.results)[0] == order
+        assert [r.document.text for r in answer.results] == [DOCUMENTS[i] for i in order]
+        with pytest.raises(cohere.BadRequestError) as refused:
+            v2.rerank(model=DEMO_MODEL, query=query, documents=DOCUMENTS, max_tokens_per_doc=64)
+        assert refused.value.body["error"]["param"] == "max_tokens_per_doc"
+    unversioned = _post(gateway.url, "/rerank", body).json()["results"]
+    assert _ranking(unversioned)[0] == order
+    pair = {"model": DEMO_MODEL, "text_1": query, "text_2": DOCUMENTS[0]}
+    assert _post(gateway.url, "/score", pair).json()["data"][0]["score"] == pytest.approx(1.0)
 
 
 def test_score_one_against_many_and_pairwise(gateway):

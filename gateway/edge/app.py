@@ -43,7 +43,7 @@ from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models, one_model
-from gateway.edge.openai.scoring import RerankRoute, ScoreRoute
+from gateway.edge.openai.scoring import RERANK_PATHS, SCORE_PATHS, RerankRoute, ScoreRoute
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
@@ -156,8 +156,8 @@ def create_app(
         "/v1/chat/completions": generation(parse_chat, ChatEncoder),
         "/v1/completions": generation(parse_completion, CompletionEncoder),
         "/v1/embeddings": EmbeddingsRoute(parts),
-        "/v1/rerank": RerankRoute(parts),
-        "/v1/score": ScoreRoute(parts),
+        **dict.fromkeys(RERANK_PATHS, RerankRoute(parts)),
+        **dict.fromkeys(SCORE_PATHS, ScoreRoute(parts)),
         **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))

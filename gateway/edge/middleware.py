@@ -183,15 +183,20 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+#: The API's routes outside /v1/ and /v2/: vLLM's unversioned rerank and score.
+UNVERSIONED = frozenset({"/rerank", "/score"})
+
+
 def _keyed_path(path: str) -> bool:
-    """The OpenAI routes and the KServe v2 routes but their health probes."""
-    if path.startswith("/v1/"):
+    """The OpenAI routes (vLLM's unversioned ones too) and the KServe v2 routes but their
+    health probes."""
+    if path.startswith("/v1/") or path in UNVERSIONED:
         return True
     return (path == "/v2" or path.startswith("/v2/")) and not path.startswith("/v2/health/")
 
 
 class KeyGate:
-    """On /v1/* and /v2/* (not /v2/health/*) of a keyed gateway: 401 without a
+    """On /v1/*, /v2/* (not /v2/health/*) and UNVERSIONED of a keyed gateway: 401 without a
     known key (with its access-log line, `access_log`); else the team goes into the
     scope and its x-ratelimit-* headers onto the response."""
 

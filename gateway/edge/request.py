@@ -143,9 +143,9 @@ def _as_is(status: int) -> int:
 
 def route_label(path: str) -> str:
     """A request route's path as a metric label: its own path, which is one of the
-    app's fixed routes, but for the KServe v2 routes, whose paths name a model (and
-    a version) the client chose."""
-    if not path.startswith("/v2/"):
+    app's fixed routes, but for the KServe v2 model routes, whose paths name a model
+    (and a version) the client chose."""
+    if not path.startswith("/v2/models/"):
         return path
     if path.endswith("/infer"):
         return "/v2/models/{model}/infer"

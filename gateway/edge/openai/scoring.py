@@ -1,12 +1,13 @@
-"""`POST /v1/rerank` and `POST /v1/score`, as vLLM's server answers them for an embedding
-model: the texts embedded by the model's workers (the embeddings' route, its admission,
-fallbacks, bounds and telemetry: embeddings.py), each pair scored by the cosine
+"""`POST /v1/rerank` and `POST /v1/score` (and their other paths, `RERANK_PATHS` and
+`SCORE_PATHS`), as vLLM's server answers them for an embedding model: the texts
+embedded by the model's workers (the embeddings' route, its admission, fallbacks,
+bounds and telemetry: embeddings.py), each pair scored by the cosine
 similarity of its two vectors, as vLLM scores pairs with an embedding model. Every worker
 kind that serves embeddings serves these (ours, vLLM's gRPC server, OpenAI-compatible
 servers); a model with a classification head (a cross-encoder such as a BGE reranker)
 is not scored by these routes: its workers' own `/rerank` is not proxied.
 
-Rerank (Jina's and vLLM's shape): `query` and `documents` (strings, or `{"text"}`
+Rerank (Jina's, vLLM's and Cohere's shape): `query` and `documents` (strings, or `{"text"}`
 objects), `top_n` (0, the default: all), `return_documents` (true by default: vLLM always
 returns them) → `results` by relevance, highest first, each with its `index` in
 `documents`. Score: `text_1` and `text_2` (or vLLM's `queries` with `documents` or
@@ -53,7 +54,16 @@ UNSERVED_SCORING: dict[str, Any] = {
     "cache_salt": None,
     "truncation_side": None,
     "dimensions": None,
+    # Cohere's rerank (v1, v2)
+    "rank_fields": None,
+    "max_chunks_per_doc": None,
+    "relevant_spans": None,
 }
+#: Where rerank and score are served: vLLM serves each at all of these, the versioned
+#: rerank paths being Cohere's (its SDK's `Client` posts to v1, `ClientV2` to v2).
+#: (The unversioned ones are in the key gate's UNVERSIONED: middleware.py.)
+RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
+SCORE_PATHS = ("/v1/score", "/score")
 #: The names of score's two sides, as vLLM takes them (the first pair present wins).
 SCORE_SIDES: tuple[tuple[str, str], ...] = (
     ("text_1", "text_2"),
