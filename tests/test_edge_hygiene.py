@@ -39,7 +39,7 @@ def test_a_body_not_declared_json_is_415_and_reaches_no_worker(client, workers, 
     if content_type is not None:
         headers["content-type"] = content_type
     body = b'{"model": "scripted", "prompt": "x"}'
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/rerank", "/score", "/v2/rerank"):
         response = client.post(path, content=body, headers=headers)
         assert response.status_code == 415, response.text
         assert response.json() == {

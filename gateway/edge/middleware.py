@@ -107,8 +107,18 @@ _KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 _TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
 
 
+#: The OpenAI-shaped routes outside /v1/, as vLLM serves them: its unversioned rerank and
+#: score, and Cohere's v2 rerank (edge/openai/scoring.py).
+OTHER_API_PATHS = frozenset({"/rerank", "/score", "/v2/rerank"})
+
+
+def _openai_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in OTHER_API_PATHS
+
+
 class JsonOnly:
-    """Answers 415 to a POST on /v1/* whose body is not declared JSON, and to one on /v2/*
+    """Answers 415 to a POST on /v1/* (or OTHER_API_PATHS) whose body is not declared JSON,
+    and to one on /v2/*
     declared neither JSON nor binary tensors (a request of the binary extension that names
     no type passes by its Inference-Header-Content-Length: Triton's clients send no type,
     and no browser sends that header without a preflight)."""
@@ -119,8 +129,9 @@ class JsonOnly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path, headers = scope["path"], request_headers(scope)
+            openai = _openai_path(path)
             if (
-                path.startswith("/v1/")
+                openai
                 and not _declares(headers.content_types, _JSON)
                 and not (path.endswith(_BODYLESS) and not headers.content_types)
                 and not (path == _UPLOADS and _keyed_form(scope, headers.content_types))
@@ -128,7 +139,8 @@ class JsonOnly:
                 await send_error(send, UNSUPPORTED_MEDIA_TYPE)
                 return
             if (
-                path.startswith("/v2/")
+                not openai
+                and path.startswith("/v2/")
                 and not _declares(headers.content_types, _TENSOR_TYPES)
                 and not headers.inference_header
             ):
@@ -183,20 +195,16 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-#: The API's routes outside /v1/ and /v2/: vLLM's unversioned rerank and score.
-UNVERSIONED = frozenset({"/rerank", "/score"})
-
-
 def _keyed_path(path: str) -> bool:
-    """The OpenAI routes (vLLM's unversioned ones too) and the KServe v2 routes but their
-    health probes."""
-    if path.startswith("/v1/") or path in UNVERSIONED:
+    """The OpenAI routes (vLLM's others too) and the KServe v2 routes but their health
+    probes."""
+    if _openai_path(path):
         return True
     return (path == "/v2" or path.startswith("/v2/")) and not path.startswith("/v2/health/")
 
 
 class KeyGate:
-    """On /v1/*, /v2/* (not /v2/health/*) and UNVERSIONED of a keyed gateway: 401 without a
+    """On /v1/*, /v2/* (not /v2/health/*) and OTHER_API_PATHS of a keyed gateway: 401 without a
     known key (with its access-log line, `access_log`); else the team goes into the
     scope and its x-ratelimit-* headers onto the response."""
 

@@ -61,7 +61,7 @@ UNSERVED_SCORING: dict[str, Any] = {
 }
 #: Where rerank and score are served: vLLM serves each at all of these, the versioned
 #: rerank paths being Cohere's (its SDK's `Client` posts to v1, `ClientV2` to v2).
-#: (The unversioned ones are in the key gate's UNVERSIONED: middleware.py.)
+#: (Those outside /v1/ are also middleware.py's OTHER_API_PATHS: a key, JSON bodies.)
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
 SCORE_PATHS = ("/v1/score", "/score")
 #: The names of score's two sides, as vLLM takes them (the first pair present wins).
