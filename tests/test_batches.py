@@ -255,7 +255,7 @@ def test_on_redis_another_replica_resumes_a_batch_whose_replica_drained(
     recorded line again."""
     monkeypatch.setattr(runner_module, "ORPHAN_POLL", 0.2)
     monkeypatch.setattr(runner_module, "POLL", 0.1)
-    shared = {"redis_url": redis_server.url, "redis_timeout": 0.5, "batch_concurrency": 1}
+    shared = {"redis_url": redis_server.url, "redis_timeout": 2.0, "batch_concurrency": 1}
     one, two = gateway_with(**shared), gateway_with(**shared)
     lines = [_chat(f"r{i}", script(texts=2, delay=0.1), model=SCRIPTED_MODEL) for i in range(8)]
     with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
@@ -283,7 +283,7 @@ def test_on_redis_a_cancel_at_one_replica_stops_the_run_at_the_other(
     gateway_with, redis_server, workers, monkeypatch
 ):
     monkeypatch.setattr(runner_module, "POLL", 0.1)
-    shared = {"redis_url": redis_server.url, "redis_timeout": 0.5, "batch_concurrency": 1}
+    shared = {"redis_url": redis_server.url, "redis_timeout": 2.0, "batch_concurrency": 1}
     one, two = gateway_with(**shared), gateway_with(**shared)
     lines = [_chat(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)]
     with openai_sdk(one.url) as first, openai_sdk(two.url) as second:

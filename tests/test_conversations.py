@@ -375,8 +375,8 @@ def test_appends_at_once_are_each_kept_whole(gateway):
 
 
 def test_two_replicas_share_conversations_in_redis(gateway_with, redis_server):
-    one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    one = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
+    two = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
     with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
         conversation = first.conversations.create(items=[_user("alpha")], metadata={"a": "1"})
         assert second.conversations.retrieve(conversation.id).metadata == {"a": "1"}

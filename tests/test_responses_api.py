@@ -442,8 +442,8 @@ def test_a_streamed_response_is_stored(api):
 
 
 def test_a_conversation_continues_on_another_replica_sharing_redis(gateway_with, redis_server):
-    one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    one = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
+    two = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
     with openai_sdk(one.url) as first_client, openai_sdk(two.url) as second_client:
         first = first_client.responses.create(model=DEMO_MODEL, input="alpha beta")
         assert second_client.responses.retrieve(first.id).output_text == "alpha beta"

@@ -232,8 +232,8 @@ def test_two_replicas_on_one_redis_share_it_and_a_cancel_at_one_stops_the_other(
     gateway_with, redis_server, workers, monkeypatch
 ):
     monkeypatch.setattr(background_module, "POLL", 0.1)
-    one = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
-    two = gateway_with(redis_url=redis_server.url, redis_timeout=0.5)
+    one = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
+    two = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
     with openai_sdk(one.url) as first, openai_sdk(two.url) as second:
         done = first.responses.create(model=DEMO_MODEL, input="shared words", background=True)
         assert _until_status(second, done.id, "completed").output_text == "shared words"

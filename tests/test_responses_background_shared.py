@@ -35,9 +35,11 @@ def _words(n: int) -> str:
 
 
 @pytest.fixture
-def replicas(gateway_with, redis_server) -> tuple[Gateway, Gateway]:
-    """Two gateways on one Redis, as two replicas behind one Service."""
-    settings = {"redis_url": redis_server.url, "redis_timeout": 0.5, "keepalive_interval": 1.0}
+def replicas(request, gateway_with, redis_server) -> tuple[Gateway, Gateway]:
+    """Two gateways on one Redis, as two replicas behind one Service; their
+    `redis_timeout` a generous 2 s, or the test's own (indirect parametrization)."""
+    timeout = getattr(request, "param", 2.0)
+    settings = {"redis_url": redis_server.url, "redis_timeout": timeout, "keepalive_interval": 1.0}
     return gateway_with(**settings), gateway_with(**settings)
 
 
@@ -237,6 +239,7 @@ def test_a_client_leaving_a_resume_stops_its_reader(replicas):
     _nothing_left(one, two)
 
 
+@pytest.mark.parametrize("replicas", [0.5], indirect=True)  # a stall seen in 0.5 s
 def test_redis_stalling_while_a_run_writes_neither_stops_nor_slows_it(
     replicas, redis_server, monkeypatch
 ):
