@@ -47,6 +47,7 @@ ALERTS = {
     "FurnaceGatewayBudgetNearlySpent",
     "FurnaceGatewayBudgetSpent",
     "FurnaceGatewayMcpServerFailing",
+    "FurnaceGatewayBatchExpired",
 }
 
 
