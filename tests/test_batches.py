@@ -255,6 +255,7 @@ def test_on_redis_another_replica_resumes_a_batch_whose_replica_drained(
     recorded line again."""
     monkeypatch.setattr(runner_module, "ORPHAN_POLL", 0.2)
     monkeypatch.setattr(runner_module, "POLL", 0.1)
+    monkeypatch.setattr(store_module, "PAGE", 3)  # files read (and downloaded) 3 pieces a call
     shared = {"redis_url": redis_server.url, "redis_timeout": 2.0, "batch_concurrency": 1}
     one, two = gateway_with(**shared), gateway_with(**shared)
     lines = [_chat(f"r{i}", script(texts=2, delay=0.1), model=SCRIPTED_MODEL) for i in range(8)]

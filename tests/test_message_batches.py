@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import anthropic
 import pytest
 
+from gateway.edge.batches import store as store_module
 from tests.support.clients import openai_sdk
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL, assert_nothing_left
@@ -115,6 +116,23 @@ def test_a_cancel_leaves_the_unsent_requests_canceled(gateway_with, workers):
         with openai_sdk(gw.url) as api:
             assert [b.id for b in api.batches.list()] == []
     assert_nothing_left(gw, workers)
+
+
+def test_on_redis_the_results_are_read_a_page_at_a_time(gateway_with, redis_server, monkeypatch):
+    """Results streamed from Redis two lines a read (PAGE): every request's result, once."""
+    monkeypatch.setattr(store_module, "PAGE", 2)
+    gw = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
+    requests = [_request(f"r{i}", f"words {i}") for i in range(5)]
+    requests.append(_request("refused", "x", max_tokens=0))
+    with anthropic.Anthropic(
+        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as sdk:
+        batch = sdk.messages.batches.create(requests=requests)
+        assert _until_ended(sdk, batch.id).request_counts.succeeded == 5
+        results = [(r.custom_id, r.result.type) for r in sdk.messages.batches.results(batch.id)]
+    assert sorted(results) == sorted(
+        [(f"r{i}", "succeeded") for i in range(5)] + [("refused", "errored")]
+    )
 
 
 def test_the_list_pages_newest_first_around_a_cursor(sdk):

@@ -20,6 +20,7 @@ and a refusal is that line's `errored` result. Times are RFC 3339, as Anthropic'
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -38,9 +39,10 @@ from gateway.edge.batches.routes import (
     found_batch,
     new_batch,
     refuse_rest,
+    streamed,
 )
 from gateway.edge.batches.runner import BatchRunner, ids
-from gateway.edge.batches.store import ENDED, StoredBatch
+from gateway.edge.batches.store import ENDED, BatchStore, StoredBatch
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.routes import guarded, json_response, team_name
@@ -147,34 +149,44 @@ def _anthropic_error(response: dict[str, Any]) -> Any:
     return error_payload(response["status_code"], str(message or "The request failed."))
 
 
-def _results(stored: StoredBatch, output: list[bytes], errors: list[bytes], input_: bytes) -> bytes:
-    """The batch's results, a JSONL line a request: what its lines answered, then the
-    requests no line answered (`canceled`; `errored` with the batch's own error when the
-    batch failed)."""
-    results, answered = [], set()
-    for raw in b"".join(output).splitlines():
-        line = orjson.loads(raw)
-        answered.add(line["custom_id"])
-        result = {"type": "succeeded", "message": line["response"]["body"]}
-        results.append({"custom_id": line["custom_id"], "result": result})
-    for raw in b"".join(errors).splitlines():
-        line = orjson.loads(raw)
-        answered.add(line["custom_id"])
-        if line["error"] is not None:  # the window passed first
-            result = {"type": "expired"}
-        else:
-            result = {"type": "errored", "error": _anthropic_error(line["response"])}
-        results.append({"custom_id": line["custom_id"], "result": result})
+async def _results(store: BatchStore, team: str, stored: StoredBatch) -> AsyncIterator[bytes]:
+    """The batch's results, a JSONL line a request, a page of its files at a time: what
+    its lines answered, then the requests no line answered (`canceled`; `errored` with
+    the batch's own error when the batch failed), read from its requests only when
+    there are such (Anthropic's results come in no particular order)."""
+    answered: set[str] = set()
+    for file_id in (stored.output, stored.errors):
+        async for page in store.pages(team, file_id):
+            results = []
+            for raw in page:  # a line a chunk
+                line = orjson.loads(raw)
+                answered.add(line["custom_id"])
+                error = line["error"]
+                if error is not None and error["code"] == "batch_expired":
+                    result: dict[str, Any] = {"type": "expired"}
+                elif error is not None:  # its answer not kept (output_too_large)
+                    result = {"type": "errored", "error": error_payload(500, error["message"])}
+                elif file_id == stored.output:
+                    result = {"type": "succeeded", "message": line["response"]["body"]}
+                else:
+                    result = {"type": "errored", "error": _anthropic_error(line["response"])}
+                results.append(orjson.dumps({"custom_id": line["custom_id"], "result": result}))
+            if results:
+                yield b"\n".join(results) + b"\n"
+    if len(answered) >= int(stored.batch["request_counts"]["total"]):
+        return
     unsent: dict[str, Any] = {"type": "canceled"}
     if stored.status == "failed":
         why = (stored.batch.get("errors") or {}).get("data") or [{"message": "The batch failed."}]
         error = {"type": "api_error", "message": why[0]["message"]}
         unsent = {"type": "errored", "error": {"type": "error", "error": error}}
+    input_ = b"".join(await store.content(team, stored.batch["input_file_id"]))
     lines, _ = read_lines(input_, MESSAGES, len(input_), len(input_), bodies=False)
-    for line in lines:
-        if line.custom_id not in answered:
-            results.append({"custom_id": line.custom_id, "result": unsent})
-    return b"".join(orjson.dumps(result) + b"\n" for result in results)
+    yield b"".join(
+        orjson.dumps({"custom_id": line.custom_id, "result": unsent}) + b"\n"
+        for line in lines
+        if line.custom_id not in answered
+    )
 
 
 def message_batch_routes(
@@ -255,13 +267,7 @@ def message_batch_routes(
             raise APIError(
                 400, f"Message batch {stored.id} has not ended; its results are not ready."
             )
-        body = _results(
-            stored,
-            await store.content(team, stored.output),
-            await store.content(team, stored.errors),
-            b"".join(await store.content(team, stored.batch["input_file_id"])),
-        )
-        return Response(body, media_type="application/binary")
+        return await streamed(_results(store, team, stored), "application/binary")
 
     guard = guarded(retry_after)
     return [

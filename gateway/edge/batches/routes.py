@@ -14,6 +14,7 @@ and score.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, cast
 
@@ -233,6 +234,26 @@ class Upload:
         return None if raw is None else raw.decode("utf-8", "replace")
 
 
+async def _chunks(pages: AsyncIterator[list[bytes]]) -> AsyncIterator[bytes]:
+    async for page in pages:
+        for chunk in page:
+            yield chunk
+
+
+async def streamed(chunks: AsyncIterator[bytes], media_type: str) -> StreamingResponse:
+    """A download of `chunks` as the store reads them (a page at a time, never the whole
+    file), chunked. Its first read comes before the answer begins, so a store failing
+    then is the route's 503; one failing later cuts the download (no last chunk)."""
+    first = await anext(chunks, b"")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(body(), media_type=media_type)
+
+
 def batch_routes(
     runner: BatchRunner, admission: Admission, max_file: int, retry_after: int
 ) -> list[Route]:
@@ -330,11 +351,7 @@ def batch_routes(
         found = await store.file(team, file_id)
         if found is None:
             raise not_found("file", file_id)
-        chunks = await store.content(team, file_id)
-        headers = {"content-length": str(sum(map(len, chunks)))}
-        return StreamingResponse(
-            iter(chunks), media_type="application/octet-stream", headers=headers
-        )
+        return await streamed(_chunks(store.pages(team, file_id)), "application/octet-stream")
 
     async def create(request: Request) -> Response:
         refuse_query(request)

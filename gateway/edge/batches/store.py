@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +61,9 @@ MEMORY_BYTES_PER_TEAM = 1024 * 1024 * 1024
 #: Seconds more a Redis call may take for each byte it moves (a file's upload or
 #: download: 100 MiB at 20 MB/s, 5 s), past `redis_timeout`.
 SECONDS_A_BYTE = 1 / 20e6
-#: A file's pieces read from Redis a call (uploads keep 1 MiB pieces).
-PAGE, CHUNK_BYTES = 64, 1024 * 1024
+#: A file's pieces read from Redis a call (uploads keep 1 MiB pieces; a batch's output, a
+#: line a piece): what one download holds at a time.
+PAGE, CHUNK_BYTES = 16, 1024 * 1024
 #: A batch's states before its end, and the ends.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("failed", "completed", "expired", "cancelled")
@@ -160,10 +161,15 @@ class BatchStore:
         or a batch's file not shown yet)."""
         raise NotImplementedError
 
-    async def content(self, team: str, file_id: str) -> list[bytes]:
-        """A file's content, in chunks (a batch's hidden files' too: a route shows only
-        what `file` finds)."""
+    def pages(self, team: str, file_id: str) -> AsyncIterator[list[bytes]]:
+        """A file's content, in chunks, a page of them at a time, so a download holds
+        one page rather than the file (a batch's hidden files' too: a route shows only
+        what `file` finds). A batch's output and error files hold a line a chunk."""
         raise NotImplementedError
+
+    async def content(self, team: str, file_id: str) -> list[bytes]:
+        """A file's whole content, in chunks."""
+        return [chunk async for page in self.pages(team, file_id) for chunk in page]
 
     async def delete_file(self, team: str, file_id: str) -> bool:
         """Whether the team had the file (it is gone now)."""
@@ -299,9 +305,10 @@ class MemoryBatches(BatchStore):
         found = self._team_files(team).get(file_id)
         return None if found is None else found[1]
 
-    async def content(self, team: str, file_id: str) -> list[bytes]:
+    async def pages(self, team: str, file_id: str) -> AsyncIterator[list[bytes]]:
         found = self._team_files(team).get(file_id)
-        return [] if found is None else list(found[2])
+        if found is not None:  # in memory already: one page
+            yield list(found[2])
 
     async def delete_file(self, team: str, file_id: str) -> bool:
         found = self._team_files(team).get(file_id)
@@ -551,16 +558,17 @@ class RedisBatches(BatchStore):
         raw = await self._call("get", self._key(team, "file:" + file_id))
         return None if raw is None else dict(orjson.loads(raw))
 
-    async def content(self, team: str, file_id: str) -> list[bytes]:
-        # in pages, each call bounded by what it may move: an upload's 1 MiB chunks
+    async def pages(self, team: str, file_id: str) -> AsyncIterator[list[bytes]]:
+        # each call bounded by what it may move: an upload's 1 MiB chunks
         key = self._key(team, "blob:" + file_id)
-        found: list[bytes] = []
-        extra = PAGE * CHUNK_BYTES * SECONDS_A_BYTE
+        extra, read = PAGE * CHUNK_BYTES * SECONDS_A_BYTE, 0
         while True:
-            page = await self._call("lrange", key, len(found), len(found) + PAGE - 1, extra=extra)
-            found += page
+            page = await self._call("lrange", key, read, read + PAGE - 1, extra=extra)
+            read += len(page)
+            if page:
+                yield page
             if len(page) < PAGE:
-                return found
+                return
 
     async def delete_file(self, team: str, file_id: str) -> bool:
         keys = [self._key(team, "file:" + file_id), self._key(team, "blob:" + file_id)]
