@@ -177,6 +177,7 @@ def test_a_cancel_ends_the_lines_in_flight_and_sends_no_more(gateway_with, worke
         assert cancelling.status in ("cancelling", "cancelled")
         done = _until(api, batch.id, "cancelled")
         assert done.request_counts.completed == 0 and done.cancelled_at
+        assert done.finalizing_at is None  # cancelling, then cancelled, as OpenAI's
         assert done.output_file_id is None
     wait_until(lambda: len(workers.scripted.cancelled) >= 2, "both calls in flight to end")
     assert_nothing_left(gw, workers)

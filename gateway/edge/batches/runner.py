@@ -520,10 +520,13 @@ class BatchRunner:
         self, run: Run, stored: StoredBatch, status: str, states: tuple[str, ...]
     ) -> None:
         """The batch ended as `status`: finalizing (its files shown, its usage added
-        up), then `status`."""
+        up; a cancelled one stays `cancelling` meanwhile, as OpenAI's do), then `status`."""
         store, team, now = self.store, run.team, int(time.time())
         progress = await store.progress(team, stored)
-        batch = {**stored.batch, "status": "finalizing", "finalizing_at": now}
+        between = "cancelling" if status == "cancelled" else "finalizing"
+        batch = {**stored.batch, "status": between}
+        if between == "finalizing":
+            batch["finalizing_at"] = now
         if await store.update(team, _with(stored, batch), states) not in states:
             return  # cancelled or ended meanwhile, elsewhere
         files = [("output", stored.output, progress.completed)]
@@ -542,9 +545,9 @@ class BatchRunner:
             file = _file_object(file_id, size, f"batch_{kind}.jsonl", now, expires)
             await store.show(team, file, stored.output_ttl)
             batch[f"{kind}_file_id"] = file_id
-        batch["status"] = "cancelled" if status == "cancelled" else status
+        batch["status"] = status
         batch[f"{status}_at"] = int(time.time())
-        if await store.update(team, _with(stored, batch), ("finalizing",)) == "finalizing":
+        if await store.update(team, _with(stored, batch), (between,)) == between:
             self.metrics.batches_ended.labels(team, status).inc()
 
 
