@@ -24,6 +24,7 @@ from gateway.edge.anthropic.context_editing import (
     ToolClearing,
 )
 from gateway.edge.anthropic.context_editing import edit as edit_context
+from gateway.edge.anthropic.validation import parse_messages
 from gateway.protocol.types import Message, ToolCall
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape, value
@@ -259,6 +260,54 @@ def test_images_go_to_workers_that_take_them(claude):
             messages=[{"role": "user", "content": [{"type": "image", "source": bad}]}],
         )
     assert "messages[0].content[0].source.media_type" in raised.value.body["error"]["message"]
+
+
+MEMO = {"type": "text", "media_type": "text/plain", "data": "the code word is plum"}
+
+
+def test_a_document_is_a_paragraph_of_its_message_after_its_title_and_context(claude):
+    """A text document, and a content one (in a tool result too), reach the model as
+    paragraphs of the message's text, each document's title and context first."""
+    document = {
+        "type": "document",
+        "source": MEMO,
+        "title": "memo",
+        "context": "from the archive",
+        "citations": {"enabled": False},
+        "cache_control": {"type": "ephemeral"},
+    }
+    content = [{"type": "text", "text": "read"}, document, {"type": "text", "text": "say it"}]
+    body = {
+        "model": DEMO_MODEL,
+        "max_tokens": 32,
+        "messages": [{"role": "user", "content": content}],
+    }
+    parsed = parse_messages(body)
+    assert parsed.generate.messages[-1].content == (
+        "read\n\nmemo\n\nfrom the archive\n\nthe code word is plum\n\nsay it"
+    )
+    message = claude.messages.create(**body)  # the demo echoes the words it was given
+    assert message.content[0].text == "read memo from the archive the code word is plum say it"
+    inner = {"type": "content", "content": [{"type": "text", "text": "found"}]}
+    turns = [
+        {"role": "user", "content": "look"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t",
+                    "content": [{"type": "document", "source": inner}],
+                }
+            ],
+        },
+    ]
+    parsed = parse_messages({"model": DEMO_MODEL, "max_tokens": 4, "messages": turns})
+    assert parsed.generate.messages[-1].content == "found"
 
 
 def test_a_stream_sends_anthropics_events_in_order(claude):
@@ -859,7 +908,56 @@ def test_count_tokens_refuses_like_messages(gateway):
         ),
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
-            "messages[0].content[0].type",
+            "messages[0].content[0].source",
+        ),
+        (  # a PDF
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "document",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "application/pdf",
+                                    "data": "JVBERi0=",
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].source.type",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": MEMO, "citations": {"enabled": True}}
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].citations",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": {**MEMO, "media_type": "text/html"}}
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].source.media_type",
         ),
         (
             {

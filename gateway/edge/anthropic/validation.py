@@ -4,7 +4,8 @@ the field at fault, with Anthropic's rules.
 Anthropic's API refuses a field it does not know ("Extra inputs are not
 permitted"), so this does too: every top-level field is either served (parsed
 here) or refused by name, and so is every content block type but `text`,
-`image`, `tool_use`, `tool_result`, `thinking` and the MCP connector's (`mcp_tool_use`,
+`image`, `document` (a text or content source), `tool_use`, `tool_result`, `thinking`
+and the MCP connector's (`mcp_tool_use`,
 `mcp_tool_result`, `mcp_tool_listing`: mcp.py), and every tool but a custom one and an
 MCP server's `mcp_toolset` (with `mcp_servers`: mcp.py).
 Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
@@ -39,7 +40,8 @@ A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
 `is_error` marks that text as an error), a `thinking` block the assistant message's
 reasoning (`redacted_thinking`, Anthropic's encrypted thinking, is refused), images go
-in as URLs or data URIs. The
+in as URLs or data URIs, a `document` as a paragraph of the message's text (its title
+and context first; a PDF source and citations are refused by name). The
 value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`).
 """
 
@@ -229,6 +231,53 @@ def _image(block: Mapping[str, Any], where: str) -> str:
     return f"data:{media_type};base64,{data}"
 
 
+def _document(block: Mapping[str, Any], where: str) -> tuple[str, tuple[str, ...]]:
+    """A document block's text (its `title` and `context` first, where given, each in a
+    paragraph of its own) and images: a `text` source's plain text, or a `content`
+    source's text and image blocks. A PDF (a `base64`, `url` or `file` source) is refused
+    by name, and so are citations: the engines answer with no citation blocks."""
+    _refuse_unknown(block, _HINTS | {"source", "title", "context", "citations"}, where + ".")
+    citations = block.get("citations")
+    if citations is not None and (
+        not isinstance(citations, Mapping) or citations.get("enabled") not in (None, False)
+    ):
+        raise invalid(f"{where}.citations", "Citations are not supported by this gateway.")
+    heads = []
+    for name in ("title", "context"):
+        value = block.get(name)
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"{where}.{name}", f"Invalid type for '{name}': a string.")
+        if value:
+            heads.append(value)
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if not isinstance(source, Mapping):
+        raise invalid(f"{where}.source", "Field required: the document's source, an object.")
+    at = f"{where}.source"
+    images: tuple[str, ...] = ()
+    if kind == "text":
+        _refuse_unknown(source, frozenset({"type", "media_type", "data"}), at + ".")
+        if source.get("media_type") != "text/plain":
+            raise invalid(f"{at}.media_type", "A text source's 'media_type' is 'text/plain'.")
+        data = source.get("data")
+        if not isinstance(data, str) or not data.strip():
+            raise invalid(f"{at}.data", "Field required: the document's text, not empty.")
+        text = data
+    elif kind == "content":
+        _refuse_unknown(source, frozenset({"type", "content"}), at + ".")
+        content = source.get("content")
+        if content in (None, "", []):
+            raise invalid(f"{at}.content", "Field required: a string or a list of blocks.")
+        text, images = _content(content, f"{at}.content")
+    else:
+        raise invalid(
+            f"{at}.type",
+            "A document's source is of type 'text' or 'content' here: PDFs (a 'base64', 'url' "
+            "or 'file' source) are not supported by this gateway.",
+        )
+    return "\n\n".join([*heads, text]), images
+
+
 def _tool_use(block: Mapping[str, Any], where: str) -> ToolCall:
     _refuse_unknown(block, _HINTS | {"id", "name", "input"}, where + ".")
     call_id = _string(block, "id", where + ".")
@@ -305,6 +354,7 @@ def _blocks(
     calls: list[ToolCall] = []
     thoughts: list[str] = []
     count = 0
+    after_document = False  # a text after a document begins a paragraph
 
     def flush() -> None:
         if texts or images or calls or thoughts:
@@ -328,10 +378,17 @@ def _blocks(
                 raise invalid(at, f"{at}: text content blocks must be non-empty")
             if text.isspace():
                 raise invalid(at, f"{at}: text content blocks must contain non-whitespace text")
-            texts.append(text)
+            texts.append("\n\n" + text if after_document and texts else text)
+            after_document = False
         elif kind == "image":
             images.append(_image(block, at))
             count += 1
+        elif kind == "document" and role != "assistant":  # a paragraph of its own
+            text, inside = _document(block, at)
+            texts.append("\n\n" + text if texts else text)
+            images += inside
+            count += len(inside)
+            after_document = True
         elif kind == "tool_use" and role == "assistant" and not nested:
             calls.append(_tool_use(block, at))
         elif kind == MCP_USE and role == "assistant" and not nested:
@@ -356,13 +413,10 @@ def _blocks(
             out.append(message)
             count += pictures
         else:
-            allowed = "'text' and 'image'"
-            if not nested:
-                allowed += (
-                    ", 'tool_use', 'thinking' and the MCP connector's"
-                    if role == "assistant"
-                    else ", and 'tool_result'"
-                )
+            if role == "assistant":
+                allowed = "'text', 'image', 'tool_use', 'thinking' and the MCP connector's"
+            else:
+                allowed = "'text', 'image', 'document'" + ("" if nested else " and 'tool_result'")
             raise invalid(
                 f"{at}.type", f"Block type {str(kind)[:64]!r} is not supported here: {allowed}."
             )
