@@ -135,6 +135,26 @@ def test_on_redis_the_results_are_read_a_page_at_a_time(gateway_with, redis_serv
     )
 
 
+def test_answers_past_what_memory_keeps_are_errored_results(gateway_with, monkeypatch):
+    """An answer past the team's bytes in the memory store is an `errored` result whose
+    message says it was not kept; the others succeed."""
+    gw = gateway_with()
+    requests = [_request(f"r{i}", f"words {i}") for i in range(6)]
+    # the requests themselves (a hidden file of about 1 KB) and an answer or two
+    monkeypatch.setattr(store_module, "MEMORY_BYTES_PER_TEAM", 3000)
+    with anthropic.Anthropic(
+        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as sdk:
+        batch = sdk.messages.batches.create(requests=requests)
+        counts = _until_ended(sdk, batch.id).request_counts
+        results = {r.custom_id: r.result for r in sdk.messages.batches.results(batch.id)}
+    assert counts.succeeded and counts.errored and counts.succeeded + counts.errored == 6
+    errored = [r for r in results.values() if r.type == "errored"]
+    assert len(errored) == counts.errored and len(results) == 6
+    assert all(r.error.error.type == "api_error" for r in errored)
+    assert all("not kept" in r.error.error.message for r in errored)
+
+
 def test_the_list_pages_newest_first_around_a_cursor(sdk):
     made = [sdk.messages.batches.create(requests=[_request(f"r{i}", "x")]).id for i in range(5)]
     newest = made[::-1]
