@@ -118,9 +118,14 @@ def test_a_cancel_leaves_the_unsent_requests_canceled(gateway_with, workers):
     assert_nothing_left(gw, workers)
 
 
-def test_on_redis_the_results_are_read_a_page_at_a_time(gateway_with, redis_server, monkeypatch):
-    """Results streamed from Redis two lines a read (PAGE): every request's result, once."""
+def test_on_redis_the_results_are_read_a_page_at_a_time(
+    gateway_with, redis_server, workers, monkeypatch
+):
+    """Results streamed from Redis two pieces a read (PAGE): every request's result, once;
+    a cancelled batch's unsent requests read from its requests kept in 50-byte pieces
+    (a line across pieces)."""
     monkeypatch.setattr(store_module, "PAGE", 2)
+    monkeypatch.setattr(store_module, "CHUNK_BYTES", 50)
     gw = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
     requests = [_request(f"r{i}", f"words {i}") for i in range(5)]
     requests.append(_request("refused", "x", max_tokens=0))
@@ -133,6 +138,19 @@ def test_on_redis_the_results_are_read_a_page_at_a_time(gateway_with, redis_serv
     assert sorted(results) == sorted(
         [(f"r{i}", "succeeded") for i in range(5)] + [("refused", "errored")]
     )
+    hanging = [
+        _request(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)
+    ]
+    with anthropic.Anthropic(
+        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as sdk:
+        batch = sdk.messages.batches.create(requests=hanging)
+        wait_until(lambda: workers.scripted.active == 3, "the requests in flight")
+        sdk.messages.batches.cancel(batch.id)
+        assert _until_ended(sdk, batch.id).request_counts.canceled == 3
+        results = [(r.custom_id, r.result.type) for r in sdk.messages.batches.results(batch.id)]
+    assert sorted(results) == [("h0", "canceled"), ("h1", "canceled"), ("h2", "canceled")]
+    assert_nothing_left(gw, workers)
 
 
 def test_answers_past_what_memory_keeps_are_errored_results(gateway_with, monkeypatch):

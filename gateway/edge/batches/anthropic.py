@@ -32,7 +32,6 @@ from starlette.routing import Route
 from gateway.admission import Admission
 from gateway.edge.anthropic.errors import error_payload
 from gateway.edge.asgi import Receive, Scope
-from gateway.edge.batches.lines import read_lines
 from gateway.edge.batches.routes import (
     begin,
     cancel_batch,
@@ -42,7 +41,7 @@ from gateway.edge.batches.routes import (
     streamed,
 )
 from gateway.edge.batches.runner import BatchRunner, ids
-from gateway.edge.batches.store import ENDED, BatchStore, StoredBatch
+from gateway.edge.batches.store import ENDED, BatchStore, StoredBatch, pieces
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.routes import guarded, json_response, team_name
@@ -180,13 +179,23 @@ async def _results(store: BatchStore, team: str, stored: StoredBatch) -> AsyncIt
         why = (stored.batch.get("errors") or {}).get("data") or [{"message": "The batch failed."}]
         error = {"type": "api_error", "message": why[0]["message"]}
         unsent = {"type": "errored", "error": {"type": "error", "error": error}}
-    input_ = b"".join(await store.content(team, stored.batch["input_file_id"]))
-    lines, _ = read_lines(input_, MESSAGES, len(input_), len(input_), bodies=False)
-    yield b"".join(
-        orjson.dumps({"custom_id": line.custom_id, "result": unsent}) + b"\n"
-        for line in lines
-        if line.custom_id not in answered
-    )
+    async for custom_ids in _custom_ids(store.pages(team, stored.batch["input_file_id"])):
+        left = [c for c in custom_ids if c not in answered]
+        if left:
+            yield b"".join(orjson.dumps({"custom_id": c, "result": unsent}) + b"\n" for c in left)
+
+
+async def _custom_ids(pages: AsyncIterator[list[bytes]]) -> AsyncIterator[list[str]]:
+    """The custom ids of a Message Batch's requests (its hidden input file, checked at
+    creation: a JSON object a line), a page of pieces at a time, never the whole file."""
+    rest = b""
+    async for page in pages:
+        data = rest + b"".join(page)
+        end = data.rfind(b"\n") + 1
+        rest = data[end:]
+        yield [orjson.loads(line)["custom_id"] for line in data[:end].splitlines() if line]
+    if rest.strip():
+        yield [orjson.loads(rest)["custom_id"]]
 
 
 def message_batch_routes(
@@ -209,7 +218,7 @@ def message_batch_routes(
         name, input_id = team_name(team), ids("file-")
         content = b"".join(lines)
         hidden = {"id": input_id, "bytes": len(content)}
-        await store.put_file(name, hidden, [content], hidden=True)
+        await store.put_file(name, hidden, pieces(content), hidden=True)
         batch = new_batch(ids("msgbatch_"), MESSAGES, input_id, None)
         stored = StoredBatch(batch, ids("file-"), ids("file-"), api="anthropic")
         stored.batch["request_counts"]["total"] = len(lines)

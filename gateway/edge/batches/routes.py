@@ -27,7 +27,7 @@ from starlette.routing import Route
 from gateway.admission import Admission
 from gateway.edge.asgi import Receive, Scope
 from gateway.edge.batches.runner import BatchRunner, ids
-from gateway.edge.batches.store import UNFINISHED, BatchStore, StoredBatch
+from gateway.edge.batches.store import UNFINISHED, BatchStore, StoredBatch, pieces
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.params import _metadata
@@ -45,8 +45,6 @@ ENDPOINTS = (
 )
 #: The one completion window (OpenAI's), and its seconds.
 WINDOW, WINDOW_SECONDS = "24h", 24 * 3600
-#: An upload's pieces as kept.
-CHUNK = 1024 * 1024
 #: `expires_after.seconds`' range (OpenAI's: an hour to 30 days).
 EXPIRES_MIN, EXPIRES_MAX = 3600, 2_592_000
 #: Bytes of a multipart body past the file's own (boundaries, headers, purpose).
@@ -212,7 +210,7 @@ class Upload:
             value = b"".join(self._value)
             if self._name == "file":
                 self.files += 1
-                self.file = [value[i : i + CHUNK] for i in range(0, len(value), CHUNK)]
+                self.file = pieces(value)
             elif self._name:
                 self.fields[self._name] = value
             self._value, self._headers = [], {}

@@ -113,6 +113,12 @@ SUMS = (
 )
 
 
+def pieces(content: bytes) -> list[bytes]:
+    """A file's content in the `CHUNK_BYTES` pieces the stores keep (a download then
+    holds a page of them at a time, not the file)."""
+    return [content[i : i + CHUNK_BYTES] for i in range(0, len(content), CHUNK_BYTES)]
+
+
 @dataclass(slots=True)
 class Progress:
     """A batch's input lines recorded so far, its output and error lines counted, and
