@@ -22,10 +22,19 @@ from tests.support.waiting import HANG_GUARD, wait_until
 
 @pytest.fixture
 def sdk(gateway) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(
-        base_url=gateway.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    ) as client:
+    with _claude(gateway.url) as client:
         yield client
+
+
+def _claude(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=HANG_GUARD)
+
+
+def _hanging(n: int) -> list[dict]:
+    """Requests the scripted worker answers once and then holds open."""
+    return [
+        _request(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(n)
+    ]
 
 
 def _request(custom_id: str, text: str, model: str = DEMO_MODEL, **params) -> dict:
@@ -97,12 +106,8 @@ def test_the_checks_at_creation_name_their_field(sdk):
 
 def test_a_cancel_leaves_the_unsent_requests_canceled(gateway_with, workers):
     gw = gateway_with(batch_concurrency=1)
-    hanging = [
-        _request(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)
-    ]
-    with anthropic.Anthropic(
-        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    ) as sdk:
+    hanging = _hanging(3)
+    with _claude(gw.url) as sdk:
         batch = sdk.messages.batches.create(requests=hanging)
         wait_until(lambda: workers.scripted.active == 1, "a request in flight")
         with pytest.raises(anthropic.BadRequestError):
@@ -129,21 +134,15 @@ def test_on_redis_the_results_are_read_a_page_at_a_time(
     gw = gateway_with(redis_url=redis_server.url, redis_timeout=2.0)
     requests = [_request(f"r{i}", f"words {i}") for i in range(5)]
     requests.append(_request("refused", "x", max_tokens=0))
-    with anthropic.Anthropic(
-        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    ) as sdk:
+    with _claude(gw.url) as sdk:
         batch = sdk.messages.batches.create(requests=requests)
         assert _until_ended(sdk, batch.id).request_counts.succeeded == 5
         results = [(r.custom_id, r.result.type) for r in sdk.messages.batches.results(batch.id)]
     assert sorted(results) == sorted(
         [(f"r{i}", "succeeded") for i in range(5)] + [("refused", "errored")]
     )
-    hanging = [
-        _request(f"h{i}", script(texts=1, hang="after"), model=SCRIPTED_MODEL) for i in range(3)
-    ]
-    with anthropic.Anthropic(
-        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    ) as sdk:
+    hanging = _hanging(3)
+    with _claude(gw.url) as sdk:
         batch = sdk.messages.batches.create(requests=hanging)
         wait_until(lambda: workers.scripted.active == 3, "the requests in flight")
         sdk.messages.batches.cancel(batch.id)
@@ -160,9 +159,7 @@ def test_answers_past_what_memory_keeps_are_errored_results(gateway_with, monkey
     requests = [_request(f"r{i}", f"words {i}") for i in range(6)]
     # the requests themselves (a hidden file of about 1 KB) and an answer or two
     monkeypatch.setattr(store_module, "MEMORY_BYTES_PER_TEAM", 3000)
-    with anthropic.Anthropic(
-        base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
-    ) as sdk:
+    with _claude(gw.url) as sdk:
         batch = sdk.messages.batches.create(requests=requests)
         counts = _until_ended(sdk, batch.id).request_counts
         results = {r.custom_id: r.result for r in sdk.messages.batches.results(batch.id)}
