@@ -272,7 +272,8 @@ class MemoryBatches(BatchStore):
             self._held[team] -= sum(map(len, found[2]))
 
     def room(self, team: str, size: int) -> bool:
-        self._team_files(team)
+        # its expired files leave the count at the team's next look (`record`, `put_file`
+        # sweep them), not in a walk of all its files a line more
         return self._held.get(team, 0) + size <= MEMORY_BYTES_PER_TEAM
 
     def _team_batches(self, team: str) -> dict[str, tuple[float, StoredBatch, set[int], Tokens]]:
