@@ -68,6 +68,7 @@ CHART_MODEL_FIELDS = {
     "balance": "balance",
     "upstream": "upstream",
     "maxTokensLimit": "max_tokens_limit",
+    "scoring": "scoring",
     "weights": "weights",
     "fallbacks": "fallbacks",
     "prices": "prices",

@@ -27,6 +27,8 @@ import yaml
 
 ENV_PREFIX = "FURNACE_"
 MODEL_KINDS = ("llm", "tensor")
+#: How a model's rerank and score requests are scored (`models[].scoring`).
+SCORINGS = ("embeddings", "cross-encoder")
 BALANCE_POLICIES = ("least_outstanding", "prefix_affinity")
 #: Team names go into metric labels and Redis keys: keep them plain.
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -300,6 +302,14 @@ class ModelConfig:
         "tokens, as Hugging Face's and vLLM's own front ends do (a message's content is the "
         "client's text, never the template's: read as tokens, it lets a user end their turn "
         "and open a system one)",
+    )
+    scoring: str = setting(
+        "embeddings",
+        "how `/v1/rerank` and `/v1/score` score a pair: `embeddings` (the cosine of the "
+        "model's two embeddings, as vLLM scores pairs with an embedding model), or "
+        "`cross-encoder` (with `upstream: openai`: the workers score each pair themselves, "
+        "on their `/rerank`, as vLLM serves a reranker such as a BGE one)",
+        choices=SCORINGS,
     )
     max_tokens_limit: int | None = setting(
         None,
@@ -1082,6 +1092,10 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
     if (model.kind == "tensor") != (model.upstream == "kserve-grpc"):
         raise ConfigError(f"{where}.upstream: kserve-grpc is for kind: tensor models, and only it")
     _tokenizer_dir(where, model.tokenizer, model.upstream)
+    if model.scoring == "cross-encoder" and model.upstream != "openai":
+        raise ConfigError(
+            f"{where}.scoring: cross-encoder with upstream: openai (the workers' /rerank)"
+        )
     if model.tool_call_parser is not None and model.upstream != "vllm-grpc":
         raise ConfigError(
             f"{where}.tool_call_parser: with upstream: vllm-grpc, one of "

@@ -179,6 +179,14 @@ MODEL = {"name": "m", "workers": ["h:1"]}
             "models[0].weights.h:1: expected a number, got 'heavy'",
         ),
         (
+            {"models": [{**MODEL, "scoring": "cross-encoder"}]},
+            "models[0].scoring: cross-encoder with upstream: openai",
+        ),
+        (
+            {"models": [{**MODEL, "scoring": "cosine"}]},
+            "models[0].scoring: expected one of embeddings, cross-encoder",
+        ),
+        (
             {"teams": {"t": {"budgets": [{"window": "day", "tokens": 1, "start_hour": 24}]}}},
             "teams.t.budgets[0].start_hour: must be at most 23, got 24",
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -192,6 +193,18 @@ def test_models_reach_their_own_pools_and_outside_workers():
     assert "demo" not in str(models)
 
 
+def test_a_reranker_reaches_the_gateway_as_a_cross_encoder():
+    reranker = {
+        "name": "bge-reranker",
+        "upstream": "openai",
+        "workers": ["http://bge-reranker:8000/v1"],
+        "scoring": "cross-encoder",
+    }
+    config = gateway_config(render("--set-json", f"models={json.dumps([reranker])}"))
+    assert config["models"][0]["scoring"] == "cross-encoder"
+    assert parse_config(config, env={}).models[0].scoring == "cross-encoder"
+
+
 @pytest.mark.parametrize("name", VALUES)
 def test_probes_point_at_real_routes_of_the_gateway(name: str, tmp_path: Path):
     manifests = render(*VALUES[name])
@@ -300,6 +313,10 @@ def test_a_model_naming_a_missing_pool_fails_to_render():
         (
             ("--set-json", 'models=[{"name": "m", "upstream": "openai", "pools": ["demo"]}]'),
             "an openai upstream takes base URLs in workers, not pools",
+        ),
+        (
+            ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "scoring": "cross-encoder"}]'),
+            "models[0].scoring: cross-encoder only for upstream openai",
         ),
         (
             ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "weights": {"x:1": 2}}]'),

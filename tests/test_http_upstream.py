@@ -30,8 +30,10 @@ from gateway.protocol.types import (
     FinishReason,
     GenerateRequest,
     Message,
+    RerankRequest,
     ResponseFormat,
     SamplingParams,
+    Scores,
     Started,
     Text,
     TokenLogprob,
@@ -658,6 +660,92 @@ def test_embed_answers_are_read_only_up_to_their_bound():
 def test_embed_connect_failure_is_unavailable():
     respx.post(f"{BASE}/embeddings").mock(side_effect=httpx.ConnectError("refused"))
     assert isinstance(anyio.run(embed), errors.Unavailable)
+
+
+RERANK = RerankRequest("r", "a query", ("doc a", "doc b"), user="team-a")
+
+
+async def rerank(request: RerankRequest = RERANK) -> object:
+    async with httpx.AsyncClient() as http:
+        try:
+            return await OpenAIHttpUpstream(BASE, http, raw_http=False).rerank(request, 5.0)
+        except errors.GatewayError as error:
+            return error
+
+
+@respx.mock
+def test_rerank_sends_the_query_and_documents_and_places_scores_by_index():
+    route = respx.post(f"{BASE}/rerank").respond(
+        200,
+        json={
+            "results": [
+                {"index": 1, "relevance_score": 0.9, "document": {"text": "doc b"}},
+                {"index": 0, "relevance_score": 0.25, "document": {"text": "doc a"}},
+            ],
+            "usage": {"prompt_tokens": 7, "total_tokens": 7},
+        },
+    )
+    assert anyio.run(rerank) == Scores((0.25, 0.9), 7)
+    assert json.loads(route.calls.last.request.content) == {
+        "model": "r",
+        "query": "a query",
+        "documents": ["doc a", "doc b"],
+        "user": "team-a",
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected", "param"),
+    [
+        (200, {"results": [{"index": 0, "relevance_score": 0.1}]}, errors.Failed, None),
+        (
+            200,
+            {"results": [{"index": 0, "relevance_score": 0.1}, {"index": 0, "relevance_score": 1}]},
+            errors.Failed,
+            None,
+        ),
+        (
+            200,
+            {"results": [{"index": 0, "relevance_score": "x"}, {"index": 1, "relevance_score": 1}]},
+            errors.Failed,
+            None,
+        ),
+        (
+            200,
+            {"results": [{"index": 2, "relevance_score": 0}, {"index": 1, "relevance_score": 1}]},
+            errors.Failed,
+            None,
+        ),
+        (200, [{"index": 0, "score": 1.0}, {"index": 1, "score": 0.5}], errors.Failed, None),
+        (200, b"not json", errors.Failed, None),
+        (
+            400,
+            {"error": {"message": "too long", "param": "documents"}},
+            errors.Invalid,
+            "documents",
+        ),
+        (404, {"detail": "Not Found"}, errors.Invalid, "model"),  # no such route
+        (503, {}, errors.Unavailable, None),
+    ],
+)
+@respx.mock
+def test_rerank_refusals_and_bad_answers(status, body, expected, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    respx.post(f"{BASE}/rerank").respond(status, content=content)
+    failure = anyio.run(rerank)
+    assert type(failure) is expected, failure
+    assert failure.param == param
+
+
+@respx.mock
+def test_rerank_answers_are_read_only_up_to_their_bound():
+    from gateway.upstreams.openai_http.translate import rerank_limit
+
+    padding = "x" * rerank_limit(RERANK)
+    body = {"results": [{"index": 0, "relevance_score": 0.5, "document": {"text": padding}}]}
+    respx.post(f"{BASE}/rerank").respond(200, json=body)
+    failure = anyio.run(rerank)
+    assert isinstance(failure, errors.Failed) and "larger" in failure.message
 
 
 # -- plain http:// upstreams: our own connections (no respx: a loopback server) ------

@@ -3,7 +3,9 @@ each score is the cosine similarity of the vectors `/v1/embeddings` gives for th
 texts (rerank's order, `top_n`, `return_documents`, documents as objects; score one
 against many and pairwise, and vLLM's other names for its sides); the refusals, each
 naming its parameter; and against vLLM's own server for the tiny model as an embedding
-model, the gateway's scores equal the ones vLLM's `/score` and `/rerank` give."""
+model, the gateway's scores equal the ones vLLM's `/score` and `/rerank` give; for a tiny
+cross-encoder (`scoring: cross-encoder`), the scores are the server's own, as it gives them
+served directly."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
+from tests.support.tiny_model import build_cross_encoder
 from tests.support.vllm import VllmProcess, start_http_server
 from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
@@ -214,3 +217,112 @@ def test_scores_equal_vllms_own_for_an_embedding_model(vllm_embedder):
     assert [r["relevance_score"] for r in ours["results"]] == pytest.approx(
         [r["relevance_score"] for r in theirs.json()["results"]], abs=1e-3
     )
+
+
+#: The tiny cross-encoder's name (a reranker: vLLM's pooling runner, a one-label head).
+RERANKER = "tiny-reranker"
+#: The same server named as a model scored by its embeddings, which it does not serve.
+NOT_EMBEDDER = "tiny-reranker-as-embedder"
+
+
+@pytest.fixture(scope="module")
+def vllm_reranker(
+    server_loop: ServerLoop,
+    workers: Workers,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Gateway, str]]:
+    """vLLM's own server for a tiny cross-encoder, behind a gateway that knows it as one
+    (`scoring: cross-encoder`) and, under another name, as an embedding model."""
+    model_dir = build_cross_encoder(tmp_path_factory.mktemp("tiny-reranker"))
+    names = ("--served-model-name", RERANKER, NOT_EMBEDDER)  # the last one given wins
+    server = start_http_server(
+        model_dir, tmp_path_factory.mktemp("rerank-logs"), RERANKER, ("--runner", "pooling", *names)
+    )
+    url = f"http://127.0.0.1:{server.port}"
+    models = (
+        ModelConfig(RERANKER, workers=(f"{url}/v1",), upstream="openai", scoring="cross-encoder"),
+        ModelConfig(NOT_EMBEDDER, workers=(f"{url}/v1",), upstream="openai"),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    yield gw, url
+    gw.stop()
+    server.stop()
+
+
+def _theirs(url: str, path: str, body: dict) -> dict:
+    reply = _post(url, path, {**body, "model": RERANKER})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)  # a vLLM server starts for these (~30 s)
+def test_a_cross_encoder_scores_each_pair_itself_as_vllm_does(vllm_reranker):
+    """Rerank and score of a cross-encoder are its workers' own scores (vLLM's
+    `/rerank` and `/score` served directly give the same), usage included; top_n and
+    return_documents are applied by the gateway, as vLLM applies them."""
+    gw, direct = vllm_reranker
+    query = "a cat sat on the mat"
+    body = {"model": RERANKER, "query": query, "documents": DOCUMENTS}
+    ours, theirs = _post(gw.url, "/v1/rerank", body).json(), _theirs(direct, "/v1/rerank", body)
+    assert _ranking(ours["results"])[0] == _ranking(theirs["results"])[0]
+    assert _ranking(ours["results"])[1] == pytest.approx(_ranking(theirs["results"])[1], abs=1e-3)
+    assert len(set(_ranking(ours["results"])[1])) > 1  # scores that tell documents apart
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    assert ours["model"] == RERANKER and ours["id"].startswith("rerank-")
+    assert [r["document"]["text"] for r in ours["results"]] == [
+        r["document"]["text"] for r in theirs["results"]
+    ]
+    top = _post(gw.url, "/v1/rerank", {**body, "top_n": 2, "return_documents": False}).json()
+    assert [r["index"] for r in top["results"]] == _ranking(theirs["results"])[0][:2]
+    assert all("document" not in r for r in top["results"])
+    # score: one against many, then pairwise with a first text of its own each
+    one = {"text_1": query, "text_2": DOCUMENTS}
+    ours, theirs = (
+        _post(gw.url, "/v1/score", {**one, "model": RERANKER}).json(),
+        _theirs(direct, "/v1/score", one),
+    )
+    assert [d["score"] for d in ours["data"]] == pytest.approx(
+        [d["score"] for d in theirs["data"]], abs=1e-3
+    )
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    pairwise = {"queries": [query, DOCUMENTS[1], query], "documents": DOCUMENTS[1:]}
+    ours = _post(gw.url, "/v1/score", {**pairwise, "model": RERANKER}).json()
+    theirs = _theirs(direct, "/v1/score", pairwise)
+    assert [d["score"] for d in ours["data"]] == pytest.approx(
+        [d["score"] for d in theirs["data"]], abs=1e-3
+    )
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    with httpx.Client(timeout=HANG_GUARD) as http:  # Cohere's SDK, at /v2/rerank
+        v2 = cohere.ClientV2(api_key="none", base_url=gw.url, httpx_client=http)
+        answer = v2.rerank(model=RERANKER, query=query, documents=DOCUMENTS, top_n=2)
+    assert _ranking(answer.results)[0] == [r["index"] for r in top["results"]]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_document_given_twice_is_scored_once_and_ranked_twice(vllm_reranker):
+    gw, direct = vllm_reranker
+    documents = [DOCUMENTS[0], DOCUMENTS[1], DOCUMENTS[0]]
+    body = {"model": RERANKER, "query": "cats", "documents": documents}
+    ours = _post(gw.url, "/v1/rerank", body).json()
+    scores = {r["index"]: r["relevance_score"] for r in ours["results"]}
+    assert scores[0] == scores[2] and len(scores) == 3
+    once = _theirs(direct, "/v1/rerank", {**body, "documents": documents[:2]})
+    assert ours["usage"]["prompt_tokens"] == once["usage"]["prompt_tokens"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_cross_encoder_named_an_embedding_model_is_refused_naming_model(vllm_reranker):
+    """Scored by embeddings (the default), a model whose server embeds nothing is a 400
+    naming `model`; so are its embeddings; the cross-encoder's own are the same."""
+    gw, _ = vllm_reranker
+    for model, path, body in (
+        (NOT_EMBEDDER, "/v1/rerank", {"query": "a", "documents": ["b"]}),
+        (NOT_EMBEDDER, "/v1/score", {"text_1": "a", "text_2": "b"}),
+        (RERANKER, "/v1/embeddings", {"input": "a"}),
+    ):
+        reply = _post(gw.url, path, {"model": model, **body})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "model"

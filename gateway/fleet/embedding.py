@@ -1,10 +1,11 @@
 """Embeddings on the fleet: one Embed call on one of the model's workers, through its
-upstream (`Upstream.embed`), with the time left as its deadline and the balancing, ejection
-and retry rules of the fleet's unary calls (`unary`).
+upstream (`Upstream.embed`), or one call for a cross-encoder's scores (`Reranks.rerank`),
+with the time left as its deadline and the balancing, ejection and retry rules of the
+fleet's unary calls (`unary`).
 
 Which failures go to another worker: every retryable one (busy, unreachable, the model not
-found there), as for a generation before its first event. An embedding is a pure function
-of its inputs and nothing of it reaches the client before the whole answer, so a try that
+found there), as for a generation before its first event. An embedding (a score) is a pure
+function of its inputs and nothing of it reaches the client before the whole answer, so a try that
 may have run on a worker that then failed costs that worker's time, never a wrong answer.
 """
 
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 from gateway.fleet.unary import call_unary
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import Embeddings, EmbedRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, RerankRequest, Scores
+from gateway.upstreams.base import Reranks
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
@@ -47,3 +49,23 @@ async def embed(
 
     embeddings, worker = await call_unary(fleet, pool, deadline, call, _retryable)
     return embeddings, worker.address
+
+
+async def rerank(
+    fleet: Fleet,
+    pool: ModelPool,
+    request: RerankRequest,
+    deadline: Deadline,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> tuple[Scores, str]:
+    """Each document's score against the query from a worker of `pool` (a cross-encoder:
+    `models[].scoring`), and that worker's address."""
+
+    async def call(worker: Worker) -> Scores:
+        upstream = worker.upstream
+        if not isinstance(upstream, Reranks):  # the config allows no other
+            raise errors.Failed(f"The worker {worker.address} scores no pairs itself.")
+        return await upstream.rerank(request, deadline.remaining(), metadata)
+
+    scores, worker = await call_unary(fleet, pool, deadline, call, _retryable)
+    return scores, worker.address

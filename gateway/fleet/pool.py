@@ -48,6 +48,8 @@ class ModelPool:
         self.name = model.name
         self.make_upstream = make_upstream
         self.kind = model.kind
+        #: How its rerank and score requests are scored (`models[].scoring`).
+        self.scoring = model.scoring
         self.max_context = model.max_model_len
         #: The operator's cap on a request's `max_tokens` (`models[].max_tokens_limit`).
         self.max_tokens_limit = model.max_tokens_limit

@@ -196,6 +196,26 @@ class Embeddings:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class RerankRequest:
+    """A query and the documents a cross-encoder scores against it."""
+
+    model: str
+    query: str
+    documents: tuple[str, ...]
+    user: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """A relevance score per pair (per document of a `RerankRequest`), in order, and the
+    tokens the pairs held."""
+
+    values: tuple[float, ...]
+    prompt_tokens: int
+
+
 class Started(NamedTuple):
     """First event: the worker accepted the request; how many of the prompt's tokens
     its engine found in its prefix cache (0: none, or it does not say)."""

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from gateway.protocol import errors, features
-from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    GenerateRequest,
+    RerankRequest,
+    Scores,
+)
 
 #: How a call ended, for the owner's bookkeeping: None (finished), the error, or
 #: CANCELLED when we cancelled it (which says nothing about the worker).
@@ -90,6 +97,21 @@ class LoadsAdapters(Protocol):
         """Loads the adapter `name` from `path` on the worker within `timeout` seconds;
         one it holds already is loaded. `Failed` when the worker cannot (the operator's
         to fix), `Unavailable` when unreachable."""
+
+
+@runtime_checkable
+class Reranks(Protocol):
+    """An upstream whose workers score pairs with a cross-encoder themselves
+    (`models[].scoring: cross-encoder`)."""
+
+    async def rerank(
+        self,
+        request: RerankRequest,
+        timeout: float,  # noqa: ASYNC109 (an HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Scores:
+        """Each document's relevance to the query, within `timeout` seconds; raises
+        `GatewayError` as `Upstream.call` refuses."""
 
 
 class Upstream(Protocol):

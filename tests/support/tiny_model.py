@@ -10,7 +10,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 CONTEXT = 4096
 FIRST = "aé中😀"  # the first vocabulary entries are its bytes, in order
@@ -147,8 +152,23 @@ def build_tiny_model(
     `thinking`, `metaspace`: the tokenizer's (`build_tokenizer`)."""
     tokenizer = build_tokenizer(thinking, metaspace)
     torch.manual_seed(0)
-    hidden, layers = size if for_vllm else (32, 2)
-    heads = max(4, hidden // 64) if for_vllm else 4
+    config = _llama(tokenizer, size if for_vllm else None)
+    model = LlamaForCausalLM(config)
+    if for_vllm:
+        model = model.to(torch.bfloat16)
+    if ordered:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _llama(tokenizer: PreTrainedTokenizerFast, size: tuple[int, int] | None) -> LlamaConfig:
+    """The tiny Llama's shape: 2 layers of hidden size 32, or, at a (hidden size, layers)
+    `size`, the shapes vLLM's CPU kernels take (head size 64, bfloat16)."""
+    hidden, layers = size or (32, 2)
+    heads = max(4, hidden // 64) if size else 4
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -162,14 +182,21 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if for_vllm:
+    if size:
         config.dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
-    if for_vllm:
-        model = model.to(torch.bfloat16)
-    if ordered:
-        with torch.no_grad():
-            model.lm_head.weight.zero_()
+    return config
+
+
+def build_cross_encoder(path: Path) -> Path:
+    """Saves the tiny Llama (random weights, vLLM's shapes) with a one-label
+    classification head, and the tokenizer, to `path`: a cross-encoder, which vLLM
+    serves as a reranker (`--runner pooling`: `/rerank`, `/score`), scoring each pair by
+    the sigmoid of its one logit."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = _llama(tokenizer, (256, 2))
+    config.num_labels = 1
+    model = LlamaForSequenceClassification(config).to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

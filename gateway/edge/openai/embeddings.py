@@ -39,7 +39,7 @@ from gateway.fleet.embedding import embed
 from gateway.protocol import features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Embeddings, EmbedRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, Scores
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -69,14 +69,16 @@ class EmbeddingsBody:
     dimensions: int | None
     user: str
 
-    def answer(self, model: str, embeddings: Embeddings) -> bytes:
+    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
         """The response body, of the model that served."""
-        return answer(model, embeddings, self.base64)
+        assert isinstance(result, Embeddings)  # no model scores an embeddings request
+        return answer(model, result, self.base64)
 
 
 class Pooled(Protocol):
     """A checked body the embeddings' route serves: what to embed, and the answer made of
-    the vectors (the embeddings themselves, or scores of them: scoring.py)."""
+    the vectors (the embeddings themselves, or scores of them: scoring.py) or of the
+    scores a cross-encoder gave."""
 
     @property
     def inputs(self) -> tuple[str | tuple[int, ...], ...]: ...
@@ -84,7 +86,7 @@ class Pooled(Protocol):
     def dimensions(self) -> int | None: ...
     @property
     def user(self) -> str: ...
-    def answer(self, model: str, embeddings: Embeddings) -> bytes: ...
+    def answer(self, model: str, result: Embeddings | Scores) -> bytes: ...
 
 
 def _is_int(value: Any) -> bool:
@@ -210,6 +212,9 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
     request frame (request.py)."""
 
     exchange = Exchange
+    #: The CLIENT span of the workers' call, and what a timeout names.
+    span = EMBED
+    what = "The embeddings"
 
     def _usage(self, record: RequestRecord) -> dict[str, Any]:
         return {"gen_ai.usage.input_tokens": record.prompt_tokens}
@@ -239,13 +244,13 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         async with admission.admit(ctx):
-            embeddings = await self._call(ctx.pool or pool, request, ex)
-        vectors = embeddings.vectors
+            result = await self._call(ctx.pool or pool, request, parsed, ex)
+        vectors = result.vectors if isinstance(result, Embeddings) else ()
         if vectors and len(vectors) * len(vectors[0]) > INLINE_FLOATS:
             # scoring 2,048 vectors of 1,024 floats took 0.36 s of Python: not on the loop
-            body_bytes = await asyncio.to_thread(parsed.answer, record.model, embeddings)
+            body_bytes = await asyncio.to_thread(parsed.answer, record.model, result)
         else:
-            body_bytes = parsed.answer(record.model, embeddings)
+            body_bytes = parsed.answer(record.model, result)
         record.status, record.outcome = 200, Outcome.COMPLETED
         headers = [
             (b"x-furnace-model", record.model.encode("latin-1")),
@@ -253,23 +258,35 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ]
         await send_json(ex.send, 200, body_bytes, headers)
 
-    async def _call(self, pool: ModelPool, request: EmbedRequest, ex: Exchange) -> Embeddings:
-        """The worker's embeddings, from `pool` or, when it cannot answer, its fallbacks
-        (`Admission.on_fallbacks`, as a generation's start); cancelled when the client
-        leaves, the drain ends it or `request_timeout` passes."""
+    def work(
+        self,
+        pool: ModelPool,
+        request: EmbedRequest,
+        parsed: Pooled,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Awaitable[tuple[Embeddings | Scores, str]]:
+        """The call on one model's workers that answers `parsed` (`request` named for
+        `pool`), and the worker that served: their embeddings."""
+        return embed(self.fleet, pool, request, deadline, metadata)
+
+    async def _call(
+        self, pool: ModelPool, request: EmbedRequest, parsed: Pooled, ex: Exchange
+    ) -> Embeddings | Scores:
+        """The workers' answer (`work`), from `pool` or, when it cannot answer, its
+        fallbacks (`Admission.on_fallbacks`, as a generation's start); cancelled when the
+        client leaves, the drain ends it or `request_timeout` passes."""
         record = ex.record
         timeout = self.config.request_timeout
         deadline = Deadline(timeout)
-        with self.tracing.engine_call(pool.name, ex.metadata, EMBED) as (span, metadata):
+        with self.tracing.engine_call(pool.name, ex.metadata, self.span) as (span, metadata):
 
-            def call(served: ModelPool) -> Awaitable[tuple[Embeddings, str]]:
+            def call(served: ModelPool) -> Awaitable[tuple[Embeddings | Scores, str]]:
                 named = request if served is pool else replace(request, model=served.name)
-                return embed(self.fleet, served, named, deadline, metadata)
+                return self.work(served, named, parsed, deadline, metadata)
 
             work = self.admission.on_fallbacks(ex.ctx, deadline, call)
-            embeddings, record.worker = await self.admission.unary(
-                ex.ctx, work, timeout, "The embeddings"
-            )
+            result, record.worker = await self.admission.unary(ex.ctx, work, timeout, self.what)
             annotate(span, {"furnace.worker": record.worker})
-        record.prompt_tokens = embeddings.prompt_tokens
-        return embeddings
+        record.prompt_tokens = result.prompt_tokens
+        return result

@@ -21,24 +21,35 @@ else in a thread (embeddings.py: 2,048 vectors of 1,024 floats took 0.36 s of Py
 `user` goes to workers that list it, as on embeddings. vLLM's scoring options that change
 what is computed (`use_activation`, truncation, instructions and template kwargs,
 multimodal inputs) and `dimensions` are refused by name unless at their defaults.
+
+A cross-encoder (`models[].scoring: cross-encoder`: a reranker served by vLLM with
+`--runner pooling`) scores each pair itself, reading both texts at once, which no pair of
+embeddings can: its workers' `/rerank` is called with each distinct query and the distinct
+documents paired with it, the whole answer's scores taken (top_n and the documents are the
+gateway's to apply), so a rerank is one call, and a pairwise score as many as it has
+distinct first texts, `CROSS_ENCODER_CALLS` at once. The answer is the same either way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from gateway.edge.errors import invalid
 from gateway.edge.openai.embeddings import MAX_INPUTS, EmbeddingsRoute, Pooled, user_of
 from gateway.edge.openai.validation import _unserved, model_of
-from gateway.protocol.types import Embeddings
+from gateway.fleet import ModelPool
+from gateway.fleet.embedding import rerank
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import Embeddings, EmbedRequest, RerankRequest, Scores
 
 #: vLLM's scoring options not served, with the value that asks nothing of them.
 UNSERVED_SCORING: dict[str, Any] = {
@@ -71,6 +82,9 @@ SCORE_SIDES: tuple[tuple[str, str], ...] = (
     ("queries", "items"),
     ("data_1", "data_2"),
 )
+
+#: A pairwise score's calls to a cross-encoder's workers at once (one a distinct first text).
+CROSS_ENCODER_CALLS = 8
 
 _dot: Callable[[Sequence[float], Sequence[float]], float] = getattr(
     math, "sumprod", lambda a, b: math.fsum(map(operator.mul, a, b))
@@ -113,8 +127,16 @@ def cosines(embeddings: Embeddings, pairs: Sequence[tuple[int, int]]) -> list[fl
     return [_dot(vectors[a], vectors[b]) / (norms[a] * norms[b]) for a, b in pairs]
 
 
-def _usage(embeddings: Embeddings) -> dict[str, int]:
-    tokens = embeddings.prompt_tokens
+def scored(result: Embeddings | Scores, pairs: Sequence[tuple[int, int]]) -> Scores:
+    """A score for each pair (places of texts): a cross-encoder's, or the cosine of the
+    pair's embeddings."""
+    if isinstance(result, Scores):
+        return result
+    return Scores(tuple(cosines(result, pairs)), result.prompt_tokens)
+
+
+def _usage(scores: Scores) -> dict[str, int]:
+    tokens = scores.prompt_tokens
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
@@ -132,22 +154,28 @@ class RerankBody:
     dimensions: int | None = None
     user: str = ""
 
-    def answer(self, model: str, embeddings: Embeddings) -> bytes:
-        scores = cosines(embeddings, [(self.query, place) for place in self.places])
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """The query's place paired with each document's."""
+        return tuple((self.query, place) for place in self.places)
+
+    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
+        score = scored(result, self.pairs)
+        scores = score.values
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
         if self.top_n:
             ranked = ranked[: self.top_n]
         results = []
         for i in ranked:
-            result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+            ranked_one: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
             if self.return_documents:
-                result["document"] = {"text": self.documents[i]}
-            results.append(result)
+                ranked_one["document"] = {"text": self.documents[i]}
+            results.append(ranked_one)
         return orjson.dumps(
             {
                 "id": "rerank-" + secrets.token_hex(12),
                 "model": model,
-                "usage": _usage(embeddings),
+                "usage": _usage(score),
                 "results": results,
             }
         )
@@ -190,9 +218,9 @@ class ScoreBody:
     dimensions: int | None = None
     user: str = ""
 
-    def answer(self, model: str, embeddings: Embeddings) -> bytes:
-        scores = cosines(embeddings, self.pairs)
-        usage = {**_usage(embeddings), "completion_tokens": 0}
+    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
+        score = scored(result, self.pairs)
+        usage = {**_usage(score), "completion_tokens": 0}
         return orjson.dumps(
             {
                 "id": "score-" + secrets.token_hex(12),
@@ -200,8 +228,8 @@ class ScoreBody:
                 "created": int(time.time()),
                 "model": model,
                 "data": [
-                    {"index": i, "object": "score", "score": score}
-                    for i, score in enumerate(scores)
+                    {"index": i, "object": "score", "score": value}
+                    for i, value in enumerate(score.values)
                 ],
                 "usage": usage,
             }
@@ -231,14 +259,74 @@ def parse_score(body: Any) -> ScoreBody:
     return ScoreBody(inputs, pairs, user=user_of(body))
 
 
-class RerankRoute(EmbeddingsRoute):
+async def cross_encoded(
+    calls: Callable[[RerankRequest], Awaitable[tuple[Scores, str]]],
+    request: EmbedRequest,
+    pairs: Sequence[tuple[int, int]],
+) -> tuple[Scores, str]:
+    """A score for each pair (places in `request.inputs`) from a cross-encoder: one call
+    (`calls`) for each distinct first text, with the distinct second texts paired with it,
+    at most `CROSS_ENCODER_CALLS` at once (a failure cancels the others); the tokens of
+    all, and the first call's worker."""
+    texts = cast(tuple[str, ...], request.inputs)  # scoring takes texts alone
+    groups: dict[int, dict[int, int]] = {}  # a first text -> its second texts, in order
+    for first, second in pairs:
+        documents = groups.setdefault(first, {})
+        documents.setdefault(second, len(documents))
+    gate = asyncio.Semaphore(CROSS_ENCODER_CALLS)
+
+    async def one(query: int, documents: dict[int, int]) -> tuple[Scores, str]:
+        async with gate:
+            named = RerankRequest(
+                request.model,
+                texts[query],
+                tuple(texts[d] for d in documents),
+                request.user,
+                request.request_id,
+            )
+            return await calls(named)
+
+    async with asyncio.TaskGroup() as group:
+        tasks = {q: group.create_task(one(q, docs)) for q, docs in groups.items()}
+    answers = {q: task.result() for q, task in tasks.items()}
+    values = tuple(answers[a][0].values[groups[a][b]] for a, b in pairs)
+    tokens = sum(scores.prompt_tokens for scores, _ in answers.values())
+    return Scores(values, tokens), next(iter(answers.values()))[1]
+
+
+class _ScoringRoute(EmbeddingsRoute):
+    """The embeddings' route scoring pairs: by their embeddings, or by a cross-encoder
+    (`models[].scoring`)."""
+
+    span = "furnace.engine/Score"
+    what = "The scores"
+
+    def work(
+        self,
+        pool: ModelPool,
+        request: EmbedRequest,
+        parsed: Pooled,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Awaitable[tuple[Embeddings | Scores, str]]:
+        if pool.scoring != "cross-encoder":
+            return super().work(pool, request, parsed, deadline, metadata)
+        pairs = cast(RerankBody | ScoreBody, parsed).pairs
+
+        def calls(named: RerankRequest) -> Awaitable[tuple[Scores, str]]:
+            return rerank(self.fleet, pool, named, deadline, metadata)
+
+        return cross_encoded(calls, request, pairs)
+
+
+class RerankRoute(_ScoringRoute):
     """`POST /v1/rerank` on the embeddings' route."""
 
     def parse(self, body: Any) -> Pooled:
         return parse_rerank(body)
 
 
-class ScoreRoute(EmbeddingsRoute):
+class ScoreRoute(_ScoringRoute):
     """`POST /v1/score` on the embeddings' route."""
 
     def parse(self, body: Any) -> Pooled:

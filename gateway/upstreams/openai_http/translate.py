@@ -20,7 +20,9 @@ from gateway.protocol.types import (
     EmbedRequest,
     GenerateRequest,
     ReasoningParams,
+    RerankRequest,
     ResponseFormat,
+    Scores,
     TokenLogprob,
 )
 
@@ -61,6 +63,9 @@ MAX_MODELS_BYTES = 1024 * 1024
 #: An embeddings answer may take this much per input (~10k floats as JSON text), plus
 #: the error bound for the rest.
 MAX_EMBEDDING_BYTES = 256 * 1024
+#: A rerank answer may take this much per document besides the document itself, which
+#: vLLM's answer repeats (at most 6 bytes a character, JSON-escaped).
+MAX_RESULT_BYTES = 1024
 
 
 def _error_fields(payload: Any) -> dict[str, Any]:
@@ -248,16 +253,17 @@ def _completion_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
     )
 
 
-def _embed_error(status: int, body: bytes) -> errors.GatewayError:
-    """Our error for a refused embedding: a 404 that is not an OpenAI error (vLLM
-    serving a generative model has no such route) says the model embeds nothing."""
+def _pooling_error(status: int, body: bytes, serves: str = "embeddings") -> errors.GatewayError:
+    """Our error for a refused embedding or rerank: a 404 that is not an OpenAI error
+    (vLLM has no such route for a model of another task) says the model serves no
+    `serves`."""
     if status == 404:
         try:
             fields = _error_fields(orjson.loads(body))
         except orjson.JSONDecodeError:
             fields = {}
         if not fields:
-            return errors.Invalid("The model's upstream serves no embeddings.", param="model")
+            return errors.Invalid(f"The model's upstream serves no {serves}.", param="model")
     return error_from_response(status, body)
 
 
@@ -312,3 +318,39 @@ def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
     return Embeddings(
         tuple(v for v in vectors if v is not None), tokens if type(tokens) is int else 0
     )
+
+
+def rerank_limit(request: RerankRequest) -> int:
+    """The most bytes of a rerank answer read for `request`."""
+    documents = request.documents
+    return MAX_ERROR_BYTES + MAX_RESULT_BYTES * len(documents) + 6 * sum(map(len, documents))
+
+
+def scores_from(content: bytes, request: RerankRequest) -> Scores:
+    """Their rerank answer (vLLM's, Jina's and Cohere's shape: `results` of `index` and
+    `relevance_score`, in any order): a score for each document, placed by its `index`."""
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed("The upstream's rerank answer is not JSON.") from None
+    results = payload.get("results") if type(payload) is dict else None
+    count = len(request.documents)
+    if type(results) is not list or len(results) != count:
+        got = len(results) if type(results) is list else "no"
+        raise errors.Failed(f"The upstream gave {got} rerank results for {count} documents.")
+    scores: list[float | None] = [None] * count
+    for position, item in enumerate(results):
+        index = item.get("index") if type(item) is dict else None
+        score = item.get("relevance_score") if type(item) is dict else None
+        if (
+            type(index) is not int
+            or not 0 <= index < count
+            or scores[index] is not None
+            or not isinstance(score, float | int)
+            or isinstance(score, bool)
+        ):
+            raise errors.Failed(f"The upstream's rerank result {position} is not a scored index.")
+        scores[index] = float(score)
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens", usage.get("total_tokens")) if type(usage) is dict else None
+    return Scores(tuple(s for s in scores if s is not None), tokens if type(tokens) is int else 0)

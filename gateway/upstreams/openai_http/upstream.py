@@ -18,7 +18,15 @@ import orjson
 from gateway.protocol import errors, features
 from gateway.protocol.http1 import Pool, fetch
 from gateway.protocol.kv_blocks import EngineLoad
-from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Started
+from gateway.protocol.types import (
+    Embeddings,
+    EmbedRequest,
+    Event,
+    GenerateRequest,
+    RerankRequest,
+    Scores,
+    Started,
+)
 from gateway.upstreams.base import (
     CANCELLED,
     HEAD_GRACE,
@@ -34,11 +42,13 @@ from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
     MAX_ERROR_BYTES,
     MAX_MODELS_BYTES,
-    _embed_error,
+    _pooling_error,
     embeddings_from,
     error_from_response,
     read_capped,
     request_body,
+    rerank_limit,
+    scores_from,
     tokens_counted,
 )
 
@@ -243,10 +253,35 @@ class OpenAIHttpUpstream:
         http_request = self._post("embeddings", body, timeout, metadata)
         status, content = await self._send(http_request, timeout, limit + 1)
         if status != 200:
-            raise _embed_error(status, content[:MAX_ERROR_BYTES])
+            raise _pooling_error(status, content[:MAX_ERROR_BYTES])
         if len(content) > limit:
             raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
         return embeddings_from(content, request)
+
+    async def rerank(
+        self,
+        request: RerankRequest,
+        timeout: float,  # noqa: ASYNC109 (the Reranks interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Scores:
+        """Their `/rerank` (a cross-encoder's: vLLM's `--runner pooling` with a
+        classification model), every document scored, within `timeout` seconds; the
+        answer is read up to a bound sized by the documents (`rerank_limit`)."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "query": request.query,
+            "documents": list(request.documents),
+        }
+        if request.user:
+            body["user"] = request.user
+        limit = rerank_limit(request)
+        http_request = self._post("rerank", body, timeout, metadata)
+        status, content = await self._send(http_request, timeout, limit + 1)
+        if status != 200:
+            raise _pooling_error(status, content[:MAX_ERROR_BYTES], "reranking")
+        if len(content) > limit:
+            raise errors.Failed("The upstream's rerank answer is larger than the gateway takes.")
+        return scores_from(content, request)
 
     async def count_tokens(
         self,

@@ -175,7 +175,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- range $i, $model := .Values.models }}
 {{- if $model.adapterOf }}
 {{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
-{{- range $name := list "pools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" }}
+{{- range $name := list "pools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
 {{- if hasKey $model $name }}
 {{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
 {{- end }}
@@ -263,6 +263,12 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- end }}
 {{- if $model.maxTokensLimit }}
 {{- $_ := set $entry "max_tokens_limit" (int $model.maxTokensLimit) }}
+{{- end }}
+{{- with $model.scoring }}
+{{- if and (eq . "cross-encoder") (ne $upstream "openai") }}
+{{- fail (printf "models[%d].scoring: cross-encoder only for upstream openai (the workers' /rerank)" $i) }}
+{{- end }}
+{{- $_ := set $entry "scoring" . }}
 {{- end }}
 {{- with $model.weights }}
 {{- range $worker, $weight := . }}
