@@ -816,8 +816,9 @@ def test_clear_tool_inputs_clears_the_calls_of_the_results_it_clears():
         ({"defer_loading": True}, True),
         ({"allowed_callers": ["direct"]}, True),
         ({"input_examples": []}, True),
+        ({"input_examples": [{"city": "Paris"}]}, True),
         ({"allowed_callers": ["code_execution_20250825"]}, False),
-        ({"input_examples": [{"city": "Paris"}]}, False),
+        ({"input_examples": [{"city": 5}]}, False),
         ({"strict": "yes"}, False),
     ],
 )
@@ -836,6 +837,84 @@ def test_a_tools_options_are_served_or_refused_by_name(claude, option, served):
     with pytest.raises(anthropic.BadRequestError) as raised:
         claude.messages.create(**asked)
     assert f"tools[0].{next(iter(option))}" in raised.value.body["error"]["message"]
+
+
+def test_input_examples_reach_the_model_after_the_tools_description(claude, workers):
+    """Anthropic's tool use examples: each checked against the tool's input_schema, then
+    given to the model (the worker) after the tool's description."""
+    examples = [{"city": "Paris"}, {"city": "Lyon"}]
+    sent = len(workers.scripted.calls)
+    claude.messages.create(
+        model=SCRIPTED_MODEL,
+        max_tokens=8,
+        messages=say(script(texts=1)),
+        tools=[{**WEATHER_TOOL, "input_examples": examples}],
+    )
+    (rid,) = workers.scripted.calls[sent:]
+    assert workers.scripted.tools[rid] == [
+        (
+            "get_weather",
+            "The weather in a city.\n\nExamples of this tool's input:\n"
+            '{"city":"Paris"}\n{"city":"Lyon"}',
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("examples", "param", "words"),
+    [
+        (
+            [{"city": "Paris"}, {"town": "Lyon"}],
+            "tools[0].input_examples[1]",
+            "'city' is a required",
+        ),
+        ([{"city": ["Paris"]}], "tools[0].input_examples[0]", "at ['city']"),
+        (["Paris"], "tools[0].input_examples[0]", "an input is an object"),
+        ([{"city": "x"}] * 21, "tools[0].input_examples", "at most 20"),
+        ({"city": "Paris"}, "tools[0].input_examples", "a list"),
+        ([{"city": "x" * 17_000}], "tools[0].input_examples[0]", "at most 16384 bytes"),
+    ],
+)
+def test_input_examples_the_schema_refuses_are_refused_naming_them(claude, examples, param, words):
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model=DEMO_MODEL,
+            max_tokens=8,
+            messages=say("weather"),
+            tools=[{**WEATHER_TOOL, "input_examples": examples}],
+        )
+    message = refused.value.body["error"]["message"]
+    assert message.startswith(param) and words in message, message
+
+
+def test_input_examples_skip_the_checks_a_client_could_make_slow(claude):
+    """A client's regular expression against a client's string can backtrack for hours in
+    Python's `re`, and uniqueItems is quadratic: neither is checked in an example (the
+    answer comes at once), and the rest of the schema still is."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "pattern": "^(a+)+$"},
+            "xs": {"type": "array", "uniqueItems": True},
+        },
+        "patternProperties": {"^(b+)+$": {"type": "integer"}},
+        "additionalProperties": False,
+        "required": ["s"],
+    }
+    slow = {"s": "a" * 40 + "!", "xs": [{}] * 2000, "b" * 40 + "!": 1}
+    tool = {"name": "slow", "input_schema": schema, "input_examples": [slow]}
+    answer = claude.messages.create(
+        model=DEMO_MODEL, max_tokens=8, messages=say("hi"), tools=[tool], timeout=HANG_GUARD
+    )
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model=DEMO_MODEL,
+            max_tokens=8,
+            messages=say("hi"),
+            tools=[{**tool, "input_examples": [{"xs": []}]}],
+        )
+    assert "'s' is a required property" in refused.value.body["error"]["message"]
 
 
 # -- count_tokens --------------------------------------------------------------------

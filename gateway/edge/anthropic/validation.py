@@ -53,6 +53,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from gateway.edge.anthropic import tool_examples
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -518,18 +519,13 @@ def _tool_options(tool: Mapping[str, Any], where: str) -> bool:
     tools until the client loads it, as Claude Code's own tool search does); served where
     they ask nothing of us: `eager_input_streaming` (its input is streamed as the engine
     makes it, either way), `allowed_callers` the model alone; else a 400 naming the field
-    (programmatic calls and input examples are Anthropic's own)."""
+    (programmatic calls are Anthropic's own)."""
     _flag(tool, "eager_input_streaming", where + ".")
     callers = tool.get("allowed_callers")
     if callers is not None and callers != ["direct"]:
         raise invalid(
             f"{where}.allowed_callers",
             f"{where}.allowed_callers: only ['direct'] (the model calls the tool) is served.",
-        )
-    if tool.get("input_examples") not in (None, []):
-        raise invalid(
-            f"{where}.input_examples",
-            f"{where}.input_examples: tool input examples are not supported by this gateway.",
         )
     return _flag(tool, "defer_loading", where + ".")
 
@@ -552,6 +548,7 @@ def _tool(tool: Any, where: str, schemas: SchemaBudget) -> tuple[Tool, bool]:
         raise invalid(f"{where}.input_schema", "Field required: a JSON Schema (an object).")
     schemas.check(schema, f"{where}.input_schema")
     description = _string(tool, "description", where + ".") or ""
+    description += tool_examples.render(tool, schema, where)
     strict = _flag(tool, "strict", where + ".")
     return Tool(name, description, orjson.dumps(schema).decode(), strict), deferred
 
