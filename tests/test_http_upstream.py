@@ -24,6 +24,8 @@ from gateway.config import ModelConfig
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
+    Classification,
+    Classifications,
     Embeddings,
     EmbedRequest,
     Finished,
@@ -733,6 +735,69 @@ def test_rerank_refusals_and_bad_answers(status, body, expected, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     respx.post(f"{BASE}/rerank").respond(status, content=content)
     failure = anyio.run(rerank)
+    assert type(failure) is expected, failure
+    assert failure.param == param
+
+
+ROOT = BASE.removesuffix("/v1")
+
+
+async def classify(request: EmbedRequest = EMBED) -> object:
+    async with httpx.AsyncClient() as http:
+        try:
+            return await OpenAIHttpUpstream(BASE, http, raw_http=False).classify(request, 5.0)
+        except errors.GatewayError as error:
+            return error
+
+
+@respx.mock
+def test_classify_sends_the_inputs_beside_v1_and_places_classes_by_index():
+    route = respx.post(f"{ROOT}/classify").respond(
+        200,
+        json={
+            "data": [
+                {"index": 1, "label": None, "probs": [0.5, 0.5], "num_classes": 2},
+                {"index": 0, "label": "spam", "probs": [0.9, 0.1], "num_classes": 2},
+            ],
+            "usage": {"prompt_tokens": 6, "total_tokens": 6},
+        },
+    )
+    assert anyio.run(classify) == Classifications(
+        (Classification("spam", (0.9, 0.1)), Classification(None, (0.5, 0.5))), 6
+    )
+    assert json.loads(route.calls.last.request.content) == {
+        "model": "e",
+        "input": ["one two", [1, 2, 3]],
+        "user": "team-a",
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected", "param"),
+    [
+        (200, {"data": [{"index": 0, "label": "a", "probs": [1.0]}]}, errors.Failed, None),
+        (
+            200,
+            {"data": [{"index": 0, "probs": []}, {"index": 1, "label": "a", "probs": [1]}]},
+            errors.Failed,
+            None,
+        ),
+        (
+            200,
+            {"data": [{"index": 0, "label": 3, "probs": [1]}, {"index": 1, "probs": [1]}]},
+            errors.Failed,
+            None,
+        ),
+        (200, b"[]", errors.Failed, None),
+        (404, {"detail": "Not Found"}, errors.Invalid, "model"),  # no such route
+        (400, {"error": {"message": "too long", "param": "input"}}, errors.Invalid, "input"),
+    ],
+)
+@respx.mock
+def test_classify_refusals_and_bad_answers(status, body, expected, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    respx.post(f"{ROOT}/classify").respond(status, content=content)
+    failure = anyio.run(classify)
     assert type(failure) is expected, failure
     assert failure.param == param
 

@@ -5,7 +5,7 @@ against many and pairwise, and vLLM's other names for its sides); the refusals, 
 naming its parameter; and against vLLM's own server for the tiny model as an embedding
 model, the gateway's scores equal the ones vLLM's `/score` and `/rerank` give; for a tiny
 cross-encoder (`scoring: cross-encoder`), the scores are the server's own, as it gives them
-served directly."""
+served directly; and `/classify`, a classification model's own classes."""
 
 from __future__ import annotations
 
@@ -326,3 +326,40 @@ def test_a_cross_encoder_named_an_embedding_model_is_refused_naming_model(vllm_r
         reply = _post(gw.url, path, {"model": model, **body})
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == "model"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_classify_gives_the_workers_own_classes(vllm_reranker):
+    """`/classify` (and `/v1/classify`): a classification model's labels and probabilities,
+    as vLLM's own `/classify` gives them; vLLM's options that change them are refused by
+    name."""
+    gw, direct = vllm_reranker
+    body = {"model": RERANKER, "input": DOCUMENTS[:3]}
+    theirs = _theirs(direct, "/classify", body)
+    for path in ("/classify", "/v1/classify"):
+        ours = _post(gw.url, path, body).json()
+        assert ours["model"] == RERANKER and ours["id"].startswith("classify-"), ours
+        assert [(d["index"], d["label"], d["num_classes"]) for d in ours["data"]] == [
+            (d["index"], d["label"], d["num_classes"]) for d in theirs["data"]
+        ]
+        assert [d["probs"] for d in ours["data"]] == [
+            pytest.approx(d["probs"], abs=1e-3) for d in theirs["data"]
+        ]
+        assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    one = _post(gw.url, "/classify", {"model": RERANKER, "input": DOCUMENTS[0]}).json()
+    assert one["data"][0]["probs"] == pytest.approx(theirs["data"][0]["probs"], abs=1e-3)
+    for asked, param in (
+        ({"model": RERANKER, "use_activation": False}, "use_activation"),
+        ({"model": RERANKER, "messages": [{"role": "user", "content": "a"}]}, "messages"),
+    ):
+        refused = _post(gw.url, "/classify", {"input": "a", **asked})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == param
+
+
+def test_classify_is_refused_naming_model_where_workers_have_no_classification(gateway):
+    """Our worker protocol has no classification call: a 400 naming `model`."""
+    reply = _post(gateway.url, "/classify", {"model": DEMO_MODEL, "input": "a"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
+    assert "does not serve classification" in reply.json()["error"]["message"]

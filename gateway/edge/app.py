@@ -38,6 +38,7 @@ from gateway.edge.batches.runner import BatchRunner
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.openai.classify import CLASSIFY_PATHS, ClassifyRoute
 from gateway.edge.openai.embeddings import EmbeddingsRoute
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
 from gateway.edge.openai.generation import GenerationRoute
@@ -158,6 +159,7 @@ def create_app(
         "/v1/embeddings": EmbeddingsRoute(parts),
         **dict.fromkeys(RERANK_PATHS, RerankRoute(parts)),
         **dict.fromkeys(SCORE_PATHS, ScoreRoute(parts)),
+        **dict.fromkeys(CLASSIFY_PATHS, ClassifyRoute(parts)),
         **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))

@@ -1,5 +1,6 @@
 """Embeddings on the fleet: one Embed call on one of the model's workers, through its
-upstream (`Upstream.embed`), or one call for a cross-encoder's scores (`Reranks.rerank`),
+upstream (`Upstream.embed`), or one call for a cross-encoder's scores (`Reranks.rerank`)
+or a classifier's classes (`Classifies.classify`),
 with the time left as its deadline and the balancing, ejection and retry rules of the
 fleet's unary calls (`unary`).
 
@@ -16,8 +17,14 @@ from typing import TYPE_CHECKING
 from gateway.fleet.unary import call_unary
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import Embeddings, EmbedRequest, RerankRequest, Scores
-from gateway.upstreams.base import Reranks
+from gateway.protocol.types import (
+    Classifications,
+    Embeddings,
+    EmbedRequest,
+    RerankRequest,
+    Scores,
+)
+from gateway.upstreams.base import Classifies, Reranks
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
@@ -69,3 +76,22 @@ async def rerank(
 
     scores, worker = await call_unary(fleet, pool, deadline, call, _retryable)
     return scores, worker.address
+
+
+async def classify(
+    fleet: Fleet,
+    pool: ModelPool,
+    request: EmbedRequest,
+    deadline: Deadline,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> tuple[Classifications, str]:
+    """A classification of each input from a worker of `pool`, and that worker's address."""
+
+    async def call(worker: Worker) -> Classifications:
+        upstream = worker.upstream
+        if not isinstance(upstream, Classifies):  # the route asks only those that do
+            raise errors.Failed(f"The worker {worker.address} classifies nothing.")
+        return await upstream.classify(request, deadline.remaining(), metadata)
+
+    classes, worker = await call_unary(fleet, pool, deadline, call, _retryable)
+    return classes, worker.address

@@ -208,12 +208,33 @@ class RerankRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Classification:
+    """A classifier's answer for one input: its label (None: the model names none) and
+    each class's probability."""
+
+    label: str | None
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Classifications:
+    """One classification per input, in order, and the tokens the inputs held."""
+
+    items: tuple[Classification, ...]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Scores:
     """A relevance score per pair (per document of a `RerankRequest`), in order, and the
     tokens the pairs held."""
 
     values: tuple[float, ...]
     prompt_tokens: int
+
+
+#: What a pooling model's workers answer: vectors, scores of pairs, or classes.
+Pooling = Embeddings | Scores | Classifications
 
 
 class Started(NamedTuple):

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from gateway.protocol import errors, features
 from gateway.protocol.types import (
+    Classifications,
     Embeddings,
     EmbedRequest,
     Event,
@@ -111,6 +112,21 @@ class Reranks(Protocol):
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Scores:
         """Each document's relevance to the query, within `timeout` seconds; raises
+        `GatewayError` as `Upstream.call` refuses."""
+
+
+@runtime_checkable
+class Classifies(Protocol):
+    """An upstream whose workers classify inputs with a classification model (vLLM's
+    `/classify`)."""
+
+    async def classify(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (an HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Classifications:
+        """A classification of each input, within `timeout` seconds; raises
         `GatewayError` as `Upstream.call` refuses."""
 
 

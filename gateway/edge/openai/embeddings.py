@@ -39,7 +39,7 @@ from gateway.fleet.embedding import embed
 from gateway.protocol import features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Embeddings, EmbedRequest, Scores
+from gateway.protocol.types import Embeddings, EmbedRequest, Pooling
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -69,7 +69,7 @@ class EmbeddingsBody:
     dimensions: int | None
     user: str
 
-    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
+    def answer(self, model: str, result: Pooling) -> bytes:
         """The response body, of the model that served."""
         assert isinstance(result, Embeddings)  # no model scores an embeddings request
         return answer(model, result, self.base64)
@@ -86,7 +86,7 @@ class Pooled(Protocol):
     def dimensions(self) -> int | None: ...
     @property
     def user(self) -> str: ...
-    def answer(self, model: str, result: Embeddings | Scores) -> bytes: ...
+    def answer(self, model: str, result: Pooling) -> bytes: ...
 
 
 def _is_int(value: Any) -> bool:
@@ -224,6 +224,10 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         parameter)."""
         return parse_embeddings(body)
 
+    def check(self, pool: ModelPool, request: EmbedRequest) -> None:
+        """Refuses what the model's workers do not serve (a 400 naming it)."""
+        check_served(pool, request)
+
     async def serve(self, ex: Exchange) -> None:
         """Reads and checks the body, admits it through admission's stages (a queued
         client that leaves, leaves the queue at once), calls a worker and answers."""
@@ -239,7 +243,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         )
         if self.telemetry.log_prompts:
             record.prompt = list(parsed.inputs)
-        check_served(pool, request)
+        self.check(pool, request)
         ctx.request = request
         ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
@@ -265,14 +269,14 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         parsed: Pooled,
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
-    ) -> Awaitable[tuple[Embeddings | Scores, str]]:
+    ) -> Awaitable[tuple[Pooling, str]]:
         """The call on one model's workers that answers `parsed` (`request` named for
         `pool`), and the worker that served: their embeddings."""
         return embed(self.fleet, pool, request, deadline, metadata)
 
     async def _call(
         self, pool: ModelPool, request: EmbedRequest, parsed: Pooled, ex: Exchange
-    ) -> Embeddings | Scores:
+    ) -> Pooling:
         """The workers' answer (`work`), from `pool` or, when it cannot answer, its
         fallbacks (`Admission.on_fallbacks`, as a generation's start); cancelled when the
         client leaves, the drain ends it or `request_timeout` passes."""
@@ -281,7 +285,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         deadline = Deadline(timeout)
         with self.tracing.engine_call(pool.name, ex.metadata, self.span) as (span, metadata):
 
-            def call(served: ModelPool) -> Awaitable[tuple[Embeddings | Scores, str]]:
+            def call(served: ModelPool) -> Awaitable[tuple[Pooling, str]]:
                 named = request if served is pool else replace(request, model=served.name)
                 return self.work(served, named, parsed, deadline, metadata)
 

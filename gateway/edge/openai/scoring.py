@@ -49,7 +49,7 @@ from gateway.edge.openai.validation import _unserved, model_of
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import rerank
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import Embeddings, EmbedRequest, RerankRequest, Scores
+from gateway.protocol.types import Embeddings, EmbedRequest, Pooling, RerankRequest, Scores
 
 #: vLLM's scoring options not served, with the value that asks nothing of them.
 UNSERVED_SCORING: dict[str, Any] = {
@@ -127,11 +127,12 @@ def cosines(embeddings: Embeddings, pairs: Sequence[tuple[int, int]]) -> list[fl
     return [_dot(vectors[a], vectors[b]) / (norms[a] * norms[b]) for a, b in pairs]
 
 
-def scored(result: Embeddings | Scores, pairs: Sequence[tuple[int, int]]) -> Scores:
+def scored(result: Pooling, pairs: Sequence[tuple[int, int]]) -> Scores:
     """A score for each pair (places of texts): a cross-encoder's, or the cosine of the
     pair's embeddings."""
     if isinstance(result, Scores):
         return result
+    assert isinstance(result, Embeddings)  # no route classifies pairs
     return Scores(tuple(cosines(result, pairs)), result.prompt_tokens)
 
 
@@ -159,7 +160,7 @@ class RerankBody:
         """The query's place paired with each document's."""
         return tuple((self.query, place) for place in self.places)
 
-    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
+    def answer(self, model: str, result: Pooling) -> bytes:
         score = scored(result, self.pairs)
         scores = score.values
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
@@ -218,7 +219,7 @@ class ScoreBody:
     dimensions: int | None = None
     user: str = ""
 
-    def answer(self, model: str, result: Embeddings | Scores) -> bytes:
+    def answer(self, model: str, result: Pooling) -> bytes:
         score = scored(result, self.pairs)
         usage = {**_usage(score), "completion_tokens": 0}
         return orjson.dumps(
@@ -308,7 +309,7 @@ class _ScoringRoute(EmbeddingsRoute):
         parsed: Pooled,
         deadline: Deadline,
         metadata: tuple[tuple[str, str], ...],
-    ) -> Awaitable[tuple[Embeddings | Scores, str]]:
+    ) -> Awaitable[tuple[Pooling, str]]:
         if pool.scoring != "cross-encoder":
             return super().work(pool, request, parsed, deadline, metadata)
         pairs = cast(RerankBody | ScoreBody, parsed).pairs

@@ -16,6 +16,8 @@ import orjson
 from gateway.protocol import errors
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.types import (
+    Classification,
+    Classifications,
     Embeddings,
     EmbedRequest,
     GenerateRequest,
@@ -354,3 +356,37 @@ def scores_from(content: bytes, request: RerankRequest) -> Scores:
     usage = payload.get("usage")
     tokens = usage.get("prompt_tokens", usage.get("total_tokens")) if type(usage) is dict else None
     return Scores(tuple(s for s in scores if s is not None), tokens if type(tokens) is int else 0)
+
+
+def classifications_from(content: bytes, request: EmbedRequest) -> Classifications:
+    """Their `/classify` answer (vLLM's): one `label` (or null) and `probs` per input,
+    placed by their `index`."""
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed("The upstream's classify answer is not JSON.") from None
+    data = payload.get("data") if type(payload) is dict else None
+    count = len(request.inputs)
+    if type(data) is not list or len(data) != count:
+        got = len(data) if type(data) is list else "no"
+        raise errors.Failed(f"The upstream gave {got} classifications for {count} inputs.")
+    items: list[Classification | None] = [None] * count
+    for position, item in enumerate(data):
+        fields = item if type(item) is dict else {}
+        index, label, probs = fields.get("index"), fields.get("label"), fields.get("probs")
+        if (
+            type(index) is not int
+            or not 0 <= index < count
+            or items[index] is not None
+            or not (label is None or type(label) is str)
+            or type(probs) is not list
+            or not probs
+            or not all(type(p) is float or type(p) is int for p in probs)
+        ):
+            raise errors.Failed(f"The upstream's classification {position} is not one.")
+        items[index] = Classification(label, tuple(map(float, probs)))
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if type(usage) is dict else None
+    return Classifications(
+        tuple(i for i in items if i is not None), tokens if type(tokens) is int else 0
+    )

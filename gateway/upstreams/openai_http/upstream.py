@@ -19,6 +19,7 @@ from gateway.protocol import errors, features
 from gateway.protocol.http1 import Pool, fetch
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
+    Classifications,
     Embeddings,
     EmbedRequest,
     Event,
@@ -43,6 +44,7 @@ from gateway.upstreams.openai_http.translate import (
     MAX_ERROR_BYTES,
     MAX_MODELS_BYTES,
     _pooling_error,
+    classifications_from,
     embeddings_from,
     error_from_response,
     read_capped,
@@ -187,7 +189,8 @@ class OpenAIHttpUpstream:
         self.address = base_url.rstrip("/")
         self._http = http
         self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
-        root = self.address.removesuffix("/v1")
+        #: Where vLLM serves what is not OpenAI's (`/health`, `/tokenize`, `/classify`).
+        self._root = root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
         self._metrics_page = f"{root}/metrics"
         self.metrics_url = f"{root}/metrics/?{LOAD_QUERY}"  # the page, until refused
@@ -258,6 +261,30 @@ class OpenAIHttpUpstream:
             raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
         return embeddings_from(content, request)
 
+    async def classify(
+        self,
+        request: EmbedRequest,
+        timeout: float,  # noqa: ASYNC109 (the Classifies interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Classifications:
+        """Their `/classify` (beside `/v1`, as vLLM serves a classification model), within
+        `timeout` seconds; the answer is read up to a bound sized by the inputs and must
+        hold one classification per input."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
+        }
+        if request.user:
+            body["user"] = request.user
+        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        http_request = self._post(f"{self._root}/classify", body, timeout, metadata)
+        status, content = await self._send(http_request, timeout, limit + 1)
+        if status != 200:
+            raise _pooling_error(status, content[:MAX_ERROR_BYTES], "classification")
+        if len(content) > limit:
+            raise errors.Failed("The upstream's classify answer is larger than the gateway takes.")
+        return classifications_from(content, request)
+
     async def rerank(
         self,
         request: RerankRequest,
@@ -299,7 +326,7 @@ class OpenAIHttpUpstream:
         }
         if request.messages is not None:
             body["add_generation_prompt"] = True
-        url = f"{self.address.removesuffix('/v1')}/tokenize"
+        url = f"{self._root}/tokenize"
         status, content = await self._send(
             self._post(url, body, timeout, metadata), timeout, MAX_ERROR_BYTES
         )
