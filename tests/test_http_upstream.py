@@ -585,12 +585,19 @@ def test_events_split_across_reads_are_read_whole():
 EMBED = EmbedRequest("e", ("one two", (1, 2, 3)), dimensions=2, user="team-a")
 
 
-async def embed(request: EmbedRequest = EMBED) -> object:
+async def pooled(method: str, request: object) -> object:
+    """The upstream's `method` (embed, rerank, classify) for `request`: its answer, or
+    the error it raised."""
     async with httpx.AsyncClient() as http:
+        upstream = OpenAIHttpUpstream(BASE, http, raw_http=False)
         try:
-            return await OpenAIHttpUpstream(BASE, http, raw_http=False).embed(request, 5.0)
+            return await getattr(upstream, method)(request, 5.0)
         except errors.GatewayError as error:
             return error
+
+
+async def embed(request: EmbedRequest = EMBED) -> object:
+    return await pooled("embed", request)
 
 
 @respx.mock
@@ -640,9 +647,14 @@ def test_embed_sends_texts_and_token_ids_and_places_vectors_by_index():
 )
 @respx.mock
 def test_embed_refusals_and_bad_answers(status, body, expected, param):
+    answered_with(f"{BASE}/embeddings", status, body, embed, expected, param)
+
+
+def answered_with(url, status, body, call, expected, param):
+    """`call` fails as `expected` (naming `param`) when `url` answers `status`, `body`."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    respx.post(f"{BASE}/embeddings").respond(status, content=content)
-    failure = anyio.run(embed)
+    respx.post(url).respond(status, content=content)
+    failure = anyio.run(call)
     assert type(failure) is expected, failure
     assert failure.param == param
 
@@ -668,11 +680,7 @@ RERANK = RerankRequest("r", "a query", ("doc a", "doc b"), user="team-a")
 
 
 async def rerank(request: RerankRequest = RERANK) -> object:
-    async with httpx.AsyncClient() as http:
-        try:
-            return await OpenAIHttpUpstream(BASE, http, raw_http=False).rerank(request, 5.0)
-        except errors.GatewayError as error:
-            return error
+    return await pooled("rerank", request)
 
 
 @respx.mock
@@ -732,22 +740,14 @@ def test_rerank_sends_the_query_and_documents_and_places_scores_by_index():
 )
 @respx.mock
 def test_rerank_refusals_and_bad_answers(status, body, expected, param):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    respx.post(f"{BASE}/rerank").respond(status, content=content)
-    failure = anyio.run(rerank)
-    assert type(failure) is expected, failure
-    assert failure.param == param
+    answered_with(f"{BASE}/rerank", status, body, rerank, expected, param)
 
 
 ROOT = BASE.removesuffix("/v1")
 
 
 async def classify(request: EmbedRequest = EMBED) -> object:
-    async with httpx.AsyncClient() as http:
-        try:
-            return await OpenAIHttpUpstream(BASE, http, raw_http=False).classify(request, 5.0)
-        except errors.GatewayError as error:
-            return error
+    return await pooled("classify", request)
 
 
 @respx.mock
@@ -795,11 +795,7 @@ def test_classify_sends_the_inputs_beside_v1_and_places_classes_by_index():
 )
 @respx.mock
 def test_classify_refusals_and_bad_answers(status, body, expected, param):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    respx.post(f"{ROOT}/classify").respond(status, content=content)
-    failure = anyio.run(classify)
-    assert type(failure) is expected, failure
-    assert failure.param == param
+    answered_with(f"{ROOT}/classify", status, body, classify, expected, param)
 
 
 @respx.mock

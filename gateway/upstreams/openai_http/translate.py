@@ -1,14 +1,15 @@
 """Their JSON, both ways, for `openai_http`: our `GenerateRequest` as the upstream's
 body (`request_body`), their error bodies and error events as our errors (one table,
-`HTTP_ERRORS` and `ERROR_CODES`), their logprobs as ours, and their embeddings answer
-as `Embeddings`. Pure functions of bytes and dicts (`read_capped` aside), shared by
-both ways of calling them (httpx and the raw connections).
+`HTTP_ERRORS` and `ERROR_CODES`), their logprobs as ours, and their pooling answers
+(embeddings, rerank, classify) as ours. Pure functions of bytes and dicts (`read_capped`
+aside), shared by both ways of calling them (httpx and the raw connections).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import zip_longest
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -27,6 +28,8 @@ from gateway.protocol.types import (
     Scores,
     TokenLogprob,
 )
+
+T = TypeVar("T")
 
 #: Their HTTP status → our error; 400s are refined by the error body's code.
 HTTP_ERRORS: dict[int, type[errors.GatewayError]] = {
@@ -287,39 +290,68 @@ def tokens_counted(status: int, content: bytes) -> int:
     return count
 
 
-def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
-    """Their embeddings answer: one vector of numbers per input, all of one width
-    (`dimensions` when asked), placed by their `index`."""
+def _placed(
+    content: bytes,
+    field: str,
+    count: int,
+    what: str,
+    read: Callable[[dict[str, Any]], T | None],
+    positional: bool = False,
+) -> tuple[list[T], int]:
+    """A pooling answer's `count` items (its `field`: a list of objects, each `read` into
+    a value, None when it is not one), placed by their `index` (with `positional`, an
+    item without one is at its place), and the prompt's tokens its `usage` gives
+    (`total_tokens` where it has no `prompt_tokens`; 0 where neither). Anything else is
+    `Failed`, naming `what` an item is."""
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
-        raise errors.Failed("The upstream's embeddings answer is not JSON.") from None
-    data = payload.get("data") if type(payload) is dict else None
-    count = len(request.inputs)
-    if type(data) is not list or len(data) != count:
-        got = len(data) if type(data) is list else "no"
-        raise errors.Failed(f"The upstream gave {got} embeddings for {count} inputs.")
-    vectors: list[tuple[float, ...] | None] = [None] * count
-    for position, item in enumerate(data):
-        index = item.get("index", position) if type(item) is dict else None
-        vector = item.get("embedding") if type(item) is dict else None
+        raise errors.Failed(f"The upstream's {what} answer is not JSON.") from None
+    items = payload.get(field) if type(payload) is dict else None
+    if type(items) is not list or len(items) != count:
+        got = len(items) if type(items) is list else "no"
+        raise errors.Failed(f"The upstream gave {got} {what} items for {count}.")
+    placed: list[T | None] = [None] * count
+    for position, item in enumerate(items):
+        fields = item if type(item) is dict else {}
+        index = fields.get("index", position if positional else None)
+        value = read(fields) if fields else None
         if (
-            type(index) is not int
+            not isinstance(index, int)
+            or isinstance(index, bool)
             or not 0 <= index < count
-            or vectors[index] is not None
-            or type(vector) is not list
-            or not all(type(x) is float or type(x) is int for x in vector)
+            or placed[index] is not None
+            or value is None
         ):
-            raise errors.Failed(f"The upstream's embedding {position} is not a vector of numbers.")
-        vectors[index] = tuple(vector)
-    widths = {len(v) for v in vectors if v is not None}
+            raise errors.Failed(f"The upstream's {what} {position} is not one.")
+        placed[index] = value
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens", usage.get("total_tokens")) if type(usage) is dict else None
+    return [v for v in placed if v is not None], tokens if type(tokens) is int else 0
+
+
+def _numbers(value: Any) -> tuple[float, ...] | None:
+    """A list of numbers (not booleans) as floats, or None."""
+    if type(value) is not list or not all(type(x) is float or type(x) is int for x in value):
+        return None
+    return tuple(map(float, value))
+
+
+def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
+    """Their embeddings answer: one vector of numbers per input, all of one width
+    (`dimensions` when asked), placed by their `index`."""
+    vectors, tokens = _placed(
+        content,
+        "data",
+        len(request.inputs),
+        "embedding",
+        lambda item: _numbers(item.get("embedding")),
+        positional=True,
+    )
+    widths = {len(v) for v in vectors}
     if len(widths) != 1 or (request.dimensions is not None and widths != {request.dimensions}):
         raise errors.Failed(f"The upstream's embeddings have widths {sorted(widths)}.")
-    usage = payload.get("usage")
-    tokens = usage.get("prompt_tokens") if type(usage) is dict else None
-    return Embeddings(
-        tuple(v for v in vectors if v is not None), tokens if type(tokens) is int else 0
-    )
+    return Embeddings(tuple(vectors), tokens)
 
 
 def rerank_limit(request: RerankRequest) -> int:
@@ -328,65 +360,29 @@ def rerank_limit(request: RerankRequest) -> int:
     return MAX_ERROR_BYTES + MAX_RESULT_BYTES * len(documents) + 6 * sum(map(len, documents))
 
 
+def _score(item: dict[str, Any]) -> float | None:
+    score = item.get("relevance_score")
+    return float(score) if type(score) is float or type(score) is int else None
+
+
 def scores_from(content: bytes, request: RerankRequest) -> Scores:
     """Their rerank answer (vLLM's, Jina's and Cohere's shape: `results` of `index` and
     `relevance_score`, in any order): a score for each document, placed by its `index`."""
-    try:
-        payload = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        raise errors.Failed("The upstream's rerank answer is not JSON.") from None
-    results = payload.get("results") if type(payload) is dict else None
     count = len(request.documents)
-    if type(results) is not list or len(results) != count:
-        got = len(results) if type(results) is list else "no"
-        raise errors.Failed(f"The upstream gave {got} rerank results for {count} documents.")
-    scores: list[float | None] = [None] * count
-    for position, item in enumerate(results):
-        index = item.get("index") if type(item) is dict else None
-        score = item.get("relevance_score") if type(item) is dict else None
-        if (
-            type(index) is not int
-            or not 0 <= index < count
-            or scores[index] is not None
-            or not isinstance(score, float | int)
-            or isinstance(score, bool)
-        ):
-            raise errors.Failed(f"The upstream's rerank result {position} is not a scored index.")
-        scores[index] = float(score)
-    usage = payload.get("usage")
-    tokens = usage.get("prompt_tokens", usage.get("total_tokens")) if type(usage) is dict else None
-    return Scores(tuple(s for s in scores if s is not None), tokens if type(tokens) is int else 0)
+    scores, tokens = _placed(content, "results", count, "rerank result", _score)
+    return Scores(tuple(scores), tokens)
+
+
+def _classification(item: dict[str, Any]) -> Classification | None:
+    label, probs = item.get("label"), _numbers(item.get("probs"))
+    if not (label is None or type(label) is str) or not probs:
+        return None
+    return Classification(label, probs)
 
 
 def classifications_from(content: bytes, request: EmbedRequest) -> Classifications:
     """Their `/classify` answer (vLLM's): one `label` (or null) and `probs` per input,
     placed by their `index`."""
-    try:
-        payload = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        raise errors.Failed("The upstream's classify answer is not JSON.") from None
-    data = payload.get("data") if type(payload) is dict else None
     count = len(request.inputs)
-    if type(data) is not list or len(data) != count:
-        got = len(data) if type(data) is list else "no"
-        raise errors.Failed(f"The upstream gave {got} classifications for {count} inputs.")
-    items: list[Classification | None] = [None] * count
-    for position, item in enumerate(data):
-        fields = item if type(item) is dict else {}
-        index, label, probs = fields.get("index"), fields.get("label"), fields.get("probs")
-        if (
-            type(index) is not int
-            or not 0 <= index < count
-            or items[index] is not None
-            or not (label is None or type(label) is str)
-            or type(probs) is not list
-            or not probs
-            or not all(type(p) is float or type(p) is int for p in probs)
-        ):
-            raise errors.Failed(f"The upstream's classification {position} is not one.")
-        items[index] = Classification(label, tuple(map(float, probs)))
-    usage = payload.get("usage")
-    tokens = usage.get("prompt_tokens") if type(usage) is dict else None
-    return Classifications(
-        tuple(i for i in items if i is not None), tokens if type(tokens) is int else 0
-    )
+    items, tokens = _placed(content, "data", count, "classification", _classification)
+    return Classifications(tuple(items), tokens)

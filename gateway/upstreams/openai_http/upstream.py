@@ -243,22 +243,12 @@ class OpenAIHttpUpstream:
     ) -> Embeddings:
         """Their /embeddings, as floats, within `timeout` seconds; the answer is read
         up to a bound sized by the inputs and must hold one vector per input."""
-        body: dict[str, Any] = {
-            "model": request.model,
-            "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
-            "encoding_format": "float",
-        }
+        body = _inputs_body(request)
+        body["encoding_format"] = "float"
         if request.dimensions is not None:
             body["dimensions"] = request.dimensions
-        if request.user:
-            body["user"] = request.user
         limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
-        http_request = self._post("embeddings", body, timeout, metadata)
-        status, content = await self._send(http_request, timeout, limit + 1)
-        if status != 200:
-            raise _pooling_error(status, content[:MAX_ERROR_BYTES])
-        if len(content) > limit:
-            raise errors.Failed("The upstream's embeddings are larger than the gateway takes.")
+        content = await self._pooled("embeddings", body, limit, "embeddings", timeout, metadata)
         return embeddings_from(content, request)
 
     async def classify(
@@ -270,19 +260,10 @@ class OpenAIHttpUpstream:
         """Their `/classify` (beside `/v1`, as vLLM serves a classification model), within
         `timeout` seconds; the answer is read up to a bound sized by the inputs and must
         hold one classification per input."""
-        body: dict[str, Any] = {
-            "model": request.model,
-            "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
-        }
-        if request.user:
-            body["user"] = request.user
         limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
-        http_request = self._post(f"{self._root}/classify", body, timeout, metadata)
-        status, content = await self._send(http_request, timeout, limit + 1)
-        if status != 200:
-            raise _pooling_error(status, content[:MAX_ERROR_BYTES], "classification")
-        if len(content) > limit:
-            raise errors.Failed("The upstream's classify answer is larger than the gateway takes.")
+        url = f"{self._root}/classify"
+        body = _inputs_body(request)
+        content = await self._pooled(url, body, limit, "classification", timeout, metadata)
         return classifications_from(content, request)
 
     async def rerank(
@@ -302,13 +283,30 @@ class OpenAIHttpUpstream:
         if request.user:
             body["user"] = request.user
         limit = rerank_limit(request)
-        http_request = self._post("rerank", body, timeout, metadata)
-        status, content = await self._send(http_request, timeout, limit + 1)
-        if status != 200:
-            raise _pooling_error(status, content[:MAX_ERROR_BYTES], "reranking")
-        if len(content) > limit:
-            raise errors.Failed("The upstream's rerank answer is larger than the gateway takes.")
+        content = await self._pooled("rerank", body, limit, "reranking", timeout, metadata)
         return scores_from(content, request)
+
+    async def _pooled(
+        self,
+        path: str,
+        body: dict[str, Any],
+        limit: int,
+        serves: str,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
+        metadata: tuple[tuple[str, str], ...],
+    ) -> bytes:
+        """A pooling model's answer at `path` (under `/v1`, or a whole URL): `body` sent
+        within `timeout` seconds, at most `limit` bytes of the answer read (more is
+        `Failed`); a refusal as our error, a route the server lacks saying the model
+        serves no `serves`."""
+        status, content = await self._send(
+            self._post(path, body, timeout, metadata), timeout, limit + 1
+        )
+        if status != 200:
+            raise _pooling_error(status, content[:MAX_ERROR_BYTES], serves)
+        if len(content) > limit:
+            raise errors.Failed(f"The upstream's {serves} answer is larger than the gateway takes.")
+        return content
 
     async def count_tokens(
         self,
@@ -452,6 +450,18 @@ class OpenAIHttpUpstream:
         """Drops its own idle connections; the httpx client belongs to the fleet."""
         if self._pool is not None:
             self._pool.close()
+
+
+def _inputs_body(request: EmbedRequest) -> dict[str, Any]:
+    """An embeddings or classify body's inputs (token ids as lists) and model, and `user`
+    where given."""
+    body: dict[str, Any] = {
+        "model": request.model,
+        "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
+    }
+    if request.user:
+        body["user"] = request.user
+    return body
 
 
 def _proxied(host: str) -> bool:
