@@ -555,6 +555,17 @@ class Config:
     max_concurrent_requests: int = setting(
         256, "requests served at once, all routes together; one more gets 503 at once", minimum=1
     )
+    low_priority_headroom: float = setting(
+        0.25,
+        "the share of a model's worker capacity, and of `max_concurrent_requests`, that "
+        "requests of a priority below 0 (every batch line: `batch_priority`; a team's or a "
+        "request's own) leave to the others on a model without a queue (with one, priorities "
+        "order the wait): such a request that finds the workers (or the slots) busier than "
+        "the rest is refused at once (503 `server_busy`, reason `low_priority_headroom`; a "
+        "batch line is sent again later); 0: they take what any request may",
+        minimum=0,
+        maximum=0.9,
+    )
     request_timeout: float = setting(
         600.0,
         "seconds for a whole non-streamed answer (then 504 `timeout`), and for the wait for "

@@ -525,3 +525,79 @@ def test_waits_are_also_counted_as_shares_of_max_wait():
     ratio, seconds = "furnace_gateway_queue_wait_ratio", "furnace_gateway_queue_wait_seconds"
     assert [buckets[ratio, le] for le in ("0.8", "0.9", "0.95", "1", "+Inf")] == [0, 1, 1, 2, 2]
     assert [buckets[seconds, le] for le in ("60", "+Inf")] == [0, 2]
+
+
+def _held_streams(client: httpx.Client, model: str, count: int, headers=None):
+    """`count` streamed completions of `model` held open (each its first bytes read)."""
+    body = {"model": model, "prompt": " ".join(["w"] * 40), "stream": True}
+    streams = [
+        client.stream("POST", "/v1/completions", json=body, headers=headers) for _ in range(count)
+    ]
+    return [opened(stream.__enter__()) for stream in streams], streams
+
+
+def test_low_priorities_leave_a_share_of_the_workers_capacity_to_the_others(
+    gateway_with, serve_engines
+):
+    """Without a queue, a request of a priority below 0 (a batch line's) is refused at
+    once while the model's workers run more than 1 - `low_priority_headroom` of their
+    capacity (here 3 of 4), which the others may still take; the team's own priority
+    counts as the header does."""
+    engine = DemoEngine("capped", max_context=4096, token_delay=0.05, capacity=4)
+    (worker,) = serve_engines(engine)
+    low_team, key = new_key("low"), new_key("normal")
+    keys = keyed({"low": {"priority": -5}, "normal": {}}, {low_team: "low", key: "normal"})
+    gw = gateway_with(
+        models=(ModelConfig("capped", workers=(worker.address,)),),
+        max_concurrent_requests=64,
+        admin_port=0,
+        **keys,
+    )
+    pool = gw.state.fleet.models["capped"]
+    wait_until(lambda: [w.capacity for w in pool.workers.values()] == [4], "the worker's Describe")
+    ask = {"model": "capped", "prompt": "a"}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        held, streams = _held_streams(client, "capped", 3, bearer(key))
+        try:
+            for headers in ({**bearer(key), "x-furnace-priority": "-1"}, bearer(low_team)):
+                refused = client.post("/v1/completions", json=ask, headers=headers)
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "server_busy"
+                assert "keeps 25% of its capacity" in refused.json()["error"]["message"]
+            assert engine.calls == 3  # the worker never saw them
+            rejections = value(
+                scrape(gw.admin_url),
+                "furnace_gateway_rejections_total",
+                model="capped",
+                reason="low_priority_headroom",
+            )
+            assert rejections == 2
+            served = client.post("/v1/completions", json=ask, headers=bearer(key))
+            assert served.status_code == 200, served.text
+        finally:
+            del held
+            for stream in streams:
+                stream.__exit__(None, None, None)
+        wait_until(lambda: pool.busy_share() == 0, "the worker's calls to end")
+        low = client.post(
+            "/v1/completions", json=ask, headers={**bearer(key), "x-furnace-priority": "-1"}
+        )
+        assert low.status_code == 200, low.text
+
+
+@pytest.mark.parametrize("headroom", [0.25, 0.0])
+def test_low_priorities_leave_a_share_of_the_slots_to_the_others(gateway_with, workers, headroom):
+    gw = gateway_with(max_concurrent_requests=4, low_priority_headroom=headroom)
+    ask = {"model": "furnace-slow", "prompt": "a", "max_tokens": 1}
+    low = {"x-furnace-priority": "-100"}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        held, streams = _held_streams(client, "furnace-slow", 3)
+        try:
+            answer = client.post("/v1/completions", json=ask, headers=low)
+            assert answer.status_code == (503 if headroom else 200), answer.text
+            assert client.post("/v1/completions", json=ask).status_code == 200
+        finally:
+            del held
+            for stream in streams:
+                stream.__exit__(None, None, None)

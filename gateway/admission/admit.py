@@ -153,6 +153,8 @@ class Admission:
             for m in config.models
             if m.queue is not None
         }
+        #: The share of the workers and slots low priorities leave to the others.
+        self.headroom = config.low_priority_headroom
         self.queue = Queue(slots) if self.queues else None
         if self.queue is not None:
             registry.register(QueueCollector(self.queue))
@@ -208,6 +210,21 @@ class Admission:
                 f"Every worker of `{pool.name}` runs as many requests as it says it can.",
                 reason="workers_saturated",
             )
+        if self.headroom and pool.name not in self.queues and priority_of(ctx) < 0:
+            self._leave_headroom(pool)  # (with a queue, priorities order the wait instead)
+
+    def _leave_headroom(self, pool: ModelPool) -> None:
+        """Refuses a low-priority request (`Busy`, `low_priority_headroom`) when the
+        model's workers, or the gateway's slots, are busier than `headroom` leaves."""
+        busy, slots = pool.busy_share(), self.inflight.slots
+        if (busy is not None and busy >= 1 - self.headroom) or (
+            slots.in_use >= slots.limit * (1 - self.headroom)
+        ):
+            raise errors.Busy(
+                f"`{pool.name}` keeps {self.headroom:.0%} of its capacity for requests of "
+                "priority 0 and above; try again later.",
+                reason="low_priority_headroom",
+            )
 
     async def team_limits(self, ctx: RequestContext) -> None:
         """Charges the team's requests and tokens per minute and its concurrency
@@ -232,13 +249,11 @@ class Admission:
         pool, team = _pool(ctx), ctx.team
         settings = self.queues.get(pool.name)
         if settings is not None and self.queue is not None:
-            if team is None:
-                # no teams: the priority a client asks orders the wait, counted under 0
-                asked = ctx.priority or 0
+            asked = priority_of(ctx)
+            if team is None:  # no teams: the priority asked orders the wait, counted under 0
                 hold = self.queue.hold(pool.name, settings, asked, gone=ctx.gone, label=0)
             else:
                 own = team.config.priority
-                asked = own if ctx.priority is None else min(ctx.priority, own)
                 hold = self.queue.hold(
                     pool.name, settings, asked, team.name, team.weight, ctx.gone, label=own
                 )
@@ -534,6 +549,15 @@ def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | None) -> 
     if request.user:
         asked.add(features.USER)
     return asked <= served
+
+
+def priority_of(ctx: RequestContext) -> int:
+    """The request's priority: the one it asks (`x-furnace-priority`), capped by its
+    team's own, which is the default; on an open gateway what it asks, else 0."""
+    if ctx.team is None:
+        return ctx.priority or 0
+    own = ctx.team.config.priority
+    return own if ctx.priority is None else min(ctx.priority, own)
 
 
 def _pool(ctx: RequestContext) -> ModelPool:

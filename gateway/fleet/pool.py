@@ -126,6 +126,19 @@ class ModelPool:
         self._room = next((w for w in roster if self.has_room(w, now)), None)
         return bool(roster) and self._room is None
 
+    def busy_share(self) -> float | None:
+        """How much of the capacity of its available workers that report one is taken
+        (a worker that says it is full: all of its), as `saturated` counts it; None while
+        none reports a capacity."""
+        taken = capacity = 0
+        for worker in self._current(time.monotonic()):
+            if worker.capacity is None:
+                continue
+            capacity += worker.capacity
+            load = max(worker.outstanding, worker.reported_load)
+            taken += worker.capacity if worker.full else min(load, worker.capacity)
+        return taken / capacity if capacity else None
+
     def has_room(self, worker: Worker, now: float) -> bool:
         router = self.router
         return not (
