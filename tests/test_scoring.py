@@ -9,6 +9,7 @@ served directly; and `/classify`, a classification model's own classes."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,9 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.edge.openai.scoring import cross_encoded
+from gateway.protocol import errors
+from gateway.protocol.types import EmbedRequest, RerankRequest, Scores
 from tests.support.scripted_worker import SCRIPTED_MODEL
 from tests.support.servers import (
     DEMO_MODEL,
@@ -363,3 +367,34 @@ def test_classify_is_refused_naming_model_where_workers_have_no_classification(g
     reply = _post(gateway.url, "/classify", {"model": DEMO_MODEL, "input": "a"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
     assert "does not serve classification" in reply.json()["error"]["message"]
+
+
+def test_a_cross_encoders_pairs_go_one_call_a_distinct_first_text_and_fail_as_one():
+    """Pairwise scores: one call for each distinct first text with its distinct second
+    texts, each score back at its pair; a call that fails fails the request with its own
+    error (not a group of them), the other calls cancelled."""
+    request = EmbedRequest("m", ("q1", "d1", "q2", "d2"), user="u", request_id="r")
+    pairs = [(0, 1), (2, 1), (0, 3), (0, 1), (2, 3)]
+    asked: list[RerankRequest] = []
+
+    async def calls(named: RerankRequest) -> tuple[Scores, str]:
+        asked.append(named)
+        score = {"q1": 0.1, "q2": 0.2}[named.query]
+        return Scores(tuple(score + i for i in range(len(named.documents))), 5), "w"
+
+    scores, worker = asyncio.run(cross_encoded(calls, request, pairs))
+    assert sorted((a.query, a.documents) for a in asked) == [
+        ("q1", ("d1", "d2")),
+        ("q2", ("d1", "d2")),
+    ]
+    assert {(a.model, a.user, a.request_id) for a in asked} == {("m", "u", "r")}
+    assert scores == Scores((0.1, 0.2, 1.1, 0.1, 1.2), 10) and worker == "w"
+
+    async def failing(named: RerankRequest) -> tuple[Scores, str]:
+        if named.query == "q2":
+            raise errors.Unavailable("the worker went away")
+        await asyncio.sleep(HANG_GUARD)
+        raise AssertionError("not cancelled")
+
+    with pytest.raises(errors.Unavailable):
+        asyncio.run(cross_encoded(failing, request, pairs))

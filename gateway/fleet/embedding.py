@@ -89,8 +89,10 @@ async def classify(
 
     async def call(worker: Worker) -> Classifications:
         upstream = worker.upstream
-        if not isinstance(upstream, Classifies):  # the route asks only those that do
-            raise errors.Failed(f"The worker {worker.address} classifies nothing.")
+        if not isinstance(upstream, Classifies):  # a fallback of another worker protocol
+            raise errors.Invalid(
+                f"The model `{pool.name}` does not serve classification.", param="model"
+            )
         return await upstream.classify(request, deadline.remaining(), metadata)
 
     classes, worker = await call_unary(fleet, pool, deadline, call, _retryable)

@@ -287,8 +287,11 @@ async def cross_encoded(
             )
             return await calls(named)
 
-    async with asyncio.TaskGroup() as group:
-        tasks = {q: group.create_task(one(q, docs)) for q, docs in groups.items()}
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = {q: group.create_task(one(q, docs)) for q, docs in groups.items()}
+    except BaseExceptionGroup as failed:  # the first failure, as one call would raise it
+        raise failed.exceptions[0] from None
     answers = {q: task.result() for q, task in tasks.items()}
     values = tuple(answers[a][0].values[groups[a][b]] for a, b in pairs)
     tokens = sum(scores.prompt_tokens for scores, _ in answers.values())
