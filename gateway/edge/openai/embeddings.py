@@ -77,8 +77,8 @@ class EmbeddingsBody:
 
 class Pooled(Protocol):
     """A checked body the embeddings' route serves: what to embed, and the answer made of
-    the vectors (the embeddings themselves, or scores of them: scoring.py) or of the
-    scores a cross-encoder gave."""
+    the vectors (the embeddings themselves, or scores of them: scoring.py), of the scores
+    a cross-encoder gave, or of a classifier's classes (classify.py)."""
 
     @property
     def inputs(self) -> tuple[str | tuple[int, ...], ...]: ...
