@@ -704,6 +704,20 @@ def test_rerank_sends_the_query_and_documents_and_places_scores_by_index():
     }
 
 
+@respx.mock
+def test_rerank_reads_sglangs_answer_too():
+    """SGLang's /v1/rerank answers a list of `index`, `score` and `meta_info` (its
+    tokens), highest first."""
+    respx.post(f"{BASE}/rerank").respond(
+        200,
+        json=[
+            {"score": 0.9, "document": "doc b", "index": 1, "meta_info": {"prompt_tokens": 4}},
+            {"score": 0.25, "document": "doc a", "index": 0, "meta_info": {"prompt_tokens": 3}},
+        ],
+    )
+    assert anyio.run(rerank) == Scores((0.25, 0.9), 7)
+
+
 @pytest.mark.parametrize(
     ("status", "body", "expected", "param"),
     [
@@ -726,7 +740,7 @@ def test_rerank_sends_the_query_and_documents_and_places_scores_by_index():
             errors.Failed,
             None,
         ),
-        (200, [{"index": 0, "score": 1.0}, {"index": 1, "score": 0.5}], errors.Failed, None),
+        (200, [{"index": 0, "score": 1.0}], errors.Failed, None),
         (200, b"not json", errors.Failed, None),
         (
             400,

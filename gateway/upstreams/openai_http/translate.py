@@ -290,24 +290,28 @@ def tokens_counted(status: int, content: bytes) -> int:
     return count
 
 
+def _json(content: bytes, what: str) -> Any:
+    """An upstream's answer parsed, or `Failed` naming `what` it is."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise errors.Failed(f"The upstream's {what} answer is not JSON.") from None
+
+
 def _placed(
-    content: bytes,
-    field: str,
+    payload: Any,
+    field: str | None,
     count: int,
     what: str,
     read: Callable[[dict[str, Any]], T | None],
     positional: bool = False,
 ) -> tuple[list[T], int]:
-    """A pooling answer's `count` items (its `field`: a list of objects, each `read` into
-    a value, None when it is not one), placed by their `index` (with `positional`, an
-    item without one is at its place), and the prompt's tokens its `usage` gives
-    (`total_tokens` where it has no `prompt_tokens`; 0 where neither). Anything else is
-    `Failed`, naming `what` an item is."""
-    try:
-        payload = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        raise errors.Failed(f"The upstream's {what} answer is not JSON.") from None
-    items = payload.get(field) if type(payload) is dict else None
+    """A pooling answer's `count` items (its `field`, or the payload itself where None: a
+    list of objects, each `read` into a value, None when it is not one), placed by their
+    `index` (with `positional`, an item without one is at its place), and the prompt's
+    tokens its `usage` gives (`total_tokens` where it has no `prompt_tokens`; 0 where
+    neither). Anything else is `Failed`, naming `what` an item is."""
+    items = payload if field is None else payload.get(field) if type(payload) is dict else None
     if type(items) is not list or len(items) != count:
         got = len(items) if type(items) is list else "no"
         raise errors.Failed(f"The upstream gave {got} {what} items for {count}.")
@@ -325,7 +329,7 @@ def _placed(
         ):
             raise errors.Failed(f"The upstream's {what} {position} is not one.")
         placed[index] = value
-    usage = payload.get("usage")
+    usage = payload.get("usage") if type(payload) is dict else None
     tokens = usage.get("prompt_tokens", usage.get("total_tokens")) if type(usage) is dict else None
     return [v for v in placed if v is not None], tokens if type(tokens) is int else 0
 
@@ -341,7 +345,7 @@ def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
     """Their embeddings answer: one vector of numbers per input, all of one width
     (`dimensions` when asked), placed by their `index`."""
     vectors, tokens = _placed(
-        content,
+        _json(content, "embeddings"),
         "data",
         len(request.inputs),
         "embedding",
@@ -361,16 +365,23 @@ def rerank_limit(request: RerankRequest) -> int:
 
 
 def _score(item: dict[str, Any]) -> float | None:
-    score = item.get("relevance_score")
+    score = item.get("relevance_score", item.get("score"))
     return float(score) if type(score) is float or type(score) is int else None
 
 
 def scores_from(content: bytes, request: RerankRequest) -> Scores:
-    """Their rerank answer (vLLM's, Jina's and Cohere's shape: `results` of `index` and
-    `relevance_score`, in any order): a score for each document, placed by its `index`."""
-    count = len(request.documents)
-    scores, tokens = _placed(content, "results", count, "rerank result", _score)
-    return Scores(tuple(scores), tokens)
+    """Their rerank answer, a score for each document placed by its `index`, in any
+    order: vLLM's, Jina's and Cohere's shape (`results` of `index` and `relevance_score`,
+    and `usage`), or SGLang's (a list of `index` and `score`, each with its own
+    `meta_info.prompt_tokens`)."""
+    count, payload = len(request.documents), _json(content, "rerank")
+    if type(payload) is not list:
+        scores, tokens = _placed(payload, "results", count, "rerank result", _score)
+        return Scores(tuple(scores), tokens)
+    scores, _ = _placed(payload, None, count, "rerank result", _score)
+    metas = (item.get("meta_info") for item in payload)
+    counts = (meta.get("prompt_tokens") if type(meta) is dict else None for meta in metas)
+    return Scores(tuple(scores), sum(n for n in counts if type(n) is int))
 
 
 def _classification(item: dict[str, Any]) -> Classification | None:
@@ -384,5 +395,6 @@ def classifications_from(content: bytes, request: EmbedRequest) -> Classificatio
     """Their `/classify` answer (vLLM's): one `label` (or null) and `probs` per input,
     placed by their `index`."""
     count = len(request.inputs)
-    items, tokens = _placed(content, "data", count, "classification", _classification)
+    payload = _json(content, "classify")
+    items, tokens = _placed(payload, "data", count, "classification", _classification)
     return Classifications(tuple(items), tokens)
