@@ -9,4 +9,6 @@ encoding.py      JSON answers and SSE chunks from pre-serialized templates
 generation.py    /v1/chat/completions and /v1/completions
 models.py        /v1/models
 embeddings.py    /v1/embeddings
-scoring.py       /v1/rerank and /v1/score: cosine similarities of a model's embeddings"""
+scoring.py       /v1/rerank and /v1/score: cosine similarities of a model's embeddings,
+                 or a cross-encoder's own scores
+classify.py      /classify: a classification model's classes, from its workers"""
