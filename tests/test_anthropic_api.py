@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -18,6 +18,7 @@ import httpx
 import pydantic
 import pytest
 
+from gateway.config import ModelConfig
 from gateway.edge.anthropic.context_editing import (
     CLEARED_RESULT,
     ContextEdits,
@@ -25,7 +26,8 @@ from gateway.edge.anthropic.context_editing import (
 )
 from gateway.edge.anthropic.context_editing import edit as edit_context
 from gateway.edge.anthropic.validation import parse_messages
-from gateway.protocol.types import Message, ToolCall
+from gateway.protocol.types import Event, GenerateRequest, Message, Tool, ToolCall
+from gateway.worker.demo import DemoEngine
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape, value
 from tests.support.requests import whole_input
@@ -839,25 +841,39 @@ def test_a_tools_options_are_served_or_refused_by_name(claude, option, served):
     assert f"tools[0].{next(iter(option))}" in raised.value.body["error"]["message"]
 
 
-def test_input_examples_reach_the_model_after_the_tools_description(claude, workers):
+class ToolsSeen(DemoEngine):
+    """The demo, keeping the tools each request gives the model."""
+
+    def __init__(self) -> None:
+        super().__init__("furnace-tools-seen")
+        self.tools: list[tuple[Tool, ...]] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.tools.append(request.tools)
+        async for event in super().generate(request):
+            yield event
+
+
+def test_input_examples_reach_the_model_after_the_tools_description(gateway_with, serve_engines):
     """Anthropic's tool use examples: each checked against the tool's input_schema, then
     given to the model (the worker) after the tool's description."""
+    engine = ToolsSeen()
+    (worker,) = serve_engines(engine)
+    gw = gateway_with(models=(ModelConfig(engine.model, workers=(worker.address,)),))
     examples = [{"city": "Paris"}, {"city": "Lyon"}]
-    sent = len(workers.scripted.calls)
-    claude.messages.create(
-        model=SCRIPTED_MODEL,
-        max_tokens=8,
-        messages=say(script(texts=1)),
-        tools=[{**WEATHER_TOOL, "input_examples": examples}],
-    )
-    (rid,) = workers.scripted.calls[sent:]
-    assert workers.scripted.tools[rid] == [
-        (
-            "get_weather",
-            "The weather in a city.\n\nExamples of this tool's input:\n"
-            '{"city":"Paris"}\n{"city":"Lyon"}',
+    with anthropic.Anthropic(base_url=gw.url, api_key="x", timeout=HANG_GUARD) as client:
+        client.messages.create(
+            model=engine.model,
+            max_tokens=8,
+            messages=say("weather in Paris"),
+            tools=[{**WEATHER_TOOL, "input_examples": examples}],
         )
-    ]
+    ((tool,),) = engine.tools
+    assert tool.name == "get_weather"
+    assert tool.description == (
+        "The weather in a city.\n\nExamples of this tool's input:\n"
+        '{"city":"Paris"}\n{"city":"Lyon"}'
+    )
 
 
 @pytest.mark.parametrize(

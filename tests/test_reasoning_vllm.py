@@ -26,6 +26,10 @@ from tests.support.tiny_model import THINKING, build_tiny_model
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
 
+#: Two vLLM servers start for the first test (about 20-30 s each on a busy 2-core machine):
+#: past the default 60 s hang guard there once in CI.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
 MODEL = "tiny-thinker"
 #: The same model behind vLLM's gRPC server, its reasoning parsed by the gateway.
 GRPC_MODEL = "tiny-thinker-grpc"

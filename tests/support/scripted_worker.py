@@ -21,8 +21,8 @@ It offers `GenerateMultiplexed` too (through the worker SDK's multiplexer, with
 the same scripts: a status becomes the request's in-band end), so a gateway
 with `multiplex_workers` on reaches it that way, and with it off by Generate.
 
-It records, by request id, the calls it saw, their metadata, time left,
-max_tokens and tools, and the calls that were cancelled.
+It records, by request id, the calls it saw, their metadata, time left and
+max_tokens, and the calls that were cancelled.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import NoReturn
 
 import grpc
 
-from gateway.protocol import features
 from gateway.protocol.status import error_from_status
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
@@ -57,8 +56,6 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.metadata: dict[str, dict[str, str]] = {}
         self.deadlines: dict[str, float | None] = {}
         self.max_tokens: dict[str, int | None] = {}  # the max_tokens each call was sent
-        #: By request id: the tools it was sent, (name, description) each.
-        self.tools: dict[str, list[tuple[str, str]]] = {}
         #: By request id: the rpc that carried it (Generate or GenerateMultiplexed).
         self.rpcs: dict[str, str] = {}
         self.multiplexed_calls = 0  # GenerateMultiplexed calls opened
@@ -101,7 +98,6 @@ class ScriptedWorker(pb_grpc.EngineServicer):
         self.deadlines[rid] = context.time_remaining()
         sampling = request.sampling
         self.max_tokens[rid] = sampling.max_tokens if sampling.HasField("max_tokens") else None
-        self.tools[rid] = [(tool.name, tool.description) for tool in request.tools]
         if request.WhichOneof("prompt") == "chat":
             text = request.chat.messages[-1].content
         else:
@@ -167,9 +163,8 @@ class ScriptedWorker(pb_grpc.EngineServicer):
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
-        served = [features.GENERATE, features.TOOLS]
         return pb.DescribeResponse(
-            models=[pb.ModelInfo(name=SCRIPTED_MODEL, max_context=100, features=served)],
+            models=[pb.ModelInfo(name=SCRIPTED_MODEL, max_context=100)],
             capacity=64,
             load=self.active,
             multiplex=True,

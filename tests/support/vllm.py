@@ -208,6 +208,9 @@ def _start(
                 taken = _PORT_TAKEN in out.read().decode(errors="replace")
             if not taken or attempt == START_TRIES:
                 raise
+        except BaseException:  # a test's hang guard (pytest-timeout) or an interrupt
+            server.stop()  # never a server left running for the next module's tests
+            raise
     raise AssertionError("unreachable")
 
 
