@@ -36,6 +36,38 @@ class CountTokensResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "token_strs")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    prompt: GenerateRequest
+    token_strs: bool
+    def __init__(self, prompt: _Optional[_Union[GenerateRequest, _Mapping]] = ..., token_strs: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("ids", "token_strs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("request_id", "model", "ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "text", "chat", "sampling", "stop", "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user", "reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

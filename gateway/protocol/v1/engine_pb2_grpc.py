@@ -55,6 +55,16 @@ class EngineStub:
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/furnace.engine.v1.Engine/Tokenize',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/furnace.engine.v1.Engine/Detokenize',
+                request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GenerateMultiplexed = channel.stream_stream(
                 '/furnace.engine.v1.Engine/GenerateMultiplexed',
                 request_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
@@ -114,6 +124,25 @@ class EngineServicer:
         engine's own tokenizer, generating nothing (Anthropic's count_tokens).
         Refusals as for Generate; INVALID_ARGUMENT naming "model" from an engine
         that cannot count.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The token ids of the prompt a GenerateRequest would make, as CountTokens
+        counts them (vLLM's /tokenize), with the tokens' strings when asked.
+        Offered by a worker whose ModelInfo lists "tokenize"; refusals as for
+        CountTokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text token ids decode to, by the model's tokenizer (vLLM's
+        /detokenize). Offered with Tokenize; INVALID_ARGUMENT naming "tokens" for
+        an id outside the model's vocabulary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +217,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeRequest.FromString,
+                    response_serializer=furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GenerateMultiplexed': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMultiplexed,
@@ -314,6 +353,60 @@ class Engine:
             '/furnace.engine.v1.Engine/CountTokens',
             furnace_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             furnace_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/Tokenize',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furnace.engine.v1.Engine/Detokenize',
+            furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+            furnace_dot_engine_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
