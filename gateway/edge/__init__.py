@@ -10,8 +10,8 @@
     ops.py         /health, /ready, /metrics, /metrics/json, /admin/workers
     request.py     the frame of the routes that serve a request on the fleet: id and
                    metadata, refusals, telemetry, the span (generation, embeddings, infer)
-    counting.py    the routes that count a prompt's tokens (Anthropic's count_tokens,
-                   the Responses API's input_tokens) on that frame
+    counting.py    the routes a model's tokenizer answers (Anthropic's count_tokens,
+                   the Responses API's input_tokens, /tokenize) on that frame
     openai/        the OpenAI API: bodies, validation, encoders, the routes
     responses/     OpenAI's Responses API on the same request path, and its store
     batches/       OpenAI's Batch API and its files: a team's JSONL of requests run

@@ -45,6 +45,12 @@ from gateway.edge.openai.generation import GenerationRoute
 from gateway.edge.openai.input_limits import InputLimits
 from gateway.edge.openai.models import list_models, one_model
 from gateway.edge.openai.scoring import RERANK_PATHS, SCORE_PATHS, RerankRoute, ScoreRoute
+from gateway.edge.openai.tokenize import (
+    DETOKENIZE_PATHS,
+    TOKENIZE_PATHS,
+    DetokenizeRoute,
+    TokenizeRoute,
+)
 from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_completion
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
@@ -160,6 +166,8 @@ def create_app(
         **dict.fromkeys(RERANK_PATHS, RerankRoute(parts)),
         **dict.fromkeys(SCORE_PATHS, ScoreRoute(parts)),
         **dict.fromkeys(CLASSIFY_PATHS, ClassifyRoute(parts)),
+        **dict.fromkeys(TOKENIZE_PATHS, TokenizeRoute(parts)),
+        **dict.fromkeys(DETOKENIZE_PATHS, DetokenizeRoute(parts)),
         **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))

@@ -41,6 +41,10 @@ COUNT_TOKENS = "furnace.engine/CountTokens"
 
 #: What an API's counting route reads a body as (its request, and anything its answer needs).
 P = TypeVar("P")
+#: What a tokenizer's call answers.
+T = TypeVar("T")
+#: A worker call's gRPC metadata (the request's id, its trace).
+Metadata = tuple[tuple[str, str], ...]
 #: Counts another prompt for the same admitted request (`count_prompt`, bound).
 Recount = Callable[[GenerateRequest], Awaitable[int]]
 #: A prompt's messages → its tokens, the request's other fields as they are (a route
@@ -48,17 +52,56 @@ Recount = Callable[[GenerateRequest], Awaitable[int]]
 PromptCount = Callable[[tuple[Message, ...]], Awaitable[int]]
 
 
-class CountingRoute(RequestRoute[Exchange], Generic[P]):
-    """A counting route in the edge's request frame (request.py); an API's route
-    gives `parse` (its body → what it read), `prompt` (that → the request whose prompt is
-    counted) and `answer` (the count → its body; `recount` counts another prompt, in the
-    same slot)."""
+class TokenizerRoute(RequestRoute[Exchange], Generic[P]):
+    """A route answered by the model's tokenizer, in the edge's request frame
+    (request.py): an API's route gives `parse` (its body → what it read), `prompt` (that →
+    the request whose prompt it reads, None for none) and `work` (that → the answer's
+    body, in the admitted request's slot)."""
 
     exchange = Exchange
 
     async def parse(self, body: Any, ex: Exchange) -> P:
         """The body as read, or a 4xx naming the parameter."""
         raise NotImplementedError
+
+    def prompt(self, parsed: P) -> GenerateRequest | None:
+        """The request whose prompt is read (None: it reads no prompt)."""
+        raise NotImplementedError
+
+    async def work(self, ex: Exchange, pool: ModelPool, parsed: P) -> dict[str, Any]:
+        """The answer's JSON body, from the admitted request's calls on `pool`."""
+        raise NotImplementedError
+
+    async def serve(self, ex: Exchange) -> None:
+        """Reads and checks the body (the model first: an unknown one is a 404 whatever
+        else is wrong), admits it through admission's stages, has it answered."""
+        ctx, record = ex.ctx, ex.record
+        admission = self.admission
+        meter = admission.before_body(ctx)  # the team's rate, and the bytes being read
+        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
+        pool = admission.visibility(ctx, model_of(body))
+        parsed = await self.parse(body, ex)
+        request = self.prompt(parsed)
+        ctx.request = None if request is None else replace(request, model=pool.name)
+        ctx.priority = priority(ex)
+        ex.watch_client()  # from here: a client that leaves while queued leaves the queue
+        async with admission.admit(ctx):
+            answer = orjson.dumps(await self.work(ex, _pool(ex), parsed))
+        record.status, record.outcome = 200, Outcome.COMPLETED
+        request_id = record.request_id.encode("latin-1")
+        await send_json(ex.send, 200, answer, [(b"x-request-id", request_id)])
+
+
+def _pool(ex: Exchange) -> ModelPool:
+    """The admitted request's model (a fallback's where admission moved it)."""
+    pool = ex.ctx.pool
+    assert pool is not None, "admitted"
+    return pool
+
+
+class CountingRoute(TokenizerRoute[P]):
+    """A counting route: its API gives `parse`, `prompt` and `answer` (the count → its
+    body; `recount` counts another prompt, in the same slot)."""
 
     def prompt(self, parsed: P) -> GenerateRequest:
         """The request whose prompt is counted."""
@@ -68,44 +111,51 @@ class CountingRoute(RequestRoute[Exchange], Generic[P]):
         """The answer's JSON body for `tokens`."""
         raise NotImplementedError
 
-    async def serve(self, ex: Exchange) -> None:
-        """Reads and checks the body (the model first: an unknown one is a 404 whatever
-        else is wrong), admits it through admission's stages, has the prompt counted
-        and answers."""
-        ctx, record = ex.ctx, ex.record
-        admission = self.admission
-        meter = admission.before_body(ctx)  # the team's rate, and the bytes being read
-        body = await read_json(ex.scope, ex.receive, self.config.max_body_bytes, meter)
-        pool = admission.visibility(ctx, model_of(body))
-        parsed = await self.parse(body, ex)
+    async def work(self, ex: Exchange, pool: ModelPool, parsed: P) -> dict[str, Any]:
         request = replace(self.prompt(parsed), model=pool.name)
-        ctx.request = request
-        ctx.priority = priority(ex)
-        ex.watch_client()  # from here: a client that leaves while queued leaves the queue
-        async with admission.admit(ctx):
-            tokens = await count_prompt(self, ex, pool, request)
+        tokens = await count_prompt(self, ex, pool, request)
 
-            async def recount(other: GenerateRequest) -> int:
-                return await count_prompt(self, ex, pool, replace(other, model=pool.name))
+        async def recount(other: GenerateRequest) -> int:
+            return await count_prompt(self, ex, pool, replace(other, model=pool.name))
 
-            answer = orjson.dumps(await self.answer(parsed, tokens, recount))
-        record.status, record.outcome = 200, Outcome.COMPLETED
-        request_id = record.request_id.encode("latin-1")
-        await send_json(ex.send, 200, answer, [(b"x-request-id", request_id)])
+        return await self.answer(parsed, tokens, recount)
 
 
 async def count_prompt(
     route: RequestRoute[Exchange], ex: Exchange, pool: ModelPool, request: GenerateRequest
 ) -> int:
     """The tokens of `request`'s prompt, counted on `pool` for the admitted request of
-    `ex` (in its slot, within `request_timeout`, on a span of its own): a counting
-    route's answer, or a generation route's figure (Anthropic's context editing)."""
+    `ex` (`on_tokenizer`'s rules): a counting route's answer, or a generation route's
+    figure (Anthropic's context editing)."""
+
+    def work(deadline: Deadline, metadata: Metadata) -> Awaitable[tuple[int, str]]:
+        return count_tokens(route.fleet, pool, request, deadline, metadata)
+
+    return await on_tokenizer(route, ex, pool, COUNT_TOKENS, "The count", work, int)
+
+
+async def on_tokenizer(
+    route: RequestRoute[Exchange],
+    ex: Exchange,
+    pool: ModelPool,
+    method: str,
+    what: str,
+    work: Callable[[Deadline, Metadata], Awaitable[tuple[T, str]]],
+    counted: Callable[[T], int] | None = None,
+) -> T:
+    """`work`'s answer (a fleet call: `gateway.fleet.counting`) for the admitted request
+    of `ex`, in its slot, within `request_timeout`, on a CLIENT span named `method`
+    (`what` names it in a timeout's message); the worker that answered goes on the
+    request's record and the span, with the tokens `counted` where it counts some."""
     timeout = route.config.request_timeout
-    with route.tracing.engine_call(pool.name, ex.metadata, COUNT_TOKENS) as (span, meta):
-        work = count_tokens(route.fleet, pool, request, Deadline(timeout), meta)
-        tokens, ex.record.worker = await route.admission.unary(ex.ctx, work, timeout, "The count")
-        annotate(span, {"furnace.worker": ex.record.worker, "furnace.counted_tokens": tokens})
-    return tokens
+    with route.tracing.engine_call(pool.name, ex.metadata, method) as (span, meta):
+        call = work(Deadline(timeout), meta)
+        answer, ex.record.worker = await route.admission.unary(ex.ctx, call, timeout, what)
+        attributes: dict[str, Any] = {"furnace.worker": ex.record.worker}
+        if counted is not None:
+            attributes["furnace.counted_tokens"] = counted(answer)
+        annotate(span, attributes)
+    return answer
 
 
 def prompt_counter(

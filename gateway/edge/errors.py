@@ -11,6 +11,8 @@ the client's own input keeps its message, bounded to MAX_MESSAGE characters.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import orjson
 
@@ -124,6 +126,17 @@ def request_timeout(what: str, seconds: float) -> APIError:
 def invalid(param: str | None, message: str) -> APIError:
     """A 400 naming the parameter at fault."""
     return APIError(400, message, param=param)
+
+
+def unknown_parameters(body: Mapping[str, Any], fields: Collection[str]) -> None:
+    """A 400 (`unknown_parameter`) naming the first field of `body` not in `fields`: a
+    route that takes a few fields says so of any other, as OpenAI's do."""
+    for name in body:
+        if name not in fields:
+            shown = str(name)[:64]
+            raise APIError(
+                400, f"Unknown parameter: '{shown}'.", param=shown, code="unknown_parameter"
+            )
 
 
 def from_error(

@@ -109,7 +109,9 @@ _TENSOR_TYPES = frozenset({b"application/json", b"application/octet-stream"})
 
 #: The OpenAI-shaped routes outside /v1/, as vLLM serves them: its unversioned rerank,
 #: score and classify, and Cohere's v2 rerank (edge/openai/scoring.py, classify.py).
-OTHER_API_PATHS = frozenset({"/rerank", "/score", "/v2/rerank", "/classify"})
+OTHER_API_PATHS = frozenset(
+    {"/rerank", "/score", "/v2/rerank", "/classify", "/tokenize", "/detokenize"}
+)
 
 
 def _openai_path(path: str) -> bool:

@@ -17,7 +17,7 @@
     metrics.py       retries, and each worker's calls, health and ejections, for /metrics
     routing.py       routing on what the engines hold and have queued
     unary.py         one unary call on a model's workers, with their retry rule
-    counting.py      counting a prompt's tokens on one of the model's workers
+    counting.py      a prompt's tokens counted or shown, ids decoded, on one of the model's workers
 
 A request goes to a worker its model's balancer picks among the available ones
 (serving, not ejected, not leaving). A retryable refusal before the worker's

@@ -1,6 +1,8 @@
 """What a model's workers can serve beyond plain text generation, by the OpenAI
-parameter names (the worker protocol's `ModelInfo.features`), and which of
-those a request uses.
+parameter names (the worker protocol's `ModelInfo.features`; what is a route
+rather than a parameter by the route's name: `generate`, `embeddings`, and
+`tokenize` for vLLM's /tokenize and /detokenize), and which of those a request
+uses.
 
 The gateway refuses a request that uses a feature its model's workers do not
 list before it calls one (a 400 naming the parameter), and sets the protocol's
@@ -16,6 +18,9 @@ from gateway.protocol.types import GenerateRequest
 
 GENERATE = "generate"
 EMBEDDINGS = "embeddings"
+#: vLLM's /tokenize and /detokenize: the worker answers the protocol's Tokenize and
+#: Detokenize (the prompt's ids as CountTokens counts them; ids decoded).
+TOKENIZE = "tokenize"
 N = "n"
 LOGPROBS = "logprobs"
 TOOLS = "tools"  # with tool_choice and parallel_tool_calls
@@ -56,6 +61,7 @@ ALL = frozenset(
     {
         GENERATE,
         EMBEDDINGS,
+        TOKENIZE,
         N,
         LOGPROBS,
         TOOLS,

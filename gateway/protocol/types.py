@@ -224,6 +224,19 @@ class Classifications:
     prompt_tokens: int
 
 
+#: The largest token id (the worker protocol's ids are uint32).
+TOKEN_ID_MAX = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A prompt's token ids (vLLM's `/tokenize`), and each one's string when asked."""
+
+    ids: list[int]
+    #: The tokenizer's own string of each id (None: not asked).
+    strs: list[str] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Scores:
     """A relevance score per pair (per document of a `RerankRequest`), in order, and the

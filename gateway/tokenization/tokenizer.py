@@ -218,9 +218,21 @@ class ModelTokenizer:
         batch = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         return batch[0].ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`, special tokens left out (as vLLM's default)."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of `ids`, special tokens left out (as vLLM's answers) unless
+        `skip_special_tokens` is False (as its `/detokenize`)."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids below this are the tokenizer's (its added tokens included)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's own string in the vocabulary (transformers' `convert_ids_to_tokens`,
+        as vLLM's `/tokenize` gives `token_strs`: byte-level pieces as they are stored)."""
+        name = self._tokenizer.id_to_token
+        return [name(i) or "" for i in ids]
 
     def detokenizer(
         self, context: list[int] | None = None, skip_special: bool = True

@@ -18,6 +18,7 @@ from gateway.protocol.types import (
     GenerateRequest,
     RerankRequest,
     Scores,
+    Tokens,
 )
 
 #: How a call ended, for the owner's bookkeeping: None (finished), the error, or
@@ -128,6 +129,34 @@ class Classifies(Protocol):
     ) -> Classifications:
         """A classification of each input, within `timeout` seconds; raises
         `GatewayError` as `Upstream.call` refuses."""
+
+
+@runtime_checkable
+class Tokenizes(Protocol):
+    """An upstream that shows a prompt's tokens and decodes ids by its model's tokenizer
+    (the gateway's `/tokenize` and `/detokenize`): our workers that list "tokenize", an
+    OpenAI-compatible server with vLLM's routes, the gateway's own tokenizer (`vllm-grpc`)."""
+
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        token_strs: bool,
+        timeout: float,  # noqa: ASYNC109 (a gRPC deadline or HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Tokens:
+        """The ids of the prompt `request` makes (the ones `count_tokens` counts), with
+        their strings when `token_strs`, within `timeout` seconds; raises `GatewayError`
+        (`CannotCount` where the model's workers cannot)."""
+
+    async def detokenize(
+        self,
+        model: str,
+        ids: list[int],
+        timeout: float,  # noqa: ASYNC109 (a gRPC deadline or HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """The text `ids` decode to by `model`'s tokenizer, special tokens kept, within
+        `timeout` seconds; an id outside its vocabulary is `Invalid` naming `tokens`."""
 
 
 class Upstream(Protocol):

@@ -23,7 +23,7 @@ from gateway.protocol.convert import (
 from gateway.protocol.kv_blocks import KvBatch
 from gateway.protocol.kv_proto import batch_from_proto
 from gateway.protocol.tls import WorkerCredentials
-from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
+from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest, Tokens
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
 from gateway.upstreams.base import CANCELLED, CallEnd, ModelDescription, StreamBookkeeping
@@ -32,6 +32,11 @@ from gateway.upstreams.furnace_multiplex import MultiplexedCall, MultiplexLink
 
 #: The service whose health a worker reports (see gateway.worker.server).
 HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+def _request_id(metadata: tuple[tuple[str, str], ...]) -> str:
+    """The request's id, as the edge puts it in a call's metadata ("" without one)."""
+    return next((value for key, value in metadata if key == "x-request-id"), "")
 
 
 class FurnaceGrpcCall(StreamBookkeeping):
@@ -151,6 +156,45 @@ class FurnaceGrpcUpstream:
         except grpc.RpcError as error:
             raise errors.CannotCount.of(from_rpc_error(error)) from None
         return int(reply.prompt_tokens)
+
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        token_strs: bool,
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Tokens:
+        """One Tokenize call with `timeout` seconds as its deadline (refusals as
+        `count_tokens`'); strings that are not one an id are the worker's failure."""
+        proto = pb.TokenizeRequest(prompt=request_to_proto(request), token_strs=token_strs)
+        try:
+            reply = await self._stub.Tokenize(proto, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as error:
+            raise errors.CannotCount.of(from_rpc_error(error)) from None
+        ids = list(reply.ids)
+        if not token_strs:
+            return Tokens(ids)
+        if len(reply.token_strs) != len(ids):
+            raise errors.Failed(
+                f"The engine worker answered {len(reply.token_strs)} token strings "
+                f"for {len(ids)} tokens."
+            )
+        return Tokens(ids, list(reply.token_strs))
+
+    async def detokenize(
+        self,
+        model: str,
+        ids: list[int],
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline, as the Upstream interface has it)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """One Detokenize call with `timeout` seconds as its deadline."""
+        proto = pb.DetokenizeRequest(request_id=_request_id(metadata), model=model, ids=ids)
+        try:
+            reply = await self._stub.Detokenize(proto, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as error:
+            raise errors.CannotCount.of(from_rpc_error(error)) from None
+        return str(reply.text)
 
     async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         """Loads the LoRA adapter `name` from `path` on the worker (`LoadAdapter`, the

@@ -96,6 +96,7 @@ from gateway.protocol.types import (
     Started,
     Text,
     TokenLogprob,
+    Tokens,
     Tool,
 )
 from gateway.tokenization import ModelTokenizer, StreamDetokenizer, load_tokenizer
@@ -842,8 +843,8 @@ class VllmGrpcUpstream:
         gateway never fetches a URL for a worker. Nor `dimensions`: `Embed` has
         no field for it."""
         if not info.is_generation:
-            return frozenset({features.EMBEDDINGS, features.USER})
-        served = GENERATIVE
+            return frozenset({features.EMBEDDINGS, features.USER, features.TOKENIZE})
+        served = GENERATIVE | {features.TOKENIZE}
         if self.tool_call_parser is not None and self.tokenizer.reads_tools:
             served |= {features.TOOLS}
         if self.reasoning_parser is not None:
@@ -862,6 +863,41 @@ class VllmGrpcUpstream:
         would send them; the engine is not asked."""
         async with asyncio.timeout(timeout):
             return len(await self.prompt_ids(request))
+
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        token_strs: bool,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Tokens:
+        """`count_tokens`' ids, with their strings when asked; the engine is not asked."""
+        async with asyncio.timeout(timeout):
+            ids = await self.prompt_ids(request)
+        return Tokens(ids, self.tokenizer.token_strs(ids) if token_strs else None)
+
+    async def detokenize(
+        self,
+        model: str,
+        ids: list[int],
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """The text of `ids` by the gateway's own tokenizer, special tokens kept (as
+        vLLM's `/detokenize`); off the loop past `INLINE_CHARS` ids."""
+        tokenizer = self.tokenizer
+        vocabulary = tokenizer.vocab_size
+        outside = next((i for i in ids if i >= vocabulary), None)
+        if outside is not None:
+            raise errors.Invalid(
+                f"Token id {outside} is outside the vocabulary of `{model}` ({vocabulary} tokens).",
+                param="tokens",
+            )
+        decode = functools.partial(tokenizer.decode, ids, skip_special_tokens=False)
+        if len(ids) <= INLINE_CHARS:
+            return decode()
+        async with asyncio.timeout(timeout):
+            return await _off_loop(decode)
 
     async def routing_ids(self, request: GenerateRequest) -> list[int]:
         """`prompt_ids` for the router (`gateway.fleet.routing`), kept for the call that

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.edge.counting import CountingRoute, Recount
-from gateway.edge.errors import APIError, invalid
+from gateway.edge.errors import invalid, unknown_parameters
 from gateway.edge.mcp.routes import planned
 from gateway.edge.mcp.turns import MAX_CALLS, ListingFailed
 from gateway.edge.request import Exchange, Parts
@@ -67,12 +67,7 @@ FIELDS = frozenset(
 def check_fields(body: dict[str, Any]) -> None:
     """A 400 naming the first field this route does not take, or takes but does not
     serve (at any value but null, which asks nothing)."""
-    for name in body:
-        if name not in FIELDS:
-            shown = str(name)[:64]
-            raise APIError(
-                400, f"Unknown parameter: '{shown}'.", param=shown, code="unknown_parameter"
-            )
+    unknown_parameters(body, FIELDS)
     if body.get("personality") is not None:
         raise invalid("personality", "'personality' is not supported by this gateway.")
 

@@ -17,6 +17,7 @@ import orjson
 from gateway.protocol import errors
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.types import (
+    TOKEN_ID_MAX,
     Classification,
     Classifications,
     Embeddings,
@@ -27,6 +28,7 @@ from gateway.protocol.types import (
     ResponseFormat,
     Scores,
     TokenLogprob,
+    Tokens,
 )
 
 T = TypeVar("T")
@@ -272,22 +274,64 @@ def _pooling_error(status: int, body: bytes, serves: str = "embeddings") -> erro
     return error_from_response(status, body)
 
 
-def tokens_counted(status: int, content: bytes) -> int:
-    """The count of vLLM's `/tokenize` answer; a server without the route (404 or
-    405), or one refusing it naming `model`, cannot count (`CannotCount`: a 400 naming
-    `model`)."""
+#: The fields of our request that vLLM's `/tokenize` reads (its chat form and its text form).
+_TOKENIZE_FIELDS = ("model", "messages", "prompt", "tools", "chat_template_kwargs")
+
+
+def tokenize_body(request: GenerateRequest) -> dict[str, Any]:
+    """vLLM's `/tokenize` body for the prompt `request` makes (a chat with its
+    generation prompt, as a chat completion renders it)."""
+    body = {k: v for k, v in request_body(request).items() if k in _TOKENIZE_FIELDS}
+    if request.messages is not None:
+        body["add_generation_prompt"] = True
+    return body
+
+
+def _tokenizer_answer(status: int, content: bytes, route: str) -> dict[str, Any]:
+    """vLLM's answer at `route` (`/tokenize`, `/detokenize`) as a dict; a server without
+    the route (404 or 405), or one refusing it naming `model`, cannot (`CannotCount`: a
+    400 naming `model`)."""
     if status in (404, 405):
-        raise errors.CannotCount("The model's upstream server cannot count tokens.", param="model")
+        raise errors.CannotCount(
+            f"The model's upstream server has no {route}: it cannot count or show tokens.",
+            param="model",
+        )
     if status != 200:
         raise errors.CannotCount.of(error_from_response(status, content))
-    try:
-        payload = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        raise errors.Failed("The upstream's /tokenize answer is not JSON.") from None
-    count = payload.get("count") if type(payload) is dict else None
+    payload = _json(content, route)
+    if type(payload) is not dict:
+        raise errors.Failed(f"The upstream's {route} answer is not an object.")
+    return payload
+
+
+def tokens_counted(status: int, content: bytes) -> int:
+    """The count of vLLM's `/tokenize` answer (`_tokenizer_answer`'s refusals)."""
+    count = _tokenizer_answer(status, content, "/tokenize").get("count")
     if type(count) is not int or count < 0:
         raise errors.Failed("The upstream's /tokenize answer has no count.")
     return count
+
+
+def tokens_from(status: int, content: bytes, token_strs: bool) -> Tokens:
+    """The ids (and with `token_strs`, their strings) of vLLM's `/tokenize` answer."""
+    payload = _tokenizer_answer(status, content, "/tokenize")
+    ids = payload.get("tokens")
+    if type(ids) is not list or not all(type(i) is int and 0 <= i <= TOKEN_ID_MAX for i in ids):
+        raise errors.Failed("The upstream's /tokenize answer has no list of token ids.")
+    if not token_strs:
+        return Tokens(ids)
+    strs = payload.get("token_strs")
+    if type(strs) is not list or len(strs) != len(ids) or not all(type(t) is str for t in strs):
+        raise errors.Failed("The upstream's /tokenize answer has no string for each token.")
+    return Tokens(ids, strs)
+
+
+def text_detokenized(status: int, content: bytes) -> str:
+    """The text of vLLM's `/detokenize` answer (`_tokenizer_answer`'s refusals)."""
+    text = _tokenizer_answer(status, content, "/detokenize").get("prompt")
+    if type(text) is not str:
+        raise errors.Failed("The upstream's /detokenize answer has no text.")
+    return text
 
 
 def _json(content: bytes, what: str) -> Any:

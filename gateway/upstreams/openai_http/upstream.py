@@ -27,6 +27,7 @@ from gateway.protocol.types import (
     RerankRequest,
     Scores,
     Started,
+    Tokens,
 )
 from gateway.upstreams.base import (
     CANCELLED,
@@ -51,8 +52,17 @@ from gateway.upstreams.openai_http.translate import (
     request_body,
     rerank_limit,
     scores_from,
+    text_detokenized,
+    tokenize_body,
     tokens_counted,
+    tokens_from,
 )
+
+#: The most of a `/tokenize` or `/detokenize` answer read: a 4 MiB prompt (the default
+#: `max_body_bytes`) is about a million tokens, 8-20 MiB of ids and their strings.
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+#: What one id's text may take in a `/detokenize` answer (a long token, JSON-escaped).
+DETOKENIZED_BYTES_AN_ID = 256
 
 _CLOSING: set[asyncio.Task[None]] = set()
 _BREAKS_HEADER = re.compile(r"[\r\n\x00]")  # upstream responses being closed after a cancel
@@ -316,19 +326,59 @@ class OpenAIHttpUpstream:
     ) -> int:
         """The prompt's tokens by the server's own tokenizer and template: vLLM's
         `/tokenize` (beside `/v1`); a server without it cannot count, a 400 naming
-        `model`."""
-        body = {
-            key: value
-            for key, value in request_body(request).items()
-            if key in ("model", "messages", "prompt", "tools")
-        }
-        if request.messages is not None:
-            body["add_generation_prompt"] = True
-        url = f"{self._root}/tokenize"
-        status, content = await self._send(
-            self._post(url, body, timeout, metadata), timeout, MAX_ERROR_BYTES
+        `model`. vLLM's answer lists the ids too (a 10,000-token prompt's are about
+        60 KB): read as `tokenize`'s."""
+        status, content = await self._tokenizer(
+            "tokenize", tokenize_body(request), MAX_TOKENIZER_BYTES, timeout, metadata
         )
         return tokens_counted(status, content)
+
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        token_strs: bool,
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Tokens:
+        """The prompt's ids (and strings) by vLLM's `/tokenize`, at most
+        `MAX_TOKENIZER_BYTES` of its answer read (`count_tokens`' refusals)."""
+        body = tokenize_body(request)
+        body["return_token_strs"] = token_strs
+        status, content = await self._tokenizer(
+            "tokenize", body, MAX_TOKENIZER_BYTES, timeout, metadata
+        )
+        return tokens_from(status, content, token_strs)
+
+    async def detokenize(
+        self,
+        model: str,
+        ids: list[int],
+        timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """The text of `ids` by vLLM's `/detokenize`, its answer read up to a bound the
+        ids size (`DETOKENIZED_BYTES_AN_ID` each, at most `MAX_TOKENIZER_BYTES`)."""
+        limit = min(MAX_TOKENIZER_BYTES, MAX_ERROR_BYTES + DETOKENIZED_BYTES_AN_ID * len(ids))
+        body = {"model": model, "tokens": ids}
+        status, content = await self._tokenizer("detokenize", body, limit, timeout, metadata)
+        return text_detokenized(status, content)
+
+    async def _tokenizer(
+        self,
+        route: str,
+        body: dict[str, Any],
+        limit: int,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
+        metadata: tuple[tuple[str, str], ...],
+    ) -> tuple[int, bytes]:
+        """vLLM's tokenizer `route` (beside `/v1`) asked `body`: its status and its answer,
+        at most `limit` bytes (more is `Failed`)."""
+        url = f"{self._root}/{route}"
+        request = self._post(url, body, timeout, metadata)
+        status, content = await self._send(request, timeout, limit + 1)
+        if len(content) > limit:
+            raise errors.Failed(f"The upstream's /{route} answer is larger than the gateway takes.")
+        return status, content
 
     async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         """Loads the LoRA adapter `name` from `path` (vLLM's `/v1/load_lora_adapter`,
