@@ -559,10 +559,11 @@ class Config:
         0.25,
         "the share of a model's worker capacity, and of `max_concurrent_requests`, that "
         "requests of a priority below 0 (every batch line: `batch_priority`; a team's or a "
-        "request's own) leave to the others on a model without a queue (with one, priorities "
-        "order the wait): such a request that finds the workers (or the slots) busier than "
-        "the rest is refused at once (503 `server_busy`, reason `low_priority_headroom`; a "
-        "batch line is sent again later); 0: they take what any request may",
+        "request's own) leave to the others: such a request that finds the workers busier "
+        "than the rest is refused at once (503 `server_busy`, reason `low_priority_headroom`; "
+        "a batch line is sent again later), and one that finds the slots so taken is refused "
+        "too, or on a model with a queue waits in it until they are not; 0: they take what "
+        "any request may",
         minimum=0,
         maximum=0.9,
     )

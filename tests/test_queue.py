@@ -601,3 +601,58 @@ def test_low_priorities_leave_a_share_of_the_slots_to_the_others(gateway_with, w
             del held
             for stream in streams:
                 stream.__exit__(None, None, None)
+
+
+def test_with_a_queue_low_priorities_wait_below_the_headroom(gateway_with, workers):
+    """With a queue, a request of a priority below 0 that finds the last
+    `low_priority_headroom` of the slots taken waits (it is not refused), while an
+    interactive one takes the free slot at once; the low one is served once the slots
+    in use fall below the headroom."""
+    gw = gateway_with(**queued(workers, QueueConfig(max_wait=30.0), max_concurrent_requests=4))
+    queue = gw.state.admission.queue
+    sender = Sender(gw.url)
+    ask = {"model": "furnace-slow", "prompt": "a", "max_tokens": 1}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        held, streams = _held_streams(client, "furnace-slow", 3)
+        try:
+            sender.send("low", ask, {"x-furnace-priority": "-100"})
+            wait_until(lambda: queue.waiting() == 1, "the low request to wait")
+            served = client.post("/v1/completions", json=ask)  # the fourth slot, at once
+            assert served.status_code == 200, served.text
+            assert queue.waiting() == 1 and not sender.done
+        finally:
+            del held
+            for stream in streams:
+                stream.__exit__(None, None, None)
+    assert [(name, status) for name, status, _ in sender.join()] == [("low", 200)]
+
+
+def test_a_queue_hands_low_priorities_only_the_slots_below_their_cap():
+    from gateway.admission.queue import Queue, QueueSettings
+    from gateway.admission.slots import Slots
+
+    async def run() -> list[str]:
+        queue = Queue(Slots(4))
+        settings = QueueSettings(max_wait=HANG_GUARD, max_depth=10, max_starvation=0.0)
+        served: list[str] = []
+        release = asyncio.Event()
+
+        async def hold(name: str, priority: int = 0, cap: int | None = None) -> None:
+            async with queue.hold("m", settings, priority, cap=cap):
+                served.append(name)
+                await release.wait()
+
+        held = [asyncio.create_task(hold(f"held{i}")) for i in range(3)]
+        await until(lambda: len(served) == 3, "three slots taken")
+        low = asyncio.create_task(hold("low", -100, cap=3))
+        await until(lambda: queue.waiting() == 1, "the low request to wait")
+        await asyncio.sleep(0.01)  # past its max_starvation: starving is no way past its cap
+        high = asyncio.create_task(hold("high"))  # the free slot, past the waiting one
+        await until(lambda: "high" in served, "the interactive request to be served")
+        assert queue.waiting() == 1 and "low" not in served
+        release.set()
+        await asyncio.gather(*held, low, high)
+        return served
+
+    served = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
+    assert served[3:] == ["high", "low"]

@@ -49,6 +49,7 @@ from gateway.admission.fair_share import FairShare
 from gateway.admission.metrics import QueueCollector
 from gateway.admission.queue import Queue, QueueSettings
 from gateway.admission.requests import InFlight, UnaryCall
+from gateway.admission.slots import low_cap
 from gateway.config import AliasConfig, Config
 from gateway.fleet import Fleet, ModelPool
 from gateway.protocol import errors, features
@@ -210,15 +211,16 @@ class Admission:
                 f"Every worker of `{pool.name}` runs as many requests as it says it can.",
                 reason="workers_saturated",
             )
-        if self.headroom and pool.name not in self.queues and priority_of(ctx) < 0:
-            self._leave_headroom(pool)  # (with a queue, priorities order the wait instead)
+        if self.headroom and priority_of(ctx) < 0:
+            self._leave_headroom(pool, queued=pool.name in self.queues)
 
-    def _leave_headroom(self, pool: ModelPool) -> None:
+    def _leave_headroom(self, pool: ModelPool, queued: bool) -> None:
         """Refuses a low-priority request (`Busy`, `low_priority_headroom`) when the
-        model's workers, or the gateway's slots, are busier than `headroom` leaves."""
+        model's workers are busier than `headroom` leaves, or, without a queue, the
+        gateway's slots (with one, it waits for them instead: `slot`'s cap)."""
         busy, slots = pool.busy_share(), self.inflight.slots
         if (busy is not None and busy >= 1 - self.headroom) or (
-            slots.in_use >= slots.limit * (1 - self.headroom)
+            not queued and slots.in_use >= low_cap(slots.limit, self.headroom)
         ):
             raise errors.Busy(
                 f"`{pool.name}` keeps {self.headroom:.0%} of its capacity for requests of "
@@ -250,12 +252,15 @@ class Admission:
         settings = self.queues.get(pool.name)
         if settings is not None and self.queue is not None:
             asked = priority_of(ctx)
+            cap = None  # a low priority takes a slot only below the headroom
+            if self.headroom and asked < 0:
+                cap = low_cap(self.inflight.slots.limit, self.headroom)
             if team is None:  # no teams: the priority asked orders the wait, counted under 0
-                hold = self.queue.hold(pool.name, settings, asked, gone=ctx.gone, label=0)
+                hold = self.queue.hold(pool.name, settings, asked, gone=ctx.gone, label=0, cap=cap)
             else:
                 own = team.config.priority
                 hold = self.queue.hold(
-                    pool.name, settings, asked, team.name, team.weight, ctx.gone, label=own
+                    pool.name, settings, asked, team.name, team.weight, ctx.gone, own, cap
                 )
             async with hold:
                 self._admitted(ctx)

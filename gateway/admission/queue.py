@@ -13,6 +13,11 @@ their weights, and a lone team is served in arrival order. A waiter older than
 its `max_starvation` is served next whatever its priority: low priorities wait
 longer, never for ever. Nothing running is pre-empted.
 
+A request may take a slot only while fewer than its `cap` are taken: a priority
+below 0 (a batch line's) leaves the last `low_priority_headroom` of the slots to
+the others (admit.py sets its cap), so it waits, even with slots free, while
+they are in use, and a burst of interactive requests finds them free.
+
 A request whose expected wait, (waiters ahead + 1) x the mean time a slot is
 held / slots, is past `max_wait` is refused at once (503, `queue_wait`), not
 after waiting; one that waits out `max_wait` gets 503 `queue_timeout`; a full
@@ -68,6 +73,8 @@ class _Waiter:
     arrived: float = field(compare=False)
     settings: QueueSettings = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
+    #: It takes a slot only while fewer than this many are in use.
+    cap: int = field(default=0, compare=False)
     gone: bool = field(default=False, compare=False)
 
 
@@ -128,20 +135,23 @@ class Queue:
         weight: float = 1.0,
         gone: asyncio.Future[None] | None = None,
         label: int | None = None,
+        cap: int | None = None,
     ) -> AsyncIterator[None]:
         """Holds a slot for the body of an `async with`, waiting for one if need be;
         raises `Busy` when it cannot be had within `max_wait`, `Draining` when a
         drain empties the queue. `priority` orders the wait; the metrics count it
         under `label` (default: the priority itself), so that a priority a client
         asks does not become a label of its own: the caller passes its team's
-        configured priority."""
+        configured priority. It takes a slot only while fewer than `cap` are in use
+        (None: the limit)."""
         label = priority if label is None else label
+        cap = self.slots.limit if cap is None else cap
         start = self.clock()
-        if self.slots.in_use < self.slots.limit and not self._arrivals:
+        if self.slots.in_use < cap and not self._arrivals:
             self.slots.in_use += 1
             how = "immediate"
         else:
-            await self._wait(model, settings, priority, label, share, weight, gone, start)
+            await self._wait(model, settings, priority, label, share, weight, gone, start, cap)
             how = "queued"
         self.admitted[model, label, how] += 1
         taken = self.clock()
@@ -167,6 +177,7 @@ class Queue:
         weight: float,
         gone: asyncio.Future[None] | None,
         start: float,
+        cap: int,
     ) -> None:
         if self.waiting(model) >= settings.max_depth:
             raise self._refuse(
@@ -187,11 +198,13 @@ class Queue:
                 )  # fmt: skip
         self._finish[share] = tag + 1.0 / weight
         waiter = _Waiter(
-            key, model, label, start, settings, asyncio.get_running_loop().create_future()
+            key, model, label, start, settings, asyncio.get_running_loop().create_future(), cap
         )
         heapq.heappush(self._heap, waiter)
         self._arrivals[key[2]] = waiter
         self.depth[model, label] += 1
+        if self.slots.in_use < cap:  # a slot free, held back from those waiting by their caps
+            self.dispatch()
         try:
             waits: set[asyncio.Future[None]] = {waiter.future}
             if gone is not None:
@@ -252,12 +265,15 @@ class Queue:
         """Hands free slots to the waiters at the head (called as a slot comes back)."""
         while self._arrivals and self.slots.in_use < self.slots.limit:
             oldest = next(iter(self._arrivals.values()))
-            if self.clock() - oldest.arrived > oldest.settings.max_starvation:
+            starved = self.clock() - oldest.arrived > oldest.settings.max_starvation
+            if starved and self.slots.in_use < oldest.cap:
                 waiter = oldest
             else:
                 while self._heap[0].gone:
                     heapq.heappop(self._heap)
                 waiter = self._heap[0]
+                if self.slots.in_use >= waiter.cap:  # those behind it rank no higher
+                    break
             waiter.gone = True
             del self._arrivals[waiter.key[2]]
             self.depth[waiter.model, waiter.label] -= 1

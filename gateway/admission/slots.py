@@ -9,9 +9,16 @@ instead of piling up behind a deadline they will miss. With `queue` configured
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Protocol
 
 from gateway.protocol.errors import Busy, Refusal
+
+
+def low_cap(limit: int, headroom: float) -> int:
+    """The slots in use below which a request of a priority below 0 may take one: all but
+    the `headroom` share of `limit` (`low_priority_headroom`), at least one."""
+    return math.ceil(limit * (1 - headroom))
 
 
 class Waiters(Protocol):
