@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from gateway.worker.demo import DemoEngine
 from tests.support.keys import keyed, new_key
 from tests.support.metrics import scrape, value
 from tests.support.requests import whole_input
+from tests.support.script_engine import ScriptEngine
 from tests.support.scripted_worker import SCRIPTED_MODEL, script
 from tests.support.servers import DEMO_MODEL
 from tests.support.waiting import HANG_GUARD
@@ -1220,3 +1222,32 @@ def test_a_failure_mid_stream_is_an_error_event(gateway):
     error = json.loads(lines[lines.index("event: error") + 1][6:])
     assert error["type"] == "error" and error["error"]["type"] == "api_error"
     assert "message_stop" not in answer.text
+
+
+def test_clear_tool_uses_on_a_model_that_cannot_count_is_refused_in_anthropics_words(
+    gateway_with, serve_engines
+):
+    """A model whose workers cannot count the prompt (an engine without a tokenizer; as an
+    OpenAI-compatible server without `/tokenize`) refuses `clear_tool_uses_20250919` in the
+    words of Anthropic's own refusal, which Claude Code reads to stop sending the edit."""
+    (worker,) = serve_engines(ScriptEngine([]))
+    models = (ModelConfig("script-engine", workers=(worker.address,)),)
+    gw = gateway_with(models=models)
+    with (
+        anthropic.Anthropic(
+            base_url=gw.url, api_key="unused", max_retries=0, timeout=HANG_GUARD
+        ) as client,
+        pytest.raises(anthropic.BadRequestError) as raised,
+    ):
+        client.beta.messages.create(
+            model="script-engine",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "count these words please"}],
+            context_management=tool_edit(),
+        )
+    message = raised.value.body["error"]["message"]
+    assert re.match(
+        r"^\S{1,128} does not support the \W?clear_tool_uses_20250919\W? context "
+        "management strategy",
+        message,
+    ), message

@@ -1,11 +1,11 @@
 """Anthropic's Messages API on every kind of worker behind the gateway
 (tests/support/conformance.py lists them), through the official `anthropic` SDK:
-whole and streamed answers, and count_tokens where the kind has a tokenizer to
-count with (an OpenAI-compatible server without `/tokenize` is refused by name)."""
+whole and streamed answers, and count_tokens, which every kind counts (the fake
+OpenAI-compatible server, a gateway in front of the demo, through its `/tokenize`);
+a model that cannot count: tests/test_count_tokens.py and tests/test_anthropic_api.py."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import anthropic
@@ -49,35 +49,18 @@ def test_a_message_whole_and_streamed(claude, engine: Engine):
         assert whole.content[0].text == streamed_text
 
 
-def test_count_tokens_matches_the_answers_usage(claude, engine: Engine, request):
+def test_count_tokens_matches_the_answers_usage(claude, engine: Engine):
     body = ask(engine, "count these words please")
     counting = {k: body[k] for k in ("model", "messages")}
-    if request.node.callspec.params.get("target") == "openai-fake":
-        # the fake upstream is a gateway: no /tokenize, so nothing counts for it
-        with pytest.raises(anthropic.BadRequestError) as raised:
-            claude.messages.count_tokens(**counting)
-        assert "cannot count tokens" in raised.value.body["error"]["message"]
-        return
     counted = claude.messages.count_tokens(**counting)
     answered = claude.messages.create(**body)
     assert counted.input_tokens == whole_input(answered.usage) > 0
 
 
-def test_clearing_tool_uses_counts_where_the_model_can(claude, engine: Engine, request):
-    """`clear_tool_uses_20250919` counts the prompt where count_tokens does; a model whose
-    server cannot count refuses it in the words of Anthropic's own refusal, which Claude
-    Code reads to stop sending the edit to that model."""
+def test_clearing_tool_uses_counts_where_the_model_can(claude, engine: Engine):
+    """`clear_tool_uses_20250919` counts the prompt as count_tokens does (a model that
+    cannot count refuses it: tests/test_anthropic_api.py)."""
     edit = {"edits": [{"type": "clear_tool_uses_20250919"}]}
     body = {**ask(engine, "count these words please"), "context_management": edit}
-    if request.node.callspec.params.get("target") == "openai-fake":
-        with pytest.raises(anthropic.BadRequestError) as raised:
-            claude.beta.messages.create(**body)
-        message = raised.value.body["error"]["message"]
-        assert re.match(
-            r"^\S{1,128} does not support the \W?clear_tool_uses_20250919\W? context "
-            "management strategy",
-            message,
-        ), message
-        return
     answer = claude.beta.messages.create(**body)
     assert answer.context_management.applied_edits == []  # far below 100,000 tokens

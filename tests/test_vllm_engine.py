@@ -18,8 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from gateway.protocol.convert import request_to_proto
+from gateway.protocol.types import GenerateRequest, Message
+from gateway.protocol.v1 import engine_pb2, engine_pb2_grpc
 from tests.support.requests import opened, user
 from tests.support.servers import ServerLoop, Workers, assert_nothing_left
 from tests.support.vllm import MAX_MODEL_LEN, START_GUARD
@@ -103,6 +107,36 @@ def test_completions_count_the_prompt_with_the_models_tokenizer(front: Front):
         model=MODEL, prompt="the quick brown fox", temperature=0, max_tokens=5
     )
     assert again.choices[0].text == reply.choices[0].text
+
+
+def test_tokenize_gives_the_ids_it_counts_and_detokenize_decodes_them(front: Front):
+    """The worker's Tokenize (vLLM's /tokenize): the ids `generate` renders, as many as
+    CountTokens counts, with `convert_ids_to_tokens`' strings; Detokenize:
+    `tokenizer.decode`, special tokens kept; an id outside the vocabulary named."""
+    tokenizer = front.tokenizer
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer.encode(text, add_special_tokens=False)
+    chat = GenerateRequest(MODEL, messages=tuple(Message(**m) for m in MESSAGES))
+    with grpc.insecure_channel(f"127.0.0.1:{front.worker.port}") as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        for request, wanted in (
+            (chat, chat_ids),
+            (GenerateRequest(MODEL, prompt="the quick fox"), tokenizer("the quick fox").input_ids),
+        ):
+            proto = request_to_proto(request)
+            tokenized = engine_pb2.TokenizeRequest(prompt=proto, token_strs=True)
+            reply = stub.Tokenize(tokenized, timeout=30)
+            assert list(reply.ids) == wanted
+            assert len(wanted) == stub.CountTokens(proto, timeout=30).prompt_tokens
+            assert list(reply.token_strs) == tokenizer.convert_ids_to_tokens(wanted)
+            decoded = stub.Detokenize(
+                engine_pb2.DetokenizeRequest(model=MODEL, ids=wanted), timeout=30
+            )
+            assert decoded.text == tokenizer.decode(wanted, skip_special_tokens=False)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Detokenize(engine_pb2.DetokenizeRequest(model=MODEL, ids=[2**31]), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("furnace-param", "tokens") in raised.value.trailing_metadata()
 
 
 def test_a_stop_string_from_a_greedy_answer_cuts_the_next(front: Front):

@@ -141,6 +141,7 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
         features.USER,
         features.REASONING_EFFORT,
         features.CHAT_TEMPLATE_KWARGS,
+        features.TOKENIZE,  # Tokenize and Detokenize
         *features.STRUCTURED,  # vLLM's structured outputs: regex, choice, grammar
     }  # no image_url: the tiny model is not multimodal; no reasoning parser runs
     (embedding,) = embed_worker.describe().models

@@ -42,6 +42,15 @@ tests rely on:
   `stop_token_ids`, `include_reasoning`, `chat_template_kwargs` and
   `thinking_token_budget` (it does not list them, so the worker SDK refuses them).
 
+- Tokenize (vLLM's /tokenize): one id per word, the words the prompt counts, in order
+  (each message's reasoning, then its content); a word's id is its place in the
+  vocabulary the engine builds as Tokenize meets words (the first new word 0, the next
+  1, ...), at most `DEMO_VOCABULARY` words of `DEMO_VOCABULARY_CHARS` characters in all
+  (past that a prompt with new words is `Invalid` naming `messages` or `prompt`). A
+  token's string is its word; Detokenize joins the ids' words with single spaces, and
+  an id it has not given out is `Invalid` naming `tokens`. The ids are this engine's
+  own: another demo worker gives the same words other ids.
+
 `token_delay` seconds before each token stand in for a GPU's pace.
 
 KV cache (`gateway.worker.kv_events.LruBlockCache`): the prompt's UTF-8 bytes (as
@@ -70,7 +79,7 @@ import json
 import math
 import re
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from gateway.protocol import errors, features
@@ -89,7 +98,7 @@ from gateway.protocol.types import (
     Tool,
     ToolCallDelta,
 )
-from gateway.worker.engine import Engine, check_context
+from gateway.worker.engine import MAX_DETOKENIZED_CHARS, Engine, check_context
 from gateway.worker.kv_events import KvPublisher, LruBlockCache
 
 DEMO_MODEL = "furnace-demo"
@@ -100,6 +109,11 @@ JSON_PIECE = 8
 #: The most characters and items, in all, of the smallest value the demo writes for a
 #: schema (a valid schema's `minLength` may ask for a terabyte).
 MAX_INSTANCE = 1 << 16
+
+#: The most words the demo's tokenizer learns (Tokenize adds the words it meets), and
+#: their characters in all.
+DEMO_VOCABULARY = 1 << 16
+DEMO_VOCABULARY_CHARS = 1 << 24
 
 _WORD = re.compile(r"[A-Za-z0-9_-]+")
 #: The words the demo thinks for each effort (see the module's rules); "none": none.
@@ -224,6 +238,7 @@ class DemoEngine(Engine):
             features.IGNORE_EOS,
             features.DIMENSIONS,
             features.REASONING_EFFORT,
+            features.TOKENIZE,
         }
     )
 
@@ -249,6 +264,10 @@ class DemoEngine(Engine):
         self.running = 0  # generations in progress; tests watch it fall back to 0
         self.aborted = 0  # generations stopped before their end
         self.embedded = 0  # Embed calls answered
+        # the words Tokenize met, by id, and their ids (see the module's rules)
+        self._vocabulary: list[str] = []
+        self._ids: dict[str, int] = {}
+        self._vocabulary_chars = 0
 
     @staticmethod
     def _prompt(request: GenerateRequest) -> tuple[int, str]:
@@ -269,6 +288,66 @@ class DemoEngine(Engine):
     async def count_tokens(self, request: GenerateRequest) -> int:
         """The words of the prompt, as `generate` counts them."""
         return self._prompt(request)[0]
+
+    @staticmethod
+    def _words(request: GenerateRequest) -> list[str]:
+        """The prompt's words, those `_prompt` counts, in order: each message's
+        reasoning, then its content."""
+        if request.messages is not None:
+            return [
+                word
+                for m in request.messages
+                for text in (m.reasoning, m.content)
+                for word in text.split()
+            ]
+        return (request.prompt or "").split()
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """One id per word (see the module's rules), new words added to the vocabulary."""
+        words, ids = self._words(request), self._ids
+        new = list(dict.fromkeys(word for word in words if word not in ids))
+        if new:
+            chars = sum(map(len, new))
+            if (
+                len(self._vocabulary) + len(new) > DEMO_VOCABULARY
+                or self._vocabulary_chars + chars > DEMO_VOCABULARY_CHARS
+            ):
+                raise errors.Invalid(
+                    f"The demo's vocabulary is full ({DEMO_VOCABULARY} words of "
+                    f"{DEMO_VOCABULARY_CHARS} characters in all): this prompt's "
+                    f"{len(new)} new words do not fit.",
+                    param="messages" if request.messages is not None else "prompt",
+                )
+            for word in new:
+                ids[word] = len(self._vocabulary)
+                self._vocabulary.append(word)
+            self._vocabulary_chars += chars
+        return [ids[word] for word in words]
+
+    def _known(self, ids: Sequence[int]) -> list[str]:
+        """The ids' words; `Invalid` naming "tokens" for an id not given out."""
+        vocabulary = self._vocabulary
+        wrong = next((i for i in ids if not 0 <= i < len(vocabulary)), None)
+        if wrong is not None:
+            raise errors.Invalid(
+                f"Token id {wrong} is out of the vocabulary (0 to {len(vocabulary) - 1}).",
+                param="tokens",
+            )
+        return [vocabulary[i] for i in ids]
+
+    async def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's word."""
+        return self._known(ids)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The ids' words joined by single spaces."""
+        words = self._known(ids)
+        if sum(map(len, words)) + len(words) - 1 > MAX_DETOKENIZED_CHARS:
+            raise errors.Invalid(
+                f"The tokens decode to more than {MAX_DETOKENIZED_CHARS} characters.",
+                param="tokens",
+            )
+        return " ".join(words)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Echo (or calls, or JSON), with the checks of a real server."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from gateway.protocol import errors, features
 from gateway.protocol.errors import Invalid, TooLong
+from gateway.protocol.grpc_options import MAX_MESSAGE_BYTES
 from gateway.protocol.reasoning import template_options
 from gateway.protocol.types import Embeddings, EmbedRequest, Event, GenerateRequest
 from gateway.worker.kv_events import KvPublisher
@@ -57,6 +58,29 @@ class Engine(ABC):
         messages and tools through the template), by the engine's own tokenizer."""
         raise errors.CannotCount(f"The model `{self.model}` does not count tokens.", param="model")
 
+    # vLLM's /tokenize and /detokenize (the protocol's Tokenize and Detokenize), served
+    # by an engine that lists "tokenize": the SDK refuses them naming `model` for any
+    # other, and bounds what reaches the engine and what goes back (`MAX_DETOKENIZE_IDS`,
+    # `MAX_DETOKENIZED_CHARS`, a reply within one message).
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The ids of the prompt `generate` would make of `request`, in order: those
+        `count_tokens` counts (its text, or its messages and tools through the chat
+        template with the generation prompt); refusals as `count_tokens`'."""
+        raise errors.CannotCount(f"The model `{self.model}` does not tokenize.", param="model")
+
+    async def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's string, the tokenizer's own piece (a Hugging Face tokenizer's
+        `convert_ids_to_tokens`), one per id; called with ids `tokenize` gave."""
+        raise errors.CannotCount(f"The model `{self.model}` does not tokenize.", param="model")
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text `ids` decode to by the model's tokenizer, special tokens kept (vLLM's
+        /detokenize: `tokenizer.decode(ids)`); an id outside the vocabulary is `Invalid`
+        naming "tokens", and so is a text past `MAX_DETOKENIZED_CHARS` where the engine
+        can tell before it decodes."""
+        raise errors.CannotCount(f"The model `{self.model}` does not tokenize.", param="model")
+
     # LoRA adapters of `model`, each served under its own name (`LoadAdapter`): an
     # engine that takes them sets `takes_adapters` and overrides the two below; the SDK
     # checks a request's name and path (`check_adapter`) before `load_adapter` sees it,
@@ -103,6 +127,16 @@ class Engine(ABC):
         the worker counts the calls it is serving."""
         return None
 
+
+#: The most ids one Detokenize call takes (refused naming "tokens" before the engine sees
+#: them): past any context served but the very longest, and ~5 MB of varints on the wire.
+MAX_DETOKENIZE_IDS = 1 << 20
+#: The longest text a Detokenize reply carries, in characters (refused naming "tokens"):
+#: at most 32 MiB of UTF-8, well within one message.
+MAX_DETOKENIZED_CHARS = 1 << 23
+#: The largest Tokenize reply (its ids and strings), in bytes: what one message carries;
+#: a prompt whose tokens pass it is refused naming the prompt's parameter.
+MAX_TOKENIZE_REPLY = MAX_MESSAGE_BYTES
 
 #: The longest adapter name a worker takes (a model name's length, with room).
 MAX_ADAPTER_NAME = 256

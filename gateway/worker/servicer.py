@@ -23,6 +23,12 @@ strings); when a stop string cuts the answer, the tokens whose text starts
 before the cut keep theirs and the rest (wholly inside the stop string) are
 dropped. `Text.tokens` still counts every generated token, as usage does.
 
+Tokenize and Detokenize (vLLM's /tokenize and /detokenize) reach an engine that lists
+"tokenize" only (else INVALID_ARGUMENT naming `model`, as CountTokens from an engine
+that cannot count); the SDK bounds the ids a client sends and the reply
+(`gateway.worker.engine`'s `MAX_DETOKENIZE_IDS`, `MAX_DETOKENIZED_CHARS`,
+`MAX_TOKENIZE_REPLY`).
+
 LoRA adapters (`Engine.takes_adapters`): `Describe` lists each beside the model (its
 `parent`), a request naming one reaches the engine as any other (the engine runs it
 with the adapter), and `LoadAdapter` checks the name and path (`check_adapter`) and
@@ -69,7 +75,13 @@ from gateway.protocol.types import (
 )
 from gateway.protocol.v1 import engine_pb2 as pb
 from gateway.protocol.v1 import engine_pb2_grpc as pb_grpc
-from gateway.worker.engine import Engine, check_adapter
+from gateway.worker.engine import (
+    MAX_DETOKENIZE_IDS,
+    MAX_DETOKENIZED_CHARS,
+    MAX_TOKENIZE_REPLY,
+    Engine,
+    check_adapter,
+)
 from gateway.worker.kv_events import SubscriberTooSlow
 from gateway.worker.multiplex import Multiplexer
 
@@ -627,6 +639,87 @@ class EngineService(pb_grpc.EngineServicer):
             log.exception("engine failed to count request %s", request.request_id)
             await _abort(context, errors.Failed("The engine failed."))
         return pb.CountTokensResponse(prompt_tokens=tokens)
+
+    def _tokenizer_refusal(self, model: str) -> errors.GatewayError | None:
+        """Why Tokenize or Detokenize naming `model` cannot be served here."""
+        if not self._serves(model):
+            return errors.ModelNotFound(f"This worker does not serve `{model}`.")
+        if features.TOKENIZE not in self.engine.features:
+            name = self.engine.model
+            return errors.Invalid(f"The model `{name}` does not tokenize.", param="model")
+        return None
+
+    async def Tokenize(
+        self,
+        request: pb.TokenizeRequest,
+        context: grpc.aio.ServicerContext[pb.TokenizeRequest, pb.TokenizeResponse],
+    ) -> pb.TokenizeResponse:
+        """The prompt's ids as CountTokens counts them (with each one's string when
+        asked), from an engine that lists "tokenize"; refusals as for CountTokens, and a
+        reply past one message (`MAX_TOKENIZE_REPLY`) refused naming the prompt."""
+        prompt = request.prompt
+        try:
+            refusal = self._tokenizer_refusal(prompt.model)
+            if refusal is not None:
+                raise refusal
+            ours = request_from_proto(prompt)
+            engine = self.engine
+            ids = await engine.tokenize(ours)
+            reply = pb.TokenizeResponse(ids=ids)
+            if request.token_strs:
+                strs = await engine.token_strs(ids)
+                if len(strs) != len(ids):
+                    log.error(
+                        "engine gave %d strings for %d tokens on request %s",
+                        len(strs),
+                        len(ids),
+                        prompt.request_id,
+                    )
+                    raise errors.Failed("The engine failed.")
+                reply.token_strs.extend(strs)
+            if reply.ByteSize() > MAX_TOKENIZE_REPLY:
+                raise errors.Invalid(
+                    f"The prompt's {len(ids)} tokens do not fit one reply "
+                    f"({MAX_TOKENIZE_REPLY >> 20} MiB).",
+                    param="messages" if ours.messages is not None else "prompt",
+                )
+        except errors.GatewayError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("engine failed to tokenize request %s", prompt.request_id)
+            await _abort(context, errors.Failed("The engine failed."))
+        return reply
+
+    async def Detokenize(
+        self,
+        request: pb.DetokenizeRequest,
+        context: grpc.aio.ServicerContext[pb.DetokenizeRequest, pb.DetokenizeResponse],
+    ) -> pb.DetokenizeResponse:
+        """The text the ids decode to, special tokens kept, from an engine that lists
+        "tokenize"; refusals as for CountTokens; more than `MAX_DETOKENIZE_IDS` ids, an id
+        outside the vocabulary, or a text past `MAX_DETOKENIZED_CHARS`: INVALID_ARGUMENT
+        naming "tokens"."""
+        try:
+            refusal = self._tokenizer_refusal(request.model)
+            if refusal is not None:
+                raise refusal
+            if len(request.ids) > MAX_DETOKENIZE_IDS:
+                raise errors.Invalid(
+                    f"At most {MAX_DETOKENIZE_IDS} tokens to decode; got {len(request.ids)}.",
+                    param="tokens",
+                )
+            text = await self.engine.detokenize(list(request.ids))
+            if len(text) > MAX_DETOKENIZED_CHARS:
+                raise errors.Invalid(
+                    f"The tokens decode to more than {MAX_DETOKENIZED_CHARS} characters.",
+                    param="tokens",
+                )
+        except errors.GatewayError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("engine failed to detokenize request %s", request.request_id)
+            await _abort(context, errors.Failed("The engine failed."))
+        return pb.DetokenizeResponse(text=text)
 
     async def LoadAdapter(
         self,

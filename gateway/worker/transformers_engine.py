@@ -18,6 +18,10 @@ stable, so a character split over several tokens is never sent in halves.
 
 Embeddings are the last hidden state, mean-pooled and L2-normalized.
 
+Tokenize gives the ids `generate` encodes (those `count_tokens` counts), with
+`convert_ids_to_tokens`' pieces when asked; Detokenize is `tokenizer.decode`, special
+tokens kept, as vLLM's /detokenize; both in the pool's thread.
+
 Structured output (`response_format`, `tool_choice` "required" or a named
 function, and vLLM's `structured_outputs` `regex` and `choice`) is enforced by
 llguidance: a grammar compiled from the JSON schema (the regex; the choices, as a
@@ -115,6 +119,7 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 _SERVED = features.SAMPLING | {
     features.GENERATE,
     features.EMBEDDINGS,
+    features.TOKENIZE,
     features.LOGPROBS,
     features.USER,
     features.REASONING_EFFORT,
@@ -553,6 +558,10 @@ class TransformersEngine(Engine):
             ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.vocab = self.hf_model.get_output_embeddings().weight.shape[0]
+        # the ids Detokenize takes: the model's or the tokenizer's, whichever has more
+        # (a model's vocabulary may be padded past the tokenizer's, or lack its added
+        # tokens), as vLLM's check of token ids has it
+        self.decodable = max(self.vocab, len(self.tokenizer))
         served = set(_SERVED)
         # Grammars need the tokenizer's Rust core (a fast tokenizer), as llguidance reads it;
         # without them the worker serves the rest and refuses response_format by name.
@@ -682,6 +691,33 @@ class TransformersEngine(Engine):
         """The prompt's tokens as `generate` encodes them (in the pool's thread)."""
         loop = asyncio.get_running_loop()
         return len(await loop.run_in_executor(self._executor, self.encode, request))
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's ids as `generate` encodes them (in the pool's thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.encode, request)
+
+    async def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's piece of each id (`convert_ids_to_tokens`, in the pool's thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._token_strs, list(ids))
+
+    def _token_strs(self, ids: list[int]) -> list[str]:
+        check_vocabulary(ids, self.decodable, "tokens")
+        pieces = self.tokenizer.convert_ids_to_tokens(ids)
+        # an id past the tokenizer's own (the model's padding) has no piece: ""
+        return ["" if piece is None else str(piece) for piece in pieces]
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """`tokenizer.decode(ids)`, special tokens kept, as vLLM's /detokenize (in the
+        pool's thread); an id outside the vocabulary is refused naming "tokens"."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._detokenize, list(ids))
+
+    def _detokenize(self, ids: list[int]) -> str:
+        check_vocabulary(ids, self.decodable, "tokens")
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[assignment]
+        return text
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Each input's last hidden state, mean-pooled over its tokens and L2-normalized

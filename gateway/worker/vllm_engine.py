@@ -52,6 +52,10 @@ loads an evicted one again from its path when asked. A client names folders on t
 machine and their count: only a folder holding `adapter_config.json` is read, at most
 `max_adapters` names are held, and a name keeps its first path.
 
+A generating model also answers Tokenize (the ids `generate` renders, as
+`count_tokens` counts them; token strings by `convert_ids_to_tokens`) and Detokenize
+(`tokenizer.decode`, special tokens kept), as vLLM's /tokenize and /detokenize do.
+
 Started as a pooling model (vLLM's `--runner pooling`), the engine embeds
 instead of generating: `embed` serves vectors, `dimensions` where the model is
 a Matryoshka one.
@@ -146,6 +150,7 @@ GENERATING = (
         features.USER,
         features.REASONING_EFFORT,
         features.CHAT_TEMPLATE_KWARGS,
+        features.TOKENIZE,
     }
     | features.STRUCTURED
 )
@@ -204,6 +209,7 @@ class VllmEngine(Engine):
         self.tool_parser = tool_parser
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.decodable = 0  # the ids Detokenize takes, known once started
         self.defaults: dict[str, Any] = {}
         # What it serves, from the model's config (read in milliseconds, before
         # the engine is built): a generating or a pooling model, with images or not.
@@ -264,6 +270,9 @@ class VllmEngine(Engine):
         llm = await asyncio.shield(self._building)
         config = llm.model_config
         self.tokenizer = llm.get_tokenizer()
+        # the ids vLLM's check of token ids takes: the tokenizer's or the model's,
+        # whichever has more (one may hold tokens the other lacks)
+        self.decodable = max(int(self.tokenizer.max_token_id) + 1, int(config.get_vocab_size()))
         self.max_context = int(config.max_model_len)
         self.capacity = int(llm.vllm_config.scheduler_config.max_num_seqs)
         self.defaults = {
@@ -480,6 +489,47 @@ class VllmEngine(Engine):
         if length is None:
             raise Invalid(f"The model `{self.model}` cannot count this prompt.", param="messages")
         return length
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's ids as `generate` renders them (those `count_tokens` counts); a
+        multimodal conversation through vLLM's renderer, refused as `count_tokens`
+        refuses where it gives no ids."""
+        self._running(features.GENERATE)
+        rendered, length = await self._render(request, _ToolPlan(request, self).rendered)
+        ids = None if length is None else rendered.get("prompt_token_ids")
+        if ids is None:
+            message = f"The model `{self.model}` cannot tokenize this prompt."
+            raise Invalid(message, param="messages")
+        return list(ids)
+
+    async def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's piece of each id (`convert_ids_to_tokens`, as vLLM's
+        /tokenize), off the event loop."""
+        self._running(features.GENERATE)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._token_strs, list(ids))
+
+    def _token_strs(self, ids: list[int]) -> list[str]:
+        self._check_ids(ids)
+        pieces = self.tokenizer.convert_ids_to_tokens(ids)
+        return ["" if piece is None else str(piece) for piece in pieces]
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """`tokenizer.decode(ids)`, special tokens kept, as vLLM's /detokenize (off the
+        event loop); an id outside the vocabulary is refused naming "tokens"."""
+        self._running(features.GENERATE)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._detokenize, list(ids))
+
+    def _detokenize(self, ids: list[int]) -> str:
+        self._check_ids(ids)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        wrong = next((i for i in ids if not 0 <= i < self.decodable), None)
+        if wrong is not None:
+            message = f"Token id {wrong} is out of the vocabulary (0 to {self.decodable - 1})."
+            raise Invalid(message, param="tokens")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Render and check the context, then per engine step each choice's
