@@ -44,8 +44,8 @@ import contextlib
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, NoReturn, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 
@@ -86,6 +86,8 @@ from gateway.worker.kv_events import SubscriberTooSlow
 from gateway.worker.multiplex import Multiplexer
 
 log = logging.getLogger("furnace.worker")
+#: A unary reply.
+T = TypeVar("T")
 
 #: What an engine may run ahead of the RPC (`event_size`: text, logprobs and tool-call
 #: arguments; also about the largest `Text`).
@@ -321,6 +323,21 @@ async def _abort(
     code, trailing = status_from_error(error)
     context.set_trailing_metadata(trailing)
     await context.abort(code, error.message)
+
+
+async def _answered(
+    context: grpc.aio.ServicerContext[Any, Any], work: Awaitable[T], what: str, request_id: str
+) -> T:
+    """`work`'s reply to a unary call; a `GatewayError` ends the call with its status,
+    anything else is logged (the engine failing to do `what` for `request_id`) and ends
+    it as the engine's failure."""
+    try:
+        return await work
+    except errors.GatewayError as error:
+        await _abort(context, error)
+    except Exception:
+        log.exception("engine failed to %s request %s", what, request_id)
+        await _abort(context, errors.Failed("The engine failed."))
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -629,16 +646,14 @@ class EngineService(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.CountTokensResponse],
     ) -> pb.CountTokensResponse:
         """The prompt's tokens by the engine's tokenizer; refusals as for Generate."""
-        try:
+
+        async def count() -> pb.CountTokensResponse:
             if not self._serves(request.model):
                 raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
             tokens = await self.engine.count_tokens(request_from_proto(request))
-        except errors.GatewayError as error:
-            await _abort(context, error)
-        except Exception:
-            log.exception("engine failed to count request %s", request.request_id)
-            await _abort(context, errors.Failed("The engine failed."))
-        return pb.CountTokensResponse(prompt_tokens=tokens)
+            return pb.CountTokensResponse(prompt_tokens=tokens)
+
+        return await _answered(context, count(), "count", request.request_id)
 
     def _tokenizer_refusal(self, model: str) -> errors.GatewayError | None:
         """Why Tokenize or Detokenize naming `model` cannot be served here."""
@@ -658,7 +673,8 @@ class EngineService(pb_grpc.EngineServicer):
         asked), from an engine that lists "tokenize"; refusals as for CountTokens, and a
         reply past one message (`MAX_TOKENIZE_REPLY`) refused naming the prompt."""
         prompt = request.prompt
-        try:
+
+        async def tokenize() -> pb.TokenizeResponse:
             refusal = self._tokenizer_refusal(prompt.model)
             if refusal is not None:
                 raise refusal
@@ -683,12 +699,9 @@ class EngineService(pb_grpc.EngineServicer):
                     f"({MAX_TOKENIZE_REPLY >> 20} MiB).",
                     param="messages" if ours.messages is not None else "prompt",
                 )
-        except errors.GatewayError as error:
-            await _abort(context, error)
-        except Exception:
-            log.exception("engine failed to tokenize request %s", prompt.request_id)
-            await _abort(context, errors.Failed("The engine failed."))
-        return reply
+            return reply
+
+        return await _answered(context, tokenize(), "tokenize", prompt.request_id)
 
     async def Detokenize(
         self,
@@ -699,7 +712,8 @@ class EngineService(pb_grpc.EngineServicer):
         "tokenize"; refusals as for CountTokens; more than `MAX_DETOKENIZE_IDS` ids, an id
         outside the vocabulary, or a text past `MAX_DETOKENIZED_CHARS`: INVALID_ARGUMENT
         naming "tokens"."""
-        try:
+
+        async def detokenize() -> pb.DetokenizeResponse:
             refusal = self._tokenizer_refusal(request.model)
             if refusal is not None:
                 raise refusal
@@ -714,12 +728,9 @@ class EngineService(pb_grpc.EngineServicer):
                     f"The tokens decode to more than {MAX_DETOKENIZED_CHARS} characters.",
                     param="tokens",
                 )
-        except errors.GatewayError as error:
-            await _abort(context, error)
-        except Exception:
-            log.exception("engine failed to detokenize request %s", request.request_id)
-            await _abort(context, errors.Failed("The engine failed."))
-        return pb.DetokenizeResponse(text=text)
+            return pb.DetokenizeResponse(text=text)
+
+        return await _answered(context, detokenize(), "detokenize", request.request_id)
 
     async def LoadAdapter(
         self,

@@ -309,14 +309,28 @@ class OpenAIHttpUpstream:
         within `timeout` seconds, at most `limit` bytes of the answer read (more is
         `Failed`); a refusal as our error, a route the server lacks saying the model
         serves no `serves`."""
-        status, content = await self._send(
-            self._post(path, body, timeout, metadata), timeout, limit + 1
-        )
+        status, content = await self._post_capped(path, body, limit, serves, timeout, metadata)
         if status != 200:
             raise _pooling_error(status, content[:MAX_ERROR_BYTES], serves)
-        if len(content) > limit:
-            raise errors.Failed(f"The upstream's {serves} answer is larger than the gateway takes.")
         return content
+
+    async def _post_capped(
+        self,
+        path: str,
+        body: dict[str, Any],
+        limit: int,
+        what: str,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
+        metadata: tuple[tuple[str, str], ...],
+    ) -> tuple[int, bytes]:
+        """`body` POSTed to `path` (under `/v1`, or a whole URL) within `timeout` seconds:
+        the status and the answer, of which a 200's past `limit` bytes is `Failed` (the
+        upstream's `what` answer too large)."""
+        request = self._post(path, body, timeout, metadata)
+        status, content = await self._send(request, timeout, limit + 1)
+        if status == 200 and len(content) > limit:
+            raise errors.Failed(f"The upstream's {what} answer is larger than the gateway takes.")
+        return status, content
 
     async def count_tokens(
         self,
@@ -328,9 +342,9 @@ class OpenAIHttpUpstream:
         `/tokenize` (beside `/v1`); a server without it cannot count, a 400 naming
         `model`. vLLM's answer lists the ids too (a 10,000-token prompt's are about
         60 KB): read as `tokenize`'s."""
-        status, content = await self._tokenizer(
-            "tokenize", tokenize_body(request), MAX_TOKENIZER_BYTES, timeout, metadata
-        )
+        body = tokenize_body(request)
+        url, limit = f"{self._root}/tokenize", MAX_TOKENIZER_BYTES
+        status, content = await self._post_capped(url, body, limit, "/tokenize", timeout, metadata)
         return tokens_counted(status, content)
 
     async def tokenize(
@@ -344,9 +358,8 @@ class OpenAIHttpUpstream:
         `MAX_TOKENIZER_BYTES` of its answer read (`count_tokens`' refusals)."""
         body = tokenize_body(request)
         body["return_token_strs"] = token_strs
-        status, content = await self._tokenizer(
-            "tokenize", body, MAX_TOKENIZER_BYTES, timeout, metadata
-        )
+        url, limit = f"{self._root}/tokenize", MAX_TOKENIZER_BYTES
+        status, content = await self._post_capped(url, body, limit, "/tokenize", timeout, metadata)
         return tokens_from(status, content, token_strs)
 
     async def detokenize(
@@ -360,25 +373,11 @@ class OpenAIHttpUpstream:
         ids size (`DETOKENIZED_BYTES_AN_ID` each, at most `MAX_TOKENIZER_BYTES`)."""
         limit = min(MAX_TOKENIZER_BYTES, MAX_ERROR_BYTES + DETOKENIZED_BYTES_AN_ID * len(ids))
         body = {"model": model, "tokens": ids}
-        status, content = await self._tokenizer("detokenize", body, limit, timeout, metadata)
+        url = f"{self._root}/detokenize"
+        status, content = await self._post_capped(
+            url, body, limit, "/detokenize", timeout, metadata
+        )
         return text_detokenized(status, content)
-
-    async def _tokenizer(
-        self,
-        route: str,
-        body: dict[str, Any],
-        limit: int,
-        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
-        metadata: tuple[tuple[str, str], ...],
-    ) -> tuple[int, bytes]:
-        """vLLM's tokenizer `route` (beside `/v1`) asked `body`: its status and its answer,
-        at most `limit` bytes (more is `Failed`)."""
-        url = f"{self._root}/{route}"
-        request = self._post(url, body, timeout, metadata)
-        status, content = await self._send(request, timeout, limit + 1)
-        if len(content) > limit:
-            raise errors.Failed(f"The upstream's /{route} answer is larger than the gateway takes.")
-        return status, content
 
     async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         """Loads the LoRA adapter `name` from `path` (vLLM's `/v1/load_lora_adapter`,
