@@ -204,3 +204,46 @@ def test_an_openai_servers_answer_is_bounded_by_the_ids_it_decodes():
     respx.post("http://upstream.test/detokenize").respond(200, json={"prompt": "x" * 200_000})
     with pytest.raises(errors.Failed, match="larger"):
         over_http(lambda u: u.detokenize("m", [1, 2], HANG_GUARD))
+
+
+# -- the gateway's own tokenizer (vllm-grpc): no engine asked ---------------------------
+
+
+def test_vllm_grpc_shows_tokens_with_the_gateways_tokenizer(tmp_path):
+    """Short and long prompts alike (a long one's strings and text are made off the
+    event loop): the ids `count_tokens` counts, the tokenizer's own strings, its text."""
+    from tokenizers import Tokenizer
+
+    from gateway.upstreams.vllm_grpc import INLINE_CHARS, VllmGrpcUpstream
+    from tests.support.tiny_model import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    long = " ".join(["hello world"] * INLINE_CHARS)
+
+    async def ask() -> list[Any]:
+        # nothing listens there: the engine is never asked
+        upstream = VllmGrpcUpstream("127.0.0.1:9", model="tiny", tokenizer=str(tmp_path))
+        try:
+            answers: list[Any] = []
+            for text in ("hello world", long):
+                request = GenerateRequest("tiny", prompt=text)
+                tokens = await upstream.tokenize(request, True, HANG_GUARD)
+                counted = await upstream.count_tokens(request, HANG_GUARD)
+                text_back = await upstream.detokenize("tiny", tokens.ids, HANG_GUARD)
+                answers.append((tokens, counted, text_back))
+            with pytest.raises(errors.Invalid) as outside:
+                await upstream.detokenize("tiny", [0, raw.get_vocab_size() + 5], HANG_GUARD)
+            answers.append(outside.value.param)
+            return answers
+        finally:
+            await upstream.close()
+
+    *answers, param = anyio.run(ask)
+    assert param == "tokens"
+    for tokens, counted, text_back in answers:
+        assert len(tokens.ids) == counted and tokens.strs == [
+            raw.id_to_token(i) for i in tokens.ids
+        ]
+        assert text_back == raw.decode(tokens.ids, skip_special_tokens=False)
+    assert len(answers[1][0].ids) > INLINE_CHARS

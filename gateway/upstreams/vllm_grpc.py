@@ -871,10 +871,14 @@ class VllmGrpcUpstream:
         timeout: float,  # noqa: ASYNC109 (the Upstream interface's signature)
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Tokens:
-        """`count_tokens`' ids, with their strings when asked; the engine is not asked."""
+        """`count_tokens`' ids, with their strings when asked (off the loop past
+        `INLINE_CHARS` ids); the engine is not asked."""
         async with asyncio.timeout(timeout):
             ids = await self.prompt_ids(request)
-        return Tokens(ids, self.tokenizer.token_strs(ids) if token_strs else None)
+            if not token_strs:
+                return Tokens(ids)
+            strs = functools.partial(self.tokenizer.token_strs, ids)
+            return Tokens(ids, strs() if len(ids) <= INLINE_CHARS else await _off_loop(strs))
 
     async def detokenize(
         self,
