@@ -107,6 +107,38 @@ def test_two_replicas_sharing_redis_admit_exactly_what_fits(
     assert used <= 5000
 
 
+def test_replicas_sharing_redis_grant_requests_with_no_bound_only_what_fits(
+    redis_server: RedisServer,
+) -> None:
+    """Requests with no bound at once on two replicas: each granted what is left when its
+    turn comes, and together never more than the budget."""
+    alpha = team([{"window": "day", "tokens": 1000}])
+    cfg = config(redis_url=redis_server.url)
+
+    async def main() -> tuple[list[int | None], float]:
+        stores = [RedisStore(redis_server.url, 10.0, "t") for _ in range(2)]
+        replicas = [Budgets(cfg, store) for store in stores]
+
+        async def one(i: int) -> int | None:
+            try:
+                held = await replicas[i % 2].reserve(alpha, None, "m", 10, 4086, unbounded=True)
+            except errors.BudgetExceeded:
+                return None
+            assert held is not None
+            return held.completion
+
+        granted = await asyncio.gather(*(one(i) for i in range(12)))
+        meter = replicas[0].meters(alpha, None, datetime.now(UTC).timestamp())[0]
+        counter = float(await stores[0].client.get(meter.key) or 0)
+        for store in stores:
+            await store.close()
+        return list(granted), counter
+
+    granted, counter = asyncio.run(main())
+    served = [g for g in granted if g is not None]
+    assert served and counter == sum(g + 10 for g in served) <= 1000
+
+
 def test_the_local_store_admits_no_more_than_fits() -> None:
     alpha = team([{"window": "day", "tokens": 5000}, {"window": "month", "tokens": 10**6}])
     budgets = Budgets(config(), None)
@@ -171,9 +203,9 @@ def test_a_reservation_moves_to_a_fallbacks_prices_only_if_it_fits() -> None:
         held = await budgets.reserve(alpha, None, "cheap", 1000, 0)  # 0.001 spent
         assert held is not None
         with pytest.raises(errors.BudgetExceeded, match="spend"):
-            await budgets.reprice(held, "dearer", 1000, 0)  # 0.02: no room
+            await budgets.reprice(held, "dearer")  # 0.02: no room
         assert sorted(budgets.used.values()) == [0.001, 1000]  # unchanged
-        await budgets.reprice(held, "dear", 1000, 0)  # 0.004: room
+        await budgets.reprice(held, "dear")  # 0.004: room
         assert sorted(budgets.used.values()) == [pytest.approx(0.004), 1000]
         await budgets.settle(held, 500, 0)  # settled at the prices of the model that served
         assert sorted(budgets.used.values()) == [pytest.approx(0.002), 500]
@@ -403,3 +435,50 @@ def test_budget_store_down_closed_refuses_with_503_and_open_serves(
             else:
                 assert answer.status_code == 503, answer.text
                 assert answer.json()["error"]["code"] == "server_busy"
+
+
+def test_a_request_with_no_bound_is_granted_what_fits() -> None:
+    """No `max_tokens`: the rest of the model's context is reserved, or half of it, and so
+    on, and the first that fits is the request's bound (`granted`); a bounded request is
+    refused as before; one token that does not fit is a refusal."""
+    alpha = team([{"window": "day", "tokens": 1000}])
+    budgets = Budgets(config(), None)
+
+    async def main() -> None:
+        held = await budgets.reserve(alpha, None, "m", 10, 4086, unbounded=True)
+        assert held is not None and held.granted == 510  # 4086 → 2043 → 1021 → 510
+        assert held.completion == 510 and budgets.used == {held.meters[0].key: 520}
+        roomy = await budgets.reserve(alpha, None, "m", 10, 300, unbounded=True)
+        assert roomy is not None and roomy.granted is None  # all it asked fits
+        with pytest.raises(errors.BudgetExceeded):
+            await budgets.reserve(alpha, None, "m", 10, 400)  # a bound of its own: no grant
+        whole = await budgets.reserve(alpha, None, "m", 10, 100, unbounded=True)  # 170 left
+        half = await budgets.reserve(alpha, None, "m", 10, 100, unbounded=True)  # 60 left
+        assert whole is not None and whole.granted is None
+        assert half is not None and half.granted == 50
+        with pytest.raises(errors.BudgetExceeded):  # none left: not the prompt and one token
+            await budgets.reserve(alpha, None, "m", 10, 100, unbounded=True)
+
+    asyncio.run(main())
+
+
+def test_an_answer_with_no_bound_stops_where_the_budget_does(gateway_with: Any) -> None:
+    """A completion with no `max_tokens` that would write to the end of the context
+    (`ignore_eos`) is cut at what its team's budget had room for (finish `length`), and
+    the day's usage stays within the budget; a count reserves no answer at all."""
+    key = new_key("alpha")
+    gw = gateway_with(
+        **keyed({"alpha": {"budgets": [{"window": "day", "tokens": 20}]}}, {key: "alpha"})
+    )
+    body = {"model": "furnace-demo", "prompt": PROMPT, "ignore_eos": True}
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+        ask = {"model": "furnace-demo", "prompt": PROMPT}
+        count = client.post("/tokenize", json=ask, headers=bearer(key))
+        assert count.status_code == 200, count.text  # admitted: it reserves its prompt alone
+        answer = client.post("/v1/completions", json=body, headers=bearer(key))
+        assert answer.status_code == 200, answer.text
+        choice, usage = answer.json()["choices"][0], answer.json()["usage"]
+        # the estimate (7) and 4089 halved until it fits 20: 7 tokens granted
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 7
+    used = gw.state.teams.accounts.budgets.used
+    assert list(used.values()) == [usage["prompt_tokens"] + 7] and usage["total_tokens"] <= 20

@@ -238,9 +238,14 @@ class Admission:
         """Reserves the most the request may cost on its team's (and key's) budgets
         over their calendar windows (`BudgetExceeded`); `end` settles it."""
         if ctx.team is not None and ctx.team.config.budgets:
-            ctx.reservation = await self.accounts.reserve(
-                ctx.team, ctx.key_id, _pool(ctx).name, ctx.request
+            pool = _pool(ctx)
+            held = await self.accounts.reserve(
+                ctx.team, ctx.key_id, pool.name, ctx.request, pool.max_context
             )
+            ctx.reservation = held
+            if held is not None and held.granted is not None:  # its bound from here
+                granted = ctx.record.granted_tokens
+                ctx.record.granted_tokens = min(held.granted, granted or held.granted)
 
     @asynccontextmanager
     async def slot(self, ctx: RequestContext) -> AsyncIterator[None]:
@@ -385,7 +390,7 @@ class Admission:
         a unary task) does not leave the counters and the reservation apart."""
         self._land(ctx, pool)
         if ctx.reservation is not None:
-            await asyncio.shield(self.accounts.reprice(ctx.reservation, pool.name, ctx.request))
+            await asyncio.shield(self.accounts.reprice(ctx.reservation, pool.name))
 
     @staticmethod
     def _land(ctx: RequestContext, pool: ModelPool) -> None:

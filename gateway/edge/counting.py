@@ -82,7 +82,9 @@ class TokenizerRoute(RequestRoute[Exchange], Generic[P]):
         pool = admission.visibility(ctx, model_of(body))
         parsed = await self.parse(body, ex)
         request = self.prompt(parsed)
-        ctx.request = None if request is None else replace(request, model=pool.name)
+        if request is not None:  # a prompt read, nothing written: no completion reserved
+            sampling = replace(request.sampling, max_tokens=0)
+            ctx.request = replace(request, model=pool.name, sampling=sampling)
         ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         async with admission.admit(ctx):

@@ -57,15 +57,22 @@ def key_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return hashlib.sha256(token).hexdigest()[:KEY_ID_DIGITS]
 
 
-def reservation_of(request: GenerateRequest | EmbedRequest | None) -> tuple[int, int]:
-    """What a request may cost at most: its prompt, estimated, and its completion
-    (`max_tokens` x `n`; 0 with no bound, or for embeddings and tensors)."""
+def reservation_of(
+    request: GenerateRequest | EmbedRequest | None, max_context: int | None = None
+) -> tuple[int, int, bool]:
+    """What a request may cost at most: its prompt, estimated, its completion
+    (`max_tokens` x `n`; with no bound the rest of `max_context` x `n`, or 0 where that
+    is not known; 0 for embeddings and tensors), and whether it has no bound of its own."""
     if request is None:
-        return 0, 0
+        return 0, 0, False
     prompt = estimate_tokens(request)
-    if isinstance(request, EmbedRequest) or request.sampling.max_tokens is None:
-        return prompt, 0
-    return prompt, request.sampling.max_tokens * request.n
+    if isinstance(request, EmbedRequest):
+        return prompt, 0, False
+    if request.sampling.max_tokens is None:
+        if max_context is None:
+            return prompt, 0, False
+        return prompt, max(1, max_context - prompt) * request.n, True
+    return prompt, request.sampling.max_tokens * request.n, False
 
 
 class Accounts:
@@ -102,21 +109,24 @@ class Accounts:
         key: str | None,
         model: str,
         request: GenerateRequest | EmbedRequest | None,
+        max_context: int | None = None,
     ) -> Reservation | None:
         """The budgets stage: reserves the most `request` may cost on its team's
-        budgets (`BudgetExceeded` when one has no room). None: nothing reserved."""
+        budgets (`BudgetExceeded` when one has no room; one with no bound may be granted
+        fewer tokens than its model's context: `Reservation.granted`, a choice's share
+        of which is its bound). None: nothing reserved."""
         if team is None or not team.config.budgets:
             return None
-        prompt, completion = reservation_of(request)
-        return await self.budgets.reserve(team, key, model, prompt, completion)
+        prompt, completion, unbounded = reservation_of(request, max_context)
+        held = await self.budgets.reserve(team, key, model, prompt, completion, unbounded)
+        if held is not None and held.granted is not None and isinstance(request, GenerateRequest):
+            held.granted = max(1, held.granted // request.n)
+        return held
 
-    async def reprice(
-        self, held: Reservation, model: str, request: GenerateRequest | EmbedRequest | None
-    ) -> None:
+    async def reprice(self, held: Reservation, model: str) -> None:
         """A fallback serves: `held` is reserved at `model`'s prices instead, if it fits
         (`BudgetExceeded` otherwise), so budgets are charged for the model that served."""
-        prompt, completion = reservation_of(request)
-        await self.budgets.reprice(held, model, prompt, completion)
+        await self.budgets.reprice(held, model)
 
     async def settle(
         self,

@@ -3,14 +3,18 @@
 this gateway's memory or, with `redis_url`, in Redis for every replica.
 
 Reserve, then settle, as the per-minute token limit does: admission reserves
-the most a request can cost (its prompt, estimated, plus `max_tokens` x `n`;
-a request with no bound reserves its prompt alone), and only if every budget
-of the team has room for it; the request's end settles each budget to what the
-engine counted (prompt and completion tokens), refunding the rest: finished,
-cut by the client, timed out or refused by the worker alike, since it runs
-where admission's lease ends. So a window can end above its budget by no more
-than what requests with no bound wrote, or what the estimate missed of
-prompts, of requests admitted before the budget was reached.
+the most a request can cost (its prompt, estimated, plus `max_tokens` x `n`),
+and only if every budget of the team has room for it; the request's end settles
+each budget to what the engine counted (prompt and completion tokens),
+refunding the rest: finished, cut by the client, timed out or refused by the
+worker alike, since it runs where admission's lease ends. A request with no
+bound reserves the rest of its model's context for each choice; where that
+does not fit, half of it, and so on down to one token, and the first that
+fits becomes its `max_tokens` (as the per-minute limit grants one): it cannot
+write past its budget. So a window can end above its budget by no more than
+what the estimate missed of prompts (and, for a model whose context the
+gateway does not know, what requests with no bound wrote), of requests
+admitted before the budget was reached.
 
 One budget counter per window, `P:budget:{team}:<meter>:<window>[:key]`, holds
 the settled usage plus the reservations outstanding. In Redis one Lua script
@@ -149,13 +153,18 @@ class Meter:
 class Reservation:
     """What one request reserved, to be settled at its end."""
 
-    __slots__ = ("meters", "prices", "reserved", "team")
+    __slots__ = ("completion", "granted", "meters", "prices", "prompt", "reserved", "team")
 
     def __init__(self, team: Team, meters: list[Meter], prices: tuple[float, float] | None) -> None:
         self.team = team
         self.meters = meters
         self.prices = prices
         self.reserved = [0.0] * len(meters)
+        #: The tokens reserved: the prompt's estimate and the completion's.
+        self.prompt = self.completion = 0
+        #: For a request with no bound: the completion tokens the budgets granted it
+        #: (fewer than asked: its bound from here); None: all it asked.
+        self.granted: int | None = None
 
 
 class Budgets:
@@ -226,32 +235,41 @@ class Budgets:
         model: str,
         prompt: int,
         completion: int,
+        unbounded: bool = False,
     ) -> Reservation | None:
         """Reserves `prompt` + `completion` tokens (their spend at `model`'s prices) on
         every budget of `team`; raises BudgetExceeded if one has no room, or Busy if
-        Redis is down and budgets fail closed. None: the team has no budget."""
+        Redis is down and budgets fail closed. None: the team has no budget. An
+        `unbounded` request (no `max_tokens`: `completion` is the rest of its model's
+        context) that does not fit asks half as much again, down to one token, and is
+        granted the first that fits (`Reservation.granted`)."""
         if not team.config.budgets:
             return None
         now = time.time()
         meters = self.meters(team, key_id, now)
         prices = self.prices.get(model)
         held = Reservation(team, meters, prices)
-        amounts = [m.cost(prices, prompt, completion) for m in meters]
-        refused = await self._apply_all(held, amounts, check=True)
-        if refused is not None:
-            raise self._exceeded(team, meters[refused], now)
-        held.reserved = amounts
+        while True:
+            amounts = [m.cost(prices, prompt, completion) for m in meters]
+            refused = await self._apply_all(held, amounts, check=True)
+            if refused is None:
+                break
+            if not unbounded or completion <= 1:
+                raise self._exceeded(team, meters[refused], now)
+            completion //= 2
+            held.granted = completion
+        held.reserved, held.prompt, held.completion = amounts, prompt, completion
         self._mark(team, meters)
         return held
 
-    async def reprice(self, held: Reservation, model: str, prompt: int, completion: int) -> None:
+    async def reprice(self, held: Reservation, model: str) -> None:
         """Moves `held` to `model`'s prices (a fallback serves the request): every counter
         changes by the difference at once, and only if what it adds fits
         (`BudgetExceeded` otherwise, `held` unchanged)."""
         prices = self.prices.get(model)
         if prices == held.prices:
             return
-        amounts = [m.cost(prices, prompt, completion) for m in held.meters]
+        amounts = [m.cost(prices, held.prompt, held.completion) for m in held.meters]
         deltas = [a - r for a, r in zip(amounts, held.reserved, strict=True)]
         refused = await self._apply_all(held, deltas, check=True)
         if refused is not None:
