@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -482,3 +483,19 @@ def test_an_answer_with_no_bound_stops_where_the_budget_does(gateway_with: Any) 
         assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 7
     used = gw.state.teams.accounts.budgets.used
     assert list(used.values()) == [usage["prompt_tokens"] + 7] and usage["total_tokens"] <= 20
+
+
+def test_what_a_request_with_no_bound_reserves() -> None:
+    """The rest of its model's context, or what its team's minute granted a choice if
+    that is less, for each choice; nothing where neither is known."""
+    from gateway.protocol.types import GenerateRequest
+    from gateway.teams.accounts import reservation_of
+
+    one = GenerateRequest("m", prompt=PROMPT)  # estimated at 7 tokens
+    assert reservation_of(one, 4096) == (7, 4089, True)
+    assert reservation_of(one, 4096, granted=100) == (7, 100, True)
+    assert reservation_of(one, None, granted=100) == (7, 100, True)
+    assert reservation_of(one) == (7, 0, False)
+    assert reservation_of(GenerateRequest("m", prompt=PROMPT, n=2), 4096) == (7, 2 * 4089, True)
+    bounded = GenerateRequest("m", prompt=PROMPT, sampling=replace(one.sampling, max_tokens=5))
+    assert reservation_of(bounded, 4096, granted=100) == (7, 5, False)

@@ -238,14 +238,15 @@ class Admission:
         """Reserves the most the request may cost on its team's (and key's) budgets
         over their calendar windows (`BudgetExceeded`); `end` settles it."""
         if ctx.team is not None and ctx.team.config.budgets:
-            pool = _pool(ctx)
+            pool, record = _pool(ctx), ctx.record
             held = await self.accounts.reserve(
-                ctx.team, ctx.key_id, pool.name, ctx.request, pool.max_context
-            )
+                ctx.team, ctx.key_id, pool.name, ctx.request, pool.max_context,
+                record.granted_tokens,  # what the team's minute granted, if it bounds it
+            )  # fmt: skip
             ctx.reservation = held
             if held is not None and held.granted is not None:  # its bound from here
-                granted = ctx.record.granted_tokens
-                ctx.record.granted_tokens = min(held.granted, granted or held.granted)
+                granted = record.granted_tokens
+                record.granted_tokens = min(held.granted, granted or held.granted)
 
     @asynccontextmanager
     async def slot(self, ctx: RequestContext) -> AsyncIterator[None]:

@@ -58,20 +58,24 @@ def key_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
 
 
 def reservation_of(
-    request: GenerateRequest | EmbedRequest | None, max_context: int | None = None
+    request: GenerateRequest | EmbedRequest | None,
+    max_context: int | None = None,
+    granted: int | None = None,
 ) -> tuple[int, int, bool]:
     """What a request may cost at most: its prompt, estimated, its completion
-    (`max_tokens` x `n`; with no bound the rest of `max_context` x `n`, or 0 where that
-    is not known; 0 for embeddings and tensors), and whether it has no bound of its own."""
+    (`max_tokens` x `n`; with no bound, what the team's minute `granted` a choice, or the
+    rest of `max_context`, whichever is less, x `n`, and 0 where neither is known; 0 for
+    embeddings and tensors), and whether it has no bound of its own."""
     if request is None:
         return 0, 0, False
     prompt = estimate_tokens(request)
     if isinstance(request, EmbedRequest):
         return prompt, 0, False
     if request.sampling.max_tokens is None:
-        if max_context is None:
+        bounds = [b for b in (granted, max_context and max(1, max_context - prompt)) if b]
+        if not bounds:
             return prompt, 0, False
-        return prompt, max(1, max_context - prompt) * request.n, True
+        return prompt, min(bounds) * request.n, True
     return prompt, request.sampling.max_tokens * request.n, False
 
 
@@ -110,14 +114,16 @@ class Accounts:
         model: str,
         request: GenerateRequest | EmbedRequest | None,
         max_context: int | None = None,
+        granted: int | None = None,
     ) -> Reservation | None:
         """The budgets stage: reserves the most `request` may cost on its team's
         budgets (`BudgetExceeded` when one has no room; one with no bound may be granted
-        fewer tokens than its model's context: `Reservation.granted`, a choice's share
-        of which is its bound). None: nothing reserved."""
+        fewer tokens than its model's context, or than its team's minute `granted` a
+        choice: `Reservation.granted`, a choice's share of which is its bound). None:
+        nothing reserved."""
         if team is None or not team.config.budgets:
             return None
-        prompt, completion, unbounded = reservation_of(request, max_context)
+        prompt, completion, unbounded = reservation_of(request, max_context, granted)
         held = await self.budgets.reserve(team, key, model, prompt, completion, unbounded)
         if held is not None and held.granted is not None and isinstance(request, GenerateRequest):
             held.granted = max(1, held.granted // request.n)
