@@ -8,8 +8,8 @@ and only if every budget of the team has room for it; the request's end settles
 each budget to what the engine counted (prompt and completion tokens),
 refunding the rest: finished, cut by the client, timed out or refused by the
 worker alike, since it runs where admission's lease ends. A request with no
-bound reserves the rest of its model's context for each choice; where that
-does not fit, half of it, and so on down to one token, and the first that
+bound reserves the rest of its model's context for each choice (or what its
+team's minute granted it, if less); where that does not fit, half of it, and so on down to one token, and the first that
 fits becomes its `max_tokens` (as the per-minute limit grants one): it cannot
 write past its budget. So a window can end above its budget by no more than
 what the estimate missed of prompts (and, for a model whose context the
