@@ -101,7 +101,7 @@ def test_a_bad_tokenize_body_is_refused_naming_its_parameter(client, body, param
         ([1, 2.0], "token ids"),
         ([2**32], "token ids"),
         ([0] * ((1 << 20) + 1), "at most"),
-        ([10**6], "vocabulary"),  # the demo's vocabulary holds the words it has met
+        ([10**6], "not a word"),  # the demo decodes the words it has tokenized
     ],
 )
 def test_bad_ids_are_refused_naming_tokens(client, tokens, why):

@@ -8,6 +8,7 @@ reply too large. The vLLM engine's: tests/test_vllm_engine.py."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,9 @@ def test_the_demos_ids_are_its_words_and_round_trip(server_loop, serve_engines):
         assert detokenize(server_loop, worker, ids).text == " ".join(words)
         assert tokenize(server_loop, worker, request).ids == ids  # the same again
         assert list(tokenize(server_loop, worker, request).token_strs) == []  # not asked
-    # the vocabulary grows in the order words are met: the chat's first word is 0
-    assert list(tokenize(server_loop, worker, CHAT).ids)[:3] == [0, 1, 2]
+    # a word's id is the CRC-32 of its bytes: the same on every demo worker
+    crc = [zlib.crc32(w.encode()) for w in CHAT_WORDS]
+    assert list(tokenize(server_loop, worker, CHAT).ids) == crc
     assert detokenize(server_loop, worker, []).text == ""
 
 
@@ -130,37 +132,39 @@ def test_the_demo_lists_tokenize(server_loop, serve_engines):
 
 def test_an_id_the_demo_never_gave_is_refused_naming_tokens(server_loop, serve_engines):
     (worker,) = serve_engines(DemoEngine())
-    ids = list(tokenize(server_loop, worker, PROMPT).ids)  # 3 words: ids 0 to 2
+    ids = list(tokenize(server_loop, worker, PROMPT).ids)
     message = refused(
         detokenize(server_loop, worker, [*ids, 3]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"
     )
     assert "3" in message
+    other = zlib.crc32(b"elsewhere")  # another worker's word: refused here, never mistaken
+    refused(detokenize(server_loop, worker, [other]), grpc.StatusCode.INVALID_ARGUMENT, "tokens")
     big = 2**32 - 1
     refused(detokenize(server_loop, worker, [big]), grpc.StatusCode.INVALID_ARGUMENT, "tokens")
 
 
-def test_the_demos_vocabulary_is_bounded(server_loop, serve_engines, monkeypatch):
+def test_the_demo_forgets_its_oldest_words_past_its_bound(server_loop, serve_engines, monkeypatch):
+    """It decodes the last `DEMO_VOCABULARY` words it tokenized (of at most
+    `DEMO_VOCABULARY_CHARS` characters): an older one's id is refused, never mistaken."""
     monkeypatch.setattr(demo, "DEMO_VOCABULARY", 4)
-    engine = DemoEngine()
-    (worker,) = serve_engines(engine)
-    assert list(tokenize(server_loop, worker, PROMPT).ids) == [0, 1, 2, 1, 0]
-    full = GenerateRequest(DEMO_MODEL, prompt="one four five")  # two new words, room for one
-    message = refused(tokenize(server_loop, worker, full), grpc.StatusCode.INVALID_ARGUMENT)
-    assert "vocabulary is full" in message
-    refused(tokenize(server_loop, worker, full), grpc.StatusCode.INVALID_ARGUMENT, "prompt")
-    chat = GenerateRequest(DEMO_MODEL, messages=(Message("user", "six seven"),))
-    refused(tokenize(server_loop, worker, chat), grpc.StatusCode.INVALID_ARGUMENT, "messages")
-    # nothing of a refused prompt was learned: one new word still fits
-    assert list(tokenize(server_loop, worker, GenerateRequest(DEMO_MODEL, prompt="four")).ids) == [
-        3
-    ]
-    monkeypatch.setattr(demo, "DEMO_VOCABULARY_CHARS", engine._vocabulary_chars)
-    monkeypatch.setattr(demo, "DEMO_VOCABULARY", 100)
+    (worker,) = serve_engines(DemoEngine())
+    crc = {w: zlib.crc32(w.encode()) for w in ("one", "two", "three", "four", "five")}
+    tokenize(server_loop, worker, PROMPT)  # "one two three two one": three, two, one last
+    tokenize(server_loop, worker, GenerateRequest(DEMO_MODEL, prompt="four five"))
     refused(
-        tokenize(server_loop, worker, GenerateRequest(DEMO_MODEL, prompt="x")),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "prompt",
+        detokenize(server_loop, worker, [crc["three"]]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"
     )
+    ids = [crc[w] for w in ("two", "one", "four", "five")]
+    assert detokenize(server_loop, worker, ids).text == "two one four five"
+    monkeypatch.setattr(demo, "DEMO_VOCABULARY", 100)
+    monkeypatch.setattr(demo, "DEMO_VOCABULARY_CHARS", 8)
+    tokenize(server_loop, worker, GenerateRequest(DEMO_MODEL, prompt="six"))  # 17 chars: 8 kept
+    for gone in ("two", "one", "four"):
+        refused(
+            detokenize(server_loop, worker, [crc[gone]]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"
+        )
+    ids = [crc["five"], zlib.crc32(b"six")]
+    assert detokenize(server_loop, worker, ids).text == "five six"
 
 
 def test_the_demo_bounds_the_text_it_decodes(server_loop, serve_engines, monkeypatch):
@@ -217,7 +221,7 @@ def test_an_unknown_model_is_not_found(server_loop, serve_engines):
     refused(detokenize(server_loop, worker, [0], model="elsewhere"), grpc.StatusCode.NOT_FOUND)
     # no model named: the worker's
     assert len(tokenize(server_loop, worker, GenerateRequest("", prompt="a b")).ids) == 2
-    assert detokenize(server_loop, worker, [0], model="").text == "a"
+    assert detokenize(server_loop, worker, [zlib.crc32(b"a")], model="").text == "a"
 
 
 def test_too_many_ids_are_refused_before_the_engine(server_loop, serve_engines):

@@ -43,13 +43,13 @@ tests rely on:
   `thinking_token_budget` (it does not list them, so the worker SDK refuses them).
 
 - Tokenize (vLLM's /tokenize): one id per word, the words the prompt counts, in order
-  (each message's reasoning, then its content); a word's id is its place in the
-  vocabulary the engine builds as Tokenize meets words (the first new word 0, the next
-  1, ...), at most `DEMO_VOCABULARY` words of `DEMO_VOCABULARY_CHARS` characters in all
-  (past that a prompt with new words is `Invalid` naming `messages` or `prompt`). A
-  token's string is its word; Detokenize joins the ids' words with single spaces, and
-  an id it has not given out is `Invalid` naming `tokens`. The ids are this engine's
-  own: another demo worker gives the same words other ids.
+  (each message's reasoning, then its content); a word's id is the CRC-32 of its UTF-8
+  bytes, so every demo worker, and every start, gives a word the same id. A token's
+  string is its word; Detokenize joins the ids' words with single spaces, from the words
+  this worker has tokenized (the last `DEMO_VOCABULARY` of them, at most
+  `DEMO_VOCABULARY_CHARS` characters in all): an id it has not met is `Invalid` naming
+  `tokens`, never another word (behind several demo workers, an id met by another one
+  is refused so).
 
 `token_delay` seconds before each token stand in for a GPU's pace.
 
@@ -79,6 +79,8 @@ import json
 import math
 import re
 import secrets
+import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -110,8 +112,8 @@ JSON_PIECE = 8
 #: schema (a valid schema's `minLength` may ask for a terabyte).
 MAX_INSTANCE = 1 << 16
 
-#: The most words the demo's tokenizer learns (Tokenize adds the words it meets), and
-#: their characters in all.
+#: The most words the demo's Detokenize knows (the last ones Tokenize met), and their
+#: characters in all.
 DEMO_VOCABULARY = 1 << 16
 DEMO_VOCABULARY_CHARS = 1 << 24
 
@@ -265,8 +267,7 @@ class DemoEngine(Engine):
         self.aborted = 0  # generations stopped before their end
         self.embedded = 0  # Embed calls answered
         # the words Tokenize met, by id, and their ids (see the module's rules)
-        self._vocabulary: list[str] = []
-        self._ids: dict[str, int] = {}
+        self._vocabulary: OrderedDict[int, str] = OrderedDict()  # id → word, oldest first
         self._vocabulary_chars = 0
 
     @staticmethod
@@ -303,34 +304,29 @@ class DemoEngine(Engine):
         return (request.prompt or "").split()
 
     async def tokenize(self, request: GenerateRequest) -> list[int]:
-        """One id per word (see the module's rules), new words added to the vocabulary."""
-        words, ids = self._words(request), self._ids
-        new = list(dict.fromkeys(word for word in words if word not in ids))
-        if new:
-            chars = sum(map(len, new))
-            if (
-                len(self._vocabulary) + len(new) > DEMO_VOCABULARY
-                or self._vocabulary_chars + chars > DEMO_VOCABULARY_CHARS
-            ):
-                raise errors.Invalid(
-                    f"The demo's vocabulary is full ({DEMO_VOCABULARY} words of "
-                    f"{DEMO_VOCABULARY_CHARS} characters in all): this prompt's "
-                    f"{len(new)} new words do not fit.",
-                    param="messages" if request.messages is not None else "prompt",
-                )
-            for word in new:
-                ids[word] = len(self._vocabulary)
-                self._vocabulary.append(word)
-            self._vocabulary_chars += chars
-        return [ids[word] for word in words]
+        """One id per word (see the module's rules), each word kept for Detokenize."""
+        words = self._words(request)
+        ids = [zlib.crc32(word.encode()) for word in words]
+        vocabulary = self._vocabulary
+        for token, word in zip(ids, words, strict=True):
+            if token in vocabulary:
+                vocabulary.move_to_end(token)
+                continue
+            vocabulary[token] = word
+            self._vocabulary_chars += len(word)
+            while (
+                len(vocabulary) > DEMO_VOCABULARY or self._vocabulary_chars > DEMO_VOCABULARY_CHARS
+            ):  # the oldest word forgotten
+                self._vocabulary_chars -= len(vocabulary.popitem(last=False)[1])
+        return ids
 
     def _known(self, ids: Sequence[int]) -> list[str]:
-        """The ids' words; `Invalid` naming "tokens" for an id not given out."""
+        """The ids' words; `Invalid` naming "tokens" for an id this worker has not met."""
         vocabulary = self._vocabulary
-        wrong = next((i for i in ids if not 0 <= i < len(vocabulary)), None)
+        wrong = next((i for i in ids if i not in vocabulary), None)
         if wrong is not None:
             raise errors.Invalid(
-                f"Token id {wrong} is out of the vocabulary (0 to {len(vocabulary) - 1}).",
+                f"Token id {wrong} is not a word this demo worker has tokenized.",
                 param="tokens",
             )
         return [vocabulary[i] for i in ids]
