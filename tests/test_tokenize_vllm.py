@@ -122,3 +122,18 @@ def test_an_id_outside_the_vocabulary(http, vllm):
     assert through.status_code == direct.status_code
     if direct.status_code == 200:
         assert through.json() == direct.json()
+
+
+def test_a_long_prompt_is_counted_whole_on_both_paths(http, vllm):
+    """Anthropic's count_tokens of a prompt of some 20,000 tokens (past what an error
+    body's bound would read of vLLM's `/tokenize` answer, which lists every id) is
+    vLLM's own count, through its server and through the gateway's tokenizer."""
+    text = " ".join(f"word{i}" for i in range(4000))
+    expected = answer(
+        vllm, "/tokenize", HTTP_MODEL, {"messages": [{"role": "user", "content": text}]}
+    )
+    assert expected["count"] > 15_000
+    for model in (HTTP_MODEL, GRPC_MODEL):
+        body = {"messages": [{"role": "user", "content": text}]}
+        counted = answer(http, "/v1/messages/count_tokens", model, body)
+        assert counted == {"input_tokens": expected["count"]}, model
