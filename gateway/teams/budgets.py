@@ -2,18 +2,18 @@
 (a UTC day or month), in tokens or in spend (the models' `prices`), held in
 this gateway's memory or, with `redis_url`, in Redis for every replica.
 
-Reserve, then settle, as the per-minute token limit does: admission reserves
-the most a request can cost (its prompt, estimated, plus `max_tokens` x `n`),
-and only if every budget of the team has room for it; the request's end settles
-each budget to what the engine counted (prompt and completion tokens),
-refunding the rest: finished, cut by the client, timed out or refused by the
-worker alike, since it runs where admission's lease ends. A request with no
-bound reserves the rest of its model's context for each choice (or what its
-team's minute granted it, if less); where that does not fit, half of it, and so on down to one token, and the first that
-fits becomes its `max_tokens` (as the per-minute limit grants one): it cannot
-write past its budget. So a window can end above its budget by no more than
-what the estimate missed of prompts (and, for a model whose context the
-gateway does not know, what requests with no bound wrote), of requests
+Reserve, then settle, as the per-minute token limit does: admission reserves the
+most a request can cost (its prompt, estimated, plus `max_tokens` x `n`), and
+only if every budget of the team has room for it; the request's end settles each
+budget to what the engine counted (prompt and completion tokens), refunding the
+rest: finished, cut by the client, timed out or refused by the worker alike,
+since it runs where admission's lease ends. A request with no bound reserves the
+rest of its model's context for each choice (or what its team's minute granted
+it, if less); where that does not fit, half of it, and so on down to one token,
+and the first that fits becomes its `max_tokens` (as the per-minute limit grants
+one): it cannot write past its budget. So a window can end above its budget by
+no more than what the estimate missed of prompts (and, for a model whose context
+the gateway does not know, what requests with no bound wrote), of requests
 admitted before the budget was reached.
 
 One budget counter per window, `P:budget:{team}:<meter>:<window>[:key]`, holds
