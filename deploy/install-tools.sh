@@ -125,6 +125,12 @@ fi
 "$TOOLS/vllm/bin/python" -c "import msgpack" 2>/dev/null ||
   "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps "msgpack==1.2.4"
 
+# vLLM's speech-to-text routes read audio files with these (its `audio` extra, less
+# mistral_common's): tests/test_audio.py serves a tiny Whisper through them.
+"$TOOLS/vllm/bin/python" -c "import soundfile, av, soxr, scipy" 2>/dev/null ||
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check \
+    "soundfile==0.14.0" "av==18.1.0" "soxr==1.1.0" "scipy==1.17.1"
+
 # --- Claude Code, Anthropic's agent CLI: .tools/bin/claude ------------------------------------
 # tests/test_claude_code.py runs the real client against the gateway's Messages API. The npm
 # package's platform package holds the whole CLI as one executable (about 400 MB unpacked),

@@ -610,6 +610,12 @@ class Config:
         "the largest request body, in bytes; a larger one gets 413 before it is read",
         minimum=1,
     )
+    max_audio_bytes: int = setting(
+        25 * 1024 * 1024,
+        "the largest audio file `/v1/audio/transcriptions` and `/v1/audio/translations` take "
+        "(OpenAI's 25 MB), in bytes; a larger upload gets 413 before it is read",
+        minimum=1,
+    )
     max_body_bytes_in_flight: int = setting(
         64 * 1024 * 1024,
         "bytes of request bodies this process reads at once; a body that would pass it gets "

@@ -7,6 +7,8 @@
     http_protocol.py  uvicorn's parser with bounds: header size/count (431), header
                    and body deadlines (408), connections (503)
     middleware.py  API keys (401), x-ratelimit-* headers, JSON bodies (415), Host (421)
+    forms.py       a multipart/form-data body read whole, bounded, cut into its parts
+                   (the Files API's uploads, the audio routes)
     ops.py         /health, /ready, /metrics, /metrics/json, /admin/workers
     request.py     the frame of the routes that serve a request on the fleet: id and
                    metadata, refusals, telemetry, the span (generation, embeddings, infer)

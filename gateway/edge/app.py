@@ -38,6 +38,7 @@ from gateway.edge.batches.runner import BatchRunner
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
 from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.openai.audio import TRANSCRIPTIONS, TRANSLATIONS, AudioRoute
 from gateway.edge.openai.classify import CLASSIFY_PATHS, ClassifyRoute
 from gateway.edge.openai.embeddings import EmbeddingsRoute
 from gateway.edge.openai.encoding import ChatEncoder, CompletionEncoder, Encoder
@@ -168,6 +169,8 @@ def create_app(
         **dict.fromkeys(CLASSIFY_PATHS, ClassifyRoute(parts)),
         **dict.fromkeys(TOKENIZE_PATHS, TokenizeRoute(parts)),
         **dict.fromkeys(DETOKENIZE_PATHS, DetokenizeRoute(parts)),
+        TRANSCRIPTIONS: AudioRoute(parts, translate=False),
+        TRANSLATIONS: AudioRoute(parts, translate=True),
         **anthropic_routes(parts, InputLimits(config)),
     }
     responses_hot, responses_store = responses_routes(parts, InputLimits(config))

@@ -52,6 +52,13 @@ UNSUPPORTED_MEDIA_TYPE = APIError(
     "The request body must be JSON: send 'Content-Type: application/json'.",
     code="unsupported_media_type",
 )
+#: A form sent with no key (a page could send one cross-site): say what it lacks.
+FORM_WITHOUT_KEY = APIError(
+    415,
+    "A form (multipart/form-data) is taken only with an API key: send an 'Authorization: "
+    "Bearer ...' or 'x-api-key' header (any value on a gateway without keys).",
+    code="unsupported_media_type",
+)
 MISDIRECTED = APIError(
     421, "The request's Host is not one this gateway serves.", code="misdirected_request"
 )
@@ -97,10 +104,10 @@ _JSON = frozenset({b"application/json"})
 #: the Responses API's cancel, sent so by OpenAI's own examples (`curl -X POST`); a page
 #: could send it cross-site, but it needs the response's id, 192 random bits.
 _BODYLESS = "/cancel"
-#: The one /v1 route that takes a form (multipart/form-data, as OpenAI's file uploads),
-#: from a request that carries a key: a page cannot send a form cross-site with one
-#: without the preflight the gateway does not answer.
-_UPLOADS = "/v1/files"
+#: The /v1 routes that take a form (multipart/form-data, as OpenAI's file uploads and
+#: audio), from a request that carries a key: a page cannot send a form cross-site with
+#: one without the preflight the gateway does not answer.
+_UPLOADS = frozenset({"/v1/files", "/v1/audio/transcriptions", "/v1/audio/translations"})
 _FORM = frozenset({b"multipart/form-data"})
 _KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 #: What a /v2 body may be declared as: JSON, or the binary tensor extension's bytes.
@@ -136,9 +143,10 @@ class JsonOnly:
                 openai
                 and not _declares(headers.content_types, _JSON)
                 and not (path.endswith(_BODYLESS) and not headers.content_types)
-                and not (path == _UPLOADS and _keyed_form(scope, headers.content_types))
+                and not (path in _UPLOADS and _keyed_form(scope, headers.content_types))
             ):
-                await send_error(send, UNSUPPORTED_MEDIA_TYPE)
+                form = path in _UPLOADS and _declares(headers.content_types, _FORM)
+                await send_error(send, FORM_WITHOUT_KEY if form else UNSUPPORTED_MEDIA_TYPE)
                 return
             if (
                 not openai

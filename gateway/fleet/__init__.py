@@ -18,6 +18,7 @@
     routing.py       routing on what the engines hold and have queued
     unary.py         one unary call on a model's workers, with their retry rule
     counting.py      a prompt's tokens counted or shown, ids decoded, on one of the model's workers
+    audio.py         speech written down (or translated) on one of the model's workers
 
 A request goes to a worker its model's balancer picks among the available ones
 (serving, not ejected, not leaving). A retryable refusal before the worker's

@@ -224,6 +224,35 @@ class Classifications:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class AudioRequest:
+    """Speech to write down (OpenAI's audio routes): a transcription in the speech's own
+    language, or a translation into English; the audio file as the client sent it, and
+    the form's other fields, checked, as they go to the server."""
+
+    model: str
+    translate: bool
+    audio: bytes
+    filename: str
+    content_type: str
+    fields: tuple[tuple[str, str], ...] = ()
+    stream: bool = False
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Transcript:
+    """A speech-to-text answer: whole, its body and type as the server made them (for a
+    stream, empty: its text went out as it came), the text, and the tokens the server
+    said it read and wrote (0 where it says none: a duration is not tokens)."""
+
+    body: bytes
+    content_type: str
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
 #: The largest token id (the worker protocol's ids are uint32).
 TOKEN_ID_MAX = 2**32 - 1
 

@@ -5,12 +5,13 @@ them; a new way of reaching workers is one more module beside those."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from gateway.protocol import errors, features
 from gateway.protocol.types import (
+    AudioRequest,
     Classifications,
     Embeddings,
     EmbedRequest,
@@ -19,6 +20,7 @@ from gateway.protocol.types import (
     RerankRequest,
     Scores,
     Tokens,
+    Transcript,
 )
 
 #: How a call ended, for the owner's bookkeeping: None (finished), the error, or
@@ -129,6 +131,23 @@ class Classifies(Protocol):
     ) -> Classifications:
         """A classification of each input, within `timeout` seconds; raises
         `GatewayError` as `Upstream.call` refuses."""
+
+
+@runtime_checkable
+class Transcribes(Protocol):
+    """An upstream whose workers write speech down (vLLM's and OpenAI's
+    `/audio/transcriptions` and `/audio/translations`)."""
+
+    async def transcribe(
+        self,
+        request: AudioRequest,
+        timeout: float,  # noqa: ASYNC109 (an HTTP timeout, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_text: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Transcript:
+        """The transcript, within `timeout` seconds; a streamed request's text handed to
+        `on_text` piece by piece as it comes. Raises `GatewayError` as `Upstream.call`
+        refuses."""
 
 
 @runtime_checkable

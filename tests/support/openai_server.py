@@ -60,6 +60,12 @@ class OpenAIServer:
         self.pace = 0.0
         self.refused = 0
         self.last_body: dict[str, Any] = {}
+        #: The last transcription's form: its fields' values, and the file's bytes.
+        self.last_form: dict[str, list[str]] = {}
+        self.last_audio = b""
+        #: A streamed transcription's deltas sent before its connection breaks (None:
+        #: it ends as OpenAI's does).
+        self.break_after: int | None = None
         #: What its Prometheus /metrics says, in vLLM's names (two engines, as a
         #: data-parallel server's): requests running and waiting, KV-cache use; None:
         #: no /metrics (404), as a server that is not a vLLM.
@@ -78,6 +84,7 @@ class OpenAIServer:
                 Route("/metrics", self._metrics),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+                Route("/v1/audio/transcriptions", self._transcription, methods=["POST"]),
             ]
         )
         config = uvicorn.Config(
@@ -200,6 +207,39 @@ class OpenAIServer:
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         # answered in reverse: the gateway must place vectors by their index
         return JSONResponse({"object": "list", "data": data[::-1], "usage": usage})
+
+    async def _transcription(self, request: Request) -> Response:
+        """OpenAI's transcription: `reply` written down, whole (its usage in tokens, as
+        gpt-4o-transcribe's) or as OpenAI's `transcript.text.delta` events, a word each
+        (`pace` seconds apart), and `transcript.text.done`."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        async with request.form() as form:
+            self.last_form = {}
+            for name, value in form.multi_items():
+                if isinstance(value, str):
+                    self.last_form.setdefault(name, []).append(value)
+                else:
+                    self.last_audio = await value.read()
+        usage = {"type": "tokens", "input_tokens": 7, "output_tokens": len(self.reply.split())}
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        if self.last_form.get("stream") != ["true"]:
+            return JSONResponse({"text": self.reply, "usage": usage})
+        words = self.reply.split(" ")
+        deltas = [words[0], *(" " + word for word in words[1:])]
+        events = [{"type": "transcript.text.delta", "delta": d} for d in deltas]
+        events.append({"type": "transcript.text.done", "text": self.reply, "usage": usage})
+        cut, pace = self.break_after, self.pace
+
+        async def body() -> AsyncIterator[bytes]:
+            for i, event in enumerate(events):
+                if cut is not None and i == cut:
+                    raise RuntimeError("the stream breaks")  # uvicorn drops the connection
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+                await asyncio.sleep(pace)
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     async def start(self) -> None:
         """Listens, on the running loop."""

@@ -178,6 +178,37 @@ def start_http_server(
     return _start(args, log_dir / "vllm-http.log", wait_http_ready, {**HTTP_ENV, **(env or {})})
 
 
+#: A Whisper's decoder reads at most 448 tokens: its context, as vLLM runs it.
+WHISPER_LEN = 448
+
+
+def start_speech_server(model: Path, log_dir: Path, name: str = "tiny-whisper") -> VllmProcess:
+    """vLLM's OpenAI server serving a speech-to-text model (tests/support/tiny_whisper.py)
+    on a free loopback port, ready: its `/v1/audio/transcriptions` and `/translations`."""
+
+    def args(port: int) -> list[str]:
+        return [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            *ENGINE_ARGS[: ENGINE_ARGS.index("--max-model-len")],
+            "--max-model-len",
+            str(WHISPER_LEN),
+        ]
+
+    return _start(args, log_dir / "vllm-speech.log", wait_http_ready)
+
+
 #: Starts of a server whose port was taken meanwhile: vLLM builds its engine (tens of
 #: seconds) before its server binds the port `free_port` found free, and the kernel may
 #: give it to another socket first (seen in CI: "Address already in use").

@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, cast
 
-from python_multipart import MultipartParser
-from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -29,6 +27,7 @@ from gateway.edge.asgi import Receive, Scope
 from gateway.edge.batches.runner import BatchRunner, ids
 from gateway.edge.batches.store import UNFINISHED, BatchStore, StoredBatch, pieces
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.forms import FORM_SLACK, read_form
 from gateway.edge.openai.body import parse_json, read_body
 from gateway.edge.responses.params import _metadata
 from gateway.edge.responses.routes import guarded, json_response, refuse_query, team_name
@@ -47,8 +46,6 @@ ENDPOINTS = (
 WINDOW, WINDOW_SECONDS = "24h", 24 * 3600
 #: `expires_after.seconds`' range (OpenAI's: an hour to 30 days).
 EXPIRES_MIN, EXPIRES_MAX = 3600, 2_592_000
-#: Bytes of a multipart body past the file's own (boundaries, headers, purpose).
-FORM_SLACK = 64 * 1024
 
 
 def not_found(kind: str, object_id: str) -> APIError:
@@ -172,66 +169,6 @@ def _expires_after(value: Any, param: str) -> int | None:
     return seconds
 
 
-class Upload:
-    """A multipart body's fields: the `file` part's bytes and name, the other fields."""
-
-    def __init__(self) -> None:
-        self.fields: dict[str, bytes] = {}
-        #: How many `file` parts the body held (one is taken).
-        self.files = 0
-        self.filename = ""
-        self.file: list[bytes] = []
-        self._name = ""
-        self._value: list[bytes] = []
-        self._header: list[bytes] = []
-        self._headers: dict[bytes, bytes] = {}
-
-    def parse(self, body: bytes, boundary: bytes) -> None:
-        def on_header_field(data: bytes, start: int, end: int) -> None:
-            self._header.append(data[start:end])
-
-        def on_header_value(data: bytes, start: int, end: int) -> None:
-            self._value.append(data[start:end])
-
-        def on_header_end() -> None:
-            self._headers[b"".join(self._header).lower()] = b"".join(self._value)
-            self._header, self._value = [], []
-
-        def on_headers_finished() -> None:
-            _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
-            self._name = options.get(b"name", b"").decode("utf-8", "replace")
-            if self._name == "file":
-                self.filename = options.get(b"filename", b"").decode("utf-8", "replace")
-
-        def on_part_data(data: bytes, start: int, end: int) -> None:
-            self._value.append(data[start:end])
-
-        def on_part_end() -> None:
-            value = b"".join(self._value)
-            if self._name == "file":
-                self.files += 1
-                self.file = pieces(value)
-            elif self._name:
-                self.fields[self._name] = value
-            self._value, self._headers = [], {}
-
-        callbacks = {
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
-            "on_headers_finished": on_headers_finished,
-            "on_part_data": on_part_data,
-            "on_part_end": on_part_end,
-        }
-        parser = MultipartParser(boundary, cast(Any, callbacks))
-        parser.write(body)
-        parser.finalize()
-
-    def field(self, name: str) -> str | None:
-        raw = self.fields.get(name)
-        return None if raw is None else raw.decode("utf-8", "replace")
-
-
 async def _chunks(pages: AsyncIterator[list[bytes]]) -> AsyncIterator[bytes]:
     async for page in pages:
         for chunk in page:
@@ -262,18 +199,10 @@ def batch_routes(
     async def upload(request: Request) -> Response:
         refuse_query(request)
         team = team_of(request.scope)
-        kind, options = parse_options_header(request.headers.get("content-type", ""))
-        boundary = options.get(b"boundary")
-        if kind != b"multipart/form-data" or not boundary:
-            raise invalid(None, "Upload a file as multipart/form-data, with 'file' and 'purpose'.")
         meter = admission.bodies.meter(team)
-        scope = cast(Scope, request.scope)
-        body = await read_body(scope, cast(Receive, request.receive), max_file + FORM_SLACK, meter)
-        form = Upload()
-        try:
-            form.parse(body, boundary)
-        except Exception as error:  # python-multipart's own errors, on a malformed body
-            raise invalid(None, f"The multipart body could not be read: {error}.") from None
+        scope, receive = cast(Scope, request.scope), cast(Receive, request.receive)
+        expected = "Upload a file as multipart/form-data, with 'file' and 'purpose'."
+        form = await read_form(scope, receive, max_file + FORM_SLACK, meter, expected)
         purpose = form.field("purpose")
         if purpose is None:
             raise invalid("purpose", "Missing required parameter: 'purpose'.")
@@ -285,7 +214,7 @@ def batch_routes(
             raise invalid("file", "Missing required parameter: 'file'.")
         if form.files > 1:
             raise invalid("file", "Upload one file a request.")
-        size = sum(map(len, form.file))
+        size = len(form.file)
         if size > max_file:
             raise APIError(
                 413,
@@ -319,7 +248,7 @@ def batch_routes(
             "status": "processed",
             "status_details": None,
         }
-        await store.put_file(team_name(team), file, form.file, seconds)
+        await store.put_file(team_name(team), file, pieces(form.file), seconds)
         return json_response(file)
 
     async def list_files(request: Request) -> Response:

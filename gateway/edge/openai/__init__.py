@@ -12,4 +12,5 @@ embeddings.py    /v1/embeddings
 scoring.py       /v1/rerank and /v1/score: cosine similarities of a model's embeddings,
                  or a cross-encoder's own scores
 classify.py      /classify: a classification model's classes, from its workers
-tokenize.py      /tokenize and /detokenize: a prompt's ids, ids' text, by the model's tokenizer"""
+tokenize.py      /tokenize and /detokenize: a prompt's ids, ids' text, by the model's tokenizer
+audio.py         /v1/audio/transcriptions and /translations: speech to text, from a form"""

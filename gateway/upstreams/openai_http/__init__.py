@@ -33,6 +33,8 @@ One job a module:
     translate.py    our request → their JSON body; their error bodies and events,
                     logprobs and embeddings answers → ours
     sse.py          their event stream (SSE bytes) → our events (`_Stream`)
+    audio.py        speech to text: our request → their form; their transcript,
+                    whole or streamed (vLLM's chunks or OpenAI's events) → ours
     connections.py  plain http:// streams over our own kept-alive connections
                     (`gateway.protocol.http1`): `_RawCall`
     upstream.py     `OpenAIHttpUpstream` (the worker) and `OpenAIHttpCall` (a

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
@@ -19,6 +19,7 @@ from gateway.protocol import errors, features
 from gateway.protocol.http1 import Pool, fetch
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
+    AudioRequest,
     Classifications,
     Embeddings,
     EmbedRequest,
@@ -28,6 +29,7 @@ from gateway.protocol.types import (
     Scores,
     Started,
     Tokens,
+    Transcript,
 )
 from gateway.upstreams.base import (
     CANCELLED,
@@ -36,6 +38,12 @@ from gateway.upstreams.base import (
     ModelDescription,
     StreamBookkeeping,
     UpstreamCall,
+)
+from gateway.upstreams.openai_http.audio import (
+    MAX_TRANSCRIPT_BYTES,
+    TranscriptStream,
+    form_of,
+    transcript_from,
 )
 from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES, engine_load
@@ -379,6 +387,52 @@ class OpenAIHttpUpstream:
         )
         return text_detokenized(status, content)
 
+    async def transcribe(
+        self,
+        request: AudioRequest,
+        timeout: float,  # noqa: ASYNC109 (the Transcribes interface's signature)
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_text: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Transcript:
+        """Their `/audio/transcriptions` (or `/audio/translations`), the file and fields as
+        a form, within `timeout` seconds: a whole answer read up to `MAX_TRANSCRIPT_BYTES`,
+        or a stream's texts handed to `on_text` as they come (an event at most
+        `MAX_EVENT_BYTES`). A server without the route says the model serves no speech
+        to text (a 400 naming `model`)."""
+        path = "audio/translations" if request.translate else "audio/transcriptions"
+        data, files = form_of(request)
+        http_request = self._http.build_request(
+            "POST",
+            f"{self.address}/{path}",
+            data=data,
+            files=files,
+            headers={**dict(metadata), **self._auth},
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+        )
+        as_text = ("response_format", "text") in request.fields
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self._http.send(http_request, stream=True)
+                try:
+                    if response.status_code != 200:
+                        content = await read_capped(response, MAX_ERROR_BYTES)
+                        raise _pooling_error(response.status_code, content, "speech to text")
+                    kind = response.headers.get("content-type", "")
+                    if on_text is None or not kind.startswith("text/event-stream"):
+                        content = await read_capped(response, MAX_TRANSCRIPT_BYTES + 1)
+                        if len(content) > MAX_TRANSCRIPT_BYTES:
+                            raise errors.Failed(
+                                "The upstream's transcript is larger than the gateway takes."
+                            )
+                        return transcript_from(kind, content, as_text)
+                    return await _streamed(response, on_text)
+                finally:
+                    await response.aclose()
+        except (TimeoutError, httpx.TimeoutException) as error:
+            raise errors.Timeout(f"upstream timed out: {error}") from None
+        except httpx.TransportError as error:
+            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+
     async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         """Loads the LoRA adapter `name` from `path` (vLLM's `/v1/load_lora_adapter`,
         beside `/v1/models`), within `timeout` seconds. One already loaded (vLLM's 400
@@ -499,6 +553,21 @@ class OpenAIHttpUpstream:
         """Drops its own idle connections; the httpx client belongs to the fleet."""
         if self._pool is not None:
             self._pool.close()
+
+
+async def _streamed(
+    response: httpx.Response, on_text: Callable[[str], Awaitable[None]]
+) -> Transcript:
+    """A streamed transcript's texts handed to `on_text` as they come; its end."""
+    stream = TranscriptStream()
+    async for chunk in response.aiter_bytes():
+        for text in stream.feed(chunk):
+            await on_text(text)
+        if stream.done:
+            break
+    if not stream.done:
+        raise errors.Failed("The upstream's transcript stream ended before its end.")
+    return stream.transcript()
 
 
 def _inputs_body(request: EmbedRequest) -> dict[str, Any]:
