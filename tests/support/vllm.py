@@ -147,6 +147,24 @@ def kv_events_args(port: int | None = None, replay: int | None = None) -> tuple[
     return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
 
 
+def _http_command(model: Path, name: str, port: int, options: tuple[str, ...]) -> list[str]:
+    """vLLM's OpenAI server of `model` as `name` on loopback `port`, with `options`."""
+    return [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *options,
+    ]
+
+
 def start_http_server(
     model: Path,
     log_dir: Path,
@@ -156,26 +174,13 @@ def start_http_server(
 ) -> VllmProcess:
     """vLLM's OpenAI server on a free loopback port, ready (GET /health is 200), with
     tool calls and structured outputs on, and `extra` engine options (and variables)."""
-
-    def args(port: int) -> list[str]:
-        return [
-            str(vllm_python()),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *ENGINE_ARGS,
-            *HTTP_ARGS,
-            *extra,
-        ]
-
-    return _start(args, log_dir / "vllm-http.log", wait_http_ready, {**HTTP_ENV, **(env or {})})
+    options = (*ENGINE_ARGS, *HTTP_ARGS, *extra)
+    return _start(
+        lambda port: _http_command(model, name, port, options),
+        log_dir / "vllm-http.log",
+        wait_http_ready,
+        {**HTTP_ENV, **(env or {})},
+    )
 
 
 #: A Whisper's decoder reads at most 448 tokens: its context, as vLLM runs it.
@@ -185,28 +190,13 @@ WHISPER_LEN = 448
 def start_speech_server(model: Path, log_dir: Path, name: str = "tiny-whisper") -> VllmProcess:
     """vLLM's OpenAI server serving a speech-to-text model (tests/support/tiny_whisper.py)
     on a free loopback port, ready: its `/v1/audio/transcriptions` and `/translations`."""
-
-    def args(port: int) -> list[str]:
-        return [
-            str(vllm_python()),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "bfloat16",
-            *ENGINE_ARGS[: ENGINE_ARGS.index("--max-model-len")],
-            "--max-model-len",
-            str(WHISPER_LEN),
-        ]
-
-    return _start(args, log_dir / "vllm-speech.log", wait_http_ready)
+    lean = ENGINE_ARGS[: ENGINE_ARGS.index("--max-model-len")]
+    options = ("--dtype", "bfloat16", *lean, "--max-model-len", str(WHISPER_LEN))
+    return _start(
+        lambda port: _http_command(model, name, port, options),
+        log_dir / "vllm-speech.log",
+        wait_http_ready,
+    )
 
 
 #: Starts of a server whose port was taken meanwhile: vLLM builds its engine (tens of

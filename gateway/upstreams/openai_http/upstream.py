@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
 
@@ -71,6 +71,8 @@ from gateway.upstreams.openai_http.translate import (
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 #: What one id's text may take in a `/detokenize` answer (a long token, JSON-escaped).
 DETOKENIZED_BYTES_AN_ID = 256
+
+T = TypeVar("T")
 
 _CLOSING: set[asyncio.Task[None]] = set()
 _BREAKS_HEADER = re.compile(r"[\r\n\x00]")  # upstream responses being closed after a cancel
@@ -410,28 +412,9 @@ class OpenAIHttpUpstream:
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
         as_text = ("response_format", "text") in request.fields
-        try:
-            async with asyncio.timeout(timeout):
-                response = await self._http.send(http_request, stream=True)
-                try:
-                    if response.status_code != 200:
-                        content = await read_capped(response, MAX_ERROR_BYTES)
-                        raise _pooling_error(response.status_code, content, "speech to text")
-                    kind = response.headers.get("content-type", "")
-                    if on_text is None or not kind.startswith("text/event-stream"):
-                        content = await read_capped(response, MAX_TRANSCRIPT_BYTES + 1)
-                        if len(content) > MAX_TRANSCRIPT_BYTES:
-                            raise errors.Failed(
-                                "The upstream's transcript is larger than the gateway takes."
-                            )
-                        return transcript_from(kind, content, as_text)
-                    return await _streamed(response, on_text)
-                finally:
-                    await response.aclose()
-        except (TimeoutError, httpx.TimeoutException) as error:
-            raise errors.Timeout(f"upstream timed out: {error}") from None
-        except httpx.TransportError as error:
-            raise errors.Unavailable(f"upstream unreachable: {error}") from None
+        return await self._exchange(
+            http_request, timeout, lambda response: _transcript(response, as_text, on_text)
+        )
 
     async def load_adapter(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         """Loads the LoRA adapter `name` from `path` (vLLM's `/v1/load_lora_adapter`,
@@ -460,18 +443,32 @@ class OpenAIHttpUpstream:
     ) -> tuple[int, bytes]:
         """`request` sent within `timeout` seconds: its status and at most `limit` bytes
         of its answer."""
+
+        async def read(response: httpx.Response) -> tuple[int, bytes]:
+            return response.status_code, await read_capped(response, limit)
+
+        return await self._exchange(request, timeout, read)
+
+    async def _exchange(
+        self,
+        request: httpx.Request,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout)
+        read: Callable[[httpx.Response], Awaitable[T]],
+    ) -> T:
+        """`request` sent within `timeout` seconds and its answer read by `read` (the
+        response closed after, however it ends); httpx's timeouts and transport errors as
+        ours."""
         try:
             async with asyncio.timeout(timeout):
                 response = await self._http.send(request, stream=True)
                 try:
-                    content = await read_capped(response, limit)
+                    return await read(response)
                 finally:
                     await response.aclose()
         except (TimeoutError, httpx.TimeoutException) as error:
             raise errors.Timeout(f"upstream timed out: {error}") from None
         except httpx.TransportError as error:
             raise errors.Unavailable(f"upstream unreachable: {error}") from None
-        return response.status_code, content
 
     async def _get(self, url: str, timeout: float, limit: int) -> tuple[int, bytes]:  # noqa: ASYNC109
         """GET `url` (theirs) within `timeout` seconds: its status and at most `limit`
@@ -555,10 +552,21 @@ class OpenAIHttpUpstream:
             self._pool.close()
 
 
-async def _streamed(
-    response: httpx.Response, on_text: Callable[[str], Awaitable[None]]
+async def _transcript(
+    response: httpx.Response, as_text: bool, on_text: Callable[[str], Awaitable[None]] | None
 ) -> Transcript:
-    """A streamed transcript's texts handed to `on_text` as they come; its end."""
+    """A transcription's answer: a refusal as our error (a server without the route: the
+    model serves no speech to text), a whole transcript read up to `MAX_TRANSCRIPT_BYTES`,
+    or a stream's texts handed to `on_text` as they come."""
+    if response.status_code != 200:
+        content = await read_capped(response, MAX_ERROR_BYTES)
+        raise _pooling_error(response.status_code, content, "speech to text")
+    kind = response.headers.get("content-type", "")
+    if on_text is None or not kind.startswith("text/event-stream"):
+        content = await read_capped(response, MAX_TRANSCRIPT_BYTES + 1)
+        if len(content) > MAX_TRANSCRIPT_BYTES:
+            raise errors.Failed("The upstream's transcript is larger than the gateway takes.")
+        return transcript_from(kind, content, as_text)
     stream = TranscriptStream()
     async for chunk in response.aiter_bytes():
         for text in stream.feed(chunk):
