@@ -250,20 +250,31 @@ def test_openais_own_stream_and_whole_answer_are_relayed(front, hosted, http):
     assert_nothing_left(front, None)
 
 
+#: A streamed transcription of the OpenAI-shaped server's.
+STREAMED: dict[str, Any] = {
+    "files": {"file": ("talk.wav", AUDIO, "audio/wav")},
+    "data": {"model": HOSTED, "stream": "true"},
+}
+
+
+def streamed(http: httpx.Client) -> httpx.Response:
+    """The OpenAI-shaped server's transcription, streamed, read whole."""
+    return http.post(TRANSCRIPTIONS, **STREAMED)
+
+
+def data_of(response: httpx.Response) -> list[str]:
+    """A stream's `data:` payloads, in order."""
+    return [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+
+
 def test_a_stream_that_breaks_after_its_head_ends_with_an_error_event(front, hosted, http):
     hosted.break_after = 2
     try:
-        with http.stream(
-            "POST",
-            TRANSCRIPTIONS,
-            files={"file": ("talk.wav", AUDIO, "audio/wav")},
-            data={"model": HOSTED, "stream": "true"},
-        ) as response:
-            assert response.status_code == 200
-            body = response.read().decode()
+        broken = streamed(http)
     finally:
         hosted.break_after = None
-    events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
+    assert broken.status_code == 200
+    events = data_of(broken)
     assert events[:2] == [
         '{"type":"transcript.text.delta","delta":"hello"}',
         '{"type":"transcript.text.delta","delta":" from"}',
@@ -275,12 +286,7 @@ def test_a_stream_that_breaks_after_its_head_ends_with_an_error_event(front, hos
 def test_a_client_that_leaves_mid_stream_ends_the_call(front, hosted, http):
     hosted.pace = 0.5
     try:
-        with http.stream(
-            "POST",
-            TRANSCRIPTIONS,
-            files={"file": ("talk.wav", AUDIO, "audio/wav")},
-            data={"model": HOSTED, "stream": "true"},
-        ) as response:
+        with http.stream("POST", TRANSCRIPTIONS, **STREAMED) as response:
             first = next(response.iter_lines())
             assert first == 'data: {"type":"transcript.text.delta","delta":"hello"}'
         # the client left with three events to come: the gateway's call ends now
@@ -298,13 +304,9 @@ def test_the_request_timeout_bounds_a_transcription(server_loop, hosted):
     hosted.pace = 1.0
     try:
         with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=KEYED) as client:
-            slow = client.post(
-                TRANSCRIPTIONS,
-                files={"file": ("talk.wav", AUDIO, "audio/wav")},
-                data={"model": HOSTED, "stream": "true"},
-            )
+            slow = streamed(client)
         assert slow.status_code == 200  # its head left with the first word
-        events = [line[6:] for line in slow.text.split("\n") if line.startswith("data: ")]
+        events = data_of(slow)
         assert '"code":"timeout"' in events[-2]
         assert events[-1] == "[DONE]"
         assert_nothing_left(gw, None)
