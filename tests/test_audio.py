@@ -10,6 +10,7 @@ its field. After each test nothing is left in the gateway (and vLLM is idle).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -281,6 +282,23 @@ def test_a_stream_that_breaks_after_its_head_ends_with_an_error_event(front, hos
     ]
     assert '"error"' in events[2]
     assert events[3] == "[DONE]"
+
+
+def test_a_stream_answered_whole_is_one_done_event(front, hosted, http):
+    hosted.whole_streams = True
+    try:
+        whole = streamed(http)
+    finally:
+        hosted.whole_streams = False
+    assert whole.status_code == 200
+    assert whole.headers["content-type"].startswith("text/event-stream")
+    done, end = data_of(whole)
+    assert json.loads(done) == {
+        "type": "transcript.text.done",
+        "text": "hello from the fleet",
+        "usage": {"type": "tokens", "input_tokens": 7, "output_tokens": 4, "total_tokens": 11},
+    }
+    assert end == "[DONE]"
 
 
 def test_a_client_that_leaves_mid_stream_ends_the_call(front, hosted, http):

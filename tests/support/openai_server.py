@@ -66,6 +66,8 @@ class OpenAIServer:
         #: A streamed transcription's deltas sent before its connection breaks (None:
         #: it ends as OpenAI's does).
         self.break_after: int | None = None
+        #: Answers a streamed transcription whole, as JSON (a server that cannot stream).
+        self.whole_streams = False
         #: What its Prometheus /metrics says, in vLLM's names (two engines, as a
         #: data-parallel server's): requests running and waiting, KV-cache use; None:
         #: no /metrics (404), as a server that is not a vLLM.
@@ -224,7 +226,7 @@ class OpenAIServer:
                     self.last_audio = await value.read()
         usage = {"type": "tokens", "input_tokens": 7, "output_tokens": len(self.reply.split())}
         usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
-        if self.last_form.get("stream") != ["true"]:
+        if self.last_form.get("stream") != ["true"] or self.whole_streams:
             return JSONResponse({"text": self.reply, "usage": usage})
         words = self.reply.split(" ")
         deltas = [words[0], *(" " + word for word in words[1:])]

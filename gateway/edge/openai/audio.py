@@ -152,16 +152,15 @@ FIELDS: dict[str, Callable[[str, str], str]] = {
 
 @dataclass(frozen=True, slots=True)
 class AudioBody:
-    """A valid form: the model it names, the fields sent on, whether it streams."""
+    """A valid form: the fields sent on, and whether it streams."""
 
-    model: str | None
     fields: tuple[tuple[str, str], ...]
     stream: bool
 
 
 def parse_audio(form: Form, max_bytes: int) -> AudioBody:
-    """The form checked, or a 4xx naming the field at fault."""
-    model = form.field("model")
+    """The form checked (but its model, looked up first), or a 4xx naming the field at
+    fault."""
     if not form.files:
         raise invalid("file", "Missing required parameter: 'file'.")
     if form.files > 1:
@@ -189,7 +188,7 @@ def parse_audio(form: Form, max_bytes: int) -> AudioBody:
                 raise invalid(name, f"Invalid value for '{name}': not UTF-8.") from None
             fields.append((name, FIELDS[name](name, text)))
     stream = ("stream", "true") in fields
-    return AudioBody(model, tuple(fields), stream)
+    return AudioBody(tuple(fields), stream)
 
 
 class AudioRoute(RequestRoute[Exchange]):

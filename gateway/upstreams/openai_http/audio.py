@@ -45,8 +45,9 @@ def transcript_from(content_type: str, content: bytes, as_text: bool) -> Transcr
     """A whole answer: as the server made it, but that a `text` answer the server wrote as
     JSON (vLLM's server does) becomes the text itself, as OpenAI's API answers it."""
     kind = content_type.split(";", 1)[0].strip().lower()
-    if kind != "application/json":
-        return Transcript(content, content_type or "text/plain; charset=utf-8")
+    if kind != "application/json":  # text, srt, vtt: the text is the answer
+        plain = content.decode("utf-8", "replace")
+        return Transcript(content, content_type or "text/plain; charset=utf-8", plain)
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
