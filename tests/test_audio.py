@@ -23,6 +23,7 @@ import pytest
 from gateway.config import Config, ModelConfig
 from gateway.worker.demo import DEMO_MODEL
 from tests.support.conformance import vllm_metric
+from tests.support.keys import bearer, keyed, new_key
 from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import OpenAIServer
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
@@ -299,6 +300,27 @@ def test_a_stream_answered_whole_is_one_done_event(front, hosted, http):
         "usage": {"type": "tokens", "input_tokens": 7, "output_tokens": 4, "total_tokens": 11},
     }
     assert end == "[DONE]"
+
+
+def test_a_transcription_needs_room_in_its_budgets_and_is_charged_what_it_used(
+    gateway_with, hosted
+):
+    """A transcription reserves one token (its audio's tokens are known only to its
+    server): admitted while its team's budget has that room, charged the tokens the
+    server says (here 7 read, 4 written), refused once the budget is spent."""
+    key = new_key("alpha")
+    model = {"name": HOSTED, "upstream": "openai", "workers": [hosted.url], "api_key_env": KEY_ENV}
+    budget = {"alpha": {"budgets": [{"window": "day", "tokens": 12}]}}
+    gw = gateway_with(**keyed(budget, {key: "alpha"}, models=[model]))
+    used = gw.state.teams.accounts.budgets.used
+    with httpx.Client(base_url=gw.url, timeout=HANG_GUARD, headers=bearer(key)) as client:
+        assert streamed(client).status_code == 200
+        wait_until(lambda: list(used.values()) == [11], "the stream's tokens charged")
+        assert streamed(client).status_code == 200  # one token of room left: admitted
+        wait_until(lambda: list(used.values()) == [22], "the second stream's tokens charged")
+        spent = streamed(client)
+    assert spent.status_code == 429, spent.text
+    assert spent.json()["error"]["code"] == "budget_exceeded"
 
 
 def test_a_client_that_leaves_mid_stream_ends_the_call(front, hosted, http):

@@ -54,7 +54,7 @@ from gateway.config import AliasConfig, Config
 from gateway.fleet import Fleet, ModelPool
 from gateway.protocol import errors, features
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import EmbedRequest, GenerateRequest, Started
+from gateway.protocol.types import AudioRequest, EmbedRequest, GenerateRequest, Started
 from gateway.teams import Team, Teams
 from gateway.teams.budgets import Reservation
 from gateway.teams.limiter import Lease
@@ -101,7 +101,7 @@ class RequestContext:
         self.pool: ModelPool | None = None
         #: What the team's token limits weigh (None: one request, no tokens, as a
         #: tensor inference or a metadata read).
-        self.request: GenerateRequest | EmbedRequest | None = None
+        self.request: GenerateRequest | EmbedRequest | AudioRequest | None = None
         #: The `x-furnace-priority` asked (the team's own caps it), or None.
         self.priority: int | None = None
         #: Done when the client goes away: the one client-gone future of the request,
@@ -542,7 +542,7 @@ def usable(fleet: Fleet, team: Team | None) -> list[ModelPool]:
     return sorted(pools, key=lambda pool: pool.kind != "llm")
 
 
-def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | None) -> bool:
+def _serves(pool: ModelPool, request: GenerateRequest | EmbedRequest | AudioRequest | None) -> bool:
     """Whether `pool` serves what the request asks (a fallback that does not is passed
     over): a generation within its `max_tokens_limit` (one with no bound of its own, or
     a larger one, would go past it), an embeddings request with what its workers, as far

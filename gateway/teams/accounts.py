@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.config import Config
-from gateway.protocol.types import EmbedRequest, GenerateRequest
+from gateway.protocol.types import AudioRequest, EmbedRequest, GenerateRequest
 from gateway.teams.budgets import THRESHOLDS, Budgets, Reservation, spend
 from gateway.teams.keys import bearer_token
 from gateway.teams.limiter import estimate_tokens
@@ -58,18 +58,18 @@ def key_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
 
 
 def reservation_of(
-    request: GenerateRequest | EmbedRequest | None,
+    request: GenerateRequest | EmbedRequest | AudioRequest | None,
     max_context: int | None = None,
     granted: int | None = None,
 ) -> tuple[int, int, bool]:
     """What a request may cost at most: its prompt, estimated, its completion
     (`max_tokens` x `n`; with no bound, what the team's minute `granted` a choice, or the
     rest of `max_context`, whichever is less, x `n`, and 0 where neither is known; 0 for
-    embeddings and tensors), and whether it has no bound of its own."""
+    embeddings, transcriptions and tensors), and whether it has no bound of its own."""
     if request is None:
         return 0, 0, False
     prompt = estimate_tokens(request)
-    if isinstance(request, EmbedRequest):
+    if isinstance(request, EmbedRequest | AudioRequest):
         return prompt, 0, False
     if request.sampling.max_tokens is None:
         bounds = [b for b in (granted, max_context and max(1, max_context - prompt)) if b]
@@ -112,7 +112,7 @@ class Accounts:
         team: Team | None,
         key: str | None,
         model: str,
-        request: GenerateRequest | EmbedRequest | None,
+        request: GenerateRequest | EmbedRequest | AudioRequest | None,
         max_context: int | None = None,
         granted: int | None = None,
     ) -> Reservation | None:

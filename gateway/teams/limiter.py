@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import Config
 from gateway.protocol.errors import RateLimited
-from gateway.protocol.types import EmbedRequest, GenerateRequest
+from gateway.protocol.types import AudioRequest, EmbedRequest, GenerateRequest
 from gateway.teams.team import Team
 from gateway.telemetry.record import RequestRecord
 
@@ -72,11 +72,15 @@ _LIMIT_NAMES = {
 }
 
 
-def estimate_tokens(request: GenerateRequest | EmbedRequest | None) -> int:
+def estimate_tokens(request: GenerateRequest | EmbedRequest | AudioRequest | None) -> int:
     """A prompt's tokens before the worker counts them: ~4 characters a token
-    (an embedding's token ids count as they are; no request, as a tensor call: none)."""
+    (an embedding's token ids count as they are; a transcription's audio, whose tokens
+    only its server knows, one: it needs room for at least that; no request, as a
+    tensor call: none)."""
     if request is None:
         return 0
+    if isinstance(request, AudioRequest):
+        return 1
     if isinstance(request, EmbedRequest):
         return sum(math.ceil(len(x) / 4) if isinstance(x, str) else len(x) for x in request.inputs)
     if request.messages is None:
@@ -265,7 +269,10 @@ class Limiter:
     # -- requests ---------------------------------------------------------------
 
     async def admit(
-        self, team: Team, request: GenerateRequest | EmbedRequest | None, record: RequestRecord
+        self,
+        team: Team,
+        request: GenerateRequest | EmbedRequest | AudioRequest | None,
+        record: RequestRecord,
     ) -> Lease:
         """Charges one request, its estimated prompt and its reserved completion
         (`max_tokens` for each of its n choices; an embedding has none, nor a call with

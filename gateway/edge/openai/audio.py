@@ -17,7 +17,8 @@ by name: a field a server would drop without a word is never sent to it.
 Served by `upstream: openai` models (vLLM serving a Whisper model, OpenAI itself); others
 are a 400 naming `model` (neither our worker protocol nor vLLM's gRPC server has an audio
 call). Admitted as every request is (drain, team limits, a slot, `request_timeout`; the
-audio's tokens are not known before the server reads it, so budgets reserve none), one
+audio's tokens are not known before the server reads it: limits and budgets weigh it as
+one token, so a spent budget refuses it), one
 record in the metrics and the access log, with the tokens the server said it read and
 wrote (vLLM says a duration for a whole answer: none counted; a stream's usage, when
 asked for with `stream_include_usage`, is counted).
@@ -234,6 +235,7 @@ class AudioRoute(RequestRoute[Exchange]):
             record.request_id,
         )
         record.stream = body.stream
+        ctx.request = request  # admission charges it one token, until the server says
         ctx.priority = priority(ex)
         ex.watch_client()  # from here: a client that leaves while queued leaves the queue
         stream = _Stream(ex) if body.stream else None
