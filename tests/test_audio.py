@@ -11,8 +11,6 @@ its field. After each test nothing is left in the gateway (and vLLM is idle).
 from __future__ import annotations
 
 import json
-import os
-import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +23,7 @@ from gateway.worker.demo import DEMO_MODEL
 from tests.support.conformance import vllm_metric
 from tests.support.keys import bearer, keyed, new_key
 from tests.support.metrics import access_lines, scrape, value
-from tests.support.openai_server import OpenAIServer
+from tests.support.openai_server import OpenAIServer, keyed_plain
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
 from tests.support.tiny_whisper import WORD, build_tiny_whisper, wav
 from tests.support.vllm import VllmProcess, start_speech_server
@@ -55,12 +53,8 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
 @pytest.fixture(scope="module")
 def hosted(server_loop) -> Iterator[OpenAIServer]:
     """Our OpenAI-compatible server, plain HTTP, with a key of its own."""
-    server = OpenAIServer(HOSTED, "sk-" + secrets.token_hex(8), None, reply="hello from the fleet")
-    server_loop.call(server.start())
-    os.environ[KEY_ENV] = server.key
-    yield server
-    del os.environ[KEY_ENV]
-    server_loop.call(server.stop())
+    with keyed_plain(server_loop, HOSTED, KEY_ENV, "hello from the fleet") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -235,7 +235,7 @@ INVALID = [
     (
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
-        "messages[0].content[0]",
+        "messages[0].content[0].input_audio.data",
     ),
     (
         CHAT,

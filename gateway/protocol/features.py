@@ -39,6 +39,11 @@ _FORMATS = {
     "grammar": STRUCTURED_GRAMMAR,
 }
 IMAGES = "image_url"
+#: Sounds in a chat's messages (OpenAI's `input_audio` parts, vLLM's `audio_url`): only
+#: OpenAI-compatible servers take them; the worker protocol has no field for one.
+AUDIO = "input_audio"
+#: The content parts that hold a sound.
+AUDIO_PARTS = frozenset({"input_audio", "audio_url"})
 MIN_TOKENS = "min_tokens"
 IGNORE_EOS = "ignore_eos"
 REPETITION_PENALTY = "repetition_penalty"
@@ -67,6 +72,7 @@ ALL = frozenset(
         TOOLS,
         RESPONSE_FORMAT,
         IMAGES,
+        AUDIO,
         MIN_TOKENS,
         IGNORE_EOS,
         REPETITION_PENALTY,
@@ -90,7 +96,7 @@ FIRST_VERSION = frozenset({GENERATE})
 
 #: What `used` can find in a request: a model serving all of them serves any request.
 OF_REQUESTS = frozenset(
-    {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER} | SAMPLING | REASONING | STRUCTURED
+    {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, AUDIO, USER} | SAMPLING | REASONING | STRUCTURED
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -110,12 +116,17 @@ _sampling_values = attrgetter(
 )
 _SAMPLING_UNUSED = (None, None, None, None, (), ())
 _images = attrgetter("images")
+_parts = attrgetter("parts")
 
 
 def used(request: GenerateRequest) -> list[tuple[str, str]]:
     """The features `request` uses, each with the parameter a refusal names
     (e.g. ("image_url", "messages[2].content[0]")), in the body's order."""
     found: list[tuple[str, str]] = []
+    if request.messages is not None and any(map(_parts, request.messages)):
+        heard = sounds(request)
+        if heard is not None:
+            found.append((AUDIO, heard))
     if request.messages is not None and any(map(_images, request.messages)):
         for i, message in enumerate(request.messages):
             if message.images:
@@ -158,6 +169,16 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             if value is not None:
                 found.append((name, name))
     return found
+
+
+def sounds(request: GenerateRequest) -> str | None:
+    """The first content part of `request`'s messages that holds a sound, as a refusal
+    names it (`messages[i].content[j]`); None when none does."""
+    for i, message in enumerate(request.messages or ()):
+        for j, part in enumerate(message.parts):
+            if part.type in AUDIO_PARTS:
+                return f"messages[{i}].content[{j}]"
+    return None
 
 
 def missing(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str] | None:

@@ -58,21 +58,26 @@ class ResponseFormat:
 
 @dataclass(frozen=True, slots=True)
 class ContentPart:
-    """One part of a message's content as the client wrote it: a text, or an image (a URL
-    or data URI, with its `detail`: "auto", "low", "high", or "" when not given)."""
+    """One part of a message's content as the client wrote it: a text, an image (a URL
+    or data URI, with its `detail`: "auto", "low", "high", or "" when not given), or a
+    sound: OpenAI's `input_audio` (base64 `data` in a `format`: "wav", "mp3") or vLLM's
+    `audio_url` (a URL or data URI, in `url`)."""
 
-    type: str  # "text" or "image_url"
+    type: str  # "text", "image_url", "input_audio" or "audio_url"
     text: str = ""
     url: str = ""
     detail: str = ""
+    data: str = ""
+    format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     """One chat message, its text parts already joined; its images (URLs or
-    data URIs) in order. `parts`, when the content was a list holding an image, is
-    that list as it came (order and `detail` kept), for whoever sends it on as
-    parts; `content` and `images` say the same for whoever reads only those."""
+    data URIs) in order. `parts`, when the content was a list holding an image or a
+    sound, is that list as it came (order and `detail` kept), for whoever sends it on as
+    parts; `content` and `images` say the same for whoever reads only those (a sound is
+    in `parts` alone: only OpenAI-compatible servers take one)."""
 
     role: str
     content: str

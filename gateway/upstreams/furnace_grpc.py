@@ -238,7 +238,8 @@ class FurnaceGrpcUpstream:
                 capacity,
                 reply.load,
                 full,
-                frozenset(m.features) if m.features else features.FIRST_VERSION,
+                # the protocol has no field for a sound, whatever a worker lists
+                frozenset(m.features) - {features.AUDIO} if m.features else features.FIRST_VERSION,
             )
             for m in reply.models
         ]

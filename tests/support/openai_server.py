@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -269,4 +270,19 @@ def serving(
     try:
         yield server, ca
     finally:
+        loop.call(server.stop())
+
+
+@contextmanager
+def keyed_plain(loop: ServerLoop, model: str, key_env: str, reply: str) -> Iterator[OpenAIServer]:
+    """An `OpenAIServer` of `model` on plain HTTP answering `reply`, with a key of its own
+    in the variable `key_env` (what a model's `api_key_env` names) while it listens on
+    `loop`; stopped after."""
+    server = OpenAIServer(model, "sk-" + secrets.token_hex(8), None, reply=reply)
+    loop.call(server.start())
+    os.environ[key_env] = server.key
+    try:
+        yield server
+    finally:
+        del os.environ[key_env]
         loop.call(server.stop())

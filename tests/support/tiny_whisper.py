@@ -47,8 +47,9 @@ SPECIALS = [
 RATE = 16_000
 
 
-def build_tiny_whisper(path: Path) -> Path:
-    """The model, its tokenizer and its feature extractor, saved in `path`."""
+def byte_bpe(path: Path, text: list[str], first: str, specials: list[str]) -> None:
+    """A byte-level BPE tokenizer trained on `text` (`first` its first token, then the
+    `specials`), saved as `path`/tokenizer.json (made if need be)."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -56,11 +57,16 @@ def build_tiny_whisper(path: Path) -> Path:
     trainer = trainers.BpeTrainer(
         vocab_size=300,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[EOT],
+        special_tokens=[first],
     )
-    tokenizer.train_from_iterator(TEXT, trainer)
-    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.train_from_iterator(text, trainer)
+    tokenizer.add_special_tokens(specials)
     tokenizer.save(str(path / "tokenizer.json"))
+
+
+def build_tiny_whisper(path: Path) -> Path:
+    """The model, its tokenizer and its feature extractor, saved in `path`."""
+    byte_bpe(path, TEXT, EOT, SPECIALS)
     fast = WhisperTokenizerFast(
         tokenizer_file=str(path / "tokenizer.json"),
         unk_token=EOT,

@@ -187,14 +187,18 @@ def start_http_server(
 WHISPER_LEN = 448
 
 
-def start_speech_server(model: Path, log_dir: Path, name: str = "tiny-whisper") -> VllmProcess:
-    """vLLM's OpenAI server serving a speech-to-text model (tests/support/tiny_whisper.py)
-    on a free loopback port, ready: its `/v1/audio/transcriptions` and `/translations`."""
+def start_speech_server(
+    model: Path, log_dir: Path, name: str = "tiny-whisper", max_len: int = WHISPER_LEN
+) -> VllmProcess:
+    """vLLM's OpenAI server serving a model that hears: a speech-to-text model
+    (tests/support/tiny_whisper.py: its `/v1/audio/transcriptions` and `/translations`)
+    or an audio LLM (tests/support/tiny_audio_lm.py: chats with sounds), on a free
+    loopback port, ready, with no tool or structured-output options."""
     lean = ENGINE_ARGS[: ENGINE_ARGS.index("--max-model-len")]
-    options = ("--dtype", "bfloat16", *lean, "--max-model-len", str(WHISPER_LEN))
+    options = ("--dtype", "bfloat16", *lean, "--max-model-len", str(max_len))
     return _start(
         lambda port: _http_command(model, name, port, options),
-        log_dir / "vllm-speech.log",
+        log_dir / f"vllm-{name}.log",
         wait_http_ready,
     )
 

@@ -50,9 +50,11 @@ _SSE_HEADERS = [
 
 def check_features(pool: ModelPool, request: GenerateRequest) -> None:
     """Refuses, naming the parameter, what the model's workers do not serve; when
-    none has described itself yet, the worker refuses for itself."""
+    none has described itself yet, the worker refuses for itself (but a sound, which
+    only an OpenAI-compatible server would see)."""
     served = pool.features()
     if served is None:
+        check_sounds(pool, request)
         return
     if features.GENERATE not in served:
         raise invalid(
@@ -62,6 +64,16 @@ def check_features(pool: ModelPool, request: GenerateRequest) -> None:
     if lacking is not None:
         feature, param = lacking
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
+
+
+def check_sounds(pool: ModelPool, request: GenerateRequest) -> None:
+    """Refuses a sound (`input_audio`, `audio_url`) for a model not on OpenAI-compatible
+    servers, described or not: neither the worker protocol nor vLLM's gRPC server has a
+    field for one, so it would be dropped on the way."""
+    if not pool.relays_answers and request.messages is not None:
+        heard = features.sounds(request)
+        if heard is not None:
+            raise invalid(heard, f"The model `{pool.name}` does not support 'input_audio'.")
 
 
 def _check_usage(parsed: ParsedRequest, pool: ModelPool) -> None:

@@ -17,6 +17,7 @@ the same one.
 
 from __future__ import annotations
 
+import binascii
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ import orjson
 
 from gateway.edge.errors import invalid
 from gateway.edge.openai.schema_limits import SchemaBudget
+from gateway.protocol.features import AUDIO_PARTS
 from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
@@ -51,6 +53,7 @@ MAX_TOOL_CALLS = 128  # per assistant message
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_IMAGES = 64
+MAX_SOUNDS = 64
 MAX_USER_CHARS = 256
 #: vLLM's `reasoning_effort` values (OpenAI's, and DeepSeek's "max").
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -59,6 +62,11 @@ MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Image references a worker may take: web URLs and inline data.
 _IMAGE_URL = re.compile(r"(https?://|data:image/)", re.I)
+#: Sound references (vLLM's `audio_url`): web URLs and inline data.
+_AUDIO_URL = re.compile(r"(https?://|data:audio/)", re.I)
+#: An `input_audio` part's format: a media subtype (OpenAI's "wav" and "mp3"; vLLM
+#: decodes what the bytes are, the format only names their type).
+_AUDIO_FORMAT = re.compile(r"[a-z0-9][a-z0-9.+-]{0,31}", re.I)
 
 #: Parameters of OpenAI's or vLLM's APIs this gateway does not serve, with the
 #: value that asks nothing of it (None: any value but null is refused).
@@ -462,10 +470,46 @@ def _image(part: Mapping[str, Any], where: str) -> ContentPart:
     return ContentPart("image_url", url=url, detail=detail or "")
 
 
+def _sound(part: Mapping[str, Any], kind: str, where: str) -> ContentPart:
+    """An `input_audio` part (OpenAI's: base64 `data` and its `format`) or an `audio_url`
+    part (vLLM's: an http(s) URL or a `data:audio/` URI), checked as OpenAI checks them."""
+    sound = part.get(kind)
+    if kind == "audio_url":
+        url = sound.get("url") if isinstance(sound, dict) else sound
+        if not isinstance(url, str) or not _AUDIO_URL.match(url):
+            raise invalid(
+                f"{where}.audio_url",
+                "Invalid 'audio_url': expected {\"url\": an http(s) URL or a data:audio/ URI}.",
+            )
+        return ContentPart(kind, url=url)
+    if not isinstance(sound, dict):
+        raise invalid(f"{where}.input_audio", "Invalid 'input_audio': expected an object.")
+    data, format_ = sound.get("data"), sound.get("format")
+    if not isinstance(data, str) or not data or not _is_base64(data):
+        raise invalid(
+            f"{where}.input_audio.data", "Invalid 'input_audio.data': expected base64 audio."
+        )
+    if not isinstance(format_, str) or not _AUDIO_FORMAT.fullmatch(format_):
+        raise invalid(
+            f"{where}.input_audio.format",
+            "Invalid 'input_audio.format': expected the audio's format, such as 'wav' or 'mp3'.",
+        )
+    return ContentPart(kind, data=data, format=format_)
+
+
+def _is_base64(data: str) -> bool:
+    """Whether `data` is base64 (padded, no other characters), decoded in C to know."""
+    try:
+        binascii.a2b_base64(data, strict_mode=True)
+    except (binascii.Error, ValueError):  # ValueError: not ASCII
+        return False
+    return True
+
+
 def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[ContentPart, ...]]:
     """A message's content that is not a string (`_messages` takes those as they are):
     its text, its parts joined, its images in order, and the parts themselves in order
-    when they hold an image (an OpenAI upstream gets them as they came)."""
+    when they hold an image or a sound (an OpenAI upstream gets them as they came)."""
     if content is None:
         return "", (), ()
     if not isinstance(content, list):
@@ -480,13 +524,18 @@ def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[Cont
             parts.append(ContentPart("text", text))
         elif kind == "image_url":
             parts.append(_image(part, f"{where}[{j}]"))
+        elif kind in AUDIO_PARTS:
+            parts.append(_sound(part, kind, f"{where}[{j}]"))
         else:
             raise invalid(
-                f"{where}[{j}]", "Only content parts of type 'text' and 'image_url' are supported."
+                f"{where}[{j}]",
+                "Only content parts of type 'text', 'image_url', 'input_audio' and "
+                "'audio_url' are supported.",
             )
     images = tuple(p.url for p in parts if p.type == "image_url")
     text = "".join(p.text for p in parts if p.type == "text")
-    return text, images, tuple(parts) if images else ()
+    held = images or any(p.type in AUDIO_PARTS for p in parts)
+    return text, images, tuple(parts) if held else ()
 
 
 def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
@@ -524,7 +573,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     if not messages:
         raise invalid("messages", "'messages' must hold at least one message.")
     parsed = []
-    images = 0
+    images = sounds = 0
     tool_use = False  # whether a message calls a tool or answers a call
     # the parameter a refusal names is spelled only when there is one
     for i, message in enumerate(messages):
@@ -547,6 +596,12 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
                 raise invalid(
                     f"messages[{i}].content", f"At most {MAX_IMAGES} images in a request."
                 )
+            if parts:
+                sounds += sum(p.type in AUDIO_PARTS for p in parts)
+                if sounds > MAX_SOUNDS:
+                    raise invalid(
+                        f"messages[{i}].content", f"At most {MAX_SOUNDS} sounds in a request."
+                    )
         calls: tuple[ToolCall, ...] = ()
         if role == "assistant" and "tool_calls" in message:
             calls = _tool_calls(message, f"messages[{i}].tool_calls")
