@@ -857,8 +857,8 @@ def test_describe_lists_features(server_loop, serve):
     (model,) = server_loop.call(describe(first.address))
     assert model.features == {features.GENERATE, features.N}  # the SDK adds n
     (model,) = server_loop.call(describe(recorder.address))
-    # but a sound: the protocol has no field for one, whatever a worker lists
-    assert model.features == features.ALL - {features.AUDIO}
+    # but sounds and videos: the protocol has no field for one, whatever a worker lists
+    assert model.features == features.ALL - features.NOT_CARRIED
 
 
 def test_a_first_version_worker_describes_as_one(server_loop, workers):

@@ -25,13 +25,14 @@ def _arguments(text: str) -> Any:
 
 def part_dict(part: ContentPart) -> dict[str, Any]:
     """One content part as OpenAI writes it (a sound as OpenAI's `input_audio` or vLLM's
-    `audio_url`, as it came), with its `detail` when it had one."""
+    `audio_url`, a video as vLLM's `video_url`, as it came), with its `detail` when it
+    had one."""
     kind = part.type
     if kind == "text":
         return {"type": "text", "text": part.text}
     if kind == "input_audio":
         return {"type": kind, kind: {"data": part.data, "format": part.format}}
-    if kind == "audio_url":
+    if kind == "audio_url" or kind == "video_url":
         return {"type": kind, kind: {"url": part.url}}
     image: dict[str, Any] = {"url": part.url}
     if part.detail:
@@ -41,7 +42,7 @@ def part_dict(part: ContentPart) -> dict[str, Any]:
 
 def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[str, Any]:
     """One message as OpenAI writes it. Content is a string, or a list of
-    parts when the message holds images or sounds: the client's parts in their order when
+    parts when the message holds images, sounds or videos: the client's parts in their order when
     it sent them (`parts`), else images first, then the text.
     Tool calls' arguments stay JSON text (OpenAI's shape) unless
     `parsed_arguments`, which chat templates such as Qwen's and Hermes' want; an

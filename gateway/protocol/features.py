@@ -39,11 +39,15 @@ _FORMATS = {
     "grammar": STRUCTURED_GRAMMAR,
 }
 IMAGES = "image_url"
-#: Sounds in a chat's messages (OpenAI's `input_audio` parts, vLLM's `audio_url`): only
-#: OpenAI-compatible servers take them; the worker protocol has no field for one.
+#: Sounds in a chat's messages (OpenAI's `input_audio` parts, vLLM's `audio_url`) and
+#: videos (vLLM's `video_url`): only OpenAI-compatible servers take them; the worker
+#: protocol and vLLM's gRPC server have no field for one.
 AUDIO = "input_audio"
-#: The content parts that hold a sound.
-AUDIO_PARTS = frozenset({"input_audio", "audio_url"})
+VIDEO = "video_url"
+#: The content parts only OpenAI-compatible servers take → the feature each needs.
+RELAYED_PARTS = {"input_audio": AUDIO, "audio_url": AUDIO, "video_url": VIDEO}
+#: What no worker of the worker protocol is taken to serve, whatever it lists.
+NOT_CARRIED = frozenset(RELAYED_PARTS.values())
 MIN_TOKENS = "min_tokens"
 IGNORE_EOS = "ignore_eos"
 REPETITION_PENALTY = "repetition_penalty"
@@ -73,6 +77,7 @@ ALL = frozenset(
         RESPONSE_FORMAT,
         IMAGES,
         AUDIO,
+        VIDEO,
         MIN_TOKENS,
         IGNORE_EOS,
         REPETITION_PENALTY,
@@ -96,7 +101,11 @@ FIRST_VERSION = frozenset({GENERATE})
 
 #: What `used` can find in a request: a model serving all of them serves any request.
 OF_REQUESTS = frozenset(
-    {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, AUDIO, USER} | SAMPLING | REASONING | STRUCTURED
+    {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER}
+    | NOT_CARRIED
+    | SAMPLING
+    | REASONING
+    | STRUCTURED
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -124,9 +133,9 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
     (e.g. ("image_url", "messages[2].content[0]")), in the body's order."""
     found: list[tuple[str, str]] = []
     if request.messages is not None and any(map(_parts, request.messages)):
-        heard = sounds(request)
-        if heard is not None:
-            found.append((AUDIO, heard))
+        media = relayed_media(request)
+        if media is not None:
+            found.append(media)
     if request.messages is not None and any(map(_images, request.messages)):
         for i, message in enumerate(request.messages):
             if message.images:
@@ -171,13 +180,15 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
     return found
 
 
-def sounds(request: GenerateRequest) -> str | None:
-    """The first content part of `request`'s messages that holds a sound, as a refusal
-    names it (`messages[i].content[j]`); None when none does."""
+def relayed_media(request: GenerateRequest) -> tuple[str, str] | None:
+    """The first content part of `request`'s messages that only OpenAI-compatible servers
+    take (a sound, a video): its feature, and the part as a refusal names it
+    (`messages[i].content[j]`); None when there is none."""
     for i, message in enumerate(request.messages or ()):
         for j, part in enumerate(message.parts):
-            if part.type in AUDIO_PARTS:
-                return f"messages[{i}].content[{j}]"
+            feature = RELAYED_PARTS.get(part.type)
+            if feature is not None:
+                return feature, f"messages[{i}].content[{j}]"
     return None
 
 

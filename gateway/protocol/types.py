@@ -61,9 +61,9 @@ class ContentPart:
     """One part of a message's content as the client wrote it: a text, an image (a URL
     or data URI, with its `detail`: "auto", "low", "high", or "" when not given), or a
     sound: OpenAI's `input_audio` (base64 `data` in a `format`: "wav", "mp3") or vLLM's
-    `audio_url` (a URL or data URI, in `url`)."""
+    `audio_url` (a URL or data URI, in `url`), or a video: vLLM's `video_url` (in `url`)."""
 
-    type: str  # "text", "image_url", "input_audio" or "audio_url"
+    type: str  # "text", "image_url", "input_audio", "audio_url" or "video_url"
     text: str = ""
     url: str = ""
     detail: str = ""
@@ -74,10 +74,10 @@ class ContentPart:
 @dataclass(frozen=True, slots=True)
 class Message:
     """One chat message, its text parts already joined; its images (URLs or
-    data URIs) in order. `parts`, when the content was a list holding an image or a
-    sound, is that list as it came (order and `detail` kept), for whoever sends it on as
-    parts; `content` and `images` say the same for whoever reads only those (a sound is
-    in `parts` alone: only OpenAI-compatible servers take one)."""
+    data URIs) in order. `parts`, when the content was a list holding an image, a sound
+    or a video, is that list as it came (order and `detail` kept), for whoever sends it on
+    as parts; `content` and `images` say the same for whoever reads only those (a sound or
+    a video is in `parts` alone: only OpenAI-compatible servers take one)."""
 
     role: str
     content: str

@@ -238,8 +238,10 @@ class FurnaceGrpcUpstream:
                 capacity,
                 reply.load,
                 full,
-                # the protocol has no field for a sound, whatever a worker lists
-                frozenset(m.features) - {features.AUDIO} if m.features else features.FIRST_VERSION,
+                # the protocol has no field for a sound or a video, whatever a worker lists
+                frozenset(m.features) - features.NOT_CARRIED
+                if m.features
+                else features.FIRST_VERSION,
             )
             for m in reply.models
         ]

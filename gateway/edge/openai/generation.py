@@ -50,11 +50,11 @@ _SSE_HEADERS = [
 
 def check_features(pool: ModelPool, request: GenerateRequest) -> None:
     """Refuses, naming the parameter, what the model's workers do not serve; when
-    none has described itself yet, the worker refuses for itself (but a sound, which
-    only an OpenAI-compatible server would see)."""
+    none has described itself yet, the worker refuses for itself (but a sound or a
+    video, which only an OpenAI-compatible server would see)."""
     served = pool.features()
     if served is None:
-        check_sounds(pool, request)
+        check_relayed_media(pool, request)
         return
     if features.GENERATE not in served:
         raise invalid(
@@ -66,14 +66,15 @@ def check_features(pool: ModelPool, request: GenerateRequest) -> None:
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
 
 
-def check_sounds(pool: ModelPool, request: GenerateRequest) -> None:
-    """Refuses a sound (`input_audio`, `audio_url`) for a model not on OpenAI-compatible
-    servers, described or not: neither the worker protocol nor vLLM's gRPC server has a
-    field for one, so it would be dropped on the way."""
+def check_relayed_media(pool: ModelPool, request: GenerateRequest) -> None:
+    """Refuses a sound or a video (`input_audio`, `audio_url`, `video_url` parts) for a
+    model not on OpenAI-compatible servers, described or not: neither the worker protocol
+    nor vLLM's gRPC server has a field for one, so it would be dropped on the way."""
     if not pool.relays_answers and request.messages is not None:
-        heard = features.sounds(request)
-        if heard is not None:
-            raise invalid(heard, f"The model `{pool.name}` does not support 'input_audio'.")
+        media = features.relayed_media(request)
+        if media is not None:
+            feature, part = media
+            raise invalid(part, f"The model `{pool.name}` does not support '{feature}'.")
 
 
 def _check_usage(parsed: ParsedRequest, pool: ModelPool) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from gateway.edge.counting import Metadata, TokenizerRoute, on_tokenizer
 from gateway.edge.errors import invalid, unknown_parameters
-from gateway.edge.openai.generation import check_sounds
+from gateway.edge.openai.generation import check_relayed_media
 from gateway.edge.openai.validation import _flag, parse_chat, parse_completion
 from gateway.edge.request import Exchange
 from gateway.fleet.counting import detokenize, tokenize
@@ -87,7 +87,7 @@ class TokenizeRoute(TokenizerRoute[Tokenizing]):
 
     async def work(self, ex: Exchange, pool: ModelPool, parsed: Tokenizing) -> dict[str, Any]:
         request, strs = replace(parsed[0], model=pool.name), parsed[1]
-        check_sounds(pool, request)  # an OpenAI-compatible server counts a sound's tokens
+        check_relayed_media(pool, request)  # an OpenAI-compatible server counts their tokens
 
         def work(deadline: Deadline, metadata: Metadata) -> Awaitable[tuple[Tokens, str]]:
             return tokenize(self.fleet, pool, request, strs, deadline, metadata)

@@ -28,7 +28,7 @@ import orjson
 
 from gateway.edge.errors import invalid
 from gateway.edge.openai.schema_limits import SchemaBudget
-from gateway.protocol.features import AUDIO_PARTS
+from gateway.protocol.features import RELAYED_PARTS
 from gateway.protocol.types import (
     ContentPart,
     GenerateRequest,
@@ -53,7 +53,8 @@ MAX_TOOL_CALLS = 128  # per assistant message
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_IMAGES = 64
-MAX_SOUNDS = 64
+#: Sounds and videos (the parts only OpenAI-compatible servers take) a request may hold.
+MAX_MEDIA = 64
 MAX_USER_CHARS = 256
 #: vLLM's `reasoning_effort` values (OpenAI's, and DeepSeek's "max").
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -62,8 +63,12 @@ MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Image references a worker may take: web URLs and inline data.
 _IMAGE_URL = re.compile(r"(https?://|data:image/)", re.I)
-#: Sound references (vLLM's `audio_url`): web URLs and inline data.
-_AUDIO_URL = re.compile(r"(https?://|data:audio/)", re.I)
+#: Sound and video references (vLLM's `audio_url` and `video_url`): web URLs and inline
+#: data of their kind.
+_MEDIA_URLS = {
+    "audio_url": re.compile(r"(https?://|data:audio/)", re.I),
+    "video_url": re.compile(r"(https?://|data:video/)", re.I),
+}
 #: An `input_audio` part's format: a media subtype (OpenAI's "wav" and "mp3"; vLLM
 #: decodes what the bytes are, the format only names their type).
 _AUDIO_FORMAT = re.compile(r"[a-z0-9][a-z0-9.+-]{0,31}", re.I)
@@ -470,21 +475,23 @@ def _image(part: Mapping[str, Any], where: str) -> ContentPart:
     return ContentPart("image_url", url=url, detail=detail or "")
 
 
-def _sound(part: Mapping[str, Any], kind: str, where: str) -> ContentPart:
-    """An `input_audio` part (OpenAI's: base64 `data` and its `format`) or an `audio_url`
-    part (vLLM's: an http(s) URL or a `data:audio/` URI), checked as OpenAI checks them."""
-    sound = part.get(kind)
-    if kind == "audio_url":
-        url = sound.get("url") if isinstance(sound, dict) else sound
-        if not isinstance(url, str) or not _AUDIO_URL.match(url):
+def _media(part: Mapping[str, Any], kind: str, where: str) -> ContentPart:
+    """An `input_audio` part (OpenAI's: base64 `data` and its `format`), or an `audio_url`
+    or `video_url` part (vLLM's: an http(s) URL or a `data:audio/` or `data:video/` URI),
+    checked as OpenAI checks its parts."""
+    value = part.get(kind)
+    if kind != "input_audio":
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not _MEDIA_URLS[kind].match(url):
+            media = kind.split("_")[0]
             raise invalid(
-                f"{where}.audio_url",
-                "Invalid 'audio_url': expected {\"url\": an http(s) URL or a data:audio/ URI}.",
+                f"{where}.{kind}",
+                f"Invalid '{kind}': expected {{\"url\": an http(s) URL or a data:{media}/ URI}}.",
             )
         return ContentPart(kind, url=url)
-    if not isinstance(sound, dict):
+    if not isinstance(value, dict):
         raise invalid(f"{where}.input_audio", "Invalid 'input_audio': expected an object.")
-    data, format_ = sound.get("data"), sound.get("format")
+    data, format_ = value.get("data"), value.get("format")
     if not isinstance(data, str) or not data or not _is_base64(data):
         raise invalid(
             f"{where}.input_audio.data", "Invalid 'input_audio.data': expected base64 audio."
@@ -524,17 +531,17 @@ def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[Cont
             parts.append(ContentPart("text", text))
         elif kind == "image_url":
             parts.append(_image(part, f"{where}[{j}]"))
-        elif kind in AUDIO_PARTS:
-            parts.append(_sound(part, kind, f"{where}[{j}]"))
+        elif kind in RELAYED_PARTS:
+            parts.append(_media(part, kind, f"{where}[{j}]"))
         else:
             raise invalid(
                 f"{where}[{j}]",
-                "Only content parts of type 'text', 'image_url', 'input_audio' and "
-                "'audio_url' are supported.",
+                "Only content parts of type 'text', 'image_url', 'input_audio', 'audio_url' "
+                "and 'video_url' are supported.",
             )
     images = tuple(p.url for p in parts if p.type == "image_url")
     text = "".join(p.text for p in parts if p.type == "text")
-    held = images or any(p.type in AUDIO_PARTS for p in parts)
+    held = images or any(p.type in RELAYED_PARTS for p in parts)
     return text, images, tuple(parts) if held else ()
 
 
@@ -573,7 +580,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
     if not messages:
         raise invalid("messages", "'messages' must hold at least one message.")
     parsed = []
-    images = sounds = 0
+    images = media = 0
     tool_use = False  # whether a message calls a tool or answers a call
     # the parameter a refusal names is spelled only when there is one
     for i, message in enumerate(messages):
@@ -597,10 +604,11 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
                     f"messages[{i}].content", f"At most {MAX_IMAGES} images in a request."
                 )
             if parts:
-                sounds += sum(p.type in AUDIO_PARTS for p in parts)
-                if sounds > MAX_SOUNDS:
+                media += sum(p.type in RELAYED_PARTS for p in parts)
+                if media > MAX_MEDIA:
                     raise invalid(
-                        f"messages[{i}].content", f"At most {MAX_SOUNDS} sounds in a request."
+                        f"messages[{i}].content",
+                        f"At most {MAX_MEDIA} sounds and videos in a request.",
                     )
         calls: tuple[ToolCall, ...] = ()
         if role == "assistant" and "tool_calls" in message:

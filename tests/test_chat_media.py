@@ -1,13 +1,13 @@
-"""Chats with sounds in them: OpenAI's `input_audio` content parts (base64 data and its
-format) and vLLM's `audio_url` parts, through the gateway to an OpenAI-compatible
-server, read with the official openai SDK and httpx. Against vLLM's own OpenAI server
-serving a tiny audio LLM (its CPU build: tests/support/tiny_audio_lm.py, a Qwen2-Audio
-of random weights), each answer compared with what vLLM answers the same chat directly:
-the same text and the same `usage.prompt_tokens`, which count the sound's tokens, so a
-sound lost on the way would show. Against our OpenAI-compatible server, the parts as the
-server receives them. Models whose workers cannot take a sound (the worker protocol and
-vLLM's gRPC server have no field for one) refuse it by name, as every malformed part is
-refused. After each test nothing is left in the gateway.
+"""Chats with sounds and videos in them: OpenAI's `input_audio` content parts (base64
+data and its format), vLLM's `audio_url` and `video_url` parts, through the gateway to
+an OpenAI-compatible server, read with the official openai SDK and httpx. Against vLLM's
+own OpenAI server serving a tiny audio LLM (its CPU build: tests/support/tiny_audio_lm.py,
+a Qwen2-Audio of random weights), each answer compared with what vLLM answers the same
+chat directly: the same text and the same `usage.prompt_tokens`, which count the sound's
+tokens, so a sound lost on the way would show. Against our OpenAI-compatible server, the
+parts as the server receives them (videos too). Models whose workers cannot take a sound
+or a video (the worker protocol and vLLM's gRPC server have no field for one) refuse it by
+name, as every malformed part is refused. After each test nothing is left in the gateway.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ KEY_ENV = "FURNACE_TEST_AUDIO_CHAT_KEY"
 SOUND = base64.b64encode(wav(1.0)).decode()
 INPUT_AUDIO = {"type": "input_audio", "input_audio": {"data": SOUND, "format": "wav"}}
 AUDIO_URL = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{SOUND}"}}
+VIDEO_URL = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
 QUESTION = {"type": "text", "text": "what do you hear"}
 
 
@@ -135,9 +136,9 @@ def test_a_streamed_chat_with_a_sound(through, hearing):
     assert usage is not None and usage.prompt_tokens == own["usage"]["prompt_tokens"]
 
 
-def test_two_sounds_and_an_image_keep_their_order_to_the_server(through, hosted):
+def test_sounds_an_image_and_a_video_keep_their_order_to_the_server(through, hosted):
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    parts = [AUDIO_URL, QUESTION, image, INPUT_AUDIO]
+    parts = [AUDIO_URL, QUESTION, image, INPUT_AUDIO, VIDEO_URL]
     body = {"model": HOSTED, "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
     answer = through.chat.completions.create(**body)
     assert answer.choices[0].message.content == "a tone"
@@ -167,14 +168,23 @@ def test_the_tokens_of_a_chat_with_a_sound_are_vllms(http, hearing):
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-@pytest.mark.parametrize("part", [INPUT_AUDIO, AUDIO_URL], ids=["input_audio", "audio_url"])
-def test_a_model_whose_workers_cannot_hear_refuses_a_sound_by_name(http, path, part):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [part]}]
+@pytest.mark.parametrize(
+    ("part", "feature"),
+    [(INPUT_AUDIO, "input_audio"), (AUDIO_URL, "input_audio"), (VIDEO_URL, "video_url")],
+    ids=["input_audio", "audio_url", "video_url"],
+)
+def test_a_model_on_the_worker_protocol_refuses_a_sound_or_a_video_by_name(
+    http, path, part, feature
+):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [QUESTION, part]},
+    ]
     answer = http.post(path, json={"model": DEMO_MODEL, "messages": messages})
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
-    assert error["param"] == "messages[1].content[0]"
-    assert "'input_audio'" in error["message"]
+    assert error["param"] == "messages[1].content[1]"
+    assert error["message"] == f"The model `{DEMO_MODEL}` does not support '{feature}'."
 
 
 @pytest.mark.parametrize(
@@ -200,6 +210,9 @@ def test_a_model_whose_workers_cannot_hear_refuses_a_sound_by_name(http, path, p
         ({"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}, "audio_url"),
         ({"type": "audio_url", "audio_url": {"url": "data:image/png;base64,AAAA"}}, "audio_url"),
         ({"type": "audio_url"}, "audio_url"),
+        ({"type": "video_url", "video_url": {"url": "data:audio/wav;base64,AAAA"}}, "video_url"),
+        ({"type": "video_url", "video_url": {"url": "file:///dev/video0"}}, "video_url"),
+        ({"type": "video_url", "video_url": {}}, "video_url"),
         ({"type": "input_video", "input_video": {}}, ""),
     ],
 )
@@ -210,9 +223,11 @@ def test_a_malformed_sound_is_refused_by_name(http, part, param):
     assert error["param"] == "messages[0].content[0]" + (f".{param}" if param else "")
 
 
-def test_at_most_64_sounds_a_request(http):
-    body = chat(*[INPUT_AUDIO] * 65, model=HOSTED)
+def test_at_most_64_sounds_and_videos_a_request(http):
+    body = chat(*[INPUT_AUDIO, VIDEO_URL] * 32, model=HOSTED)
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    body = chat(*[INPUT_AUDIO, VIDEO_URL] * 32, AUDIO_URL, model=HOSTED)
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "messages[0].content"
-    assert "64 sounds" in answer.json()["error"]["message"]
+    assert "64 sounds and videos" in answer.json()["error"]["message"]
