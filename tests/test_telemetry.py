@@ -145,6 +145,26 @@ def test_prompt_logging_when_turned_on(gateway_with, caplog):
     lines = access_lines(caplog)
     assert lines[-1]["prompt"] == "secret words"
     assert "completion" not in lines[-1]
+    # a chat's messages, their inline media cut to their start and size (the demo refuses
+    # images and sounds; its request's line still holds the prompt)
+    picture = "data:image/png;base64," + "A" * 4000
+    url = "https://example.com/cat.png"
+    parts = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": picture}},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "input_audio", "input_audio": {"data": "UklG" * 1000, "format": "wav"}},
+    ]
+    chat = {"messages": [{"role": "user", "content": parts}]}
+    httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=HANG_GUARD)
+    wait_until(lambda: len(access_lines(caplog)) >= 2, "the chat's line")
+    (message,) = access_lines(caplog)[-1]["prompt"]
+    cut = picture[:48] + "... (4022 characters)"
+    assert message["content"] == "look" and message["images"] == [cut, url]
+    assert [part["url"] for part in message["parts"]] == ["", cut, url, ""]
+    assert message["parts"][1]["type"] == "image_url"
+    assert message["parts"][3]["data"] == "UklG" * 12 + "... (4000 characters)"
+    assert message["parts"][3]["format"] == "wav"
 
 
 def test_json_view(client):
