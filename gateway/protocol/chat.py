@@ -41,8 +41,8 @@ def part_dict(part: ContentPart) -> dict[str, Any]:
 
 
 def message_dict(message: Message, *, parsed_arguments: bool = False) -> dict[str, Any]:
-    """One message as OpenAI writes it. Content is a string, or a list of
-    parts when the message holds images, sounds or videos: the client's parts in their order when
+    """One message as OpenAI writes it. Content is a string, or a list of parts when
+    the message holds images, sounds or videos: the client's parts in their order when
     it sent them (`parts`), else images first, then the text.
     Tool calls' arguments stay JSON text (OpenAI's shape) unless
     `parsed_arguments`, which chat templates such as Qwen's and Hermes' want; an

@@ -516,7 +516,8 @@ def _is_base64(data: str) -> bool:
 def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[ContentPart, ...]]:
     """A message's content that is not a string (`_messages` takes those as they are):
     its text, its parts joined, its images in order, and the parts themselves in order
-    when they hold an image or a sound (an OpenAI upstream gets them as they came)."""
+    when they hold an image, a sound or a video (an OpenAI upstream gets them as they
+    came)."""
     if content is None:
         return "", (), ()
     if not isinstance(content, list):
