@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.tiny_whisper import build_tiny_whisper, wav  # noqa: E402
-from tests.support.vllm import start_speech_server  # noqa: E402
+from tests.support.vllm import start_lean_http_server  # noqa: E402
 
 MODEL = "tiny-whisper"
 STARTUP_TIMEOUT = 60.0
@@ -87,7 +87,7 @@ def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
         model = build_tiny_whisper(work / "model")
-        server = start_speech_server(model, work, MODEL)
+        server = start_lean_http_server(model, work, MODEL)
         stack.callback(server.stop)
         direct = f"http://127.0.0.1:{server.port}"
         url, pid = _gateway(stack, work, f"{direct}/v1")

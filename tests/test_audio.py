@@ -26,7 +26,7 @@ from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import OpenAIServer, keyed_plain
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
 from tests.support.tiny_whisper import WORD, build_tiny_whisper, wav
-from tests.support.vllm import VllmProcess, start_speech_server
+from tests.support.vllm import VllmProcess, start_lean_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
 
 WHISPER = "tiny-whisper"
@@ -45,7 +45,7 @@ KEYED = {"authorization": "Bearer unused"}
 def speech(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """vLLM's OpenAI server serving the tiny Whisper."""
     model = build_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper"))
-    server = start_speech_server(model, tmp_path_factory.mktemp("vllm-speech-logs"), WHISPER)
+    server = start_lean_http_server(model, tmp_path_factory.mktemp("vllm-speech-logs"), WHISPER)
     yield server
     server.stop()
 

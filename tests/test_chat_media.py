@@ -26,8 +26,11 @@ from tests.support.openai_server import OpenAIServer, keyed_plain
 from tests.support.servers import Gateway, assert_nothing_left, start_gateway
 from tests.support.tiny_audio_lm import build_tiny_audio_lm
 from tests.support.tiny_whisper import wav
-from tests.support.vllm import MAX_MODEL_LEN, VllmProcess, start_speech_server
+from tests.support.vllm import MAX_MODEL_LEN, VllmProcess, start_lean_http_server
 from tests.support.waiting import HANG_GUARD
+
+#: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 HEARS = "tiny-audio-lm"
 HOSTED = "hosted-audio"
@@ -45,7 +48,7 @@ def hearing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """vLLM's OpenAI server serving the tiny audio LLM."""
     model = build_tiny_audio_lm(tmp_path_factory.mktemp("tiny-audio-lm"))
     logs = tmp_path_factory.mktemp("vllm-audio-lm-logs")
-    server = start_speech_server(model, logs, HEARS, MAX_MODEL_LEN)
+    server = start_lean_http_server(model, logs, HEARS, MAX_MODEL_LEN)
     yield server
     server.stop()
 

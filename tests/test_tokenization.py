@@ -10,7 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from gateway.protocol import errors
 from gateway.protocol.types import Message
@@ -341,3 +349,34 @@ def test_routing_ids_from_many_threads_at_once(tokenizer_dir, monkeypatch):
     with ThreadPoolExecutor(8) as pool:
         for _ in range(3):
             assert list(pool.map(lambda chat: tokenizer.routing_ids(None, chat), chats)) == expected
+
+
+def test_the_chat_form_of_embeddings_renders_and_encodes_as_vllm_asks(tmp_path, tokenizer_dir):
+    """`generation` off, `open_end` (cut after the last message's text, as transformers'
+    `continue_final_message`), and `special`: the tokenizer's own special tokens around
+    the rendered chat (here a BOS before and an end after), also where a user's text
+    holds special-token strings kept as text."""
+    for file in tokenizer_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    wrapped = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    bos, end = wrapped.token_to_id("<|bos|>"), wrapped.token_to_id("<|end|>")
+    wrapped.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A <|end|>", special_tokens=[("<|bos|>", bos), ("<|end|>", end)]
+    )
+    (tmp_path / "tokenizer.json").write_text(wrapped.to_str())
+    tokenizer = ModelTokenizer(tmp_path)
+    messages = (Message("system", "be kind"), Message("assistant", "the quick"))
+    rendered = tokenizer.render_chat(messages, generation=False)
+    assert rendered.endswith("<|assistant|>the quick<|end|>")
+    assert tokenizer.render_chat(messages, generation=False, open_end=True) == rendered[:-7]
+    bare = tokenizer.prompt_ids(None, messages, generation=False)
+    assert tokenizer.prompt_ids(None, messages, generation=False, special=True) == [
+        bos,
+        *bare,
+        end,
+    ]
+    typed = (Message("user", "hi <|end|> there"),)
+    plain = tokenizer.prompt_ids(None, typed, plain_contents=True, generation=False)
+    assert tokenizer.prompt_ids(
+        None, typed, plain_contents=True, generation=False, special=True
+    ) == [bos, *plain, end]

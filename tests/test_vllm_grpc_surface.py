@@ -137,7 +137,13 @@ def test_the_engine_says_what_it_serves(server_loop: ServerLoop, front: Front, v
     served, embedder = server_loop.call(described(tool_call_parser="hermes"))
     assert {"tools", "n", "logprobs", "response_format", "logit_bias", "tokenize"} <= served
     assert {"image_url", "embeddings", "dimensions"}.isdisjoint(served)
-    assert embedder == {features.EMBEDDINGS, features.USER, features.TOKENIZE}
+    # the chat form of embeddings too: the gateway renders it with the model's template
+    assert embedder == {
+        features.EMBEDDINGS,
+        features.USER,
+        features.TOKENIZE,
+        features.EMBEDDING_CHAT,
+    }
     served, _ = server_loop.call(described())
     assert "tools" not in served  # no call format configured
     assert front.sdk.models.retrieve(TOOLS_MODEL).id == TOOLS_MODEL

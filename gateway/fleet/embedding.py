@@ -47,10 +47,10 @@ async def embed(
 
     async def call(worker: Worker) -> Embeddings:
         embeddings = await worker.upstream.embed(request, deadline.remaining(), metadata)
-        if len(embeddings.vectors) != len(request.inputs):  # it broke the protocol
+        if len(embeddings.vectors) != request.count:  # it broke the protocol
             raise errors.Failed(
                 f"The worker {worker.address} answered {len(embeddings.vectors)} embeddings "
-                f"for {len(request.inputs)} inputs."
+                f"for {request.count} inputs."
             )
         return embeddings
 

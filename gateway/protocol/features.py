@@ -18,6 +18,9 @@ from gateway.protocol.types import GenerateRequest
 
 GENERATE = "generate"
 EMBEDDINGS = "embeddings"
+#: Embeddings' chat form (vLLM's `messages` on /v1/embeddings): conversations rendered by
+#: the model's chat template. Not the worker protocol's: `Embed` takes texts and ids.
+EMBEDDING_CHAT = "embeddings.messages"
 #: vLLM's /tokenize and /detokenize: the worker answers the protocol's Tokenize and
 #: Detokenize (the prompt's ids as CountTokens counts them; ids decoded).
 TOKENIZE = "tokenize"
@@ -46,8 +49,10 @@ AUDIO = "input_audio"
 VIDEO = "video_url"
 #: The content parts only OpenAI-compatible servers take → the feature each needs.
 RELAYED_PARTS = {"input_audio": AUDIO, "audio_url": AUDIO, "video_url": VIDEO}
+#: The generation features only OpenAI-compatible servers take.
+RELAYED = frozenset(RELAYED_PARTS.values())
 #: What no worker of the worker protocol is taken to serve, whatever it lists.
-NOT_CARRIED = frozenset(RELAYED_PARTS.values())
+NOT_CARRIED = RELAYED | {EMBEDDING_CHAT}
 MIN_TOKENS = "min_tokens"
 IGNORE_EOS = "ignore_eos"
 REPETITION_PENALTY = "repetition_penalty"
@@ -70,6 +75,7 @@ ALL = frozenset(
     {
         GENERATE,
         EMBEDDINGS,
+        EMBEDDING_CHAT,
         TOKENIZE,
         N,
         LOGPROBS,
@@ -102,7 +108,7 @@ FIRST_VERSION = frozenset({GENERATE})
 #: What `used` can find in a request: a model serving all of them serves any request.
 OF_REQUESTS = frozenset(
     {N, LOGPROBS, TOOLS, RESPONSE_FORMAT, IMAGES, USER}
-    | NOT_CARRIED
+    | RELAYED
     | SAMPLING
     | REASONING
     | STRUCTURED

@@ -183,14 +183,39 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatForm:
+    """The chat form of an embeddings request (vLLM's): conversations instead of inputs,
+    each rendered by the model's chat template and embedded as one input, with the
+    template's options as vLLM's server takes them."""
+
+    conversations: tuple[tuple[Message, ...], ...]
+    #: `messages` was a list of conversations (vLLM's batched form), not one.
+    batched: bool = False
+    add_generation_prompt: bool = False
+    #: The last message left open (its end cut after its content), as for a prefill.
+    continue_final_message: bool = False
+    #: Special tokens (the BOS) added on top of what the template writes.
+    add_special_tokens: bool = False
+    #: The chat template's own arguments (a JSON object's text; "": none).
+    template_kwargs: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class EmbedRequest:
-    """Inputs to embed, each a text or token ids."""
+    """Inputs to embed, each a text or token ids; or, in the chat form (`chat`),
+    conversations, and no inputs."""
 
     model: str
     inputs: tuple[str | tuple[int, ...], ...]
     dimensions: int | None = None
     user: str = ""
     request_id: str = ""
+    chat: ChatForm | None = None
+
+    @property
+    def count(self) -> int:
+        """The vectors its answer holds: one an input, or one a conversation."""
+        return len(self.inputs) if self.chat is None else len(self.chat.conversations)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import Config
 from gateway.protocol.errors import RateLimited
-from gateway.protocol.types import AudioRequest, EmbedRequest, GenerateRequest
+from gateway.protocol.types import AudioRequest, EmbedRequest, GenerateRequest, Message
 from gateway.teams.team import Team
 from gateway.telemetry.record import RequestRecord
 
@@ -82,12 +82,17 @@ def estimate_tokens(request: GenerateRequest | EmbedRequest | AudioRequest | Non
     if isinstance(request, AudioRequest):
         return 1
     if isinstance(request, EmbedRequest):
+        if request.chat is not None:  # each conversation as a chat's messages
+            return sum(map(_messages_tokens, request.chat.conversations))
         return sum(math.ceil(len(x) / 4) if isinstance(x, str) else len(x) for x in request.inputs)
     if request.messages is None:
-        chars, parts = len(request.prompt or ""), 0
-    else:
-        chars, parts = sum(len(m.content) for m in request.messages), len(request.messages)
-    return math.ceil(chars / 4) + parts
+        return math.ceil(len(request.prompt or "") / 4)
+    return _messages_tokens(request.messages)
+
+
+def _messages_tokens(messages: tuple[Message, ...]) -> int:
+    """A conversation's tokens: ~4 characters a token, and one a message."""
+    return math.ceil(sum(len(m.content) for m in messages) / 4) + len(messages)
 
 
 class Lease:

@@ -32,6 +32,7 @@ import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -89,6 +90,36 @@ def _template(config: dict[str, Any], directory: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+#: What the last message's text is marked with to find its end in a rendered chat
+#: (`open_end`): transformers' own tag, so a template renders it as transformers does.
+_OPEN_END_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_last(messages: Sequence[Message]) -> list[Message]:
+    """`messages` with the last one's text followed by `_OPEN_END_TAG`."""
+    if not messages:
+        raise errors.Invalid("No message to continue.", param="continue_final_message")
+    *rest, last = messages
+    return [*rest, replace(last, content=last.content + _OPEN_END_TAG, parts=())]
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """A rendered chat cut where the last message's text ends (`_tagged_last`), as
+    transformers cuts it: at the tag, or, where the template trimmed its space, before
+    the trimmed tag and the spaces before it."""
+    tag = _OPEN_END_TAG.strip()
+    at = rendered.rfind(tag)
+    if at < 0:
+        raise errors.Invalid(
+            "The model's chat template does not keep the last message's text as it is, so "
+            "it cannot be continued.",
+            param="continue_final_message",
+        )
+    if rendered[at : at + len(_OPEN_END_TAG)] == _OPEN_END_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _system_first(messages: Sequence[Message]) -> Sequence[Message]:
@@ -181,25 +212,32 @@ class ModelTokenizer:
         messages: Sequence[Message],
         tools: Sequence[Tool] = (),
         options: Mapping[str, Any] | None = None,
+        *,
+        generation: bool = True,
+        open_end: bool = False,
     ) -> str:
         """The prompt the chat template makes of `messages` (and the `tools` the
         model may call: None to the template when there are none, as
-        transformers passes them), ready for the answer; `options`: the client's own
-        template variables (`chat_template_kwargs`, such as `enable_thinking`), which
-        never replace the ones set here."""
+        transformers passes them), ready for the answer (`generation`: with the
+        template's generation prompt; `open_end`: cut after the last message's text, as
+        transformers' `continue_final_message`); `options`: the client's own template
+        variables (`chat_template_kwargs`, such as `enable_thinking`), which never
+        replace the ones set here."""
         if self._template is None:
             raise errors.Invalid(
                 "This model has no chat template; use /v1/completions.", param="messages"
             )
         if self.system_first:
             messages = _system_first(messages)
+        if open_end:
+            messages = _tagged_last(messages)
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 {
                     **(options or _NO_OPTIONS),
                     "messages": list(map(_message_dict, messages)),  # (in C: no comprehension)
                     "tools": [tool_dict(t) for t in tools] if tools else None,
-                    "add_generation_prompt": True,
+                    "add_generation_prompt": generation,
                     "bos_token": self.bos_token,
                     "eos_token": self.eos_token,
                 }
@@ -208,6 +246,7 @@ class ModelTokenizer:
             raise
         except jinja2.TemplateError as error:  # the sandbox's refusals are TemplateErrors
             raise errors.Invalid(f"The model's chat template failed: {error}") from None
+        return _cut_at_tag(rendered) if open_end else rendered
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """The ids of `text`; `add_special_tokens` adds the BOS its post-processor adds
@@ -276,19 +315,41 @@ class ModelTokenizer:
         *,
         plain_contents: bool = False,
         options: Mapping[str, Any] | None = None,
+        generation: bool = True,
+        open_end: bool = False,
+        special: bool = False,
     ) -> list[int]:
         """The ids of a request's prompt: its text, or its messages (with its
-        tools and template `options`) through the template; with `plain_contents`,
-        special-token strings in the messages' contents stay text."""
+        tools and template `options`, `generation` and `open_end` as `render_chat`
+        takes them) through the template, with the tokenizer's special tokens around
+        them where `special` (the template's own are in any case); with
+        `plain_contents`, special-token strings in the messages' contents stay text."""
         if messages is None:
             return self.encode(prompt or "", add_special_tokens=True)
-        rendered = self.render_chat(messages, tools, options)
+        rendered = self.render_chat(
+            messages, tools, options, generation=generation, open_end=open_end
+        )
         if not plain_contents or self._special_text is None:
-            return self.encode(rendered, add_special_tokens=False)
+            return self.encode(rendered, add_special_tokens=special)
         search = self._special_text.search
         if not any(map(search, map(_content, messages))):  # the usual chat: none, in C
-            return self.encode(rendered, add_special_tokens=False)
-        return self._plain_ids(rendered, [m.content for m in messages if search(m.content)])
+            return self.encode(rendered, add_special_tokens=special)
+        ids = self._plain_ids(rendered, [m.content for m in messages if search(m.content)])
+        if not special:
+            return ids
+        before, after = self._specials
+        return [*before, *ids, *after]
+
+    @functools.cached_property
+    def _specials(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer puts before and after a text's own ids (a
+        BOS, an EOS), found around the ids of a word."""
+        bare = self.encode("a", add_special_tokens=False)
+        whole = self.encode("a", add_special_tokens=True)
+        for start in range(len(whole) - len(bare) + 1):
+            if whole[start : start + len(bare)] == bare:
+                return whole[:start], whole[start + len(bare) :]
+        return whole, []  # cannot tell: all before
 
     def routing_ids(
         self, prompt: str | None, messages: Sequence[Message] | None, tools: Sequence[Tool] = ()

@@ -127,7 +127,13 @@ class FurnaceGrpcUpstream:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """One Embed call with `timeout` seconds as its deadline; an answer with
-        another count of vectors than inputs is the worker's failure."""
+        another count of vectors than inputs is the worker's failure. Conversations (the
+        chat form) are refused: `Embed` takes texts and token ids only."""
+        if request.chat is not None:  # refused at the edge once the worker has described
+            raise errors.Invalid(
+                "The model's workers embed texts and token ids only, not conversations.",
+                param="messages",
+            )
         try:
             reply = await self._stub.Embed(
                 embed_request_to_proto(request), timeout=timeout, metadata=metadata

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -85,6 +86,7 @@ from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
 from gateway.protocol.tool_calls import ChoiceToolCalls
 from gateway.protocol.types import (
+    ChatForm,
     Embeddings,
     EmbedRequest,
     Event,
@@ -843,7 +845,10 @@ class VllmGrpcUpstream:
         gateway never fetches a URL for a worker. Nor `dimensions`: `Embed` has
         no field for it."""
         if not info.is_generation:
-            return frozenset({features.EMBEDDINGS, features.USER, features.TOKENIZE})
+            pooling = frozenset({features.EMBEDDINGS, features.USER, features.TOKENIZE})
+            if self.tokenizer.has_chat_template:  # the chat form: the gateway renders it
+                pooling |= {features.EMBEDDING_CHAT}
+            return pooling
         served = GENERATIVE | {features.TOKENIZE}
         if self.tool_call_parser is not None and self.tokenizer.reads_tools:
             served |= {features.TOOLS}
@@ -981,7 +986,9 @@ class VllmGrpcUpstream:
     ) -> Embeddings:
         """The inputs' vectors from the engine's `Embed`, one call per input (the
         rpc takes one), `EMBED_CONCURRENCY` at a time; texts tokenized as raw prompts,
-        all in one batch off the loop."""
+        all in one batch off the loop; a conversation (the chat form) rendered by the
+        model's chat template with its options and tokenized, as vLLM's server does,
+        off the loop."""
         if request.dimensions is not None:
             raise errors.Invalid("This model cannot shorten its vectors.", param="dimensions")
         deadline = time.monotonic() + timeout
@@ -991,10 +998,13 @@ class VllmGrpcUpstream:
         if request.user:
             logger.debug("embed %s: user %r", request.request_id, request.user)
         base = request.request_id or "furnace"
-        texts = [x for x in request.inputs if isinstance(x, str)]
-        _check_chars(sum(map(len, texts)), "input")
-        encoded = iter(await _off_loop(functools.partial(self.tokenizer.encode_batch, texts)))
-        inputs = [next(encoded) if isinstance(x, str) else list(x) for x in request.inputs]
+        if request.chat is not None:
+            inputs = await _off_loop(functools.partial(self._conversations_ids, request.chat))
+        else:
+            texts = [x for x in request.inputs if isinstance(x, str)]
+            _check_chars(sum(map(len, texts)), "input")
+            encoded = iter(await _off_loop(functools.partial(self.tokenizer.encode_batch, texts)))
+            inputs = [next(encoded) if isinstance(x, str) else list(x) for x in request.inputs]
         limit = asyncio.Semaphore(EMBED_CONCURRENCY)
 
         async def one(i: int, ids: list[int]) -> pb.EmbedResponse:
@@ -1020,6 +1030,23 @@ class VllmGrpcUpstream:
         return Embeddings(
             tuple(tuple(r.embedding) for r in replies), sum(r.prompt_tokens for r in replies)
         )
+
+    def _conversations_ids(self, chat: ChatForm) -> list[list[int]]:
+        """Each conversation's ids, rendered with the chat form's options (in the
+        tokenizing pool: a 400 past `MAX_PROMPT_CHARS` in all)."""
+        chars = sum(prompt_chars(None, c, ()) for c in chat.conversations)
+        _check_chars(chars, "messages")
+        options = json.loads(chat.template_kwargs) if chat.template_kwargs else None
+        make = functools.partial(
+            self.tokenizer.prompt_ids,
+            None,
+            plain_contents=self.plain_contents,
+            options=options,
+            generation=chat.add_generation_prompt,
+            open_end=chat.continue_final_message,
+            special=chat.add_special_tokens,
+        )
+        return [make(conversation) for conversation in chat.conversations]
 
     def abort(self, request_id: str) -> None:
         """Aborts a request on the engine, in the background (best effort)."""

@@ -187,15 +187,20 @@ def start_http_server(
 WHISPER_LEN = 448
 
 
-def start_speech_server(
-    model: Path, log_dir: Path, name: str = "tiny-whisper", max_len: int = WHISPER_LEN
+def start_lean_http_server(
+    model: Path,
+    log_dir: Path,
+    name: str,
+    max_len: int = WHISPER_LEN,
+    extra: tuple[str, ...] = (),
 ) -> VllmProcess:
-    """vLLM's OpenAI server serving a model that hears: a speech-to-text model
-    (tests/support/tiny_whisper.py: its `/v1/audio/transcriptions` and `/translations`)
-    or an audio LLM (tests/support/tiny_audio_lm.py: chats with sounds), on a free
-    loopback port, ready, with no tool or structured-output options."""
+    """vLLM's OpenAI server with its lean CPU settings alone (no tool or structured-output
+    options), context `max_len`, and `extra` engine options, on a free loopback port,
+    ready: for a speech-to-text model (tests/support/tiny_whisper.py: its
+    `/v1/audio/transcriptions` and `/translations`), an audio LLM
+    (tests/support/tiny_audio_lm.py: chats with sounds), an embedding model."""
     lean = ENGINE_ARGS[: ENGINE_ARGS.index("--max-model-len")]
-    options = ("--dtype", "bfloat16", *lean, "--max-model-len", str(max_len))
+    options = ("--dtype", "bfloat16", *lean, "--max-model-len", str(max_len), *extra)
     return _start(
         lambda port: _http_command(model, name, port, options),
         log_dir / f"vllm-{name}.log",

@@ -7,10 +7,17 @@ SDK asks for by default).
 
 Inputs: a string, a list of strings, a list of token ids or a list of lists of token ids;
 at most 2048 of them, no empty one, ids in the worker protocol's uint32; the body's size is
-`max_body_bytes`'. `dimensions` and `user` go to workers that list them, else a 400 names
-them. A client that goes away cancels the worker's call, `request_timeout` bounds the whole
-call, and the request leaves one record in the metrics and the access log (its inputs'
-tokens as prompt tokens, which a team's tokens per minute are charged once known).
+`max_body_bytes`'. Or vLLM's chat form: `messages`, one conversation (checked as a chat
+completion's) or a list of them (vLLM's batched form, at most 2048), or a conversation
+given as `input`, each rendered by the model's chat template (with `add_generation_prompt`,
+`continue_final_message`, `add_special_tokens`, `chat_template_kwargs`) and embedded as
+one input; served by models that list `embeddings.messages` (OpenAI-compatible servers,
+which render it themselves, and `vllm-grpc`, where the gateway renders it; the worker
+protocol's `Embed` takes texts and ids only). `dimensions` and `user` go to workers that
+list them, else a 400 names them. A client that goes away cancels the worker's call,
+`request_timeout` bounds the whole call, and the request leaves one record in the metrics
+and the access log (its inputs' tokens as prompt tokens, which a team's tokens per minute
+are charged once known).
 
 A model's `fallbacks` serve its embeddings as they serve a generation (admission: every
 worker full, the queue refusing, every worker tried failing; a fallback whose workers do
@@ -30,16 +37,23 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.edge.asgi import send_json
-from gateway.edge.errors import invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.openai.body import read_json
-from gateway.edge.openai.validation import UINT32_MAX, _unserved, model_of
+from gateway.edge.openai.validation import (
+    UINT32_MAX,
+    _flag,
+    _unserved,
+    chat_messages,
+    model_of,
+    template_kwargs,
+)
 from gateway.edge.request import Exchange, RequestRoute, priority
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import embed
 from gateway.protocol import features
 from gateway.protocol.deadline import Deadline
 from gateway.protocol.errors import Outcome
-from gateway.protocol.types import Embeddings, EmbedRequest, Pooling
+from gateway.protocol.types import ChatForm, Embeddings, EmbedRequest, Message, Pooling
 from gateway.telemetry import RequestRecord
 from gateway.telemetry.tracing import annotate
 
@@ -68,6 +82,8 @@ class EmbeddingsBody:
     base64: bool
     dimensions: int | None
     user: str
+    #: The chat form's conversations and options (then no `inputs`); None: the text form.
+    chat: ChatForm | None = None
 
     def answer(self, model: str, result: Pooling) -> bytes:
         """The response body, of the model that served."""
@@ -140,14 +156,30 @@ UNSERVED_EMBEDDINGS: dict[str, Any] = {
 }
 
 
+#: The chat form's: the text form's but `add_special_tokens` (the chat form's default is
+#: false, and true is served), and a client's own template and media options.
+UNSERVED_CHAT_EMBEDDINGS: dict[str, Any] = {
+    **{k: v for k, v in UNSERVED_EMBEDDINGS.items() if k != "add_special_tokens"},
+    "chat_template": None,
+    "media_io_kwargs": None,
+}
+#: The chat form's options: with the text form, a 400 (they would change nothing).
+_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
 def parse_embeddings(body: Any) -> EmbeddingsBody:
     """The body checked, or a 400 naming the parameter at fault. Unknown fields are
     ignored, as on the generation routes."""
     model = model_of(body)
-    _unserved(body, UNSERVED_EMBEDDINGS)
-    if "input" not in body:
-        raise invalid("input", "Missing required parameter: 'input'.")
-    inputs = _inputs(body["input"])
+    chat = _chat_form(body)
+    if chat is None:
+        _unserved(body, UNSERVED_EMBEDDINGS)
+        if "input" not in body:
+            raise invalid("input", "Missing required parameter: 'input'.")
+        inputs = _inputs(body["input"])
+    else:
+        _unserved(body, UNSERVED_CHAT_EMBEDDINGS)
+        inputs = ()
     encoding = body.get("encoding_format")
     if encoding not in (None, "float", "base64"):
         raise invalid(
@@ -156,7 +188,59 @@ def parse_embeddings(body: Any) -> EmbeddingsBody:
     dimensions = body.get("dimensions")
     if dimensions is not None and not (_is_int(dimensions) and 1 <= dimensions <= UINT32_MAX):
         raise invalid("dimensions", "Invalid value for 'dimensions': an integer of at least 1.")
-    return EmbeddingsBody(model, inputs, encoding == "base64", dimensions, user_of(body))
+    return EmbeddingsBody(model, inputs, encoding == "base64", dimensions, user_of(body), chat)
+
+
+def _chat_form(body: Mapping[str, Any]) -> ChatForm | None:
+    """vLLM's chat form of the body (`messages`, or a conversation as `input`), checked;
+    None for the text form, which takes none of its options."""
+    messages, where = body.get("messages"), "messages"
+    if messages is None:
+        value = body.get("input")
+        if not (isinstance(value, list) and value and all(isinstance(v, dict) for v in value)):
+            for name in _CHAT_OPTIONS:
+                if body.get(name) not in (None, False, {}):
+                    raise invalid(name, f"'{name}' is an option of the chat form: 'messages'.")
+            return None
+        messages, where = value, "input"  # vLLM reads a list of messages as a conversation
+    elif "input" in body:
+        raise invalid("input", "Give 'input' or 'messages', not both.")
+    batched = isinstance(messages, list) and bool(messages)
+    batched = batched and all(isinstance(c, list) for c in messages)
+    if batched and len(messages) > MAX_INPUTS:
+        raise invalid(where, f"Invalid value for '{where}': at most {MAX_INPUTS} conversations.")
+    conversations = (
+        tuple(_conversation(c, f"{where}[{k}]") for k, c in enumerate(messages))
+        if batched
+        else (_conversation(messages, where),)
+    )
+    generation = _flag(body, "add_generation_prompt")
+    open_end = _flag(body, "continue_final_message")
+    if generation and open_end:
+        raise invalid(
+            "continue_final_message",
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+        )
+    return ChatForm(
+        conversations,
+        batched,
+        generation,
+        open_end,
+        _flag(body, "add_special_tokens"),
+        template_kwargs(body),
+    )
+
+
+def _conversation(value: Any, where: str) -> tuple[Message, ...]:
+    """One conversation, checked as a chat's `messages`, its refusals naming `where`."""
+    try:
+        return chat_messages(value)
+    except APIError as error:
+        if where != "messages":
+            if error.param is not None and error.param.startswith("messages"):
+                error.param = where + error.param.removeprefix("messages")
+            error.message = error.message.replace("'messages", f"'{where}")
+        raise
 
 
 def user_of(body: Mapping[str, Any]) -> str:
@@ -177,6 +261,12 @@ def check_served(pool: ModelPool, request: EmbedRequest) -> None:
         return
     if features.EMBEDDINGS not in served:
         raise invalid("model", f"The model `{pool.name}` does not serve embeddings.")
+    if request.chat is not None and features.EMBEDDING_CHAT not in served:
+        raise invalid(
+            "messages",
+            f"The model `{pool.name}` embeds texts and token ids only, not conversations: "
+            "its workers cannot render a chat template.",
+        )
     for feature, asked in (
         (features.DIMENSIONS, request.dimensions is not None),
         (features.USER, bool(request.user)),
@@ -238,11 +328,12 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         pool = admission.visibility(ctx, model_of(body))
         parsed = self.parse(body)
+        chat = parsed.chat if isinstance(parsed, EmbeddingsBody) else None
         request = EmbedRequest(
-            pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id
+            pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id, chat
         )
         if self.telemetry.log_prompts:
-            record.prompt = list(parsed.inputs)
+            record.prompt = list(parsed.inputs) if chat is None else list(chat.conversations)
         self.check(pool, request)
         ctx.request = request
         ctx.priority = priority(ex)

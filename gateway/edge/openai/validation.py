@@ -575,7 +575,11 @@ def _required_string(body: Mapping[str, Any], name: str, where: str) -> str:
 
 
 def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
-    messages = body.get("messages")
+    return chat_messages(body.get("messages"))
+
+
+def chat_messages(messages: Any) -> tuple[Message, ...]:
+    """A chat's `messages`, checked as a chat completion's (a 400 names `messages[i]...`)."""
     if not isinstance(messages, list):
         raise invalid("messages", "'messages' is required and must be a list.")
     if not messages:
@@ -922,6 +926,26 @@ def reasoning_effort(body: Mapping[str, Any], name: str, where: str = "") -> str
     return effort
 
 
+def template_kwargs(body: Mapping[str, Any]) -> str:
+    """The body's `chat_template_kwargs` as a JSON object's text ("": none or empty), or
+    a 400 naming it."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return ""
+    if not isinstance(kwargs, dict):
+        raise invalid(
+            "chat_template_kwargs", "Invalid type for 'chat_template_kwargs': expected an object."
+        )
+    text = orjson.dumps(kwargs)  # a body's JSON, read by orjson: it writes it back
+    if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid(
+            "chat_template_kwargs",
+            f"Invalid value for 'chat_template_kwargs': at most {MAX_TEMPLATE_KWARGS_BYTES} "
+            "bytes of JSON.",
+        )
+    return text.decode() if kwargs else ""
+
+
 def _reasoning(body: Mapping[str, Any]) -> ReasoningParams | None:
     """vLLM's reasoning parameters (None: none that asks anything)."""
     fields: dict[str, Any] = {}
@@ -930,22 +954,9 @@ def _reasoning(body: Mapping[str, Any]) -> ReasoningParams | None:
         fields["effort"] = effort
     if body.get("include_reasoning") is not None:
         fields["include"] = _flag(body, "include_reasoning")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise invalid(
-                "chat_template_kwargs",
-                "Invalid type for 'chat_template_kwargs': expected an object.",
-            )
-        text = orjson.dumps(kwargs)  # a body's JSON, read by orjson: it writes it back
-        if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
-            raise invalid(
-                "chat_template_kwargs",
-                f"Invalid value for 'chat_template_kwargs': at most {MAX_TEMPLATE_KWARGS_BYTES} "
-                "bytes of JSON.",
-            )
-        if kwargs:
-            fields["template_kwargs"] = text.decode()
+    kwargs = template_kwargs(body)
+    if kwargs:
+        fields["template_kwargs"] = kwargs
     budget = _int(body, "thinking_token_budget", -1, UINT32_MAX)
     if budget is not None and budget != -1:  # vLLM's -1: no bound
         fields["budget"] = budget

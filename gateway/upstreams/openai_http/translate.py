@@ -391,7 +391,7 @@ def embeddings_from(content: bytes, request: EmbedRequest) -> Embeddings:
     vectors, tokens = _placed(
         _json(content, "embeddings"),
         "data",
-        len(request.inputs),
+        request.count,
         "embedding",
         lambda item: _numbers(item.get("embedding")),
         positional=True,

@@ -16,6 +16,7 @@ import httpx
 import orjson
 
 from gateway.protocol import errors, features
+from gateway.protocol.chat import message_dict
 from gateway.protocol.http1 import Pool, fetch
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.types import (
@@ -262,12 +263,13 @@ class OpenAIHttpUpstream:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Embeddings:
         """Their /embeddings, as floats, within `timeout` seconds; the answer is read
-        up to a bound sized by the inputs and must hold one vector per input."""
-        body = _inputs_body(request)
+        up to a bound sized by the inputs and must hold one vector per input (per
+        conversation, in the chat form, which they render)."""
+        body = _inputs_body(request) if request.chat is None else _chat_body(request)
         body["encoding_format"] = "float"
         if request.dimensions is not None:
             body["dimensions"] = request.dimensions
-        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * request.count
         content = await self._pooled("embeddings", body, limit, "embeddings", timeout, metadata)
         return embeddings_from(content, request)
 
@@ -585,6 +587,30 @@ def _inputs_body(request: EmbedRequest) -> dict[str, Any]:
         "model": request.model,
         "input": [i if isinstance(i, str) else list(i) for i in request.inputs],
     }
+    if request.user:
+        body["user"] = request.user
+    return body
+
+
+def _chat_body(request: EmbedRequest) -> dict[str, Any]:
+    """An embeddings body in vLLM's chat form: its conversation (or its batch of them) and
+    the template's options where they ask something, and `user` where given."""
+    chat = request.chat
+    assert chat is not None
+    conversations = [list(map(message_dict, c)) for c in chat.conversations]
+    body: dict[str, Any] = {
+        "model": request.model,
+        "messages": conversations if chat.batched else conversations[0],
+    }
+    for name, value in (
+        ("add_generation_prompt", chat.add_generation_prompt),
+        ("continue_final_message", chat.continue_final_message),
+        ("add_special_tokens", chat.add_special_tokens),
+    ):
+        if value:
+            body[name] = True
+    if chat.template_kwargs:
+        body["chat_template_kwargs"] = orjson.loads(chat.template_kwargs)
     if request.user:
         body["user"] = request.user
     return body
