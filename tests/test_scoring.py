@@ -355,7 +355,8 @@ def test_classify_gives_the_workers_own_classes(vllm_reranker):
     assert one["data"][0]["probs"] == pytest.approx(theirs["data"][0]["probs"], abs=1e-3)
     for asked, param in (
         ({"model": RERANKER, "use_activation": False}, "use_activation"),
-        ({"model": RERANKER, "messages": [{"role": "user", "content": "a"}]}, "messages"),
+        # the chat form (tests/test_pooling_chat.py) takes `messages` instead of `input`
+        ({"model": RERANKER, "messages": [{"role": "user", "content": "a"}]}, "input"),
     ):
         refused = _post(gw.url, "/classify", {"input": "a", **asked})
         assert refused.status_code == 400, refused.text

@@ -5,9 +5,12 @@ input, classified by the model's workers, over the embeddings' route (embeddings
 admission, fallbacks, bounds, telemetry and usage ledger).
 
 Input: `input` as on embeddings (a string, a list of strings, token ids or lists of token
-ids; at most 2,048, none empty). `user` goes to the workers. vLLM's options that change what
-is computed (`use_activation`, truncation, `add_special_tokens: false`, the multimodal
-ones) and its chat form (`messages`) are refused by name unless at their defaults.
+ids; at most 2,048, none empty), or vLLM's chat form: `messages`, one conversation its
+server renders with the model's chat template and classifies as one input (with
+`add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
+`chat_template_kwargs`, as on embeddings). `user` goes to the workers. vLLM's options that
+change what is computed (`use_activation`, truncation, `add_special_tokens: false` with
+`input`, the multimodal ones) are refused by name unless at their defaults.
 
 Served by `upstream: openai` models, whose workers' `/classify` (beside `/v1`) answers;
 others are a 400 naming `model` (neither our worker protocol nor vLLM's gRPC server has a
@@ -30,12 +33,19 @@ from typing import Any
 import orjson
 
 from gateway.edge.errors import invalid
-from gateway.edge.openai.embeddings import EmbeddingsRoute, Pooled, _inputs, user_of
+from gateway.edge.openai.embeddings import (
+    EmbeddingsRoute,
+    Pooled,
+    _inputs,
+    chat_form,
+    chat_unserved,
+    user_of,
+)
 from gateway.edge.openai.validation import _unserved, model_of
 from gateway.fleet import ModelPool
 from gateway.fleet.embedding import classify
 from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import Classifications, EmbedRequest, Pooling
+from gateway.protocol.types import ChatForm, Classifications, EmbedRequest, Pooling
 
 #: Where it is served: vLLM's own path, and beside the other /v1 routes.
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
@@ -45,13 +55,13 @@ UNSERVED_CLASSIFY: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "truncation_side": None,
     "add_special_tokens": True,
-    "messages": None,
     "mm_processor_kwargs": None,
     "priority": 0,
     "request_id": None,
     "cache_salt": None,
     "dimensions": None,
 }
+UNSERVED_CLASSIFY_CHAT = chat_unserved(UNSERVED_CLASSIFY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,8 @@ class ClassifyBody:
     inputs: tuple[str | tuple[int, ...], ...]
     user: str = ""
     dimensions: None = None
+    #: The chat form's conversation and options (then no `inputs`); None: the text form.
+    chat: ChatForm | None = None
 
     def answer(self, model: str, result: Pooling) -> bytes:
         """The response body, of the model that served."""
@@ -89,6 +101,10 @@ class ClassifyBody:
 def parse_classify(body: Any) -> ClassifyBody:
     """The body checked, or a 400 naming the parameter at fault."""
     model_of(body)
+    chat = chat_form(body, embeddings=False)
+    if chat is not None:
+        _unserved(body, UNSERVED_CLASSIFY_CHAT)
+        return ClassifyBody((), user_of(body), chat=chat)
     _unserved(body, UNSERVED_CLASSIFY)
     if "input" not in body:
         raise invalid("input", "Missing required parameter: 'input'.")

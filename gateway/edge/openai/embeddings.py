@@ -102,6 +102,8 @@ class Pooled(Protocol):
     def dimensions(self) -> int | None: ...
     @property
     def user(self) -> str: ...
+    @property
+    def chat(self) -> ChatForm | None: ...
     def answer(self, model: str, result: Pooling) -> bytes: ...
 
 
@@ -156,13 +158,15 @@ UNSERVED_EMBEDDINGS: dict[str, Any] = {
 }
 
 
-#: The chat form's: the text form's but `add_special_tokens` (the chat form's default is
-#: false, and true is served), and a client's own template and media options.
-UNSERVED_CHAT_EMBEDDINGS: dict[str, Any] = {
-    **{k: v for k, v in UNSERVED_EMBEDDINGS.items() if k != "add_special_tokens"},
-    "chat_template": None,
-    "media_io_kwargs": None,
-}
+def chat_unserved(unserved: dict[str, Any]) -> dict[str, Any]:
+    """A route's options not served in its chat form: its text form's but
+    `add_special_tokens` (the chat form's default is false, and true is served), and a
+    client's own template and media options."""
+    kept = {name: value for name, value in unserved.items() if name != "add_special_tokens"}
+    return {**kept, "chat_template": None, "media_io_kwargs": None}
+
+
+UNSERVED_CHAT_EMBEDDINGS = chat_unserved(UNSERVED_EMBEDDINGS)
 #: The chat form's options: with the text form, a 400 (they would change nothing).
 _CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
@@ -171,7 +175,7 @@ def parse_embeddings(body: Any) -> EmbeddingsBody:
     """The body checked, or a 400 naming the parameter at fault. Unknown fields are
     ignored, as on the generation routes."""
     model = model_of(body)
-    chat = _chat_form(body)
+    chat = chat_form(body)
     if chat is None:
         _unserved(body, UNSERVED_EMBEDDINGS)
         if "input" not in body:
@@ -191,13 +195,16 @@ def parse_embeddings(body: Any) -> EmbeddingsBody:
     return EmbeddingsBody(model, inputs, encoding == "base64", dimensions, user_of(body), chat)
 
 
-def _chat_form(body: Mapping[str, Any]) -> ChatForm | None:
-    """vLLM's chat form of the body (`messages`, or a conversation as `input`), checked;
-    None for the text form, which takes none of its options."""
-    messages, where = body.get("messages"), "messages"
+def chat_form(body: Mapping[str, Any], *, embeddings: bool = True) -> ChatForm | None:
+    """vLLM's chat form of the body (`messages`; for `embeddings` also a batch of
+    conversations, or a conversation as `input`, which vLLM's classification reads not),
+    checked; None for the text form, which takes none of its options."""
+    messages: Any = body.get("messages")
+    where = "messages"
     if messages is None:
         value = body.get("input")
-        if not (isinstance(value, list) and value and all(isinstance(v, dict) for v in value)):
+        conversation = isinstance(value, list) and value and all(isinstance(v, dict) for v in value)
+        if not (embeddings and conversation):
             for name in _CHAT_OPTIONS:
                 if body.get(name) not in (None, False, {}):
                     raise invalid(name, f"'{name}' is an option of the chat form: 'messages'.")
@@ -207,6 +214,8 @@ def _chat_form(body: Mapping[str, Any]) -> ChatForm | None:
         raise invalid("input", "Give 'input' or 'messages', not both.")
     batched = isinstance(messages, list) and bool(messages)
     batched = batched and all(isinstance(c, list) for c in messages)
+    if batched and not embeddings:
+        raise invalid("messages", "Invalid value for 'messages': one conversation.")
     if batched and len(messages) > MAX_INPUTS:
         raise invalid(where, f"Invalid value for '{where}': at most {MAX_INPUTS} conversations.")
     conversations = (
@@ -328,7 +337,7 @@ class EmbeddingsRoute(RequestRoute[Exchange]):
         ctx.fallbacks = True  # it serves on `ctx.pool`, which a fallback may change
         pool = admission.visibility(ctx, model_of(body))
         parsed = self.parse(body)
-        chat = parsed.chat if isinstance(parsed, EmbeddingsBody) else None
+        chat = parsed.chat
         request = EmbedRequest(
             pool.name, parsed.inputs, parsed.dimensions, parsed.user, record.request_id, chat
         )

@@ -154,6 +154,7 @@ class RerankBody:
     return_documents: bool
     dimensions: int | None = None
     user: str = ""
+    chat: None = None  # no chat form
 
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
@@ -218,6 +219,7 @@ class ScoreBody:
     pairs: tuple[tuple[int, int], ...]
     dimensions: int | None = None
     user: str = ""
+    chat: None = None  # no chat form
 
     def answer(self, model: str, result: Pooling) -> bytes:
         score = scored(result, self.pairs)

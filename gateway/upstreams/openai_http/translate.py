@@ -438,7 +438,7 @@ def _classification(item: dict[str, Any]) -> Classification | None:
 def classifications_from(content: bytes, request: EmbedRequest) -> Classifications:
     """Their `/classify` answer (vLLM's): one `label` (or null) and `probs` per input,
     placed by their `index`."""
-    count = len(request.inputs)
+    count = request.count
     payload = _json(content, "classify")
     items, tokens = _placed(payload, "data", count, "classification", _classification)
     return Classifications(tuple(items), tokens)

@@ -281,10 +281,11 @@ class OpenAIHttpUpstream:
     ) -> Classifications:
         """Their `/classify` (beside `/v1`, as vLLM serves a classification model), within
         `timeout` seconds; the answer is read up to a bound sized by the inputs and must
-        hold one classification per input."""
-        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * len(request.inputs)
+        hold one classification per input (one for the chat form's conversation, which
+        they render)."""
+        limit = MAX_ERROR_BYTES + MAX_EMBEDDING_BYTES * request.count
         url = f"{self._root}/classify"
-        body = _inputs_body(request)
+        body = _inputs_body(request) if request.chat is None else _chat_body(request)
         content = await self._pooled(url, body, limit, "classification", timeout, metadata)
         return classifications_from(content, request)
 

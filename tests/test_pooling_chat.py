@@ -1,13 +1,14 @@
-"""The chat form of `POST /v1/embeddings` (vLLM's): `messages`, one conversation or a
-batch of them, or a conversation as `input`, each rendered by the model's chat template
-with `add_generation_prompt`, `continue_final_message`, `add_special_tokens` and
-`chat_template_kwargs`, and embedded as one input. Against vLLM's CPU build serving the
-tiny model as an embedding model twice: its OpenAI server, reached directly and through
-the gateway (`upstream: openai`: the server renders), and its gRPC server through the
-gateway (`vllm-grpc`: the gateway renders with its own tokenizer). Every answer equals
-vLLM's own for the same body: the vectors and the prompt's tokens. Models on the worker
-protocol refuse a conversation by name, as every malformed body is refused. After each
-test nothing is left in the gateway.
+"""The chat form of `POST /v1/embeddings` and `/classify` (vLLM's): `messages`, one
+conversation (or, for embeddings, a batch of them, or a conversation as `input`), each
+rendered by the model's chat template with `add_generation_prompt`,
+`continue_final_message`, `add_special_tokens` and `chat_template_kwargs`, and pooled as
+one input. Against vLLM's CPU build serving the tiny model as an embedding model twice:
+its OpenAI server, reached directly and through the gateway (`upstream: openai`: the
+server renders), and its gRPC server through the gateway (`vllm-grpc`: the gateway
+renders with its own tokenizer); and as a classifier, on its OpenAI server. Every answer
+equals vLLM's own for the same body: the vectors (the classes) and the prompt's tokens.
+Models on the worker protocol refuse a conversation by name, as every malformed body is
+refused. After each test nothing is left in the gateway.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 #: The same engine's model behind the gateway's `vllm-grpc` upstream.
 RENDERED = "tiny-vllm-embed-grpc"
+#: The tiny model as a classifier (vLLM's `--convert classify`), on its OpenAI server.
+CLASSIFIER = "tiny-vllm-classify"
 CHAT = [
     {"role": "system", "content": "you are terse"},
     {"role": "user", "content": "the quick brown fox"},
@@ -54,19 +57,25 @@ PREFILL = [*CHAT, {"role": "assistant", "content": "jumps over"}]
 @pytest.fixture(scope="module")
 def servers(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[VllmProcess, VllmProcess]]:
+) -> Iterator[tuple[VllmProcess, VllmProcess, VllmProcess]]:
     """vLLM's OpenAI server and its gRPC server, each serving the tiny model as an
-    embedding model (vLLM's pooling runner)."""
-    logs = tmp_path_factory.mktemp("vllm-embed-chat-logs")
-    http = start_lean_http_server(vllm_model, logs, EMBED_MODEL, MAX_MODEL_LEN, EMBED_OPTIONS)
+    embedding model (vLLM's pooling runner), and its OpenAI server serving it as a
+    classifier."""
+    logs = tmp_path_factory.mktemp("vllm-pooling-chat-logs")
+    started: list[VllmProcess] = []
+    classify = ("--runner", "pooling", "--convert", "classify")
     try:
-        grpc = start_grpc_server(vllm_model, logs, EMBED_OPTIONS)
-    except BaseException:
-        http.stop()
-        raise
-    yield http, grpc
-    grpc.stop()
-    http.stop()
+        started.append(
+            start_lean_http_server(vllm_model, logs, EMBED_MODEL, MAX_MODEL_LEN, EMBED_OPTIONS)
+        )
+        started.append(start_grpc_server(vllm_model, logs, EMBED_OPTIONS))
+        started.append(
+            start_lean_http_server(vllm_model, logs, CLASSIFIER, MAX_MODEL_LEN, classify)
+        )
+        yield started[0], started[1], started[2]
+    finally:
+        for server in reversed(started):
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +83,9 @@ def front(
     server_loop: ServerLoop,
     workers: Workers,
     vllm_model: Path,
-    servers: tuple[VllmProcess, VllmProcess],
+    servers: tuple[VllmProcess, VllmProcess, VllmProcess],
 ) -> Iterator[Gateway]:
-    http, grpc = servers
+    http, grpc, classifier = servers
     models = (
         ModelConfig(EMBED_MODEL, upstream="openai", workers=(f"http://127.0.0.1:{http.port}/v1",)),
         ModelConfig(
@@ -84,6 +93,11 @@ def front(
             upstream="vllm-grpc",
             tokenizer=str(vllm_model),
             workers=(f"127.0.0.1:{grpc.port}",),
+        ),
+        ModelConfig(
+            CLASSIFIER,
+            upstream="openai",
+            workers=(f"http://127.0.0.1:{classifier.port}/v1",),
         ),
         ModelConfig(DEMO_MODEL, workers=(workers.demo.address,)),
     )
@@ -100,7 +114,7 @@ def client(front: Gateway, workers: Workers) -> Iterator[httpx.Client]:
     assert_nothing_left(front, workers)
 
 
-def direct(servers: tuple[VllmProcess, VllmProcess], body: dict[str, Any]) -> dict[str, Any]:
+def direct(servers: tuple[VllmProcess, ...], body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's own answer to `body` (the served name put in)."""
     url = f"http://127.0.0.1:{servers[0].port}/v1/embeddings"
     answer = httpx.post(url, json={**body, "model": EMBED_MODEL}, timeout=HANG_GUARD)
@@ -188,3 +202,41 @@ def test_a_model_on_the_worker_protocol_refuses_a_conversation_by_name(client):
     error = answer.json()["error"]
     assert error["param"] == "messages"
     assert "not conversations" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": CHAT},
+        {"messages": PREFILL, "continue_final_message": True},
+        {"messages": CHAT, "add_generation_prompt": True, "add_special_tokens": True},
+    ],
+    ids=["messages", "continued", "options"],
+)
+def test_a_conversation_is_classified_as_vllm_classifies_it(client, servers, body):
+    url = f"http://127.0.0.1:{servers[2].port}/classify"
+    own = httpx.post(url, json={**body, "model": CLASSIFIER}, timeout=HANG_GUARD)
+    assert own.status_code == 200, own.text
+    theirs = own.json()
+    ours = client.post("/classify", json={**body, "model": CLASSIFIER})
+    assert ours.status_code == 200, ours.text
+    (mine,), (their,) = ours.json()["data"], theirs["data"]
+    assert mine["label"] == their["label"] and mine["num_classes"] == their["num_classes"]
+    assert mine["probs"] == pytest.approx(their["probs"], abs=1e-3)
+    assert ours.json()["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [CHAT, CHAT]}, "messages"),  # vLLM classifies one conversation
+        ({"input": CHAT}, "input"),  # nor reads one as `input`
+        ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({"messages": CHAT, "use_activation": False}, "use_activation"),
+    ],
+)
+def test_a_bad_classify_chat_form_is_refused_by_name(client, body, param):
+    answer = client.post("/classify", json={**body, "model": CLASSIFIER})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
