@@ -196,6 +196,31 @@ def test_a_bad_chat_form_is_refused_by_name(client, body, param):
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize(
+    ("part", "feature"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "image_url"),
+        (
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            "input_audio",
+        ),
+    ],
+)
+def test_the_gateways_own_rendering_refuses_media_by_name(client, part, feature):
+    """`vllm-grpc` renders a conversation with the gateway's tokenizer, which takes no
+    image nor sound: refused, not dropped."""
+    said = {"role": "user", "content": [{"type": "text", "text": "look"}, part]}
+    for body, param in (
+        ({"messages": [*CHAT, said]}, "messages[2].content"),
+        ({"messages": [CHAT, [said]]}, "messages[1][0].content"),
+    ):
+        answer = client.post("/v1/embeddings", json={**body, "model": RENDERED})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param
+        assert error["message"] == f"The model `{RENDERED}` does not support '{feature}'."
+
+
 def test_a_model_on_the_worker_protocol_refuses_a_conversation_by_name(client):
     answer = client.post("/v1/embeddings", json={"model": DEMO_MODEL, "messages": CHAT})
     assert answer.status_code == 400

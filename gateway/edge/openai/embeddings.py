@@ -270,18 +270,37 @@ def check_served(pool: ModelPool, request: EmbedRequest) -> None:
         return
     if features.EMBEDDINGS not in served:
         raise invalid("model", f"The model `{pool.name}` does not serve embeddings.")
-    if request.chat is not None and features.EMBEDDING_CHAT not in served:
-        raise invalid(
-            "messages",
-            f"The model `{pool.name}` embeds texts and token ids only, not conversations: "
-            "its workers cannot render a chat template.",
-        )
+    if request.chat is not None:
+        _check_conversations(pool, request.chat, served)
     for feature, asked in (
         (features.DIMENSIONS, request.dimensions is not None),
         (features.USER, bool(request.user)),
     ):
         if asked and feature not in served:
             raise invalid(feature, f"The model `{pool.name}` does not support '{feature}'.")
+
+
+def _check_conversations(pool: ModelPool, chat: ChatForm, served: frozenset[str]) -> None:
+    """Refuses the chat form where the workers cannot render it, and an image, a sound or a
+    video in it where they take none (the gateway's own rendering, `vllm-grpc`, takes none:
+    it would be dropped), naming the message."""
+    if features.EMBEDDING_CHAT not in served:
+        raise invalid(
+            "messages",
+            f"The model `{pool.name}` embeds texts and token ids only, not conversations: "
+            "its workers cannot render a chat template.",
+        )
+    for k, conversation in enumerate(chat.conversations):
+        where = f"messages[{k}]" if chat.batched else "messages"
+        for i, message in enumerate(conversation):
+            media = [features.IMAGES] if message.images else []
+            media += [features.RELAYED_PARTS.get(part.type, "") for part in message.parts]
+            for feature in media:
+                if feature and feature not in served:
+                    raise invalid(
+                        f"{where}[{i}].content",
+                        f"The model `{pool.name}` does not support '{feature}'.",
+                    )
 
 
 def _vector(values: tuple[float, ...], as_base64: bool) -> tuple[float, ...] | str:
