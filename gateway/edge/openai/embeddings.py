@@ -264,14 +264,23 @@ def user_of(body: Mapping[str, Any]) -> str:
 
 def check_served(pool: ModelPool, request: EmbedRequest) -> None:
     """Refuses, naming the parameter, what the model's workers do not serve; when none
-    has described itself yet, the worker refuses for itself."""
+    has described itself yet, the worker refuses for itself (but media in a conversation
+    the gateway would render: only an OpenAI-compatible server takes them)."""
     served = pool.features()
     if served is None:
+        if request.chat is not None and not pool.relays_answers:
+            _check_media(pool, request.chat, frozenset())
         return
     if features.EMBEDDINGS not in served:
         raise invalid("model", f"The model `{pool.name}` does not serve embeddings.")
     if request.chat is not None:
-        _check_conversations(pool, request.chat, served)
+        if features.EMBEDDING_CHAT not in served:
+            raise invalid(
+                "messages",
+                f"The model `{pool.name}` embeds texts and token ids only, not conversations: "
+                "its workers cannot render a chat template.",
+            )
+        _check_media(pool, request.chat, served)
     for feature, asked in (
         (features.DIMENSIONS, request.dimensions is not None),
         (features.USER, bool(request.user)),
@@ -280,16 +289,10 @@ def check_served(pool: ModelPool, request: EmbedRequest) -> None:
             raise invalid(feature, f"The model `{pool.name}` does not support '{feature}'.")
 
 
-def _check_conversations(pool: ModelPool, chat: ChatForm, served: frozenset[str]) -> None:
-    """Refuses the chat form where the workers cannot render it, and an image, a sound or a
-    video in it where they take none (the gateway's own rendering, `vllm-grpc`, takes none:
-    it would be dropped), naming the message."""
-    if features.EMBEDDING_CHAT not in served:
-        raise invalid(
-            "messages",
-            f"The model `{pool.name}` embeds texts and token ids only, not conversations: "
-            "its workers cannot render a chat template.",
-        )
+def _check_media(pool: ModelPool, chat: ChatForm, served: frozenset[str]) -> None:
+    """Refuses an image, a sound or a video in the chat form's conversations where the
+    workers take none (the gateway's own rendering, `vllm-grpc`, takes none: it would be
+    dropped), naming the message."""
     for k, conversation in enumerate(chat.conversations):
         where = f"messages[{k}]" if chat.batched else "messages"
         for i, message in enumerate(conversation):
