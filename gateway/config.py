@@ -248,6 +248,13 @@ class ModelConfig:
         "URLs (`http://host:port/v1`) with `upstream: openai`; an `llm` model needs one",
         min_length=1,
     )
+    prefill_workers: tuple[str, ...] = setting(
+        (),
+        "with `upstream: openai`: vLLM servers that run only the prompts' prefill, their KV "
+        "cache pulled by the `workers` that decode (prefill/decode disaggregation, vLLM's "
+        "NixlConnector), base URLs as `workers`'; none: the workers prefill and decode",
+        min_length=1,
+    )
     max_model_len: int | None = setting(
         None,
         "the context length `/v1/models` reports; none: asked from the workers with `Describe` "
@@ -1131,6 +1138,12 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
                 "an http(s):// base URL" if model.upstream == "openai" else "host:port or dns:"
             )
             raise ConfigError(f"{where}.workers[{i}]: expected {expected}, got {entry!r}")
+    for i, entry in enumerate(model.prefill_workers):
+        if model.upstream != "openai" or not entry.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{where}.prefill_workers[{i}]: with upstream: openai, an http(s):// base URL, "
+                f"got {entry!r}"
+            )
     for entry, _ in model.weights:
         if entry not in model.workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")

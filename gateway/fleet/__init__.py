@@ -19,6 +19,8 @@
     unary.py         one unary call on a model's workers, with their retry rule
     counting.py      a prompt's tokens counted or shown, ids decoded, on one of the model's workers
     audio.py         speech written down (or translated) on one of the model's workers
+    prefill.py       a prompt prefilled on a prefill worker, its KV cache for the decode
+                     worker (`prefill_workers`: prefill/decode disaggregation)
 
 A request goes to a worker its model's balancer picks among the available ones
 (serving, not ejected, not leaving). A retryable refusal before the worker's
@@ -38,6 +40,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -48,6 +51,7 @@ from gateway.fleet.adapters import AdapterPool
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.kv_follow import follow_kv, follow_loads
 from gateway.fleet.pool import ModelPool
+from gateway.fleet.prefill import prefilled
 from gateway.fleet.retry import RetryBudget, with_retries
 from gateway.fleet.worker import Worker
 from gateway.protocol import errors
@@ -130,9 +134,17 @@ class Fleet:
         for m in config.models:  # LoRA adapters: pools of their base's workers
             if m.adapter_of is not None:
                 self.models[m.name] = AdapterPool(m, config, self.models[m.adapter_of])
-        #: The pools with workers of their own (not adapters): what discovery, health,
-        #: TLS and closing go over.
+        #: The pools with workers of their own (not adapters), prefill workers' included:
+        #: what discovery, health, TLS and closing go over.
         self.own = [pool for pool in self.models.values() if pool.base is None]
+        for m in config.models:  # prefill workers: a pool of their own, beside the model's
+            if m.prefill_workers:
+                # picked by the model's `balance` (`routing` follows the decode workers)
+                prefill = replace(m, workers=m.prefill_workers, weights=(), routing=None)
+                pool = self.models[m.name].prefill = ModelPool(
+                    prefill, config, self._upstream_factory(prefill)
+                )
+                self.own.append(pool)
         self.budget = RetryBudget(config.retry_budget)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -363,6 +375,9 @@ class Fleet:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the call
         (`record` gets the routing decision, with `models[].routing`)."""
+        if pool.prefill is not None:
+            timeout = min(self.config.start_timeout, deadline.remaining())
+            request = await prefilled(pool.prefill, request, timeout, metadata, record)
         attempt = partial(self._try, pool, request, deadline, metadata, record=record)
         return await with_retries(
             self, pool, deadline, attempt, _retryable, self.config.retry_backoff
@@ -438,27 +453,36 @@ class Fleet:
                     "balance": type(pool.balancer).__name__,
                     "retries_total": pool.retries_total,
                     **({} if pool.base is None else {"adapter_of": pool.base.name}),
-                    "workers": [
-                        {
-                            "address": w.address,
-                            "state": w.state,
-                            "outstanding": w.outstanding,
-                            "reported_load": w.reported_load,
-                            "full": w.full,
-                            "weight": w.weight,
-                            "consecutive_failures": w.consecutive_failures,
-                            "ejections_total": w.ejections_total,
-                            "ejected_for": round(max(0.0, w.ejected_until - now), 3),
-                            **({"adapters": sorted(w.adapters)} if w.adapters else {}),
-                            **(
-                                {}
-                                if pool.router is None
-                                else {"routing": pool.router.view(w.address)}
-                            ),
+                    "workers": _workers_view(pool, now),
+                    **(
+                        {}
+                        if pool.prefill is None
+                        else {
+                            "prefill_workers": _workers_view(pool.prefill, now),
+                            "prefills_total": dict(pool.prefill.prefills),
                         }
-                        for w in pool.workers.values()
-                    ],
+                    ),
                 }
                 for pool in self.models.values()
             ]
         }
+
+
+def _workers_view(pool: ModelPool, now: float) -> list[dict[str, object]]:
+    """A pool's workers and their state, as `Fleet.snapshot` shows them."""
+    return [
+        {
+            "address": w.address,
+            "state": w.state,
+            "outstanding": w.outstanding,
+            "reported_load": w.reported_load,
+            "full": w.full,
+            "weight": w.weight,
+            "consecutive_failures": w.consecutive_failures,
+            "ejections_total": w.ejections_total,
+            "ejected_for": round(max(0.0, w.ejected_until - now), 3),
+            **({"adapters": sorted(w.adapters)} if w.adapters else {}),
+            **({} if pool.router is None else {"routing": pool.router.view(w.address)}),
+        }
+        for w in pool.workers.values()
+    ]

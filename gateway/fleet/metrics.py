@@ -17,6 +17,8 @@ from gateway.telemetry import PREFIX, LiveCollector
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
+    from gateway.fleet.pool import ModelPool
+    from gateway.fleet.worker import Worker
 
 
 class FleetCollector(LiveCollector):
@@ -58,17 +60,48 @@ class FleetCollector(LiveCollector):
                 model_healthy.add_metric([pool.name], _adapter_healthy(pool, now))
                 continue
             available = 0
-            for worker in pool.workers.values():
+            # a model's prefill workers (`prefill_workers`) are its workers too, counted apart
+            for worker in [*pool.workers.values(), *_prefill_workers(pool)]:
                 labels = [pool.name, worker.address]
                 inflight.add_metric(labels, worker.outstanding)
                 up = 1 if worker.available(now) else 0
-                available += up
+                available += up if worker.address in pool.workers else 0
                 healthy.add_metric([*labels, worker.state], up)
                 ejections.add_metric(labels, worker.ejections_total)
             model_healthy.add_metric([pool.name], available)
         yield from (retries, inflight, healthy, model_healthy, ejections)
+        yield from _prefills(self.fleet, now)
         yield from _adapters(self.fleet)
         yield from _routing(self.fleet)
+
+
+def _prefill_workers(pool: ModelPool) -> list[Worker]:
+    return [] if pool.prefill is None else list(pool.prefill.workers.values())
+
+
+def _prefills(fleet: Fleet, now: float) -> Iterator[Metric]:
+    """Prefill/decode disaggregation (`models[].prefill_workers`): the prefill workers that
+    take prefills, and the prefills by outcome."""
+    healthy = GaugeMetricFamily(
+        f"{PREFIX}_model_healthy_prefill_workers",
+        "Prefill workers of the model that take prefills (0: none; its decode workers then "
+        "prefill themselves).",
+        labels=["model"],
+    )
+    prefills = CounterMetricFamily(
+        f"{PREFIX}_prefills",
+        "Prompts prefilled on a prefill worker, by outcome: transferred (its KV blocks pulled "
+        "by the decode worker), failed, no_worker (the decode worker prefilled them).",
+        labels=["model", "outcome"],
+    )
+    for pool in fleet.models.values():
+        if pool.prefill is None:
+            continue
+        workers = pool.prefill.workers.values()
+        healthy.add_metric([pool.name], sum(1 for w in workers if w.available(now)))
+        for outcome, count in pool.prefill.prefills.items():
+            prefills.add_metric([pool.name, outcome], count)
+    yield from (healthy, prefills)
 
 
 def _adapter_healthy(pool: AdapterPool, now: float) -> int:

@@ -29,6 +29,11 @@ from gateway.upstreams.base import Upstream
 log = logging.getLogger("furnace.fleet")
 
 
+#: How a prefill on a `prefill_workers` worker ended: its KV blocks handed to the decode
+#: worker; failed (the decode worker prefilled itself); no prefill worker available.
+PREFILL_OUTCOMES = ("transferred", "failed", "no_worker")
+
+
 def make_balancer(model: ModelConfig, config: Config) -> Balancer:
     """The model's balancing policy: its `routing:` (`routing.Router`), else `balance`."""
     prefix = PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
@@ -81,6 +86,11 @@ class ModelPool:
         #: The model this one is a LoRA adapter of (`adapters.AdapterPool`, which shares
         #: its workers); None for a model with workers of its own.
         self.base: ModelPool | None = None
+        #: The workers that prefill its prompts (`models[].prefill_workers`), a pool of
+        #: their own; None: its workers prefill and decode.
+        self.prefill: ModelPool | None = None
+        #: Prefills by outcome (`PREFILL_OUTCOMES`), for /metrics.
+        self.prefills = dict.fromkeys(PREFILL_OUTCOMES, 0)
 
     def _changed(self, worker: Worker, name: str, old: object) -> None:
         """A worker's watched field changed (`Worker.watcher`), or it joined or left: a

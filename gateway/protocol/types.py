@@ -180,6 +180,10 @@ class GenerateRequest:
     #: `previous_response_id`) or the `x-session-id` header; "": none, and the fleet falls
     #: back to `user`.
     session: str = ""
+    #: Where a prefill worker left the prompt's KV cache, as it said (vLLM's
+    #: `kv_transfer_params`, a JSON object's text), for the decode worker to pull
+    #: (`models[].prefill_workers`: set by the fleet, never by a client); "": none.
+    kv_transfer: str = ""
 
 
 @dataclass(frozen=True, slots=True)

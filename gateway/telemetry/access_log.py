@@ -54,6 +54,8 @@ class AccessLog:
             line["key_id"] = record.key_id
         if record.asked:  # an alias, or a model a fallback served instead
             line["asked_model"] = record.asked
+        if record.prefill_worker:  # disaggregated: the worker that prefilled the prompt
+            line["prefill_worker"] = record.prefill_worker
         if record.policy:  # routed on the engines' state: why this worker
             line["policy"] = record.policy
             line["cache_hit_blocks"] = record.cache_hit_blocks

@@ -56,6 +56,8 @@ class RequestRecord:
     asked = ""
     stream = False
     worker = ""
+    #: The worker that prefilled its prompt (`models[].prefill_workers`); "": none.
+    prefill_worker = ""
     status = 0
     outcome: Outcome | None = None
     reason = ""

@@ -186,7 +186,48 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["user"] = request.user
     if request.reasoning is not None:
         body.update(_reasoning(request.reasoning))
+    if request.kv_transfer:
+        body["kv_transfer_params"] = orjson.loads(request.kv_transfer)
     return body
+
+
+#: What a prefill asks of vLLM's NixlConnector: keep the prompt's KV blocks for a decode
+#: worker to pull (vLLM's own proxy sends the same).
+PREFILL_TRANSFER = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_body(request: GenerateRequest) -> dict[str, Any]:
+    """The request as a prefill worker takes it: one token, one choice, whole, its KV
+    blocks kept for the decode worker. `min_tokens` goes (it would exceed the one token);
+    the rest stays, so the prompt is the one the decode worker renders."""
+    body = request_body(request)
+    body.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_TRANSFER)
+    for name in ("stream_options", "n", "min_tokens", "max_completion_tokens"):
+        body.pop(name, None)
+    return body
+
+
+def kv_transfer_from(content: bytes) -> str:
+    """A prefill's answer's `kv_transfer_params` (a JSON object's text), or a `Failed`
+    naming what is missing (a server whose vLLM runs no KV connector answers without)."""
+    try:
+        answer = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        answer = None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict) or not params:
+        raise errors.Failed(
+            "The prefill worker answered without kv_transfer_params (is its vLLM started "
+            "with a --kv-transfer-config?)."
+        )
+    return orjson.dumps(params).decode()
 
 
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})

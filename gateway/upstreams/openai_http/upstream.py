@@ -57,6 +57,8 @@ from gateway.upstreams.openai_http.translate import (
     classifications_from,
     embeddings_from,
     error_from_response,
+    kv_transfer_from,
+    prefill_body,
     read_capped,
     request_body,
     rerank_limit,
@@ -70,6 +72,9 @@ from gateway.upstreams.openai_http.translate import (
 #: The most of a `/tokenize` or `/detokenize` answer read: a 4 MiB prompt (the default
 #: `max_body_bytes`) is about a million tokens, 8-20 MiB of ids and their strings.
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+#: The most of a prefill's answer read: one token's choice and where its KV blocks are
+#: (with logprobs, a few KiB).
+MAX_PREFILL_BYTES = 1024 * 1024
 #: What one id's text may take in a `/detokenize` answer (a long token, JSON-escaped).
 DETOKENIZED_BYTES_AN_ID = 256
 
@@ -255,6 +260,23 @@ class OpenAIHttpUpstream:
         path = "chat/completions" if chat else "completions"
         http_request = self._post(path, request_body(request), timeout, metadata)
         return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
+
+    async def prefill(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """Their prefill of the request's prompt (one token, whole: `prefill_body`), its KV
+        blocks kept for a decode worker, within `timeout` seconds: where the blocks are
+        (`kv_transfer_params`' text); a refusal as our error."""
+        path = "chat/completions" if request.messages is not None else "completions"
+        status, content = await self._post_capped(
+            path, prefill_body(request), MAX_PREFILL_BYTES, "prefill", timeout, metadata
+        )
+        if status != 200:
+            raise error_from_response(status, content[:MAX_ERROR_BYTES])
+        return kv_transfer_from(content)
 
     async def embed(
         self,
