@@ -131,6 +131,14 @@ fi
   "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check \
     "soundfile==0.14.0" "av==18.1.0" "soxr==1.1.0" "scipy==1.17.1"
 
+# vLLM's NixlConnector moves a prompt's KV blocks from a prefill server to a decode server
+# (prefill/decode disaggregation, tests/test_disaggregation.py); NIXL's wheel carries UCX,
+# which moves host memory on a machine without a GPU. Without dependencies: it asks for
+# torch, which vLLM's CPU build already holds (PyPI's would be a CUDA build).
+"$TOOLS/vllm/bin/python" -c "import nixl._api" 2>/dev/null ||
+  "$TOOLS/vllm/bin/pip" install -q --disable-pip-version-check --no-deps \
+    "nixl==1.5.1" "nixl-cu12==1.5.1"
+
 # --- Claude Code, Anthropic's agent CLI: .tools/bin/claude ------------------------------------
 # tests/test_claude_code.py runs the real client against the gateway's Messages API. The npm
 # package's platform package holds the whole CLI as one executable (about 400 MB unpacked),

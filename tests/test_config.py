@@ -89,6 +89,33 @@ def test_environment_overrides():
             {"models": [{"name": "x", "workers": ["a:1"]}, {"name": "x", "workers": ["b:1"]}]},
             "models[1].name",
         ),
+        # prefill workers: OpenAI-compatible servers (vLLM's), of an `openai` model
+        (
+            {"models": [{"name": "x", "workers": ["a:1"], "prefill_workers": ["b:1"]}]},
+            "models[0].prefill_workers[0]",
+        ),
+        (
+            {
+                "models": [
+                    {
+                        "name": "x",
+                        "upstream": "openai",
+                        "workers": ["http://a/v1"],
+                        "prefill_workers": ["b:1"],
+                    }
+                ]
+            },
+            "models[0].prefill_workers[0]",
+        ),
+        (
+            {
+                "models": [
+                    {"name": "x", "upstream": "openai", "workers": ["http://a/v1"]},
+                    {"name": "y", "adapter_of": "x", "prefill_workers": ["http://b/v1"]},
+                ]
+            },
+            "models[1].prefill_workers",
+        ),
     ],
 )
 def test_errors_name_the_field(raw, field):

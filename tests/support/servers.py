@@ -120,7 +120,7 @@ def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
     wait_until(lambda: not gw.state.inflight.running, "no request in flight")
     queue = gw.state.slots.queue
     wait_until(lambda: queue is None or queue.waiting() == 0, "no request queued")
-    pools = gw.state.fleet.models.values()
+    pools = [*gw.state.fleet.models.values(), *gw.state.fleet.own]  # prefill workers' too
     wait_until(
         lambda: all(w.outstanding == 0 for p in pools for w in p.workers.values()),
         "no outstanding worker calls",

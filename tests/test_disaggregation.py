@@ -1,0 +1,299 @@
+"""Prefill/decode disaggregation (`models[].prefill_workers`), against vLLM's CPU build:
+two OpenAI servers of the tiny model with vLLM's NixlConnector (NIXL over UCX, moving
+host memory), one that prefills (`kv_producer`), one that decodes (`kv_consumer`).
+Through the gateway each prompt is prefilled on the first, one token and no more (its
+counters say so), and its KV blocks are pulled by the second (vLLM's own transfer counter
+says so); every answer (chats and completions, whole and streamed, several choices, the
+Responses API, Anthropic's Messages) is the decode server's own answer to the same body.
+A prefill worker the gateway cannot reach leaves the decode worker to prefill: the answer
+comes all the same, and the prefill is counted failed. After each test nothing is left in
+the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.metrics import scrape, value
+from tests.support.openai_server import keyed_plain
+from tests.support.processes import free_port
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import VllmProcess, start_http_server
+from tests.support.waiting import HANG_GUARD
+
+#: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+MODEL = "tiny-pd"
+TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+
+
+def _nixl_server(model: Path, logs: Path, role: str) -> VllmProcess:
+    """vLLM's OpenAI server of the tiny model with the NixlConnector in `role`, its
+    side channel (where a decode server asks for blocks) on a free port."""
+    config = {"kv_connector": "NixlConnector", "kv_role": role}
+    return start_http_server(
+        model,
+        logs,
+        MODEL,
+        extra=("--kv-transfer-config", json.dumps(config)),
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmProcess, VllmProcess]]:
+    """The prefill server and the decode server."""
+    started: list[VllmProcess] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            logs = tmp_path_factory.mktemp(f"vllm-{role}")
+            started.append(_nixl_server(vllm_model, logs, role))
+        yield started[0], started[1]
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def _url(server: VllmProcess) -> str:
+    return f"http://127.0.0.1:{server.port}/v1"
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop, workers: Workers, servers: tuple[VllmProcess, VllmProcess]
+) -> Iterator[Gateway]:
+    prefill, decode = servers
+    models = (
+        ModelConfig(
+            MODEL, upstream="openai", workers=(_url(decode),), prefill_workers=(_url(prefill),)
+        ),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(front: Gateway, workers: Workers) -> Iterator[openai.OpenAI]:
+    """The official SDK to the gateway; after the test, nothing left in it."""
+    with openai.OpenAI(base_url=front.url + "/v1", api_key="unused", timeout=HANG_GUARD) as sdk:
+        yield sdk
+    assert_nothing_left(front, workers)
+
+
+def _counted(server: VllmProcess, name: str) -> float:
+    """The sum of a vLLM counter's samples."""
+    samples = scrape(f"http://127.0.0.1:{server.port}")
+    return sum(v for (sample, _), v in samples.items() if sample == name)
+
+
+class Counts:
+    """What the two servers counted over a test's requests: the decode server's
+    transfers, the prefill server's prompts and generated tokens."""
+
+    def __init__(self, servers: tuple[VllmProcess, VllmProcess]) -> None:
+        self.prefill, self.decode = servers
+        self.before = self._now()
+
+    def _now(self) -> tuple[float, float, float]:
+        return (
+            _counted(self.decode, TRANSFERS),
+            _counted(self.prefill, "vllm:prompt_tokens_total"),
+            _counted(self.prefill, "vllm:generation_tokens_total"),
+        )
+
+    def since(self) -> tuple[float, float, float]:
+        """Transfers, prompt tokens prefilled and tokens generated on the prefill server."""
+        now = self._now()
+        return (now[0] - self.before[0], now[1] - self.before[1], now[2] - self.before[2])
+
+
+def _fresh(words: int = 40) -> str:
+    """A prompt no server has cached (a cached one is not transferred)."""
+    return f"{uuid.uuid4().hex} " + " ".join(f"w{i}" for i in range(words))
+
+
+def _direct(servers: tuple[VllmProcess, VllmProcess], path: str, body: dict[str, Any]) -> Any:
+    """The decode server's own answer to `body`, reached directly (it prefills itself)."""
+    answer = httpx.post(f"{_url(servers[1])}/{path}", json=body, timeout=HANG_GUARD)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_chat_is_prefilled_on_the_prefill_worker_and_decoded_with_its_kv_cache(
+    client, front, servers
+):
+    messages = [{"role": "user", "content": _fresh()}]
+    counts = Counts(servers)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    transfers, prefilled, generated = counts.since()
+    own = _direct(
+        servers,
+        "chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0},
+    )
+    assert answer.choices[0].message.content == own["choices"][0]["message"]["content"]
+    assert answer.usage.prompt_tokens == own["usage"]["prompt_tokens"]
+    assert answer.usage.completion_tokens == own["usage"]["completion_tokens"]
+    # the prefill server ran the prompt and one token; the decode server pulled the blocks
+    assert (transfers, prefilled, generated) == (1, answer.usage.prompt_tokens, 1)
+    samples = scrape(front.url)
+    assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="transferred")
+    assert value(samples, "furnace_gateway_model_healthy_prefill_workers", model=MODEL) == 1
+    prefill_url = _url(servers[0])
+    assert (
+        value(samples, "furnace_gateway_worker_inflight_requests", model=MODEL, worker=prefill_url)
+        == 0
+    )
+    view = next(m for m in front.state.fleet.snapshot()["models"] if m["name"] == MODEL)
+    assert [w["address"] for w in view["prefill_workers"]] == [prefill_url]
+
+
+def test_a_streamed_chat_with_several_choices_is_decoded_from_the_transferred_blocks(
+    client, servers
+):
+    messages = [{"role": "user", "content": _fresh()}]
+    counts = Counts(servers)
+    finished = [None, None]
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=1.0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        for choice in chunk.choices:
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+        usage = chunk.usage or usage
+    transfers, prefilled, generated = counts.since()
+    assert finished == ["length", "length"]
+    assert usage is not None and usage.completion_tokens == 16
+    assert (prefilled, generated) == (usage.prompt_tokens, 1)  # one prefill, one token
+    assert transfers == 2  # each choice pulled the prompt's blocks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_is_disaggregated_too(client, servers, stream):
+    prompt = _fresh()
+    counts = Counts(servers)
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    if stream:
+        text = "".join(
+            c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices
+        )
+    else:
+        text = client.completions.create(**body).choices[0].text
+    assert counts.since()[0] == 1
+    assert text == _direct(servers, "completions", body)["choices"][0]["text"]
+
+
+def test_the_responses_api_and_anthropic_messages_are_disaggregated(client, front, servers):
+    counts = Counts(servers)
+    response = client.responses.create(model=MODEL, input=_fresh(), max_output_tokens=16)
+    assert response.status == "completed" or response.incomplete_details is not None
+    claude = anthropic.Anthropic(base_url=front.url, api_key="unused", timeout=HANG_GUARD)
+    with claude.messages.stream(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": _fresh()}]
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens > 0
+    transfers, _, generated = counts.since()
+    assert (transfers, generated) == (2, 2)
+
+
+def _gateway_with_prefill(
+    server_loop: ServerLoop, workers: Workers, decode: VllmProcess, prefill_url: str, **extra: Any
+) -> Gateway:
+    models = (
+        ModelConfig(
+            MODEL,
+            upstream="openai",
+            workers=(_url(decode),),
+            prefill_workers=(prefill_url,),
+            **extra,
+        ),
+    )
+    return start_gateway(server_loop, make_config(workers, models=models))
+
+
+def _served_all_the_same(gw: Gateway, servers: tuple[VllmProcess, VllmProcess]) -> None:
+    """A chat through `gw` is the decode server's own answer, prefilled there."""
+    messages = [{"role": "user", "content": _fresh()}]
+    counts = Counts(servers)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+    assert answer.status_code == 200, answer.text
+    own = _direct(servers, "chat/completions", body)
+    assert (
+        answer.json()["choices"][0]["message"]["content"]
+        == (own["choices"][0]["message"]["content"])
+    )
+    assert counts.since() == (0, 0, 0)  # the decode server prefilled it itself
+
+
+def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(
+    server_loop, workers, servers
+):
+    gw = _gateway_with_prefill(
+        server_loop, workers, servers[1], f"http://127.0.0.1:{free_port()}/v1"
+    )
+    try:
+        _served_all_the_same(gw, servers)
+        samples = scrape(gw.url)
+        assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="no_worker")
+        assert value(samples, "furnace_gateway_model_healthy_prefill_workers", model=MODEL) == 0
+        assert_nothing_left(gw, workers)
+    finally:
+        gw.stop()
+
+
+def test_a_prefill_answered_without_kv_transfer_params_leaves_the_decode_worker_to_prefill(
+    server_loop, workers, servers
+):
+    """A prefill worker that runs no KV connector (here an OpenAI-compatible server that
+    is no vLLM) answers the prefill, but says nowhere where its blocks are."""
+    with keyed_plain(server_loop, MODEL, "PD_KEY", "hello") as stand_in:
+        gw = _gateway_with_prefill(
+            server_loop,
+            workers,
+            servers[1],
+            f"http://127.0.0.1:{stand_in.port}/v1",
+            api_key_env="PD_KEY",
+        )
+        try:
+            _served_all_the_same(gw, servers)
+            samples = scrape(gw.url)
+            assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="failed")
+            assert_nothing_left(gw, workers)
+        finally:
+            gw.stop()
+    # the prefill as vLLM's NixlConnector takes it: one token, whole, its blocks kept
+    sent = stand_in.last_body
+    assert (sent["max_tokens"], sent["stream"]) == (1, False)
+    assert "stream_options" not in sent and "n" not in sent
+    assert sent["kv_transfer_params"]["do_remote_decode"] is True
