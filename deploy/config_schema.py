@@ -64,6 +64,7 @@ CHART_MODEL_FIELDS = {
     "name": "name",
     "kind": "kind",
     "workers": "workers",
+    "prefillWorkers": "prefill_workers",
     "maxModelLen": "max_model_len",
     "balance": "balance",
     "upstream": "upstream",

@@ -205,6 +205,19 @@ def test_a_reranker_reaches_the_gateway_as_a_cross_encoder():
     assert parse_config(config, env={}).models[0].scoring == "cross-encoder"
 
 
+def test_a_disaggregated_model_reaches_the_gateway_with_its_prefill_workers():
+    model = {
+        "name": "llama",
+        "upstream": "openai",
+        "workers": ["http://llama-decode:8000/v1"],
+        "prefillWorkers": ["http://llama-prefill:8000/v1"],
+    }
+    config = gateway_config(render("--set-json", f"models={json.dumps([model])}"))
+    assert config["models"][0]["prefill_workers"] == ["http://llama-prefill:8000/v1"]
+    parsed = parse_config(config, env={}).models[0]
+    assert parsed.prefill_workers == ("http://llama-prefill:8000/v1",)
+
+
 @pytest.mark.parametrize("name", VALUES)
 def test_probes_point_at_real_routes_of_the_gateway(name: str, tmp_path: Path):
     manifests = render(*VALUES[name])
@@ -317,6 +330,13 @@ def test_a_model_naming_a_missing_pool_fails_to_render():
         (
             ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "scoring": "cross-encoder"}]'),
             "models[0].scoring: cross-encoder only for upstream openai",
+        ),
+        (
+            (
+                "--set-json",
+                'models=[{"name": "m", "pools": ["demo"], "prefillWorkers": ["http://p/v1"]}]',
+            ),
+            "models[0].prefillWorkers: only for upstream openai",
         ),
         (
             ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "weights": {"x:1": 2}}]'),

@@ -249,6 +249,12 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- if $workers }}
 {{- $_ := set $entry "workers" $workers }}
 {{- end }}
+{{- with $model.prefillWorkers }}
+{{- if ne $upstream "openai" }}
+{{- fail (printf "models[%d].prefillWorkers: only for upstream openai (vLLM's OpenAI servers)" $i) }}
+{{- end }}
+{{- $_ := set $entry "prefill_workers" . }}
+{{- end }}
 {{- if $model.maxModelLen }}
 {{- $_ := set $entry "max_model_len" (int $model.maxModelLen) }}
 {{- end }}
