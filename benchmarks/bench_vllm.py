@@ -9,6 +9,15 @@ Two paths, each against its own vLLM server:
   (`--worker-urls grpc://...`, it renders the template and tokenizes) and through
   furnace-gateway with `upstream: vllm-grpc` (which does the same, and detokenizes).
 
+- PD (`--paths PD`, not in the default run): prefill/decode disaggregation over two vLLM
+  OpenAI servers with the NixlConnector (NIXL from the vLLM environment), one prefilling,
+  one decoding: the two steps by hand (the baseline: a prefill, then the decode server's
+  stream with where the blocks are), the decode server alone (no disaggregation: it
+  prefills itself), furnace-gateway with `prefill_workers`, and the routers' PD modes
+  (`vllm-router --vllm-pd-disaggregation --kv-connector nixl`, `smg launch
+  --pd-disaggregation`). Each request has a fresh 400-word prompt, so every one is
+  prefilled and its blocks moved.
+
 Load: streamed chat completions, greedy, `max_tokens` 64 (the tiny model's junk rarely ends
 early; tokens are counted from the final usage chunk, which every target sends), 1 stream
 and 8 at once. On a 2-core machine the engine, the client and the gateways share the cores,
@@ -41,7 +50,7 @@ threads, a gateway in Python by its processes, so on a machine with cores to spa
 is the like-for-like row.
 
 Run: `.venv/bin/python -m benchmarks.bench_vllm [--requests N] [--rounds R] [--quick]
-[--paths HTTP,gRPC] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
+[--paths HTTP,gRPC,PD] [--streams 1,8] [--no-peers] [--stand-in STEP_MS] [--relay]
 [--gateway-pythons PY[,PY]] [--processes N[,N]] [--model-dir DIR] [--json PATH]`
 (`make bench-vllm`;
 10-30 minutes on a shared 2-core machine with the defaults, most of it the two vLLM
@@ -64,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -79,6 +89,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_gateway import _gateway_ready, _spawn, _stop  # noqa: E402
 from benchmarks.bench_peers import (  # noqa: E402
+    HOST,
     PEERS,
     PEERS_VENV,
     install_peers,
@@ -87,6 +98,7 @@ from benchmarks.bench_peers import (  # noqa: E402
     tree_cpu,
 )
 from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noqa: E402
+from gateway.upstreams.openai_http.translate import PREFILL_TRANSFER  # noqa: E402
 from tests.support import vllm as vllm_support  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
@@ -157,8 +169,14 @@ async def one_chat(
 
 
 OneCall = Callable[[], Awaitable[tuple[float, int]]]
-#: Fields of a request over the benchmark's own (`chat_body`), or None.
-Body = dict[str, Any] | None
+#: Fields of a request over the benchmark's own (`chat_body`), or what makes them anew for
+#: each request (a fresh prompt), or None.
+Body = dict[str, Any] | Callable[[], dict[str, Any]] | None
+
+
+def fields_of(body: Body) -> dict[str, Any] | None:
+    """One request's fields over the benchmark's own."""
+    return body() if callable(body) else body
 
 
 async def run_load(make_call: Callable[[], Any], streams: int, requests: int) -> Sample:
@@ -185,16 +203,45 @@ async def run_load(make_call: Callable[[], Any], streams: int, requests: int) ->
 class HttpCalls:
     """One pooled httpx client for a run against an OpenAI-shaped endpoint."""
 
-    def __init__(self, url: str, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, extra: Body = None) -> None:
         self.url, self.extra = url, extra
 
     async def __aenter__(self) -> OneCall:
         limits = httpx.Limits(max_connections=64)
         self.client = httpx.AsyncClient(timeout=120, limits=limits)
-        return lambda: one_chat(self.client, self.url, self.extra)
+        return lambda: one_chat(self.client, self.url, fields_of(self.extra))
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.aclose()
+
+
+class DisaggregatedCalls(HttpCalls):
+    """Prefill/decode disaggregation by hand, the floor of every router that drives it:
+    the prefill as vLLM's proxy sends it (one token, whole, the blocks kept), then the
+    decode server's stream with where the blocks are; TTFT from the prefill's start."""
+
+    def __init__(self, prefill_url: str, decode_url: str, extra: Body) -> None:
+        super().__init__(decode_url, extra)
+        self.prefill_url = prefill_url
+
+    async def __aenter__(self) -> OneCall:
+        await super().__aenter__()
+
+        async def call() -> tuple[float, int]:
+            extra = fields_of(self.extra) or {}
+            prefill = chat_body({**extra, "stream": False, "max_tokens": 1})
+            del prefill["stream_options"]
+            prefill["kv_transfer_params"] = PREFILL_TRANSFER
+            start = time.perf_counter()
+            url = self.prefill_url + "/v1/chat/completions"
+            answer = await self.client.post(url, json=prefill)
+            params = answer.json()["kv_transfer_params"]
+            prefilled = time.perf_counter() - start
+            decode = {**extra, "kv_transfer_params": params}
+            ttft, tokens = await one_chat(self.client, self.url, decode)
+            return prefilled + ttft, tokens
+
+        return call
 
 
 class GrpcCalls:
@@ -549,6 +596,91 @@ def grpc_targets(
         yield targets
 
 
+#: The disaggregated path's prompt: a fresh head (no prefix cache to hit) and words enough
+#: for a few dozen of vLLM's 16-token KV blocks to move.
+PD_WORDS = 400
+
+
+def fresh_prompt() -> dict[str, Any]:
+    """A request's messages no server has seen."""
+    words = " ".join(f"w{i}" for i in range(PD_WORDS))
+    return {"messages": [{"role": "user", "content": f"{uuid.uuid4().hex} {words}"}]}
+
+
+def nixl_server(engine: Engine, role: str) -> VllmProcess:
+    """vLLM's OpenAI server with the NixlConnector in `role` (`kv_producer`: prefills;
+    `kv_consumer`: decodes), its side channel on a free port, ready."""
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
+    return start_http_server(
+        engine.model_dir,
+        engine.work,
+        MODEL,
+        extra=("--kv-transfer-config", config),
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )
+
+
+def start_pd_router(
+    stack: ExitStack, name: str, executable: Path | str, work: Path, prefill: str, decode: str
+) -> Target:
+    """A Rust router in its prefill/decode mode over the two servers, ready, or why not."""
+    if isinstance(executable, str):
+        return Target(name, missing=executable)
+    port = free_port()
+    common = ["--host", HOST, "--port", str(port), "--prefill", prefill, "--decode", decode]
+    common += ["--policy", "round_robin", "--prometheus-host", HOST]
+    common += ["--prometheus-port", str(free_port())]
+    if name == "smg":
+        command = [str(executable), "launch", "--pd-disaggregation", *common]
+    else:
+        command = [str(executable), "--vllm-pd-disaggregation", "--kv-connector", "nixl", *common]
+    log = work / f"{name}-pd-{port}.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    stack.callback(_stop, process)
+    return _serving(name, process, port, log, fresh_prompt)
+
+
+@contextmanager
+def pd_targets(
+    engine: Engine,
+    peers: dict[str, Path | str],
+    pythons: Sequence[str] = (),
+    processes: Sequence[int] = (),
+) -> Iterator[list[Target]]:
+    """Two vLLM OpenAI servers, one prefilling, one decoding, the KV cache moved by the
+    NixlConnector: the two steps by hand (the baseline), the decode server alone (it
+    prefills itself), furnace with `prefill_workers`, and the routers' PD modes."""
+    if engine.step_ms is not None:
+        raise SystemExit("the PD path needs vLLM's KV transfer: no --stand-in")
+    work = engine.work
+    with ExitStack() as stack:
+        prefill = nixl_server(engine, "kv_producer")
+        stack.callback(prefill.stop)
+        decode = nixl_server(engine, "kv_consumer")
+        stack.callback(decode.stop)
+        prefill_url, decode_url = (f"http://127.0.0.1:{s.port}" for s in (prefill, decode))
+        targets = [
+            Target(DIRECT, lambda: DisaggregatedCalls(prefill_url, decode_url, fresh_prompt)),
+            Target("decode server alone", lambda: HttpCalls(decode_url, fresh_prompt)),
+        ]
+        upstream = {
+            "name": MODEL,
+            "upstream": "openai",
+            "workers": [f"{decode_url}/v1"],
+            "prefill_workers": [f"{prefill_url}/v1"],
+        }
+        for python in (sys.executable, *pythons):
+            targets.append(start_gateway(stack, work, "pd", upstream, fresh_prompt, python))
+        for count in processes:
+            targets.append(
+                start_gateway(stack, work, "pd", upstream, fresh_prompt, processes=count)
+            )
+        for name, executable in peers.items():
+            targets.append(start_pd_router(stack, name, executable, work, prefill_url, decode_url))
+        yield targets
+
+
 # --- the report --------------------------------------------------------------------------
 
 
@@ -594,7 +726,7 @@ def main() -> None:
         "--start-timeout", type=float, default=600.0, help="seconds a vLLM server may take to start"
     )
     parser.add_argument(
-        "--paths", default="HTTP,gRPC", help="the paths to measure, of HTTP and gRPC"
+        "--paths", default="HTTP,gRPC", help="the paths to measure, of HTTP, gRPC and PD"
     )
     parser.add_argument(
         "--streams", default="1,8", help="the loads to measure: streams at once, comma-separated"
@@ -654,6 +786,7 @@ def main() -> None:
             http_targets, relay=args.relay, pythons=pythons, processes=counts
         ),
         "gRPC": functools.partial(grpc_targets, pythons=pythons, processes=counts),
+        "PD": functools.partial(pd_targets, pythons=pythons, processes=counts),
     }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)

@@ -41,6 +41,7 @@ ALERTS = {
     "FurnaceGatewayTTFTAboveSLO",
     "FurnaceGatewayQueueWaitNearMax",
     "FurnaceGatewayNoHealthyWorker",
+    "FurnaceGatewayNoPrefillWorker",
     "FurnaceGatewayWorkerFlapping",
     "FurnaceGatewayLimitsStoreDown",
     "FurnaceGatewayAccountsStoreDown",
