@@ -97,13 +97,14 @@ from benchmarks.bench_peers import (  # noqa: E402
     router_command,
     tree_cpu,
 )
+from gateway.protocol.kv_transfer import PREFILL_TRANSFER  # noqa: E402
 from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noqa: E402
-from gateway.upstreams.openai_http.translate import PREFILL_TRANSFER  # noqa: E402
 from tests.support import vllm as vllm_support  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     VllmProcess,
     build_vllm_model,
+    nixl_args,
     start_grpc_server,
     start_http_server,
     wait_grpc_serving,
@@ -609,15 +610,9 @@ def fresh_prompt() -> dict[str, Any]:
 
 def nixl_server(engine: Engine, role: str) -> VllmProcess:
     """vLLM's OpenAI server with the NixlConnector in `role` (`kv_producer`: prefills;
-    `kv_consumer`: decodes), its side channel on a free port, ready."""
-    config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-    return start_http_server(
-        engine.model_dir,
-        engine.work,
-        MODEL,
-        extra=("--kv-transfer-config", config),
-        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-    )
+    `kv_consumer`: decodes), ready."""
+    extra, env = nixl_args(role)
+    return start_http_server(engine.model_dir, engine.work, MODEL, extra=extra, env=env)
 
 
 def start_pd_router(

@@ -250,9 +250,10 @@ class ModelConfig:
     )
     prefill_workers: tuple[str, ...] = setting(
         (),
-        "with `upstream: openai`: vLLM servers that run only the prompts' prefill, their KV "
-        "cache pulled by the `workers` that decode (prefill/decode disaggregation, vLLM's "
-        "NixlConnector), base URLs as `workers`'; none: the workers prefill and decode",
+        "with `upstream: openai` or `vllm-grpc`: vLLM servers that run only the prompts' "
+        "prefill, their KV cache pulled by the `workers` that decode (prefill/decode "
+        "disaggregation, vLLM's NixlConnector), entries as `workers`'; none: the workers "
+        "prefill and decode",
         min_length=1,
     )
     max_model_len: int | None = setting(
@@ -1139,10 +1140,11 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
             )
             raise ConfigError(f"{where}.workers[{i}]: expected {expected}, got {entry!r}")
     for i, entry in enumerate(model.prefill_workers):
-        if model.upstream != "openai" or not entry.startswith(("http://", "https://")):
+        is_url = entry.startswith(("http://", "https://"))
+        if model.upstream not in PREFILL_UPSTREAMS or is_url != (model.upstream == "openai"):
             raise ConfigError(
-                f"{where}.prefill_workers[{i}]: with upstream: openai, an http(s):// base URL, "
-                f"got {entry!r}"
+                f"{where}.prefill_workers[{i}]: with upstream: openai, an http(s):// base URL; "
+                f"with upstream: vllm-grpc, host:port or dns:; got {entry!r}"
             )
     for entry, _ in model.weights:
         if entry not in model.workers:
@@ -1166,6 +1168,9 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
     return model
 
 
+#: The upstreams whose servers prefill for others to decode (vLLM's OpenAI and gRPC
+#: servers, with its NixlConnector: `Prefills`).
+PREFILL_UPSTREAMS = ("openai", "vllm-grpc")
 #: The upstreams whose workers serve adapters and load them when asked (`LoadsAdapters`).
 ADAPTER_UPSTREAMS = ("grpc", "openai")
 #: What an adapter's entry may set: the rest is its base model's (`_adapters`).

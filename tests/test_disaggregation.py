@@ -12,7 +12,6 @@ the gateway.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.vllm import VllmProcess, start_http_server
+from tests.support.vllm import VllmProcess, nixl_args, start_http_server
 from tests.support.waiting import HANG_GUARD
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
@@ -46,16 +45,9 @@ TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 
 
 def _nixl_server(model: Path, logs: Path, role: str) -> VllmProcess:
-    """vLLM's OpenAI server of the tiny model with the NixlConnector in `role`, its
-    side channel (where a decode server asks for blocks) on a free port."""
-    config = {"kv_connector": "NixlConnector", "kv_role": role}
-    return start_http_server(
-        model,
-        logs,
-        MODEL,
-        extra=("--kv-transfer-config", json.dumps(config)),
-        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-    )
+    """vLLM's OpenAI server of the tiny model with the NixlConnector in `role`."""
+    extra, env = nixl_args(role)
+    return start_http_server(model, logs, MODEL, extra=extra, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +120,7 @@ class Counts:
         return (now[0] - self.before[0], now[1] - self.before[1], now[2] - self.before[2])
 
 
-def _fresh(words: int = 40) -> str:
+def fresh(words: int = 40) -> str:
     """A prompt no server has cached (a cached one is not transferred)."""
     return f"{uuid.uuid4().hex} " + " ".join(f"w{i}" for i in range(words))
 
@@ -143,7 +135,7 @@ def _direct(servers: tuple[VllmProcess, VllmProcess], path: str, body: dict[str,
 def test_a_chat_is_prefilled_on_the_prefill_worker_and_decoded_with_its_kv_cache(
     client, front, servers
 ):
-    messages = [{"role": "user", "content": _fresh()}]
+    messages = [{"role": "user", "content": fresh()}]
     counts = Counts(servers)
     answer = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0
@@ -174,7 +166,7 @@ def test_a_chat_is_prefilled_on_the_prefill_worker_and_decoded_with_its_kv_cache
 def test_a_streamed_chat_with_several_choices_is_decoded_from_the_transferred_blocks(
     client, servers
 ):
-    messages = [{"role": "user", "content": _fresh()}]
+    messages = [{"role": "user", "content": fresh()}]
     counts = Counts(servers)
     finished = [None, None]
     usage = None
@@ -199,7 +191,7 @@ def test_a_streamed_chat_with_several_choices_is_decoded_from_the_transferred_bl
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_completion_is_disaggregated_too(client, servers, stream):
-    prompt = _fresh()
+    prompt = fresh()
     counts = Counts(servers)
     body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
     if stream:
@@ -214,11 +206,11 @@ def test_a_completion_is_disaggregated_too(client, servers, stream):
 
 def test_the_responses_api_and_anthropic_messages_are_disaggregated(client, front, servers):
     counts = Counts(servers)
-    response = client.responses.create(model=MODEL, input=_fresh(), max_output_tokens=16)
+    response = client.responses.create(model=MODEL, input=fresh(), max_output_tokens=16)
     assert response.status == "completed" or response.incomplete_details is not None
     claude = anthropic.Anthropic(base_url=front.url, api_key="unused", timeout=HANG_GUARD)
     with claude.messages.stream(
-        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": _fresh()}]
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": fresh()}]
     ) as stream:
         message = stream.get_final_message()
     assert message.usage.output_tokens > 0
@@ -243,7 +235,7 @@ def _gateway_with_prefill(
 
 def _served_all_the_same(gw: Gateway, servers: tuple[VllmProcess, VllmProcess]) -> None:
     """A chat through `gw` is the decode server's own answer, prefilled there."""
-    messages = [{"role": "user", "content": _fresh()}]
+    messages = [{"role": "user", "content": fresh()}]
     counts = Counts(servers)
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
     answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)

@@ -336,7 +336,7 @@ def test_a_model_naming_a_missing_pool_fails_to_render():
                 "--set-json",
                 'models=[{"name": "m", "pools": ["demo"], "prefillWorkers": ["http://p/v1"]}]',
             ),
-            "models[0].prefillWorkers: only for upstream openai",
+            "models[0].prefillWorkers: only for upstream openai or vllm-grpc",
         ),
         (
             ("--set-json", 'models=[{"name": "m", "pools": ["demo"], "weights": {"x:1": 2}}]'),

@@ -14,14 +14,12 @@ in its own words, as without disaggregation.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway.protocol import errors
 from gateway.protocol.types import GenerateRequest
 from gateway.telemetry import RequestRecord
-from gateway.upstreams.base import CANCELLED, CallEnd
-from gateway.upstreams.openai_http import OpenAIHttpUpstream
+from gateway.upstreams.base import CANCELLED, CallEnd, Prefills
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import ModelPool
@@ -44,11 +42,11 @@ async def prefilled(
         prefill.prefills["no_worker"] += 1
         return request
     upstream = worker.upstream
-    assert isinstance(upstream, OpenAIHttpUpstream)  # the config allows no other
+    assert isinstance(upstream, Prefills)  # the config allows no other
     worker.count_call(1)
     outcome: CallEnd = CANCELLED  # until it ends otherwise: the client left meanwhile
     try:
-        kv_transfer = await upstream.prefill(request, timeout, metadata)
+        decoded = await upstream.prefill(request, timeout, metadata)
         outcome = None
     except errors.GatewayError as error:
         outcome = error
@@ -65,4 +63,4 @@ async def prefilled(
     prefill.prefills["transferred"] += 1
     if record is not None:
         record.prefill_worker = worker.address
-    return replace(request, kv_transfer=kv_transfer)
+    return decoded

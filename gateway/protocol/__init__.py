@@ -19,6 +19,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     _kv_blocks.c     kv_blocks' chain and walk in C, built where a compiler is
     kv_proto.py      those events to the worker protocol's KvEventBatch and back
     kv_zmq.py        vLLM's KV-cache events as its ZMQ publisher sends them, as ours
+    kv_transfer.py   prefill/decode disaggregation's handoff, as vLLM's NixlConnector has it
     multiplex.py     what both ends of GenerateMultiplexed agree on: the window, ends
     stop.py          stop strings over a stream of text pieces, in linear time
     reasoning.py     a reasoning model's answer cut into reasoning and text at `</think>`

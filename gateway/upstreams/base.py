@@ -151,6 +151,24 @@ class Transcribes(Protocol):
 
 
 @runtime_checkable
+class Prefills(Protocol):
+    """An upstream whose servers prefill a prompt for another to decode
+    (`models[].prefill_workers`: vLLM's, with its NixlConnector; its OpenAI server and its
+    gRPC server)."""
+
+    async def prefill(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the call's own bound, not ours to wrap)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> GenerateRequest:
+        """The prompt prefilled, its KV blocks kept, within `timeout` seconds: `request`
+        as the decode worker takes it (where the blocks are, `kv_transfer`). Raises
+        `GatewayError` as `Upstream.call` refuses, and `Failed` for an answer that does
+        not say where the blocks are."""
+
+
+@runtime_checkable
 class Tokenizes(Protocol):
     """An upstream that shows a prompt's tokens and decodes ids by its model's tokenizer
     (the gateway's `/tokenize` and `/detokenize`): our workers that list "tokenize", an

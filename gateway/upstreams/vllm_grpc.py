@@ -69,6 +69,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar, cast
 
 import grpc
@@ -80,6 +81,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from gateway.protocol import errors, features, tool_calls
 from gateway.protocol.grpc_h2 import ServerStream, StreamCall, StreamChannel
 from gateway.protocol.kv_blocks import KvBatch
+from gateway.protocol.kv_transfer import PREFILL_TRANSFER_JSON, kv_transfer_text
 from gateway.protocol.reasoning import ReasoningSplitter, template_options
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
@@ -152,6 +154,21 @@ def _tokens_to(pieces: Sequence[str], end: int) -> int:
 def _kept_ids(request: GenerateRequest) -> list[int] | None:
     kept = _ENCODED.pop(id(request), None)
     return kept[1] if kept is not None and kept[0] is request else None
+
+
+def _keep(request: GenerateRequest, ids: list[int]) -> None:
+    """The ids of `request`'s prompt, for the call that follows (`_kept_ids`)."""
+    _ENCODED[id(request)] = (request, ids)
+    if len(_ENCODED) > ENCODED_KEPT:
+        _ENCODED.popitem(last=False)
+
+
+def _json_object(text: str | None) -> object:
+    """A JSON text's value; None where it is none or not JSON."""
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return None
 
 
 T = TypeVar("T")
@@ -498,6 +515,8 @@ class VllmGrpcCall(StreamBookkeeping):
             sampling_params=sampling_params(request, max_tokens, stops),
             stream=True,
         )
+        if request.kv_transfer:  # its prompt's KV blocks prefilled elsewhere, to pull
+            message.kv_transfer_params_json = request.kv_transfer
         timeout = self._deadline - time.monotonic()
         if timeout <= 0:
             raise errors.Timeout("The request's deadline passed before it reached the engine.")
@@ -910,12 +929,43 @@ class VllmGrpcUpstream:
 
     async def routing_ids(self, request: GenerateRequest) -> list[int]:
         """`prompt_ids` for the router (`gateway.fleet.routing`), kept for the call that
-        follows on whichever worker it picks, so a prompt is encoded once."""
-        ids = await self.prompt_ids(request)
-        _ENCODED[id(request)] = (request, ids)
-        if len(_ENCODED) > ENCODED_KEPT:
-            _ENCODED.popitem(last=False)
+        follows on whichever worker it picks, so a prompt is encoded once (a prefill's
+        too: `prefill`)."""
+        ids = (_ENCODED and _kept_ids(request)) or await self.prompt_ids(request)
+        _keep(request, ids)
         return ids
+
+    async def prefill(
+        self,
+        request: GenerateRequest,
+        timeout: float,  # noqa: ASYNC109 (the gRPC deadline too)
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> GenerateRequest:
+        """The engine's prefill of the request's prompt (`Prefills`): one token, its KV
+        blocks kept for a decode worker, within `timeout` seconds; the request with where
+        the blocks are, its ids kept for the decode call (as `routing_ids` keeps them)."""
+        ids = (_ENCODED and _kept_ids(request)) or await self.prompt_ids(request)
+        message = pb.GenerateRequest(
+            request_id=f"{request.request_id or 'furnace'}-prefill-{os.urandom(6).hex()}",
+            tokenized=pb.TokenizedInput(input_ids=ids),
+            sampling_params=pb.SamplingParams(max_tokens=1, n=1),
+            stream=False,
+            kv_transfer_params_json=PREFILL_TRANSFER_JSON,
+        )
+        params = None
+        try:
+            async with asyncio.timeout(timeout):
+                call = self.stub.Generate(message, timeout=timeout, metadata=metadata)
+                async for reply in call:
+                    if reply.HasField("complete"):
+                        params = reply.complete.kv_transfer_params_json or None
+        except TimeoutError:
+            raise errors.Timeout("The prefill worker did not prefill in time.") from None
+        except grpc.RpcError as error:
+            raise _from_rpc_error(error) from None
+        decoded = replace(request, kv_transfer=kv_transfer_text(_json_object(params)))
+        _keep(decoded, ids)
+        return decoded
 
     async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
         """The engine's KV-cache events and load records (`SubscribeKvEvents`, which

@@ -147,6 +147,14 @@ def kv_events_args(port: int | None = None, replay: int | None = None) -> tuple[
     return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
 
 
+def nixl_args(role: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """vLLM's NixlConnector in `role` (`kv_producer`: a server that prefills;
+    `kv_consumer`: one that decodes, pulling the blocks): the engine's options, and its
+    variables, its side channel (where decode servers ask for blocks) on a free port."""
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
+    return ("--kv-transfer-config", config), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
+
 def _http_command(model: Path, name: str, port: int, options: tuple[str, ...]) -> list[str]:
     """vLLM's OpenAI server of `model` as `name` on loopback `port`, with `options`."""
     return [
@@ -275,10 +283,15 @@ def wait_http_ready(server: VllmProcess) -> None:
 GRPC_ARGS = HTTP_ARGS[HTTP_ARGS.index("--structured-outputs-config") :]
 
 
-def start_grpc_server(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> VllmProcess:
+def start_grpc_server(
+    model: Path,
+    log_dir: Path,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> VllmProcess:
     """vLLM's own gRPC server (service vllm.grpc.engine.VllmEngine) on a free loopback
     port, ready (its grpc.health.v1 says SERVING), with structured outputs on and
-    `extra` engine options."""
+    `extra` engine options (and variables)."""
 
     def args(port: int) -> list[str]:
         return [
@@ -296,7 +309,7 @@ def start_grpc_server(model: Path, log_dir: Path, extra: tuple[str, ...] = ()) -
             *extra,
         ]
 
-    return _start(args, log_dir / "vllm-grpc.log", wait_grpc_serving)
+    return _start(args, log_dir / "vllm-grpc.log", wait_grpc_serving, env)
 
 
 def wait_grpc_serving(server: VllmProcess, service: str = "") -> None:

@@ -16,6 +16,7 @@ import orjson
 
 from gateway.protocol import errors
 from gateway.protocol.chat import message_dict, tool_dict
+from gateway.protocol.kv_transfer import PREFILL_TRANSFER, kv_transfer_text
 from gateway.protocol.types import (
     TOKEN_ID_MAX,
     Classification,
@@ -191,18 +192,6 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     return body
 
 
-#: What a prefill asks of vLLM's NixlConnector: keep the prompt's KV blocks for a decode
-#: worker to pull (vLLM's own proxy sends the same).
-PREFILL_TRANSFER = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
 def prefill_body(request: GenerateRequest) -> dict[str, Any]:
     """The request as a prefill worker takes it: one token, one choice, whole, its KV
     blocks kept for the decode worker. `min_tokens` goes (it would exceed the one token);
@@ -215,19 +204,12 @@ def prefill_body(request: GenerateRequest) -> dict[str, Any]:
 
 
 def kv_transfer_from(content: bytes) -> str:
-    """A prefill's answer's `kv_transfer_params` (a JSON object's text), or a `Failed`
-    naming what is missing (a server whose vLLM runs no KV connector answers without)."""
+    """A prefill's answer's `kv_transfer_params` (a JSON object's text), or `Failed`."""
     try:
         answer = orjson.loads(content)
     except orjson.JSONDecodeError:
         answer = None
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    if not isinstance(params, dict) or not params:
-        raise errors.Failed(
-            "The prefill worker answered without kv_transfer_params (is its vLLM started "
-            "with a --kv-transfer-config?)."
-        )
-    return orjson.dumps(params).decode()
+    return kv_transfer_text(answer.get("kv_transfer_params") if isinstance(answer, dict) else None)
 
 
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})

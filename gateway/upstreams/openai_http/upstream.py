@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
@@ -266,17 +267,17 @@ class OpenAIHttpUpstream:
         request: GenerateRequest,
         timeout: float,  # noqa: ASYNC109 (also the request's own httpx timeout, in `_post`)
         metadata: tuple[tuple[str, str], ...] = (),
-    ) -> str:
+    ) -> GenerateRequest:
         """Their prefill of the request's prompt (one token, whole: `prefill_body`), its KV
-        blocks kept for a decode worker, within `timeout` seconds: where the blocks are
-        (`kv_transfer_params`' text); a refusal as our error."""
+        blocks kept for a decode worker, within `timeout` seconds (`Prefills`): the
+        request with where the blocks are; a refusal as our error."""
         path = "chat/completions" if request.messages is not None else "completions"
         status, content = await self._post_capped(
             path, prefill_body(request), MAX_PREFILL_BYTES, "prefill", timeout, metadata
         )
         if status != 200:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
-        return kv_transfer_from(content)
+        return replace(request, kv_transfer=kv_transfer_from(content))
 
     async def embed(
         self,

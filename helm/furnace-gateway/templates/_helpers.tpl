@@ -250,8 +250,8 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- $_ := set $entry "workers" $workers }}
 {{- end }}
 {{- with $model.prefillWorkers }}
-{{- if ne $upstream "openai" }}
-{{- fail (printf "models[%d].prefillWorkers: only for upstream openai (vLLM's OpenAI servers)" $i) }}
+{{- if not (has $upstream (list "openai" "vllm-grpc")) }}
+{{- fail (printf "models[%d].prefillWorkers: only for upstream openai or vllm-grpc (vLLM's servers)" $i) }}
 {{- end }}
 {{- $_ := set $entry "prefill_workers" . }}
 {{- end }}

@@ -1,0 +1,148 @@
+"""Prefill/decode disaggregation on vLLM's gRPC servers (`upstream: vllm-grpc` with
+`prefill_workers`), where the gateway renders and tokenizes: two gRPC servers of the tiny
+model with vLLM's NixlConnector, one that prefills, one that decodes. The prompt's ids are
+made once, for the prefill (one token, `kv_transfer_params_json` asking for the blocks
+to be kept) and the decode call (with where they are, as the prefill's `GenerateComplete`
+said). Every answer equals the same decode server's without the split (a second model of
+the gateway on it alone), whole and streamed; a prefill worker nobody listens on leaves the
+decode worker to prefill. After each test nothing is left in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from tests.support.metrics import scrape, value
+from tests.support.processes import free_port
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import VllmProcess, nixl_args, start_grpc_server
+from tests.support.waiting import HANG_GUARD
+from tests.test_disaggregation import fresh
+
+#: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+SPLIT = "tiny-pd-grpc"
+#: The decode server alone (it prefills itself), to compare with.
+ALONE = "tiny-grpc-alone"
+#: The decode server behind a prefill worker nobody listens on.
+UNREACHABLE = "tiny-grpc-unreachable-prefill"
+
+
+@pytest.fixture(scope="module")
+def servers(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmProcess, VllmProcess]]:
+    """The prefill server and the decode server."""
+    started: list[VllmProcess] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            extra, env = nixl_args(role)
+            logs = tmp_path_factory.mktemp(f"vllm-grpc-{role}")
+            started.append(start_grpc_server(vllm_model, logs, extra, env))
+        yield started[0], started[1]
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop,
+    workers: Workers,
+    vllm_model: Path,
+    servers: tuple[VllmProcess, VllmProcess],
+) -> Iterator[Gateway]:
+    prefill, decode = (f"127.0.0.1:{s.port}" for s in servers)
+
+    def model(name: str, prefill_workers: tuple[str, ...]) -> ModelConfig:
+        return ModelConfig(
+            name,
+            upstream="vllm-grpc",
+            tokenizer=str(vllm_model),
+            workers=(decode,),
+            prefill_workers=prefill_workers,
+        )
+
+    models = (
+        model(SPLIT, (prefill,)),
+        model(ALONE, ()),
+        model(UNREACHABLE, (f"127.0.0.1:{free_port()}",)),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=models))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(front: Gateway, workers: Workers) -> Iterator[openai.OpenAI]:
+    """The official SDK to the gateway; after the test, nothing left in it."""
+    with openai.OpenAI(base_url=front.url + "/v1", api_key="unused", timeout=HANG_GUARD) as sdk:
+        yield sdk
+    assert_nothing_left(front, workers)
+
+
+def _prefills(front: Gateway, model: str, outcome: str) -> float:
+    return value(scrape(front.url), "furnace_gateway_prefills_total", model=model, outcome=outcome)
+
+
+def test_a_chat_prefilled_on_the_prefill_server_is_the_decode_servers_own_answer(client, front):
+    messages = [{"role": "user", "content": fresh()}]
+    before = _prefills(front, SPLIT, "transferred")
+    split = client.chat.completions.create(
+        model=SPLIT, messages=messages, max_tokens=12, temperature=0
+    )
+    assert _prefills(front, SPLIT, "transferred") == before + 1
+    alone = client.chat.completions.create(
+        model=ALONE, messages=messages, max_tokens=12, temperature=0
+    )
+    assert split.choices[0].message.content == alone.choices[0].message.content
+    assert split.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert split.usage.completion_tokens == alone.usage.completion_tokens == 12
+
+
+def test_a_streamed_completion_with_several_choices_is_decoded_after_a_prefill(client, front):
+    prompt = fresh()
+    before = _prefills(front, SPLIT, "transferred")
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(
+        model=SPLIT,
+        prompt=prompt,
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert finished == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 12
+    assert _prefills(front, SPLIT, "transferred") == before + 1
+
+
+def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, front):
+    messages = [{"role": "user", "content": fresh()}]
+    answer = client.chat.completions.create(
+        model=UNREACHABLE, messages=messages, max_tokens=8, temperature=0
+    )
+    alone = client.chat.completions.create(
+        model=ALONE, messages=messages, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.content == alone.choices[0].message.content
+    assert _prefills(front, UNREACHABLE, "no_worker") >= 1
