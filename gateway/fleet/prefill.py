@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation (`models[].prefill_workers`): a request's prompt is
 prefilled on a prefill worker, which keeps its KV blocks, and the decode worker the fleet
 then calls pulls them instead of computing them (vLLM's NixlConnector, as vLLM's own
-proxy, vllm-router and smg drive it).
+proxy and vllm-router drive it), over vLLM's OpenAI server or its gRPC server (`Prefills`).
 
 The prefill is one unary call before the decode call's tries, never retried: whatever
 goes wrong with it (no prefill worker available, a refusal, a timeout, an answer without
