@@ -15,7 +15,7 @@ Two paths, each against its own vLLM server:
   stream with where the blocks are), the decode server alone (no disaggregation: it
   prefills itself), furnace-gateway with `prefill_workers`, and the routers' PD modes
   (`vllm-router --vllm-pd-disaggregation --kv-connector nixl`, `smg launch
-  --pd-disaggregation`). Each request has a fresh 400-word prompt, so every one is
+  --pd-disaggregation`). Each request has a fresh 150-word prompt, so every one is
   prefilled and its blocks moved.
 
 Load: streamed chat completions, greedy, `max_tokens` 64 (the tiny model's junk rarely ends
@@ -83,6 +83,7 @@ from typing import Any
 import httpx
 import orjson
 import yaml
+from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -598,14 +599,25 @@ def grpc_targets(
 
 
 #: The disaggregated path's prompt: a fresh head (no prefix cache to hit) and words enough
-#: for a few dozen of vLLM's 16-token KV blocks to move.
-PD_WORDS = 400
+#: for a few dozen of vLLM's 16-token KV blocks to move (about 600 of the tiny model's
+#: tokens, within its 1,024).
+PD_WORDS = 150
+COUNTING = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
-def fresh_prompt() -> dict[str, Any]:
-    """A request's messages no server has seen."""
-    words = " ".join(f"w{i}" for i in range(PD_WORDS))
-    return {"messages": [{"role": "user", "content": f"{uuid.uuid4().hex} {words}"}]}
+def fresh_prompts(model_dir: Path) -> Callable[[], dict[str, Any]]:
+    """Requests' fields, each call's messages new to every server; every token of the
+    answer one letter (a logit bias), so that each shows text from its first token: the
+    tiny model's greedy answers to long prompts often hold no text at all."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    letter = tokenizer.encode("o", add_special_tokens=False).ids[0]
+    words = " ".join(COUNTING[i % len(COUNTING)] for i in range(PD_WORDS))
+
+    def fields() -> dict[str, Any]:
+        content = f"{uuid.uuid4().hex} {words}"
+        return {"messages": [{"role": "user", "content": content}], "logit_bias": {letter: 100}}
+
+    return fields
 
 
 def nixl_server(engine: Engine, role: str) -> VllmProcess:
@@ -616,7 +628,13 @@ def nixl_server(engine: Engine, role: str) -> VllmProcess:
 
 
 def start_pd_router(
-    stack: ExitStack, name: str, executable: Path | str, work: Path, prefill: str, decode: str
+    stack: ExitStack,
+    name: str,
+    executable: Path | str,
+    work: Path,
+    prefill: str,
+    decode: str,
+    body: Body,
 ) -> Target:
     """A Rust router in its prefill/decode mode over the two servers, ready, or why not."""
     if isinstance(executable, str):
@@ -633,7 +651,7 @@ def start_pd_router(
     with log.open("wb") as output:
         process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     stack.callback(_stop, process)
-    return _serving(name, process, port, log, fresh_prompt)
+    return _serving(name, process, port, log, body)
 
 
 @contextmanager
@@ -655,9 +673,10 @@ def pd_targets(
         decode = nixl_server(engine, "kv_consumer")
         stack.callback(decode.stop)
         prefill_url, decode_url = (f"http://127.0.0.1:{s.port}" for s in (prefill, decode))
+        fresh = fresh_prompts(engine.model_dir)
         targets = [
-            Target(DIRECT, lambda: DisaggregatedCalls(prefill_url, decode_url, fresh_prompt)),
-            Target("decode server alone", lambda: HttpCalls(decode_url, fresh_prompt)),
+            Target(DIRECT, lambda: DisaggregatedCalls(prefill_url, decode_url, fresh)),
+            Target("decode server alone", lambda: HttpCalls(decode_url, fresh)),
         ]
         upstream = {
             "name": MODEL,
@@ -666,13 +685,12 @@ def pd_targets(
             "prefill_workers": [f"{prefill_url}/v1"],
         }
         for python in (sys.executable, *pythons):
-            targets.append(start_gateway(stack, work, "pd", upstream, fresh_prompt, python))
+            targets.append(start_gateway(stack, work, "pd", upstream, fresh, python))
         for count in processes:
-            targets.append(
-                start_gateway(stack, work, "pd", upstream, fresh_prompt, processes=count)
-            )
+            targets.append(start_gateway(stack, work, "pd", upstream, fresh, processes=count))
         for name, executable in peers.items():
-            targets.append(start_pd_router(stack, name, executable, work, prefill_url, decode_url))
+            pd = (prefill_url, decode_url, fresh)
+            targets.append(start_pd_router(stack, name, executable, work, *pd))
         yield targets
 
 
