@@ -193,6 +193,13 @@ class OpenAIHttpCall(StreamBookkeeping):
         self.close(outcome)
 
 
+def _within(status: int, content: bytes, limit: int, what: str) -> None:
+    """A 200's answer (read up to `limit` + 1 bytes) past `limit` bytes is `Failed`: the
+    upstream's `what` answer too large."""
+    if status == 200 and len(content) > limit:
+        raise errors.Failed(f"The upstream's {what} answer is larger than the gateway takes.")
+
+
 def _retrieved(task: asyncio.Task[None]) -> None:
     """A first read's failure is raised by the read that awaits it; one that no read
     awaits (the call was cancelled) is marked seen, so asyncio does not log it."""
@@ -247,20 +254,21 @@ class OpenAIHttpUpstream:
         chat = request.messages is not None
         stream = _Stream(chat, request.n)
         if self._pool is not None:
-            body = orjson.dumps(request_body(request))
-            if _BREAKS_HEADER.search("".join(map("".join, metadata))):  # rare: one pass finds none
-                metadata = tuple(  # never valid; httpx refuses them
-                    (name, value)
-                    for name, value in metadata
-                    if not _BREAKS_HEADER.search(name + value)
-                )
-            extra = "".join(map("%s: %s\r\n".__mod__, metadata))  # each a (name, value)
-            head = f"{self._starts[chat]}{extra}Content-Length: {len(body)}\r\n\r\n"
-            raw = head.encode("latin-1") + body
+            raw = self._raw_post(chat, orjson.dumps(request_body(request)), metadata)
             return _RawCall(self._pool, raw, stream, timeout, self.address, on_close)
         path = "chat/completions" if chat else "completions"
         http_request = self._post(path, request_body(request), timeout, metadata)
         return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
+
+    def _raw_post(self, chat: bool, body: bytes, metadata: tuple[tuple[str, str], ...]) -> bytes:
+        """A chat's (or a completion's) POST of `body` as our own connections send it."""
+        if _BREAKS_HEADER.search("".join(map("".join, metadata))):  # rare: one pass finds none
+            metadata = tuple(  # never valid; httpx refuses them
+                (name, value) for name, value in metadata if not _BREAKS_HEADER.search(name + value)
+            )
+        extra = "".join(map("%s: %s\r\n".__mod__, metadata))  # each a (name, value)
+        head = f"{self._starts[chat]}{extra}Content-Length: {len(body)}\r\n\r\n"
+        return head.encode("latin-1") + body
 
     async def prefill(
         self,
@@ -270,11 +278,19 @@ class OpenAIHttpUpstream:
     ) -> GenerateRequest:
         """Their prefill of the request's prompt (one token, whole: `prefill_body`), its KV
         blocks kept for a decode worker, within `timeout` seconds (`Prefills`): the
-        request with where the blocks are; a refusal as our error."""
-        path = "chat/completions" if request.messages is not None else "completions"
-        status, content = await self._post_capped(
-            path, prefill_body(request), MAX_PREFILL_BYTES, "prefill", timeout, metadata
-        )
+        request with where the blocks are; a refusal as our error. Over our own
+        connections where the calls and the polls use them."""
+        chat = request.messages is not None
+        body, limit = prefill_body(request), MAX_PREFILL_BYTES
+        if self._pool is None:
+            path = "chat/completions" if chat else "completions"
+            status, content = await self._post_capped(
+                path, body, limit, "prefill", timeout, metadata
+            )
+        else:
+            raw = self._raw_post(chat, orjson.dumps(body), metadata)
+            status, content = await self._fetch(raw, timeout, limit + 1)
+            _within(status, content, limit, "prefill")
         if status != 200:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
         return replace(request, kv_transfer=kv_transfer_from(content))
@@ -364,8 +380,7 @@ class OpenAIHttpUpstream:
         upstream's `what` answer too large)."""
         request = self._post(path, body, timeout, metadata)
         status, content = await self._send(request, timeout, limit + 1)
-        if status == 200 and len(content) > limit:
-            raise errors.Failed(f"The upstream's {what} answer is larger than the gateway takes.")
+        _within(status, content, limit, what)
         return status, content
 
     async def count_tokens(
@@ -506,6 +521,13 @@ class OpenAIHttpUpstream:
         target = urlsplit(url)
         path = target.path + (f"?{target.query}" if target.query else "")
         raw = f"GET {path} HTTP/1.1\r\n{self._head}\r\n".encode("latin-1")
+        return await self._fetch(raw, timeout, limit)
+
+    async def _fetch(self, raw: bytes, timeout: float, limit: int) -> tuple[int, bytes]:  # noqa: ASYNC109
+        """`raw` sent on our own connections (`fetch`: sent again on a new one when a
+        kept-alive one was closed under it before any answer) within `timeout` seconds:
+        its status and at most `limit` bytes of its answer; the failures as ours."""
+        assert self._pool is not None
         try:
             return await fetch(self._pool, raw, limit, timeout)
         except TimeoutError as error:
