@@ -12,6 +12,7 @@ the gateway.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
-from tests.support.metrics import scrape, value
+from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import keyed_plain
 from tests.support.processes import free_port
 from tests.support.servers import (
@@ -35,7 +36,7 @@ from tests.support.servers import (
     start_gateway,
 )
 from tests.support.vllm import VllmProcess, nixl_args, start_http_server
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -133,8 +134,9 @@ def _direct(servers: tuple[VllmProcess, VllmProcess], path: str, body: dict[str,
 
 
 def test_a_chat_is_prefilled_on_the_prefill_worker_and_decoded_with_its_kv_cache(
-    client, front, servers
+    client, front, servers, caplog
 ):
+    caplog.set_level(logging.INFO, logger="furnace.access")
     messages = [{"role": "user", "content": fresh()}]
     counts = Counts(servers)
     answer = client.chat.completions.create(
@@ -161,6 +163,18 @@ def test_a_chat_is_prefilled_on_the_prefill_worker_and_decoded_with_its_kv_cache
     )
     view = next(m for m in front.state.fleet.snapshot()["models"] if m["name"] == MODEL)
     assert [w["address"] for w in view["prefill_workers"]] == [prefill_url]
+    wait_until(lambda: access_lines(caplog), "the request's access-log line")
+    line = access_lines(caplog)[-1]
+    assert (line["worker"], line["prefill_worker"]) == (_url(servers[1]), prefill_url)
+
+
+def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(front, workers, servers):
+    """The prefill of a long prompt takes the CPU engine a good part of a second; the
+    client gives up long before (the leak check: no call left on either worker)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": fresh(150)}]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(front.url + "/v1/chat/completions", json=body, timeout=0.05)
+    assert_nothing_left(front, workers)
 
 
 def test_a_streamed_chat_with_several_choices_is_decoded_from_the_transferred_blocks(
