@@ -221,8 +221,10 @@ class Fleet:
             for model in self.config.models:
                 if model.upstream != "openai":  # gRPC channels carry the credentials
                     pool = self.models[model.name]
-                    for worker in pool.replace_upstreams(self._upstream_factory(model)):
-                        self._spawn(self._watch(pool, worker))
+                    for own in (pool, pool.prefill):  # its prefill workers' channels too
+                        if own is not None:
+                            for worker in own.replace_upstreams(self._upstream_factory(model)):
+                                self._spawn(self._watch(own, worker))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
