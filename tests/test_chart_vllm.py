@@ -6,11 +6,16 @@ from a ConfigMap or a volume, the gateway's loader takes the rendered config, an
 mistakes (no model, no image, TLS, no tokenizer, mixed engines) fail to render. Every
 setting of a model's entry (`routing`, `queue`, tool calls, an HTTP upstream's key, CA and
 KV events) goes through `models[]`: the schema refuses what the loader would, the chart
-mounts the files and passes the Secret the entry names, and the loader takes the result."""
+mounts the files and passes the Secret the entry names, and the loader takes the result.
+Prefill/decode disaggregation: pools with a `vllm.kvRole` run vLLM's NixlConnector in that
+role with their side channel at the pod's IP, a prefilling pool's NetworkPolicy lets the
+decoding pools reach it, a model's `prefillPools` become its `prefill_workers`, and each
+mismatch of roles, engines and upstreams fails to render."""
 
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,10 +31,13 @@ from tests.support.k8s_tools import (
     Manifest,
     check_restricted,
     check_worker_pools,
+    headless_address,
     load_manifests,
+    of_kind,
     one,
     run,
     schema_problems,
+    selects,
     tool,
 )
 from tests.support.tiny_model import build_tiny_model
@@ -310,3 +318,252 @@ def test_a_tokenizer_on_a_model_of_our_workers_fails_to_render(tmp_path: Path):
     result = render(values, tmp_path, check=False)
     assert result.returncode != 0
     assert "tokenizer is for upstream vllm-grpc" in result.stderr
+
+
+PREFILL_POOL = f"{FULLNAME}-worker-llama-prefill"
+LLAMA_POOL = VALUES["workerPools"]["llama"]
+#: Prefill/decode disaggregation: a pool of vLLM gRPC servers that prefill (kv_producer, its
+#: side channel on a port of its own) and the model's pool that decodes (kv_consumer, the
+#: default port), the model naming the first in `prefillPools`.
+DISAGGREGATED: dict[str, Any] = {
+    "models": [
+        {"name": "furnace-demo", "pools": ["demo"]},
+        {**VALUES["models"][1], "prefillPools": ["llama-prefill"]},
+    ],
+    "workerPools": {
+        "llama": {
+            **LLAMA_POOL,
+            "vllm": {**LLAMA_POOL["vllm"], "kvRole": "kv_consumer"},
+        },
+        "llama-prefill": {
+            **LLAMA_POOL,
+            "replicas": 2,
+            "vllm": {**LLAMA_POOL["vllm"], "kvRole": "kv_producer", "nixlSideChannelPort": 5601},
+        },
+    },
+}
+
+
+def split(**edits: Any) -> dict[str, Any]:
+    """DISAGGREGATED with fields of the `prefill` or `decode` pool, the `demo` pool, the
+    disaggregated `model` or the `demo_model` replaced (None: removed)."""
+    values = copy.deepcopy(DISAGGREGATED)
+    pools = values["workerPools"]
+    pools["demo"] = {}
+    targets = {
+        "prefill": pools["llama-prefill"],
+        "decode": pools["llama"],
+        "demo": pools["demo"],
+        "model": values["models"][1],
+        "demo_model": values["models"][0],
+    }
+    for where, fields in edits.items():
+        for key, value in fields.items():
+            if value is None:
+                targets[where].pop(key, None)
+            else:
+                targets[where][key] = value
+    if not pools["demo"]:
+        del pools["demo"]
+    return values
+
+
+def worker(manifests: list[Manifest], name: str) -> Manifest:
+    (container,) = one(manifests, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_a_disaggregated_fleet_lints_strict(tmp_path: Path):
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(DISAGGREGATED))
+    result = run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(path)])
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_a_disaggregated_fleet_matches_the_kubernetes_schemas(version: str, tmp_path: Path):
+    manifests = render(DISAGGREGATED, tmp_path)
+    assert schema_problems(manifests, version, tmp_path) == []
+    check_restricted(manifests)
+
+
+@pytest.mark.parametrize(
+    ("pool", "role", "port"), [(PREFILL_POOL, "kv_producer", 5601), (POOL, "kv_consumer", 5600)]
+)
+def test_each_tier_runs_vllm_with_nixl_in_its_role(pool: str, role: str, port: int, tmp_path: Path):
+    container = worker(render(DISAGGREGATED, tmp_path), pool)
+    assert container["command"] == ["python3", "-m", "vllm.entrypoints.grpc_server"]
+    args = container["args"]
+    model = "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert args[:6] == ["--model", model, "--host", "0.0.0.0", "--port", "50061"]
+    assert args[6] == "--kv-transfer-config"
+    assert json.loads(args[7]) == {"kv_connector": "NixlConnector", "kv_role": role}
+    assert args[8:] == ["--max-model-len", "8192"]  # the pool's own args after
+    # the side channel, where decode servers ask for blocks: the pod's IP, the pool's port
+    env = {e["name"]: e for e in container["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(port)
+    assert container["ports"] == [
+        {"name": "grpc", "containerPort": 50061, "protocol": "TCP"},
+        {"name": "nixl", "containerPort": port, "protocol": "TCP"},
+    ]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50061}
+
+
+def test_a_pool_without_a_kv_role_runs_no_connector(tmp_path: Path):
+    container = worker(render(VALUES, tmp_path), POOL)
+    assert "--kv-transfer-config" not in container["args"]
+    assert not [e for e in container["env"] if e["name"].startswith("VLLM_NIXL")]
+    assert [p["name"] for p in container["ports"]] == ["grpc"]
+
+
+def test_the_model_prefills_on_its_prefill_pools_and_the_loader_takes_it(tmp_path: Path):
+    manifests = render(DISAGGREGATED, tmp_path)
+    raw = yaml.safe_load(one(manifests, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    llama = raw["models"][1]
+    services = {s["metadata"]["name"]: s for s in of_kind(manifests, "Service")}
+    prefill = headless_address(services[PREFILL_POOL], NAMESPACE, 50061)
+    decode = headless_address(services[POOL], NAMESPACE, 50061)
+    assert (llama["workers"], llama["prefill_workers"]) == ([decode], [prefill])
+    assert {prefill, decode} <= check_worker_pools(manifests, NAMESPACE)
+    assert "prefill_workers" not in raw["models"][0]
+    model = build_tiny_model(tmp_path / "model", for_vllm=True)
+    llama["tokenizer"] = str(shutil.copytree(model, tmp_path / llama["tokenizer"].lstrip("/")))
+    parsed = parse_config(raw, env={}).models[1]
+    assert (parsed.upstream, parsed.workers, parsed.prefill_workers) == (
+        "vllm-grpc",
+        (decode,),
+        (prefill,),
+    )
+
+
+def test_prefill_workers_outside_the_chart_follow_the_pools(tmp_path: Path):
+    values = split(model={"prefillWorkers": ["vllm-prefill-9.other.svc:50061"]})
+    raw = yaml.safe_load(
+        one(render(values, tmp_path), "ConfigMap", FULLNAME)["data"]["config.yaml"]
+    )
+    assert raw["models"][1]["prefill_workers"] == [
+        f"dns:///{PREFILL_POOL}.{NAMESPACE}.svc.cluster.local:50061",
+        "vllm-prefill-9.other.svc:50061",
+    ]
+
+
+def test_decode_pods_reach_the_prefill_pods_side_channel(tmp_path: Path):
+    manifests = render(DISAGGREGATED, tmp_path)
+    labels = {
+        name: one(manifests, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        for name in (PREFILL_POOL, POOL, f"{FULLNAME}-worker-demo", FULLNAME)
+    }
+    policy = one(manifests, "NetworkPolicy", PREFILL_POOL)["spec"]
+    assert selects(policy["podSelector"]["matchLabels"], labels[PREFILL_POOL])
+    grpc, nixl = policy["ingress"]
+    assert grpc["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    assert nixl["ports"] == [{"port": "nixl", "protocol": "TCP"}]
+    (peer,) = nixl["from"]
+    assert set(peer) == {"podSelector"}  # the release's decode pods alone, no namespace
+    allowed = {n for n, pod in labels.items() if selects(peer["podSelector"]["matchLabels"], pod)}
+    assert allowed == {POOL}
+    # a decode pool serves no blocks: its policy keeps the gRPC port alone
+    (decode_rule,) = one(manifests, "NetworkPolicy", POOL)["spec"]["ingress"]
+    assert decode_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+
+
+def test_kv_both_pools_take_the_side_channel_from_each_other(tmp_path: Path):
+    both = {"vllm": {**LLAMA_POOL["vllm"], "kvRole": "kv_both"}}
+    manifests = render(split(prefill=both, decode=both), tmp_path)
+    names = (PREFILL_POOL, POOL)
+    labels = [
+        one(manifests, "Deployment", n)["spec"]["template"]["metadata"]["labels"] for n in names
+    ]
+    for name in names:
+        *_, nixl = one(manifests, "NetworkPolicy", name)["spec"]["ingress"]
+        selectors = [peer["podSelector"]["matchLabels"] for peer in nixl["from"]]
+        assert [any(selects(s, pod) for s in selectors) for pod in labels] == [True, True]
+
+
+def vllm(**fields: Any) -> dict[str, Any]:
+    """A pool's `vllm` of the Llama model with these fields."""
+    return {"vllm": {**LLAMA_POOL["vllm"], **fields}}
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        (
+            {"model": {"prefillPools": ["gone"]}},
+            'models[1].prefillPools: "gone" is not a key of workerPools',
+        ),
+        ({"prefill": {"enabled": False}}, 'worker pool "llama-prefill" is disabled'),
+        (
+            {"model": {"prefillPools": ["demo"]}, "demo": {"enabled": True}},
+            'models[1].prefillPools: the worker pool "demo" runs furnace, not vllm-grpc',
+        ),
+        (
+            {"demo_model": {"prefillPools": ["llama-prefill"]}},
+            "models[0].prefillPools: only for upstream vllm-grpc",
+        ),
+        (
+            {"prefill": vllm(kvRole="kv_consumer")},
+            'the worker pool "llama-prefill" prefills: it needs vllm.kvRole kv_producer or '
+            "kv_both, not kv_consumer",
+        ),
+        ({"prefill": vllm()}, "vllm.kvRole kv_producer or kv_both, not none"),
+        (
+            {"decode": vllm(kvRole="kv_producer")},
+            'models[1].pools: the worker pool "llama" decodes what prefillPools prefill: '
+            "it needs vllm.kvRole kv_consumer or kv_both, not kv_producer",
+        ),
+        ({"decode": vllm()}, "vllm.kvRole kv_consumer or kv_both, not none"),
+        (
+            {"demo": {"enabled": True, "vllm": {"model": "m", "kvRole": "kv_both"}}},
+            "workerPools.demo.vllm.kvRole: only for engine vllm-grpc",
+        ),
+        (
+            {"prefill": vllm(kvRole="kv_sender")},
+            "value must be one of 'kv_producer', 'kv_consumer', 'kv_both'",
+        ),
+        (
+            {"prefill": vllm(nixlSideChannelPort=5600)},
+            "workerPools.llama-prefill.vllm.nixlSideChannelPort: needs vllm.kvRole",
+        ),
+        (
+            {"prefill": vllm(kvRole="kv_producer", nixlSideChannelPort=50061)},
+            "workerPools.llama-prefill.vllm.nixlSideChannelPort: 50061 is the pool's gRPC port",
+        ),
+        (
+            {"prefill": {"args": ["--kv-transfer-config", "{}"]}},
+            "workerPools.llama-prefill.args: vllm.kvRole passes --kv-transfer-config",
+        ),
+        (
+            {"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "localhost"}]}},
+            "workerPools.llama.env: vllm.kvRole sets VLLM_NIXL_SIDE_CHANNEL_HOST",
+        ),
+    ],
+)
+def test_disaggregation_mistakes_fail_to_render(
+    edits: dict[str, Any], message: str, tmp_path: Path
+):
+    result = render(split(**edits), tmp_path, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_an_openai_model_takes_prefill_workers_not_pools(tmp_path: Path):
+    values = copy.deepcopy(DISAGGREGATED)
+    hosted = {"name": "hosted", "upstream": "openai", "workers": [HOSTED_URL]}
+    values["models"].append({**hosted, "prefillPools": ["llama-prefill"]})
+    result = render(values, tmp_path, check=False)
+    assert result.returncode != 0
+    assert "models[2].prefillPools: only for upstream vllm-grpc" in result.stderr
+    assert "not openai" in result.stderr
+
+
+def test_an_adapter_takes_no_prefill_pools(tmp_path: Path):
+    values = copy.deepcopy(DISAGGREGATED)
+    values["models"].append({"name": "a", "adapterOf": MODEL, "prefillPools": ["llama-prefill"]})
+    result = render(values, tmp_path, check=False)
+    assert result.returncode != 0
+    assert "models[2].prefillPools: an adapter (adapterOf) takes its base model's" in result.stderr

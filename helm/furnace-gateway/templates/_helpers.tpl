@@ -85,6 +85,36 @@ vLLM's gRPC server, `python3 -m vllm.entrypoints.grpc_server`). Argument: the po
 {{- .engine | default "furnace" }}
 {{- end }}
 
+{{/* A pool's role in prefill/decode disaggregation, `vllm.kvRole` (`kv_producer`: it
+prefills, `kv_consumer`: it decodes, `kv_both`), checked; empty without one. Argument:
+(dict "name" $poolName "pool" $pool). */}}
+{{- define "furnace-gateway.poolKvRole" -}}
+{{- with ($.pool.vllm | default dict).kvRole }}
+{{- if ne (include "furnace-gateway.poolEngine" $.pool) "vllm-grpc" }}
+{{- fail (printf "workerPools.%s.vllm.kvRole: only for engine vllm-grpc (vLLM's NixlConnector)" $.name) }}
+{{- end }}
+{{- if not (has . (list "kv_producer" "kv_consumer" "kv_both")) }}
+{{- fail (printf "workerPools.%s.vllm.kvRole: %v is none of kv_producer, kv_consumer, kv_both" $.name .) }}
+{{- end }}
+{{- . }}
+{{- end }}
+{{- end }}
+
+{{/* The port of a pool's NIXL side channel (`vllm.nixlSideChannelPort`, default vLLM's
+5600), empty for a pool without `vllm.kvRole`. Argument: (dict "name" "pool"). */}}
+{{- define "furnace-gateway.nixlSideChannelPort" -}}
+{{- $vllm := .pool.vllm | default dict }}
+{{- if include "furnace-gateway.poolKvRole" . }}
+{{- $port := int ($vllm.nixlSideChannelPort | default 5600) }}
+{{- if eq $port (int (.pool.port | default 50051)) }}
+{{- fail (printf "workerPools.%s.vllm.nixlSideChannelPort: %d is the pool's gRPC port" .name $port) }}
+{{- end }}
+{{- $port }}
+{{- else if hasKey $vllm "nixlSideChannelPort" }}
+{{- fail (printf "workerPools.%s.vllm.nixlSideChannelPort: needs vllm.kvRole" .name) }}
+{{- end }}
+{{- end }}
+
 {{/* Where the gateway's pod mounts a model's tokenizer files; argument: the model's name. */}}
 {{- define "furnace-gateway.tokenizerDir" -}}
 {{- printf "/etc/furnace-tokenizers/%s" . }}
@@ -175,7 +205,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- range $i, $model := .Values.models }}
 {{- if $model.adapterOf }}
 {{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
-{{- range $name := list "pools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
+{{- range $name := list "pools" "prefillPools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
 {{- if hasKey $model $name }}
 {{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
 {{- end }}
@@ -249,10 +279,44 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- if $workers }}
 {{- $_ := set $entry "workers" $workers }}
 {{- end }}
+{{- /* Prefill/decode disaggregation: `prefillPools` prefill (kv_producer or kv_both), the
+model's `pools` then decode (kv_consumer or kv_both); `prefillWorkers` are any servers. */}}
+{{- $prefillWorkers := list }}
+{{- with $model.prefillPools }}
+{{- if ne $upstream "vllm-grpc" }}
+{{- fail (printf "models[%d].prefillPools: only for upstream vllm-grpc (pools of vLLM gRPC servers), not %s" $i $upstream) }}
+{{- end }}
+{{- range $name := . }}
+{{- if not (hasKey $root.Values.workerPools $name) }}
+{{- fail (printf "models[%d].prefillPools: %q is not a key of workerPools" $i $name) }}
+{{- end }}
+{{- $pool := index $root.Values.workerPools $name }}
+{{- if not (include "furnace-gateway.poolEnabled" (dict "pool" $pool)) }}
+{{- fail (printf "models[%d].prefillPools: the worker pool %q is disabled" $i $name) }}
+{{- end }}
+{{- if ne (include "furnace-gateway.poolEngine" $pool) "vllm-grpc" }}
+{{- fail (printf "models[%d].prefillPools: the worker pool %q runs %s, not vllm-grpc" $i $name (include "furnace-gateway.poolEngine" $pool)) }}
+{{- end }}
+{{- $role := include "furnace-gateway.poolKvRole" (dict "name" $name "pool" $pool) }}
+{{- if not (has $role (list "kv_producer" "kv_both")) }}
+{{- fail (printf "models[%d].prefillPools: the worker pool %q prefills: it needs vllm.kvRole kv_producer or kv_both, not %s" $i $name ($role | default "none")) }}
+{{- end }}
+{{- $prefillWorkers = append $prefillWorkers (include "furnace-gateway.poolAddress" (dict "root" $root "name" $name "pool" $pool)) }}
+{{- end }}
+{{- range $name := $model.pools | default list }}
+{{- $role := include "furnace-gateway.poolKvRole" (dict "name" $name "pool" (index $root.Values.workerPools $name)) }}
+{{- if not (has $role (list "kv_consumer" "kv_both")) }}
+{{- fail (printf "models[%d].pools: the worker pool %q decodes what prefillPools prefill: it needs vllm.kvRole kv_consumer or kv_both, not %s" $i $name ($role | default "none")) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with $model.prefillWorkers }}
 {{- if not (has $upstream (list "openai" "vllm-grpc")) }}
 {{- fail (printf "models[%d].prefillWorkers: only for upstream openai or vllm-grpc (vLLM's servers)" $i) }}
 {{- end }}
+{{- $prefillWorkers = concat $prefillWorkers . }}
+{{- end }}
+{{- with $prefillWorkers }}
 {{- $_ := set $entry "prefill_workers" . }}
 {{- end }}
 {{- if $model.maxModelLen }}
