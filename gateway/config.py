@@ -203,8 +203,8 @@ class RoutingConfig:
         (),
         "`upstream: openai` workers (vLLM's HTTP server), `{workers entry: tcp://host:port}`: "
         "the ZMQ endpoint where each one's engine publishes its KV events "
-        "(`--kv-events-config`); needs the model's `tokenizer` (the events name blocks by "
-        "token ids)",
+        "(`--kv-events-config`), `prefill_workers` entries too; needs the model's `tokenizer` "
+        "(the events name blocks by token ids)",
         pattern=(r"tcp://[^\s:/*]+:\d{1,5}", "tcp://host:port"),
     )
     kv_replay: tuple[tuple[str, str], ...] = setting(
@@ -252,8 +252,9 @@ class ModelConfig:
         (),
         "with `upstream: openai` or `vllm-grpc`: vLLM servers that run only the prompts' "
         "prefill, their KV cache pulled by the `workers` that decode (prefill/decode "
-        "disaggregation, vLLM's NixlConnector), entries as `workers`'; none: the workers "
-        "prefill and decode",
+        "disaggregation, vLLM's NixlConnector), entries as `workers`', picked by the model's "
+        "`balance` or `routing` on their own caches and loads; none: the workers prefill and "
+        "decode",
         min_length=1,
     )
     max_model_len: int | None = setting(
@@ -1150,10 +1151,10 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
         if entry not in model.workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
     for entry, _ in model.routing.kv_events if model.routing is not None else ():
-        if model.upstream != "openai" or entry not in model.workers:
+        if model.upstream != "openai" or entry not in (*model.workers, *model.prefill_workers):
             raise ConfigError(
                 f"{where}.routing.kv_events.{entry}: not one of the model's upstream: openai "
-                "workers"
+                "workers or prefill_workers"
             )
         if model.tokenizer is None:
             raise ConfigError(f"{where}.tokenizer: required with routing.kv_events")

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, RoutingConfig
 from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import keyed_plain
 from tests.support.processes import free_port
@@ -35,7 +35,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.vllm import VllmProcess, nixl_args, start_http_server
+from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
@@ -45,22 +45,29 @@ MODEL = "tiny-pd"
 TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 
 
-def _nixl_server(model: Path, logs: Path, role: str) -> VllmProcess:
-    """vLLM's OpenAI server of the tiny model with the NixlConnector in `role`."""
+def _nixl_server(model: Path, logs: Path, role: str, events: tuple[str, ...] = ()) -> VllmProcess:
+    """vLLM's OpenAI server of the tiny model with the NixlConnector in `role` (and
+    `events`: `kv_events_args`)."""
     extra, env = nixl_args(role)
-    return start_http_server(model, logs, MODEL, extra=extra, env=env)
+    return start_http_server(model, logs, MODEL, extra=(*extra, *events), env=env)
+
+
+@pytest.fixture(scope="module")
+def events_port() -> int:
+    """Where the prefill server's engine publishes its KV events (ZMQ)."""
+    return free_port()
 
 
 @pytest.fixture(scope="module")
 def servers(
-    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory, events_port: int
 ) -> Iterator[tuple[VllmProcess, VllmProcess]]:
-    """The prefill server and the decode server."""
+    """The prefill server, publishing its KV events on `events_port`, and the decode server."""
     started: list[VllmProcess] = []
     try:
-        for role in ("kv_producer", "kv_consumer"):
+        for role, events in (("kv_producer", kv_events_args(events_port)), ("kv_consumer", ())):
             logs = tmp_path_factory.mktemp(f"vllm-{role}")
-            started.append(_nixl_server(vllm_model, logs, role))
+            started.append(_nixl_server(vllm_model, logs, role, events))
         yield started[0], started[1]
     finally:
         for server in reversed(started):
@@ -233,15 +240,15 @@ def test_the_responses_api_and_anthropic_messages_are_disaggregated(client, fron
 
 
 def _gateway_with_prefill(
-    server_loop: ServerLoop, workers: Workers, decode: VllmProcess, prefill_url: str, **extra: Any
+    server_loop: ServerLoop,
+    workers: Workers,
+    decode: VllmProcess,
+    prefill: tuple[str, ...],
+    **extra: Any,
 ) -> Gateway:
     models = (
         ModelConfig(
-            MODEL,
-            upstream="openai",
-            workers=(_url(decode),),
-            prefill_workers=(prefill_url,),
-            **extra,
+            MODEL, upstream="openai", workers=(_url(decode),), prefill_workers=prefill, **extra
         ),
     )
     return start_gateway(server_loop, make_config(workers, models=models))
@@ -266,7 +273,7 @@ def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(
     server_loop, workers, servers
 ):
     gw = _gateway_with_prefill(
-        server_loop, workers, servers[1], f"http://127.0.0.1:{free_port()}/v1"
+        server_loop, workers, servers[1], (f"http://127.0.0.1:{free_port()}/v1",)
     )
     try:
         _served_all_the_same(gw, servers)
@@ -288,7 +295,7 @@ def test_a_prefill_answered_without_kv_transfer_params_leaves_the_decode_worker_
             server_loop,
             workers,
             servers[1],
-            f"http://127.0.0.1:{stand_in.port}/v1",
+            (f"http://127.0.0.1:{stand_in.port}/v1",),
             api_key_env="PD_KEY",
         )
         try:
@@ -303,3 +310,77 @@ def test_a_prefill_answered_without_kv_transfer_params_leaves_the_decode_worker_
     assert (sent["max_tokens"], sent["stream"]) == (1, False)
     assert "stream_options" not in sent and "n" not in sent
     assert sent["kv_transfer_params"]["do_remote_decode"] is True
+
+
+@pytest.fixture(scope="module")
+def second_prefill(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmProcess, int]]:
+    """One more prefill server, publishing its KV events on the port it comes with."""
+    port = free_port()
+    logs = tmp_path_factory.mktemp("vllm-kv_producer-2")
+    server = _nixl_server(vllm_model, logs, "kv_producer", kv_events_args(port))
+    yield server, port
+    server.stop()
+
+
+#: A prompt of several KV blocks (16 tokens each), the start every request below shares.
+DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(30))
+
+
+def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where_it_is_cached(
+    server_loop, workers, servers, second_prefill, events_port, vllm_model, caplog
+):
+    """Two prefill servers publish their engines' KV events over ZMQ; with `routing`, the
+    prefill tier is routed on them: once one of them holds a document's blocks, every
+    prompt that starts with the document is prefilled there, from its cache."""
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    other, other_port = second_prefill
+    urls = (_url(servers[0]), _url(other))
+    ends = (f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{other_port}")
+    routing = RoutingConfig(kv_events=tuple(zip(urls, ends, strict=True)))
+    gw = _gateway_with_prefill(
+        server_loop, workers, servers[1], urls, tokenizer=str(vllm_model), routing=routing
+    )
+    try:
+        pool = gw.state.fleet.models[MODEL].prefill
+        assert pool is not None and pool.router is not None
+        index = pool.router.index
+
+        def complete(prompt: str) -> dict[str, Any]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD)
+            assert answer.status_code == 200, answer.text
+            wait_until(lambda: access_lines(caplog), "the request's access-log line")
+            return access_lines(caplog)[-1]
+
+        # a SUB socket misses what its engine published before it connected: asked again
+        # until the index holds one server's blocks of the document
+        document = ""
+        for attempt in range(5):
+            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
+            complete(document)
+            try:
+                wait_until(lambda: bool(index.holders), "the document's blocks", 20)
+                break
+            except AssertionError:
+                continue
+        (holder,) = [a for a, kv in index.workers.items() if kv.blocks]
+        assert pool.router.states[holder] == "events"
+        server = servers[0] if holder == urls[0] else other
+        hits = _counted(server, "vllm:prefix_cache_hits_total")
+        caplog.clear()
+        for i in range(4):
+            line = complete(f"{document} and then {i}")
+            assert line["prefill_worker"] == holder
+            assert line["prefill_cache_hit_blocks"] >= 2  # the document's blocks, by ids
+        assert _counted(server, "vllm:prefix_cache_hits_total") > hits  # its cache served
+        samples = scrape(gw.url)
+        assert value(samples, "furnace_gateway_worker_kv_cached_blocks", model=MODEL, worker=holder)
+        assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="transferred")
+        view = next(m for m in gw.state.fleet.snapshot()["models"] if m["name"] == MODEL)
+        routed = {w["address"]: w["routing"] for w in view["prefill_workers"]}
+        assert routed[holder]["events"] == "events"
+        assert_nothing_left(gw, workers)
+    finally:
+        gw.stop()

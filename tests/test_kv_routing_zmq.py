@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import ConfigError, ModelConfig, RoutingConfig, parse_config
+from gateway.fleet.pool import make_balancer
+from gateway.fleet.routing import Router
 from gateway.protocol import kv_zmq
 from gateway.protocol.kv_blocks import BlocksRemoved, BlocksStored, CacheCleared, EngineLoad
 from gateway.protocol.kv_zmq import MAX_MESSAGE_BYTES, Malformed, ZmqKvSubscriber, decode
@@ -294,6 +297,17 @@ def test_the_config_names_each_workers_endpoint(tmp_path: Path) -> None:
         routing={"kv_events": {url: "tcp://h:1"}, "kv_replay": {url: "tcp://10.0.0.1:5558"}}
     )
     assert routing is not None and routing.kv_replay == ((url, "tcp://10.0.0.1:5558"),)
+    # a prefill worker (prefill/decode disaggregation) publishes too, to its own pool's router
+    prefill = "http://10.0.0.2:8000/v1"
+    events = {url: "tcp://10.0.0.1:5557", prefill: "tcp://10.0.0.2:5557"}
+    config = parse_config(
+        {"models": [{**row, "prefill_workers": [prefill], "routing": {"kv_events": events}}]}
+    )
+    pools = (
+        make_balancer(config.models[0], config),
+        make_balancer(replace(config.models[0], workers=(prefill,)), config),
+    )
+    assert [list(b.zmq) for b in pools if isinstance(b, Router)] == [[url], [prefill]]
     for changes, where in (
         ({"routing": {"kv_events": {url: "tcp://*:5557"}}}, "kv_events"),
         ({"routing": {"kv_events": {url: "10.0.0.1:5557"}}}, "kv_events"),

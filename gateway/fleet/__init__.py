@@ -139,8 +139,9 @@ class Fleet:
         self.own = [pool for pool in self.models.values() if pool.base is None]
         for m in config.models:  # prefill workers: a pool of their own, beside the model's
             if m.prefill_workers:
-                # picked by the model's `balance` (`routing` follows the decode workers)
-                prefill = replace(m, workers=m.prefill_workers, weights=(), routing=None)
+                # picked as the model's workers are (`balance`, or `routing` on the prefill
+                # workers' own KV events and loads: where a prompt's prefix is cached counts most)
+                prefill = replace(m, workers=m.prefill_workers, weights=())
                 pool = self.models[m.name].prefill = ModelPool(
                     prefill, config, self._upstream_factory(prefill)
                 )

@@ -175,14 +175,16 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
         "Requests routed without KV events (no worker of the model publishes them).",
         labels=["model"],
     )
-    for pool in fleet.models.values():
-        router = pool.router
-        if router is None:
+    for model in fleet.models.values():
+        # a model's prefill workers (`prefill_workers`) are routed apart, on an index of
+        # their own: both counted under the model
+        routed = [(p, p.router) for p in (model, model.prefill) if p is not None and p.router]
+        if not routed:
             continue
-        index = router.index
-        memory.add_metric([pool.name], index.memory_bytes())
-        fallbacks.add_metric([pool.name], router.fallbacks_total)
-        for address in pool.workers:
+        memory.add_metric([model.name], sum(r.index.memory_bytes() for _, r in routed))
+        fallbacks.add_metric([model.name], sum(r.fallbacks_total for _, r in routed))
+        for pool, router, address in ((p, r, a) for p, r in routed for a in p.workers):
+            index = router.index
             kv = index.workers.get(address)
             state = router.view(address)["events"]
             events.add_metric([pool.name, address, str(state)], 1)

@@ -38,7 +38,14 @@ def make_balancer(model: ModelConfig, config: Config) -> Balancer:
     """The model's balancing policy: its `routing:` (`routing.Router`), else `balance`."""
     prefix = PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
     if model.routing is not None:
-        return Router(model.name, model.routing, prefix, tokenizer=model.tokenizer)
+        # `kv_events` names the ZMQ publishers of its workers and its prefill workers (a
+        # pool of their own): each pool's router subscribes to its own workers'
+        routing = replace(
+            model.routing,
+            kv_events=tuple(e for e in model.routing.kv_events if e[0] in model.workers),
+            kv_replay=tuple(e for e in model.routing.kv_replay if e[0] in model.workers),
+        )
+        return Router(model.name, routing, prefix, tokenizer=model.tokenizer)
     if model.balance == "prefix_affinity":
         return prefix
     return LeastOutstanding()

@@ -3,6 +3,10 @@ prefilled on a prefill worker, which keeps its KV blocks, and the decode worker 
 then calls pulls them instead of computing them (vLLM's NixlConnector, as vLLM's own
 proxy and vllm-router drive it), over vLLM's OpenAI server or its gRPC server (`Prefills`).
 
+The prefill workers are a pool of their own, picked by the model's `balance`, or by its
+`routing` on their own engines' KV events and loads (where a prompt's prefix is already
+cached, its prefill is shortest: the tier where prefix hits pay).
+
 The prefill is one unary call before the decode call's tries, never retried: whatever
 goes wrong with it (no prefill worker available, a refusal, a timeout, an answer without
 `kv_transfer_params`), the decode worker is called without the blocks' whereabouts and
@@ -37,10 +41,14 @@ async def prefilled(
     """`request` with where a prefill worker of `prefill` left its prompt's KV blocks
     (`GenerateRequest.kv_transfer`), or as it was when the prefill did not happen; each
     outcome counted on the pool (`ModelPool.prefills`)."""
+    router = prefill.router  # `routing`: on the prefill workers' own caches and loads
+    if router is not None:
+        await router.prepare(request, prefill.workers.values())
     worker = prefill.pick(request, set())
     if worker is None:
         prefill.prefills["no_worker"] += 1
         return request
+    hit = None if router is None else router.last.cache_hit_blocks
     upstream = worker.upstream
     assert isinstance(upstream, Prefills)  # the config allows no other
     worker.count_call(1)
@@ -62,5 +70,5 @@ async def prefilled(
         worker.release(outcome)
     prefill.prefills["transferred"] += 1
     if record is not None:
-        record.prefill_worker = worker.address
+        record.prefill_worker, record.prefill_cache_hit_blocks = worker.address, hit
     return decoded

@@ -56,6 +56,8 @@ class AccessLog:
             line["asked_model"] = record.asked
         if record.prefill_worker:  # disaggregated: the worker that prefilled the prompt
             line["prefill_worker"] = record.prefill_worker
+            if record.prefill_cache_hit_blocks is not None:  # routed on its cache
+                line["prefill_cache_hit_blocks"] = record.prefill_cache_hit_blocks
         if record.policy:  # routed on the engines' state: why this worker
             line["policy"] = record.policy
             line["cache_hit_blocks"] = record.cache_hit_blocks

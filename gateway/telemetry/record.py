@@ -77,6 +77,8 @@ class RequestRecord:
     #: and the prefix blocks the picked worker held.
     policy = ""
     cache_hit_blocks: int | None = None
+    #: Of a routed model's prefill worker (`prefill_workers`): the prefix blocks it held.
+    prefill_cache_hit_blocks: int | None = None
     #: Completion tokens per choice a team's tokens per minute granted a request that
     #: set no bound (the worker is given it as max_tokens); None: no such grant.
     granted_tokens: int | None = None

@@ -150,9 +150,15 @@ def kv_events_args(port: int | None = None, replay: int | None = None) -> tuple[
 def nixl_args(role: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """vLLM's NixlConnector in `role` (`kv_producer`: a server that prefills;
     `kv_consumer`: one that decodes, pulling the blocks): the engine's options, and its
-    variables, its side channel (where decode servers ask for blocks) on a free port."""
+    variables, its side channel (where decode servers ask for blocks) on a free port.
+
+    In float32: on a CPU with AMX, vLLM 0.32's CPU build picks its AMX attention kernel for
+    bfloat16, and a decode engine running it over blocks the connector pulled dies of an
+    illegal instruction (the same engine without the connector does not); its kernel for
+    float32 runs the transfer on any x86 CPU."""
     config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-    return ("--kv-transfer-config", config), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    options = ("--kv-transfer-config", config, "--dtype", "float32")
+    return options, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
 
 def _http_command(model: Path, name: str, port: int, options: tuple[str, ...]) -> list[str]:
