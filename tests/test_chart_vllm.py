@@ -68,6 +68,7 @@ VALUES: dict[str, Any] = {
 
 
 HOSTED_URL = "https://vllm-0.inference.svc:8000/v1"
+HOSTED_PREFILL_URL = "https://vllm-prefill-0.inference.svc:8000/v1"
 #: Every setting of a model's entry through the chart's `models[]`: routing on our workers
 #: (issue 26's contract, `routing: {policy: kv_aware}`) and, with its weights, on the vLLM
 #: pool; a queue over the top-level one; vLLM's tool calls; and a vLLM HTTP server with
@@ -89,12 +90,16 @@ EVERY_SETTING: dict[str, Any] = {
             "name": "hosted",
             "upstream": "openai",
             "workers": [HOSTED_URL],
+            "prefillWorkers": [HOSTED_PREFILL_URL],
             "apiKey": {"existingSecret": "hosted-key", "key": "token"},
             "ca": {"configMap": "internal-ca", "key": "bundle.pem"},
             "tokenizer": {"configMap": "qwen-tokenizer"},
             "routing": {
                 "policy": "least_load",
-                "kv_events": {HOSTED_URL: "tcp://vllm-0.inference.svc:5557"},
+                "kv_events": {
+                    HOSTED_URL: "tcp://vllm-0.inference.svc:5557",
+                    HOSTED_PREFILL_URL: "tcp://vllm-prefill-0.inference.svc:5557",
+                },
                 "kv_replay": {HOSTED_URL: "tcp://vllm-0.inference.svc:5558"},
             },
         },
@@ -224,7 +229,11 @@ def test_every_model_setting_reaches_the_gateway_loader(
     assert (llama.tool_call_parser, llama.plain_text_contents) == ("hermes", False)
     assert llama.reasoning_parser == "qwen3"
     assert openai.routing is not None and openai.routing.policy == "least_load"
-    assert openai.routing.kv_events == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),)
+    assert openai.routing.kv_events == (
+        (HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),
+        (HOSTED_PREFILL_URL, "tcp://vllm-prefill-0.inference.svc:5557"),
+    )
+    assert openai.prefill_workers == (HOSTED_PREFILL_URL,)
     assert openai.routing.kv_replay == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5558"),)
     assert openai.tokenizer is not None and openai.ca_file == str(ca_file)
     # the pod holds what the entry names: the key's variable, the CA's directory
@@ -561,9 +570,13 @@ def test_an_openai_model_takes_prefill_workers_not_pools(tmp_path: Path):
     assert "not openai" in result.stderr
 
 
-def test_an_adapter_takes_no_prefill_pools(tmp_path: Path):
+@pytest.mark.parametrize(
+    "field", [{"prefillPools": ["llama-prefill"]}, {"prefillWorkers": ["vllm-prefill-1:50061"]}]
+)
+def test_an_adapter_takes_no_prefill_workers(field: dict[str, list[str]], tmp_path: Path):
     values = copy.deepcopy(DISAGGREGATED)
-    values["models"].append({"name": "a", "adapterOf": MODEL, "prefillPools": ["llama-prefill"]})
+    values["models"].append({"name": "a", "adapterOf": MODEL, **field})
     result = render(values, tmp_path, check=False)
     assert result.returncode != 0
-    assert "models[2].prefillPools: an adapter (adapterOf) takes its base model's" in result.stderr
+    (name,) = field
+    assert f"models[2].{name}: an adapter (adapterOf) takes its base model's" in result.stderr

@@ -184,7 +184,7 @@ def test_the_chart_sets_every_field_of_a_model():
     assert set(copied.values()) | set(wired) == {f.name for f in fields(ModelConfig)}
     assert not set(copied.values()) & set(wired)
     values = set(SCHEMA["definitions"]["model"]["properties"])
-    assert values == set(copied) | set(wired.values()) | {"pools"}
+    assert values == set(copied) | set(wired.values()) | {"pools", "prefillPools"}
     comment = VALUES_TEXT.split("# -- The models the gateway serves", 1)[1].split("\nmodels:")[0]
     assert values <= set(re.findall(r"`(\w+)`", comment)), sorted(values)
 

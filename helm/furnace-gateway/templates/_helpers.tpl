@@ -205,7 +205,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- range $i, $model := .Values.models }}
 {{- if $model.adapterOf }}
 {{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
-{{- range $name := list "pools" "prefillPools" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
+{{- range $name := list "pools" "prefillPools" "prefillWorkers" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
 {{- if hasKey $model $name }}
 {{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
 {{- end }}
@@ -370,8 +370,8 @@ model's `pools` then decode (kv_consumer or kv_both); `prefillWorkers` are any s
 {{- end }}
 {{- if $routing }}
 {{- range $worker, $endpoint := ($model.routing | default dict).kv_events }}
-{{- if not (has $worker $workers) }}
-{{- fail (printf "models[%d].routing.kv_events: %q is not one of the model's workers" $i $worker) }}
+{{- if not (has $worker (concat $workers $prefillWorkers)) }}
+{{- fail (printf "models[%d].routing.kv_events: %q is not one of the model's workers or prefillWorkers" $i $worker) }}
 {{- end }}
 {{- if not $model.tokenizer }}
 {{- fail (printf "models[%d] (%s): routing.kv_events needs tokenizer (the events name blocks by token ids)" $i $model.name) }}
