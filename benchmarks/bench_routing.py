@@ -20,6 +20,15 @@ RPC with no flag (it learns vLLM's 128-token block from the events; its `smg_kv_
 and cache-aware branches, event hit or miss, go to stderr with furnace's). vllm-router has
 no gRPC mode: its row says so.
 
+`--engines pd`: prefill/decode disaggregation (`prefill_workers`): the `--workers` servers
+prefill (vLLM's HTTP servers with the NixlConnector, `kv_producer`, their events over ZMQ)
+and one more server decodes (`kv_consumer`, on the next core), pulling each prompt's blocks.
+The routing under test is the prefill tier's, where a cached prefix saves the prefill: the
+columns read the prefill servers (their hits, the oracle over their events). Rows:
+furnace-gateway with the three policies (its `routing` routes both tiers; the decode tier
+has one server), smg and vllm-router in their PD modes with `--prefill-policy cache_aware`.
+The servers run in float32 (`tests.support.vllm.nixl_args`), slower than the other modes.
+
 Workload: `--documents` long shared documents (~`--doc-tokens` tokens each, a system
 prompt) and `--conversations` conversations per row over them, `--turns` turns each: the
 conversation so far plus a new user message of ~`--turn-tokens` tokens, streamed, greedy,
@@ -103,7 +112,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_peers import PEERS_VENV, install_peers, tree_cpu  # noqa: E402
-from benchmarks.bench_vllm import MODEL, Target, one_chat, start_gateway, start_router  # noqa: E402
+from benchmarks.bench_vllm import (  # noqa: E402
+    MODEL,
+    Target,
+    one_chat,
+    start_gateway,
+    start_pd_router,
+    start_router,
+)
 from gateway.fleet.kv_index import KvIndex  # noqa: E402
 from gateway.protocol.kv_blocks import KvBatch  # noqa: E402
 from gateway.protocol.kv_zmq import ZmqKvSubscriber  # noqa: E402
@@ -112,9 +128,16 @@ from gateway.tokenization.tokenizer import ModelTokenizer, load_tokenizer  # noq
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
-from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    VllmProcess,
+    nixl_args,
+    start_grpc_server,
+    start_http_server,
+)
 
 POLICIES = ("round_robin", "prefix", "kv_aware")
+#: `--engines pd`: the NixlConnector's roles of the prefill servers and the decode server.
+PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 PEER_POLICY = "cache_aware"
 BLOCK = 128  # vLLM's KV block on CPU, in tokens
 MAX_TOKENS = 16
@@ -170,9 +193,12 @@ class Engine:
     metrics: Callable[[], str]
 
 
-def _engine(model: Path, work: Path, core: int, blocks: int, grpc: bool) -> Engine:
+def _engine(
+    model: Path, work: Path, core: int, blocks: int, grpc: bool, role: str | None = None
+) -> Engine:
     """vLLM's OpenAI (or gRPC) server on core `core` with prefix caching and KV events
-    published on a free port (a gRPC server relays them on its `SubscribeKvEvents`)."""
+    published on a free port (a gRPC server relays them on its `SubscribeKvEvents`), and
+    with the NixlConnector in `role` when given (`--engines pd`)."""
     events = free_port()
     config = (
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events}"}}'
@@ -189,6 +215,10 @@ def _engine(model: Path, work: Path, core: int, blocks: int, grpc: bool) -> Engi
     logs = work / f"vllm-{core}"
     logs.mkdir()
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    if role is not None:
+        transfer, variables = nixl_args(role)
+        extra += transfer
+        env.update(variables)
     if grpc:  # its counters, in files this process reads (it serves no /metrics)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(logs / "prometheus")
         (logs / "prometheus").mkdir()
@@ -491,7 +521,7 @@ def main() -> None:
     parser.set_defaults(conversations=15, turns=5)  # 75 requests a row: `Run` below
     parser.add_argument("--kv-blocks", type=int, default=300, help="per engine; 0: vLLM's")
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--engines", choices=("http", "grpc"), default="http")
+    parser.add_argument("--engines", choices=("http", "grpc", "pd"), default="http")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     began = time.monotonic()
@@ -501,28 +531,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as raw, ExitStack() as stack:
         work = Path(raw)
         model = build_tiny_model(work / "model", ordered=True, for_vllm=True, size=(hidden, layers))
-        grpc = args.engines == "grpc"
-        engines = []
+        grpc, pd = args.engines == "grpc", args.engines == "pd"
+        engines = []  # with `pd`, the prefill servers: where the prompts' caches are
+        role = PRODUCER if pd else None
         for core in range(args.workers):
-            engines.append(_engine(model, work, core, args.kv_blocks, grpc))
+            engines.append(_engine(model, work, core, args.kv_blocks, grpc, role))
             stack.callback(engines[-1].server.stop)
+        decode = None
+        if pd:  # one decode server, pulling each prompt's blocks from its prefill server
+            decode = _engine(model, work, args.workers, 0, False, CONSUMER)
+            stack.callback(decode.server.stop)
         rows = []
         for policy in POLICIES:
             routing: dict[str, object] = {"policy": policy}
             if policy == "kv_aware" and not grpc:  # gRPC workers' ride their own channel
                 routing["kv_events"] = {f"{e.url}/v1": e.publisher for e in engines}
+            urls = [e.url if grpc else f"{e.url}/v1" for e in engines]
             upstream: dict[str, object] = {
                 "name": MODEL,
                 "upstream": "vllm-grpc" if grpc else "openai",
                 "tokenizer": str(model),
-                "workers": [e.url if grpc else f"{e.url}/v1" for e in engines],
+                "workers": urls,
                 "routing": routing,
             }
+            if decode is not None:  # the prefill tier routed; the decode tier has one server
+                upstream.update(workers=[f"{decode.url}/v1"], prefill_workers=urls)
             target = start_gateway(stack, work, policy, upstream)
             rows.append(_row(f"furnace {policy}", target))
         peers = {} if args.no_peers else install_peers(PEERS_VENV)
         smg_metrics = ""
         for name, executable in peers.items():
+            if decode is not None:  # their PD modes, the prefill tier cache-aware
+                prefills = [e.url for e in engines]
+                policy = ["--prefill-policy", PEER_POLICY]
+                target = start_pd_router(
+                    stack, name, executable, work, prefills, decode.url, None, policy
+                )
+                rows.append(_row(f"{name} {PEER_POLICY}", target))
+                continue
             if grpc and name != "smg":
                 rows.append(Row(f"{name} {PEER_POLICY}", missing="it has no gRPC mode"))
                 continue

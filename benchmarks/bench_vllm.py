@@ -632,17 +632,21 @@ def start_pd_router(
     name: str,
     executable: Path | str,
     work: Path,
-    prefill: str,
+    prefill: str | Sequence[str],
     decode: str,
     body: Body,
+    extra: Sequence[str] = (),
 ) -> Target:
-    """A Rust router in its prefill/decode mode over the two servers, ready, or why not."""
+    """A Rust router in its prefill/decode mode over the servers (one prefill server or
+    several), ready, or why not; `extra`: more of its options (`--prefill-policy`)."""
     if isinstance(executable, str):
         return Target(name, missing=executable)
     port = free_port()
-    common = ["--host", HOST, "--port", str(port), "--prefill", prefill, "--decode", decode]
+    prefills = [prefill] if isinstance(prefill, str) else prefill
+    common = ["--host", HOST, "--port", str(port), "--decode", decode]
+    common += [word for url in prefills for word in ("--prefill", url)]
     common += ["--policy", "round_robin", "--prometheus-host", HOST]
-    common += ["--prometheus-port", str(free_port())]
+    common += ["--prometheus-port", str(free_port()), *extra]
     if name == "smg":
         command = [str(executable), "launch", "--pd-disaggregation", *common]
     else:

@@ -119,29 +119,43 @@ def changed(**edits: Any) -> dict[str, Any]:
     """VALUES with `pool` or `model` fields replaced (None: removed)."""
     values = copy.deepcopy(VALUES)
     targets = {"pool": values["workerPools"]["llama"], "model": values["models"][1]}
+    edit(targets, edits)
+    return values
+
+
+def edit(targets: dict[str, dict[str, Any]], edits: dict[str, dict[str, Any]]) -> None:
+    """Each of `targets` (a pool's or a model's values) with the fields of its `edits`
+    replaced (None: removed)."""
     for where, fields in edits.items():
         for key, value in fields.items():
             if value is None:
                 targets[where].pop(key, None)
             else:
                 targets[where][key] = value
-    return values
 
 
 def gateway_pod(manifests: list[Manifest]) -> Manifest:
     return one(manifests, "Deployment", FULLNAME)["spec"]["template"]["spec"]
 
 
-def test_lints_strict(tmp_path: Path):
+def fleet(name: str) -> dict[str, Any]:
+    """The values of a fleet the specs below render: `vllm` (a vLLM pool beside our
+    workers), or `disaggregated` (prefill and decode pools)."""
+    return VALUES if name == "vllm" else DISAGGREGATED
+
+
+@pytest.mark.parametrize("name", ["vllm", "disaggregated"])
+def test_lints_strict(name: str, tmp_path: Path):
     path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(VALUES))
+    path.write_text(yaml.safe_dump(fleet(name)))
     result = run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(path)])
     assert "0 chart(s) failed" in result.stdout
 
 
+@pytest.mark.parametrize("name", ["vllm", "disaggregated"])
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_matches_the_kubernetes_schemas(version: str, tmp_path: Path):
-    manifests = render(VALUES, tmp_path)
+def test_matches_the_kubernetes_schemas(version: str, name: str, tmp_path: Path):
+    manifests = render(fleet(name), tmp_path)
     assert schema_problems(manifests, version, tmp_path) == []
     check_restricted(manifests)
 
@@ -366,12 +380,7 @@ def split(**edits: Any) -> dict[str, Any]:
         "model": values["models"][1],
         "demo_model": values["models"][0],
     }
-    for where, fields in edits.items():
-        for key, value in fields.items():
-            if value is None:
-                targets[where].pop(key, None)
-            else:
-                targets[where][key] = value
+    edit(targets, edits)
     if not pools["demo"]:
         del pools["demo"]
     return values
@@ -380,20 +389,6 @@ def split(**edits: Any) -> dict[str, Any]:
 def worker(manifests: list[Manifest], name: str) -> Manifest:
     (container,) = one(manifests, "Deployment", name)["spec"]["template"]["spec"]["containers"]
     return container
-
-
-def test_a_disaggregated_fleet_lints_strict(tmp_path: Path):
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(DISAGGREGATED))
-    result = run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(path)])
-    assert "0 chart(s) failed" in result.stdout
-
-
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_a_disaggregated_fleet_matches_the_kubernetes_schemas(version: str, tmp_path: Path):
-    manifests = render(DISAGGREGATED, tmp_path)
-    assert schema_problems(manifests, version, tmp_path) == []
-    check_restricted(manifests)
 
 
 @pytest.mark.parametrize(
