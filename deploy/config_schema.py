@@ -78,6 +78,7 @@ CHART_MODEL_FIELDS = {
     "plainTextContents": "plain_text_contents",
     "queue": "queue",
     "routing": "routing",
+    "prefillRouting": "prefill_routing",
     "adapterOf": "adapter_of",
     "adapterPath": "adapter_path",
 }

@@ -362,6 +362,12 @@ class ModelConfig:
         "routing on the engines' KV-cache events and load records instead of `balance` "
         "(docs: Concepts, KV-aware routing); none: `balance` as it is",
     )
+    prefill_routing: RoutingConfig | None = setting(  # noqa: RUF009
+        None,
+        "with `prefill_workers`: the prefill tier's own routing (its policy, costs and "
+        "`kv_events`, those of `prefill_workers` entries), as vllm-router's and smg's "
+        "`--prefill-policy`; none: `routing` routes both tiers",
+    )
     adapter_of: str | None = setting(
         None,
         "this model is a LoRA adapter of that one (an `upstream: grpc` model: our workers "
@@ -1150,23 +1156,37 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
     for entry, _ in model.weights:
         if entry not in model.workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
-    for entry, _ in model.routing.kv_events if model.routing is not None else ():
-        if model.upstream != "openai" or entry not in (*model.workers, *model.prefill_workers):
-            raise ConfigError(
-                f"{where}.routing.kv_events.{entry}: not one of the model's upstream: openai "
-                "workers or prefill_workers"
-            )
-        if model.tokenizer is None:
-            raise ConfigError(f"{where}.tokenizer: required with routing.kv_events")
-    if model.routing is not None:
-        events = dict(model.routing.kv_events)
-        for entry, _ in model.routing.kv_replay:
-            if entry not in events:
-                raise ConfigError(
-                    f"{where}.routing.kv_replay.{entry}: not one of routing.kv_events' workers"
-                )
+    if model.prefill_routing is not None and not model.prefill_workers:
+        raise ConfigError(f"{where}.prefill_routing: only with prefill_workers")
+    # each tier's ZMQ publishers: the prefill workers' in `prefill_routing` when it is set
+    tiers = ("workers", "prefill_workers") if model.prefill_routing is None else ("workers",)
+    _kv_events(where, "routing", model, tiers)
+    _kv_events(where, "prefill_routing", model, ("prefill_workers",))
     _upstream_credentials(where, model)
     return model
+
+
+def _kv_events(where: str, name: str, model: ModelConfig, tiers: tuple[str, ...]) -> None:
+    """The model's routing `name`: its `kv_events` name `upstream: openai` entries of the
+    model's `tiers`, with the model's tokenizer; its `kv_replay`, entries of `kv_events`."""
+    routing: RoutingConfig | None = getattr(model, name)
+    if routing is None:
+        return
+    entries = [entry for tier in tiers for entry in getattr(model, tier)]
+    for entry, _ in routing.kv_events:
+        if model.upstream != "openai" or entry not in entries:
+            raise ConfigError(
+                f"{where}.{name}.kv_events.{entry}: not one of the model's upstream: openai "
+                + " or ".join(tiers)
+            )
+        if model.tokenizer is None:
+            raise ConfigError(f"{where}.tokenizer: required with {name}.kv_events")
+    events = dict(routing.kv_events)
+    for entry, _ in routing.kv_replay:
+        if entry not in events:
+            raise ConfigError(
+                f"{where}.{name}.kv_replay.{entry}: not one of {name}.kv_events' workers"
+            )
 
 
 #: The upstreams whose servers prefill for others to decode (vLLM's OpenAI and gRPC

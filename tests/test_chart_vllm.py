@@ -96,11 +96,12 @@ EVERY_SETTING: dict[str, Any] = {
             "tokenizer": {"configMap": "qwen-tokenizer"},
             "routing": {
                 "policy": "least_load",
-                "kv_events": {
-                    HOSTED_URL: "tcp://vllm-0.inference.svc:5557",
-                    HOSTED_PREFILL_URL: "tcp://vllm-prefill-0.inference.svc:5557",
-                },
+                "kv_events": {HOSTED_URL: "tcp://vllm-0.inference.svc:5557"},
                 "kv_replay": {HOSTED_URL: "tcp://vllm-0.inference.svc:5558"},
+            },
+            "prefillRouting": {
+                "policy": "kv_aware",
+                "kv_events": {HOSTED_PREFILL_URL: "tcp://vllm-prefill-0.inference.svc:5557"},
             },
         },
     ],
@@ -243,11 +244,11 @@ def test_every_model_setting_reaches_the_gateway_loader(
     assert (llama.tool_call_parser, llama.plain_text_contents) == ("hermes", False)
     assert llama.reasoning_parser == "qwen3"
     assert openai.routing is not None and openai.routing.policy == "least_load"
-    assert openai.routing.kv_events == (
-        (HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),
-        (HOSTED_PREFILL_URL, "tcp://vllm-prefill-0.inference.svc:5557"),
-    )
+    assert openai.routing.kv_events == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5557"),)
     assert openai.prefill_workers == (HOSTED_PREFILL_URL,)
+    assert openai.prefill_routing == RoutingConfig(
+        kv_events=((HOSTED_PREFILL_URL, "tcp://vllm-prefill-0.inference.svc:5557"),)
+    )
     assert openai.routing.kv_replay == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5558"),)
     assert openai.tokenizer is not None and openai.ca_file == str(ca_file)
     # the pod holds what the entry names: the key's variable, the CA's directory
@@ -285,6 +286,20 @@ def test_the_schema_refuses_bad_model_settings(edits: dict[str, Any], tmp_path: 
     assert "values don't meet the specifications of the schema" in result.stderr
 
 
+def test_without_prefill_routing_routing_names_both_tiers_publishers(tmp_path: Path):
+    values = copy.deepcopy(EVERY_SETTING)
+    hosted = values["models"][2]
+    prefill = hosted.pop("prefillRouting")
+    hosted["routing"]["kv_events"].update(prefill["kv_events"])
+    manifests = render(values, tmp_path)
+    raw = yaml.safe_load(one(manifests, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    assert raw["models"][2]["routing"]["kv_events"] == {
+        HOSTED_URL: "tcp://vllm-0.inference.svc:5557",
+        HOSTED_PREFILL_URL: "tcp://vllm-prefill-0.inference.svc:5557",
+    }
+    assert "prefill_routing" not in raw["models"][2]
+
+
 @pytest.mark.parametrize(
     ("index", "edits", "message"),
     [
@@ -293,9 +308,20 @@ def test_the_schema_refuses_bad_model_settings(edits: dict[str, Any], tmp_path: 
         (0, {"plainTextContents": True}, "models[0].plainTextContents: only for upstream"),
         (1, {"apiKey": {"existingSecret": "k"}}, "apiKey and ca are for upstream openai"),
         (1, {"ca": {"configMap": "ca"}}, "apiKey and ca are for upstream openai"),
-        (2, {"tokenizer": None}, "routing.kv_events needs tokenizer"),
-        (2, {"routing": None}, "tokenizer is for upstream vllm-grpc (the gateway tokenizes) or"),
+        (2, {"tokenizer": None}, "kv_events needs tokenizer"),
+        (
+            2,
+            {"routing": None, "prefillRouting": None},
+            "tokenizer is for upstream vllm-grpc (the gateway tokenizes) or",
+        ),
         (2, {"workers": ["https://other:8000/v1"]}, "is not one of the model's workers"),
+        (  # the prefill tier's own routing names its own publishers
+            2,
+            {"prefillRouting": {"kv_events": {HOSTED_URL: "tcp://h:1"}}},
+            'prefillRouting.kv_events: "https://vllm-0.inference.svc:8000/v1" is not one of '
+            "the model's prefillWorkers",
+        ),
+        (2, {"prefillWorkers": None, "prefillRouting": {}}, "prefillRouting: only with"),
         (2, {"routing": {"kv_replay": {HOSTED_URL: "tcp://h:1"}}}, "not one of routing.kv_events"),
     ],
 )

@@ -9,6 +9,7 @@ never stops. Real vLLM: tests/test_kv_routing_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import ConfigError, ModelConfig, RoutingConfig, parse_config
+from gateway.fleet import Fleet
 from gateway.fleet.pool import make_balancer
 from gateway.fleet.routing import Router
 from gateway.protocol import kv_zmq
@@ -308,6 +310,28 @@ def test_the_config_names_each_workers_endpoint(tmp_path: Path) -> None:
         make_balancer(replace(config.models[0], workers=(prefill,)), config),
     )
     assert [list(b.zmq) for b in pools if isinstance(b, Router)] == [[url], [prefill]]
+    # or the prefill tier's own routing (`--prefill-policy`), its publishers named there
+    split = {**row, "prefill_workers": [prefill], "routing": {"policy": "least_load"}}
+    own = {"policy": "kv_aware", "kv_events": {prefill: "tcp://10.0.0.2:5557"}}
+    fleet = Fleet(parse_config({"models": [{**split, "prefill_routing": own}]}))
+    decode_router, prefill_router = fleet.models[MODEL].router, fleet.models[MODEL].prefill.router
+    assert (decode_router.policy, list(decode_router.zmq)) == ("least_load", [])
+    assert (prefill_router.policy, list(prefill_router.zmq)) == ("kv_aware", [prefill])
+    for changes, where in (
+        ({"prefill_routing": own, "prefill_workers": []}, "prefill_routing: only with"),
+        (  # with `prefill_routing`, the prefill workers' publishers are named there
+            {"prefill_routing": {}, "routing": {"kv_events": events}},
+            f"routing.kv_events.{prefill}",
+        ),
+        (
+            {"prefill_routing": {"kv_events": {url: "tcp://h:1"}}},
+            f"prefill_routing.kv_events.{url}: not one of the model's upstream: openai "
+            "prefill_workers",
+        ),
+        ({"prefill_routing": {"kv_replay": {prefill: "tcp://h:2"}}}, "prefill_routing.kv_replay"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(where)):
+            parse_config({"models": [{**split, **changes}]})
     for changes, where in (
         ({"routing": {"kv_events": {url: "tcp://*:5557"}}}, "kv_events"),
         ({"routing": {"kv_events": {url: "10.0.0.1:5557"}}}, "kv_events"),

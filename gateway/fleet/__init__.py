@@ -139,9 +139,10 @@ class Fleet:
         self.own = [pool for pool in self.models.values() if pool.base is None]
         for m in config.models:  # prefill workers: a pool of their own, beside the model's
             if m.prefill_workers:
-                # picked as the model's workers are (`balance`, or `routing` on the prefill
-                # workers' own KV events and loads: where a prompt's prefix is cached counts most)
-                prefill = replace(m, workers=m.prefill_workers, weights=())
+                # picked by the model's `balance`, or by `prefill_routing` (else `routing`) on
+                # their own KV events and loads: where a prompt's prefix is cached counts most
+                routing = m.prefill_routing or m.routing
+                prefill = replace(m, workers=m.prefill_workers, weights=(), routing=routing)
                 pool = self.models[m.name].prefill = ModelPool(
                     prefill, config, self._upstream_factory(prefill)
                 )

@@ -205,7 +205,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- range $i, $model := .Values.models }}
 {{- if $model.adapterOf }}
 {{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
-{{- range $name := list "pools" "prefillPools" "prefillWorkers" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
+{{- range $name := list "pools" "prefillPools" "prefillWorkers" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "prefillRouting" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
 {{- if hasKey $model $name }}
 {{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
 {{- end }}
@@ -255,7 +255,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- fail (printf "models[%d] (%s): upstream %s, but its pools run %s" $i $model.name $upstream (first $engines)) }}
 {{- end }}
 {{- /* `routing: {}` is every default (kv_aware); `routing: null` is none. */}}
-{{- $routing := kindIs "map" $model.routing }}
+{{- $routing := or (kindIs "map" $model.routing) (kindIs "map" $model.prefillRouting) }}
 {{- with $model.tokenizer }}
 {{- if and (ne $upstream "vllm-grpc") (not $routing) }}
 {{- fail (printf "models[%d] (%s): tokenizer is for upstream vllm-grpc (the gateway tokenizes) or routing (it hashes token ids)" $i $model.name) }}
@@ -368,21 +368,32 @@ model's `pools` then decode (kv_consumer or kv_both); `prefillWorkers` are any s
 {{- end }}
 {{- $_ := set $entry "queue" $model.queue }}
 {{- end }}
-{{- if $routing }}
-{{- range $worker, $endpoint := ($model.routing | default dict).kv_events }}
-{{- if not (has $worker (concat $workers $prefillWorkers)) }}
-{{- fail (printf "models[%d].routing.kv_events: %q is not one of the model's workers or prefillWorkers" $i $worker) }}
+{{- /* Each tier's routing and the entries its kv_events may name: `prefillRouting` the
+prefill workers' (then `routing` the workers'), else `routing` both tiers'. */}}
+{{- $own := kindIs "map" $model.prefillRouting }}
+{{- if and $own (not $prefillWorkers) }}
+{{- fail (printf "models[%d].prefillRouting: only with prefillPools or prefillWorkers" $i) }}
+{{- end }}
+{{- $tiers := dict "routing" (ternary $workers (concat $workers $prefillWorkers) $own) "prefillRouting" $prefillWorkers }}
+{{- $said := dict "routing" (ternary "workers" "workers or prefillWorkers" $own) "prefillRouting" "prefillWorkers" }}
+{{- range $field, $named := $tiers }}
+{{- $tier := index $model $field }}
+{{- if kindIs "map" $tier }}
+{{- range $worker, $endpoint := $tier.kv_events }}
+{{- if not (has $worker $named) }}
+{{- fail (printf "models[%d].%s.kv_events: %q is not one of the model's %s" $i $field $worker (index $said $field)) }}
 {{- end }}
 {{- if not $model.tokenizer }}
-{{- fail (printf "models[%d] (%s): routing.kv_events needs tokenizer (the events name blocks by token ids)" $i $model.name) }}
+{{- fail (printf "models[%d] (%s): %s.kv_events needs tokenizer (the events name blocks by token ids)" $i $model.name $field) }}
 {{- end }}
 {{- end }}
-{{- range $worker, $endpoint := ($model.routing | default dict).kv_replay }}
-{{- if not (hasKey ($model.routing.kv_events | default dict) $worker) }}
-{{- fail (printf "models[%d].routing.kv_replay: %q is not one of routing.kv_events' workers" $i $worker) }}
+{{- range $worker, $endpoint := $tier.kv_replay }}
+{{- if not (hasKey ($tier.kv_events | default dict) $worker) }}
+{{- fail (printf "models[%d].%s.kv_replay: %q is not one of %s.kv_events' workers" $i $field $worker $field) }}
 {{- end }}
 {{- end }}
-{{- $_ := set $entry "routing" $model.routing }}
+{{- $_ := set $entry (ternary "prefill_routing" "routing" (eq $field "prefillRouting")) $tier }}
+{{- end }}
 {{- end }}
 {{- if or $model.apiKey $model.ca }}
 {{- if ne $upstream "openai" }}
