@@ -249,6 +249,8 @@ class GenerationRoute(RequestRoute[Exchange]):
                             "furnace.worker": record.worker or None,
                             "furnace.route.policy": record.policy or None,
                             "furnace.route.cache_hit_blocks": record.cache_hit_blocks,
+                            "furnace.prefill_worker": record.prefill_worker or None,
+                            "furnace.prefill.cache_hit_blocks": record.prefill_cache_hit_blocks,
                         },
                     )
 
