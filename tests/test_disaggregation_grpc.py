@@ -5,19 +5,23 @@ made once, for the prefill (one token, `kv_transfer_params_json` asking for the 
 to be kept) and the decode call (with where they are, as the prefill's `GenerateComplete`
 said). Every answer equals the same decode server's without the split (a second model of
 the gateway on it alone), whole and streamed; a prefill worker nobody listens on leaves the
-decode worker to prefill. After each test nothing is left in the gateway.
+decode worker to prefill; with a second prefill server and `routing`, the prefill tier is
+routed on the servers' own KV events. After each test nothing is left in the gateway.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from gateway.config import ModelConfig
-from tests.support.metrics import scrape, value
+from gateway.config import ModelConfig, RoutingConfig
+from tests.support.metrics import access_lines, scrape, value
 from tests.support.processes import free_port
 from tests.support.servers import (
     Gateway,
@@ -27,9 +31,9 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.vllm import VllmProcess, nixl_args, start_grpc_server
-from tests.support.waiting import HANG_GUARD
-from tests.test_disaggregation import fresh
+from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
+from tests.support.waiting import HANG_GUARD, wait_until
+from tests.test_disaggregation import DOCUMENT, fresh
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -51,7 +55,8 @@ def servers(
         for role in ("kv_producer", "kv_consumer"):
             extra, env = nixl_args(role)
             logs = tmp_path_factory.mktemp(f"vllm-grpc-{role}")
-            started.append(start_grpc_server(vllm_model, logs, extra, env))
+            events = kv_events_args() if role == "kv_producer" else ()
+            started.append(start_grpc_server(vllm_model, logs, (*extra, *events), env))
         yield started[0], started[1]
     finally:
         for server in reversed(started):
@@ -146,3 +151,64 @@ def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, fr
     )
     assert answer.choices[0].message.content == alone.choices[0].message.content
     assert _prefills(front, UNREACHABLE, "no_worker") >= 1
+
+
+@pytest.fixture(scope="module")
+def second_prefill(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    """One more prefill server, its KV events relayed on its `SubscribeKvEvents`."""
+    extra, env = nixl_args("kv_producer")
+    logs = tmp_path_factory.mktemp("vllm-grpc-kv_producer-2")
+    server = start_grpc_server(vllm_model, logs, (*extra, *kv_events_args()), env)
+    yield server
+    server.stop()
+
+
+def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where_it_is_cached(
+    server_loop, workers, vllm_model, servers, second_prefill, caplog
+):
+    """Over vLLM's gRPC servers the prefill tier is routed on each server's
+    `SubscribeKvEvents` and the ids the gateway made once for the prefill and the decode."""
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    prefills = tuple(f"127.0.0.1:{s.port}" for s in (servers[0], second_prefill))
+    model = ModelConfig(
+        SPLIT,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=(f"127.0.0.1:{servers[1].port}",),
+        prefill_workers=prefills,
+        routing=RoutingConfig(),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    try:
+        pool = gw.state.fleet.models[SPLIT].prefill
+        assert pool is not None and pool.router is not None
+        index = pool.router.index
+
+        def complete(prompt: str) -> dict[str, object]:
+            body = {"model": SPLIT, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD)
+            assert answer.status_code == 200, answer.text
+            wait_until(lambda: access_lines(caplog), "the request's access-log line")
+            return access_lines(caplog)[-1]
+
+        document = ""
+        for attempt in range(5):  # vLLM's relay is live only: asked until the index has it
+            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
+            complete(document)
+            try:
+                wait_until(lambda: bool(index.holders), "the document's blocks", 20)
+                break
+            except AssertionError:
+                continue
+        (holder,) = [a for a, kv in index.workers.items() if kv.blocks]
+        caplog.clear()
+        for i in range(3):
+            line = complete(f"{document} and then {i}")
+            assert line["prefill_worker"] == holder
+            assert line["prefill_cache_hit_blocks"] >= 1  # by the ids the gateway made
+        assert _prefills(gw, SPLIT, "transferred") >= 4
+        assert_nothing_left(gw, workers)
+    finally:
+        gw.stop()
