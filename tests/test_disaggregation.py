@@ -324,8 +324,43 @@ def second_prefill(
     server.stop()
 
 
-#: A prompt of several KV blocks (16 tokens each), the start every request below shares.
+#: A prompt of several KV blocks, the start every request below shares.
 DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(30))
+
+
+class RoutedPrefills:
+    """Completions of `model` through `gw`, whose prefill tier is routed, each with its
+    access-log line (`caplog` at INFO for furnace.access)."""
+
+    def __init__(self, gw: Gateway, model: str, caplog: pytest.LogCaptureFixture) -> None:
+        self.gw, self.model, self.caplog = gw, model, caplog
+        pool = gw.state.fleet.models[model].prefill
+        assert pool is not None and pool.router is not None
+        self.router = pool.router
+
+    def complete(self, prompt: str) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(self.gw.url + "/v1/completions", json=body, timeout=HANG_GUARD)
+        assert answer.status_code == 200, answer.text
+        wait_until(lambda: access_lines(self.caplog), "the request's access-log line")
+        return access_lines(self.caplog)[-1]
+
+    def stored(self) -> tuple[str, str]:
+        """A new document, asked again until the index holds one prefill worker's blocks
+        of it (a subscription misses what its engine published before it was made: a ZMQ
+        SUB socket connects late, vLLM's gRPC relay is live only), and that worker."""
+        index = self.router.index
+        for attempt in range(5):
+            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
+            self.complete(document)
+            try:
+                wait_until(lambda: bool(index.holders), "the document's blocks", 20)
+            except AssertionError:
+                continue
+            (holder,) = [address for address, kv in index.workers.items() if kv.blocks]
+            self.caplog.clear()
+            return document, holder
+        raise AssertionError("no blocks of 5 documents in the prefill tier's index")
 
 
 def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where_it_is_cached(
@@ -343,35 +378,13 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         server_loop, workers, servers[1], urls, tokenizer=str(vllm_model), routing=routing
     )
     try:
-        pool = gw.state.fleet.models[MODEL].prefill
-        assert pool is not None and pool.router is not None
-        index = pool.router.index
-
-        def complete(prompt: str) -> dict[str, Any]:
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-            answer = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD)
-            assert answer.status_code == 200, answer.text
-            wait_until(lambda: access_lines(caplog), "the request's access-log line")
-            return access_lines(caplog)[-1]
-
-        # a SUB socket misses what its engine published before it connected: asked again
-        # until the index holds one server's blocks of the document
-        document = ""
-        for attempt in range(5):
-            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
-            complete(document)
-            try:
-                wait_until(lambda: bool(index.holders), "the document's blocks", 20)
-                break
-            except AssertionError:
-                continue
-        (holder,) = [a for a, kv in index.workers.items() if kv.blocks]
-        assert pool.router.states[holder] == "events"
+        routed = RoutedPrefills(gw, MODEL, caplog)
+        document, holder = routed.stored()
+        assert routed.router.states[holder] == "events"
         server = servers[0] if holder == urls[0] else other
         hits = _counted(server, "vllm:prefix_cache_hits_total")
-        caplog.clear()
         for i in range(4):
-            line = complete(f"{document} and then {i}")
+            line = routed.complete(f"{document} and then {i}")
             assert line["prefill_worker"] == holder
             assert line["prefill_cache_hit_blocks"] >= 2  # the document's blocks, by ids
         assert _counted(server, "vllm:prefix_cache_hits_total") > hits  # its cache served
@@ -379,8 +392,8 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         assert value(samples, "furnace_gateway_worker_kv_cached_blocks", model=MODEL, worker=holder)
         assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="transferred")
         view = next(m for m in gw.state.fleet.snapshot()["models"] if m["name"] == MODEL)
-        routed = {w["address"]: w["routing"] for w in view["prefill_workers"]}
-        assert routed[holder]["events"] == "events"
+        views = {w["address"]: w["routing"] for w in view["prefill_workers"]}
+        assert views[holder]["events"] == "events"
         assert_nothing_left(gw, workers)
     finally:
         gw.stop()

@@ -12,16 +12,14 @@ routed on the servers' own KV events. After each test nothing is left in the gat
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
-from tests.support.metrics import access_lines, scrape, value
+from tests.support.metrics import scrape, value
 from tests.support.processes import free_port
 from tests.support.servers import (
     Gateway,
@@ -32,8 +30,8 @@ from tests.support.servers import (
     start_gateway,
 )
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
-from tests.support.waiting import HANG_GUARD, wait_until
-from tests.test_disaggregation import DOCUMENT, fresh
+from tests.support.waiting import HANG_GUARD
+from tests.test_disaggregation import RoutedPrefills, fresh
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -182,30 +180,10 @@ def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where
     )
     gw = start_gateway(server_loop, make_config(workers, models=(model,)))
     try:
-        pool = gw.state.fleet.models[SPLIT].prefill
-        assert pool is not None and pool.router is not None
-        index = pool.router.index
-
-        def complete(prompt: str) -> dict[str, object]:
-            body = {"model": SPLIT, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-            answer = httpx.post(gw.url + "/v1/completions", json=body, timeout=HANG_GUARD)
-            assert answer.status_code == 200, answer.text
-            wait_until(lambda: access_lines(caplog), "the request's access-log line")
-            return access_lines(caplog)[-1]
-
-        document = ""
-        for attempt in range(5):  # vLLM's relay is live only: asked until the index has it
-            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
-            complete(document)
-            try:
-                wait_until(lambda: bool(index.holders), "the document's blocks", 20)
-                break
-            except AssertionError:
-                continue
-        (holder,) = [a for a, kv in index.workers.items() if kv.blocks]
-        caplog.clear()
+        routed = RoutedPrefills(gw, SPLIT, caplog)
+        document, holder = routed.stored()
         for i in range(3):
-            line = complete(f"{document} and then {i}")
+            line = routed.complete(f"{document} and then {i}")
             assert line["prefill_worker"] == holder
             assert line["prefill_cache_hit_blocks"] >= 1  # by the ids the gateway made
         assert _prefills(gw, SPLIT, "transferred") >= 4
