@@ -4,8 +4,8 @@ then calls pulls them instead of computing them (vLLM's NixlConnector, as vLLM's
 proxy and vllm-router drive it), over vLLM's OpenAI server or its gRPC server (`Prefills`).
 
 The prefill workers are a pool of their own, picked by the model's `balance`, or by its
-`routing` on their own engines' KV events and loads (where a prompt's prefix is already
-cached, its prefill is shortest: the tier where prefix hits pay).
+`prefill_routing` (else its `routing`) on their own engines' KV events and loads (where a
+prompt's prefix is already cached, its prefill is shortest: the tier where prefix hits pay).
 
 The prefill is one unary call before the decode call's tries, never retried: whatever
 goes wrong with it (no prefill worker available, a refusal, a timeout, an answer without
@@ -41,7 +41,7 @@ async def prefilled(
     """`request` with where a prefill worker of `prefill` left its prompt's KV blocks
     (`GenerateRequest.kv_transfer`), or as it was when the prefill did not happen; each
     outcome counted on the pool (`ModelPool.prefills`)."""
-    router = prefill.router  # `routing`: on the prefill workers' own caches and loads
+    router = prefill.router  # on the prefill workers' own caches and loads
     if router is not None:
         await router.prepare(request, prefill.workers.values())
     worker = prefill.pick(request, set())
