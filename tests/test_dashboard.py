@@ -43,6 +43,7 @@ ALERTS = {
     "FurnaceGatewayNoHealthyWorker",
     "FurnaceGatewayNoPrefillWorker",
     "FurnaceGatewayWorkerFlapping",
+    "FurnaceGatewayWorkerMisconfigured",
     "FurnaceGatewayLimitsStoreDown",
     "FurnaceGatewayAccountsStoreDown",
     "FurnaceGatewayBudgetNearlySpent",

@@ -391,6 +391,12 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         samples = scrape(gw.url)
         assert value(samples, "furnace_gateway_worker_kv_cached_blocks", model=MODEL, worker=holder)
         assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="transferred")
+        # the decode tier publishes no events: each request fell back there, and its prefill
+        # was routed on the events (the four after the document's blocks were held, at least)
+        fallbacks = "furnace_gateway_routing_fallbacks_total"
+        decode = value(samples, fallbacks, model=MODEL, tier="workers")
+        assert decode >= 5
+        assert value(samples, fallbacks, model=MODEL, tier="prefill_workers") <= decode - 4
         view = next(m for m in gw.state.fleet.snapshot()["models"] if m["name"] == MODEL)
         views = {w["address"]: w["routing"] for w in view["prefill_workers"]}
         assert views[holder]["events"] == "events"

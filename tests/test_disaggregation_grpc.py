@@ -30,7 +30,7 @@ from tests.support.servers import (
     start_gateway,
 )
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 from tests.test_disaggregation import RoutedPrefills, fresh
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
@@ -41,6 +41,10 @@ SPLIT = "tiny-pd-grpc"
 ALONE = "tiny-grpc-alone"
 #: The decode server behind a prefill worker nobody listens on.
 UNREACHABLE = "tiny-grpc-unreachable-prefill"
+#: The decode server behind a server without a KV connector as its prefill worker, and
+#: that server as the decode worker behind the prefill server.
+UNCONNECTED_PREFILL = "tiny-grpc-unconnected-prefill"
+UNCONNECTED_DECODE = "tiny-grpc-unconnected-decode"
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +71,17 @@ def front(
     workers: Workers,
     vllm_model: Path,
     servers: tuple[VllmProcess, VllmProcess],
+    vllm_grpc: VllmProcess,
 ) -> Iterator[Gateway]:
     prefill, decode = (f"127.0.0.1:{s.port}" for s in servers)
+    unconnected = f"127.0.0.1:{vllm_grpc.port}"  # the session's plain vLLM gRPC server
 
-    def model(name: str, prefill_workers: tuple[str, ...]) -> ModelConfig:
+    def model(name: str, prefill_workers: tuple[str, ...], worker: str = decode) -> ModelConfig:
         return ModelConfig(
             name,
             upstream="vllm-grpc",
             tokenizer=str(vllm_model),
-            workers=(decode,),
+            workers=(worker,),
             prefill_workers=prefill_workers,
         )
 
@@ -83,6 +89,8 @@ def front(
         model(SPLIT, (prefill,)),
         model(ALONE, ()),
         model(UNREACHABLE, (f"127.0.0.1:{free_port()}",)),
+        model(UNCONNECTED_PREFILL, (unconnected,)),
+        model(UNCONNECTED_DECODE, (prefill,), worker=unconnected),
     )
     gw = start_gateway(server_loop, make_config(workers, models=models))
     yield gw
@@ -149,6 +157,56 @@ def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, fr
     )
     assert answer.choices[0].message.content == alone.choices[0].message.content
     assert _prefills(front, UNREACHABLE, "no_worker") >= 1
+
+
+def _states(front: Gateway, model: str) -> dict[str, str]:
+    """The state of each of `model`'s workers and prefill workers, by tier and address."""
+    view = next(m for m in front.state.fleet.snapshot()["models"] if m["name"] == model)
+    return {
+        f"{tier}:{w['address']}": w["state"]
+        for tier in ("workers", "prefill_workers")
+        for w in view[tier]
+    }
+
+
+def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, front, vllm_grpc):
+    """Its `GetServerInfo` names no `kv_connector`: as a prefill worker its blocks would be
+    unclaimed (its answer has no `kv_transfer_params`), as a decode worker it would
+    prefill again and leave the prefill server holding the blocks until vLLM's abort
+    timeout. Kept out, said in `/admin/workers` and the metrics; the decode worker
+    prefills itself, and a model with no decode worker left is not prefilled at all."""
+    unconnected = f"127.0.0.1:{vllm_grpc.port}"
+    wait_until(
+        lambda: (
+            _states(front, UNCONNECTED_PREFILL)[f"prefill_workers:{unconnected}"]
+            == "no_kv_connector"
+        ),
+        "the prefill worker without a connector kept out",
+    )
+    messages = [{"role": "user", "content": fresh()}]
+    answer = client.chat.completions.create(
+        model=UNCONNECTED_PREFILL, messages=messages, max_tokens=8, temperature=0
+    )
+    alone = client.chat.completions.create(
+        model=ALONE, messages=messages, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.content == alone.choices[0].message.content
+    assert _prefills(front, UNCONNECTED_PREFILL, "no_worker") == 1
+    assert _prefills(front, UNCONNECTED_PREFILL, "failed") == 0
+    samples = scrape(front.url)
+    healthy = "furnace_gateway_worker_healthy"
+    labels = {"model": UNCONNECTED_PREFILL, "worker": unconnected, "state": "no_kv_connector"}
+    assert value(samples, healthy, **labels) == 0
+    wait_until(
+        lambda: _states(front, UNCONNECTED_DECODE)[f"workers:{unconnected}"] == "no_kv_connector",
+        "the decode worker without a connector kept out",
+    )
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=UNCONNECTED_DECODE, messages=messages, max_tokens=4)
+    assert refused.value.status_code == 503
+    assert _prefills(front, UNCONNECTED_DECODE, "transferred") == 0  # no prefill made for it
+    # the servers with a connector fit their tiers
+    assert set(_states(front, SPLIT).values()) == {"healthy"}
 
 
 @pytest.fixture(scope="module")

@@ -336,6 +336,7 @@ class Fleet:
             worker.capacity, worker.full = mine.capacity, mine.full
             worker.features = mine.features
             worker.reported_load = mine.load or 0
+            self._check_connector(pool, worker, mine.kv_connector)
         wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
         adapters = frozenset(served).difference((pool.name,))
         if adapters != worker.adapters:  # what it lists now: a restart forgot the loads
@@ -351,6 +352,20 @@ class Fleet:
         elif pool.max_context is None:
             pool.max_context = served[pool.name]
         return True
+
+    @staticmethod
+    def _check_connector(pool: ModelPool, worker: Worker, connector: str | None) -> None:
+        """Keeps a split model's worker whose engine says it has no KV connector out of
+        its tier (None: it does not say, it is not checked)."""
+        missing = pool.transfers_kv and connector == ""
+        if missing and not worker.no_kv_connector:  # said once, not at every follow-up
+            log.error(
+                "worker %s of %s has no KV connector (vLLM's --kv-transfer-config), which "
+                "prefill/decode disaggregation needs: kept out of the rotation",
+                worker.address,
+                pool.name,
+            )
+        worker.no_kv_connector = missing
 
     # -- requests -----------------------------------------------------------
 
@@ -379,7 +394,7 @@ class Fleet:
         """Starts the request on a worker and waits for its `Started`, retrying
         retryable refusals on other workers; returns that event and the call
         (`record` gets the routing decision, with `models[].routing`)."""
-        if pool.prefill is not None:
+        if pool.prefill is not None and pool.available(set()):  # a decode worker to take it
             timeout = min(self.config.start_timeout, deadline.remaining())
             request = await prefilled(pool.prefill, request, timeout, metadata, record)
         attempt = partial(self._try, pool, request, deadline, metadata, record=record)

@@ -172,17 +172,20 @@ def _routing(fleet: Fleet) -> Iterator[Metric]:
     )
     fallbacks = CounterMetricFamily(
         f"{PREFIX}_routing_fallbacks",
-        "Requests routed without KV events (no worker of the model publishes them).",
-        labels=["model"],
+        "Requests routed without KV events (no worker of the tier publishes them), by tier: "
+        "workers, prefill_workers (a split model's prefills).",
+        labels=["model", "tier"],
     )
     for model in fleet.models.values():
         # a model's prefill workers (`prefill_workers`) are routed apart, on an index of
-        # their own: both counted under the model
+        # their own: both counted under the model (its fallbacks by tier)
         routed = [(p, p.router) for p in (model, model.prefill) if p is not None and p.router]
         if not routed:
             continue
         memory.add_metric([model.name], sum(r.index.memory_bytes() for _, r in routed))
-        fallbacks.add_metric([model.name], sum(r.fallbacks_total for _, r in routed))
+        for pool, router in routed:
+            tier = "workers" if pool is model else "prefill_workers"
+            fallbacks.add_metric([model.name, tier], router.fallbacks_total)
         for pool, router, address in ((p, r, a) for p, r in routed for a in p.workers):
             index = router.index
             kv = index.workers.get(address)

@@ -68,6 +68,10 @@ class ModelPool:
         #: Whether the answers' finish reasons are the upstream's own (an OpenAI-compatible
         #: server decided them), rather than events the gateway turns into an answer.
         self.relays_answers = model.upstream == "openai"
+        #: Whether its workers hand KV blocks to another tier or take them from one (both
+        #: tiers of a split model, `prefill_workers`): a worker without a KV connector
+        #: is kept out (`Worker.no_kv_connector`).
+        self.transfers_kv = bool(model.prefill_workers)
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         self.balancer = make_balancer(model, config)
         self._unary = LeastOutstanding()

@@ -31,7 +31,15 @@ TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
 
 #: What `Worker.available` reads, its calls in flight and what it serves.
 WATCHED = frozenset(
-    {"serving", "leaving", "wrong_model", "ejected_until", "outstanding", "features"}
+    {
+        "serving",
+        "leaving",
+        "wrong_model",
+        "no_kv_connector",
+        "ejected_until",
+        "outstanding",
+        "features",
+    }
 )
 
 
@@ -60,6 +68,10 @@ class Worker:
     leaving: bool = False
     #: Describe said it does not serve the model it is listed for.
     wrong_model: bool = False
+    #: Describe said its engine has no KV connector, which a split model's workers need
+    #: (`prefill_workers`): a prefill's blocks would stay unclaimed on it, or a decode
+    #: would leave them held on the prefill worker until vLLM's abort timeout.
+    no_kv_connector: bool = False
     #: Requests it says it can run at once (Describe); None: it does not say.
     capacity: int | None = None
     #: Its own count of the requests it runs, every client's (Describe, refreshed every
@@ -106,6 +118,7 @@ class Worker:
             self.serving is not False
             and not self.leaving
             and not self.wrong_model
+            and not self.no_kv_connector
             and now >= self.ejected_until
         )
 
@@ -114,6 +127,8 @@ class Worker:
         """One word for operators and metrics."""
         if self.wrong_model:
             return "wrong_model"
+        if self.no_kv_connector:
+            return "no_kv_connector"
         if self.leaving:
             return "leaving"
         if time.monotonic() < self.ejected_until:

@@ -57,6 +57,10 @@ class ModelDescription:
     full: bool = False
     #: What it serves beyond plain generation (`gateway.protocol.features`).
     features: frozenset[str] = features.FIRST_VERSION
+    #: The connector its engine hands KV blocks to another engine with (vLLM's
+    #: `--kv-transfer-config`, e.g. `NixlConnector`); "": it has none; None: it does
+    #: not say. A split model's workers need one (`prefill_workers`).
+    kv_connector: str | None = None
 
 
 class StreamBookkeeping:

@@ -819,6 +819,8 @@ class VllmGrpcUpstream:
         #: The EOS ids of `_info`, sorted and as a set, made with it: the stop token ids of
         #: a request that names none of its own, and the ids never shown (shared: unchanged).
         self._eos: tuple[list[int], frozenset[int]] = ([], frozenset())
+        #: Its KV connector (`GetServerInfo`, asked until it names one): "" for none.
+        self._connector: str | None = None
 
     def call(
         self,
@@ -1016,17 +1018,35 @@ class VllmGrpcUpstream:
         )
         return await _off_loop(make)
 
+    async def kv_connector(self, deadline: float) -> str | None:
+        """The engine's KV connector as `GetServerInfo` names it, "" for none: asked at
+        every describe until it names one (a server restarted at its address with
+        `--kv-transfer-config` is seen); None from a server without the call."""
+        if not self._connector:
+            try:
+                info = await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=deadline)
+            except grpc.RpcError:  # an older server, or none now: nothing said
+                return None
+            self._connector = info.kv_connector
+        return self._connector
+
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
-        beyond a path), with the engine's context length and features."""
+        beyond a path), with the engine's context length, features and KV connector."""
         info = await self.model_info(deadline)
-        served = self.features(info)
+        connector = await self.kv_connector(deadline)
+        mine = ModelDescription(
+            self.model,
+            info.max_context_length,
+            features=self.features(info),
+            kv_connector=connector,
+        )
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
         except grpc.RpcError:  # an engine without load reports is served all the same
-            return [ModelDescription(self.model, info.max_context_length, features=served)]
+            return [mine]
         running, full = engine_load(reply.loads)
-        return [ModelDescription(self.model, info.max_context_length, None, running, full, served)]
+        return [replace(mine, load=running, full=full)]
 
     async def embed(
         self,
