@@ -79,6 +79,7 @@ CHART_MODEL_FIELDS = {
     "queue": "queue",
     "routing": "routing",
     "prefillRouting": "prefill_routing",
+    "dataParallelSize": "data_parallel_size",
     "adapterOf": "adapter_of",
     "adapterPath": "adapter_path",
 }

@@ -368,6 +368,16 @@ class ModelConfig:
         "`kv_events`, those of `prefill_workers` entries), as vllm-router's and smg's "
         "`--prefill-policy`; none: `routing` routes both tiers",
     )
+    data_parallel_size: int = setting(
+        1,
+        "with `upstream: openai` or `vllm-grpc`: the data-parallel engines of each of its "
+        "(prefill) workers, vLLM servers started with `--data-parallel-size` N: each engine "
+        "is a worker of its own (`ADDRESS#dpR`), its requests pinned to it, its KV events "
+        "(a `kv_events` endpoint's port + R) and load followed apart, so `routing` sends a "
+        "prompt to the engine that holds its prefix; 1: the server balances its engines",
+        minimum=1,
+        maximum=256,
+    )
     adapter_of: str | None = setting(
         None,
         "this model is a LoRA adapter of that one (an `upstream: grpc` model: our workers "
@@ -1153,6 +1163,10 @@ def _model(where: str, raw: Any, queue: QueueConfig | None) -> ModelConfig:
                 f"{where}.prefill_workers[{i}]: with upstream: openai, an http(s):// base URL; "
                 f"with upstream: vllm-grpc, host:port or dns:; got {entry!r}"
             )
+    if model.data_parallel_size > 1 and model.upstream not in DATA_PARALLEL_UPSTREAMS:
+        raise ConfigError(
+            f"{where}.data_parallel_size: with upstream: openai or vllm-grpc (vLLM's servers)"
+        )
     for entry, _ in model.weights:
         if entry not in model.workers:
             raise ConfigError(f"{where}.weights.{entry}: not one of the model's workers")
@@ -1192,6 +1206,9 @@ def _kv_events(where: str, name: str, model: ModelConfig, tiers: tuple[str, ...]
 #: The upstreams whose servers prefill for others to decode (vLLM's OpenAI and gRPC
 #: servers, with its NixlConnector: `Prefills`).
 PREFILL_UPSTREAMS = ("openai", "vllm-grpc")
+#: The upstreams whose servers run data-parallel engines a request can be pinned to
+#: (vLLM's OpenAI and gRPC servers: `gateway.fleet.data_parallel`).
+DATA_PARALLEL_UPSTREAMS = ("openai", "vllm-grpc")
 #: The upstreams whose workers serve adapters and load them when asked (`LoadsAdapters`).
 ADAPTER_UPSTREAMS = ("grpc", "openai")
 #: What an adapter's entry may set: the rest is its base model's (`_adapters`).

@@ -94,6 +94,7 @@ EVERY_SETTING: dict[str, Any] = {
             "apiKey": {"existingSecret": "hosted-key", "key": "token"},
             "ca": {"configMap": "internal-ca", "key": "bundle.pem"},
             "tokenizer": {"configMap": "qwen-tokenizer"},
+            "dataParallelSize": 4,
             "routing": {
                 "policy": "least_load",
                 "kv_events": {HOSTED_URL: "tcp://vllm-0.inference.svc:5557"},
@@ -251,6 +252,7 @@ def test_every_model_setting_reaches_the_gateway_loader(
     )
     assert openai.routing.kv_replay == ((HOSTED_URL, "tcp://vllm-0.inference.svc:5558"),)
     assert openai.tokenizer is not None and openai.ca_file == str(ca_file)
+    assert (openai.data_parallel_size, llama.data_parallel_size) == (4, 1)
     # the pod holds what the entry names: the key's variable, the CA's directory
     spec = gateway_pod(manifests)
     (container,) = spec["containers"]
@@ -276,6 +278,7 @@ def test_every_model_setting_reaches_the_gateway_loader(
         {"toolCallParser": "mistral"},
         {"reasoningParser": "granite"},
         {"plainTextContents": "no"},
+        {"dataParallelSize": 0},
         {"apiKey": {"key": "token"}},
         {"ca": {"configMap": "a", "existingSecret": "b"}},
     ],
@@ -322,6 +325,7 @@ def test_without_prefill_routing_routing_names_both_tiers_publishers(tmp_path: P
             "the model's prefillWorkers",
         ),
         (2, {"prefillWorkers": None, "prefillRouting": {}}, "prefillRouting: only with"),
+        (0, {"dataParallelSize": 2}, "models[0].dataParallelSize: only for upstream openai"),
         (2, {"routing": {"kv_replay": {HOSTED_URL: "tcp://h:1"}}}, "not one of routing.kv_events"),
     ],
 )

@@ -328,15 +328,19 @@ def second_prefill(
 DOCUMENT = " ".join(f"line {i} of the shared document," for i in range(30))
 
 
-class RoutedPrefills:
-    """Completions of `model` through `gw`, whose prefill tier is routed, each with its
-    access-log line (`caplog` at INFO for furnace.access)."""
+class RoutedPrompts:
+    """Completions of `model` through `gw`, whose prefill tier (or, not `prefill`, its
+    workers) is routed, each with its access-log line (`caplog` at INFO for
+    furnace.access)."""
 
-    def __init__(self, gw: Gateway, model: str, caplog: pytest.LogCaptureFixture) -> None:
+    def __init__(
+        self, gw: Gateway, model: str, caplog: pytest.LogCaptureFixture, prefill: bool = True
+    ) -> None:
         self.gw, self.model, self.caplog = gw, model, caplog
-        pool = gw.state.fleet.models[model].prefill
-        assert pool is not None and pool.router is not None
-        self.router = pool.router
+        pool = gw.state.fleet.models[model]
+        routed = pool.prefill if prefill else pool
+        assert routed is not None and routed.router is not None
+        self.router = routed.router
 
     def complete(self, prompt: str) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
@@ -346,7 +350,7 @@ class RoutedPrefills:
         return access_lines(self.caplog)[-1]
 
     def stored(self) -> tuple[str, str]:
-        """A new document, asked again until the index holds one prefill worker's blocks
+        """A new document, asked again until the index holds one worker's blocks
         of it (a subscription misses what its engine published before it was made: a ZMQ
         SUB socket connects late, vLLM's gRPC relay is live only), and that worker."""
         index = self.router.index
@@ -378,7 +382,7 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         server_loop, workers, servers[1], urls, tokenizer=str(vllm_model), routing=routing
     )
     try:
-        routed = RoutedPrefills(gw, MODEL, caplog)
+        routed = RoutedPrompts(gw, MODEL, caplog)
         document, holder = routed.stored()
         assert routed.router.states[holder] == "events"
         server = servers[0] if holder == urls[0] else other

@@ -31,7 +31,7 @@ from tests.support.servers import (
 )
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
 from tests.support.waiting import HANG_GUARD, wait_until
-from tests.test_disaggregation import RoutedPrefills, fresh
+from tests.test_disaggregation import RoutedPrompts, fresh
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -238,7 +238,7 @@ def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where
     )
     gw = start_gateway(server_loop, make_config(workers, models=(model,)))
     try:
-        routed = RoutedPrefills(gw, SPLIT, caplog)
+        routed = RoutedPrompts(gw, SPLIT, caplog)
         document, holder = routed.stored()
         for i in range(3):
             line = routed.complete(f"{document} and then {i}")

@@ -179,6 +179,12 @@ def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
     huge = engine_load(b"vllm:num_requests_running 1e30\nvllm:num_requests_waiting 0\n")
     assert huge is not None and huge.running == 1 << 31
     assert engine_load(b"<html>not found</html>") is None
+    # one data-parallel engine's samples (`data_parallel_size`): its own label alone
+    assert engine_load(page, engine=0) == EngineLoad(running=2, waiting=4, kv_usage=0.25)
+    assert engine_load(page, engine=1) is None  # its waiting gauge is no count
+    fixed = page.replace(b'{engine="1"} NaN', b'{engine="1"} 3.0')
+    assert engine_load(fixed, engine=1) == EngineLoad(running=1, waiting=3, kv_usage=0.75)
+    assert engine_load(page, engine=2) is None
 
 
 @pytest.mark.vllm

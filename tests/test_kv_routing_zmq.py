@@ -536,3 +536,42 @@ def test_an_endpoint_zmq_refuses_is_an_error_that_leaves_no_socket_open() -> Non
         asyncio.run(subscribe())
     assert "Invalid argument" in str(raised.value)
     assert open_sockets() == before  # the traceback holds the sockets: closed, not leaked
+
+
+def test_a_data_parallel_servers_engines_are_workers_with_their_own_publishers(
+    tmp_path: Path,
+) -> None:
+    """`data_parallel_size`: each engine of a server a worker (`URL#dpR`), subscribed at
+    its own port (vLLM binds rank R at the configured port + R, the replay socket too),
+    on an upstream pinned to its rank; refused where the servers are not vLLM's."""
+    build_tokenizer().save_pretrained(tmp_path)
+    url = "http://10.0.0.1:8000/v1"
+    routing = {"kv_events": {url: "tcp://10.0.0.1:5557"}, "kv_replay": {url: "tcp://h:6000"}}
+    row = {
+        "name": MODEL,
+        "upstream": "openai",
+        "workers": [url],
+        "tokenizer": str(tmp_path),
+        "data_parallel_size": 3,
+        "routing": routing,
+    }
+    fleet = Fleet(parse_config({"models": [row]}))
+    pool = fleet.models[MODEL]
+    router = pool.router
+    assert router is not None
+    engines = [f"{url}#dp{rank}" for rank in range(3)]
+    assert list(router.zmq) == engines
+    assert [router.zmq[e].endpoint for e in engines] == [
+        f"tcp://10.0.0.1:{5557 + r}" for r in range(3)
+    ]
+    assert [router.zmq[e].replay for e in engines] == [f"tcp://h:{6000 + r}" for r in range(3)]
+    pool.update(pool.targets[0], [url], lambda worker: None)
+    assert list(pool.workers) == engines
+    upstreams = [pool.workers[e].upstream for e in engines]
+    assert [u.name for u in upstreams] == engines  # type: ignore[attr-defined]
+    assert [u._headers["X-data-parallel-rank"] for u in upstreams] == ["0", "1", "2"]  # type: ignore[attr-defined]
+    grpc = {"name": "g", "upstream": "grpc", "workers": ["h:1"], "data_parallel_size": 2}
+    with pytest.raises(ConfigError, match=re.escape("models[0].data_parallel_size: with upstream")):
+        parse_config({"models": [grpc]})
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        parse_config({"models": [{**row, "data_parallel_size": 0}]})

@@ -42,12 +42,13 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.adapters import AdapterPool
+from gateway.fleet.data_parallel import split
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.kv_follow import follow_kv, follow_loads
 from gateway.fleet.pool import ModelPool
@@ -153,7 +154,19 @@ class Fleet:
     # -- lifecycle ----------------------------------------------------------
 
     def _upstream_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
-        """How the model's workers are reached: our gRPC protocol, vLLM's, or HTTP."""
+        """How the model's workers are reached: our gRPC protocol, vLLM's, or HTTP; a
+        data-parallel server's engine (`ADDRESS#dpR`) on an upstream pinned to its rank."""
+        if model.data_parallel_size == 1:
+            return self._server_factory(model)
+        make = cast(Callable[..., Upstream], self._server_factory(model))
+
+        def engine(address: str) -> Upstream:
+            server, rank = split(address)
+            return make(server, data_parallel_rank=rank)
+
+        return engine
+
+    def _server_factory(self, model: ModelConfig) -> Callable[[str], Upstream]:
         if model.upstream == "vllm-grpc":
             assert model.tokenizer is not None  # the config requires it
             return partial(
@@ -176,8 +189,9 @@ class Fleet:
 
         api_key = os.environ[model.api_key_env] if model.api_key_env is not None else None
 
-        def upstream(base_url: str) -> Upstream:
-            return OpenAIHttpUpstream(base_url, self._http_client(model.ca_file), api_key)
+        def upstream(base_url: str, data_parallel_rank: int | None = None) -> Upstream:
+            client = self._http_client(model.ca_file)
+            return OpenAIHttpUpstream(base_url, client, api_key, data_parallel_rank)
 
         return upstream
 

@@ -18,6 +18,7 @@ from typing import cast
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity, Roster
+from gateway.fleet.data_parallel import engines, rank_entries
 from gateway.fleet.discovery import Target, parse_target
 from gateway.fleet.routing import Router
 from gateway.fleet.worker import EjectionPolicy, Worker
@@ -40,10 +41,16 @@ def make_balancer(model: ModelConfig, config: Config) -> Balancer:
     if model.routing is not None:
         # `kv_events` names the ZMQ publishers of its workers and its prefill workers (a
         # pool of their own): each pool's router subscribes to its own workers'
+        # (and one entry an engine of a data-parallel server, at its own port)
+        size = model.data_parallel_size
         routing = replace(
             model.routing,
-            kv_events=tuple(e for e in model.routing.kv_events if e[0] in model.workers),
-            kv_replay=tuple(e for e in model.routing.kv_replay if e[0] in model.workers),
+            kv_events=rank_entries(
+                (e for e in model.routing.kv_events if e[0] in model.workers), size
+            ),
+            kv_replay=rank_entries(
+                (e for e in model.routing.kv_replay if e[0] in model.workers), size
+            ),
         )
         return Router(model.name, routing, prefix, tokenizer=model.tokenizer)
     if model.balance == "prefix_affinity":
@@ -73,6 +80,8 @@ class ModelPool:
         #: is kept out (`Worker.no_kv_connector`).
         self.transfers_kv = bool(model.prefill_workers)
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
+        #: Engines a worker's server runs (`data_parallel`): each a worker of the pool.
+        self.data_parallel_size = model.data_parallel_size
         self.balancer = make_balancer(model, config)
         self._unary = LeastOutstanding()
         #: The balancer when the model has `routing:` (its KV index, the reason of a pick).
@@ -210,6 +219,7 @@ class ModelPool:
     ) -> None:
         """Sets what one entry resolves to: new addresses join (`on_join` starts
         watching them); addresses no entry gives any more leave once idle."""
+        addresses = engines(addresses, self.data_parallel_size)
         self._found[target.entry] = set(addresses)
         weight = self._weights.get(target.entry, 1.0)
         for address in addresses:

@@ -42,6 +42,17 @@ CallEnd = errors.GatewayError | str | None
 HEAD_GRACE = 0.005
 
 
+#: Between a data-parallel server's address and one engine's rank, in the engine's name as
+#: a worker (`gateway.fleet.data_parallel`).
+RANK_MARK = "#dp"
+
+
+def engine_address(server: str, rank: int | None) -> str:
+    """The name of a server's engine of data-parallel `rank` as a worker (None: the
+    server's own address)."""
+    return server if rank is None else f"{server}{RANK_MARK}{rank}"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelDescription:
     """One model a worker says it serves."""

@@ -110,6 +110,7 @@ from gateway.upstreams.base import (
     CallEnd,
     ModelDescription,
     StreamBookkeeping,
+    engine_address,
 )
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import batch_from_vllm, subscribe_request
@@ -517,6 +518,8 @@ class VllmGrpcCall(StreamBookkeeping):
         )
         if request.kv_transfer:  # its prompt's KV blocks prefilled elsewhere, to pull
             message.kv_transfer_params_json = request.kv_transfer
+        if upstream.data_parallel_rank is not None:
+            message.data_parallel_rank = upstream.data_parallel_rank
         timeout = self._deadline - time.monotonic()
         if timeout <= 0:
             raise errors.Timeout("The request's deadline passed before it reached the engine.")
@@ -791,8 +794,13 @@ class VllmGrpcUpstream:
         credentials: WorkerCredentials | None = None,
         plain_text_contents: bool = True,
         reasoning_parser: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> None:
-        self.address = address
+        """`data_parallel_rank`: one engine of a data-parallel server
+        (`gateway.fleet.data_parallel`): its requests pinned to it, its KV events and
+        load records those of that rank."""
+        self.address = engine_address(address, data_parallel_rank)  # its calls' worker
+        self.data_parallel_rank = data_parallel_rank
         self.model = model
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
         #: Special-token strings in messages' contents stay text (see the tokenizer).
@@ -953,6 +961,7 @@ class VllmGrpcUpstream:
             sampling_params=pb.SamplingParams(max_tokens=1, n=1),
             stream=False,
             kv_transfer_params_json=PREFILL_TRANSFER_JSON,
+            data_parallel_rank=self.data_parallel_rank,
         )
         params = None
         try:
@@ -984,9 +993,13 @@ class VllmGrpcUpstream:
                 common.KvEventBatch.FromString,
                 None,
             )
-        first = True
+        first, rank = True, self.data_parallel_rank
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
+                # one engine of a data-parallel server: its rank's batches alone (each
+                # rank numbers its own); a batch without a rank is the only engine's
+                if rank is not None and message.dp_rank != rank:  # type: ignore[attr-defined]
+                    continue
                 yield batch_from_vllm(message, first)  # type: ignore[arg-type]
                 first = False
         except grpc.RpcError as error:
@@ -1045,7 +1058,10 @@ class VllmGrpcUpstream:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
         except grpc.RpcError:  # an engine without load reports is served all the same
             return [mine]
-        running, full = engine_load(reply.loads)
+        loads = reply.loads
+        if self.data_parallel_rank is not None:  # one engine's load, not the server's
+            loads = [load for load in loads if load.dp_rank == self.data_parallel_rank]
+        running, full = engine_load(loads)
         return [replace(mine, load=running, full=full)]
 
     async def embed(

@@ -49,22 +49,28 @@ LOAD_QUERY = urlencode([("name[]", f"vllm:{name}") for name in GAUGES])
 _SAMPLE = re.compile(
     rb"\nvllm:("
     + "|".join(GAUGES).encode()
-    + rb')(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
+    + rb')(\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
 )
 
 
-def engine_load(body: bytes, truncated: bool = False) -> EngineLoad | None:
+def engine_load(
+    body: bytes, truncated: bool = False, engine: int | None = None
+) -> EngineLoad | None:
     """The load record in a `/metrics` page (None: no vLLM scheduler gauges in it);
-    `truncated`: the page was cut at the read bound, so its last line is not read."""
+    `truncated`: the page was cut at the read bound, so its last line is not read;
+    `engine`: one data-parallel engine's samples (label `engine`) alone, else all."""
     if truncated:
         body = body[: body.rfind(b"\n") + 1]
     running = waiting = 0
     usage = 0.0
     seen: set[bytes] = set()
+    label = None if engine is None else b'engine="%d"' % engine
     for match in _SAMPLE.finditer(b"\n" + body):
+        if label is not None and label not in (match[2] or b""):
+            continue
         name = match[1]
         try:
-            value = float(match[2])
+            value = float(match[3])
         except ValueError:
             continue
         if not math.isfinite(value) or value < 0:

@@ -40,6 +40,7 @@ from gateway.upstreams.base import (
     ModelDescription,
     StreamBookkeeping,
     UpstreamCall,
+    engine_address,
 )
 from gateway.upstreams.openai_http.audio import (
     MAX_TRANSCRIPT_BYTES,
@@ -215,14 +216,24 @@ class OpenAIHttpUpstream:
         base_url: str,
         http: httpx.AsyncClient,
         api_key: str | None = None,
+        data_parallel_rank: int | None = None,
         raw_http: bool | None = None,
     ) -> None:
-        """`raw_http`: stream completions, and poll health and load, over our own
+        """`data_parallel_rank`: one engine of a data-parallel vLLM server
+        (`gateway.fleet.data_parallel`), every request pinned to it (vLLM's
+        `X-data-parallel-rank`) and its load read from that engine's samples.
+        `raw_http`: stream completions, and poll health and load, over our own
         connections (`_RawCall`, `fetch`); None: for a plain http:// URL that no proxy
         variable covers. Everything else (https, embeddings, models) goes through `http`."""
         self.address = base_url.rstrip("/")
+        #: The worker its calls name: the address, and the engine's rank.
+        self.name = engine_address(self.address, data_parallel_rank)
         self._http = http
-        self._auth = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+        #: Sent with every request: the key, the engine's rank.
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._rank = data_parallel_rank
+        if data_parallel_rank is not None:
+            self._headers["X-data-parallel-rank"] = str(data_parallel_rank)
         #: Where vLLM serves what is not OpenAI's (`/health`, `/tokenize`, `/classify`).
         self._root = root = self.address.removesuffix("/v1")
         self._health_url = f"{root}/health"
@@ -234,7 +245,7 @@ class OpenAIHttpUpstream:
             raw_http = url.scheme == "http" and not _proxied(host)
         self._pool = Pool(host, port) if raw_http else None
         lines = [f"Host: {url.netloc}", "Content-Type: application/json"]
-        lines += [f"Authorization: {value}" for value in self._auth.values()]
+        lines += [f"{name}: {value}" for name, value in self._headers.items()]
         self._head = "".join(f"{line}\r\n" for line in lines)
         # A streamed call's request line and fixed headers, for a chat and for a completion.
         self._starts = {
@@ -255,10 +266,10 @@ class OpenAIHttpUpstream:
         stream = _Stream(chat, request.n)
         if self._pool is not None:
             raw = self._raw_post(chat, orjson.dumps(request_body(request)), metadata)
-            return _RawCall(self._pool, raw, stream, timeout, self.address, on_close)
+            return _RawCall(self._pool, raw, stream, timeout, self.name, on_close)
         path = "chat/completions" if chat else "completions"
         http_request = self._post(path, request_body(request), timeout, metadata)
-        return OpenAIHttpCall(self._http, http_request, stream, self.address, on_close)
+        return OpenAIHttpCall(self._http, http_request, stream, self.name, on_close)
 
     def _raw_post(self, chat: bool, body: bytes, metadata: tuple[tuple[str, str], ...]) -> bytes:
         """A chat's (or a completion's) POST of `body` as our own connections send it."""
@@ -449,7 +460,7 @@ class OpenAIHttpUpstream:
             f"{self.address}/{path}",
             data=data,
             files=files,
-            headers={**dict(metadata), **self._auth},
+            headers={**dict(metadata), **self._headers},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
         as_text = ("response_format", "text") in request.fields
@@ -516,7 +527,7 @@ class OpenAIHttpUpstream:
         bytes of its answer; over our own connections where the calls use them
         (`fetch`: a poll of health or load costs about a tenth of httpx's CPU)."""
         if self._pool is None:
-            request = self._http.build_request("GET", url, headers=self._auth, timeout=timeout)
+            request = self._http.build_request("GET", url, headers=self._headers, timeout=timeout)
             return await self._send(request, timeout, limit)
         target = urlsplit(url)
         path = target.path + (f"?{target.query}" if target.query else "")
@@ -542,7 +553,7 @@ class OpenAIHttpUpstream:
             "POST",
             path if "://" in path else f"{self.address}/{path}",
             content=orjson.dumps(body),
-            headers={"content-type": "application/json", **dict(metadata), **self._auth},
+            headers={"content-type": "application/json", **dict(metadata), **self._headers},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
         )
 
@@ -576,7 +587,8 @@ class OpenAIHttpUpstream:
         anything but the gauges is read whole at `/metrics` from then on."""
         url = self.metrics_url
         status, content = await self._get(url, timeout, MAX_METRICS_BYTES)
-        load = engine_load(content, len(content) >= MAX_METRICS_BYTES) if status == 200 else None
+        truncated = len(content) >= MAX_METRICS_BYTES
+        load = engine_load(content, truncated, self._rank) if status == 200 else None
         if load is None and url != self._metrics_page:
             self.metrics_url = self._metrics_page
             return await self.engine_load(timeout)

@@ -205,7 +205,7 @@ bundles, each as `ca.crt` in a directory of its own. */}}
 {{- range $i, $model := .Values.models }}
 {{- if $model.adapterOf }}
 {{- /* A LoRA adapter: its base's workers and worker settings; only its own fields. */}}
-{{- range $name := list "pools" "prefillPools" "prefillWorkers" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "prefillRouting" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" }}
+{{- range $name := list "pools" "prefillPools" "prefillWorkers" "workers" "upstream" "kind" "balance" "weights" "maxModelLen" "tokenizer" "routing" "prefillRouting" "apiKey" "ca" "toolCallParser" "reasoningParser" "plainTextContents" "scoring" "dataParallelSize" }}
 {{- if hasKey $model $name }}
 {{- fail (printf "models[%d].%s: an adapter (adapterOf) takes its base model's" $i $name) }}
 {{- end }}
@@ -353,6 +353,12 @@ model's `pools` then decode (kv_consumer or kv_both); `prefillWorkers` are any s
 {{- end }}
 {{- with $model.prices }}
 {{- $_ := set $entry "prices" . }}
+{{- end }}
+{{- with $model.dataParallelSize }}
+{{- if not (has $upstream (list "openai" "vllm-grpc")) }}
+{{- fail (printf "models[%d].dataParallelSize: only for upstream openai or vllm-grpc (vLLM's servers)" $i) }}
+{{- end }}
+{{- $_ := set $entry "data_parallel_size" (int .) }}
 {{- end }}
 {{- range $name, $key := dict "toolCallParser" "tool_call_parser" "reasoningParser" "reasoning_parser" "plainTextContents" "plain_text_contents" }}
 {{- if hasKey $model $name }}

@@ -1,0 +1,58 @@
+"""A vLLM server's data-parallel engines as workers of their own (`models[].data_parallel_size`).
+
+A server started with `--data-parallel-size N` runs N engines behind one address, each
+with its own KV cache and queue, and balances requests over them itself, by their loads:
+a prompt whose prefix one engine holds lands on any of them. So, as smg's DP-aware
+routing does, each engine is a worker here, `ADDRESS#dpR` (R from 0), on an upstream
+that pins every request it sends to rank R (vLLM's `X-data-parallel-rank` header on its
+OpenAI server, `data_parallel_rank` on its gRPC server), followed apart: its KV events (a
+ZMQ publisher binds rank R's socket on the configured port + R, as vLLM offsets it; the
+gRPC relay tags each batch with its rank), its load (the `engine="R"` samples of
+`/metrics`; the relay's load records of rank R), its health (the server's). Routing
+then sees N caches and sends a prompt to the engine holding its prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+from gateway.upstreams.base import RANK_MARK, engine_address
+
+
+def engines(addresses: Iterable[str], size: int) -> list[str]:
+    """The workers of servers at `addresses` with `size` engines each (the addresses
+    themselves when `size` is 1)."""
+    if size == 1:
+        return list(addresses)
+    return [engine_address(address, rank) for address in addresses for rank in range(size)]
+
+
+def split(address: str) -> tuple[str, int | None]:
+    """A worker's server address and its engine's rank (None: a server's own address)."""
+    server, mark, rank = address.rpartition(RANK_MARK)
+    if not mark or not rank.isdigit():
+        return address, None
+    return server, int(rank)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where rank `rank` of a vLLM server publishes what its rank 0 publishes at
+    `endpoint` (a `tcp://host:port` ZMQ address): the port plus the rank."""
+    parts = urlsplit(endpoint)
+    if rank == 0 or parts.port is None:
+        return endpoint
+    host = parts.netloc.rpartition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port + rank}"))
+
+
+def rank_entries(entries: Iterable[tuple[str, str]], size: int) -> tuple[tuple[str, str], ...]:
+    """`routing.kv_events` (or `kv_replay`) of servers with `size` engines each: one
+    entry an engine, at its own port."""
+    if size == 1:
+        return tuple(entries)
+    return tuple(
+        (worker, rank_endpoint(endpoint, rank))
+        for server, endpoint in entries
+        for rank, worker in enumerate(engines((server,), size))
+    )

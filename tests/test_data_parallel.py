@@ -1,0 +1,152 @@
+"""Data-parallel vLLM servers (`models[].data_parallel_size`), against vLLM's CPU build: an
+OpenAI server of the tiny model started with `--data-parallel-size 2`, two engines behind
+one address, each publishing its KV events on its own ZMQ port (the configured one, and
+one more). Through the gateway each engine is a worker (`URL#dp0`, `URL#dp1`), followed
+on its own events and `/metrics` samples; once one engine holds a document's blocks,
+every prompt that starts with the document is pinned to that engine (vLLM's
+`X-data-parallel-rank`) and served from its cache: its own prefix-cache hits grow, the
+other's do not. After each test nothing is left in the gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ModelConfig, RoutingConfig
+from tests.support.metrics import scrape, value
+from tests.support.processes import free_port
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import VllmProcess, kv_events_args, start_http_server
+from tests.support.waiting import HANG_GUARD, wait_until
+from tests.test_disaggregation import DOCUMENT, RoutedPrompts
+
+#: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+MODEL = "tiny-dp"
+HITS = "vllm:prefix_cache_hits_total"
+
+
+@pytest.fixture(scope="module")
+def server(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmProcess, int]]:
+    """The server of two engines, and the port its rank 0 publishes on (rank 1: the next)."""
+    port = free_port()
+    while not _free(port + 1):
+        port = free_port()
+    logs = tmp_path_factory.mktemp("vllm-dp")
+    extra = ("--data-parallel-size", "2", *kv_events_args(port))
+    process = start_http_server(vllm_model, logs, MODEL, extra=extra)
+    yield process, port
+    process.stop()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop,
+    workers: Workers,
+    vllm_model: Path,
+    server: tuple[VllmProcess, int],
+) -> Iterator[Gateway]:
+    process, port = server
+    url = f"http://127.0.0.1:{process.port}/v1"
+    model = ModelConfig(
+        MODEL,
+        upstream="openai",
+        workers=(url,),
+        tokenizer=str(vllm_model),
+        data_parallel_size=2,
+        routing=RoutingConfig(kv_events=((url, f"tcp://127.0.0.1:{port}"),)),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    yield gw
+    gw.stop()
+
+
+def _hits(process: VllmProcess, engine: int) -> float:
+    """One engine's prefix-cache hits, in tokens (its samples' label `engine`)."""
+    samples = scrape(f"http://127.0.0.1:{process.port}")
+    rank = ("engine", str(engine))
+    return sum(v for (name, labels), v in samples.items() if name == HITS and rank in labels)
+
+
+def test_each_engine_is_a_worker_followed_on_its_own_events_and_load(front, server, workers):
+    process, _ = server
+    url = f"http://127.0.0.1:{process.port}/v1"
+    engines = (f"{url}#dp0", f"{url}#dp1")
+    pool = front.state.fleet.models[MODEL]
+    assert sorted(pool.workers) == list(engines)
+    assert pool.router is not None
+    router = pool.router
+    wait_until(lambda: all(router.scrapes.get(e) == "loads" for e in engines), "both loads read")
+    view = next(m for m in front.state.fleet.snapshot()["models"] if m["name"] == MODEL)
+    assert {w["address"]: w["state"] for w in view["workers"]} == dict.fromkeys(engines, "healthy")
+    samples = scrape(front.url)
+    for engine in engines:
+        assert (
+            value(
+                samples,
+                "furnace_gateway_worker_healthy",
+                model=MODEL,
+                worker=engine,
+                state="healthy",
+            )
+            == 1
+        )
+    assert_nothing_left(front, workers)
+
+
+def test_a_prompt_is_pinned_to_the_engine_that_holds_its_prefix(front, server, workers, caplog):
+    """A document is stored on engine 1 (asked of the server directly, pinned there). Left
+    to itself, vLLM sends a prompt to its least loaded engine, the first of two idle ones:
+    engine 0, which does not hold it. Through the gateway every prompt that starts with
+    the document goes to engine 1 and is served from its cache."""
+    process, _ = server
+    url = f"http://127.0.0.1:{process.port}/v1"
+    holder = f"{url}#dp1"
+    caplog.set_level(logging.INFO, logger="furnace.access")
+    routed = RoutedPrompts(front, MODEL, caplog, prefill=False)
+    index = routed.router.index
+    document = f"{uuid.uuid4().hex} {DOCUMENT}"
+    body = {"model": MODEL, "prompt": document, "max_tokens": 1}
+    pinned = httpx.post(
+        f"{url}/completions", json=body, headers={"X-data-parallel-rank": "1"}, timeout=HANG_GUARD
+    )
+    assert pinned.status_code == 200, pinned.text
+    wait_until(lambda: index.workers.get(holder) and index.workers[holder].blocks, "its blocks")
+    before = _hits(process, 1), _hits(process, 0)
+    for i in range(4):
+        line = routed.complete(f"{document} and then {i}")
+        assert line["worker"] == holder
+        assert line["cache_hit_blocks"] >= 2  # the document's blocks, by ids
+    assert _hits(process, 1) > before[0]  # its cache served them
+    assert _hits(process, 0) == before[1]  # the other engine saw none of them
+    samples = scrape(front.url)
+    kv = "furnace_gateway_worker_kv_cached_blocks"
+    assert value(samples, kv, model=MODEL, worker=holder) > 0
+    assert routed.router.states[holder] == "events"
+    assert_nothing_left(front, workers)
