@@ -5,7 +5,10 @@ one more). Through the gateway each engine is a worker (`URL#dp0`, `URL#dp1`), f
 on its own events and `/metrics` samples; once one engine holds a document's blocks,
 every prompt that starts with the document is pinned to that engine (vLLM's
 `X-data-parallel-rank`) and served from its cache: its own prefix-cache hits grow, the
-other's do not. After each test nothing is left in the gateway.
+other's do not. The same over vLLM's gRPC server of two engines (`upstream: vllm-grpc`),
+each engine followed on the relay's batches of its rank and pinned with
+`data_parallel_rank`, its `cached_tokens` saying its cache served. After each test nothing
+is left in the gateway.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.config import ModelConfig, RoutingConfig
+from gateway.tokenization import load_tokenizer
 from tests.support.metrics import scrape, value
 from tests.support.processes import free_port
 from tests.support.servers import (
@@ -30,7 +37,12 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.vllm import VllmProcess, kv_events_args, start_http_server
+from tests.support.vllm import (
+    VllmProcess,
+    kv_events_args,
+    start_grpc_server,
+    start_http_server,
+)
 from tests.support.waiting import HANG_GUARD, wait_until
 from tests.test_disaggregation import DOCUMENT, RoutedPrompts
 
@@ -150,3 +162,88 @@ def test_a_prompt_is_pinned_to_the_engine_that_holds_its_prefix(front, server, w
     assert value(samples, kv, model=MODEL, worker=holder) > 0
     assert routed.router.states[holder] == "events"
     assert_nothing_left(front, workers)
+
+
+#: The same model over vLLM's gRPC server of two engines (`upstream: vllm-grpc`).
+GRPC_MODEL = "tiny-dp-grpc"
+
+
+@pytest.fixture(scope="module")
+def grpc_server(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    """vLLM's gRPC server of two engines, relaying both ranks' KV events."""
+    port = free_port()
+    while not _free(port + 1):
+        port = free_port()
+    logs = tmp_path_factory.mktemp("vllm-dp-grpc")
+    extra = ("--data-parallel-size", "2", *kv_events_args(port))
+    process = start_grpc_server(vllm_model, logs, extra)
+    yield process
+    process.stop()
+
+
+def _pin_document(address: str, model: Path, document: str, rank: int) -> None:
+    """`document` prefilled on engine `rank` of the gRPC server, asked of it directly,
+    its ids as the gateway encodes a completion's prompt."""
+    ids = load_tokenizer(str(model)).routing_ids(document, None, ())
+    request = pb.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(max_tokens=1),
+        stream=False,
+        data_parallel_rank=rank,
+    )
+    with grpc.insecure_channel(address) as channel:
+        for _ in pb_grpc.VllmEngineStub(channel).Generate(request, timeout=HANG_GUARD):
+            pass
+
+
+def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_prefix(
+    server_loop, workers, vllm_model, grpc_server, caplog
+):
+    """Each engine followed on the relay's batches of its rank; the document stored on
+    engine 1, every prompt that starts with it is sent with `data_parallel_rank` 1 and
+    served from that engine's cache (its `cached_tokens`), where vLLM left to itself
+    would pick idle engine 0."""
+    address = f"127.0.0.1:{grpc_server.port}"
+    holder = f"{address}#dp1"
+    model = ModelConfig(
+        GRPC_MODEL,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=(address,),
+        data_parallel_size=2,
+        routing=RoutingConfig(),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    try:
+        caplog.set_level(logging.INFO, logger="furnace.access")
+        routed = RoutedPrompts(gw, GRPC_MODEL, caplog, prefill=False)
+        index = routed.router.index
+        # the relay sends only what its engines publish after the subscription: a new
+        # document each time until the index holds engine 1's blocks of one
+        wait_until(lambda: len(routed.router.owners) == 2, "both engines followed")
+        for attempt in range(5):
+            document = f"{uuid.uuid4().hex} {attempt} {DOCUMENT}"
+            _pin_document(address, vllm_model, document, 1)
+            try:
+                wait_until(
+                    lambda: bool(index.workers.get(holder, None) and index.workers[holder].blocks),
+                    "its blocks",
+                    10,
+                )
+                break
+            except AssertionError:
+                continue
+        else:
+            raise AssertionError("engine 1's blocks never reached the index")
+        assert not index.workers.get(f"{address}#dp0") or not index.workers[f"{address}#dp0"].blocks
+        for i in range(3):
+            line = routed.complete(f"{document} and then {i}")
+            assert line["worker"] == holder
+            assert line["cache_hit_blocks"] >= 2
+            assert line["cached_tokens"] >= 2 * index.block_size  # its engine's own count
+        assert_nothing_left(gw, workers)
+    finally:
+        gw.stop()
