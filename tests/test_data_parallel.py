@@ -58,9 +58,7 @@ def server(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmProcess, int]]:
     """The server of two engines, and the port its rank 0 publishes on (rank 1: the next)."""
-    port = free_port()
-    while not _free(port + 1):
-        port = free_port()
+    port = _publisher_port()
     logs = tmp_path_factory.mktemp("vllm-dp")
     extra = ("--data-parallel-size", "2", *kv_events_args(port))
     process = start_http_server(vllm_model, logs, MODEL, extra=extra)
@@ -68,13 +66,16 @@ def server(
     process.stop()
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _publisher_port() -> int:
+    """A free port whose next is free too: the two engines' ZMQ publishers bind both."""
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +174,8 @@ def grpc_server(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmProcess]:
     """vLLM's gRPC server of two engines, relaying both ranks' KV events."""
-    port = free_port()
-    while not _free(port + 1):
-        port = free_port()
     logs = tmp_path_factory.mktemp("vllm-dp-grpc")
-    extra = ("--data-parallel-size", "2", *kv_events_args(port))
+    extra = ("--data-parallel-size", "2", *kv_events_args(_publisher_port()))
     process = start_grpc_server(vllm_model, logs, extra)
     yield process
     process.stop()

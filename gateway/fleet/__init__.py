@@ -5,6 +5,7 @@
     │   └── Worker                  worker.py      in flight, health, ejection
     ├── AdapterPool (a LoRA adapter) adapters.py   its base's workers, the adapter loaded
     ├── discovery                   discovery.py   host:port and dns: entries
+    ├── data-parallel engines       data_parallel.py  each engine of a server a worker
     ├── balancing                   balancing.py   power of two choices, prefix affinity
     └── RetryBudget                 retry.py       retries as a fraction of requests, and
                                                    the one retry loop (`with_retries`)
