@@ -29,6 +29,14 @@ furnace-gateway with the three policies (its `routing` routes both tiers; the de
 has one server), smg and vllm-router in their PD modes with `--prefill-policy cache_aware`.
 The servers run in float32 (`tests.support.vllm.nixl_args`), slower than the other modes.
 
+`--engines dp`: one vLLM HTTP server of `--workers` data-parallel engines
+(`--data-parallel-size`), each with its cache and its ZMQ publisher (the port + its rank).
+Rows: furnace-gateway `kv_aware` with `data_parallel_size` (each engine a worker, each
+request pinned to one), the same with the server as one worker (what it did before: rank
+0's events alone, vLLM placing each request), `round_robin` over the engines; vllm-router
+(`--intra-node-data-parallel-size`) and smg (`--dp-aware`), both `cache_aware`. The oracle
+follows every engine's publisher.
+
 Workload: `--documents` long shared documents (~`--doc-tokens` tokens each, a system
 prompt) and `--conversations` conversations per row over them, `--turns` turns each: the
 conversation so far plus a new user message of ~`--turn-tokens` tokens, streamed, greedy,
@@ -77,7 +85,7 @@ engines: figures are indicative.
 Before the table, the kv_aware gateway's index metrics go to stderr (cached blocks per
 worker, event state, evictions, fallbacks): whether its events were followed.
 
-Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc] [--quick]
+Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc|pd|dp] [--quick]
 [--size 256x4] [--kv-blocks 300] [--conversations 15] [--turns 5] [--no-peers]`. The
 defaults, 75 requests a row (375 in all), took 3.8 minutes here on a quiet machine (load
 average 1-3), 7.4-9.2 while other work ran (load 4-16); with the
@@ -97,6 +105,7 @@ import math
 import os
 import random
 import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -120,6 +129,7 @@ from benchmarks.bench_vllm import (  # noqa: E402
     start_pd_router,
     start_router,
 )
+from gateway.fleet.data_parallel import rank_endpoint  # noqa: E402
 from gateway.fleet.kv_index import KvIndex  # noqa: E402
 from gateway.protocol.kv_blocks import KvBatch  # noqa: E402
 from gateway.protocol.kv_zmq import ZmqKvSubscriber  # noqa: E402
@@ -194,12 +204,21 @@ class Engine:
 
 
 def _engine(
-    model: Path, work: Path, core: int, blocks: int, grpc: bool, role: str | None = None
+    model: Path,
+    work: Path,
+    core: int,
+    blocks: int,
+    grpc: bool,
+    role: str | None = None,
+    data_parallel: int = 1,
 ) -> Engine:
     """vLLM's OpenAI (or gRPC) server on core `core` with prefix caching and KV events
     published on a free port (a gRPC server relays them on its `SubscribeKvEvents`), and
-    with the NixlConnector in `role` when given (`--engines pd`)."""
+    with the NixlConnector in `role` when given (`--engines pd`); with `data_parallel`
+    engines (`--engines dp`: on every core, rank R publishing on the port + R)."""
     events = free_port()
+    while data_parallel > 1 and not _free(range(events + 1, events + data_parallel)):
+        events = free_port()
     config = (
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events}"}}'
     )
@@ -215,6 +234,9 @@ def _engine(
     logs = work / f"vllm-{core}"
     logs.mkdir()
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    if data_parallel > 1:  # its engines placed by vLLM
+        extra += ("--data-parallel-size", str(data_parallel))
+        env = {}
     if role is not None:
         transfer, variables = nixl_args(role)
         extra += transfer
@@ -237,6 +259,28 @@ def _engine(
         return Engine(server, f"127.0.0.1:{server.port}", publisher, lambda: _files(files))
     url = f"http://127.0.0.1:{server.port}"
     return Engine(server, url, publisher, lambda: httpx.get(url + "/metrics", timeout=30).text)
+
+
+def _free(ports: range) -> bool:
+    """Whether every port of `ports` can be bound on loopback now."""
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _ranks(engine: Engine, size: int) -> list[Engine]:
+    """A data-parallel server's engines as the oracle follows them: each its publisher,
+    named as the gateway names it (`URL/v1#dpR`); their counters are the server's."""
+    return [
+        Engine(
+            engine.server, f"{engine.url}/v1#dp{rank}", rank_endpoint(engine.publisher, rank), str
+        )
+        for rank in range(size)
+    ]
 
 
 def _files(path: str) -> str:
@@ -356,9 +400,15 @@ class CacheOracle:
 
 
 async def _measure(
-    args: argparse.Namespace, rows: list[Row], engines: list[Engine], model: Path
+    args: argparse.Namespace,
+    rows: list[Row],
+    engines: list[Engine],
+    model: Path,
+    caches: list[Engine],
 ) -> None:
-    oracle = CacheOracle(engines, args.engines == "grpc", model)
+    """The rows' requests; `caches`: the engines whose caches the oracle follows (those
+    of `engines`, or a data-parallel server's engines)."""
+    oracle = CacheOracle(caches, args.engines == "grpc", model)
     await oracle.start()
     try:
         await _requests(args, rows, engines, model, oracle)
@@ -521,7 +571,7 @@ def main() -> None:
     parser.set_defaults(conversations=15, turns=5)  # 75 requests a row: `Run` below
     parser.add_argument("--kv-blocks", type=int, default=300, help="per engine; 0: vLLM's")
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--engines", choices=("http", "grpc", "pd"), default="http")
+    parser.add_argument("--engines", choices=("http", "grpc", "pd", "dp"), default="http")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     began = time.monotonic()
@@ -531,18 +581,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as raw, ExitStack() as stack:
         work = Path(raw)
         model = build_tiny_model(work / "model", ordered=True, for_vllm=True, size=(hidden, layers))
-        grpc, pd = args.engines == "grpc", args.engines == "pd"
+        grpc, pd, dp = (args.engines == kind for kind in ("grpc", "pd", "dp"))
         engines = []  # with `pd`, the prefill servers: where the prompts' caches are
         role = PRODUCER if pd else None
-        for core in range(args.workers):
-            engines.append(_engine(model, work, core, args.kv_blocks, grpc, role))
+        for core in range(1 if dp else args.workers):
+            size = args.workers if dp else 1
+            engines.append(_engine(model, work, core, args.kv_blocks, grpc, role, size))
             stack.callback(engines[-1].server.stop)
+        caches = _ranks(engines[0], args.workers) if dp else engines
         decode = None
         if pd:  # one decode server, pulling each prompt's blocks from its prefill server
             decode = _engine(model, work, args.workers, 0, False, CONSUMER)
             stack.callback(decode.server.stop)
-        rows = []
-        for policy in POLICIES:
+        rows = [] if not dp else _dp_rows(stack, work, model, engines[0], args.workers)
+        for policy in () if dp else POLICIES:
             routing: dict[str, object] = {"policy": policy}
             if policy == "kv_aware" and not grpc:  # gRPC workers' ride their own channel
                 routing["kv_events"] = {f"{e.url}/v1": e.publisher for e in engines}
@@ -561,6 +613,12 @@ def main() -> None:
         peers = {} if args.no_peers else install_peers(PEERS_VENV)
         smg_metrics = ""
         for name, executable in peers.items():
+            if dp:  # their DP-aware modes, cache-aware
+                extra = ["--worker-urls", engines[0].url, "--policy", PEER_POLICY]
+                extra += _dp_aware(name, args.workers)
+                target = start_router(stack, name, executable, work, engines[0].url, extra)
+                rows.append(_row(f"{name} {PEER_POLICY}, DP-aware", target))
+                continue
             if decode is not None:  # their PD modes, the prefill tier cache-aware
                 prefills = [e.url for e in engines]
                 policy = ["--prefill-policy", PEER_POLICY]
@@ -582,9 +640,9 @@ def main() -> None:
             rows.append(_row(f"{name} {PEER_POLICY}", target))
         time.sleep(2)  # the kv_aware gateway subscribes to the engines' events
         measured = [row for row in rows if not row.missing]
-        asyncio.run(_measure(args, measured, engines, model))
+        asyncio.run(_measure(args, measured, engines, model, caches))
         for row in measured:  # the kv_aware gateway's index: were events followed?
-            if row.name.endswith("kv_aware"):
+            if row.name.startswith("furnace kv_aware"):
                 text = httpx.get(row.url + "/metrics").text
                 print(*re.findall(INDEX_METRICS, text, re.M), sep="\n", file=sys.stderr)
         if smg_metrics:  # smg's index: did its gRPC router subscribe to the events?
@@ -604,6 +662,42 @@ def main() -> None:
     _checks([row for row in rows if not row.missing])
     print(_table(rows))
     print(_cost_line([row for row in rows if row.prefills]))
+
+
+def _dp_aware(router: str, size: int) -> list[str]:
+    """A Rust router's options for a server of `size` data-parallel engines: smg's
+    `--dp-aware`; vllm-router's engine count, with the key it then requires (vLLM's
+    servers here take any)."""
+    if router == "smg":
+        return ["--dp-aware"]
+    return ["--intra-node-data-parallel-size", str(size), "--api-key", "unused"]
+
+
+def _dp_rows(stack: ExitStack, work: Path, model: Path, server: Engine, size: int) -> list[Row]:
+    """furnace-gateway in front of one data-parallel server (`--engines dp`): kv_aware
+    with each engine a worker, kv_aware with the server one worker, round robin over
+    the engines."""
+    url = f"{server.url}/v1"
+    rows = []
+    for name, policy, engines in (
+        ("kv_aware, each engine a worker", "kv_aware", size),
+        ("kv_aware, the server one worker", "kv_aware", 1),
+        ("round_robin over the engines", "round_robin", size),
+    ):
+        routing: dict[str, object] = {"policy": policy}
+        if policy == "kv_aware":
+            routing["kv_events"] = {url: server.publisher}
+        upstream = {
+            "name": MODEL,
+            "upstream": "openai",
+            "tokenizer": str(model),
+            "workers": [url],
+            "data_parallel_size": engines,
+            "routing": routing,
+        }
+        target = start_gateway(stack, work, f"{policy}-{engines}", upstream)
+        rows.append(_row(f"furnace {name}", target))
+    return rows
 
 
 def _row(name: str, target: Target) -> Row:

@@ -17,6 +17,7 @@ import logging
 import socket
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -36,6 +37,7 @@ from tests.support.servers import (
     assert_nothing_left,
     make_config,
     start_gateway,
+    worker_states,
 )
 from tests.support.vllm import (
     VllmProcess,
@@ -214,8 +216,23 @@ def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_
         data_parallel_size=2,
         routing=RoutingConfig(),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    # the same server given one engine too many, and given as one worker
+    three, one = (
+        replace(model, name="tiny-dp-grpc-3", data_parallel_size=3),
+        replace(model, name="tiny-dp-grpc-1", data_parallel_size=1),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model, three, one)))
     try:
+        states = {name: worker_states(gw, name) for name in (GRPC_MODEL, three.name)}
+        wait_until(
+            lambda: worker_states(gw, three.name)[f"{address}#dp2"] == "no_such_engine",
+            "the engine its server does not run kept out",
+        )
+        assert worker_states(gw, three.name)[f"{address}#dp1"] == "healthy"
+        assert set(states[GRPC_MODEL].values()) <= {"healthy", "unknown"}
+        said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+        assert f"{address}#dp2 of tiny-dp-grpc-3: its server runs 2 data-parallel engines" in said
+        assert f"{address} of tiny-dp-grpc-1 runs 2 data-parallel engines, routed as one" in said
         caplog.set_level(logging.INFO, logger="furnace.access")
         routed = RoutedPrompts(gw, GRPC_MODEL, caplog, prefill=False)
         index = routed.router.index

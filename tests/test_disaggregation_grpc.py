@@ -28,6 +28,7 @@ from tests.support.servers import (
     assert_nothing_left,
     make_config,
     start_gateway,
+    worker_states,
 )
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
 from tests.support.waiting import HANG_GUARD, wait_until
@@ -159,16 +160,6 @@ def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, fr
     assert _prefills(front, UNREACHABLE, "no_worker") >= 1
 
 
-def _states(front: Gateway, model: str) -> dict[str, str]:
-    """The state of each of `model`'s workers and prefill workers, by tier and address."""
-    view = next(m for m in front.state.fleet.snapshot()["models"] if m["name"] == model)
-    return {
-        f"{tier}:{w['address']}": w["state"]
-        for tier in ("workers", "prefill_workers")
-        for w in view[tier]
-    }
-
-
 def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, front, vllm_grpc):
     """Its `GetServerInfo` names no `kv_connector`: as a prefill worker its blocks would be
     unclaimed (its answer has no `kv_transfer_params`), as a decode worker it would
@@ -178,7 +169,7 @@ def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, fron
     unconnected = f"127.0.0.1:{vllm_grpc.port}"
     wait_until(
         lambda: (
-            _states(front, UNCONNECTED_PREFILL)[f"prefill_workers:{unconnected}"]
+            worker_states(front, UNCONNECTED_PREFILL, "prefill_workers")[unconnected]
             == "no_kv_connector"
         ),
         "the prefill worker without a connector kept out",
@@ -198,7 +189,7 @@ def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, fron
     labels = {"model": UNCONNECTED_PREFILL, "worker": unconnected, "state": "no_kv_connector"}
     assert value(samples, healthy, **labels) == 0
     wait_until(
-        lambda: _states(front, UNCONNECTED_DECODE)[f"workers:{unconnected}"] == "no_kv_connector",
+        lambda: worker_states(front, UNCONNECTED_DECODE)[unconnected] == "no_kv_connector",
         "the decode worker without a connector kept out",
     )
     with pytest.raises(openai.APIStatusError) as refused:
@@ -206,7 +197,8 @@ def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, fron
     assert refused.value.status_code == 503
     assert _prefills(front, UNCONNECTED_DECODE, "transferred") == 0  # no prefill made for it
     # the servers with a connector fit their tiers
-    assert set(_states(front, SPLIT).values()) == {"healthy"}
+    tiers = (worker_states(front, SPLIT), worker_states(front, SPLIT, "prefill_workers"))
+    assert {state for tier in tiers for state in tier.values()} == {"healthy"}
 
 
 @pytest.fixture(scope="module")

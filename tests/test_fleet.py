@@ -229,7 +229,7 @@ def test_a_model_served_only_by_a_worker_of_another_model_keeps_following_it(
     worker = pool.workers[wrong.address]
     for _ in range(2):  # as the follow-up describes it: quietly, again and again
         assert server_loop.call(fleet._describe(pool, worker, quiet=True))
-    assert worker.wrong_model and pool.max_context is None
+    assert worker.misfit == "wrong_model" and pool.max_context is None
     response = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, timeout=HANG_GUARD)
     assert response.status_code == 503
 

@@ -6,6 +6,7 @@
     ├── AdapterPool (a LoRA adapter) adapters.py   its base's workers, the adapter loaded
     ├── discovery                   discovery.py   host:port and dns: entries
     ├── data-parallel engines       data_parallel.py  each engine of a server a worker
+    ├── fit                         fit.py         a worker kept out for what it says it is
     ├── balancing                   balancing.py   power of two choices, prefix affinity
     └── RetryBudget                 retry.py       retries as a fraction of requests, and
                                                    the one retry loop (`with_retries`)
@@ -51,6 +52,7 @@ from gateway.config import Config, ModelConfig
 from gateway.fleet.adapters import AdapterPool
 from gateway.fleet.data_parallel import split
 from gateway.fleet.discovery import Target, resolve
+from gateway.fleet.fit import idle_engines, misfit
 from gateway.fleet.kv_follow import follow_kv, follow_loads
 from gateway.fleet.pool import ModelPool
 from gateway.fleet.prefill import prefilled
@@ -351,36 +353,19 @@ class Fleet:
             worker.capacity, worker.full = mine.capacity, mine.full
             worker.features = mine.features
             worker.reported_load = mine.load or 0
-            self._check_connector(pool, worker, mine.kv_connector)
-        wrong_before, worker.wrong_model = worker.wrong_model, pool.name not in served
         adapters = frozenset(served).difference((pool.name,))
         if adapters != worker.adapters:  # what it lists now: a restart forgot the loads
             worker.adapters = adapters
-        if worker.wrong_model:
-            if not (quiet and wrong_before):  # said once, not at every load follow-up
-                log.error(
-                    "worker %s serves %s, not %s: kept out of the rotation",
-                    worker.address,
-                    ", ".join(sorted(served)) or "nothing",
-                    pool.name,
-                )
-        elif pool.max_context is None:
+        unfit = misfit(pool, worker.address, served, mine)
+        state = None if unfit is None else unfit[0]
+        if unfit is not None and state != worker.misfit:  # said once, not at every follow-up
+            log.error("%s: kept out of the rotation", unfit[1])
+        elif not quiet and (idle := idle_engines(pool, worker.address, mine)):
+            log.warning(idle)
+        worker.misfit = state
+        if state is None and pool.max_context is None:
             pool.max_context = served[pool.name]
         return True
-
-    @staticmethod
-    def _check_connector(pool: ModelPool, worker: Worker, connector: str | None) -> None:
-        """Keeps a split model's worker whose engine says it has no KV connector out of
-        its tier (None: it does not say, it is not checked)."""
-        missing = pool.transfers_kv and connector == ""
-        if missing and not worker.no_kv_connector:  # said once, not at every follow-up
-            log.error(
-                "worker %s of %s has no KV connector (vLLM's --kv-transfer-config), which "
-                "prefill/decode disaggregation needs: kept out of the rotation",
-                worker.address,
-                pool.name,
-            )
-        worker.no_kv_connector = missing
 
     # -- requests -----------------------------------------------------------
 

@@ -77,7 +77,7 @@ class ModelPool:
         self.relays_answers = model.upstream == "openai"
         #: Whether its workers hand KV blocks to another tier or take them from one (both
         #: tiers of a split model, `prefill_workers`): a worker without a KV connector
-        #: is kept out (`Worker.no_kv_connector`).
+        #: is kept out (`fit.NO_KV_CONNECTOR`).
         self.transfers_kv = bool(model.prefill_workers)
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         #: Engines a worker's server runs (`data_parallel`): each a worker of the pool.

@@ -30,17 +30,7 @@ log = logging.getLogger("furnace.fleet")
 TRANSPORT_FAILURES = (errors.Unavailable, errors.Failed, errors.Timeout)
 
 #: What `Worker.available` reads, its calls in flight and what it serves.
-WATCHED = frozenset(
-    {
-        "serving",
-        "leaving",
-        "wrong_model",
-        "no_kv_connector",
-        "ejected_until",
-        "outstanding",
-        "features",
-    }
-)
+WATCHED = frozenset({"serving", "leaving", "misfit", "ejected_until", "outstanding", "features"})
 
 
 @dataclass(frozen=True)
@@ -66,12 +56,10 @@ class Worker:
     serving: bool | None = None
     #: Removed from discovery; finishing its calls, taking no new ones.
     leaving: bool = False
-    #: Describe said it does not serve the model it is listed for.
-    wrong_model: bool = False
-    #: Describe said its engine has no KV connector, which a split model's workers need
-    #: (`prefill_workers`): a prefill's blocks would stay unclaimed on it, or a decode
-    #: would leave them held on the prefill worker until vLLM's abort timeout.
-    no_kv_connector: bool = False
+    #: Why it does not fit where the config puts it, from its describe (`fit`: it serves
+    #: another model, has no KV connector, is an engine its server does not run); None:
+    #: it fits, or has not said.
+    misfit: str | None = None
     #: Requests it says it can run at once (Describe); None: it does not say.
     capacity: int | None = None
     #: Its own count of the requests it runs, every client's (Describe, refreshed every
@@ -117,18 +105,15 @@ class Worker:
         return (
             self.serving is not False
             and not self.leaving
-            and not self.wrong_model
-            and not self.no_kv_connector
+            and self.misfit is None
             and now >= self.ejected_until
         )
 
     @property
     def state(self) -> str:
         """One word for operators and metrics."""
-        if self.wrong_model:
-            return "wrong_model"
-        if self.no_kv_connector:
-            return "no_kv_connector"
+        if self.misfit is not None:
+            return self.misfit
         if self.leaving:
             return "leaving"
         if time.monotonic() < self.ejected_until:

@@ -72,6 +72,9 @@ class ModelDescription:
     #: `--kv-transfer-config`, e.g. `NixlConnector`); "": it has none; None: it does
     #: not say. A split model's workers need one (`prefill_workers`).
     kv_connector: str | None = None
+    #: The data-parallel engines its server runs (vLLM's `--data-parallel-size`); None:
+    #: it does not say.
+    data_parallel_size: int | None = None
 
 
 class StreamBookkeeping:

@@ -827,8 +827,8 @@ class VllmGrpcUpstream:
         #: The EOS ids of `_info`, sorted and as a set, made with it: the stop token ids of
         #: a request that names none of its own, and the ids never shown (shared: unchanged).
         self._eos: tuple[list[int], frozenset[int]] = ([], frozenset())
-        #: Its KV connector (`GetServerInfo`, asked until it names one): "" for none.
-        self._connector: str | None = None
+        #: Its `GetServerInfo` (asked until it names a KV connector).
+        self._server_info: pb.GetServerInfoResponse | None = None
 
     def call(
         self,
@@ -1031,28 +1031,32 @@ class VllmGrpcUpstream:
         )
         return await _off_loop(make)
 
-    async def kv_connector(self, deadline: float) -> str | None:
-        """The engine's KV connector as `GetServerInfo` names it, "" for none: asked at
-        every describe until it names one (a server restarted at its address with
-        `--kv-transfer-config` is seen); None from a server without the call."""
-        if not self._connector:
+    async def server_info(self, deadline: float) -> pb.GetServerInfoResponse | None:
+        """The engine's `GetServerInfo` (its KV connector, "" for none, and its
+        data-parallel engines): asked at every describe until it names a connector (a
+        server restarted at its address with `--kv-transfer-config` is seen), then kept;
+        None from a server without the call."""
+        info = self._server_info
+        if info is None or not info.kv_connector:
             try:
                 info = await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=deadline)
             except grpc.RpcError:  # an older server, or none now: nothing said
                 return None
-            self._connector = info.kv_connector
-        return self._connector
+            self._server_info = info
+        return info
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
         """The model this worker serves for the gateway (it has no name of its own
-        beyond a path), with the engine's context length, features and KV connector."""
+        beyond a path), with the engine's context length, features, KV connector and
+        data-parallel engines."""
         info = await self.model_info(deadline)
-        connector = await self.kv_connector(deadline)
+        server = await self.server_info(deadline)
         mine = ModelDescription(
             self.model,
             info.max_context_length,
             features=self.features(info),
-            kv_connector=connector,
+            kv_connector=None if server is None else server.kv_connector,
+            data_parallel_size=None if server is None else max(1, server.data_parallel_size),
         )
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)

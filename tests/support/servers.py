@@ -112,6 +112,13 @@ def start_gateway(
     return Gateway(url, server.gateway, lambda: server_loop.call(server.stop()), admin)
 
 
+def worker_states(gw: Gateway, model: str, tier: str = "workers") -> dict[str, str]:
+    """The state of each of `model`'s workers (`tier` "prefill_workers": its prefill
+    workers), by address, as `/admin/workers` shows them."""
+    view = next(m for m in gw.state.fleet.snapshot()["models"] if m["name"] == model)
+    return {w["address"]: w["state"] for w in view[tier]}
+
+
 def assert_nothing_left(gw: Gateway, workers: Workers | None) -> None:
     """Every slot free, nothing queued, no call outstanding on any worker (nor
     counted among the plain-HTTP calls that rest their sockets), no generation

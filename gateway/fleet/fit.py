@@ -1,0 +1,67 @@
+"""Whether a worker fits where the config puts it, from what it says of itself (its
+`describe`: the models it serves, and for vLLM's gRPC servers `GetServerInfo`'s KV
+connector and data-parallel engines). A worker that does not fit is kept out of the
+rotation, logged once, its `Worker.misfit` saying why: its state for operators
+(`/admin/workers`) and metrics (`worker_healthy{state}`). Nothing it does not say is
+checked."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.fleet.data_parallel import split
+from gateway.upstreams.base import ModelDescription
+
+if TYPE_CHECKING:
+    from gateway.fleet.pool import ModelPool
+
+#: It serves other models than the one it is listed for.
+WRONG_MODEL = "wrong_model"
+#: A split model's worker (`prefill_workers`) whose engine has no KV connector: as a
+#: prefill worker its answers would carry no blocks' whereabouts, as a decode worker it
+#: would prefill again and leave the prefill server holding the blocks until vLLM's abort
+#: timeout.
+NO_KV_CONNECTOR = "no_kv_connector"
+#: An engine (`ADDRESS#dpR`, `data_parallel_size`) past those its server runs.
+NO_SUCH_ENGINE = "no_such_engine"
+
+
+def misfit(
+    pool: ModelPool, address: str, served: dict[str, int], mine: ModelDescription | None
+) -> tuple[str, str] | None:
+    """Why the worker at `address` does not fit `pool` (its state, and a sentence for the
+    log), or None; `served`: what it serves, `mine`: its description of the pool's model."""
+    if mine is None:
+        models = ", ".join(sorted(served)) or "nothing"
+        return WRONG_MODEL, f"worker {address} serves {models}, not {pool.name}"
+    if pool.transfers_kv and mine.kv_connector == "":
+        return NO_KV_CONNECTOR, (
+            f"worker {address} of {pool.name} has no KV connector (vLLM's "
+            "--kv-transfer-config), which prefill/decode disaggregation needs"
+        )
+    engines, (_, rank) = mine.data_parallel_size, split(address)
+    if engines is not None and rank is not None and rank >= engines:
+        return NO_SUCH_ENGINE, (
+            f"worker {address} of {pool.name}: its server runs {engines} data-parallel "
+            f"engines, not {pool.data_parallel_size} (models[].data_parallel_size)"
+        )
+    return None
+
+
+def idle_engines(pool: ModelPool, address: str, mine: ModelDescription | None) -> str | None:
+    """A sentence for the log when the server at `address` runs more data-parallel engines
+    than the config gives it (some never get a request, or its own balancing places
+    requests the routing meant for one cache), said for its first engine only; else None."""
+    engines = None if mine is None else mine.data_parallel_size
+    server, rank = split(address)
+    if engines is None or rank not in (None, 0) or engines <= pool.data_parallel_size:
+        return None
+    if pool.data_parallel_size == 1:
+        return (
+            f"worker {server} of {pool.name} runs {engines} data-parallel engines, routed as "
+            "one worker: set models[].data_parallel_size to route each on its own cache"
+        )
+    return (
+        f"worker {server} of {pool.name} runs {engines} data-parallel engines, "
+        f"models[].data_parallel_size {pool.data_parallel_size}: the others get no request"
+    )
