@@ -254,6 +254,12 @@ def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_
         else:
             raise AssertionError("engine 1's blocks never reached the index")
         assert not index.workers.get(f"{address}#dp0") or not index.workers[f"{address}#dp0"].blocks
+        # both engines read one stream of the server's, each its rank's batches
+        engines = gw.state.fleet.models[GRPC_MODEL].workers.values()
+        (shared,) = {
+            id(w.upstream.ranked_events): w.upstream.ranked_events for w in engines
+        }.values()
+        assert sorted(shared._followers) == [0, 1] and shared._reader is not None
         for i in range(3):
             line = routed.complete(f"{document} and then {i}")
             assert line["worker"] == holder

@@ -41,6 +41,7 @@ import logging
 import os
 import ssl
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from functools import partial
@@ -68,6 +69,7 @@ from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, http_client
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
+from gateway.upstreams.vllm_kv import RankedEvents
 
 __all__ = ["Fleet", "ModelPool", "Worker"]
 
@@ -162,10 +164,19 @@ class Fleet:
         if model.data_parallel_size == 1:
             return self._server_factory(model)
         make = cast(Callable[..., Upstream], self._server_factory(model))
+        # a vLLM gRPC server's engines share one KV-event stream, each reading its rank's
+        # (held by their upstreams: gone with the server's last one)
+        shared: weakref.WeakValueDictionary[str, RankedEvents] = weakref.WeakValueDictionary()
+        ranked = model.upstream == "vllm-grpc"
 
         def engine(address: str) -> Upstream:
             server, rank = split(address)
-            return make(server, data_parallel_rank=rank)
+            if not ranked:
+                return make(server, data_parallel_rank=rank)
+            events = shared.get(server)
+            if events is None:
+                events = shared[server] = RankedEvents()
+            return make(server, data_parallel_rank=rank, ranked_events=events)
 
         return engine
 

@@ -113,7 +113,7 @@ from gateway.upstreams.base import (
     engine_address,
 )
 from gateway.upstreams.furnace_channel import open_channel
-from gateway.upstreams.vllm_kv import batch_from_vllm, subscribe_request
+from gateway.upstreams.vllm_kv import RankedEvents, batch_from_vllm, subscribe_request
 from gateway.worker.engine import check_context
 
 logger = logging.getLogger(__name__)
@@ -795,12 +795,15 @@ class VllmGrpcUpstream:
         plain_text_contents: bool = True,
         reasoning_parser: str | None = None,
         data_parallel_rank: int | None = None,
+        ranked_events: RankedEvents | None = None,
     ) -> None:
         """`data_parallel_rank`: one engine of a data-parallel server
         (`gateway.fleet.data_parallel`): its requests pinned to it, its KV events and
-        load records those of that rank."""
+        load records those of that rank (`ranked_events`: the stream the server's
+        engines share, else one of its own)."""
         self.address = engine_address(address, data_parallel_rank)  # its calls' worker
         self.data_parallel_rank = data_parallel_rank
+        self.ranked_events = ranked_events
         self.model = model
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
         #: Special-token strings in messages' contents stay text (see the tokenizer).
@@ -981,7 +984,20 @@ class VllmGrpcUpstream:
     async def kv_events(self, model: str) -> AsyncIterator[KvBatch]:
         """The engine's KV-cache events and load records (`SubscribeKvEvents`, which
         vLLM serves when started with `--kv-events-config`), ours (`vllm_kv`), until
-        the stream ends; a `GatewayError` when it breaks (`Invalid`: UNIMPLEMENTED)."""
+        the stream ends; a `GatewayError` when it breaks (`Invalid`: UNIMPLEMENTED). One
+        engine of a data-parallel server: its rank's batches (each rank numbers its own),
+        from the stream its server's engines share (`RankedEvents`)."""
+        rank, ranked = self.data_parallel_rank, self.ranked_events
+        relay = (
+            self._relay() if rank is None or ranked is None else ranked.follow(rank, self._relay)
+        )
+        first = True
+        async for message in relay:
+            yield batch_from_vllm(message, first)
+            first = False
+
+    async def _relay(self) -> AsyncIterator[common.KvEventBatch]:
+        """The server's `SubscribeKvEvents` stream, every rank's batches."""
         request = subscribe_request()
         call: ServerStream[common.KvEventBatch]
         if self._streams is None:
@@ -993,15 +1009,9 @@ class VllmGrpcUpstream:
                 common.KvEventBatch.FromString,
                 None,
             )
-        first, rank = True, self.data_parallel_rank
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
-                # one engine of a data-parallel server: its rank's batches alone (each
-                # rank numbers its own); a batch without a rank is the only engine's
-                if rank is not None and message.dp_rank != rank:  # type: ignore[attr-defined]
-                    continue
-                yield batch_from_vllm(message, first)  # type: ignore[arg-type]
-                first = False
+                yield cast(common.KvEventBatch, message)
         except grpc.RpcError as error:
             raise _from_rpc_error(error) from None
         finally:

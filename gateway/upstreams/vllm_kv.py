@@ -14,6 +14,9 @@ repeats the last sequence and carries no events, as our protocol's duplicates do
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
 from smg_grpc_proto.generated import common_pb2 as common
 
 from gateway.protocol.kv_blocks import (
@@ -75,3 +78,64 @@ def batch_from_vllm(message: common.KvEventBatch, first: bool) -> KvBatch:
         uncached = raw.waiting_uncached_tokens if raw.HasField("waiting_uncached_tokens") else 0
         load = EngineLoad(raw.running_requests, raw.waiting_requests, uncached, raw.token_usage)
     return KvBatch(message.sequence_number, tuple(events), first, load, message.timestamp)
+
+
+#: Batches that may wait for one engine's follower (the index applies one in tens of µs;
+#: past this the follower is stuck, and its batches are dropped: a gap, which the index
+#: handles as a lost message).
+FOLLOWER_QUEUE = 1024
+
+#: What a follower's queue holds: a batch, the stream's failure, or None (its end).
+_Item = common.KvEventBatch | BaseException | None
+
+
+class RankedEvents:
+    """One `SubscribeKvEvents` stream of a data-parallel vLLM server, read once for all of
+    its engines (`models[].data_parallel_size`): the relay sends every rank's batches on
+    it, each tagged `dp_rank`, and each is handed to the follower of its rank. Without
+    it each engine's worker subscribed and dropped the other ranks' batches: N streams
+    each carrying N ranks'. The stream opens with the first follower, closes with the
+    last; when it ends or fails, every follower does too (and subscribes again)."""
+
+    def __init__(self) -> None:
+        self._followers: dict[int, asyncio.Queue[_Item]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def follow(
+        self, rank: int, open_stream: Callable[[], AsyncIterator[common.KvEventBatch]]
+    ) -> AsyncIterator[common.KvEventBatch]:
+        """Rank `rank`'s batches, from the server's stream (opened by `open_stream` if none
+        is open), until it ends; its failure raised here."""
+        queue: asyncio.Queue[_Item] = asyncio.Queue(FOLLOWER_QUEUE)
+        self._followers[rank] = queue  # a follower of the rank again: the newest one
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read(open_stream))
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if self._followers.get(rank) is queue:
+                del self._followers[rank]
+            if not self._followers and self._reader is not None:
+                self._reader.cancel()
+                self._reader = None
+
+    async def _read(self, open_stream: Callable[[], AsyncIterator[common.KvEventBatch]]) -> None:
+        end: BaseException | None = None
+        try:
+            async for message in open_stream():
+                queue = self._followers.get(message.dp_rank)
+                if queue is not None and not queue.full():
+                    queue.put_nowait(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the stream's failure, for every follower to raise
+            end = error
+        if self._reader is asyncio.current_task():
+            self._reader = None
+        for queue in self._followers.values():  # each ends, after what it has
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(end)
