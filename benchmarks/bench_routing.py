@@ -46,6 +46,10 @@ text. Each row has its own documents (a salt in their first block), so one row's
 never another's hits; requests go one at a time, rows interleaved (A B C D E, A B C D E,
 ...), so every row sees the same engines under the same load. An odd number of
 conversations keeps round robin from pinning each one to an engine by accident.
+`--concurrent K` sends K conversations' turns of a row at once (1 by default: one request
+at a time): the counters, the oracle and the router's CPU are read around each group, whose
+hits are shared among its requests by their prompts' lengths (each request's prefill to do,
+for the fitted line below, is then an estimate).
 `--kv-blocks` bounds each engine's KV cache to about a quarter of the distinct blocks all
 rows' prompts fill (printed above the table: 1,241 at the defaults, 300 blocks an engine),
 as a fleet's cache is in production (the two caches hold about half of them): placing a
@@ -86,7 +90,8 @@ Before the table, the kv_aware gateway's index metrics go to stderr (cached bloc
 worker, event state, evictions, fallbacks): whether its events were followed.
 
 Run: `.venv/bin/python -m benchmarks.bench_routing [--engines http|grpc|pd|dp] [--quick]
-[--size 256x4] [--kv-blocks 300] [--conversations 15] [--turns 5] [--no-peers]`. The
+[--concurrent 1] [--size 256x4] [--kv-blocks 300] [--conversations 15] [--turns 5]
+[--no-peers]`. The
 defaults, 75 requests a row (375 in all), took 3.8 minutes here on a quiet machine (load
 average 1-3), 7.4-9.2 while other work ran (load 4-16); with the
 earlier 20 a row (5 conversations of 4 turns) the p50 of one row moved by 100-300 ms
@@ -435,38 +440,15 @@ async def _requests(
         ]
     start_cpu = {row.name: tree_cpu(row.pid) if row.pid else None for row in rows}
     began = time.perf_counter()
+    together = max(1, args.concurrent)
     async with httpx.AsyncClient(timeout=300) as client:
         for turn in range(args.turns):
-            for c in range(args.conversations):
-                question = user_turn(rng, turn, args.turn_tokens)
+            for first in range(0, args.conversations, together):
+                group = range(first, min(first + together, args.conversations))
+                questions = [user_turn(rng, turn, args.turn_tokens) for _ in group]
                 for row in rows:  # interleaved: the same engines, the same load
-                    talk = talks[row.name][c]
-                    talk.append({"role": "user", "content": question})
-                    prompt = [Message(m["role"], m["content"]) for m in talk]
-                    ids = tokenizer.prompt_ids(None, prompt)
-                    await asyncio.sleep(0.05)  # the last request's last events, applied
-                    best = oracle.cached(ids)
-                    row.oracle_hits += best
-                    row.unbounded_hits += _unbounded(row, ids)
-                    row.prompt_tokens += len(ids)
-                    hits, queries = _counters(engines)
-                    cpu = tree_cpu(row.pid) if row.pid else None
-                    start = time.perf_counter()
-                    extra = {"messages": talk, "max_tokens": MAX_TOKENS}
-                    ttft, tokens = await one_chat(client, row.url, extra)
-                    row.seconds += time.perf_counter() - start
-                    after = tree_cpu(row.pid) if row.pid else None
-                    if cpu is not None and after is not None:
-                        row.cpu += after - cpu
-                    now_hits, now_queries = _counters(engines)
-                    row.hits += now_hits - hits
-                    row.queries += now_queries - queries
-                    row.beyond += now_hits - hits > best
-                    row.miscounted += now_queries - queries != len(ids)
-                    row.ttfts.append(ttft)
-                    row.prefills.append((len(ids) - round(now_hits - hits), ttft))
-                    row.tokens += tokens
-                    talk.append({"role": "assistant", "content": ANSWER})
+                    talk = [talks[row.name][c] for c in group]
+                    await _group(client, row, talk, questions, tokenizer, engines, oracle)
             print(f"  turn {turn + 1} of {args.turns} done", file=sys.stderr, flush=True)
     for row in rows:
         row.wall = time.perf_counter() - began
@@ -474,6 +456,52 @@ async def _requests(
         after = tree_cpu(row.pid) if row.pid else None
         if before is not None and after is not None:
             row.cpu_total = after - before
+
+
+async def _group(
+    client: httpx.AsyncClient,
+    row: Row,
+    talks: list[list[dict[str, str]]],
+    questions: list[str],
+    tokenizer: ModelTokenizer,
+    engines: list[Engine],
+    oracle: CacheOracle,
+) -> None:
+    """One turn of `talks` (conversations of `row`), sent at once (`--concurrent`; one
+    at a time by default), each with its new user message: the engines' counters, the
+    oracle and the router's CPU read around the group (a group's hits are shared among
+    its requests by their prompts' lengths)."""
+    prompts = []
+    for talk, question in zip(talks, questions, strict=True):
+        talk.append({"role": "user", "content": question})
+        prompts.append(tokenizer.prompt_ids(None, [Message(m["role"], m["content"]) for m in talk]))
+    await asyncio.sleep(0.05)  # the last request's last events, applied
+    best = sum(oracle.cached(ids) for ids in prompts)
+    row.oracle_hits += best
+    for ids in prompts:
+        row.unbounded_hits += _unbounded(row, ids)
+        row.prompt_tokens += len(ids)
+    hits, queries = _counters(engines)
+    cpu = tree_cpu(row.pid) if row.pid else None
+    start = time.perf_counter()
+    answers = await asyncio.gather(
+        *(one_chat(client, row.url, {"messages": talk, "max_tokens": MAX_TOKENS}) for talk in talks)
+    )
+    row.seconds += time.perf_counter() - start
+    after = tree_cpu(row.pid) if row.pid else None
+    if cpu is not None and after is not None:
+        row.cpu += after - cpu
+    now_hits, now_queries = _counters(engines)
+    hit, asked = now_hits - hits, sum(len(ids) for ids in prompts)
+    row.hits += hit
+    row.queries += now_queries - queries
+    row.beyond += hit > best
+    row.miscounted += now_queries - queries != asked
+    for ids, (ttft, tokens), talk in zip(prompts, answers, talks, strict=True):
+        row.ttfts.append(ttft)
+        row.prefills.append((len(ids) - round(hit * len(ids) / asked), ttft))
+        row.tokens += tokens
+        talk.append({"role": "assistant", "content": ANSWER})
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:
@@ -573,6 +601,12 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--engines", choices=("http", "grpc", "pd", "dp"), default="http")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="conversations whose turns a row sends at once (1: one request at a time)",
+    )
     args = parser.parse_args()
     began = time.monotonic()
     if args.quick:
