@@ -148,15 +148,20 @@ def test_a_streamed_completion_with_several_choices_is_decoded_after_a_prefill(c
     assert _prefills(front, SPLIT, "transferred") == before + 1
 
 
-def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, front):
+def _answers_as_alone(client: openai.OpenAI, model: str) -> None:
+    """A chat of `model` is answered as the decode server alone answers it."""
     messages = [{"role": "user", "content": fresh()}]
     answer = client.chat.completions.create(
-        model=UNREACHABLE, messages=messages, max_tokens=8, temperature=0
+        model=model, messages=messages, max_tokens=8, temperature=0
     )
     alone = client.chat.completions.create(
         model=ALONE, messages=messages, max_tokens=8, temperature=0
     )
     assert answer.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(client, front):
+    _answers_as_alone(client, UNREACHABLE)
     assert _prefills(front, UNREACHABLE, "no_worker") >= 1
 
 
@@ -174,14 +179,7 @@ def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, fron
         ),
         "the prefill worker without a connector kept out",
     )
-    messages = [{"role": "user", "content": fresh()}]
-    answer = client.chat.completions.create(
-        model=UNCONNECTED_PREFILL, messages=messages, max_tokens=8, temperature=0
-    )
-    alone = client.chat.completions.create(
-        model=ALONE, messages=messages, max_tokens=8, temperature=0
-    )
-    assert answer.choices[0].message.content == alone.choices[0].message.content
+    _answers_as_alone(client, UNCONNECTED_PREFILL)  # the decode server prefilled itself
     assert _prefills(front, UNCONNECTED_PREFILL, "no_worker") == 1
     assert _prefills(front, UNCONNECTED_PREFILL, "failed") == 0
     samples = scrape(front.url)
@@ -192,6 +190,7 @@ def test_a_server_without_a_kv_connector_is_kept_out_of_either_tier(client, fron
         lambda: worker_states(front, UNCONNECTED_DECODE)[unconnected] == "no_kv_connector",
         "the decode worker without a connector kept out",
     )
+    messages = [{"role": "user", "content": fresh()}]
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=UNCONNECTED_DECODE, messages=messages, max_tokens=4)
     assert refused.value.status_code == 503
