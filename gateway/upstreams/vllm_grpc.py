@@ -1066,7 +1066,8 @@ class VllmGrpcUpstream:
             info.max_context_length,
             features=self.features(info),
             kv_connector=None if server is None else server.kv_connector,
-            data_parallel_size=None if server is None else max(1, server.data_parallel_size),
+            # (0: a servicer older than the field says nothing of it)
+            data_parallel_size=None if server is None else server.data_parallel_size or None,
         )
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
