@@ -5,7 +5,8 @@ rendered by the model's chat template with `add_generation_prompt`,
 one input. Against vLLM's CPU build serving the tiny model as an embedding model twice:
 its OpenAI server, reached directly and through the gateway (`upstream: openai`: the
 server renders), and its gRPC server through the gateway (`vllm-grpc`: the gateway
-renders with its own tokenizer); and as a classifier, on its OpenAI server. Every answer
+renders with its own tokenizer); and the tiny model with a two-class head, on its
+OpenAI server. Every answer
 equals vLLM's own for the same body: the vectors (the classes) and the prompt's tokens.
 Models on the worker protocol refuse a conversation by name, as every malformed body is
 refused. After each test nothing is left in the gateway.
@@ -30,6 +31,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
+from tests.support.tiny_model import build_classifier
 from tests.support.vllm import (
     MAX_MODEL_LEN,
     VllmProcess,
@@ -44,8 +46,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 #: The same engine's model behind the gateway's `vllm-grpc` upstream.
 RENDERED = "tiny-vllm-embed-grpc"
-#: The tiny model as a classifier (vLLM's `--convert classify`), on its OpenAI server.
+#: The tiny model with a classification head of two labels, on vLLM's OpenAI server.
 CLASSIFIER = "tiny-vllm-classify"
+POOLING = ("--runner", "pooling")
 CHAT = [
     {"role": "system", "content": "you are terse"},
     {"role": "user", "content": "the quick brown fox"},
@@ -59,19 +62,16 @@ def servers(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmProcess, VllmProcess, VllmProcess]]:
     """vLLM's OpenAI server and its gRPC server, each serving the tiny model as an
-    embedding model (vLLM's pooling runner), and its OpenAI server serving it as a
-    classifier."""
+    embedding model (vLLM's pooling runner), and its OpenAI server serving a classifier."""
     logs = tmp_path_factory.mktemp("vllm-pooling-chat-logs")
+    classifier = build_classifier(tmp_path_factory.mktemp("tiny-classifier"), labels=2)
     started: list[VllmProcess] = []
-    classify = ("--runner", "pooling", "--convert", "classify")
     try:
         started.append(
             start_lean_http_server(vllm_model, logs, EMBED_MODEL, MAX_MODEL_LEN, EMBED_OPTIONS)
         )
         started.append(start_grpc_server(vllm_model, logs, EMBED_OPTIONS))
-        started.append(
-            start_lean_http_server(vllm_model, logs, CLASSIFIER, MAX_MODEL_LEN, classify)
-        )
+        started.append(start_lean_http_server(classifier, logs, CLASSIFIER, MAX_MODEL_LEN, POOLING))
         yield started[0], started[1], started[2]
     finally:
         for server in reversed(started):

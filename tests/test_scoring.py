@@ -31,7 +31,7 @@ from tests.support.servers import (
     make_config,
     start_gateway,
 )
-from tests.support.tiny_model import build_cross_encoder
+from tests.support.tiny_model import build_classifier
 from tests.support.vllm import VllmProcess, start_http_server
 from tests.support.vllm_worker import EMBED_MODEL, EMBED_OPTIONS
 from tests.support.waiting import HANG_GUARD
@@ -237,7 +237,7 @@ def vllm_reranker(
 ) -> Iterator[tuple[Gateway, str]]:
     """vLLM's own server for a tiny cross-encoder, behind a gateway that knows it as one
     (`scoring: cross-encoder`) and, under another name, as an embedding model."""
-    model_dir = build_cross_encoder(tmp_path_factory.mktemp("tiny-reranker"))
+    model_dir = build_classifier(tmp_path_factory.mktemp("tiny-reranker"), labels=1)
     names = ("--served-model-name", RERANKER, NOT_EMBEDDER)  # the last one given wins
     server = start_http_server(
         model_dir, tmp_path_factory.mktemp("rerank-logs"), RERANKER, ("--runner", "pooling", *names)

@@ -187,15 +187,17 @@ def _llama(tokenizer: PreTrainedTokenizerFast, size: tuple[int, int] | None) -> 
     return config
 
 
-def build_cross_encoder(path: Path) -> Path:
-    """Saves the tiny Llama (random weights, vLLM's shapes) with a one-label
-    classification head, and the tokenizer, to `path`: a cross-encoder, which vLLM
-    serves as a reranker (`--runner pooling`: `/rerank`, `/score`), scoring each pair by
-    the sigmoid of its one logit."""
+def build_classifier(path: Path, labels: int) -> Path:
+    """Saves the tiny Llama (random weights, vLLM's shapes) with a classification head of
+    `labels` (seeded: a head left out of the checkpoint, as `--convert classify` leaves
+    it, is vLLM's uninitialised memory, now and then NaN), and the tokenizer, to `path`.
+    With one label it is a cross-encoder, which vLLM serves as a reranker (`--runner
+    pooling`: `/rerank`, `/score`), scoring each pair by the sigmoid of its one logit;
+    with more, a classifier (`/classify`)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = _llama(tokenizer, (256, 2))
-    config.num_labels = 1
+    config.num_labels = labels
     model = LlamaForSequenceClassification(config).to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
