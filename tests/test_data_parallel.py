@@ -52,6 +52,8 @@ from tests.test_disaggregation import DOCUMENT, RoutedPrompts
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MODEL = "tiny-dp"
+#: The same server given three engines, and given as one worker.
+THREE, ONE = "tiny-dp-3", "tiny-dp-1"
 HITS = "vllm:prefix_cache_hits_total"
 
 
@@ -62,7 +64,8 @@ def server(
     """The server of two engines, and the port its rank 0 publishes on (rank 1: the next)."""
     port = _publisher_port()
     logs = tmp_path_factory.mktemp("vllm-dp")
-    extra = ("--data-parallel-size", "2", *kv_events_args(port))
+    names = ("--served-model-name", MODEL, THREE, ONE)  # the last one given wins
+    extra = (*names, "--data-parallel-size", "2", *kv_events_args(port))
     process = start_http_server(vllm_model, logs, MODEL, extra=extra)
     yield process, port
     process.stop()
@@ -171,6 +174,50 @@ def test_a_prompt_is_pinned_to_the_engine_that_holds_its_prefix(front, server, w
 GRPC_MODEL = "tiny-dp-grpc"
 
 
+def assert_engines_checked(
+    gw: Gateway, address: str, three: str, one: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server of two engines at `address`, given three (model `three`): its third
+    engine is kept out, the others serve, the log says why; given as one worker (model
+    `one`): the log says it runs two."""
+    wait_until(
+        lambda: worker_states(gw, three).get(f"{address}#dp2") == "no_such_engine",
+        "the engine its server does not run kept out",
+    )
+    assert worker_states(gw, three)[f"{address}#dp1"] == "healthy"
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+    assert f"{address}#dp2 of {three}: its server runs 2 data-parallel engines" in said
+    wait_until(
+        lambda: (
+            f"{address} of {one} runs 2 data-parallel engines, routed as one"
+            in " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+        ),
+        "the server's other engine said",
+    )
+
+
+def test_an_http_servers_engines_are_read_from_its_metrics(server_loop, workers, server, caplog):
+    """vLLM's OpenAI server says nothing of its engines but in `/metrics` (their label
+    `engine`): given one engine too many, the third is kept out (`no_such_engine`) and
+    every request goes to the two it runs; given as one worker, the log says it runs
+    two."""
+    process, _ = server
+    url = f"http://127.0.0.1:{process.port}/v1"
+    three = ModelConfig(THREE, upstream="openai", workers=(url,), data_parallel_size=3)
+    one = ModelConfig(ONE, upstream="openai", workers=(url,))
+    gw = start_gateway(server_loop, make_config(workers, models=(three, one)))
+    try:
+        assert_engines_checked(gw, url, THREE, ONE, caplog)
+        body = {"model": THREE, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
+            for _ in range(4):
+                answer = client.post("/v1/chat/completions", json=body)
+                assert answer.status_code == 200, answer.text
+        assert_nothing_left(gw, workers)
+    finally:
+        gw.stop()
+
+
 @pytest.fixture(scope="module")
 def grpc_server(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -223,16 +270,9 @@ def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_
     )
     gw = start_gateway(server_loop, make_config(workers, models=(model, three, one)))
     try:
-        states = {name: worker_states(gw, name) for name in (GRPC_MODEL, three.name)}
-        wait_until(
-            lambda: worker_states(gw, three.name)[f"{address}#dp2"] == "no_such_engine",
-            "the engine its server does not run kept out",
-        )
-        assert worker_states(gw, three.name)[f"{address}#dp1"] == "healthy"
-        assert set(states[GRPC_MODEL].values()) <= {"healthy", "unknown"}
-        said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
-        assert f"{address}#dp2 of tiny-dp-grpc-3: its server runs 2 data-parallel engines" in said
-        assert f"{address} of tiny-dp-grpc-1 runs 2 data-parallel engines, routed as one" in said
+        states = worker_states(gw, GRPC_MODEL)
+        assert_engines_checked(gw, address, three.name, one.name, caplog)
+        assert set(states.values()) <= {"healthy", "unknown"}
         caplog.set_level(logging.INFO, logger="furnace.access")
         routed = RoutedPrompts(gw, GRPC_MODEL, caplog, prefill=False)
         index = routed.router.index

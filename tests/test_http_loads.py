@@ -20,7 +20,7 @@ import pytest
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.fleet.routing import Router
 from gateway.protocol.kv_blocks import EngineLoad
-from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_load
+from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_count, engine_load
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.servers import Gateway, ServerLoop
@@ -185,6 +185,26 @@ def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
     fixed = page.replace(b'{engine="1"} NaN', b'{engine="1"} 3.0')
     assert engine_load(fixed, engine=1) == EngineLoad(running=1, waiting=3, kv_usage=0.75)
     assert engine_load(page, engine=2) is None
+
+
+def test_a_metrics_page_says_how_many_engines_its_server_runs() -> None:
+    """`engine_count` as a value: the distinct `engine` labels of the running gauge (the
+    other gauges', look-alikes' and a cut last line's not counted), one for samples
+    without the label, None for a page without the gauge."""
+    page = (
+        b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        b'vllm:num_requests_running{model_name="m",engine="1"} 0.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="n"} 0.0\n'
+        b'vllm:num_requests_waiting{engine="2"} 0.0\n'
+        b'vllm:num_requests_running_by_reason{engine="3"} 0.0\n'
+        b'vllm:num_requests_running{model_engine="4",engine="0"} 1.0\n'
+    )
+    assert engine_count(page) == 2
+    assert engine_count(page + b'vllm:num_requests_running{engine="5"} 1', truncated=True) == 2
+    assert engine_count(page + b'vllm:num_requests_running{engine="5"} 1\n') == 3
+    assert engine_count(b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0\n") == 1
+    assert engine_count(b'vllm:num_requests_waiting{engine="0"} 0\n') is None
+    assert engine_count(b"<html>not found</html>") is None
 
 
 @pytest.mark.vllm

@@ -1,6 +1,7 @@
 """Whether a worker fits where the config puts it, from what it says of itself (its
-`describe`: the models it serves, and for vLLM's gRPC servers `GetServerInfo`'s KV
-connector and data-parallel engines). A worker that does not fit is kept out of the
+`describe`: the models it serves; for vLLM's gRPC servers `GetServerInfo`'s KV
+connector and data-parallel engines; for vLLM's OpenAI servers the engines their
+`/metrics` samples). A worker that does not fit is kept out of the
 rotation, logged once, its `Worker.misfit` saying why: its state for operators
 (`/admin/workers`) and metrics (`worker_healthy{state}`). Nothing it does not say is
 checked."""

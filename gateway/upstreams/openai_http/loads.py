@@ -18,6 +18,9 @@ those names only, not parsed whole: vLLM's document is mostly histograms, and a 
 parse costs the event loop far more (vLLM 0.32's 57 KB page, idle: 48 µs here,
 prometheus_client's text parser 37 ms).
 A server whose page has no running and waiting gauges is not a vLLM: None.
+
+`engine_count` reads the same page for how many engines a data-parallel server runs (the
+`engine` labels of its running gauge): vLLM's OpenAI server has no other place that says.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ _SAMPLE = re.compile(
     + "|".join(GAUGES).encode()
     + rb')(\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
 )
+#: The `engine` label's value in a sample's labels.
+_ENGINE = re.compile(rb'(?:\{|,)engine="([^"]*)"')
+#: Engines believed at most (vLLM's data-parallel size is far smaller; `data_parallel_size`
+#: takes up to 256).
+MAX_ENGINES = 4096
 
 
 def engine_load(
@@ -85,3 +93,17 @@ def engine_load(
     if _RUNNING not in seen or _WAITING not in seen:
         return None
     return EngineLoad(running=running, waiting=waiting, kv_usage=usage)
+
+
+def engine_count(body: bytes, truncated: bool = False) -> int | None:
+    """How many engines a `/metrics` page samples the running gauge of (the distinct
+    values of their label `engine`; samples without it, one engine): a data-parallel
+    vLLM server's size. None when the page has no running gauge (not a vLLM)."""
+    if truncated:
+        body = body[: body.rfind(b"\n") + 1]
+    engines: set[bytes | None] = set()
+    for match in _SAMPLE.finditer(b"\n" + body):
+        if match[1] == _RUNNING and len(engines) < MAX_ENGINES:
+            label = _ENGINE.search(match[2] or b"")
+            engines.add(None if label is None else label[1])
+    return len(engines) or None

@@ -9,6 +9,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
@@ -49,7 +50,12 @@ from gateway.upstreams.openai_http.audio import (
     transcript_from,
 )
 from gateway.upstreams.openai_http.connections import _RawCall
-from gateway.upstreams.openai_http.loads import LOAD_QUERY, MAX_METRICS_BYTES, engine_load
+from gateway.upstreams.openai_http.loads import (
+    LOAD_QUERY,
+    MAX_METRICS_BYTES,
+    engine_count,
+    engine_load,
+)
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
@@ -239,6 +245,9 @@ class OpenAIHttpUpstream:
         self._health_url = f"{root}/health"
         self._metrics_page = f"{root}/metrics"
         self.metrics_url = f"{root}/metrics/?{LOAD_QUERY}"  # the page, until refused
+        #: The engines its server runs (`engines`), and whether that was read yet.
+        self._engines: int | None = None
+        self._engines_read = False
         url = urlsplit(self.address)
         host, port = url.hostname or "", url.port or 80
         if raw_http is None:
@@ -558,8 +567,9 @@ class OpenAIHttpUpstream:
         )
 
     async def describe(self, deadline: float) -> list[ModelDescription]:
-        """Their /models, with `max_model_len` where they give it (vLLM does). They
-        are said to serve every feature: what a server cannot do, it refuses, and
+        """Their /models, with `max_model_len` where they give it (vLLM does), and the
+        data-parallel engines their server runs where its `/metrics` says (`engines`).
+        They are said to serve every feature: what a server cannot do, it refuses, and
         its 400 (naming the parameter) reaches the client."""
         # over our own connections where the calls use them, as the health and load
         # polls: through httpx a poll of a worker took about 13,000 bytecodes of the loop
@@ -573,30 +583,58 @@ class OpenAIHttpUpstream:
         except orjson.JSONDecodeError:
             raise errors.Failed("The upstream's /models answer is not JSON.") from None
         models = (payload.get("data") if type(payload) is dict else None) or []
+        engines = await self.engines(deadline)
         return [
-            ModelDescription(m["id"], int(m.get("max_model_len") or 0), features=features.ALL)
+            ModelDescription(
+                m["id"],
+                int(m.get("max_model_len") or 0),
+                features=features.ALL,
+                data_parallel_size=engines,
+            )
             for m in models
         ]
 
     async def engine_load(self, timeout: float) -> EngineLoad | None:  # noqa: ASYNC109
         """Their engine's load from their Prometheus `/metrics` (beside `/v1`; `loads`),
         within `timeout` seconds; None when the page has no vLLM scheduler gauges or
-        there is no such page (404): not a vLLM. It asks for those gauges alone
+        there is no such page (404): not a vLLM."""
+        return await self._gauges(timeout, partial(engine_load, engine=self._rank))
+
+    async def _gauges(
+        self,
+        timeout: float,  # noqa: ASYNC109
+        read: Callable[[bytes, bool], T | None],
+    ) -> T | None:
+        """What `read` finds in their `/metrics` (the page, and whether it was cut at the
+        read bound), None for a 404. It asks for vLLM's scheduler gauges alone
         (`LOAD_QUERY` at `/metrics/`, where vLLM mounts prometheus-client's own app,
         which filters; its `/metrics` does not); a server that answers that with
-        anything but the gauges is read whole at `/metrics` from then on."""
+        anything `read` finds nothing in is read whole at `/metrics` from then on."""
         url = self.metrics_url
         status, content = await self._get(url, timeout, MAX_METRICS_BYTES)
-        truncated = len(content) >= MAX_METRICS_BYTES
-        load = engine_load(content, truncated, self._rank) if status == 200 else None
-        if load is None and url != self._metrics_page:
+        found = read(content, len(content) >= MAX_METRICS_BYTES) if status == 200 else None
+        if found is None and url != self._metrics_page:
             self.metrics_url = self._metrics_page
-            return await self.engine_load(timeout)
+            return await self._gauges(timeout, read)
         if status == 404:
             return None
         if status != 200:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
-        return load
+        return found
+
+    async def engines(self, deadline: float) -> int | None:
+        """How many data-parallel engines their server runs, as its `/metrics` samples
+        them (`engine_count`); None where it does not say (not a vLLM, no page, or no
+        answer now). Read at every describe of one engine of such a server (a server
+        restarted with fewer engines is seen); of a whole server, at its first."""
+        if self._rank is None and self._engines_read:
+            return self._engines
+        try:
+            self._engines = await self._gauges(deadline, engine_count)
+        except errors.GatewayError:
+            return None
+        self._engines_read = True
+        return self._engines
 
     async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
         """Their /health every `poll_interval`: 200 is serving (its body is not read
