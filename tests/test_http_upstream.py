@@ -262,6 +262,8 @@ def test_describe_and_health():
         200, json={"data": [{"id": "m", "max_model_len": 4096}, {"id": "n"}]}
     )
     respx.get("http://upstream.test/health").respond(200)
+    engines = b'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_running{engine="1"} 1\n'
+    respx.get(url__startswith="http://upstream.test/metrics").respond(200, content=engines)
 
     async def probe() -> tuple:
         async with httpx.AsyncClient() as http:
@@ -274,6 +276,7 @@ def test_describe_and_health():
 
     models, serving = anyio.run(probe)
     assert [(m.name, m.max_context) for m in models] == [("m", 4096), ("n", 0)]
+    assert {m.data_parallel_size for m in models} == {2}  # its /metrics' engines
     assert serving is True
 
 
