@@ -357,6 +357,11 @@ def test_model_setting_mistakes_fail_to_render(
         ({"model": {"pools": ["llama", "demo"]}}, "different engines"),
         ({"model": {"tokenizer": {"configMap": "a", "volume": {"emptyDir": {}}}}}, "tokenizer"),
         ({"pool": {"engine": "sglang"}}, "engine"),
+        ({"pool": {"args": ["-dp", "two"]}}, "workerPools.llama.args: --data-parallel-size two"),
+        (
+            {"pool": {"args": ["-dp", "2"]}, "model": {"dataParallelSize": 4}},
+            'models[1].dataParallelSize: 4, but workerPools "llama" runs 2 data-parallel',
+        ),
     ],
 )
 def test_mistakes_fail_to_render(edits: dict[str, Any], message: str, tmp_path: Path):
@@ -452,6 +457,28 @@ def test_a_pool_without_a_kv_role_runs_no_connector(tmp_path: Path):
     assert "--kv-transfer-config" not in container["args"]
     assert not [e for e in container["env"] if e["name"].startswith("VLLM_NIXL")]
     assert [p["name"] for p in container["ports"]] == ["grpc"]
+
+
+@pytest.mark.parametrize(
+    "flag", [["--data-parallel-size", "2"], ["--data-parallel-size=2"], ["-dp", "2"]]
+)
+def test_pools_of_data_parallel_servers_make_each_engine_a_worker(flag: list[str], tmp_path: Path):
+    """A model whose vLLM pools run `--data-parallel-size N` (each tier the same N) gets
+    `data_parallel_size: N` (each engine a worker of its own) without saying it."""
+    values = split(decode={"args": flag}, prefill={"args": flag})
+    manifests = render(values, tmp_path)
+    raw = yaml.safe_load(one(manifests, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    assert raw["models"][1]["data_parallel_size"] == 2
+    assert "data_parallel_size" not in raw["models"][0]
+    assert worker(manifests, POOL)["args"][-len(flag) :] == flag
+    said = copy.deepcopy(values)
+    said["models"][1]["dataParallelSize"] = 2  # said as well: the same
+    raw = yaml.safe_load(one(render(said, tmp_path), "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    assert raw["models"][1]["data_parallel_size"] == 2
+    plain = yaml.safe_load(
+        one(render(DISAGGREGATED, tmp_path), "ConfigMap", FULLNAME)["data"]["config.yaml"]
+    )
+    assert "data_parallel_size" not in plain["models"][1]
 
 
 def test_the_model_prefills_on_its_prefill_pools_and_the_loader_takes_it(tmp_path: Path):
@@ -574,6 +601,10 @@ def vllm(**fields: Any) -> dict[str, Any]:
         (
             {"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "localhost"}]}},
             "workerPools.llama.env: vllm.kvRole sets VLLM_NIXL_SIDE_CHANNEL_HOST",
+        ),
+        (
+            {"decode": {"args": ["--data-parallel-size", "2"]}},
+            'models[1]: workerPools "llama" and "llama-prefill" run 2 and 1 data-parallel engines',
         ),
     ],
 )

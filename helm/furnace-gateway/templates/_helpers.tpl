@@ -100,6 +100,31 @@ prefills, `kv_consumer`: it decodes, `kv_both`), checked; empty without one. Arg
 {{- end }}
 {{- end }}
 
+{{/* How many data-parallel engines each server of a vLLM pool runs: its args'
+`--data-parallel-size N` (or `-dp N`, `--data-parallel-size=N`), else 1. Argument: (dict
+"name" "pool"). */}}
+{{- define "furnace-gateway.poolDataParallelSize" -}}
+{{- $size := "1" }}
+{{- $next := false }}
+{{- range $word := .pool.args | default list }}
+{{- $word = toString $word }}
+{{- if $next }}
+{{- $size = $word }}
+{{- $next = false }}
+{{- else if has $word (list "--data-parallel-size" "-dp") }}
+{{- $next = true }}
+{{- else if hasPrefix "--data-parallel-size=" $word }}
+{{- $size = trimPrefix "--data-parallel-size=" $word }}
+{{- else if hasPrefix "-dp=" $word }}
+{{- $size = trimPrefix "-dp=" $word }}
+{{- end }}
+{{- end }}
+{{- if not (regexMatch "^[1-9][0-9]*$" $size) }}
+{{- fail (printf "workerPools.%s.args: --data-parallel-size %s is not a count of engines" .name $size) }}
+{{- end }}
+{{- $size }}
+{{- end }}
+
 {{/* The port of a pool's NIXL side channel (`vllm.nixlSideChannelPort`, default vLLM's
 5600), empty for a pool without `vllm.kvRole`. Argument: (dict "name" "pool"). */}}
 {{- define "furnace-gateway.nixlSideChannelPort" -}}
@@ -354,11 +379,34 @@ model's `pools` then decode (kv_consumer or kv_both); `prefillWorkers` are any s
 {{- with $model.prices }}
 {{- $_ := set $entry "prices" . }}
 {{- end }}
+{{- /* The engines of its vLLM pools' servers (their `--data-parallel-size`), one size
+for every pool of both tiers: each engine a worker of its own (`data_parallel_size`). */}}
+{{- $engines := 0 }}
+{{- $first := "" }}
+{{- range $name := concat ($model.pools | default list) ($model.prefillPools | default list) }}
+{{- $pool := index $root.Values.workerPools $name }}
+{{- if eq (include "furnace-gateway.poolEngine" $pool) "vllm-grpc" }}
+{{- $size := include "furnace-gateway.poolDataParallelSize" (dict "name" $name "pool" $pool) | atoi }}
+{{- if not $first }}
+{{- $engines = $size }}
+{{- $first = $name }}
+{{- else if ne $size $engines }}
+{{- fail (printf "models[%d]: workerPools %q and %q run %d and %d data-parallel engines (--data-parallel-size): one model's servers run one number" $i $first $name $engines $size) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with $model.dataParallelSize }}
 {{- if not (has $upstream (list "openai" "vllm-grpc")) }}
 {{- fail (printf "models[%d].dataParallelSize: only for upstream openai or vllm-grpc (vLLM's servers)" $i) }}
 {{- end }}
+{{- if and $first (ne (int .) $engines) }}
+{{- fail (printf "models[%d].dataParallelSize: %d, but workerPools %q runs %d data-parallel engines (--data-parallel-size); leave it out to take the pools'" $i (int .) $first $engines) }}
+{{- end }}
 {{- $_ := set $entry "data_parallel_size" (int .) }}
+{{- else }}
+{{- if gt $engines 1 }}
+{{- $_ := set $entry "data_parallel_size" $engines }}
+{{- end }}
 {{- end }}
 {{- range $name, $key := dict "toolCallParser" "tool_call_parser" "reasoningParser" "reasoning_parser" "plainTextContents" "plain_text_contents" }}
 {{- if hasKey $model $name }}
