@@ -609,18 +609,19 @@ class OpenAIHttpUpstream:
         read bound), None for a 404. It asks for vLLM's scheduler gauges alone
         (`LOAD_QUERY` at `/metrics/`, where vLLM mounts prometheus-client's own app,
         which filters; its `/metrics` does not); a server that answers that with
-        anything `read` finds nothing in is read whole at `/metrics` from then on."""
+        anything but a running gauge is read whole at `/metrics` from then on (one
+        engine's missing samples are that engine's, not the page's, fault)."""
         url = self.metrics_url
         status, content = await self._get(url, timeout, MAX_METRICS_BYTES)
-        found = read(content, len(content) >= MAX_METRICS_BYTES) if status == 200 else None
-        if found is None and url != self._metrics_page:
+        cut = len(content) >= MAX_METRICS_BYTES
+        if url != self._metrics_page and (status != 200 or engine_count(content, cut) is None):
             self.metrics_url = self._metrics_page
             return await self._gauges(timeout, read)
         if status == 404:
             return None
         if status != 200:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
-        return found
+        return read(content, cut)
 
     async def engines(self, deadline: float) -> int | None:
         """How many data-parallel engines their server runs, as its `/metrics` samples
