@@ -122,23 +122,23 @@ async def serve(port: int, model_dir: Path, step: float, per_chunk: int, name: s
     eos = config.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     eos_ids = [i for i in [tokenizer.token_to_id(eos)] if i is not None] if eos else []
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    engine = FakeVllm(ids, eos_ids, step, per_chunk, (str(model_dir), name))
+    server, _ = await start(engine, port)
+    await server.wait_for_termination()
+
+
+async def start(engine: pb_grpc.VllmEngineServicer, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """`engine` served on loopback at `port` (0: a free one), its grpc.health.v1 service
+    SERVING, as vLLM's gRPC server has it; the server, started, and its port."""
     server = grpc.aio.server()
-    pb_grpc.add_VllmEngineServicer_to_server(
-        FakeVllm(
-            tokenizer.encode(TEXT, add_special_tokens=False).ids,
-            eos_ids,
-            step,
-            per_chunk,
-            (str(model_dir), name),
-        ),
-        server,
-    )
+    pb_grpc.add_VllmEngineServicer_to_server(engine, server)
     checks = health.aio.HealthServicer()
     await checks.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    await server.wait_for_termination()
+    return server, port
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -20,10 +21,10 @@ import pytest
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.fleet.routing import Router
 from gateway.protocol.kv_blocks import EngineLoad
-from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_count, engine_load
+from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_load, engine_ranks
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
-from tests.support.servers import Gateway, ServerLoop
+from tests.support.servers import Gateway, ServerLoop, worker_states
 from tests.support.vllm import VllmProcess
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -154,6 +155,42 @@ def test_a_server_without_vllm_gauges_keeps_no_load_record_visibly_and_serves(
     assert len(said) == 1
 
 
+def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_checked_against(
+    servers: tuple[list[OpenAIServer], CertificateAuthority],
+    gateway_with: Callable[..., Gateway],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under vLLM's hybrid load balancing a server runs ranks 8 and 9 of a larger group: given
+    two engines, neither of its ranks 0 and 1 is one it runs (kept out, `no_such_engine`,
+    saying its ranks). Under external load balancing a server runs one rank (here 5) and
+    is one worker: nothing to say, it serves."""
+    (hybrid, external), ca = servers
+    hybrid.load = external.load = (0, 0, 0.0)
+    hybrid.engines, external.engines = (8, 9), (5,)
+    split = ModelConfig(
+        MODEL,
+        workers=(hybrid.url,),
+        upstream="openai",
+        api_key_env=KEY_ENV,
+        ca_file=ca.ca_file,
+        data_parallel_size=2,
+    )
+    alone = replace(split, name="http-loads-alone", workers=(external.url,), data_parallel_size=1)
+    external.model = alone.name
+    gw = gateway_with(models=(split, alone))
+    out = dict.fromkeys((f"{hybrid.url}#dp0", f"{hybrid.url}#dp1"), "no_such_engine")
+    wait_until(
+        lambda: worker_states(gw, MODEL) == out, "the ranks its server does not run kept out"
+    )
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+    assert "its server runs 2 data-parallel engines (ranks 8, 9), not 2" in said
+    wait_until(lambda: worker_states(gw, alone.name) == {external.url: "healthy"}, "serving")
+    body = {"model": alone.name, "messages": [{"role": "user", "content": "hi"}]}
+    answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+    assert answer.status_code == 200, answer.text
+    assert not [r for r in caplog.records if external.url in r.getMessage()]
+
+
 def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
     """The parser as a value: vLLM's samples summed over engines (the fullest engine's
     KV use), look-alike names and comments ignored, a cut last line not read, values
@@ -187,24 +224,28 @@ def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:
     assert engine_load(page, engine=2) is None
 
 
-def test_a_metrics_page_says_how_many_engines_its_server_runs() -> None:
-    """`engine_count` as a value: the distinct `engine` labels of the running gauge (the
-    other gauges', look-alikes' and a cut last line's not counted), one for samples
-    without the label, None for a page without the gauge."""
+def test_a_metrics_page_says_which_engines_its_server_runs() -> None:
+    """`engine_ranks` as a value: the `engine` labels of the running gauge, in order (the
+    other gauges', look-alikes', a cut last line's and labels that are no rank not
+    counted), rank 0 for samples without the label, None for a page without the gauge."""
     page = (
-        b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-        b'vllm:num_requests_running{model_name="m",engine="1"} 0.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        b'vllm:num_requests_running{model_name="m",engine="0"} 0.0\n'
         b'vllm:num_requests_running{engine="1",model_name="n"} 0.0\n'
         b'vllm:num_requests_waiting{engine="2"} 0.0\n'
         b'vllm:num_requests_running_by_reason{engine="3"} 0.0\n'
         b'vllm:num_requests_running{model_engine="4",engine="0"} 1.0\n'
+        b'vllm:num_requests_running{engine="-1"} 1.0\n'
     )
-    assert engine_count(page) == 2
-    assert engine_count(page + b'vllm:num_requests_running{engine="5"} 1', truncated=True) == 2
-    assert engine_count(page + b'vllm:num_requests_running{engine="5"} 1\n') == 3
-    assert engine_count(b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0\n") == 1
-    assert engine_count(b'vllm:num_requests_waiting{engine="0"} 0\n') is None
-    assert engine_count(b"<html>not found</html>") is None
+    assert engine_ranks(page) == (0, 1)
+    assert engine_ranks(page + b'vllm:num_requests_running{engine="9"} 1', truncated=True) == (0, 1)
+    assert engine_ranks(page + b'vllm:num_requests_running{engine="9"} 1\n') == (0, 1, 9)
+    # a server of hybrid load balancing: a slice of the ranks
+    hybrid = b"".join(b'vllm:num_requests_running{engine="%d"} 0\n' % r for r in (9, 8))
+    assert engine_ranks(hybrid) == (8, 9)
+    assert engine_ranks(b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0\n") == (0,)
+    assert engine_ranks(b'vllm:num_requests_waiting{engine="0"} 0\n') is None
+    assert engine_ranks(b"<html>not found</html>") is None
 
 
 @pytest.mark.vllm

@@ -276,7 +276,7 @@ def test_describe_and_health():
 
     models, serving = anyio.run(probe)
     assert [(m.name, m.max_context) for m in models] == [("m", 4096), ("n", 0)]
-    assert {m.data_parallel_size for m in models} == {2}  # its /metrics' engines
+    assert {m.engine_ranks for m in models} == {(0, 1)}  # its /metrics' engines
     assert serving is True
 
 

@@ -40,11 +40,11 @@ def misfit(
             f"worker {address} of {pool.name} has no KV connector (vLLM's "
             "--kv-transfer-config), which prefill/decode disaggregation needs"
         )
-    engines, (_, rank) = mine.data_parallel_size, split(address)
-    if engines is not None and rank is not None and rank >= engines:
+    engines, (_, rank) = mine.engine_ranks, split(address)
+    if engines is not None and rank is not None and rank not in engines:
         return NO_SUCH_ENGINE, (
-            f"worker {address} of {pool.name}: its server runs {engines} data-parallel "
-            f"engines, not {pool.data_parallel_size} (models[].data_parallel_size)"
+            f"worker {address} of {pool.name}: its server runs {_described(engines)}, "
+            f"not {pool.data_parallel_size} (models[].data_parallel_size)"
         )
     return None
 
@@ -53,16 +53,26 @@ def idle_engines(pool: ModelPool, address: str, mine: ModelDescription | None) -
     """A sentence for the log when the server at `address` runs more data-parallel engines
     than the config gives it (some never get a request, or its own balancing places
     requests the routing meant for one cache), said for its first engine only; else None."""
-    engines = None if mine is None else mine.data_parallel_size
+    engines = None if mine is None else mine.engine_ranks
     server, rank = split(address)
-    if engines is None or rank not in (None, 0) or engines <= pool.data_parallel_size:
+    if engines is None or rank not in (None, 0) or len(engines) <= pool.data_parallel_size:
         return None
     if pool.data_parallel_size == 1:
         return (
-            f"worker {server} of {pool.name} runs {engines} data-parallel engines, routed as "
+            f"worker {server} of {pool.name} runs {_described(engines)}, routed as "
             "one worker: set models[].data_parallel_size to route each on its own cache"
         )
     return (
-        f"worker {server} of {pool.name} runs {engines} data-parallel engines, "
+        f"worker {server} of {pool.name} runs {_described(engines)}, "
         f"models[].data_parallel_size {pool.data_parallel_size}: the others get no request"
     )
+
+
+def _described(ranks: tuple[int, ...]) -> str:
+    """A server's engines in words: "2 data-parallel engines", and their ranks where they
+    are not 0 to N-1 (a server of external or hybrid load balancing)."""
+    words = f"{len(ranks)} data-parallel engine{'s' if len(ranks) != 1 else ''}"
+    if ranks == tuple(range(len(ranks))):
+        return words
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"{words} (ranks {shown})"

@@ -72,9 +72,10 @@ class ModelDescription:
     #: `--kv-transfer-config`, e.g. `NixlConnector`); "": it has none; None: it does
     #: not say. A split model's workers need one (`prefill_workers`).
     kv_connector: str | None = None
-    #: The data-parallel engines its server runs (vLLM's `--data-parallel-size`); None:
-    #: it does not say.
-    data_parallel_size: int | None = None
+    #: The data-parallel ranks of the engines its server runs, in order (vLLM's
+    #: `--data-parallel-size` N: 0 to N-1; a server of external or hybrid load balancing
+    #: runs a slice of the ranks); None: it does not say.
+    engine_ranks: tuple[int, ...] | None = None
 
 
 class StreamBookkeeping:

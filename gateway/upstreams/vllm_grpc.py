@@ -1061,23 +1061,27 @@ class VllmGrpcUpstream:
         data-parallel engines."""
         info = await self.model_info(deadline)
         server = await self.server_info(deadline)
+        # (0: a servicer older than the field says nothing of it)
+        size = 0 if server is None else server.data_parallel_size
         mine = ModelDescription(
             self.model,
             info.max_context_length,
             features=self.features(info),
             kv_connector=None if server is None else server.kv_connector,
-            # (0: a servicer older than the field says nothing of it)
-            data_parallel_size=None if server is None else server.data_parallel_size or None,
+            engine_ranks=tuple(range(size)) if size else None,
         )
         try:
             reply = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=deadline)
         except grpc.RpcError:  # an engine without load reports is served all the same
             return [mine]
         loads = reply.loads
+        # the ranks it serves: a slice of `data_parallel_size`'s under external or hybrid
+        # load balancing (GetServerInfo gives the whole group's size)
+        ranks = tuple(sorted({load.dp_rank for load in loads}))
         if self.data_parallel_rank is not None:  # one engine's load, not the server's
             loads = [load for load in loads if load.dp_rank == self.data_parallel_rank]
         running, full = engine_load(loads)
-        return [replace(mine, load=running, full=full)]
+        return [replace(mine, load=running, full=full, engine_ranks=ranks or mine.engine_ranks)]
 
     async def embed(
         self,

@@ -75,6 +75,9 @@ class OpenAIServer:
         self.load: tuple[int, int, float] | None = None
         #: Set to answer /metrics with this status instead (a failing page).
         self.metrics_status = 200
+        #: The data-parallel ranks of the engines its /metrics samples (the load on the
+        #: first and the second; none on the others).
+        self.engines: tuple[int, ...] = (0, 1)
         #: Seconds its /health takes to answer (a loaded server's).
         self.health_delay = 0.0
         self.port = free_port()
@@ -131,19 +134,22 @@ class OpenAIServer:
         def labels(engine: int) -> str:
             return f'engine="{engine}",model_name="{model}"'
 
+        first, *others = self.engines
+        second, rest = others[:1], others[1:]
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels(0)}}} {running - running // 2}.0",
-            f"vllm:num_requests_running{{{labels(1)}}} {running // 2}.0",
+            f"vllm:num_requests_running{{{labels(first)}}} {running - running // 2}.0",
+            *(f"vllm:num_requests_running{{{labels(e)}}} {running // 2}.0" for e in second),
+            *(f"vllm:num_requests_running{{{labels(e)}}} 0.0" for e in rest),
             "# TYPE vllm:num_requests_waiting_by_reason gauge",
-            f'vllm:num_requests_waiting_by_reason{{{labels(0)},reason="capacity"}} 99.0',
+            f'vllm:num_requests_waiting_by_reason{{{labels(first)},reason="capacity"}} 99.0',
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{labels(0)}}} {waiting}.0",
-            f"vllm:num_requests_waiting{{{labels(1)}}} 0.0",
+            f"vllm:num_requests_waiting{{{labels(first)}}} {waiting}.0",
+            *(f"vllm:num_requests_waiting{{{labels(e)}}} 0.0" for e in others),
             "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{labels(0)}}} {usage}",
-            f"vllm:kv_cache_usage_perc{{{labels(1)}}} 0.0",
+            f"vllm:kv_cache_usage_perc{{{labels(first)}}} {usage}",
+            *(f"vllm:kv_cache_usage_perc{{{labels(e)}}} 0.0" for e in others),
         ]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -19,7 +19,7 @@ parse costs the event loop far more (vLLM 0.32's 57 KB page, idle: 48 µs here,
 prometheus_client's text parser 37 ms).
 A server whose page has no running and waiting gauges is not a vLLM: None.
 
-`engine_count` reads the same page for how many engines a data-parallel server runs (the
+`engine_ranks` reads the same page for the engines a data-parallel server runs (the
 `engine` labels of its running gauge): vLLM's OpenAI server has no other place that says.
 """
 
@@ -95,15 +95,21 @@ def engine_load(
     return EngineLoad(running=running, waiting=waiting, kv_usage=usage)
 
 
-def engine_count(body: bytes, truncated: bool = False) -> int | None:
-    """How many engines a `/metrics` page samples the running gauge of (the distinct
-    values of their label `engine`; samples without it, one engine): a data-parallel
-    vLLM server's size. None when the page has no running gauge (not a vLLM)."""
+def engine_ranks(body: bytes, truncated: bool = False) -> tuple[int, ...] | None:
+    """The data-parallel ranks a `/metrics` page samples the running gauge of (the
+    values of their label `engine`, in order; samples without it, one engine: rank 0):
+    the engines a vLLM server runs. None when the page has no running gauge (not a
+    vLLM)."""
     if truncated:
         body = body[: body.rfind(b"\n") + 1]
-    engines: set[bytes | None] = set()
+    ranks: set[int] = set()
+    seen = False
     for match in _SAMPLE.finditer(b"\n" + body):
-        if match[1] == _RUNNING and len(engines) < MAX_ENGINES:
+        if match[1] == _RUNNING and len(ranks) < MAX_ENGINES:
+            seen = True
             label = _ENGINE.search(match[2] or b"")
-            engines.add(None if label is None else label[1])
-    return len(engines) or None
+            if label is None:
+                ranks.add(0)
+            elif label[1].isdigit() and len(label[1]) <= 6:
+                ranks.add(int(label[1]))
+    return tuple(sorted(ranks)) if seen else None

@@ -53,8 +53,8 @@ from gateway.upstreams.openai_http.connections import _RawCall
 from gateway.upstreams.openai_http.loads import (
     LOAD_QUERY,
     MAX_METRICS_BYTES,
-    engine_count,
     engine_load,
+    engine_ranks,
 )
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
@@ -246,7 +246,7 @@ class OpenAIHttpUpstream:
         self._metrics_page = f"{root}/metrics"
         self.metrics_url = f"{root}/metrics/?{LOAD_QUERY}"  # the page, until refused
         #: The engines its server runs (`engines`), and whether that was read yet.
-        self._engines: int | None = None
+        self._engines: tuple[int, ...] | None = None
         self._engines_read = False
         url = urlsplit(self.address)
         host, port = url.hostname or "", url.port or 80
@@ -589,7 +589,7 @@ class OpenAIHttpUpstream:
                 m["id"],
                 int(m.get("max_model_len") or 0),
                 features=features.ALL,
-                data_parallel_size=engines,
+                engine_ranks=engines,
             )
             for m in models
         ]
@@ -614,7 +614,7 @@ class OpenAIHttpUpstream:
         url = self.metrics_url
         status, content = await self._get(url, timeout, MAX_METRICS_BYTES)
         cut = len(content) >= MAX_METRICS_BYTES
-        if url != self._metrics_page and (status != 200 or engine_count(content, cut) is None):
+        if url != self._metrics_page and (status != 200 or engine_ranks(content, cut) is None):
             self.metrics_url = self._metrics_page
             return await self._gauges(timeout, read)
         if status == 404:
@@ -623,15 +623,15 @@ class OpenAIHttpUpstream:
             raise error_from_response(status, content[:MAX_ERROR_BYTES])
         return read(content, cut)
 
-    async def engines(self, deadline: float) -> int | None:
-        """How many data-parallel engines their server runs, as its `/metrics` samples
-        them (`engine_count`); None where it does not say (not a vLLM, no page, or no
-        answer now). Read at every describe of one engine of such a server (a server
-        restarted with fewer engines is seen); of a whole server, at its first."""
+    async def engines(self, deadline: float) -> tuple[int, ...] | None:
+        """The data-parallel ranks of the engines their server runs, as its `/metrics`
+        samples them (`engine_ranks`); None where it does not say (not a vLLM, no page,
+        or no answer now). Read at every describe of one engine of such a server (a
+        server restarted with fewer engines is seen); of a whole server, at its first."""
         if self._rank is None and self._engines_read:
             return self._engines
         try:
-            self._engines = await self._gauges(deadline, engine_count)
+            self._engines = await self._gauges(deadline, engine_ranks)
         except errors.GatewayError:
             return None
         self._engines_read = True
