@@ -1075,13 +1075,17 @@ class VllmGrpcUpstream:
         except grpc.RpcError:  # an engine without load reports is served all the same
             return [mine]
         loads = reply.loads
-        # the ranks it serves: a slice of `data_parallel_size`'s under external or hybrid
-        # load balancing (GetServerInfo gives the whole group's size)
-        ranks = tuple(sorted({load.dp_rank for load in loads}))
+        ranks = mine.engine_ranks
+        listed = sorted({load.dp_rank for load in loads})
+        if listed and listed[0] > 0:
+            # GetServerInfo gives the whole group's size; a server whose first rank (one
+            # it always lists) is not 0 runs a slice of the ranks (vLLM's external or
+            # hybrid load balancing): those it lists (a rank lists once it has stepped)
+            ranks = tuple(listed)
         if self.data_parallel_rank is not None:  # one engine's load, not the server's
             loads = [load for load in loads if load.dp_rank == self.data_parallel_rank]
         running, full = engine_load(loads)
-        return [replace(mine, load=running, full=full, engine_ranks=ranks or mine.engine_ranks)]
+        return [replace(mine, load=running, full=full, engine_ranks=ranks)]
 
     async def embed(
         self,
