@@ -53,6 +53,11 @@ def engine_address(server: str, rank: int | None) -> str:
     return server if rank is None else f"{server}{RANK_MARK}{rank}"
 
 
+#: Data-parallel engines believed of one server at most (`ModelDescription.engine_ranks`:
+#: vLLM's groups are far smaller; `data_parallel_size` takes up to 256).
+MAX_ENGINE_RANKS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class ModelDescription:
     """One model a worker says it serves."""

@@ -107,6 +107,7 @@ from gateway.tokenization import ModelTokenizer, StreamDetokenizer, load_tokeniz
 from gateway.upstreams.base import (
     CANCELLED,
     HEAD_GRACE,
+    MAX_ENGINE_RANKS,
     CallEnd,
     ModelDescription,
     StreamBookkeeping,
@@ -1062,7 +1063,7 @@ class VllmGrpcUpstream:
         info = await self.model_info(deadline)
         server = await self.server_info(deadline)
         # (0: a servicer older than the field says nothing of it)
-        size = 0 if server is None else server.data_parallel_size
+        size = 0 if server is None else min(server.data_parallel_size, MAX_ENGINE_RANKS)
         mine = ModelDescription(
             self.model,
             info.max_context_length,
@@ -1076,7 +1077,7 @@ class VllmGrpcUpstream:
             return [mine]
         loads = reply.loads
         ranks = mine.engine_ranks
-        listed = sorted({load.dp_rank for load in loads})
+        listed = sorted({load.dp_rank for load in loads[:MAX_ENGINE_RANKS]})
         if listed and listed[0] > 0:
             # GetServerInfo gives the whole group's size; a server whose first rank (one
             # it always lists) is not 0 runs a slice of the ranks (vLLM's external or

@@ -30,6 +30,7 @@ import re
 from urllib.parse import urlencode
 
 from gateway.protocol.kv_blocks import EngineLoad
+from gateway.upstreams.base import MAX_ENGINE_RANKS
 
 #: Bytes of `/metrics` read at most (vLLM 0.32's page is ~60 KB, most of it histograms;
 #: it grows with more label values, such as LoRA adapters).
@@ -56,9 +57,6 @@ _SAMPLE = re.compile(
 )
 #: The `engine` label's value in a sample's labels.
 _ENGINE = re.compile(rb'(?:\{|,)engine="([^"]*)"')
-#: Engines believed at most (vLLM's data-parallel size is far smaller; `data_parallel_size`
-#: takes up to 256).
-MAX_ENGINES = 4096
 
 
 def engine_load(
@@ -105,7 +103,7 @@ def engine_ranks(body: bytes, truncated: bool = False) -> tuple[int, ...] | None
     ranks: set[int] = set()
     seen = False
     for match in _SAMPLE.finditer(b"\n" + body):
-        if match[1] == _RUNNING and len(ranks) < MAX_ENGINES:
+        if match[1] == _RUNNING and len(ranks) < MAX_ENGINE_RANKS:
             seen = True
             label = _ENGINE.search(match[2] or b"")
             if label is None:
