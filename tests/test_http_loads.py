@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,20 +52,21 @@ def servers(
         server_loop.call(server.stop())
 
 
+def _model(servers: list[OpenAIServer], ca: CertificateAuthority, **fields: Any) -> ModelConfig:
+    """The model of `servers`, reached with their key and CA, with `fields`."""
+    workers = tuple(s.url for s in servers)
+    return ModelConfig(
+        MODEL, workers=workers, upstream="openai", api_key_env=KEY_ENV, ca_file=ca.ca_file, **fields
+    )
+
+
 def _gateway(
     gateway_with: Callable[..., Gateway],
     servers: list[OpenAIServer],
     ca: CertificateAuthority,
     **routing: object,
 ) -> tuple[Gateway, Router]:
-    model = ModelConfig(
-        MODEL,
-        workers=tuple(s.url for s in servers),
-        upstream="openai",
-        api_key_env=KEY_ENV,
-        ca_file=ca.ca_file,
-        routing=RoutingConfig(load_interval=0.1, **routing),  # type: ignore[arg-type]
-    )
+    model = _model(servers, ca, routing=RoutingConfig(load_interval=0.1, **routing))  # type: ignore[arg-type]
     gw = gateway_with(models=(model,))
     router = gw.state.fleet.models[MODEL].router
     assert router is not None
@@ -167,15 +169,8 @@ def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_checked_agains
     (hybrid, external), ca = servers
     hybrid.load = external.load = (0, 0, 0.0)
     hybrid.engines, external.engines = (8, 9), (5,)
-    split = ModelConfig(
-        MODEL,
-        workers=(hybrid.url,),
-        upstream="openai",
-        api_key_env=KEY_ENV,
-        ca_file=ca.ca_file,
-        data_parallel_size=2,
-    )
-    alone = replace(split, name="http-loads-alone", workers=(external.url,), data_parallel_size=1)
+    split = _model([hybrid], ca, data_parallel_size=2)
+    alone = replace(_model([external], ca), name="http-loads-alone")
     external.model = alone.name
     gw = gateway_with(models=(split, alone))
     out = dict.fromkeys((f"{hybrid.url}#dp0", f"{hybrid.url}#dp1"), "no_such_engine")
