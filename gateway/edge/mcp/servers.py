@@ -189,9 +189,9 @@ async def list_tools(server: McpServer, timeout: float) -> list[McpTool]:  # noq
                     break
     except McpFailure:
         raise
-    except TimeoutError:
-        raise McpFailure(f"it did not list its tools within {timeout:g} s") from None
     except Exception as error:  # the SDK's and the transport's, any of them
+        if _timed_out(error):
+            raise McpFailure(f"it did not list its tools within {timeout:g} s") from None
         raise McpFailure(f"its tools could not be listed: {_said(error)}") from None
     return tools
 
@@ -253,9 +253,9 @@ async def call_tool(
     try:
         async with asyncio.timeout(timeout), http, client:
             result = await client.call_tool(name, parsed)
-    except TimeoutError:
-        return None, f"The tool did not answer within {timeout:g} s."
     except Exception as error:  # the SDK's and the transport's, any of them
+        if _timed_out(error):
+            return None, f"The tool did not answer within {timeout:g} s."
         return None, f"The tool could not be called: {_said(error)}"
     texts = [str(getattr(block, "text", "")) for block in result.content if block.type == "text"]
     output = "".join(texts)
@@ -265,6 +265,17 @@ async def call_tool(
     if result.is_error:
         return None, output or "The tool failed."
     return output, None
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether the step ran out of its time: our bound's `TimeoutError`, or the HTTP
+    client's own timeout (the same bound), which the SDK's transport task may raise first
+    (a group's first)."""
+    import httpx2
+
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return isinstance(error, TimeoutError | httpx2.TimeoutException)
 
 
 def _said(error: BaseException) -> str:
