@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -184,6 +185,43 @@ def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_checked_agains
     answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
     assert answer.status_code == 200, answer.text
     assert not [r for r in caplog.records if external.url in r.getMessage()]
+
+
+def test_the_engines_of_a_data_parallel_server_poll_it_as_one(
+    servers: tuple[list[OpenAIServer], CertificateAuthority],
+    gateway_with: Callable[..., Gateway],
+) -> None:
+    """Four engines of one server (`data_parallel_size: 4`), each a worker, share their
+    polls of it (`openai_http.polls`): its `/health`, `/v1/models` and `/metrics` are each
+    asked about once an interval, not once an engine; each engine still has its own
+    load record, read from its own samples of the page, and serves."""
+    (server, _), ca = servers
+    server.engines, server.load = (0, 1, 2, 3), (4, 0, 0.25)
+    interval = 0.2
+    routing = RoutingConfig(policy="least_load", load_interval=interval)
+    model = _model([server], ca, data_parallel_size=4, routing=routing)
+    gw = gateway_with(models=(model,), health_check_interval=interval)
+    router = gw.state.fleet.models[MODEL].router
+    assert router is not None
+    engines = [f"{server.url}#dp{rank}" for rank in range(4)]
+
+    def loads() -> list[EngineLoad | None]:
+        return [getattr(router.index.workers.get(e), "load", None) for e in engines]
+
+    wait_until(lambda: None not in loads(), "each engine's load record")
+    first = EngineLoad(running=2, waiting=0, kv_usage=0.25)  # the page's first engine's
+    assert loads() == [first, EngineLoad(running=2), EngineLoad(), EngineLoad()]
+    wait_until(lambda: set(worker_states(gw, MODEL).values()) == {"healthy"}, "all serving")
+    server.gets.clear()
+    began = time.monotonic()
+    time.sleep(10 * interval)
+    rounds = (time.monotonic() - began) / interval + 1
+    # one GET a round: of four engines unshared, four (the /metrics page twice a round:
+    # each engine's load and its describe)
+    assert 0 < server.gets["/health"] <= 2 * rounds, server.gets
+    assert 0 < server.gets["/v1/models"] <= 2 * rounds, server.gets
+    assert 0 < server.gets["/metrics"] <= 4 * rounds, server.gets
+    assert _served_by(gw) == "first"
 
 
 def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:

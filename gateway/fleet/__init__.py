@@ -68,6 +68,7 @@ from gateway.upstreams.base import Upstream, UpstreamCall
 from gateway.upstreams.furnace_grpc import FurnaceGrpcUpstream
 from gateway.upstreams.kserve_grpc import KServeGrpcUpstream
 from gateway.upstreams.openai_http import OpenAIHttpUpstream, http_client
+from gateway.upstreams.openai_http.polls import SharedPolls
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 from gateway.upstreams.vllm_kv import RankedEvents
 
@@ -164,19 +165,22 @@ class Fleet:
         if model.data_parallel_size == 1:
             return self._server_factory(model)
         make = cast(Callable[..., Upstream], self._server_factory(model))
-        # a vLLM gRPC server's engines share one KV-event stream, each reading its rank's
-        # (held by their upstreams: gone with the server's last one)
-        shared: weakref.WeakValueDictionary[str, RankedEvents] = weakref.WeakValueDictionary()
-        ranked = model.upstream == "vllm-grpc"
+        # the engines of one server share what is the server's (held by their upstreams:
+        # gone with the server's last one): a vLLM gRPC server's KV-event stream, each
+        # reading its rank's; an OpenAI server's polls
+        kind: type[RankedEvents | SharedPolls] = RankedEvents
+        keyword = "ranked_events"
+        if model.upstream == "openai":
+            kind, keyword = SharedPolls, "polls"
+        shared: weakref.WeakValueDictionary[str, RankedEvents | SharedPolls]
+        shared = weakref.WeakValueDictionary()
 
         def engine(address: str) -> Upstream:
             server, rank = split(address)
-            if not ranked:
-                return make(server, data_parallel_rank=rank)
-            events = shared.get(server)
-            if events is None:
-                events = shared[server] = RankedEvents()
-            return make(server, data_parallel_rank=rank, ranked_events=events)
+            held = shared.get(server)
+            if held is None:
+                held = shared[server] = kind()
+            return make(server, data_parallel_rank=rank, **{keyword: held})
 
         return engine
 
@@ -203,9 +207,11 @@ class Fleet:
 
         api_key = os.environ[model.api_key_env] if model.api_key_env is not None else None
 
-        def upstream(base_url: str, data_parallel_rank: int | None = None) -> Upstream:
+        def upstream(
+            base_url: str, data_parallel_rank: int | None = None, polls: SharedPolls | None = None
+        ) -> Upstream:
             client = self._http_client(model.ca_file)
-            return OpenAIHttpUpstream(base_url, client, api_key, data_parallel_rank)
+            return OpenAIHttpUpstream(base_url, client, api_key, data_parallel_rank, polls=polls)
 
         return upstream
 

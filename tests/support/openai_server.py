@@ -10,6 +10,7 @@ import hashlib
 import math
 import os
 import secrets
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,8 @@ class OpenAIServer:
         #: Seconds between a chat stream's chunks (an engine's steps); 0: all at once.
         self.pace = 0.0
         self.refused = 0
+        #: The GETs of its health, models and metrics pages it answered, by path.
+        self.gets: Counter[str] = Counter()
         self.last_body: dict[str, Any] = {}
         #: The last transcription's form: its fields' values, and the file's bytes.
         self.last_form: dict[str, list[str]] = {}
@@ -116,14 +119,17 @@ class OpenAIServer:
         return JSONResponse({"error": error}, status_code=401)
 
     async def _health(self, request: Request) -> Response:
+        self.gets[request.url.path] += 1
         await asyncio.sleep(self.health_delay)
         return self._refusal(request) or Response(status_code=200)
 
     async def _models(self, request: Request) -> Response:
+        self.gets[request.url.path] += 1
         refusal = self._refusal(request)
         return refusal or JSONResponse({"data": [{"id": self.model, "max_model_len": 4096}]})
 
     async def _metrics(self, request: Request) -> Response:
+        self.gets[request.url.path] += 1
         if self.metrics_status != 200:
             return Response(status_code=self.metrics_status)
         if self.load is None:

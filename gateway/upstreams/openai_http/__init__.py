@@ -41,6 +41,8 @@ One job a module:
                     stream over the fleet's httpx client: https, proxies)
     loads.py        their Prometheus `/metrics` → the engine's load record (vLLM's
                     running, waiting, KV-cache use), for routing
+    polls.py        the polls the engines of one data-parallel server share: one
+                    GET a server, not one an engine
     client.py       the fleet's httpx client, whose connections close when a call
                     is cancelled in their TLS handshake (httpcore's do not)
 

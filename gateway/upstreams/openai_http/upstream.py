@@ -56,6 +56,7 @@ from gateway.upstreams.openai_http.loads import (
     engine_load,
     engine_ranks,
 )
+from gateway.upstreams.openai_http.polls import SharedPolls
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
@@ -224,10 +225,12 @@ class OpenAIHttpUpstream:
         api_key: str | None = None,
         data_parallel_rank: int | None = None,
         raw_http: bool | None = None,
+        polls: SharedPolls | None = None,
     ) -> None:
         """`data_parallel_rank`: one engine of a data-parallel vLLM server
         (`gateway.fleet.data_parallel`), every request pinned to it (vLLM's
-        `X-data-parallel-rank`) and its load read from that engine's samples.
+        `X-data-parallel-rank`) and its load read from that engine's samples; `polls`:
+        the server's polls, shared by its engines' upstreams.
         `raw_http`: stream completions, and poll health and load, over our own
         connections (`_RawCall`, `fetch`); None: for a plain http:// URL that no proxy
         variable covers. Everything else (https, embeddings, models) goes through `http`."""
@@ -238,6 +241,7 @@ class OpenAIHttpUpstream:
         #: Sent with every request: the key, the engine's rank.
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._rank = data_parallel_rank
+        self._polls = polls
         if data_parallel_rank is not None:
             self._headers["X-data-parallel-rank"] = str(data_parallel_rank)
         #: Where vLLM serves what is not OpenAI's (`/health`, `/tokenize`, `/classify`).
@@ -532,8 +536,15 @@ class OpenAIHttpUpstream:
             raise errors.Unavailable(f"upstream unreachable: {error}") from None
 
     async def _get(self, url: str, timeout: float, limit: int) -> tuple[int, bytes]:  # noqa: ASYNC109
-        """GET `url` (theirs) within `timeout` seconds: its status and at most `limit`
-        bytes of its answer; over our own connections where the calls use them
+        """A poll's GET of `url` (theirs) within `timeout` seconds: its status and at most
+        `limit` bytes of its answer; the answer of the same GET for another engine of
+        their server where it shares its polls (`SharedPolls`)."""
+        if self._polls is not None:
+            return await self._polls.get(url, partial(self._send_get, url, timeout, limit))
+        return await self._send_get(url, timeout, limit)
+
+    async def _send_get(self, url: str, timeout: float, limit: int) -> tuple[int, bytes]:  # noqa: ASYNC109
+        """`_get`'s GET, sent: over our own connections where the calls use them
         (`fetch`: a poll of health or load costs about a tenth of httpx's CPU)."""
         if self._pool is None:
             request = self._http.build_request("GET", url, headers=self._headers, timeout=timeout)
