@@ -158,33 +158,53 @@ def test_a_server_without_vllm_gauges_keeps_no_load_record_visibly_and_serves(
     assert len(said) == 1
 
 
-def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_checked_against(
+def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_followed_by(
     servers: tuple[list[OpenAIServer], CertificateAuthority],
     gateway_with: Callable[..., Gateway],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Under vLLM's hybrid load balancing a server runs ranks 8 and 9 of a larger group: given
-    two engines, neither of its ranks 0 and 1 is one it runs (kept out, `no_such_engine`,
-    saying its ranks). Under external load balancing a server runs one rank (here 5) and
-    is one worker: nothing to say, it serves."""
+    """Under vLLM's hybrid load balancing a server runs ranks 8 and 9 of a larger group:
+    given two engines, `#dp0` and `#dp1` are pinned by their index among its own (as vLLM
+    pins: `X-data-parallel-rank` 0 and 1) and read by their ranks (the samples of
+    `engine="8"` and `"9"`). Given three, the third is one it does not run: kept out
+    (`no_such_engine`), saying its ranks. Under external load balancing a server runs one
+    rank (here 5) and is one worker: nothing to say, it serves."""
     (hybrid, external), ca = servers
-    hybrid.load = external.load = (0, 0, 0.0)
+    hybrid.load, external.load = (3, 0, 0.5), (0, 0, 0.0)
     hybrid.engines, external.engines = (8, 9), (5,)
-    split = _model([hybrid], ca, data_parallel_size=2)
+    routing = RoutingConfig(policy="least_load", load_interval=0.1)
+    split = _model([hybrid], ca, data_parallel_size=2, routing=routing)
     alone = replace(_model([external], ca), name="http-loads-alone")
     external.model = alone.name
     gw = gateway_with(models=(split, alone))
-    out = dict.fromkeys((f"{hybrid.url}#dp0", f"{hybrid.url}#dp1"), "no_such_engine")
+    engines = [f"{hybrid.url}#dp{index}" for index in range(2)]
     wait_until(
-        lambda: worker_states(gw, MODEL) == out, "the ranks its server does not run kept out"
+        lambda: worker_states(gw, MODEL) == dict.fromkeys(engines, "healthy"), "both serving"
     )
-    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
-    assert "its server runs 2 data-parallel engines (ranks 8, 9), not 2" in said
+    router = gw.router(MODEL)
+
+    def loads() -> list[EngineLoad | None]:
+        return [getattr(router.index.workers.get(e), "load", None) for e in engines]
+
+    wait_until(lambda: None not in loads(), "each engine's load record")
+    # rank 8 (the page's first) runs two and its cache is half full; rank 9 runs one
+    assert loads() == [EngineLoad(running=2, kv_usage=0.5), EngineLoad(running=1)]
+    assert _served_by(gw) == "first"
+    assert hybrid.last_rank == "1"  # the less loaded: rank 9, pinned as its server's second
+    assert not [r for r in caplog.records if r.name == "furnace.fleet" and r.levelno >= 30]
+
     wait_until(lambda: worker_states(gw, alone.name) == {external.url: "healthy"}, "serving")
     body = {"model": alone.name, "messages": [{"role": "user", "content": "hi"}]}
     answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
     assert answer.status_code == 200, answer.text
+    assert external.last_rank is None
     assert not [r for r in caplog.records if external.url in r.getMessage()]
+
+    three = gateway_with(models=(replace(split, data_parallel_size=3),))
+    out = {**dict.fromkeys(engines, "healthy"), f"{hybrid.url}#dp2": "no_such_engine"}
+    wait_until(lambda: worker_states(three, MODEL) == out, "the third engine kept out")
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+    assert "its server runs 2 data-parallel engines (ranks 8, 9), not 3" in said
 
 
 def test_the_engines_of_a_data_parallel_server_poll_it_as_one(

@@ -194,6 +194,73 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
     assert server.refused == 0
 
 
+def _publishers_at(*offsets: int) -> tuple[int, list[zmq.Socket[bytes]]]:
+    """PUB sockets bound at a base port plus each of `offsets` (free ports found by
+    trying): the base, and the sockets."""
+    context = zmq.Context.instance()
+    while True:
+        base = free_port()
+        sockets: list[zmq.Socket[bytes]] = []
+        try:
+            for offset in offsets:
+                sockets.append(context.socket(zmq.PUB))
+                sockets[-1].bind(f"tcp://127.0.0.1:{base + offset}")
+        except zmq.ZMQError:  # taken: another base
+            for socket in sockets:
+                socket.close(linger=0)
+            continue
+        return base, sockets
+
+
+def test_a_hybrid_servers_engines_follow_the_publishers_of_their_ranks(
+    upstream: tuple[OpenAIServer, CertificateAuthority],
+    gateway_with: Callable[..., Gateway],
+    tmp_path: Path,
+) -> None:
+    """Under vLLM's hybrid load balancing a server runs ranks 8 and 9 of a larger group,
+    and each rank publishes at the configured port + its rank (vLLM's offset): its
+    engines `#dp0` and `#dp1` follow the publishers at + 8 and + 9, and a prompt whose
+    blocks rank 9 holds goes to `#dp1`, pinned as its server's second engine."""
+    server, ca = upstream
+    server.engines, server.load = (8, 9), (0, 0, 0.0)
+    base, (eight, nine) = _publishers_at(8, 9)
+    build_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    tokenizer = str(tmp_path / "tokenizer")
+    model = ModelConfig(
+        MODEL,
+        workers=(server.url,),
+        upstream="openai",
+        api_key_env=KEY_ENV,
+        ca_file=ca.ca_file,
+        tokenizer=tokenizer,
+        data_parallel_size=2,
+        routing=RoutingConfig(kv_events=((server.url, f"tcp://127.0.0.1:{base}"),)),
+    )
+    try:
+        gw = gateway_with(models=(model,))
+        router = gw.router(MODEL)
+        engines = [f"{server.url}#dp{index}" for index in range(2)]
+        ids = load_tokenizer(tokenizer).prompt_ids(None, [Message("user", DOCUMENT)])
+        frames = _message(0, [_stored(ids)])
+        held = router.index.workers
+
+        def seen() -> bool:
+            return engines[1] in held and bool(held[engines[1]].blocks)
+
+        wait_until(lambda: nine.send_multipart(frames) is None and seen(), "rank 9's batch")
+        ports = [router.zmq[e].endpoint.rpartition(":")[2] for e in engines]
+        assert ports == [str(base + 8), str(base + 9)]
+        assert router.states[engines[1]] == "events"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": DOCUMENT}]}
+        response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+        assert response.status_code == 200, response.text
+        assert router.last.cache_hit_blocks == len(ids) // BLOCK
+        assert server.last_rank == "1"
+    finally:
+        for socket in (eight, nine):
+            socket.close(linger=0)
+
+
 class _ForwardingEngine(DemoEngine):
     """The demo engine, with the KV events of an engine publishing on vLLM's ZMQ wire
     (the test's PUB socket), forwarded as the vLLM engine forwards its engine's."""

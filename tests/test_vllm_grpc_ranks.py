@@ -1,17 +1,18 @@
 """A vLLM gRPC server's own data-parallel ranks, against the engine stand-in of
 `benchmarks/fake_vllm_grpc.py` served by grpc.aio on loopback: `GetServerInfo` gives the
 whole group's size, `GetLoads` an entry for each rank the server runs. Under vLLM's hybrid
-load balancing a server runs a slice of the ranks (here 8 and 9 of 16): given two
-engines, neither of its ranks 0 and 1 is one it runs, so both are kept out
-(`no_such_engine`), the log naming its ranks. Under external load balancing a server runs
-one rank (here 5) and is one worker: nothing to say about its engines, and it serves.
+load balancing a server runs a slice of the ranks (here 8 and 9 of 16): its two engines
+are pinned by their index among its own (`data_parallel_rank` 0 and 1, as vLLM pins) and
+read by their ranks (the loads of ranks 8 and 9); a third is one it does not run, kept
+out (`no_such_engine`), the log naming its ranks. Under external load balancing a server
+runs one rank (here 5) and is one worker: nothing to say about its engines, and it serves.
 A server of the whole group (internal load balancing) lists only the ranks that have
 stepped: its idle second engine serves all the same. After each test nothing is left in
 the gateway."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -38,12 +39,25 @@ class Ranked(FakeVllm):
         ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
         super().__init__(ids, [], 0.0, 1, (str(model_dir), name))
         self.ranks, self.group = ranks, group
+        self.address = ""  # where it listens, once it does
+        #: The engine each request was pinned to (None: not pinned), in order.
+        self.pinned: list[int | None] = []
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: object
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        pinned = request.HasField("data_parallel_rank")
+        self.pinned.append(request.data_parallel_rank if pinned else None)
+        async for response in super().Generate(request, context):
+            yield response
 
     async def GetServerInfo(self, request: object, context: object) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(data_parallel_size=self.group)
 
     async def GetLoads(self, request: object, context: object) -> pb.GetLoadsResponse:
-        loads = [pb.SchedulerLoad(dp_rank=rank) for rank in self.ranks]
+        # each rank running as many requests as its rank is past the first's
+        first = self.ranks[0]
+        loads = [pb.SchedulerLoad(dp_rank=r, num_running_reqs=r - first) for r in self.ranks]
         return pb.GetLoadsResponse(dp_rank_count=len(loads), loads=loads)
 
 
@@ -53,22 +67,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def servers(server_loop: ServerLoop, model_dir: Path) -> Iterator[dict[str, str]]:
-    """`SERVERS`, by the model each serves: their addresses."""
+def servers(server_loop: ServerLoop, model_dir: Path) -> Iterator[dict[str, Ranked]]:
+    """`SERVERS`, by the model each serves, at `address`."""
     started: list[grpc.aio.Server] = []
-    addresses = {}
+    engines = {}
 
     for name, (ranks, group) in SERVERS.items():
-        server, port = server_loop.call(start(Ranked(model_dir, name, ranks, group)))
+        engine = engines[name] = Ranked(model_dir, name, ranks, group)
+        server, port = server_loop.call(start(engine))
+        engine.address = f"127.0.0.1:{port}"
         started.append(server)
-        addresses[name] = f"127.0.0.1:{port}"
-    yield addresses
+    yield engines
     for server in started:
         server_loop.call(server.stop(None))
 
 
 def test_a_servers_engines_are_the_ranks_it_runs_not_its_groups_size(
-    servers: dict[str, str],
+    servers: dict[str, Ranked],
     gateway_with: Callable[..., Gateway],
     model_dir: Path,
     caplog: pytest.LogCaptureFixture,
@@ -78,23 +93,40 @@ def test_a_servers_engines_are_the_ranks_it_runs_not_its_groups_size(
             name,
             upstream="vllm-grpc",
             tokenizer=str(model_dir),
-            workers=(servers[name],),
+            workers=(servers[name].address,),
             data_parallel_size=size,
         )
 
-    gw = gateway_with(models=(model("hybrid", 2), model("external", 1), model("internal", 2)))
-    hybrid = servers["hybrid"]
-    out = dict.fromkeys((f"{hybrid}#dp0", f"{hybrid}#dp1"), "no_such_engine")
-    wait_until(lambda: worker_states(gw, "hybrid") == out, "the ranks it does not run kept out")
-    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
-    assert "its server runs 2 data-parallel engines (ranks 8, 9), not 2" in said
-    external = servers["external"]
-    wait_until(lambda: worker_states(gw, "external") == {external: "healthy"}, "it serves")
-    internal = servers["internal"]
-    engines = dict.fromkeys((f"{internal}#dp0", f"{internal}#dp1"), "healthy")
-    wait_until(lambda: worker_states(gw, "internal") == engines, "both engines serve")
-    for name in ("external", "internal"):
+    def chat(name: str) -> None:
         body = {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
         answer = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
         assert answer.status_code == 200, answer.text
-        assert not [r for r in caplog.records if servers[name] in r.getMessage()]
+
+    gw = gateway_with(models=(model("hybrid", 2), model("external", 1), model("internal", 2)))
+    hybrid = servers["hybrid"]
+    engines = [f"{hybrid.address}#dp{index}" for index in range(2)]
+    wait_until(
+        lambda: worker_states(gw, "hybrid") == dict.fromkeys(engines, "healthy"), "both serve"
+    )
+    pool = gw.state.fleet.models["hybrid"]
+    # rank 9 runs one request: the second engine's load, read by its rank
+    assert [pool.workers[e].reported_load for e in engines] == [0, 1]
+    upstreams = [pool.workers[e].upstream for e in engines]
+    assert [(u.data_parallel_rank, u.engine_rank) for u in upstreams] == [(0, 8), (1, 9)]  # type: ignore[attr-defined]
+    chat("hybrid")
+    assert hybrid.pinned in ([0], [1])  # an index among its own engines, never its rank
+    external = servers["external"]
+    wait_until(lambda: worker_states(gw, "external") == {external.address: "healthy"}, "serving")
+    internal = servers["internal"]
+    both = dict.fromkeys((f"{internal.address}#dp0", f"{internal.address}#dp1"), "healthy")
+    wait_until(lambda: worker_states(gw, "internal") == both, "both engines serve")
+    for name in ("external", "internal"):
+        chat(name)
+    assert external.pinned == [None]
+    assert not [r for r in caplog.records if r.name == "furnace.fleet" and r.levelno >= 30]
+
+    three = gateway_with(models=(model("hybrid", 3),))
+    out = {**dict.fromkeys(engines, "healthy"), f"{hybrid.address}#dp2": "no_such_engine"}
+    wait_until(lambda: worker_states(three, "hybrid") == out, "the third engine kept out")
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "furnace.fleet")
+    assert "its server runs 2 data-parallel engines (ranks 8, 9), not 3" in said

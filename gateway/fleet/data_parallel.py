@@ -3,11 +3,14 @@
 A server started with `--data-parallel-size N` runs N engines behind one address, each
 with its own KV cache and queue, and balances requests over them itself, by their loads:
 a prompt whose prefix one engine holds lands on any of them. So, as smg's DP-aware
-routing does, each engine is a worker here, `ADDRESS#dpR` (R from 0), on an upstream
-that pins every request it sends to rank R (vLLM's `X-data-parallel-rank` header on its
-OpenAI server, `data_parallel_rank` on its gRPC server), followed apart: its KV events (a
-ZMQ publisher binds rank R's socket on the configured port + R, as vLLM offsets it; the
-gRPC relay tags each batch with its rank), its load (the `engine="R"` samples of
+routing does, each engine is a worker here, `ADDRESS#dpI` (I from 0), on an upstream
+that pins every request to its server's I-th engine (vLLM's `X-data-parallel-rank`
+header on its OpenAI server, `data_parallel_rank` on its gRPC server: an index among
+the server's own engines), followed apart by its rank R (the I-th of the ranks its
+server says it runs, `base.engine_rank`: I itself, but on a server of vLLM's hybrid load
+balancing, which runs a slice of a larger group, 8 to 15 on a second node): its KV events
+(a ZMQ publisher binds rank R's socket on the configured port + R, as vLLM offsets it;
+the gRPC relay tags each batch with its rank), its load (the `engine="R"` samples of
 `/metrics`; the relay's load records of rank R), its health (the server's). Routing
 then sees N caches and sends a prompt to the engine holding its prefix.
 """
@@ -29,11 +32,12 @@ def engines(addresses: Iterable[str], size: int) -> list[str]:
 
 
 def split(address: str) -> tuple[str, int | None]:
-    """A worker's server address and its engine's rank (None: a server's own address)."""
-    server, mark, rank = address.rpartition(RANK_MARK)
-    if not mark or not rank.isdigit():
+    """A worker's server address and its engine's index there (None: a server's own
+    address)."""
+    server, mark, index = address.rpartition(RANK_MARK)
+    if not mark or not index.isdigit():
         return address, None
-    return server, int(rank)
+    return server, int(index)
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -44,6 +48,14 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         return endpoint
     host = parts.netloc.rpartition(":")[0]
     return urlunsplit(parts._replace(netloc=f"{host}:{parts.port + rank}"))
+
+
+def rank_shift(address: str, rank: int | None) -> int:
+    """How many ports past the one `rank_entries` gave the worker at `address` its
+    engine of rank `rank` publishes: its rank past its index (hybrid load balancing),
+    else 0."""
+    _, index = split(address)
+    return 0 if index is None or rank is None else rank - index
 
 
 def rank_entries(entries: Iterable[tuple[str, str]], size: int) -> tuple[tuple[str, str], ...]:

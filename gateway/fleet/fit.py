@@ -23,7 +23,9 @@ WRONG_MODEL = "wrong_model"
 #: would prefill again and leave the prefill server holding the blocks until vLLM's abort
 #: timeout.
 NO_KV_CONNECTOR = "no_kv_connector"
-#: An engine (`ADDRESS#dpR`, `data_parallel_size`) past those its server runs.
+#: An engine (`ADDRESS#dpI`, `data_parallel_size`) past those its server runs: its server
+#: runs I or fewer (the I-th of its own: under vLLM's hybrid load balancing, a server of
+#: ranks 8 to 15 serves `#dp0` to `#dp7`, `base.engine_rank`).
 NO_SUCH_ENGINE = "no_such_engine"
 
 
@@ -40,8 +42,8 @@ def misfit(
             f"worker {address} of {pool.name} has no KV connector (vLLM's "
             "--kv-transfer-config), which prefill/decode disaggregation needs"
         )
-    engines, (_, rank) = mine.engine_ranks, split(address)
-    if engines is not None and rank is not None and rank not in engines:
+    engines, (_, index) = mine.engine_ranks, split(address)
+    if engines is not None and index is not None and index >= len(engines):
         return NO_SUCH_ENGINE, (
             f"worker {address} of {pool.name}: its server runs {_described(engines)}, "
             f"not {pool.data_parallel_size} (models[].data_parallel_size)"

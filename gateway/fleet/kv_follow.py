@@ -28,6 +28,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gateway.fleet.data_parallel import rank_endpoint, rank_shift
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import EngineLoad, KvBatch
 from gateway.protocol.kv_zmq import ZmqKvSubscriber
@@ -99,6 +100,11 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
         if worker.serving is not True:
             await asyncio.sleep(0.05)  # health first: a worker not up yet would only refuse
             continue
+        if zmq is not None:  # at its engine's rank's ports (known once it is described)
+            shift = rank_shift(address, getattr(worker.upstream, "engine_rank", None))
+            endpoint, replay = router.zmq_endpoints[address]
+            zmq.endpoint = rank_endpoint(endpoint, shift)
+            zmq.replay = None if replay is None else rank_endpoint(replay, shift)
         wait = delay
         try:
             router.owners[address] = worker

@@ -169,12 +169,13 @@ class Router:
         #: Per `upstream: openai` worker address: its `/metrics` read's state
         #: (`kv_follow.follow_loads`: loads, unsupported, broken).
         self.scrapes: dict[str, str] = {}
-        #: Workers whose engine publishes over ZMQ: address -> its subscriber.
+        #: Workers whose engine publishes over ZMQ: address -> its publisher's and its
+        #: replay socket's endpoints as configured, and its subscriber.
         replay = dict(config.kv_replay)
-        self.zmq = {
-            entry: ZmqKvSubscriber(endpoint, replay.get(entry))
-            for entry, endpoint in config.kv_events
+        self.zmq_endpoints = {
+            entry: (endpoint, replay.get(entry)) for entry, endpoint in config.kv_events
         }
+        self.zmq = {entry: ZmqKvSubscriber(*at) for entry, at in self.zmq_endpoints.items()}
 
     @property
     def uses_events(self) -> bool:

@@ -53,6 +53,16 @@ def engine_address(server: str, rank: int | None) -> str:
     return server if rank is None else f"{server}{RANK_MARK}{rank}"
 
 
+def engine_rank(ranks: tuple[int, ...] | None, index: int) -> int:
+    """The data-parallel rank of a server's `index`-th engine (`ADDRESS#dpI`). vLLM pins a
+    request to an engine by its index among the server's own (`data_parallel_rank`: 0 to
+    N-1, also on a server that runs ranks 8 to 15 under hybrid load balancing), and names
+    the engine by its rank in its `/metrics` samples, its load records, its KV events and
+    their ports. `ranks`: those the server says it runs; the index where it does not say,
+    or runs fewer."""
+    return ranks[index] if ranks is not None and index < len(ranks) else index
+
+
 #: Data-parallel engines believed of one server at most (`ModelDescription.engine_ranks`:
 #: vLLM's groups are far smaller; `data_parallel_size` takes up to 256).
 MAX_ENGINE_RANKS = 4096

@@ -112,6 +112,7 @@ from gateway.upstreams.base import (
     ModelDescription,
     StreamBookkeeping,
     engine_address,
+    engine_rank,
 )
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import RankedEvents, batch_from_vllm, subscribe_request
@@ -804,6 +805,8 @@ class VllmGrpcUpstream:
         engines share, else one of its own)."""
         self.address = engine_address(address, data_parallel_rank)  # its calls' worker
         self.data_parallel_rank = data_parallel_rank
+        #: Its engine's data-parallel rank, as its loads and KV events name it (`describe`).
+        self.engine_rank = data_parallel_rank
         self.ranked_events = ranked_events
         self.model = model
         self.tokenizer: ModelTokenizer = load_tokenizer(tokenizer)
@@ -988,7 +991,7 @@ class VllmGrpcUpstream:
         the stream ends; a `GatewayError` when it breaks (`Invalid`: UNIMPLEMENTED). One
         engine of a data-parallel server: its rank's batches (each rank numbers its own),
         from the stream its server's engines share (`RankedEvents`)."""
-        rank, ranked = self.data_parallel_rank, self.ranked_events
+        rank, ranked = self.engine_rank, self.ranked_events
         relay = (
             self._relay() if rank is None or ranked is None else ranked.follow(rank, self._relay)
         )
@@ -1083,8 +1086,10 @@ class VllmGrpcUpstream:
             # it always lists) is not 0 runs a slice of the ranks (vLLM's external or
             # hybrid load balancing): those it lists (a rank lists once it has stepped)
             ranks = tuple(listed)
-        if self.data_parallel_rank is not None:  # one engine's load, not the server's
-            loads = [load for load in loads if load.dp_rank == self.data_parallel_rank]
+        index = self.data_parallel_rank
+        if index is not None:  # one engine's load, not the server's
+            rank = self.engine_rank = engine_rank(ranks, index)
+            loads = [load for load in loads if load.dp_rank == rank]
         running, full = engine_load(loads)
         return [replace(mine, load=running, full=full, engine_ranks=ranks)]
 

@@ -64,6 +64,8 @@ class OpenAIServer:
         #: The GETs of its health, models and metrics pages it answered, by path.
         self.gets: Counter[str] = Counter()
         self.last_body: dict[str, Any] = {}
+        #: The engine the last chat was pinned to (vLLM's `X-data-parallel-rank`), if any.
+        self.last_rank: str | None = None
         #: The last transcription's form: its fields' values, and the file's bytes.
         self.last_form: dict[str, list[str]] = {}
         self.last_audio = b""
@@ -164,6 +166,7 @@ class OpenAIServer:
         if refusal is not None:
             return refusal
         body = self.last_body = orjson.loads(await request.body())
+        self.last_rank = request.headers.get("x-data-parallel-rank")
         choice = body.get("tool_choice")
         if isinstance(choice, dict):
             call = {"index": 0, "id": "call_1", "type": "function"}

@@ -42,6 +42,7 @@ from gateway.upstreams.base import (
     StreamBookkeeping,
     UpstreamCall,
     engine_address,
+    engine_rank,
 )
 from gateway.upstreams.openai_http.audio import (
     MAX_TRANSCRIPT_BYTES,
@@ -241,6 +242,8 @@ class OpenAIHttpUpstream:
         #: Sent with every request: the key, the engine's rank.
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._rank = data_parallel_rank
+        #: Its engine's data-parallel rank, as its server's `/metrics` names it (`engines`).
+        self.engine_rank = data_parallel_rank
         self._polls = polls
         if data_parallel_rank is not None:
             self._headers["X-data-parallel-rank"] = str(data_parallel_rank)
@@ -609,7 +612,7 @@ class OpenAIHttpUpstream:
         """Their engine's load from their Prometheus `/metrics` (beside `/v1`; `loads`),
         within `timeout` seconds; None when the page has no vLLM scheduler gauges or
         there is no such page (404): not a vLLM."""
-        return await self._gauges(timeout, partial(engine_load, engine=self._rank))
+        return await self._gauges(timeout, partial(engine_load, engine=self.engine_rank))
 
     async def _gauges(
         self,
@@ -638,14 +641,19 @@ class OpenAIHttpUpstream:
         """The data-parallel ranks of the engines their server runs, as its `/metrics`
         samples them (`engine_ranks`); None where it does not say (not a vLLM, no page,
         or no answer now). Read at every describe of one engine of such a server (a
-        server restarted with fewer engines is seen); of a whole server, at its first."""
-        if self._rank is None and self._engines_read:
+        server restarted with fewer engines is seen), which then knows its engine's rank
+        (`base.engine_rank`: past its index under hybrid load balancing); of a whole
+        server, at its first."""
+        rank = self._rank
+        if rank is None and self._engines_read:
             return self._engines
         try:
             self._engines = await self._gauges(deadline, engine_ranks)
         except errors.GatewayError:
             return None
         self._engines_read = True
+        if rank is not None:
+            self.engine_rank = engine_rank(self._engines, rank)
         return self._engines
 
     async def watch_health(self, poll_interval: float, deadline: float) -> AsyncIterator[bool]:
