@@ -197,6 +197,27 @@ def start_http_server(
     )
 
 
+def start_http_servers(
+    model: Path, log_dir: Path, options: list[tuple[str, ...]]
+) -> list[VllmProcess]:
+    """vLLM's OpenAI servers of one data-parallel group (each with its `options`: its
+    ranks), started at once, as its nodes' servers wait for each other's engines, on
+    free loopback ports, all ready; all stopped when one fails to start."""
+    started: list[VllmProcess] = []
+    try:
+        for number, extra in enumerate(options):
+            port = free_port()
+            args = _http_command(model, "tiny-vllm", port, (*ENGINE_ARGS, *extra))
+            started.append(VllmProcess(args, port, log_dir / f"vllm-{number}.log").start())
+        for server in started:
+            wait_http_ready(server)
+    except BaseException:  # a failed start, a hang guard, an interrupt: none left running
+        for server in started:
+            server.stop()
+        raise
+    return started
+
+
 #: A Whisper's decoder reads at most 448 tokens: its context, as vLLM runs it.
 WHISPER_LEN = 448
 
