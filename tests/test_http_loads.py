@@ -191,6 +191,9 @@ def test_a_servers_own_slice_of_the_ranks_is_what_its_engines_are_followed_by(
     assert loads() == [EngineLoad(running=2, kv_usage=0.5), EngineLoad(running=1)]
     assert _served_by(gw) == "first"
     assert hybrid.last_rank == "1"  # the less loaded: rank 9, pinned as its server's second
+    workers = httpx.get(gw.url + "/admin/workers", timeout=HANG_GUARD).json()
+    (view,) = [m for m in workers["models"] if m["name"] == MODEL]
+    assert [w["engine_rank"] for w in view["workers"]] == [8, 9]
     assert not [r for r in caplog.records if r.name == "furnace.fleet" and r.levelno >= 30]
 
     wait_until(lambda: worker_states(gw, alone.name) == {external.url: "healthy"}, "serving")

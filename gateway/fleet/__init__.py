@@ -518,7 +518,15 @@ def _workers_view(pool: ModelPool, now: float) -> list[dict[str, object]]:
             "ejections_total": w.ejections_total,
             "ejected_for": round(max(0.0, w.ejected_until - now), 3),
             **({"adapters": sorted(w.adapters)} if w.adapters else {}),
+            # a data-parallel engine's rank (`data_parallel.py`: its server's I-th engine)
+            **({} if (rank := _engine_rank(w)) is None else {"engine_rank": rank}),
             **({} if pool.router is None else {"routing": pool.router.view(w.address)}),
         }
         for w in pool.workers.values()
     ]
+
+
+def _engine_rank(worker: Worker) -> int | None:
+    """The data-parallel rank of the engine a worker is (None: a whole server's worker)."""
+    rank = getattr(worker.upstream, "engine_rank", None)
+    return rank if isinstance(rank, int) else None
