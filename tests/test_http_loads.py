@@ -9,13 +9,14 @@ load record, visibly, and serves on. The gateway asks vLLM for those gauges alon
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from gateway.config import ModelConfig, RoutingConfig
 from gateway.fleet.routing import Router
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.upstreams.openai_http.loads import LOAD_QUERY, engine_load, engine_ranks
+from gateway.upstreams.openai_http.polls import FRESH, SharedPolls
 from tests.support.certs import CertificateAuthority
 from tests.support.openai_server import OpenAIServer
 from tests.support.servers import Gateway, ServerLoop, worker_states
@@ -245,6 +247,42 @@ def test_the_engines_of_a_data_parallel_server_poll_it_as_one(
     assert 0 < server.gets["/v1/models"] <= 2 * rounds, server.gets
     assert 0 < server.gets["/metrics"] <= 4 * rounds, server.gets
     assert _served_by(gw) == "first"
+
+
+def test_shared_polls_send_one_get_and_cancel_it_with_its_last_waiter() -> None:
+    """`SharedPolls` as a value: two engines' polls of a URL make one GET; one that stops
+    waiting leaves it to the other; an answer within `FRESH` is taken as it is; a GET
+    every engine stopped waiting for is cancelled."""
+
+    async def scenario() -> None:
+        polls = SharedPolls()
+        sent: list[asyncio.Task[Any]] = []
+        gate = asyncio.Event()
+
+        async def send() -> tuple[int, bytes]:
+            sent.append(cast(asyncio.Task[Any], asyncio.current_task()))
+            await gate.wait()
+            return 200, b"ok"
+
+        first = asyncio.create_task(polls.get("/health", send))
+        second = asyncio.create_task(polls.get("/health", send))
+        await asyncio.sleep(0)
+        first.cancel()
+        gate.set()
+        assert await second == (200, b"ok")
+        assert await polls.get("/health", send) == (200, b"ok")  # answered just now
+        assert len(sent) == 1
+        await asyncio.sleep(FRESH)
+        gate.clear()
+        waiting = [asyncio.create_task(polls.get("/health", send)) for _ in range(2)]
+        await asyncio.sleep(0)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert len(sent) == 2 and sent[1].cancelled()
+
+    asyncio.run(scenario())
 
 
 def test_a_metrics_page_becomes_a_load_record_within_its_bounds() -> None:

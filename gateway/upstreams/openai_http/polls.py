@@ -31,10 +31,11 @@ class _Poll:
     """One GET of a URL, sent for the engine that asked first: its answer, and when it
     came (infinity while it is out)."""
 
-    __slots__ = ("answered_at", "task")
+    __slots__ = ("answered_at", "task", "waiters")
 
     def __init__(self, send: Awaitable[Answer]) -> None:
         self.answered_at = math.inf
+        self.waiters = 0  # the engines waiting for it
         self.task = asyncio.ensure_future(send)
         self.task.add_done_callback(self._answered)
 
@@ -58,8 +59,14 @@ class SharedPolls:
     async def get(self, url: str, send: Callable[[], Awaitable[Answer]]) -> Answer:
         """The answer of a GET of `url` out or just answered for another engine; else
         of `send()`, sent now. An engine whose wait is cancelled leaves the GET to the
-        others (it ends within its own timeout)."""
+        others; the last one cancels it (their workers left, the gateway stops)."""
         poll = self._polls.get(url)
         if poll is None or not poll.stands():
             poll = self._polls[url] = _Poll(send())
-        return await asyncio.shield(poll.task)
+        poll.waiters += 1
+        try:
+            return await asyncio.shield(poll.task)
+        finally:
+            poll.waiters -= 1
+            if not poll.waiters and not poll.task.done():
+                poll.task.cancel()
