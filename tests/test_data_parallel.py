@@ -14,7 +14,6 @@ is left in the gateway.
 from __future__ import annotations
 
 import logging
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -29,7 +28,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.tokenization import load_tokenizer
 from tests.support.metrics import scrape, value
-from tests.support.processes import free_port
+from tests.support.processes import free_ports
 from tests.support.servers import (
     Gateway,
     ServerLoop,
@@ -62,25 +61,13 @@ def server(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmProcess, int]]:
     """The server of two engines, and the port its rank 0 publishes on (rank 1: the next)."""
-    port = _publisher_port()
+    port = free_ports(2)
     logs = tmp_path_factory.mktemp("vllm-dp")
     names = ("--served-model-name", MODEL, THREE, ONE)  # the last one given wins
     extra = (*names, "--data-parallel-size", "2", *kv_events_args(port))
     process = start_http_server(vllm_model, logs, MODEL, extra=extra)
     yield process, port
     process.stop()
-
-
-def _publisher_port() -> int:
-    """A free port whose next is free too: the two engines' ZMQ publishers bind both."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +92,8 @@ def front(
     gw.stop()
 
 
-def _hits(process: VllmProcess, engine: int) -> float:
-    """One engine's prefix-cache hits, in tokens (its samples' label `engine`)."""
+def engine_hits(process: VllmProcess, engine: int) -> float:
+    """One engine's prefix-cache hits, in tokens (its samples' label `engine`: its rank)."""
     samples = scrape(f"http://127.0.0.1:{process.port}")
     rank = ("engine", str(engine))
     return sum(v for (name, labels), v in samples.items() if name == HITS and rank in labels)
@@ -156,13 +143,13 @@ def test_a_prompt_is_pinned_to_the_engine_that_holds_its_prefix(front, server, w
     )
     assert pinned.status_code == 200, pinned.text
     wait_until(lambda: index.workers.get(holder) and index.workers[holder].blocks, "its blocks")
-    before = _hits(process, 1), _hits(process, 0)
+    before = engine_hits(process, 1), engine_hits(process, 0)
     for i in range(4):
         line = routed.complete(f"{document} and then {i}")
         assert line["worker"] == holder
         assert line["cache_hit_blocks"] >= 2  # the document's blocks, by ids
-    assert _hits(process, 1) > before[0]  # its cache served them
-    assert _hits(process, 0) == before[1]  # the other engine saw none of them
+    assert engine_hits(process, 1) > before[0]  # its cache served them
+    assert engine_hits(process, 0) == before[1]  # the other engine saw none of them
     samples = scrape(front.url)
     kv = "furnace_gateway_worker_kv_cached_blocks"
     assert value(samples, kv, model=MODEL, worker=holder) > 0
@@ -224,7 +211,7 @@ def grpc_server(
 ) -> Iterator[VllmProcess]:
     """vLLM's gRPC server of two engines, relaying both ranks' KV events."""
     logs = tmp_path_factory.mktemp("vllm-dp-grpc")
-    extra = ("--data-parallel-size", "2", *kv_events_args(_publisher_port()))
+    extra = ("--data-parallel-size", "2", *kv_events_args(free_ports(2)))
     process = start_grpc_server(vllm_model, logs, extra)
     yield process
     process.stop()

@@ -13,7 +13,6 @@ After each test nothing is left in the gateway.
 from __future__ import annotations
 
 import logging
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,7 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
-from tests.support.metrics import scrape
-from tests.support.processes import free_port
+from tests.support.processes import free_port, free_ports
 from tests.support.servers import (
     Gateway,
     ServerLoop,
@@ -35,31 +33,15 @@ from tests.support.servers import (
 )
 from tests.support.vllm import VllmProcess, start_http_servers
 from tests.support.waiting import HANG_GUARD, wait_until
+from tests.test_data_parallel import engine_hits
 from tests.test_disaggregation import DOCUMENT, RoutedPrompts
 
 #: vLLM's four engines start in the module's setup (a minute on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MODEL = "tiny-dp-hybrid"
-HITS = "vllm:prefix_cache_hits_total"
 #: The group: its size, and the engines each server runs.
 GROUP, LOCAL = 4, 2
-
-
-def _free_ports(count: int) -> int:
-    """A free port whose next `count - 1` are free too (each rank's publisher binds one)."""
-    while True:
-        port = free_port()
-        probes = [socket.socket() for _ in range(count - 1)]
-        try:
-            for offset, probe in enumerate(probes, 1):
-                probe.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
-        return port
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +50,7 @@ def servers(
 ) -> Iterator[tuple[list[VllmProcess], int]]:
     """The group's two servers (ranks 0-1, 2-3), and the port its KV events are
     configured at (rank R publishes at that port + R)."""
-    port = _free_ports(GROUP)
+    port = free_ports(GROUP)
     events = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{port}"}}'
     group = (
         *("--served-model-name", MODEL, "--enable-prefix-caching"),
@@ -104,13 +86,6 @@ def front(
     gw = start_gateway(server_loop, make_config(workers, models=(model,)))
     yield gw
     gw.stop()
-
-
-def _hits(process: VllmProcess, rank: int) -> float:
-    """One engine's prefix-cache hits, in tokens (its samples' label `engine`)."""
-    samples = scrape(f"http://127.0.0.1:{process.port}")
-    engine = ("engine", str(rank))
-    return sum(v for (name, labels), v in samples.items() if name == HITS and engine in labels)
 
 
 def test_each_engine_is_followed_by_the_rank_its_server_runs(front, servers, workers):
@@ -164,11 +139,11 @@ def test_a_prompt_goes_to_the_second_servers_engine_that_holds_its_prefix(
 
     # its publisher's subscription may come after the first store: asked again
     wait_until(stored, "the document's blocks on rank 3", 60)
-    before = _hits(second, 3), _hits(second, 2)
+    before = engine_hits(second, 3), engine_hits(second, 2)
     for i in range(3):
         line = routed.complete(f"{document} and then {i}")
         assert line["worker"] == holder
         assert line["cache_hit_blocks"] >= 2
-    assert _hits(second, 3) > before[0]
-    assert _hits(second, 2) == before[1]
+    assert engine_hits(second, 3) > before[0]
+    assert engine_hits(second, 2) == before[1]
     assert_nothing_left(front, workers)

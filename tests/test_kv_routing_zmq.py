@@ -85,17 +85,13 @@ def publisher() -> Iterator[tuple[zmq.Socket[bytes], str]]:
     socket.close(linger=0)
 
 
-def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
-    upstream: tuple[OpenAIServer, CertificateAuthority],
-    publisher: tuple[zmq.Socket[bytes], str],
-    gateway_with: Callable[..., Gateway],
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    server, ca = upstream
-    pub, endpoint = publisher
-    build_tokenizer().save_pretrained(tmp_path / "tokenizer")
-    tokenizer = str(tmp_path / "tokenizer")
+def _model(
+    server: OpenAIServer, ca: CertificateAuthority, folder: Path, endpoint: str
+) -> tuple[ModelConfig, str]:
+    """The model of `server`, reached with its key and CA, routed on the events its
+    engine publishes at `endpoint`; and its tokenizer's folder (made in `folder`)."""
+    build_tokenizer().save_pretrained(folder / "tokenizer")
+    tokenizer = str(folder / "tokenizer")
     model = ModelConfig(
         MODEL,
         workers=(server.url,),
@@ -105,6 +101,19 @@ def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
         tokenizer=tokenizer,
         routing=RoutingConfig(kv_events=((server.url, endpoint),)),
     )
+    return model, tokenizer
+
+
+def test_a_hostile_publisher_is_bounded_logged_and_never_stops_routing(
+    upstream: tuple[OpenAIServer, CertificateAuthority],
+    publisher: tuple[zmq.Socket[bytes], str],
+    gateway_with: Callable[..., Gateway],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, ca = upstream
+    pub, endpoint = publisher
+    model, tokenizer = _model(server, ca, tmp_path, endpoint)
     gw = gateway_with(models=(model,))
     router = gw.router(MODEL)
     index = router.index
@@ -224,18 +233,8 @@ def test_a_hybrid_servers_engines_follow_the_publishers_of_their_ranks(
     server, ca = upstream
     server.engines, server.load = (8, 9), (0, 0, 0.0)
     base, (eight, nine) = _publishers_at(8, 9)
-    build_tokenizer().save_pretrained(tmp_path / "tokenizer")
-    tokenizer = str(tmp_path / "tokenizer")
-    model = ModelConfig(
-        MODEL,
-        workers=(server.url,),
-        upstream="openai",
-        api_key_env=KEY_ENV,
-        ca_file=ca.ca_file,
-        tokenizer=tokenizer,
-        data_parallel_size=2,
-        routing=RoutingConfig(kv_events=((server.url, f"tcp://127.0.0.1:{base}"),)),
-    )
+    model, tokenizer = _model(server, ca, tmp_path, f"tcp://127.0.0.1:{base}")
+    model = replace(model, data_parallel_size=2)
     try:
         gw = gateway_with(models=(model,))
         router = gw.router(MODEL)

@@ -23,6 +23,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """A free loopback port whose next `count - 1` are free too (a data-parallel vLLM
+    server's ranks each bind their KV-event publisher at a port past the first)."""
+    while True:
+        port = free_port()
+        probes = [socket.socket() for _ in range(count - 1)]
+        try:
+            for offset, probe in enumerate(probes, 1):
+                probe.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return port
+
+
 @contextmanager
 def running(
     *args: str, output: list[str] | None = None, returncode: int = 0
