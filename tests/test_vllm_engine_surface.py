@@ -146,7 +146,7 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
     }  # no image_url: the tiny model is not multimodal; no reasoning parser runs
     (embedding,) = embed_worker.describe().models
     # no dimensions: the model is not a Matryoshka one; no generate: it pools
-    assert set(embedding.features) == {features.EMBEDDINGS, features.USER}
+    assert set(embedding.features) == {features.EMBEDDINGS, features.USER, features.TOKENIZE}
     assert embedding.max_context == generating.max_context
 
 
@@ -547,6 +547,21 @@ def test_the_pooling_worker_embeds_texts_and_token_ids(front: Front):
     assert len(packed) == 4 * HIDDEN
     decoded = struct.unpack(f"<{HIDDEN}f", packed)
     assert _close(decoded, vectors[0], 1e-6)
+
+
+def test_the_pooling_worker_tokenizes_and_detokenizes_as_vllms_server(front: Front):
+    """vLLM's server tokenizes for a pooling model too: its /tokenize gives the
+    tokenizer's ids of a text (special tokens added, as vLLM adds them by default), and
+    /detokenize its text back."""
+    text = "the quick brown fox"
+    tokens = front.http.post("/tokenize", json={"model": EMBED_MODEL, "prompt": text})
+    assert tokens.status_code == 200, tokens.text
+    ids = front.tokenizer.encode(text)
+    assert tokens.json()["tokens"] == ids
+    assert tokens.json()["count"] == len(ids)
+    back = front.http.post("/detokenize", json={"model": EMBED_MODEL, "tokens": ids})
+    assert back.status_code == 200, back.text
+    assert back.json()["prompt"] == front.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def test_each_model_refuses_the_others_route(front: Front):

@@ -58,7 +58,8 @@ A generating model also answers Tokenize (the ids `generate` renders, as
 
 Started as a pooling model (vLLM's `--runner pooling`), the engine embeds
 instead of generating: `embed` serves vectors, `dimensions` where the model is
-a Matryoshka one.
+a Matryoshka one; Tokenize and Detokenize as for a generating model (vLLM's
+server tokenizes for any model).
 
 Requires vLLM in the worker's environment (its own, with its own pins): the
 rest of the gateway never imports this module.
@@ -156,6 +157,10 @@ GENERATING = (
 )
 
 
+#: What a refusal says a model does not serve, by the feature asked of it.
+_SERVES = {features.EMBEDDINGS: "embeddings", features.TOKENIZE: "tokenization"}
+
+
 def engine_args(
     model_path: str | Path, options: Sequence[str] = (), *, max_context: int | None = None
 ) -> Any:
@@ -221,7 +226,7 @@ class VllmEngine(Engine):
         if self.multimodal:
             found.add(features.IMAGES)
         if self.pooling:
-            found = {features.EMBEDDINGS, features.USER}
+            found = {features.EMBEDDINGS, features.USER, features.TOKENIZE}
             if self.matryoshka:
                 found.add(features.DIMENSIONS)
         self.features = frozenset(found)
@@ -391,7 +396,7 @@ class VllmEngine(Engine):
         if llm is None or llm.errored:
             raise Unavailable("The engine is not running.")
         if feature not in self.features:
-            what = "embeddings" if feature == features.EMBEDDINGS else "generation"
+            what = _SERVES.get(feature, "generation")
             raise Invalid(f"The model `{self.model}` does not serve {what}.", param="model")
         return llm
 
@@ -494,7 +499,7 @@ class VllmEngine(Engine):
         """The prompt's ids as `generate` renders them (those `count_tokens` counts); a
         multimodal conversation through vLLM's renderer, refused as `count_tokens`
         refuses where it gives no ids."""
-        self._running(features.GENERATE)
+        self._running(features.TOKENIZE)
         rendered, length = await self._render(request, _ToolPlan(request, self).rendered)
         ids = None if length is None else rendered.get("prompt_token_ids")
         if ids is None:
@@ -505,7 +510,7 @@ class VllmEngine(Engine):
     async def token_strs(self, ids: Sequence[int]) -> list[str]:
         """The tokenizer's piece of each id (`convert_ids_to_tokens`, as vLLM's
         /tokenize), off the event loop."""
-        self._running(features.GENERATE)
+        self._running(features.TOKENIZE)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._token_strs, list(ids))
 
@@ -517,7 +522,7 @@ class VllmEngine(Engine):
     async def detokenize(self, ids: Sequence[int]) -> str:
         """`tokenizer.decode(ids)`, special tokens kept, as vLLM's /detokenize (off the
         event loop); an id outside the vocabulary is refused naming "tokens"."""
-        self._running(features.GENERATE)
+        self._running(features.TOKENIZE)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._detokenize, list(ids))
 
