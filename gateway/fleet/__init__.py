@@ -51,7 +51,7 @@ import httpx
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.adapters import AdapterPool
-from gateway.fleet.data_parallel import split
+from gateway.fleet.data_parallel import engine_rank_of, split
 from gateway.fleet.discovery import Target, resolve
 from gateway.fleet.fit import idle_engines, misfit
 from gateway.fleet.kv_follow import follow_kv, follow_loads
@@ -519,14 +519,8 @@ def _workers_view(pool: ModelPool, now: float) -> list[dict[str, object]]:
             "ejected_for": round(max(0.0, w.ejected_until - now), 3),
             **({"adapters": sorted(w.adapters)} if w.adapters else {}),
             # a data-parallel engine's rank (`data_parallel.py`: its server's I-th engine)
-            **({} if (rank := _engine_rank(w)) is None else {"engine_rank": rank}),
+            **({} if (rank := engine_rank_of(w)) is None else {"engine_rank": rank}),
             **({} if pool.router is None else {"routing": pool.router.view(w.address)}),
         }
         for w in pool.workers.values()
     ]
-
-
-def _engine_rank(worker: Worker) -> int | None:
-    """The data-parallel rank of the engine a worker is (None: a whole server's worker)."""
-    rank = getattr(worker.upstream, "engine_rank", None)
-    return rank if isinstance(rank, int) else None

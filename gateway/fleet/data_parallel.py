@@ -18,9 +18,13 @@ then sees N caches and sends a prompt to the engine holding its prefix.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.upstreams.base import RANK_MARK, engine_address
+
+if TYPE_CHECKING:
+    from gateway.fleet.worker import Worker
 
 
 def engines(addresses: Iterable[str], size: int) -> list[str]:
@@ -38,6 +42,15 @@ def split(address: str) -> tuple[str, int | None]:
     if not mark or not index.isdigit():
         return address, None
     return server, int(index)
+
+
+def engine_rank_of(worker: Worker) -> int | None:
+    """The data-parallel rank its server says the worker's engine runs (the upstream's
+    `engine_rank`, learnt when it describes itself: past its index under hybrid load
+    balancing); None for a whole server's worker, for an upstream without ranks, and
+    before its rank is known (read through `getattr`: not every upstream has one)."""
+    rank = getattr(worker.upstream, "engine_rank", None)
+    return rank if isinstance(rank, int) else None
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

@@ -28,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gateway.fleet.data_parallel import rank_endpoint, rank_shift
+from gateway.fleet.data_parallel import engine_rank_of, rank_endpoint, rank_shift
 from gateway.protocol import errors
 from gateway.protocol.kv_blocks import EngineLoad, KvBatch
 from gateway.protocol.kv_zmq import ZmqKvSubscriber
@@ -101,7 +101,7 @@ async def follow_kv(pool: ModelPool, worker: Worker) -> None:
             await asyncio.sleep(0.05)  # health first: a worker not up yet would only refuse
             continue
         if zmq is not None:  # at its engine's rank's ports (known once it is described)
-            shift = rank_shift(address, getattr(worker.upstream, "engine_rank", None))
+            shift = rank_shift(address, engine_rank_of(worker))
             endpoint, replay = router.zmq_endpoints[address]
             zmq.endpoint = rank_endpoint(endpoint, shift)
             zmq.replay = None if replay is None else rank_endpoint(replay, shift)
