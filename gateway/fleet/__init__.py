@@ -151,7 +151,7 @@ class Fleet:
                 routing = m.prefill_routing or m.routing
                 prefill = replace(m, workers=m.prefill_workers, weights=(), routing=routing)
                 pool = self.models[m.name].prefill = ModelPool(
-                    prefill, config, self._upstream_factory(prefill)
+                    prefill, config, self._upstream_factory(prefill), prefill_tier=True
                 )
                 self.own.append(pool)
         self.budget = RetryBudget(config.retry_budget)

@@ -1,6 +1,6 @@
 """Whether a worker fits where the config puts it, from what it says of itself (its
 `describe`: the models it serves; for vLLM's gRPC servers `GetServerInfo`'s KV
-connector and data-parallel engines; for vLLM's OpenAI servers the engines their
+connector, its role and data-parallel engines; for vLLM's OpenAI servers the engines their
 `/metrics` samples). A worker that does not fit is kept out of the
 rotation, logged once, its `Worker.misfit` saying why: its state for operators
 (`/admin/workers`) and metrics (`worker_healthy{state}`). Nothing it does not say is
@@ -23,6 +23,14 @@ WRONG_MODEL = "wrong_model"
 #: would prefill again and leave the prefill server holding the blocks until vLLM's abort
 #: timeout.
 NO_KV_CONNECTOR = "no_kv_connector"
+#: A split model's worker whose engine's KV connector has the other tier's role (vLLM's
+#: `kv_role`): a prefill worker that is `kv_consumer`, a decode worker that is
+#: `kv_producer` (vLLM asks for `kv_producer` on prefill servers and `kv_consumer` on
+#: decode servers; its connectors and scheduler act on the role, e.g. Mooncake's only
+#: send from a producer and only receive on a consumer).
+WRONG_KV_ROLE = "wrong_kv_role"
+#: The role each tier needs, and the one that does not fit it.
+_TIER_ROLES = {"prefill": ("kv_producer", "kv_consumer"), "decode": ("kv_consumer", "kv_producer")}
 #: An engine (`ADDRESS#dpI`, `data_parallel_size`) past those its server runs: its server
 #: runs I or fewer (the I-th of its own: under vLLM's hybrid load balancing, a server of
 #: ranks 8 to 15 serves `#dp0` to `#dp7`, `base.engine_rank`).
@@ -37,10 +45,19 @@ def misfit(
     if mine is None:
         models = ", ".join(sorted(served)) or "nothing"
         return WRONG_MODEL, f"worker {address} serves {models}, not {pool.name}"
-    if pool.transfers_kv and mine.kv_connector == "":
+    tier = pool.kv_tier
+    if tier is not None and mine.kv_connector == "":
         return NO_KV_CONNECTOR, (
             f"worker {address} of {pool.name} has no KV connector (vLLM's "
             "--kv-transfer-config), which prefill/decode disaggregation needs"
+        )
+    if tier is not None and mine.kv_role == _TIER_ROLES[tier][1]:
+        needed = _TIER_ROLES[tier][0]
+        return WRONG_KV_ROLE, (
+            f"{tier} worker {address} of {pool.name} has a KV connector of role "
+            f"{mine.kv_role} (vLLM's --kv-transfer-config kv_role): a {tier} worker "
+            f"{'hands KV blocks on' if tier == 'prefill' else 'takes KV blocks'}, "
+            f"which needs {needed} or kv_both"
         )
     engines, (_, index) = mine.engine_ranks, split(address)
     if engines is not None and index is not None and index >= len(engines):

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import cast
+from typing import Literal, cast
 
 from gateway.config import Config, ModelConfig
 from gateway.fleet.balancing import Balancer, LeastOutstanding, PrefixAffinity, Roster
@@ -33,6 +33,8 @@ log = logging.getLogger("furnace.fleet")
 #: How a prefill on a `prefill_workers` worker ended: its KV blocks handed to the decode
 #: worker; failed (the decode worker prefilled itself); no prefill worker available.
 PREFILL_OUTCOMES = ("transferred", "failed", "no_worker")
+#: A split model's tier (`ModelPool.kv_tier`).
+KvTier = Literal["prefill", "decode"]
 
 
 def make_balancer(model: ModelConfig, config: Config) -> Balancer:
@@ -62,8 +64,13 @@ class ModelPool:
     """The workers of one model; membership changes as discovery answers."""
 
     def __init__(
-        self, model: ModelConfig, config: Config, make_upstream: Callable[[str], Upstream]
+        self,
+        model: ModelConfig,
+        config: Config,
+        make_upstream: Callable[[str], Upstream],
+        prefill_tier: bool = False,
     ) -> None:
+        """`prefill_tier`: the pool of a split model's prefill workers (`Fleet`)."""
         self.name = model.name
         self.make_upstream = make_upstream
         self.kind = model.kind
@@ -75,10 +82,13 @@ class ModelPool:
         #: Whether the answers' finish reasons are the upstream's own (an OpenAI-compatible
         #: server decided them), rather than events the gateway turns into an answer.
         self.relays_answers = model.upstream == "openai"
-        #: Whether its workers hand KV blocks to another tier or take them from one (both
-        #: tiers of a split model, `prefill_workers`): a worker without a KV connector
-        #: is kept out (`fit.NO_KV_CONNECTOR`).
-        self.transfers_kv = bool(model.prefill_workers)
+        #: Its tier of a split model (`prefill_workers`): "prefill" (its workers hand KV
+        #: blocks on), "decode" (its workers take them); None: not split. A worker without
+        #: a KV connector is kept out of either (`fit.NO_KV_CONNECTOR`), and one whose
+        #: connector's role is the other tier's (`fit.WRONG_KV_ROLE`).
+        self.kv_tier: KvTier | None = (
+            None if not model.prefill_workers else "prefill" if prefill_tier else "decode"
+        )
         self.targets: list[Target] = [parse_target(entry) for entry in model.workers]
         #: Engines a worker's server runs (`data_parallel`): each a worker of the pool.
         self.data_parallel_size = model.data_parallel_size

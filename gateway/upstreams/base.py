@@ -87,6 +87,9 @@ class ModelDescription:
     #: `--kv-transfer-config`, e.g. `NixlConnector`); "": it has none; None: it does
     #: not say. A split model's workers need one (`prefill_workers`).
     kv_connector: str | None = None
+    #: That connector's role (vLLM's `kv_role`: `kv_producer` hands blocks on,
+    #: `kv_consumer` takes them, `kv_both` does either); "" or None: it does not say.
+    kv_role: str | None = None
     #: The data-parallel ranks of the engines its server runs, in order (vLLM's
     #: `--data-parallel-size` N: 0 to N-1; a server of external or hybrid load balancing
     #: runs a slice of the ranks); None: it does not say.

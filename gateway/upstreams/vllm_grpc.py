@@ -834,7 +834,8 @@ class VllmGrpcUpstream:
         #: The EOS ids of `_info`, sorted and as a set, made with it: the stop token ids of
         #: a request that names none of its own, and the ids never shown (shared: unchanged).
         self._eos: tuple[list[int], frozenset[int]] = ([], frozenset())
-        #: Its `GetServerInfo` (asked until it names a KV connector).
+        #: Its `GetServerInfo` (asked until it names a KV connector; again once the
+        #: server was unreachable).
         self._server_info: pb.GetServerInfoResponse | None = None
 
     def call(
@@ -1046,10 +1047,11 @@ class VllmGrpcUpstream:
         return await _off_loop(make)
 
     async def server_info(self, deadline: float) -> pb.GetServerInfoResponse | None:
-        """The engine's `GetServerInfo` (its KV connector, "" for none, and its
-        data-parallel engines): asked at every describe until it names a connector (a
-        server restarted at its address with `--kv-transfer-config` is seen), then kept;
-        None from a server without the call."""
+        """The engine's `GetServerInfo` (its KV connector, "" for none, the connector's
+        role, and its data-parallel engines): asked at every describe until it names a
+        connector (a server restarted at its address with `--kv-transfer-config` is
+        seen), then kept until the server cannot be reached (`watch_health`: one
+        restarted with another role is seen); None from a server without the call."""
         info = self._server_info
         if info is None or not info.kv_connector:
             try:
@@ -1072,6 +1074,7 @@ class VllmGrpcUpstream:
             info.max_context_length,
             features=self.features(info),
             kv_connector=None if server is None else server.kv_connector,
+            kv_role=None if server is None else server.kv_role,
             engine_ranks=tuple(range(size)) if size else None,
         )
         try:
@@ -1187,6 +1190,7 @@ class VllmGrpcUpstream:
                 )
                 engine = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=deadline)
             except grpc.RpcError as error:
+                self._server_info = None  # what comes back may be restarted otherwise
                 raise _from_rpc_error(error) from None
             yield reply.status == serving and engine.healthy
             await asyncio.sleep(poll_interval)
