@@ -613,7 +613,11 @@ def tool_edit(**options: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("context_management", "thinking", "named"),
     [
-        ({"edits": [{"type": "compact_20260112"}]}, "adaptive", "not supported"),
+        (
+            {"edits": [{"type": "compact_20260112", "trigger": {"type": "input_tokens"}}]},
+            "adaptive",
+            "edits[0].trigger.value",
+        ),
         ({"edits": [{"type": "other"}]}, "adaptive", "edits[0].type"),
         (clear_thinking(), "disabled", "requires `thinking` to be enabled or adaptive"),
         (clear_thinking(), None, "requires `thinking`"),
@@ -1224,12 +1228,20 @@ def test_a_failure_mid_stream_is_an_error_event(gateway):
     assert "message_stop" not in answer.text
 
 
-def test_clear_tool_uses_on_a_model_that_cannot_count_is_refused_in_anthropics_words(
-    gateway_with, serve_engines
+@pytest.mark.parametrize(
+    ("edit", "kind"),
+    [
+        (tool_edit(), "clear_tool_uses_20250919"),
+        ({"edits": [{"type": "compact_20260112"}]}, "compact_20260112"),
+    ],
+)
+def test_an_edit_that_counts_on_a_model_that_cannot_count_is_refused_in_anthropics_words(
+    gateway_with, serve_engines, edit, kind
 ):
     """A model whose workers cannot count the prompt (an engine without a tokenizer; as an
-    OpenAI-compatible server without `/tokenize`) refuses `clear_tool_uses_20250919` in the
-    words of Anthropic's own refusal, which Claude Code reads to stop sending the edit."""
+    OpenAI-compatible server without `/tokenize`) refuses the edits that count it
+    (`clear_tool_uses_20250919`, `compact_20260112`'s trigger) in the words of Anthropic's
+    own refusal, which Claude Code reads to stop sending the edit."""
     (worker,) = serve_engines(ScriptEngine([]))
     models = (ModelConfig("script-engine", workers=(worker.address,)),)
     gw = gateway_with(models=models)
@@ -1243,11 +1255,10 @@ def test_clear_tool_uses_on_a_model_that_cannot_count_is_refused_in_anthropics_w
             model="script-engine",
             max_tokens=8,
             messages=[{"role": "user", "content": "count these words please"}],
-            context_management=tool_edit(),
+            context_management=edit,
         )
     message = raised.value.body["error"]["message"]
     assert re.match(
-        r"^\S{1,128} does not support the \W?clear_tool_uses_20250919\W? context "
-        "management strategy",
+        rf"^\S{{1,128}} does not support the \W?{kind}\W? context management strategy",
         message,
     ), message

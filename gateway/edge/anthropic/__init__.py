@@ -2,6 +2,7 @@
 
 validation.py       a Messages body → our GenerateRequest, or a 400 naming the field
 context_editing.py  `context_management`: what its edits clear, what the answer reports
+compaction.py       compaction: the conversation summarized by the model, the turns it takes
 tool_examples.py    a tool's `input_examples`: checked against its schema, shown to the model
 mcp.py              the MCP connector: `mcp_servers`, their toolsets, the blocks sent back
                     (the servers and the answer's turns: gateway/edge/mcp)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.protocol.types import Message
 
 if TYPE_CHECKING:
+    from gateway.edge.anthropic.compaction import Compaction
     from gateway.edge.counting import PromptCount
 
 CLEAR_THINKING = "clear_thinking_20251015"
@@ -66,11 +67,13 @@ class ToolClearing:
 class ContextEdits:
     """What a request's `context_management` asks: the assistant turns whose thinking its
     parser left out (`cleared_turns`) and, when any, the messages as they came
-    (`unedited`); its tool clearing (`tools`), which the route applies."""
+    (`unedited`); its tool clearing (`tools`), which the route applies; its compaction
+    (compaction.py), which the route applies after the others."""
 
     cleared_turns: int = 0
     unedited: tuple[Message, ...] | None = None
     tools: ToolClearing | None = None
+    compaction: Compaction | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from typing import Any
 import jiter
 import orjson
 
+from gateway.edge.anthropic.compaction import Compacted
 from gateway.edge.anthropic.context_editing import Applied, applied_edits
 from gateway.edge.anthropic.errors import error_payload
 from gateway.edge.errors import APIError
@@ -122,10 +123,15 @@ class MessagesEncoder(Encoder):
         self.applied: tuple[Applied, ...] | None = None
         # the MCP connector's call under way: its `mcp_tool_use` block's id
         self._mcp_use = ""
+        # the summary's turn of a compacting answer, once it ended (compaction.py)
+        self._compacted: Compacted | None = None
 
     def _context_management(self, prompt_tokens: int) -> dict[str, Any]:
-        """The answer's `context_management`: the edits that cleared something."""
+        """The answer's `context_management`: the edits that cleared something (the
+        last, from the prompt it left: of a compacting answer, its summary's turn's)."""
         assert self.applied is not None
+        if self._compacted is not None:
+            prompt_tokens = self._compacted.prompt_tokens
         return {"applied_edits": applied_edits(self.applied, prompt_tokens)}
 
     def _message(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -148,7 +154,34 @@ class MessagesEncoder(Encoder):
     def _stop_reason(self) -> str:
         if self.stop_sequence is not None:
             return "stop_sequence"
+        if self._compacted is not None and self._compacted.paused:
+            return "compaction"
         return STOP_REASONS[self.reason or FinishReason.STOP]
+
+    def _usage(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        """The answer's usage; of a compacting answer, less its summary's turn, which
+        `iterations` report apart (first), as Anthropic's API reports a compaction."""
+        compacted = self._compacted
+        if compacted is None:
+            return _usage(prompt_tokens, output_tokens, cached_tokens)
+        summary = _usage(
+            compacted.prompt_tokens, compacted.completion_tokens, compacted.cached_tokens
+        )
+        iterations: list[dict[str, Any]] = [{"type": "compaction", **summary}]
+        if compacted.paused:
+            usage = _usage(0, 0, 0)
+        else:
+            usage = _usage(
+                prompt_tokens - compacted.prompt_tokens,
+                output_tokens - compacted.completion_tokens,
+                cached_tokens - compacted.cached_tokens,
+            )
+            iterations.append({"type": "message", **usage})
+        return {**usage, "iterations": iterations}
+
+    @staticmethod
+    def _compaction_block(compacted: Compacted) -> dict[str, Any]:
+        return {"type": "compaction", "content": compacted.summary, "encrypted_content": None}
 
     # streams
 
@@ -232,6 +265,16 @@ class MessagesEncoder(Encoder):
             elif isinstance(item, McpCallEnded):
                 out.append(self._open_block("mcp", self._mcp_result(item)))
                 out.append(self._close_block())
+            elif isinstance(item, Compacted):
+                # its whole summary in one delta: Anthropic's SDKs take a delta's content
+                # as the block's, not as a piece of it
+                self._compacted = item
+                block = {**self._compaction_block(item), "content": None}
+                out.append(self._open_block("compaction", block))
+                delta = {**self._compaction_block(item), "type": "compaction_delta"}
+                payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
+                out.append(event("content_block_delta", payload))
+                out.append(self._close_block())
         return b"".join(out)
 
     def _mcp_result(self, ended: McpCallEnded) -> dict[str, Any]:
@@ -249,7 +292,7 @@ class MessagesEncoder(Encoder):
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self.stop_sequence},
-            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+            "usage": self._usage(prompt_tokens, completion_tokens, cached_tokens),
         }
         if self.applied is not None:
             delta["context_management"] = self._context_management(prompt_tokens)
@@ -292,6 +335,9 @@ class MessagesEncoder(Encoder):
                 blocks.append(["mcp_tool_use", orjson.dumps(use).decode(), item.arguments])
             elif isinstance(item, McpCallEnded):
                 blocks.append(["mcp_tool_result", orjson.dumps(self._mcp_result(item)).decode()])
+            elif isinstance(item, Compacted):
+                self._compacted = item
+                blocks.append(["compaction", orjson.dumps(self._compaction_block(item)).decode()])
 
     def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole `message` object."""
@@ -307,7 +353,7 @@ class MessagesEncoder(Encoder):
             elif block[0] == "mcp_tool_use":
                 use = orjson.loads(block[1])
                 content.append({"type": "mcp_tool_use", **use, "input": _input(block[2])})
-            elif block[0] == "mcp_tool_result":
+            elif block[0] in ("mcp_tool_result", "compaction"):
                 content.append(orjson.loads(block[1]))
             else:
                 arguments = _input("".join(block[3:]))
@@ -316,7 +362,7 @@ class MessagesEncoder(Encoder):
                 )
         if not content:
             content.append({"type": "text", "text": ""})
-        body = self._message(_usage(prompt_tokens, completion_tokens, cached_tokens))
+        body = self._message(self._usage(prompt_tokens, completion_tokens, cached_tokens))
         body["content"] = content
         body["stop_reason"] = self._stop_reason()
         body["stop_sequence"] = self.stop_sequence

@@ -9,10 +9,12 @@ every refusal, the checks' included, is in Anthropic's shape.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from gateway.edge.anthropic.compaction import COMPACT, compaction_start, summarizing
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -23,7 +25,12 @@ from gateway.edge.anthropic.count_tokens import CountTokensRoute
 from gateway.edge.anthropic.encoding import MessagesEncoder
 from gateway.edge.anthropic.errors import sent_status
 from gateway.edge.anthropic.mcp import listing_failed
-from gateway.edge.anthropic.validation import ConnectorRequest, MessagesRequest, parse_messages
+from gateway.edge.anthropic.validation import (
+    CompactingRequest,
+    ConnectorRequest,
+    MessagesRequest,
+    parse_messages,
+)
 from gateway.edge.asgi import ASGIApp
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
@@ -38,6 +45,9 @@ from gateway.protocol import errors
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
     from gateway.fleet.pool import ModelPool
+    from gateway.protocol.deadline import Deadline
+    from gateway.protocol.types import GenerateRequest, Started
+    from gateway.upstreams.base import UpstreamCall
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -55,7 +65,8 @@ class MessagesRoute(GenerationRoute):
     """`POST /v1/messages`: the generation route, with Anthropic's context editing
     applied in the request's slot, before its generation (`context_editing.edit`: the
     prompts it needs counted are counted there, on the pool that serves), and reported
-    in the answer's `context_management`."""
+    in the answer's `context_management`; then its compaction, when it applies: the
+    answer's turns (`compaction.py`), the summary's first."""
 
     def __init__(self, parts: Parts, limits: InputLimits) -> None:
         super().__init__(parse_messages, MessagesEncoder, parts, limits, CHAT_PARAMS)
@@ -73,7 +84,46 @@ class MessagesRoute(GenerationRoute):
             parsed = replace(parsed, generate=generate, applied=applied)
         if isinstance(parsed, MessagesRequest) and parsed.mcp.servers:
             parsed = await self._planned(parsed, pool)
+        if isinstance(parsed, MessagesRequest) and parsed.compaction is not None:
+            parsed = await self._compacting(parsed, pool, ex)
         await super()._serve(parsed, pool, ex)
+
+    async def _compacting(
+        self, request: MessagesRequest, pool: ModelPool, ex: Exchange
+    ) -> MessagesRequest:
+        """`request` as a compacting one when its compaction applies (its trigger
+        reached: the prompt, as the other edits left it, counted on `pool`), in its slot."""
+        compaction, generate = request.compaction, request.generate
+        assert compaction is not None and generate.messages is not None
+        if compaction.trigger is not None:
+            count = prompt_counter(self, ex, pool, generate)
+            try:
+                tokens = await count(generate.messages)
+            except errors.CannotCount:
+                raise _uncountable(pool.name, COMPACT) from None
+            if tokens < compaction.trigger:
+                return request
+        fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
+        summary = summarizing(generate, compaction)
+        return CompactingRequest(**{**fields, "generate": summary, "asked": generate})
+
+    def turns(
+        self,
+        parsed: ParsedRequest,
+        request: GenerateRequest,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+        if not isinstance(parsed, CompactingRequest):
+            return super().turns(parsed, request, start, pool, deadline, metadata, ex)
+        assert parsed.compaction is not None and parsed.asked is not None
+        start_turn = self.turn_starter(pool, deadline, metadata, ex)
+        return compaction_start(
+            parsed.compaction, request, parsed.asked, start, start_turn, deadline
+        )
 
     async def _planned(self, request: MessagesRequest, pool: ModelPool) -> ConnectorRequest:
         """`request` with its MCP servers' tools given to the model, in its slot."""
@@ -93,11 +143,14 @@ class MessagesRoute(GenerationRoute):
         return encoder
 
 
-def _uncountable(model: str, edits: ContextEdits) -> APIError:
-    """A 400 for edits the model's upstream cannot count the prompt for (an
-    OpenAI-compatible server without `/tokenize`), in the words of Anthropic's own,
-    which Claude Code reads to stop sending the edit to that model."""
-    kind = CLEAR_TOOL_USES if edits.tools is not None else CLEAR_THINKING
+def _uncountable(model: str, edits: ContextEdits | str) -> APIError:
+    """A 400 for edits (or the edit named) the model's upstream cannot count the prompt
+    for (an OpenAI-compatible server without `/tokenize`), in the words of Anthropic's
+    own, which Claude Code reads to stop sending the edit to that model."""
+    if isinstance(edits, str):
+        kind = edits
+    else:
+        kind = CLEAR_TOOL_USES if edits.tools is not None else CLEAR_THINKING
     return invalid(
         "context_management.edits",
         f"{model} does not support the {kind} context management strategy: its upstream "

@@ -20,7 +20,9 @@ Messages server reads both), `service_tier` `auto` or `standard_only` (what asks
 nothing), and `context_management` (Anthropic's context editing, which Claude Code
 sends with thinking on: `clear_thinking_20251015` leaves the thinking of earlier turns
 out of the prompt, `clear_tool_uses_20250919` old tool results, applied by the route
-where it counts the prompt: `context_editing.py`; `compact_20260112` is refused). A
+where it counts the prompt: `context_editing.py`; `compact_20260112`, the conversation
+summarized by the model once it is long, and the `compaction` parameter, a summary
+asked for: `compaction.py`). A
 tool's `strict` is chat's strict function; `defer_loading` leaves it out of the model's
 tools (Claude Code loads such tools itself, by its own tool search); its options that ask
 nothing of us are accepted (`eager_input_streaming`, `allowed_callers` `["direct"]`). A
@@ -39,7 +41,8 @@ and an empty text block are refused.
 A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
 `is_error` marks that text as an error), a `thinking` block the assistant message's
-reasoning (`redacted_thinking`, Anthropic's encrypted thinking, is refused), images go
+reasoning (`redacted_thinking`, Anthropic's encrypted thinking, is refused), a
+`compaction` block the summary that stands for every block before it, images go
 in as URLs or data URIs, a `document` as a paragraph of the message's text (its title
 and context first; a PDF source and citations are refused by name). The
 value checks and bounds are the OpenAI routes' (`gateway.edge.openai.validation`).
@@ -54,6 +57,13 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.edge.anthropic import tool_examples
+from gateway.edge.anthropic.compaction import (
+    COMPACT,
+    Compaction,
+    parse_edit,
+    parse_parameter,
+    summary_message,
+)
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -123,10 +133,12 @@ MESSAGE_FIELDS = frozenset(
         "output_config",
         "service_tier",
         "context_management",
+        "compaction",
         "mcp_servers",
     }
 )
-#: ... and of a count_tokens body (what shapes the prompt).
+#: ... and of a count_tokens body (what shapes the prompt; `compaction` is taken and asks
+#: nothing there, as Anthropic's count_tokens takes it: the count is of the prompt sent).
 COUNT_FIELDS = frozenset(
     {
         "model",
@@ -138,6 +150,7 @@ COUNT_FIELDS = frozenset(
         "thinking",
         "output_config",
         "context_management",
+        "compaction",
         "mcp_servers",
     }
 )
@@ -341,10 +354,12 @@ def _blocks(
     nested: bool = False,
     changes: list[ToolChange] | None = None,
     listed: dict[str, tuple[McpTool, ...]] | None = None,
+    summaries: list[Message] | None = None,
 ) -> tuple[list[Message], int]:
     """A turn's content as chat messages (tool results each a message of their own,
     in order, an MCP server's too), and how many images it holds; the MCP listings it
-    holds go to `listed`."""
+    holds go to `listed`. A compaction block with a summary is the user message of its
+    summary (added to `summaries`), in place of the blocks before it."""
     if isinstance(content, str):
         return [Message(role, content)], 0
     if not isinstance(content, list):
@@ -408,6 +423,15 @@ def _blocks(
             raise invalid(
                 f"{at}.type", "Redacted thinking (Anthropic's) is not supported by this gateway."
             )
+        elif kind == "compaction" and not nested:
+            summary = _compaction_block(block, at)
+            if summary is not None:  # null: a failed compaction, which changes nothing
+                flush()
+                out.clear()
+                count = 0
+                out.append(summary_message(summary))
+                if summaries is not None:
+                    summaries.append(out[-1])
         elif kind == "tool_result" and role == "user" and not nested:
             flush()
             message, pictures = _tool_result(block, at, [] if changes is None else changes)
@@ -415,9 +439,12 @@ def _blocks(
             count += pictures
         else:
             if role == "assistant":
-                allowed = "'text', 'image', 'tool_use', 'thinking' and the MCP connector's"
+                allowed = "'text', 'image', 'tool_use', 'thinking', 'compaction' and the MCP "
+                allowed += "connector's"
+            elif nested:
+                allowed = "'text', 'image', 'document'"
             else:
-                allowed = "'text', 'image', 'document'" + ("" if nested else " and 'tool_result'")
+                allowed = "'text', 'image', 'document', 'tool_result' and 'compaction'"
             raise invalid(
                 f"{at}.type", f"Block type {str(kind)[:64]!r} is not supported here: {allowed}."
             )
@@ -427,17 +454,47 @@ def _blocks(
     return out, count
 
 
+def _compaction_block(block: Mapping[str, Any], where: str) -> str | None:
+    """A compaction block's summary (None: a failed compaction's block). Its opaque
+    fields (`encrypted_content`, `signature`: Anthropic's, sent back as they came) ask
+    nothing of a summary this gateway reads as text; `tool_changes` would, and are refused."""
+    _refuse_unknown(
+        block,
+        _HINTS | {"content", "encrypted_content", "signature", "tool_changes"},
+        where + ".",
+    )
+    if block.get("tool_changes") not in (None, []):
+        raise invalid(
+            f"{where}.tool_changes",
+            f"{where}.tool_changes: a compaction block's tool changes are not supported by "
+            "this gateway.",
+        )
+    for name in ("encrypted_content", "signature"):
+        if block.get(name) is not None and not isinstance(block[name], str):
+            raise invalid(f"{where}.{name}", f"{where}.{name}: a string or null.")
+    content = block.get("content")
+    if content is not None and (not isinstance(content, str) or not content.strip()):
+        raise invalid(
+            f"{where}.content", f"{where}.content: a non-empty string (the summary), or null."
+        )
+    return content
+
+
 def _messages(
     body: Mapping[str, Any], listed: dict[str, tuple[McpTool, ...]] | None = None
 ) -> tuple[tuple[Message, ...], list[ToolChange]]:
     """The conversation as chat messages, and the tool changes its system messages made
-    (the MCP servers' listings it holds go to `listed`)."""
+    (the MCP servers' listings it holds go to `listed`). A compaction block with a
+    summary stands for the conversation before it: the messages before its own are left
+    out (the system prompt stays), as Anthropic's API leaves them out."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "Field required: 'messages', a non-empty list.")
     system = body.get("system")
     system = None if system is None else _system_text(system, "system")
     out = [Message("system", system)] if system else []
+    head = len(out)
+    summaries: list[Message] = []
     images = 0
     calls: list[str] = []  # the ids of the previous message's tool_use blocks
     changes: list[ToolChange] = []
@@ -464,7 +521,18 @@ def _messages(
                 f"{where}.content: all messages must have non-empty content except for the "
                 "optional final assistant message",
             )
-        parsed, count = _blocks(content, f"{where}.content", role, changes=changes, listed=listed)
+        compacted = len(summaries)
+        parsed, count = _blocks(
+            content,
+            f"{where}.content",
+            role,
+            changes=changes,
+            listed=listed,
+            summaries=summaries,
+        )
+        if len(summaries) > compacted:  # what came before is in the summary
+            del out[head:]
+            images = 0
         images += count
         if images > MAX_IMAGES:
             raise invalid(f"{where}.content", f"At most {MAX_IMAGES} images in a request.")
@@ -743,10 +811,9 @@ def _output_config(
     return ResponseFormat("json_schema", text, "json_schema", strict=True), effort
 
 
-#: Anthropic's edit refused by name: it summarizes the conversation with the model.
-_COMPACT = "compact_20260112"
 #: The most edits a request may list (Anthropic's are one of each type).
 MAX_EDITS = 3
+_EDITS = (CLEAR_THINKING, CLEAR_TOOL_USES, COMPACT)
 _CLEAR_THINKING_FIELDS = frozenset({"type", "keep"})
 _CLEAR_TOOL_USES_FIELDS = frozenset(
     {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
@@ -836,8 +903,8 @@ def _context_management(
     """`context_management` (Anthropic's beta context editing), checked:
     `clear_thinking_20251015` applied to `messages` (the thinking of all but the last
     `keep` assistant turns that have some left out), `clear_tool_uses_20250919` read for
-    the route to apply (it clears by the prompt's tokens: `context_editing.edit`);
-    `compact_20260112` refused by name."""
+    the route to apply (it clears by the prompt's tokens: `context_editing.edit`),
+    `compact_20260112` read for the route to apply after them (compaction.py)."""
     config = body.get("context_management")
     if config is None:
         return messages, None
@@ -852,19 +919,20 @@ def _context_management(
         )
     thinking_edit: Mapping[str, Any] | None = None
     tools: ToolClearing | None = None
+    compacting: Compaction | None = None
     for i, edit in enumerate(edits):
         where = f"context_management.edits[{i}]"
         kind = edit.get("type") if isinstance(edit, Mapping) else None
-        if kind == _COMPACT:
+        if not isinstance(edit, Mapping) or kind not in _EDITS:
             raise invalid(
                 f"{where}.type",
-                f"{where}.type: '{_COMPACT}' (the conversation summarized by the model) is "
-                f"not supported by this gateway; '{CLEAR_THINKING}' and '{CLEAR_TOOL_USES}' are.",
+                f"{where}.type: '{CLEAR_THINKING}', '{CLEAR_TOOL_USES}' or '{COMPACT}'.",
             )
-        if not isinstance(edit, Mapping) or kind not in (CLEAR_THINKING, CLEAR_TOOL_USES):
-            raise invalid(
-                f"{where}.type", f"{where}.type: '{CLEAR_THINKING}' or '{CLEAR_TOOL_USES}'."
-            )
+        if kind == COMPACT:
+            if compacting is not None:
+                raise invalid(f"{where}.type", f"{where}: '{COMPACT}' may be given once.")
+            compacting = parse_edit(edit, where)
+            continue
         if kind == CLEAR_TOOL_USES:
             if tools is not None:
                 raise invalid(f"{where}.type", f"{where}: '{CLEAR_TOOL_USES}' may be given once.")
@@ -885,7 +953,7 @@ def _context_management(
         thinking_edit = edit
     keep = _keep(thinking_edit, "context_management.edits[0].keep") if thinking_edit else None
     if thinking_edit is None or keep is None:
-        return messages, ContextEdits(tools=tools)
+        return messages, ContextEdits(tools=tools, compaction=compacting)
     edited = list(messages)
     kept = cleared = 0
     for i in range(len(edited) - 1, -1, -1):
@@ -898,8 +966,8 @@ def _context_management(
         edited[i] = replace(message, reasoning="")
         cleared += 1
     if not cleared:
-        return messages, ContextEdits(tools=tools)
-    return tuple(edited), ContextEdits(cleared, messages, tools)
+        return messages, ContextEdits(tools=tools, compaction=compacting)
+    return tuple(edited), ContextEdits(cleared, messages, tools, compacting)
 
 
 def _asks_nothing(body: Mapping[str, Any]) -> None:
@@ -986,11 +1054,37 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         **fields,
     )
     stream = _flag(body, "stream")
-    if edits is None and not mcp.servers:
+    compaction = _compaction(body, edits, mcp)
+    if edits is None and not mcp.servers and compaction is None:
         return ParsedRequest(model, request, stream, False, show_reasoning=shown)
     return MessagesRequest(
-        model, request, stream, False, show_reasoning=shown, edits=edits, mcp=mcp
+        model,
+        request,
+        stream,
+        False,
+        show_reasoning=shown,
+        edits=edits,
+        mcp=mcp,
+        compaction=compaction,
     )
+
+
+def _compaction(
+    body: Mapping[str, Any], edits: ContextEdits | None, mcp: Connector
+) -> Compaction | None:
+    """The compaction a Messages body asks (the `compaction` parameter, or the
+    `compact_20260112` edit), which an answer of the MCP connector's turns cannot take."""
+    given = parse_parameter(body.get("compaction"))
+    if given is not None and body.get("context_management") is not None:
+        raise invalid("compaction", "compaction: cannot be combined with context_management.")
+    compaction = given or (edits.compaction if edits is not None else None)
+    if compaction is not None and mcp.servers:
+        raise invalid(
+            "compaction" if given else "context_management.edits",
+            "Compaction and the MCP connector's servers (mcp_servers) are not supported "
+            "together by this gateway.",
+        )
+    return compaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -1004,6 +1098,8 @@ class MessagesRequest(ParsedRequest):
     applied: tuple[Applied, ...] = ()
     mcp: Connector = field(default_factory=Connector)
     plan: McpPlan | None = None
+    #: The compaction it asks (compaction.py; None: none).
+    compaction: Compaction | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1013,6 +1109,15 @@ class ConnectorRequest(MessagesRequest):
     turns: ClassVar[bool] = True
 
 
+@dataclass(frozen=True, slots=True)
+class CompactingRequest(MessagesRequest):
+    """A Messages request whose answer begins with its conversation's summary: its
+    `generate` is the summary's turn, `asked` the request as the client asked it."""
+
+    turns: ClassVar[bool] = True
+    asked: GenerateRequest | None = None
+
+
 def parse_count(
     body: Any, request_id: str = ""
 ) -> tuple[GenerateRequest, ContextEdits | None, Connector]:
@@ -1020,6 +1125,7 @@ def parse_count(
     `context_management` did to it (None: not asked), and its MCP servers (their tools
     the route lists, for the count to hold them as the answer's first turn does)."""
     model, fields, edits, listed = _prompt(body, request_id, COUNT_FIELDS)
+    parse_parameter(body.get("compaction"))  # checked; the count is of the prompt sent
     mcp = connector(body)
     mcp.listed = {**listed, **mcp.listed}
     return GenerateRequest(model or "", **fields), edits, mcp

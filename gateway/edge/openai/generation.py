@@ -270,13 +270,25 @@ class GenerationRoute(RequestRoute[Exchange]):
         request), as the first was started."""
         plan = getattr(parsed, "plan", None)
         assert isinstance(plan, McpPlan)
+        start_turn = self.turn_starter(pool, deadline, metadata, ex)
+        started = self.admission.falls_back(ex.ctx)
+        timeout = self.config.mcp_timeout
+        return turns_start(plan, request, start, start_turn, started, deadline, timeout)
+
+    def turn_starter(
+        self,
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]:
+        """Starts an answer's next turn on the pool that serves (a fallback's, where
+        admission moved the request), as its first was started."""
 
         def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
             return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
 
-        started = self.admission.falls_back(ex.ctx)
-        timeout = self.config.mcp_timeout
-        return turns_start(plan, request, start, start_turn, started, deadline, timeout)
+        return start_turn
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange
