@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.edge.anthropic.compaction import MIN_TRIGGER_TOKENS, SUMMARIZE, SUMMARY_FRAME
+from gateway.edge.anthropic.compaction import MIN_TRIGGER_TOKENS
+from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
 from gateway.worker.demo import DemoEngine
 from tests.support.metrics import scrape, value
 from tests.support.requests import whole_input

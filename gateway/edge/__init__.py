@@ -14,6 +14,8 @@
                    metadata, refusals, telemetry, the span (generation, embeddings, infer)
     counting.py    the routes a model's tokenizer answers (Anthropic's count_tokens,
                    the Responses API's input_tokens, /tokenize) on that frame
+    compacting.py  a conversation summarized by its model: the prompt, the message it
+                   goes on from (Anthropic's compaction, /v1/responses/compact)
     openai/        the OpenAI API: bodies, validation, encoders, the routes
     responses/     OpenAI's Responses API on the same request path, and its store
     batches/       OpenAI's Batch API and its files: a team's JSONL of requests run

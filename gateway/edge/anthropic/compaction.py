@@ -9,8 +9,8 @@ by the model itself, so that it goes on from the summary.
 - The `compaction` parameter (`{"type": "summarize"}`): the answer is that block alone,
   whatever the prompt's size (`stop_reason` "compaction").
 
-`instructions` replace the summarizing prompt (`SUMMARIZE`) for the request, as
-Anthropic's do; one empty or only whitespace counts as absent.
+`instructions` replace the summarizing prompt (gateway/edge/compacting.py) for the
+request, as Anthropic's do; one empty or only whitespace counts as absent.
 
 The summary is a turn of the model's own (`CompactionTurns`, the call the route's pump
 reads, as the MCP connector's turns are): the prompt as it came, with the summarizing
@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mappi
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
+from gateway.edge.compacting import SUMMARIZE, summary_message
 from gateway.edge.errors import invalid
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
@@ -44,7 +45,6 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     GenerateRequest,
-    Message,
     Started,
     Text,
 )
@@ -60,16 +60,6 @@ TRIGGER_TOKENS = 150_000
 MIN_TRIGGER_TOKENS = 50_000
 #: The longest `instructions` taken, in characters.
 MAX_INSTRUCTIONS_CHARS = 32_768
-#: What the model is asked, after the conversation, unless `instructions` say otherwise.
-SUMMARIZE = (
-    "Stop here and write a summary of this whole conversation, in place of it, so that "
-    "the work can go on from the summary alone: what the user asked for and still wants, "
-    "the decisions taken and why, the state of the work (files, code, commands and their "
-    "results that still matter, with the exact names and values), what failed and how it "
-    "was fixed, and what is left to do next. Write only the summary."
-)
-#: How the summary opens the conversation that goes on from it.
-SUMMARY_FRAME = "The conversation so far, summarized:\n\n"
 _EDIT_FIELDS = frozenset({"type", "trigger", "pause_after_compaction", "instructions"})
 
 
@@ -149,27 +139,6 @@ def parse_parameter(config: Any) -> Compaction | None:
         )
     instructions = _instructions(config.get("instructions"), "compaction.instructions")
     return Compaction(None, True, instructions)
-
-
-def summary_message(summary: str) -> Message:
-    """The user message a conversation goes on from, after its summary."""
-    return Message("user", SUMMARY_FRAME + summary)
-
-
-def summarizing(request: GenerateRequest, compaction: Compaction) -> GenerateRequest:
-    """The summary's turn: the prompt as it came and the summarizing prompt after it (in
-    the last user message, when that is text alone: the roles still alternate), no tool
-    to call, no format nor stop string of the answer's."""
-    messages = list(request.messages or ())
-    last = messages[-1] if messages else None
-    if last is not None and last.role == "user" and not last.images and not last.parts:
-        messages[-1] = replace(last, content=f"{last.content}\n\n{compaction.instructions}")
-    else:
-        messages.append(Message("user", compaction.instructions))
-    choice = "none" if request.tools else request.tool_choice
-    return replace(
-        request, messages=tuple(messages), tool_choice=choice, response_format=None, stop=()
-    )
 
 
 def going_on(

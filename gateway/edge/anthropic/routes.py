@@ -14,7 +14,7 @@ from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from gateway.edge.anthropic.compaction import COMPACT, compaction_start, summarizing
+from gateway.edge.anthropic.compaction import COMPACT, compaction_start
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -32,6 +32,7 @@ from gateway.edge.anthropic.validation import (
     parse_messages,
 )
 from gateway.edge.asgi import ASGIApp
+from gateway.edge.compacting import summarizing
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.routes import planned
@@ -104,7 +105,7 @@ class MessagesRoute(GenerationRoute):
             if tokens < compaction.trigger:
                 return request
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
-        summary = summarizing(generate, compaction)
+        summary = summarizing(generate, compaction.instructions)
         return CompactingRequest(**{**fields, "generate": summary, "asked": generate})
 
     def turns(

@@ -57,13 +57,7 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.edge.anthropic import tool_examples
-from gateway.edge.anthropic.compaction import (
-    COMPACT,
-    Compaction,
-    parse_edit,
-    parse_parameter,
-    summary_message,
-)
+from gateway.edge.anthropic.compaction import COMPACT, Compaction, parse_edit, parse_parameter
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -83,6 +77,7 @@ from gateway.edge.anthropic.mcp import (
     use_block,
 )
 from gateway.edge.anthropic.mcp import USE as MCP_USE
+from gateway.edge.compacting import summary_message
 from gateway.edge.errors import invalid
 from gateway.edge.mcp.servers import McpTool
 from gateway.edge.mcp.turns import McpPlan
