@@ -56,6 +56,7 @@ from gateway.edge.openai.validation import ParsedRequest, parse_chat, parse_comp
 from gateway.edge.ops import admin_routes, probe_routes
 from gateway.edge.request import Parts
 from gateway.edge.responses.background import responses_routes
+from gateway.edge.responses.compact import COMPACT, CompactRoute
 from gateway.edge.responses.input_tokens import INPUT_TOKENS, InputTokensRoute
 from gateway.edge.responses.routes import RESPONSES
 from gateway.edge.usage import usage_routes
@@ -177,6 +178,7 @@ def create_app(
     hot.update(responses_hot)
     # an exact path, so it is matched before the store's `/v1/responses/{response_id}`
     hot[INPUT_TOKENS] = InputTokensRoute(parts, responses_hot[RESPONSES])
+    hot[COMPACT] = CompactRoute(parts, InputLimits(config), responses_hot[RESPONSES])
     # a batch's lines go to the endpoints' routes themselves (the checks are the batch's)
     batches.routes = {path: hot[path] for path in ENDPOINTS}
     batches.routes[MESSAGES] = AnthropicShape(hot[MESSAGES])

@@ -13,6 +13,8 @@ replay.py    a streamed background response's events, kept (bounded) for resumin
 shared_events.py  with `redis_url`, those events in Redis too (a Stream a response), so
              any replica sharing it resumes the stream
 input_tokens.py  POST /v1/responses/input_tokens: a body's prompt counted, not answered
+compact.py   POST /v1/responses/compact: a conversation's user messages and the model's
+             summary of it, as a `compaction` item that stands for it when sent back
 mcp.py       remote MCP servers as tools (`{"type": "mcp"}`): OpenAI's tool and items
              read, the calls approved (the servers and the turns: gateway/edge/mcp)
 truncation.py  `truncation: "auto"`: items dropped from the conversation's beginning

@@ -9,7 +9,8 @@ the conversation (the stored turns' items, then this body's) into chat messages.
 
 What is served (OpenAI's reference): `input` as a string or items (messages with
 text and image parts, `function_call` (a namespace's with its `namespace`),
-`function_call_output`, `reasoning`, and `item_reference`: kept as `{type, id}` here, read
+`function_call_output`, `reasoning`, `compaction` (a summary of ours:
+compact.py), and `item_reference`: kept as `{type, id}` here, read
 from the store by the route (`resolve`); an output item's id names its response,
 `output_item_id`), `instructions`, function `tools` and `namespace` tools (their
 functions given to the model flattened: `namespace__name`), `tool_choice`,
@@ -41,6 +42,7 @@ from typing import Any, NoReturn
 
 import orjson
 
+from gateway.edge.compacting import summary_message
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.servers import McpServer
 from gateway.edge.openai.schema_limits import SchemaBudget
@@ -150,6 +152,8 @@ MAX_OPAQUE_BYTES = 4 * 1024 * 1024
 #: An input item that names a stored response's output item by its `id` (what the Vercel AI
 #: SDK sends back for an earlier step's reasoning and messages, `store` being the default).
 REFERENCE = "item_reference"
+#: A compaction item's type (`/v1/responses/compact`'s summary, sent back).
+COMPACTION = "compaction"
 #: What begins the ids of a response's output items (`output_item_id`).
 OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs", "mcpl", "mcp", "mcpr"})
 _OUTPUT_DIGITS = re.compile(r"[0-9a-f]{52}")
@@ -394,17 +398,24 @@ def opaque(text: str) -> str:
     return OPAQUE_PREFIX + base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
 
 
-def unopaque(value: str, where: str, budget: list[int]) -> str:
-    """The reasoning an `encrypted_content` of ours holds; a 400 naming `where` for one
-    that is not ours (OpenAI's encrypted reasoning), is damaged, or holds more than the
-    request's `budget` (the bytes left of `MAX_OPAQUE_BYTES`; it is spent)."""
+#: What a 400 says of an `encrypted_content` another service made: a reasoning's, and a
+#: compaction's.
+FOREIGN_REASONING = (
+    "Encrypted reasoning from another service (OpenAI's) cannot be read by these models: "
+    "send the reasoning item without it."
+)
+FOREIGN_COMPACTION = (
+    "A compaction item from another service (OpenAI's) cannot be read by these models: "
+    "send the conversation's items instead, or compact it here (/v1/responses/compact)."
+)
+
+
+def unopaque(value: str, where: str, budget: list[int], foreign: str = FOREIGN_REASONING) -> str:
+    """The text an `encrypted_content` of ours holds (a reasoning's, a compaction's); a
+    400 naming `where` for one that is not ours (saying `foreign`), is damaged, or holds
+    more than the request's `budget` (the bytes left of `MAX_OPAQUE_BYTES`; it is spent)."""
     if not value.startswith(OPAQUE_PREFIX):
-        raise invalid(
-            where,
-            f"Invalid '{where}': it was not made by this gateway. Encrypted reasoning from "
-            "another service (OpenAI's) cannot be read by these models: send the reasoning "
-            "item without it.",
-        )
+        raise invalid(where, f"Invalid '{where}': it was not made by this gateway. {foreign}")
     encoded = value[len(OPAQUE_PREFIX) :]
     inflate = zlib.decompressobj()
     try:
@@ -415,8 +426,8 @@ def unopaque(value: str, where: str, budget: list[int]) -> str:
     if len(raw) > budget[0] or inflate.unconsumed_tail:
         raise invalid(
             where,
-            f"Invalid '{where}': the reasoning it holds is over {MAX_OPAQUE_BYTES} bytes "
-            "(all of a conversation's encrypted reasoning together).",
+            f"Invalid '{where}': the text it holds is over {MAX_OPAQUE_BYTES} bytes "
+            "(all of a conversation's encrypted content together).",
         )
     try:
         if not inflate.eof or inflate.unused_data:
@@ -450,6 +461,20 @@ def _reasoning_item(item: Mapping[str, Any], where: str, budget: list[int]) -> I
         unopaque(sealed, f"{where}.encrypted_content", budget)
         kept["encrypted_content"] = sealed
     return kept
+
+
+def _compaction_item(item: Mapping[str, Any], where: str, budget: list[int]) -> Item:
+    """A compaction item (`/v1/responses/compact`'s, sent back): kept, and its summary
+    (its `encrypted_content`, one of ours, read here so a damaged one is a 400 now) the
+    user message the conversation goes on from (`messages_of`)."""
+    sealed = item.get("encrypted_content")
+    if not isinstance(sealed, str):
+        raise invalid(
+            f"{where}.encrypted_content",
+            f"'{where}.encrypted_content' is required: the compaction's, as it was given.",
+        )
+    unopaque(sealed, f"{where}.encrypted_content", budget, FOREIGN_COMPACTION)
+    return {"type": COMPACTION, "id": _item_id(item, where, "cmp"), "encrypted_content": sealed}
 
 
 def thought_of(item: Item, budget: list[int]) -> str:
@@ -495,6 +520,8 @@ def input_items(value: list[Any], name: str, references: bool = False) -> tuple[
             items.append(_function_output(item, where, images))
         elif kind == "reasoning":
             items.append(_reasoning_item(item, where, budget))
+        elif kind == COMPACTION:
+            items.append(_compaction_item(item, where, budget))
         elif kind in MCP_ITEMS:
             items.append(mcp_item(item, where, kind))
         elif kind == REFERENCE and references:
@@ -503,7 +530,8 @@ def input_items(value: list[Any], name: str, references: bool = False) -> tuple[
             items.append({"type": REFERENCE, "id": _item_id(item, where, "")})
         else:
             shown = repr(kind[:40]) if isinstance(kind, str) else "this type"
-            served = ", 'reasoning' and 'item_reference'" if references else " and 'reasoning'"
+            served = ", 'reasoning', 'compaction'"
+            served += " and 'item_reference'" if references else ""
             raise invalid(
                 f"{where}.type",
                 f"Input items of type {shown} are not supported: only 'message', "
@@ -549,6 +577,10 @@ def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
             thought = ""
         elif kind == "reasoning":
             thought += thought_of(item, budget)
+        elif kind == COMPACTION:  # the conversation it summarizes goes on from it
+            summary = unopaque(item["encrypted_content"], "input", budget, FOREIGN_COMPACTION)
+            messages.append(summary_message(summary))
+            thought = ""
         elif kind in MCP_ITEMS:  # a call the gateway ran (or asked approval for)
             call, told = mcp_turn(item)
             if call is not None:

@@ -1,0 +1,130 @@
+"""Specs: `POST /v1/responses/compact` through the official `openai` SDK against the real
+gateway and a demo worker: the compacted conversation (its user messages, then one
+`compaction` item), that item sent back as input in place of the conversation, a stored
+conversation compacted by `previous_response_id`, and the refusals that name their
+parameter. The demo echoes the last message's words and counts words as tokens, so the
+summary is the echo of the last user message with the summarizing prompt after it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
+from gateway.edge.responses.params import OPAQUE_PREFIX
+from gateway.worker.demo import DemoEngine
+from tests.support.waiting import HANG_GUARD
+
+MODEL = "furnace-compact"
+CONVERSATION = [
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "what now"},
+]
+
+
+def words(text: str) -> str:
+    return " ".join(text.split())
+
+
+#: The demo's summary of CONVERSATION.
+SUMMARY = words("what now " + SUMMARIZE)
+
+
+@pytest.fixture
+def client(serve_engines, gateway_with) -> Iterator[openai.OpenAI]:
+    (worker,) = serve_engines(DemoEngine(MODEL, max_context=4096))
+    gw = gateway_with(models=(ModelConfig(MODEL, workers=(worker.address,)),))
+    with openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+    ) as sdk:
+        yield sdk
+
+
+def sent_back(compacted: Any) -> list[dict[str, Any]]:
+    """The compacted items as a client sends them back (the SDK types a user message
+    among output items as an output message: its `input_text` parts warn, and are kept)."""
+    return [item.model_dump(exclude_none=True, warnings=False) for item in compacted.output]
+
+
+def test_a_conversation_is_compacted_into_its_user_messages_and_a_summary(client):
+    compacted = client.responses.compact(model=MODEL, input=CONVERSATION)
+    assert compacted.object == "response.compaction" and compacted.id.startswith("resp_")
+    *kept, summary = compacted.output
+    assert [(m.type, m.role, m.content[0].text) for m in kept] == [
+        ("message", "user", "hello there"),
+        ("message", "user", "what now"),
+    ]
+    assert summary.type == "compaction" and summary.id.startswith("cmp_")
+    assert summary.encrypted_content.startswith(OPAQUE_PREFIX)
+    # the summary's prompt: the conversation, the summarizing prompt in its last message
+    assert compacted.usage.input_tokens == 2 + 1 + len(SUMMARY.split())
+    assert compacted.usage.output_tokens == len(SUMMARY.split())
+
+
+def test_the_compaction_item_sent_back_is_the_summary_the_conversation_goes_on_from(client):
+    compacted = client.responses.compact(model=MODEL, input=CONVERSATION)
+    turn = [*sent_back(compacted), {"role": "user", "content": "go on"}]
+    counted = client.responses.input_tokens.count(model=MODEL, input=turn)
+    shown = words("hello there what now " + SUMMARY_FRAME + SUMMARY + " go on")
+    assert counted.input_tokens == len(shown.split())
+    answer = client.responses.create(model=MODEL, input=turn, max_output_tokens=8, store=False)
+    assert answer.output_text == "go on"
+    assert answer.usage.input_tokens == counted.input_tokens
+    # compacted again, the earlier summary is in the new one's prompt, not in its output
+    again = client.responses.compact(model=MODEL, input=turn)
+    assert [item.type for item in again.output] == ["message", "message", "message", "compaction"]
+    assert again.usage.input_tokens == counted.input_tokens + len(SUMMARIZE.split())
+
+
+def test_a_stored_conversation_is_compacted_by_its_last_response(client):
+    first = client.responses.create(model=MODEL, input="hello there", max_output_tokens=8)
+    compacted = client.responses.compact(
+        model=MODEL, previous_response_id=first.id, input="what now", instructions="be brief"
+    )
+    *kept, summary = compacted.output
+    assert [m.content[0].text for m in kept] == ["hello there", "what now"]
+    assert summary.type == "compaction"
+    # instructions, the first turn, its answer, the question and the summarizing prompt
+    assert compacted.usage.input_tokens == 2 + 2 + 2 + len(SUMMARY.split())
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"stream": True}, "stream"),
+        ({"tools": []}, "tools"),
+        ({"max_output_tokens": 8}, "max_output_tokens"),
+        ({"image": {"context_compression": "enabled"}}, "image"),
+        ({"prompt_cache_options": {"mode": "explicit"}}, "prompt_cache_options"),
+        ({"input": [{"type": "compaction"}]}, "input[0].encrypted_content"),
+        ({"input": [{"type": "compaction", "encrypted_content": "gAAAA-openai"}]}, "input[0]"),
+        (
+            {"input": [{"type": "compaction", "encrypted_content": OPAQUE_PREFIX + "!!"}]},
+            "input[0].encrypted_content",
+        ),
+        ({"previous_response_id": "resp_nowhere"}, "previous_response_id"),
+    ],
+)
+def test_compact_refusals_name_the_parameter(client, body, named):
+    sent = {"model": MODEL, "input": CONVERSATION, **body}
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.post("/responses/compact", body=sent, cast_to=httpx.Response)
+    assert raised.value.status_code in (400, 404)
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"].startswith(named.split(".")[0]), error
+    assert named.split("[")[0] in error["param"] or named in error["message"], error
+
+
+def test_a_foreign_compaction_item_is_refused_in_words_that_say_why(client):
+    foreign = {"type": "compaction", "encrypted_content": "gAAAAABopenai"}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=MODEL, input=[foreign, {"role": "user", "content": "go"}])
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == "input[0].encrypted_content"
+    assert "not made by this gateway" in error["message"] and "compaction" in error["message"]
