@@ -7,12 +7,15 @@ summary is the echo of the last user message with the summarizing prompt after i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from agents import Agent, OpenAIResponsesModel, Runner, SQLiteSession, set_tracing_disabled
+from agents.memory import OpenAIResponsesCompactionSession
 
 from gateway.config import ModelConfig
 from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
@@ -128,3 +131,35 @@ def test_a_foreign_compaction_item_is_refused_in_words_that_say_why(client):
     error = raised.value.body
     assert isinstance(error, dict) and error["param"] == "input[0].encrypted_content"
     assert "not made by this gateway" in error["message"] and "compaction" in error["message"]
+
+
+def test_the_agents_sdks_compaction_session_compacts_and_goes_on(serve_engines, gateway_with):
+    """The OpenAI Agents SDK's `OpenAIResponsesCompactionSession` (it takes OpenAI's model
+    names alone) compacts a session's history after a turn by `responses.compact`, and the
+    next turn goes on from the compacted history."""
+    set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
+    model = "gpt-furnace"
+    (worker,) = serve_engines(DemoEngine(model, max_context=4096))
+    gw = gateway_with(models=(ModelConfig(model, workers=(worker.address,)),))
+
+    async def run() -> tuple[list[Any], str]:
+        async with openai.AsyncOpenAI(
+            base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
+        ) as sdk:
+            session = OpenAIResponsesCompactionSession(
+                "spec",
+                SQLiteSession("spec"),
+                client=sdk,
+                model=model,
+                compaction_mode="input",
+                should_trigger_compaction=lambda _: True,
+            )
+            agent = Agent(name="echo", model=OpenAIResponsesModel(model, sdk))
+            await Runner.run(agent, "hello there", session=session)
+            compacted = await session.get_items()
+            result = await Runner.run(agent, "go on", session=session)
+            return compacted, str(result.final_output)
+
+    compacted, answer = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
+    assert [item["type"] for item in compacted] == ["message", "compaction"]
+    assert answer == "go on"
