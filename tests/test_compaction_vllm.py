@@ -1,0 +1,130 @@
+"""Specs: compaction through a real engine: vLLM's own gRPC server (its CPU build, the tiny
+random model), the gateway rendering the chat template and tokenizing (`upstream:
+vllm-grpc`), the official `anthropic` and `openai` SDKs. The summary of a random model is
+junk, but it is the engine's: what is checked is where it goes, counted by the gateway's
+own tokenizer: the summary's prompt is the conversation's with the summarizing prompt
+appended, and a summary sent back is the user message the conversation goes on from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
+from gateway.edge.responses.params import unopaque
+from tests.support.requests import whole_input
+from tests.support.servers import (
+    Gateway,
+    ServerLoop,
+    Workers,
+    assert_nothing_left,
+    make_config,
+    start_gateway,
+)
+from tests.support.vllm import VllmProcess
+from tests.support.waiting import HANG_GUARD
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+MODEL = "tiny-vllm-compact"
+ASKED = "tell me about the weather"
+
+
+@dataclass
+class Front:
+    gateway: Gateway
+    claude: anthropic.Anthropic
+    sdk: openai.OpenAI
+
+
+@pytest.fixture(scope="module")
+def front(
+    server_loop: ServerLoop, workers: Workers, vllm_grpc: VllmProcess, vllm_model: Path
+) -> Iterator[Front]:
+    model = ModelConfig(
+        MODEL,
+        upstream="vllm-grpc",
+        tokenizer=str(vllm_model),
+        workers=(f"127.0.0.1:{vllm_grpc.port}",),
+    )
+    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
+    options = {"api_key": "unused", "max_retries": 0, "timeout": HANG_GUARD}
+    with (
+        anthropic.Anthropic(base_url=gw.url, **options) as claude,
+        openai.OpenAI(base_url=gw.url + "/v1", **options) as sdk,
+    ):
+        yield Front(gw, claude, sdk)
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(front: Front) -> Iterator[None]:
+    yield
+    assert_nothing_left(front.gateway, None)
+
+
+def count(front: Front, messages: list[dict]) -> int:
+    return front.claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+
+def test_a_messages_summary_is_the_engines_and_the_conversation_goes_on_from_it(front):
+    message = front.claude.beta.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": ASKED}],
+        compaction={"type": "summarize"},
+        betas=["compact-2026-01-12"],
+    )
+    assert [block.type for block in message.content] == ["compaction"]
+    assert message.stop_reason == "compaction"
+    (summary_turn,) = message.usage.iterations
+    asked = [{"role": "user", "content": f"{ASKED}\n\n{SUMMARIZE}"}]
+    assert whole_input(summary_turn) == count(front, asked)
+    assert 0 < summary_turn.output_tokens <= 12
+    summary = message.content[0].content
+    assert summary, "the engine wrote a summary"
+    sent_back = [
+        {"role": "assistant", "content": [message.content[0].model_dump(exclude_none=True)]},
+        {"role": "user", "content": "go on"},
+    ]
+    shown = [
+        {"role": "user", "content": SUMMARY_FRAME + summary},
+        {"role": "user", "content": "go on"},
+    ]
+    assert count(front, sent_back) == count(front, shown)
+    answer = front.claude.messages.create(model=MODEL, max_tokens=4, messages=sent_back)
+    assert whole_input(answer.usage) == count(front, shown)
+
+
+def test_a_responses_compaction_is_the_engines_and_goes_on_from_it(front):
+    conversation = [
+        {"role": "user", "content": ASKED},
+        {"role": "assistant", "content": "sunny"},
+        {"role": "user", "content": "and tomorrow"},
+    ]
+    compacted = front.sdk.responses.compact(model=MODEL, input=conversation)
+    *kept, item = compacted.output
+    assert [m.content[0].text for m in kept] == [ASKED, "and tomorrow"]
+    assert item.type == "compaction"
+    asked = [*conversation[:2], {"role": "user", "content": f"and tomorrow\n\n{SUMMARIZE}"}]
+    counted = front.sdk.responses.input_tokens.count(model=MODEL, input=asked)
+    assert compacted.usage.input_tokens == counted.input_tokens
+    summary = unopaque(item.encrypted_content, "input", [1 << 20])
+    sent_back = [i.model_dump(exclude_none=True, warnings=False) for i in compacted.output]
+    shown = [
+        conversation[0],
+        conversation[2],
+        {"role": "user", "content": SUMMARY_FRAME + summary},
+    ]
+    turn = {"role": "user", "content": "go on"}
+    back = front.sdk.responses.input_tokens.count(model=MODEL, input=[*sent_back, turn])
+    assert back.input_tokens == (
+        front.sdk.responses.input_tokens.count(model=MODEL, input=[*shown, turn]).input_tokens
+    )
