@@ -23,7 +23,7 @@ from gateway.worker.demo import DemoEngine
 from tests.support.metrics import scrape, value
 from tests.support.requests import whole_input
 from tests.support.servers import assert_nothing_left
-from tests.support.waiting import HANG_GUARD
+from tests.support.waiting import HANG_GUARD, wait_until
 
 MODEL = "furnace-long"
 BETA = ["compact-2026-01-12"]
@@ -306,3 +306,25 @@ def test_a_client_that_leaves_during_the_summary_leaves_nothing_behind(serve_eng
         assert next(lines) == "event: message_start"
     # the summary's turn (some 4 s at the demo's pace) is cancelled with the stream
     assert_nothing_left(gw, None)
+
+
+def test_a_message_batchs_request_compacts_as_a_message_does(claude):
+    short = [{"role": "user", "content": "hello there"}]
+    params = {"model": MODEL, "max_tokens": 256, "messages": short}
+    batch = claude.messages.batches.create(
+        requests=[
+            {"custom_id": "summary", "params": {**params, "compaction": {"type": "summarize"}}}
+        ]
+    )
+
+    def ended() -> bool:
+        return claude.messages.batches.retrieve(batch.id).processing_status == "ended"
+
+    wait_until(ended, f"{batch.id} to end")
+    (result,) = claude.messages.batches.results(batch.id)
+    assert result.result.type == "succeeded", result
+    message = result.result.message
+    assert message.stop_reason == "compaction"
+    assert [(block.type, block.content) for block in message.content] == [
+        ("compaction", words("hello there " + SUMMARIZE))
+    ]
