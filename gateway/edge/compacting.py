@@ -1,16 +1,39 @@
 """A conversation summarized by its own model, so that it goes on from the summary:
-the prompt that asks for the summary, and the message a conversation goes on from.
-One wording for every API that compacts (Anthropic's compaction:
-gateway/edge/anthropic/compaction.py; the Responses API's `/v1/responses/compact`:
-gateway/edge/responses/compact.py), so that a summary reads the same to the model
-whichever API made it.
+the prompt that asks for the summary, the message a conversation goes on from, and
+the turns of an answer that compacts as it goes (`CompactionTurns`). One wording and
+one way for every API that compacts (Anthropic's compaction:
+gateway/edge/anthropic/compaction.py; the Responses API's `/v1/responses/compact` and
+`context_management`: gateway/edge/responses/), so that a summary reads the same to the
+model whichever API made it.
+
+`CompactionTurns` is the call the route's pump reads (as the MCP connector's turns
+are): the summary's turn, whose text it gathers (its thinking and anything else left
+out) into one `Compacted` event for the API's encoder, then, unless the answer pauses
+there, the answer's turn from the prompt the API makes of the summary (`goes_on`; from
+the whole prompt, when the model wrote no summary), relayed. Its last `Finished`
+holds both turns' tokens, which the ledger, the budgets, the team's limits and the
+token metrics count (the engine ran both); `Compacted` says the summary's own, for an
+API that reports them apart. A client that leaves cancels the turn in flight.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import replace
+from typing import Any, NamedTuple, cast
 
-from gateway.protocol.types import GenerateRequest, Message
+from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Message,
+    Started,
+    Text,
+)
+from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
 
 #: What the model is asked after the conversation, unless the client gives its own.
 SUMMARIZE = (
@@ -44,3 +67,139 @@ def summarizing(request: GenerateRequest, instructions: str = SUMMARIZE) -> Gene
     return replace(
         request, messages=tuple(messages), tool_choice=choice, response_format=None, stop=()
     )
+
+
+class Compacted(NamedTuple):
+    """The summary's turn ended: its text (None: it wrote none), its tokens, and whether
+    the answer ends here."""
+
+    summary: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    paused: bool
+
+
+#: Starts the answer's next turn (the route's `turn_starter`).
+StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
+#: The prompt an answer goes on from after its summary.
+GoesOn = Callable[[str], tuple[Message, ...]]
+
+
+def resumed(
+    request: GenerateRequest, asked: GenerateRequest, messages: tuple[Message, ...]
+) -> GenerateRequest:
+    """The answer's turn after the summary: `request` (the summary's turn as the fleet
+    was given it) with what the client `asked` for its answer, and `messages`."""
+    return replace(
+        request,
+        messages=messages,
+        tool_choice=asked.tool_choice,
+        response_format=asked.response_format,
+        stop=asked.stop,
+    )
+
+
+def compaction_start(
+    request: GenerateRequest,
+    asked: GenerateRequest,
+    goes_on: GoesOn | None,
+    start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+    start_turn: StartTurn,
+    deadline: Deadline,
+) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+    """The start of a compacting answer for the route's pump, from its summary turn's
+    `start` (`request`, as the fleet was given it; `asked`: the request as parsed;
+    `goes_on` None: the answer ends after the summary)."""
+
+    async def begin() -> tuple[Started, UpstreamCall]:
+        started, call = await start
+        turns = CompactionTurns(request, asked, goes_on, started, call, start_turn, deadline)
+        return started, turns
+
+    return begin()
+
+
+class CompactionTurns:
+    """The summary's turn, then (unless paused) the answer's, as one call."""
+
+    def __init__(
+        self,
+        request: GenerateRequest,
+        asked: GenerateRequest,
+        goes_on: GoesOn | None,
+        started: Started,
+        call: UpstreamCall,
+        start_turn: StartTurn,
+        deadline: Deadline,
+    ) -> None:
+        self._request = request
+        self._asked = asked
+        self._goes_on = goes_on
+        self._started = started
+        self._call = call
+        self.worker = call.worker
+        self._start_turn = start_turn
+        self._deadline = deadline
+        self._events = self._run()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        # the API's encoder reads `Compacted` too; the pump passes it on
+        return cast(Event, await self._events.__anext__())
+
+    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
+        self._call.cancel(outcome)
+
+    def close(self, outcome: CallEnd = None) -> None:
+        self._call.close(outcome)
+
+    async def _ended(self) -> tuple[Finished, list[str]]:
+        """The turn in flight's texts and its end; its thinking and anything else left."""
+        texts: list[str] = []
+        async for event in self._call:
+            if type(event) is Text:
+                texts.append(event.text)
+            elif type(event) is Finished:
+                self._call.close()
+                return event, texts
+        raise errors.Failed("The engine worker ended the answer without its end.")
+
+    def _counts(self, finished: Finished) -> tuple[int, int]:
+        """A turn's prompt and cached tokens: an upstream that counts the prompt only at
+        the end (OpenAI-compatible servers) says it there, and the end's count wins."""
+        started = self._started
+        prompt = started.prompt_tokens if finished.prompt_tokens is None else finished.prompt_tokens
+        cached = started.cached_tokens if finished.cached_tokens is None else finished.cached_tokens
+        return prompt, cached
+
+    async def _run(self) -> AsyncIterator[Event | Compacted]:
+        finished, texts = await self._ended()
+        summary = "".join(texts).strip() or None
+        prompt, cached = self._counts(finished)
+        written = finished.completion_tokens
+        goes_on = self._goes_on
+        yield Compacted(summary, prompt, written, cached, goes_on is None)
+        if goes_on is None:
+            yield Finished(FinishReason.STOP, written, prompt, cached_tokens=cached)
+            return
+        if self._deadline.remaining() <= 0:
+            raise errors.Timeout("The answer's turns took longer than the request may.")
+        asked = self._asked
+        messages = (asked.messages or ()) if summary is None else goes_on(summary)
+        self._started, self._call = await self._start_turn(resumed(self._request, asked, messages))
+        self.worker = self._call.worker
+        async for event in self._call:
+            if type(event) is Finished:
+                turn_prompt, turn_cached = self._counts(event)
+                self._call.close()
+                yield event._replace(
+                    completion_tokens=written + event.completion_tokens,
+                    prompt_tokens=prompt + turn_prompt,
+                    cached_tokens=cached + turn_cached,
+                )
+                return
+            yield event
+        raise errors.Failed("The engine worker ended the answer without its end.")

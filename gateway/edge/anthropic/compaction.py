@@ -12,17 +12,17 @@ by the model itself, so that it goes on from the summary.
 `instructions` replace the summarizing prompt (gateway/edge/compacting.py) for the
 request, as Anthropic's do; one empty or only whitespace counts as absent.
 
-The summary is a turn of the model's own (`CompactionTurns`, the call the route's pump
-reads, as the MCP connector's turns are): the prompt as it came, with the summarizing
-prompt as the last user message and no tool to call, so the engine's prefix cache holds
-all of it but that message. Its text, stripped, is the block's `content`; a turn that
-wrote none gives `content` null (a failed compaction, as Anthropic's block says one) and
-the answer goes on from the whole prompt. The next turn's prompt is the request's system
-prompt and the summary as the conversation's first user message (`summary_message`), as
-is every later request's that sends the block back: the parser leaves out a
-conversation's blocks before its last compaction block (validation.py), and a block
-with null content changes nothing. The summary is bounded by the request's `max_tokens`,
-and so is the answer after it.
+The summary is a turn of the model's own (gateway/edge/compacting.py: `summarizing`,
+`CompactionTurns`): the prompt as it came, with the summarizing prompt as the last user
+message and no tool to call, so the engine's prefix cache holds all of it but that
+message. Its text, stripped, is the block's `content`; a turn that wrote none gives
+`content` null (a failed compaction, as Anthropic's block says one) and the answer goes
+on from the whole prompt. The next turn's prompt is the request's system prompt and the
+summary as the conversation's first user message (`going_on`), as is every later
+request's that sends the block back: the parser leaves out a conversation's blocks before
+its last compaction block (validation.py), and a block with null content changes
+nothing. The summary is bounded by the request's `max_tokens`, and so is the answer
+after it.
 
 Tokens: the summary's turn is an iteration of its own in the answer's `usage.iterations`
 (type "compaction"), left out of the top-level usage, as Anthropic's API reports it; the
@@ -32,23 +32,13 @@ ran both), from the last `Finished`, which holds their sum.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from gateway.edge.compacting import SUMMARIZE, summary_message
 from gateway.edge.errors import invalid
-from gateway.protocol import errors
-from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import (
-    Event,
-    Finished,
-    FinishReason,
-    GenerateRequest,
-    Started,
-    Text,
-)
-from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
+from gateway.protocol.types import GenerateRequest, Message
 
 #: The edit's type, in `context_management.edits`.
 COMPACT = "compact_20260112"
@@ -72,17 +62,6 @@ class Compaction:
     trigger: int | None = TRIGGER_TOKENS
     pause: bool = False
     instructions: str = SUMMARIZE
-
-
-class Compacted(NamedTuple):
-    """The summary's turn ended: its text (None: it wrote none), its tokens, and whether
-    the answer ends here."""
-
-    summary: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    paused: bool
 
 
 def _instructions(value: Any, where: str) -> str:
@@ -141,127 +120,9 @@ def parse_parameter(config: Any) -> Compaction | None:
     return Compaction(None, True, instructions)
 
 
-def going_on(
-    request: GenerateRequest, asked: GenerateRequest, summary: str | None
-) -> GenerateRequest:
-    """The answer's turn after the summary: `request` (the summary's turn as the fleet
-    was given it) with what the client `asked` for its answer, from the system prompt and
-    the summary (from the whole prompt, when there is no summary)."""
+def going_on(asked: GenerateRequest, summary: str) -> tuple[Message, ...]:
+    """The prompt the answer goes on from after its `summary`: the system prompt the
+    client `asked` with, then the summary's message."""
     messages = asked.messages or ()
-    if summary is not None:
-        system = tuple(m for m in messages[:1] if m.role == "system")
-        messages = (*system, summary_message(summary))
-    return replace(
-        request,
-        messages=messages,
-        tool_choice=asked.tool_choice,
-        response_format=asked.response_format,
-        stop=asked.stop,
-    )
-
-
-StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
-
-
-def compaction_start(
-    compaction: Compaction,
-    request: GenerateRequest,
-    asked: GenerateRequest,
-    start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
-    start_turn: StartTurn,
-    deadline: Deadline,
-) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-    """The start of a compacting answer for the route's pump, from its summary turn's
-    `start` (`request`, as the fleet was given it; `asked`: the request as parsed)."""
-
-    async def begin() -> tuple[Started, UpstreamCall]:
-        started, call = await start
-        return started, CompactionTurns(
-            compaction, request, asked, started, call, start_turn, deadline
-        )
-
-    return begin()
-
-
-class CompactionTurns:
-    """The summary's turn, then (unless paused) the answer's, as one call."""
-
-    def __init__(
-        self,
-        compaction: Compaction,
-        request: GenerateRequest,
-        asked: GenerateRequest,
-        started: Started,
-        call: UpstreamCall,
-        start_turn: StartTurn,
-        deadline: Deadline,
-    ) -> None:
-        self.compaction = compaction
-        self._request = request
-        self._asked = asked
-        self._started = started
-        self._call = call
-        self.worker = call.worker
-        self._start_turn = start_turn
-        self._deadline = deadline
-        self._events = self._run()
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self
-
-    async def __anext__(self) -> Event:
-        # the Messages encoder reads `Compacted` too; the pump passes it on
-        return cast(Event, await self._events.__anext__())
-
-    def cancel(self, outcome: CallEnd = CANCELLED) -> None:
-        self._call.cancel(outcome)
-
-    def close(self, outcome: CallEnd = None) -> None:
-        self._call.close(outcome)
-
-    async def _ended(self) -> tuple[Finished, list[str]]:
-        """The turn in flight's texts and its end; its thinking and anything else left."""
-        texts: list[str] = []
-        async for event in self._call:
-            if type(event) is Text:
-                texts.append(event.text)
-            elif type(event) is Finished:
-                self._call.close()
-                return event, texts
-        raise errors.Failed("The engine worker ended the answer without its end.")
-
-    def _counts(self, finished: Finished) -> tuple[int, int]:
-        """A turn's prompt and cached tokens: an upstream that counts the prompt only at
-        the end (OpenAI-compatible servers) says it there, and the end's count wins."""
-        started = self._started
-        prompt = started.prompt_tokens if finished.prompt_tokens is None else finished.prompt_tokens
-        cached = started.cached_tokens if finished.cached_tokens is None else finished.cached_tokens
-        return prompt, cached
-
-    async def _run(self) -> AsyncIterator[Event | Compacted]:
-        finished, texts = await self._ended()
-        summary = "".join(texts).strip() or None
-        prompt, cached = self._counts(finished)
-        written = finished.completion_tokens
-        paused = self.compaction.pause
-        yield Compacted(summary, prompt, written, cached, paused)
-        if paused:
-            yield Finished(FinishReason.STOP, written, prompt, cached_tokens=cached)
-            return
-        if self._deadline.remaining() <= 0:
-            raise errors.Timeout("The answer's turns took longer than the request may.")
-        turn = going_on(self._request, self._asked, summary)
-        self._started, self._call = await self._start_turn(turn)
-        self.worker = self._call.worker
-        async for event in self._call:
-            if type(event) is Finished:
-                turn_prompt, turn_cached = self._counts(event)
-                self._call.close()
-                yield event._replace(
-                    completion_tokens=written + event.completion_tokens,
-                    prompt_tokens=prompt + turn_prompt,
-                    cached_tokens=cached + turn_cached,
-                )
-                return
-            yield event
-        raise errors.Failed("The engine worker ended the answer without its end.")
+    system = tuple(m for m in messages[:1] if m.role == "system")
+    return (*system, summary_message(summary))

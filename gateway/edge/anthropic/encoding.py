@@ -25,9 +25,9 @@ from typing import Any
 import jiter
 import orjson
 
-from gateway.edge.anthropic.compaction import Compacted
 from gateway.edge.anthropic.context_editing import Applied, applied_edits
 from gateway.edge.anthropic.errors import error_payload
+from gateway.edge.compacting import Compacted
 from gateway.edge.errors import APIError
 from gateway.edge.mcp.turns import McpCallEnded, McpCallStarted
 from gateway.edge.openai.encoding import Encoder

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from gateway.edge.anthropic.compaction import COMPACT, compaction_start
+from gateway.edge.anthropic.compaction import COMPACT, going_on
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -32,7 +33,7 @@ from gateway.edge.anthropic.validation import (
     parse_messages,
 )
 from gateway.edge.asgi import ASGIApp
-from gateway.edge.compacting import summarizing
+from gateway.edge.compacting import compaction_start, summarizing
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.routes import planned
@@ -120,11 +121,11 @@ class MessagesRoute(GenerationRoute):
     ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
         if not isinstance(parsed, CompactingRequest):
             return super().turns(parsed, request, start, pool, deadline, metadata, ex)
-        assert parsed.compaction is not None and parsed.asked is not None
+        asked = parsed.asked
+        assert parsed.compaction is not None and asked is not None
         start_turn = self.turn_starter(pool, deadline, metadata, ex)
-        return compaction_start(
-            parsed.compaction, request, parsed.asked, start, start_turn, deadline
-        )
+        goes_on = None if parsed.compaction.pause else partial(going_on, asked)
+        return compaction_start(request, asked, goes_on, start, start_turn, deadline)
 
     async def _planned(self, request: MessagesRequest, pool: ModelPool) -> ConnectorRequest:
         """`request` with its MCP servers' tools given to the model, in its slot."""
