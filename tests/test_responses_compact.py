@@ -1,8 +1,10 @@
-"""Specs: `POST /v1/responses/compact` through the official `openai` SDK against the real
-gateway and a demo worker: the compacted conversation (its user messages, then one
-`compaction` item), that item sent back as input in place of the conversation, a stored
-conversation compacted by `previous_response_id`, and the refusals that name their
-parameter. The demo echoes the last message's words and counts words as tokens, so the
+"""Specs: the Responses API's compaction through the official `openai` SDK against the
+real gateway and a demo worker: `POST /v1/responses/compact` (the conversation's user
+messages, then one `compaction` item), that item sent back as input in place of the
+conversation, a stored conversation compacted by `previous_response_id`, server-side
+compaction (`context_management`: the answer begins with the item once the prompt reaches
+its threshold, and a stored conversation goes on from it), and the refusals that name
+their parameter. The demo echoes the last message's words and counts words as tokens, so the
 summary is the echo of the last user message with the summarizing prompt after it."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gateway.config import ModelConfig
 from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
 from gateway.edge.responses.params import OPAQUE_PREFIX
 from gateway.worker.demo import DemoEngine
+from tests.support.script_engine import ScriptEngine
 from tests.support.waiting import HANG_GUARD
 
 MODEL = "furnace-compact"
@@ -163,3 +166,118 @@ def test_the_agents_sdks_compaction_session_compacts_and_goes_on(serve_engines, 
     compacted, answer = asyncio.run(asyncio.wait_for(run(), HANG_GUARD))
     assert [item["type"] for item in compacted] == ["message", "compaction"]
     assert answer == "go on"
+
+
+def compacting(threshold: int | None = 3) -> list[dict[str, Any]]:
+    entry: dict[str, Any] = {"type": "compaction"}
+    if threshold is not None:
+        entry["compact_threshold"] = threshold
+    return [entry]
+
+
+#: The prompt an answer goes on from after compacting CONVERSATION: its user messages,
+#: then the summary's message.
+GONE_ON = words("hello there what now " + SUMMARY_FRAME + SUMMARY)
+
+
+def test_past_its_threshold_an_answer_begins_with_the_compaction_item(client):
+    answer = client.responses.create(
+        model=MODEL, input=CONVERSATION, context_management=compacting(), max_output_tokens=256
+    )
+    assert [item.type for item in answer.output] == ["compaction", "message"]
+    assert answer.output[0].encrypted_content.startswith(OPAQUE_PREFIX)
+    assert answer.output[0].id.startswith("cmp_")
+    # the answer's prompt: the user's messages and the summary (the demo echoes the last)
+    assert answer.output_text == words(SUMMARY_FRAME + SUMMARY)
+    summary_prompt = 2 + 1 + len(SUMMARY.split())
+    assert answer.usage.input_tokens == summary_prompt + len(GONE_ON.split())
+    assert answer.usage.output_tokens == len(SUMMARY.split()) + len(
+        words(SUMMARY_FRAME + SUMMARY).split()
+    )
+
+
+def test_below_its_threshold_an_answer_compacts_nothing(client):
+    for entries in (compacting(100), compacting(None), []):  # the default: 80 % of 4096
+        answer = client.responses.create(
+            model=MODEL, input=CONVERSATION, context_management=entries, max_output_tokens=8
+        )
+        assert [item.type for item in answer.output] == ["message"]
+        assert answer.output_text == "what now"
+
+
+def test_a_streamed_compaction_is_an_item_made_whole_before_the_answer(client):
+    with client.responses.stream(
+        model=MODEL, input=CONVERSATION, context_management=compacting(), max_output_tokens=256
+    ) as stream:
+        kinds = [(e.type, getattr(e, "output_index", None)) for e in stream]
+        final = stream.get_final_response()
+    assert kinds[2:5] == [
+        ("response.output_item.added", 0),
+        ("response.compaction.compacting", 0),
+        ("response.output_item.done", 0),
+    ]
+    assert kinds[5] == ("response.output_item.added", 1)
+    assert [item.type for item in final.output] == ["compaction", "message"]
+    assert final.output_text == words(SUMMARY_FRAME + SUMMARY)
+
+
+def test_a_stored_conversation_goes_on_from_its_compaction(client):
+    first = client.responses.create(
+        model=MODEL, input=CONVERSATION, context_management=compacting(), max_output_tokens=256
+    )
+    asked = {"model": MODEL, "previous_response_id": first.id, "input": "go on"}
+    counted = client.responses.input_tokens.count(**asked)
+    # before the compaction item, only the user's messages are left
+    shown = words(GONE_ON + " " + first.output_text + " go on")
+    assert counted.input_tokens == len(shown.split())
+    answer = client.responses.create(**asked, max_output_tokens=8)
+    assert answer.output_text == "go on" and answer.usage.input_tokens == counted.input_tokens
+    # an item reference names the stored compaction item
+    again = client.responses.input_tokens.count(
+        model=MODEL,
+        input=[
+            *CONVERSATION,
+            {"type": "item_reference", "id": first.output[0].id},
+            {"role": "user", "content": "go on"},
+        ],
+    )
+    assert again.input_tokens == len(words(GONE_ON + " go on").split())
+
+
+@pytest.mark.parametrize(
+    ("management", "named"),
+    [
+        ({"type": "compaction"}, "context_management"),
+        ([{"type": "truncation"}], "context_management[0].type"),
+        ([{"type": "compaction", "keep": 1}], "context_management[0].keep"),
+        (
+            [{"type": "compaction", "compact_threshold": 0}],
+            "context_management[0].compact_threshold",
+        ),
+        (
+            [{"type": "compaction", "compact_threshold": "many"}],
+            "context_management[0].compact_threshold",
+        ),
+        (compacting() * 2, "context_management"),
+    ],
+)
+def test_context_management_refusals_name_the_parameter(client, management, named):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=MODEL, input="hi", context_management=management)
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == named, error
+
+
+def test_a_model_that_cannot_count_refuses_context_management(serve_engines, gateway_with):
+    """A model whose workers cannot count the prompt (an engine without a tokenizer, as an
+    OpenAI-compatible server without `/tokenize`) cannot tell when to compact."""
+    (worker,) = serve_engines(ScriptEngine([]))
+    gw = gateway_with(models=(ModelConfig("script-engine", workers=(worker.address,)),))
+    with (
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as sdk,
+        pytest.raises(openai.BadRequestError) as raised,
+    ):
+        sdk.responses.create(model="script-engine", input="hi", context_management=compacting())
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == "context_management", error
+    assert "cannot count" in error["message"]

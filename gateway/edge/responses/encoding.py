@@ -8,7 +8,9 @@ call: `response.function_call_arguments.delta`..., `.done`; a reasoning item: as
 message's, with `response.reasoning_text.*`, or, with `reasoning.summary` asked, as
 its one summary part: `response.reasoning_summary_part.added`,
 `response.reasoning_summary_text.delta`..., `.done`, `response.reasoning_summary_part.done`),
-`response.output_item.done`,
+`response.output_item.done`; a compacting answer's summary (`context_management`: routes.py)
+is a `compaction` item first, made whole at once (`response.output_item.added`,
+`response.compaction.compacting`, `response.output_item.done`);
 and last `response.completed` (or `response.incomplete` when `max_output_tokens` cut
 it, or `error` and `response.failed` when the worker failed). An item is open until
 the next one starts or the answer ends. The text delta, the event of every token, is
@@ -30,11 +32,18 @@ from typing import Any
 
 import orjson
 
+from gateway.edge.compacting import Compacted
 from gateway.edge.errors import APIError
 from gateway.edge.mcp.turns import McpApproval, McpCallEnded, McpCallStarted, McpListed
 from gateway.edge.openai.encoding import MIN_LOGPROB, Encoder, obfuscated, token_bytes
 from gateway.edge.responses.mcp import APPROVAL_REQUEST, CALL, LIST_TOOLS
-from gateway.edge.responses.params import ResponsesBody, new_id, opaque, output_item_id
+from gateway.edge.responses.params import (
+    COMPACTION,
+    ResponsesBody,
+    new_id,
+    opaque,
+    output_item_id,
+)
 from gateway.protocol.types import (
     Event,
     Finished,
@@ -156,7 +165,8 @@ class ResponsesEncoder(Encoder):
         self.model = model
         self.body = body
         self.created_at = int(time.time())
-        self.plain = not body.tools and not body.mcp
+        # an answer that may compact reads its `Compacted` in the events path
+        self.plain = not body.tools and not body.mcp and body.compact_threshold is None
         self._mcp_call: dict[str, Any] | None = None  # the MCP call running now
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # the items done
@@ -492,7 +502,24 @@ class ResponsesEncoder(Encoder):
                 self._finish_reason = item.reason
             elif isinstance(item, MCP_EVENTS):
                 out.append(self._mcp(item, stream))
+            elif isinstance(item, Compacted):
+                out.append(self._compaction(item, stream))
         return b"".join(out)
+
+    def _compaction(self, compacted: Compacted, stream: bool) -> bytes:
+        """The summary of a compacting answer as its `compaction` output item, made whole
+        at once (none where the model wrote no summary: the answer goes on from the whole
+        prompt)."""
+        if compacted.summary is None:
+            return b""
+        out = self._close_item("completed", stream)
+        index = len(self.output)
+        item = {
+            "type": COMPACTION,
+            "id": output_item_id("cmp", self.id, index),
+            "encrypted_content": opaque(compacted.summary),
+        }
+        return out + self._whole_item(item, index, stream, ("compacting",))
 
     # -- remote MCP servers' items (gateway/edge/mcp/turns.py) -------------------------------------
 
@@ -511,7 +538,7 @@ class ResponsesEncoder(Encoder):
                 "tools": [tool.shown() for tool in event.tools],
                 "error": None,
             }
-            return out + self._mcp_item(item, index, stream, ("in_progress", "completed"))
+            return out + self._whole_item(item, index, stream, ("in_progress", "completed"))
         if isinstance(event, McpApproval):
             item = {
                 "type": APPROVAL_REQUEST,
@@ -520,7 +547,7 @@ class ResponsesEncoder(Encoder):
                 "name": event.name,
                 "arguments": event.arguments,
             }
-            return out + self._mcp_item(item, index, stream, ())
+            return out + self._whole_item(item, index, stream, ())
         item = self._mcp_call = {
             "type": CALL,
             "id": output_item_id("mcp", self.id, index),
@@ -545,7 +572,7 @@ class ResponsesEncoder(Encoder):
             + self._event("response.mcp_call_arguments.done", {**where, "arguments": arguments})
         )
 
-    def _mcp_item(
+    def _whole_item(
         self, item: dict[str, Any], index: int, stream: bool, steps: tuple[str, ...]
     ) -> bytes:
         """An item made whole at once: added, its steps' events, done."""

@@ -130,7 +130,6 @@ UNSERVED: dict[str, Any] = {
     "previous_input_messages": None,
     "background": False,
     "prompt": None,
-    "context_management": None,
     "moderation": None,  # OpenAI's moderation of the input and the output
     "image": None,  # OpenAI's image-generation options
     "access_programs": None,
@@ -155,7 +154,7 @@ REFERENCE = "item_reference"
 #: A compaction item's type (`/v1/responses/compact`'s summary, sent back).
 COMPACTION = "compaction"
 #: What begins the ids of a response's output items (`output_item_id`).
-OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs", "mcpl", "mcp", "mcpr"})
+OUTPUT_PREFIXES = frozenset({"msg", "fc", "rs", "mcpl", "mcp", "mcpr", "cmp"})
 _OUTPUT_DIGITS = re.compile(r"[0-9a-f]{52}")
 #: Text parts of a message's content (a refusal is text the assistant said).
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -201,6 +200,9 @@ class ResponsesBody:
     stop: tuple[str, ...] = ()
     #: Remote MCP servers among the tools (`{"type": "mcp"}`: mcp.py), in order.
     mcp: tuple[McpServer, ...] = ()
+    #: `context_management`'s compaction: the prompt's tokens from which the answer
+    #: compacts the conversation first (0: the model's `COMPACT_SHARE`); None: it never does.
+    compact_threshold: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -549,10 +551,28 @@ def _chat_part(part: dict[str, Any]) -> ContentPart:
     return ContentPart("text", part.get("text") or part.get("refusal") or "")
 
 
+def compacted(items: Sequence[Item]) -> Sequence[Item]:
+    """The items a conversation's prompt is made of: before its last compaction item,
+    which stands for them, only the messages of the user and the instructions (as
+    `/v1/responses/compact` keeps them)."""
+    last = next((i for i in range(len(items) - 1, -1, -1) if items[i]["type"] == COMPACTION), 0)
+    if not last:
+        return items
+    kept = [item for item in items[:last] if kept_in_compaction(item)]
+    return [*kept, *items[last:]]
+
+
+def kept_in_compaction(item: Item) -> bool:
+    """Whether a compaction keeps the item as it came: a message but the assistant's."""
+    return bool(item["type"] == "message" and item["role"] != "assistant")
+
+
 def messages_of(items: Sequence[Item]) -> tuple[Message, ...]:
-    """Stored items as chat messages: a message's text parts joined and its images in
-    order; function calls join the assistant message just before them (or make one);
-    a function's output is a `tool` message."""
+    """Stored items as chat messages (of those a compaction left: `compacted`): a
+    message's text parts joined and its images in order; function calls join the
+    assistant message just before them (or make one); a function's output is a `tool`
+    message; a compaction item is its summary's user message."""
+    items = compacted(items)
     messages: list[Message] = []
     thought = ""  # a reasoning item's text, for the assistant turn after it
     budget = [MAX_OPAQUE_BYTES]  # what the conversation's `encrypted_content` may hold
@@ -967,7 +987,46 @@ def parse(body: Any) -> ResponsesBody:
         namespaced=namespaced,
         truncate=body.get("truncation") == "auto",
         mcp=tuple(servers),
+        compact_threshold=_context_management(body, servers),
     )
+
+
+def _context_management(body: Mapping[str, Any], servers: Sequence[McpServer]) -> int | None:
+    """`context_management` (OpenAI's server-side compaction): a list of one
+    `{"type": "compaction", "compact_threshold": N}` (N omitted: 0, the model's share), or
+    none; an answer of MCP turns does not compact."""
+    value = body.get("context_management")
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], Mapping):
+        raise invalid(
+            "context_management",
+            "Invalid 'context_management': a list of one entry, {type: 'compaction'}.",
+        )
+    entry = value[0]
+    if entry.get("type") != COMPACTION:
+        raise invalid(
+            "context_management[0].type",
+            "Invalid 'context_management[0].type': only 'compaction' is supported.",
+        )
+    extra = sorted(k for k in entry.keys() - {"type", "compact_threshold"} if entry[k] is not None)
+    if extra:
+        raise invalid(f"context_management[0].{extra[0]}", f"Unknown parameter: '{extra[0]}'.")
+    threshold = entry.get("compact_threshold")
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1
+    ):
+        raise invalid(
+            "context_management[0].compact_threshold",
+            "Invalid 'context_management[0].compact_threshold': a positive integer.",
+        )
+    if servers:
+        raise invalid(
+            "context_management",
+            "Compaction ('context_management') and remote MCP tools are not supported "
+            "together by this gateway.",
+        )
+    return threshold or 0
 
 
 def _reasoning(body: Mapping[str, Any]) -> tuple[str, str | None]:

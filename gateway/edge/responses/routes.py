@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from functools import wraps
@@ -41,7 +41,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.edge.asgi import Message, Send
+from gateway.edge.asgi import Message as ASGIMessage
+from gateway.edge.asgi import Send
+from gateway.edge.compacting import compaction_start, summarizing, summary_message
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.mcp.routes import planned
@@ -69,8 +71,10 @@ from gateway.edge.responses.params import (
     Item,
     ResponsesBody,
     generate_request,
+    kept_in_compaction,
     new_id,
     parse,
+    prompt_messages,
     referenced_response,
     resolve,
 )
@@ -78,7 +82,10 @@ from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
+from gateway.protocol.deadline import Deadline
+from gateway.protocol.types import GenerateRequest, Message, Started
 from gateway.teams import Team, team_of
+from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.responses")
 
@@ -96,6 +103,9 @@ MAX_PAGE = 100
 DEFAULT_PAGE = 20
 #: A response's statuses whose turn is added to its conversation.
 KEPT = ("completed", "incomplete")
+#: The share of the model's context past which `context_management` compacts when its
+#: entry names no `compact_threshold`.
+COMPACT_SHARE = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +120,21 @@ class ResponsesRequest(ParsedRequest):
     history: list[Item] = field(default_factory=list)
     depth: int = 1
     session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CompactingRequest(ResponsesRequest):
+    """A request whose prompt reached its `context_management` threshold: its answer
+    begins with the conversation's summary (gateway/edge/compacting.py), its `generate`
+    the summary's turn, `asked` the request as it came; after the summary it goes on
+    from `kept` (the instructions and the user's messages) and the summary's message."""
+
+    turns: ClassVar[bool] = True
+    asked: GenerateRequest | None = None
+    kept: tuple[Message, ...] = ()
+
+    def goes_on(self, summary: str) -> tuple[Message, ...]:
+        return (*self.kept, summary_message(summary))
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +302,59 @@ class ResponsesRoute(GenerationRoute):
         elif body is not None and any(item["type"] == APPROVAL_RESPONSE for item in body.items):
             # an approval with no server to run its call on is refused
             approved_calls([*parsed.history, *body.items], body.items, set())
+        if body is not None and body.compact_threshold is not None:
+            parsed = await self._compacting(parsed, pool, ex)
         await super()._serve(parsed, pool, ex)
+
+    async def _compacting(
+        self, request: ResponsesRequest, pool: ModelPool, ex: Exchange
+    ) -> ResponsesRequest:
+        """`request` as a compacting one when its prompt (counted in its slot, on `pool`)
+        reaches its `context_management` threshold (by default, `COMPACT_SHARE` of the
+        model's context)."""
+        body, generate = request.body, request.generate
+        assert body is not None and body.compact_threshold is not None
+        threshold = body.compact_threshold
+        if not threshold:
+            if not pool.max_context:
+                raise invalid(
+                    "context_management[0].compact_threshold",
+                    f"'compact_threshold' is required for the model {pool.name}: its context "
+                    "length is unknown (its workers do not report it; `max_model_len` sets it).",
+                )
+            threshold = int(pool.max_context * COMPACT_SHARE)
+        assert generate.messages is not None
+        try:
+            tokens = await prompt_counter(self, ex, pool, generate)(generate.messages)
+        except errors.CannotCount:
+            raise invalid(
+                "context_management",
+                f"'context_management' is not supported for the model {pool.name}: its "
+                "upstream server cannot count the prompt's tokens.",
+            ) from None
+        if tokens < threshold:
+            return request
+        items = [*request.history, *body.items]
+        kept = prompt_messages(body.instructions, [i for i in items if kept_in_compaction(i)])
+        fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
+        summary = summarizing(generate)
+        return CompactingRequest(**{**fields, "generate": summary, "asked": generate, "kept": kept})
+
+    def turns(
+        self,
+        parsed: ParsedRequest,
+        request: GenerateRequest,
+        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
+        pool: ModelPool,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
+        ex: Exchange,
+    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
+        if not isinstance(parsed, CompactingRequest):
+            return super().turns(parsed, request, start, pool, deadline, metadata, ex)
+        assert parsed.asked is not None
+        start_turn = self.turn_starter(pool, deadline, metadata, ex)
+        return compaction_start(request, parsed.asked, parsed.goes_on, start, start_turn, deadline)
 
     async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
         """`request` with its MCP servers' tools given to the model, in its slot, and the
@@ -361,7 +438,7 @@ class ResponsesRoute(GenerationRoute):
             await super()._relay_events(pump, encoder, stream, record, send, gone, write_now)
             return
 
-        async def send_kept(message: Message) -> None:
+        async def send_kept(message: ASGIMessage) -> None:
             last = message["type"] == "http.response.body" and not message.get("more_body")
             if last and encoder.final is not None:
                 await self._keep(request, encoder.final, pump.worker)
