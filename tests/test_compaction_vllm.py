@@ -128,3 +128,33 @@ def test_a_responses_compaction_is_the_engines_and_goes_on_from_it(front):
     assert back.input_tokens == (
         front.sdk.responses.input_tokens.count(model=MODEL, input=[*shown, turn]).input_tokens
     )
+
+
+def test_a_response_past_its_threshold_compacts_through_the_engine(front):
+    conversation = [
+        {"role": "user", "content": ASKED},
+        {"role": "assistant", "content": "sunny"},
+        {"role": "user", "content": "and tomorrow"},
+    ]
+    answer = front.sdk.responses.create(
+        model=MODEL,
+        input=conversation,
+        max_output_tokens=8,
+        temperature=0,
+        store=False,
+        context_management=[{"type": "compaction", "compact_threshold": 1}],
+    )
+    assert [item.type for item in answer.output] == ["compaction", "message"]
+    summary = unopaque(answer.output[0].encrypted_content, "input", [1 << 20])
+    asked = [*conversation[:2], {"role": "user", "content": f"and tomorrow\n\n{SUMMARIZE}"}]
+    gone_on = [
+        conversation[0],
+        conversation[2],
+        {"role": "user", "content": SUMMARY_FRAME + summary},
+    ]
+    tokens = [
+        front.sdk.responses.input_tokens.count(model=MODEL, input=prompt).input_tokens
+        for prompt in (asked, gone_on)
+    ]
+    # both turns' prompts, counted by the gateway's own tokenizer
+    assert answer.usage.input_tokens == sum(tokens)

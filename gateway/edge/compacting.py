@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import replace
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 from gateway.protocol import errors
 from gateway.protocol.deadline import Deadline
@@ -84,6 +84,19 @@ class Compacted(NamedTuple):
 StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
 #: The prompt an answer goes on from after its summary.
 GoesOn = Callable[[str], tuple[Message, ...]]
+
+
+@runtime_checkable
+class Compacting(Protocol):
+    """A parsed request whose answer compacts (each API's: its `turns` are true): the
+    generation route starts it as `CompactionTurns`, its `generate` the summary's turn."""
+
+    #: The request as the client asked it (its answer's turn is made of it).
+    asked: GenerateRequest | None
+
+    def continuation(self) -> GoesOn | None:
+        """The prompt the answer goes on from after the summary (None: it ends there)."""
+        ...
 
 
 def resumed(

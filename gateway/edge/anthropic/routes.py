@@ -9,13 +9,11 @@ every refusal, the checks' included, is in Anthropic's shape.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from gateway.edge.anthropic.compaction import COMPACT, going_on
+from gateway.edge.anthropic.compaction import COMPACT
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -33,7 +31,7 @@ from gateway.edge.anthropic.validation import (
     parse_messages,
 )
 from gateway.edge.asgi import ASGIApp
-from gateway.edge.compacting import compaction_start, summarizing
+from gateway.edge.compacting import summarizing
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.routes import planned
@@ -47,9 +45,6 @@ from gateway.protocol import errors
 if TYPE_CHECKING:
     from gateway.edge.openai.encoding import Encoder
     from gateway.fleet.pool import ModelPool
-    from gateway.protocol.deadline import Deadline
-    from gateway.protocol.types import GenerateRequest, Started
-    from gateway.upstreams.base import UpstreamCall
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -108,24 +103,6 @@ class MessagesRoute(GenerationRoute):
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
         summary = summarizing(generate, compaction.instructions)
         return CompactingRequest(**{**fields, "generate": summary, "asked": generate})
-
-    def turns(
-        self,
-        parsed: ParsedRequest,
-        request: GenerateRequest,
-        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
-        pool: ModelPool,
-        deadline: Deadline,
-        metadata: tuple[tuple[str, str], ...],
-        ex: Exchange,
-    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        if not isinstance(parsed, CompactingRequest):
-            return super().turns(parsed, request, start, pool, deadline, metadata, ex)
-        asked = parsed.asked
-        assert parsed.compaction is not None and asked is not None
-        start_turn = self.turn_starter(pool, deadline, metadata, ex)
-        goes_on = None if parsed.compaction.pause else partial(going_on, asked)
-        return compaction_start(request, asked, goes_on, start, start_turn, deadline)
 
     async def _planned(self, request: MessagesRequest, pool: ModelPool) -> ConnectorRequest:
         """`request` with its MCP servers' tools given to the model, in its slot."""

@@ -52,12 +52,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import orjson
 
 from gateway.edge.anthropic import tool_examples
-from gateway.edge.anthropic.compaction import COMPACT, Compaction, parse_edit, parse_parameter
+from gateway.edge.anthropic.compaction import (
+    COMPACT,
+    Compaction,
+    going_on,
+    parse_edit,
+    parse_parameter,
+)
 from gateway.edge.anthropic.context_editing import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
@@ -77,7 +84,7 @@ from gateway.edge.anthropic.mcp import (
     use_block,
 )
 from gateway.edge.anthropic.mcp import USE as MCP_USE
-from gateway.edge.compacting import summary_message
+from gateway.edge.compacting import GoesOn, summary_message
 from gateway.edge.errors import invalid
 from gateway.edge.mcp.servers import McpTool
 from gateway.edge.mcp.turns import McpPlan
@@ -1106,11 +1113,18 @@ class ConnectorRequest(MessagesRequest):
 
 @dataclass(frozen=True, slots=True)
 class CompactingRequest(MessagesRequest):
-    """A Messages request whose answer begins with its conversation's summary: its
-    `generate` is the summary's turn, `asked` the request as the client asked it."""
+    """A Messages request whose answer begins with its conversation's summary
+    (gateway/edge/compacting.py: `Compacting`): its `generate` is the summary's turn,
+    `asked` the request as the client asked it."""
 
     turns: ClassVar[bool] = True
     asked: GenerateRequest | None = None
+
+    def continuation(self) -> GoesOn | None:
+        """After the summary: the system prompt and the summary (None: paused)."""
+        if self.compaction is None or self.compaction.pause or self.asked is None:
+            return None
+        return partial(going_on, self.asked)
 
 
 def parse_count(

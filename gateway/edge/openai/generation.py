@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 from gateway.admission import EventPump
 from gateway.admission.admit import RequestContext
 from gateway.edge.asgi import WRITE_NOW_EXTENSION, Send, send_json
+from gateway.edge.compacting import Compacting, compaction_start
 from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.turns import McpPlan, turns_start
 from gateway.edge.openai.body import read_json
@@ -264,13 +265,18 @@ class GenerationRoute(RequestRoute[Exchange]):
         metadata: tuple[tuple[str, str], ...],
         ex: Exchange,
     ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        """The start of an answer of turns around its MCP servers' calls (`parsed.turns`,
-        whose `plan` the route made: gateway/edge/mcp), from its first turn's `start`: the
-        next turns on the pool that serves (a fallback's, where admission moved the
-        request), as the first was started."""
+        """The start of an answer of turns (`parsed.turns`) from its first turn's `start`:
+        around its MCP servers' calls (its `plan`, which the route made: gateway/edge/mcp),
+        or a compacting answer's (gateway/edge/compacting.py); the next turns on the pool
+        that serves (a fallback's, where admission moved the request), as the first was
+        started."""
+        start_turn = self.turn_starter(pool, deadline, metadata, ex)
+        if isinstance(parsed, Compacting):  # the summary's turn first (its `generate`)
+            assert parsed.asked is not None
+            goes_on = parsed.continuation()
+            return compaction_start(request, parsed.asked, goes_on, start, start_turn, deadline)
         plan = getattr(parsed, "plan", None)
         assert isinstance(plan, McpPlan)
-        start_turn = self.turn_starter(pool, deadline, metadata, ex)
         started = self.admission.falls_back(ex.ctx)
         timeout = self.config.mcp_timeout
         return turns_start(plan, request, start, start_turn, started, deadline, timeout)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from functools import wraps
@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from gateway.edge.asgi import Message as ASGIMessage
 from gateway.edge.asgi import Send
-from gateway.edge.compacting import compaction_start, summarizing, summary_message
+from gateway.edge.compacting import GoesOn, summarizing, summary_message
 from gateway.edge.counting import prompt_counter
 from gateway.edge.errors import APIError, from_error, invalid
 from gateway.edge.mcp.routes import planned
@@ -82,10 +82,8 @@ from gateway.edge.responses.store import ResponseStore, Stored
 from gateway.edge.responses.truncation import fit
 from gateway.fleet import ModelPool
 from gateway.protocol import errors
-from gateway.protocol.deadline import Deadline
-from gateway.protocol.types import GenerateRequest, Message, Started
+from gateway.protocol.types import GenerateRequest, Message
 from gateway.teams import Team, team_of
-from gateway.upstreams.base import UpstreamCall
 
 log = logging.getLogger("furnace.responses")
 
@@ -133,7 +131,11 @@ class CompactingRequest(ResponsesRequest):
     asked: GenerateRequest | None = None
     kept: tuple[Message, ...] = ()
 
-    def goes_on(self, summary: str) -> tuple[Message, ...]:
+    def continuation(self) -> GoesOn:
+        """After the summary: the instructions, the user's messages and the summary."""
+        return self._goes_on
+
+    def _goes_on(self, summary: str) -> tuple[Message, ...]:
         return (*self.kept, summary_message(summary))
 
 
@@ -339,22 +341,6 @@ class ResponsesRoute(GenerationRoute):
         fields = {f.name: getattr(request, f.name) for f in dataclass_fields(request)}
         summary = summarizing(generate)
         return CompactingRequest(**{**fields, "generate": summary, "asked": generate, "kept": kept})
-
-    def turns(
-        self,
-        parsed: ParsedRequest,
-        request: GenerateRequest,
-        start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
-        pool: ModelPool,
-        deadline: Deadline,
-        metadata: tuple[tuple[str, str], ...],
-        ex: Exchange,
-    ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
-        if not isinstance(parsed, CompactingRequest):
-            return super().turns(parsed, request, start, pool, deadline, metadata, ex)
-        assert parsed.asked is not None
-        start_turn = self.turn_starter(pool, deadline, metadata, ex)
-        return compaction_start(request, parsed.asked, parsed.goes_on, start, start_turn, deadline)
 
     async def _planned(self, request: ResponsesRequest, pool: ModelPool) -> TurnsRequest:
         """`request` with its MCP servers' tools given to the model, in its slot, and the
