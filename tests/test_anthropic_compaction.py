@@ -141,7 +141,7 @@ def test_a_streamed_compaction_is_a_block_of_its_own_before_the_answers(claude):
     assert message.stop_reason == "end_turn"
 
 
-def test_both_turns_are_counted_in_the_token_metrics(claude):
+def test_both_turns_are_counted_in_the_token_metrics_and_the_compaction_too(claude):
     url = str(claude.base_url).rstrip("/")
     before = value(scrape(url), "furnace_gateway_prompt_tokens_total", model=MODEL)
     message = ask(claude, context_management=compact())  # its default trigger is not reached
@@ -149,8 +149,11 @@ def test_both_turns_are_counted_in_the_token_metrics(claude):
     trigger = {"type": "input_tokens", "value": MIN_TRIGGER_TOKENS}
     compacted = ask(claude, context_management=compact(trigger=trigger))
     summary_turn, answer_turn = compacted.usage.iterations
-    counted = value(scrape(url), "furnace_gateway_prompt_tokens_total", model=MODEL) - before
+    samples = scrape(url)
+    counted = value(samples, "furnace_gateway_prompt_tokens_total", model=MODEL) - before
     assert counted == CONVERSATION_TOKENS + whole_input(summary_turn) + whole_input(answer_turn)
+    compactions = "furnace_gateway_compactions_total"
+    assert value(samples, compactions, model=MODEL, result="summarized") == 1
 
 
 def test_a_conversation_sent_back_with_its_block_goes_on_from_the_summary(claude):

@@ -113,6 +113,10 @@ def resumed(
     )
 
 
+#: Hears that a summary's turn ended: whether it wrote a summary (the metrics').
+Recorder = Callable[[bool], None]
+
+
 def compaction_start(
     request: GenerateRequest,
     asked: GenerateRequest,
@@ -120,6 +124,7 @@ def compaction_start(
     start: Coroutine[Any, Any, tuple[Started, UpstreamCall]],
     start_turn: StartTurn,
     deadline: Deadline,
+    record: Recorder,
 ) -> Coroutine[Any, Any, tuple[Started, UpstreamCall]]:
     """The start of a compacting answer for the route's pump, from its summary turn's
     `start` (`request`, as the fleet was given it; `asked`: the request as parsed;
@@ -127,7 +132,9 @@ def compaction_start(
 
     async def begin() -> tuple[Started, UpstreamCall]:
         started, call = await start
-        turns = CompactionTurns(request, asked, goes_on, started, call, start_turn, deadline)
+        turns = CompactionTurns(
+            request, asked, goes_on, started, call, start_turn, deadline, record
+        )
         return started, turns
 
     return begin()
@@ -145,6 +152,7 @@ class CompactionTurns:
         call: UpstreamCall,
         start_turn: StartTurn,
         deadline: Deadline,
+        record: Recorder,
     ) -> None:
         self._request = request
         self._asked = asked
@@ -154,6 +162,7 @@ class CompactionTurns:
         self.worker = call.worker
         self._start_turn = start_turn
         self._deadline = deadline
+        self._record = record
         self._events = self._run()
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -191,6 +200,7 @@ class CompactionTurns:
     async def _run(self) -> AsyncIterator[Event | Compacted]:
         finished, texts = await self._ended()
         summary = "".join(texts).strip() or None
+        self._record(summary is not None)
         prompt, cached = self._counts(finished)
         written = finished.completion_tokens
         goes_on = self._goes_on

@@ -208,6 +208,17 @@ class RequestMetrics:
             registry=r,
         )
 
+        # answers that compacted their conversation first (gateway/edge/compacting.py)
+        self.compactions = Counter(
+            f"{PREFIX}_compactions",
+            "Conversations the model summarized before answering (Anthropic's compaction, "
+            "the Responses API's), by model and result: summarized, or empty (the model "
+            "wrote no summary: the answer went on from the whole prompt). Both turns' tokens "
+            "are in the token counters.",
+            ["model", "result"],
+            registry=r,
+        )
+
         # the Batch API's runs (gateway/edge/batches): `team` is a configured team's name
         self.batch_lines = Counter(
             f"{PREFIX}_batch_lines",
@@ -236,6 +247,10 @@ class RequestMetrics:
         """One step with a remote MCP server, under the allowed prefix `server`."""
         self.mcp_steps.labels(server, step, "ok" if ok else "failed").inc()
         self.mcp_step_seconds.labels(server, step).observe(seconds)
+
+    def compaction(self, model: str, summarized: bool) -> None:
+        """A conversation of `model` compacted: summarized, or not (no summary written)."""
+        self.compactions.labels(model, "summarized" if summarized else "empty").inc()
 
     def tensor_bytes(self, model: str, received: int, sent: int) -> None:
         """One tensor request's bytes in and out (once per request, from the route)."""

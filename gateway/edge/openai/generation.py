@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from gateway.admission import EventPump
@@ -273,8 +274,9 @@ class GenerationRoute(RequestRoute[Exchange]):
         start_turn = self.turn_starter(pool, deadline, metadata, ex)
         if isinstance(parsed, Compacting):  # the summary's turn first (its `generate`)
             assert parsed.asked is not None
-            goes_on = parsed.continuation()
-            return compaction_start(request, parsed.asked, goes_on, start, start_turn, deadline)
+            goes_on, asked = parsed.continuation(), parsed.asked
+            record = partial(self.telemetry.metrics.compaction, served(ex.ctx, pool).name)
+            return compaction_start(request, asked, goes_on, start, start_turn, deadline, record)
         plan = getattr(parsed, "plan", None)
         assert isinstance(plan, McpPlan)
         started = self.admission.falls_back(ex.ctx)
