@@ -423,10 +423,12 @@ class BatchRunner:
     ) -> Answer:
         """The line through the route, as a request of `team`; its answer (status 0: it
         was ended before it answered)."""
+        answer = Answer()
+        if run.halted.is_set():  # halted after the line was placed, before it began
+            return answer  # (`halt` ends only the lines it finds in flight)
         route = self.routes[path]
         gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         run.lines.add(gone)
-        answer = Answer()
         sent = False
 
         async def receive() -> dict[str, Any]:
