@@ -101,6 +101,9 @@ class Run:
     batch_id: str
     #: A cancel asked for it.
     cancelled: bool = False
+    #: Its window passed while it ran (its expiry's timer: which may fire a little before
+    #: the wall clock reads its `expires_at`, the clocks being two).
+    expired: bool = False
     #: Set by a cancel or the batch's expiry: no line more is sent, those in flight end.
     halted: asyncio.Event = field(default_factory=asyncio.Event)
     #: The client-gone futures of the lines in flight (done: the line is ended).
@@ -112,6 +115,11 @@ class Run:
         self.cancelled = self.cancelled or cancelled
         self.halted.set()
         self.stop()
+
+    def expire(self) -> None:
+        """Its window passed: halted, to end as `expired`."""
+        self.expired = True
+        self.halt()
 
     def stop(self) -> None:
         """Ends the lines in flight."""
@@ -273,7 +281,7 @@ class BatchRunner:
         stored = await store.batch(team, run.batch_id) or stored
         if stored.status == "cancelling" or run.cancelled:
             await self._end(run, stored, "cancelled", ("cancelling", "in_progress"))
-        elif time.time() >= float(stored.batch["expires_at"]):
+        elif run.expired or time.time() >= float(stored.batch["expires_at"]):
             done = (await store.progress(team, stored)).done
             for line in lines:
                 if line.index not in done:
@@ -324,7 +332,7 @@ class BatchRunner:
         team = self._team(run.team)
         pending: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
-        expiry = loop.call_later(max(0.0, expires - time.time()), run.halt)
+        expiry = loop.call_later(max(0.0, expires - time.time()), run.expire)
         try:
             for line in lines:
                 if not await self._place(run):
