@@ -32,6 +32,7 @@ from gateway.protocol.types import (
     Message,
     Started,
     Text,
+    turn_counts,
 )
 from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
 
@@ -80,7 +81,7 @@ class Compacted(NamedTuple):
     paused: bool
 
 
-#: Starts the answer's next turn (the route's `turn_starter`).
+#: Starts the answer's next turn on the pool that serves (the route's `turns` makes it).
 StartTurn = Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]
 #: The prompt an answer goes on from after its summary.
 GoesOn = Callable[[str], tuple[Message, ...]]
@@ -189,19 +190,11 @@ class CompactionTurns:
                 return event, texts
         raise errors.Failed("The engine worker ended the answer without its end.")
 
-    def _counts(self, finished: Finished) -> tuple[int, int]:
-        """A turn's prompt and cached tokens: an upstream that counts the prompt only at
-        the end (OpenAI-compatible servers) says it there, and the end's count wins."""
-        started = self._started
-        prompt = started.prompt_tokens if finished.prompt_tokens is None else finished.prompt_tokens
-        cached = started.cached_tokens if finished.cached_tokens is None else finished.cached_tokens
-        return prompt, cached
-
     async def _run(self) -> AsyncIterator[Event | Compacted]:
         finished, texts = await self._ended()
         summary = "".join(texts).strip() or None
         self._record(summary is not None)
-        prompt, cached = self._counts(finished)
+        prompt, cached = turn_counts(self._started, finished)
         written = finished.completion_tokens
         goes_on = self._goes_on
         yield Compacted(summary, prompt, written, cached, goes_on is None)
@@ -216,7 +209,7 @@ class CompactionTurns:
         self.worker = self._call.worker
         async for event in self._call:
             if type(event) is Finished:
-                turn_prompt, turn_cached = self._counts(event)
+                turn_prompt, turn_cached = turn_counts(self._started, event)
                 self._call.close()
                 yield event._replace(
                     completion_tokens=written + event.completion_tokens,

@@ -377,4 +377,14 @@ class Finished(NamedTuple):
     cached_tokens: int | None = None
 
 
+def turn_counts(started: Started, finished: Finished) -> tuple[int, int]:
+    """A call's prompt and cached tokens: an upstream that counts the prompt only at the
+    end (OpenAI-compatible servers) says it in `finished`, and the end's count wins."""
+    prompt, cached = finished.prompt_tokens, finished.cached_tokens
+    return (
+        started.prompt_tokens if prompt is None else prompt,
+        started.cached_tokens if cached is None else cached,
+    )
+
+
 Event = Started | Text | Reasoning | ToolCallDelta | Finished

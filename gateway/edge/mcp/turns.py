@@ -55,6 +55,7 @@ from gateway.protocol.types import (
     Tool,
     ToolCall,
     ToolCallDelta,
+    turn_counts,
 )
 from gateway.upstreams.base import CANCELLED, CallEnd, UpstreamCall
 
@@ -253,9 +254,9 @@ class McpTurns:
         self._deadline = deadline
         self._step_timeout = step_timeout
         self._prompt = self._cached = self._completion = self._calls = 0
-        # the turn in flight, and its start's counts (an end that counts wins)
+        # the turn in flight, and its start (an end that counts wins: `turn_counts`)
         self._call: UpstreamCall | None = None
-        self._turn_prompt = self._turn_cached = 0
+        self._turn_started = Started(0)
         self.worker = ""
         if first is not None:
             self._began(*first)
@@ -263,7 +264,7 @@ class McpTurns:
 
     def _began(self, started: Started, call: UpstreamCall) -> None:
         self._call, self.worker = call, call.worker
-        self._turn_prompt, self._turn_cached = started.prompt_tokens, started.cached_tokens
+        self._turn_started = started
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -385,12 +386,11 @@ class McpTurns:
         self._began(*await self._start_turn(replace(request, messages=tuple(messages))))
 
     def _count(self, finished: Finished) -> None:
-        """A turn's tokens: an upstream that counts the prompt only at the end
-        (OpenAI-compatible servers) says it there, and the end's count wins."""
+        """Adds a turn's tokens to the answer's."""
         self._completion += finished.completion_tokens
-        prompt, cached = finished.prompt_tokens, finished.cached_tokens
-        self._prompt += self._turn_prompt if prompt is None else prompt
-        self._cached += self._turn_cached if cached is None else cached
+        prompt, cached = turn_counts(self._turn_started, finished)
+        self._prompt += prompt
+        self._cached += cached
 
     def _end(self, reason: FinishReason) -> Finished:
         return Finished(reason, self._completion, self._prompt, cached_tokens=self._cached)

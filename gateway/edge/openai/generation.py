@@ -271,7 +271,10 @@ class GenerationRoute(RequestRoute[Exchange]):
         or a compacting answer's (gateway/edge/compacting.py); the next turns on the pool
         that serves (a fallback's, where admission moved the request), as the first was
         started."""
-        start_turn = self.turn_starter(pool, deadline, metadata, ex)
+
+        def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
+            return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
+
         if isinstance(parsed, Compacting):  # the summary's turn first (its `generate`)
             assert parsed.asked is not None
             goes_on, asked = parsed.continuation(), parsed.asked
@@ -282,21 +285,6 @@ class GenerationRoute(RequestRoute[Exchange]):
         started = self.admission.falls_back(ex.ctx)
         timeout = self.config.mcp_timeout
         return turns_start(plan, request, start, start_turn, started, deadline, timeout)
-
-    def turn_starter(
-        self,
-        pool: ModelPool,
-        deadline: Deadline,
-        metadata: tuple[tuple[str, str], ...],
-        ex: Exchange,
-    ) -> Callable[[GenerateRequest], Awaitable[tuple[Started, UpstreamCall]]]:
-        """Starts an answer's next turn on the pool that serves (a fallback's, where
-        admission moved the request), as its first was started."""
-
-        def start_turn(turn: GenerateRequest) -> Awaitable[tuple[Started, UpstreamCall]]:
-            return self.fleet.start_call(served(ex.ctx, pool), turn, deadline, metadata, ex.record)
-
-        return start_turn
 
     async def _relay(
         self, pump: EventPump, parsed: ParsedRequest, pool: ModelPool, ex: Exchange
