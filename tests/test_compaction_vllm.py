@@ -8,39 +8,22 @@ appended, and a summary sent back is the user message the conversation goes on f
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import anthropic
-import openai
 import pytest
 
 from gateway.config import ModelConfig
 from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
 from gateway.edge.responses.params import unopaque
+from tests.support.fronts import Front, front_over, nothing_left_after_each
 from tests.support.requests import whole_input
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import ServerLoop, Workers
 from tests.support.vllm import VllmProcess
-from tests.support.waiting import HANG_GUARD
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MODEL = "tiny-vllm-compact"
 ASKED = "tell me about the weather"
-
-
-@dataclass
-class Front:
-    gateway: Gateway
-    claude: anthropic.Anthropic
-    sdk: openai.OpenAI
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +36,11 @@ def front(
         tokenizer=str(vllm_model),
         workers=(f"127.0.0.1:{vllm_grpc.port}",),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    options = {"api_key": "unused", "max_retries": 0, "timeout": HANG_GUARD}
-    with (
-        anthropic.Anthropic(base_url=gw.url, **options) as claude,
-        openai.OpenAI(base_url=gw.url + "/v1", **options) as sdk,
-    ):
-        yield Front(gw, claude, sdk)
-    gw.stop()
+    with front_over(server_loop, (model,), workers) as shared:
+        yield shared
 
 
-@pytest.fixture(autouse=True)
-def _nothing_left(front: Front) -> Iterator[None]:
-    yield
-    assert_nothing_left(front.gateway, None)
+_nothing_left = nothing_left_after_each()
 
 
 def count(front: Front, messages: list[dict]) -> int:

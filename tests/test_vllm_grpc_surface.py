@@ -40,15 +40,10 @@ from gateway.protocol.types import (
 )
 from gateway.tokenization import load_tokenizer
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
+from tests.support import fronts
+from tests.support.fronts import front_over, nothing_left_after_each
 from tests.support.requests import user
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left
 from tests.support.surface import (
     MAX_TOKENS,
     TOOLS,
@@ -72,9 +67,7 @@ PLAIN = "tiny-vllm-plain"
 
 
 @dataclass
-class Front:
-    gateway: Gateway
-    sdk: openai.OpenAI
+class Front(fronts.Front):
     tools_dir: Path
 
 
@@ -98,19 +91,11 @@ def front(
         ),
         ModelConfig(PLAIN, upstream="vllm-grpc", tokenizer=str(vllm_model), workers=(address,)),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    sdk = openai.OpenAI(
-        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-    yield Front(gw, sdk, tools_dir)
-    sdk.close()
-    gw.stop()
+    with front_over(server_loop, models, workers) as shared:
+        yield Front(shared.gateway, shared.sdk, shared.claude, tools_dir)
 
 
-@pytest.fixture(autouse=True)
-def _nothing_left(front: Front) -> Iterator[None]:
-    yield
-    assert_nothing_left(front.gateway, None)
+_nothing_left = nothing_left_after_each()
 
 
 def _assert_valid(calls: list[Call]) -> None:
@@ -489,21 +474,16 @@ def embed_front(
 ) -> Iterator[tuple[Gateway, openai.OpenAI, VllmProcess]]:
     """The tiny model as an embedding model (vLLM's pooling runner) behind its own
     gateway: a second engine, started only for these tests."""
-    engine = start_grpc_server(vllm_model, tmp_path_factory.mktemp("embed-logs"), EMBED_OPTIONS)
-    model = ModelConfig(
-        EMBED_MODEL,
-        upstream="vllm-grpc",
-        tokenizer=str(vllm_model),
-        workers=(f"127.0.0.1:{engine.port}",),
-    )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    sdk = openai.OpenAI(
-        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-    yield gw, sdk, engine
-    sdk.close()
-    gw.stop()
-    engine.stop()
+    logs = tmp_path_factory.mktemp("embed-logs")
+    with start_grpc_server(vllm_model, logs, EMBED_OPTIONS) as engine:
+        model = ModelConfig(
+            EMBED_MODEL,
+            upstream="vllm-grpc",
+            tokenizer=str(vllm_model),
+            workers=(f"127.0.0.1:{engine.port}",),
+        )
+        with front_over(server_loop, (model,), workers) as shared:
+            yield shared.gateway, shared.sdk, engine
 
 
 @pytest.mark.timeout(300)  # a second engine starts (~40 s) and stops with this test
