@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +25,11 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
+from tests.support.fronts import checked_sdk, gateway_over
 from tests.support.metrics import access_lines, scrape, value
 from tests.support.openai_server import keyed_plain
 from tests.support.processes import free_port
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_http_server
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -88,17 +83,15 @@ def front(
             MODEL, upstream="openai", workers=(_url(decode),), prefill_workers=(_url(prefill),)
         ),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, models, workers) as gw:
+        yield gw
 
 
 @pytest.fixture
 def client(front: Gateway, workers: Workers) -> Iterator[openai.OpenAI]:
     """The official SDK to the gateway; after the test, nothing left in it."""
-    with openai.OpenAI(base_url=front.url + "/v1", api_key="unused", timeout=HANG_GUARD) as sdk:
+    with checked_sdk(front, workers) as sdk:
         yield sdk
-    assert_nothing_left(front, workers)
 
 
 def _counted(server: VllmProcess, name: str) -> float:
@@ -245,13 +238,13 @@ def _gateway_with_prefill(
     decode: VllmProcess,
     prefill: tuple[str, ...],
     **extra: Any,
-) -> Gateway:
+) -> AbstractContextManager[Gateway]:
     models = (
         ModelConfig(
             MODEL, upstream="openai", workers=(_url(decode),), prefill_workers=prefill, **extra
         ),
     )
-    return start_gateway(server_loop, make_config(workers, models=models))
+    return gateway_over(server_loop, models, workers)
 
 
 def _served_all_the_same(gw: Gateway, servers: tuple[VllmProcess, VllmProcess]) -> None:
@@ -272,17 +265,13 @@ def _served_all_the_same(gw: Gateway, servers: tuple[VllmProcess, VllmProcess]) 
 def test_without_a_prefill_worker_to_reach_the_decode_worker_prefills(
     server_loop, workers, servers
 ):
-    gw = _gateway_with_prefill(
-        server_loop, workers, servers[1], (f"http://127.0.0.1:{free_port()}/v1",)
-    )
-    try:
+    unreachable = (f"http://127.0.0.1:{free_port()}/v1",)
+    with _gateway_with_prefill(server_loop, workers, servers[1], unreachable) as gw:
         _served_all_the_same(gw, servers)
         samples = scrape(gw.url)
         assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="no_worker")
         assert value(samples, "furnace_gateway_model_healthy_prefill_workers", model=MODEL) == 0
         assert_nothing_left(gw, workers)
-    finally:
-        gw.stop()
 
 
 def test_a_prefill_answered_without_kv_transfer_params_leaves_the_decode_worker_to_prefill(
@@ -290,21 +279,20 @@ def test_a_prefill_answered_without_kv_transfer_params_leaves_the_decode_worker_
 ):
     """A prefill worker that runs no KV connector (here an OpenAI-compatible server that
     is no vLLM) answers the prefill, but says nowhere where its blocks are."""
-    with keyed_plain(server_loop, MODEL, "PD_KEY", "hello") as stand_in:
-        gw = _gateway_with_prefill(
+    with (
+        keyed_plain(server_loop, MODEL, "PD_KEY", "hello") as stand_in,
+        _gateway_with_prefill(
             server_loop,
             workers,
             servers[1],
             (f"http://127.0.0.1:{stand_in.port}/v1",),
             api_key_env="PD_KEY",
-        )
-        try:
-            _served_all_the_same(gw, servers)
-            samples = scrape(gw.url)
-            assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="failed")
-            assert_nothing_left(gw, workers)
-        finally:
-            gw.stop()
+        ) as gw,
+    ):
+        _served_all_the_same(gw, servers)
+        samples = scrape(gw.url)
+        assert value(samples, "furnace_gateway_prefills_total", model=MODEL, outcome="failed")
+        assert_nothing_left(gw, workers)
     # the prefill as vLLM's NixlConnector takes it: one token, whole, its blocks kept
     sent = stand_in.last_body
     assert (sent["max_tokens"], sent["stream"]) == (1, False)
@@ -319,9 +307,8 @@ def second_prefill(
     """One more prefill server, publishing its KV events on the port it comes with."""
     port = free_port()
     logs = tmp_path_factory.mktemp("vllm-kv_producer-2")
-    server = _nixl_server(vllm_model, logs, "kv_producer", kv_events_args(port))
-    yield server, port
-    server.stop()
+    with _nixl_server(vllm_model, logs, "kv_producer", kv_events_args(port)) as server:
+        yield server, port
 
 
 #: A prompt of several KV blocks, the start every request below shares.
@@ -378,10 +365,9 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
     urls = (_url(servers[0]), _url(other))
     ends = (f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{other_port}")
     routing = RoutingConfig(kv_events=tuple(zip(urls, ends, strict=True)))
-    gw = _gateway_with_prefill(
+    with _gateway_with_prefill(
         server_loop, workers, servers[1], urls, tokenizer=str(vllm_model), routing=routing
-    )
-    try:
+    ) as gw:
         routed = RoutedPrompts(gw, MODEL, caplog)
         document, holder = routed.stored()
         assert routed.router.states[holder] == "events"
@@ -405,5 +391,3 @@ def test_prefill_workers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         views = {w["address"]: w["routing"] for w in view["prefill_workers"]}
         assert views[holder]["events"] == "events"
         assert_nothing_left(gw, workers)
-    finally:
-        gw.stop()

@@ -19,19 +19,12 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
+from tests.support.fronts import checked_sdk, gateway_over
 from tests.support.metrics import scrape, value
 from tests.support.processes import free_port
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-    worker_states,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left, worker_states
 from tests.support.vllm import VllmProcess, kv_events_args, nixl_args, start_grpc_server
-from tests.support.waiting import HANG_GUARD, wait_until
+from tests.support.waiting import wait_until
 from tests.test_disaggregation import RoutedPrompts, fresh
 
 #: vLLM's engines start in the first test's setup (tens of seconds on a loaded machine)
@@ -93,17 +86,15 @@ def front(
         model(UNCONNECTED_PREFILL, (unconnected,)),
         model(UNCONNECTED_DECODE, (prefill,), worker=unconnected),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, models, workers) as gw:
+        yield gw
 
 
 @pytest.fixture
 def client(front: Gateway, workers: Workers) -> Iterator[openai.OpenAI]:
     """The official SDK to the gateway; after the test, nothing left in it."""
-    with openai.OpenAI(base_url=front.url + "/v1", api_key="unused", timeout=HANG_GUARD) as sdk:
+    with checked_sdk(front, workers) as sdk:
         yield sdk
-    assert_nothing_left(front, workers)
 
 
 def _prefills(front: Gateway, model: str, outcome: str) -> float:
@@ -207,9 +198,8 @@ def second_prefill(
     """One more prefill server, its KV events relayed on its `SubscribeKvEvents`."""
     extra, env = nixl_args("kv_producer")
     logs = tmp_path_factory.mktemp("vllm-grpc-kv_producer-2")
-    server = start_grpc_server(vllm_model, logs, (*extra, *kv_events_args()), env)
-    yield server
-    server.stop()
+    with start_grpc_server(vllm_model, logs, (*extra, *kv_events_args()), env) as server:
+        yield server
 
 
 def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where_it_is_cached(
@@ -227,8 +217,7 @@ def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where
         prefill_workers=prefills,
         routing=RoutingConfig(),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    try:
+    with gateway_over(server_loop, (model,), workers) as gw:
         routed = RoutedPrompts(gw, SPLIT, caplog)
         document, holder = routed.stored()
         for i in range(3):
@@ -237,5 +226,3 @@ def test_prefill_servers_routed_on_their_kv_events_prefill_a_shared_prefix_where
             assert line["prefill_cache_hit_blocks"] >= 1  # by the ids the gateway made
         assert _prefills(gw, SPLIT, "transferred") >= 4
         assert_nothing_left(gw, workers)
-    finally:
-        gw.stop()
