@@ -998,9 +998,17 @@ def test_count_tokens_refuses_like_messages(gateway):
         ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "enabled"}}, "thinking"),
         ({"max_tokens": 4, "messages": say("a"), "service_tier": "priority"}, "service_tier"),
         ({"max_tokens": 4, "messages": say("a"), "thinking": {"type": "x"}}, "thinking"),
-        (  # a prefill Anthropic would continue: here a 400, not a new turn
-            {"max_tokens": 4, "messages": [*say("a"), {"role": "assistant", "content": "b"}]},
-            "prefill",
+        (  # a prefill, refused as Anthropic refuses it
+            {"max_tokens": 4, "messages": [*say("a"), {"role": "assistant", "content": "b "}]},
+            "trailing whitespace",
+        ),
+        (
+            {
+                "max_tokens": 2048,
+                "messages": [*say("a"), {"role": "assistant", "content": "b"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+            },
+            "thinking",
         ),
         ({"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (

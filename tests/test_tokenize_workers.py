@@ -310,6 +310,29 @@ def test_the_transformers_engine_tokenizes_as_its_tokenizer(server_loop, serve_e
         assert decoded and decoded == tokenizer.decode(specials)
 
 
+def test_the_transformers_engine_ends_a_chat_as_asked(server_loop, serve_engines, tiny):
+    """vLLM's `add_generation_prompt` and `continue_final_message` (a prefill) reach its
+    template as transformers takes them; the demo, which renders none, refuses the first
+    by name, as Generate would."""
+    (worker, demo_worker) = serve_engines(tiny, DemoEngine())
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The fleet says"}]
+    for messages, ends in (
+        (MESSAGES, {"add_generation_prompt": False}),
+        (prefill, {"add_generation_prompt": False, "continue_final_message": True}),
+    ):
+        request = GenerateRequest(
+            tiny.model, messages=tuple(Message(**m) for m in messages), **ends
+        )
+        expected = tiny.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, **ends
+        )
+        assert list(tokenize(server_loop, worker, request).ids) == list(expected)
+        assert count(server_loop, worker, request) == len(expected)
+    bare = GenerateRequest(DEMO_MODEL, messages=CHAT.messages, add_generation_prompt=False)
+    reply = tokenize(server_loop, demo_worker, bare)
+    refused(reply, grpc.StatusCode.INVALID_ARGUMENT, "add_generation_prompt")
+
+
 def test_the_transformers_engine_refuses_ids_outside_its_vocabulary(
     server_loop, serve_engines, tiny
 ):

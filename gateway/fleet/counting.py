@@ -39,6 +39,7 @@ async def count_tokens(
     """The tokens of the prompt `request` makes, by a worker of `pool`, and that worker's
     address."""
     pool, request = _base(pool, request)
+    _check_chat_end(pool, request)
 
     async def call(worker: Worker) -> int:
         return await worker.upstream.count_tokens(request, deadline.remaining(), metadata)
@@ -58,6 +59,7 @@ async def tokenize(
     strings when `token_strs`, by a worker of `pool`, and that worker's address."""
     pool, request = _base(pool, request)
     _check_tokenizes(pool)
+    _check_chat_end(pool, request)
 
     async def call(worker: Worker) -> Tokens:
         upstream = _tokenizer(worker, pool)
@@ -104,6 +106,17 @@ def _check_tokenizes(pool: ModelPool) -> None:
     served = pool.features()
     if served is not None and features.TOKENIZE not in served:
         raise _cannot(pool)
+
+
+def _check_chat_end(pool: ModelPool, request: GenerateRequest) -> None:
+    """A 400 naming the parameter when the model's workers cannot end the chat as it
+    asks (as its generation is refused), not a count of another prompt; workers not
+    described yet refuse for themselves."""
+    served = pool.features()
+    lacking = None if served is None else features.missing_chat_end(request, served)
+    if lacking is not None:
+        feature, param = lacking
+        raise errors.Invalid(f"The model `{pool.name}` does not support '{feature}'.", param=param)
 
 
 def _tokenizer(worker: Worker, pool: ModelPool) -> Tokenizes:

@@ -133,7 +133,12 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         if r.budget is not None:
             options.budget = r.budget
     if request.messages is not None:
-        message.chat.messages.extend(_message_to_proto(m) for m in request.messages)
+        chat = message.chat
+        chat.messages.extend(_message_to_proto(m) for m in request.messages)
+        if request.continue_final_message:
+            chat.continue_final_message = True
+        if not request.add_generation_prompt:
+            chat.add_generation_prompt = False
     else:
         message.text = request.prompt or ""
     return message
@@ -158,9 +163,12 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         stop_token_ids=tuple(s.stop_token_ids),
     )
-    chat = None
+    chat, generation_prompt, open_end = None, True, False
     if message.WhichOneof("prompt") == "chat":
-        chat = tuple(_message_from_proto(m) for m in message.chat.messages)
+        c = message.chat
+        chat = tuple(_message_from_proto(m) for m in c.messages)
+        open_end = c.continue_final_message
+        generation_prompt = c.add_generation_prompt if c.HasField("add_generation_prompt") else True
     f = message.response_format
     reasoning = None
     if message.HasField("reasoning"):
@@ -193,6 +201,8 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         ),
         user=message.user,
         reasoning=reasoning,
+        add_generation_prompt=generation_prompt,
+        continue_final_message=open_end,
     )
 
 

@@ -70,6 +70,13 @@ REASONING = frozenset(
     {REASONING_EFFORT, INCLUDE_REASONING, CHAT_TEMPLATE_KWARGS, THINKING_TOKEN_BUDGET}
 )
 
+#: vLLM's chat parameters that end a chat's prompt another way than with the template's
+#: generation prompt: none (`add_generation_prompt` false), or the last message left
+#: open for the answer to continue (`continue_final_message`, Anthropic's prefill).
+ADD_GENERATION_PROMPT = "add_generation_prompt"
+CONTINUE_FINAL_MESSAGE = "continue_final_message"
+CHAT_END = frozenset({ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE})
+
 #: Every feature a worker may list.
 ALL = frozenset(
     {
@@ -95,6 +102,7 @@ ALL = frozenset(
     }
     | REASONING
     | STRUCTURED
+    | CHAT_END
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -112,6 +120,7 @@ OF_REQUESTS = frozenset(
     | SAMPLING
     | REASONING
     | STRUCTURED
+    | CHAT_END
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -124,8 +133,10 @@ _request_values = attrgetter(
     "response_format",
     "user",
     "reasoning",
+    "add_generation_prompt",
+    "continue_final_message",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", None)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -161,6 +172,10 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((feature, feature if feature in STRUCTURED else RESPONSE_FORMAT))
         if request.user:
             found.append((USER, "user"))
+        if request.continue_final_message:
+            found.append((CONTINUE_FINAL_MESSAGE, CONTINUE_FINAL_MESSAGE))
+        elif not request.add_generation_prompt:
+            found.append((ADD_GENERATION_PROMPT, ADD_GENERATION_PROMPT))
         reasoning = request.reasoning
         if reasoning is not None:
             for name, used_ in (
@@ -206,3 +221,11 @@ def missing(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str]
         if pair[0] not in served:
             return pair
     return None
+
+
+def missing_chat_end(request: GenerateRequest, served: frozenset[str]) -> tuple[str, str] | None:
+    """`missing` for a count or a tokenization of the request's prompt, which asks
+    nothing of the answer: whether its workers can end the chat as it asks."""
+    if served >= CHAT_END or (request.add_generation_prompt and not request.continue_final_message):
+        return None
+    return next((p for p in used(request) if p[0] in CHAT_END and p[0] not in served), None)

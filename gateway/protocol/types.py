@@ -184,6 +184,12 @@ class GenerateRequest:
     #: `kv_transfer_params`, a JSON object's text), for the decode worker to pull
     #: (`models[].prefill_workers`: set by the fleet, never by a client); "": none.
     kv_transfer: str = ""
+    #: How a chat's prompt ends (vLLM's chat parameters): with the template's generation
+    #: prompt (the default), without it, or `continue_final_message`: cut after the last
+    #: message's text, which the answer goes on from (a prefill: Anthropic's final
+    #: assistant message). Never both.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -887,6 +887,8 @@ class VllmGrpcUpstream:
                 pooling |= {features.EMBEDDING_CHAT}
             return pooling
         served = GENERATIVE | {features.TOKENIZE}
+        if self.tokenizer.has_chat_template:  # the template's ends, as vLLM renders them
+            served |= features.CHAT_END
         if self.tool_call_parser is not None and self.tokenizer.reads_tools:
             served |= {features.TOOLS}
         if self.reasoning_parser is not None:
@@ -1030,20 +1032,19 @@ class VllmGrpcUpstream:
         prompt, messages = request.prompt, request.messages
         chars = prompt_chars(prompt, messages, tools)
         reasoning = request.reasoning
-        options = None if reasoning is None else template_options(reasoning)
-        if chars <= INLINE_CHARS:  # (below MAX_PROMPT_CHARS: nothing to refuse)
-            return self.tokenizer.prompt_ids(
-                prompt, messages, tools, plain_contents=self.plain_contents, options=options
-            )
-        _check_chars(chars, "prompt" if messages is None else "messages")
         make = functools.partial(
             self.tokenizer.prompt_ids,
             prompt,
             messages,
             tools,
             plain_contents=self.plain_contents,
-            options=options,
+            options=None if reasoning is None else template_options(reasoning),
+            generation=request.add_generation_prompt and not request.continue_final_message,
+            open_end=request.continue_final_message,
         )
+        if chars <= INLINE_CHARS:  # (below MAX_PROMPT_CHARS: nothing to refuse)
+            return make()
+        _check_chars(chars, "prompt" if messages is None else "messages")
         return await _off_loop(make)
 
     async def server_info(self, deadline: float) -> pb.GetServerInfoResponse | None:

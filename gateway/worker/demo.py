@@ -24,6 +24,9 @@ tests rely on:
   `structured_outputs.choice`: the first of the choices that the text it echoes holds,
   else the first choice, whole, as one token. It refuses `structured_outputs`' `regex`
   and `grammar` (it does not list them).
+- `continue_final_message` (a prefill: Anthropic's final assistant message): the last
+  message is the one it echoes, as always; it renders no template, so it takes no
+  `add_generation_prompt` (refused by name).
 - `min_tokens`: the echo's words repeat until there are that many tokens;
   `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
 - Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
@@ -241,6 +244,7 @@ class DemoEngine(Engine):
             features.DIMENSIONS,
             features.REASONING_EFFORT,
             features.TOKENIZE,
+            features.CONTINUE_FINAL_MESSAGE,
         }
     )
 

@@ -239,3 +239,22 @@ def template_kwargs(request: GenerateRequest) -> dict[str, Any]:
     if not options:
         return {}
     return {k: v for k, v in options.items() if k not in _TEMPLATE_ARGUMENTS}
+
+
+def chat_end(request: GenerateRequest) -> dict[str, Any]:
+    """How the chat template ends the request's prompt, as `apply_chat_template`'s
+    arguments (and vLLM's renderer's): after the generation prompt (the default), without
+    it, or inside the last message, left open for the answer to continue
+    (`continue_final_message`, which transformers takes only without the other)."""
+    open_end = request.continue_final_message
+    return {
+        "add_generation_prompt": request.add_generation_prompt and not open_end,
+        "continue_final_message": open_end,
+    }
+
+
+def chat_end_refused(request: GenerateRequest, error: ValueError) -> Invalid:
+    """A chat template's refusal to leave the last message open (transformers raises a
+    ValueError when the rendered chat does not hold that message's text as it is)."""
+    param = "continue_final_message" if request.continue_final_message else "messages"
+    return Invalid(f"The chat template refused the messages: {error}", param=param)

@@ -650,10 +650,21 @@ class EngineService(pb_grpc.EngineServicer):
         async def count() -> pb.CountTokensResponse:
             if not self._serves(request.model):
                 raise errors.ModelNotFound(f"This worker does not serve `{request.model}`.")
-            tokens = await self.engine.count_tokens(request_from_proto(request))
+            ours = request_from_proto(request)
+            self._check_chat_end(ours)
+            tokens = await self.engine.count_tokens(ours)
             return pb.CountTokensResponse(prompt_tokens=tokens)
 
         return await _answered(context, count(), "count", request.request_id)
+
+    def _check_chat_end(self, request: GenerateRequest) -> None:
+        """Refuses to count or tokenize a chat ended otherwise than the engine can end
+        it (as Generate refuses it), not to count another prompt than it would make."""
+        unserved = features.missing_chat_end(request, self.features)
+        if unserved is not None:
+            feature, param = unserved
+            model = self.engine.model
+            raise errors.Invalid(f"The model `{model}` does not take `{feature}`.", param=param)
 
     def _tokenizer_refusal(self, model: str) -> errors.GatewayError | None:
         """Why Tokenize or Detokenize naming `model` cannot be served here."""
@@ -679,6 +690,7 @@ class EngineService(pb_grpc.EngineServicer):
             if refusal is not None:
                 raise refusal
             ours = request_from_proto(prompt)
+            self._check_chat_end(ours)
             engine = self.engine
             ids = await engine.tokenize(ours)
             reply = pb.TokenizeResponse(ids=ids)

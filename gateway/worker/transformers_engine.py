@@ -98,7 +98,7 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, check_context, template_kwargs
+from gateway.worker.engine import Engine, chat_end, chat_end_refused, check_context, template_kwargs
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -124,6 +124,7 @@ _SERVED = features.SAMPLING | {
     features.USER,
     features.REASONING_EFFORT,
     features.CHAT_TEMPLATE_KWARGS,
+    *features.CHAT_END,
 }
 
 
@@ -636,14 +637,16 @@ class TransformersEngine(Engine):
                 ids = tokenizer.apply_chat_template(
                     messages,
                     tools=tools,
-                    add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,
+                    **chat_end(request),
                     **template_kwargs(request),
                 )
             except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
                 message = f"The chat template refused the messages: {error}"
                 raise Invalid(message, param="messages") from None
+            except ValueError as error:  # the last message cannot be left open
+                raise chat_end_refused(request, error) from None
             return list(ids)
         return list(tokenizer(request.prompt or "").input_ids)
 

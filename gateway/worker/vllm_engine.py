@@ -115,7 +115,14 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, check_adapter, check_context, template_kwargs
+from gateway.worker.engine import (
+    Engine,
+    chat_end,
+    chat_end_refused,
+    check_adapter,
+    check_context,
+    template_kwargs,
+)
 from gateway.worker.kv_events import ForwardedCache, KvPublisher
 
 log = logging.getLogger("furnace.worker")
@@ -154,6 +161,7 @@ GENERATING = (
         features.TOKENIZE,
     }
     | features.STRUCTURED
+    | features.CHAT_END
 )
 
 
@@ -416,13 +424,15 @@ class VllmEngine(Engine):
             text = tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
-                add_generation_prompt=True,
                 tokenize=False,
+                **chat_end(request),
                 **template_kwargs(request),
             )
         except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
             message = f"The chat template refused the messages: {error}"
             raise Invalid(message, param="messages") from None
+        except ValueError as error:  # the last message cannot be left open
+            raise chat_end_refused(request, error) from None
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def _render(
@@ -435,7 +445,7 @@ class VllmEngine(Engine):
             from vllm.renderers.params import ChatParams
 
             messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
-            options = {**template_kwargs(request), "add_generation_prompt": True, "tools": tools}
+            options = {**template_kwargs(request), **chat_end(request), "tools": tools}
             try:
                 _, (engine_input,) = await self.llm.renderer.render_chat_async(
                     [messages], ChatParams(chat_template_kwargs=options)

@@ -36,7 +36,8 @@ version no longer names `temperature`, `top_p` and `top_k`; older clients (and
 `extra_body`) send them, so they are served.
 
 As Anthropic's API does, a message with empty content (but a final assistant one)
-and an empty text block are refused.
+and an empty text block are refused. A final assistant message is a prefill the answer
+continues (`_prefill`: vLLM's `continue_final_message`).
 
 A conversation maps onto chat messages: a `tool_use` block is an assistant
 message's tool call, a `tool_result` block a `tool` message of its own (its text;
@@ -1013,6 +1014,8 @@ def _prompt(
         ),
         "request_id": request_id,
     }
+    if body["messages"][-1].get("role") == "assistant":
+        fields.update(_prefill(body, messages))
     return model, fields, edits, listed
 
 
@@ -1021,15 +1024,6 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
     model, fields, edits, listed = _prompt(body, request_id, MESSAGE_FIELDS)
     mcp = connector(body)
     mcp.listed = {**listed, **mcp.listed}  # a toolset's own listing wins
-    last = len(body["messages"]) - 1
-    if body["messages"][last].get("role") == "assistant":
-        # Anthropic continues a final assistant message; the engines here start a new
-        # turn after it, which would answer something else than was asked
-        raise invalid(
-            f"messages[{last}].role",
-            "A final assistant message (a prefill to continue) is not supported by this "
-            "gateway: end the conversation with a user message.",
-        )
     max_tokens = _int(body, "max_tokens", 1, UINT32_MAX)
     if max_tokens is None:
         raise invalid("max_tokens", "Field required: 'max_tokens'.")
@@ -1057,6 +1051,13 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
     )
     stream = _flag(body, "stream")
     compaction = _compaction(body, edits, mcp)
+    if request.continue_final_message and (compaction is not None or mcp.servers):
+        # an answer of several turns: the next turn would go on from the prefill's end
+        raise invalid(
+            f"messages[{len(body['messages']) - 1}]",
+            "A final assistant message (a prefill) is not supported by this gateway with "
+            "compaction or the MCP connector's servers.",
+        )
     if edits is None and not mcp.servers and compaction is None:
         return ParsedRequest(model, request, stream, False, show_reasoning=shown)
     return MessagesRequest(
@@ -1069,6 +1070,33 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         mcp=mcp,
         compaction=compaction,
     )
+
+
+def _prefill(body: Mapping[str, Any], messages: tuple[Message, ...]) -> dict[str, bool]:
+    """A final assistant message, as Anthropic takes it: a prefill the answer continues
+    (the prompt left open after its text: vLLM's `continue_final_message`; the answer
+    holds only what follows), refused where Anthropic refuses one: with trailing
+    whitespace, with thinking on, or holding tool calls (they want their results)."""
+    where = f"messages[{len(body['messages']) - 1}]"
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") != "disabled":
+        raise invalid(
+            "thinking", "A final assistant message (a prefill) cannot be used with thinking."
+        )
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant":  # (edits cleared it; a compaction's summary)
+        return {}
+    if last.tool_calls:
+        raise invalid(
+            f"{where}.content",
+            "A final assistant message (a prefill) cannot hold tool_use blocks: their "
+            "tool_result blocks must follow in a user message.",
+        )
+    if last.content != last.content.rstrip():
+        raise invalid(
+            f"{where}.content", "final assistant content cannot end with trailing whitespace"
+        )
+    return {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def _compaction(

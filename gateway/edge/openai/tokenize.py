@@ -5,15 +5,14 @@ completion would send the engine (its length against `max_model_len`, where a te
 puts its tokens), and turns ids (a `logit_bias`, `stop_token_ids`, an answer's
 `return_token_ids`) back into text.
 
-`/tokenize` takes vLLM's two forms: a chat (`messages`, with `tools` and
-`chat_template_kwargs`, rendered with the generation prompt, as a chat completion is) or a
-text (`prompt`, one string, with the model's BOS where it adds one, as a completion is);
-`return_token_strs` adds each token's string in the vocabulary. The answer: `{"count",
-"max_model_len", "tokens", "token_strs"}`. What would tokenize another prompt than a
-chat completion or a completion sends (`add_special_tokens`, `add_generation_prompt` and
-`continue_final_message` away from those forms' defaults, a `chat_template` of the
-client's, the multimodal options) is refused by name, as on those routes; any other
-field is an unknown parameter.
+`/tokenize` takes vLLM's two forms: a chat (`messages`, with `tools`,
+`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`, rendered as a
+chat completion is) or a text (`prompt`, one string, with the model's BOS where it adds
+one, as a completion is); `return_token_strs` adds each token's string in the vocabulary.
+The answer: `{"count", "max_model_len", "tokens", "token_strs"}`. What would tokenize
+another prompt than a chat completion or a completion sends (`add_special_tokens` away from
+those forms' defaults, a `chat_template` of the client's, the multimodal options) is
+refused by name, as on those routes; any other field is an unknown parameter.
 
 `/detokenize` takes `tokens` (at most `MAX_DETOKENIZE_IDS` ids) and answers
 `{"prompt": text}`, special tokens kept; an id outside the vocabulary is a 400 naming

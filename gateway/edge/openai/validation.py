@@ -99,8 +99,6 @@ UNSERVED: dict[str, Any] = {
     "length_penalty": None,
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
-    "continue_final_message": False,
-    "add_generation_prompt": True,
     # more of vLLM's: what they ask changes the answer or how the engine runs it
     "return_tokens_as_token_ids": False,
     "return_token_ids": False,
@@ -909,9 +907,27 @@ _CHAT_FIELDS = frozenset(
         "tool_choice",
         "response_format",
         "structured_outputs",
+        "add_generation_prompt",
+        "continue_final_message",
         *_REASONING_FIELDS,
     }
 )
+
+
+def _chat_end(body: Mapping[str, Any]) -> dict[str, bool]:
+    """How the chat's prompt ends, as vLLM takes it: after the template's generation
+    prompt (`add_generation_prompt`, true unless given), or inside the last message,
+    which the answer continues (`continue_final_message`: a prefill); both true is
+    refused, as vLLM refuses it (the generation prompt is then left out unless asked)."""
+    open_end = _flag(body, "continue_final_message")
+    generation = _flag(body, "add_generation_prompt")  # (False when not given)
+    if open_end and generation:
+        raise invalid(
+            "continue_final_message",
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+        )
+    generation = not open_end and (generation or body.get("add_generation_prompt") is None)
+    return {"add_generation_prompt": generation, "continue_final_message": open_end}
 
 
 def reasoning_effort(body: Mapping[str, Any], name: str, where: str = "") -> str | None:
@@ -989,6 +1005,7 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
             body, _response_format(body, schemas), schemas, choice
         ),
         "reasoning": _reasoning(body),
+        **_chat_end(body),
     }
     return _common(body, model, fields, request_id)
 
@@ -1007,6 +1024,8 @@ _COMPLETION_UNSERVED = {
     "messages": None,
     "prompt_embeds": None,
     "add_special_tokens": True,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
 }
 
 

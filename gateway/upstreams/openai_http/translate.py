@@ -149,6 +149,11 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     }
     if messages is not None:
         body["messages"] = list(map(message_dict, messages))
+        if request.continue_final_message:  # vLLM's: never with the generation prompt
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        elif not request.add_generation_prompt:
+            body["add_generation_prompt"] = False
     else:
         body["prompt"] = request.prompt or ""
     body.update(s.given())
@@ -298,15 +303,24 @@ def _pooling_error(status: int, body: bytes, serves: str = "embeddings") -> erro
 
 
 #: The fields of our request that vLLM's `/tokenize` reads (its chat form and its text form).
-_TOKENIZE_FIELDS = ("model", "messages", "prompt", "tools", "chat_template_kwargs")
+_TOKENIZE_FIELDS = (
+    "model",
+    "messages",
+    "prompt",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 
 
 def tokenize_body(request: GenerateRequest) -> dict[str, Any]:
-    """vLLM's `/tokenize` body for the prompt `request` makes (a chat with its
-    generation prompt, as a chat completion renders it)."""
+    """vLLM's `/tokenize` body for the prompt `request` makes (a chat ended as a chat
+    completion renders it: with its generation prompt unless it asks otherwise, which
+    `/tokenize` does not default to)."""
     body = {k: v for k, v in request_body(request).items() if k in _TOKENIZE_FIELDS}
     if request.messages is not None:
-        body["add_generation_prompt"] = True
+        body.setdefault("add_generation_prompt", True)
     return body
 
 
