@@ -135,6 +135,29 @@ def test_a_streamed_prefill_and_the_default_end(front):
     assert asked.add_generation_prompt and not asked.continue_final_message
 
 
+def test_an_echoed_prefill_starts_the_answer(front):
+    """vLLM's chat `echo`: the answer starts with the last message when it is the
+    assistant's, so a prefill's answer reads whole; a user's last message is not echoed."""
+    ends = {"continue_final_message": True}
+    plain = front.sdk.chat.completions.create(
+        model=MODEL, messages=[ASKED, PREFILL], extra_body=ends
+    )
+    goes_on = plain.choices[0].message.content
+    echoed = front.sdk.chat.completions.create(
+        model=MODEL, messages=[ASKED, PREFILL], extra_body={**ends, "echo": True}
+    )
+    assert echoed.choices[0].message.content == PREFILL["content"] + goes_on
+    stream = front.sdk.chat.completions.create(
+        model=MODEL, messages=[ASKED, PREFILL], stream=True, extra_body={**ends, "echo": True}
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == PREFILL["content"] + goes_on
+    asked = front.sdk.chat.completions.create(
+        model=MODEL, messages=[ASKED], extra_body={"echo": True}
+    )
+    assert asked.choices[0].message.content == "write the list"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -145,6 +168,7 @@ def test_a_streamed_prefill_and_the_default_end(front):
         ),
         ("/v1/chat/completions", {"continue_final_message": "yes"}, "continue_final_message"),
         ("/v1/chat/completions", {"add_generation_prompt": 0}, "add_generation_prompt"),
+        ("/v1/chat/completions", {"echo": "yes"}, "echo"),
         # the demo renders no template: a chat without its generation prompt is not its
         ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
         ("/tokenize", {"add_generation_prompt": False}, "add_generation_prompt"),

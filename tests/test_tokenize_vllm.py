@@ -43,6 +43,13 @@ BODIES: list[dict[str, Any]] = [
     {"messages": CHAT},
     {"messages": CHAT, "return_token_strs": True, "tools": TOOLS},
     {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+    # a prefill, and a chat without its generation prompt (vLLM's chat parameters)
+    {
+        "messages": [*CHAT, {"role": "assistant", "content": "It is sunny in"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
+    {"messages": CHAT, "add_generation_prompt": False},
 ]
 
 

@@ -45,7 +45,7 @@ INVALID = [
     (CHAT, chat(n="1"), "n"),
     (COMPLETIONS, completion(best_of=2), "best_of"),
     (CHAT, chat(best_of=2), "best_of"),
-    (CHAT, chat(echo=True), "echo"),
+    (CHAT, chat(echo=1), "echo"),  # vLLM's chat echo is served: a boolean
     (CHAT, chat(suffix="tail"), "suffix"),
     (CHAT, chat(top_logprobs=2), "top_logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),

@@ -117,10 +117,20 @@ def test_tokenize_gives_the_ids_it_counts_and_detokenize_decodes_them(front: Fro
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer.encode(text, add_special_tokens=False)
     chat = GenerateRequest(MODEL, messages=tuple(Message(**m) for m in MESSAGES))
+    # a prefill (vLLM's continue_final_message): the chat cut after the last message's text
+    prefill = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    opened = tokenizer.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+    continued = GenerateRequest(
+        MODEL,
+        messages=tuple(Message(**m) for m in prefill),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     with grpc.insecure_channel(f"127.0.0.1:{front.worker.port}") as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         for request, wanted in (
             (chat, chat_ids),
+            (continued, tokenizer.encode(opened, add_special_tokens=False)),
             (GenerateRequest(MODEL, prompt="the quick fox"), tokenizer("the quick fox").input_ids),
         ):
             proto = request_to_proto(request)

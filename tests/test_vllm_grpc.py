@@ -125,6 +125,29 @@ def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine
     assert own == text
 
 
+def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, vllm_model: Path):
+    """vLLM's `continue_final_message`: the prompt is the chat rendered up to the end of
+    the last message's text, and the answer is the engine's for those ids."""
+    messages = [*user("hello from the fleet"), {"role": "assistant", "content": "It is"}]
+    whole = chat(http, "", messages=messages, max_tokens=16, continue_final_message=True)
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    prompt = "<|user|>hello from the fleet<|end|><|assistant|>It is"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
+    request = pb.GenerateRequest(
+        request_id="direct-prefill",
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(
+            temperature=0, max_tokens=16, stop_token_ids=list(info.eos_token_ids)
+        ),
+        stream=False,
+    )
+    (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
+    own = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
+    assert whole["choices"][0]["message"]["content"] == own
+
+
 def test_a_prompt_asked_again_reports_what_vllms_prefix_cache_held(http):
     """vLLM's `cached_tokens` (its prefix cache's whole blocks) reach the usage: none the
     first time a long prompt comes, some the second, whole and streamed."""

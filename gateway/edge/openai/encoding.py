@@ -553,9 +553,13 @@ class ChatEncoder(Encoder):
         }
 
     def open_choice(self, index: int) -> bytes:
-        """Chat streams open each choice with the assistant's role and empty content."""
+        """Chat streams open each choice with the assistant's role and empty content,
+        then the echoed message (vLLM's chat `echo`) in a chunk of its own, as vLLM's."""
         delta = {"role": "assistant", "content": ""}
-        return self._chunk({"delta": delta, "logprobs": None}, None, index)
+        opening = self._chunk({"delta": delta, "logprobs": None}, None, index)
+        if not self.echo:
+            return opening
+        return opening + self._chunk(self.delta_choice(self.echo), None, index)
 
     def tool_chunk(self, event: ToolCallDelta) -> bytes:
         """The first piece of a call has its id, type and name; the next ones

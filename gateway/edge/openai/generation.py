@@ -68,6 +68,17 @@ def check_features(pool: ModelPool, request: GenerateRequest) -> None:
         raise invalid(param, f"The model `{pool.name}` does not support '{feature}'.")
 
 
+def echoed(request: GenerateRequest) -> str | None:
+    """What an answer that echoes starts with: a completion's prompt; a chat's last
+    message where it is the answer's role, an assistant's (vLLM's chat `echo`: with
+    `continue_final_message`, the whole message the answer completes); else nothing."""
+    messages = request.messages
+    if messages is None:
+        return request.prompt
+    last = messages[-1] if messages else None
+    return last.content if last is not None and last.role == "assistant" else None
+
+
 def check_relayed_media(pool: ModelPool, request: GenerateRequest) -> None:
     """Refuses a sound or a video (`input_audio`, `audio_url`, `video_url` parts) for a
     model not on OpenAI-compatible servers, described or not: neither the worker protocol
@@ -167,7 +178,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             choices=generate.n,
             logprobs=generate.logprobs is not None,
             tools=bool(generate.tools),
-            echo=generate.prompt if parsed.echo else None,
+            echo=echoed(generate) if parsed.echo else None,
             # an upstream that builds its own answer already chose its finish reason
             named_tool=not pool.relays_answers
             and generate.tool_choice not in ("", "none", "auto", "required"),

@@ -139,8 +139,9 @@ _FREE_SERVICE_TIERS = (None, *SERVICE_TIERS)
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A valid request: what to generate, and how to answer (`echo`: a
-    completion's answer starts with its prompt)."""
+    """A valid request: what to generate, and how to answer (`echo`: the answer
+    starts with a completion's prompt, or a chat's last message where it is the
+    assistant's: `generation.echoed`)."""
 
     model: str | None
     generate: GenerateRequest
@@ -896,7 +897,7 @@ _REASONING_FIELDS = (
     "thinking_token_budget",
 )
 #: Completions' parameters, refused on chat where they ask for something.
-_CHAT_UNSERVED = {"best_of": None, "suffix": None, "echo": False, "add_special_tokens": False}
+_CHAT_UNSERVED = {"best_of": None, "suffix": None, "add_special_tokens": False}
 #: Chat's parameters besides its messages and those `_common` reads.
 _CHAT_FIELDS = frozenset(
     {
@@ -909,6 +910,7 @@ _CHAT_FIELDS = frozenset(
         "structured_outputs",
         "add_generation_prompt",
         "continue_final_message",
+        "echo",
         *_REASONING_FIELDS,
     }
 )
@@ -1007,7 +1009,9 @@ def parse_chat(body: Any, request_id: str = "") -> ParsedRequest:
         "reasoning": _reasoning(body),
         **_chat_end(body),
     }
-    return _common(body, model, fields, request_id)
+    parsed = _common(body, model, fields, request_id)
+    # vLLM's: the answer starts with the last message when it is the answer's role
+    return replace(parsed, echo=True) if _flag(body, "echo") else parsed
 
 
 # -- completions --------------------------------------------------------------
