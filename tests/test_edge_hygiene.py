@@ -1,6 +1,7 @@
 """The edge holds the line: JSON-only bodies, no slash redirects, Host checks,
-fixed messages for server-side failures, one 404 for unseen and unknown models,
-and config errors that never print the offending line."""
+OpenAI-shaped answers to bytes that are not HTTP, no protocol upgrades, fixed
+messages for server-side failures, one 404 for unseen and unknown models, and
+config errors that never print the offending line."""
 
 import json
 import logging
@@ -9,6 +10,7 @@ import socket
 import time
 from email.utils import parsedate_to_datetime
 
+import httptools
 import httpx
 import pytest
 
@@ -156,6 +158,116 @@ def test_allowed_hosts_from_yaml_and_the_environment():
     assert parse_config({}, env=env).allowed_hosts == ("a.example", "b.example")
     with pytest.raises(ConfigError, match="allowed_hosts"):
         parse_config({"allowed_hosts": [""]}, env={})
+
+
+# -- bytes that are not HTTP, and upgrades ------------------------------------
+
+HOST = b"Host: 127.0.0.1\r\n"
+
+
+class _Answers:
+    """Whole responses read off one connection (status, headers, body), in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[tuple[int, dict[bytes, bytes], bytes]] = []
+        self.headers: dict[bytes, bytes] = {}
+        self.body = b""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.done.append((self.parser.get_status_code(), self.headers, self.body))
+        self.headers, self.body = {}, b""
+
+    def next(self) -> tuple[int, dict[bytes, bytes], bytes]:
+        while not self.done:
+            data = self.sock.recv(65536)
+            assert data, "the gateway closed the connection"
+            self.parser.feed_data(data)
+        return self.done.pop(0)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\n" + HOST + b"Content-Type: application/json\r\n"
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\n" + HOST + b"X-A: b\r\n  folded\r\n\r\n",
+        b"BREW /v1/models HTTP/1.1\r\n" + HOST + b"\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ],
+    ids=["length-and-chunked", "line-folding", "unknown-method", "http2-preface"],
+)
+def test_bytes_that_are_not_http_get_a_400_in_openai_shape(gateway, request_bytes):
+    with connect(gateway.url) as sock:
+        sock.sendall(request_bytes)
+        answer = read_to_end(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer
+    assert b"content-type: application/json" in head.lower().split(b"\r\n")
+    error = json.loads(body)["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, None)
+
+
+def test_bytes_that_are_not_http_behind_a_stream_close_it_without_an_answer_inside(gateway):
+    # an answer written then would land inside the stream's chunks; the stream's
+    # generation is cancelled with the connection (the leak check after the test)
+    body = json.dumps(
+        {"model": "furnace-slow", "prompt": "a " * 200, "max_tokens": 200, "stream": True}
+    ).encode()
+    with connect(gateway.url) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\n" + HOST + b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        answers = _Answers(sock)
+        while b"data: " not in answers.body:
+            answers.parser.feed_data(sock.recv(65536))
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answers.parser.feed_data(read_to_end(sock))  # the stream's chunks, cut: nothing else
+    assert b"HTTP/1.1" not in answers.body
+    assert not answers.done
+
+
+def test_a_request_that_asks_for_an_upgrade_is_answered_over_http_1_1(gateway):
+    # h2c (`curl --http2` on an http:// URL) or WebSocket: the gateway speaks neither and
+    # answers as if not asked (RFC 9110 7.8), the body read, the connection kept
+    h2c = (
+        b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    )
+    websocket = (
+        b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    )
+    body = json.dumps({"model": DEMO_MODEL, "messages": [{"role": "user", "content": "x y"}]})
+    with connect(gateway.url) as sock:
+        answers = _Answers(sock)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            + HOST
+            + h2c
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body.encode()
+        )
+        status, _, answer = answers.next()
+        assert status == 200, answer
+        assert json.loads(answer)["choices"][0]["message"]["content"] == "x y"
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n" + HOST + websocket + b"\r\n")
+        status, _, answer = answers.next()
+        assert status == 200, answer
+        assert json.loads(answer)["object"] == "list"
+        # on Anthropic's path, its shape: a GET there is 405
+        sock.sendall(b"GET /v1/messages HTTP/1.1\r\n" + HOST + websocket + b"\r\n")
+        status, headers, answer = answers.next()
+        assert (status, json.loads(answer)["type"]) == (405, "error")
+        assert headers[b"content-type"] == b"application/json"
 
 
 # -- fixed messages for server-side failures ----------------------------------

@@ -69,6 +69,20 @@ a second wake of the request's chain of coroutines on the first token's path. uv
 such a body into its buffer whatever the app does, so nothing more is held; a body that does
 not come whole within `body_timeout` gets its 408 without the app ever seeing the request.
 
+A chunked body's framing is bounded as a head is: the bytes read since the last body bytes
+(chunk-size lines, their extensions, the trailer section) count toward `max_header_bytes`,
+then 431. httptools gathers a field's value by concatenation, so one endless trailer field
+had grown the process by hundreds of megabytes and held the event loop for seconds a read.
+Trailer fields are read and dropped: they never join the request's headers (RFC 9110 §6.5.1).
+
+A request that asks for a protocol upgrade (h2c, WebSocket: the gateway serves neither) is
+answered over HTTP/1.1, as if it had not asked (RFC 9110 §7.8). httptools skips the body of
+such a request and stops after its head, so the head is read a second time without its
+Upgrade field (`_replay`), and its body with it; uvicorn answered it with an empty body.
+
+Bytes that are not HTTP/1.1 get a 400 in OpenAI's shape (uvicorn's is plain text), or, while
+another response is on the wire, only the close: an answer there would land inside it.
+
 The cost: a length addition per read and per header, a clock read per deadline.
 """
 
@@ -106,6 +120,8 @@ MIN_HEAD_TIMEOUT = 1.0
 FILE_LIMIT_SHARE = 0.75
 
 _HEAD, _BODY = "head", "body"
+#: What bytes that are not an HTTP/1.1 request get (uvicorn's answer, in OpenAI's shape).
+INVALID_HTTP = APIError(400, "Invalid HTTP request received.")
 
 
 @dataclass(frozen=True)
@@ -255,6 +271,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         "_lingering",
         "_phase",
         "_refused",
+        "_replay_head",
         "_started",
         "_timeout",
         "_timer",
@@ -285,6 +302,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._lost: asyncio.Future[None] | None = None
         #: The request whose task starts once its body is whole (`_start_asgi_task`).
         self._deferred: tuple[Any, Any] | None = None
+        #: The head of a request that asked for an upgrade, less its Upgrade (`_replay`).
+        self._replay_head: bytes | None = None
 
     # The connection
 
@@ -326,29 +345,44 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # lingering: read and drop
         self._unset_keepalive_if_required()
-        heading = self._phase == _HEAD
-        if heading:
+        if self._phase == _HEAD:
             self._started = True
-            self._fed += len(data)
+        self._fed += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return
+        except httptools.HttpParserUpgrade as upgrade:
+            rest = data[upgrade.args[0] :]
         except httptools.HttpParserError as error:
             if isinstance(error.__context__, _Refused):
-                self._refuse(self._too_large())
+                self._refuse_request(self._too_large())
             elif isinstance(error.__context__, _PipelineFull):
                 self._stop_after_pipeline()
             else:
                 self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
+                self._refuse_request(INVALID_HTTP)
             return
-        if heading and self._phase == _HEAD and self._fed > self.limits.max_header_bytes:
-            self._refuse(self._too_large())
+        else:
+            if self._fed > self.limits.max_header_bytes:  # a head, or a body's framing
+                self._refuse_request(self._too_large())
+            return
+        # outside the handler: errors raised while reading again keep their own context
+        self._replay(rest)
+
+    def _should_upgrade(self) -> bool:
+        """Never: the gateway serves no WebSocket and no h2c (uvicorn's asks for both)."""
+        return False
+
+    def _replay(self, rest: bytes) -> None:
+        """Reads the request that asked for an upgrade again, its head without the Upgrade
+        field, then `rest` (its body, and what follows): httptools ended it at its head.
+        A request at a time: each one waits in the pipeline (`PIPELINE_DEPTH`) or is
+        answered, so the recursion through `data_received` stays as shallow."""
+        head, self._replay_head = self._replay_head, None
+        if not head:  # CONNECT
+            self._refuse_request(INVALID_HTTP)
+            return
+        self._fed = 0
+        self.data_received(head + rest)
 
     # Parser callbacks
 
@@ -389,6 +423,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._head_too_large():
             raise _Refused
+        parser = self.parser
+        if parser.should_upgrade():  # httptools skips its body: read it again (`_replay`)
+            method = parser.get_method()
+            # CONNECT asks for a tunnel by its method, not a field: nothing to read again
+            self._replay_head = (
+                b""
+                if method == b"CONNECT"
+                else self._head_without_upgrade(method, parser.get_http_version())
+            )
+            return
         self.heads.waiting.pop(self, None)
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions narrowly
         extensions = scope.setdefault("extensions", {})
@@ -403,13 +447,38 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle is not before:  # the same one: an upgrade, refused
+        if cycle is not None and cycle is not before:
             cycle.transport = cast(asyncio.Transport, _HeadHold(cycle, self.transport))
             extensions[WRITE_NOW_EXTENSION] = _WriteNow(cycle)
+        # The trailer section's fields, if any, go here and are dropped (still counted).
+        self.headers = []
         if self.pipeline:  # queued behind a response, reading paused: its turn starts the clock
             self._disarm()
 
+    def _head_without_upgrade(self, method: bytes, version: str) -> bytes:
+        """The head just read, less its Upgrade field, for `_replay`."""
+        head = [method, b" ", self.url, b" HTTP/", version.encode(), b"\r\n"]
+        for name, value in self.headers:
+            if name != b"upgrade":
+                head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        return b"".join(head)
+
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's `on_body`, here rather than called (no upgrade has a body here: `_replay`)
+        self._fed = 0  # body bytes: what was read before them was framing, within bounds
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+
     def on_message_complete(self) -> None:
+        if self._replay_head is not None:
+            return  # the head of an upgrade: read again (`_replay`)
+        self._fed = 0
         self._phase = _HEAD
         self._disarm()  # the app has the request: `request_timeout` governs it now
         super().on_message_complete()
@@ -541,6 +610,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refuse(request_timeout(what, seconds))
 
     # Refusing
+
+    def _refuse_request(self, error: APIError) -> None:
+        """Refuses the request being read (its head, or its body's framing): `_refuse`, or
+        only the close while another response is on the wire. A route waiting on the
+        body sees a disconnect."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if self._phase == _HEAD or cycle.response_started or self.pipeline:
+                self.transport.close()  # the answer would land inside another one
+                return
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(error)
 
     def _stop_after_pipeline(self) -> None:
         """`PIPELINE_DEPTH` requests wait: parse nothing more, answer them, close."""
