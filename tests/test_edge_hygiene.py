@@ -268,6 +268,7 @@ def test_a_request_that_asks_for_an_upgrade_is_answered_over_http_1_1(gateway):
         status, headers, answer = answers.next()
         assert (status, json.loads(answer)["type"]) == (405, "error")
         assert headers[b"content-type"] == b"application/json"
+        assert headers[b"allow"] == b"POST"
 
 
 # -- fixed messages for server-side failures ----------------------------------

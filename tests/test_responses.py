@@ -170,6 +170,7 @@ def test_unknown_route_and_method_are_openai_shaped(client):
     response = client.get("/v1/chat/completions")
     assert response.status_code == 405
     assert response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["allow"] == "POST"  # RFC 9110 15.5.6
 
 
 def test_request_id_is_returned_and_passed_to_the_worker(client, workers):

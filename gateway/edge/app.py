@@ -76,7 +76,10 @@ def _error_response(error: APIError) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+    response = _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+    if exc.headers:  # a 405's Allow, which RFC 9110 (15.5.6) requires
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
