@@ -27,17 +27,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from gateway.config import ModelConfig, RoutingConfig
 from gateway.tokenization import load_tokenizer
+from tests.support.fronts import gateway_over
 from tests.support.metrics import scrape, value
 from tests.support.processes import free_ports
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-    worker_states,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left, worker_states
 from tests.support.vllm import (
     VllmProcess,
     kv_events_args,
@@ -65,9 +58,8 @@ def server(
     logs = tmp_path_factory.mktemp("vllm-dp")
     names = ("--served-model-name", MODEL, THREE, ONE)  # the last one given wins
     extra = (*names, "--data-parallel-size", "2", *kv_events_args(port))
-    process = start_http_server(vllm_model, logs, MODEL, extra=extra)
-    yield process, port
-    process.stop()
+    with start_http_server(vllm_model, logs, MODEL, extra=extra) as process:
+        yield process, port
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +79,8 @@ def front(
         data_parallel_size=2,
         routing=RoutingConfig(kv_events=((url, f"tcp://127.0.0.1:{port}"),)),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, (model,), workers) as gw:
+        yield gw
 
 
 def engine_hits(process: VllmProcess, engine: int) -> float:
@@ -192,8 +183,7 @@ def test_an_http_servers_engines_are_read_from_its_metrics(server_loop, workers,
     url = f"http://127.0.0.1:{process.port}/v1"
     three = ModelConfig(THREE, upstream="openai", workers=(url,), data_parallel_size=3)
     one = ModelConfig(ONE, upstream="openai", workers=(url,))
-    gw = start_gateway(server_loop, make_config(workers, models=(three, one)))
-    try:
+    with gateway_over(server_loop, (three, one), workers) as gw:
         assert_engines_checked(gw, url, THREE, ONE, caplog)
         body = {"model": THREE, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as client:
@@ -201,8 +191,6 @@ def test_an_http_servers_engines_are_read_from_its_metrics(server_loop, workers,
                 answer = client.post("/v1/chat/completions", json=body)
                 assert answer.status_code == 200, answer.text
         assert_nothing_left(gw, workers)
-    finally:
-        gw.stop()
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +200,8 @@ def grpc_server(
     """vLLM's gRPC server of two engines, relaying both ranks' KV events."""
     logs = tmp_path_factory.mktemp("vllm-dp-grpc")
     extra = ("--data-parallel-size", "2", *kv_events_args(free_ports(2)))
-    process = start_grpc_server(vllm_model, logs, extra)
-    yield process
-    process.stop()
+    with start_grpc_server(vllm_model, logs, extra) as process:
+        yield process
 
 
 def _pin_document(address: str, model: Path, document: str, rank: int) -> None:
@@ -255,8 +242,7 @@ def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_
         replace(model, name="tiny-dp-grpc-3", data_parallel_size=3),
         replace(model, name="tiny-dp-grpc-1", data_parallel_size=1),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model, three, one)))
-    try:
+    with gateway_over(server_loop, (model, three, one), workers) as gw:
         states = worker_states(gw, GRPC_MODEL)
         assert_engines_checked(gw, address, three.name, one.name, caplog)
         assert set(states.values()) <= {"healthy", "unknown"}
@@ -293,5 +279,3 @@ def test_over_vllms_grpc_server_a_prompt_is_pinned_to_the_engine_that_holds_its_
             assert line["cache_hit_blocks"] >= 2
             assert line["cached_tokens"] >= 2 * index.block_size  # its engine's own count
         assert_nothing_left(gw, workers)
-    finally:
-        gw.stop()
