@@ -77,6 +77,28 @@ def test_a_chunked_bodys_framing_is_bounded_as_a_head_is(gateway_with):
     assert answer.startswith(b"HTTP/1.1 200 "), answer
 
 
+@pytest.mark.parametrize("path", [b"/v1/messages", b"/v1/messages/count_tokens?beta=true"])
+def test_on_anthropics_paths_these_refusals_are_in_its_shape(gateway_with, path):
+    gw = gateway_with(max_header_bytes=4096, body_timeout=0.5)
+    head = b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n" % path
+    answers = []
+    with connect(gw.url) as sock:  # a body that never comes whole
+        sock.sendall(head + b"content-length: 100\r\n\r\n{")
+        answers.append(read_to_end(sock))
+    with connect(gw.url) as sock:  # a head too large
+        sock.sendall(head + b"x-big: " + b"a" * 8192 + b"\r\n\r\n")
+        answers.append(read_to_end(sock))
+    with connect(gw.url) as sock:  # not HTTP/1.1
+        sock.sendall(head + b"content-length: 1\r\ntransfer-encoding: chunked\r\n\r\n")
+        answers.append(read_to_end(sock))
+    for answer, status in zip(answers, (408, 431, 400), strict=True):
+        top, _, body = answer.partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 %d " % status), answer
+        error = json.loads(body)
+        assert (error["type"], error["error"]["type"]) == ("error", "invalid_request_error")
+        assert error["error"]["message"]
+
+
 def test_a_slow_loris_is_cut_at_the_deadline(gateway_with):
     gw = gateway_with(header_timeout=1)
     request = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n" + b"x-a: b\r\n" * 100

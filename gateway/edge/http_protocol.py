@@ -81,7 +81,9 @@ such a request and stops after its head, so the head is read a second time witho
 Upgrade field (`_replay`), and its body with it; uvicorn answered it with an empty body.
 
 Bytes that are not HTTP/1.1 get a 400 in OpenAI's shape (uvicorn's is plain text), or, while
-another response is on the wire, only the close: an answer there would land inside it.
+another response is on the wire, only the close: an answer there would land inside it. Every
+refusal written here (400, 408, 431) to a request under `/v1/messages` is in Anthropic's shape,
+as the app's own are there.
 
 The cost: a length addition per read and per header, a clock read per deadline.
 """
@@ -100,6 +102,7 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.edge.anthropic.errors import anthropic_body
 from gateway.edge.asgi import (
     ABORT_EXTENSION,
     BODY_TIMEOUT_EXTENSION,
@@ -122,6 +125,9 @@ FILE_LIMIT_SHARE = 0.75
 _HEAD, _BODY = "head", "body"
 #: What bytes that are not an HTTP/1.1 request get (uvicorn's answer, in OpenAI's shape).
 INVALID_HTTP = APIError(400, "Invalid HTTP request received.")
+#: The request targets whose refusals here are in Anthropic's shape, as the app's are
+#: (`AnthropicShape`: Anthropic's Messages API, and below it).
+_ANTHROPIC, _BELOW_ANTHROPIC = b"/v1/messages", (b"/v1/messages/", b"/v1/messages?")
 
 
 @dataclass(frozen=True)
@@ -656,6 +662,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _write_error(self, error: APIError) -> None:
         body = error.body()
+        url = getattr(self, "url", b"")  # as far as it came; none before a first request
+        if url == _ANTHROPIC or url.startswith(_BELOW_ANTHROPIC):
+            body = anthropic_body(error)  # its statuses here (400, 408, 431) are Anthropic's
         head = [STATUS_LINE[error.status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
