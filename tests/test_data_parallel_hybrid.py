@@ -21,16 +21,9 @@ import httpx
 import pytest
 
 from gateway.config import ModelConfig, RoutingConfig
+from tests.support.fronts import gateway_over
 from tests.support.processes import free_port, free_ports
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-    worker_states,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left, worker_states
 from tests.support.vllm import VllmProcess, start_http_servers
 from tests.support.waiting import HANG_GUARD, wait_until
 from tests.test_data_parallel import engine_hits
@@ -83,9 +76,8 @@ def front(
         data_parallel_size=LOCAL,
         routing=RoutingConfig(kv_events=tuple((url, f"tcp://127.0.0.1:{port}") for url in urls)),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, (model,), workers) as gw:
+        yield gw
 
 
 def test_each_engine_is_followed_by_the_rank_its_server_runs(front, servers, workers):
