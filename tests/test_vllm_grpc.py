@@ -180,6 +180,11 @@ def test_a_stop_string_from_a_first_answer_cuts_the_second(http):
     assert second["choices"][0]["message"]["content"] == first[: first.index(stop)]
     streamed, _ = streamed_chat(http, "the quick brown fox", max_tokens=60, stop=[stop])
     assert streamed == first[: first.index(stop)]
+    # vLLM's include_stop_str_in_output: the gateway matches, and keeps the stop string
+    kept = chat(
+        http, "the quick brown fox", max_tokens=60, stop=[stop], include_stop_str_in_output=True
+    )
+    assert kept["choices"][0]["message"]["content"] == first[: first.index(stop) + len(stop)]
 
 
 def test_a_prompt_beyond_the_context_is_a_400_context_length_exceeded(http):

@@ -6,6 +6,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.protocol import errors
+from gateway.protocol.features import INCLUDE_STOP
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.types import Finished, FinishReason, Started, Text
 from gateway.protocol.v1 import engine_pb2 as pb
@@ -207,7 +208,8 @@ def test_describe(server_loop, workers):
 
     reply = server_loop.call(describe())
     assert [(m.name, m.max_context) for m in reply.models] == [("furnace-demo", 64)]
-    assert list(reply.models[0].features) == sorted(DemoEngine.features)  # "n" among them
+    # "n" among them; the SDK matches the stop strings, so it keeps one where asked
+    assert list(reply.models[0].features) == sorted(DemoEngine.features | {INCLUDE_STOP})
     assert reply.capacity == 256
     assert reply.load == 0
 

@@ -852,10 +852,11 @@ def test_describe_lists_features(server_loop, serve):
             await upstream.close()
 
     (model,) = server_loop.call(describe(demo.address))
-    assert model.features == DemoEngine.features  # "n" among them
+    assert model.features == DemoEngine.features | {features.INCLUDE_STOP}  # "n" among them
     assert features.IMAGES not in model.features and features.MIN_P not in model.features
     (model,) = server_loop.call(describe(first.address))
-    assert model.features == {features.GENERATE, features.N}  # the SDK adds n
+    # the SDK adds n and the stop strings' keeping
+    assert model.features == {features.GENERATE, features.N, features.INCLUDE_STOP}
     (model,) = server_loop.call(describe(recorder.address))
     # but sounds and videos: the protocol has no field for one, whatever a worker lists
     assert model.features == features.ALL - features.NOT_CARRIED

@@ -111,6 +111,8 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.parallel_tool_calls = request.parallel_tool_calls
     if request.user:
         message.user = request.user
+    if request.include_stop:
+        message.include_stop = True
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
@@ -203,6 +205,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         reasoning=reasoning,
         add_generation_prompt=generation_prompt,
         continue_final_message=open_end,
+        include_stop=message.include_stop,
     )
 
 

@@ -76,6 +76,8 @@ REASONING = frozenset(
 ADD_GENERATION_PROMPT = "add_generation_prompt"
 CONTINUE_FINAL_MESSAGE = "continue_final_message"
 CHAT_END = frozenset({ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE})
+#: vLLM's: the stop string that ends an answer kept at its end.
+INCLUDE_STOP = "include_stop_str_in_output"
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -103,6 +105,7 @@ ALL = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
+    | {INCLUDE_STOP}
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -121,6 +124,7 @@ OF_REQUESTS = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
+    | {INCLUDE_STOP}
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -135,8 +139,9 @@ _request_values = attrgetter(
     "reasoning",
     "add_generation_prompt",
     "continue_final_message",
+    "include_stop",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -176,6 +181,8 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((CONTINUE_FINAL_MESSAGE, CONTINUE_FINAL_MESSAGE))
         elif not request.add_generation_prompt:
             found.append((ADD_GENERATION_PROMPT, ADD_GENERATION_PROMPT))
+        if request.include_stop:
+            found.append((INCLUDE_STOP, INCLUDE_STOP))
         reasoning = request.reasoning
         if reasoning is not None:
             for name, used_ in (

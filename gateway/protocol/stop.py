@@ -57,13 +57,15 @@ class _Automaton:
 
 
 class StopMatcher:
-    """Feeds text through; says when a stop string appeared."""
+    """Feeds text through; says when a stop string appeared (released with the text
+    before it where `include`: vLLM's `include_stop_str_in_output`)."""
 
-    __slots__ = ("_automaton", "_held", "_state", "end", "matched")
+    __slots__ = ("_automaton", "_held", "_include", "_state", "end", "matched")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         stops = tuple(filter(None, stops))  # the empty strings dropped
         self._automaton = _Automaton(stops) if stops else None
+        self._include = include
         self._state = 0
         self._held = ""
         #: The stop string that matched ("" until one does).
@@ -90,7 +92,7 @@ class StopMatcher:
                 seen = self._held + text[: i + 1]
                 self._held, self._state, self.end = "", 0, i + 1
                 self.matched = seen[len(seen) - match[state] :]
-                return seen[: len(seen) - match[state]], True
+                return (seen if self._include else seen[: len(seen) - match[state]]), True
         self._state = state
         seen = self._held + text
         keep = automaton.depth[state]

@@ -190,6 +190,9 @@ class GenerateRequest:
     #: assistant message). Never both.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    #: vLLM's `include_stop_str_in_output`: the stop string that ends a choice ends its
+    #: text too (it is left out otherwise).
+    include_stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,7 +280,7 @@ class _Choice:
             and self.thoughts is None
         )
         if not self.plain:  # a plain choice has neither: `_plain` and `_finish` stand in
-            self.stop = StopMatcher(request.stop)
+            self.stop = StopMatcher(request.stop, request.include_stop)
             self.calls = ChoiceToolCalls(parser, index)
         self.held = 0  # plain: tokens whose text is not out yet (a character's pieces)
         self.received = 0  # completion tokens seen
@@ -762,6 +762,7 @@ GENERATIVE = (
         features.LOGPROBS,
         features.RESPONSE_FORMAT,
         features.USER,
+        features.INCLUDE_STOP,  # the gateway matches the stop strings
     }
     | features.STRUCTURED
 )

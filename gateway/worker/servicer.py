@@ -238,9 +238,9 @@ class _Choice:
         "unsent",
     )
 
-    def __init__(self, index: int, stops: tuple[str, ...]) -> None:
+    def __init__(self, index: int, stops: tuple[str, ...], include_stop: bool = False) -> None:
         self.index = index
-        self.stop = StopMatcher(stops)
+        self.stop = StopMatcher(stops, include_stop)
         self.holds = any(stops)  # text may be held back: logprobs wait for it
         self.tokens = 0  # generated so far
         self.unsent = 0  # of those, not yet in a sent Text
@@ -354,8 +354,10 @@ class EngineService(pb_grpc.EngineServicer):
         #: Adapter loads under way, by (name, path): LoadAdapter calls share them.
         self._adapter_loads: dict[tuple[str, str], asyncio.Task[None]] = {}
         served = engine.features
-        #: What the worker serves, as `Describe` lists it: the SDK does n itself.
-        self.features = served | {features.N} if features.GENERATE in served else served
+        #: What the worker serves, as `Describe` lists it: the SDK does n and the stop
+        #: strings itself.
+        sdk = {features.N, features.INCLUDE_STOP}
+        self.features = served | sdk if features.GENERATE in served else served
 
     def _serves(self, model: str) -> bool:
         """Whether a request may name `model` here: the engine's model (or none), or an
@@ -485,7 +487,7 @@ class EngineService(pb_grpc.EngineServicer):
             raise errors.Busy("The worker is full.")
         self.active += ours.n
         events = self._read_ahead(ours)
-        choices = [_Choice(i, ours.stop) for i in range(ours.n)]
+        choices = [_Choice(i, ours.stop, ours.include_stop) for i in range(ours.n)]
         fan_out = not engine.native_n and ours.n > 1
         try:
             async for event in self._messages(events, choices, fan_out):

@@ -760,7 +760,7 @@ def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool, bool]:
     if thinking is None:
         return None, True, False
     kind = thinking.get("type") if isinstance(thinking, Mapping) else None
-    if not isinstance(thinking, Mapping) or kind not in _THINKING:
+    if not isinstance(kind, str) or kind not in _THINKING:  # a list or object: unhashable
         raise invalid("thinking.type", "thinking.type: 'enabled', 'adaptive' or 'disabled'.")
     _refuse_unknown(thinking, _THINKING[kind], "thinking.")
     display = _string(thinking, "display", "thinking.")

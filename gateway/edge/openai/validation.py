@@ -97,7 +97,6 @@ UNSERVED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "length_penalty": None,
-    "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     # more of vLLM's: what they ask changes the answer or how the engine runs it
     "return_tokens_as_token_ids": False,
@@ -418,6 +417,10 @@ def _cache_key(body: Mapping[str, Any]) -> str:
     return key
 
 
+#: vLLM's: the stop string that ends a choice kept at the end of its text.
+_INCLUDE_STOP = "include_stop_str_in_output"
+
+
 def _common(
     body: Mapping[str, Any], model: str | None, fields: dict[str, Any], request_id: str
 ) -> ParsedRequest:
@@ -439,6 +442,7 @@ def _common(
         user=_user(body) if "user" in body or "safety_identifier" in body else "",
         request_id=request_id,
         session=_cache_key(body) if "prompt_cache_key" in body else "",
+        include_stop=_flag(body, _INCLUDE_STOP) if _INCLUDE_STOP in body else False,
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(
@@ -531,7 +535,7 @@ def _content(content: Any, where: str) -> tuple[str, tuple[str, ...], tuple[Cont
             parts.append(ContentPart("text", text))
         elif kind == "image_url":
             parts.append(_image(part, f"{where}[{j}]"))
-        elif kind in RELAYED_PARTS:
+        elif isinstance(kind, str) and kind in RELAYED_PARTS:  # a list or object: unhashable
             parts.append(_media(part, kind, f"{where}[{j}]"))
         else:
             raise invalid(

@@ -104,7 +104,6 @@ ROLES = frozenset({"user", "assistant", "system", "developer"})
 #: as on chat where they ask for something.
 VLLM_RESPONSES_UNSERVED = (
     "skip_special_tokens",
-    "include_stop_str_in_output",
     "mm_processor_kwargs",
     "priority",
     "cache_salt",
@@ -125,6 +124,7 @@ UNSERVED: dict[str, Any] = {
     # and reasoning extras are served, as on chat)
     **{name: VLLM_UNSERVED[name] for name in VLLM_RESPONSES_UNSERVED},
     "thinking_token_budget": None,  # chat's; vLLM's Responses server has no such field
+    "include_stop_str_in_output": False,  # the Responses API takes no stop strings
     # vLLM's Responses server's own
     "enable_response_messages": False,
     "previous_input_messages": None,
@@ -524,7 +524,7 @@ def input_items(value: list[Any], name: str, references: bool = False) -> tuple[
             items.append(_reasoning_item(item, where, budget))
         elif kind == COMPACTION:
             items.append(_compaction_item(item, where, budget))
-        elif kind in MCP_ITEMS:
+        elif isinstance(kind, str) and kind in MCP_ITEMS:  # a list or object: unhashable
             items.append(mcp_item(item, where, kind))
         elif kind == REFERENCE and references:
             if item.get("id") is None:

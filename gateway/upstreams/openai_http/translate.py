@@ -163,6 +163,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["stop_token_ids"] = list(s.stop_token_ids)
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.include_stop:
+        body["include_stop_str_in_output"] = True
     if request.n != 1:
         body["n"] = request.n
     if request.logprobs is not None:
