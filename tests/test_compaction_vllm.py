@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ModelConfig
 from gateway.edge.compacting import SUMMARIZE, SUMMARY_FRAME
 from gateway.edge.responses.params import unopaque
-from tests.support.fronts import Front, front_over, nothing_left_after_each
+from tests.support.fronts import Front, front_over, grpc_model, nothing_left_after_each
 from tests.support.requests import whole_input
 from tests.support.servers import ServerLoop, Workers
 from tests.support.vllm import VllmProcess
@@ -30,13 +29,7 @@ ASKED = "tell me about the weather"
 def front(
     server_loop: ServerLoop, workers: Workers, vllm_grpc: VllmProcess, vllm_model: Path
 ) -> Iterator[Front]:
-    model = ModelConfig(
-        MODEL,
-        upstream="vllm-grpc",
-        tokenizer=str(vllm_model),
-        workers=(f"127.0.0.1:{vllm_grpc.port}",),
-    )
-    with front_over(server_loop, (model,), workers) as shared:
+    with front_over(server_loop, (grpc_model(MODEL, vllm_grpc, vllm_model),), workers) as shared:
         yield shared
 
 

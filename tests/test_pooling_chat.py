@@ -23,14 +23,8 @@ import pytest
 
 from gateway.config import ModelConfig
 from gateway.worker.demo import DEMO_MODEL
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.fronts import gateway_over, grpc_model
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left
 from tests.support.tiny_model import build_classifier
 from tests.support.vllm import (
     MAX_MODEL_LEN,
@@ -88,12 +82,7 @@ def front(
     http, grpc, classifier = servers
     models = (
         ModelConfig(EMBED_MODEL, upstream="openai", workers=(f"http://127.0.0.1:{http.port}/v1",)),
-        ModelConfig(
-            RENDERED,
-            upstream="vllm-grpc",
-            tokenizer=str(vllm_model),
-            workers=(f"127.0.0.1:{grpc.port}",),
-        ),
+        grpc_model(RENDERED, grpc, vllm_model),
         ModelConfig(
             CLASSIFIER,
             upstream="openai",
@@ -101,9 +90,8 @@ def front(
         ),
         ModelConfig(DEMO_MODEL, workers=(workers.demo.address,)),
     )
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, models, workers) as gw:
+        yield gw
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from gateway.config import ModelConfig
 from gateway.protocol import features
 from gateway.protocol.types import (
     Event,
@@ -41,7 +40,7 @@ from gateway.protocol.types import (
 from gateway.tokenization import load_tokenizer
 from gateway.upstreams.vllm_grpc import VllmGrpcUpstream
 from tests.support import fronts
-from tests.support.fronts import front_over, nothing_left_after_each
+from tests.support.fronts import front_over, grpc_model, nothing_left_after_each
 from tests.support.requests import user
 from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left
 from tests.support.surface import (
@@ -80,16 +79,9 @@ def front(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Front]:
     tools_dir = tools_tokenizer(vllm_model, tmp_path_factory.mktemp("tools-tokenizer"))
-    address = f"127.0.0.1:{vllm_grpc.port}"
     models = (
-        ModelConfig(
-            TOOLS_MODEL,
-            upstream="vllm-grpc",
-            tokenizer=str(tools_dir),
-            tool_call_parser="hermes",
-            workers=(address,),
-        ),
-        ModelConfig(PLAIN, upstream="vllm-grpc", tokenizer=str(vllm_model), workers=(address,)),
+        grpc_model(TOOLS_MODEL, vllm_grpc, tools_dir, tool_call_parser="hermes"),
+        grpc_model(PLAIN, vllm_grpc, vllm_model),
     )
     with front_over(server_loop, models, workers) as shared:
         yield Front(shared.gateway, shared.sdk, shared.claude, tools_dir)
@@ -476,12 +468,7 @@ def embed_front(
     gateway: a second engine, started only for these tests."""
     logs = tmp_path_factory.mktemp("embed-logs")
     with start_grpc_server(vllm_model, logs, EMBED_OPTIONS) as engine:
-        model = ModelConfig(
-            EMBED_MODEL,
-            upstream="vllm-grpc",
-            tokenizer=str(vllm_model),
-            workers=(f"127.0.0.1:{engine.port}",),
-        )
+        model = grpc_model(EMBED_MODEL, engine, vllm_model)
         with front_over(server_loop, (model,), workers) as shared:
             yield shared.gateway, shared.sdk, engine
 
