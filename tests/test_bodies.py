@@ -79,3 +79,35 @@ def test_413_comes_before_the_body_is_read(gateway):
         reply = sock.recv(65536)
     assert reply.startswith(b"HTTP/1.1 413")
     assert b"request_too_large" in reply
+
+
+TEXT = [{"role": "user", "content": "x"}]
+UNHASHABLE_TYPES = [
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": []}]}]},
+        "messages[0].content[0]",
+    ),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": {}}]}]}, None),
+    ("/v1/responses", {"input": [{"type": [], "role": "user", "content": "x"}]}, "input[0].type"),
+    ("/v1/responses/input_tokens", {"input": [{"type": {}}]}, "input[0].type"),
+    ("/v1/conversations", {"items": [{"type": []}]}, "items[0].type"),
+    ("/v1/messages", {"max_tokens": 5, "messages": TEXT, "thinking": {"type": []}}, None),
+    ("/v1/messages/count_tokens", {"messages": TEXT, "thinking": {"type": {}}}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param"), UNHASHABLE_TYPES, ids=[route for route, _, _ in UNHASHABLE_TYPES]
+)
+def test_a_type_that_is_a_list_or_an_object_is_400(client, route, fields, param):
+    # looked up in a set or a dict of the known types, it had raised TypeError: a 500
+    body = {"model": "furnace-demo", **fields}
+    response = client.post(route, json=body, headers={"anthropic-version": "2023-06-01"})
+    assert response.status_code == 400, response.text
+    if route.startswith("/v1/messages"):  # Anthropic's shape
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "thinking.type" in error["message"]
+    elif param is not None:
+        assert response.json()["error"]["param"] == param
