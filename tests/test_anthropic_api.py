@@ -463,6 +463,33 @@ def test_tool_choice_any_tool_and_none(claude):
     assert [b.type for b in none.content] == ["text"] and none.stop_reason == "end_turn"
 
 
+@anthropic.beta_tool
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: the city
+    """
+    return "sunny and mild"
+
+
+def test_the_sdks_tool_runner_goes_on_without_a_thread(claude):
+    """The SDK's tool runner threads its turns by default (`thread`: server-held
+    conversation state, which the gateway does not hold); the refusal's
+    `thread_unsupported_request` code makes it send the whole conversation instead."""
+    runner = claude.beta.messages.tool_runner(
+        model=DEMO_MODEL, max_tokens=32, tools=[get_weather], messages=say("call get_weather")
+    )
+    first, second = list(runner)
+    assert first.stop_reason == "tool_use" and first.content[0].name == "get_weather"
+    assert second.stop_reason == "end_turn" and second.content[0].text == "sunny and mild"
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.beta.messages.thread(model=DEMO_MODEL, max_tokens=8).send(say("a")[0])
+    error = raised.value.body["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
+    assert error["type"] == "invalid_request_error" and "thread" in error["message"]
+
+
 class Forecast(pydantic.BaseModel):
     city: str
     days: int
@@ -1171,6 +1198,50 @@ def test_an_unknown_model_is_not_found_error(claude):
     with pytest.raises(anthropic.NotFoundError) as raised:
         claude.messages.create(model="no-such-model", max_tokens=4, messages=say("a"))
     assert raised.value.body["error"]["type"] == "not_found_error"
+
+
+def test_every_answer_carries_anthropics_request_id_header(claude):
+    """The SDK reads `request-id` (a message's `_request_id`, an error's `request_id`):
+    the gateway's own request id, as `x-request-id` says it."""
+    raw = claude.messages.with_raw_response.create(
+        model=DEMO_MODEL, max_tokens=4, messages=say("a")
+    )
+    assert raw.parse()._request_id == raw.headers["x-request-id"]
+    with claude.messages.stream(model=DEMO_MODEL, max_tokens=4, messages=say("b")) as stream:
+        assert stream.request_id == stream.response.headers["x-request-id"]
+        stream.until_done()
+    counted = claude.messages.count_tokens(model=DEMO_MODEL, messages=say("c"))
+    assert counted._request_id
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.messages.create(model="no-such-model", max_tokens=4, messages=say("a"))
+    assert raised.value.request_id == raised.value.response.headers["x-request-id"]
+
+
+def test_models_are_listed_and_retrieved_in_anthropics_shape(claude, gateway):
+    """`client.models.list()` / `retrieve()` send `anthropic-version`, and are answered
+    as Anthropic's Models API (pages by `limit`, `after_id`, `before_id`); the same
+    paths keep OpenAI's shape for a request without it."""
+    listed = claude.models.list()
+    ids = [model.id for model in listed.data]
+    assert DEMO_MODEL in ids and listed.has_more is False
+    assert (listed.first_id, listed.last_id) == (ids[0], ids[-1])
+    for model in listed.data:
+        assert model.type == "model" and model.display_name == model.id
+        assert model.lifecycle == "active" and model.created_at.year >= 2026
+    demo = claude.models.retrieve(DEMO_MODEL)
+    assert demo.id == DEMO_MODEL and demo.type == "model"
+    first = claude.models.list(limit=1)
+    assert len(first.data) == 1 and first.has_more is True
+    assert [model.id for model in claude.models.list(limit=1)] == ids  # the SDK's pages
+    assert [m.id for m in claude.models.list(before_id=ids[-1]).data] == ids[:-1]
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.models.retrieve("no-such-model")
+    assert raised.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.models.list(limit=0)
+    assert "limit" in refused.value.body["error"]["message"]
+    openai_shape = httpx.get(gateway.url + "/v1/models", timeout=HANG_GUARD).json()
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
 
 
 def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_error(

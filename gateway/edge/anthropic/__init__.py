@@ -9,5 +9,6 @@ mcp.py              the MCP connector: `mcp_servers`, their toolsets, the blocks
 encoding.py         the `message` object and Anthropic's named SSE events
 errors.py           Anthropic's error shape and status codes, by one table from ours
 count_tokens.py     /v1/messages/count_tokens, counted by the model's tokenizer
+models.py           /v1/models in Anthropic's shape, for a request with `anthropic-version`
 routes.py           the routes, in Anthropic's error shape
 """

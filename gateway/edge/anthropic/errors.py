@@ -10,8 +10,14 @@ status and error type. A full gateway or worker (503) is Anthropic's
 `AnthropicShape` applies it to whatever a route's stack refuses before the route
 runs (the key check's 401, the content type's 415, the Host's 421, the router's
 405 to another method), so a client of these routes never reads OpenAI's shape.
-Its cost on a served request: one check of the response's status (and, in front
-of the other routes, one set lookup of the path).
+It also gives every response the request's id as `request-id`, the header
+Anthropic's SDKs read (a message's `_request_id`, an error's `request_id`).
+Its cost on a served request: one check of the response's status and one look
+through its few headers (and, in front of the other routes, one set lookup of
+the path).
+
+A refusal whose OpenAI `code` is one of Anthropic's error codes that its SDK acts
+on (`DETAIL_CODES`) carries it as Anthropic's `details.error_code`.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ STATUS_TABLE: dict[int, tuple[int, str]] = {
 }
 
 
+#: Our refusals' codes that are Anthropic's `error.details.error_code`s, which its SDK
+#: reads: `thread_unsupported_request` makes its tool runner go on without a thread
+#: (sending the whole conversation each turn).
+DETAIL_CODES = frozenset({"thread_unsupported_request"})
+
+
 def translate(status: int) -> tuple[int, str]:
     """Anthropic's status and type for an edge status; others keep their status, as
     invalid_request_error (4xx) or api_error (5xx)."""
@@ -52,9 +64,13 @@ def sent_status(status: int) -> int:
     return translate(status)[0]
 
 
-def error_payload(status: int, message: str) -> dict[str, Any]:
-    """The error object Anthropic's clients parse (also a stream's `error` event)."""
-    return {"type": "error", "error": {"type": translate(status)[1], "message": message}}
+def error_payload(status: int, message: str, code: object = None) -> dict[str, Any]:
+    """The error object Anthropic's clients parse (also a stream's `error` event), with
+    `details` where `code` is one of `DETAIL_CODES`."""
+    error: dict[str, Any] = {"type": translate(status)[1], "message": message}
+    if code in DETAIL_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
 
 
 def _message(error: dict[str, Any]) -> str:
@@ -68,7 +84,7 @@ def _message(error: dict[str, Any]) -> str:
 
 def anthropic_body(error: APIError) -> bytes:
     """`error`'s body in Anthropic's shape."""
-    return orjson.dumps(error_payload(error.status, _message(error.fields())))
+    return orjson.dumps(error_payload(error.status, _message(error.fields()), error.code))
 
 
 class AnthropicShape:
@@ -90,9 +106,11 @@ class AnthropicShape:
 
         async def reshape(message: dict[str, Any]) -> None:
             nonlocal held
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held = message
-                return
+            if message["type"] == "http.response.start":
+                message = _with_request_id(message)
+                if message["status"] >= 400:
+                    held = message
+                    return
             if held is None:
                 await send(message)
                 return
@@ -100,7 +118,7 @@ class AnthropicShape:
             status = start["status"]
             try:
                 fields = orjson.loads(message.get("body", b""))["error"]
-                body = orjson.dumps(error_payload(status, _message(fields)))
+                body = orjson.dumps(error_payload(status, _message(fields), fields.get("code")))
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 body = orjson.dumps(error_payload(status, "The request was refused."))
             headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
@@ -109,3 +127,12 @@ class AnthropicShape:
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, reshape)
+
+
+def _with_request_id(start: dict[str, Any]) -> dict[str, Any]:
+    """A response's start with its `x-request-id` also as `request-id`, Anthropic's."""
+    headers = start.get("headers", ())
+    request_id = next((v for k, v in headers if k == b"x-request-id"), None)
+    if request_id is None or any(k == b"request-id" for k, _ in headers):
+        return start
+    return {**start, "headers": [*headers, (b"request-id", request_id)]}

@@ -86,7 +86,7 @@ from gateway.edge.anthropic.mcp import (
 )
 from gateway.edge.anthropic.mcp import USE as MCP_USE
 from gateway.edge.compacting import GoesOn, summary_message
-from gateway.edge.errors import invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.edge.mcp.servers import McpTool
 from gateway.edge.mcp.turns import McpPlan
 from gateway.edge.openai.schema_limits import SchemaBudget
@@ -973,6 +973,20 @@ def _context_management(
     return tuple(edited), ContextEdits(cleared, messages, tools, compacting)
 
 
+def _refuse_threads(body: Mapping[str, Any]) -> None:
+    """`thread` (Anthropic's server-held conversation state) is refused with Anthropic's
+    `thread_unsupported_request` code: its SDK's tool runner, which threads its turns by
+    default, then goes on without a thread, sending the whole conversation each turn."""
+    if body.get("thread") is not None:
+        raise APIError(
+            400,
+            "thread: Threads (server-held conversation state) are not supported by this "
+            "gateway: send the whole conversation without 'thread'.",
+            param="thread",
+            code="thread_unsupported_request",
+        )
+
+
 def _asks_nothing(body: Mapping[str, Any]) -> None:
     """`service_tier` is served at the values that ask nothing of a self-hosted model
     (no priority capacity); else a 400."""
@@ -990,6 +1004,7 @@ def _prompt(
     model = model_of(body)
     if not model:
         raise invalid("model", "Field required: 'model'.")
+    _refuse_threads(body)
     _refuse_unknown(body, known)
     _asks_nothing(body)
     # checked for both; its budget is the answer's (`parse_messages`), its turning

@@ -4,7 +4,8 @@ reports as `max_model_len` once a worker has told it; a LoRA adapter with its ba
 model as `parent`, as vLLM lists one). A model outside the
 caller's team is as missing as an unknown one; `resolve`, which turns the
 model a request names into its pool, is admission's visibility stage
-(gateway/admission/admit.py).
+(gateway/admission/admit.py). A request from Anthropic's clients (`anthropic-version`)
+is answered in Anthropic's shape (gateway/edge/anthropic/models.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.admit import Admission, resolve, usable
+from gateway.edge.anthropic import models as anthropic
 from gateway.edge.errors import APIError
 from gateway.edge.ops import json_response
 from gateway.fleet import ModelPool
@@ -47,8 +49,13 @@ def list_models(admission: Admission, created: int) -> Callable[[Request], Await
 
     async def endpoint(request: Request) -> Response:
         team = team_of(request.scope)
-        data = [_entry(pool, created) for pool in usable(admission.fleet, team)]
-        data += [_alias_entry(name, created) for name in admission.aliases_of(team)]
+        pools, aliases = usable(admission.fleet, team), admission.aliases_of(team)
+        if anthropic.VERSION_HEADER in request.headers:
+            infos = [anthropic.model_info(pool.name, created, pool) for pool in pools]
+            infos += [anthropic.model_info(name, created) for name in aliases]
+            return anthropic.page(infos, request.query_params)
+        data = [_entry(pool, created) for pool in pools]
+        data += [_alias_entry(name, created) for name in aliases]
         return json_response({"object": "list", "data": data})
 
     return endpoint
@@ -62,11 +69,20 @@ def one_model(admission: Admission, created: int) -> Callable[[Request], Awaitab
         name = request.path_params["model"]
         team = team_of(request.scope)
         pool = next((p for p in usable(admission.fleet, team) if p.name == name), None)
+        anthropics = anthropic.VERSION_HEADER in request.headers
         if pool is None and name in admission.aliases_of(team):
-            return json_response(_alias_entry(name, created))
+            alias = (
+                anthropic.model_info(name, created) if anthropics else _alias_entry(name, created)
+            )
+            return json_response(alias)
         if pool is None:
             message = f"The model `{name[:256]}` does not exist."
-            raise APIError(404, message, param="model", code="model_not_found")
+            error = APIError(404, message, param="model", code="model_not_found")
+            if anthropics:
+                return anthropic.refusal(error)
+            raise error
+        if anthropics:
+            return json_response(anthropic.model_info(pool.name, created, pool))
         return json_response(_entry(pool, created))
 
     return endpoint
