@@ -16,12 +16,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.config import Config, ModelConfig
+from tests.support.fronts import gateway_over, grpc_model, openai_at
 from tests.support.requests import user
-from tests.support.servers import Gateway, ServerLoop, start_gateway
+from tests.support.servers import Gateway, ServerLoop
 from tests.support.tiny_model import build_tiny_model
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
-from tests.support.waiting import HANG_GUARD
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -36,32 +35,22 @@ def metaspace_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_http(metaspace_model: Path) -> Iterator[VllmProcess]:
-    server = start_http_server(metaspace_model, metaspace_model, name=MODEL)
-    yield server
-    server.stop()
+    with start_http_server(metaspace_model, metaspace_model, name=MODEL) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def vllm_grpc(metaspace_model: Path) -> Iterator[VllmProcess]:
-    server = start_grpc_server(metaspace_model, metaspace_model)
-    yield server
-    server.stop()
+    with start_grpc_server(metaspace_model, metaspace_model) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def front(
     server_loop: ServerLoop, vllm_grpc: VllmProcess, metaspace_model: Path
 ) -> Iterator[Gateway]:
-    model = ModelConfig(
-        MODEL,
-        workers=(f"127.0.0.1:{vllm_grpc.port}",),
-        upstream="vllm-grpc",
-        tokenizer=str(metaspace_model),
-    )
-    config = Config(host="127.0.0.1", port=0, log_level="warning", models=(model,))
-    gw = start_gateway(server_loop, config)
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, (grpc_model(MODEL, vllm_grpc, metaspace_model),)) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +59,8 @@ def clients(
 ) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
     """The SDK through the gateway (vLLM's gRPC server) and straight to vLLM's server."""
     with (
-        openai.OpenAI(base_url=front.url + "/v1", api_key="x", timeout=HANG_GUARD) as through,
-        openai.OpenAI(
-            base_url=f"http://127.0.0.1:{vllm_http.port}/v1", api_key="x", timeout=HANG_GUARD
-        ) as direct,
+        openai_at(front.url + "/v1") as through,
+        openai_at(f"http://127.0.0.1:{vllm_http.port}/v1") as direct,
     ):
         yield through, direct
 

@@ -17,10 +17,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.config import Config, ModelConfig
+from gateway.config import ModelConfig
 from tests.support.conformance import vllm_metric
+from tests.support.fronts import gateway_over, grpc_model, openai_at
 from tests.support.requests import user
-from tests.support.servers import Gateway, assert_nothing_left, start_gateway
+from tests.support.servers import Gateway, assert_nothing_left
 from tests.support.streams import said
 from tests.support.tiny_model import THINKING, build_tiny_model
 from tests.support.vllm import VllmProcess, start_grpc_server, start_http_server
@@ -44,16 +45,14 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def thinker(thinking_model: Path) -> Iterator[VllmProcess]:
     extra = ("--reasoning-parser", "deepseek_r1")
-    server = start_http_server(thinking_model, thinking_model, name=MODEL, extra=extra)
-    yield server
-    server.stop()
+    with start_http_server(thinking_model, thinking_model, name=MODEL, extra=extra) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def thinker_grpc(thinking_model: Path) -> Iterator[VllmProcess]:
-    server = start_grpc_server(thinking_model, thinking_model)
-    yield server
-    server.stop()
+    with start_grpc_server(thinking_model, thinking_model) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +61,19 @@ def front(
 ) -> Iterator[Gateway]:
     url = f"http://127.0.0.1:{thinker.port}/v1"
     model = ModelConfig(MODEL, workers=(url,), upstream="openai")
-    parsed_here = ModelConfig(
-        GRPC_MODEL,
-        workers=(f"127.0.0.1:{thinker_grpc.port}",),
-        upstream="vllm-grpc",
-        tokenizer=str(thinking_model),
-        reasoning_parser="deepseek_r1",
+    parsed_here = grpc_model(
+        GRPC_MODEL, thinker_grpc, thinking_model, reasoning_parser="deepseek_r1"
     )
-    models = (model, parsed_here)
-    config = Config(host="127.0.0.1", port=0, log_level="warning", models=models)
-    gw = start_gateway(server_loop, config)
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, (model, parsed_here)) as gw:
+        yield gw
 
 
 @pytest.fixture
 def clients(front: Gateway, thinker: VllmProcess) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
     """The SDK through the gateway and straight to vLLM; after the test, nothing left."""
     with (
-        openai.OpenAI(base_url=front.url + "/v1", api_key="x", timeout=HANG_GUARD) as through,
-        openai.OpenAI(
-            base_url=f"http://127.0.0.1:{thinker.port}/v1", api_key="x", timeout=HANG_GUARD
-        ) as direct,
+        openai_at(front.url + "/v1") as through,
+        openai_at(f"http://127.0.0.1:{thinker.port}/v1") as direct,
     ):
         yield through, direct
     assert_nothing_left(front, None)
