@@ -29,21 +29,12 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.config import ModelConfig
-from gateway.worker.server import WorkerServer
 from gateway.worker.transformers_engine import TransformersEngine
+from tests.support.fronts import engines_front, nothing_left_after_each
 from tests.support.requests import user
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers
 from tests.support.surface import CLOCK, TOOLS, WEATHER, assert_valid, calls_of, text_of
 from tests.support.tiny_model import TOOLS_TEMPLATE, build_tiny_model
-from tests.support.waiting import HANG_GUARD, wait_until
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -89,29 +80,11 @@ def tiny(
         TransformersEngine(build_tiny_model(root / RANDOM), device="cpu"),
         TransformersEngine(build_tiny_model(root / ORDERED, ordered=True), device="cpu"),
     )
-    servers = [WorkerServer(engine) for engine in engines]
-    for server in servers:
-        server_loop.call(server.start())
-    models = tuple(ModelConfig(s.engine.model, workers=(s.address,)) for s in servers)
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    sdk = openai.OpenAI(
-        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-    yield Tiny(gw, engines, engines[0].tokenizer, sdk, engines[2])
-    sdk.close()
-    gw.stop()
-    for server in servers:
-        server_loop.call(server.stop())
-    for engine in engines:
-        engine.close()
+    with engines_front(server_loop, workers, engines) as front:
+        yield Tiny(front.gateway, engines, engines[0].tokenizer, front.sdk, engines[2])
 
 
-@pytest.fixture(autouse=True)
-def _nothing_left(tiny: Tiny) -> Iterator[None]:
-    yield
-    assert_nothing_left(tiny.gateway, None)
-    for engine in tiny.engines:
-        wait_until(lambda e=engine: e.running == 0, f"{engine.model} to be idle")
+_nothing_left = nothing_left_after_each("tiny")
 
 
 def test_models_say_what_they_serve(tiny: Tiny):

@@ -24,17 +24,10 @@ import openai
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.worker.server import WorkerServer
 from gateway.worker.transformers_engine import TransformersEngine
+from tests.support.fronts import engines_front, gateway_over, nothing_left_after_each
 from tests.support.processes import free_port, running, wait_listening
-from tests.support.servers import (
-    Gateway,
-    ServerLoop,
-    Workers,
-    assert_nothing_left,
-    make_config,
-    start_gateway,
-)
+from tests.support.servers import Gateway, ServerLoop, Workers, assert_nothing_left
 from tests.support.tiny_model import CONTEXT, FIRST, build_tiny_model
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -60,6 +53,11 @@ class Tiny:
     sdk: openai.OpenAI
     ordered_path: Path
 
+    @property
+    def engines(self) -> tuple[TransformersEngine, ...]:
+        """Both engines, for the check that none is left running."""
+        return (self.random, self.ordered)
+
 
 @pytest.fixture(scope="module")
 def tiny(
@@ -72,29 +70,11 @@ def tiny(
         TransformersEngine(random_path, device="cpu"),
         TransformersEngine(ordered_path, device="cpu"),
     )
-    servers = [WorkerServer(engine) for engine in engines]
-    for server in servers:
-        server_loop.call(server.start())
-    models = tuple(ModelConfig(s.engine.model, workers=(s.address,)) for s in servers)
-    gw = start_gateway(server_loop, make_config(workers, models=models))
-    sdk = openai.OpenAI(
-        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD
-    )
-    yield Tiny(gw, *engines, engines[0].tokenizer, sdk, ordered_path)
-    sdk.close()
-    gw.stop()
-    for server in servers:
-        server_loop.call(server.stop())
-    for engine in engines:
-        engine.close()
+    with engines_front(server_loop, workers, engines) as front:
+        yield Tiny(front.gateway, *engines, engines[0].tokenizer, front.sdk, ordered_path)
 
 
-@pytest.fixture(autouse=True)
-def _nothing_left(tiny: Tiny) -> Iterator[None]:
-    yield
-    assert_nothing_left(tiny.gateway, None)
-    for engine in (tiny.random, tiny.ordered):
-        wait_until(lambda e=engine: e.running == 0, f"{engine.model} to be idle")
+_nothing_left = nothing_left_after_each("tiny")
 
 
 def _chat_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
@@ -328,18 +308,17 @@ def test_cli_runs_the_transformers_worker(tiny: Tiny, server_loop: ServerLoop, w
     with running(*args, "--model", "cli-tiny", "--device", "cpu", "--port", str(port)) as process:
         wait_listening(port, process)
         model = ModelConfig("cli-tiny", workers=(f"127.0.0.1:{port}",))
-        gw = start_gateway(server_loop, make_config(workers, models=(model,)))
-        try:
-            reply = httpx.post(
-                gw.url + "/v1/completions",
-                json={"model": "cli-tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0},
-                timeout=HANG_GUARD,
-            ).json()
-            assert reply["choices"][0]["text"] == "aaaa"
-            assert reply["usage"]["prompt_tokens"] == len(tiny.tokenizer("hi").input_ids)
-        finally:
-            assert_nothing_left(gw, None)
-            gw.stop()
+        with gateway_over(server_loop, (model,), workers) as gw:
+            try:
+                reply = httpx.post(
+                    gw.url + "/v1/completions",
+                    json={"model": "cli-tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0},
+                    timeout=HANG_GUARD,
+                ).json()
+                assert reply["choices"][0]["text"] == "aaaa"
+                assert reply["usage"]["prompt_tokens"] == len(tiny.tokenizer("hi").input_ids)
+            finally:
+                assert_nothing_left(gw, None)
 
 
 def test_cli_refuses_a_tool_call_format_it_cannot_parse(tiny: Tiny):
