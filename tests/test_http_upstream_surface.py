@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.config import Config, ModelConfig
+from gateway.config import ModelConfig
 from gateway.protocol.types import (
     Finished,
     GenerateRequest,
@@ -37,9 +37,10 @@ from gateway.protocol.types import (
 from gateway.upstreams.openai_http import OpenAIHttpUpstream
 from tests.support.certs import CertificateAuthority
 from tests.support.conformance import vllm_metric
+from tests.support.fronts import gateway_over, openai_at
 from tests.support.openai_server import CACHED, OpenAIServer, embedding
 from tests.support.requests import user
-from tests.support.servers import Gateway, assert_nothing_left, start_gateway
+from tests.support.servers import Gateway, assert_nothing_left
 from tests.support.vllm import VllmProcess
 from tests.support.waiting import HANG_GUARD, wait_until
 
@@ -76,7 +77,7 @@ ANSWER = {
 
 
 def sdk(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=HANG_GUARD)
+    return openai_at(base_url, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +85,8 @@ def front(server_loop, vllm_http: VllmProcess) -> Iterator[Gateway]:
     """A gateway with vLLM's server as the model's only worker."""
     url = f"http://127.0.0.1:{vllm_http.port}/v1"
     model = ModelConfig(MODEL, workers=(url,), upstream="openai")
-    gw = start_gateway(
-        server_loop, Config(host="127.0.0.1", port=0, log_level="warning", models=(model,))
-    )
-    yield gw
-    gw.stop()
+    with gateway_over(server_loop, (model,)) as gw:
+        yield gw
 
 
 @pytest.fixture
