@@ -164,6 +164,10 @@ def test_score_one_against_many_and_pairwise(gateway):
         ("/v1/score", {"text_1": "a", "text_2": [{"text": "b"}]}, "text_2[0]"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
         ("/v1/score", {"text_1": "a", "text_2": "b", "instruction": "x"}, "instruction"),
+        # one text repeated: a result each, bounded as distinct ones are (the event loop
+        # had spent 1.5 s on 200,000 of one document)
+        ("/v1/rerank", {"query": "a", "documents": ["b"] * 2049}, "documents"),
+        ("/v1/score", {"text_1": "a", "text_2": ["b"] * 2049}, "text_2"),
     ],
 )
 def test_refusals_name_their_parameter(gateway, path, body, param):

@@ -15,12 +15,13 @@ returns them) → `results` by relevance, highest first, each with its `index` i
 many, or pairwise when both are lists of one length → `data`, a score a pair, in order.
 
 Each distinct text is embedded, and its tokens counted, once; at most `MAX_INPUTS` (2,048)
-distinct texts a request, none empty. The scores are computed in one pass a vector
-(`math.sumprod` where Python has it), on the event loop for up to 256 Ki floats of vectors,
-else in a thread (embeddings.py: 2,048 vectors of 1,024 floats took 0.36 s of Python 3.11).
-`user` goes to workers that list it, as on embeddings. vLLM's scoring options that change
-what is computed (`use_activation`, truncation, instructions and template kwargs,
-multimodal inputs) and `dimensions` are refused by name unless at their defaults.
+distinct texts a request, and as many on a side (repeats counted), none empty. The scores
+are computed in one pass a vector (`math.sumprod` where Python has it), on the event loop
+for up to 256 Ki floats of vectors, else in a thread (embeddings.py: 2,048 vectors of 1,024
+floats took 0.36 s of Python 3.11). `user` goes to workers that list it, as on embeddings.
+vLLM's scoring options that change what is computed (`use_activation`, truncation,
+instructions and template kwargs, multimodal inputs) and `dimensions` are refused by name
+unless at their defaults.
 
 A cross-encoder (`models[].scoring: cross-encoder`: a reranker served by vLLM with
 `--runner pooling`) scores each pair itself, reading both texts at once, which no pair of
@@ -101,10 +102,14 @@ def _text(value: Any, param: str, objects: bool = False) -> str:
 
 
 def _texts(value: Any, param: str, objects: bool = False) -> list[str]:
-    """A string or a non-empty list of them, as a list, or a 400 naming `param`."""
+    """A string or a non-empty list of them (at most `MAX_INPUTS`, repeats counted: each
+    gets its own result, 200,000 of one document had held the event loop for 1.5 s), as a
+    list, or a 400 naming `param`."""
     if isinstance(value, list):
         if not value:
             raise invalid(param, f"Invalid value for '{param}': an empty list.")
+        if len(value) > MAX_INPUTS:
+            raise invalid(param, f"Invalid value for '{param}': at most {MAX_INPUTS} texts.")
         return [_text(item, f"{param}[{i}]", objects) for i, item in enumerate(value)]
     return [_text(value, param, objects)]
 
