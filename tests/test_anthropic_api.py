@@ -490,6 +490,31 @@ def test_the_sdks_tool_runner_goes_on_without_a_thread(claude):
     assert error["type"] == "invalid_request_error" and "thread" in error["message"]
 
 
+def test_omitted_thinking_is_an_empty_signed_block_whole_and_streamed(claude):
+    """`thinking.display: "omitted"` as Anthropic's API answers it: the thinking block
+    is there, its `thinking` empty and its `signature` set (streamed: no thinking_delta,
+    its signature_delta), and it goes back with the next turn as any thinking block."""
+    asked: dict[str, Any] = {
+        "model": DEMO_MODEL,
+        "max_tokens": 16,
+        "messages": say("a b c"),
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "low"},  # the demo thinks
+    }
+    whole = claude.messages.create(**asked)
+    with claude.messages.stream(**asked) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert deltas[0] == "signature_delta" and "thinking_delta" not in deltas
+    for message in (whole, streamed):
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        thinking = message.content[0]
+        assert thinking.thinking == "" and thinking.signature  # type: ignore[union-attr]
+        assert message.content[1].text == "a b c"  # type: ignore[union-attr]
+    again = [*asked["messages"], {"role": "assistant", "content": whole.content}, *say("d e")]
+    assert claude.messages.create(**{**asked, "messages": again}).content[1].text == "d e"
+
+
 class Forecast(pydantic.BaseModel):
     city: str
     days: int

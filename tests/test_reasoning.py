@@ -256,14 +256,17 @@ def test_messages_thinking_budget_and_display(thinker):
     with anthropic_sdk(gw) as client:
         client.messages.create(**request, thinking={"type": "enabled", "budget_tokens": 2000})
         assert server.last_body["thinking_token_budget"] == 2000
-        for thinking, effort in (
-            ({"type": "disabled"}, "none"),  # turned off, as vLLM's Messages server does
-            ({"type": "adaptive", "display": "omitted"}, None),  # thought, left out
+        for thinking, effort, blocks in (
+            # turned off, as vLLM's Messages server does
+            ({"type": "disabled"}, "none", ["text"]),
+            # thought, its text left out of its block, as Anthropic's API answers it
+            ({"type": "adaptive", "display": "omitted"}, None, ["thinking", "text"]),
         ):
             hidden = client.messages.create(**request, thinking=thinking)  # type: ignore[arg-type]
             assert "thinking_token_budget" not in server.last_body
             assert server.last_body.get("reasoning_effort") == effort
-            assert [block.type for block in hidden.content] == ["text"]
+            assert [block.type for block in hidden.content] == blocks
+            assert all(getattr(b, "thinking", "") == "" for b in hidden.content)
             assert hidden.usage.output_tokens == len(THOUGHTS)
     with httpx.Client(base_url=gw.url, timeout=HANG_GUARD) as http:
         for thinking, param in [

@@ -229,8 +229,11 @@ def test_the_demo_s_thought_is_a_thinking_block_in_messages(gateway):
         assert message.usage.output_tokens == 9
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
     assert deltas[:5] == ["thinking_delta"] * 4 + ["signature_delta"]
-    # thought, and left out of the answer: its tokens are still the answer's
-    assert [block.type for block in hidden.content] == ["text"]
+    # thought, its text left out of its block (as Anthropic's API answers `omitted`, the
+    # block and its signature kept to be sent back): its tokens are still the answer's
+    assert [block.type for block in hidden.content] == ["thinking", "text"]
+    omitted = hidden.content[0]
+    assert omitted.thinking == "" and omitted.signature  # type: ignore[union-attr]
     assert hidden.usage.output_tokens == 9
     # turned off: no thought at all
     assert [block.type for block in disabled.content] == ["text"]

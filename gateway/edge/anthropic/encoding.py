@@ -110,6 +110,9 @@ class MessagesEncoder(Encoder):
         self.input_tokens = 0
         self.cached_tokens = 0  # of the input's, as `Started` said them (message_start)
         self.show_reasoning = reasoning  # False: thinking left out (`thinking` disabled)
+        #: `thinking.display: "omitted"`: each thinking block without its text, as
+        #: Anthropic's API answers it (its signature kept for the client to send back).
+        self.omit_thinking = False
         self.reasoning_tokens = 0
         # streams: whether message_start went out, the open block's index and kind
         self._started = False
@@ -230,6 +233,8 @@ class MessagesEncoder(Encoder):
                     continue
                 if self._open != "thinking":
                     out.append(self._open_block("thinking", {"type": "thinking", "thinking": ""}))
+                if self.omit_thinking:  # the block and its signature_delta only
+                    continue
                 delta = {"type": "thinking_delta", "thinking": item.text}
                 payload = {"type": "content_block_delta", "index": self._index, "delta": delta}
                 out.append(event("content_block_delta", payload))
@@ -320,7 +325,8 @@ class MessagesEncoder(Encoder):
                     continue
                 if not blocks or blocks[-1][0] != "thinking":
                     blocks.append(["thinking"])
-                blocks[-1].append(item.text)
+                if not self.omit_thinking:
+                    blocks[-1].append(item.text)
             elif isinstance(item, ToolCallDelta):
                 call = self._calls.get(item.call_index)
                 if call is None:

@@ -119,6 +119,9 @@ class MessagesRoute(GenerationRoute):
         if isinstance(parsed, MessagesRequest) and parsed.edits is not None:
             assert isinstance(encoder, MessagesEncoder)
             encoder.applied = parsed.applied
+        if isinstance(parsed, MessagesRequest) and parsed.thinking_omitted:
+            assert isinstance(encoder, MessagesEncoder)
+            encoder.omit_thinking = True
         return encoder
 
 

@@ -13,8 +13,9 @@ Served: `system` (a string or text blocks), `messages`, `max_tokens` (required),
 `tool_choice` (`auto`, `any`, `tool`, `none`, with `disable_parallel_tool_use`),
 `stream`, `thinking` (as vLLM's own Messages server reads it: `enabled` with
 `budget_tokens`, vLLM's `thinking_token_budget`; `adaptive`; `disabled`, vLLM's effort
-"none" where the workers take one; it and `display: "omitted"` leave a reasoning model's
-thinking out of the answer), `output_config` (`format`, a JSON schema the answer
+"none" where the workers take one, leaves a reasoning model's thinking out of the
+answer; `display: "omitted"` leaves its text out of each thinking block, as Anthropic's
+API does), `output_config` (`format`, a JSON schema the answer
 follows: chat's `response_format`; `effort`, vLLM's `reasoning_effort`, as vLLM's own
 Messages server reads both), `service_tier` `auto` or `standard_only` (what asks
 nothing), and `context_management` (Anthropic's context editing, which Claude Code
@@ -754,8 +755,8 @@ _DISPLAYS = ("summarized", "omitted")
 
 def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool, bool]:
     """`thinking`, as vLLM's own Messages server reads it: the budget of `enabled`
-    (vLLM's `thinking_token_budget`), whether thinking is shown (not when `disabled` or
-    its `display` is "omitted"), and whether it is turned off (`disabled`)."""
+    (vLLM's `thinking_token_budget`), whether thinking is shown (not when `disabled`),
+    and whether it is turned off (`disabled`). Its `display: "omitted"`: `_omitted`."""
     thinking = body.get("thinking")
     if thinking is None:
         return None, True, False
@@ -774,7 +775,15 @@ def _thinking(body: Mapping[str, Any]) -> tuple[int | None, bool, bool]:
                 "thinking.budget_tokens",
                 "thinking.budget_tokens: an integer of at least 1024 is required.",
             )
-    return budget, kind != "disabled" and display != "omitted", kind == "disabled"
+    return budget, kind != "disabled", kind == "disabled"
+
+
+def _omitted(body: Mapping[str, Any]) -> bool:
+    """Whether `thinking.display` is "omitted": as Anthropic's API answers it, each
+    thinking block is there with its `signature` and an empty `thinking` (the client
+    sends it back for the conversation to go on), its tokens still counted."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, Mapping) and thinking.get("display") == "omitted"
 
 
 #: `output_config.effort` values: Anthropic's, each one of vLLM's reasoning efforts.
@@ -1073,7 +1082,8 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
             "A final assistant message (a prefill) is not supported by this gateway with "
             "compaction or the MCP connector's servers.",
         )
-    if edits is None and not mcp.servers and compaction is None:
+    omitted = _omitted(body)
+    if edits is None and not mcp.servers and compaction is None and not omitted:
         return ParsedRequest(model, request, stream, False, show_reasoning=shown)
     return MessagesRequest(
         model,
@@ -1084,6 +1094,7 @@ def parse_messages(body: Any, request_id: str = "") -> ParsedRequest:
         edits=edits,
         mcp=mcp,
         compaction=compaction,
+        thinking_omitted=omitted,
     )
 
 
@@ -1145,6 +1156,8 @@ class MessagesRequest(ParsedRequest):
     plan: McpPlan | None = None
     #: The compaction it asks (compaction.py; None: none).
     compaction: Compaction | None = None
+    #: `thinking.display: "omitted"`: its thinking blocks empty (`_omitted`).
+    thinking_omitted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
