@@ -48,9 +48,10 @@ def test_too_many_headers(gateway_with):
         assert client.get("/health", headers={f"x-h{i}": "v" for i in range(50)}).is_success
 
 
-def test_a_chunked_bodys_framing_is_bounded_as_a_head_is(gateway_with):
+def test_a_chunked_bodys_framing_is_bounded_as_a_head_is(gateway_with, caplog):
     # httptools gathers a trailer field's value by concatenation: one endless field had
     # grown the process by hundreds of megabytes and held the event loop for seconds a read
+    caplog.set_level(logging.INFO, logger="furnace.access")
     gw = gateway_with(max_header_bytes=4096, body_timeout=5)
     body = b'{"prompt": "a b"}'
     head = (
@@ -58,7 +59,8 @@ def test_a_chunked_bodys_framing_is_bounded_as_a_head_is(gateway_with):
         b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
     )
     with connect(gw.url) as sock:
-        sock.sendall(head + b"%x\r\n%s\r\n0\r\nx-trailer: " % (len(body), body))
+        framed = b"%x\r\n%s\r\n0\r\nx-trailer: " % (len(body), body)
+        sock.sendall(head.replace(b"\r\n\r\n", b"\r\nx-request-id: framing-1\r\n\r\n") + framed)
         try:
             for _ in range(64):  # 1 MiB, unless the gateway answers first
                 sock.sendall(b"a" * 16384)
@@ -69,6 +71,9 @@ def test_a_chunked_bodys_framing_is_bounded_as_a_head_is(gateway_with):
     assert (status, error["code"]) == (431, "request_headers_too_large")
     bodies = gw.state.admission.bodies
     wait_until(lambda: bodies.in_flight == 0, "the refused body's bytes given back")
+    wait_until(lambda: access_lines(caplog), "the request's access-log line")
+    [line] = access_lines(caplog)
+    assert (line["request_id"], line["status"]) == ("framing-1", 431)  # what the client got
     # within the bound: trailers read (and dropped), chunk extensions, a body in chunks
     # of a byte (framing far past the bound in all, but each piece with its body bytes)
     spaced = b" " * 8000 + body

@@ -29,6 +29,9 @@ WRITE_NOW_EXTENSION = "furnace.write_now"
 #: the protocol answers the 408 itself, and the route, which reads a disconnect, records
 #: the request as that 408 (its access-log line, its metrics).
 BODY_TIMEOUT_EXTENSION = "furnace.body_timeout"
+#: ... and, once the protocol refused a body as it came (its chunk framing past the head's
+#: bound, bytes that are not HTTP), the `APIError` it answered, recorded so as well.
+BODY_REFUSED_EXTENSION = "furnace.body_refused"
 
 
 async def send_json(

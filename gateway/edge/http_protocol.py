@@ -105,6 +105,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.edge.anthropic.errors import anthropic_body
 from gateway.edge.asgi import (
     ABORT_EXTENSION,
+    BODY_REFUSED_EXTENSION,
     BODY_TIMEOUT_EXTENSION,
     LOST_EXTENSION,
     WRITE_NOW_EXTENSION,
@@ -620,12 +621,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _refuse_request(self, error: APIError) -> None:
         """Refuses the request being read (its head, or its body's framing): `_refuse`, or
         only the close while another response is on the wire. A route waiting on the
-        body sees a disconnect."""
+        body sees a disconnect, and records `error` (`BODY_REFUSED_EXTENSION`)."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             if self._phase == _HEAD or cycle.response_started or self.pipeline:
                 self.transport.close()  # the answer would land inside another one
                 return
+            cast(dict[str, Any], cycle.scope)["extensions"][BODY_REFUSED_EXTENSION] = error
             cycle.disconnected = True
             cycle.message_event.set()
         self._refuse(error)

@@ -13,12 +13,12 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from itertools import compress
 from operator import eq, itemgetter
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from gateway.admission.bodies import BodyMeter
-from gateway.edge.asgi import BODY_TIMEOUT_EXTENSION, Receive, Scope
+from gateway.edge.asgi import BODY_REFUSED_EXTENSION, BODY_TIMEOUT_EXTENSION, Receive, Scope
 from gateway.edge.errors import APIError, invalid, request_timeout
 
 _name, _value = itemgetter(0), itemgetter(1)
@@ -104,9 +104,14 @@ async def read_body(
 
 
 def _gone(scope: Scope) -> APIError:
-    """The refusal of a body that stopped coming: its deadline's 408, which the edge's
-    protocol has sent (`BODY_TIMEOUT_EXTENSION`), or a client gone."""
-    seconds = scope.get("extensions", {}).get(BODY_TIMEOUT_EXTENSION)
+    """The refusal of a body that stopped coming: its deadline's 408, or another refusal,
+    which the edge's protocol has sent (`BODY_TIMEOUT_EXTENSION`, `BODY_REFUSED_EXTENSION`),
+    or a client gone."""
+    extensions = scope.get("extensions", {})
+    seconds = extensions.get(BODY_TIMEOUT_EXTENSION)
     if seconds is not None:
         return request_timeout("body", seconds)
+    refused = extensions.get(BODY_REFUSED_EXTENSION)
+    if refused is not None:
+        return cast(APIError, refused)
     return APIError(400, "The client closed the connection before sending the body.")
