@@ -536,6 +536,32 @@ def test_output_config_format_answers_json_that_follows_the_schema(claude):
     assert json.loads(streamed.content[0].text) == {"n": 0}  # type: ignore[union-attr]
 
 
+def test_the_structured_outputs_betas_output_format_is_output_config_format(claude):
+    """Older SDKs' `beta.messages.parse` (the `structured-outputs-2025-11-13` beta) send
+    the schema as a top-level `output_format`, which Anthropic's API still takes."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    legacy = {"type": "json_schema", "schema": schema}
+    asked: dict[str, Any] = {
+        "model": DEMO_MODEL,
+        "max_tokens": 32,
+        "messages": say("a number please"),
+        "betas": ["structured-outputs-2025-11-13"],
+    }
+    answer = claude.beta.messages.create(**asked, extra_body={"output_format": legacy})
+    assert json.loads(answer.content[0].text) == {"n": 0}  # type: ignore[union-attr]
+    counted = claude.messages.count_tokens(
+        model=DEMO_MODEL, messages=say("a"), extra_body={"output_format": legacy}
+    )
+    assert counted.input_tokens > 0
+    both = {"output_format": legacy, "output_config": {"format": legacy}}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.beta.messages.create(**asked, extra_body=both)
+    assert raised.value.body["error"]["message"].startswith("output_format:")
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.beta.messages.create(**asked, extra_body={"output_format": {"type": "json"}})
+    assert raised.value.body["error"]["message"].startswith("output_format.type:")
+
+
 @pytest.mark.parametrize(
     ("output_config", "named"),
     [

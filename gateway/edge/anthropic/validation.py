@@ -135,6 +135,7 @@ MESSAGE_FIELDS = frozenset(
         "cache_control",
         "thinking",
         "output_config",
+        "output_format",
         "service_tier",
         "context_management",
         "compaction",
@@ -153,6 +154,7 @@ COUNT_FIELDS = frozenset(
         "cache_control",
         "thinking",
         "output_config",
+        "output_format",
         "context_management",
         "compaction",
         "mcp_servers",
@@ -797,28 +799,36 @@ def _output_config(
 ) -> tuple[ResponseFormat | None, str]:
     """`output_config`, as vLLM's own Messages server reads it: its `format` (a JSON
     schema the answer follows, which Anthropic guarantees: strict) and its `effort`
-    (vLLM's `reasoning_effort`; "": not given)."""
+    (vLLM's `reasoning_effort`; "": not given). The top-level `output_format` (the
+    structured-outputs beta's, which Anthropic's API still takes and older SDKs'
+    `parse` send) is the same `format`; both at once is a 400."""
     config = body.get("output_config")
-    if config is None:
+    legacy = body.get("output_format")
+    if config is None and legacy is None:
         return None, ""
-    if not isinstance(config, Mapping):
+    if config is not None and not isinstance(config, Mapping):
         raise invalid("output_config", "output_config: expected an object.")
+    config = config or {}
     _refuse_unknown(config, _OUTPUT_CONFIG, "output_config.")
     effort = _string(config, "effort", "output_config.") or ""
     if effort and effort not in EFFORTS:
         raise invalid("output_config.effort", f"output_config.effort: one of {', '.join(EFFORTS)}.")
-    spec = config.get("format")
+    spec, where = config.get("format"), "output_config.format"
+    if legacy is not None:
+        if spec is not None:
+            raise invalid(
+                "output_format", "output_format: give output_config.format or output_format."
+            )
+        spec, where = legacy, "output_format"
     if spec is None:
         return None, effort
     if not isinstance(spec, Mapping) or spec.get("type") != "json_schema":
-        raise invalid("output_config.format.type", "output_config.format.type: 'json_schema'.")
-    _refuse_unknown(spec, _FORMAT, "output_config.format.")
+        raise invalid(f"{where}.type", f"{where}.type: 'json_schema'.")
+    _refuse_unknown(spec, _FORMAT, f"{where}.")
     schema = spec.get("schema")
     if not isinstance(schema, Mapping):
-        raise invalid(
-            "output_config.format.schema", "output_config.format.schema: an object is required."
-        )
-    schemas.check(schema, "output_config.format.schema")
+        raise invalid(f"{where}.schema", f"{where}.schema: an object is required.")
+    schemas.check(schema, f"{where}.schema")
     text = orjson.dumps(schema).decode()
     return ResponseFormat("json_schema", text, "json_schema", strict=True), effort
 
