@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +58,12 @@ def servers(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory, events_port: int
 ) -> Iterator[tuple[VllmProcess, VllmProcess]]:
     """The prefill server, publishing its KV events on `events_port`, and the decode server."""
-    started: list[VllmProcess] = []
-    try:
+    with ExitStack() as stack:  # each stopped, the last started first
+        started: list[VllmProcess] = []
         for role, events in (("kv_producer", kv_events_args(events_port)), ("kv_consumer", ())):
             logs = tmp_path_factory.mktemp(f"vllm-{role}")
-            started.append(_nixl_server(vllm_model, logs, role, events))
+            started.append(stack.enter_context(_nixl_server(vllm_model, logs, role, events)))
         yield started[0], started[1]
-    finally:
-        for server in reversed(started):
-            server.stop()
 
 
 def _url(server: VllmProcess) -> str:

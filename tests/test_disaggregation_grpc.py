@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import openai
@@ -46,17 +47,15 @@ def servers(
     vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmProcess, VllmProcess]]:
     """The prefill server and the decode server."""
-    started: list[VllmProcess] = []
-    try:
+    with ExitStack() as stack:  # each stopped, the last started first
+        started: list[VllmProcess] = []
         for role in ("kv_producer", "kv_consumer"):
             extra, env = nixl_args(role)
             logs = tmp_path_factory.mktemp(f"vllm-grpc-{role}")
             events = kv_events_args() if role == "kv_producer" else ()
-            started.append(start_grpc_server(vllm_model, logs, (*extra, *events), env))
+            server = start_grpc_server(vllm_model, logs, (*extra, *events), env)
+            started.append(stack.enter_context(server))
         yield started[0], started[1]
-    finally:
-        for server in reversed(started):
-            server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ refused. After each test nothing is left in the gateway.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,16 @@ def servers(
     embedding model (vLLM's pooling runner), and its OpenAI server serving a classifier."""
     logs = tmp_path_factory.mktemp("vllm-pooling-chat-logs")
     classifier = build_classifier(tmp_path_factory.mktemp("tiny-classifier"), labels=2)
-    started: list[VllmProcess] = []
-    try:
-        started.append(
-            start_lean_http_server(vllm_model, logs, EMBED_MODEL, MAX_MODEL_LEN, EMBED_OPTIONS)
+    with ExitStack() as stack:  # each stopped, the last started first
+        yield (
+            stack.enter_context(
+                start_lean_http_server(vllm_model, logs, EMBED_MODEL, MAX_MODEL_LEN, EMBED_OPTIONS)
+            ),
+            stack.enter_context(start_grpc_server(vllm_model, logs, EMBED_OPTIONS)),
+            stack.enter_context(
+                start_lean_http_server(classifier, logs, CLASSIFIER, MAX_MODEL_LEN, POOLING)
+            ),
         )
-        started.append(start_grpc_server(vllm_model, logs, EMBED_OPTIONS))
-        started.append(start_lean_http_server(classifier, logs, CLASSIFIER, MAX_MODEL_LEN, POOLING))
-        yield started[0], started[1], started[2]
-    finally:
-        for server in reversed(started):
-            server.stop()
 
 
 @pytest.fixture(scope="module")
