@@ -473,14 +473,20 @@ def get_weather(city: str) -> str:
     return "sunny and mild"
 
 
-def test_the_sdks_tool_runner_goes_on_without_a_thread(claude):
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_sdks_tool_runner_goes_on_without_a_thread(claude, stream):
     """The SDK's tool runner threads its turns by default (`thread`: server-held
     conversation state, which the gateway does not hold); the refusal's
     `thread_unsupported_request` code makes it send the whole conversation instead."""
-    runner = claude.beta.messages.tool_runner(
-        model=DEMO_MODEL, max_tokens=32, tools=[get_weather], messages=say("call get_weather")
-    )
-    first, second = list(runner)
+    asked: dict[str, Any] = {"model": DEMO_MODEL, "max_tokens": 32, "tools": [get_weather]}
+    if stream:
+        streams = claude.beta.messages.tool_runner(
+            **asked, messages=say("call get_weather"), stream=True
+        )
+        first, second = [events.get_final_message() for events in streams]
+    else:
+        runner = claude.beta.messages.tool_runner(**asked, messages=say("call get_weather"))
+        first, second = list(runner)
     assert first.stop_reason == "tool_use" and first.content[0].name == "get_weather"
     assert second.stop_reason == "end_turn" and second.content[0].text == "sunny and mild"
     with pytest.raises(anthropic.BadRequestError) as raised:
@@ -1312,6 +1318,9 @@ def test_keys_in_x_api_key_or_authorization_and_a_wrong_one_is_authentication_er
     assert raised.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
         sdk(gw.url, "sk-wrong").messages.count_tokens(model=DEMO_MODEL, messages=say("a"))
+    with pytest.raises(anthropic.AuthenticationError) as raised:
+        sdk(gw.url, "sk-wrong").models.list()  # the path OpenAI's clients share
+    assert raised.value.body["error"]["type"] == "authentication_error"
 
 
 def test_a_team_over_its_limit_gets_rate_limit_error(gateway_with, sdk):

@@ -211,6 +211,6 @@ def create_app(
         hot_checked[path] = AnthropicShape(hot_checked[path])
     # Starlette's types say MutableMapping where ours say dict
     # the router's refusals on Anthropic's paths and below (a GET: 405; /v1/messages/batches:
-    # 404) in Anthropic's shape too
-    others = AnthropicShape(checked(cast(ASGIApp, rest)), MESSAGES)
+    # 404) in Anthropic's shape too, and /v1/models' to Anthropic's clients (anthropic-version)
+    others = AnthropicShape(checked(cast(ASGIApp, rest)), MESSAGES, versioned=("/v1/models",))
     return ExactRoutes(others, hot_checked, rest.routes)

@@ -44,6 +44,8 @@ STATUS_TABLE: dict[int, tuple[int, str]] = {
 }
 
 
+#: The header Anthropic's SDKs send on every call (and OpenAI's never do).
+VERSION_HEADER = b"anthropic-version"
 #: Our refusals' codes that are Anthropic's `error.details.error_code`s, which its SDK
 #: reads: `thread_unsupported_request` makes its tool runner go on without a thread
 #: (sending the whole conversation each turn).
@@ -91,15 +93,27 @@ class AnthropicShape:
     """Turns the OpenAI-shaped error responses of the app it wraps into Anthropic's
     (status and body); anything else passes as is. With `root`, only the requests to
     that path and below it (Anthropic's API: a 404 for `/v1/messages/batches`, which
-    its SDK calls, in its shape); the rest of the app keeps OpenAI's shape."""
+    its SDK calls, in its shape), and those to a `versioned` path and below it that
+    send `anthropic-version` (`/v1/models`, which both APIs share: the key check's 401
+    to Anthropic's SDK); the rest of the app keeps OpenAI's shape."""
 
-    def __init__(self, app: ASGIApp, root: str | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, root: str | None = None, versioned: tuple[str, ...] = ()
+    ) -> None:
         self.app = app
         self.root = root
+        self.versioned = versioned
+
+    def _reshapes(self, scope: Scope) -> bool:
+        root, path = self.root, scope.get("path", "")
+        if root is None or _under(path, root):
+            return True
+        if not any(_under(path, shared) for shared in self.versioned):
+            return False
+        return any(key == VERSION_HEADER for key, _ in scope.get("headers", ()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        root, path = self.root, scope.get("path", "")
-        if root is not None and path != root and not path.startswith(root + "/"):
+        if not self._reshapes(scope):
             await self.app(scope, receive, send)
             return
         held: dict[str, Any] | None = None
@@ -127,6 +141,10 @@ class AnthropicShape:
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, reshape)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
 
 
 def _with_request_id(start: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ A model is `{"type": "model", "id", "display_name", "created_at", ...}` (the
 name as its display name, the gateway's start as its time, RFC 3339, and its
 context as `max_input_tokens` once a worker has told it, its `max_tokens_limit`
 as `max_tokens`), a page is `{"data", "has_more", "first_id", "last_id"}` with
-Anthropic's `limit`, `after_id` and `before_id`, and a missing model is
-Anthropic's `not_found_error`.
+Anthropic's `limit`, `after_id` and `before_id` (a refusal raised here is put in
+Anthropic's shape by `errors.AnthropicShape`, as the key check's is).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gateway.edge.anthropic.errors import anthropic_body
-from gateway.edge.errors import APIError, invalid
+from gateway.edge.errors import invalid
 from gateway.fleet import ModelPool
 
 #: The header that marks a request from Anthropic's clients.
@@ -48,11 +47,8 @@ def model_info(name: str, created: int, pool: ModelPool | None = None) -> dict[s
 
 
 def page(models: Sequence[dict[str, Any]], query: Mapping[str, str]) -> Response:
-    """A page of `models` as Anthropic lists them, or its 400 naming the parameter."""
-    try:
-        chosen, has_more = _window(models, query)
-    except APIError as error:
-        return refusal(error)
+    """A page of `models` as Anthropic lists them (else a 400 naming the parameter)."""
+    chosen, has_more = _window(models, query)
     body = {
         "data": chosen,
         "has_more": has_more,
@@ -81,8 +77,3 @@ def _window(
         return list(models[max(0, end - limit) : end]), end - limit > 0
     start = 0 if after is None else ids.index(after) + 1
     return list(models[start : start + limit]), start + limit < len(models)
-
-
-def refusal(error: APIError) -> Response:
-    """`error` in Anthropic's shape and status."""
-    return Response(anthropic_body(error), error.status, media_type="application/json")

@@ -77,10 +77,7 @@ def one_model(admission: Admission, created: int) -> Callable[[Request], Awaitab
             return json_response(alias)
         if pool is None:
             message = f"The model `{name[:256]}` does not exist."
-            error = APIError(404, message, param="model", code="model_not_found")
-            if anthropics:
-                return anthropic.refusal(error)
-            raise error
+            raise APIError(404, message, param="model", code="model_not_found")
         if anthropics:
             return json_response(anthropic.model_info(pool.name, created, pool))
         return json_response(_entry(pool, created))
