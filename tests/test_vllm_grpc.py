@@ -100,29 +100,35 @@ def test_chat_and_completions_answer_with_usage(http):
     assert completion["usage"]["prompt_tokens"] > 0
 
 
+def vllms_own(engine: Any, vllm_model: Path, prompt: str, max_tokens: int) -> tuple[int, int, str]:
+    """vLLM's own greedy answer to the ids of `prompt` (a rendered chat), asked directly:
+    the prompt's tokens, the answer's, and its text by the model's tokenizer."""
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
+    request = pb.GenerateRequest(
+        request_id="direct-decode",
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(
+            temperature=0, max_tokens=max_tokens, stop_token_ids=list(info.eos_token_ids)
+        ),
+        stream=False,
+    )
+    (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
+    text = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
+    return len(ids), reply.complete.completion_tokens, text
+
+
 def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine, vllm_model: Path):
     whole = chat(http, "hello from the fleet", max_tokens=40)
     text, events = streamed_chat(http, "hello from the fleet", max_tokens=40)
     assert text == whole["choices"][0]["message"]["content"]
     assert events[-1]["usage"] == whole["usage"]
     # vLLM's own answer for the same ids, decoded by the model's tokenizer
-    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
     prompt = "<|user|>hello from the fleet<|end|><|assistant|>"
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    assert len(ids) == whole["usage"]["prompt_tokens"]
-    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
-    request = pb.GenerateRequest(
-        request_id="direct-decode",
-        tokenized=pb.TokenizedInput(input_ids=ids),
-        sampling_params=pb.SamplingParams(
-            temperature=0, max_tokens=40, stop_token_ids=list(info.eos_token_ids)
-        ),
-        stream=False,
-    )
-    (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
-    assert reply.complete.completion_tokens == whole["usage"]["completion_tokens"]
-    own = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
-    assert own == text
+    own = vllms_own(engine, vllm_model, prompt, 40)
+    usage = whole["usage"]
+    assert own == (usage["prompt_tokens"], usage["completion_tokens"], text)
 
 
 def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, vllm_model: Path):
@@ -130,22 +136,10 @@ def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, v
     the last message's text, and the answer is the engine's for those ids."""
     messages = [*user("hello from the fleet"), {"role": "assistant", "content": "It is"}]
     whole = chat(http, "", messages=messages, max_tokens=16, continue_final_message=True)
-    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
     prompt = "<|user|>hello from the fleet<|end|><|assistant|>It is"
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    assert whole["usage"]["prompt_tokens"] == len(ids)
-    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
-    request = pb.GenerateRequest(
-        request_id="direct-prefill",
-        tokenized=pb.TokenizedInput(input_ids=ids),
-        sampling_params=pb.SamplingParams(
-            temperature=0, max_tokens=16, stop_token_ids=list(info.eos_token_ids)
-        ),
-        stream=False,
-    )
-    (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
-    own = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
-    assert whole["choices"][0]["message"]["content"] == own
+    own = vllms_own(engine, vllm_model, prompt, 16)
+    usage, text = whole["usage"], whole["choices"][0]["message"]["content"]
+    assert own == (usage["prompt_tokens"], usage["completion_tokens"], text)
 
 
 def test_a_prompt_asked_again_reports_what_vllms_prefix_cache_held(http):
