@@ -403,3 +403,32 @@ def test_answers_past_what_memory_keeps_of_a_team_are_errors_and_deleting_frees_
         api.files.delete(done.input_file_id)
         api.files.delete(done.output_file_id)
         assert api.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch").id
+
+
+def test_every_answer_has_its_request_id_and_an_ended_batchs_cancel_is_not_retried(gateway):
+    """The Batch API's routes answer with `x-request-id` (the client's, or a new one), as
+    the SDK shows it; cancelling an ended batch is a 409 that says `x-should-retry:
+    false`, so the SDK (which retries a 409) asks once."""
+    with openai_sdk(gateway.url) as api:
+        uploaded = api.files.create(file=("in.jsonl", _jsonl([_chat("a", "hi")])), purpose="batch")
+        assert uploaded._request_id
+        batch = api.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch._request_id and batch._request_id != uploaded._request_id
+        _until(api, batch.id, "completed")
+        raw = api.with_options(max_retries=2).batches.with_raw_response.retrieve(
+            batch.id, extra_headers={"x-request-id": "mine-1"}
+        )
+        assert raw.headers["x-request-id"] == "mine-1"
+    sent: list[str] = []
+    counting = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.url.path)]})
+    with (
+        counting,
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", http_client=counting) as sdk,
+        pytest.raises(openai.ConflictError) as raised,
+    ):
+        sdk.with_options(max_retries=2).batches.cancel(batch.id)
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert raised.value.request_id
+    assert sent == [f"/v1/batches/{batch.id}/cancel"]

@@ -37,7 +37,14 @@ from gateway.edge.batches.routes import ENDPOINTS, batch_routes
 from gateway.edge.batches.runner import BatchRunner
 from gateway.edge.errors import APIError, internal_error
 from gateway.edge.kserve.routes import KServeRoutes
-from gateway.edge.middleware import ExactRoutes, HostCheck, JsonOnly, KeyGate, is_loopback
+from gateway.edge.middleware import (
+    ExactRoutes,
+    HostCheck,
+    JsonOnly,
+    KeyGate,
+    RequestIds,
+    is_loopback,
+)
 from gateway.edge.openai.audio import TRANSCRIPTIONS, TRANSLATIONS, AudioRoute
 from gateway.edge.openai.classify import CLASSIFY_PATHS, ClassifyRoute
 from gateway.edge.openai.embeddings import EmbeddingsRoute
@@ -212,5 +219,7 @@ def create_app(
     # Starlette's types say MutableMapping where ours say dict
     # the router's refusals on Anthropic's paths and below (a GET: 405; /v1/messages/batches:
     # 404) in Anthropic's shape too, and /v1/models' to Anthropic's clients (anthropic-version)
-    others = AnthropicShape(checked(cast(ASGIApp, rest)), MESSAGES, versioned=("/v1/models",))
+    others = AnthropicShape(
+        RequestIds(checked(cast(ASGIApp, rest))), MESSAGES, versioned=("/v1/models",)
+    )
     return ExactRoutes(others, hot_checked, rest.routes)

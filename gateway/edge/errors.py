@@ -107,7 +107,11 @@ class APIError(Exception):
         return orjson.dumps({"error": self.fields()})
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Extra response headers: Retry-After on a 503."""
+        """Extra response headers: Retry-After on a 503; on a 409 (a conflict of state,
+        such as cancelling an ended batch) `x-should-retry: false`, which OpenAI's and
+        Anthropic's SDKs read before retrying a 409 as they otherwise do."""
+        if self.status == 409:
+            return [(b"x-should-retry", b"false")]
         if self.retry_after is None:
             return []
         return [(b"retry-after", str(self.retry_after).encode())]

@@ -18,7 +18,9 @@ loopback names only). A wrong Host gets 421 Misdirected Request: the request
 reached a server that will not answer for that authority (RFC 9110 15.5.20),
 and unlike a 400 it tells the operator it is about the name, not the body. The
 probes and the metrics are exempt: kubelet and Prometheus address pods by IP.
-The cost: one pass over the headers per request.
+The cost: one pass over the headers per request. The routes behind Starlette (files,
+batches, stored responses, models) answer with the request's id (`RequestIds`), as the
+hot routes do.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import orjson
 from starlette.routing import BaseRoute
 
-from gateway.edge.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
+from gateway.edge.asgi import ASGIApp, Message, Receive, Scope, Send, send_error, send_json
 from gateway.edge.errors import APIError
 from gateway.edge.request import request_headers, route_label
 from gateway.protocol.errors import Outcome
@@ -253,6 +255,30 @@ def _refusal_record(scope: Scope, status: int, reason: str) -> RequestRecord:
     record.route = route_label(scope["path"])[:200]
     record.status, record.outcome, record.reason = status, Outcome.REJECTED, reason
     return record
+
+
+class RequestIds:
+    """Every response of `app` carries the request's id (`x-request-id`: the client's,
+    or a new one), as the hot routes' do and OpenAI's API does for every route: the
+    SDKs show it (`_request_id`) for files, batches, stored responses, models."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers.append((b"x-request-id", request_headers(scope).request_id))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class ExactRoutes:
