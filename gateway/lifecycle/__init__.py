@@ -235,8 +235,9 @@ class GatewayServer:
                 log.warning("no models configured (models): every request is a 404")
             if not admin_on_public(self.config) and self.admin is None:
                 log.warning(
-                    "keys are on and admin_port is not set: /metrics, /metrics/json and "
-                    "/admin/workers are served nowhere (set admin_port to serve them)"
+                    "keys are on and admin_port is not set: /metrics, /metrics/json, "
+                    "/admin/workers and /admin/usage are served nowhere (set admin_port to "
+                    "serve them)"
                 )
             await _bind(self.uvicorn, self.reuse_port)
             self._opened.append("http")
