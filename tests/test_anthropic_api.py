@@ -1272,6 +1272,7 @@ def test_every_answer_carries_anthropics_request_id_header(claude):
     with pytest.raises(anthropic.NotFoundError) as raised:
         claude.messages.create(model="no-such-model", max_tokens=4, messages=say("a"))
     assert raised.value.request_id == raised.value.response.headers["x-request-id"]
+    assert raised.value.body["request_id"] == raised.value.request_id  # in the body too
 
 
 def test_models_are_listed_and_retrieved_in_anthropics_shape(claude, gateway):

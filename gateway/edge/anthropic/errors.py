@@ -11,7 +11,8 @@ status and error type. A full gateway or worker (503) is Anthropic's
 runs (the key check's 401, the content type's 415, the Host's 421, the router's
 405 to another method), so a client of these routes never reads OpenAI's shape.
 It also gives every response the request's id as `request-id`, the header
-Anthropic's SDKs read (a message's `_request_id`, an error's `request_id`).
+Anthropic's SDKs read (a message's `_request_id`, an error's `request_id`), and an
+error's body its `request_id`, as Anthropic's API writes it.
 Its cost on a served request: one check of the response's status and one look
 through its few headers (and, in front of the other routes, one set lookup of
 the path).
@@ -132,10 +133,15 @@ class AnthropicShape:
             status = start["status"]
             try:
                 fields = orjson.loads(message.get("body", b""))["error"]
-                body = orjson.dumps(error_payload(status, _message(fields), fields.get("code")))
+                payload = error_payload(status, _message(fields), fields.get("code"))
             except (orjson.JSONDecodeError, KeyError, TypeError):
-                body = orjson.dumps(error_payload(status, "The request was refused."))
-            headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
+                payload = error_payload(status, "The request was refused.")
+            headers = start.get("headers", ())
+            request_id = next((v for k, v in headers if k == b"request-id"), None)
+            if request_id is not None:  # Anthropic's error bodies say it too
+                payload["request_id"] = request_id.decode("latin-1")
+            body = orjson.dumps(payload)
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
             await send({**start, "status": translate(status)[0], "headers": headers})
             await send({"type": "http.response.body", "body": body})
