@@ -198,6 +198,14 @@ def test_an_openai_server_is_sent_vllms_fields(front):
     front.sdk.chat.completions.create(model=HOSTED, messages=[ASKED])
     sent = front.hosted.last_body
     assert "add_generation_prompt" not in sent and "continue_final_message" not in sent
+    # the gateway writes the answer, so it echoes it (the server is not asked to)
+    echoed = front.sdk.chat.completions.create(
+        model=HOSTED,
+        messages=[ASKED, PREFILL],
+        extra_body={"continue_final_message": True, "echo": True},
+    )
+    assert echoed.choices[0].message.content == PREFILL["content"] + "1. bread"
+    assert "echo" not in front.hosted.last_body
 
 
 # -- Anthropic's final assistant message ----------------------------------------------
