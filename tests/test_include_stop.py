@@ -75,7 +75,13 @@ def test_it_is_refused_by_name_where_it_cannot_be_served(gateway, path, body):
 
 
 def test_an_openai_server_is_sent_the_field():
-    request = GenerateRequest("m", prompt="a", stop=("b",), include_stop=True)
+    """With vLLM's other answer option the gateway serves through the worker's decoding,
+    `skip_special_tokens` (tests/test_transformers_surface.py, tests/test_vllm_grpc.py)."""
+    request = GenerateRequest(
+        "m", prompt="a", stop=("b",), include_stop=True, skip_special_tokens=False
+    )
     body: dict[str, Any] = request_body(request)
     assert body["include_stop_str_in_output"] is True and body["stop"] == ["b"]
-    assert "include_stop_str_in_output" not in request_body(GenerateRequest("m", prompt="a"))
+    assert body["skip_special_tokens"] is False
+    plain = request_body(GenerateRequest("m", prompt="a"))
+    assert "include_stop_str_in_output" not in plain and "skip_special_tokens" not in plain

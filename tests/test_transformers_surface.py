@@ -437,6 +437,16 @@ def test_logit_bias_forces_and_min_tokens_holds_back_the_end(tiny: Tiny):
     assert (tokens, finish) == (6, "stop")  # five tokens, then the end at once (as vLLM)
 
 
+def test_special_tokens_are_shown_when_asked(tiny: Tiny):
+    """vLLM's `skip_special_tokens`: a special token the answer holds (forced here by a
+    bias) is left out of its text by default, and shown with `false`."""
+    user_tag = str(tiny.tokenizer.convert_tokens_to_ids("<|user|>"))
+    forced = {"max_tokens": 2, "logit_bias": {user_tag: 100}}
+    assert _tokens_of(tiny, RANDOM, **forced) == (2, "length", "")
+    shown = _tokens_of(tiny, RANDOM, **forced, extra_body={"skip_special_tokens": False})
+    assert shown == (2, "length", "<|user|><|user|>")
+
+
 def test_logit_bias_bans_a_token(tiny: Tiny):
     def first_token(**body: Any) -> Any:
         reply = tiny.sdk.chat.completions.create(

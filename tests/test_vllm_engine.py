@@ -149,6 +149,19 @@ def test_tokenize_gives_the_ids_it_counts_and_detokenize_decodes_them(front: Fro
     assert ("furnace-param", "tokens") in raised.value.trailing_metadata()
 
 
+def test_special_tokens_are_shown_when_asked(front: Front):
+    """vLLM's `skip_special_tokens` reaches the engine's detokenizer: a special token
+    (forced here by a bias) is left out of the text unless asked to show it."""
+    user_tag = str(front.tokenizer.convert_tokens_to_ids("<|user|>"))
+    forced: dict[str, Any] = {"max_tokens": 2, "temperature": 0, "logit_bias": {user_tag: 100}}
+    hidden = front.sdk.completions.create(model=MODEL, prompt="hi", **forced)
+    assert hidden.choices[0].text == ""
+    shown = front.sdk.completions.create(
+        model=MODEL, prompt="hi", **forced, extra_body={"skip_special_tokens": False}
+    )
+    assert shown.choices[0].text == "<|user|><|user|>"
+
+
 def test_a_stop_string_from_a_greedy_answer_cuts_the_next(front: Front):
     first = front.sdk.completions.create(
         model=MODEL, prompt="one two three", temperature=0, max_tokens=24

@@ -142,6 +142,16 @@ def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, v
     assert own == (usage["prompt_tokens"], usage["completion_tokens"], text)
 
 
+def test_special_tokens_are_shown_when_asked(http, vllm_model: Path):
+    """vLLM's `skip_special_tokens`: the gateway decodes the answer, and leaves a special
+    token (forced here by a bias) out of its text unless asked to show it."""
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    forced = {"max_tokens": 2, "logit_bias": {str(tokenizer.token_to_id("<|user|>")): 100}}
+    assert chat(http, "hello", **forced)["choices"][0]["message"]["content"] == ""
+    shown = chat(http, "hello", **forced, skip_special_tokens=False)
+    assert shown["choices"][0]["message"]["content"] == "<|user|><|user|>"
+
+
 def test_a_prompt_asked_again_reports_what_vllms_prefix_cache_held(http):
     """vLLM's `cached_tokens` (its prefix cache's whole blocks) reach the usage: none the
     first time a long prompt comes, some the second, whole and streamed."""

@@ -113,6 +113,8 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.user = request.user
     if request.include_stop:
         message.include_stop = True
+    if not request.skip_special_tokens:
+        message.skip_special_tokens = False
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
@@ -206,6 +208,9 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         add_generation_prompt=generation_prompt,
         continue_final_message=open_end,
         include_stop=message.include_stop,
+        skip_special_tokens=(
+            message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+        ),
     )
 
 

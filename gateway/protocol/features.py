@@ -78,6 +78,8 @@ CONTINUE_FINAL_MESSAGE = "continue_final_message"
 CHAT_END = frozenset({ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE})
 #: vLLM's: the stop string that ends an answer kept at its end.
 INCLUDE_STOP = "include_stop_str_in_output"
+#: vLLM's: an answer's special tokens shown in its text (`skip_special_tokens: false`).
+SKIP_SPECIAL_TOKENS = "skip_special_tokens"
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -105,7 +107,7 @@ ALL = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS}
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -124,7 +126,7 @@ OF_REQUESTS = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS}
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -140,8 +142,9 @@ _request_values = attrgetter(
     "add_generation_prompt",
     "continue_final_message",
     "include_stop",
+    "skip_special_tokens",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False, True)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -183,6 +186,8 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((ADD_GENERATION_PROMPT, ADD_GENERATION_PROMPT))
         if request.include_stop:
             found.append((INCLUDE_STOP, INCLUDE_STOP))
+        if not request.skip_special_tokens:
+            found.append((SKIP_SPECIAL_TOKENS, SKIP_SPECIAL_TOKENS))
         reasoning = request.reasoning
         if reasoning is not None:
             for name, used_ in (

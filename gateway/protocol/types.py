@@ -193,6 +193,9 @@ class GenerateRequest:
     #: vLLM's `include_stop_str_in_output`: the stop string that ends a choice ends its
     #: text too (it is left out otherwise).
     include_stop: bool = False
+    #: vLLM's `skip_special_tokens`: an answer's special tokens left out of its text (the
+    #: default), or shown (an end of sequence never is).
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True, slots=True)

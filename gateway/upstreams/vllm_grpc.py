@@ -494,7 +494,7 @@ class VllmGrpcCall(StreamBookkeeping):
         # each choice's text decoded after the prompt, as vLLM's server decodes it
         tokenizer = upstream.tokenizer
         context = tokenizer.context(ids)
-        skip = not (
+        skip = request.skip_special_tokens and not (
             upstream.tool_call_parser in tool_calls.KEEP_SPECIAL_TOKENS
             and request.tools
             and request.tool_choice != "none"
@@ -763,6 +763,7 @@ GENERATIVE = (
         features.RESPONSE_FORMAT,
         features.USER,
         features.INCLUDE_STOP,  # the gateway matches the stop strings
+        features.SKIP_SPECIAL_TOKENS,  # and decodes the answer
     }
     | features.STRUCTURED
 )

@@ -27,6 +27,7 @@ tests rely on:
 - `continue_final_message` (a prefill: Anthropic's final assistant message): the last
   message is the one it echoes, as always; it renders no template, so it takes no
   `add_generation_prompt` (refused by name).
+- `skip_special_tokens`: taken; a word is never a special token, so the text is the same.
 - `min_tokens`: the echo's words repeat until there are that many tokens;
   `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
 - Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
@@ -245,6 +246,7 @@ class DemoEngine(Engine):
             features.REASONING_EFFORT,
             features.TOKENIZE,
             features.CONTINUE_FINAL_MESSAGE,
+            features.SKIP_SPECIAL_TOKENS,
         }
     )
 

@@ -125,6 +125,7 @@ _SERVED = features.SAMPLING | {
     features.REASONING_EFFORT,
     features.CHAT_TEMPLATE_KWARGS,
     *features.CHAT_END,
+    features.SKIP_SPECIAL_TOKENS,
 }
 
 
@@ -414,11 +415,12 @@ class _Sequence:
         else:
             self.generator.manual_seed(sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
         tokenizer = engine.tokenizer
+        skip = request.skip_special_tokens
 
         def decode(ids: Sequence[int]) -> str:
             # one sequence of ids decodes to one str (transformers types it `str | list[str]`)
             return tokenizer.decode(  # type: ignore[return-value]
-                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+                list(ids), skip_special_tokens=skip, clean_up_tokenization_spaces=False
             )
 
         self.detokenizer = IncrementalDetokenizer(decode)

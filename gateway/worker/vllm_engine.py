@@ -162,6 +162,7 @@ GENERATING = (
     }
     | features.STRUCTURED
     | features.CHAT_END
+    | {features.SKIP_SPECIAL_TOKENS}
 )
 
 
@@ -774,7 +775,7 @@ class _ToolPlan:
         )
         self.chat_request: Any = None
         # The markers of a call may be special tokens (vLLM's parsers keep them too).
-        self.skip_special_tokens = not self.called or self.forced
+        self.skip_special_tokens = request.skip_special_tokens and (not self.called or self.forced)
         if self.vllm_parser:
             self.chat_request = _VllmParser.chat_request(request, engine)
         self.parser(0)  # refuses what no parser can serve, before the engine runs

@@ -97,7 +97,6 @@ UNSERVED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "length_penalty": None,
-    "skip_special_tokens": True,
     # more of vLLM's: what they ask changes the answer or how the engine runs it
     "return_tokens_as_token_ids": False,
     "return_token_ids": False,
@@ -419,6 +418,13 @@ def _cache_key(body: Mapping[str, Any]) -> str:
 
 #: vLLM's: the stop string that ends a choice kept at the end of its text.
 _INCLUDE_STOP = "include_stop_str_in_output"
+#: vLLM's: whether an answer's special tokens are left out of its text (true by default).
+_SKIP_SPECIAL = "skip_special_tokens"
+
+
+def _skips_special(body: Mapping[str, Any]) -> bool:
+    """`skip_special_tokens` (null: the default, true)."""
+    return body.get(_SKIP_SPECIAL) is None or _flag(body, _SKIP_SPECIAL)
 
 
 def _common(
@@ -443,6 +449,7 @@ def _common(
         request_id=request_id,
         session=_cache_key(body) if "prompt_cache_key" in body else "",
         include_stop=_flag(body, _INCLUDE_STOP) if _INCLUDE_STOP in body else False,
+        skip_special_tokens=_skips_special(body) if _SKIP_SPECIAL in body else True,
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(

@@ -103,7 +103,6 @@ ROLES = frozenset({"user", "assistant", "system", "developer"})
 #: vLLM's Responses fields beyond OpenAI's and its sampling and reasoning extras, refused
 #: as on chat where they ask for something.
 VLLM_RESPONSES_UNSERVED = (
-    "skip_special_tokens",
     "mm_processor_kwargs",
     "priority",
     "cache_salt",
@@ -125,6 +124,7 @@ UNSERVED: dict[str, Any] = {
     **{name: VLLM_UNSERVED[name] for name in VLLM_RESPONSES_UNSERVED},
     "thinking_token_budget": None,  # chat's; vLLM's Responses server has no such field
     "include_stop_str_in_output": False,  # the Responses API takes no stop strings
+    "skip_special_tokens": True,
     # vLLM's Responses server's own
     "enable_response_messages": False,
     "previous_input_messages": None,

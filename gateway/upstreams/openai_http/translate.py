@@ -165,6 +165,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["stop"] = list(request.stop)
     if request.include_stop:
         body["include_stop_str_in_output"] = True
+    if not request.skip_special_tokens:
+        body["skip_special_tokens"] = False
     if request.n != 1:
         body["n"] = request.n
     if request.logprobs is not None:
