@@ -297,6 +297,12 @@ def test_vllms_sampling_extras_are_served_or_refused_by_name(api):
         model=DEMO_MODEL, input="one two three four", extra_body={"stop": ["three"], "seed": 3}
     )
     assert cut.output_text == "one two "
+    kept = api.responses.create(
+        model=DEMO_MODEL,
+        input="one two three four",
+        extra_body={"stop": ["three"], "include_stop_str_in_output": True},
+    )
+    assert kept.output_text == "one two three"
     assert (
         api.responses.create(
             model=DEMO_MODEL, input="a b", extra_body={"top_k": 5, "min_tokens": 1}
@@ -308,7 +314,7 @@ def test_vllms_sampling_extras_are_served_or_refused_by_name(api):
         ({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
         ({"top_k": "x"}, "top_k"),
         ({"stop": 5}, "stop"),
-        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"priority": 3}, "priority"),
         ({"request_id": "mine"}, "request_id"),
         ({"thinking_token_budget": 10}, "thinking_token_budget"),

@@ -422,9 +422,19 @@ _INCLUDE_STOP = "include_stop_str_in_output"
 _SKIP_SPECIAL = "skip_special_tokens"
 
 
-def _skips_special(body: Mapping[str, Any]) -> bool:
-    """`skip_special_tokens` (null: the default, true)."""
-    return body.get(_SKIP_SPECIAL) is None or _flag(body, _SKIP_SPECIAL)
+def text_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's options of an answer's text, as GenerateRequest fields: the stop string
+    kept (`include_stop_str_in_output`), special tokens shown (`skip_special_tokens`
+    false; null is its default, true). Most bodies name neither: two lookups."""
+    if _INCLUDE_STOP not in body and _SKIP_SPECIAL not in body:
+        return _NO_TEXT_OPTIONS
+    return {
+        "include_stop": _flag(body, _INCLUDE_STOP),
+        "skip_special_tokens": body.get(_SKIP_SPECIAL) is None or _flag(body, _SKIP_SPECIAL),
+    }
+
+
+_NO_TEXT_OPTIONS: dict[str, Any] = {}
 
 
 def _common(
@@ -448,8 +458,7 @@ def _common(
         user=_user(body) if "user" in body or "safety_identifier" in body else "",
         request_id=request_id,
         session=_cache_key(body) if "prompt_cache_key" in body else "",
-        include_stop=_flag(body, _INCLUDE_STOP) if _INCLUDE_STOP in body else False,
-        skip_special_tokens=_skips_special(body) if _SKIP_SPECIAL in body else True,
+        **text_options(body),
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(

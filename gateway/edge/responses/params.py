@@ -63,6 +63,7 @@ from gateway.edge.openai.validation import (
     _user,
     model_of,
     reasoning_effort,
+    text_options,
     with_structured_outputs,
 )
 from gateway.edge.openai.validation import UNSERVED as VLLM_UNSERVED
@@ -123,8 +124,6 @@ UNSERVED: dict[str, Any] = {
     # and reasoning extras are served, as on chat)
     **{name: VLLM_UNSERVED[name] for name in VLLM_RESPONSES_UNSERVED},
     "thinking_token_budget": None,  # chat's; vLLM's Responses server has no such field
-    "include_stop_str_in_output": False,  # the Responses API takes no stop strings
-    "skip_special_tokens": True,
     # vLLM's Responses server's own
     "enable_response_messages": False,
     "previous_input_messages": None,
@@ -196,8 +195,10 @@ class ResponsesBody:
     #: `truncation: "auto"`: items dropped from the conversation's beginning to fit the
     #: model's context (truncation.py, in the route).
     truncate: bool = False
-    #: vLLM's `stop` (its Responses server takes chat's).
+    #: vLLM's `stop` (its Responses server takes chat's), and its options of the text
+    #: (`include_stop_str_in_output`, `skip_special_tokens`: GenerateRequest's fields).
     stop: tuple[str, ...] = ()
+    text_options: Mapping[str, Any] = field(default_factory=dict)
     #: Remote MCP servers among the tools (`{"type": "mcp"}`: mcp.py), in order.
     mcp: tuple[McpServer, ...] = ()
     #: `context_management`'s compaction: the prompt's tokens from which the answer
@@ -971,6 +972,7 @@ def parse(body: Any) -> ResponsesBody:
         stream=stream,
         sampling=sampling,
         stop=_stop(body) if "stop" in body else (),
+        text_options=text_options(body),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel if tools or servers else None,
@@ -1089,4 +1091,5 @@ def generate_request(
         session=session,
         reasoning=body.reasoning,
         logprobs=body.logprobs,
+        **body.text_options,
     )
