@@ -407,6 +407,8 @@ def test_usage_query_refuses_bad_parameters_by_name(gateway_with: Any) -> None:
         answer = httpx.get(gw.admin_url + "/admin/usage", params=params, timeout=HANG_GUARD)
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == name
+    message = answer.json()["error"]["message"]  # an unknown one: the known ones listed
+    assert message.endswith("known: team, model, from, to, format."), message
 
 
 def test_budget_store_down_closed_refuses_with_503_and_open_serves(

@@ -48,7 +48,8 @@ def usage_routes(accounts: Accounts) -> list[Route]:
         query = request.query_params
         for name in query:
             if name not in PARAMS:
-                raise invalid(name[:64], f"Unknown parameter `{name[:64]}`; known: {PARAMS}.")
+                known = ", ".join(PARAMS)
+                raise invalid(name[:64], f"Unknown parameter `{name[:64]}`; known: {known}.")
         fmt = query.get("format", "json")
         if fmt not in ("json", "csv"):
             raise invalid("format", "`format` must be json or csv.")
