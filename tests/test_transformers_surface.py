@@ -437,6 +437,19 @@ def test_logit_bias_forces_and_min_tokens_holds_back_the_end(tiny: Tiny):
     assert (tokens, finish) == (6, "stop")  # five tokens, then the end at once (as vLLM)
 
 
+def test_a_prompt_is_cut_to_its_last_tokens(tiny: Tiny):
+    """vLLM's `truncate_prompt_tokens` through the worker: the engine keeps the last N ids
+    (which: tests/test_truncate_prompt.py)."""
+    full = tiny.sdk.completions.create(model=RANDOM, prompt="hello there friend", max_tokens=1)
+    cut = tiny.sdk.completions.create(
+        model=RANDOM,
+        prompt="hello there friend",
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 2},
+    )
+    assert full.usage.prompt_tokens > 2 and cut.usage.prompt_tokens == 2
+
+
 def test_special_tokens_are_shown_when_asked(tiny: Tiny):
     """vLLM's `skip_special_tokens`: a special token the answer holds (forced here by a
     bias) is left out of its text by default, and shown with `false`."""

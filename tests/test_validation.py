@@ -48,6 +48,7 @@ INVALID = [
     (CHAT, chat(echo=1), "echo"),  # vLLM's chat echo is served: a boolean
     (CHAT, chat(skip_special_tokens="no"), "skip_special_tokens"),
     (COMPLETIONS, completion(skip_special_tokens=0), "skip_special_tokens"),
+    (CHAT, chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (CHAT, chat(suffix="tail"), "suffix"),
     (CHAT, chat(top_logprobs=2), "top_logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),

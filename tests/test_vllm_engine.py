@@ -149,6 +149,19 @@ def test_tokenize_gives_the_ids_it_counts_and_detokenize_decodes_them(front: Fro
     assert ("furnace-param", "tokens") in raised.value.trailing_metadata()
 
 
+def test_a_prompt_is_cut_to_its_last_tokens(front: Front):
+    """vLLM's `truncate_prompt_tokens`: the engine is given the last N ids it renders."""
+    ids = front.tokenizer("the quick brown fox jumps").input_ids
+    cut = front.sdk.completions.create(
+        model=MODEL,
+        prompt="the quick brown fox jumps",
+        temperature=0,
+        max_tokens=4,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert len(ids) > 3 and cut.usage.prompt_tokens == 3
+
+
 def test_special_tokens_are_shown_when_asked(front: Front):
     """vLLM's `skip_special_tokens` reaches the engine's detokenizer: a special token
     (forced here by a bias) is left out of the text unless asked to show it."""

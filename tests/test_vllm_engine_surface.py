@@ -146,6 +146,7 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
         *features.CHAT_END,  # a prefill, a chat without its generation prompt
         features.INCLUDE_STOP,  # the SDK matches the stop strings
         features.SKIP_SPECIAL_TOKENS,  # vLLM's detokenizer shows them when asked
+        features.TRUNCATE_PROMPT_TOKENS,  # the ids it renders, cut
     }  # no image_url: the tiny model is not multimodal; no reasoning parser runs
     (embedding,) = embed_worker.describe().models
     # no dimensions: the model is not a Matryoshka one; no generate: it pools

@@ -100,11 +100,17 @@ def test_chat_and_completions_answer_with_usage(http):
     assert completion["usage"]["prompt_tokens"] > 0
 
 
-def vllms_own(engine: Any, vllm_model: Path, prompt: str, max_tokens: int) -> tuple[int, int, str]:
-    """vLLM's own greedy answer to the ids of `prompt` (a rendered chat), asked directly:
-    the prompt's tokens, the answer's, and its text by the model's tokenizer."""
+def vllms_own(
+    engine: Any, vllm_model: Path, prompt: str | list[int], max_tokens: int
+) -> tuple[int, int, str]:
+    """vLLM's own greedy answer to `prompt` (a rendered chat's text, or ids), asked
+    directly: the prompt's tokens, the answer's, and its text by the model's tokenizer."""
     tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    ids = (
+        tokenizer.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, str)
+        else prompt
+    )
     info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
     request = pb.GenerateRequest(
         request_id="direct-decode",
@@ -140,6 +146,26 @@ def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, v
     own = vllms_own(engine, vllm_model, prompt, 16)
     usage, text = whole["usage"], whole["choices"][0]["message"]["content"]
     assert own == (usage["prompt_tokens"], usage["completion_tokens"], text)
+
+
+def test_a_prompt_cut_to_its_last_tokens_is_answered_from_them(http, engine, vllm_model: Path):
+    """vLLM's `truncate_prompt_tokens`: the gateway tokenizes, and sends the last N ids."""
+    # 40 tokens: the tiny model's greedy answers begin with pieces of one character
+    body = {"model": MODEL, "prompt": "the quick brown fox jumps", "max_tokens": 40}
+    response = http.post(
+        "/v1/completions", json={**body, "temperature": 0, "truncate_prompt_tokens": 3}
+    )
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    ids = tokenizer.encode(body["prompt"], add_special_tokens=True).ids
+    assert len(ids) > 3
+    usage, text = answer["usage"], answer["choices"][0]["text"]
+    assert vllms_own(engine, vllm_model, ids[-3:], 40) == (
+        3,
+        usage["completion_tokens"],
+        text,
+    )
 
 
 def test_special_tokens_are_shown_when_asked(http, vllm_model: Path):

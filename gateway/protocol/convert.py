@@ -115,6 +115,8 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.include_stop = True
     if not request.skip_special_tokens:
         message.skip_special_tokens = False
+    if request.truncate_prompt_tokens is not None:
+        message.truncate_prompt_tokens = request.truncate_prompt_tokens
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
@@ -210,6 +212,9 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         include_stop=message.include_stop,
         skip_special_tokens=(
             message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+        ),
+        truncate_prompt_tokens=(
+            message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None
         ),
     )
 

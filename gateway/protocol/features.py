@@ -80,6 +80,8 @@ CHAT_END = frozenset({ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE})
 INCLUDE_STOP = "include_stop_str_in_output"
 #: vLLM's: an answer's special tokens shown in its text (`skip_special_tokens: false`).
 SKIP_SPECIAL_TOKENS = "skip_special_tokens"
+#: vLLM's: the prompt cut to its last N tokens.
+TRUNCATE_PROMPT_TOKENS = "truncate_prompt_tokens"
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -107,7 +109,7 @@ ALL = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS}
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -126,7 +128,7 @@ OF_REQUESTS = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS}
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -143,8 +145,9 @@ _request_values = attrgetter(
     "continue_final_message",
     "include_stop",
     "skip_special_tokens",
+    "truncate_prompt_tokens",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False, True)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False, True, None)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -188,6 +191,8 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((INCLUDE_STOP, INCLUDE_STOP))
         if not request.skip_special_tokens:
             found.append((SKIP_SPECIAL_TOKENS, SKIP_SPECIAL_TOKENS))
+        if request.truncate_prompt_tokens is not None:
+            found.append((TRUNCATE_PROMPT_TOKENS, TRUNCATE_PROMPT_TOKENS))
         reasoning = request.reasoning
         if reasoning is not None:
             for name, used_ in (

@@ -196,6 +196,9 @@ class GenerateRequest:
     #: vLLM's `skip_special_tokens`: an answer's special tokens left out of its text (the
     #: default), or shown (an end of sequence never is).
     skip_special_tokens: bool = True
+    #: vLLM's `truncate_prompt_tokens`: the prompt keeps only its last N tokens (-1: as
+    #: many as the context leaves beside `max_tokens`); None: all of it.
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,7 +116,7 @@ from gateway.upstreams.base import (
 )
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import RankedEvents, batch_from_vllm, subscribe_request
-from gateway.worker.engine import check_context
+from gateway.worker.engine import check_context, truncated
 
 logger = logging.getLogger(__name__)
 
@@ -489,6 +489,7 @@ class VllmGrpcCall(StreamBookkeeping):
         )
         # the ids the router encoded for this request (`routing_ids`), if any, else made here
         ids = (_ENCODED and _kept_ids(request)) or await upstream.prompt_ids(request)
+        ids = truncated(ids, request, info.max_context_length)  # (truncate_prompt_tokens)
         self._prompt_tokens = prompt_tokens = len(ids)
         max_tokens = check_context(request, prompt_tokens, info.max_context_length)
         # each choice's text decoded after the prompt, as vLLM's server decodes it
@@ -764,6 +765,7 @@ GENERATIVE = (
         features.USER,
         features.INCLUDE_STOP,  # the gateway matches the stop strings
         features.SKIP_SPECIAL_TOKENS,  # and decodes the answer
+        features.TRUNCATE_PROMPT_TOKENS,  # and tokenizes the prompt
     }
     | features.STRUCTURED
 )
@@ -967,6 +969,9 @@ class VllmGrpcUpstream:
         blocks kept for a decode worker, within `timeout` seconds; the request with where
         the blocks are, its ids kept for the decode call (as `routing_ids` keeps them)."""
         ids = (_ENCODED and _kept_ids(request)) or await self.prompt_ids(request)
+        if request.truncate_prompt_tokens is not None:  # the prompt the decode call sends
+            info = self._info or await self.model_info(timeout)
+            ids = truncated(ids, request, info.max_context_length)
         message = pb.GenerateRequest(
             request_id=f"{request.request_id or 'furnace'}-prefill-{os.urandom(6).hex()}",
             tokenized=pb.TokenizedInput(input_ids=ids),

@@ -28,6 +28,8 @@ tests rely on:
   message is the one it echoes, as always; it renders no template, so it takes no
   `add_generation_prompt` (refused by name).
 - `skip_special_tokens`: taken; a word is never a special token, so the text is the same.
+- `truncate_prompt_tokens` N: the prompt counts its last N words (-1: what the context leaves
+  beside `max_tokens`), and the echo is of the last N words of its text at most.
 - `min_tokens`: the echo's words repeat until there are that many tokens;
   `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
 - Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
@@ -104,7 +106,7 @@ from gateway.protocol.types import (
     Tool,
     ToolCallDelta,
 )
-from gateway.worker.engine import MAX_DETOKENIZED_CHARS, Engine, check_context
+from gateway.worker.engine import MAX_DETOKENIZED_CHARS, Engine, check_context, kept_tokens
 from gateway.worker.kv_events import KvPublisher, LruBlockCache
 
 DEMO_MODEL = "furnace-demo"
@@ -247,6 +249,7 @@ class DemoEngine(Engine):
             features.TOKENIZE,
             features.CONTINUE_FINAL_MESSAGE,
             features.SKIP_SPECIAL_TOKENS,
+            features.TRUNCATE_PROMPT_TOKENS,
         }
     )
 
@@ -276,21 +279,26 @@ class DemoEngine(Engine):
         self._vocabulary: OrderedDict[int, str] = OrderedDict()  # id → word, oldest first
         self._vocabulary_chars = 0
 
-    @staticmethod
-    def _prompt(request: GenerateRequest) -> tuple[int, str]:
+    def _prompt(self, request: GenerateRequest) -> tuple[int, str]:
         """The prompt's tokens (its words, an assistant message's reasoning included, as
         the templates that render it count them) and the text it answers: its last
         message's, passing over system messages after the others (an agent's reminders,
-        such as Claude Code's, are not the turn it answers)."""
+        such as Claude Code's, are not the turn it answers); with `truncate_prompt_tokens`
+        the last words the prompt keeps, and of that text as many."""
         if request.messages is not None:
             messages = request.messages
             prompt_tokens = sum(len(m.content.split()) + len(m.reasoning.split()) for m in messages)
             turn = next((m for m in reversed(messages) if m.role != "system"), None)
             if turn is None:  # only system messages: the last of them
                 turn = messages[-1] if messages else None
-            return prompt_tokens, turn.content if turn is not None else ""
-        last = request.prompt or ""
-        return len(last.split()), last
+            text = turn.content if turn is not None else ""
+        else:
+            text = request.prompt or ""
+            prompt_tokens = len(text.split())
+        keep = kept_tokens(request, self.max_context)
+        if keep is not None and keep < prompt_tokens:
+            prompt_tokens, text = keep, " ".join(text.split()[-keep:])
+        return prompt_tokens, text
 
     async def count_tokens(self, request: GenerateRequest) -> int:
         """The words of the prompt, as `generate` counts them."""

@@ -165,6 +165,23 @@ def check_adapter(name: str, path: str) -> None:
         )
 
 
+def kept_tokens(request: GenerateRequest, max_context: int) -> int | None:
+    """How many of its prompt's last tokens a request keeps (vLLM's
+    `truncate_prompt_tokens`, which cuts a generation's prompt from its start): N, or
+    for -1 what the context leaves beside `max_tokens` (at least a token to answer);
+    None: all of them."""
+    keep = request.truncate_prompt_tokens
+    if keep is None or keep > 0:
+        return keep
+    return max(1, max_context - (request.sampling.max_tokens or 1))
+
+
+def truncated(ids: list[int], request: GenerateRequest, max_context: int) -> list[int]:
+    """The prompt's ids cut to the last ones the request keeps (`kept_tokens`)."""
+    keep = kept_tokens(request, max_context)
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
 def check_context(request: GenerateRequest, prompt_tokens: int, max_context: int) -> int:
     """How many tokens the answer may take: `max_tokens` (unset: the rest of the
     context) clamped to what the prompt leaves of `max_context`, as vLLM 0.32's

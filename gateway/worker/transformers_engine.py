@@ -98,7 +98,14 @@ from gateway.protocol.types import (
     Text,
     TokenLogprob,
 )
-from gateway.worker.engine import Engine, chat_end, chat_end_refused, check_context, template_kwargs
+from gateway.worker.engine import (
+    Engine,
+    chat_end,
+    chat_end_refused,
+    check_context,
+    template_kwargs,
+    truncated,
+)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -126,6 +133,7 @@ _SERVED = features.SAMPLING | {
     features.CHAT_TEMPLATE_KWARGS,
     *features.CHAT_END,
     features.SKIP_SPECIAL_TOKENS,
+    features.TRUNCATE_PROMPT_TOKENS,
 }
 
 
@@ -657,7 +665,7 @@ class TransformersEngine(Engine):
         template takes CPU: this runs off the event loop)."""
         check_sampling(request.sampling, self.vocab)
         parser = for_request(request, self.tool_call_parser)
-        return _Prepared(self.encode(request), guide, parser)
+        return _Prepared(truncated(self.encode(request), request, self.max_context), guide, parser)
 
     async def guide(self, request: GenerateRequest) -> Guide | None:
         """The grammar the request's answer follows, if any: compiled once per schema in

@@ -122,6 +122,7 @@ from gateway.worker.engine import (
     check_adapter,
     check_context,
     template_kwargs,
+    truncated,
 )
 from gateway.worker.kv_events import ForwardedCache, KvPublisher
 
@@ -162,7 +163,7 @@ GENERATING = (
     }
     | features.STRUCTURED
     | features.CHAT_END
-    | {features.SKIP_SPECIAL_TOKENS}
+    | {features.SKIP_SPECIAL_TOKENS, features.TRUNCATE_PROMPT_TOKENS}
 )
 
 
@@ -445,6 +446,12 @@ class VllmEngine(Engine):
         if self.multimodal and request.messages is not None:
             from vllm.renderers.params import ChatParams
 
+            if request.truncate_prompt_tokens is not None:  # its images' tokens inside
+                raise Invalid(
+                    f"The model `{self.model}` cannot cut a conversation with images.",
+                    param="truncate_prompt_tokens",
+                )
+
             messages = [message_dict(m, parsed_arguments=True) for m in request.messages]
             options = {**template_kwargs(request), **chat_end(request), "tools": tools}
             try:
@@ -459,6 +466,7 @@ class VllmEngine(Engine):
             raise Invalid(f"The model `{self.model}` takes no images.", param="messages")
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._executor, self.encode, request, tools)
+        ids = truncated(ids, request, self.max_context)
         return tokens_input(ids), len(ids)
 
     def sampling(

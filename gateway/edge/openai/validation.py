@@ -44,6 +44,7 @@ MAX_STOP = 4
 #: The longest stop string, in characters: a worker holds back that much text.
 MAX_STOP_CHARS = 1024
 UINT32_MAX = 2**32 - 1  # the worker protocol's counts are uint32
+INT32_MAX = 2**31 - 1  # and its signed fields (truncate_prompt_tokens) int32
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Bounds on what one request may ask of the new fields (OpenAI's where it has one).
 MAX_N = 128
@@ -94,7 +95,6 @@ UNSERVED: dict[str, Any] = {
     "allowed_token_ids": None,
     "bad_words": None,
     "chat_template": None,
-    "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "length_penalty": None,
     # more of vLLM's: what they ask changes the answer or how the engine runs it
@@ -422,6 +422,24 @@ _INCLUDE_STOP = "include_stop_str_in_output"
 _SKIP_SPECIAL = "skip_special_tokens"
 
 
+#: vLLM's: the prompt cut to its last N tokens (-1: what the context leaves).
+_TRUNCATE = "truncate_prompt_tokens"
+
+
+def _truncation(body: Mapping[str, Any]) -> int | None:
+    """`truncate_prompt_tokens`: N of at least 1 (the worker protocol's 32 bits), or -1."""
+    value = body.get(_TRUNCATE)
+    if value is None:
+        return None
+    if not _is_int(value) or not (value == -1 or 1 <= value <= INT32_MAX):
+        raise invalid(
+            _TRUNCATE,
+            f"Invalid value for '{_TRUNCATE}': an integer of at least 1, or -1 (as many as "
+            "the context leaves beside max_tokens).",
+        )
+    return value
+
+
 def text_options(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's options of an answer's text, as GenerateRequest fields: the stop string
     kept (`include_stop_str_in_output`), special tokens shown (`skip_special_tokens`
@@ -459,6 +477,7 @@ def _common(
         request_id=request_id,
         session=_cache_key(body) if "prompt_cache_key" in body else "",
         **text_options(body),
+        truncate_prompt_tokens=_truncation(body) if _TRUNCATE in body else None,
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(

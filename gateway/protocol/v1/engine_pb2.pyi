@@ -69,7 +69,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "sampling", "stop", "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user", "reasoning", "include_stop", "skip_special_tokens")
+    __slots__ = ("request_id", "model", "text", "chat", "sampling", "stop", "n", "logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user", "reasoning", "include_stop", "skip_special_tokens", "truncate_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class GenerateRequest(_message.Message):
     REASONING_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -102,7 +103,8 @@ class GenerateRequest(_message.Message):
     reasoning: ReasoningOptions
     include_stop: bool
     skip_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., user: _Optional[str] = ..., reasoning: _Optional[_Union[ReasoningOptions, _Mapping]] = ..., include_stop: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., user: _Optional[str] = ..., reasoning: _Optional[_Union[ReasoningOptions, _Mapping]] = ..., include_stop: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReasoningOptions(_message.Message):
     __slots__ = ("effort", "exclude", "template_kwargs", "budget", "off")

@@ -167,6 +167,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["include_stop_str_in_output"] = True
     if not request.skip_special_tokens:
         body["skip_special_tokens"] = False
+    if request.truncate_prompt_tokens is not None:
+        body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
     if request.n != 1:
         body["n"] = request.n
     if request.logprobs is not None:
