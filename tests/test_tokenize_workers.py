@@ -343,3 +343,11 @@ def test_the_transformers_engine_refuses_ids_outside_its_vocabulary(
         detokenize(server_loop, worker, [0, last + 1]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"
     )
     assert str(last + 1) in message
+
+
+def test_the_transformers_engine_keeps_the_last_ids_of_the_rendered_chat(tiny):
+    """vLLM's `truncate_prompt_tokens`: the last N ids of the chat it renders."""
+    messages = (Message("user", "hello from the fleet, hello again"),)
+    whole = tiny.prepare(GenerateRequest(tiny.model, messages=messages)).prompt
+    cut = tiny.prepare(GenerateRequest(tiny.model, messages=messages, truncate_prompt_tokens=4))
+    assert len(whole) > 4 and cut.prompt == whole[-4:]

@@ -2,24 +2,21 @@
 last N tokens (cut from its start, after the chat template, as vLLM's generation cuts it;
 -1: as many as the context leaves beside `max_tokens`), so a prompt longer than the
 context is answered instead of refused. Through the real gateway to the demo worker
-(tokens are words: gateway/worker/demo.py's rules), the transformers engine's ids against its own
-tokenizer, an OpenAI-compatible server's body; through vLLM itself:
+(tokens are words: gateway/worker/demo.py's rules), an OpenAI-compatible server's body;
+the transformers engine's ids: tests/test_tokenize_workers.py; through vLLM itself:
 tests/test_vllm_grpc.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from gateway.protocol.types import GenerateRequest, Message
+from gateway.protocol.types import GenerateRequest
 from gateway.upstreams.openai_http.translate import request_body
 from gateway.worker.engine import kept_tokens, truncated
 from tests.support.servers import DEMO_MODEL
-from tests.support.tiny_model import build_tiny_model
 
 #: The shared demo worker's context, in words (tests/support/servers.py).
 CONTEXT = 64
@@ -72,20 +69,3 @@ def test_an_openai_server_is_sent_it():
     body: dict[str, Any] = request_body(GenerateRequest("m", prompt="a", truncate_prompt_tokens=5))
     assert body["truncate_prompt_tokens"] == 5
     assert "truncate_prompt_tokens" not in request_body(GenerateRequest("m", prompt="a"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from gateway.worker.transformers_engine import TransformersEngine
-
-    path: Path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-truncate")
-    engine = TransformersEngine(path, device="cpu")
-    yield engine
-    engine.close()
-
-
-def test_the_transformers_engine_keeps_the_last_ids_of_the_rendered_chat(tiny):
-    messages = (Message("user", "hello from the fleet, hello again"),)
-    whole = tiny.prepare(GenerateRequest(tiny.model, messages=messages)).prompt
-    cut = tiny.prepare(GenerateRequest(tiny.model, messages=messages, truncate_prompt_tokens=4))
-    assert len(whole) > 4 and cut.prompt == whole[-4:]
