@@ -116,7 +116,7 @@ from gateway.upstreams.base import (
 )
 from gateway.upstreams.furnace_channel import open_channel
 from gateway.upstreams.vllm_kv import RankedEvents, batch_from_vllm, subscribe_request
-from gateway.worker.engine import check_context, truncated
+from gateway.worker.engine import chat_end, check_context, truncated
 
 logger = logging.getLogger(__name__)
 
@@ -1039,6 +1039,7 @@ class VllmGrpcUpstream:
         prompt, messages = request.prompt, request.messages
         chars = prompt_chars(prompt, messages, tools)
         reasoning = request.reasoning
+        ends = chat_end(request)  # as the engines end it
         make = functools.partial(
             self.tokenizer.prompt_ids,
             prompt,
@@ -1046,8 +1047,8 @@ class VllmGrpcUpstream:
             tools,
             plain_contents=self.plain_contents,
             options=None if reasoning is None else template_options(reasoning),
-            generation=request.add_generation_prompt and not request.continue_final_message,
-            open_end=request.continue_final_message,
+            generation=ends["add_generation_prompt"],
+            open_end=ends["continue_final_message"],
         )
         if chars <= INLINE_CHARS:  # (below MAX_PROMPT_CHARS: nothing to refuse)
             return make()
