@@ -112,6 +112,39 @@ def test_a_whole_answer_says_its_length_and_an_http_1_0_client_gets_no_chunks(ga
         assert json.loads(payload)
 
 
+@pytest.mark.parametrize("connection", [b"", b"Connection: keep-alive\r\n"])
+def test_an_http_1_0_client_gets_a_stream_close_delimited_not_chunked(gateway, connection):
+    """A stream has no length to declare: to an HTTP/1.0 request (even one asking to keep
+    the connection) its events go out as they are and the close ends them (RFC 9112 6.3),
+    as the SDKs' parsers and ApacheBench read them; HTTP/1.1 keeps its chunks."""
+    host, port = "127.0.0.1", int(_port(gateway.url))
+    body = b'{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "a b c"}]}'
+    body %= DEMO_MODEL.encode()
+    answers = {}
+    for version in (b"1.0", b"1.1"):
+        head = b"POST /v1/chat/completions HTTP/%s\r\nHost: %s:%d\r\n" % (
+            version,
+            host.encode(),
+            port,
+        )
+        head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        head += connection if version == b"1.0" else b"Connection: close\r\n"
+        with connect(gateway.url) as sock:
+            sock.sendall(head + b"\r\n" + body)
+            answers[version] = read_to_end(sock)  # the gateway closes: the body's end
+    top, _, payload = answers[b"1.0"].partition(b"\r\n\r\n")
+    lines = top.lower().split(b"\r\n")
+    assert lines[0].split()[1] == b"200"
+    assert b"transfer-encoding: chunked" not in lines
+    assert b"connection: close" in lines
+    assert not any(line.startswith(b"content-length") for line in lines)
+    assert payload.startswith(b"data: ") and payload.endswith(b"data: [DONE]\n\n")
+    events = sse_events(payload.decode())
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    chunked = answers[b"1.1"].partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert b"transfer-encoding: chunked" in chunked
+
+
 def test_a_trailing_slash_is_a_plain_404(client):
     for response in (
         client.post("/v1/completions/", json={"prompt": "x"}, headers={"host": "evil.example"}),

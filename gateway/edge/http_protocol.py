@@ -85,6 +85,9 @@ another response is on the wire, only the close: an answer there would land insi
 refusal written here (400, 408, 431) to a request under `/v1/messages` is in Anthropic's shape,
 as the app's own are there.
 
+A stream answered to an HTTP/1.0 request goes out close-delimited, not chunked
+(`_CloseDelimited`): such a client cannot read chunks (RFC 9112 §6.1).
+
 The cost: a length addition per read and per header, a clock read per deadline.
 """
 
@@ -100,7 +103,11 @@ from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from gateway.edge.anthropic.errors import anthropic_body
 from gateway.edge.asgi import (
@@ -237,6 +244,47 @@ class _WriteNow:
         cycle = self._cycle()
         assert cycle is not None  # writable
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+class _CloseDelimited:
+    """The ASGI `send` of an HTTP/1.0 request's cycle. A response of no declared length (a
+    stream) goes out close-delimited, its body ending where the connection does (RFC 9112
+    §6.3), not chunked as uvicorn writes it whatever the request's version: a server must
+    not send Transfer-Encoding to an HTTP/1.0 client (§6.1), and such clients (ApacheBench,
+    NGINX's default `proxy_http_version 1.0`) read the chunks' framing as the body. The
+    cycle is held weakly, as `_WriteNow` holds it; `_WriteNow.writable` says no to such a
+    response (it is not chunked), so its writes come here."""
+
+    __slots__ = ("_cycle", "_open")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = weakref.ref(cycle)
+        self._open = False  # a close-delimited body is being written
+
+    async def __call__(self, message: Any) -> None:
+        cycle = self._cycle()
+        if cycle is None:
+            return
+        kind = message["type"]
+        if kind == "http.response.start" and not cycle.response_started:
+            names = {name.lower() for name, _ in message.get("headers", ())}
+            if (
+                b"content-length" not in names
+                and b"transfer-encoding" not in names
+                and cycle.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+            ):
+                self._open = True
+                cycle.chunked_encoding = False
+                cycle.keep_alive = False  # the close ends the body: "connection: close"
+                cycle.expected_content_length = _UNTIL_CLOSE
+        elif kind == "http.response.body" and self._open and not message.get("more_body"):
+            cycle.expected_content_length = len(message.get("body", b""))  # all it takes
+        await RequestResponseCycle.send(cycle, message)
+
+
+#: The length uvicorn's cycle is told a close-delimited body has: more than any body.
+_UNTIL_CLOSE = 2**63
 
 
 def _whole_first(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -457,6 +505,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and cycle is not before:
             cycle.transport = cast(asyncio.Transport, _HeadHold(cycle, self.transport))
             extensions[WRITE_NOW_EXTENSION] = _WriteNow(cycle)
+            if scope["http_version"] == "1.0":  # its task has not run: it takes this send
+                cast(Any, cycle).send = _CloseDelimited(cycle)
         # The trailer section's fields, if any, go here and are dropped (still counted).
         self.headers = []
         if self.pipeline:  # queued behind a response, reading paused: its turn starts the clock
