@@ -262,6 +262,12 @@ def main() -> None:
     parser.add_argument(
         "--tokens-per-chunk", type=int, default=1, help="grpc: the stand-in's tokens a message"
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="every request asks chunks of this many tokens (vLLM's stream_interval)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--baseline",
@@ -283,6 +289,8 @@ def main() -> None:
     parser.add_argument("--py-spy", type=Path, help="profile into this directory too")
     args = parser.parse_args()
     answer_length(args.path, args.max_tokens)
+    if args.stream_interval > 1:
+        EXTRA["stream_interval"] = args.stream_interval
     with tempfile.TemporaryDirectory(prefix="profile-gateway-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         model_dir = build_vllm_model(work / "model")

@@ -37,6 +37,13 @@ memory by the whole answer.
 Per event that costs one length addition and one comparison; a pause costs one
 future.
 
+A stream may ask for its tokens in chunks of at least `interval` (vLLM's per-request
+`stream_interval`): the first text still goes at once, then what comes is held until each
+choice with tokens ready has that many, or anything but tokens comes (an end, an error), or the
+buffer is full, or a keep-alive tick falls due; a batch taken so is ordered by choice, so
+each choice's tokens make one chunk. At the default of 1 this costs one comparison an
+event.
+
 A pump's life is one `Phase` (new → starting → streaming ⇄ full → ended → closed),
 each phase only ever moving to a later one but for streaming and full, which alternate
 as the buffer fills and the edge takes it. How the events come is the call's own kind:
@@ -149,6 +156,9 @@ class EventPump:
     #: The edge's writer for events pushed while it waits (see `_deliver`): takes a
     #: batch and says whether it wrote it; None: the edge's task is woken instead.
     sink: Callable[[list[Event]], bool] | None = None
+    #: The fewest tokens of a choice the edge is given at once after its first text
+    #: (vLLM's `stream_interval`; see the module's docstring).
+    interval = 1
 
     def __init__(
         self,
@@ -288,6 +298,8 @@ class EventPump:
         sink, waiter = self.sink, self._waiter
         if waiter is None:  # the edge is busy: it takes them when it next waits
             return
+        if self.interval > 1 and not self._due():
+            return
         if (
             sink is not None
             and not waiter.done()
@@ -379,6 +391,8 @@ class EventPump:
         waiter = self._waiter
         if waiter is None or waiter.done() or self._paced:
             return
+        if self.interval > 1 and not self._due():
+            return
         if self._texted and EventPump.live > 1 and self._hot():
             self._paced = True
             write_turns(self._loop).add(waiter)
@@ -391,6 +405,22 @@ class EventPump:
         wait (an engine's step per token) the turn would merge nothing and only cost a
         wake-up of the loop, which on a VM is most of a paced token's CPU."""
         return self._loop.time() - self._waiting_since < PACE
+
+    def _due(self) -> bool:
+        """Whether what is ready goes to the edge now, for a stream asking `interval`
+        tokens at once: before its first text, at an end or once full, when an event
+        other than tokens is ready, or when each choice with tokens ready has
+        `interval` of them (an engine steps a request's choices together)."""
+        if not self._texted or self.phase is not Phase.STREAMING:
+            return True
+        held: dict[int, int] = {}
+        for event in self._ready:
+            kind = type(event)
+            if kind is not Text and kind is not Reasoning and kind is not ToolCallDelta:
+                return True
+            piece = cast(Text | Reasoning | ToolCallDelta, event)
+            held[piece.index] = held.get(piece.index, 0) + piece.tokens
+        return min(held.values(), default=0) >= self.interval
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -429,7 +459,9 @@ class EventPump:
         """
         if self.phase is Phase.NEW:
             await self._begin(idle_timeout)
-        while not self._ready and self.phase < Phase.ENDED:
+        while not (self._ready and (self.interval == 1 or self._due())):
+            if self.phase >= Phase.ENDED:
+                break
             now = self._loop.time()
             idle_at = self._last_event + idle_timeout
             if now >= idle_at:
@@ -450,9 +482,13 @@ class EventPump:
                 paced, self._paced = self._paced, False
             idle_at = self._last_event + idle_timeout  # later, if a sink wrote meanwhile
             woken_by_tick = (
-                not self._ready and self.phase < Phase.ENDED and self._loop.time() < idle_at
+                not (self._ready and (self.interval == 1 or self._due()))
+                and self.phase < Phase.ENDED
+                and self._loop.time() < idle_at
             )
             if tick is not None and woken_by_tick:
+                if self._ready:  # tokens held for `interval`: they go instead of a comment
+                    break
                 return []
             hot = self._texted and not paced and self._hot()
             if hot and self._ready and self.phase < Phase.ENDED:
@@ -469,6 +505,8 @@ class EventPump:
                     await asyncio.sleep(0)
         if self._ready:
             batch, self._ready = self._ready, []
+            if self.interval > 1 and self._texted:  # each choice's tokens in one chunk
+                batch.sort(key=_choice)
             if not self._texted:
                 kinds = set(map(type, batch))
                 self._texted = Text in kinds or Reasoning in kinds
@@ -529,3 +567,9 @@ class EventPump:
         finally:
             self._start.close()  # never started if cancelled at once; else a no-op
             self._error = None
+
+
+def _choice(event: Event) -> int:
+    """The choice an event is of, `Started` first (a batch sorted by it keeps each
+    choice's order)."""
+    return -1 if type(event) is Started else cast(Text, event).index

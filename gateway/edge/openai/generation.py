@@ -251,6 +251,8 @@ class GenerationRoute(RequestRoute[Exchange]):
             if parsed.turns:  # an answer of several turns (the Responses API's MCP tools)
                 start = self.turns(parsed, request, start, pool, deadline, metadata, ex)
             pump = EventPump(start, config.stream_buffer_bytes, request.n)
+            if parsed.stream_interval > 1:
+                pump.interval = parsed.stream_interval
             try:
                 await self._relay(pump, parsed, pool, ex)
             finally:

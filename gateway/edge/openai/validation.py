@@ -124,7 +124,6 @@ UNSERVED: dict[str, Any] = {
     "return_token_offsets": False,
     "return_prompt_text": False,
     "repetition_detection": None,
-    "stream_interval": 1,
     # OpenAI's that ask for what a self-hosted model does not do
     "store": False,
     "verbosity": "medium",
@@ -152,6 +151,9 @@ class ParsedRequest:
     #: vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): the
     #: usage so far in every chunk.
     continuous_usage: bool = False
+    #: vLLM's `stream_interval`: after the first, a stream's chunks hold at least this
+    #: many tokens of a choice (1 with `stream` off, where it asks nothing).
+    stream_interval: int = 1
     #: Whether a reasoning model's reasoning is shown (Anthropic's `thinking` disabled,
     #: or its display omitted: it is left out, its tokens counted).
     show_reasoning: bool = True
@@ -424,6 +426,8 @@ _SKIP_SPECIAL = "skip_special_tokens"
 
 #: vLLM's: the prompt cut to its last N tokens (-1: what the context leaves).
 _TRUNCATE = "truncate_prompt_tokens"
+#: vLLM's: the fewest tokens of a choice in each chunk of a stream after its first.
+_INTERVAL = "stream_interval"
 
 
 def _truncation(body: Mapping[str, Any]) -> int | None:
@@ -468,6 +472,7 @@ def _common(
     options = _stream_options(body, stream) if "stream_options" in body else (False, False, False)
     include_usage, continuous_usage, obfuscate = options
     max_tokens, max_tokens_param = _max_tokens(body)
+    interval = _int(body, _INTERVAL, 1, INT32_MAX) or 1 if _INTERVAL in body else 1
     request = GenerateRequest(
         model or "",
         sampling=_sampling(body, max_tokens, max_tokens_param),
@@ -487,6 +492,7 @@ def _common(
         include_usage,
         max_tokens_param=max_tokens_param,
         continuous_usage=continuous_usage,
+        stream_interval=interval if stream else 1,
     )
 
 
