@@ -147,6 +147,7 @@ def test_the_workers_list_what_their_models_serve(front: Front, embed_worker: Vl
         features.INCLUDE_STOP,  # the SDK matches the stop strings
         features.SKIP_SPECIAL_TOKENS,  # vLLM's detokenizer shows them when asked
         features.TRUNCATE_PROMPT_TOKENS,  # the ids it renders, cut
+        features.RETURN_TOKEN_IDS,  # the prompt's ids it ran, each step's sampled ids
     }  # no image_url: the tiny model is not multimodal; no reasoning parser runs
     (embedding,) = embed_worker.describe().models
     # no dimensions: the model is not a Matryoshka one; no generate: it pools

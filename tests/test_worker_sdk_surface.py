@@ -137,7 +137,7 @@ async def call(
 
 
 def ours(events: list) -> list[Event]:
-    return [event_from_proto(e, logprobs=True) for e in events]
+    return [event_from_proto(e, details=True) for e in events]
 
 
 def choice_text(events: list[Event], index: int) -> str:

@@ -12,6 +12,8 @@ themselves only when present.
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from gateway.protocol import errors
@@ -117,6 +119,8 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.skip_special_tokens = False
     if request.truncate_prompt_tokens is not None:
         message.truncate_prompt_tokens = request.truncate_prompt_tokens
+    if request.return_token_ids:
+        message.return_token_ids = True
     f = request.response_format
     if f is not None:
         message.response_format.CopyFrom(
@@ -216,6 +220,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         truncate_prompt_tokens=(
             message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None
         ),
+        return_token_ids=message.return_token_ids,
     )
 
 
@@ -287,32 +292,65 @@ def event_to_proto(event: Event) -> pb.GenerateEvent:
     )
 
 
-def event_from_proto(message: pb.GenerateEvent, logprobs: bool = False) -> Event:
+def event_with_ids_to_proto(event: Event) -> pb.GenerateEvent:
+    """`event_to_proto` for a request that asked for token ids (`return_token_ids`):
+    the event's ids (a `Started`'s prompt's) on its message too. A request of its own
+    converter, so the others' token path reads no ids."""
+    message = event_to_proto(event)
+    if type(event) is Started:
+        if event.prompt_token_ids:
+            message.started.prompt_token_ids.extend(event.prompt_token_ids)
+        return message
+    ids = event.token_ids  # type: ignore[union-attr]
+    if ids:
+        getattr(message, message.WhichOneof("event")).token_ids.extend(ids)
+    return message
+
+
+def _ids(field: Any) -> tuple[int, ...]:
+    """A repeated field of ids as our events carry them."""
+    return tuple(field)
+
+
+def event_from_proto(message: pb.GenerateEvent, details: bool = False) -> Event:
     """The protocol's event as ours; `Failed` for an event this version does not know.
-    A `Text`'s logprobs are read only with `logprobs` (the request asked for them):
-    looking at an empty repeated field costs a third of the whole conversion."""
+    A `Text`'s logprobs and the events' token ids are read only with `details` (the
+    request asked for logprobs or for ids): looking at an empty repeated field costs a
+    third of the whole conversion."""
     kind = message.WhichOneof("event")
     if kind == "text":
         text = message.text
-        if logprobs and text.logprobs:
-            return Text(text.text, text.tokens, text.index, _logprobs_from_proto(text.logprobs))
+        if details:
+            logprobs = _logprobs_from_proto(text.logprobs) if text.logprobs else None
+            ids = _ids(text.token_ids) if text.token_ids else None
+            return Text(text.text, text.tokens, text.index, logprobs, ids)
         return Text(text.text, text.tokens, text.index)
     if kind == "tool_call":
         d = message.tool_call
-        return ToolCallDelta(d.index, d.call_index, d.id, d.name, d.arguments, d.tokens)
+        ids = _ids(d.token_ids) if details and d.token_ids else None
+        return ToolCallDelta(d.index, d.call_index, d.id, d.name, d.arguments, d.tokens, ids)
     if kind == "reasoning":
         thought = message.reasoning
-        return Reasoning(thought.text, thought.tokens, thought.index)
+        ids = _ids(thought.token_ids) if details and thought.token_ids else None
+        return Reasoning(thought.text, thought.tokens, thought.index, ids)
     if kind == "started":
         started = message.started
-        return Started(started.prompt_tokens, started.cached_tokens)
+        prompt = _ids(started.prompt_token_ids) if details and started.prompt_token_ids else None
+        return Started(started.prompt_tokens, started.cached_tokens, prompt)
     if kind == "finished":
         finished = message.finished
         reason = PROTO_TO_REASON.get(finished.reason)
         if reason is None:  # UNSPECIFIED, or a value this version does not know
             raise errors.Failed(f"engine worker finished with an unknown reason {finished.reason}")
+        ids = _ids(finished.token_ids) if details and finished.token_ids else None
         return Finished(
-            reason, finished.completion_tokens, None, finished.index, finished.stop_sequence
+            reason,
+            finished.completion_tokens,
+            None,
+            finished.index,
+            finished.stop_sequence,
+            None,
+            ids,
         )
     raise errors.Failed(f"engine worker sent an unknown event {kind!r}")
 

@@ -82,6 +82,9 @@ INCLUDE_STOP = "include_stop_str_in_output"
 SKIP_SPECIAL_TOKENS = "skip_special_tokens"
 #: vLLM's: the prompt cut to its last N tokens.
 TRUNCATE_PROMPT_TOKENS = "truncate_prompt_tokens"
+#: vLLM's: the answer carries the prompt's and its choices' token ids (the events'
+#: `token_ids`, the `Started`'s `prompt_token_ids`).
+RETURN_TOKEN_IDS = "return_token_ids"
 
 #: Every feature a worker may list.
 ALL = frozenset(
@@ -109,7 +112,7 @@ ALL = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS, RETURN_TOKEN_IDS}
 )
 #: vLLM's sampling fields beyond OpenAI's, which engines that sample with their own
 #: code (vLLM, transformers) all take.
@@ -128,7 +131,7 @@ OF_REQUESTS = frozenset(
     | REASONING
     | STRUCTURED
     | CHAT_END
-    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS}
+    | {INCLUDE_STOP, SKIP_SPECIAL_TOKENS, TRUNCATE_PROMPT_TOKENS, RETURN_TOKEN_IDS}
 )
 #: A request's fields that say whether it uses a feature, and their values (and its
 #: sampling's) where it uses none: most requests, seen in one comparison (in C) each.
@@ -146,8 +149,9 @@ _request_values = attrgetter(
     "include_stop",
     "skip_special_tokens",
     "truncate_prompt_tokens",
+    "return_token_ids",
 )
-_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False, True, None)
+_REQUEST_UNUSED = (1, None, (), "", None, None, "", None, True, False, False, True, None, False)
 _sampling_values = attrgetter(
     "min_tokens", "ignore_eos", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids"
 )
@@ -193,6 +197,8 @@ def used(request: GenerateRequest) -> list[tuple[str, str]]:
             found.append((SKIP_SPECIAL_TOKENS, SKIP_SPECIAL_TOKENS))
         if request.truncate_prompt_tokens is not None:
             found.append((TRUNCATE_PROMPT_TOKENS, TRUNCATE_PROMPT_TOKENS))
+        if request.return_token_ids:
+            found.append((RETURN_TOKEN_IDS, RETURN_TOKEN_IDS))
         reasoning = request.reasoning
         if reasoning is not None:
             for name, used_ in (

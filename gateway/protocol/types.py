@@ -199,6 +199,13 @@ class GenerateRequest:
     #: vLLM's `truncate_prompt_tokens`: the prompt keeps only its last N tokens (-1: as
     #: many as the context leaves beside `max_tokens`); None: all of it.
     truncate_prompt_tokens: int | None = None
+    #: vLLM's `return_token_ids`: the events carry the token ids (the prompt's on
+    #: `Started`, each piece's on its event, the rest on `Finished`), for the answer.
+    return_token_ids: bool = False
+
+
+#: Token ids on an event: None where the request did not ask for them (the usual).
+TokenIds = tuple[int, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +341,8 @@ class Started(NamedTuple):
 
     prompt_tokens: int
     cached_tokens: int = 0
+    #: The prompt's ids as the engine runs them (`return_token_ids` only).
+    prompt_token_ids: TokenIds = None
 
 
 class TokenLogprob(NamedTuple):
@@ -353,6 +362,8 @@ class Text(NamedTuple):
     tokens: int
     index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: The ids of its tokens (`return_token_ids` only), a stop string's cut from it too.
+    token_ids: TokenIds = None
 
 
 class Reasoning(NamedTuple):
@@ -363,6 +374,7 @@ class Reasoning(NamedTuple):
     text: str
     tokens: int
     index: int = 0  # type: ignore[assignment]  # shadows tuple.index, as meant
+    token_ids: TokenIds = None  # `return_token_ids` only
 
 
 class ToolCallDelta(NamedTuple):
@@ -375,6 +387,7 @@ class ToolCallDelta(NamedTuple):
     name: str
     arguments: str
     tokens: int = 0
+    token_ids: TokenIds = None  # `return_token_ids` only
 
 
 class Finished(NamedTuple):
@@ -390,6 +403,9 @@ class Finished(NamedTuple):
     #: The stop string that ended the choice (reason STOP); "": the model ended it.
     stop_sequence: str = ""
     cached_tokens: int | None = None
+    #: The ids of the choice's tokens no earlier event carried (the end of sequence it
+    #: ended with), `return_token_ids` only: its events' ids joined are all its ids.
+    token_ids: TokenIds = None
 
 
 def turn_counts(started: Started, finished: Finished) -> tuple[int, int]:

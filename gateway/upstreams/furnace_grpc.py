@@ -53,7 +53,7 @@ class FurnaceGrpcCall(StreamBookkeeping):
     ) -> None:
         super().__init__(worker, on_close)
         self._call = call
-        #: The request asked for logprobs: read them off each Text.
+        #: The request asked for logprobs or token ids: read them off the events.
         self._logprobs = logprobs
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -118,7 +118,9 @@ class FurnaceGrpcUpstream:
                 link = self._link = MultiplexLink(self._stub, self.address)
             return link.start(request, timeout, metadata, on_close)
         call = self._stub.Generate(request_to_proto(request), timeout=timeout, metadata=metadata)
-        return FurnaceGrpcCall(call, self.address, on_close, request.logprobs is not None)
+        return FurnaceGrpcCall(
+            call, self.address, on_close, request.logprobs is not None or request.return_token_ids
+        )
 
     async def embed(
         self,

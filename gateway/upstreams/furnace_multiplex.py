@@ -212,7 +212,9 @@ class MultiplexLink:
         """Starts a request with `timeout` seconds as its deadline on the worker."""
         stream_id = self._next_id
         self._next_id += 1
-        call = MultiplexedCall(self, stream_id, on_close, request.logprobs is not None)
+        call = MultiplexedCall(
+            self, stream_id, on_close, request.logprobs is not None or request.return_token_ids
+        )
         start = pb.MultiplexStart(
             stream=stream_id,
             request=request_to_proto(request),

@@ -21,7 +21,8 @@ token ids, so the gateway does what vLLM's own front end would:
   template and the model's tool-call format (`tool_call_parser`) over each
   choice's text, a reasoning model's reasoning cut from its text
   (`reasoning_parser`, `gateway.protocol.reasoning`), the extra sampling fields and
-  seed; `user` is logged only;
+  seed; `user` is logged only; vLLM's `return_token_ids`: the prompt's ids as made here,
+  each choice's the engine's own, handed to its events by the tokens each counts;
   embeddings through `Embed` for an embedding model. Images are not served
   (see `VllmGrpcUpstream.features`).
 
@@ -86,6 +87,7 @@ from gateway.protocol.reasoning import ReasoningSplitter, template_options
 from gateway.protocol.status import error_from_status
 from gateway.protocol.stop import StopMatcher
 from gateway.protocol.tls import WorkerCredentials
+from gateway.protocol.token_ids import IdsByCount
 from gateway.protocol.tool_calls import ChoiceToolCalls
 from gateway.protocol.types import (
     ChatForm,
@@ -137,8 +139,9 @@ _ENCODED: OrderedDict[int, tuple[GenerateRequest, list[int]]] = OrderedDict()
 ENCODED_KEPT = 256
 
 
-#: `Text(text, tokens, index, None)` without the Python frame of a NamedTuple's `__new__`.
-_new_text = cast(Callable[[type[Text], tuple[str, int, int, None]], Text], tuple.__new__)
+#: `Text(text, tokens, index)` without the Python frame of a NamedTuple's `__new__` (its
+#: fields all given: no logprobs, no token ids).
+_new_text = cast(Callable[[type[Text], tuple[str, int, int, None, None]], Text], tuple.__new__)
 
 
 def _tokens_to(pieces: Sequence[str], end: int) -> int:
@@ -249,6 +252,7 @@ class _Choice:
         "detok",
         "done",
         "held",
+        "ids",
         "index",
         "plain",
         "received",
@@ -278,7 +282,10 @@ class _Choice:
             and request.logprobs is None
             and not request.sampling.min_tokens
             and self.thoughts is None
+            and not request.return_token_ids
         )
+        #: The engine's ids, handed to the events by their counts (`return_token_ids`).
+        self.ids = IdsByCount() if request.return_token_ids else None
         if not self.plain:  # a plain choice has neither: `_plain` and `_finish` stand in
             self.stop = StopMatcher(request.stop, request.include_stop)
             self.calls = ChoiceToolCalls(parser, index)
@@ -303,6 +310,7 @@ class VllmGrpcCall(StreamBookkeeping):
         "_metadata",
         "_pending",
         "_polling",
+        "_prompt_ids",
         "_prompt_tokens",
         "_pushing",
         "_request",
@@ -340,6 +348,7 @@ class VllmGrpcCall(StreamBookkeeping):
         self._unread = True  # no message of the engine read yet (its counts)
         self._cached: int | None = None  # its cached count, when Started could not say it
         self._prompt_tokens = 0  # the ids sent, which the engine counts as the prompt
+        self._prompt_ids: tuple[int, ...] | None = None  # them, for `return_token_ids`
         self._listener: Callable[[], None] | None = None
         self._polling = False  # inside `poll`, which hears its own call's end itself
         self._pushing: StreamCall[pb.GenerateResponse] | None = None  # once `listen` said so
@@ -359,7 +368,7 @@ class VllmGrpcCall(StreamBookkeeping):
                     # be waited on apart from taking it, is read at once)
                     if isinstance(call, StreamCall) and not await call.arrived(HEAD_GRACE):
                         self._started = True
-                        return Started(self._prompt_tokens)
+                        return Started(self._prompt_tokens, 0, self._prompt_ids)
                 message = await self._call.read()
             except grpc.RpcError as error:
                 raise self._failed(error) from None
@@ -448,7 +457,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 token = token_ids[0]
                 text = "" if token in hidden else feed_one(token)
                 if text:
-                    ready.append(_new_text(Text, (text, sole.held + 1, 0, None)))
+                    ready.append(_new_text(Text, (text, sole.held + 1, 0, None, None)))
                     sole.held = 0
                     taken += len(text)
                 else:
@@ -491,6 +500,8 @@ class VllmGrpcCall(StreamBookkeeping):
         ids = (_ENCODED and _kept_ids(request)) or await upstream.prompt_ids(request)
         ids = truncated(ids, request, info.max_context_length)  # (truncate_prompt_tokens)
         self._prompt_tokens = prompt_tokens = len(ids)
+        if request.return_token_ids:
+            self._prompt_ids = tuple(ids)
         max_tokens = check_context(request, prompt_tokens, info.max_context_length)
         # each choice's text decoded after the prompt, as vLLM's server decodes it
         tokenizer = upstream.tokenizer
@@ -540,7 +551,8 @@ class VllmGrpcCall(StreamBookkeeping):
                     self._cached = chunk.cached_tokens
                 else:
                     self._started = True
-                    self._pending.append(Started(chunk.prompt_tokens, chunk.cached_tokens))
+                    started = Started(chunk.prompt_tokens, chunk.cached_tokens, self._prompt_ids)
+                    self._pending.append(started)
             if choice.plain:  # its logprobs field is not read (a message object each)
                 self._plain(choice, chunk.token_ids)
             elif not choice.done:
@@ -555,7 +567,9 @@ class VllmGrpcCall(StreamBookkeeping):
                 raise failure(f"The vLLM worker ended the answer: {done.finish_reason or '?'}")
             if not self._started:  # nothing streamed before: the engine's counts alone
                 self._started = True
-                self._pending.append(Started(done.prompt_tokens, done.cached_tokens))
+                self._pending.append(
+                    Started(done.prompt_tokens, done.cached_tokens, self._prompt_ids)
+                )
             if not choice.done:
                 if not choice.received:  # a choice whose tokens came only here
                     self._text(choice, done.output_ids, done.output_logprobs)
@@ -602,7 +616,9 @@ class VllmGrpcCall(StreamBookkeeping):
                 ids = [i for i in ids if i not in hidden]
             text = choice.detok.feed(ids)
         if text:
-            self._pending.append(_new_text(Text, (text, choice.held + count, choice.index, None)))
+            self._pending.append(
+                _new_text(Text, (text, choice.held + count, choice.index, None, None))
+            )
             choice.held = 0
         else:
             choice.held += count
@@ -613,6 +629,8 @@ class VllmGrpcCall(StreamBookkeeping):
             return
         hidden, request = self._hidden, self._request
         ids = list(token_ids)
+        first = len(self._pending)  # where this message's events start
+        sampled = ids
         scores = None if request.logprobs is None else self._logprobs(ids, logprobs)
         received, count = choice.received, len(ids)
         choice.received = received + count
@@ -632,6 +650,7 @@ class VllmGrpcCall(StreamBookkeeping):
                 dropped = len(ids) - _tokens_to(pieces, stop.end)
                 choice.received -= dropped
                 count -= dropped
+                sampled = sampled[: len(sampled) - dropped]
                 if scores:
                     scores = scores[: len(scores) - dropped]
         else:
@@ -642,6 +661,9 @@ class VllmGrpcCall(StreamBookkeeping):
             split = thoughts.last(released) if stopped else thoughts.feed(released)
             released, count = self._think(choice, split, count)
         self._pending.extend(choice.calls.feed(released, count, scores))
+        if choice.ids is not None:
+            choice.ids.add(sampled)
+            self._with_ids(choice.ids, first)
         if stopped:  # a stop string: the choice ends here, before the engine's end
             self._finish(choice, FinishReason.STOP, choice.received, self._cached, flush=False)
 
@@ -669,6 +691,7 @@ class VllmGrpcCall(StreamBookkeeping):
     ) -> None:
         # The detokenizer is not flushed: the first bytes of a character the answer ended in
         # are dropped, as vLLM's server drops them (its detokenizer's text is all it says).
+        first = len(self._pending)
         if choice.plain:
             stop = ""
         else:
@@ -682,12 +705,21 @@ class VllmGrpcCall(StreamBookkeeping):
             stop = choice.stop.matched if reason is FinishReason.STOP else ""
         tokens = max(completion_tokens, choice.received)
         self._pending.append(Finished(reason, tokens, None, choice.index, stop, cached_tokens))
+        if choice.ids is not None:
+            self._with_ids(choice.ids, first)
         choice.done = True
         self._left -= 1
         if self._left == 0:
             if not all(c.completed for c in self._choices):  # stop strings ended it: stop it
                 self._abort()
             self.close()
+
+    def _with_ids(self, ids: IdsByCount, first: int) -> None:
+        """The events pending from `first` on (of one choice), each with its ids."""
+        pending = self._pending
+        made = [pending.pop() for _ in range(len(pending) - first)]
+        made.reverse()
+        pending.extend(ids.attach(made))
 
     def _abort(self) -> None:
         if self._call is not None:
@@ -766,6 +798,7 @@ GENERATIVE = (
         features.INCLUDE_STOP,  # the gateway matches the stop strings
         features.SKIP_SPECIAL_TOKENS,  # and decodes the answer
         features.TRUNCATE_PROMPT_TOKENS,  # and tokenizes the prompt
+        features.RETURN_TOKEN_IDS,  # the prompt's ids made here, the answer's the engine's
     }
     | features.STRUCTURED
 )

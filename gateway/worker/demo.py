@@ -30,6 +30,10 @@ tests rely on:
 - `skip_special_tokens`: taken; a word is never a special token, so the text is the same.
 - `truncate_prompt_tokens` N: the prompt counts its last N words (-1: what the context leaves
   beside `max_tokens`), and the echo is of the last N words of its text at most.
+- `return_token_ids`: a token's id is the CRC-32 of its text's UTF-8 bytes without the
+  spaces before it (a word's, as Tokenize's; a piece of JSON's or of a call's arguments):
+  `Started` has the prompt's ids (Tokenize's, the last N with `truncate_prompt_tokens`),
+  each event its token's; it has no end of sequence, so `Finished` carries none.
 - `min_tokens`: the echo's words repeat until there are that many tokens;
   `ignore_eos` (which then needs `max_tokens`) repeats them up to `max_tokens`.
 - Embeddings: 32 values from the SHA-256 of the input (a text, or token ids
@@ -216,6 +220,19 @@ def _pieces(text: str) -> list[str]:
     return [text[i : i + JSON_PIECE] for i in range(0, len(text), JSON_PIECE)] or [""]
 
 
+def _word_ids(words: Sequence[str]) -> list[int]:
+    """Each word's id: the CRC-32 of its UTF-8 bytes."""
+    return [zlib.crc32(word.encode()) for word in words]
+
+
+def _with_id(step: Reasoning | Text | ToolCallDelta) -> Reasoning | Text | ToolCallDelta:
+    """A step of the answer with its token's id (a call's first piece, no token, none)."""
+    if not step.tokens:
+        return step
+    piece = step.arguments if type(step) is ToolCallDelta else step.text  # type: ignore[union-attr]
+    return step._replace(token_ids=tuple(_word_ids([piece.lstrip(" ")])))
+
+
 def cached_words(head: bytes, chat: bool) -> int:
     """The words of a prompt's cached bytes `head` (as `prompt_bytes` renders it:
     role NUL content NUL per message for a chat), each followed by its separator
@@ -242,6 +259,7 @@ class DemoEngine(Engine):
             features.RESPONSE_FORMAT,
             features.STRUCTURED_CHOICE,
             features.USER,
+            features.RETURN_TOKEN_IDS,
             features.MIN_TOKENS,
             features.IGNORE_EOS,
             features.DIMENSIONS,
@@ -320,7 +338,7 @@ class DemoEngine(Engine):
     async def tokenize(self, request: GenerateRequest) -> list[int]:
         """One id per word (see the module's rules), each word kept for Detokenize."""
         words = self._words(request)
-        ids = [zlib.crc32(word.encode()) for word in words]
+        ids = _word_ids(words)
         vocabulary = self._vocabulary
         for token, word in zip(ids, words, strict=True):
             if token in vocabulary:
@@ -366,7 +384,14 @@ class DemoEngine(Engine):
         try:
             budget = check_context(request, prompt_tokens, self.max_context)
             calls = self._calls(request, last)
-            steps = itertools.chain(self._thought(request, last), self._steps(request, last, calls))
+            steps: Iterator[Reasoning | Text | ToolCallDelta] = itertools.chain(
+                self._thought(request, last), self._steps(request, last, calls)
+            )
+            prompt_ids = None
+            if request.return_token_ids:  # a map of its own: the others' steps pay nothing
+                words = self._words(request)
+                prompt_ids = tuple(_word_ids(words[len(words) - prompt_tokens :]))
+                steps = map(_with_id, steps)
         except BaseException:
             self.refused += 1
             raise
@@ -375,7 +400,7 @@ class DemoEngine(Engine):
         done = False
         uncached, cached = self._admit(request)
         try:
-            yield Started(prompt_tokens, cached)
+            yield Started(prompt_tokens, cached, prompt_ids)
             if uncached and self.prefill_delay:
                 await asyncio.sleep(uncached * self.prefill_delay)
             tokens = 0

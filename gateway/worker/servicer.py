@@ -21,7 +21,10 @@ Stop strings are matched per choice. Logprobs follow the text: a token's logprob
 goes out in the `Text` that releases the end of its text (at once, without stop
 strings); when a stop string cuts the answer, the tokens whose text starts
 before the cut keep theirs and the rest (wholly inside the stop string) are
-dropped. `Text.tokens` still counts every generated token, as usage does.
+dropped. `Text.tokens` still counts every generated token, as usage does, and
+with `return_token_ids` (which engines list) a `Text` carries the ids of the tokens it
+counts, those of text a stop string cut too (`_IdsChoice`, a request's own choices, so
+the others' token path reads no ids).
 
 Tokenize and Detokenize (vLLM's /tokenize and /detokenize) reach an engine that lists
 "tokenize" only (else INVALID_ARGUMENT naming `model`, as CountTokens from an engine
@@ -44,7 +47,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
@@ -54,6 +57,7 @@ from gateway.protocol.convert import (
     embed_request_from_proto,
     embeddings_to_proto,
     event_to_proto,
+    event_with_ids_to_proto,
     request_from_proto,
 )
 from gateway.protocol.kv_proto import batch_to_proto
@@ -316,6 +320,36 @@ class _Choice:
         return event
 
 
+class _IdsChoice(_Choice):
+    """A choice of a request that asked for token ids (`return_token_ids`): its `Text`
+    carries the ids of the tokens it counts, those of text a stop string cut or holds
+    back too (so the choice's ids joined are all it generated). A class of its own: the
+    other requests' token path reads no ids."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, index: int, stops: tuple[str, ...], include_stop: bool = False) -> None:
+        super().__init__(index, stops, include_stop)
+        self.ids: list[int] = []  # of the tokens not yet in a sent Text
+
+    def text(self, event: Text) -> bool:
+        if event.token_ids:
+            self.ids.extend(event.token_ids)
+        return super().text(event)
+
+    def take(self) -> Text | None:
+        ids = self.ids
+        if not ids:
+            return super().take()
+        self.ids = []
+        event = super().take()
+        if event is None:  # no text: a stop string's tokens, say
+            event = Text("", self.unsent, self.index, None, tuple(ids))
+            self.unsent = 0
+            return event
+        return event._replace(token_ids=tuple(ids))
+
+
 async def _abort(
     context: grpc.aio.ServicerContext[Any, Any], error: errors.GatewayError
 ) -> NoReturn:
@@ -487,17 +521,26 @@ class EngineService(pb_grpc.EngineServicer):
             raise errors.Busy("The worker is full.")
         self.active += ours.n
         events = self._read_ahead(ours)
-        choices = [_Choice(i, ours.stop, ours.include_stop) for i in range(ours.n)]
+        kind, convert = (
+            (_IdsChoice, event_with_ids_to_proto)
+            if ours.return_token_ids
+            else (_Choice, event_to_proto)
+        )
+        choices = [kind(i, ours.stop, ours.include_stop) for i in range(ours.n)]
         fan_out = not engine.native_n and ours.n > 1
         try:
-            async for event in self._messages(events, choices, fan_out):
+            async for event in self._messages(events, choices, fan_out, convert):
                 yield event
         finally:
             self.active -= ours.n
             await events.aclose()
 
     async def _messages(
-        self, events: _ReadAhead, choices: list[_Choice], fan_out: bool
+        self,
+        events: _ReadAhead,
+        choices: list[_Choice],
+        fan_out: bool,
+        convert: Callable[[Event], pb.GenerateEvent] = event_to_proto,
     ) -> AsyncIterator[pb.GenerateEvent]:
         n = left = len(choices)
         while batch := await events.batch():
@@ -557,7 +600,7 @@ class EngineService(pb_grpc.EngineServicer):
                     if text is not None:
                         out.append(text)
             for event in out:
-                yield event_to_proto(event)
+                yield convert(event)
             if not left:
                 return
         raise errors.Failed("The engine ended the answer without Finished.")

@@ -16,6 +16,10 @@ probabilities are the model's own (log-softmax of its raw logits, vLLM's
 default `raw_logprobs`). Text is decoded incrementally and released only once
 stable, so a character split over several tokens is never sent in halves.
 
+Token ids (vLLM's `return_token_ids`): `Started` has the prompt's ids as encoded, and
+each event the sampled ids of the tokens it counts, in order; `Finished` the rest (the
+end of sequence, which no text holds), so a choice's ids are every token it generated.
+
 Embeddings are the last hidden state, mean-pooled and L2-normalized.
 
 Tokenize gives the ids `generate` encodes (those `count_tokens` counts), with
@@ -78,6 +82,7 @@ from gateway.protocol import features
 from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.detokenize import IncrementalDetokenizer
 from gateway.protocol.errors import Failed, Invalid, TooLong
+from gateway.protocol.token_ids import IdsByCount
 from gateway.protocol.tool_calls import (
     PARSERS,
     ChoiceToolCalls,
@@ -134,6 +139,7 @@ _SERVED = features.SAMPLING | {
     *features.CHAT_END,
     features.SKIP_SPECIAL_TOKENS,
     features.TRUNCATE_PROMPT_TOKENS,
+    features.RETURN_TOKEN_IDS,
 }
 
 
@@ -523,6 +529,27 @@ class _Sequence:
         self.cache = None
 
 
+class _IdsSequence(_Sequence):
+    """A sequence whose events carry their tokens' ids (`return_token_ids`): each step's
+    sampled id, handed out by the events' counts (`IdsByCount`). A class of its own: the
+    other requests' steps read no ids."""
+
+    def __init__(
+        self,
+        engine: TransformersEngine,
+        request: GenerateRequest,
+        prepared: _Prepared,
+        budget: int,
+    ) -> None:
+        super().__init__(engine, request, prepared, budget)
+        self.sampled = IdsByCount()
+
+    def step(self) -> list[Event]:
+        events = super().step()
+        self.sampled.add((int(self.ids[0, self.length - 1]),))  # the step's token
+        return self.sampled.attach(events)
+
+
 class TransformersEngine(Engine):
     """A Hugging Face causal LM from a local folder, served as a worker's engine.
 
@@ -781,12 +808,14 @@ class TransformersEngine(Engine):
         if max_tokens is not None and max_tokens < 1:
             raise Invalid("max_tokens must be at least 1.", param="max_tokens")
         budget = check_context(request, prompt_tokens, self.max_context)
-        sequence = _Sequence(self, request, prepared, budget)
+        kind = _IdsSequence if request.return_token_ids else _Sequence
+        sequence = kind(self, request, prepared, budget)
         self.running += 1
         done = False
         pending: Future[list[Event]] | None = None
         try:
-            yield Started(prompt_tokens)
+            prompt_ids = tuple(prepared.prompt) if request.return_token_ids else None
+            yield Started(prompt_tokens, 0, prompt_ids)
             while True:
                 pending = self._executor.submit(sequence.step)
                 for event in await asyncio.wrap_future(pending):

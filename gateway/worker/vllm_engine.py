@@ -97,6 +97,7 @@ from gateway.protocol.chat import message_dict, tool_dict
 from gateway.protocol.errors import Failed, Invalid, TooLong, Unavailable
 from gateway.protocol.kv_blocks import EngineLoad
 from gateway.protocol.kv_zmq import ZmqKvSubscriber
+from gateway.protocol.token_ids import IdsByCount
 from gateway.protocol.tool_calls import (
     CallPiece,
     ChoiceToolCalls,
@@ -163,7 +164,7 @@ GENERATING = (
     }
     | features.STRUCTURED
     | features.CHAT_END
-    | {features.SKIP_SPECIAL_TOKENS, features.TRUNCATE_PROMPT_TOKENS}
+    | {features.SKIP_SPECIAL_TOKENS, features.TRUNCATE_PROMPT_TOKENS, features.RETURN_TOKEN_IDS}
 )
 
 
@@ -578,7 +579,8 @@ class VllmEngine(Engine):
         outputs = llm.generate(
             prompt, params, request_id, lora_request=self._loras.get(request.model)
         )
-        choices = [_Choice(i, plan, request.logprobs) for i in range(max(request.n, 1))]
+        kind = _IdsChoice if request.return_token_ids else _Choice
+        choices = [kind(i, plan, request.logprobs) for i in range(max(request.n, 1))]
         copied = params.n < len(choices)  # greedy: vLLM's one answer is every choice's
         started = done = False
         try:
@@ -588,7 +590,9 @@ class VllmEngine(Engine):
                     started = True
                     # the prompt's tokens its prefix cache held (an older vLLM: none said)
                     cached = getattr(output, "num_cached_tokens", None) or 0
-                    yield Started(len(output.prompt_token_ids or ()) or (length or 0), cached)
+                    prompt_ids = output.prompt_token_ids or ()
+                    ids = tuple(prompt_ids) if request.return_token_ids else None
+                    yield Started(len(prompt_ids) or (length or 0), cached, ids)
                 for completion in output.outputs:
                     for choice in choices if copied else (choices[completion.index],):
                         for event in choice.step(completion):
@@ -936,3 +940,20 @@ class _Choice:
         events = self.calls.finish()
         events.append(Finished(self.calls.finish_reason(reason), self.tokens, index=self.index))
         return events
+
+
+class _IdsChoice(_Choice):
+    """A choice whose events carry their tokens' ids (`return_token_ids`): each step's
+    ids (vLLM's, the end of sequence's too), handed out by the events' counts
+    (`IdsByCount`). A class of its own: the other requests' steps read no ids."""
+
+    def __init__(self, index: int, plan: _ToolPlan, logprobs: int | None) -> None:
+        super().__init__(index, plan, logprobs)
+        self.sampled = IdsByCount()
+
+    def step(self, completion: Any) -> list[Event]:
+        self.sampled.add(completion.token_ids)
+        return self.sampled.attach(super().step(completion))
+
+    def finish(self, vllm_reason: str) -> list[Event]:
+        return self.sampled.attach(super().finish(vllm_reason))

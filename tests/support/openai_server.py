@@ -34,6 +34,12 @@ DIMENSIONS = 16
 CACHED = 2
 #: Seconds `stop` waits for the connections to close before it ends them.
 STOP_GRACE = 2.0
+#: With vLLM's `return_token_ids`: the prompt's ids its first chunk says, each chunk's
+#: token's id after the role's (one a chunk, from `FIRST_ID`), and the end of sequence's,
+#: which its finish chunk carries (as vLLM's, whose text holds none of it).
+PROMPT_IDS = [101, 102, 103]
+FIRST_ID = 7
+EOS_ID = 2
 
 
 def embedding(item: str | list[int], dimensions: int = DIMENSIONS) -> list[float]:
@@ -183,16 +189,22 @@ class OpenAIServer:
             {"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
         ]
         tokens = len(deltas) - 1
+        ids = bool(body.get("return_token_ids"))
+        if ids:  # vLLM's: the prompt's in the role's chunk, then a token's a chunk
+            chunks[0]["prompt_token_ids"] = PROMPT_IDS
+            for i, chunk in enumerate(chunks[1:]):
+                chunk["choices"][0]["token_ids"] = [FIRST_ID + i]
         # as vLLM's with --enable-prompt-tokens-details: CACHED of the prompt's 3 held
         usage = {
             "prompt_tokens": 3,
             "completion_tokens": tokens,
             "prompt_tokens_details": {"cached_tokens": CACHED},
         }
-        chunks += [
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
-            {"choices": [], "usage": usage},
-        ]
+        finish: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": reason}
+        if ids:
+            finish["token_ids"] = [EOS_ID]
+            usage["completion_tokens"] = tokens + 1
+        chunks += [{"choices": [finish]}, {"choices": [], "usage": usage}]
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
         if not self.pace:
             return StreamingResponse(iter(lines), media_type="text/event-stream")

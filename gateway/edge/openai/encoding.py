@@ -13,6 +13,12 @@ choice by choice
 through the templates, one chunk per run of a choice's text in a batch; a
 choice's opening, its finish and its tool calls' pieces are built as dicts.
 
+vLLM's `return_token_ids` takes the events path too, its text chunks built as dicts:
+the prompt's ids (the worker's `Started`) in a chat's top level (a stream's: each
+choice's opening) or in each completion's choice (a stream's: its first chunk), and
+every chunk's choice the ids of the events it was made of, so that a choice's chunks'
+ids joined are all its tokens' (the end of sequence's in its finish chunk).
+
 A stream that asks for OpenAI's padding (`stream_options.include_obfuscation`) has
 encoder classes of their own (`OBFUSCATED`), which pad every chunk they make
 (`obfuscated`): a stream that does not ask runs none of it.
@@ -141,12 +147,14 @@ class _Choice:
 
     __slots__ = (
         "calls",
+        "ids",
         "length",
         "logprobs",
         "opened",
         "pieces",
         "prefix",
         "reason",
+        "shown_prompt",
         "thoughts",
         "tokens",
     )
@@ -161,6 +169,8 @@ class _Choice:
         self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
         self.reason: FinishReason | None = None
         self.thoughts: list[str] = []  # whole answers: its reasoning's pieces
+        self.ids: list[int] = []  # whole answers: its token ids (`return_token_ids`)
+        self.shown_prompt = False  # streams: a chunk carried the prompt's ids
 
 
 class Encoder:
@@ -172,11 +182,14 @@ class Encoder:
     `include_usage`) puts in every chunk of a stream the usage so far of its choice:
     the prompt's tokens (the worker's `Started`) and the choice's tokens sent, its
     finish chunk counting all of them (the `Finished`). `reasoning` False leaves a
-    reasoning model's reasoning out (its tokens still counted)."""
+    reasoning model's reasoning out (its tokens still counted). `token_ids` (vLLM's
+    `return_token_ids`) writes the prompt's and the choices' token ids."""
 
     id_prefix: ClassVar[str]
     object_full: ClassVar[str]
     object_chunk: ClassVar[str]
+    #: Whether an echo is written with `token_ids` (vLLM's completions leave it out).
+    echo_with_ids: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -190,6 +203,7 @@ class Encoder:
         named_tool: bool = False,
         continuous_usage: bool = False,
         reasoning: bool = True,
+        token_ids: bool = False,
     ) -> None:
         # secrets.token_hex(12) is this, through two Python frames
         self.id = f"{self.id_prefix}-{os.urandom(12).hex()}"
@@ -205,6 +219,10 @@ class Encoder:
         self.reasoning_tokens = 0  # of the answer's tokens, its reasoning's
         self.show_reasoning = reasoning  # False: left out (its tokens still counted)
         self.logprobs = logprobs
+        self.token_ids = token_ids
+        self._prompt_ids: list[int] = []  # the worker's `Started` says them (`token_ids`)
+        if token_ids and not self.echo_with_ids:
+            echo = None
         self.echo = echo or ""
         self.plain = (
             choices == 1
@@ -212,6 +230,7 @@ class Encoder:
             and not tools
             and echo is None
             and not self.continuous_usage
+            and not token_ids
         )
         # every stream chunk's bytes up to its choices, and after them where the usage is null
         head = orjson.dumps(self._head_of(self.object_chunk))
@@ -245,14 +264,18 @@ class Encoder:
     def _head_of(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0) -> bytes:
-        """A stream chunk of one choice (its bytes as `sse` would make them)."""
+    def _chunk(
+        self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0, top: bytes = b""
+    ) -> bytes:
+        """A stream chunk of one choice (its bytes as `sse` would make them); `top`: more
+        of the chunk's keys after its choices (`,"key":value`)."""
         choices = [{"index": index, **choice, "finish_reason": self._reason(reason)}]
         if not self.continuous_usage:
-            return self._start + orjson.dumps(choices) + self._end
+            return self._start + orjson.dumps(choices) + top + self._end
         opened = self._choices.get(index)
         usage = None if opened is None else _usage(self._prompt_tokens, opened.tokens)
-        return self._start + orjson.dumps(choices) + b',"usage":' + orjson.dumps(usage) + _END
+        usage_json = b',"usage":' + orjson.dumps(usage)
+        return self._start + orjson.dumps(choices) + top + usage_json + _END
 
     def _closed(self, tail: bytes, choice: _Choice) -> bytes:
         """A text chunk's `tail` (its bytes after the delta or the logprobs), with the
@@ -298,6 +321,15 @@ class Encoder:
         """A stream chunk carrying a piece of reasoning (only chats have any: an
         upstream's reasoning is read from chat chunks alone)."""
         return b""
+
+    def ids_of(
+        self, choice: dict[str, Any], ids: Sequence[int] | None, index: int
+    ) -> dict[str, Any]:
+        """A stream chunk's or an answer's `choice` with its token ids, where the
+        request asked for them (`token_ids`): those given, [] for none."""
+        if self.token_ids:
+            choice["token_ids"] = list(ids or ())
+        return choice
 
     # The fast path: one choice of plain text.
 
@@ -364,7 +396,12 @@ class Encoder:
         body["choices"] = choices
         usage = _usage(prompt_tokens, completion_tokens, self.reasoning_tokens, cached_tokens)
         body["usage"] = usage
+        if self.token_ids:
+            self.answer_ids(body)
         return orjson.dumps(body)
+
+    def answer_ids(self, body: dict[str, Any]) -> None:
+        """A whole answer's prompt's ids, where its kind writes them beside its choices."""
 
     # Every other answer: events choice by choice.
 
@@ -384,6 +421,7 @@ class Encoder:
         for event in batch:
             if type(event) is Started:
                 self._prompt_tokens = event.prompt_tokens
+                self._prompt_ids = list(event.prompt_token_ids or ())
                 continue
             if isinstance(event, Text):
                 if run and run[0].index != event.index:
@@ -406,7 +444,8 @@ class Encoder:
                 opening = self._opened(event.index)
                 choice = self._choices[event.index]
                 choice.tokens = max(choice.tokens, event.completion_tokens)
-                finish = self._chunk(self.delta_choice(None), event.reason, event.index)
+                ended = self.ids_of(self.delta_choice(None), event.token_ids, event.index)
+                finish = self._chunk(ended, event.reason, event.index)
                 out.append(opening + finish)
         if run:
             out.append(self._text_chunk(run))
@@ -429,6 +468,8 @@ class Encoder:
         if self.continuous_usage:  # the count only its usage reads
             choice.tokens += sum(t.tokens for t in run)
         text = run[0].text if len(run) == 1 else "".join(t.text for t in run)
+        if self.token_ids:
+            return opening + self._ids_text_chunk(choice, run, text)
         if not self.logprobs:
             if not text:
                 return opening
@@ -445,6 +486,24 @@ class Encoder:
             + orjson.dumps(self.logprobs_json(logprobs))
             + self._closed(self._after_logprobs, choice)
         )
+
+    def _ids_text_chunk(self, choice: _Choice, run: list[Text], text: str) -> bytes:
+        """`_text_chunk`'s chunk with the run's token ids, built as a dict (unpadded:
+        an obfuscating encoder pads it as any text chunk); one of empty text is written
+        where it carries ids (a stop string's, cut from the text), as vLLM writes it."""
+        if self.logprobs:
+            logprobs = self._logprobs_of(choice, run)
+        else:
+            logprobs = []
+            choice.length += len(text)
+        ids = [i for t in run if t.token_ids for i in t.token_ids]
+        if not text and not logprobs and not ids:
+            return b""
+        body = self.delta_choice(text)
+        if self.logprobs:
+            body["logprobs"] = self.logprobs_json(logprobs)
+        index = run[0].index
+        return Encoder._chunk(self, self.ids_of(body, ids, index), None, index)
 
     @staticmethod
     def _logprobs_of(choice: _Choice, texts: Sequence[Text]) -> list[Logprob]:
@@ -470,6 +529,8 @@ class Encoder:
     def add(self, batch: list[Event]) -> None:
         """Gathers a batch of events, of any choices, for `answer`."""
         for event in batch:
+            if self.token_ids:
+                self._add_ids(event)
             if isinstance(event, Text):
                 choice = self._choice(event.index)
                 choice.pieces.append(event.text)
@@ -488,6 +549,13 @@ class Encoder:
             elif isinstance(event, Finished):
                 self._choice(event.index).reason = event.reason
 
+    def _add_ids(self, event: Event) -> None:
+        """Gathers an event's token ids (`token_ids`): the prompt's, or its choice's."""
+        if isinstance(event, Started):
+            self._prompt_ids = list(event.prompt_token_ids or ())
+        elif event.token_ids:
+            self._choice(event.index).ids += event.token_ids
+
     def answer(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The whole answer from what `add` gathered, choices by index."""
         choices = []
@@ -504,7 +572,8 @@ class Encoder:
             logprobs = self.logprobs_json(choice.logprobs) if self.logprobs else None
             reasoning = "".join(choice.thoughts)
             full = self.full_choice("".join(choice.pieces), logprobs, calls, reasoning)
-            choices.append({"index": index, **full, "finish_reason": self._reason(choice.reason)})
+            full = {"index": index, **full, "finish_reason": self._reason(choice.reason)}
+            choices.append(self.ids_of(full, choice.ids, index))
         return self._body(choices, prompt_tokens, completion_tokens, cached_tokens)
 
 
@@ -552,11 +621,27 @@ class ChatEncoder(Encoder):
             ]
         }
 
+    def ids_of(
+        self, choice: dict[str, Any], ids: Sequence[int] | None, index: int
+    ) -> dict[str, Any]:
+        """A chat's choices' ids are null where its reasoning is left out
+        (`include_reasoning` false): they would show the reasoning's tokens, as vLLM's
+        server hides them."""
+        if self.token_ids:
+            choice["token_ids"] = list(ids or ()) if self.show_reasoning else None
+        return choice
+
+    def answer_ids(self, body: dict[str, Any]) -> None:
+        """The prompt's ids at the answer's top level."""
+        body["prompt_token_ids"] = self._prompt_ids
+
     def open_choice(self, index: int) -> bytes:
-        """Chat streams open each choice with the assistant's role and empty content,
-        then the echoed message (vLLM's chat `echo`) in a chunk of its own, as vLLM's."""
+        """Chat streams open each choice with the assistant's role and empty content
+        (with `token_ids`, the prompt's ids at the chunk's top level), then the echoed
+        message (vLLM's chat `echo`) in a chunk of its own, as vLLM's."""
         delta = {"role": "assistant", "content": ""}
-        opening = self._chunk({"delta": delta, "logprobs": None}, None, index)
+        top = b',"prompt_token_ids":' + orjson.dumps(self._prompt_ids) if self.token_ids else b""
+        opening = self._chunk({"delta": delta, "logprobs": None}, None, index, top)
         if not self.echo:
             return opening
         return opening + self._chunk(self.delta_choice(self.echo), None, index)
@@ -571,15 +656,16 @@ class ChatEncoder(Encoder):
             call["function"] = {"name": event.name, "arguments": event.arguments}
         else:
             call["function"] = {"arguments": event.arguments}
-        return self._chunk({"delta": {"tool_calls": [call]}, "logprobs": None}, None, event.index)
+        choice = {"delta": {"tool_calls": [call]}, "logprobs": None}
+        return self._chunk(self.ids_of(choice, event.token_ids, event.index), None, event.index)
 
     def reasoning_chunk(self, event: Reasoning) -> bytes:
         """vLLM's: the piece in the delta's `reasoning`."""
         self.reasoning_tokens += event.tokens
-        if not event.text or not self.show_reasoning:
+        if not self.show_reasoning or not (event.text or (self.token_ids and event.token_ids)):
             return b""
-        delta = {"reasoning": event.text}
-        return self._chunk({"delta": delta, "logprobs": None}, None, event.index)
+        choice = {"delta": {"reasoning": event.text}, "logprobs": None}
+        return self._chunk(self.ids_of(choice, event.token_ids, event.index), None, event.index)
 
 
 class CompletionEncoder(Encoder):
@@ -588,6 +674,20 @@ class CompletionEncoder(Encoder):
     id_prefix = "cmpl"
     object_full = "text_completion"
     object_chunk = "text_completion"
+    echo_with_ids = False  # vLLM's server writes the prompt's ids instead
+
+    def ids_of(
+        self, choice: dict[str, Any], ids: Sequence[int] | None, index: int
+    ) -> dict[str, Any]:
+        """A completion's prompt's ids are in its choice: a whole answer's each, a
+        stream's first chunk of each."""
+        if self.token_ids:
+            opened = self._choice(index)
+            if not opened.shown_prompt:
+                opened.shown_prompt = True
+                choice["prompt_token_ids"] = self._prompt_ids
+            choice["token_ids"] = list(ids or ())
+        return choice
 
     def delta_choice(self, text: str | None) -> dict[str, Any]:
         return {"text": text or "", "logprobs": None}
@@ -630,8 +730,10 @@ class _Obfuscating(Encoder):
     def delta(self, text: str) -> bytes:
         return obfuscated(super().delta(text))
 
-    def _chunk(self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0) -> bytes:
-        return obfuscated(super()._chunk(choice, reason, index))
+    def _chunk(
+        self, choice: dict[str, Any], reason: FinishReason | None, index: int = 0, top: bytes = b""
+    ) -> bytes:
+        return obfuscated(super()._chunk(choice, reason, index, top))
 
     def _text_chunk(self, run: list[Text]) -> bytes:
         opening = self._opened(run[0].index)  # padded by `_chunk`; the base's is then b""

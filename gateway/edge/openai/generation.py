@@ -184,6 +184,7 @@ class GenerationRoute(RequestRoute[Exchange]):
             and generate.tool_choice not in ("", "none", "auto", "required"),
             continuous_usage=parsed.continuous_usage,
             reasoning=parsed.show_reasoning,
+            token_ids=generate.return_token_ids,
         )
 
     async def serve(self, ex: Exchange) -> None:

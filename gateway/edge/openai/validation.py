@@ -99,7 +99,6 @@ UNSERVED: dict[str, Any] = {
     "length_penalty": None,
     # more of vLLM's: what they ask changes the answer or how the engine runs it
     "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
     "spaces_between_special_tokens": True,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
@@ -428,6 +427,8 @@ _SKIP_SPECIAL = "skip_special_tokens"
 _TRUNCATE = "truncate_prompt_tokens"
 #: vLLM's: the fewest tokens of a choice in each chunk of a stream after its first.
 _INTERVAL = "stream_interval"
+#: vLLM's: the answer carries the prompt's and each choice's token ids.
+_RETURN_IDS = "return_token_ids"
 
 
 def _truncation(body: Mapping[str, Any]) -> int | None:
@@ -483,6 +484,7 @@ def _common(
         session=_cache_key(body) if "prompt_cache_key" in body else "",
         **text_options(body),
         truncate_prompt_tokens=_truncation(body) if _TRUNCATE in body else None,
+        return_token_ids=_flag(body, _RETURN_IDS) if _RETURN_IDS in body else False,
         **fields,
     )
     return (ObfuscatedRequest if obfuscate else ParsedRequest)(

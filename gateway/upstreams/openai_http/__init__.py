@@ -27,6 +27,9 @@ vLLM's own server sends it (the client's work on a head then overlaps the prefil
 about 1 ms of added TTFT on a 2-core VM, `benchmarks/bench_vllm.py --relay`). The
 prompt tokens ride on `Finished` from their usage chunk (with its
 `prompt_tokens_details.cached_tokens`, which vLLM sends with `--enable-prompt-tokens-details`).
+A request of vLLM's `return_token_ids` is sent on; its `Started` waits for their first event
+(its chunk says the prompt's ids), and each chunk's `token_ids` ride on the events it made
+(`sse.IdsStream`, which parses every line whole: the plain requests keep the fast path).
 
 One job a module:
 

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from gateway.protocol import errors
 from gateway.protocol.http1 import BAD_RESPONSE, Connection, Pool
-from gateway.protocol.types import Event, Reasoning, Started, Text
+from gateway.protocol.types import Event, Reasoning, Text
 from gateway.upstreams.base import CANCELLED, HEAD_GRACE, CallEnd, StreamBookkeeping
 from gateway.upstreams.openai_http.sse import _Stream
 from gateway.upstreams.openai_http.translate import MAX_ERROR_BYTES, error_from_response
@@ -109,7 +109,7 @@ class _RawCall(StreamBookkeeping):
         try:
             if not self._opened:
                 await self._open()
-                return Started(0)
+                return self._stream.started()
             await self._wait()
         except errors.GatewayError as error:
             self._end(error)
@@ -241,7 +241,7 @@ class _RawCall(StreamBookkeeping):
 
     def head(self, status: int) -> None:
         self._status = status
-        if status == 200:
+        if status == 200 and self._stream.grace:
             self._grace = asyncio.get_running_loop().call_later(HEAD_GRACE, self._accept)
 
     def body(self, data: bytes) -> None:

@@ -37,6 +37,7 @@ from gateway.protocol.types import (
     Finished,
     FinishReason,
     Reasoning,
+    Started,
     Text,
     TokenLogprob,
     ToolCallDelta,
@@ -113,6 +114,8 @@ class _Stream:
     _quoted = _string = slice(0)  # its text's string, quoted: in its line, in a read
     _template_index = 0
     _kind: type[Text] | type[Reasoning] = Text  # what its strings are
+    #: `Started` may go out `HEAD_GRACE` after their head, before their first event.
+    grace = True
 
     def __init__(self, chat: bool, n: int) -> None:
         self._chat = chat
@@ -124,6 +127,10 @@ class _Stream:
         self._reasons: dict[int, FinishReason] = {}  # in the order the choices finished
         self._stops: dict[int, str] = {}  # the stop string that ended a choice (vLLM says)
         self._key = b'"content":' if chat else b'"text":'  # the template's text's key
+
+    def started(self) -> Started:
+        """The call's `Started`: their stream says no prompt's size."""
+        return Started(0)
 
     def feed(self, data: bytes) -> None:
         """Parses the complete lines of `data` (and of what came before it)."""
@@ -473,3 +480,62 @@ class _Stream:
         reason = self._reasons.get(index, FinishReason.STOP)
         stop = self._stops.get(index, "")
         return Finished(reason, count, self._prompt_tokens, index, stop, self._cached_tokens)
+
+
+class IdsStream(_Stream):
+    """The stream of a request that asked for token ids (vLLM's `return_token_ids`):
+    every line parsed whole (no template: the fast path stays the plain requests'), the
+    prompt's ids read from the first chunk (a chat's top level; a completion's choice)
+    for `Started`, which waits for their first event (no `grace`), and each chunk's
+    `token_ids` put on the first event it made, or, where it made none (a finish, an
+    end of sequence), on that choice's next one or its `Finished`, in order: a choice's
+    events' ids joined are theirs."""
+
+    grace = False
+
+    def __init__(self, chat: bool, n: int) -> None:
+        super().__init__(chat, n)
+        self._prompt_ids: tuple[int, ...] | None = None
+        self._loose: dict[int, list[int]] = {}  # ids on no event yet, per choice
+
+    def started(self) -> Started:
+        return Started(0, 0, self._prompt_ids)
+
+    def _learn(self, line: bytes, found: _Found) -> bool:
+        return False
+
+    def _chunk(self, payload: dict[str, Any], line: bytes) -> bool:
+        if self._prompt_ids is None:
+            self._prompt_of(payload)  # a chat's
+        return super()._chunk(payload, line)
+
+    def _prompt_of(self, holder: dict[str, Any]) -> None:
+        ids = holder.get("prompt_token_ids")
+        if type(ids) is list and all(type(i) is int for i in ids):
+            self._prompt_ids = tuple(ids)
+
+    def _choice(self, choice: dict[str, Any], line: bytes) -> bool:
+        if self._prompt_ids is None and not self._chat:
+            self._prompt_of(choice)
+        ids = choice.get("token_ids")
+        if type(ids) is not list or not all(type(i) is int for i in ids):
+            ids = []
+        ready = self.ready
+        before = len(ready)
+        last = ready[-1] if ready else None
+        super()._choice(choice, b"")
+        index = choice.get("index") or 0
+        loose = self._loose.pop(index, [])
+        if len(ready) > before:  # its first new event takes them
+            first = ready[before]
+            ready[before] = first._replace(token_ids=(*loose, *ids))  # type: ignore[call-arg]
+        elif ready and ready[-1] is not last:  # merged into the last (of this choice)
+            merged = ready[-1]
+            held = (last.token_ids or ()) if last is not None else ()  # type: ignore[union-attr]
+            ready[-1] = merged._replace(token_ids=(*held, *loose, *ids))  # type: ignore[call-arg]
+        else:
+            self._loose[index] = loose + ids
+        return False
+
+    def _finished(self, index: int, count: int) -> Finished:
+        return super()._finished(index, count)._replace(token_ids=tuple(self._loose.pop(index, ())))

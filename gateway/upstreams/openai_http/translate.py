@@ -169,6 +169,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["skip_special_tokens"] = False
     if request.truncate_prompt_tokens is not None:
         body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+    if request.return_token_ids:
+        body["return_token_ids"] = True
     if request.n != 1:
         body["n"] = request.n
     if request.logprobs is not None:

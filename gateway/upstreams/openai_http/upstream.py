@@ -30,7 +30,6 @@ from gateway.protocol.types import (
     GenerateRequest,
     RerankRequest,
     Scores,
-    Started,
     Tokens,
     Transcript,
 )
@@ -58,7 +57,7 @@ from gateway.upstreams.openai_http.loads import (
     engine_ranks,
 )
 from gateway.upstreams.openai_http.polls import SharedPolls
-from gateway.upstreams.openai_http.sse import _Stream
+from gateway.upstreams.openai_http.sse import IdsStream, _Stream
 from gateway.upstreams.openai_http.translate import (
     MAX_EMBEDDING_BYTES,
     MAX_ERROR_BYTES,
@@ -155,7 +154,8 @@ class OpenAIHttpCall(StreamBookkeeping):
         first = asyncio.ensure_future(self._read())
         first.add_done_callback(_retrieved)
         try:
-            done, _ = await asyncio.wait((first,), timeout=HEAD_GRACE)
+            grace = HEAD_GRACE if self._stream.grace else None
+            done, _ = await asyncio.wait((first,), timeout=grace)
         except asyncio.CancelledError:
             first.cancel()
             raise
@@ -163,7 +163,7 @@ class OpenAIHttpCall(StreamBookkeeping):
             first.result()  # their refusal raises here
         else:
             self._first = first
-        return Started(0)
+        return self._stream.started()
 
     async def _read(self) -> None:
         """Reads until it has events (or the stream's end, or a failure)."""
@@ -279,7 +279,7 @@ class OpenAIHttpUpstream:
         """Starts their streamed completion within `timeout` seconds (over httpx:
         `timeout` bounds each read)."""
         chat = request.messages is not None
-        stream = _Stream(chat, request.n)
+        stream = (IdsStream if request.return_token_ids else _Stream)(chat, request.n)
         if self._pool is not None:
             raw = self._raw_post(chat, orjson.dumps(request_body(request)), metadata)
             return _RawCall(self._pool, raw, stream, timeout, self.name, on_close)
