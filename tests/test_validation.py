@@ -94,7 +94,7 @@ INVALID = [
     (CHAT, chat(guided_json={"type": "object"}), "guided_json"),
     # vLLM 0.32's newer options, which asked for something and were dropped without a word
     (CHAT, chat(request_id="mine"), "request_id"),
-    (CHAT, chat(stream_interval=8), "stream_interval"),
+    (CHAT, chat(stream_interval=0), "stream_interval"),  # served: an integer of at least 1
     (CHAT, chat(return_token_offsets=True), "return_token_offsets"),
     (COMPLETIONS, completion(truncation_side="left"), "truncation_side"),
     (COMPLETIONS, completion(repetition_detection={"n": 3}), "repetition_detection"),
