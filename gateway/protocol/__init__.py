@@ -24,6 +24,7 @@ protobuf, never starlette, uvicorn, httpx, redis or prometheus_client).
     stop.py          stop strings over a stream of text pieces, in linear time
     reasoning.py     a reasoning model's answer cut into reasoning and text at `</think>`
     detokenize.py    ids to text as they come, never half a character (gateway and worker)
+    token_ids.py     an engine's sampled ids handed to its events (`return_token_ids`)
     tensors.py       KServe v2 tensors: datatypes, JSON tensors checked, raw contents packed
     inference.py     a KServe v2 inference, its result and a model's metadata, our types
     tool_calls/      tool calls in a model's text, per format, and the schema that forces them
