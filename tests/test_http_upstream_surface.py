@@ -340,6 +340,47 @@ def test_the_upstream_reads_n_choices_as_one_finished_each(vllm_http, direct):
         assert text == choice.message.content
 
 
+# -- token ids ---------------------------------------------------------------------
+
+
+def _ids(client: openai.OpenAI, chat: bool, stream: bool) -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids and each of 2 choices' (a stream's joined) that `client` answers
+    a seeded request of vLLM's `return_token_ids` with, chat or completion."""
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "temperature": 1,  # seeded: vLLM samples n choices only above greedy
+        "seed": 3,
+        "n": 2,
+        "stream": stream,
+        "extra_body": {"return_token_ids": True},
+    }
+    if chat:
+        made = client.chat.completions.create(messages=user("hello from the fleet"), **fields)
+    else:
+        made = client.completions.create(prompt="the quick brown fox", **fields)
+    chunks = [c.model_dump() for c in made] if stream else [made.model_dump()]
+    prompt: list[int] = []
+    ids: list[list[int]] = [[], []]
+    for chunk in chunks:
+        prompt = prompt or chunk.get("prompt_token_ids") or []
+        for choice in chunk["choices"]:
+            prompt = prompt or choice.get("prompt_token_ids") or []
+            ids[choice["index"]] += choice.get("token_ids") or []
+    return prompt, ids
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_return_token_ids_are_vllms_own(through, direct, chat, stream):
+    """vLLM's `return_token_ids`: sent on, and the prompt's and each choice's ids read
+    back from its chunks, as vLLM answers the request directly."""
+    ours, theirs = _ids(through, chat, stream), _ids(direct, chat, stream)
+    assert ours == theirs
+    assert ours[0] and all(ours[1])
+
+
 # -- sampling fields and refusals ------------------------------------------------------
 
 

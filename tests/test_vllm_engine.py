@@ -162,6 +162,41 @@ def test_a_prompt_is_cut_to_its_last_tokens(front: Front):
     assert len(ids) > 3 and cut.usage.prompt_tokens == 3
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_token_ids_are_the_prompts_and_the_engines_own(front: Front, stream: bool):
+    """vLLM's `return_token_ids` through the vLLM engine: the prompt's ids are the model's
+    tokenizer's, the answer's decode to its text, one per token counted (its end of
+    sequence too); n choices each their own (tests/test_vllm_grpc.py compares the ids with
+    vLLM's own)."""
+    ids = front.tokenizer("the quick brown fox").input_ids
+    made = front.sdk.completions.create(
+        model=MODEL,
+        prompt="the quick brown fox",
+        temperature=1,
+        seed=5,
+        n=2,
+        max_tokens=6,
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+        extra_body={"return_token_ids": True},
+    )
+    chunks = [c.model_dump() for c in made] if stream else [made.model_dump()]
+    prompts, answers, texts = [], [[], []], ["", ""]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice.get("prompt_token_ids") is not None:
+                prompts.append(choice["prompt_token_ids"])
+            answers[choice["index"]] += choice.get("token_ids") or []
+            texts[choice["index"]] += choice["text"]
+    assert prompts == [ids, ids]  # each choice's (a stream's first chunk of each)
+    usage = chunks[-1]["usage"]
+    assert sum(map(len, answers)) == usage["completion_tokens"]
+    for answer, text in zip(answers, texts, strict=True):
+        # (the text of an answer that ends inside a character leaves its first bytes out,
+        # as vLLM's detokenizer does; the ids hold them)
+        assert answer and front.tokenizer.decode(answer, skip_special_tokens=True).startswith(text)
+
+
 def test_special_tokens_are_shown_when_asked(front: Front):
     """vLLM's `skip_special_tokens` reaches the engine's detokenizer: a special token
     (forced here by a bias) is left out of the text unless asked to show it."""

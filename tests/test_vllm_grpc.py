@@ -100,17 +100,8 @@ def test_chat_and_completions_answer_with_usage(http):
     assert completion["usage"]["prompt_tokens"] > 0
 
 
-def vllms_own(
-    engine: Any, vllm_model: Path, prompt: str | list[int], max_tokens: int
-) -> tuple[int, int, str]:
-    """vLLM's own greedy answer to `prompt` (a rendered chat's text, or ids), asked
-    directly: the prompt's tokens, the answer's, and its text by the model's tokenizer."""
-    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
-    ids = (
-        tokenizer.encode(prompt, add_special_tokens=False).ids
-        if isinstance(prompt, str)
-        else prompt
-    )
+def vllms_reply(engine: Any, ids: list[int], max_tokens: int) -> Any:
+    """vLLM's own greedy answer to the prompt's `ids`, asked directly: its `complete`."""
     info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_GUARD)
     request = pb.GenerateRequest(
         request_id="direct-decode",
@@ -121,8 +112,25 @@ def vllms_own(
         stream=False,
     )
     (reply,) = list(engine.Generate(request, timeout=HANG_GUARD))
-    text = tokenizer.decode(list(reply.complete.output_ids), skip_special_tokens=True)
-    return len(ids), reply.complete.completion_tokens, text
+    return reply.complete
+
+
+def prompt_ids(vllm_model: Path, prompt: str) -> list[int]:
+    """A rendered prompt's ids by the model's tokenizer."""
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    return list(tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+
+def vllms_own(
+    engine: Any, vllm_model: Path, prompt: str | list[int], max_tokens: int
+) -> tuple[int, int, str]:
+    """vLLM's own greedy answer to `prompt` (a rendered chat's text, or ids), asked
+    directly: the prompt's tokens, the answer's, and its text by the model's tokenizer."""
+    tokenizer = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    ids = prompt_ids(vllm_model, prompt) if isinstance(prompt, str) else prompt
+    complete = vllms_reply(engine, ids, max_tokens)
+    text = tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
+    return len(ids), complete.completion_tokens, text
 
 
 def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine, vllm_model: Path):
@@ -135,6 +143,26 @@ def test_streamed_text_equals_the_whole_answer_and_vllms_own_decode(http, engine
     own = vllms_own(engine, vllm_model, prompt, 40)
     usage = whole["usage"]
     assert own == (usage["prompt_tokens"], usage["completion_tokens"], text)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_return_token_ids_are_vllms_own(http, engine, vllm_model: Path, streamed):
+    """vLLM's `return_token_ids`: the prompt's ids are those the gateway rendered and sent,
+    the answer's the engine's own for them (its end of sequence too), whole and joined
+    over a stream's chunks (tests/test_return_token_ids.py for the shapes)."""
+    rendered = prompt_ids(vllm_model, "<|user|>hello from the fleet<|end|><|assistant|>")
+    own = vllms_reply(engine, rendered, 24)
+    if streamed:
+        _, events = streamed_chat(
+            http, "hello from the fleet", max_tokens=24, return_token_ids=True
+        )
+        prompt = events[0]["prompt_token_ids"]
+        ids = [i for e in events for c in e["choices"] for i in c.get("token_ids", ())]
+    else:
+        answer = chat(http, "hello from the fleet", max_tokens=24, return_token_ids=True)
+        prompt, ids = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    assert prompt == rendered
+    assert ids == list(own.output_ids) and len(ids) == own.completion_tokens
 
 
 def test_a_prefill_is_continued_from_the_chat_cut_after_its_text(http, engine, vllm_model: Path):
