@@ -21,7 +21,9 @@ PACED = script(texts=9, delay=0.02)
 
 
 def _chat_chunks(api: Any, interval: int | None, **fields: Any) -> list[Any]:
-    extra = {} if interval is None else {"stream_interval": interval}
+    extra = fields.pop("extra_body", {})
+    if interval is not None:
+        extra = {**extra, "stream_interval": interval}
     return list(
         api.chat.completions.create(
             model=fields.pop("model", SCRIPTED_MODEL),
@@ -79,6 +81,22 @@ def test_each_of_n_choices_gets_the_interval(api):
         assert words[0] == 1, texts
         assert all(count >= 3 for count in words[1:-1]), texts
     assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_token_ids_ride_with_the_tokens_held(api):
+    """With vLLM's `return_token_ids`, a chunk of several tokens carries all their ids."""
+    fields = {"model": SLOW_MODEL, "content": "one two three four five six seven", "max_tokens": 7}
+    chunks = _chat_chunks(api, 3, **fields, extra_body={"return_token_ids": True})
+    ids = [getattr(c.choices[0], "token_ids", None) for c in chunks if c.choices]
+    ids = [piece for piece in ids if piece]
+    assert [len(i) for i in ids[:3]] == [1, 3, 3], ids
+    whole = api.chat.completions.create(
+        model=SLOW_MODEL,
+        messages=[{"role": "user", "content": fields["content"]}],
+        max_tokens=7,
+        extra_body={"return_token_ids": True},
+    )
+    assert [i for piece in ids for i in piece] == whole.choices[0].token_ids
 
 
 def test_a_keepalive_tick_lets_held_tokens_out(gateway_with):
