@@ -116,6 +116,26 @@ def test_a_keepalive_tick_lets_held_tokens_out(gateway_with):
     assert answer.text.count('"content":"t') in (2, 3)  # t1 at the tick, unless it came late
 
 
+@pytest.mark.parametrize("multiplex", [True, False])  # the call pushes, or a task reads it
+def test_a_full_buffer_lets_held_tokens_out(gateway_with, multiplex):
+    """An interval larger than the stream buffer holds: the tokens go once it is full
+    (the buffer's bound comes first), not when the answer ends."""
+    gateway = gateway_with(
+        stream_buffer_bytes=1024, multiplex_workers=multiplex, keepalive_interval=60
+    )
+    body = {
+        "model": SCRIPTED_MODEL,
+        "messages": [{"role": "user", "content": script(texts=400, delay=0.001)}],
+        "stream": True,
+        "stream_interval": 10_000,
+    }
+    with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD) as client:
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    chunks = answer.text.count('"content":"t')
+    assert 2 < chunks < 400, chunks  # the first, then a buffer's worth at a time
+
+
 def test_a_whole_answer_is_the_same_with_it(api):
     plain = api.chat.completions.create(
         model=SCRIPTED_MODEL, messages=[{"role": "user", "content": PACED}]

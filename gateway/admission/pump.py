@@ -341,8 +341,11 @@ class EventPump:
                     return
                 self._arrived()
                 if self.buffered > self._buffer_chars:
-                    # Full: read no more until the edge takes a batch.
+                    # Full: read no more until the edge takes a batch (which it now may,
+                    # were its events held for an `interval`).
                     self.phase = Phase.FULL
+                    if self.interval > 1:
+                        self._arrived()
                     taken = self._taken = self._loop.create_future()
                     await taken
             failure: errors.GatewayError = errors.Failed(
