@@ -271,7 +271,7 @@ def test_vllms_own_tool_parsers_stream_calls_through_ours(vllm_model: Path):
 
     def joined(events: list[list[Any]]) -> list[tuple[str, str]]:
         found: list[list[str]] = []
-        for kind, _, call, call_id, name, arguments, _ in events:
+        for kind, _, call, call_id, name, arguments, *_ in events:
             assert kind == "ToolCallDelta"
             if call_id:  # a call opens with its id and name, then its arguments
                 assert call == len(found) and call_id.startswith("call_") and name
@@ -400,7 +400,7 @@ def test_n_choices_over_the_worker_protocol(front: Front):
     with grpc.insecure_channel(f"127.0.0.1:{front.worker.port}") as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         events = [
-            event_from_proto(m, logprobs=True)
+            event_from_proto(m, details=True)
             for m in stub.Generate(request_to_proto(request), timeout=60)
         ]
     assert type(events[0]) is Started
